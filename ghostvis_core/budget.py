@@ -1,0 +1,138 @@
+"""The planner: tokens, steps, FLOPs, GPU-hours and cost from a stage config.
+
+tokens_per_step = micro_batch_size x seq_len x world_size x grad_accum_steps. All four factors are
+reported, because forgetting grad_accum or world_size is the classic way to train half the data.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from ghostvis_core.config import BatchConfig, StageConfig
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.model.gpt import count_params
+
+# Dense bf16 peak FLOP/s per accelerator (vendor datasheets, no sparsity).
+GPU_PEAK_FLOPS = {
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "RTX4090": 165e12,
+}
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    micro_batch_size: int
+    seq_len: int
+    world_size: int
+    grad_accum_steps: int
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.micro_batch_size * self.seq_len * self.world_size * self.grad_accum_steps
+
+    @property
+    def rows_per_step(self) -> int:
+        """Packed rows (of seq_len tokens) one optimizer step reads, over all ranks."""
+        return self.micro_batch_size * self.world_size * self.grad_accum_steps
+
+
+def batch_plan(batch: BatchConfig, world_size: int | None = None) -> BatchPlan:
+    """Resolve grad_accum_steps, deriving it from total_batch_tokens when that is what was given."""
+    ws = world_size if world_size is not None else batch.world_size
+    per_micro_step = batch.micro_batch_size * batch.seq_len * ws
+    if batch.total_batch_tokens is not None:
+        if batch.total_batch_tokens % per_micro_step:
+            raise GhostvisError(
+                f"batch.total_batch_tokens={batch.total_batch_tokens} is not divisible by "
+                f"micro_batch_size x seq_len x world_size = {batch.micro_batch_size} x {batch.seq_len} x "
+                f"{ws} = {per_micro_step}; choose a total that is a multiple of {per_micro_step}"
+            )
+        accum = batch.total_batch_tokens // per_micro_step
+        if batch.grad_accum_steps is not None and batch.grad_accum_steps != accum:
+            raise GhostvisError(
+                f"batch.grad_accum_steps={batch.grad_accum_steps} contradicts total_batch_tokens="
+                f"{batch.total_batch_tokens} (which needs grad_accum_steps={accum}); set only one"
+            )
+    else:
+        accum = batch.grad_accum_steps if batch.grad_accum_steps is not None else 1
+    if accum <= 0:
+        raise GhostvisError(f"batch.grad_accum_steps must be positive, got {accum}")
+    return BatchPlan(batch.micro_batch_size, batch.seq_len, ws, accum)
+
+
+@dataclass(frozen=True)
+class Plan:
+    micro_batch_size: int
+    seq_len: int
+    world_size: int
+    grad_accum_steps: int
+    tokens_per_step: int
+    steps: int
+    planned_tokens: int
+    step_tokens_total: int  # steps x tokens_per_step: what the run will actually consume
+    params_total: int
+    params_non_embedding: int
+    tokens_per_param: float
+    flops: float  # 6 x N x D, N = non-embedding params, D = step_tokens_total
+    step_time_s: float | None = None
+    gpu_hours: float | None = None
+    cost: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def plan(
+    cfg: StageConfig,
+    *,
+    world_size: int | None = None,
+    step_time_s: float | None = None,
+    price_per_gpu_hour: float | None = None,
+    gpu: str | None = None,
+    mfu: float = 0.4,
+    params: int | None = None,
+) -> Plan:
+    """Plan a stage. Time comes from step_time_s, or from a GPU's peak FLOP/s at an assumed MFU.
+    `params` overrides N (non-embedding parameters) for a model that is not a preset."""
+    bp = batch_plan(cfg.batch, world_size)
+    counts = count_params(cfg.model)
+    n = params if params is not None else counts["non_embedding"]
+    tps = bp.tokens_per_step
+    b = cfg.budget
+    if b.steps is not None:
+        steps = b.steps
+        planned = steps * tps
+    else:
+        planned = int(b.tokens) if b.tokens is not None else int(round(b.tokens_per_param * n))
+        steps = math.ceil(planned / tps)
+    if steps <= 0:
+        raise GhostvisError(f"budget gives {steps} steps; the budget must cover at least one step of {tps} tokens")
+    d = steps * tps
+    flops = 6.0 * n * d
+    if step_time_s is None and gpu is not None:
+        if gpu not in GPU_PEAK_FLOPS:
+            raise GhostvisError(f"unknown gpu '{gpu}'; known: {', '.join(GPU_PEAK_FLOPS)} (or pass a step time)")
+        step_time_s = 6.0 * n * tps / (bp.world_size * GPU_PEAK_FLOPS[gpu] * mfu)
+    gpu_hours = steps * step_time_s * bp.world_size / 3600 if step_time_s is not None else None
+    cost = gpu_hours * price_per_gpu_hour if gpu_hours is not None and price_per_gpu_hour is not None else None
+    return Plan(
+        micro_batch_size=bp.micro_batch_size,
+        seq_len=bp.seq_len,
+        world_size=bp.world_size,
+        grad_accum_steps=bp.grad_accum_steps,
+        tokens_per_step=tps,
+        steps=steps,
+        planned_tokens=planned,
+        step_tokens_total=d,
+        params_total=counts["total"] if params is None else params,
+        params_non_embedding=n,
+        tokens_per_param=d / n,
+        flops=flops,
+        step_time_s=step_time_s,
+        gpu_hours=gpu_hours,
+        cost=cost,
+    )

@@ -1,0 +1,44 @@
+"""Which sources exist: the embedded demo sources, published locally as if remote, and the
+manifests the pipeline registered (one JSON per source under <store>/manifests/)."""
+
+from __future__ import annotations
+
+from ghostvis_core.data.demo_corpus import TEXT_SOURCES, build_text_source
+from ghostvis_core.data.sources import Manifest, manifest_for_files
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.home import Home
+
+DEMO_SOURCES = TEXT_SOURCES
+
+
+def publish_demo_source(home: Home, source: str) -> Manifest:
+    """Build a demo source under <home>/sources/<source>/ once; its manifest has file:// URLs."""
+    out = home.sources / source
+    manifest_path = out / "manifest.json"
+    if manifest_path.exists():
+        return Manifest.load(manifest_path)
+    if source not in DEMO_SOURCES:
+        raise GhostvisError(f"unknown demo source '{source}'; demo sources are: {', '.join(DEMO_SOURCES)}")
+    files = build_text_source(source, out)
+    manifest = manifest_for_files(source, "text", files)
+    manifest.save(manifest_path)  # last: a source without its manifest is rebuilt
+    return manifest
+
+
+def manifest_path(home: Home, source: str):
+    return home.store / "manifests" / f"{source}.json"
+
+
+def registered_manifests(home: Home) -> dict[str, Manifest]:
+    folder = home.store / "manifests"
+    if not folder.exists():
+        return {}
+    return {p.stem: Manifest.load(p) for p in sorted(folder.glob("*.json"))}
+
+
+def manifest_of_shard(home: Home, shard_id: str) -> Manifest:
+    source = shard_id.split("/", 1)[0]
+    path = manifest_path(home, source)
+    if not path.exists():
+        raise GhostvisError(f"shard {shard_id}: source {source} has no manifest; materialize shard_manifest first")
+    return Manifest.load(path)

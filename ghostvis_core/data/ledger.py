@@ -1,0 +1,285 @@
+"""The token ledger: append-only Parquet files, queried through DuckDB.
+
+Three tables under <store>/ledger/:
+- shards/       one file per tokenized shard: what each shard holds (docs, tokens, bytes, drops).
+- parts/        one file per checkpointed part of a training run segment: real/pad/loss/cropped
+                tokens and the four tokens_per_step factors; `prev_part_id` chains the parts that
+                lead to a checkpoint, so a run's totals are the sum along its chain.
+- consumption/  per part, the (shard, epoch, token range, row range) pieces the loader delivered.
+
+Many writers (tokenizer workers, training runs) each write their own file, atomically; nobody
+rewrites a file. A file name is derived from its content key, so writing twice is harmless.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ghostvis_core.data.stream import Piece
+
+SHARD_SCHEMA = pa.schema(
+    [
+        ("shard_id", pa.string()),
+        ("source", pa.string()),
+        ("split", pa.string()),
+        ("content_sha256", pa.string()),
+        ("raw_bytes", pa.int64()),
+        ("tokenizer_id", pa.string()),
+        ("docs", pa.int64()),
+        ("tokens", pa.int64()),
+        ("text_bytes", pa.int64()),
+        ("docs_dropped", pa.int64()),
+        ("tokens_dropped", pa.int64()),
+        ("drop_reasons", pa.string()),  # JSON {reason: {"docs": n, "tokens": n}}
+        ("token_path", pa.string()),
+        ("created_at", pa.float64()),
+    ]
+)
+
+PART_SCHEMA = pa.schema(
+    [
+        ("part_id", pa.string()),
+        ("prev_part_id", pa.string()),
+        ("run_key", pa.string()),
+        ("parent_run_key", pa.string()),
+        ("stage", pa.string()),
+        ("segment", pa.int64()),
+        ("step_first", pa.int64()),
+        ("step_last", pa.int64()),
+        ("rows_first", pa.int64()),
+        ("rows_last", pa.int64()),
+        ("real_tokens", pa.int64()),
+        ("pad_tokens", pa.int64()),
+        ("loss_tokens", pa.int64()),
+        ("cropped_tokens", pa.int64()),
+        ("overlap_tokens", pa.int64()),
+        ("micro_batch_size", pa.int64()),
+        ("seq_len", pa.int64()),
+        ("world_size", pa.int64()),
+        ("grad_accum_steps", pa.int64()),
+        ("tokens_per_step", pa.int64()),
+        ("planned_tokens", pa.int64()),
+        ("allow_repeat", pa.bool_()),
+        ("replay_sources", pa.string()),  # JSON list
+        ("mlflow_run_id", pa.string()),
+        ("created_at", pa.float64()),
+    ]
+)
+
+CONSUMPTION_SCHEMA = pa.schema(
+    [
+        ("part_id", pa.string()),
+        ("run_key", pa.string()),
+        ("stage", pa.string()),
+        ("segment", pa.int64()),
+        ("source", pa.string()),
+        ("shard_id", pa.string()),
+        ("split", pa.string()),
+        ("epoch", pa.int64()),
+        ("tok_start", pa.int64()),
+        ("tok_end", pa.int64()),
+        ("tokens", pa.int64()),
+        ("row_start", pa.int64()),
+        ("row_end", pa.int64()),
+    ]
+)
+
+
+def _write(path: Path, rows: list[dict[str, Any]], schema: pa.Schema) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table = pa.Table.from_pylist(rows, schema=schema)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def _key(*parts: Any) -> str:
+    return hashlib.sha1("|".join(map(str, parts)).encode()).hexdigest()[:20]
+
+
+@dataclass
+class Ledger:
+    root: Path
+
+    # ---- writing ----
+    def shard_record_path(self, shard_id: str, tokenizer_id: str, content_sha256: str) -> Path:
+        return self.root / "shards" / f"{_key(shard_id, tokenizer_id, content_sha256)}.parquet"
+
+    def write_shard(self, record: dict[str, Any]) -> Path:
+        record = {"created_at": time.time(), "docs_dropped": 0, "tokens_dropped": 0, "drop_reasons": "{}", **record}
+        path = self.shard_record_path(record["shard_id"], record["tokenizer_id"], record["content_sha256"])
+        return _write(path, [record], SHARD_SCHEMA)
+
+    def write_part(self, part: dict[str, Any], pieces: list[dict[str, Any]]) -> None:
+        """Consumption first, then the part row: a part row is only visible once its pieces are."""
+        part = {"created_at": time.time(), **part}
+        name = f"{part['run_key']}.s{part['segment']:03d}.p{part['step_last']:09d}.parquet"
+        rows = [{"part_id": part["part_id"], "run_key": part["run_key"], "stage": part["stage"],
+                 "segment": part["segment"], **p} for p in pieces]
+        _write(self.root / "consumption" / name, rows, CONSUMPTION_SCHEMA)
+        _write(self.root / "parts" / name, [part], PART_SCHEMA)
+
+    # ---- reading ----
+    def _query(self, table: str, sql: str, params: list | None = None) -> list[dict[str, Any]]:
+        folder = self.root / table
+        if not folder.exists() or not any(folder.glob("*.parquet")):
+            return []
+        con = duckdb.connect()
+        con.execute(f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{folder}/*.parquet', union_by_name=true)")
+        cur = con.execute(sql, params or [])
+        cols = [d[0] for d in cur.description]
+        return [dict(zip(cols, r)) for r in cur.fetchall()]
+
+    def shards(self, tokenizer_id: str | None = None, sources: list[str] | None = None) -> list[dict[str, Any]]:
+        """Newest record per (shard_id, tokenizer_id)."""
+        where, params = ["1=1"], []
+        if tokenizer_id:
+            where.append("tokenizer_id = ?")
+            params.append(tokenizer_id)
+        if sources:
+            where.append(f"source IN ({','.join('?' * len(sources))})")
+            params.extend(sources)
+        return self._query(
+            "shards",
+            f"""SELECT * EXCLUDE (rn) FROM (
+                  SELECT *, row_number() OVER (PARTITION BY shard_id, tokenizer_id ORDER BY created_at DESC) rn
+                  FROM shards WHERE {' AND '.join(where)}) WHERE rn = 1 ORDER BY shard_id""",
+            params,
+        )
+
+    def parts(self, run_keys: list[str] | None = None, stage: str | None = None) -> list[dict[str, Any]]:
+        where, params = ["1=1"], []
+        if run_keys is not None:
+            if not run_keys:
+                return []
+            where.append(f"run_key IN ({','.join('?' * len(run_keys))})")
+            params.extend(run_keys)
+        if stage:
+            where.append("stage = ?")
+            params.append(stage)
+        return self._query("parts", f"SELECT * FROM parts WHERE {' AND '.join(where)} ORDER BY created_at", params)
+
+    def consumption(self, part_ids: list[str]) -> list[dict[str, Any]]:
+        if not part_ids:
+            return []
+        return self._query(
+            "consumption",
+            f"SELECT * FROM consumption WHERE part_id IN ({','.join('?' * len(part_ids))}) ORDER BY shard_id, tok_start",
+            part_ids,
+        )
+
+    def chain(self, run_key: str) -> list[dict[str, Any]]:
+        """The parts that lead to the run's newest checkpoint, oldest first."""
+        parts = self.parts([run_key])
+        if not parts:
+            return []
+        by_id = {p["part_id"]: p for p in parts}
+        head = max(parts, key=lambda p: (p["segment"], p["step_last"], p["created_at"]))
+        out = []
+        cur: dict | None = head
+        while cur is not None:
+            out.append(cur)
+            cur = by_id.get(cur["prev_part_id"] or "")
+        return out[::-1]
+
+    def run_totals(self, run_key: str) -> dict[str, Any]:
+        """real/pad/loss/cropped tokens and steps along the run's chain (segments summed)."""
+        chain = self.chain(run_key)
+        totals = {k: sum(p[k] for p in chain) for k in ("real_tokens", "pad_tokens", "loss_tokens", "cropped_tokens", "overlap_tokens")}
+        totals["steps"] = chain[-1]["step_last"] if chain else 0
+        totals["segments"] = sorted({p["segment"] for p in chain})
+        totals["parts"] = len(chain)
+        return totals
+
+    def lineage(self, run_key: str) -> list[str]:
+        """The run and its upstream runs (parent_run_key links), nearest first."""
+        out, seen = [], set()
+        cur: str | None = run_key
+        while cur and cur not in seen:
+            seen.add(cur)
+            out.append(cur)
+            parts = self.parts([cur])
+            cur = parts[-1]["parent_run_key"] if parts else None
+        return out
+
+    def consumed_by_shard(self, run_key: str) -> list[dict[str, Any]]:
+        """Per shard: tokens consumed along the run's chain and the row span touched."""
+        ids = [p["part_id"] for p in self.chain(run_key)]
+        if not ids:
+            return []
+        return self._query(
+            "consumption",
+            f"""SELECT source, shard_id, split, sum(tokens) AS tokens, min(row_start) AS row_start,
+                       max(row_end) AS row_end, count(DISTINCT epoch) AS epochs
+                FROM consumption WHERE part_id IN ({','.join('?' * len(ids))})
+                GROUP BY ALL ORDER BY shard_id""",
+            ids,
+        )
+
+    def reuse(self, run_key: str) -> list[dict[str, Any]]:
+        """Token ranges consumed twice within the run's lineage, each classified.
+
+        kind = 'reuse' (same run, same epoch, two parts: e.g. resumed from an old checkpoint while
+        keeping the later part), 'repeat' (same run, another epoch), 'replay' (an upstream run's
+        tokens read again, declared in replay_sources) or 'undeclared_cross_stage'.
+        """
+        runs = self.lineage(run_key)
+        parts = {p["part_id"]: p for p in self.parts(runs)}
+        if not parts:
+            return []
+        ids = list(parts)
+        rows = self._query(
+            "consumption",
+            f"""WITH c AS (SELECT * FROM consumption WHERE part_id IN ({','.join('?' * len(ids))}))
+                SELECT a.part_id AS part_a, b.part_id AS part_b, a.run_key AS run_a, b.run_key AS run_b,
+                       a.shard_id, a.source, a.epoch AS epoch_a, b.epoch AS epoch_b,
+                       greatest(a.tok_start, b.tok_start) AS tok_start, least(a.tok_end, b.tok_end) AS tok_end,
+                       greatest(a.row_start, b.row_start) AS row_start, least(a.row_end, b.row_end) AS row_end
+                FROM c a JOIN c b ON a.shard_id = b.shard_id
+                  AND (a.part_id < b.part_id OR (a.part_id = b.part_id AND a.epoch < b.epoch))
+                  AND a.tok_start < b.tok_end AND b.tok_start < a.tok_end
+                WHERE a.run_key = ? OR b.run_key = ?
+                ORDER BY a.shard_id, tok_start""",
+            ids + [run_key, run_key],
+        )
+        out = []
+        for r in rows:
+            pa_, pb = parts[r["part_a"]], parts[r["part_b"]]
+            later = pa_ if pa_["created_at"] >= pb["created_at"] else pb
+            if r["run_a"] == r["run_b"]:
+                if r["epoch_a"] == r["epoch_b"]:
+                    kind = "reuse"
+                else:
+                    kind = "repeat" if later["allow_repeat"] else "undeclared_repeat"
+            else:
+                declared = json.loads(later["replay_sources"] or "[]")
+                kind = "replay" if r["source"] in declared else "undeclared_cross_stage"
+            out.append({**r, "tokens": r["tok_end"] - r["tok_start"], "kind": kind})
+        return out
+
+    def leakage(self, run_key: str) -> list[dict[str, Any]]:
+        """Validation shards consumed in training along the run's chain."""
+        return [r for r in self.consumed_by_shard(run_key) if r["split"] != "train"]
+
+
+def pieces_to_rows(pieces: list[Piece], rows_of) -> list[dict[str, Any]]:
+    """Ledger consumption rows for merged pieces; rows_of(piece) -> (row_start, row_end)."""
+    out = []
+    for p in pieces:
+        r0, r1 = rows_of(p)
+        out.append({"source": p.source, "shard_id": p.shard_id, "split": p.split, "epoch": p.epoch,
+                    "tok_start": p.tok_start, "tok_end": p.tok_end, "tokens": p.tokens,
+                    "row_start": r0, "row_end": r1})
+    return out

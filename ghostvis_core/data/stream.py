@@ -1,0 +1,154 @@
+"""A source's token shards as one seekable token stream, and a row-level mixture schedule.
+
+Every position is arithmetic: reading global row g costs the same at g = 10 as at g = 10^9
+(a binary search over shard boundaries), which is what makes resume a seek, never a replay.
+"""
+
+from __future__ import annotations
+
+import bisect
+import random
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+import numpy as np
+
+from ghostvis_core.data.token_shard import TokenShard
+from ghostvis_core.errors import GhostvisError
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    """A tokenized shard as the ledger knows it."""
+
+    shard_id: str
+    source: str
+    split: str
+    path: str
+    docs: int
+    tokens: int
+    content_sha256: str = ""
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ShardRef":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Tokens [tok_start, tok_end) of one shard (shard-local coordinates) read in one epoch."""
+
+    source: str
+    shard_id: str
+    split: str
+    epoch: int
+    tok_start: int
+    tok_end: int
+
+    @property
+    def tokens(self) -> int:
+        return self.tok_end - self.tok_start
+
+
+class SourceStream:
+    """The shards of one source concatenated; epoch e > 0 visits them in a seeded shuffled order."""
+
+    def __init__(self, source: str, refs: list[ShardRef], seed: int):
+        if not refs:
+            raise GhostvisError(
+                f"source '{source}': no tokenized shards selected; materialize tokenized_shards for it"
+            )
+        self.source = source
+        self.refs = sorted(refs, key=lambda r: r.shard_id)
+        self.seed = seed
+        self.total = sum(r.tokens for r in self.refs)
+        self._open: dict[str, TokenShard] = {}
+        self._orders: dict[int, tuple[list[ShardRef], list[int]]] = {}
+
+    def _order(self, epoch: int) -> tuple[list[ShardRef], list[int]]:
+        if epoch not in self._orders:
+            order = list(self.refs)
+            if epoch > 0:
+                random.Random(f"{self.seed}:{self.source}:{epoch}").shuffle(order)
+            starts = [0]
+            for r in order:
+                starts.append(starts[-1] + r.tokens)
+            self._orders[epoch] = (order, starts)
+        return self._orders[epoch]
+
+    def shard(self, ref: ShardRef) -> TokenShard:
+        if ref.shard_id not in self._open:
+            shard = TokenShard.open(Path(ref.path), ref.shard_id)
+            if shard.num_tokens != ref.tokens:
+                raise GhostvisError(
+                    f"token shard {ref.shard_id}: {shard.num_tokens} tokens on disk, ledger says {ref.tokens}; "
+                    f"delete {ref.path} and re-materialize tokenized_shards partition {ref.shard_id}"
+                )
+            self._open[ref.shard_id] = shard
+        return self._open[ref.shard_id]
+
+    def read(self, start: int, end: int) -> tuple[np.ndarray, list[Piece]]:
+        """Stream tokens [start, end), wrapping into later epochs; returns tokens and their pieces."""
+        parts: list[np.ndarray] = []
+        pieces: list[Piece] = []
+        pos = start
+        while pos < end:
+            epoch, off = divmod(pos, self.total)
+            order, starts = self._order(epoch)
+            i = bisect.bisect_right(starts, off) - 1
+            ref = order[i]
+            a = off - starts[i]
+            b = min(ref.tokens, a + (end - pos))
+            parts.append(self.shard(ref).slice(a, b))
+            pieces.append(Piece(self.source, ref.shard_id, ref.split, epoch, a, b))
+            pos += b - a
+        tokens = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return tokens, pieces
+
+
+class MixtureSchedule:
+    """Which source each global row comes from: a fixed interleaved pattern of `period` rows.
+
+    Source i gets round(weight_i x period) rows of every period (largest-remainder rounding), spread
+    evenly (smooth weighted round-robin), so any prefix of rows matches the weights within a few
+    rows, and the number of rows of source i before global row g is O(1) arithmetic.
+    """
+
+    def __init__(self, weights: list[float], period: int = 1000):
+        counts = _apportion(weights, period)
+        pattern: list[int] = []
+        credit = [0] * len(counts)
+        for _ in range(period):
+            for i, c in enumerate(counts):
+                credit[i] += c
+            best = max(range(len(counts)), key=lambda i: credit[i])
+            credit[best] -= period
+            pattern.append(best)
+        self.period = period
+        self.counts = counts
+        self.pattern = np.array(pattern, dtype=np.int64)
+        self._prefix = np.zeros((len(counts), period + 1), dtype=np.int64)
+        for i in range(len(counts)):
+            self._prefix[i, 1:] = np.cumsum(self.pattern == i)
+
+    def locate(self, g: int) -> tuple[int, int]:
+        """Global row g -> (source index, that source's row index)."""
+        cycle, r = divmod(g, self.period)
+        s = int(self.pattern[r])
+        return s, cycle * self.counts[s] + int(self._prefix[s, r])
+
+    def rows_before(self, g: int) -> list[int]:
+        """Rows of each source among global rows [0, g)."""
+        cycle, r = divmod(g, self.period)
+        return [cycle * c + int(self._prefix[i, r]) for i, c in enumerate(self.counts)]
+
+
+def _apportion(weights: list[float], period: int) -> list[int]:
+    exact = [Fraction(w).limit_denominator(10**9) * period / sum(Fraction(x).limit_denominator(10**9) for x in weights) for w in weights]
+    counts = [int(e) for e in exact]
+    for i in sorted(range(len(weights)), key=lambda i: exact[i] - counts[i], reverse=True)[: period - sum(counts)]:
+        counts[i] += 1
+    if any(c == 0 for c in counts):
+        raise GhostvisError(f"mixture weights {weights}: a weight is below 1/{period}; raise it or drop the source")
+    return counts

@@ -1,0 +1,239 @@
+"""Decoder-only LM: RoPE, RMSNorm, SwiGLU, grouped-query attention.
+
+Attention goes through flash-attn when it is installed and the tensors are on CUDA in half
+precision, else through PyTorch SDPA. Packed rows can carry `doc_ids` so attention never crosses
+a document boundary (SFT packs conversations; pretraining lets documents see each other).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ghostvis_core.config import ModelConfig
+
+try:  # optional, GPU only
+    from flash_attn import flash_attn_func  # type: ignore
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_func = None
+
+IGNORE_INDEX = -1
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_tables(cfg: ModelConfig, seq_len: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of shape (seq_len, head_dim/2); rope_scaling > 1 interpolates positions."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, half, device=device, dtype=torch.float32) / half))
+    pos = torch.arange(seq_len, device=device, dtype=torch.float32) / cfg.rope_scaling
+    freqs = torch.outer(pos, inv_freq)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, T, H, D); rotate pairs (first half, second half)
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    cos = cos[None, :, None, :].to(x.dtype)
+    sin = sin[None, :, None, :].to(x.dtype)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, self.n_heads * self.hd, bias=False)
+        self.wkv = nn.Linear(cfg.d_model, 2 * self.n_kv * self.hd, bias=False)
+        self.wo = nn.Linear(self.n_heads * self.hd, cfg.d_model, bias=False)
+
+    def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.hd)
+        k, v = self.wkv(x).view(b, t, 2, self.n_kv, self.hd).unbind(2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
+        if flash_attn_func is not None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and attn_mask is None:
+            y = flash_attn_func(q, k, v, causal=kv_cache is None or t > 1)
+        else:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if attn_mask is None and (kv_cache is None or t > 1) and k.shape[2] == t:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+            else:
+                if attn_mask is None and k.shape[2] != t:  # decoding with a cache: attend to all past
+                    attn_mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - t)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.n_kv != self.n_heads)
+            y = y.transpose(1, 2)
+        return self.wo(y.reshape(b, t, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w13 = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn = SwiGLU(cfg)
+
+    def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, kv_cache)
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class KVCache:
+    """Per-layer growing key/value tensors for sampling."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def update(self, k, v):
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=1)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=1)
+        return self.k, self.v
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[1]
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.d_model % cfg.n_heads or cfg.n_heads % cfg.n_kv_heads:
+            raise ValueError(
+                f"model shape: d_model={cfg.d_model} must divide by n_heads={cfg.n_heads}, "
+                f"and n_heads by n_kv_heads={cfg.n_kv_heads}"
+            )
+        self.cfg = cfg
+        self.grad_checkpointing = False
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self._rope_len = 0
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        std = 0.02
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)
+            elif name.endswith("wo.weight") or name.endswith("w2.weight"):
+                nn.init.normal_(p, std=std / math.sqrt(2 * self.cfg.n_layers))
+            else:
+                nn.init.normal_(p, std=std)
+
+    def _rope(self, seq_len: int, device):
+        if seq_len > self._rope_len or self._cos.device != device:
+            n = max(seq_len, self.cfg.max_seq_len)
+            self._cos, self._sin = rope_tables(self.cfg, n, device)
+            self._rope_len = n
+        return self._cos, self._sin
+
+    def hidden(self, idx=None, *, embeds=None, doc_ids=None, kv_caches=None, start_pos: int = 0):
+        """Final hidden states. `embeds` lets a caller splice image embeddings into the sequence."""
+        x = self.embed(idx) if embeds is None else embeds
+        t = x.shape[1]
+        cos, sin = self._rope(start_pos + t, x.device)
+        cos, sin = cos[start_pos : start_pos + t], sin[start_pos : start_pos + t]
+        mask = None
+        if doc_ids is not None:
+            same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            mask = (same_doc & causal)[:, None]
+        for i, block in enumerate(self.blocks):
+            cache = kv_caches[i] if kv_caches is not None else None
+            if self.grad_checkpointing and self.training:
+                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask, cache)
+        return self.norm(x)
+
+    def forward(self, idx=None, targets=None, *, embeds=None, doc_ids=None, reduction: str = "mean"):
+        """Logits, or the cross-entropy over targets != IGNORE_INDEX (mean or sum)."""
+        h = self.hidden(idx, embeds=embeds, doc_ids=doc_ids)
+        logits = self.lm_head(h)
+        if targets is None:
+            return logits
+        return F.cross_entropy(
+            logits.float().view(-1, logits.shape[-1]), targets.reshape(-1),
+            ignore_index=IGNORE_INDEX, reduction=reduction,
+        )
+
+    def token_logprobs(self, idx, targets, *, embeds=None, doc_ids=None) -> torch.Tensor:
+        """log p(target) per position (0 where target is IGNORE_INDEX); used by DPO and evals."""
+        logits = self.lm_head(self.hidden(idx, embeds=embeds, doc_ids=doc_ids)).float()
+        safe = targets.clamp_min(0)
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, safe[..., None]).squeeze(-1)
+        return lp * (targets != IGNORE_INDEX)
+
+    @torch.no_grad()
+    def generate(self, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
+                 top_k: int | None = None, stop_tokens: tuple[int, ...] = (), generator=None) -> list[int]:
+        """KV-cached sampling; greedy at temperature 0. Stops after any stop token."""
+        self.eval()
+        device = self.embed.weight.device
+        caches = [KVCache() for _ in self.blocks]
+        x = torch.tensor([prompt], device=device)
+        out: list[int] = []
+        pos = 0
+        for _ in range(max_new_tokens):
+            h = self.hidden(x, kv_caches=caches, start_pos=pos)
+            pos += x.shape[1]
+            logits = self.lm_head(h[:, -1]).float()
+            if temperature <= 0:
+                nxt = int(logits.argmax(-1))
+            else:
+                logits = logits / temperature
+                if top_k:
+                    v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
+                    logits[logits < v[:, [-1]]] = -float("inf")
+                nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+            out.append(nxt)
+            if nxt in stop_tokens or pos >= self.cfg.max_seq_len:
+                break
+            x = torch.tensor([[nxt]], device=device)
+        return out
+
+
+def count_params(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts from the shape alone (the planner uses this for 7B without building it).
+
+    non_embedding is the N of 6ND: every parameter that does matmul work per token, i.e. all but
+    the input embedding table (the lm_head counts, tied or not).
+    """
+    d, hd = cfg.d_model, cfg.head_dim
+    attn = d * cfg.n_heads * hd + d * 2 * cfg.n_kv_heads * hd + cfg.n_heads * hd * d
+    ffn = 3 * d * cfg.ffn_hidden
+    layers = cfg.n_layers * (attn + ffn + 2 * d) + d
+    table = cfg.vocab_size * d
+    total = layers + table * (1 if cfg.tie_embeddings else 2)
+    return {"total": total, "non_embedding": layers + table, "embedding": table}

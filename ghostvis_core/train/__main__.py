@@ -1,0 +1,82 @@
+"""Training entry point, the same under plain torchrun and under Dagster Pipes:
+
+    torchrun --standalone --nproc_per_node=2 -m ghostvis_core.train --spec runs/.../spec.json
+    torchrun --standalone --nproc_per_node=2 -m ghostvis_core.train --stage pretrain --preset tiny \
+        --set budget.steps=50
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.train import dist
+from ghostvis_core.train.loop import train
+from ghostvis_core.train.spec import LaunchSpec
+
+
+def parse_sets(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise GhostvisError(f"--set {item!r}: expected key=value, e.g. --set budget.steps=100")
+        out[key] = value
+    return out
+
+
+def _leave_reason(spec, reason: str) -> None:
+    if isinstance(spec, LaunchSpec):
+        from ghostvis_core.home import Home
+        from ghostvis_core.train.launch import error_file
+
+        path = error_file(Home(Path(spec.home)), spec)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(reason + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ghostvis_core.train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spec", type=Path, help="launch spec written by the pipeline or `ghostvis`")
+    ap.add_argument("--stage", help="prepare the run here instead (rank 0 resolves, all ranks train)")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    args = ap.parse_args(argv)
+    ctx = dist.setup()
+    spec = None
+    try:
+        if args.spec:
+            spec = LaunchSpec.load(args.spec)
+        elif args.stage:
+            spec = None
+            if ctx.is_main:  # other ranks wait for the spec, or for the reason there is none
+                from ghostvis_core.train.launch import prepare_run
+
+                try:
+                    spec = prepare_run(args.stage, preset=args.preset, overrides=parse_sets(args.sets))
+                except GhostvisError as exc:
+                    spec = exc
+            spec = dist.broadcast_object(spec, ctx)
+            if isinstance(spec, GhostvisError):
+                raise spec
+        else:
+            ap.error("give --spec or --stage")
+        train(spec, ctx)
+    except GhostvisError as exc:
+        if ctx.is_main:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            _leave_reason(spec, str(exc))
+        return 2
+    except BaseException as exc:
+        _leave_reason(spec, f"rank {ctx.rank}: {type(exc).__name__}: {exc}")
+        raise
+    finally:
+        dist.teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

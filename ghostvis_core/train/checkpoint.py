@@ -1,0 +1,164 @@
+"""Atomic, pickle-free checkpoints.
+
+<run>/step_000000150/ holds model.safetensors, optimizer.safetensors, trainer.json (step, loader
+position, token counters, ledger part chain, MLflow run id), config.json and a COMPLETE marker.
+It is written under a temporary name and renamed into place, so a reader that lists step_* folders
+with COMPLETE only ever sees finished checkpoints; a crash mid-write leaves a .tmp folder that is
+ignored and later removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ghostvis_core.errors import GhostvisError
+
+_STEP_DIR = re.compile(r"^step_(\d{9})$")
+MARKER = "COMPLETE"
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    path: Path
+    step: int
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def list_complete(run_dir: Path) -> list[CheckpointRef]:
+    """Committed checkpoints of a run, oldest first."""
+    if not run_dir.exists():
+        return []
+    out = []
+    for p in run_dir.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / MARKER).exists():
+            out.append(CheckpointRef(p, int(m.group(1))))
+    return sorted(out, key=lambda c: c.step)
+
+
+def latest_complete(run_dir: Path) -> CheckpointRef | None:
+    refs = list_complete(run_dir)
+    return refs[-1] if refs else None
+
+
+def _tensors_for_save(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # safetensors refuses shared storage (tied weights): store each tensor on its own.
+    seen: dict[int, str] = {}
+    out = {}
+    for k, v in state.items():
+        v = v.detach().cpu()
+        ptr = v.untyped_storage().data_ptr()
+        out[k] = v.clone() if ptr in seen else v.contiguous()
+        seen[ptr] = k
+    return out
+
+
+def save(
+    run_dir: Path,
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    trainer_state: dict[str, Any],
+    config: dict[str, Any],
+    keep_last: int,
+    extra_dirs: dict[str, Path] | None = None,
+) -> Path:
+    """Write a checkpoint atomically and prune older ones (never the newest complete one)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    final = run_dir / step_dir_name(step)
+    tmp = run_dir / f".tmp-{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    save_file(_tensors_for_save(model.state_dict()), str(tmp / "model.safetensors"))
+    if optimizer is not None:
+        save_file(optimizer_tensors(model, optimizer), str(tmp / "optimizer.safetensors"))
+    (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    for name, src in (extra_dirs or {}).items():  # committed together with the weights
+        os.replace(src, tmp / name)
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            _fsync(f)
+    (tmp / MARKER).write_text(str(step))
+    _fsync(tmp / MARKER)
+    if final.exists():  # a stale copy of the same step from a run that died after committing
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _fsync_dir(run_dir)
+    prune(run_dir, keep_last)
+    return final
+
+
+def prune(run_dir: Path, keep_last: int) -> None:
+    refs = list_complete(run_dir)
+    for ref in refs[: max(0, len(refs) - max(1, keep_last))]:
+        shutil.rmtree(ref.path, ignore_errors=True)
+    for p in run_dir.glob(".tmp-step_*"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for p, st in optimizer.state.items():
+        for k, v in st.items():
+            if torch.is_tensor(v):
+                out[f"{names[id(p)]}::{k}"] = v.detach().cpu().contiguous()
+    return out
+
+
+def load_model(path: Path, model: torch.nn.Module, *, strict: bool = True) -> None:
+    state = load_file(str(_require(path, "model.safetensors")))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if strict and (missing or unexpected):
+        raise GhostvisError(
+            f"checkpoint {path}: does not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]}); "
+            "the stage config's model shape must match the checkpoint's config.json"
+        )
+
+
+def load_optimizer(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    tensors = load_file(str(_require(path, "optimizer.safetensors")))
+    params = dict(model.named_parameters())
+    for key, value in tensors.items():
+        name, field = key.split("::")
+        optimizer.state[params[name]][field] = value.to(params[name].device)
+
+
+def read_json(path: Path, name: str) -> dict[str, Any]:
+    return json.loads(_require(path, name).read_text())
+
+
+def _require(path: Path, name: str) -> Path:
+    f = path / name
+    if not f.exists():
+        raise GhostvisError(f"checkpoint {path}: {name} is missing; the checkpoint is incomplete, delete {path}")
+    return f
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        _fsync(path)
+    except OSError:
+        pass

@@ -1,0 +1,80 @@
+"""torchrun process group and rank-0 helpers (gloo on CPU, NCCL on GPU)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup() -> DistContext:
+    """Join the torchrun process group if there is one; a plain `python -m` run is world size 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or max(1, (os.cpu_count() or 1) // local_world)
+        torch.set_num_threads(threads)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
+    return DistContext(rank, local_rank, world, device)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(values: list[float | int], ctx: DistContext, dtype=torch.float64) -> list:
+    """Sum a short list of numbers over ranks (exact for token counts below 2^53)."""
+    t = torch.tensor(values, dtype=dtype, device=ctx.device)
+    if ctx.world_size > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def gather_objects(obj, ctx: DistContext) -> list:
+    if ctx.world_size == 1:
+        return [obj]
+    out: list = [None] * ctx.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj, ctx: DistContext):
+    if ctx.world_size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.world_size > 1:
+        dist.barrier()
+
+
+def print0(*args, ctx: DistContext | None = None, **kwargs) -> None:
+    if ctx is None or ctx.is_main:
+        print(*args, **kwargs, flush=True)

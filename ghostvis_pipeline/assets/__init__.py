@@ -1,0 +1,1 @@
+"""Asset definitions, split by group: data (shards, tokenizer, ledger) and training (stages)."""

@@ -1,0 +1,190 @@
+"""Data assets: shard manifest -> raw shards -> tokenizer -> tokenized shards -> token ledger."""
+
+
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from dagster import (
+    AssetExecutionContext,
+    BackfillPolicy,
+    Config,
+    MaterializeResult,
+    MetadataValue,
+    asset,
+)
+
+from ghostvis_core import presets
+from ghostvis_core.data.catalog import DEMO_SOURCES, manifest_of_shard, manifest_path, publish_demo_source, registered_manifests
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.sources import fetch_shard
+from ghostvis_core.data.tokenize import TokenizeJob, tokenize_shards
+from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
+from ghostvis_core.errors import GhostvisError
+from ghostvis_pipeline.metadata import latest_metadata, md_table
+from ghostvis_pipeline.partitions import shard_partitions
+from ghostvis_pipeline.resources import GhostvisHome
+
+
+class ManifestConfig(Config):
+    sources: list[str] = list(DEMO_SOURCES)
+
+
+@asset(group_name="data", kinds={"parquet"}, owners=["team:data"])
+def shard_manifest(context: AssetExecutionContext, config: ManifestConfig, home: GhostvisHome) -> MaterializeResult:
+    """Publishes each source's shard list (name, URL, split, bytes, sha256) and registers one
+    `shards` partition per shard, so shards can be downloaded and tokenized as a backfill."""
+    h = home.home()
+    keys, rows = [], []
+    for source in config.sources:
+        manifest = publish_demo_source(h, source)
+        manifest.save(manifest_path(h, source))
+        for e in manifest.shards:
+            keys.append(manifest.shard_id(e))
+            rows.append([manifest.shard_id(e), e.split, e.bytes, (e.sha256 or "")[:12], e.url])
+    known = set(context.instance.get_dynamic_partitions(shard_partitions.name))
+    new = [k for k in keys if k not in known]
+    if new:
+        context.instance.add_dynamic_partitions(shard_partitions.name, new)
+    return MaterializeResult(metadata={
+        "shards": len(keys),
+        "new_partitions": len(new),
+        "sources": ", ".join(config.sources),
+        "manifest": MetadataValue.md(md_table(["shard", "split", "bytes", "sha256", "url"], rows)),
+    })
+
+
+@asset(
+    group_name="data",
+    kinds={"parquet"},
+    owners=["team:data"],
+    partitions_def=shard_partitions,
+    backfill_policy=BackfillPolicy.single_run(),
+    deps=[shard_manifest],
+)
+def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> MaterializeResult:
+    """Downloads shards through the one fetch path (temp name, verify size + sha256, rename)."""
+    h = home.home()
+    t0 = time.time()
+    rows, total, fetched = [], 0, 0
+    for key in context.partition_keys:
+        entry = manifest_of_shard(h, key).entry(key)
+        r = fetch_shard(key, entry, h.raw_shard(key))
+        total += r.bytes
+        fetched += r.downloaded
+        rows.append([key, entry.split, r.bytes, r.sha256[:12], "downloaded" if r.downloaded else "present"])
+        context.log.info(f"shard {key}: {r.bytes:,} bytes {'downloaded' if r.downloaded else 'already present'}")
+    secs = time.time() - t0
+    return MaterializeResult(metadata={
+        "shards": len(rows), "downloaded": fetched, "bytes": total,
+        "mb_per_s": round(total / 1e6 / max(secs, 1e-6), 1),
+        "shards_table": MetadataValue.md(md_table(["shard", "split", "bytes", "sha256", "status"], rows)),
+    })
+
+
+class TokenizerConfig(Config):
+    preset: str = presets.default_preset()
+    vocab_size: int = 0  # 0: the preset's tokenizer vocabulary
+    max_train_bytes: int = 200_000_000
+
+
+@asset(group_name="data", kinds={"python"}, owners=["team:data"], deps=[raw_shards])
+def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, home: GhostvisHome) -> MaterializeResult:
+    """Trains a byte-level BPE on the train shards of the text sources; served as tiktoken."""
+    h = home.home()
+    vocab = config.vocab_size or presets.tokenizer_vocab(config.preset)
+    texts, n_bytes, files = [], 0, 0
+    for manifest in registered_manifests(h).values():
+        if manifest.kind != "text":
+            continue
+        for e in manifest.shards:
+            if e.split != "train" or n_bytes >= config.max_train_bytes:
+                continue
+            sid = manifest.shard_id(e)
+            path = h.raw_shard(sid)
+            if not path.exists():
+                raise GhostvisError(f"raw shard {sid} is not downloaded; materialize raw_shards partition {sid} first")
+            for text in pq.read_table(path, columns=["text"]).column("text").to_pylist():
+                texts.append(text)
+                n_bytes += len(text.encode("utf-8"))
+            files += 1
+    if not texts:
+        raise GhostvisError("no downloaded text train shards to train the tokenizer on; materialize raw_shards first")
+    t0 = time.time()
+    tok = train_tokenizer(texts, vocab)
+    path = save_tokenizer(tok, h.store / "tokenizers")
+    return MaterializeResult(metadata={
+        "tokenizer_id": tok.tokenizer_id, "vocab_size": tok.vocab_size, "train_shards": files,
+        "train_bytes": n_bytes, "train_seconds": round(time.time() - t0, 2),
+        "path": MetadataValue.path(str(path)),
+    })
+
+
+class TokenizeConfig(Config):
+    workers: int = 2
+
+
+@asset(
+    group_name="data",
+    kinds={"datatrove"},
+    owners=["team:data"],
+    partitions_def=shard_partitions,
+    backfill_policy=BackfillPolicy.single_run(),
+    deps=[raw_shards, tokenizer],
+)
+def tokenized_shards(context: AssetExecutionContext, config: TokenizeConfig, home: GhostvisHome) -> MaterializeResult:
+    """Tokenizes shards with datatrove workers into token shards and writes their ledger rows.
+    A shard already tokenized with the same content and tokenizer is not redone."""
+    h = home.home()
+    tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
+    jobs = []
+    for key in context.partition_keys:
+        entry = manifest_of_shard(h, key).entry(key)
+        raw = h.raw_shard(key)
+        if not raw.exists():
+            raise GhostvisError(f"raw shard {key} is not downloaded; materialize raw_shards partition {key} first")
+        jobs.append(TokenizeJob(key, key.split("/", 1)[0], entry.split, str(raw), str(h.token_shard(tokenizer_id, key))))
+    t0 = time.time()
+    reports = tokenize_shards(jobs, tokenizer_dir=h.tokenizer_dir(tokenizer_id), ledger_dir=h.ledger,
+                              logging_dir=h.root / "logs" / "datatrove" / tokenizer_id, workers=config.workers)
+    secs = time.time() - t0
+    done = [r for r in reports if not r.skipped]
+    text_bytes = sum(r.text_bytes for r in done)
+    for r in reports:
+        context.log.info(f"shard {r.shard_id}: {r.docs:,} docs, {r.tokens:,} tokens{' (unchanged, skipped)' if r.skipped else ''}")
+    return MaterializeResult(metadata={
+        "tokenizer_id": tokenizer_id, "shards": len(reports), "tokenized": len(done),
+        "skipped_unchanged": len(reports) - len(done),
+        "docs": sum(r.docs for r in reports), "tokens": sum(r.tokens for r in reports),
+        "text_mb_per_s": round(text_bytes / 1e6 / max(secs, 1e-6), 2),
+        "shards_table": MetadataValue.md(md_table(
+            ["shard", "docs", "tokens", "status"],
+            [[r.shard_id, r.docs, r.tokens, "skipped" if r.skipped else "tokenized"] for r in reports])),
+    })
+
+
+@asset(group_name="data", kinds={"duckdb", "parquet"}, owners=["team:data"], deps=[tokenized_shards])
+def token_ledger(context: AssetExecutionContext, home: GhostvisHome) -> MaterializeResult:
+    """The token ledger's shard table for the current tokenizer: what each source and split holds."""
+    h = home.home()
+    tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
+    rows = Ledger(h.ledger).shards(tokenizer_id=tokenizer_id)
+    if not rows:
+        raise GhostvisError(f"the ledger has no shards tokenized with {tokenizer_id}; materialize tokenized_shards")
+    by: dict[tuple[str, str], list[int]] = {}
+    for r in rows:
+        agg = by.setdefault((r["source"], r["split"]), [0, 0, 0, 0])
+        for i, k in enumerate(("docs", "tokens", "text_bytes")):
+            agg[i] += r[k]
+        agg[3] += 1
+    table = [[s, sp, a[3], a[0], a[1], a[2]] for (s, sp), a in sorted(by.items())]
+    return MaterializeResult(metadata={
+        "tokenizer_id": tokenizer_id,
+        "shards": len(rows),
+        "docs": sum(r["docs"] for r in rows),
+        "tokens": sum(r["tokens"] for r in rows),
+        "train_tokens": sum(r["tokens"] for r in rows if r["split"] == "train"),
+        "validation_tokens": sum(r["tokens"] for r in rows if r["split"] == "validation"),
+        "ledger_dir": MetadataValue.path(str(Path(h.ledger))),
+        "by_source": MetadataValue.md(md_table(["source", "split", "shards", "docs", "tokens", "text_bytes"], table)),
+    })

@@ -1,0 +1,84 @@
+"""Training stage assets: each materialization prepares a run, launches torchrun through Pipes,
+and records the token figures, MLflow run and checkpoint as metadata."""
+
+
+import os
+from typing import Any
+
+from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
+
+from ghostvis_core import presets
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.home import Home
+from ghostvis_core.train.launch import Upstream, prepare_run
+from ghostvis_core.train.spec import LaunchSpec
+from ghostvis_pipeline.metadata import latest_metadata, md_table
+from ghostvis_pipeline.resources import GhostvisHome, TorchrunLauncher
+
+STAGE_DESCRIPTIONS = {
+    "pretrain": "Pretrains the decoder LM from scratch on the token ledger's train shards (torchrun, DDP).",
+}
+
+INT_FIELDS = ("planned_tokens", "real_tokens", "pad_tokens", "loss_tokens", "cropped_tokens", "tokens_per_step",
+              "micro_batch_size", "seq_len", "world_size", "grad_accum_steps", "steps", "segment")
+FLOAT_FIELDS = ("val_loss", "val_loss_start", "train_loss", "tokens_per_sec", "first_step_s", "wall_time_s")
+
+
+class StageRunConfig(Config):
+    """Preset name plus dotted overrides of the stage config, e.g. {"budget.steps": "50"}."""
+
+    preset: str = presets.default_preset()
+    overrides: dict[str, str] = {}
+
+
+def mlflow_url(experiment_id: Any, run_id: str) -> str:
+    base = os.environ.get("GHOSTVIS_MLFLOW_UI", "http://127.0.0.1:5000").rstrip("/")
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def stage_metadata(result: dict[str, Any], spec: LaunchSpec, home: Home) -> dict[str, Any]:
+    md: dict[str, Any] = {k: MetadataValue.int(int(result[k])) for k in INT_FIELDS if k in result}
+    md.update({k: MetadataValue.float(float(result[k])) for k in FLOAT_FIELDS if result.get(k) is not None})
+    md["run_key"] = spec.run_key
+    md["mlflow_run_id"] = result["mlflow_run_id"]
+    md["mlflow_url"] = MetadataValue.url(mlflow_url(result["mlflow_experiment_id"], result["mlflow_run_id"]))
+    md["checkpoint_uri"] = MetadataValue.path(result["checkpoint_uri"])
+    md["tokenizer_id"] = spec.tokenizer_id
+    if spec.parent_run_key:
+        md["parent_run_key"] = spec.parent_run_key
+        md["init_checkpoint"] = MetadataValue.path(spec.init_checkpoint or "")
+    budget = spec.extra.get("source_budget", {})
+    md["source_budget"] = MetadataValue.md(md_table(
+        ["source", "needed_tokens", "available_tokens", "shards", "epochs"],
+        [[s, b["needed_tokens"], b["available_tokens"], b["shards"], b["epochs"]] for s, b in budget.items()]))
+    consumed = Ledger(home.ledger).consumed_by_shard(spec.run_key)
+    md["shards_consumed"] = MetadataValue.md(md_table(
+        ["shard", "split", "tokens", "rows", "epochs"],
+        [[r["shard_id"], r["split"], r["tokens"], f"{r['row_start']}..{r['row_end']}", r["epochs"]] for r in consumed]))
+    return md
+
+
+def stage_asset(stage: str, upstream: str | None, deps: list):
+    @asset(
+        name=stage,
+        group_name="training",
+        kinds={"torch", "mlflow"},
+        owners=["team:training"],
+        deps=deps,
+        pool="torchrun",
+        description=STAGE_DESCRIPTIONS[stage],
+    )
+    def _stage(context: AssetExecutionContext, config: StageRunConfig, home: GhostvisHome,
+               launcher: TorchrunLauncher) -> MaterializeResult:
+        h = home.home()
+        tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
+        up = None
+        if upstream:
+            md = latest_metadata(context, upstream)
+            up = Upstream(upstream, md["run_key"], md["checkpoint_uri"])
+        spec = prepare_run(stage, preset=config.preset, overrides=dict(config.overrides), home=h,
+                           tokenizer_id=tokenizer_id, upstream=up)
+        result = launcher.run(context, spec, h)
+        return MaterializeResult(metadata=stage_metadata(result, spec, h))
+
+    return _stage

@@ -1,0 +1,120 @@
+"""Asset checks: the numbers are compared, not trusted. Each check's metadata shows what it compared.
+
+Data: the ledger matches a recount of the token files, and every manifest shard is in it.
+Training stages: consumed vs planned tokens, ledger == MLflow == materialization metadata,
+no (shard, row range) consumed twice, no validation shard consumed in training.
+"""
+
+
+from pathlib import Path
+
+from dagster import AssetCheckResult, AssetCheckSeverity, MetadataValue, asset_check
+
+from ghostvis_core.data.catalog import registered_manifests
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.token_shard import TokenShard
+from ghostvis_core.errors import GhostvisError
+from ghostvis_pipeline.metadata import latest_metadata, md_table
+from ghostvis_pipeline.resources import GhostvisHome
+
+TOKEN_FIELDS = ("real_tokens", "pad_tokens", "loss_tokens", "cropped_tokens")
+MLFLOW_KEYS = {"real_tokens": "tokens/real", "pad_tokens": "tokens/pad", "loss_tokens": "tokens/loss",
+               "cropped_tokens": "tokens/cropped"}
+
+
+@asset_check(asset="token_ledger", blocking=True, description="Ledger docs/tokens equal a recount of the token files.")
+def ledger_matches_token_files(context, home: GhostvisHome) -> AssetCheckResult:
+    h = home.home()
+    tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
+    mismatches, total = [], 0
+    for r in Ledger(h.ledger).shards(tokenizer_id=tokenizer_id):
+        try:
+            shard = TokenShard.open(Path(r["token_path"]), r["shard_id"])
+            docs, tokens = len(shard.rows), shard.num_tokens
+        except GhostvisError as exc:
+            docs, tokens = -1, -1
+            context.log.error(str(exc))
+        total += tokens
+        if (docs, tokens) != (r["docs"], r["tokens"]):
+            mismatches.append([r["shard_id"], r["docs"], docs, r["tokens"], tokens])
+    return AssetCheckResult(passed=not mismatches, metadata={
+        "recounted_tokens": total, "mismatched_shards": len(mismatches),
+        "mismatches": MetadataValue.md(md_table(["shard", "ledger_docs", "file_docs", "ledger_tokens", "file_tokens"], mismatches)),
+    })
+
+
+@asset_check(asset="token_ledger", blocking=True, description="Every shard in the manifests is tokenized with the current tokenizer.")
+def all_manifest_shards_tokenized(context, home: GhostvisHome) -> AssetCheckResult:
+    h = home.home()
+    tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
+    have = {r["shard_id"] for r in Ledger(h.ledger).shards(tokenizer_id=tokenizer_id)}
+    want = [m.shard_id(e) for m in registered_manifests(h).values() if m.kind == "text" for e in m.shards]
+    missing = [s for s in want if s not in have]
+    return AssetCheckResult(passed=not missing, metadata={
+        "manifest_shards": len(want), "tokenized_shards": len(want) - len(missing),
+        "missing": ", ".join(missing[:50]) or "none",
+    })
+
+
+def stage_checks(stage: str) -> list:
+    @asset_check(asset=stage, name="tokens_match_plan", blocking=True,
+                 description="Consumed positions == steps x tokens_per_step, and that is within one step of planned_tokens.")
+    def tokens_match_plan(context) -> AssetCheckResult:
+        md = latest_metadata(context, stage)
+        tps, steps, planned = md["tokens_per_step"], md["steps"], md["planned_tokens"]
+        consumed = md["real_tokens"] + md["pad_tokens"]
+        step_tokens = steps * tps
+        passed = consumed == step_tokens and 0 <= step_tokens - planned < tps
+        return AssetCheckResult(passed=passed, metadata={
+            "planned_tokens": planned, "consumed_tokens": consumed, "steps_x_tokens_per_step": step_tokens,
+            "tolerance_tokens": tps, "difference": step_tokens - planned,
+            "tokens_per_step": f"{md['micro_batch_size']} x {md['seq_len']} x {md['world_size']} x {md['grad_accum_steps']} = {tps}",
+        })
+
+    @asset_check(asset=stage, name="ledger_mlflow_metadata_agree", blocking=True,
+                 description="real/pad/loss/cropped tokens: ledger == MLflow == materialization metadata, exactly.")
+    def ledger_mlflow_metadata_agree(context, home: GhostvisHome) -> AssetCheckResult:
+        from mlflow.tracking import MlflowClient
+
+        h = home.home()
+        md = latest_metadata(context, stage)
+        ledger = Ledger(h.ledger).run_totals(md["run_key"])
+        metrics = MlflowClient(h.mlflow_tracking_uri).get_run(md["mlflow_run_id"]).data.metrics
+        rows, passed = [], True
+        for k in TOKEN_FIELDS:
+            vals = [ledger.get(k), metrics.get(MLFLOW_KEYS[k]), md.get(k)]
+            vals = [None if v is None else int(v) for v in vals]
+            ok = vals[0] is not None and vals[0] == vals[1] == vals[2]
+            passed &= ok
+            rows.append([k, *vals, "ok" if ok else "MISMATCH"])
+        return AssetCheckResult(passed=passed, metadata={
+            "run_key": md["run_key"], "segments": str(ledger.get("segments")),
+            "comparison": MetadataValue.md(md_table(["figure", "ledger", "mlflow", "metadata", "status"], rows)),
+        })
+
+    @asset_check(asset=stage, name="no_reuse", blocking=True,
+                 description="No (shard, row range) consumed twice in the stage lineage unless declared (replay / allowed repeat).")
+    def no_reuse(context, home: GhostvisHome) -> AssetCheckResult:
+        md = latest_metadata(context, stage)
+        found = Ledger(home.home().ledger).reuse(md["run_key"])
+        bad = [r for r in found if r["kind"] in ("reuse", "undeclared_repeat", "undeclared_cross_stage")]
+        declared = [r for r in found if r not in bad]
+        rows = [[r["kind"], r["shard_id"], f"{r['tok_start']}..{r['tok_end']}", f"{r['row_start']}..{r['row_end']}",
+                 r["tokens"], r["run_a"], r["run_b"]] for r in found[:200]]
+        return AssetCheckResult(passed=not bad, severity=AssetCheckSeverity.ERROR, metadata={
+            "reused_tokens": sum(r["tokens"] for r in bad),
+            "declared_replay_or_repeat_tokens": sum(r["tokens"] for r in declared),
+            "ranges": MetadataValue.md(md_table(["kind", "shard", "tokens_range", "rows", "tokens", "run_a", "run_b"], rows)),
+        })
+
+    @asset_check(asset=stage, name="no_validation_leakage", blocking=True,
+                 description="No validation shard was consumed in training.")
+    def no_validation_leakage(context, home: GhostvisHome) -> AssetCheckResult:
+        md = latest_metadata(context, stage)
+        leaked = Ledger(home.home().ledger).leakage(md["run_key"])
+        return AssetCheckResult(passed=not leaked, metadata={
+            "leaked_tokens": sum(r["tokens"] for r in leaked),
+            "leaked_shards": ", ".join(r["shard_id"] for r in leaked) or "none",
+        })
+
+    return [tokens_match_plan, ledger_mlflow_metadata_agree, no_reuse, no_validation_leakage]

@@ -1,0 +1,152 @@
+"""The `ghostvis` command: demo, plan, ledger.
+
+Bad input ends with one line naming the problem and the fix (exit code 2), not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ghostvis_core import presets
+from ghostvis_core.budget import plan as make_plan
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.home import Home
+
+
+def cmd_demo(args) -> int:
+    from ghostvis_pipeline.demo import format_summary, timed_demo
+
+    home = Home.from_env()
+    stages = [s for s in presets.STAGES if s in args.stages] if args.stages else list(presets.demo_stages())
+    runs, wall = timed_demo(home, args.preset, stages)
+    print(format_summary(runs, wall))
+    print(ui_hint(home))
+    return 0 if all(passed for r in runs for *_, passed in r.checks) else 1
+
+
+def ui_hint(home: Home) -> str:
+    return (f"state: {home.root}\n"
+            f"Dagster UI: DAGSTER_HOME={home.dagster_home} dagster dev   (from the project folder)\n"
+            f"MLflow UI:  mlflow ui --backend-store-uri {home.mlflow_tracking_uri}")
+
+
+def plan_overrides(args) -> dict[str, Any]:
+    o: dict[str, Any] = {}
+    for flag, key in [("micro_batch_size", "batch.micro_batch_size"), ("seq_len", "batch.seq_len"),
+                      ("world_size", "batch.world_size"), ("grad_accum", "batch.grad_accum_steps"),
+                      ("total_batch_tokens", "batch.total_batch_tokens")]:
+        if getattr(args, flag) is not None:
+            o[key] = getattr(args, flag)
+    if args.total_batch_tokens is not None and args.grad_accum is None:
+        o["batch.grad_accum_steps"] = None
+    budgets = {k: getattr(args, k) for k in ("steps", "tokens", "tokens_per_param") if getattr(args, k) is not None}
+    if len(budgets) > 1:
+        raise GhostvisError(f"give one of --steps, --tokens, --tokens-per-param (got {', '.join(budgets)})")
+    if budgets:
+        o.update({"budget.steps": None, "budget.tokens": None, "budget.tokens_per_param": None})
+        o.update({f"budget.{k}": v for k, v in budgets.items()})
+    return o
+
+
+def cmd_plan(args) -> int:
+    cfg = presets.resolve(args.stage, args.preset, plan_overrides(args))
+    p = make_plan(cfg, step_time_s=args.step_time, price_per_gpu_hour=args.price, gpu=args.gpu, mfu=args.mfu,
+                  params=args.params)
+    if args.json:
+        print(json.dumps({"stage": args.stage, "preset": args.preset, **p.to_dict()}, indent=2))
+        return 0
+    print(f"{args.stage} ({args.preset})")
+    print(f"  tokens_per_step = micro_batch_size x seq_len x world_size x grad_accum_steps")
+    print(f"                  = {p.micro_batch_size} x {p.seq_len} x {p.world_size} x {p.grad_accum_steps}"
+          f" = {p.tokens_per_step:,}")
+    print(f"  steps           = {p.steps:,}")
+    print(f"  planned_tokens  = {p.planned_tokens:,}  (steps x tokens_per_step = {p.step_tokens_total:,})")
+    print(f"  params          = {p.params_total:,} total, N = {p.params_non_embedding:,} non-embedding")
+    print(f"  tokens/param    = {p.tokens_per_param:,.2f}")
+    print(f"  FLOPs (6ND)     = {p.flops:.3e}")
+    if p.step_time_s is not None:
+        print(f"  step time       = {p.step_time_s:.3f} s")
+        print(f"  GPU-hours       = {p.gpu_hours:,.2f}  ({p.world_size} GPUs)")
+    if p.cost is not None:
+        print(f"  cost            = {p.cost:,.2f}  at {args.price}/GPU-hour")
+    return 0
+
+
+def ledger_report(home: Home, tokenizer_id: str | None) -> dict[str, Any]:
+    ledger = Ledger(home.ledger)
+    shards = ledger.shards(tokenizer_id=tokenizer_id)
+    runs = []
+    seen = set()
+    for part in ledger.parts():
+        if part["run_key"] in seen:
+            continue
+        seen.add(part["run_key"])
+        totals = ledger.run_totals(part["run_key"])
+        runs.append({"stage": part["stage"], "run_key": part["run_key"], "parent_run_key": part["parent_run_key"] or None,
+                     "planned_tokens": part["planned_tokens"], "tokens_per_step": part["tokens_per_step"], **totals})
+    return {"shards": shards, "runs": runs}
+
+
+def cmd_ledger(args) -> int:
+    report = ledger_report(Home.from_env(), args.tokenizer)
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+        return 0
+    shards = report["shards"]
+    print(f"{'shard':<26} {'split':<10} {'tokenizer':<22} {'docs':>7} {'tokens':>12} {'text_bytes':>12}")
+    for r in shards:
+        print(f"{r['shard_id']:<26} {r['split']:<10} {r['tokenizer_id']:<22} {r['docs']:>7,} {r['tokens']:>12,} {r['text_bytes']:>12,}")
+    print(f"{'total':<60} {sum(r['docs'] for r in shards):>7,} {sum(r['tokens'] for r in shards):>12,} "
+          f"{sum(r['text_bytes'] for r in shards):>12,}")
+    print()
+    print(f"{'stage':<20} {'run_key':<28} {'steps':>6} {'planned':>11} {'real':>11} {'pad':>9} {'loss':>11} {'cropped':>9} seg")
+    for r in report["runs"]:
+        print(f"{r['stage']:<20} {r['run_key']:<28} {r['steps']:>6} {r['planned_tokens']:>11,} {r['real_tokens']:>11,} "
+              f"{r['pad_tokens']:>9,} {r['loss_tokens']:>11,} {r['cropped_tokens']:>9,} {len(r['segments'])}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ghostvis", description="GhostVis: a training pipeline whose token numbers are checked.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("demo", help="materialize every asset on the embedded demo data")
+    d.add_argument("--preset", default=presets.default_preset(), help="tiny (default) or smoke (fewer steps)")
+    d.add_argument("--stages", nargs="*", help="train only these stages (default: all)")
+    d.set_defaults(fn=cmd_demo)
+
+    p = sub.add_parser("plan", help="token / step / FLOP / cost planner")
+    p.add_argument("--stage", default="pretrain", choices=presets.STAGES)
+    p.add_argument("--preset", default=presets.default_preset())
+    for flag in ("micro-batch-size", "seq-len", "world-size", "grad-accum", "total-batch-tokens", "steps", "tokens", "params"):
+        p.add_argument(f"--{flag}", type=int)
+    p.add_argument("--tokens-per-param", type=float)
+    p.add_argument("--step-time", type=float, help="seconds per optimizer step (measured)")
+    p.add_argument("--gpu", help="estimate the step time from this GPU's peak bf16 FLOP/s at --mfu")
+    p.add_argument("--mfu", type=float, default=0.4)
+    p.add_argument("--price", type=float, help="price per GPU-hour")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_plan)
+
+    lg = sub.add_parser("ledger", help="the token ledger: shards and per-stage consumption")
+    lg.add_argument("--tokenizer", help="only shards tokenized with this tokenizer id")
+    lg.add_argument("--json", action="store_true")
+    lg.set_defaults(fn=cmd_ledger)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except GhostvisError as exc:
+        print(f"ghostvis: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""The Dagster code location: `dagster dev` (workspace.yaml) and `dagster ... -m ghostvis_pipeline.definitions`."""
+
+from dagster import Definitions
+
+from ghostvis_pipeline.assets.data import raw_shards, shard_manifest, token_ledger, tokenized_shards, tokenizer
+from ghostvis_pipeline.assets.training import stage_asset
+from ghostvis_pipeline.checks import all_manifest_shards_tokenized, ledger_matches_token_files, stage_checks
+from ghostvis_pipeline.jobs import shard_data_job, training_job
+from ghostvis_pipeline.resources import GhostvisHome, TorchrunLauncher
+
+# Each stage starts from the one before it; pretrain starts from the token ledger.
+STAGE_CHAIN: list[tuple[str, str | None]] = [("pretrain", None)]
+
+stage_assets = []
+for stage, upstream in STAGE_CHAIN:
+    stage_assets.append(stage_asset(stage, upstream, deps=[upstream or token_ledger]))
+
+defs = Definitions(
+    assets=[shard_manifest, raw_shards, tokenizer, tokenized_shards, token_ledger, *stage_assets],
+    asset_checks=[ledger_matches_token_files, all_manifest_shards_tokenized,
+                  *[c for stage, _ in STAGE_CHAIN for c in stage_checks(stage)]],
+    jobs=[shard_data_job, training_job],
+    resources={"home": GhostvisHome(), "launcher": TorchrunLauncher()},
+)

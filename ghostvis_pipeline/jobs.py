@@ -1,0 +1,18 @@
+"""Jobs for the UI's launchpad: shard data (partitioned) and the training chain."""
+
+from dagster import AssetSelection, define_asset_job
+
+from ghostvis_pipeline.partitions import shard_partitions
+
+shard_data_job = define_asset_job(
+    "shard_data",
+    selection=AssetSelection.assets("raw_shards", "tokenized_shards"),
+    partitions_def=shard_partitions,
+    description="Download and tokenize shard partitions (backfill a range from the UI).",
+)
+
+training_job = define_asset_job(
+    "training",
+    selection=AssetSelection.groups("training"),
+    description="Every training stage in dependency order, from the stored tokenized shards.",
+)

@@ -1,0 +1,26 @@
+"""Reading earlier materializations' metadata and formatting Markdown tables for the UI."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dagster import AssetKey
+
+from ghostvis_core.errors import GhostvisError
+
+
+def latest_metadata(context, asset: str) -> dict[str, Any]:
+    """Metadata of the newest materialization of `asset` (raw values), or a clear error."""
+    event = context.instance.get_latest_materialization_event(AssetKey(asset))
+    if event is None or event.asset_materialization is None:
+        raise GhostvisError(f"asset `{asset}` has never been materialized; materialize it first")
+    return {k: getattr(v, "value", v) for k, v in event.asset_materialization.metadata.items()}
+
+
+def md_table(header: list[str], rows: list[list[Any]]) -> str:
+    def fmt(v: Any) -> str:
+        return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)

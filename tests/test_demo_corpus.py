@@ -1,0 +1,132 @@
+"""The embedded demo corpus: deterministic, FineWeb-Edu-shaped shards of real stdlib text."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ghostvis_core.data.demo_corpus import (
+    CODE_MAX_BYTES,
+    CODE_MIN_BYTES,
+    DEMO_TRAIN_SHARDS,
+    PROSE_MAX_BYTES,
+    PROSE_MIN_BYTES,
+    TEXT_SOURCES,
+    build_text_source,
+)
+from ghostvis_core.errors import GhostvisError
+
+EXPECTED_SCHEMA = {
+    "text": pa.string(),
+    "id": pa.string(),
+    "dump": pa.string(),
+    "url": pa.string(),
+    "file_path": pa.string(),
+    "language": pa.string(),
+    "language_score": pa.float64(),
+    "token_count": pa.int64(),
+}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Both sources built once, with the build time of each."""
+    root = tmp_path_factory.mktemp("corpus")
+    result = {}
+    for source in TEXT_SOURCES:
+        start = time.perf_counter()
+        shards = build_text_source(source, root / source)
+        result[source] = (shards, time.perf_counter() - start)
+    return result
+
+
+def _rows(shards, split=None):
+    return [row for path, s in shards if split in (None, s) for row in pq.read_table(path).to_pylist()]
+
+
+def _sha256(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_rebuild_is_byte_identical(built, tmp_path):
+    for source in TEXT_SOURCES:
+        first, _ = built[source]
+        second = build_text_source(source, tmp_path / source)
+        assert [p.name for p, _ in first] == [p.name for p, _ in second]
+        assert [_sha256(p) for p, _ in first] == [_sha256(p) for p, _ in second]
+
+
+def test_build_is_fast(built):
+    assert sum(seconds for _, seconds in built.values()) < 15
+
+
+@pytest.mark.parametrize("source", TEXT_SOURCES)
+def test_shard_names_and_splits(built, source):
+    shards, _ = built[source]
+    expected = [f"{i:05d}.parquet" for i in range(DEMO_TRAIN_SHARDS)] + ["val_00000.parquet"]
+    assert [p.name for p, _ in shards] == expected
+    assert [s for _, s in shards] == ["train"] * DEMO_TRAIN_SHARDS + ["validation"]
+    assert sorted(p.name for p in shards[0][0].parent.iterdir()) == expected  # no temp files left
+
+    n_val, n_all = len(_rows(shards, "validation")), len(_rows(shards))
+    assert n_val >= 20
+    assert n_val == 20 or abs(n_val / n_all - 0.08) < 0.01
+    assert all(pq.read_metadata(p).num_rows > 0 for p, _ in shards)
+
+
+@pytest.mark.parametrize("source", TEXT_SOURCES)
+def test_schema_and_columns(built, source):
+    shards, _ = built[source]
+    for path, _ in shards:
+        schema = pq.read_schema(path)
+        assert {name: schema.field(name).type for name in schema.names} == EXPECTED_SCHEMA
+        meta = pq.read_metadata(path)
+        assert all(meta.row_group(i).num_rows <= 1000 for i in range(meta.num_row_groups))
+        assert meta.row_group(0).column(0).compression == "ZSTD"
+
+    rows = _rows(shards)
+    ids = [r["id"] for r in rows]
+    assert len(set(ids)) == len(ids)
+    assert len({r["url"] for r in rows}) == len(rows)
+    for r in rows:
+        assert r["id"] == f"{source}:" + hashlib.sha1(r["text"].encode()).hexdigest()[:16]
+        assert r["dump"].startswith("python-3.") and r["dump"].endswith("-stdlib")
+        assert r["language"] == ("en" if source == "demo_prose" else "python")
+        assert r["language_score"] == 1.0 and r["token_count"] == -1
+        assert r["file_path"].endswith(".py") and not r["file_path"].startswith("/")
+        parts = r["file_path"].split("/")
+        assert not {"test", "tests", "idlelib", "turtledemo", "site-packages"} & set(parts)
+
+
+def test_prose_is_english_docs_of_bounded_size(built):
+    rows = _rows(built["demo_prose"][0])
+    assert 1.5e6 < sum(len(r["text"].encode()) for r in rows) < 3e6
+    stdlib = [r for r in rows if r["url"].startswith("stdlib://")]
+    topics = [r for r in rows if r["url"].startswith("pydoc://topics/")]
+    assert len(topics) > 50 and len(stdlib) > 300
+    assert all(PROSE_MIN_BYTES <= len(r["text"].encode()) <= PROSE_MAX_BYTES for r in stdlib)
+    json_doc = next(r["text"] for r in stdlib if r["url"] == "stdlib://json/decoder.py")
+    assert json_doc.startswith("# json.decoder\n\n") and "## JSONDecoder.decode\n\n" in json_doc
+    english = sum(all(w in r["text"] for w in (" the ", " and ", " is ")) for r in rows)
+    assert english > len(rows) / 3
+
+
+def test_code_is_python_source_of_bounded_size(built):
+    rows = _rows(built["demo_code"][0])
+    assert 2e6 < sum(len(r["text"].encode()) for r in rows) <= 3 * 1024 * 1024
+    assert all(len(r["text"].encode()) <= CODE_MAX_BYTES for r in rows)
+    whole_files = [r for r in rows if "#" not in r["url"]]
+    assert all(len(r["text"].encode()) >= CODE_MIN_BYTES for r in whole_files)
+    assert sum("def " in r["text"] for r in rows) > len(rows) / 2
+    for r in rows:
+        assert r["url"] == f"stdlib://{r['file_path']}" or r["url"].startswith(f"stdlib://{r['file_path']}#")
+
+
+def test_unknown_source_is_a_clear_error(tmp_path):
+    with pytest.raises(GhostvisError, match="demo_prose, demo_code"):
+        build_text_source("demo_poetry", tmp_path)
+    assert not any(tmp_path.iterdir())
