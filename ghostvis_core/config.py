@@ -100,6 +100,16 @@ class DataConfig:
 class EvalConfig:
     every_steps: int = 50
     val_tokens: int = 16384
+    # Evidence this stage must show, measured before (step 0) and after training on held-out data;
+    # names from ghostvis_core.eval.evidence.EVIDENCE.
+    evidence: list[str] = field(default_factory=list)
+    samples: int = 16  # held-out prompts sampled for generation-based evidence
+    sample_max_tokens: int = 48
+
+
+@dataclass
+class DPOConfig:
+    beta: float = 0.1
 
 
 @dataclass
@@ -131,6 +141,7 @@ class StageConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     vision: VisionConfig | None = None
+    dpo: DPOConfig | None = None
     # Upstream stage whose final checkpoint initialises this one (None: random init).
     init_from: str | None = None
 

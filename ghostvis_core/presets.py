@@ -37,23 +37,95 @@ MODELS: dict[str, dict[str, Any]] = {
 # is set from the trained tokenizer at launch, this is what the tokenizer asset aims for.
 TOKENIZER_VOCAB = {"tiny": 4096, "smoke": 4096, "500m": 65536, "1.5b": 65536, "7b": 65536}
 
-_DEMO_PRETRAIN = [{"source": "demo_prose", "weight": 0.5}, {"source": "demo_code", "weight": 0.5}]
-_DEMO_VAL = ["demo_prose", "demo_code"]
+_TEXT_VAL = ["demo_prose", "demo_code"]
 
-# Stage defaults per preset: nested dicts merged over the StageConfig tree.
+# Stage defaults per preset: nested dicts merged over the StageConfig tree. A stage's `model`
+# entry lists changes to the upstream checkpoint's model (context_expansion raises the context);
+# every other model field is inherited from upstream and may not change.
 _TINY: dict[str, dict[str, Any]] = {
     "pretrain": dict(
         objective="lm",
         batch=dict(micro_batch_size=8, seq_len=256, world_size=2, grad_accum_steps=1),
         budget=dict(steps=150),
         optim=dict(lr=3e-3, warmup_steps=15, min_lr_ratio=0.1),
-        data=dict(recipe=_DEMO_PRETRAIN, val_sources=_DEMO_VAL),
+        data=dict(recipe=[{"source": "demo_prose", "weight": 0.5}, {"source": "demo_code", "weight": 0.5}],
+                  val_sources=_TEXT_VAL),
         eval=dict(every_steps=50, val_tokens=16384),
         checkpoint=dict(every_steps=50, keep_last=2),
     ),
+    "continued_pretrain": dict(
+        objective="lm",
+        init_from="pretrain",
+        batch=dict(micro_batch_size=8, seq_len=256, world_size=2, grad_accum_steps=1),
+        budget=dict(steps=60),
+        optim=dict(lr=1.5e-3, warmup_steps=5, min_lr_ratio=0.1),
+        data=dict(recipe=[{"source": "demo_code", "weight": 0.7}, {"source": "demo_prose", "weight": 0.3}],
+                  val_sources=_TEXT_VAL),
+        eval=dict(every_steps=30, val_tokens=16384, evidence=["domain_loss"]),
+        checkpoint=dict(every_steps=30, keep_last=2),
+    ),
+    "context_expansion": dict(
+        objective="lm",
+        init_from="continued_pretrain",
+        # 4x position interpolation: positions 0..1023 map onto the 0..255 range already trained.
+        model=dict(max_seq_len=1024, rope_scaling=4.0),
+        batch=dict(micro_batch_size=2, seq_len=1024, world_size=2, grad_accum_steps=1),
+        budget=dict(steps=40),
+        optim=dict(lr=1e-3, warmup_steps=5, min_lr_ratio=0.1),
+        data=dict(recipe=[{"source": "demo_code", "weight": 0.5}, {"source": "demo_prose", "weight": 0.5}],
+                  val_sources=_TEXT_VAL),
+        eval=dict(every_steps=20, val_tokens=16384, evidence=["beyond_context_loss"]),
+        checkpoint=dict(every_steps=20, keep_last=2),
+    ),
+    "reasoning_mix": dict(
+        objective="lm",
+        init_from="context_expansion",
+        batch=dict(micro_batch_size=4, seq_len=512, world_size=2, grad_accum_steps=1),
+        budget=dict(steps=80),
+        optim=dict(lr=1e-3, warmup_steps=5, min_lr_ratio=0.1),
+        data=dict(recipe=[{"source": "demo_reasoning", "weight": 0.7}, {"source": "demo_prose", "weight": 0.3}],
+                  replay_sources=["demo_prose"], val_sources=["demo_reasoning", "demo_prose"]),
+        eval=dict(every_steps=40, val_tokens=16384, evidence=["reasoning"], samples=24, sample_max_tokens=48),
+        checkpoint=dict(every_steps=40, keep_last=2),
+    ),
+    "vision_alignment": dict(
+        objective="vision_align",
+        init_from="reasoning_mix",
+        vision=dict(image_size=32, patch_size=4, d_vision=128, n_layers=2, n_heads=4, n_latents=16,
+                    resampler_layers=2),
+        batch=dict(micro_batch_size=32, seq_len=32, world_size=2, grad_accum_steps=1),
+        budget=dict(steps=80),
+        optim=dict(lr=2e-3, warmup_steps=8, min_lr_ratio=0.1, weight_decay=0.0),
+        data=dict(recipe=[{"source": "demo_images", "weight": 1.0}], val_sources=["demo_images"]),
+        eval=dict(every_steps=40, val_tokens=6400, evidence=["caption_image_gap"]),
+        checkpoint=dict(every_steps=40, keep_last=2),
+    ),
+    "sft": dict(
+        objective="sft",
+        init_from="vision_alignment",
+        batch=dict(micro_batch_size=8, seq_len=256, world_size=2, grad_accum_steps=1),
+        budget=dict(steps=60),
+        optim=dict(lr=1e-3, warmup_steps=5, min_lr_ratio=0.1),
+        data=dict(recipe=[{"source": "demo_chat", "weight": 1.0}], val_sources=["demo_chat"], allow_repeat=True),
+        eval=dict(every_steps=30, val_tokens=16384, evidence=["reply_endings"], samples=24, sample_max_tokens=40),
+        checkpoint=dict(every_steps=30, keep_last=2),
+    ),
+    "dpo": dict(
+        objective="dpo",
+        init_from="sft",
+        dpo=dict(beta=0.1),
+        batch=dict(micro_batch_size=16, seq_len=64, world_size=2, grad_accum_steps=1),
+        budget=dict(steps=40),
+        optim=dict(lr=3e-4, warmup_steps=4, min_lr_ratio=0.1, weight_decay=0.0),
+        data=dict(recipe=[{"source": "demo_prefs", "weight": 1.0}], val_sources=["demo_prefs"]),
+        eval=dict(every_steps=20, val_tokens=12800),
+        checkpoint=dict(every_steps=20, keep_last=2),
+    ),
 }
 
-_SMOKE_STEPS = {"pretrain": 24}
+# The smoke preset: the tiny model and recipes with few steps, for end-to-end tests.
+_SMOKE_STEPS = {"pretrain": 24, "continued_pretrain": 8, "context_expansion": 6, "reasoning_mix": 8,
+                "vision_alignment": 8, "sft": 8, "dpo": 6}
 
 _LARGE_PRETRAIN = dict(
     objective="lm",
@@ -91,9 +163,10 @@ def _stage_defaults(stage: str, preset: str) -> dict[str, Any]:
             raise GhostvisError(f"stage '{stage}' has no defaults in preset '{preset}' yet")
         base = _TINY[stage]
         if preset == "smoke":
-            base = {**base, "budget": dict(steps=_SMOKE_STEPS[stage])}
-            base["eval"] = dict(every_steps=12, val_tokens=8192)
-            base["checkpoint"] = dict(every_steps=12, keep_last=2)
+            steps = _SMOKE_STEPS[stage]
+            base = {**base, "budget": dict(steps=steps),
+                    "eval": {**base["eval"], "every_steps": steps, "val_tokens": 4096, "samples": 4},
+                    "checkpoint": dict(every_steps=steps // 2, keep_last=2)}
         return base
     if stage == "pretrain":
         return _LARGE_PRETRAIN
@@ -106,14 +179,38 @@ def model_for(preset: str) -> dict[str, Any]:
     return dict(MODELS["tiny" if preset == "smoke" else preset])
 
 
-def resolve(stage: str, preset: str = "tiny", overrides: dict[str, Any] | None = None) -> StageConfig:
-    """Preset defaults + dotted overrides -> a validated StageConfig."""
+SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")
+
+
+def resolve(stage: str, preset: str = "tiny", overrides: dict[str, Any] | None = None,
+            upstream: dict[str, Any] | None = None) -> StageConfig:
+    """Preset defaults + dotted overrides -> a validated StageConfig.
+
+    With `upstream` (the config.json of the checkpoint the stage starts from) the model, and the
+    vision stack if there is one, are inherited from it; the stage's declared model changes apply
+    on top, and a shape change is refused with the mismatch named.
+    """
     if stage not in STAGES:
         raise GhostvisError(f"unknown stage '{stage}'; stages are: {', '.join(STAGES)}")
-    model = model_for(preset)
-    defaults = _stage_defaults(stage, preset)
+    defaults = dict(_stage_defaults(stage, preset))
+    chain_upstream = None
+    if upstream is None and defaults.get("init_from"):  # no checkpoint yet: what the chain would give
+        chain_upstream = resolve(defaults["init_from"], preset).to_dict()
+    inherited = upstream or chain_upstream
+    model = dict(inherited["model"]) if inherited else model_for(preset)
+    model.update(defaults.pop("model", {}))
+    if inherited and inherited.get("vision") and "vision" not in defaults:
+        defaults["vision"] = inherited["vision"]
     base = StageConfig.from_dict({"stage": stage, "preset": preset, "model": model, **defaults}).to_dict()
     cfg = StageConfig.from_dict(apply_overrides(base, overrides or {}))
+    if upstream:
+        changed = [f"model.{k}={getattr(cfg.model, k)} (upstream {upstream['stage']} has {upstream['model'][k]})"
+                   for k in SHAPE_FIELDS if getattr(cfg.model, k) != upstream["model"][k]]
+        if changed:
+            raise GhostvisError(
+                f"stage {stage}: {', '.join(changed)}; a stage starts from its upstream checkpoint and "
+                "cannot change the model shape (drop the override, or retrain from pretrain)"
+            )
     validate(cfg)
     return cfg
 
@@ -125,9 +222,18 @@ def validate(cfg: StageConfig) -> None:
             raise GhostvisError(f"batch.{name} must be positive, got {getattr(b, name)}")
     if b.seq_len > cfg.model.max_seq_len:
         raise GhostvisError(
-            f"batch.seq_len={b.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}; "
-            "raise model.max_seq_len (context_expansion does this) or lower batch.seq_len"
+            f"stage {cfg.stage}: batch.seq_len={b.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len} "
+            "(the context the model was trained for); run context_expansion first or lower batch.seq_len"
         )
+    from ghostvis_core.eval.evidence import EVIDENCE
+
+    unknown = [e for e in cfg.eval.evidence if e not in EVIDENCE]
+    if unknown:
+        raise GhostvisError(f"eval.evidence: unknown {unknown}; known: {', '.join(EVIDENCE)}")
+    if cfg.objective in ("vision_align",) and cfg.vision is None:
+        raise GhostvisError(f"stage {cfg.stage}: objective {cfg.objective} needs a vision config")
+    if cfg.objective == "dpo" and (cfg.dpo is None or cfg.init_from is None):
+        raise GhostvisError(f"stage {cfg.stage}: dpo needs dpo.beta and init_from (the reference model)")
     set_budget = [k for k in ("steps", "tokens", "tokens_per_param") if getattr(cfg.budget, k) is not None]
     if len(set_budget) != 1:
         raise GhostvisError(

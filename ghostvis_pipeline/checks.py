@@ -48,7 +48,7 @@ def all_manifest_shards_tokenized(context, home: GhostvisHome) -> AssetCheckResu
     h = home.home()
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
     have = {r["shard_id"] for r in Ledger(h.ledger).shards(tokenizer_id=tokenizer_id)}
-    want = [m.shard_id(e) for m in registered_manifests(h).values() if m.kind == "text" for e in m.shards]
+    want = [m.shard_id(e) for m in registered_manifests(h).values() for e in m.shards]
     missing = [s for s in want if s not in have]
     return AssetCheckResult(passed=not missing, metadata={
         "manifest_shards": len(want), "tokenized_shards": len(want) - len(missing),

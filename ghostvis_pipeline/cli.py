@@ -43,6 +43,8 @@ def plan_overrides(args) -> dict[str, Any]:
             o[key] = getattr(args, flag)
     if args.total_batch_tokens is not None and args.grad_accum is None:
         o["batch.grad_accum_steps"] = None
+    if args.grad_accum is not None and args.total_batch_tokens is None:
+        o["batch.total_batch_tokens"] = None
     budgets = {k: getattr(args, k) for k in ("steps", "tokens", "tokens_per_param") if getattr(args, k) is not None}
     if len(budgets) > 1:
         raise GhostvisError(f"give one of --steps, --tokens, --tokens-per-param (got {', '.join(budgets)})")

@@ -9,11 +9,19 @@ from ghostvis_pipeline.jobs import shard_data_job, training_job
 from ghostvis_pipeline.resources import GhostvisHome, TorchrunLauncher
 
 # Each stage starts from the one before it; pretrain starts from the token ledger.
-STAGE_CHAIN: list[tuple[str, str | None]] = [("pretrain", None)]
+STAGE_CHAIN: list[tuple[str, str | None]] = [
+    ("pretrain", None),
+    ("continued_pretrain", "pretrain"),
+    ("context_expansion", "continued_pretrain"),
+    ("reasoning_mix", "context_expansion"),
+    ("vision_alignment", "reasoning_mix"),
+    ("sft", "vision_alignment"),
+    ("dpo", "sft"),
+]
 
 stage_assets = []
 for stage, upstream in STAGE_CHAIN:
-    stage_assets.append(stage_asset(stage, upstream, deps=[upstream or token_ledger]))
+    stage_assets.append(stage_asset(stage, upstream, deps=[token_ledger] + ([upstream] if upstream else [])))
 
 defs = Definitions(
     assets=[shard_manifest, raw_shards, tokenizer, tokenized_shards, token_ledger, *stage_assets],

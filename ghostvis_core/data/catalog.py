@@ -4,11 +4,13 @@ manifests the pipeline registered (one JSON per source under <store>/manifests/)
 from __future__ import annotations
 
 from ghostvis_core.data.demo_corpus import TEXT_SOURCES, build_text_source
+from ghostvis_core.data.demo_tasks import TASK_SOURCES, build_task_source
 from ghostvis_core.data.sources import Manifest, manifest_for_files
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 
-DEMO_SOURCES = TEXT_SOURCES
+# source -> kind, in the order the demo registers them
+DEMO_SOURCES: dict[str, str] = {**{s: "text" for s in TEXT_SOURCES}, **TASK_SOURCES}
 
 
 def publish_demo_source(home: Home, source: str) -> Manifest:
@@ -19,8 +21,8 @@ def publish_demo_source(home: Home, source: str) -> Manifest:
         return Manifest.load(manifest_path)
     if source not in DEMO_SOURCES:
         raise GhostvisError(f"unknown demo source '{source}'; demo sources are: {', '.join(DEMO_SOURCES)}")
-    files = build_text_source(source, out)
-    manifest = manifest_for_files(source, "text", files)
+    files = build_text_source(source, out) if source in TEXT_SOURCES else build_task_source(source, out)
+    manifest = manifest_for_files(source, DEMO_SOURCES[source], files)
     manifest.save(manifest_path)  # last: a source without its manifest is rebuilt
     return manifest
 

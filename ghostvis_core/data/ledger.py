@@ -33,6 +33,7 @@ SHARD_SCHEMA = pa.schema(
         ("shard_id", pa.string()),
         ("source", pa.string()),
         ("split", pa.string()),
+        ("kind", pa.string()),
         ("content_sha256", pa.string()),
         ("raw_bytes", pa.int64()),
         ("tokenizer_id", pa.string()),

@@ -1,8 +1,11 @@
 """Shard manifests and the one download path every source uses.
 
 A manifest lists a source's shards: name, URL, split, and the expected size and sha256 when known.
-`fetch_shard` streams a URL to a temporary name, verifies it, and renames it into place, so a
-partial or corrupt file is never left under the final name.
+`fetch_shard` streams a URL (file://, http(s):// including Hugging Face Hub, s3://) to a temporary
+name, verifies it, and renames it into place, so a partial or corrupt file is never left under the
+final name. Transient failures (dropped connections, timeouts, 429/5xx, S3 throttling) are retried
+with exponential backoff, each attempt from scratch; permanent ones (404, 403, NoSuchKey) are not.
+Credentials come from the environment (HF_TOKEN; the boto3/AWS chain) and never appear in messages.
 """
 
 from __future__ import annotations
@@ -10,14 +13,26 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
+import string
+import time
 import urllib.parse
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
+
+import requests
 
 from ghostvis_core.errors import GhostvisError
 
 CHUNK = 1 << 20
+RETRY_ATTEMPTS = 4  # per fetch or listing, the first try included
+RETRY_BASE_DELAY_S = 1.0  # backoff: base x 2**k (+ up to 50% jitter so parallel partitions spread out)
+HTTP_TIMEOUT_S = (10.0, 60.0)  # (connect, read between bytes): a stalled server counts as transient
+S3_ENDPOINT_ENV = "GHOSTVIS_S3_ENDPOINT_URL"  # unset: boto3's own AWS_ENDPOINT_URL(_S3) handling
+HF_HOST = "huggingface.co"
 
 
 @dataclass
@@ -74,6 +89,44 @@ def manifest_for_files(source: str, kind: str, files: list[tuple[Path, str]]) ->
     ])
 
 
+def manifest_from_pattern(
+    source: str,
+    url_pattern: str,
+    shard_range: range,
+    validation: list[str] | None = None,
+    sha256: dict[str, str] | None = None,
+    kind: str = "text",
+) -> Manifest:
+    """A manifest of numbered remote shards, e.g. "https://host/data/{shard:05d}.parquet" over range(100).
+
+    Shard names are the formatted index ("00012"); sizes stay unknown, `sha256` maps name -> digest.
+    `validation` names the held-out shards. Pinning them by name is only safe while the publisher never
+    renumbers; validation shards should later be identified by content hash (sha256), so a re-published
+    source cannot silently move a training shard into validation or back.
+    """
+    try:
+        spec = next((s for _, f, s, _ in string.Formatter().parse(url_pattern) if f == "shard"), None)
+        if spec is None:
+            raise KeyError("shard")
+        urls = {format(i, spec): url_pattern.format(shard=i) for i in shard_range}
+    except (KeyError, IndexError, ValueError):
+        raise GhostvisError(
+            f"source {source}: url_pattern {url_pattern!r} must contain {{shard}} and no other field "
+            f"(e.g. 'https://host/data/{{shard:05d}}.parquet')"
+        ) from None
+    val, sums = set(validation or []), sha256 or {}
+    unknown = sorted((val | sums.keys()) - urls.keys())
+    if unknown:
+        raise GhostvisError(
+            f"source {source}: shards {unknown} (in validation/sha256) are not in {shard_range} of {url_pattern}; "
+            f"use the formatted names, e.g. {next(iter(urls), '00000')!r}"
+        )
+    return Manifest(source, kind, [
+        ShardEntry(name, url, "validation" if name in val else "train", None, sums.get(name))
+        for name, url in urls.items()
+    ])
+
+
 @dataclass(frozen=True)
 class FetchResult:
     path: Path
@@ -82,45 +135,300 @@ class FetchResult:
     downloaded: bool  # False: the file was already there with the expected checksum
 
 
+class _Transient(Exception):
+    """A failure worth another attempt. Its message is shown to users, so it never holds credentials."""
+
+
 def fetch_shard(shard_id: str, entry: ShardEntry, dest: Path) -> FetchResult:
-    """Download entry.url to dest atomically; verify size and sha256 when the manifest has them."""
+    """Download entry.url to dest atomically; verify size and sha256 when the manifest has them.
+
+    A transient failure restarts the download into a fresh temp file, up to RETRY_ATTEMPTS times.
+    """
     if dest.exists() and entry.sha256 and sha256_file(dest) == entry.sha256:
         return FetchResult(dest, dest.stat().st_size, entry.sha256, downloaded=False)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    what = f"shard {shard_id}: {_safe_url(entry.url)}"
+    fix = f"check the network or the server and re-materialize raw_shards partition {shard_id}"
+    return _retrying(what, fix, lambda: _fetch_once(shard_id, entry, dest, what))
+
+
+def _retrying(what: str, fix: str, attempt):
+    """Call attempt() until it stops raising _Transient; back off exponentially, with jitter, in between."""
+    last = None
+    for i in range(RETRY_ATTEMPTS):
+        if i:
+            time.sleep(RETRY_BASE_DELAY_S * 2 ** (i - 1) * (1 + random.random() / 2))
+        try:
+            return attempt()
+        except _Transient as e:
+            last = e
+    raise GhostvisError(f"{what} failed after {RETRY_ATTEMPTS} attempts (last error: {last}); {fix}")
+
+
+def _fetch_once(shard_id: str, entry: ShardEntry, dest: Path, what: str) -> FetchResult:
     tmp = dest.with_name(f".{dest.name}.part-{uuid.uuid4().hex[:8]}")
     try:
         h = hashlib.sha256()
         size = 0
-        with _open_url(shard_id, entry.url) as src, open(tmp, "wb") as out:
-            while chunk := src.read(CHUNK):
-                out.write(chunk)
-                h.update(chunk)
-                size += len(chunk)
+        with _open_stream(what, entry.url) as (chunks, length), open(tmp, "wb") as out:
+            expected = length if length is not None else entry.bytes
+            of = f" of {expected:,}" if expected is not None else ""
+            try:
+                for chunk in chunks:
+                    out.write(chunk)
+                    h.update(chunk)
+                    size += len(chunk)
+            except _Transient as e:
+                raise _Transient(f"{e} after {size:,}{of} bytes") from None
+            if expected is not None and size < expected:  # the server promised more: a cut transfer
+                raise _Transient(f"transfer ended after {size:,}{of} bytes")
             out.flush()
             os.fsync(out.fileno())
         digest = h.hexdigest()
         if entry.bytes is not None and size != entry.bytes:
             raise GhostvisError(
-                f"shard {shard_id}: size mismatch (expected {entry.bytes} bytes, got {size}) from {entry.url}; "
+                f"{what}: size mismatch (expected {entry.bytes} bytes, got {size}); "
                 f"the source changed or the transfer was cut; re-materialize raw_shards partition {shard_id}"
             )
         if entry.sha256 and digest != entry.sha256:
             raise GhostvisError(
-                f"shard {shard_id}: checksum mismatch (expected {entry.sha256}, got {digest}) from {entry.url}; "
+                f"{what}: checksum mismatch (expected sha256 {entry.sha256}, got {digest}); "
                 f"fix the manifest's sha256 or the source file, then re-materialize raw_shards partition {shard_id}"
             )
         os.replace(tmp, dest)
         return FetchResult(dest, size, digest, downloaded=True)
+    except OSError as e:  # local disk or file:// source, not the network: retrying would not help
+        raise GhostvisError(
+            f"{what}: {e.strerror or e} ({e.filename or tmp}); check free space and permissions under {dest.parent}"
+        ) from None
     finally:
         tmp.unlink(missing_ok=True)
 
 
-def _open_url(shard_id: str, url: str):
-    parsed = urllib.parse.urlparse(url)
-    if parsed.scheme == "file":
-        path = Path(urllib.parse.unquote(parsed.path))
-        if not path.exists():
-            raise GhostvisError(f"shard {shard_id}: {url} does not exist; check the source's manifest")
-        return open(path, "rb")
-    raise GhostvisError(f"shard {shard_id}: unsupported URL scheme '{parsed.scheme}' in {url}")
+def _safe_url(url: str) -> str:
+    """The URL for messages: no user:password@, no query (a presigned URL's query is a credential)."""
+    u = urllib.parse.urlsplit(url)
+    if "@" not in u.netloc and not u.query:
+        return url
+    return urllib.parse.urlunsplit((u.scheme, u.netloc.rsplit("@", 1)[-1], u.path, "..." if u.query else "", ""))
 
+
+def _open_stream(what: str, url: str):
+    """A context manager yielding (chunks, length or None) for any supported URL."""
+    scheme = urllib.parse.urlsplit(url).scheme
+    opener = {"file": _open_file, "http": _open_http, "https": _open_http, "s3": _open_s3}.get(scheme)
+    if opener is None:
+        raise GhostvisError(f"{what}: unsupported URL scheme '{scheme}'; use file://, http(s):// or s3://")
+    return opener(what, url)
+
+
+@contextmanager
+def _open_file(what: str, url: str):
+    path = Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path))
+    if not path.is_file():
+        raise GhostvisError(f"{what} does not exist; check the source's manifest")
+    with open(path, "rb") as f:
+        yield iter(lambda: f.read(CHUNK), b""), os.fstat(f.fileno()).st_size
+
+
+# --- http(s), including Hugging Face Hub resolve URLs (plain HTTPS + redirects) ---------------------
+
+HTTP_CHUNK = 1 << 16  # bytes of a chunk cut by a broken connection are lost: keep the count precise
+_HTTP_TRANSIENT = {408, 429, 500, 502, 503, 504}
+_HTTP_NETWORK = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError)
+
+
+def _http_headers(url: str) -> dict[str, str]:
+    """Identity encoding, so Content-Length counts the file's bytes; HF_TOKEN only to huggingface.co
+    over https (requests drops the header when a redirect leaves the host, e.g. to the HF CDN)."""
+    headers = {"Accept-Encoding": "identity"}
+    u = urllib.parse.urlsplit(url)
+    host = (u.hostname or "").lower()
+    token = os.environ.get("HF_TOKEN")
+    if token and u.scheme == "https" and (host == HF_HOST or host.endswith("." + HF_HOST)):
+        headers["Authorization"] = f"Bearer {token}"
+    return headers
+
+
+def _net_reason(e: BaseException) -> str:
+    """'connection refused (ConnectionError)': the root OS error and the kind, never the exception text,
+    which echoes URLs."""
+    root, depth = e, 0
+    while (nxt := root.__cause__ or root.__context__) is not None and depth < 10:
+        root, depth = nxt, depth + 1
+    if isinstance(e, requests.Timeout) or isinstance(root, TimeoutError):
+        reason = "timed out"
+    elif isinstance(root, OSError) and root.strerror:
+        reason = root.strerror.lower()
+    else:
+        reason = "connection lost"
+    return f"{reason} ({type(e).__name__})"
+
+
+@contextmanager
+def _open_http(what: str, url: str):
+    try:
+        resp = requests.get(url, headers=_http_headers(url), stream=True, timeout=HTTP_TIMEOUT_S)
+    except _HTTP_NETWORK as e:
+        raise _Transient(_net_reason(e)) from None
+    except requests.RequestException as e:
+        raise GhostvisError(f"{what}: cannot request it ({type(e).__name__}); check the URL") from None
+    with resp:
+        code = resp.status_code
+        if code in (404, 410):
+            raise GhostvisError(f"{what} not found (HTTP {code}); check the source's URL pattern and shard range in the manifest")
+        if code in (401, 403):
+            raise GhostvisError(
+                f"{what} refused (HTTP {code}); for a gated or private Hugging Face dataset set HF_TOKEN "
+                f"and accept its terms on the Hub, otherwise check the server's access rules"
+            )
+        if code in _HTTP_TRANSIENT:
+            raise _Transient(f"HTTP {code}")
+        if code != 200:
+            raise GhostvisError(f"{what} failed (HTTP {code}); check the URL")
+        length = resp.headers.get("Content-Length", "")
+        identity = resp.headers.get("Content-Encoding", "identity") in ("", "identity")
+        yield _http_chunks(resp), int(length) if length.isdigit() and identity else None
+
+
+def _http_chunks(resp) -> Iterator[bytes]:
+    try:
+        yield from resp.iter_content(HTTP_CHUNK)
+    except _HTTP_NETWORK as e:
+        raise _Transient(_net_reason(e)) from None
+
+
+# --- s3:// (boto3, imported lazily: file:// and http users do not pay for it) -----------------------
+
+_S3_MISSING = {"NoSuchKey", "NoSuchBucket", "NotFound", "404"}
+_S3_TRANSIENT = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError", "ServiceUnavailable"}
+
+
+def _s3_client():
+    """A fresh client, so credentials are read from the AWS chain now; botocore does not retry (we do).
+
+    GHOSTVIS_S3_ENDPOINT_URL selects an S3-compatible store (path-style addressing, which they all
+    accept); unset, boto3 applies its own AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 handling.
+    """
+    import boto3
+    from botocore.config import Config
+
+    endpoint = os.environ.get(S3_ENDPOINT_ENV) or None
+    config = Config(
+        retries={"total_max_attempts": 1},
+        connect_timeout=HTTP_TIMEOUT_S[0],
+        read_timeout=HTTP_TIMEOUT_S[1],
+        s3={"addressing_style": "path"} if endpoint else None,
+    )
+    return boto3.session.Session().client("s3", endpoint_url=endpoint, config=config)
+
+
+def _split_s3(url: str) -> tuple[str, str]:
+    u = urllib.parse.urlsplit(url)
+    return u.netloc, u.path.lstrip("/")
+
+
+@contextmanager
+def _s3_errors(what: str):
+    """Sort botocore errors into permanent (GhostvisError) and transient ones. Messages use the error
+    code only: S3's own texts and request details stay out (e.g. SignatureDoesNotMatch echoes the key id)."""
+    from botocore import exceptions as bx
+
+    try:
+        yield
+    except bx.ClientError as e:
+        code = str(e.response.get("Error", {}).get("Code", ""))
+        status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        if code in _S3_MISSING:
+            raise GhostvisError(f"{what} not found (S3 {code}); check the bucket, the key and the shard range in the manifest") from None
+        if code in _S3_TRANSIENT or status == 429 or status >= 500:
+            raise _Transient(f"S3 {code or 'error'} (HTTP {status})") from None
+        raise GhostvisError(
+            f"{what} failed (S3 {code}, HTTP {status}); check the AWS credentials (environment, profile or role), "
+            f"the bucket's permissions and {S3_ENDPOINT_ENV}"
+        ) from None
+    except (bx.ConnectionError, bx.HTTPClientError, bx.IncompleteReadError, bx.FlexibleChecksumError) as e:
+        raise _Transient(f"S3 transfer error ({type(e).__name__})") from None
+    except (bx.NoCredentialsError, bx.PartialCredentialsError) as e:
+        raise GhostvisError(
+            f"{what}: no usable AWS credentials ({type(e).__name__}); set AWS_ACCESS_KEY_ID and "
+            f"AWS_SECRET_ACCESS_KEY, or AWS_PROFILE"
+        ) from None
+    except bx.BotoCoreError as e:
+        raise GhostvisError(f"{what} failed ({type(e).__name__}); check the s3:// URL and {S3_ENDPOINT_ENV}") from None
+
+
+@contextmanager
+def _open_s3(what: str, url: str):
+    bucket, key = _split_s3(url)
+    with _s3_errors(what):
+        obj = _s3_client().get_object(Bucket=bucket, Key=key)
+    try:
+        yield _s3_chunks(what, obj["Body"]), obj.get("ContentLength")
+    finally:
+        obj["Body"].close()
+
+
+def _s3_chunks(what: str, body) -> Iterator[bytes]:
+    with _s3_errors(what):
+        yield from body.iter_chunks(CHUNK)
+
+
+# --- listings -------------------------------------------------------------------------------------
+
+
+def list_remote(url_prefix: str, suffix: str = ".parquet", page_size: int = 1000) -> list[tuple[str, int | None]]:
+    """(url, size) of the files ending in `suffix` under a prefix, sorted, to build a manifest from.
+
+    Supports file:// directories (recursive), s3://bucket/prefix (list_objects_v2, `page_size` keys a
+    page) and, over http(s), only a .json listing: a list of URLs/paths (relative ones resolve against
+    the listing) or of objects with url|path and size|bytes, optionally under "shards" or "files" (so
+    a saved Manifest works). HTML directory listings are not parsed: use manifest_from_pattern.
+    """
+    u = urllib.parse.urlsplit(url_prefix)
+    what = f"listing {_safe_url(url_prefix)}"
+    fix = "check the network or the server and list again"
+    if u.scheme == "file":
+        root = Path(urllib.parse.unquote(u.path))
+        if not root.is_dir():
+            raise GhostvisError(f"{what}: not a directory; check the source's URL")
+        files = [p for p in root.rglob(f"*{suffix}") if p.is_file() and not p.name.startswith(".")]
+        return sorted((p.resolve().as_uri(), p.stat().st_size) for p in files)
+    if u.scheme == "s3":
+        return _retrying(what, fix, lambda: _list_s3(what, url_prefix, suffix, page_size))
+    if u.scheme in ("http", "https") and u.path.endswith(".json"):
+        return _retrying(what, fix, lambda: _list_json(what, url_prefix, suffix))
+    raise GhostvisError(
+        f"{what}: cannot list this URL; use a file:// directory, an s3:// prefix or an http(s) .json listing, "
+        f"or build the manifest with manifest_from_pattern"
+    )
+
+
+def _list_s3(what: str, url: str, suffix: str, page_size: int) -> list[tuple[str, int | None]]:
+    bucket, prefix = _split_s3(url)
+    out: list[tuple[str, int | None]] = []
+    with _s3_errors(what):
+        paginator = _s3_client().get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=bucket, Prefix=prefix, PaginationConfig={"PageSize": page_size}):
+            out += [(f"s3://{bucket}/{o['Key']}", o["Size"]) for o in page.get("Contents", []) if o["Key"].endswith(suffix)]
+    return sorted(out)
+
+
+def _list_json(what: str, url: str, suffix: str) -> list[tuple[str, int | None]]:
+    with _open_http(what, url) as (chunks, _):
+        raw = b"".join(chunks)
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        raise GhostvisError(f"{what} is not valid JSON; fix the listing") from None
+    if isinstance(data, dict):
+        data = data.get("shards", data.get("files"))
+    if not isinstance(data, list):
+        raise GhostvisError(f"{what}: expected a JSON list, or an object with 'shards' or 'files'; fix the listing")
+    out: list[tuple[str, int | None]] = []
+    for item in data:
+        item = {"url": item} if isinstance(item, str) else item if isinstance(item, dict) else {}
+        ref, size = item.get("url") or item.get("path"), item.get("size", item.get("bytes"))
+        if isinstance(ref, str) and ref.endswith(suffix):
+            out.append((urllib.parse.urljoin(url, ref), size))
+    return sorted(out)

@@ -111,8 +111,10 @@ class MixtureSchedule:
     """Which source each global row comes from: a fixed interleaved pattern of `period` rows.
 
     Source i gets round(weight_i x period) rows of every period (largest-remainder rounding), spread
-    evenly (smooth weighted round-robin), so any prefix of rows matches the weights within a few
-    rows, and the number of rows of source i before global row g is O(1) arithmetic.
+    evenly (smooth weighted round-robin). Any prefix of N rows then holds each source's count
+    within one row of count_i/period x N, i.e. the weights rounded to 1/period (exact for weights
+    that are multiples of 1/period, e.g. 0.7/0.3); and the number of rows of source i before
+    global row g is O(1) arithmetic.
     """
 
     def __init__(self, weights: list[float], period: int = 1000):

@@ -1,14 +1,19 @@
 """Token shards: one Arrow IPC file per raw shard, memory-mapped by the loader.
 
-Schema: `row` (int64, the document's row in the raw Parquet shard) and `tokens` (large_list of
-uint16/uint32: <|bos|> followed by the document's tokens). Written as a single record batch, so the
-loader gets the flat token array and the document offsets without copying.
+Every kind of source has a `row` column (the document's row in the raw Parquet shard) and a
+`tokens` column (large_list of uint16/uint32) holding all of the document's tokens:
+- text: <|bos|> + the text's tokens
+- chat: the rendered conversation, plus `mask` (same lengths, 1 = carries loss)
+- preference: prompt ++ chosen ++ rejected, plus `prompt_len` and `chosen_len`
+- image_caption: <|bos|><|image|> + caption + <|eot|>, plus `image` (encoded bytes)
+Written as a single record batch, so `tokens` gives the flat token array and the document offsets
+without copying; consumption is recorded in these shard-local token coordinates.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -21,25 +26,32 @@ def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= np.iinfo(np.uint16).max + 1 else np.uint32
 
 
-def write_token_shard(path: Path, rows: np.ndarray, offsets: np.ndarray, values: np.ndarray) -> None:
+def list_column(lengths: list[int], flat: list[int], dtype) -> pa.Array:
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.LargeListArray.from_arrays(pa.array(offsets), pa.array(np.asarray(flat, dtype=dtype)))
+
+
+def write_token_shard(path: Path, columns: dict[str, pa.Array]) -> None:
     """Write atomically: a reader never sees a half-written shard under the final name."""
-    tokens = pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), pa.array(values))
-    table = pa.table({"row": pa.array(rows, pa.int64()), "tokens": tokens})
+    table = pa.table(columns)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
-        writer.write_table(table, max_chunksize=len(rows) or 1)
+        writer.write_table(table, max_chunksize=max(1, table.num_rows))
     os.replace(tmp, path)
 
 
 @dataclass
 class TokenShard:
-    """A memory-mapped token shard: flat `values`, per-document `offsets` (docs+1) and raw `rows`."""
+    """A memory-mapped token shard: flat `values`, per-document `offsets` (docs+1), raw `rows`,
+    and the kind-specific columns (`extra`), all zero-copy where Arrow allows."""
 
     path: Path
     values: np.ndarray
     offsets: np.ndarray
     rows: np.ndarray
+    extra: dict[str, pa.Array] = field(default_factory=dict)
 
     @classmethod
     def open(cls, path: Path, shard_id: str = "") -> "TokenShard":
@@ -50,21 +62,22 @@ class TokenShard:
                 f"partition {shard_id or '<shard>'}"
             )
         try:
-            reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
-            table = reader.read_all()
-            col = table.column("tokens")
-            if col.num_chunks != 1:
-                col = pa.chunked_array([col.combine_chunks()])
-            arr = col.chunk(0)
+            table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all().combine_chunks()
+            arr = table.column("tokens").chunk(0)
             offsets = arr.offsets.to_numpy()
             values = arr.values.to_numpy(zero_copy_only=True)
             rows = table.column("row").to_numpy()
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, KeyError) as exc:
+            extra = {n: table.column(n).chunk(0) for n in table.column_names if n not in ("row", "tokens")}
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, KeyError, IndexError) as exc:
             raise GhostvisError(
                 f"token shard {name}: cannot read {path} ({exc}); delete it and re-materialize "
                 f"tokenized_shards partition {shard_id or '<shard>'}"
             ) from None
-        return cls(path, values, offsets, rows)
+        return cls(path, values, offsets, rows, extra)
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.rows)
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +87,23 @@ class TokenShard:
         """Tokens [start, end) in shard-local token coordinates."""
         base = self.offsets[0]
         return self.values[base + start : base + end]
+
+    def doc_span(self, i: int) -> tuple[int, int]:
+        """Document i's tokens as [start, end) in shard-local token coordinates."""
+        base = self.offsets[0]
+        return int(self.offsets[i] - base), int(self.offsets[i + 1] - base)
+
+    def doc_tokens(self, i: int) -> np.ndarray:
+        return self.slice(*self.doc_span(i))
+
+    def doc_list(self, column: str, i: int) -> np.ndarray:
+        """Document i's entry of a list column that parallels `tokens` (e.g. the chat `mask`)."""
+        arr = self.extra[column]
+        offsets = arr.offsets.to_numpy()
+        return arr.values.to_numpy(zero_copy_only=False)[offsets[i] : offsets[i + 1]]
+
+    def doc_value(self, column: str, i: int):
+        return self.extra[column][i].as_py()
 
     def rows_of(self, start: int, end: int) -> tuple[int, int]:
         """Raw rows [first, last) whose documents hold any of the tokens [start, end)."""

@@ -9,23 +9,23 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 from datatrove.data import Document
 from datatrove.executor import LocalPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.readers import ParquetReader
 
+from ghostvis_core.data.chat import IMAGE, render_chat, render_prompt, render_reply
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.sources import sha256_file
-from ghostvis_core.data.token_shard import TokenShard, token_dtype, write_token_shard
-from ghostvis_core.data.tokenizer import load_tokenizer
+from ghostvis_core.data.token_shard import TokenShard, list_column, token_dtype, write_token_shard
+from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
-
-ENCODE_BATCH = 512
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,21 @@ class TokenizeJob:
     split: str
     raw_path: str
     token_path: str
+    kind: str = "text"
+
+
+# Raw columns each kind of source needs; the first is the text a document filter looks at.
+KIND_COLUMNS = {
+    "text": ["text"],
+    "chat": ["messages", "image"],
+    "preference": ["prompt", "chosen", "rejected"],
+    "image_caption": ["caption", "image"],
+}
 
 
 class RawShardReader(ParquetReader):
-    """datatrove's Parquet reader, reading only `text` and recording each document's raw row."""
+    """datatrove's Parquet reader, reading only the columns the source kind needs and recording
+    each document's raw row, so every token can be traced to (shard, row)."""
 
     name = "📒 GhostVis raw shard"
 
@@ -50,18 +61,26 @@ class RawShardReader(ParquetReader):
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         job = self.jobs[rank]
+        columns = KIND_COLUMNS[job.kind]
         try:
             pf = pq.ParquetFile(job.raw_path)
-            if "text" not in pf.schema_arrow.names:
+            missing = [c for c in columns if c not in pf.schema_arrow.names and c != "image"]
+            if missing:
                 raise GhostvisError(
-                    f"raw shard {job.shard_id} ({job.raw_path}): no `text` column (columns: "
-                    f"{', '.join(pf.schema_arrow.names)}); the source must be FineWeb-style Parquet"
+                    f"raw shard {job.shard_id} ({job.raw_path}): no {', '.join(missing)} column for a {job.kind} "
+                    f"source (columns: {', '.join(pf.schema_arrow.names)}); fix the source's kind or its files"
                 )
+            present = [c for c in columns if c in pf.schema_arrow.names]
             row = 0
-            for batch in pf.iter_batches(batch_size=self.batch_size, columns=["text"]):
-                for text in batch.column(0).to_pylist():
-                    self.stat_update("documents")
-                    yield Document(text=text or "", id=f"{job.shard_id}#{row}", metadata={"row": row})
+            for batch in pf.iter_batches(batch_size=self.batch_size, columns=present):
+                if job.kind == "text":
+                    for text in batch.column(0).to_pylist():
+                        yield Document(text=text or "", id=f"{job.shard_id}#{row}", metadata={"row": row})
+                        row += 1
+                    continue
+                for record in batch.to_pylist():
+                    yield Document(text=_record_text(job.kind, record), id=f"{job.shard_id}#{row}",
+                                   metadata={"row": row, "record": record})
                     row += 1
         except GhostvisError:
             raise
@@ -72,8 +91,32 @@ class RawShardReader(ParquetReader):
             ) from None
 
 
+def _record_text(kind: str, record: dict) -> str:
+    if kind == "chat":
+        return "\n".join(m["content"] for m in record["messages"] or [])
+    if kind == "preference":
+        return record["prompt"] or ""
+    return record.get("caption") or ""
+
+
+def encode_document(tok: Tokenizer, kind: str, doc: Document) -> dict:
+    """One document's token-shard columns (`tokens` always; kind-specific extras)."""
+    if kind == "text":
+        return {"tokens": [tok.bos, *tok.enc.encode_ordinary(doc.text)]}
+    record = doc.metadata["record"]
+    if kind == "chat":
+        ids, mask = render_chat(tok, record["messages"])
+        return {"tokens": ids, "mask": mask, "image": record.get("image")}
+    if kind == "preference":
+        prompt = render_prompt(tok, [{"role": "user", "content": record["prompt"]}])
+        chosen, rejected = render_reply(tok, record["chosen"]), render_reply(tok, record["rejected"])
+        return {"tokens": prompt + chosen + rejected, "prompt_len": len(prompt), "chosen_len": len(chosen)}
+    ids = [tok.bos, tok.special(IMAGE), *tok.encode(record["caption"]), tok.eot]
+    return {"tokens": ids, "image": record["image"]}
+
+
 class TokenShardWriter(PipelineStep):
-    """Encode documents (<|bos|> + ordinary tokens), write the token shard, then its ledger row."""
+    """Encode documents, write the token shard, then its ledger row."""
 
     name = "🔢 GhostVis tokenize"
     type = "🔢 - TOKENIZER"
@@ -87,45 +130,41 @@ class TokenShardWriter(PipelineStep):
     def run(self, data, rank: int = 0, world_size: int = 1):
         job = self.jobs[rank]
         tok = load_tokenizer(self.tokenizer_dir)
-        encode = tok.enc.encode_ordinary
         dtype = token_dtype(tok.vocab_size)
         rows: list[int] = []
-        lengths: list[int] = []
-        flat: list[int] = []
+        lists: dict[str, tuple[list[int], list[int]]] = {}  # column -> (lengths, flat values)
+        scalars: dict[str, list] = {}
         text_bytes = 0
-        dropped = {}
-        batch: list[Document] = []
-
-        def flush() -> None:
-            nonlocal text_bytes
-            for doc in batch:
-                ids = encode(doc.text)
-                flat.append(tok.bos)
-                flat.extend(ids)
-                lengths.append(len(ids) + 1)
-                rows.append(doc.metadata["row"])
-                text_bytes += len(doc.text.encode("utf-8"))
-            batch.clear()
-
+        dropped: dict[str, dict[str, int]] = {}
         for doc in data:
             if not doc.text:
                 d = dropped.setdefault("empty_text", {"docs": 0, "tokens": 0})
                 d["docs"] += 1
                 continue
-            batch.append(doc)
-            if len(batch) >= ENCODE_BATCH:
-                flush()
-        flush()
-        values = np.array(flat, dtype=dtype)
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        write_token_shard(Path(job.token_path), np.array(rows, dtype=np.int64), offsets, values)
-        self.stat_update("tokens", value=int(offsets[-1]))
+            for col, value in encode_document(tok, job.kind, doc).items():
+                if isinstance(value, list):
+                    lengths, flat = lists.setdefault(col, ([], []))
+                    lengths.append(len(value))
+                    flat.extend(value)
+                else:
+                    scalars.setdefault(col, []).append(value)
+            rows.append(doc.metadata["row"])
+            text_bytes += len(doc.text.encode("utf-8"))
+        columns = {"row": pa.array(rows, pa.int64())}
+        for col, (lengths, flat) in lists.items():
+            columns[col] = list_column(lengths, flat, np.uint8 if col == "mask" else dtype)
+        for col, values in scalars.items():
+            columns[col] = pa.array(values, pa.binary() if col == "image" else pa.int64())
+        if "tokens" not in columns:
+            columns["tokens"] = list_column([], [], dtype)
+        n_tokens = sum(lists.get("tokens", ([], []))[0])
+        write_token_shard(Path(job.token_path), columns)
+        self.stat_update("tokens", value=n_tokens, unit="shard")
         raw = Path(job.raw_path)
         Ledger(Path(self.ledger_dir)).write_shard({
-            "shard_id": job.shard_id, "source": job.source, "split": job.split,
+            "shard_id": job.shard_id, "source": job.source, "split": job.split, "kind": job.kind,
             "content_sha256": sha256_file(raw), "raw_bytes": raw.stat().st_size,
-            "tokenizer_id": tok.tokenizer_id, "docs": len(lengths), "tokens": int(offsets[-1]),
+            "tokenizer_id": tok.tokenizer_id, "docs": len(rows), "tokens": n_tokens,
             "text_bytes": text_bytes, "docs_dropped": sum(d["docs"] for d in dropped.values()),
             "tokens_dropped": sum(d["tokens"] for d in dropped.values()),
             "drop_reasons": json.dumps(dropped, sort_keys=True), "token_path": job.token_path,
@@ -187,7 +226,3 @@ def tokenize_shards(
         reports.append(TokenizeReport(j.shard_id, j.shard_id not in todo_ids, rec["docs"], rec["tokens"],
                                       rec["text_bytes"], round(seconds, 3)))
     return reports
-
-
-def reports_to_dicts(reports: list[TokenizeReport]) -> list[dict]:
-    return [asdict(r) for r in reports]

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ghostvis_core.config import ModelConfig
+from ghostvis_core.config import ModelConfig, VisionConfig
 
 try:  # optional, GPU only
     from flash_attn import flash_attn_func  # type: ignore
@@ -138,8 +138,14 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        self.vision = None  # a VisionStack once attach_vision() is called (vision_alignment onwards)
         self._rope_len = 0
         self.reset_parameters()
+
+    def attach_vision(self, vcfg: VisionConfig) -> None:
+        from ghostvis_core.model.vision import VisionStack
+
+        self.vision = VisionStack(vcfg, self.cfg.d_model)
 
     def reset_parameters(self):
         std = 0.02
@@ -177,28 +183,35 @@ class GPT(nn.Module):
                 x = block(x, cos, sin, mask, cache)
         return self.norm(x)
 
-    def forward(self, idx=None, targets=None, *, embeds=None, doc_ids=None, reduction: str = "mean"):
-        """Logits, or the cross-entropy over targets != IGNORE_INDEX (mean or sum)."""
-        h = self.hidden(idx, embeds=embeds, doc_ids=doc_ids)
+    def embed_inputs(self, idx, images=None, image_mask=None):
+        """Token embeddings, with image embeddings written over the expanded <|image|> positions."""
+        x = self.embed(idx)
+        if images is not None and images.shape[0]:
+            from ghostvis_core.model.vision import splice_images
+
+            x = splice_images(x, image_mask, self.vision(images))
+        return x
+
+    def forward(self, idx=None, targets=None, *, doc_ids=None, images=None, image_mask=None, reduction: str = "mean"):
+        """Logits; or with targets, the cross-entropy over targets != IGNORE_INDEX (reduction mean,
+        sum or none), or reduction="logprobs": log p(target) per position (0 where ignored)."""
+        h = self.hidden(embeds=self.embed_inputs(idx, images, image_mask), doc_ids=doc_ids)
         logits = self.lm_head(h)
         if targets is None:
             return logits
-        return F.cross_entropy(
-            logits.float().view(-1, logits.shape[-1]), targets.reshape(-1),
-            ignore_index=IGNORE_INDEX, reduction=reduction,
-        )
-
-    def token_logprobs(self, idx, targets, *, embeds=None, doc_ids=None) -> torch.Tensor:
-        """log p(target) per position (0 where target is IGNORE_INDEX); used by DPO and evals."""
-        logits = self.lm_head(self.hidden(idx, embeds=embeds, doc_ids=doc_ids)).float()
-        safe = targets.clamp_min(0)
-        lp = torch.log_softmax(logits, dim=-1).gather(-1, safe[..., None]).squeeze(-1)
-        return lp * (targets != IGNORE_INDEX)
+        if reduction == "logprobs":
+            lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.clamp_min(0)[..., None]).squeeze(-1)
+            return lp * (targets != IGNORE_INDEX)
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1),
+                               ignore_index=IGNORE_INDEX, reduction=reduction)
+        return loss.view(targets.shape) if reduction == "none" else loss
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
-                 top_k: int | None = None, stop_tokens: tuple[int, ...] = (), generator=None) -> list[int]:
-        """KV-cached sampling; greedy at temperature 0. Stops after any stop token."""
+                 top_k: int | None = None, stop_tokens: tuple[int, ...] = (), generator=None,
+                 images=None, image_token: int | None = None) -> list[int]:
+        """KV-cached sampling; greedy at temperature 0. Stops after any stop token.
+        `images` fill the prompt's (already expanded) image_token positions."""
         self.eval()
         device = self.embed.weight.device
         caches = [KVCache() for _ in self.blocks]
@@ -206,7 +219,9 @@ class GPT(nn.Module):
         out: list[int] = []
         pos = 0
         for _ in range(max_new_tokens):
-            h = self.hidden(x, kv_caches=caches, start_pos=pos)
+            mask = (x == image_token) if images is not None and pos == 0 else None
+            embeds = self.embed_inputs(x, images if pos == 0 else None, mask)
+            h = self.hidden(embeds=embeds, kv_caches=caches, start_pos=pos)
             pos += x.shape[1]
             logits = self.lm_head(h[:, -1]).float()
             if temperature <= 0:

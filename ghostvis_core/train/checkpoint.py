@@ -120,10 +120,20 @@ def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     return out
 
 
-def load_model(path: Path, model: torch.nn.Module, *, strict: bool = True) -> None:
+def load_model(path: Path, model: torch.nn.Module, *, allow_missing: tuple[str, ...] = ()) -> None:
+    """Load weights; parameters under an `allow_missing` prefix may be absent (newly added)."""
     state = load_file(str(_require(path, "model.safetensors")))
+    own = model.state_dict()
+    wrong = [f"{k} {tuple(v.shape)} vs model {tuple(own[k].shape)}" for k, v in state.items()
+             if k in own and own[k].shape != v.shape]
+    if wrong:
+        raise GhostvisError(
+            f"checkpoint {path}: tensor shapes do not fit the model ({'; '.join(wrong[:3])}); the stage config's "
+            "model shape must match the checkpoint's config.json"
+        )
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if strict and (missing or unexpected):
+    missing = [k for k in missing if not k.startswith(allow_missing)]
+    if missing or unexpected:
         raise GhostvisError(
             f"checkpoint {path}: does not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]}); "
             "the stage config's model shape must match the checkpoint's config.json"

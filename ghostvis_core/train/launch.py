@@ -20,8 +20,7 @@ from ghostvis_core import presets
 from ghostvis_core.budget import batch_plan, plan as make_plan
 from ghostvis_core.config import StageConfig
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.loader import LMBatcher
-from ghostvis_core.data.stream import ShardRef, SourceStream
+from ghostvis_core.data.stream import ShardRef
 from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
@@ -90,32 +89,51 @@ def select_shards(ledger: Ledger, tokenizer_id: str, sources: list[str], split: 
     return out
 
 
-def preflight(cfg: StageConfig, plan_steps: int, train_shards: dict[str, list[dict]]) -> dict[str, dict[str, Any]]:
+def preflight(cfg: StageConfig, plan_steps: int, objective) -> dict[str, dict[str, Any]]:
     """Per source: tokens the budget needs vs tokens available. Refuses to start on a shortfall."""
     bp = batch_plan(cfg.batch)
-    streams = [SourceStream(s.source, [ShardRef.from_dict(r) for r in train_shards[s.source]], cfg.data.seed)
-               for s in cfg.data.recipe]
-    batcher = LMBatcher(streams, [s.weight for s in cfg.data.recipe], cfg.batch.seq_len)
-    need = batcher.source_tokens(plan_steps * bp.rows_per_step)
+    rows = objective.batcher.rows_per_source(plan_steps * bp.rows_per_step)
     report, problems = {}, []
-    for st in streams:
-        needed = need[st.source] + 1
-        shards = len(st.refs)
-        epochs = needed / st.total
-        report[st.source] = {"needed_tokens": needed, "available_tokens": st.total, "shards": shards,
+    for rs in objective.batcher.sources:
+        needed = rs.tokens_for_rows(rows[rs.source])
+        available = rs.available_tokens
+        shards = len(objective.train_streams[rs.source].refs)
+        epochs = needed / max(1, available)
+        report[rs.source] = {"needed_tokens": needed, "available_tokens": available, "shards": shards,
                              "epochs": round(epochs, 3)}
-        if needed > st.total and not cfg.data.allow_repeat:
-            per_shard = st.total / shards
-            more = math.ceil((needed - st.total) / per_shard)
+        if needed > available and not cfg.data.allow_repeat:
+            per_shard = available / shards
+            more = math.ceil((needed - available) / max(1.0, per_shard))
             problems.append(
-                f"source {st.source}: the budget needs {needed:,} tokens but {st.total:,} are tokenized in "
-                f"{shards} shards ({epochs:.2f} epochs); tokenize about {more} more shards "
+                f"source {rs.source}: the budget needs {needed:,} tokens but {available:,} are available in "
+                f"{shards} tokenized shards ({epochs:.2f} epochs); tokenize about {more} more shards "
                 f"(~{per_shard:,.0f} tokens each) or lower the budget, or set data.allow_repeat=true to repeat "
                 f"the data {epochs:.2f} times"
             )
     if problems:
         raise GhostvisError("pre-flight failed: " + "; ".join(problems))
     return report
+
+
+def lineage_offsets(ledger: Ledger, parent_run_key: str, train_shards: dict[str, list[dict]],
+                    sources: list[str]) -> dict[str, int]:
+    """Where the lineage stopped reading each source's token stream, so this stage continues
+    there instead of re-reading it (stream coordinates: epoch x total + shard start + token)."""
+    offsets: dict[str, int] = {}
+    for src in sources:
+        refs = sorted(train_shards[src], key=lambda r: r["shard_id"])
+        starts, pos = {}, 0
+        for r in refs:
+            starts[r["shard_id"]] = pos
+            pos += r["tokens"]
+        end = 0
+        for run in ledger.lineage(parent_run_key):
+            ids = [p["part_id"] for p in ledger.chain(run)]
+            for c in ledger.consumption(ids):
+                if c["source"] == src and c["shard_id"] in starts:
+                    end = max(end, c["epoch"] * pos + starts[c["shard_id"]] + c["tok_end"])
+        offsets[src] = end
+    return offsets
 
 
 def prepare_run(
@@ -128,44 +146,74 @@ def prepare_run(
     upstream: Upstream | None = None,
 ) -> LaunchSpec:
     home = home or Home.from_env()
-    cfg = presets.resolve(stage, preset, overrides)
+    defaults_from = presets.resolve(stage, preset, overrides)
+    if defaults_from.init_from and upstream is None:
+        upstream = find_upstream(home, defaults_from.init_from)
+    up_cfg = None
+    if upstream:
+        cfg_file = Path(upstream.checkpoint) / "config.json"
+        if not cfg_file.exists():
+            raise GhostvisError(
+                f"stage {stage}: upstream checkpoint {upstream.checkpoint} is missing; "
+                f"materialize the `{upstream.stage}` asset first"
+            )
+        up_cfg = json.loads(cfg_file.read_text())
+    cfg = presets.resolve(stage, preset, overrides, upstream=up_cfg)
     tokenizer_id = tokenizer_id or newest_tokenizer(home)
     tok = load_tokenizer(tokenizer_id, home.store / "tokenizers")
     vocab = 64 * math.ceil(tok.vocab_size / 64)
-    if "model.vocab_size" in (overrides or {}) and cfg.model.vocab_size != vocab:
-        raise GhostvisError(f"model.vocab_size={cfg.model.vocab_size} does not fit tokenizer {tokenizer_id} "
-                            f"({tok.vocab_size} tokens, padded to {vocab}); drop the override")
-    cfg.model.vocab_size = vocab
-    if cfg.init_from and upstream is None:
-        upstream = find_upstream(home, cfg.init_from)
+    if up_cfg is None:
+        if "model.vocab_size" in (overrides or {}) and cfg.model.vocab_size != vocab:
+            raise GhostvisError(f"model.vocab_size={cfg.model.vocab_size} does not fit tokenizer {tokenizer_id} "
+                                f"({tok.vocab_size} tokens, padded to {vocab}); drop the override")
+        cfg.model.vocab_size = vocab
+    elif cfg.model.vocab_size != vocab:
+        raise GhostvisError(
+            f"stage {stage}: tokenizer {tokenizer_id} has {tok.vocab_size} tokens (padded {vocab}) but the upstream "
+            f"{upstream.stage} model has vocab_size {cfg.model.vocab_size}; the tokenizer changed since that run — "
+            f"re-run the chain from pretrain with this tokenizer"
+        )
 
     ledger = Ledger(home.ledger)
     train_shards = select_shards(ledger, tok.tokenizer_id, [s.source for s in cfg.data.recipe], "train")
     val_shards = select_shards(ledger, tok.tokenizer_id, cfg.data.val_sources, "validation") if cfg.data.val_sources else {}
     p = make_plan(cfg)
-    source_budget = preflight(cfg, p.steps, train_shards)
+    extra: dict[str, Any] = {}
+    if upstream and cfg.objective == "lm":
+        fresh = [s.source for s in cfg.data.recipe if s.source not in cfg.data.replay_sources]
+        extra["stream_offsets"] = lineage_offsets(ledger, upstream.run_key, train_shards, fresh)
+    if up_cfg and up_cfg["model"]["max_seq_len"] < cfg.model.max_seq_len:
+        extra["old_seq_len"] = up_cfg["model"]["max_seq_len"]
+        extra["upstream_rope"] = {k: up_cfg["model"][k] for k in ("rope_base", "rope_scaling")}
+    if "reasoning" in cfg.eval.evidence:
+        extra["reasoning_source"] = max(cfg.data.recipe, key=lambda s: s.weight).source
+    if cfg.vision is not None and not (up_cfg or {}).get("vision"):
+        extra["new_vision"] = True
 
-    identity = json.dumps({"config": cfg.to_dict(), "tokenizer": tok.tokenizer_id,
-                           "train": {s: [r["content_sha256"] for r in refs] for s, refs in train_shards.items()},
-                           "upstream": upstream.checkpoint if upstream else None}, sort_keys=True)
-    digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
-    run_key = _next_run_key(home, stage, f"{stage}-{digest}")
     spec = LaunchSpec(
-        stage=stage, run_key=run_key, config=cfg.to_dict(), plan=p.to_dict(), home=str(home.root),
+        stage=stage, run_key="", config=cfg.to_dict(), plan=p.to_dict(), home=str(home.root),
         tokenizer_id=tok.tokenizer_id, tokenizer_dir=str(home.tokenizer_dir(tok.tokenizer_id)),
-        train_shards=train_shards, val_shards=val_shards,
-        checkpoint_dir=str(home.checkpoints(stage, run_key)), ledger_dir=str(home.ledger),
+        train_shards=train_shards, val_shards=val_shards, checkpoint_dir="", ledger_dir=str(home.ledger),
         mlflow_tracking_uri=home.mlflow_tracking_uri, mlflow_experiment=MLFLOW_EXPERIMENT,
         mlflow_artifact_location=home.mlflow_artifacts.as_uri(),
         parent_run_key=upstream.run_key if upstream else None,
-        init_checkpoint=upstream.checkpoint if upstream else None,
-        tags={"ghostvis.stage": stage, "ghostvis.run_key": run_key, "ghostvis.preset": preset,
-              "ghostvis.tokenizer_id": tok.tokenizer_id,
-              **({"ghostvis.parent_run_key": upstream.run_key, "ghostvis.init_checkpoint": upstream.checkpoint}
-                 if upstream else {})},
-        extra={"source_budget": source_budget},
+        init_checkpoint=upstream.checkpoint if upstream else None, extra=extra,
     )
-    spec.save(home.run_dir(stage, run_key) / "spec.json")
+    from ghostvis_core.train.objectives import build_objective
+
+    spec.extra["source_budget"] = preflight(cfg, p.steps, build_objective(spec, cfg))
+
+    identity = json.dumps({"config": cfg.to_dict(), "tokenizer": tok.tokenizer_id,
+                           "train": {s: [r["content_sha256"] for r in refs] for s, refs in train_shards.items()},
+                           "upstream": upstream.checkpoint if upstream else None, "extra": extra}, sort_keys=True)
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
+    spec.run_key = _next_run_key(home, stage, f"{stage}-{digest}")
+    spec.checkpoint_dir = str(home.checkpoints(stage, spec.run_key))
+    spec.tags = {"ghostvis.stage": stage, "ghostvis.run_key": spec.run_key, "ghostvis.preset": preset,
+                 "ghostvis.tokenizer_id": tok.tokenizer_id,
+                 **({"ghostvis.parent_run_key": upstream.run_key, "ghostvis.init_checkpoint": upstream.checkpoint,
+                     "ghostvis.upstream_stage": upstream.stage} if upstream else {})}
+    spec.save(home.run_dir(stage, spec.run_key) / "spec.json")
     return spec
 
 

@@ -25,6 +25,7 @@ from ghostvis_core.data.ledger import Ledger, pieces_to_rows
 from ghostvis_core.data.loader import Consumption, merge_pieces
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.model.gpt import GPT
+from ghostvis_core.model.vision import frozen_fingerprint
 from ghostvis_core.track.mlflow_run import MlflowRun, MlflowTarget
 from ghostvis_core.track.pipes import PipesReporter
 from ghostvis_core.train import checkpoint as ckpt
@@ -102,7 +103,10 @@ def train(spec: LaunchSpec, ctx: DistContext) -> dict[str, Any]:
     run_dir = Path(spec.checkpoint_dir)
     torch.manual_seed(cfg.data.seed)
 
-    model = GPT(cfg.model).to(ctx.device)
+    model = GPT(cfg.model)
+    if cfg.vision is not None:
+        model.attach_vision(cfg.vision)
+    model.to(ctx.device)
     model.grad_checkpointing = cfg.runtime.grad_checkpointing
     resume = ckpt.latest_complete(run_dir)
     state: dict[str, Any] = {}
@@ -111,8 +115,12 @@ def train(spec: LaunchSpec, ctx: DistContext) -> dict[str, Any]:
         state = ckpt.read_json(resume.path, "trainer.json")
         _publish_parts(run_dir, Path(spec.ledger_dir))
     elif spec.init_checkpoint:
-        ckpt.load_model(Path(spec.init_checkpoint), model)
-    objective = build_objective(cfg, spec.train_shards, spec.val_shards)
+        # The stage that introduces the vision stack starts it fresh; everything else must match.
+        ckpt.load_model(Path(spec.init_checkpoint), model,
+                        allow_missing=("vision.",) if spec.extra.get("new_vision") else ())
+    objective = build_objective(spec, cfg)
+    objective.prepare_model(model)
+    frozen_before = frozen_fingerprint(model) if any(not p.requires_grad for p in model.parameters()) else None
     optimizer = make_optimizer(model, cfg, ctx.device)
     if resume is not None:
         ckpt.load_optimizer(resume.path, model, optimizer)
@@ -144,7 +152,7 @@ def train(spec: LaunchSpec, ctx: DistContext) -> dict[str, Any]:
            f"{total_steps} steps, bf16={bf16}", ctx=ctx)
 
     if step == 0:
-        history["val_start"] = objective.evaluate(model, ctx, autocast)
+        history["val_start"] = objective.evaluate(model, ctx, autocast, evidence=True)
         if tracker:
             tracker.log_metrics(history["val_start"], step=0)
     consumption = Consumption()
@@ -161,7 +169,7 @@ def train(spec: LaunchSpec, ctx: DistContext) -> dict[str, Any]:
         for g in optimizer.param_groups:
             g["lr"] = lr
         batches = objective.step_batches(rows, plan, ctx.rank)
-        (n_loss,) = all_reduce_sum([sum(b.loss_tokens for b in batches)], ctx, dtype=torch.int64)
+        (n_loss,) = all_reduce_sum([sum(b.units for b in batches)], ctx, dtype=torch.int64)
         loss_total = 0.0
         for m, b in enumerate(batches):
             sync = contextlib.nullcontext() if (m == len(batches) - 1 or ctx.world_size == 1) else ddp.no_sync()
@@ -202,7 +210,7 @@ def train(spec: LaunchSpec, ctx: DistContext) -> dict[str, Any]:
             if pipes:
                 pipes.log(msg)
         if step % cfg.eval.every_steps == 0 or step == total_steps:
-            last_val = objective.evaluate(model, ctx, autocast)
+            last_val = objective.evaluate(model, ctx, autocast, evidence=step == total_steps)
             metrics.update(last_val)
             print0(f"[{spec.stage}] step {step} val/loss {last_val.get('val/loss', float('nan')):.4f}", ctx=ctx)
         if tracker and metrics:
@@ -230,7 +238,22 @@ def train(spec: LaunchSpec, ctx: DistContext) -> dict[str, Any]:
         "checkpoint_uri": str(run_dir / ckpt.step_dir_name(step)),
         "parent_run_key": spec.parent_run_key,
     }
+    before = history.get("val_start", {})
+    for k, v in last_val.items():
+        if k.startswith("evidence/"):
+            name = k.split("/", 1)[1]
+            result[f"{name}_after"] = v
+            if k in before:
+                result[f"{name}_before"] = before[k]
+    if frozen_before is not None:
+        frozen_after = frozen_fingerprint(model)
+        result["frozen_params_sha256_before"] = frozen_before
+        result["frozen_params_sha256_after"] = frozen_after
+        result["frozen_params_unchanged"] = int(frozen_before == frozen_after)
     if ctx.is_main:
+        result.update(mixture_fractions(Ledger(Path(spec.ledger_dir)), spec.run_key, cfg))
+        tracker.log_metrics({k: v for k, v in result.items() if k.startswith(("mixture/", "frozen_params_unchanged"))},
+                            step=step)
         result["mlflow_run_id"] = tracker.wait_run_id()
         result["mlflow_experiment_id"] = tracker.experiment_id
         tracker.set_tags({"ghostvis.checkpoint_uri": result["checkpoint_uri"]})
@@ -240,6 +263,21 @@ def train(spec: LaunchSpec, ctx: DistContext) -> dict[str, Any]:
         pipes.report_materialization({k: v for k, v in result.items() if v is not None})
         pipes.close()
     return result
+
+
+def mixture_fractions(ledger: Ledger, run_key: str, cfg: StageConfig) -> dict[str, float]:
+    """Per source: the fraction of the run's consumed shard tokens (from the ledger) and the
+    recipe weight it should match."""
+    by_source: dict[str, int] = {}
+    for r in ledger.consumed_by_shard(run_key):
+        by_source[r["source"]] = by_source.get(r["source"], 0) + int(r["tokens"])
+    total = sum(by_source.values()) or 1
+    out = {}
+    for s in cfg.data.recipe:
+        out[f"mixture/{s.source}/fraction"] = by_source.get(s.source, 0) / total
+        out[f"mixture/{s.source}/weight"] = s.weight
+        out[f"mixture/{s.source}/tokens"] = by_source.get(s.source, 0)
+    return out
 
 
 def _batch_plan(cfg: StageConfig, ctx: DistContext) -> BatchPlan:

@@ -1,102 +1,254 @@
 """Training objectives: what a stage reads, what its loss is, and how it is evaluated.
 
 An objective hands the loop the micro-batches of one optimizer step (from the global row position),
-computes a summed loss, and evaluates on held-out data. The loop does the rest (DDP, accumulation,
-accounting, checkpoints), identically for every stage.
+computes a summed loss, and evaluates on held-out data (with the stage's evidence before and after
+training). The loop does the rest (DDP, accumulation, accounting, checkpoints) for every stage.
+
+- lm: next-token prediction on packed rows (pretrain, continued_pretrain, context_expansion,
+  reasoning_mix)
+- vision_align: caption loss through frozen encoder + LM; only resampler and projector train
+- sft: assistant-token loss on packed conversations (attention kept inside each conversation)
+- dpo: DPO loss against a frozen reference model (the upstream checkpoint)
 """
 
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from ghostvis_core.budget import BatchPlan
 from ghostvis_core.config import StageConfig
-from ghostvis_core.data.loader import Batch, LMBatcher, micro_batch_rows
+from ghostvis_core.data.loader import (
+    Batch, Batcher, CaptionRows, ChatRows, LMRows, PreferenceRows, micro_batch_rows,
+)
 from ghostvis_core.data.stream import ShardRef, SourceStream
+from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.eval import evidence as ev
+from ghostvis_core.model.gpt import GPT
+from ghostvis_core.model.vision import decode_images
 from ghostvis_core.train.dist import DistContext, all_reduce_sum
-
-
-class Objective(Protocol):
-    def step_batches(self, first_row: int, plan: BatchPlan, rank: int) -> list[Batch]: ...
-
-    def loss_sum(self, model, batch: Batch, device) -> torch.Tensor: ...
-
-    def evaluate(self, model, ctx: DistContext, autocast) -> dict[str, float]: ...
-
-    def rows_of(self, piece) -> tuple[int, int]: ...
+from ghostvis_core.train.spec import LaunchSpec
 
 
 def streams_for(shards: dict[str, list[dict]], seed: int) -> dict[str, SourceStream]:
     return {src: SourceStream(src, [ShardRef.from_dict(r) for r in refs], seed) for src, refs in shards.items()}
 
 
-class LMObjective:
-    """Next-token prediction on packed rows of a source mixture (pretraining-style stages)."""
+class Objective:
+    """Shared machinery: the train batcher from the recipe, validation rows, piece -> rows."""
 
-    def __init__(self, cfg: StageConfig, train_shards: dict[str, list[dict]], val_shards: dict[str, list[dict]]):
+    def __init__(self, spec: LaunchSpec, cfg: StageConfig):
+        self.spec, self.cfg = spec, cfg
+        self.tok = load_tokenizer(spec.tokenizer_dir)
+        self.seq_len = cfg.batch.seq_len
         recipe = cfg.data.recipe
-        missing = [s.source for s in recipe if s.source not in train_shards]
+        missing = [s.source for s in recipe if s.source not in spec.train_shards]
         if missing:
             raise GhostvisError(f"stage {cfg.stage}: no tokenized train shards for source(s) {missing}")
-        streams = streams_for({s.source: train_shards[s.source] for s in recipe}, cfg.data.seed)
-        self.batcher = LMBatcher([streams[s.source] for s in recipe], [s.weight for s in recipe], cfg.batch.seq_len)
-        self.seq_len = cfg.batch.seq_len
-        self.micro_batch_size = cfg.batch.micro_batch_size
-        self.val_tokens = cfg.eval.val_tokens
-        self.val = {src: LMBatcher([st], [1.0], self.seq_len) for src, st in streams_for(val_shards, cfg.data.seed).items()}
-        self._all = {**{st.source: st for st in self.batcher.streams},
-                     **{b.streams[0].source + "#val": b.streams[0] for b in self.val.values()}}
+        self.train_streams = streams_for({s.source: spec.train_shards[s.source] for s in recipe}, cfg.data.seed)
+        self.val_streams = streams_for(spec.val_shards, cfg.data.seed)
+        self.batcher = Batcher([self.row_source(self.train_streams[s.source], train=True) for s in recipe],
+                               [s.weight for s in recipe])
 
+    # --- per objective ---
+    def row_source(self, stream: SourceStream, train: bool):
+        raise NotImplementedError
+
+    def loss_sum(self, model, batch: Batch, device) -> torch.Tensor:
+        return model(batch.inputs.to(device), batch.targets.to(device), doc_ids=_dev(batch.doc_ids, device),
+                     reduction="sum", **self.image_inputs(batch, device))
+
+    @torch.no_grad()
+    def evaluate(self, model, ctx: DistContext, autocast, evidence: bool) -> dict[str, float]:
+        """Held-out loss per validation source (and overall), plus the stage's evidence."""
+        was = model.training
+        model.eval()
+        out: dict[str, float] = {}
+        tot = n = 0.0
+        for src in sorted(self.val_streams):
+            rs, rows = self.val_rows(src)
+            loss = self.mean_loss(model, rs, rows, ctx, autocast)
+            out[f"val/loss/{src}"] = loss
+            tot, n = tot + loss * rows, n + rows
+        if n:
+            out["val/loss"] = tot / n
+            out["val/ppl"] = math.exp(min(out["val/loss"], 50.0))
+        if evidence:
+            out.update(ev.compute(self, model, ctx, autocast, out))
+        model.train(was)
+        return out
+
+    def prepare_model(self, model: GPT) -> None:
+        """Set which parameters train (all, by default)."""
+
+    # --- shared ---
     def step_batches(self, first_row: int, plan: BatchPlan, rank: int) -> list[Batch]:
         return [self.batcher.batch(micro_batch_rows(first_row, m, rank, plan)) for m in range(plan.grad_accum_steps)]
 
-    def loss_sum(self, model, batch: Batch, device) -> torch.Tensor:
-        return model(batch.inputs.to(device), batch.targets.to(device), doc_ids=_dev(batch.doc_ids, device), reduction="sum")
-
-    @torch.no_grad()
-    def evaluate(self, model, ctx: DistContext, autocast) -> dict[str, float]:
-        """Mean loss over the first val_tokens of each validation source (same rows every time)."""
-        was_training = model.training
-        model.eval()
-        out: dict[str, float] = {}
-        total_loss = total_n = 0.0
-        for src, batcher in sorted(self.val.items()):
-            stream = batcher.streams[0]
-            n_rows = max(1, min(self.val_tokens, stream.total - 1) // self.seq_len)
-            mine = list(range(ctx.rank, n_rows, ctx.world_size))
-            loss = 0.0
-            for i in range(0, len(mine), self.micro_batch_size):
-                b = batcher.batch(mine[i : i + self.micro_batch_size])
-                with autocast():
-                    loss += float(self.loss_sum(model, b, ctx.device))
-            loss, n = all_reduce_sum([loss, len(mine) * self.seq_len], ctx)
-            out[f"val/loss/{src}"] = loss / n
-            total_loss, total_n = total_loss + loss, total_n + n
-        if total_n:
-            out["val/loss"] = total_loss / total_n
-            out["val/ppl"] = math.exp(min(out["val/loss"], 50.0))
-        model.train(was_training)
-        return out
+    def image_inputs(self, batch: Batch, device) -> dict:
+        if not batch.images:
+            return {}
+        image_id = self.tok.special("<|image|>")
+        images = decode_images(batch.images, self.cfg.vision.image_size).to(device)
+        return {"images": images, "image_mask": batch.inputs.to(device) == image_id}
 
     def rows_of(self, piece) -> tuple[int, int]:
-        st = next(s for s in self.batcher.streams if s.source == piece.source)
+        st = self.train_streams[piece.source]
         ref = next(r for r in st.refs if r.shard_id == piece.shard_id)
         return st.shard(ref).rows_of(piece.tok_start, piece.tok_end)
 
-    def tokens_needed(self, steps: int, plan: BatchPlan) -> dict[str, int]:
-        """Tokens each source must hold for `steps` steps (the +1 is the last row's final target)."""
-        return {s: n + 1 for s, n in self.batcher.source_tokens(steps * plan.rows_per_step).items() if n}
+    def val_rows(self, source: str, rows_cap: int | None = None) -> tuple[object, int]:
+        rs = self.row_source(self.val_streams[source], train=False)
+        n = max(1, min(self.cfg.eval.val_tokens // self.seq_len, rows_cap or 10**9, _rows_available(rs, self.seq_len)))
+        return rs, n
+
+    def mean_loss(self, model, rs, n_rows: int, ctx, autocast) -> float:
+        """Mean loss over the first n_rows of a row source (rows split over ranks)."""
+        b = Batcher([rs], [1.0])
+        total = count = 0.0
+        mine = list(range(ctx.rank, n_rows, ctx.world_size))
+        for i in range(0, len(mine), self.cfg.batch.micro_batch_size):
+            batch = b.batch(mine[i : i + self.cfg.batch.micro_batch_size])
+            with autocast():
+                total += float(self.loss_sum(model, batch, ctx.device))
+            count += batch.loss_tokens
+        total, count = all_reduce_sum([total, count], ctx)
+        return total / max(1.0, count)
+
+
+def _rows_available(rs, seq_len: int) -> int:
+    if isinstance(rs, LMRows):
+        return max(1, (rs.available_tokens - 1) // seq_len)
+    if isinstance(rs, ChatRows):
+        return len(rs.plan(0))
+    return len(rs.index.docs) * (2 if isinstance(rs, PreferenceRows) else 1)
 
 
 def _dev(t, device):
     return None if t is None else t.to(device)
 
 
-def build_objective(cfg: StageConfig, train_shards, val_shards) -> Objective:
-    if cfg.objective == "lm":
-        return LMObjective(cfg, train_shards, val_shards)
-    raise GhostvisError(f"stage {cfg.stage}: unknown objective '{cfg.objective}'")
+class LMObjective(Objective):
+    """Next-token prediction on packed windows; a source continues where the stage's lineage
+    stopped reading it, unless it is declared replay (then it is read again from the start)."""
+
+    def row_source(self, stream, train):
+        start = self.spec.extra.get("stream_offsets", {}).get(stream.source, 0) if train else 0
+        return LMRows(stream, self.seq_len, start)
+
+
+class VisionAlignObjective(Objective):
+    def row_source(self, stream, train):
+        v = self.cfg.vision
+        return CaptionRows(stream, self.seq_len, self.cfg.data.seed, self.tok.special("<|pad|>"),
+                           self.tok.special("<|image|>"), v.n_latents)
+
+    def prepare_model(self, model: GPT) -> None:
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for p in model.vision.trainable_for_alignment():
+            p.requires_grad_(True)
+
+
+class SFTObjective(Objective):
+    def row_source(self, stream, train):
+        v = self.cfg.vision
+        return ChatRows(stream, self.seq_len, self.cfg.data.seed, self.tok.special("<|pad|>"),
+                        self.tok.special("<|image|>"), v.n_latents if v else None)
+
+    def prepare_model(self, model: GPT) -> None:
+        if model.vision is not None:  # the aligned vision stack is used, not trained, in SFT
+            for p in model.vision.parameters():
+                p.requires_grad_(False)
+
+
+class DPOObjective(Objective):
+    """loss = -log sigmoid(beta x ((pi_c - ref_c) - (pi_r - ref_r))), averaged over pairs."""
+
+    def __init__(self, spec, cfg):
+        super().__init__(spec, cfg)
+        if cfg.batch.micro_batch_size % 2:
+            raise GhostvisError(f"dpo: batch.micro_batch_size={cfg.batch.micro_batch_size} must be even "
+                                "(each preference pair is two rows)")
+        self.beta = cfg.dpo.beta
+        self.ref: GPT | None = None
+
+    def row_source(self, stream, train):
+        return PreferenceRows(stream, self.seq_len, self.cfg.data.seed, self.tok.special("<|pad|>"))
+
+    def prepare_model(self, model: GPT) -> None:
+        from ghostvis_core.train import checkpoint as ckpt
+
+        if model.vision is not None:
+            for p in model.vision.parameters():
+                p.requires_grad_(False)
+        self.ref = GPT(model.cfg)
+        if self.cfg.vision is not None:
+            self.ref.attach_vision(self.cfg.vision)
+        ckpt.load_model(Path(self.spec.init_checkpoint), self.ref)
+        self.ref.to(model.embed.weight.device).eval().requires_grad_(False)
+
+    def step_batches(self, first_row, plan, rank):
+        batches = super().step_batches(first_row, plan, rank)
+        for b in batches:
+            b.loss_units = b.inputs.shape[0] // 2
+        return batches
+
+    def sequence_logps(self, model, batch: Batch, device) -> torch.Tensor:
+        lp = model(batch.inputs.to(device), batch.targets.to(device), reduction="logprobs")
+        return lp.sum(-1)
+
+    def margins(self, model, batch, device):
+        pol = self.sequence_logps(model, batch, device)
+        with torch.no_grad():
+            ref = self.sequence_logps(self.ref, batch, device)
+        return pol[0::2], pol[1::2], ref[0::2], ref[1::2]
+
+    def loss_sum(self, model, batch, device):
+        pc, pr, rc, rr = self.margins(model, batch, device)
+        return -F.logsigmoid(self.beta * ((pc - rc) - (pr - rr))).sum()
+
+    @torch.no_grad()
+    def evaluate(self, model, ctx, autocast, evidence):
+        was = model.training
+        model.eval()
+        out = {}
+        for src in sorted(self.val_streams):
+            rs, rows = self.val_rows(src)
+            rows -= rows % 2
+            b = Batcher([rs], [1.0])
+            sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # loss, pref_acc, margin, chosen>rejected, pairs
+            pairs = list(range(ctx.rank, rows // 2, ctx.world_size))
+            step = max(1, self.cfg.batch.micro_batch_size // 2)
+            for i in range(0, len(pairs), step):
+                batch = b.batch([r for p in pairs[i : i + step] for r in (2 * p, 2 * p + 1)])
+                with autocast():
+                    pc, pr, rc, rr = self.margins(model, batch, ctx.device)
+                z = self.beta * ((pc - rc) - (pr - rr))
+                sums[0] += float(-F.logsigmoid(z).sum())
+                sums[1] += float(((pc - pr) > (rc - rr)).sum())
+                sums[2] += float(z.sum())
+                sums[3] += float((pc > pr).sum())
+                sums[4] += len(pc)
+            sums = all_reduce_sum(sums, ctx)
+            n = max(1.0, sums[4])
+            out["val/loss"] = out[f"val/loss/{src}"] = sums[0] / n
+            if evidence:
+                out["evidence/preference_accuracy"] = sums[1] / n
+                out["evidence/reward_margin"] = sums[2] / n
+                out["evidence/chosen_preferred"] = sums[3] / n
+        model.train(was)
+        return out
+
+
+OBJECTIVES = {"lm": LMObjective, "vision_align": VisionAlignObjective, "sft": SFTObjective, "dpo": DPOObjective}
+
+
+def build_objective(spec: LaunchSpec, cfg: StageConfig) -> Objective:
+    if cfg.objective not in OBJECTIVES:
+        raise GhostvisError(f"stage {cfg.stage}: unknown objective '{cfg.objective}'; one of {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[cfg.objective](spec, cfg)

@@ -139,11 +139,13 @@ def tokenized_shards(context: AssetExecutionContext, config: TokenizeConfig, hom
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
     jobs = []
     for key in context.partition_keys:
-        entry = manifest_of_shard(h, key).entry(key)
+        manifest = manifest_of_shard(h, key)
+        entry = manifest.entry(key)
         raw = h.raw_shard(key)
         if not raw.exists():
             raise GhostvisError(f"raw shard {key} is not downloaded; materialize raw_shards partition {key} first")
-        jobs.append(TokenizeJob(key, key.split("/", 1)[0], entry.split, str(raw), str(h.token_shard(tokenizer_id, key))))
+        jobs.append(TokenizeJob(key, manifest.source, entry.split, str(raw), str(h.token_shard(tokenizer_id, key)),
+                                manifest.kind))
     t0 = time.time()
     reports = tokenize_shards(jobs, tokenizer_dir=h.tokenizer_dir(tokenizer_id), ledger_dir=h.ledger,
                               logging_dir=h.root / "logs" / "datatrove" / tokenizer_id, workers=config.workers)

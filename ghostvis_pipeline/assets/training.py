@@ -17,11 +17,24 @@ from ghostvis_pipeline.resources import GhostvisHome, TorchrunLauncher
 
 STAGE_DESCRIPTIONS = {
     "pretrain": "Pretrains the decoder LM from scratch on the token ledger's train shards (torchrun, DDP).",
+    "continued_pretrain": "Continues pretraining on a declared domain mixture (code-heavy), where pretraining "
+                          "stopped reading each source. Evidence: mixture fractions vs recipe, domain loss.",
+    "context_expansion": "Raises the context (256 -> 1024) with RoPE position interpolation on long documents. "
+                         "Evidence: held-out loss beyond the old context, before vs after.",
+    "reasoning_mix": "Trains on step-by-step arithmetic problems plus declared replay of earlier prose. "
+                     "Evidence: answer-token loss and answer accuracy, before vs after.",
+    "vision_alignment": "Trains a perceiver resampler + MLP projector between a frozen vision encoder and the "
+                        "frozen LM on image-caption pairs. Evidence: caption loss, true vs shuffled image.",
+    "sft": "Supervised fine-tuning on packed chats, loss on assistant tokens only. Evidence: assistant loss "
+           "and how many sampled replies end with <|eot|>.",
+    "dpo": "Direct preference optimisation against the frozen SFT model. Evidence: preference accuracy "
+           "and reward margin on held-out pairs.",
 }
 
 INT_FIELDS = ("planned_tokens", "real_tokens", "pad_tokens", "loss_tokens", "cropped_tokens", "tokens_per_step",
               "micro_batch_size", "seq_len", "world_size", "grad_accum_steps", "steps", "segment")
 FLOAT_FIELDS = ("val_loss", "val_loss_start", "train_loss", "tokens_per_sec", "first_step_s", "wall_time_s")
+EVIDENCE_SUFFIXES = ("_before", "_after")
 
 
 class StageRunConfig(Config):
@@ -39,6 +52,9 @@ def mlflow_url(experiment_id: Any, run_id: str) -> str:
 def stage_metadata(result: dict[str, Any], spec: LaunchSpec, home: Home) -> dict[str, Any]:
     md: dict[str, Any] = {k: MetadataValue.int(int(result[k])) for k in INT_FIELDS if k in result}
     md.update({k: MetadataValue.float(float(result[k])) for k in FLOAT_FIELDS if result.get(k) is not None})
+    for k, v in result.items():  # evidence figures, mixture fractions, frozen-parameter hashes
+        if k.endswith(EVIDENCE_SUFFIXES) or k.startswith("mixture/") or k.startswith("frozen_params"):
+            md[k] = MetadataValue.float(float(v)) if isinstance(v, (int, float)) else str(v)
     md["run_key"] = spec.run_key
     md["mlflow_run_id"] = result["mlflow_run_id"]
     md["mlflow_url"] = MetadataValue.url(mlflow_url(result["mlflow_experiment_id"], result["mlflow_run_id"]))

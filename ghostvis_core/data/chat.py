@@ -1,0 +1,51 @@
+"""The chat template, shared by SFT tokenization, DPO pairs, evaluation and `ghostvis chat`:
+
+    <|bos|><|system|>...<|eot|><|user|>...<|eot|><|assistant|>...<|eot|>...
+
+Loss falls on assistant content and the <|eot|> that closes an assistant turn (so the model learns
+to stop), never on the role markers or user/system turns. A literal `<|image|>` in a message is
+the image placeholder; every other special-token string in content is encoded as plain text.
+"""
+
+from __future__ import annotations
+
+from ghostvis_core.data.tokenizer import Tokenizer
+from ghostvis_core.errors import GhostvisError
+
+ROLES = ("system", "user", "assistant")
+IMAGE = "<|image|>"
+
+
+def encode_content(tok: Tokenizer, text: str) -> list[int]:
+    parts = text.split(IMAGE)
+    ids: list[int] = []
+    for i, part in enumerate(parts):
+        if i:
+            ids.append(tok.special(IMAGE))
+        if part:
+            ids.extend(tok.encode(part))
+    return ids
+
+
+def render_chat(tok: Tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids and a 0/1 loss mask of the same length for a whole conversation."""
+    ids, mask = [tok.bos], [0]
+    for m in messages:
+        role = m.get("role")
+        if role not in ROLES:
+            raise GhostvisError(f"chat message role {role!r} is not one of {', '.join(ROLES)}")
+        trained = int(role == "assistant")
+        content = encode_content(tok, m.get("content") or "")
+        ids += [tok.special(f"<|{role}|>"), *content, tok.eot]
+        mask += [0, *([trained] * len(content)), trained]
+    return ids, mask
+
+
+def render_prompt(tok: Tokenizer, messages: list[dict]) -> list[int]:
+    """The conversation so far, ending with the assistant marker the model continues from."""
+    ids, _ = render_chat(tok, messages)
+    return ids + [tok.special("<|assistant|>")]
+
+
+def render_reply(tok: Tokenizer, text: str) -> list[int]:
+    return encode_content(tok, text) + [tok.eot]

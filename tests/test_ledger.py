@@ -1,0 +1,290 @@
+"""The token ledger: shard records, run parts and their chain, reuse / repeat / replay / leakage,
+and an independent recount of what the files hold against what the ledger says."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from ghostvis_core.budget import BatchPlan
+from ghostvis_core.data import loader as loader_mod
+from ghostvis_core.data.ledger import Ledger, pieces_to_rows
+from ghostvis_core.data.loader import Consumption, merge_pieces, micro_batch_rows
+from ghostvis_core.data.stream import ShardRef, SourceStream
+from ghostvis_core.data.token_shard import TokenShard, list_column, write_token_shard
+
+
+@pytest.fixture
+def ledger(tmp_path) -> Ledger:
+    return Ledger(tmp_path / "ledger")
+
+
+def shard_record(shard_id, *, source="prose", split="train", tokenizer_id="tok-a", tokens=100, docs=10,
+                 sha="sha-1", created_at=1.0, token_path="") -> dict:
+    return {"shard_id": shard_id, "source": source, "split": split, "kind": "text", "content_sha256": sha,
+            "raw_bytes": 1000, "tokenizer_id": tokenizer_id, "docs": docs, "tokens": tokens,
+            "text_bytes": 4 * tokens, "token_path": token_path, "created_at": created_at}
+
+
+def part(part_id, run_key, *, segment=0, steps=(1, 10), rows=(0, 80), prev="", parent="", stage="pretrain",
+         real=0, pad=0, loss=0, cropped=0, overlap=0, created_at=1.0, allow_repeat=False, replay="[]") -> dict:
+    return {"part_id": part_id, "prev_part_id": prev, "run_key": run_key, "parent_run_key": parent,
+            "stage": stage, "segment": segment, "step_first": steps[0], "step_last": steps[1],
+            "rows_first": rows[0], "rows_last": rows[1], "real_tokens": real, "pad_tokens": pad,
+            "loss_tokens": loss, "cropped_tokens": cropped, "overlap_tokens": overlap,
+            "micro_batch_size": 2, "seq_len": 4, "world_size": 2, "grad_accum_steps": 2, "tokens_per_step": 32,
+            "planned_tokens": 960, "allow_repeat": allow_repeat, "replay_sources": replay,
+            "mlflow_run_id": "", "created_at": created_at}
+
+
+def piece(shard_id, tok, rows, *, source="prose", split="train", epoch=0) -> dict:
+    return {"source": source, "shard_id": shard_id, "split": split, "epoch": epoch, "tok_start": tok[0],
+            "tok_end": tok[1], "tokens": tok[1] - tok[0], "row_start": rows[0], "row_end": rows[1]}
+
+
+# ---------------------------------------------------------------- shards
+
+
+def test_shards_newest_record_per_shard_and_tokenizer(ledger):
+    ledger.write_shard(shard_record("prose-000", tokens=50, sha="old", created_at=100.0))
+    ledger.write_shard(shard_record("prose-000", tokens=60, sha="new", created_at=200.0))  # raw shard changed
+    ledger.write_shard(shard_record("prose-000", tokenizer_id="tok-b", tokens=70, created_at=150.0))
+    ledger.write_shard(shard_record("code-000", source="code", tokens=30, created_at=120.0))
+    got = {(r["shard_id"], r["tokenizer_id"]): r["tokens"] for r in ledger.shards()}
+    assert got == {("prose-000", "tok-a"): 60, ("prose-000", "tok-b"): 70, ("code-000", "tok-a"): 30}
+    assert [r["shard_id"] for r in ledger.shards()][0] == "code-000"  # ordered by shard_id
+
+
+def test_shards_filters(ledger):
+    ledger.write_shard(shard_record("prose-000", tokens=60))
+    ledger.write_shard(shard_record("prose-000", tokenizer_id="tok-b", tokens=70))
+    ledger.write_shard(shard_record("code-000", source="code", tokens=30))
+    ledger.write_shard(shard_record("web-000", source="web", tokens=5))
+    assert sorted((r["shard_id"], r["tokens"]) for r in ledger.shards(tokenizer_id="tok-a")) == [
+        ("code-000", 30), ("prose-000", 60), ("web-000", 5)]
+    assert [(r["shard_id"], r["tokens"]) for r in ledger.shards(tokenizer_id="tok-b")] == [("prose-000", 70)]
+    assert [r["shard_id"] for r in ledger.shards(sources=["code"])] == ["code-000"]
+    assert sorted(r["shard_id"] for r in ledger.shards(tokenizer_id="tok-a", sources=["code", "web"])) == [
+        "code-000", "web-000"]
+    assert ledger.shards(tokenizer_id="tok-zzz") == []
+
+
+def test_writing_the_same_shard_record_twice_is_harmless(ledger):
+    rec = shard_record("prose-000", tokens=60, created_at=5.0)
+    p1 = ledger.write_shard(rec)
+    p2 = ledger.write_shard(rec)
+    assert p1 == p2 and len(list((ledger.root / "shards").glob("*.parquet"))) == 1
+    assert len(ledger.shards()) == 1
+    assert not list((ledger.root / "shards").glob(".*"))  # no temp files left behind
+
+
+def test_empty_ledger(ledger):
+    assert ledger.shards() == [] and ledger.parts() == [] and ledger.chain("nope") == []
+    assert ledger.run_totals("nope")["real_tokens"] == 0 and ledger.run_totals("nope")["steps"] == 0
+    assert ledger.reuse("nope") == [] and ledger.leakage("nope") == []
+
+
+# ---------------------------------------------------------------- chain and totals
+
+
+@pytest.fixture
+def resumed_run(ledger) -> Ledger:
+    """Run 'r': segment 0 wrote p0 (steps 1-10) and p1 (11-20); p1's checkpoint was lost and segment 1
+    resumed from p0's, writing p2 (11-20, prev p0) and p3 (21-30, prev p2). p1 is orphaned."""
+    ledger.write_part(part("r.p0", "r", steps=(1, 10), real=100, pad=1, loss=90, cropped=2, created_at=1.0),
+                      [piece("s0", (0, 40), (0, 4))])
+    ledger.write_part(part("r.p1", "r", steps=(11, 20), prev="r.p0", real=1000, pad=100, loss=900, cropped=200,
+                           overlap=7, created_at=2.0),
+                      [piece("s0", (40, 80), (4, 8)), piece("v0", (0, 10), (0, 1), split="validation")])
+    ledger.write_part(part("r.p2", "r", segment=1, steps=(11, 20), prev="r.p0", real=200, pad=3, loss=180, cropped=4,
+                           created_at=3.0),
+                      [piece("s0", (50, 90), (5, 9))])
+    ledger.write_part(part("r.p3", "r", segment=1, steps=(21, 30), prev="r.p2", real=300, pad=5, loss=270, cropped=6,
+                           created_at=4.0),
+                      [piece("s0", (90, 130), (9, 13))])
+    return ledger
+
+
+def test_chain_follows_prev_part_links(resumed_run):
+    assert [p["part_id"] for p in resumed_run.chain("r")] == ["r.p0", "r.p2", "r.p3"]
+    assert [p["part_id"] for p in resumed_run.parts(["r"])] == ["r.p0", "r.p1", "r.p2", "r.p3"]
+
+
+def test_run_totals_sum_the_chain_and_ignore_the_orphan(resumed_run):
+    t = resumed_run.run_totals("r")
+    assert (t["real_tokens"], t["pad_tokens"], t["loss_tokens"], t["cropped_tokens"]) == (600, 9, 540, 12)
+    assert t["overlap_tokens"] == 0  # the orphan's 7 are not counted
+    assert t["steps"] == 30 and t["segments"] == [0, 1] and t["parts"] == 3
+
+
+def test_consumed_by_shard_along_the_chain(resumed_run):
+    (s0,) = resumed_run.consumed_by_shard("r")  # v0 was only read by the orphan
+    assert (s0["shard_id"], s0["tokens"], s0["row_start"], s0["row_end"], s0["epochs"]) == ("s0", 120, 0, 13, 1)
+
+
+def test_reuse_same_run_same_epoch(resumed_run):
+    rows = resumed_run.reuse("r")
+    assert len(rows) == 1
+    r = rows[0]
+    # p1 read s0 [40,80) rows [4,8); p2 read s0 [50,90) rows [5,9): both in epoch 0
+    assert r["kind"] == "reuse"
+    assert {r["part_a"], r["part_b"]} == {"r.p1", "r.p2"}
+    assert (r["shard_id"], r["tok_start"], r["tok_end"], r["tokens"]) == ("s0", 50, 80, 30)
+    assert (r["row_start"], r["row_end"]) == (5, 8)
+    assert (r["epoch_a"], r["epoch_b"]) == (0, 0)
+
+
+@pytest.mark.parametrize("allow_repeat, kind", [(True, "repeat"), (False, "undeclared_repeat")])
+def test_repeat_in_another_epoch(ledger, allow_repeat, kind):
+    ledger.write_part(part("e.p0", "e", steps=(1, 10), allow_repeat=allow_repeat, created_at=1.0),
+                      [piece("s0", (0, 100), (0, 10))])
+    ledger.write_part(part("e.p1", "e", steps=(11, 20), prev="e.p0", allow_repeat=allow_repeat, created_at=2.0),
+                      [piece("s0", (0, 30), (0, 3), epoch=1)])
+    (r,) = ledger.reuse("e")
+    assert r["kind"] == kind
+    assert (r["tok_start"], r["tok_end"], r["tokens"], r["row_start"], r["row_end"]) == (0, 30, 30, 0, 3)
+    assert {r["epoch_a"], r["epoch_b"]} == {0, 1}
+
+
+@pytest.mark.parametrize("allow_repeat, kind", [(True, "repeat"), (False, "undeclared_repeat")])
+def test_repeat_within_one_part(ledger, allow_repeat, kind):
+    ledger.write_part(part("w.p0", "w", allow_repeat=allow_repeat),
+                      [piece("s0", (0, 100), (0, 10)), piece("s0", (0, 25), (0, 3), epoch=1)])
+    (r,) = ledger.reuse("w")
+    assert r["kind"] == kind and r["part_a"] == r["part_b"] == "w.p0"
+    assert (r["tok_start"], r["tok_end"], r["tokens"], r["row_start"], r["row_end"]) == (0, 25, 25, 0, 3)
+
+
+@pytest.fixture
+def parent_run(ledger) -> Ledger:
+    ledger.write_part(part("pre.p0", "pre", created_at=1.0),
+                      [piece("s0", (0, 100), (0, 10)), piece("c0", (0, 50), (0, 5), source="code")])
+    return ledger
+
+
+@pytest.mark.parametrize("replay, kind", [("[]", "undeclared_cross_stage"), ('["code"]', "undeclared_cross_stage"),
+                                          ('["prose"]', "replay")])
+def test_child_run_overlapping_its_parent(parent_run, replay, kind):
+    parent_run.write_part(part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", replay=replay,
+                               created_at=2.0),
+                          [piece("s0", (60, 120), (6, 12))])
+    assert parent_run.lineage("cpt") == ["cpt", "pre"]
+    (r,) = parent_run.reuse("cpt")
+    assert r["kind"] == kind
+    assert {r["run_a"], r["run_b"]} == {"pre", "cpt"}
+    assert (r["shard_id"], r["source"], r["tok_start"], r["tok_end"], r["tokens"]) == ("s0", "prose", 60, 100, 40)
+    assert (r["row_start"], r["row_end"]) == (6, 10)
+    assert parent_run.reuse("pre") == []  # the parent's own lineage does not include the child
+
+
+def test_grandchild_sees_the_grandparent(parent_run):
+    parent_run.write_part(part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", created_at=2.0),
+                          [piece("s0", (100, 150), (10, 15))])
+    parent_run.write_part(part("ctx.p0", "ctx", parent="cpt", stage="context_expansion", created_at=3.0),
+                          [piece("c0", (40, 60), (4, 6), source="code")])
+    assert parent_run.lineage("ctx") == ["ctx", "cpt", "pre"]
+    (r,) = parent_run.reuse("ctx")
+    assert (r["kind"], r["shard_id"], r["tok_start"], r["tok_end"]) == ("undeclared_cross_stage", "c0", 40, 50)
+
+
+def test_disjoint_or_touching_ranges_are_not_reuse(parent_run):
+    parent_run.write_part(part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", created_at=2.0),
+                          [piece("s0", (100, 150), (10, 15)),  # touches the parent's [0,100), no overlap
+                           piece("s1", (0, 100), (0, 10)),  # another shard
+                           piece("c0", (50, 80), (5, 8), source="code")])
+    parent_run.write_part(part("cpt.p1", "cpt", parent="pre", stage="continued_pretrain", steps=(11, 20),
+                               prev="cpt.p0", created_at=3.0),
+                          [piece("s0", (150, 200), (15, 20))])
+    assert parent_run.reuse("cpt") == []
+
+
+def test_unrelated_runs_are_not_compared(parent_run):
+    parent_run.write_part(part("other.p0", "other", created_at=2.0), [piece("s0", (0, 100), (0, 10))])
+    assert parent_run.reuse("other") == []
+
+
+# ---------------------------------------------------------------- leakage
+
+
+def test_leakage_lists_validation_shards_trained_on(ledger):
+    ledger.write_part(part("l.p0", "l", created_at=1.0),
+                      [piece("s0", (0, 100), (0, 10)), piece("v0", (0, 30), (0, 3), split="validation")])
+    ledger.write_part(part("l.p1", "l", steps=(11, 20), prev="l.p0", created_at=2.0),
+                      [piece("v0", (30, 50), (3, 5), split="validation")])
+    (leak,) = ledger.leakage("l")
+    assert (leak["shard_id"], leak["split"], leak["tokens"], leak["row_start"], leak["row_end"]) == (
+        "v0", "validation", 50, 0, 5)
+
+
+def test_no_leakage_when_only_train_shards(ledger):
+    ledger.write_part(part("ok.p0", "ok"), [piece("s0", (0, 100), (0, 10))])
+    assert ledger.leakage("ok") == []
+
+
+def test_orphan_part_leakage_is_not_on_the_chain(resumed_run):
+    assert resumed_run.leakage("r") == []  # only the orphaned p1 read v0
+
+
+# ---------------------------------------------------------------- independent recount
+
+
+def test_ledger_totals_equal_the_files_and_the_loader(tmp_path, ledger):
+    """Write token shards, record them, train-read them through the loader, write the parts as the
+    loop does; then recount everything from the files and compare."""
+    rng = np.random.default_rng(42)
+    refs = []
+    expected_tokens = {}
+    for k in range(4):
+        lengths = [int(x) for x in rng.integers(3, 60, size=int(rng.integers(2, 8)))]
+        flat = rng.integers(0, 4000, size=sum(lengths)).tolist()
+        path = tmp_path / "tokens" / f"prose-{k:03d}.arrow"
+        write_token_shard(path, {"row": pa.array(np.arange(len(lengths)), pa.int64()),
+                                 "tokens": list_column(lengths, flat, np.uint16)})
+        expected_tokens[f"prose-{k:03d}"] = sum(lengths)
+        ledger.write_shard(shard_record(f"prose-{k:03d}", tokens=sum(lengths), docs=len(lengths),
+                                        token_path=str(path), created_at=float(k)))
+    records = ledger.shards()
+    on_disk = {r["shard_id"]: TokenShard.open(Path(r["token_path"])).num_tokens for r in records}
+    assert on_disk == expected_tokens
+    assert sum(r["tokens"] for r in records) == sum(on_disk.values())
+    assert sum(r["docs"] for r in records) == sum(TokenShard.open(Path(r["token_path"])).num_docs for r in records)
+
+    # consume 3 steps of 2 x 8 x 2 x 2 (= 64 tokens/step) in two parts, as the training loop records them
+    refs = [ShardRef(r["shard_id"], r["source"], r["split"], r["token_path"], r["docs"], r["tokens"]) for r in records]
+    stream = SourceStream("prose", refs, seed=0)
+    if hasattr(loader_mod, "LMRows"):
+        batcher = loader_mod.Batcher([loader_mod.LMRows(stream, 8)], [1.0])
+    else:
+        batcher = loader_mod.LMBatcher([stream], [1.0], 8)
+    plan = BatchPlan(2, 8, 2, 2)
+    shard_by_id = {r.shard_id: stream.shard(r) for r in refs}
+    rows, prev = 0, ""
+    for pi, steps in enumerate([(1, 2), (3, 3)]):
+        cons = Consumption()
+        for _ in range(steps[0], steps[1] + 1):
+            for m in range(plan.grad_accum_steps):
+                for r in range(plan.world_size):
+                    cons.add(batcher.batch(micro_batch_rows(rows, m, r, plan)))
+            rows += plan.rows_per_step
+        merged, overlap = merge_pieces(cons.pieces)
+        pid = f"t.p{pi}"
+        ledger.write_part(part(pid, "t", steps=steps, prev=prev, real=cons.real_tokens, pad=cons.pad_tokens,
+                               loss=cons.loss_tokens, cropped=cons.cropped_tokens, overlap=overlap,
+                               created_at=10.0 + pi),
+                          pieces_to_rows(merged, lambda p: shard_by_id[p.shard_id].rows_of(p.tok_start, p.tok_end)))
+        prev = pid
+    totals = ledger.run_totals("t")
+    assert totals["real_tokens"] == 3 * 64 == 192 and totals["steps"] == 3 and totals["overlap_tokens"] == 0
+    per_shard = ledger.consumed_by_shard("t")
+    assert sum(r["tokens"] for r in per_shard) == 192  # consumption rows add up to real_tokens
+    total_available = sum(on_disk.values())
+    assert total_available > 192 + 1  # the data holds more than was read: all of it is epoch 0
+    assert ledger.reuse("t") == []
+    assert {r["epochs"] for r in per_shard} == {1}
+    for r in per_shard:
+        assert r["tokens"] <= on_disk[r["shard_id"]]
+        n_docs = next(x["docs"] for x in records if x["shard_id"] == r["shard_id"])
+        assert 0 <= r["row_start"] < r["row_end"] <= n_docs
