@@ -46,12 +46,12 @@ _TINY: dict[str, dict[str, Any]] = {
     "pretrain": dict(
         objective="lm",
         batch=dict(micro_batch_size=8, seq_len=256, world_size=2, grad_accum_steps=1),
-        budget=dict(steps=150),
-        optim=dict(lr=3e-3, warmup_steps=15, min_lr_ratio=0.1),
+        budget=dict(steps=200),
+        optim=dict(lr=2e-3, warmup_steps=15, min_lr_ratio=0.1),
         data=dict(recipe=[{"source": "demo_prose", "weight": 0.5}, {"source": "demo_code", "weight": 0.5}],
                   val_sources=_TEXT_VAL),
         eval=dict(every_steps=50, val_tokens=16384),
-        checkpoint=dict(every_steps=50, keep_last=2),
+        checkpoint=dict(every_steps=100, keep_last=2),
     ),
     "continued_pretrain": dict(
         objective="lm",
@@ -67,11 +67,13 @@ _TINY: dict[str, dict[str, Any]] = {
     "context_expansion": dict(
         objective="lm",
         init_from="continued_pretrain",
-        # 4x position interpolation: positions 0..1023 map onto the 0..255 range already trained.
-        model=dict(max_seq_len=1024, rope_scaling=4.0),
+        # Adjusted base frequency (ABF): a 16x larger RoPE base stretches the slow dimensions over the
+        # longer context and leaves the fast (local) ones nearly unchanged; position interpolation
+        # (model.rope_scaling=4) is the alternative.
+        model=dict(max_seq_len=1024, rope_base=160000.0),
         batch=dict(micro_batch_size=2, seq_len=1024, world_size=2, grad_accum_steps=1),
         budget=dict(steps=40),
-        optim=dict(lr=1e-3, warmup_steps=5, min_lr_ratio=0.1),
+        optim=dict(lr=5e-4, warmup_steps=5, min_lr_ratio=0.1),
         data=dict(recipe=[{"source": "demo_code", "weight": 0.5}, {"source": "demo_prose", "weight": 0.5}],
                   val_sources=_TEXT_VAL),
         eval=dict(every_steps=20, val_tokens=16384, evidence=["beyond_context_loss"]),
@@ -94,11 +96,11 @@ _TINY: dict[str, dict[str, Any]] = {
         vision=dict(image_size=32, patch_size=4, d_vision=128, n_layers=2, n_heads=4, n_latents=16,
                     resampler_layers=2),
         batch=dict(micro_batch_size=32, seq_len=32, world_size=2, grad_accum_steps=1),
-        budget=dict(steps=80),
+        budget=dict(steps=45),  # 2,880 of the 3,000 training images: one epoch
         optim=dict(lr=2e-3, warmup_steps=8, min_lr_ratio=0.1, weight_decay=0.0),
         data=dict(recipe=[{"source": "demo_images", "weight": 1.0}], val_sources=["demo_images"]),
-        eval=dict(every_steps=40, val_tokens=6400, evidence=["caption_image_gap"]),
-        checkpoint=dict(every_steps=40, keep_last=2),
+        eval=dict(every_steps=45, val_tokens=6400, evidence=["caption_image_gap"]),
+        checkpoint=dict(every_steps=45, keep_last=2),
     ),
     "sft": dict(
         objective="sft",

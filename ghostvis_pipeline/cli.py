@@ -141,12 +141,30 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def user_error(exc: BaseException) -> str | None:
+    """The message meant for the user inside a Dagster step failure (a GhostvisError or Failure)."""
+    from dagster import Failure
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, GhostvisError):
+            return str(exc)
+        if isinstance(exc, Failure):
+            return exc.description
+        exc = getattr(exc, "user_exception", None) or exc.__cause__
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except GhostvisError as exc:
-        print(f"ghostvis: error: {exc}", file=sys.stderr)
+    except Exception as exc:
+        message = user_error(exc)
+        if message is None:
+            raise
+        print(f"ghostvis: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -128,13 +128,17 @@ def test_crash_during_save_leaves_no_committed_checkpoint(tmp_path, monkeypatch)
         raise OSError("disk full")
 
     monkeypatch.setattr(ckpt, "optimizer_tensors", boom)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(GhostvisError, match=r"checkpoint step 2 could not be written .*\(disk full\); "
+                                            r"the previous checkpoint step_000000001 is intact"):
         save(run, 2, model, opt)
     monkeypatch.undo()
     assert [c.step for c in ckpt.list_complete(run)] == [1]
     assert not (run / "step_000000002").exists()
-    leftovers = [p.name for p in run.iterdir() if p.name.startswith(".tmp-step_000000002")]
-    assert len(leftovers) == 1
+    assert not [p.name for p in run.iterdir() if p.name.startswith(".tmp-")]  # the partial folder is removed
+    ckpt.load_model(run / "step_000000001", trained()[0])  # and the previous one still loads
+    # a crash that kills the process mid-write (no cleanup) leaves a .tmp folder: ignored, then pruned
+    (run / ".tmp-step_000000002-dead").mkdir()
+    assert [c.step for c in ckpt.list_complete(run)] == [1]
     save(run, 2, model, opt)  # the retry commits and cleans up
     assert [c.step for c in ckpt.list_complete(run)] == [1, 2]
     assert not any(p.name.startswith(".tmp-") for p in run.iterdir())
@@ -240,7 +244,7 @@ def test_files_are_safetensors_not_pickle(tmp_path):
     model, opt = trained()
     path = save(tmp_path / "run", 1, model, opt)
     assert sorted(p.name for p in path.iterdir()) == [
-        "COMPLETE", "config.json", "model.safetensors", "optimizer.safetensors", "trainer.json"]
+        "COMPLETE", "config.json", "model.safetensors", "optimizer.safetensors", "rng.safetensors", "trainer.json"]
     for name in ("model.safetensors", "optimizer.safetensors"):
         raw = (path / name).read_bytes()
         (header_len,) = struct.unpack("<Q", raw[:8])  # safetensors: u64 header size, then JSON

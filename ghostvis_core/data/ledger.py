@@ -118,8 +118,16 @@ class Ledger:
     def shard_record_path(self, shard_id: str, tokenizer_id: str, content_sha256: str) -> Path:
         return self.root / "shards" / f"{_key(shard_id, tokenizer_id, content_sha256)}.parquet"
 
+    @property
+    def store(self) -> Path:
+        return self.root.parent
+
     def write_shard(self, record: dict[str, Any]) -> Path:
+        """Token paths are kept relative to the store, so a GHOSTVIS_HOME can be moved or copied."""
         record = {"created_at": time.time(), "docs_dropped": 0, "tokens_dropped": 0, "drop_reasons": "{}", **record}
+        path = Path(record.get("token_path") or "")
+        if path.is_absolute() and path.is_relative_to(self.store):
+            record["token_path"] = str(path.relative_to(self.store))
         path = self.shard_record_path(record["shard_id"], record["tokenizer_id"], record["content_sha256"])
         return _write(path, [record], SHARD_SCHEMA)
 
@@ -152,13 +160,16 @@ class Ledger:
         if sources:
             where.append(f"source IN ({','.join('?' * len(sources))})")
             params.extend(sources)
-        return self._query(
+        rows = self._query(
             "shards",
             f"""SELECT * EXCLUDE (rn) FROM (
                   SELECT *, row_number() OVER (PARTITION BY shard_id, tokenizer_id ORDER BY created_at DESC) rn
                   FROM shards WHERE {' AND '.join(where)}) WHERE rn = 1 ORDER BY shard_id""",
             params,
         )
+        for r in rows:
+            r["token_path"] = str(self.store / r["token_path"]) if r["token_path"] else ""
+        return rows
 
     def parts(self, run_keys: list[str] | None = None, stage: str | None = None) -> list[dict[str, Any]]:
         where, params = ["1=1"], []

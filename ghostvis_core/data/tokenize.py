@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,19 +117,35 @@ def encode_document(tok: Tokenizer, kind: str, doc: Document) -> dict:
 
 
 class TokenShardWriter(PipelineStep):
-    """Encode documents, write the token shard, then its ledger row."""
+    """Encode documents, write the token shard, then its ledger row.
+
+    A shard that fails (corrupt file, wrong schema) leaves its reason in errors_dir instead of
+    stopping the other shards' tasks; tokenize_shards reports all failures once they are done.
+    """
 
     name = "🔢 GhostVis tokenize"
     type = "🔢 - TOKENIZER"
 
-    def __init__(self, jobs: list[TokenizeJob], tokenizer_dir: str, ledger_dir: str):
+    def __init__(self, jobs: list[TokenizeJob], tokenizer_dir: str, ledger_dir: str, errors_dir: str):
         super().__init__()
         self.jobs = jobs
         self.tokenizer_dir = tokenizer_dir
         self.ledger_dir = ledger_dir
+        self.errors_dir = errors_dir
 
     def run(self, data, rank: int = 0, world_size: int = 1):
         job = self.jobs[rank]
+        try:
+            self.tokenize(job, data)
+        except Exception as exc:
+            reason = str(exc) if isinstance(exc, GhostvisError) else f"shard {job.shard_id}: {type(exc).__name__}: {exc}"
+            path = error_file(Path(self.errors_dir), job.shard_id)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(reason)
+        return
+        yield  # a datatrove step is a generator; this one consumes and writes, yielding nothing
+
+    def tokenize(self, job: TokenizeJob, data) -> None:
         tok = load_tokenizer(self.tokenizer_dir)
         dtype = token_dtype(tok.vocab_size)
         rows: list[int] = []
@@ -169,8 +186,10 @@ class TokenShardWriter(PipelineStep):
             "tokens_dropped": sum(d["tokens"] for d in dropped.values()),
             "drop_reasons": json.dumps(dropped, sort_keys=True), "token_path": job.token_path,
         })
-        return
-        yield  # a datatrove step is a generator; this one consumes and writes, yielding nothing
+
+
+def error_file(errors_dir: Path, shard_id: str) -> Path:
+    return errors_dir / (shard_id.replace("/", "__") + ".txt")
 
 
 def is_done(job: TokenizeJob, ledger: Ledger, tokenizer_id: str, content_sha256: str) -> bool:
@@ -209,9 +228,10 @@ def tokenize_shards(
     shas = {j.shard_id: sha256_file(Path(j.raw_path)) for j in jobs}
     todo = [j for j in jobs if not is_done(j, ledger, tok.tokenizer_id, shas[j.shard_id])]
     t0 = time.time()
+    errors_dir = logging_dir / "errors" / uuid.uuid4().hex[:8]
     if todo:
         executor = LocalPipelineExecutor(
-            pipeline=[RawShardReader(todo), TokenShardWriter(todo, str(tokenizer_dir), str(ledger_dir))],
+            pipeline=[RawShardReader(todo), TokenShardWriter(todo, str(tokenizer_dir), str(ledger_dir), str(errors_dir))],
             tasks=len(todo),
             workers=max(1, min(workers, len(todo))),
             logging_dir=str(logging_dir),
@@ -219,6 +239,12 @@ def tokenize_shards(
         )
         executor.run()
     seconds = time.time() - t0
+    failed = {j.shard_id: error_file(errors_dir, j.shard_id).read_text() for j in todo
+              if error_file(errors_dir, j.shard_id).exists()}
+    if failed:
+        done = len(jobs) - len(failed)
+        raise GhostvisError(f"{len(failed)} of {len(jobs)} shards failed to tokenize ({done} others are done and "
+                            "recorded; a re-run skips them): " + " | ".join(failed.values()))
     reports = []
     todo_ids = {j.shard_id for j in todo}
     for j in jobs:

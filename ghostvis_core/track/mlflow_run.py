@@ -7,6 +7,7 @@ the buffer is kept and retried, training goes on, and the outage is reported as 
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -68,6 +69,10 @@ class MlflowRun:
 
     # ---- background thread ----
     def _worker(self) -> None:
+        # Fail fast inside mlflow's HTTP client: this thread keeps the buffer and retries itself,
+        # so an outage costs a gap in delivery, not minutes of blocked retries.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         from mlflow.entities import Metric, Param, RunTag
         from mlflow.tracking import MlflowClient
 

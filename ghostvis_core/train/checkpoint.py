@@ -77,29 +77,59 @@ def save(
     keep_last: int,
     extra_dirs: dict[str, Path] | None = None,
 ) -> Path:
-    """Write a checkpoint atomically and prune older ones (never the newest complete one)."""
+    """Write a checkpoint atomically and prune older ones (never the newest complete one).
+
+    A failure while writing (full disk, I/O error) removes the partial folder and raises; the
+    previous checkpoints are untouched.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     final = run_dir / step_dir_name(step)
     tmp = run_dir / f".tmp-{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    save_file(_tensors_for_save(model.state_dict()), str(tmp / "model.safetensors"))
-    if optimizer is not None:
-        save_file(optimizer_tensors(model, optimizer), str(tmp / "optimizer.safetensors"))
-    (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
-    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    for name, src in (extra_dirs or {}).items():  # committed together with the weights
-        os.replace(src, tmp / name)
-    for f in tmp.rglob("*"):
-        if f.is_file():
-            _fsync(f)
-    (tmp / MARKER).write_text(str(step))
-    _fsync(tmp / MARKER)
+    try:
+        tmp.mkdir()
+        save_file(_tensors_for_save(model.state_dict()), str(tmp / "model.safetensors"))
+        if optimizer is not None:
+            save_file(optimizer_tensors(model, optimizer), str(tmp / "optimizer.safetensors"))
+        save_file(rng_tensors(), str(tmp / "rng.safetensors"))
+        (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+        for name, src in (extra_dirs or {}).items():  # committed together with the weights
+            os.replace(src, tmp / name)
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                _fsync(f)
+        (tmp / MARKER).write_text(str(step))
+        _fsync(tmp / MARKER)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest_complete(run_dir)
+        raise GhostvisError(
+            f"checkpoint step {step} could not be written to {run_dir} ({exc.strerror or exc}); "
+            f"the previous checkpoint {previous.path.name if previous else '(none)'} is intact; free space "
+            "or fix the storage, then re-materialize the stage to resume"
+        ) from None
     if final.exists():  # a stale copy of the same step from a run that died after committing
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(run_dir)
     prune(run_dir, keep_last)
     return final
+
+
+def rng_tensors() -> dict[str, torch.Tensor]:
+    out = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state()
+    return out
+
+
+def load_rng(path: Path) -> None:
+    f = path / "rng.safetensors"
+    if f.exists():
+        state = load_file(str(f))
+        torch.set_rng_state(state["cpu"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
 
 
 def prune(run_dir: Path, keep_last: int) -> None:

@@ -203,7 +203,13 @@ def prepare_run(
 
     spec.extra["source_budget"] = preflight(cfg, p.steps, build_objective(spec, cfg))
 
-    identity = json.dumps({"config": cfg.to_dict(), "tokenizer": tok.tokenizer_id,
+    # The run key names what is trained, not how it is split over ranks: a resume on another world
+    # size (same tokens_per_step) finds the same run and re-partitions the remaining rows exactly.
+    ident_cfg = cfg.to_dict()
+    for k in ("world_size", "micro_batch_size", "grad_accum_steps", "total_batch_tokens"):
+        ident_cfg["batch"].pop(k)
+    ident_cfg["batch"]["tokens_per_step"] = p.tokens_per_step
+    identity = json.dumps({"config": ident_cfg, "tokenizer": tok.tokenizer_id,
                            "train": {s: [r["content_sha256"] for r in refs] for s, refs in train_shards.items()},
                            "upstream": upstream.checkpoint if upstream else None, "extra": extra}, sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:10]

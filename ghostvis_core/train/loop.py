@@ -124,12 +124,19 @@ def train(spec: LaunchSpec, ctx: DistContext) -> dict[str, Any]:
     optimizer = make_optimizer(model, cfg, ctx.device)
     if resume is not None:
         ckpt.load_optimizer(resume.path, model, optimizer)
+        ckpt.load_rng(resume.path)
     ddp = DDP(model) if ctx.world_size > 1 else model
     bf16 = use_bf16(cfg.runtime.precision, ctx.device)
 
     def autocast():
         return torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=bf16)
 
+    if state and state.get("tokens_per_step", plan.tokens_per_step) != plan.tokens_per_step:
+        raise GhostvisError(
+            f"run {spec.run_key}: the checkpoint was trained with tokens_per_step={state['tokens_per_step']} "
+            f"but this launch has {plan.tokens_per_step}; resume with the same micro_batch_size x seq_len x "
+            "world_size x grad_accum_steps product (e.g. halve grad_accum_steps when doubling the world size)"
+        )
     step = int(state.get("step", 0))
     rows = int(state.get("rows_consumed", 0))
     segment = int(state.get("segment", -1)) + 1
@@ -318,6 +325,7 @@ def _checkpoint(spec, cfg, ctx, plan, model, optimizer, objective, consumption, 
         )
         trainer_state = {
             "step": step, "rows_consumed": rows, "segment": segment, "head_part_id": part_id,
+            "tokens_per_step": plan.tokens_per_step, "world_size": plan.world_size,
             "counters": counters.as_dict(), "mlflow_run_id": tracker.run_id, "run_key": spec.run_key,
             "history": history,
         }

@@ -5,10 +5,13 @@ and records the token figures, MLflow run and checkpoint as metadata."""
 import os
 from typing import Any
 
-from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
+from dagster import (
+    AssetExecutionContext, Backoff, Config, Failure, MaterializeResult, MetadataValue, RetryPolicy, asset,
+)
 
 from ghostvis_core import presets
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.train.launch import Upstream, prepare_run
 from ghostvis_core.train.spec import LaunchSpec
@@ -67,7 +70,18 @@ def stage_metadata(result: dict[str, Any], spec: LaunchSpec, home: Home) -> dict
     md["source_budget"] = MetadataValue.md(md_table(
         ["source", "needed_tokens", "available_tokens", "shards", "epochs"],
         [[s, b["needed_tokens"], b["available_tokens"], b["shards"], b["epochs"]] for s, b in budget.items()]))
-    consumed = Ledger(home.ledger).consumed_by_shard(spec.run_key)
+    ledger = Ledger(home.ledger)
+    segs: dict[int, dict[str, int]] = {}
+    for part in ledger.chain(spec.run_key):
+        seg = segs.setdefault(part["segment"], {"segment": part["segment"], "first_step": part["step_first"],
+                                                "world_size": part["world_size"], "real_tokens": 0})
+        seg["last_step"] = part["step_last"]
+        seg["real_tokens"] += part["real_tokens"]
+    md["segments"] = MetadataValue.md(md_table(
+        ["segment", "steps", "world_size", "real_tokens"],
+        [[g["segment"], f"{g['first_step']}..{g['last_step']}", g["world_size"], g["real_tokens"]] for g in segs.values()]))
+    md["segment_count"] = len(segs)
+    consumed = ledger.consumed_by_shard(spec.run_key)
     md["shards_consumed"] = MetadataValue.md(md_table(
         ["shard", "split", "tokens", "rows", "epochs"],
         [[r["shard_id"], r["split"], r["tokens"], f"{r['row_start']}..{r['row_end']}", r["epochs"]] for r in consumed]))
@@ -81,19 +95,23 @@ def stage_asset(stage: str, upstream: str | None, deps: list):
         kinds={"torch", "mlflow"},
         owners=["team:training"],
         deps=deps,
-        pool="torchrun",
         description=STAGE_DESCRIPTIONS[stage],
+        # A retry re-materializes through the same path: the unfinished run is found and resumed.
+        retry_policy=RetryPolicy(max_retries=1, delay=2, backoff=Backoff.LINEAR),
     )
     def _stage(context: AssetExecutionContext, config: StageRunConfig, home: GhostvisHome,
                launcher: TorchrunLauncher) -> MaterializeResult:
         h = home.home()
-        tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
-        up = None
-        if upstream:
-            md = latest_metadata(context, upstream)
-            up = Upstream(upstream, md["run_key"], md["checkpoint_uri"])
-        spec = prepare_run(stage, preset=config.preset, overrides=dict(config.overrides), home=h,
-                           tokenizer_id=tokenizer_id, upstream=up)
+        try:
+            tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
+            up = None
+            if upstream:
+                md = latest_metadata(context, upstream)
+                up = Upstream(upstream, md["run_key"], md["checkpoint_uri"])
+            spec = prepare_run(stage, preset=config.preset, overrides=dict(config.overrides), home=h,
+                               tokenizer_id=tokenizer_id, upstream=up)
+        except GhostvisError as exc:  # bad input: retrying cannot help
+            raise Failure(description=str(exc), allow_retries=False) from None
         result = launcher.run(context, spec, h)
         return MaterializeResult(metadata=stage_metadata(result, spec, h))
 

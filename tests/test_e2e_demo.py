@@ -1,0 +1,167 @@
+"""End to end through the real CLIs: `ghostvis demo` (smoke preset), then `dagster asset
+materialize` of single stages, and the numbers in the ledger, MLflow and Dagster compared."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from ghostvis_core import presets
+from ghostvis_core.budget import plan
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.home import Home
+from tests.conftest import run_cli
+
+pytestmark = pytest.mark.e2e
+
+STAGES = presets.demo_stages()
+TOKEN_KEYS = {"real_tokens": "tokens/real", "pad_tokens": "tokens/pad", "loss_tokens": "tokens/loss",
+              "cropped_tokens": "tokens/cropped"}
+
+
+def dagster_instance(home):
+    from dagster import DagsterInstance
+
+    os.environ["DAGSTER_HOME"] = str(home / "dagster")
+    return DagsterInstance.get()
+
+
+def latest(instance, asset: str) -> dict:
+    from dagster import AssetKey
+
+    ev = instance.get_latest_materialization_event(AssetKey(asset))
+    return {k: getattr(v, "value", v) for k, v in ev.asset_materialization.metadata.items()}
+
+
+def mlflow_runs(home):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(Home(home).mlflow_tracking_uri)
+    exp = client.get_experiment_by_name("ghostvis")
+    return client, client.search_runs([exp.experiment_id], max_results=500)
+
+
+def test_demo_materializes_every_asset_and_all_checks_pass(demo_home):
+    out = (demo_home / "demo_stdout.txt").read_text()
+    for asset in ["shard_manifest", "raw_shards", "tokenizer", "tokenized_shards", "token_ledger", *STAGES]:
+        assert f"\n{asset} " in out, f"{asset} missing from the per-asset breakdown:\n{out}"
+    line = next(l for l in out.splitlines() if l.startswith("checks:"))
+    passed, total = map(int, line.split()[1].split("/"))
+    assert passed == total == 2 + 4 * len(STAGES), line
+
+
+def test_ledger_mlflow_and_dagster_agree_to_the_token_for_every_stage(demo_home):
+    instance = dagster_instance(demo_home)
+    ledger = Ledger(Home(demo_home).ledger)
+    client, runs = mlflow_runs(demo_home)
+    for stage in STAGES:
+        md = latest(instance, stage)
+        totals = ledger.run_totals(md["run_key"])
+        metrics = client.get_run(md["mlflow_run_id"]).data.metrics
+        cfg = presets.resolve(stage, "smoke")
+        p = plan(cfg)
+        assert md["steps"] == totals["steps"] == p.steps
+        assert md["real_tokens"] + md["pad_tokens"] == p.steps * p.tokens_per_step == md["planned_tokens"]
+        assert md["tokens_per_step"] == (md["micro_batch_size"] * md["seq_len"] * md["world_size"]
+                                         * md["grad_accum_steps"])
+        for key, metric in TOKEN_KEYS.items():
+            assert md[key] == totals[key] == int(metrics[metric]), (stage, key)
+        # the pieces read from shards are exactly the tokens trained (+ cropped; DPO reads its prompt once
+        # for two rows, an image is n_latents positions for one token)
+        consumed = sum(r["tokens"] for r in ledger.consumed_by_shard(md["run_key"]))
+        if cfg.objective == "lm":
+            assert consumed == md["real_tokens"]
+        elif cfg.objective == "sft":  # each image chat's one <|image|> token filled n_latents positions
+            extra = md["real_tokens"] + md["cropped_tokens"] - consumed
+            assert extra >= 0 and extra % (cfg.vision.n_latents - 1) == 0
+    # one MLflow run per stage, tagged with the stage and its lineage
+    by_stage = {r.data.tags["ghostvis.stage"]: r for r in runs}
+    assert set(by_stage) == set(STAGES)
+    for stage in STAGES:
+        up = presets.resolve(stage, "smoke").init_from
+        if up:
+            assert by_stage[stage].data.tags["ghostvis.parent_run_key"] == by_stage[up].data.tags["ghostvis.run_key"]
+
+
+def test_pretraining_lowers_validation_loss_and_mixture_follows_the_recipe(demo_home):
+    instance = dagster_instance(demo_home)
+    md = latest(instance, "pretrain")
+    assert md["val_loss"] < md["val_loss_start"] - 0.8, md  # ln(4096) = 8.3 at the start
+    cp = latest(instance, "continued_pretrain")
+    # 8 steps x 16 rows: the 0.7/0.3 schedule gives exactly 90/38 rows of 256 tokens
+    assert cp["mixture/demo_code/tokens"] == 90 * 256 and cp["mixture/demo_prose/tokens"] == 38 * 256
+    assert cp["domain_loss_after"] < cp["domain_loss_before"]
+    # continued_pretrain starts where pretrain stopped reading each source: no undeclared reuse
+    ledger = Ledger(Home(demo_home).ledger)
+    assert not [r for r in ledger.reuse(cp["run_key"]) if r["kind"] != "replay"]
+    rm = latest(instance, "reasoning_mix")
+    replay = [r for r in ledger.reuse(rm["run_key"]) if r["kind"] == "replay"]
+    assert replay and {r["source"] for r in replay} == {"demo_prose"}
+
+
+def test_rematerializing_one_stage_through_the_dagster_cli(demo_home):
+    instance = dagster_instance(demo_home)
+    before = latest(instance, "sft")
+    vision = latest(instance, "vision_alignment")
+    proc = run_cli(["dagster", "asset", "materialize", "--select", "sft", "-m", "ghostvis_pipeline.definitions"],
+                   demo_home)
+    assert "RUN_SUCCESS" in proc.stdout + proc.stderr
+    after = latest(dagster_instance(demo_home), "sft")
+    assert after["run_key"] != before["run_key"] and after["run_key"].endswith("-r2")
+    assert after["parent_run_key"] == vision["run_key"]  # from the stored upstream checkpoint
+    assert after["real_tokens"] == before["real_tokens"]  # same config, same data, deterministic packing
+    assert Ledger(Home(demo_home).ledger).run_totals(after["run_key"])["real_tokens"] == after["real_tokens"]
+
+
+def test_ghostvis_ledger_json_shows_the_same_totals(demo_home):
+    proc = run_cli(["ghostvis", "ledger", "--json"], demo_home)
+    report = json.loads(proc.stdout)
+    instance = dagster_instance(demo_home)
+    runs = {r["run_key"]: r for r in report["runs"]}
+    for stage in STAGES:
+        md = latest(instance, stage)
+        assert runs[md["run_key"]]["real_tokens"] == md["real_tokens"]
+    tl = latest(instance, "token_ledger")
+    assert sum(r["tokens"] for r in report["shards"]) == tl["tokens"]
+    assert len(report["shards"]) == tl["shards"] == 30  # 6 sources x (4 train + 1 validation)
+
+
+def test_a_stage_whose_upstream_is_missing_says_which_asset_to_materialize_first(home_copy):
+    run_cli(["dagster", "asset", "wipe", "sft", "--noprompt"], home_copy)
+    proc = run_cli(["dagster", "asset", "materialize", "--select", "dpo", "-m", "ghostvis_pipeline.definitions"],
+                   home_copy, check=False)
+    assert proc.returncode != 0
+    assert "asset `sft` has never been materialized; materialize it first" in proc.stdout + proc.stderr
+    assert "torch.distributed.run" not in proc.stdout + proc.stderr  # refused before launching torchrun
+    # the same when the upstream's checkpoint files are gone (core path, no Dagster)
+    from ghostvis_core.train.launch import Upstream, prepare_run
+
+    with pytest.raises(GhostvisError, match=r"upstream checkpoint .* is missing; materialize the `sft` asset first"):
+        prepare_run("dpo", preset="smoke", home=Home(home_copy),
+                    upstream=Upstream("sft", "sft-x-r1", str(home_copy / "nowhere" / "step_000000008")))
+
+
+def test_a_config_inconsistent_with_the_upstream_checkpoint_fails_before_torchrun(home_copy):
+    from ghostvis_core.train.launch import prepare_run
+
+    with pytest.raises(GhostvisError, match=r"model.d_model=512 \(upstream context_expansion has 256\)"):
+        prepare_run("reasoning_mix", preset="smoke", home=Home(home_copy), overrides={"model.d_model": "512"})
+    with pytest.raises(GhostvisError, match=r"batch.seq_len=2048 exceeds model.max_seq_len=1024 .* context_expansion"):
+        prepare_run("sft", preset="smoke", home=Home(home_copy), overrides={"batch.seq_len": "2048"})
+
+
+def test_plain_torchrun_runs_a_stage_without_dagster(home_copy):
+    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "ghostvis_core.train",
+                    "--stage", "pretrain", "--preset", "smoke", "--set", "budget.steps=4"], home_copy,
+                   OMP_NUM_THREADS="1")
+    assert "step 4/4" in proc.stdout
+    ledger = Ledger(Home(home_copy).ledger)
+    runs = [p for p in ledger.parts(stage="pretrain") if p["step_last"] == 4 and p["world_size"] == 2]
+    assert runs
+    totals = ledger.run_totals(runs[-1]["run_key"])
+    assert totals["real_tokens"] == 4 * 8 * 256 * 2 and totals["overlap_tokens"] == 0
+    # the consumed token ranges of the two ranks tile exactly the trained tokens
+    assert sum(r["tokens"] for r in ledger.consumed_by_shard(runs[-1]["run_key"])) == totals["real_tokens"]

@@ -1,0 +1,64 @@
+"""Bad input fails early with one message that names the thing and the fix (no traceback)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.home import Home
+from tests.conftest import run_cli
+
+MATERIALIZE = ["dagster", "asset", "materialize", "-m", "ghostvis_pipeline.definitions"]
+
+
+def test_unknown_preset(tmp_path):
+    proc = run_cli(["ghostvis", "plan", "--preset", "nope"], tmp_path, check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "ghostvis: error: unknown preset 'nope'; choose one of: tiny, smoke, 500m, 1.5b, 7b"
+
+
+def test_total_batch_that_does_not_divide(tmp_path):
+    proc = run_cli(["ghostvis", "plan", "--total-batch-tokens", "10000"], tmp_path, check=False)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert ("batch.total_batch_tokens=10000 is not divisible by micro_batch_size x seq_len x world_size = "
+            "8 x 256 x 2 = 4096; choose a total that is a multiple of 4096") in proc.stderr
+
+
+@pytest.mark.e2e
+def test_missing_tokenized_shard_stops_the_stage_before_torchrun(home_copy):
+    ledger = Ledger(Home(home_copy).ledger)
+    path = Path(next(r["token_path"] for r in ledger.shards() if r["shard_id"] == "demo_code/00001"))
+    path.unlink()
+    proc = run_cli([*MATERIALIZE, "--select", "pretrain"], home_copy, check=False)
+    assert proc.returncode != 0
+    assert (f"tokenized shard demo_code/00001 ({path}) is in the ledger but missing on disk; "
+            "re-materialize tokenized_shards partition demo_code/00001") in proc.stdout + proc.stderr
+    assert "torch.distributed.run" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.e2e
+def test_corrupt_parquet_fails_its_partition_and_leaves_the_others_done(home_copy):
+    home = Home(home_copy)
+    bad = home.raw_shard("demo_prose/00001")
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # truncated mid-file
+    for f in (home.ledger / "shards").glob("*.parquet"):  # forget the neighbours: they must be redone
+        f.unlink()
+    proc = run_cli([*MATERIALIZE, "--select", "tokenized_shards", "--partition-range",
+                    "demo_prose/00000...demo_prose/00002"], home_copy, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "1 of 3 shards failed to tokenize (2 others are done and recorded; a re-run skips them)" in out
+    assert (f"raw shard demo_prose/00001 ({bad}) is unreadable:" in out
+            and "delete it and re-materialize raw_shards partition demo_prose/00001" in out)
+    done = {r["shard_id"] for r in Ledger(home.ledger).shards()}
+    assert done == {"demo_prose/00000", "demo_prose/00002"}
+    # the fix the message names: re-materialize the raw shard (its checksum no longer matches, so it
+    # is downloaded again), then tokenizing the range only does the repaired shard
+    run_cli([*MATERIALIZE, "--select", "raw_shards", "--partition", "demo_prose/00001"], home_copy)
+    proc = run_cli([*MATERIALIZE, "--select", "tokenized_shards", "--partition-range",
+                    "demo_prose/00000...demo_prose/00002"], home_copy)
+    assert "shard demo_prose/00000: " in proc.stdout + proc.stderr and "(unchanged, skipped)" in proc.stdout + proc.stderr
+    assert {r["shard_id"] for r in Ledger(home.ledger).shards()} == {"demo_prose/00000", "demo_prose/00001",
+                                                                    "demo_prose/00002"}

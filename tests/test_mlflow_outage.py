@@ -1,0 +1,93 @@
+"""The MLflow tracking server goes away mid-run: training goes on, metrics are buffered and sent
+once the server is back, and the outage is reported (a real `mlflow server` on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.home import Home
+from tests.conftest import BIN, cli_env
+
+pytestmark = pytest.mark.e2e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(port: int, store: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}", "--default-artifact-root", str(store / "art")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.3)
+    proc.kill()
+    raise AssertionError("mlflow server did not start")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    import os
+    import signal
+
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(30)
+
+
+def test_training_survives_an_mlflow_outage_and_the_metrics_arrive_complete(home_copy, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    port, store = free_port(), tmp_path / "mlflow"
+    uri = f"http://127.0.0.1:{port}"
+    server = start_server(port, store)
+    steps = 30
+    train = subprocess.Popen(
+        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "ghostvis_core.train",
+         "--stage", "pretrain", "--preset", "smoke", "--set", f"budget.steps={steps}",
+         "--set", "runtime.log_every_steps=1", "--set", "checkpoint.every_steps=15"],
+        env=cli_env(home_copy, MLFLOW_TRACKING_URI=uri, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    client = MlflowClient(uri)
+    run_id = None
+    deadline = time.time() + 120
+    while time.time() < deadline and run_id is None:  # wait for the first step's metrics
+        exp = client.get_experiment_by_name("ghostvis")
+        runs = client.search_runs([exp.experiment_id]) if exp else []
+        if runs and "tokens/real" in runs[0].data.metrics:
+            run_id = runs[0].info.run_id
+        time.sleep(0.2)
+    assert run_id, "training never logged to MLflow"
+    stop_server(server)
+    down_at = time.time()
+    time.sleep(6)
+    server = start_server(port, store)
+    try:
+        out, _ = train.communicate(timeout=600)
+        assert train.returncode == 0, out[-3000:]
+        assert time.time() - down_at > 6
+        history = client.get_metric_history(run_id, "tokens/real")
+        assert sorted(int(m.step) for m in history) == list(range(1, steps + 1))  # no gap left
+        run_key = client.get_run(run_id).data.tags["ghostvis.run_key"]
+        done = json.loads((Home(home_copy).checkpoints("pretrain", run_key) / "RUN_COMPLETE.json").read_text())
+        assert max(m.value for m in history) == done["real_tokens"] == Ledger(Home(home_copy).ledger).run_totals(run_key)["real_tokens"]
+        assert done["mlflow_failed_flushes"] >= 1 and done["mlflow_gap_seconds"] > 0  # the outage is reported
+        assert done["mlflow_unsent_metrics"] == 0
+        assert client.get_run(run_id).info.status == "FINISHED"
+    finally:
+        stop_server(server)
