@@ -22,6 +22,9 @@ GPU_PEAK_FLOPS = {
     "RTX4090": 165e12,
 }
 
+# Assumed on-demand prices per GPU-hour (USD) for the report's cost estimate; set your own.
+DEFAULT_GPU_PRICES = {"H100": 2.5, "A100": 1.5}
+
 
 @dataclass(frozen=True)
 class BatchPlan:
@@ -136,3 +139,43 @@ def plan(
         gpu_hours=gpu_hours,
         cost=cost,
     )
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    source: str
+    weight: float
+    needed_tokens: int
+    available_tokens: int | None  # None: the ledger has no shards of this source yet
+    epochs: float | None
+    shards_available: int
+    shards_needed: int | None  # shards (at this source's mean shard size) the budget takes
+    shards: list[str]  # the first shards, in order, that cover the budget (all of them if short)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def source_plan(weights: dict[str, float], planned_tokens: int, shards: dict[str, list[tuple[str, int]]]) -> list[SourcePlan]:
+    """Per source of a mixture: tokens the budget takes, epochs over what is tokenized, and which
+    shards are needed (`shards`: source -> [(shard_id, tokens)] from the ledger)."""
+    total = sum(weights.values())
+    if total <= 0 or any(w <= 0 for w in weights.values()):
+        raise GhostvisError(f"recipe weights must be positive, got {weights}")
+    out = []
+    for source, w in weights.items():
+        needed = int(round(planned_tokens * w / total))
+        have = sorted(shards.get(source, []))
+        if not have:
+            out.append(SourcePlan(source, w / total, needed, None, None, 0, None, []))
+            continue
+        available = sum(t for _, t in have)
+        chosen, acc = [], 0
+        for sid, t in have:
+            if acc >= needed:
+                break
+            chosen.append(sid)
+            acc += t
+        out.append(SourcePlan(source, w / total, needed, available, needed / available, len(have),
+                              math.ceil(needed / (available / len(have))), chosen))
+    return out

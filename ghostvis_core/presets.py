@@ -95,11 +95,11 @@ _TINY: dict[str, dict[str, Any]] = {
         init_from="reasoning_mix",
         vision=dict(image_size=32, patch_size=4, d_vision=128, n_layers=2, n_heads=4, n_latents=16,
                     resampler_layers=2),
-        batch=dict(micro_batch_size=32, seq_len=32, world_size=2, grad_accum_steps=1),
+        batch=dict(micro_batch_size=32, seq_len=40, world_size=2, grad_accum_steps=1),
         budget=dict(steps=45),  # 2,880 of the 3,000 training images: one epoch
         optim=dict(lr=2e-3, warmup_steps=8, min_lr_ratio=0.1, weight_decay=0.0),
         data=dict(recipe=[{"source": "demo_images", "weight": 1.0}], val_sources=["demo_images"]),
-        eval=dict(every_steps=45, val_tokens=6400, evidence=["caption_image_gap"]),
+        eval=dict(every_steps=45, val_tokens=8000, evidence=["caption_image_gap"]),
         checkpoint=dict(every_steps=45, keep_last=2),
     ),
     "sft": dict(
@@ -116,11 +116,11 @@ _TINY: dict[str, dict[str, Any]] = {
         objective="dpo",
         init_from="sft",
         dpo=dict(beta=0.1),
-        batch=dict(micro_batch_size=16, seq_len=64, world_size=2, grad_accum_steps=1),
+        batch=dict(micro_batch_size=16, seq_len=96, world_size=2, grad_accum_steps=1),
         budget=dict(steps=40),
         optim=dict(lr=3e-4, warmup_steps=4, min_lr_ratio=0.1, weight_decay=0.0),
         data=dict(recipe=[{"source": "demo_prefs", "weight": 1.0}], val_sources=["demo_prefs"]),
-        eval=dict(every_steps=20, val_tokens=12800),
+        eval=dict(every_steps=20, val_tokens=19200),
         checkpoint=dict(every_steps=20, keep_last=2),
     ),
 }

@@ -11,7 +11,7 @@ from pathlib import Path
 from dagster import AssetCheckResult, AssetCheckSeverity, MetadataValue, asset_check
 
 from ghostvis_core.data.catalog import registered_manifests
-from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger import Ledger, duplicate_shards, train_validation_overlap
 from ghostvis_core.data.token_shard import TokenShard
 from ghostvis_core.errors import GhostvisError
 from ghostvis_pipeline.metadata import latest_metadata, md_table
@@ -53,6 +53,25 @@ def all_manifest_shards_tokenized(context, home: GhostvisHome) -> AssetCheckResu
     return AssetCheckResult(passed=not missing, metadata={
         "manifest_shards": len(want), "tokenized_shards": len(want) - len(missing),
         "missing": ", ".join(missing[:50]) or "none",
+    })
+
+
+@asset_check(asset="token_ledger", blocking=True,
+             description="No two shards with the same content, and no document in both train and validation.")
+def no_duplicate_content(context, home: GhostvisHome) -> AssetCheckResult:
+    h = home.home()
+    ledger = Ledger(h.ledger)
+    tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
+    dup_shards = duplicate_shards(ledger, tokenizer_id)
+    overlap = train_validation_overlap(ledger, ledger.shards(tokenizer_id=tokenizer_id))
+    return AssetCheckResult(passed=not dup_shards and not overlap, metadata={
+        "duplicate_shards": len(dup_shards),
+        "docs_in_train_and_validation": len(overlap),
+        "duplicates": MetadataValue.md(md_table(["content_sha256", "shards"],
+                                                [[d["content_sha256"][:16], ", ".join(d["shards"])] for d in dup_shards])),
+        "leaked_docs": MetadataValue.md(md_table(
+            ["validation shard", "row", "train shard", "row"],
+            [[o["validation_shard"], o["validation_row"], o["train_shard"], o["train_row"]] for o in overlap[:100]])),
     })
 
 

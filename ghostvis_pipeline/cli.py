@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 from ghostvis_core import presets
-from ghostvis_core.budget import plan as make_plan
+from ghostvis_core.budget import plan as make_plan, source_plan
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
@@ -54,12 +54,31 @@ def plan_overrides(args) -> dict[str, Any]:
     return o
 
 
+def parse_recipe(text: str) -> dict[str, float]:
+    try:
+        return {k.strip(): float(v) for k, v in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise GhostvisError(f"--recipe {text!r}: expected source=weight,... e.g. web=0.6,books=0.15,code=0.25") from None
+
+
+def recipe_report(args, planned_tokens: int) -> list[dict]:
+    if not args.recipe:
+        return []
+    shards: dict[str, list[tuple[str, int]]] = {}
+    for r in Ledger(Home.from_env().ledger).shards(tokenizer_id=args.tokenizer):
+        if r["split"] == "train":
+            shards.setdefault(r["source"], []).append((r["shard_id"], r["tokens"]))
+    return [sp.to_dict() for sp in source_plan(parse_recipe(args.recipe), planned_tokens, shards)]
+
+
 def cmd_plan(args) -> int:
     cfg = presets.resolve(args.stage, args.preset, plan_overrides(args))
     p = make_plan(cfg, step_time_s=args.step_time, price_per_gpu_hour=args.price, gpu=args.gpu, mfu=args.mfu,
                   params=args.params)
+    sources = recipe_report(args, p.step_tokens_total)
     if args.json:
-        print(json.dumps({"stage": args.stage, "preset": args.preset, **p.to_dict()}, indent=2))
+        print(json.dumps({"stage": args.stage, "preset": args.preset, **p.to_dict(),
+                          **({"sources": sources} if sources else {})}, indent=2))
         return 0
     print(f"{args.stage} ({args.preset})")
     print(f"  tokens_per_step = micro_batch_size x seq_len x world_size x grad_accum_steps")
@@ -75,6 +94,13 @@ def cmd_plan(args) -> int:
         print(f"  GPU-hours       = {p.gpu_hours:,.2f}  ({p.world_size} GPUs)")
     if p.cost is not None:
         print(f"  cost            = {p.cost:,.2f}  at {args.price}/GPU-hour")
+    if sources:
+        print(f"\n  {'source':<16} {'weight':>6} {'needed':>16} {'available':>16} {'epochs':>7} {'shards':>13}")
+        for sp in sources:
+            avail = f"{sp['available_tokens']:,}" if sp["available_tokens"] is not None else "not tokenized"
+            ep = f"{sp['epochs']:.2f}" if sp["epochs"] is not None else "-"
+            need = f"{sp['shards_needed']}/{sp['shards_available']}" if sp["shards_needed"] is not None else "-"
+            print(f"  {sp['source']:<16} {sp['weight']:>6.2f} {sp['needed_tokens']:>16,} {avail:>16} {ep:>7} {need:>13}")
     return 0
 
 
@@ -131,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu", help="estimate the step time from this GPU's peak bf16 FLOP/s at --mfu")
     p.add_argument("--mfu", type=float, default=0.4)
     p.add_argument("--price", type=float, help="price per GPU-hour")
+    p.add_argument("--recipe", help="mixture source=weight,...: per source tokens, epochs and shards from the ledger")
+    p.add_argument("--tokenizer", help="count ledger shards of this tokenizer only")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_plan)
 

@@ -3,8 +3,11 @@
 from dagster import Definitions
 
 from ghostvis_pipeline.assets.data import raw_shards, shard_manifest, token_ledger, tokenized_shards, tokenizer
+from ghostvis_pipeline.assets.evaluation import evaluation, report
 from ghostvis_pipeline.assets.training import stage_asset
-from ghostvis_pipeline.checks import all_manifest_shards_tokenized, ledger_matches_token_files, stage_checks
+from ghostvis_pipeline.checks import (
+    all_manifest_shards_tokenized, ledger_matches_token_files, no_duplicate_content, stage_checks,
+)
 from ghostvis_pipeline.jobs import shard_data_job, training_job
 from ghostvis_pipeline.resources import GhostvisHome, TorchrunLauncher
 
@@ -24,8 +27,8 @@ for stage, upstream in STAGE_CHAIN:
     stage_assets.append(stage_asset(stage, upstream, deps=[token_ledger] + ([upstream] if upstream else [])))
 
 defs = Definitions(
-    assets=[shard_manifest, raw_shards, tokenizer, tokenized_shards, token_ledger, *stage_assets],
-    asset_checks=[ledger_matches_token_files, all_manifest_shards_tokenized,
+    assets=[shard_manifest, raw_shards, tokenizer, tokenized_shards, token_ledger, *stage_assets, evaluation, report],
+    asset_checks=[ledger_matches_token_files, all_manifest_shards_tokenized, no_duplicate_content,
                   *[c for stage, _ in STAGE_CHAIN for c in stage_checks(stage)]],
     jobs=[shard_data_job, training_job],
     resources={"home": GhostvisHome(), "launcher": TorchrunLauncher()},

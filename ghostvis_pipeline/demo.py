@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ghostvis_core import presets
 from ghostvis_core.home import Home
 
 PROJECT_DAGSTER_YAML = Path(__file__).resolve().parent.parent / "dagster.yaml"
@@ -79,6 +80,8 @@ def run_demo(home: Home, preset: str, stages: list[str]) -> list[RunSummary]:
     runs.append(materialize(defs, instance, ["tokenized_shards"], partition_range=span))
     stage_config = {"ops": {s: {"config": {"preset": preset}} for s in stages}}
     runs.append(materialize(defs, instance, ["token_ledger", *stages], run_config=stage_config))
+    if list(stages) == presets.demo_stages():  # the whole lineage: score it and write its report card
+        runs.append(materialize(defs, instance, ["evaluation", "report"]))
     return runs
 
 

@@ -50,7 +50,7 @@ def test_demo_materializes_every_asset_and_all_checks_pass(demo_home):
         assert f"\n{asset} " in out, f"{asset} missing from the per-asset breakdown:\n{out}"
     line = next(l for l in out.splitlines() if l.startswith("checks:"))
     passed, total = map(int, line.split()[1].split("/"))
-    assert passed == total == 2 + 4 * len(STAGES), line
+    assert passed == total == 3 + 4 * len(STAGES), line
 
 
 def test_ledger_mlflow_and_dagster_agree_to_the_token_for_every_stage(demo_home):

@@ -465,7 +465,7 @@ def _reasoning_rows(rng, n_train, n_val):
 # --- short factual Q&A (demo_chat and demo_prefs) ---------------------------------------------
 # Each family returns (user prompt, correct concise reply, a plausible wrong reply).
 
-_CAPITALS = (
+CAPITALS = (
     ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Portugal", "Lisbon"),
     ("Japan", "Tokyo"), ("China", "Beijing"), ("India", "New Delhi"), ("Egypt", "Cairo"), ("Kenya", "Nairobi"),
     ("Canada", "Ottawa"), ("Mexico", "Mexico City"), ("Argentina", "Buenos Aires"), ("Peru", "Lima"),
@@ -532,10 +532,10 @@ def _qa_arith(rng):
 
 
 def _qa_capital(rng):
-    country, city = _pick(rng, _CAPITALS)
+    country, city = _pick(rng, CAPITALS)
     prompt = _pick(rng, (f"What is the capital of {country}?", f"Which city is the capital of {country}?",
                          f"Name the capital of {country}.", f"What's the capital city of {country}?"))
-    wrong = _other(rng, _CAPITALS, (country, city))[1]
+    wrong = _other(rng, CAPITALS, (country, city))[1]
     return prompt, f"The capital of {country} is {city}.", f"The capital of {country} is {wrong}."
 
 

@@ -78,6 +78,17 @@ PART_SCHEMA = pa.schema(
     ]
 )
 
+DOC_SCHEMA = pa.schema(
+    [
+        ("shard_id", pa.string()),
+        ("source", pa.string()),
+        ("split", pa.string()),
+        ("content_sha256", pa.string()),
+        ("row", pa.int64()),
+        ("doc_hash", pa.string()),
+    ]
+)
+
 CONSUMPTION_SCHEMA = pa.schema(
     [
         ("part_id", pa.string()),
@@ -130,6 +141,13 @@ class Ledger:
             record["token_path"] = str(path.relative_to(self.store))
         path = self.shard_record_path(record["shard_id"], record["tokenizer_id"], record["content_sha256"])
         return _write(path, [record], SHARD_SCHEMA)
+
+    def write_doc_hashes(self, shard_id: str, source: str, split: str, content_sha256: str,
+                         rows: list[int], hashes: list[str]) -> Path:
+        """Per document, its hash (normalised text, plus image bytes): finds the same document in train and validation."""
+        recs = [{"shard_id": shard_id, "source": source, "split": split, "content_sha256": content_sha256,
+                 "row": r, "doc_hash": h} for r, h in zip(rows, hashes)]
+        return _write(self.root / "docs" / f"{_key(shard_id, content_sha256)}.parquet", recs, DOC_SCHEMA)
 
     def write_part(self, part: dict[str, Any], pieces: list[dict[str, Any]]) -> None:
         """Consumption first, then the part row: a part row is only visible once its pieces are."""
@@ -284,6 +302,32 @@ class Ledger:
     def leakage(self, run_key: str) -> list[dict[str, Any]]:
         """Validation shards consumed in training along the run's chain."""
         return [r for r in self.consumed_by_shard(run_key) if r["split"] != "train"]
+
+
+def duplicate_shards(ledger: Ledger, tokenizer_id: str) -> list[dict[str, Any]]:
+    """Shards with the same content hash under different names."""
+    by_sha: dict[str, list[str]] = {}
+    for r in ledger.shards(tokenizer_id=tokenizer_id):
+        by_sha.setdefault(r["content_sha256"], []).append(r["shard_id"])
+    return [{"content_sha256": sha, "shards": ids} for sha, ids in by_sha.items() if len(ids) > 1]
+
+
+def train_validation_overlap(ledger: Ledger, shards: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Documents whose normalised text is in both a train and a validation shard of a source
+    (`shards`: the current ledger records, so older versions of a shard do not count)."""
+    if not shards:
+        return []
+    shas = sorted({r["content_sha256"] for r in shards})
+    marks = ",".join("?" * len(shas))
+    return ledger._query(
+        "docs",
+        f"""WITH d AS (SELECT DISTINCT * FROM docs WHERE content_sha256 IN ({marks}))
+            SELECT v.source, v.doc_hash, v.shard_id AS validation_shard, v.row AS validation_row,
+                   t.shard_id AS train_shard, t.row AS train_row
+            FROM d v JOIN d t ON v.doc_hash = t.doc_hash AND v.source = t.source
+            WHERE v.split = 'validation' AND t.split = 'train' ORDER BY v.shard_id, v.row""",
+        shas,
+    )
 
 
 def pieces_to_rows(pieces: list[Piece], rows_of) -> list[dict[str, Any]]:

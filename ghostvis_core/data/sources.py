@@ -49,6 +49,12 @@ class Manifest:
     source: str
     kind: str = "text"  # text | chat | preference | image_caption
     shards: list[ShardEntry] = field(default_factory=list)
+    # Validation shards pinned by content: a shard whose sha256 is listed is validation whatever its
+    # name or position, so a re-published, renumbered source cannot move it into training.
+    validation_sha256: list[str] = field(default_factory=list)
+
+    def split_of(self, entry: ShardEntry, content_sha256: str) -> str:
+        return "validation" if content_sha256 in self.validation_sha256 else entry.split
 
     def shard_id(self, entry: ShardEntry) -> str:
         return f"{self.source}/{entry.name}"
@@ -71,7 +77,8 @@ class Manifest:
         if not path.exists():
             raise GhostvisError(f"manifest {path} is missing; materialize the shard_manifest asset first")
         data = json.loads(path.read_text())
-        return cls(data["source"], data.get("kind", "text"), [ShardEntry(**e) for e in data["shards"]])
+        return cls(data["source"], data.get("kind", "text"), [ShardEntry(**e) for e in data["shards"]],
+                   data.get("validation_sha256", []))
 
 
 def sha256_file(path: Path) -> str:

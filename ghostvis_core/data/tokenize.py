@@ -7,6 +7,7 @@ row index, so every token can be traced back to (shard, row).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 import uuid
@@ -19,6 +20,8 @@ import pyarrow.parquet as pq
 from datatrove.data import Document
 from datatrove.executor import LocalPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
+from datatrove.pipeline.filters import FineWebQualityFilter, LambdaFilter, RegexFilter
+from datatrove.pipeline.filters.base_filter import BaseFilter, get_filter_result
 from datatrove.pipeline.readers import ParquetReader
 
 from ghostvis_core.data.chat import IMAGE, render_chat, render_prompt, render_reply
@@ -153,11 +156,21 @@ class TokenShardWriter(PipelineStep):
         scalars: dict[str, list] = {}
         text_bytes = 0
         dropped: dict[str, dict[str, int]] = {}
+        doc_hashes: list[str] = []
+        seen: set[str] = set()
         for doc in data:
-            if not doc.text:
-                d = dropped.setdefault("empty_text", {"docs": 0, "tokens": 0})
+            reason = doc.metadata.get("dropped")
+            digest = doc_hash(job.kind, doc)
+            if reason is None and not doc.text:
+                reason = "empty_text"
+            elif reason is None and digest in seen:
+                reason = "exact_duplicate"
+            if reason is not None:  # counted with its tokens, so the ledger explains raw vs trained
+                d = dropped.setdefault(reason, {"docs": 0, "tokens": 0})
                 d["docs"] += 1
+                d["tokens"] += len(encode_document(tok, job.kind, doc)["tokens"]) if doc.text else 0
                 continue
+            seen.add(digest)
             for col, value in encode_document(tok, job.kind, doc).items():
                 if isinstance(value, list):
                     lengths, flat = lists.setdefault(col, ([], []))
@@ -166,6 +179,7 @@ class TokenShardWriter(PipelineStep):
                 else:
                     scalars.setdefault(col, []).append(value)
             rows.append(doc.metadata["row"])
+            doc_hashes.append(digest)
             text_bytes += len(doc.text.encode("utf-8"))
         columns = {"row": pa.array(rows, pa.int64())}
         for col, (lengths, flat) in lists.items():
@@ -178,14 +192,63 @@ class TokenShardWriter(PipelineStep):
         write_token_shard(Path(job.token_path), columns)
         self.stat_update("tokens", value=n_tokens, unit="shard")
         raw = Path(job.raw_path)
-        Ledger(Path(self.ledger_dir)).write_shard({
+        ledger = Ledger(Path(self.ledger_dir))
+        content_sha256 = sha256_file(raw)
+        ledger.write_doc_hashes(job.shard_id, job.source, job.split, content_sha256, rows, doc_hashes)
+        ledger.write_shard({
             "shard_id": job.shard_id, "source": job.source, "split": job.split, "kind": job.kind,
-            "content_sha256": sha256_file(raw), "raw_bytes": raw.stat().st_size,
+            "content_sha256": content_sha256, "raw_bytes": raw.stat().st_size,
             "tokenizer_id": tok.tokenizer_id, "docs": len(rows), "tokens": n_tokens,
             "text_bytes": text_bytes, "docs_dropped": sum(d["docs"] for d in dropped.values()),
             "tokens_dropped": sum(d["tokens"] for d in dropped.values()),
             "drop_reasons": json.dumps(dropped, sort_keys=True), "token_path": job.token_path,
         })
+
+
+def doc_hash(kind: str, doc: Document) -> str:
+    """Exact-duplicate key: the text with case and whitespace runs normalised, plus the image bytes
+    for documents that carry one (the same caption on another image is another document)."""
+    h = hashlib.sha1(" ".join(doc.text.lower().split()).encode("utf-8"))
+    if kind != "text" and (image := doc.metadata["record"].get("image")):
+        h.update(image)
+    return h.hexdigest()
+
+
+class CountedFilters(PipelineStep):
+    """Runs datatrove document filters, but marks a rejected document (with the filter's name and
+    reason) instead of dropping it, so the writer counts its docs and tokens in the ledger."""
+
+    name = "🔻 GhostVis filters"
+    type = "🔻 - FILTER"
+
+    def __init__(self, filters: dict[str, list[str]], jobs: list[TokenizeJob]):
+        super().__init__()
+        self.specs = filters
+        self.jobs = jobs
+
+    def run(self, data, rank: int = 0, world_size: int = 1):
+        filters = [(spec, build_filter(spec)) for spec in self.specs.get(self.jobs[rank].source, [])]
+        for doc in data:
+            for spec, f in filters:
+                keep, why = get_filter_result(f.filter(doc))
+                if not keep:
+                    doc.metadata["dropped"] = f"{spec.split('=')[0]}:{why}" if why else spec.split("=")[0]
+                    break
+            yield doc
+
+
+def build_filter(spec: str) -> BaseFilter:
+    """A filter from its spec string: min_chars=N, max_chars=N, regex_exclude=PATTERN, fineweb_quality."""
+    name, _, arg = spec.partition("=")
+    if name == "min_chars":
+        return LambdaFilter(lambda d, n=int(arg): len(d.text) >= n)
+    if name == "max_chars":
+        return LambdaFilter(lambda d, n=int(arg): len(d.text) <= n)
+    if name == "regex_exclude":
+        return RegexFilter(arg)
+    if name == "fineweb_quality":
+        return FineWebQualityFilter()
+    raise GhostvisError(f"unknown filter '{spec}'; use min_chars=N, max_chars=N, regex_exclude=PATTERN or fineweb_quality")
 
 
 def error_file(errors_dir: Path, shard_id: str) -> Path:
@@ -212,6 +275,9 @@ class TokenizeReport:
     tokens: int
     text_bytes: int
     seconds: float
+    docs_dropped: int = 0
+    tokens_dropped: int = 0
+    drop_reasons: str = "{}"
 
 
 def tokenize_shards(
@@ -221,8 +287,13 @@ def tokenize_shards(
     ledger_dir: Path,
     logging_dir: Path,
     workers: int = 2,
+    filters: dict[str, list[str]] | None = None,
 ) -> list[TokenizeReport]:
-    """Tokenize the jobs that are not already done; return one report per job (from the ledger)."""
+    """Tokenize the jobs that are not already done; return one report per job (from the ledger).
+    `filters` maps a source to its document filters (see build_filter)."""
+    for specs in (filters or {}).values():
+        for spec in specs:
+            build_filter(spec)  # fail on a bad spec before any work
     tok = load_tokenizer(str(tokenizer_dir))
     ledger = Ledger(ledger_dir)
     shas = {j.shard_id: sha256_file(Path(j.raw_path)) for j in jobs}
@@ -231,7 +302,8 @@ def tokenize_shards(
     errors_dir = logging_dir / "errors" / uuid.uuid4().hex[:8]
     if todo:
         executor = LocalPipelineExecutor(
-            pipeline=[RawShardReader(todo), TokenShardWriter(todo, str(tokenizer_dir), str(ledger_dir), str(errors_dir))],
+            pipeline=[RawShardReader(todo), CountedFilters(filters or {}, todo),
+                      TokenShardWriter(todo, str(tokenizer_dir), str(ledger_dir), str(errors_dir))],
             tasks=len(todo),
             workers=max(1, min(workers, len(todo))),
             logging_dir=str(logging_dir),
@@ -250,5 +322,6 @@ def tokenize_shards(
     for j in jobs:
         rec = pq.read_table(ledger.shard_record_path(j.shard_id, tok.tokenizer_id, shas[j.shard_id])).to_pylist()[0]
         reports.append(TokenizeReport(j.shard_id, j.shard_id not in todo_ids, rec["docs"], rec["tokens"],
-                                      rec["text_bytes"], round(seconds, 3)))
+                                      rec["text_bytes"], round(seconds, 3), rec["docs_dropped"], rec["tokens_dropped"],
+                                      rec["drop_reasons"]))
     return reports

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -21,8 +23,24 @@ class DistContext:
         return self.rank == 0
 
 
+def die_with_parent() -> None:
+    """torchrun starts each rank in its own session; if torchrun itself is killed (SIGKILL of the
+    launcher or of the Dagster step), the ranks would train on as orphans. Linux can tie a rank's
+    life to its parent's, so a killed launch stops everywhere and is resumed by the next one."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the parent died before the call above
+        os._exit(1)
+
+
 def setup() -> DistContext:
     """Join the torchrun process group if there is one; a plain `python -m` run is world size 1."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_parent()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

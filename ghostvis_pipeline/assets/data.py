@@ -15,9 +15,12 @@ from dagster import (
 )
 
 from ghostvis_core import presets
-from ghostvis_core.data.catalog import DEMO_SOURCES, manifest_of_shard, manifest_path, publish_demo_source, registered_manifests
+from ghostvis_core.data.catalog import (
+    DEMO_SOURCES, RemoteSource, manifest_of_shard, manifest_path, publish_demo_source, registered_manifests,
+    remote_manifest,
+)
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.sources import fetch_shard
+from ghostvis_core.data.sources import fetch_shard, sha256_file
 from ghostvis_core.data.tokenize import TokenizeJob, tokenize_shards
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.errors import GhostvisError
@@ -26,8 +29,23 @@ from ghostvis_pipeline.partitions import shard_partitions
 from ghostvis_pipeline.resources import GhostvisHome
 
 
+class RemoteSourceConfig(Config):
+    """A source of your own (see ghostvis_core.data.catalog.RemoteSource)."""
+
+    name: str
+    kind: str = "text"
+    url_pattern: str = ""
+    listing: str = ""
+    first_shard: int = 0
+    num_shards: int = 0
+    validation: list[str] = []
+    validation_sha256: list[str] = []
+    sha256: dict[str, str] = {}
+
+
 class ManifestConfig(Config):
-    sources: list[str] = list(DEMO_SOURCES)
+    sources: list[str] = list(DEMO_SOURCES)  # embedded demo sources to publish
+    remote: list[RemoteSourceConfig] = []  # sources of your own: URL pattern or listing
 
 
 @asset(group_name="data", kinds={"parquet"}, owners=["team:data"])
@@ -36,9 +54,10 @@ def shard_manifest(context: AssetExecutionContext, config: ManifestConfig, home:
     `shards` partition per shard, so shards can be downloaded and tokenized as a backfill."""
     h = home.home()
     keys, rows = [], []
-    for source in config.sources:
-        manifest = publish_demo_source(h, source)
-        manifest.save(manifest_path(h, source))
+    manifests = [publish_demo_source(h, source) for source in config.sources]
+    manifests += [remote_manifest(RemoteSource(**src.model_dump())) for src in config.remote]
+    for manifest in manifests:
+        manifest.save(manifest_path(h, manifest.source))
         for e in manifest.shards:
             keys.append(manifest.shard_id(e))
             rows.append([manifest.shard_id(e), e.split, e.bytes, (e.sha256 or "")[:12], e.url])
@@ -49,7 +68,7 @@ def shard_manifest(context: AssetExecutionContext, config: ManifestConfig, home:
     return MaterializeResult(metadata={
         "shards": len(keys),
         "new_partitions": len(new),
-        "sources": ", ".join(config.sources),
+        "sources": ", ".join(m.source for m in manifests),
         "manifest": MetadataValue.md(md_table(["shard", "split", "bytes", "sha256", "url"], rows)),
     })
 
@@ -122,6 +141,9 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, home: Gho
 
 class TokenizeConfig(Config):
     workers: int = 2
+    # per source, datatrove document filters: min_chars=N, max_chars=N, regex_exclude=PATTERN,
+    # fineweb_quality. Exact duplicates within a shard are always removed. Drops are counted.
+    filters: dict[str, list[str]] = {}
 
 
 @asset(
@@ -144,11 +166,13 @@ def tokenized_shards(context: AssetExecutionContext, config: TokenizeConfig, hom
         raw = h.raw_shard(key)
         if not raw.exists():
             raise GhostvisError(f"raw shard {key} is not downloaded; materialize raw_shards partition {key} first")
-        jobs.append(TokenizeJob(key, manifest.source, entry.split, str(raw), str(h.token_shard(tokenizer_id, key)),
+        split = manifest.split_of(entry, sha256_file(raw))
+        jobs.append(TokenizeJob(key, manifest.source, split, str(raw), str(h.token_shard(tokenizer_id, key)),
                                 manifest.kind))
     t0 = time.time()
     reports = tokenize_shards(jobs, tokenizer_dir=h.tokenizer_dir(tokenizer_id), ledger_dir=h.ledger,
-                              logging_dir=h.root / "logs" / "datatrove" / tokenizer_id, workers=config.workers)
+                              logging_dir=h.root / "logs" / "datatrove" / tokenizer_id, workers=config.workers,
+                              filters=dict(config.filters))
     secs = time.time() - t0
     done = [r for r in reports if not r.skipped]
     text_bytes = sum(r.text_bytes for r in done)
@@ -158,10 +182,12 @@ def tokenized_shards(context: AssetExecutionContext, config: TokenizeConfig, hom
         "tokenizer_id": tokenizer_id, "shards": len(reports), "tokenized": len(done),
         "skipped_unchanged": len(reports) - len(done),
         "docs": sum(r.docs for r in reports), "tokens": sum(r.tokens for r in reports),
+        "docs_dropped": sum(r.docs_dropped for r in reports), "tokens_dropped": sum(r.tokens_dropped for r in reports),
         "text_mb_per_s": round(text_bytes / 1e6 / max(secs, 1e-6), 2),
         "shards_table": MetadataValue.md(md_table(
-            ["shard", "docs", "tokens", "status"],
-            [[r.shard_id, r.docs, r.tokens, "skipped" if r.skipped else "tokenized"] for r in reports])),
+            ["shard", "docs", "tokens", "dropped docs", "dropped tokens", "why", "status"],
+            [[r.shard_id, r.docs, r.tokens, r.docs_dropped, r.tokens_dropped, r.drop_reasons,
+              "skipped" if r.skipped else "tokenized"] for r in reports])),
     })
 
 

@@ -1,0 +1,175 @@
+"""The report card of a lineage: one HTML page (and its Markdown twin) with each stage's planned vs
+consumed tokens, shards used, reuse and leakage status, loss curves, evidence, evaluation, wall
+time and throughput, and what the same plan would cost on GPUs. Token figures come from the ledger.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ghostvis_core.budget import plan
+from ghostvis_core.config import StageConfig
+from ghostvis_core.data.ledger import Ledger
+
+TOKEN_FIELDS = ("planned_tokens", "real_tokens", "pad_tokens", "loss_tokens", "cropped_tokens")
+
+
+@dataclass
+class StageReport:
+    stage: str
+    run_key: str
+    mlflow_run_id: str
+    totals: dict[str, Any]
+    planned_tokens: int
+    shards_used: int
+    shard_rows: list[dict[str, Any]]
+    reuse: str
+    leakage: str
+    wall_time_s: float
+    tokens_per_sec: float
+    val_loss_start: float | None
+    val_loss: float | None
+    evidence: list[tuple[str, Any, Any]]
+    costs: list[dict[str, Any]]
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    evaluation: dict[str, Any] = field(default_factory=dict)
+
+
+def stage_report(ledger: Ledger, result: dict[str, Any], config: dict[str, Any], curves: dict[str, list],
+                 evaluation: dict[str, Any], gpu_prices: dict[str, float]) -> StageReport:
+    """One stage's row of the report, from its RUN_COMPLETE record, config and the ledger."""
+    key = result["run_key"]
+    totals = ledger.run_totals(key)
+    shards = ledger.consumed_by_shard(key)
+    reuse = ledger.reuse(key)
+    bad = [r for r in reuse if r["kind"] in ("reuse", "undeclared_repeat", "undeclared_cross_stage")]
+    declared = sum(r["tokens"] for r in reuse if r not in bad)
+    reuse_text = (f"FLAGGED: {sum(r['tokens'] for r in bad):,} tokens read twice" if bad
+                  else "none" + (f" ({declared:,} tokens of declared replay/repeat)" if declared else ""))
+    leaked = ledger.leakage(key)
+    leak_text = f"FLAGGED: {', '.join(r['shard_id'] for r in leaked)}" if leaked else "none"
+    evidence = []
+    for k, v in sorted(result.items()):
+        if k.endswith("_after") and not k.startswith("frozen"):
+            name = k[: -len("_after")]
+            evidence.append((name, result.get(f"{name}_before"), v))
+    if "frozen_params_unchanged" in result:
+        evidence.append(("frozen_params_unchanged", None, bool(result["frozen_params_unchanged"])))
+    cfg = StageConfig.from_dict(config)
+    costs = []
+    for gpu, price in gpu_prices.items():
+        p = plan(cfg, gpu=gpu, price_per_gpu_hour=price)
+        costs.append({"gpu": gpu, "gpus": p.world_size, "gpu_hours": p.gpu_hours, "cost": p.cost, "price": price})
+    return StageReport(
+        stage=result["stage"], run_key=key, mlflow_run_id=result.get("mlflow_run_id", ""), totals=totals,
+        planned_tokens=int(result["planned_tokens"]), shards_used=len(shards), shard_rows=shards,
+        reuse=reuse_text, leakage=leak_text, wall_time_s=float(result.get("wall_time_s", 0.0)),
+        tokens_per_sec=float(result.get("tokens_per_sec", 0.0)), val_loss_start=result.get("val_loss_start"),
+        val_loss=result.get("val_loss"), evidence=evidence, costs=costs, curves=curves, evaluation=evaluation,
+    )
+
+
+def loss_chart(stages: list[StageReport], path: Path) -> Path:
+    """train/loss and val/loss of every stage, one panel each, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(stages)
+    cols = min(4, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+    for ax, st in zip(axes.flat, stages):
+        for name, style in (("train/loss", "-"), ("val/loss", "o-")):
+            pts = st.curves.get(name, [])
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name, markersize=3)
+        ax.set_title(st.stage)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "NO"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:,.4g}"
+    return str(v)
+
+
+def tables(stages: list[StageReport]) -> dict[str, tuple[list[str], list[list[Any]]]]:
+    """The report's tables, shared by the HTML and Markdown renderings."""
+    tok = (["stage", "run", "steps", "planned", "real", "pad", "loss", "cropped", "shards", "reuse", "leakage",
+            "wall s", "tokens/s", "val loss start", "val loss end"],
+           [[s.stage, s.run_key, s.totals["steps"], s.planned_tokens, s.totals["real_tokens"], s.totals["pad_tokens"],
+             s.totals["loss_tokens"], s.totals["cropped_tokens"], s.shards_used, s.reuse, s.leakage, s.wall_time_s,
+             s.tokens_per_sec, s.val_loss_start, s.val_loss] for s in stages])
+    evid = (["stage", "evidence", "before", "after"],
+            [[s.stage, name, before, after] for s in stages for name, before, after in s.evidence])
+    ev = (["stage", "bits/byte (per source)", "multiple choice (accuracy)"],
+          [[s.stage, ", ".join(f"{k} {v:.3f}" for k, v in s.evaluation.get("bpb", {}).items()),
+            ", ".join(f"{k} {v:.2f}" for k, v in s.evaluation.get("mc", {}).items())] for s in stages])
+    cost = (["stage", "gpu", "gpus", "GPU-hours", "price/h", "cost"],
+            [[s.stage, c["gpu"], c["gpus"], c["gpu_hours"], c["price"], c["cost"]] for s in stages for c in s.costs])
+    return {"Tokens (ledger)": tok, "Evidence (held-out, before vs after)": evid,
+            "Evaluation": ev, "The same plan on GPUs (40% MFU)": cost}
+
+
+def render_markdown(title: str, stages: list[StageReport], chart: str, samples: dict[str, list]) -> str:
+    out = [f"# {title}", "", f"![loss curves]({chart})", ""]
+    for name, (head, rows) in tables(stages).items():
+        out += [f"## {name}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        out += ["| " + " | ".join(_fmt(v) for v in r) + " |" for r in rows]
+        out.append("")
+    out.append("## Samples")
+    for stage, items in samples.items():
+        out += ["", f"### {stage}"] + [f"- `{s['prompt']}` -> `{s['completion'].strip()}`" for s in items]
+    return "\n".join(out) + "\n"
+
+
+def render_html(title: str, stages: list[StageReport], chart: str, samples: dict[str, list]) -> str:
+    e = html.escape
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title>",
+             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin-bottom:2em}"
+             "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}th{background:#eee}"
+             "td:first-child{text-align:left}.flag{color:#b00;font-weight:bold}</style></head><body>",
+             f"<h1>{e(title)}</h1>", f"<img id='loss-curves' src='{e(chart)}' alt='loss curves'>"]
+    for name, (head, rows) in tables(stages).items():
+        parts.append(f"<h2>{e(name)}</h2><table><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>")
+        for r in rows:
+            cells = "".join(f"<td{' class=flag' if 'FLAGGED' in _fmt(v) else ''} data-col='{e(h)}'>{e(_fmt(v))}</td>"
+                            for h, v in zip(head, r))
+            parts.append(f"<tr data-stage='{e(str(r[0]))}'>{cells}</tr>")
+        parts.append("</table>")
+    parts.append("<h2>Samples</h2>")
+    for stage, items in samples.items():
+        parts.append(f"<h3>{e(stage)}</h3><ul>" + "".join(
+            f"<li><code>{e(s['prompt'])}</code> &rarr; <code>{e(s['completion'].strip())}</code></li>" for s in items) + "</ul>")
+    parts.append("</body></html>")
+    return "\n".join(parts)
+
+
+def write_report(folder: Path, title: str, stages: list[StageReport], samples: dict[str, list]) -> dict[str, Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    chart = loss_chart(stages, folder / "loss_curves.png")
+    files = {"html": folder / "report.html", "md": folder / "report.md", "png": chart, "json": folder / "report.json"}
+    files["html"].write_text(render_html(title, stages, chart.name, samples))
+    files["md"].write_text(render_markdown(title, stages, chart.name, samples))
+    files["json"].write_text(json.dumps([s.__dict__ for s in stages], indent=2, default=str))
+    return files
+
