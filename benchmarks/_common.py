@@ -396,7 +396,7 @@ def kv_line(results: dict) -> str:
     return " ".join(f"{k}={v(x)}" for k, x in results.items())
 
 
-def workdir(prefix: str, keep: bool = False) -> Path:
+def workdir(prefix: str) -> Path:
     import tempfile
 
     d = Path(tempfile.mkdtemp(prefix=f"ghostvis-bench-{prefix}-"))

@@ -125,6 +125,12 @@ _TINY: dict[str, dict[str, Any]] = {
     ),
 }
 
+# Named config variants of a stage (dotted overrides), materialized side by side as partitions of
+# `<stage>_variants` and compared in MLflow (tag ghostvis.variant).
+VARIANTS: dict[str, dict[str, dict[str, str]]] = {
+    "pretrain": {"lr_1e-3": {"optim.lr": "1e-3"}, "lr_4e-3": {"optim.lr": "4e-3"}},
+}
+
 # The smoke preset: the tiny model and recipes with few steps, for end-to-end tests.
 _SMOKE_STEPS = {"pretrain": 24, "continued_pretrain": 8, "context_expansion": 6, "reasoning_mix": 8,
                 "vision_alignment": 8, "sft": 8, "dpo": 6}

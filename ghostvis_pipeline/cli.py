@@ -138,6 +138,36 @@ def cmd_ledger(args) -> int:
     return 0
 
 
+def cmd_chat(args) -> int:
+    """Talk to a chat stage's checkpoint: the chat template, KV-cached sampling, stop at <|eot|>."""
+    import torch
+
+    from ghostvis_core.data.chat import render_prompt
+    from ghostvis_core.eval.checkpoints import load_stage
+
+    ts = load_stage(Home.from_env(), args.stage, args.run)
+    tok, interactive = ts.tok, sys.stdin.isatty()
+    gen = torch.Generator().manual_seed(args.seed)
+    messages: list[dict] = []
+    if interactive:
+        print(f"{args.stage} ({ts.run_key}); empty line or Ctrl-D to quit")
+    while True:
+        if interactive:
+            print("you> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or (interactive and not line.strip()):
+            return 0
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        with torch.no_grad():
+            out = ts.model.generate(render_prompt(tok, messages)[-ts.config.model.max_seq_len + args.max_tokens:],
+                                    args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                    stop_tokens=(tok.eot,), generator=gen)
+        reply = tok.decode([t for t in out if t != tok.eot])
+        messages.append({"role": "assistant", "content": reply})
+        # piped: one line per reply, so a script can pair prompts and answers
+        print(f"assistant> {reply}" if interactive else " ".join(reply.splitlines()), flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ghostvis", description="GhostVis: a training pipeline whose token numbers are checked.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -161,6 +191,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", help="count ledger shards of this tokenizer only")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=cmd_plan)
+
+    c = sub.add_parser("chat", help="chat with a trained stage in the terminal (stdin may be piped)")
+    c.add_argument("--stage", default="sft", choices=["sft", "dpo"])
+    c.add_argument("--run", help="run key (default: the stage's newest completed run)")
+    c.add_argument("--max-tokens", type=int, default=64)
+    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    c.add_argument("--top-k", type=int, default=50)
+    c.add_argument("--seed", type=int, default=0)
+    c.set_defaults(fn=cmd_chat)
 
     lg = sub.add_parser("ledger", help="the token ledger: shards and per-stage consumption")
     lg.add_argument("--tokenizer", help="only shards tokenized with this tokenizer id")

@@ -4,7 +4,8 @@ from dagster import Definitions
 
 from ghostvis_pipeline.assets.data import raw_shards, shard_manifest, token_ledger, tokenized_shards, tokenizer
 from ghostvis_pipeline.assets.evaluation import evaluation, report
-from ghostvis_pipeline.assets.training import stage_asset
+from ghostvis_core.presets import VARIANTS
+from ghostvis_pipeline.assets.training import stage_asset, variants_asset
 from ghostvis_pipeline.checks import (
     all_manifest_shards_tokenized, ledger_matches_token_files, no_duplicate_content, stage_checks,
 )
@@ -24,7 +25,10 @@ STAGE_CHAIN: list[tuple[str, str | None]] = [
 
 stage_assets = []
 for stage, upstream in STAGE_CHAIN:
-    stage_assets.append(stage_asset(stage, upstream, deps=[token_ledger] + ([upstream] if upstream else [])))
+    deps = [token_ledger] + ([upstream] if upstream else [])
+    stage_assets.append(stage_asset(stage, upstream, deps))
+    if stage in VARIANTS:
+        stage_assets.append(variants_asset(stage, upstream, deps))
 
 defs = Definitions(
     assets=[shard_manifest, raw_shards, tokenizer, tokenized_shards, token_ledger, *stage_assets, evaluation, report],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -165,3 +166,54 @@ def test_plain_torchrun_runs_a_stage_without_dagster(home_copy):
     assert totals["real_tokens"] == 4 * 8 * 256 * 2 and totals["overlap_tokens"] == 0
     # the consumed token ranges of the two ranks tile exactly the trained tokens
     assert sum(r["tokens"] for r in ledger.consumed_by_shard(runs[-1]["run_key"])) == totals["real_tokens"]
+
+
+def test_report_card_token_figures_equal_the_ledger_and_evidence_is_listed(demo_home):
+    instance = dagster_instance(demo_home)
+    md = latest(instance, "report")
+    html = Path(md["report_html"]).read_text()
+    rows = json.loads(Path(md["report_html"]).with_name("report.json").read_text())
+    ledger = Ledger(Home(demo_home).ledger)
+    assert [r["stage"] for r in rows] == STAGES
+    for r in rows:
+        totals = ledger.run_totals(r["run_key"])
+        for key in ("real_tokens", "pad_tokens", "loss_tokens", "cropped_tokens"):
+            assert r["totals"][key] == totals[key]
+        assert f"data-stage='{r['stage']}'" in html and f"{totals['real_tokens']:,}" in html
+    assert (Path(md["report_html"]).parent / "loss_curves.png").stat().st_size > 10_000
+    assert "preference_accuracy" in html and "caption_image_gap" in html and "H100" in html
+    ev = latest(instance, "evaluation")
+    assert ev["mc_chance"] == 0.25 and "dpo" in ev["evaluation"]
+
+
+def test_variant_backfill_gives_two_comparable_mlflow_runs(home_copy):
+    for variant in presets.VARIANTS["pretrain"]:
+        run_cli(["dagster", "asset", "materialize", "--select", "pretrain_variants", "--partition", variant,
+                 "-m", "ghostvis_pipeline.definitions"], home_copy)
+    client, runs = mlflow_runs(home_copy)
+    by_variant = {r.data.tags["ghostvis.variant"]: r for r in runs if "ghostvis.variant" in r.data.tags}
+    assert set(by_variant) == set(presets.VARIANTS["pretrain"])
+    lrs = {v: float(r.data.params["optim.lr"]) for v, r in by_variant.items()}
+    assert lrs == {v: float(o["optim.lr"]) for v, o in presets.VARIANTS["pretrain"].items()}
+    for r in by_variant.values():
+        assert {"train/loss", "val/loss", "tokens/real"} <= set(r.data.metrics)
+        assert r.data.tags["ghostvis.stage"] == "pretrain" and r.data.tags["ghostvis.run_key"].startswith("pretrain@")
+    a, b = by_variant.values()
+    assert a.data.metrics["tokens/real"] == b.data.metrics["tokens/real"]  # same budget, different lr
+    assert a.data.metrics["val/loss"] != b.data.metrics["val/loss"]
+    # a variant never becomes the upstream of the main chain
+    from ghostvis_core.train.launch import find_upstream
+
+    assert "@" not in find_upstream(Home(home_copy), "pretrain").run_key
+
+
+def test_chat_answers_piped_prompts_and_exits_cleanly(demo_home):
+    import subprocess
+
+    from tests.conftest import BIN, cli_env
+
+    proc = subprocess.run([str(BIN / "ghostvis"), "chat", "--stage", "sft", "--max-tokens", "24"],
+                          input="What is 2 + 3?\nSay hello to Ada.\n", env=cli_env(demo_home),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.splitlines()) == 2  # one reply line per prompt, then EOF ends the session

@@ -48,11 +48,11 @@ def newest_tokenizer(home: Home) -> str:
 
 
 def completed_runs(home: Home, stage: str) -> list[dict[str, Any]]:
-    """RUN_COMPLETE records of a stage, oldest first."""
+    """RUN_COMPLETE records of a stage (not of its variants), oldest first."""
     root = home.store / "checkpoints" / stage
     if not root.exists():
         return []
-    recs = [json.loads(p.read_text()) for p in root.glob(f"*/{RUN_COMPLETE}")]
+    recs = [json.loads(p.read_text()) for p in root.glob(f"*/{RUN_COMPLETE}") if "@" not in p.parent.name]
     return sorted(recs, key=lambda r: Path(r["checkpoint_uri"]).parent.joinpath(RUN_COMPLETE).stat().st_mtime)
 
 
@@ -144,7 +144,10 @@ def prepare_run(
     home: Home | None = None,
     tokenizer_id: str | None = None,
     upstream: Upstream | None = None,
+    variant: str | None = None,
 ) -> LaunchSpec:
+    """Resolve a stage run. A `variant` (a named set of overrides) gets run keys of its own,
+    <stage>@<variant>-..., so it never becomes another stage's upstream by accident."""
     home = home or Home.from_env()
     defaults_from = presets.resolve(stage, preset, overrides)
     if defaults_from.init_from and upstream is None:
@@ -213,12 +216,13 @@ def prepare_run(
                            "train": {s: [r["content_sha256"] for r in refs] for s, refs in train_shards.items()},
                            "upstream": upstream.checkpoint if upstream else None, "extra": extra}, sort_keys=True)
     digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
-    spec.run_key = _next_run_key(home, stage, f"{stage}-{digest}")
+    spec.run_key = _next_run_key(home, stage, f"{stage}@{variant}-{digest}" if variant else f"{stage}-{digest}")
     spec.checkpoint_dir = str(home.checkpoints(stage, spec.run_key))
     spec.tags = {"ghostvis.stage": stage, "ghostvis.run_key": spec.run_key, "ghostvis.preset": preset,
                  "ghostvis.tokenizer_id": tok.tokenizer_id,
                  **({"ghostvis.parent_run_key": upstream.run_key, "ghostvis.init_checkpoint": upstream.checkpoint,
-                     "ghostvis.upstream_stage": upstream.stage} if upstream else {})}
+                     "ghostvis.upstream_stage": upstream.stage} if upstream else {}),
+                 **({"ghostvis.variant": variant} if variant else {})}
     spec.save(home.run_dir(stage, spec.run_key) / "spec.json")
     return spec
 

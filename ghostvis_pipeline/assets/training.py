@@ -6,7 +6,8 @@ import os
 from typing import Any
 
 from dagster import (
-    AssetExecutionContext, Backoff, Config, Failure, MaterializeResult, MetadataValue, RetryPolicy, asset,
+    AssetExecutionContext, Backoff, Config, Failure, MaterializeResult, MetadataValue, RetryPolicy,
+    StaticPartitionsDefinition, asset,
 )
 
 from ghostvis_core import presets
@@ -88,6 +89,50 @@ def stage_metadata(result: dict[str, Any], spec: LaunchSpec, home: Home) -> dict
     return md
 
 
+def _launch(context, stage: str, upstream: str | None, config: StageRunConfig, home: GhostvisHome,
+            launcher: TorchrunLauncher, overrides: dict[str, str], variant: str | None = None) -> MaterializeResult:
+    h = home.home()
+    try:
+        tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
+        up = None
+        if upstream:
+            md = latest_metadata(context, upstream)
+            up = Upstream(upstream, md["run_key"], md["checkpoint_uri"])
+        spec = prepare_run(stage, preset=config.preset, overrides=overrides, home=h,
+                           tokenizer_id=tokenizer_id, upstream=up, variant=variant)
+    except GhostvisError as exc:  # bad input: retrying cannot help
+        raise Failure(description=str(exc), allow_retries=False) from None
+    result = launcher.run(context, spec, h)
+    md = stage_metadata(result, spec, h)
+    if variant:
+        md["variant"] = variant
+    return MaterializeResult(metadata=md)
+
+
+def variants_asset(stage: str, upstream: str | None, deps: list):
+    """The stage once per named variant (presets.VARIANTS), as static partitions: backfill them all
+    and compare the runs in MLflow (same metric names, params differing by the variant)."""
+    variants = presets.VARIANTS[stage]
+
+    @asset(
+        name=f"{stage}_variants",
+        group_name="training",
+        kinds={"torch", "mlflow"},
+        owners=["team:training"],
+        deps=deps,
+        partitions_def=StaticPartitionsDefinition(list(variants)),
+        description=f"{STAGE_DESCRIPTIONS[stage]} One partition per variant: "
+                    + "; ".join(f"{k}: {v}" for k, v in variants.items()),
+    )
+    def _variants(context: AssetExecutionContext, config: StageRunConfig, home: GhostvisHome,
+                  launcher: TorchrunLauncher) -> MaterializeResult:
+        name = context.partition_key
+        return _launch(context, stage, upstream, config, home, launcher,
+                       {**variants[name], **config.overrides}, variant=name)
+
+    return _variants
+
+
 def stage_asset(stage: str, upstream: str | None, deps: list):
     @asset(
         name=stage,
@@ -101,18 +146,6 @@ def stage_asset(stage: str, upstream: str | None, deps: list):
     )
     def _stage(context: AssetExecutionContext, config: StageRunConfig, home: GhostvisHome,
                launcher: TorchrunLauncher) -> MaterializeResult:
-        h = home.home()
-        try:
-            tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
-            up = None
-            if upstream:
-                md = latest_metadata(context, upstream)
-                up = Upstream(upstream, md["run_key"], md["checkpoint_uri"])
-            spec = prepare_run(stage, preset=config.preset, overrides=dict(config.overrides), home=h,
-                               tokenizer_id=tokenizer_id, upstream=up)
-        except GhostvisError as exc:  # bad input: retrying cannot help
-            raise Failure(description=str(exc), allow_retries=False) from None
-        result = launcher.run(context, spec, h)
-        return MaterializeResult(metadata=stage_metadata(result, spec, h))
+        return _launch(context, stage, upstream, config, home, launcher, dict(config.overrides))
 
     return _stage
