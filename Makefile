@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test bench
+.PHONY: setup browser demo test bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml scripts/install-torch
@@ -14,7 +14,14 @@ $(VENV)/.installed: pyproject.toml scripts/install-torch
 demo: setup
 	$(VENV)/bin/ghostvis demo
 
-test: setup
+# Headless Chromium for tests/test_ui_browser.py: Debian's package, driven by Playwright (its own
+# browser download is not used). Installed with apt when missing (as root, or through sudo).
+browser:
+	@command -v chromium >/dev/null 2>&1 || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
+
+test: setup browser
 	$(VENV)/bin/pytest -q
 
 bench: setup

@@ -86,10 +86,17 @@ def run_demo(home: Home, preset: str, stages: list[str]) -> list[RunSummary]:
 
 
 def format_summary(runs: list[RunSummary], wall: float) -> str:
-    lines = [f"{'asset':<22} {'seconds':>8}"]
+    lines = [f"{'asset':<22} {'seconds':>8}  (checks)"]
     for r in runs:
-        for asset, secs in r.assets.items():
-            lines.append(f"{asset:<22} {secs:>8.1f}")
+        check_steps = {f"{a}_{c}": a for a, c, _ in r.checks}
+        check_secs: dict[str, float] = {}
+        for step, secs in r.assets.items():
+            if step in check_steps:
+                check_secs[check_steps[step]] = check_secs.get(check_steps[step], 0.0) + secs
+        for step, secs in r.assets.items():
+            if step not in check_steps:
+                extra = f"  (+{check_secs[step]:.1f})" if step in check_secs else ""
+                lines.append(f"{step:<22} {secs:>8.1f}{extra}")
     lines.append(f"{'total (wall)':<22} {wall:>8.1f}")
     checks = [c for r in runs for c in r.checks]
     failed = [c for c in checks if not c[2]]

@@ -101,10 +101,10 @@ def _tiny(**overrides):
 
 
 def test_steps_budget():
-    p = plan(_tiny())  # preset: 150 steps
+    p = plan(_tiny())  # preset: 200 steps
     assert p.tokens_per_step == 4096  # 8 * 256 * 2 * 1
-    assert p.steps == 150
-    assert p.planned_tokens == p.step_tokens_total == 614_400  # 150 * 4096
+    assert p.steps == 200
+    assert p.planned_tokens == p.step_tokens_total == 819_200  # 200 * 4096
 
 
 def test_steps_from_tokens_round_up():
@@ -139,8 +139,8 @@ def test_tokens_per_param_budget():
 
 def test_flops_are_6ND_exactly():
     p = plan(_tiny())
-    # 6 * 3,950,848 * 614,400 = 14,564,406,067,200 (exact in float64: < 2**53)
-    assert p.flops == 14_564_406_067_200.0
+    # 6 * 3,950,848 * 819,200 = 19,419,208,089,600 (exact in float64: < 2**53)
+    assert p.flops == 19_419_208_089_600.0
     assert p.params_total == TINY_TOTAL
 
 
@@ -348,6 +348,6 @@ def test_cli_plan_text_shows_the_four_factors(capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert "= 8 x 256 x 2 x 1 = 4,096" in out
-    assert re.search(r"steps\s+= 150\b", out)
-    assert "614,400" in out
-    assert "1.456e+13" in out  # 6 * 3,950,848 * 614,400 = 1.4564e13
+    assert re.search(r"steps\s+= 200\b", out)
+    assert "819,200" in out
+    assert "1.942e+13" in out  # 6 * 3,950,848 * 819,200 = 1.9419e13
