@@ -21,6 +21,9 @@ def cmd_demo(args) -> int:
     from ghostvis_pipeline.demo import format_summary, timed_demo
 
     home = Home.from_env()
+    unknown = sorted(set(args.stages or []) - set(presets.STAGES))
+    if unknown:
+        raise GhostvisError(f"unknown stage(s) {', '.join(unknown)}; stages: {', '.join(presets.STAGES)}")
     stages = [s for s in presets.STAGES if s in args.stages] if args.stages else list(presets.demo_stages())
     runs, wall = timed_demo(home, args.preset, stages)
     print(format_summary(runs, wall))

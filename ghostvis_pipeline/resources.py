@@ -46,6 +46,7 @@ class TorchrunLauncher(ConfigurableResource):
         nproc = self.nproc_per_node or int(spec.config["batch"]["world_size"])
         cmd = torchrun_command(spec_path(home, spec), nproc)
         context.log.info(f"launching: {' '.join(cmd)}")
+        error_file(home, spec).unlink(missing_ok=True)  # a reason left by an earlier attempt is not this one's
         client = PipesSubprocessClient(env={**launch_env(nproc), **LAUNCH_PROFILES[self.profile]})
         try:
             invocation = client.run(command=cmd, context=context)

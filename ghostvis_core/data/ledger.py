@@ -108,9 +108,9 @@ CONSUMPTION_SCHEMA = pa.schema(
 )
 
 
-def _write(path: Path, rows: list[dict[str, Any]], schema: pa.Schema) -> Path:
+def _write(path: Path, rows: list[dict[str, Any]] | pa.Table, schema: pa.Schema) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    table = pa.Table.from_pylist(rows, schema=schema)
+    table = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(rows, schema=schema)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     pq.write_table(table, tmp)
     os.replace(tmp, path)
@@ -144,10 +144,11 @@ class Ledger:
 
     def write_doc_hashes(self, shard_id: str, source: str, split: str, content_sha256: str,
                          rows: list[int], hashes: list[str]) -> Path:
-        """Per document, its hash (normalised text, plus image bytes): finds the same document in train and validation."""
-        recs = [{"shard_id": shard_id, "source": source, "split": split, "content_sha256": content_sha256,
-                 "row": r, "doc_hash": h} for r, h in zip(rows, hashes)]
-        return _write(self.root / "docs" / f"{_key(shard_id, content_sha256)}.parquet", recs, DOC_SCHEMA)
+        """Per document, its hash (text, plus image bytes): finds the same document in train and validation."""
+        n = len(rows)
+        table = pa.table({"shard_id": [shard_id] * n, "source": [source] * n, "split": [split] * n,
+                          "content_sha256": [content_sha256] * n, "row": rows, "doc_hash": hashes}, schema=DOC_SCHEMA)
+        return _write(self.root / "docs" / f"{_key(shard_id, content_sha256)}.parquet", table, DOC_SCHEMA)
 
     def write_part(self, part: dict[str, Any], pieces: list[dict[str, Any]]) -> None:
         """Consumption first, then the part row: a part row is only visible once its pieces are."""

@@ -26,7 +26,6 @@ from datatrove.pipeline.readers import ParquetReader
 
 from ghostvis_core.data.chat import IMAGE, render_chat, render_prompt, render_reply
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.sources import sha256_file
 from ghostvis_core.data.token_shard import TokenShard, list_column, token_dtype, write_token_shard
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
@@ -40,6 +39,7 @@ class TokenizeJob:
     source: str
     split: str
     raw_path: str
+    content_sha256: str  # of the raw file, hashed once by the caller (it also decides the split)
     token_path: str
     kind: str = "text"
 
@@ -104,9 +104,10 @@ def _record_text(kind: str, record: dict) -> str:
 
 
 def encode_document(tok: Tokenizer, kind: str, doc: Document) -> dict:
-    """One document's token-shard columns (`tokens` always; kind-specific extras)."""
+    """One document's token-shard columns (`tokens` always; kind-specific extras). Text documents
+    are encoded straight into a uint32 buffer (no Python int list), <|bos|> kept apart."""
     if kind == "text":
-        return {"tokens": [tok.bos, *tok.enc.encode_ordinary(doc.text)]}
+        return {"tokens": (tok.bos, tok.enc.encode_to_numpy(doc.text, disallowed_special=()))}
     record = doc.metadata["record"]
     if kind == "chat":
         ids, mask = render_chat(tok, record["messages"])
@@ -152,37 +153,44 @@ class TokenShardWriter(PipelineStep):
         tok = load_tokenizer(self.tokenizer_dir)
         dtype = token_dtype(tok.vocab_size)
         rows: list[int] = []
-        lists: dict[str, tuple[list[int], list[int]]] = {}  # column -> (lengths, flat values)
+        lists: dict[str, tuple[list[int], list]] = {}  # column -> (lengths, chunks of values)
         scalars: dict[str, list] = {}
         text_bytes = 0
         dropped: dict[str, dict[str, int]] = {}
         doc_hashes: list[str] = []
         seen: set[str] = set()
+        bos = np.array([tok.bos], np.uint32)
         for doc in data:
             reason = doc.metadata.get("dropped")
-            digest = doc_hash(job.kind, doc)
-            if reason is None and not doc.text:
+            raw = doc.text.encode("utf-8")
+            digest = doc_hash(job.kind, raw, doc)
+            if reason is None and not raw:
                 reason = "empty_text"
             elif reason is None and digest in seen:
                 reason = "exact_duplicate"
             if reason is not None:  # counted with its tokens, so the ledger explains raw vs trained
                 d = dropped.setdefault(reason, {"docs": 0, "tokens": 0})
                 d["docs"] += 1
-                d["tokens"] += len(encode_document(tok, job.kind, doc)["tokens"]) if doc.text else 0
+                d["tokens"] += _token_count(encode_document(tok, job.kind, doc)["tokens"]) if raw else 0
                 continue
             seen.add(digest)
             for col, value in encode_document(tok, job.kind, doc).items():
-                if isinstance(value, list):
-                    lengths, flat = lists.setdefault(col, ([], []))
-                    lengths.append(len(value))
-                    flat.extend(value)
+                if isinstance(value, (list, tuple)):
+                    lengths, chunks = lists.setdefault(col, ([], []))
+                    if isinstance(value, tuple):  # text: (<|bos|>, token buffer)
+                        lengths.append(1 + len(value[1]))
+                        chunks += (bos, value[1])
+                    else:
+                        lengths.append(len(value))
+                        chunks.append(np.asarray(value, np.uint32))
                 else:
                     scalars.setdefault(col, []).append(value)
             rows.append(doc.metadata["row"])
             doc_hashes.append(digest)
-            text_bytes += len(doc.text.encode("utf-8"))
+            text_bytes += len(raw)
         columns = {"row": pa.array(rows, pa.int64())}
-        for col, (lengths, flat) in lists.items():
+        for col, (lengths, chunks) in lists.items():
+            flat = np.concatenate(chunks) if chunks else np.zeros(0, np.uint32)
             columns[col] = list_column(lengths, flat, np.uint8 if col == "mask" else dtype)
         for col, values in scalars.items():
             columns[col] = pa.array(values, pa.binary() if col == "image" else pa.int64())
@@ -191,13 +199,11 @@ class TokenShardWriter(PipelineStep):
         n_tokens = sum(lists.get("tokens", ([], []))[0])
         write_token_shard(Path(job.token_path), columns)
         self.stat_update("tokens", value=n_tokens, unit="shard")
-        raw = Path(job.raw_path)
         ledger = Ledger(Path(self.ledger_dir))
-        content_sha256 = sha256_file(raw)
-        ledger.write_doc_hashes(job.shard_id, job.source, job.split, content_sha256, rows, doc_hashes)
+        ledger.write_doc_hashes(job.shard_id, job.source, job.split, job.content_sha256, rows, doc_hashes)
         ledger.write_shard({
             "shard_id": job.shard_id, "source": job.source, "split": job.split, "kind": job.kind,
-            "content_sha256": content_sha256, "raw_bytes": raw.stat().st_size,
+            "content_sha256": job.content_sha256, "raw_bytes": Path(job.raw_path).stat().st_size,
             "tokenizer_id": tok.tokenizer_id, "docs": len(rows), "tokens": n_tokens,
             "text_bytes": text_bytes, "docs_dropped": sum(d["docs"] for d in dropped.values()),
             "tokens_dropped": sum(d["tokens"] for d in dropped.values()),
@@ -205,10 +211,14 @@ class TokenShardWriter(PipelineStep):
         })
 
 
-def doc_hash(kind: str, doc: Document) -> str:
-    """Exact-duplicate key: the text with case and whitespace runs normalised, plus the image bytes
-    for documents that carry one (the same caption on another image is another document)."""
-    h = hashlib.sha1(" ".join(doc.text.lower().split()).encode("utf-8"))
+def _token_count(tokens) -> int:
+    return 1 + len(tokens[1]) if isinstance(tokens, tuple) else len(tokens)
+
+
+def doc_hash(kind: str, text_utf8: bytes, doc: Document) -> str:
+    """Exact-duplicate key: the document's UTF-8 text, plus the image bytes for documents that
+    carry one (the same caption on another image is another document)."""
+    h = hashlib.sha1(text_utf8)
     if kind != "text" and (image := doc.metadata["record"].get("image")):
         h.update(image)
     return h.hexdigest()
@@ -255,9 +265,9 @@ def error_file(errors_dir: Path, shard_id: str) -> Path:
     return errors_dir / (shard_id.replace("/", "__") + ".txt")
 
 
-def is_done(job: TokenizeJob, ledger: Ledger, tokenizer_id: str, content_sha256: str) -> bool:
+def is_done(job: TokenizeJob, ledger: Ledger, tokenizer_id: str) -> bool:
     """Same content and tokenizer already tokenized, with the token file intact: nothing to redo."""
-    rec = ledger.shard_record_path(job.shard_id, tokenizer_id, content_sha256)
+    rec = ledger.shard_record_path(job.shard_id, tokenizer_id, job.content_sha256)
     if not rec.exists() or not Path(job.token_path).exists():
         return False
     rows = pq.read_table(rec).to_pylist()
@@ -296,8 +306,7 @@ def tokenize_shards(
             build_filter(spec)  # fail on a bad spec before any work
     tok = load_tokenizer(str(tokenizer_dir))
     ledger = Ledger(ledger_dir)
-    shas = {j.shard_id: sha256_file(Path(j.raw_path)) for j in jobs}
-    todo = [j for j in jobs if not is_done(j, ledger, tok.tokenizer_id, shas[j.shard_id])]
+    todo = [j for j in jobs if not is_done(j, ledger, tok.tokenizer_id)]
     t0 = time.time()
     errors_dir = logging_dir / "errors" / uuid.uuid4().hex[:8]
     if todo:
@@ -320,7 +329,7 @@ def tokenize_shards(
     reports = []
     todo_ids = {j.shard_id for j in todo}
     for j in jobs:
-        rec = pq.read_table(ledger.shard_record_path(j.shard_id, tok.tokenizer_id, shas[j.shard_id])).to_pylist()[0]
+        rec = pq.read_table(ledger.shard_record_path(j.shard_id, tok.tokenizer_id, j.content_sha256)).to_pylist()[0]
         reports.append(TokenizeReport(j.shard_id, j.shard_id not in todo_ids, rec["docs"], rec["tokens"],
                                       rec["text_bytes"], round(seconds, 3), rec["docs_dropped"], rec["tokens_dropped"],
                                       rec["drop_reasons"]))

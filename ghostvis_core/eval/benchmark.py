@@ -121,17 +121,27 @@ def _held_out_lines(ts: TrainedStage, refs: list[dict], limit: int = 2000) -> li
 
 
 @torch.no_grad()
-def multiple_choice(ts: TrainedStage, items: list[Choice]) -> dict[str, float]:
-    """Accuracy per task: the option with the lowest mean loss per token wins."""
+def multiple_choice(ts: TrainedStage, items: list[Choice], batch_rows: int = 64) -> dict[str, float]:
+    """Accuracy per task: the option with the lowest mean loss per token wins. Every (item, option)
+    sequence is one padded row; rows are scored in batches (the padding carries no loss)."""
+    seqs = [(it.context + opt, len(it.context)) for it in items for opt in it.options]
+    mean_loss = np.zeros(len(seqs))
+    for a in range(0, len(seqs), batch_rows):
+        chunk = seqs[a : a + batch_rows]
+        T = max(len(ids) for ids, _ in chunk)
+        x = torch.zeros(len(chunk), T, dtype=torch.long)
+        y = torch.full((len(chunk), T), -1, dtype=torch.long)
+        for r, (ids, n_ctx) in enumerate(chunk):
+            x[r, : len(ids)] = torch.tensor(ids)
+            y[r, n_ctx - 1 : len(ids) - 1] = x[r, n_ctx : len(ids)]
+        per_token = ts.model(x, y, reduction="none")
+        mean_loss[a : a + len(chunk)] = (per_token.sum(1) / (y >= 0).sum(1)).numpy()
     right: dict[str, int] = {}
     total: dict[str, int] = {}
+    k = 0
     for it in items:
-        losses = []
-        for opt in it.options:
-            ids = torch.tensor([it.context + opt])
-            y = torch.full_like(ids, -1)
-            y[0, len(it.context) - 1 : -1] = ids[0, len(it.context):]
-            losses.append(float(ts.model(ids, y, reduction="mean")))
+        losses = mean_loss[k : k + len(it.options)]
+        k += len(it.options)
         total[it.task] = total.get(it.task, 0) + 1
         right[it.task] = right.get(it.task, 0) + int(int(np.argmin(losses)) == it.answer)
     out = {task: right[task] / total[task] for task in total}

@@ -166,9 +166,9 @@ def tokenized_shards(context: AssetExecutionContext, config: TokenizeConfig, hom
         raw = h.raw_shard(key)
         if not raw.exists():
             raise GhostvisError(f"raw shard {key} is not downloaded; materialize raw_shards partition {key} first")
-        split = manifest.split_of(entry, sha256_file(raw))
-        jobs.append(TokenizeJob(key, manifest.source, split, str(raw), str(h.token_shard(tokenizer_id, key)),
-                                manifest.kind))
+        content_sha256 = sha256_file(raw)
+        jobs.append(TokenizeJob(key, manifest.source, manifest.split_of(entry, content_sha256), str(raw),
+                                content_sha256, str(h.token_shard(tokenizer_id, key)), manifest.kind))
     t0 = time.time()
     reports = tokenize_shards(jobs, tokenizer_dir=h.tokenizer_dir(tokenizer_id), ledger_dir=h.ledger,
                               logging_dir=h.root / "logs" / "datatrove" / tokenizer_id, workers=config.workers,
