@@ -62,3 +62,37 @@ def test_corrupt_parquet_fails_its_partition_and_leaves_the_others_done(home_cop
     assert "shard demo_prose/00000: " in proc.stdout + proc.stderr and "(unchanged, skipped)" in proc.stdout + proc.stderr
     assert {r["shard_id"] for r in Ledger(home.ledger).shards()} == {"demo_prose/00000", "demo_prose/00001",
                                                                     "demo_prose/00002"}
+
+
+def test_a_budget_beyond_the_data_fails_pre_flight_with_the_numbers(home_copy):
+    """The known failure: 100 shards on disk when 178 were needed. The stage must not start, and
+    the message says how many tokens are missing and about how many more shards to tokenize."""
+    import math
+    import re
+
+    from ghostvis_core.errors import GhostvisError
+    from ghostvis_core.train.launch import prepare_run
+
+    home = Home(home_copy)
+    train = [r for r in Ledger(home.ledger).shards() if r["source"] == "demo_prose" and r["split"] == "train"]
+    available = sum(r["tokens"] for r in train)
+    # steps x rows/step x weight 0.5 windows of 256 inputs; consecutive windows share their boundary
+    # token (the last target of one is the first input of the next), so n windows read n x 256 + 1
+    needed = 5000 * 16 // 2 * 256 + 1
+    with pytest.raises(GhostvisError) as err:
+        prepare_run("pretrain", preset="smoke", home=home, overrides={"budget.steps": "5000"})
+    msg = str(err.value)
+    assert msg.startswith("pre-flight failed: ")
+    epochs = needed / available
+    more = math.ceil((needed - available) / (available / len(train)))
+    assert (f"source demo_prose: the budget needs {needed:,} tokens but {available:,} are available in "
+            f"{len(train)} tokenized shards ({epochs:.2f} epochs); tokenize about {more} more shards") in msg
+    assert f"or set data.allow_repeat=true to repeat the data {epochs:.2f} times" in msg
+    assert re.search(r"source demo_code: the budget needs 10,240,001 tokens", msg)
+
+    # declared repetition starts, and the epochs it will take are recorded with the run
+    spec = prepare_run("pretrain", preset="smoke", home=home,
+                       overrides={"budget.steps": "5000", "data.allow_repeat": "true"})
+    budget = spec.extra["source_budget"]["demo_prose"]
+    assert (budget["needed_tokens"], budget["available_tokens"]) == (needed, available)
+    assert budget["epochs"] == round(epochs, 3) > 1
