@@ -31,7 +31,7 @@ STEP_DONE = re.compile(r'(STEP_SUCCESS|STEP_FAILURE) - (?:Finished execution of 
 
 def summary_block(lines: list[str]) -> list[str]:
     """The per-asset table `ghostvis demo` prints at the end (header 'asset  seconds' to 'checks:')."""
-    start = max((i for i, l in enumerate(lines) if re.match(r"^asset\s+seconds$", l)), default=None)
+    start = max((i for i, l in enumerate(lines) if re.match(r"^asset\s+seconds(\s+\(checks\))?$", l)), default=None)
     if start is None:
         return []
     out = []
