@@ -101,7 +101,7 @@ _TINY: dict[str, dict[str, Any]] = {
         # The frozen tiny LM barely reads a soft prefix: the resampler first learns a generic prefix
         # (caption loss falls, true and shuffled image alike) and starts to carry the image only after
         # ~150 steps at a high LR. At 45 steps (one epoch) the true-vs-shuffled gap was 0.001; at 300
-        # (6.4 epochs of the 3,000 training images, declared repetition) it is ~0.12.
+        # (6.4 epochs of the 3,000 training images, declared repetition) it is 0.10.
         budget=dict(steps=300),
         optim=dict(lr=1e-2, warmup_steps=8, min_lr_ratio=0.1, weight_decay=0.0),
         data=dict(recipe=[{"source": "demo_images", "weight": 1.0}], val_sources=["demo_images"], allow_repeat=True),
