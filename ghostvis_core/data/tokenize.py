@@ -105,9 +105,10 @@ def _record_text(kind: str, record: dict) -> str:
 
 def encode_document(tok: Tokenizer, kind: str, doc: Document) -> dict:
     """One document's token-shard columns (`tokens` always; kind-specific extras). Text documents
-    are encoded straight into a uint32 buffer (no Python int list), <|bos|> kept apart."""
+    are encoded straight into a uint32 buffer (no Python int list)."""
     if kind == "text":
-        return {"tokens": (tok.bos, tok.enc.encode_to_numpy(doc.text, disallowed_special=()))}
+        ids = tok.enc.encode_to_numpy(doc.text, disallowed_special=())
+        return {"tokens": np.concatenate((np.array([tok.bos], ids.dtype), ids))}
     record = doc.metadata["record"]
     if kind == "chat":
         ids, mask = render_chat(tok, record["messages"])
@@ -159,7 +160,6 @@ class TokenShardWriter(PipelineStep):
         dropped: dict[str, dict[str, int]] = {}
         doc_hashes: list[str] = []
         seen: set[str] = set()
-        bos = np.array([tok.bos], np.uint32)
         for doc in data:
             reason = doc.metadata.get("dropped")
             raw = doc.text.encode("utf-8")
@@ -171,18 +171,14 @@ class TokenShardWriter(PipelineStep):
             if reason is not None:  # counted with its tokens, so the ledger explains raw vs trained
                 d = dropped.setdefault(reason, {"docs": 0, "tokens": 0})
                 d["docs"] += 1
-                d["tokens"] += _token_count(encode_document(tok, job.kind, doc)["tokens"]) if raw else 0
+                d["tokens"] += len(encode_document(tok, job.kind, doc)["tokens"]) if raw else 0
                 continue
             seen.add(digest)
             for col, value in encode_document(tok, job.kind, doc).items():
-                if isinstance(value, (list, tuple)):
+                if isinstance(value, (list, np.ndarray)):
                     lengths, chunks = lists.setdefault(col, ([], []))
-                    if isinstance(value, tuple):  # text: (<|bos|>, token buffer)
-                        lengths.append(1 + len(value[1]))
-                        chunks += (bos, value[1])
-                    else:
-                        lengths.append(len(value))
-                        chunks.append(np.asarray(value, np.uint32))
+                    lengths.append(len(value))
+                    chunks.append(np.asarray(value, np.uint32))
                 else:
                     scalars.setdefault(col, []).append(value)
             rows.append(doc.metadata["row"])
@@ -209,10 +205,6 @@ class TokenShardWriter(PipelineStep):
             "tokens_dropped": sum(d["tokens"] for d in dropped.values()),
             "drop_reasons": json.dumps(dropped, sort_keys=True), "token_path": job.token_path,
         })
-
-
-def _token_count(tokens) -> int:
-    return 1 + len(tokens[1]) if isinstance(tokens, tuple) else len(tokens)
 
 
 def doc_hash(kind: str, text_utf8: bytes, doc: Document) -> str:
