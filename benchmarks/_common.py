@@ -26,6 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ghostvis_core.home import Home
+from ghostvis_core.train.result import RunResult
+from ghostvis_core.train.runs import run_result
+
 ROOT = Path(__file__).resolve().parent.parent
 _VENV_PY = ROOT / ".venv" / "bin" / "python"
 PY = str(_VENV_PY) if _VENV_PY.exists() else sys.executable
@@ -228,7 +232,7 @@ class StageRun:
     other_cores: float
     stopped_early: bool = False
     run_key: str | None = None
-    run_complete: dict | None = None
+    run_complete: RunResult | None = None
     steps: list[dict] = field(default_factory=list)  # parsed step lines: t, step, total, tps
 
     def first_line(self, pred: Callable[[str], bool]) -> tuple[float, str] | None:
@@ -323,9 +327,9 @@ def run_stage(home: Path, stage: str, preset: str, sets: list[str], *, log: Path
     p = run_lines(cmd, env, log, timeout=timeout, on_line=on_line)
     run.rc, run.wall, run.other_cores, run.stopped_early = p.rc, p.wall, p.other_cores, p.stopped_early
     if run.run_key:
-        rc_file = home / "store" / "checkpoints" / stage / run.run_key / "RUN_COMPLETE.json"
-        if rc_file.exists() and not run.stopped_early:
-            run.run_complete = json.loads(rc_file.read_text())
+        store = Home(home).store
+        if store.exists("run_record", stage, run.run_key) and not run.stopped_early:
+            run.run_complete = run_result(store, stage, run.run_key)
     return run
 
 

@@ -23,8 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 
+from ghostvis_core.home import Home  # noqa: E402
+from ghostvis_core.stages import stage_names  # noqa: E402
+from ghostvis_core.train.result import RunResult  # noqa: E402
+from ghostvis_core.train.runs import completed_runs  # noqa: E402
+
 GOAL_S = 600.0
-STAGES = ("pretrain", "continued_pretrain", "context_expansion", "reasoning_mix", "vision_alignment", "sft", "dpo")
+STAGES = stage_names()
 STEP_DONE = re.compile(r'(STEP_SUCCESS|STEP_FAILURE) - (?:Finished execution of step|Execution of step) "([^"]+)"'
                        r'(?: in ([\d.]+(?:ms|s)|\d+m\d+s|\d+h\d+m))?')
 
@@ -64,28 +69,25 @@ def step_events(lines: list[str]) -> list[list]:
     return out
 
 
-def stage_results(home: Path) -> list[dict]:
+def stage_results(home: Path) -> list[RunResult]:
+    """Each stage's newest completed run."""
     out = []
     for stage in STAGES:
-        recs = sorted((home / "store" / "checkpoints" / stage).glob("*/RUN_COMPLETE.json"),
-                      key=lambda p: p.stat().st_mtime)
-        if recs:
-            out.append(json.loads(recs[-1].read_text()))
+        runs = completed_runs(Home(home).store, stage)
+        if runs:
+            out.append(runs[-1])
     return out
 
 
 def print_stages(home: Path) -> dict:
     rows, evidence_rows, losses = [], [], {}
     for r in stage_results(home):
-        rows.append([r["stage"], r["steps"], r.get("val_loss_start"), r.get("val_loss"), r.get("tokens_per_sec"),
-                     r.get("first_step_s"), r.get("wall_time_s")])
-        losses[f"{r['stage']}_val_loss"] = r.get("val_loss")
-        for k in sorted(r):
-            if k.endswith("_after") and not k.startswith("frozen_params"):
-                name = k[: -len("_after")]
-                evidence_rows.append([r["stage"], name, r.get(f"{name}_before"), r[k]])
-        if "frozen_params_unchanged" in r:
-            evidence_rows.append([r["stage"], "frozen_params_unchanged", None, r["frozen_params_unchanged"]])
+        rows.append([r.stage, r.steps, r.val_loss_start, r.val_loss, r.tokens_per_sec, r.first_step_s, r.wall_time_s])
+        losses[f"{r.stage}_val_loss"] = r.val_loss
+        for name, e in sorted(r.evidence.items()):
+            evidence_rows.append([r.stage, name, e.before, e.after])
+        if r.frozen is not None:
+            evidence_rows.append([r.stage, "frozen_params_unchanged", None, int(r.frozen.unchanged)])
     if rows:
         print(C.table(rows, ["stage", "steps", "val loss start", "val loss end", "tok/s", "first step s",
                              "train wall s"]))

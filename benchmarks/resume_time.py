@@ -8,8 +8,8 @@ same torchrun command is launched again, so the same run key is found and resume
 just before Popen to the first "[pretrain] step k/" line after the "resume from step" line (the
 run is stopped there). Early and late alternate (early, late, late, early, ...).
 
-Goal (DESIGN.md invariant 2, "the cost of resuming does not grow with the step"): late/early ~ 1.0,
-counted as met at <= 1.10.
+Goal (docs/invariants.md, invariant 2, "the cost of resuming does not grow with the step"):
+late/early ~ 1.0, counted as met at <= 1.10.
 
     .venv/bin/python benchmarks/resume_time.py [--home PATH] [--steps 120] [--every 20] [--repeats 2]
 """
@@ -27,20 +27,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 
+from ghostvis_core.home import Home  # noqa: E402
+
 GOAL_RATIO = 1.10
 
 
 def truncate_to(home: Path, run_key: str, step: int) -> None:
     """Leave the run as a crash right after checkpoint `step` would: later checkpoints, the
     completion record and the later ledger parts gone."""
-    run_dir = home / "store" / "checkpoints" / "pretrain" / run_key
+    store = Home(home).store
+    run_dir = store.path("checkpoints", "pretrain", run_key)
     for p in run_dir.iterdir():
         m = re.fullmatch(r"step_(\d{9})", p.name)
         if m and int(m.group(1)) > step:
             shutil.rmtree(p)
-    (run_dir / "RUN_COMPLETE.json").unlink(missing_ok=True)
+    store.delete("run_record", "pretrain", run_key)
     for table in ("parts", "consumption"):
-        for f in (home / "store" / "ledger" / table).glob(f"{run_key}.s*.p*.parquet"):
+        for f in (store.path("ledger") / table).glob(f"{run_key}.s*.p*.parquet"):
             m = re.search(r"\.p(\d{9})\.parquet$", f.name)
             if m and int(m.group(1)) > step:
                 f.unlink()
@@ -105,7 +108,7 @@ def main() -> int:
             raise C.BenchError(f"the run did not complete; log {run.log}")
         run_key = run.run_key
         fresh_first = run.steps[0]["t"] if run.steps else None
-        print(f"  run {run_key}: {run.run_complete['steps']} steps in {run.wall:.0f}s "
+        print(f"  run {run_key}: {run.run_complete.steps} steps in {run.wall:.0f}s "
               f"(fresh start: launch -> step 1 in {fresh_first:.2f}s)", flush=True)
 
         order = []

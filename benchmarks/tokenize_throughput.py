@@ -35,6 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 
+from ghostvis_core.home import Home  # noqa: E402
+from ghostvis_core.store import LocalStore  # noqa: E402
+
 GOAL_1W = 0.80
 GOAL_2W = 1.7
 
@@ -47,7 +50,7 @@ def base_documents(home: Path | None, wd: Path) -> list[tuple[str, str]]:
 
     docs: list[tuple[str, str]] = []
     for source, lang in (("demo_prose", "en"), ("demo_code", "python")):
-        files = sorted((home / "store" / "shards" / "raw" / source).glob("*.parquet")) if home else []
+        files = sorted(Home(home).store.path("raw_shard", f"{source}/x").parent.glob("*.parquet")) if home else []
         if not files:
             files = [p for p, _ in demo_corpus.build_text_source(source, wd / "corpus" / source)]
         for f in files:
@@ -100,14 +103,14 @@ def get_tokenizer(home: Path | None, docs: list[tuple[str, str]], wd: Path):
     from ghostvis_core.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
     if home is not None:
-        found = sorted((home / "store" / "tokenizers").glob("*/tokenizer.json"), key=lambda p: p.stat().st_mtime)
+        found = Home(home).store.keys("tokenizer")
         if found:
-            d = found[-1].parent
+            d = Home(home).store.path("tokenizer", found[-1][0])
             return load_tokenizer(str(d)), d, "from the home"
     t0 = time.time()
     sample = [t for _, t in docs]
     tok = train_tokenizer(sample, 4096)
-    d = save_tokenizer(tok, wd / "tokenizers")
+    d = save_tokenizer(tok, LocalStore(wd / "tokenizer-store"))
     return tok, d, f"trained on the demo documents (vocab 4096) in {time.time() - t0:.1f}s"
 
 
@@ -118,11 +121,13 @@ def run_pipeline(paths: list[Path], tok_dir: Path, wd: Path, workers: int, tag: 
     out = wd / f"run-{tag}"
     if out.exists():
         shutil.rmtree(out)
+    store = LocalStore(out / "store")  # a fresh store per run, holding only the tokenizer
+    shutil.copytree(tok_dir, store.path("tokenizer", tok_dir.name))
     with C.CpuMeter() as m, quiet(wd / "datatrove.log"):
         # the asset hashes each raw shard once (it decides the split), so the timing includes it
         jobs = [TokenizeJob(f"bench/{p.stem}", "bench", "train", str(p), sha256_file(p),
-                            str(out / "tokens" / "bench" / f"{p.stem}.arrow")) for p in paths]
-        reports = tokenize_shards(jobs, tokenizer_dir=tok_dir, ledger_dir=out / "ledger", logging_dir=out / "logs",
+                            str(store.path("token_shard", tok_dir.name, f"bench/{p.stem}"))) for p in paths]
+        reports = tokenize_shards(jobs, store=store, tokenizer_id=tok_dir.name, logging_dir=out / "logs",
                                   workers=workers)
     if any(r.skipped for r in reports):
         raise C.BenchError(f"pipeline {tag}: some shards were skipped as already done; the output dir was not fresh")

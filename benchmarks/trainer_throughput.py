@@ -26,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 
+from ghostvis_core.home import Home  # noqa: E402
+
 GOAL_RATIO = 0.95
 GOAL_FIRST_STEP_S = 10.0
 
@@ -37,20 +39,20 @@ def trainer_run(home: Path, wd: Path, preset: str, steps: int, precision: str | 
     run = C.run_stage(home, "pretrain", preset, sets, log=wd / f"trainer-{tag}.log", timeout=900)
     rc = run.run_complete
     if rc is None:
-        raise C.BenchError(f"trainer run {tag}: no RUN_COMPLETE.json for run {run.run_key}; log {run.log}")
-    tps_step = int(rc["tokens_per_step"])
+        raise C.BenchError(f"trainer run {tag}: no run record (RUN_COMPLETE.json) for run {run.run_key}; log {run.log}")
+    tps_step = rc.batch.tokens_per_step
     half = C.nearest_logged(run.steps, steps // 2)
     started = run.first_line(lambda l: C.START_RE.match(l) is not None)
     step1 = run.first_line(lambda l: l.startswith("[pretrain] step 1/"))
     bf16 = "bf16=True" in (started[1] if started else "")
     return {
-        "tag": tag, "run_key": run.run_key, "bf16": bf16, "tokens_per_sec": float(rc["tokens_per_sec"]),
+        "tag": tag, "run_key": run.run_key, "bf16": bf16, "tokens_per_sec": rc.tokens_per_sec,
         "tokens_per_sec_late": C.window_rate(run.steps, tps_step, half, steps) if half else None,
         "late_window": [half, steps], "tokens_per_step": tps_step,
         "first_step_s_wall": step1[0] if step1 else None, "start_line_s": started[0] if started else None,
-        "first_step_s_inside": float(rc["first_step_s"]), "wall": run.wall, "other_cores": run.other_cores,
-        "spec": str(home / "runs" / "pretrain" / run.run_key / "spec.json"),
-        "shape": f"{rc['micro_batch_size']}x{rc['seq_len']}x{rc['world_size']}x{rc['grad_accum_steps']}",
+        "first_step_s_inside": rc.first_step_s, "wall": run.wall, "other_cores": run.other_cores,
+        "spec": str(Home(home).store.path("run_spec", "pretrain", run.run_key)),
+        "shape": f"{rc.batch.micro_batch_size}x{rc.batch.seq_len}x{rc.batch.world_size}x{rc.batch.grad_accum_steps}",
     }
 
 

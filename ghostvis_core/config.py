@@ -1,6 +1,6 @@
 """Typed configuration: one dataclass per component, one tree per stage run.
 
-A `StageConfig` is resolved from a preset (presets.py, the only place defaults live) plus dotted
+A `StageConfig` is resolved from these defaults, the stage table (stages.py), a preset (presets.py, deltas only) and dotted
 overrides (`batch.micro_batch_size=8`), validated, and saved as JSON next to every checkpoint.
 """
 
@@ -101,7 +101,7 @@ class EvalConfig:
     every_steps: int = 50
     val_tokens: int = 16384
     # Evidence this stage must show, measured before (step 0) and after training on held-out data;
-    # names from ghostvis_core.eval.evidence.EVIDENCE.
+    # names from ghostvis_core.eval.evidence.EVIDENCE; the stage table (stages.py) gives the default.
     evidence: list[str] = field(default_factory=list)
     samples: int = 16  # held-out prompts sampled for generation-based evidence
     sample_max_tokens: int = 48
@@ -122,7 +122,6 @@ class CheckpointConfig:
 class RuntimeConfig:
     # auto: bf16 autocast on CUDA and on CPUs with bf16 matrix instructions (AMX / AVX512-BF16).
     precision: str = "auto"
-    compile: bool = False
     grad_checkpointing: bool = False
     log_every_steps: int = 5
 

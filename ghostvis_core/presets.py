@@ -1,7 +1,9 @@
-"""Presets: the one source of truth for every default.
+"""Presets: per stage, the values that differ from the config dataclasses' defaults.
 
-A preset names a model shape and, per stage, the batch, budget, optimiser and data recipe.
-`resolve(stage, preset, overrides)` turns them into a validated StageConfig.
+A preset names a model shape and, per stage, the batch, budget, optimiser and data recipe, as deltas
+over ghostvis_core/config.py (the only place defaults live; tests/test_presets.py refuses a preset
+value equal to its default). The stage's objective, upstream and evidence come from the stage table
+(ghostvis_core/stages.py). `resolve(stage, preset, overrides)` turns them into a validated StageConfig.
 
 - tiny:  ~5M params, trains every stage on 2 CPU cores in minutes (the demo).
 - smoke: the tiny model with fewer steps, for end-to-end tests.
@@ -10,21 +12,13 @@ A preset names a model shape and, per stage, the batch, budget, optimiser and da
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
+from ghostvis_core import stages
 from ghostvis_core.config import StageConfig, apply_overrides
 from ghostvis_core.errors import GhostvisError
-
-STAGES = (
-    "pretrain",
-    "continued_pretrain",
-    "context_expansion",
-    "reasoning_mix",
-    "vision_alignment",
-    "sft",
-    "dpo",
-)
 
 MODELS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=688, max_seq_len=256),
@@ -44,90 +38,74 @@ _TEXT_VAL = ["demo_prose", "demo_code"]
 # every other model field is inherited from upstream and may not change.
 _TINY: dict[str, dict[str, Any]] = {
     "pretrain": dict(
-        objective="lm",
         batch=dict(micro_batch_size=8, seq_len=256, world_size=2, grad_accum_steps=1),
         budget=dict(steps=200),
-        optim=dict(lr=2e-3, warmup_steps=15, min_lr_ratio=0.1),
+        optim=dict(lr=2e-3, warmup_steps=15),
         data=dict(recipe=[{"source": "demo_prose", "weight": 0.5}, {"source": "demo_code", "weight": 0.5}],
-                  val_sources=_TEXT_VAL),
-        eval=dict(every_steps=50, val_tokens=16384),
-        checkpoint=dict(every_steps=100, keep_last=2),
+                            val_sources=_TEXT_VAL),
     ),
     "continued_pretrain": dict(
-        objective="lm",
-        init_from="pretrain",
         batch=dict(micro_batch_size=8, seq_len=256, world_size=2, grad_accum_steps=1),
         budget=dict(steps=60),
         # Near pretraining's final LR (2e-4): re-warming to pretraining's peak undoes more than 60
         # steps recover (held-out code loss rose at 1e-3 and 1.5e-3, fell at 3e-4 and 5e-4).
-        optim=dict(lr=3e-4, warmup_steps=5, min_lr_ratio=0.1),
+        optim=dict(lr=3e-4, warmup_steps=5),
         data=dict(recipe=[{"source": "demo_code", "weight": 0.7}, {"source": "demo_prose", "weight": 0.3}],
                   val_sources=_TEXT_VAL),
-        eval=dict(every_steps=30, val_tokens=16384, evidence=["domain_loss"]),
-        checkpoint=dict(every_steps=30, keep_last=2),
+        eval=dict(every_steps=30),
+        checkpoint=dict(every_steps=30),
     ),
     "context_expansion": dict(
-        objective="lm",
-        init_from="continued_pretrain",
         # Adjusted base frequency (ABF): a 16x larger RoPE base stretches the slow dimensions over the
         # longer context and leaves the fast (local) ones nearly unchanged; position interpolation
         # (model.rope_scaling=4) is the alternative.
         model=dict(max_seq_len=1024, rope_base=160000.0),
         batch=dict(micro_batch_size=2, seq_len=1024, world_size=2, grad_accum_steps=1),
         budget=dict(steps=40),
-        optim=dict(lr=5e-4, warmup_steps=5, min_lr_ratio=0.1),
+        optim=dict(lr=5e-4, warmup_steps=5),
         data=dict(recipe=[{"source": "demo_code", "weight": 0.5}, {"source": "demo_prose", "weight": 0.5}],
                   val_sources=_TEXT_VAL),
-        eval=dict(every_steps=20, val_tokens=16384, evidence=["beyond_context_loss"]),
-        checkpoint=dict(every_steps=20, keep_last=2),
+        eval=dict(every_steps=20),
+        checkpoint=dict(every_steps=20),
     ),
     "reasoning_mix": dict(
-        objective="lm",
-        init_from="context_expansion",
         batch=dict(micro_batch_size=4, seq_len=512, world_size=2, grad_accum_steps=1),
         budget=dict(steps=80),
-        optim=dict(lr=1e-3, warmup_steps=5, min_lr_ratio=0.1),
+        optim=dict(lr=1e-3, warmup_steps=5),
         data=dict(recipe=[{"source": "demo_reasoning", "weight": 0.7}, {"source": "demo_prose", "weight": 0.3}],
                   replay_sources=["demo_prose"], val_sources=["demo_reasoning", "demo_prose"]),
-        eval=dict(every_steps=40, val_tokens=16384, evidence=["reasoning"], samples=24, sample_max_tokens=48),
-        checkpoint=dict(every_steps=40, keep_last=2),
+        eval=dict(every_steps=40, samples=24),
+        checkpoint=dict(every_steps=40),
     ),
     "vision_alignment": dict(
-        objective="vision_align",
-        init_from="reasoning_mix",
-        vision=dict(image_size=32, patch_size=4, d_vision=128, n_layers=2, n_heads=4, n_latents=16,
-                    resampler_layers=2),
+        vision={},  # the VisionConfig defaults: a tiny ViT, 16 latents
         batch=dict(micro_batch_size=32, seq_len=40, world_size=2, grad_accum_steps=1),
         # The frozen tiny LM barely reads a soft prefix: the resampler first learns a generic prefix
         # (caption loss falls, true and shuffled image alike) and starts to carry the image only after
         # ~150 steps at a high LR. At 45 steps (one epoch) the true-vs-shuffled gap was 0.001; at 300
         # (6.4 epochs of the 3,000 training images, declared repetition) it is 0.10.
         budget=dict(steps=300),
-        optim=dict(lr=1e-2, warmup_steps=8, min_lr_ratio=0.1, weight_decay=0.0),
+        optim=dict(lr=1e-2, warmup_steps=8, weight_decay=0.0),
         data=dict(recipe=[{"source": "demo_images", "weight": 1.0}], val_sources=["demo_images"], allow_repeat=True),
-        eval=dict(every_steps=150, val_tokens=8000, evidence=["caption_image_gap"]),
-        checkpoint=dict(every_steps=150, keep_last=2),
+        eval=dict(every_steps=150, val_tokens=8000),
+        checkpoint=dict(every_steps=150),
     ),
     "sft": dict(
-        objective="sft",
-        init_from="vision_alignment",
         batch=dict(micro_batch_size=8, seq_len=256, world_size=2, grad_accum_steps=1),
         budget=dict(steps=60),
-        optim=dict(lr=1e-3, warmup_steps=5, min_lr_ratio=0.1),
+        optim=dict(lr=1e-3, warmup_steps=5),
         data=dict(recipe=[{"source": "demo_chat", "weight": 1.0}], val_sources=["demo_chat"], allow_repeat=True),
-        eval=dict(every_steps=30, val_tokens=16384, evidence=["reply_endings"], samples=24, sample_max_tokens=40),
-        checkpoint=dict(every_steps=30, keep_last=2),
+        eval=dict(every_steps=30, samples=24, sample_max_tokens=40),
+        checkpoint=dict(every_steps=30),
     ),
     "dpo": dict(
-        objective="dpo",
-        init_from="sft",
-        dpo=dict(beta=0.1),
+        dpo={},  # the DPOConfig defaults: beta 0.1
         batch=dict(micro_batch_size=16, seq_len=96, world_size=2, grad_accum_steps=1),
         budget=dict(steps=40),
-        optim=dict(lr=3e-4, warmup_steps=4, min_lr_ratio=0.1, weight_decay=0.0),
+        optim=dict(lr=3e-4, warmup_steps=4, weight_decay=0.0),
         data=dict(recipe=[{"source": "demo_prefs", "weight": 1.0}], val_sources=["demo_prefs"]),
         eval=dict(every_steps=20, val_tokens=19200),
-        checkpoint=dict(every_steps=20, keep_last=2),
+        checkpoint=dict(every_steps=20),
     ),
 }
 
@@ -142,29 +120,27 @@ _SMOKE_STEPS = {"pretrain": 24, "continued_pretrain": 8, "context_expansion": 6,
                 "vision_alignment": 8, "sft": 8, "dpo": 6}
 
 _LARGE_PRETRAIN = dict(
-    objective="lm",
     batch=dict(micro_batch_size=8, seq_len=2048, world_size=8, total_batch_tokens=524288),
     budget=dict(tokens_per_param=20.0),
-    optim=dict(lr=6e-4, warmup_steps=700, min_lr_ratio=0.1),
+    optim=dict(lr=6e-4, warmup_steps=700),
     data=dict(recipe=[{"source": "fineweb_edu", "weight": 1.0}], val_sources=["fineweb_edu"]),
     eval=dict(every_steps=500, val_tokens=10_485_760),
     checkpoint=dict(every_steps=1000, keep_last=3),
 )
 
 
+DEFAULT_PRESET = "tiny"
+
+
 def default_preset() -> str:
-    """GHOSTVIS_PRESET, else tiny: what the Dagster assets and the CLI use unless told otherwise."""
-    return os.environ.get("GHOSTVIS_PRESET", "tiny")
+    """GHOSTVIS_PRESET, else tiny: what the Dagster assets and the CLI use unless told otherwise
+    (read when a run starts, never at import)."""
+    return os.environ.get("GHOSTVIS_PRESET", DEFAULT_PRESET)
 
 
 def tokenizer_vocab(preset: str) -> int:
     model_for(preset)  # validates the name
     return TOKENIZER_VOCAB[preset]
-
-
-def demo_stages() -> list[str]:
-    """The stages the tiny preset has defaults for, in dependency order (what `ghostvis demo` trains)."""
-    return [s for s in STAGES if s in _TINY]
 
 
 def preset_names() -> list[str]:
@@ -173,14 +149,12 @@ def preset_names() -> list[str]:
 
 def _stage_defaults(stage: str, preset: str) -> dict[str, Any]:
     if preset in ("tiny", "smoke"):
-        if stage not in _TINY:
-            raise GhostvisError(f"stage '{stage}' has no defaults in preset '{preset}' yet")
         base = _TINY[stage]
         if preset == "smoke":
             steps = _SMOKE_STEPS[stage]
             base = {**base, "budget": dict(steps=steps),
-                    "eval": {**base["eval"], "every_steps": steps, "val_tokens": 4096, "samples": 4},
-                    "checkpoint": dict(every_steps=steps // 2, keep_last=2)}
+                    "eval": {**base.get("eval", {}), "every_steps": steps, "val_tokens": 4096, "samples": 4},
+                    "checkpoint": dict(every_steps=steps // 2)}
         return base
     if stage == "pretrain":
         return _LARGE_PRETRAIN
@@ -196,37 +170,39 @@ def model_for(preset: str) -> dict[str, Any]:
 SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")
 
 
-def resolve(stage: str, preset: str = "tiny", overrides: dict[str, Any] | None = None,
+def resolve(stage: str, preset: str = DEFAULT_PRESET, overrides: dict[str, Any] | None = None,
             upstream: dict[str, Any] | None = None) -> StageConfig:
-    """Preset defaults + dotted overrides -> a validated StageConfig.
+    """Stage table + preset values + dotted overrides -> a validated StageConfig.
 
     With `upstream` (the config.json of the checkpoint the stage starts from) the model, and the
     vision stack if there is one, are inherited from it; the stage's declared model changes apply
     on top, and a shape change is refused with the mismatch named.
     """
-    if stage not in STAGES:
-        raise GhostvisError(f"unknown stage '{stage}'; stages are: {', '.join(STAGES)}")
-    defaults = dict(_stage_defaults(stage, preset))
-    chain_upstream = None
-    if upstream is None and defaults.get("init_from"):  # no checkpoint yet: what the chain would give
-        chain_upstream = resolve(defaults["init_from"], preset).to_dict()
-    inherited = upstream or chain_upstream
+    entry = stages.stage(stage)
+    defaults = json.loads(json.dumps(_stage_defaults(stage, preset)))
+    inherited = upstream or (resolve(entry.upstream, preset).to_dict() if entry.upstream else None)
     model = dict(inherited["model"]) if inherited else model_for(preset)
     model.update(defaults.pop("model", {}))
     if inherited and inherited.get("vision") and "vision" not in defaults:
         defaults["vision"] = inherited["vision"]
-    base = StageConfig.from_dict({"stage": stage, "preset": preset, "model": model, **defaults}).to_dict()
+    defaults.setdefault("eval", {}).setdefault("evidence", list(entry.evidence))
+    base = StageConfig.from_dict({"stage": stage, "preset": preset, "objective": entry.objective,
+                                  "init_from": entry.upstream, "model": model, **defaults}).to_dict()
     cfg = StageConfig.from_dict(apply_overrides(base, overrides or {}))
     if upstream:
-        changed = [f"model.{k}={getattr(cfg.model, k)} (upstream {upstream['stage']} has {upstream['model'][k]})"
-                   for k in SHAPE_FIELDS if getattr(cfg.model, k) != upstream["model"][k]]
-        if changed:
-            raise GhostvisError(
-                f"stage {stage}: {', '.join(changed)}; a stage starts from its upstream checkpoint and "
-                "cannot change the model shape (drop the override, or retrain from pretrain)"
-            )
+        _refuse_shape_change(cfg, upstream)
     validate(cfg)
     return cfg
+
+
+def _refuse_shape_change(cfg: StageConfig, upstream: dict[str, Any]) -> None:
+    changed = [f"model.{k}={getattr(cfg.model, k)} (upstream {upstream['stage']} has {upstream['model'][k]})"
+               for k in SHAPE_FIELDS if getattr(cfg.model, k) != upstream["model"][k]]
+    if changed:
+        raise GhostvisError(
+            f"stage {cfg.stage}: {', '.join(changed)}; a stage starts from its upstream checkpoint and "
+            "cannot change the model shape (drop the override, or retrain from pretrain)"
+        )
 
 
 def validate(cfg: StageConfig) -> None:
@@ -239,11 +215,6 @@ def validate(cfg: StageConfig) -> None:
             f"stage {cfg.stage}: batch.seq_len={b.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len} "
             "(the context the model was trained for); run context_expansion first or lower batch.seq_len"
         )
-    from ghostvis_core.eval.evidence import EVIDENCE
-
-    unknown = [e for e in cfg.eval.evidence if e not in EVIDENCE]
-    if unknown:
-        raise GhostvisError(f"eval.evidence: unknown {unknown}; known: {', '.join(EVIDENCE)}")
     if cfg.objective in ("vision_align",) and cfg.vision is None:
         raise GhostvisError(f"stage {cfg.stage}: objective {cfg.objective} needs a vision config")
     if cfg.objective == "dpo" and (cfg.dpo is None or cfg.init_from is None):

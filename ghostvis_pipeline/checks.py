@@ -6,10 +6,10 @@ no (shard, row range) consumed twice, no validation shard consumed in training.
 """
 
 
-from pathlib import Path
 
 from dagster import AssetCheckResult, AssetCheckSeverity, MetadataValue, asset_check
 
+from ghostvis_core.counts import MLFLOW_METRICS, TokenCounts
 from ghostvis_core.data.catalog import registered_manifests
 from ghostvis_core.data.ledger import Ledger, duplicate_shards, train_validation_overlap
 from ghostvis_core.data.token_shard import TokenShard
@@ -17,9 +17,6 @@ from ghostvis_core.errors import GhostvisError
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
 
-TOKEN_FIELDS = ("real_tokens", "pad_tokens", "loss_tokens", "cropped_tokens")
-MLFLOW_KEYS = {"real_tokens": "tokens/real", "pad_tokens": "tokens/pad", "loss_tokens": "tokens/loss",
-               "cropped_tokens": "tokens/cropped"}
 
 
 @asset_check(asset="token_ledger", blocking=True, description="Ledger docs/tokens equal a recount of the token files.")
@@ -27,9 +24,9 @@ def ledger_matches_token_files(context, home: GhostvisHome) -> AssetCheckResult:
     h = home.home()
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
     mismatches, total = [], 0
-    for r in Ledger(h.ledger).shards(tokenizer_id=tokenizer_id):
+    for r in Ledger(h.store.path("ledger")).shards(tokenizer_id=tokenizer_id):
         try:
-            shard = TokenShard.open(Path(r["token_path"]), r["shard_id"])
+            shard = TokenShard.open(h.store.path("token_shard", tokenizer_id, r["shard_id"]), r["shard_id"])
             docs, tokens = len(shard.rows), shard.num_tokens
         except GhostvisError as exc:
             docs, tokens = -1, -1
@@ -47,8 +44,8 @@ def ledger_matches_token_files(context, home: GhostvisHome) -> AssetCheckResult:
 def all_manifest_shards_tokenized(context, home: GhostvisHome) -> AssetCheckResult:
     h = home.home()
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
-    have = {r["shard_id"] for r in Ledger(h.ledger).shards(tokenizer_id=tokenizer_id)}
-    want = [m.shard_id(e) for m in registered_manifests(h).values() for e in m.shards]
+    have = {r["shard_id"] for r in Ledger(h.store.path("ledger")).shards(tokenizer_id=tokenizer_id)}
+    want = [m.shard_id(e) for m in registered_manifests(h.store).values() for e in m.shards]
     missing = [s for s in want if s not in have]
     return AssetCheckResult(passed=not missing, metadata={
         "manifest_shards": len(want), "tokenized_shards": len(want) - len(missing),
@@ -60,7 +57,7 @@ def all_manifest_shards_tokenized(context, home: GhostvisHome) -> AssetCheckResu
              description="No two shards with the same content, and no document in both train and validation.")
 def no_duplicate_content(context, home: GhostvisHome) -> AssetCheckResult:
     h = home.home()
-    ledger = Ledger(h.ledger)
+    ledger = Ledger(h.store.path("ledger"))
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
     dup_shards = duplicate_shards(ledger, tokenizer_id)
     overlap = train_validation_overlap(ledger, ledger.shards(tokenizer_id=tokenizer_id))
@@ -76,12 +73,18 @@ def no_duplicate_content(context, home: GhostvisHome) -> AssetCheckResult:
 
 
 def stage_checks(stage: str) -> list:
+    """The four blocking checks of a training stage's materialization."""
+    return [_tokens_match_plan(stage), _ledger_mlflow_metadata_agree(stage), _no_reuse(stage),
+            _no_validation_leakage(stage)]
+
+
+def _tokens_match_plan(stage: str):
     @asset_check(asset=stage, name="tokens_match_plan", blocking=True,
                  description="Consumed positions == steps x tokens_per_step, and that is within one step of planned_tokens.")
     def tokens_match_plan(context) -> AssetCheckResult:
         md = latest_metadata(context, stage)
         tps, steps, planned = md["tokens_per_step"], md["steps"], md["planned_tokens"]
-        consumed = md["real_tokens"] + md["pad_tokens"]
+        consumed = TokenCounts.from_mapping(md).consumed
         step_tokens = steps * tps
         passed = consumed == step_tokens and 0 <= step_tokens - planned < tps
         return AssetCheckResult(passed=passed, metadata={
@@ -90,6 +93,10 @@ def stage_checks(stage: str) -> list:
             "tokens_per_step": f"{md['micro_batch_size']} x {md['seq_len']} x {md['world_size']} x {md['grad_accum_steps']} = {tps}",
         })
 
+    return tokens_match_plan
+
+
+def _ledger_mlflow_metadata_agree(stage: str):
     @asset_check(asset=stage, name="ledger_mlflow_metadata_agree", blocking=True,
                  description="real/pad/loss/cropped tokens: ledger == MLflow == materialization metadata, exactly.")
     def ledger_mlflow_metadata_agree(context, home: GhostvisHome) -> AssetCheckResult:
@@ -97,11 +104,11 @@ def stage_checks(stage: str) -> list:
 
         h = home.home()
         md = latest_metadata(context, stage)
-        ledger = Ledger(h.ledger).run_totals(md["run_key"])
+        ledger = Ledger(h.store.path("ledger")).run_totals(md["run_key"])
         metrics = MlflowClient(h.mlflow_tracking_uri).get_run(md["mlflow_run_id"]).data.metrics
         rows, passed = [], True
-        for k in TOKEN_FIELDS:
-            vals = [ledger.get(k), metrics.get(MLFLOW_KEYS[k]), md.get(k)]
+        for k in TokenCounts.names():
+            vals = [ledger.get(k), metrics.get(MLFLOW_METRICS[k]), md.get(k)]
             vals = [None if v is None else int(v) for v in vals]
             ok = vals[0] is not None and vals[0] == vals[1] == vals[2]
             passed &= ok
@@ -111,11 +118,15 @@ def stage_checks(stage: str) -> list:
             "comparison": MetadataValue.md(md_table(["figure", "ledger", "mlflow", "metadata", "status"], rows)),
         })
 
+    return ledger_mlflow_metadata_agree
+
+
+def _no_reuse(stage: str):
     @asset_check(asset=stage, name="no_reuse", blocking=True,
                  description="No (shard, row range) consumed twice in the stage lineage unless declared (replay / allowed repeat).")
     def no_reuse(context, home: GhostvisHome) -> AssetCheckResult:
         md = latest_metadata(context, stage)
-        found = Ledger(home.home().ledger).reuse(md["run_key"])
+        found = Ledger(home.home().store.path("ledger")).reuse(md["run_key"])
         bad = [r for r in found if r["kind"] in ("reuse", "undeclared_repeat", "undeclared_cross_stage")]
         declared = [r for r in found if r not in bad]
         rows = [[r["kind"], r["shard_id"], f"{r['tok_start']}..{r['tok_end']}", f"{r['row_start']}..{r['row_end']}",
@@ -126,14 +137,18 @@ def stage_checks(stage: str) -> list:
             "ranges": MetadataValue.md(md_table(["kind", "shard", "tokens_range", "rows", "tokens", "run_a", "run_b"], rows)),
         })
 
+    return no_reuse
+
+
+def _no_validation_leakage(stage: str):
     @asset_check(asset=stage, name="no_validation_leakage", blocking=True,
                  description="No validation shard was consumed in training.")
     def no_validation_leakage(context, home: GhostvisHome) -> AssetCheckResult:
         md = latest_metadata(context, stage)
-        leaked = Ledger(home.home().ledger).leakage(md["run_key"])
+        leaked = Ledger(home.home().store.path("ledger")).leakage(md["run_key"])
         return AssetCheckResult(passed=not leaked, metadata={
             "leaked_tokens": sum(r["tokens"] for r in leaked),
             "leaked_shards": ", ".join(r["shard_id"] for r in leaked) or "none",
         })
 
-    return [tokens_match_plan, ledger_mlflow_metadata_agree, no_reuse, no_validation_leakage]
+    return no_validation_leakage

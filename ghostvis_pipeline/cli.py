@@ -12,19 +12,20 @@ from typing import Any
 
 from ghostvis_core import presets
 from ghostvis_core.budget import plan as make_plan, source_plan
-from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger import Ledger, run_summaries
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
+from ghostvis_core.stages import stage_names
 
 
 def cmd_demo(args) -> int:
     from ghostvis_pipeline.demo import format_summary, timed_demo
 
     home = Home.from_env()
-    unknown = sorted(set(args.stages or []) - set(presets.STAGES))
+    unknown = sorted(set(args.stages or []) - set(stage_names()))
     if unknown:
-        raise GhostvisError(f"unknown stage(s) {', '.join(unknown)}; stages: {', '.join(presets.STAGES)}")
-    stages = [s for s in presets.STAGES if s in args.stages] if args.stages else list(presets.demo_stages())
+        raise GhostvisError(f"unknown stage(s) {', '.join(unknown)}; stages: {', '.join(stage_names())}")
+    stages = [s for s in stage_names() if s in args.stages] if args.stages else stage_names()
     runs, wall = timed_demo(home, args.preset, stages)
     print(format_summary(runs, wall))
     print(ui_hint(home))
@@ -68,7 +69,7 @@ def recipe_report(args, planned_tokens: int) -> list[dict]:
     if not args.recipe:
         return []
     shards: dict[str, list[tuple[str, int]]] = {}
-    for r in Ledger(Home.from_env().ledger).shards(tokenizer_id=args.tokenizer):
+    for r in Ledger(Home.from_env().store.path("ledger")).shards(tokenizer_id=args.tokenizer):
         if r["split"] == "train":
             shards.setdefault(r["source"], []).append((r["shard_id"], r["tokens"]))
     return [sp.to_dict() for sp in source_plan(parse_recipe(args.recipe), planned_tokens, shards)]
@@ -108,18 +109,8 @@ def cmd_plan(args) -> int:
 
 
 def ledger_report(home: Home, tokenizer_id: str | None) -> dict[str, Any]:
-    ledger = Ledger(home.ledger)
-    shards = ledger.shards(tokenizer_id=tokenizer_id)
-    runs = []
-    seen = set()
-    for part in ledger.parts():
-        if part["run_key"] in seen:
-            continue
-        seen.add(part["run_key"])
-        totals = ledger.run_totals(part["run_key"])
-        runs.append({"stage": part["stage"], "run_key": part["run_key"], "parent_run_key": part["parent_run_key"] or None,
-                     "planned_tokens": part["planned_tokens"], "tokens_per_step": part["tokens_per_step"], **totals})
-    return {"shards": shards, "runs": runs}
+    ledger = Ledger.in_store(home.store)
+    return {"shards": ledger.shards(tokenizer_id=tokenizer_id), "runs": run_summaries(ledger)}
 
 
 def cmd_ledger(args) -> int:
@@ -181,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=cmd_demo)
 
     p = sub.add_parser("plan", help="token / step / FLOP / cost planner")
-    p.add_argument("--stage", default="pretrain", choices=presets.STAGES)
+    p.add_argument("--stage", default="pretrain", choices=stage_names())
     p.add_argument("--preset", default=presets.default_preset())
     for flag in ("micro-batch-size", "seq-len", "world-size", "grad-accum", "total-batch-tokens", "steps", "tokens", "params"):
         p.add_argument(f"--{flag}", type=int)

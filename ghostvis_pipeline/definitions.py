@@ -2,9 +2,10 @@
 
 from dagster import Definitions
 
+from ghostvis_core.presets import VARIANTS
+from ghostvis_core.stages import STAGES
 from ghostvis_pipeline.assets.data import raw_shards, shard_manifest, token_ledger, tokenized_shards, tokenizer
 from ghostvis_pipeline.assets.evaluation import evaluation, report
-from ghostvis_core.presets import VARIANTS
 from ghostvis_pipeline.assets.training import stage_asset, variants_asset
 from ghostvis_pipeline.checks import (
     all_manifest_shards_tokenized, ledger_matches_token_files, no_duplicate_content, stage_checks,
@@ -12,28 +13,17 @@ from ghostvis_pipeline.checks import (
 from ghostvis_pipeline.jobs import shard_data_job, training_job
 from ghostvis_pipeline.resources import GhostvisHome, TorchrunLauncher
 
-# Each stage starts from the one before it; pretrain starts from the token ledger.
-STAGE_CHAIN: list[tuple[str, str | None]] = [
-    ("pretrain", None),
-    ("continued_pretrain", "pretrain"),
-    ("context_expansion", "continued_pretrain"),
-    ("reasoning_mix", "context_expansion"),
-    ("vision_alignment", "reasoning_mix"),
-    ("sft", "vision_alignment"),
-    ("dpo", "sft"),
-]
-
 stage_assets = []
-for stage, upstream in STAGE_CHAIN:
-    deps = [token_ledger] + ([upstream] if upstream else [])
-    stage_assets.append(stage_asset(stage, upstream, deps))
-    if stage in VARIANTS:
-        stage_assets.append(variants_asset(stage, upstream, deps))
+for stage in STAGES:  # each stage starts from its upstream's checkpoint; every stage reads the token ledger
+    deps = [token_ledger] + ([stage.upstream] if stage.upstream else [])
+    stage_assets.append(stage_asset(stage, deps))
+    if stage.name in VARIANTS:
+        stage_assets.append(variants_asset(stage, deps))
 
 defs = Definitions(
     assets=[shard_manifest, raw_shards, tokenizer, tokenized_shards, token_ledger, *stage_assets, evaluation, report],
     asset_checks=[ledger_matches_token_files, all_manifest_shards_tokenized, no_duplicate_content,
-                  *[c for stage, _ in STAGE_CHAIN for c in stage_checks(stage)]],
+                  *[c for stage in STAGES for c in stage_checks(stage.name)]],
     jobs=[shard_data_job, training_job],
     resources={"home": GhostvisHome(), "launcher": TorchrunLauncher()},
 )

@@ -10,10 +10,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ghostvis_core import presets
+from dagster import DagsterInstance
+
 from ghostvis_core.home import Home
+from ghostvis_core.stages import stage_names
+from ghostvis_pipeline.definitions import defs
+from ghostvis_pipeline.partitions import shard_partitions
 
 PROJECT_DAGSTER_YAML = Path(__file__).resolve().parent.parent / "dagster.yaml"
+# Dagster 1.13 has no public API to run a partition range in process (execute_in_process takes one
+# partition_key), so a single-run range is selected by its documented run tags, the ones
+# `dagster asset materialize --partition-range` sets; dagster only exports them from a private module.
+PARTITION_RANGE_START_TAG = "dagster/asset_partition_range_start"
+PARTITION_RANGE_END_TAG = "dagster/asset_partition_range_end"
 
 
 def prepare_environment(home: Home) -> None:
@@ -39,13 +48,12 @@ def materialize(defs, instance, assets: list[str], *, partition_range: tuple[str
     """One Dagster run of the implicit asset job for `assets` (and their checks), like
     `dagster asset materialize --select ...`, recorded in the instance."""
     from dagster import AssetKey
-    from dagster._core.storage.tags import ASSET_PARTITION_RANGE_END_TAG, ASSET_PARTITION_RANGE_START_TAG
 
     keys = [AssetKey(a) for a in assets]
     job = defs.resolve_implicit_job_def_def_for_assets(keys)
     tags = {"ghostvis/demo": "true"}
     if partition_range:
-        tags |= {ASSET_PARTITION_RANGE_START_TAG: partition_range[0], ASSET_PARTITION_RANGE_END_TAG: partition_range[1]}
+        tags |= {PARTITION_RANGE_START_TAG: partition_range[0], PARTITION_RANGE_END_TAG: partition_range[1]}
     result = job.execute_in_process(instance=instance, asset_selection=keys, tags=tags, run_config=run_config or {},
                                     raise_on_error=True)
     summary = RunSummary(result.run_id)
@@ -65,12 +73,6 @@ def materialize(defs, instance, assets: list[str], *, partition_range: tuple[str
 
 def run_demo(home: Home, preset: str, stages: list[str]) -> list[RunSummary]:
     prepare_environment(home)
-    os.environ["GHOSTVIS_PRESET"] = preset
-    from dagster import DagsterInstance
-
-    from ghostvis_pipeline.definitions import defs
-    from ghostvis_pipeline.partitions import shard_partitions
-
     instance = DagsterInstance.get()
     runs = [materialize(defs, instance, ["shard_manifest"])]
     keys = instance.get_dynamic_partitions(shard_partitions.name)
@@ -80,7 +82,7 @@ def run_demo(home: Home, preset: str, stages: list[str]) -> list[RunSummary]:
     runs.append(materialize(defs, instance, ["tokenized_shards"], partition_range=span))
     stage_config = {"ops": {s: {"config": {"preset": preset}} for s in stages}}
     runs.append(materialize(defs, instance, ["token_ledger", *stages], run_config=stage_config))
-    if list(stages) == presets.demo_stages():  # the whole lineage: score it and write its report card
+    if list(stages) == stage_names():  # the whole lineage: score it and write its report card
         runs.append(materialize(defs, instance, ["evaluation", "report"]))
     return runs
 

@@ -2,7 +2,7 @@
 
 from dagster import AssetSelection, define_asset_job
 
-from ghostvis_core.presets import STAGES
+from ghostvis_core.stages import stage_names
 from ghostvis_pipeline.partitions import shard_partitions
 
 shard_data_job = define_asset_job(
@@ -14,6 +14,6 @@ shard_data_job = define_asset_job(
 
 training_job = define_asset_job(
     "training",
-    selection=AssetSelection.assets(*STAGES),
+    selection=AssetSelection.assets(*stage_names()),
     description="Every training stage in dependency order, from the stored tokenized shards.",
 )

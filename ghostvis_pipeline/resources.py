@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from dagster import AssetExecutionContext, ConfigurableResource, Failure, PipesSubprocessClient
 
 from ghostvis_core.home import Home
-from ghostvis_core.train.launch import error_file, launch_env, spec_path, torchrun_command
+from ghostvis_core.train.launch import launch_env, torchrun_command
 from ghostvis_core.train.spec import LaunchSpec
 
 # Named launcher profiles: environment settings known to be needed on some clusters, chosen by
@@ -22,7 +21,7 @@ LAUNCH_PROFILES: dict[str, dict[str, str]] = {
 
 
 class GhostvisHome(ConfigurableResource):
-    """GHOSTVIS_HOME: artifact store, run specs, MLflow store. Empty = the environment's value."""
+    """GHOSTVIS_HOME: artifact store, MLflow store. Empty = the environment's value (read at run time)."""
 
     root: str = ""
 
@@ -40,22 +39,20 @@ class TorchrunLauncher(ConfigurableResource):
     nproc_per_node: int = 0  # 0: the stage config's batch.world_size
     profile: str = "local"
 
-    def run(self, context: AssetExecutionContext, spec: LaunchSpec, home: Home) -> dict[str, Any]:
+    def run(self, context: AssetExecutionContext, spec: LaunchSpec, home: Home) -> None:
+        """Train the run to completion; its RunResult is then in the store (kind run_record)."""
         if self.profile not in LAUNCH_PROFILES:
             raise Failure(f"launcher profile '{self.profile}' is unknown; choose one of {sorted(LAUNCH_PROFILES)}")
         nproc = self.nproc_per_node or int(spec.config["batch"]["world_size"])
-        cmd = torchrun_command(spec_path(home, spec), nproc)
+        cmd = torchrun_command(home.store.path("run_spec", spec.stage, spec.run_key), nproc)
         context.log.info(f"launching: {' '.join(cmd)}")
-        error_file(home, spec).unlink(missing_ok=True)  # a reason left by an earlier attempt is not this one's
+        home.store.delete("run_error", spec.stage, spec.run_key)  # an earlier attempt's reason is not this one's
         client = PipesSubprocessClient(env={**launch_env(nproc), **LAUNCH_PROFILES[self.profile]})
         try:
             invocation = client.run(command=cmd, context=context)
         except Exception as exc:
-            err = error_file(home, spec)
-            reason = err.read_text().strip() if err.exists() else str(exc)
+            failed = home.store.exists("run_error", spec.stage, spec.run_key)
+            reason = home.store.read_text("run_error", spec.stage, spec.run_key).strip() if failed else str(exc)
             raise Failure(f"{spec.stage} run {spec.run_key} failed: {reason}") from None
-        results = invocation.get_results()
-        mats = [r for r in results if hasattr(r, "metadata") and r.metadata]
-        if not mats:
+        if not home.store.exists("run_record", spec.stage, spec.run_key) or not invocation.get_results():
             raise Failure(f"{spec.stage} run {spec.run_key}: training exited without reporting its results")
-        return {k: getattr(v, "value", v) for k, v in mats[-1].metadata.items()}

@@ -45,7 +45,7 @@ def trained(seed=0, cfg=CFG):
 
 
 def save(run_dir: Path, step: int, model, opt, keep_last=10, **state) -> Path:
-    return ckpt.save(run_dir, step, model=model, optimizer=opt, trainer_state={"step": step, **state},
+    return ckpt.save(run_dir, step, model=model, optimizer=opt, state={"step": step, **state},
                      config={"model": dataclasses.asdict(CFG)}, keep_last=keep_last)
 
 
@@ -84,14 +84,14 @@ def test_round_trip_restores_identical_weights_and_optimizer_state(tmp_path):
     for (k, a), b in zip(model.state_dict().items(), model2.state_dict().values()):
         assert torch.equal(a, b), k
 
-    assert ckpt.read_json(path, "trainer.json") == {"step": 1, "rows_consumed": 32}
+    assert ckpt.read_state(path) == {"step": 1, "rows_consumed": 32}
     assert ckpt.read_json(path, "config.json") == {"model": dataclasses.asdict(CFG)}
 
 
 def test_round_trip_with_tied_embeddings(tmp_path):
     cfg = dataclasses.replace(CFG, tie_embeddings=True)
     model, opt = trained(seed=0, cfg=cfg)
-    path = ckpt.save(tmp_path / "run", 1, model=model, optimizer=opt, trainer_state={}, config={}, keep_last=2)
+    path = ckpt.save(tmp_path / "run", 1, model=model, optimizer=opt, state={}, config={}, keep_last=2)
     torch.manual_seed(5)
     model2 = GPT(cfg)
     ckpt.load_model(path, model2)
@@ -244,7 +244,7 @@ def test_files_are_safetensors_not_pickle(tmp_path):
     model, opt = trained()
     path = save(tmp_path / "run", 1, model, opt)
     assert sorted(p.name for p in path.iterdir()) == [
-        "COMPLETE", "config.json", "model.safetensors", "optimizer.safetensors", "rng.safetensors", "trainer.json"]
+        "COMPLETE", "config.json", "model.safetensors", "optimizer.safetensors", "train_state.json"]
     for name in ("model.safetensors", "optimizer.safetensors"):
         raw = (path / name).read_bytes()
         (header_len,) = struct.unpack("<Q", raw[:8])  # safetensors: u64 header size, then JSON

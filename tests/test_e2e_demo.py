@@ -13,14 +13,14 @@ from ghostvis_core import presets
 from ghostvis_core.budget import plan
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.counts import MLFLOW_METRICS, TokenCounts
 from ghostvis_core.home import Home
+from ghostvis_core.stages import stage_names
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.e2e
 
-STAGES = presets.demo_stages()
-TOKEN_KEYS = {"real_tokens": "tokens/real", "pad_tokens": "tokens/pad", "loss_tokens": "tokens/loss",
-              "cropped_tokens": "tokens/cropped"}
+STAGES = stage_names()
 
 
 def dagster_instance(home):
@@ -56,7 +56,7 @@ def test_demo_materializes_every_asset_and_all_checks_pass(demo_home):
 
 def test_ledger_mlflow_and_dagster_agree_to_the_token_for_every_stage(demo_home):
     instance = dagster_instance(demo_home)
-    ledger = Ledger(Home(demo_home).ledger)
+    ledger = Ledger(Home(demo_home).store.path("ledger"))
     client, runs = mlflow_runs(demo_home)
     for stage in STAGES:
         md = latest(instance, stage)
@@ -68,7 +68,7 @@ def test_ledger_mlflow_and_dagster_agree_to_the_token_for_every_stage(demo_home)
         assert md["real_tokens"] + md["pad_tokens"] == p.steps * p.tokens_per_step == md["planned_tokens"]
         assert md["tokens_per_step"] == (md["micro_batch_size"] * md["seq_len"] * md["world_size"]
                                          * md["grad_accum_steps"])
-        for key, metric in TOKEN_KEYS.items():
+        for key, metric in MLFLOW_METRICS.items():
             assert md[key] == totals[key] == int(metrics[metric]), (stage, key)
         # the pieces read from shards are exactly the tokens trained (+ cropped; DPO reads its prompt once
         # for two rows, an image is n_latents positions for one token)
@@ -96,7 +96,7 @@ def test_pretraining_lowers_validation_loss_and_mixture_follows_the_recipe(demo_
     assert cp["mixture/demo_code/tokens"] == 90 * 256 and cp["mixture/demo_prose/tokens"] == 38 * 256
     assert cp["domain_loss_after"] < cp["domain_loss_before"]
     # continued_pretrain starts where pretrain stopped reading each source: no undeclared reuse
-    ledger = Ledger(Home(demo_home).ledger)
+    ledger = Ledger(Home(demo_home).store.path("ledger"))
     assert not [r for r in ledger.reuse(cp["run_key"]) if r["kind"] != "replay"]
     rm = latest(instance, "reasoning_mix")
     replay = [r for r in ledger.reuse(rm["run_key"]) if r["kind"] == "replay"]
@@ -114,7 +114,7 @@ def test_rematerializing_one_stage_through_the_dagster_cli(demo_home):
     assert after["run_key"] != before["run_key"] and after["run_key"].endswith("-r2")
     assert after["parent_run_key"] == vision["run_key"]  # from the stored upstream checkpoint
     assert after["real_tokens"] == before["real_tokens"]  # same config, same data, deterministic packing
-    assert Ledger(Home(demo_home).ledger).run_totals(after["run_key"])["real_tokens"] == after["real_tokens"]
+    assert Ledger(Home(demo_home).store.path("ledger")).run_totals(after["run_key"])["real_tokens"] == after["real_tokens"]
 
 
 def test_ghostvis_ledger_json_shows_the_same_totals(demo_home):
@@ -138,7 +138,8 @@ def test_a_stage_whose_upstream_is_missing_says_which_asset_to_materialize_first
     assert "asset `sft` has never been materialized; materialize it first" in proc.stdout + proc.stderr
     assert "torch.distributed.run" not in proc.stdout + proc.stderr  # refused before launching torchrun
     # the same when the upstream's checkpoint files are gone (core path, no Dagster)
-    from ghostvis_core.train.launch import Upstream, prepare_run
+    from ghostvis_core.train.launch import prepare_run
+    from ghostvis_core.train.runs import Upstream
 
     with pytest.raises(GhostvisError, match=r"upstream checkpoint .* is missing; materialize the `sft` asset first"):
         prepare_run("dpo", preset="smoke", home=Home(home_copy),
@@ -159,7 +160,7 @@ def test_plain_torchrun_runs_a_stage_without_dagster(home_copy):
                     "--stage", "pretrain", "--preset", "smoke", "--set", "budget.steps=4"], home_copy,
                    OMP_NUM_THREADS="1")
     assert "step 4/4" in proc.stdout
-    ledger = Ledger(Home(home_copy).ledger)
+    ledger = Ledger(Home(home_copy).store.path("ledger"))
     runs = [p for p in ledger.parts(stage="pretrain") if p["step_last"] == 4 and p["world_size"] == 2]
     assert runs
     totals = ledger.run_totals(runs[-1]["run_key"])
@@ -173,11 +174,11 @@ def test_report_card_token_figures_equal_the_ledger_and_evidence_is_listed(demo_
     md = latest(instance, "report")
     html = Path(md["report_html"]).read_text()
     rows = json.loads(Path(md["report_html"]).with_name("report.json").read_text())
-    ledger = Ledger(Home(demo_home).ledger)
+    ledger = Ledger(Home(demo_home).store.path("ledger"))
     assert [r["stage"] for r in rows] == STAGES
     for r in rows:
         totals = ledger.run_totals(r["run_key"])
-        for key in ("real_tokens", "pad_tokens", "loss_tokens", "cropped_tokens"):
+        for key in TokenCounts.names():
             assert r["totals"][key] == totals[key]
         assert f"data-stage='{r['stage']}'" in html and f"{totals['real_tokens']:,}" in html
     assert (Path(md["report_html"]).parent / "loss_curves.png").stat().st_size > 10_000
@@ -202,9 +203,9 @@ def test_variant_backfill_gives_two_comparable_mlflow_runs(home_copy):
     assert a.data.metrics["tokens/real"] == b.data.metrics["tokens/real"]  # same budget, different lr
     assert a.data.metrics["val/loss"] != b.data.metrics["val/loss"]
     # a variant never becomes the upstream of the main chain
-    from ghostvis_core.train.launch import find_upstream
+    from ghostvis_core.train.runs import find_upstream
 
-    assert "@" not in find_upstream(Home(home_copy), "pretrain").run_key
+    assert "@" not in find_upstream(Home(home_copy).store, "pretrain").run_key
 
 
 def test_chat_answers_piped_prompts_and_exits_cleanly(demo_home):

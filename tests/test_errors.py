@@ -28,7 +28,7 @@ def test_total_batch_that_does_not_divide(tmp_path):
 
 @pytest.mark.e2e
 def test_missing_tokenized_shard_stops_the_stage_before_torchrun(home_copy):
-    ledger = Ledger(Home(home_copy).ledger)
+    ledger = Ledger.in_store(Home(home_copy).store)
     path = Path(next(r["token_path"] for r in ledger.shards() if r["shard_id"] == "demo_code/00001"))
     path.unlink()
     proc = run_cli([*MATERIALIZE, "--select", "pretrain"], home_copy, check=False)
@@ -40,10 +40,10 @@ def test_missing_tokenized_shard_stops_the_stage_before_torchrun(home_copy):
 
 @pytest.mark.e2e
 def test_corrupt_parquet_fails_its_partition_and_leaves_the_others_done(home_copy):
-    home = Home(home_copy)
-    bad = home.raw_shard("demo_prose/00001")
+    store = Home(home_copy).store
+    bad = store.path("raw_shard", "demo_prose/00001")
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # truncated mid-file
-    for f in (home.ledger / "shards").glob("*.parquet"):  # forget the neighbours: they must be redone
+    for f in (store.path("ledger") / "shards").glob("*.parquet"):  # forget the neighbours: they must be redone
         f.unlink()
     proc = run_cli([*MATERIALIZE, "--select", "tokenized_shards", "--partition-range",
                     "demo_prose/00000...demo_prose/00002"], home_copy, check=False)
@@ -52,7 +52,7 @@ def test_corrupt_parquet_fails_its_partition_and_leaves_the_others_done(home_cop
     assert "1 of 3 shards failed to tokenize (2 others are done and recorded; a re-run skips them)" in out
     assert (f"raw shard demo_prose/00001 ({bad}) is unreadable:" in out
             and "delete it and re-materialize raw_shards partition demo_prose/00001" in out)
-    done = {r["shard_id"] for r in Ledger(home.ledger).shards()}
+    done = {r["shard_id"] for r in Ledger.in_store(store).shards()}
     assert done == {"demo_prose/00000", "demo_prose/00002"}
     # the fix the message names: re-materialize the raw shard (its checksum no longer matches, so it
     # is downloaded again), then tokenizing the range only does the repaired shard
@@ -60,8 +60,8 @@ def test_corrupt_parquet_fails_its_partition_and_leaves_the_others_done(home_cop
     proc = run_cli([*MATERIALIZE, "--select", "tokenized_shards", "--partition-range",
                     "demo_prose/00000...demo_prose/00002"], home_copy)
     assert "shard demo_prose/00000: " in proc.stdout + proc.stderr and "(unchanged, skipped)" in proc.stdout + proc.stderr
-    assert {r["shard_id"] for r in Ledger(home.ledger).shards()} == {"demo_prose/00000", "demo_prose/00001",
-                                                                    "demo_prose/00002"}
+    assert {r["shard_id"] for r in Ledger.in_store(store).shards()} == {"demo_prose/00000", "demo_prose/00001",
+                                                                        "demo_prose/00002"}
 
 
 def test_a_budget_beyond_the_data_fails_pre_flight_with_the_numbers(home_copy):
@@ -74,7 +74,7 @@ def test_a_budget_beyond_the_data_fails_pre_flight_with_the_numbers(home_copy):
     from ghostvis_core.train.launch import prepare_run
 
     home = Home(home_copy)
-    train = [r for r in Ledger(home.ledger).shards() if r["source"] == "demo_prose" and r["split"] == "train"]
+    train = [r for r in Ledger.in_store(home.store).shards() if r["source"] == "demo_prose" and r["split"] == "train"]
     available = sum(r["tokens"] for r in train)
     # steps x rows/step x weight 0.5 windows of 256 inputs; consecutive windows share their boundary
     # token (the last target of one is the first input of the next), so n windows read n x 256 + 1
@@ -93,6 +93,6 @@ def test_a_budget_beyond_the_data_fails_pre_flight_with_the_numbers(home_copy):
     # declared repetition starts, and the epochs it will take are recorded with the run
     spec = prepare_run("pretrain", preset="smoke", home=home,
                        overrides={"budget.steps": "5000", "data.allow_repeat": "true"})
-    budget = spec.extra["source_budget"]["demo_prose"]
-    assert (budget["needed_tokens"], budget["available_tokens"]) == (needed, available)
-    assert budget["epochs"] == round(epochs, 3) > 1
+    budget = spec.inputs.source_budget["demo_prose"]
+    assert (budget.needed_tokens, budget.available_tokens) == (needed, available)
+    assert budget.epochs == round(epochs, 3) > 1

@@ -10,9 +10,8 @@ import pyarrow as pa
 import pytest
 
 from ghostvis_core.budget import BatchPlan
-from ghostvis_core.data import loader as loader_mod
 from ghostvis_core.data.ledger import Ledger, pieces_to_rows
-from ghostvis_core.data.loader import Consumption, merge_pieces, micro_batch_rows
+from ghostvis_core.data.loader import Batcher, Consumption, LMRows, merge_pieces, micro_batch_rows
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.token_shard import TokenShard, list_column, write_token_shard
 
@@ -255,10 +254,7 @@ def test_ledger_totals_equal_the_files_and_the_loader(tmp_path, ledger):
     # consume 3 steps of 2 x 8 x 2 x 2 (= 64 tokens/step) in two parts, as the training loop records them
     refs = [ShardRef(r["shard_id"], r["source"], r["split"], r["token_path"], r["docs"], r["tokens"]) for r in records]
     stream = SourceStream("prose", refs, seed=0)
-    if hasattr(loader_mod, "LMRows"):
-        batcher = loader_mod.Batcher([loader_mod.LMRows(stream, 8)], [1.0])
-    else:
-        batcher = loader_mod.LMBatcher([stream], [1.0], 8)
+    batcher = Batcher([LMRows(stream, 8)], [1.0])
     plan = BatchPlan(2, 8, 2, 2)
     shard_by_id = {r.shard_id: stream.shard(r) for r in refs}
     rows, prev = 0, ""
@@ -271,9 +267,9 @@ def test_ledger_totals_equal_the_files_and_the_loader(tmp_path, ledger):
             rows += plan.rows_per_step
         merged, overlap = merge_pieces(cons.pieces)
         pid = f"t.p{pi}"
-        ledger.write_part(part(pid, "t", steps=steps, prev=prev, real=cons.real_tokens, pad=cons.pad_tokens,
-                               loss=cons.loss_tokens, cropped=cons.cropped_tokens, overlap=overlap,
-                               created_at=10.0 + pi),
+        c = cons.counts
+        ledger.write_part(part(pid, "t", steps=steps, prev=prev, real=c.real_tokens, pad=c.pad_tokens,
+                               loss=c.loss_tokens, cropped=c.cropped_tokens, overlap=overlap, created_at=10.0 + pi),
                           pieces_to_rows(merged, lambda p: shard_by_id[p.shard_id].rows_of(p.tok_start, p.tok_end)))
         prev = pid
     totals = ledger.run_totals("t")

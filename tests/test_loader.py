@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from ghostvis_core.budget import BatchPlan
-from ghostvis_core.data import loader as loader_mod
-from ghostvis_core.data.loader import Consumption, merge_pieces, micro_batch_rows
+from ghostvis_core.data.loader import Batcher, ChatRows, Consumption, LMRows, merge_pieces, micro_batch_rows
 from ghostvis_core.data.stream import MixtureSchedule, Piece, ShardRef, SourceStream
 from ghostvis_core.data.token_shard import TokenShard, list_column, write_token_shard
 from ghostvis_core.errors import GhostvisError
@@ -34,13 +33,6 @@ def write_shard(root: Path, source: str, shard_id: str, docs: list[list[int]], r
     write_token_shard(path, {"row": pa.array(rows, pa.int64()),
                              "tokens": list_column([len(d) for d in docs], flat, np.uint16), **(extra or {})})
     return ShardRef(shard_id=shard_id, source=source, split=split, path=str(path), docs=len(docs), tokens=len(flat))
-
-
-def lm_batcher(streams: list[SourceStream], weights: list[float], seq_len: int):
-    """The pretraining batcher: Batcher over LMRows (current API), or the older LMBatcher."""
-    if hasattr(loader_mod, "LMRows"):
-        return loader_mod.Batcher([loader_mod.LMRows(s, seq_len) for s in streams], weights)
-    return loader_mod.LMBatcher(streams, weights, seq_len)
 
 
 @pytest.fixture
@@ -68,7 +60,7 @@ def piece_tokens(refs: list[ShardRef], p: Piece) -> np.ndarray:
 
 
 def test_rows_are_stride_seq_len_windows_of_seq_len_plus_one(prose):
-    b = lm_batcher([SourceStream("prose", prose, seed=1)], [1.0], seq_len=4)
+    b = Batcher([LMRows(SourceStream("prose", prose, seed=1), 4)], [1.0])
     batch = b.batch(range(0, 6))  # rows 0..5 read stream [0, 25): all of epoch 0
     assert batch.inputs.dtype == torch.int64 and batch.inputs.shape == (6, 4)
     for g in range(6):
@@ -80,25 +72,25 @@ def test_rows_are_stride_seq_len_windows_of_seq_len_plus_one(prose):
 
 
 def test_real_pad_loss_counts(prose):
-    b = lm_batcher([SourceStream("prose", prose, seed=1)], [1.0], seq_len=4)
+    b = Batcher([LMRows(SourceStream("prose", prose, seed=1), 4)], [1.0])
     batch = b.batch(range(0, 3))
-    assert (batch.real_tokens, batch.pad_tokens, batch.loss_tokens, batch.cropped_tokens) == (12, 0, 12, 0)
+    assert batch.counts.as_list() == [12, 0, 12, 0]
     assert int((batch.targets != IGNORE_INDEX).sum()) == 12
     c = Consumption()
     c.add(batch)
     c.add(b.batch(range(3, 5)))
-    assert c.counters() == [20, 0, 20, 0]  # 5 rows x 4
+    assert c.counts.as_list() == [20, 0, 20, 0]  # 5 rows x 4
 
 
 def test_pieces_cover_exactly_the_input_tokens(prose):
-    b = lm_batcher([SourceStream("prose", prose, seed=1)], [1.0], seq_len=4)
+    b = Batcher([LMRows(SourceStream("prose", prose, seed=1), 4)], [1.0])
     batch = b.batch(range(0, 4))
     # row 0 reads [0,5) -> inputs [0,4); row 1 [4,8); row 2 [8,12) of prose-000 (its 13th token,
     # prose-001's first, is only a target and is dropped from the pieces); row 3 prose-001 [0,4)
     assert [(p.shard_id, p.epoch, p.tok_start, p.tok_end) for p in batch.pieces] == [
         ("prose-000", 0, 0, 4), ("prose-000", 0, 4, 8), ("prose-000", 0, 8, 12), ("prose-001", 0, 0, 4),
     ]
-    assert sum(p.tokens for p in batch.pieces) == batch.real_tokens == 16
+    assert sum(p.tokens for p in batch.pieces) == batch.counts.real_tokens == 16
     # the pieces, read back from disk, are the input tokens in order
     assert np.concatenate([piece_tokens(prose, p) for p in batch.pieces]).tolist() == batch.inputs.reshape(-1).tolist()
     merged, overlap = merge_pieces(batch.pieces)
@@ -122,9 +114,7 @@ def test_pieces_map_to_raw_rows(prose):
 
 
 def test_lm_rows_start_token_offsets_the_stream(prose):
-    if not hasattr(loader_mod, "LMRows"):
-        pytest.skip("no LMRows in this loader")
-    rows = loader_mod.LMRows(SourceStream("prose", prose, seed=1), 4, start_token=3)
+    rows = LMRows(SourceStream("prose", prose, seed=1), 4, start_token=3)
     r = rows.row(1)  # reads [3 + 4, 3 + 9)
     assert r.inputs.tolist() == [107, 108, 109, 110] and r.targets.tolist() == [108, 109, 110, 111]
     assert [(p.shard_id, p.tok_start, p.tok_end) for p in r.pieces] == [("prose-000", 7, 11)]
@@ -134,7 +124,7 @@ def test_lm_rows_start_token_offsets_the_stream(prose):
 
 
 def test_epoch_wrap_single_shard(code):
-    b = lm_batcher([SourceStream("code", code, seed=1)], [1.0], seq_len=4)
+    b = Batcher([LMRows(SourceStream("code", code, seed=1), 4)], [1.0])
     batch = b.batch(range(0, 5))
     # 12 tokens: rows 0,1 inside epoch 0; row 2 = epoch-0 [8,12) with epoch 1's first token as target
     assert batch.inputs[2].tolist() == [508, 509, 510, 511]
@@ -144,7 +134,7 @@ def test_epoch_wrap_single_shard(code):
     assert [(p.epoch, p.tok_start, p.tok_end) for p in batch.pieces] == [
         (0, 0, 4), (0, 4, 8), (0, 8, 12), (1, 0, 4), (1, 4, 8),
     ]
-    assert sum(p.tokens for p in batch.pieces) == batch.real_tokens == 20
+    assert sum(p.tokens for p in batch.pieces) == batch.counts.real_tokens == 20
 
 
 def test_epoch_wrap_multi_shard_is_a_permutation_of_shards(prose):
@@ -156,7 +146,7 @@ def test_epoch_wrap_multi_shard_is_a_permutation_of_shards(prose):
     assert tokens.tolist() in (list(range(100, 125)), list(range(112, 125)) + list(range(100, 112)))
     assert np.concatenate([piece_tokens(prose, p) for p in pieces]).tolist() == tokens.tolist()
     # a row that straddles epochs 0 and 1 yields pieces of both, and its inputs are theirs
-    b = lm_batcher([SourceStream("prose", prose, seed=7)], [1.0], seq_len=4)
+    b = Batcher([LMRows(SourceStream("prose", prose, seed=7), 4)], [1.0])
     batch = b.batch(range(6, 8))  # row 6 reads [24, 29), row 7 [28, 33)
     assert batch.inputs[0, 0].item() == 124
     assert [p.epoch for p in batch.pieces][:2] == [0, 1]
@@ -192,7 +182,7 @@ def test_step_tokens_identical_whatever_the_world_size(prose, code):
     """Same global rows -> the same tokens, per row, whatever the world size."""
     per_layout = []
     for ws, accum in [(1, 4), (2, 2), (4, 1)]:
-        b = lm_batcher([SourceStream("prose", prose, 3), SourceStream("code", code, 3)], [0.7, 0.3], 4)
+        b = Batcher([LMRows(SourceStream("prose", prose, 3), 4), LMRows(SourceStream("code", code, 3), 4)], [0.7, 0.3])
         plan = BatchPlan(2, 4, ws, accum)
         by_row = {}
         for m in range(accum):
@@ -298,7 +288,7 @@ def test_mixture_weight_below_one_over_period_is_refused():
 
 
 def test_mixture_rows_per_source_in_the_batcher(prose, code):
-    b = lm_batcher([SourceStream("prose", prose, 3), SourceStream("code", code, 3)], [0.5, 0.5], 4)
+    b = Batcher([LMRows(SourceStream("prose", prose, 3), 4), LMRows(SourceStream("code", code, 3), 4)], [0.5, 0.5])
     batch = b.batch(range(0, 4))  # pattern for 0.5/0.5 alternates: prose, code, prose, code
     assert batch.inputs[0].tolist() == [100, 101, 102, 103]
     assert batch.inputs[1].tolist() == [500, 501, 502, 503]
@@ -329,7 +319,8 @@ def mixture_refs(tmp_path):
 
 def _run_steps(refs, steps: range, first_row: int, plan: BatchPlan):
     """A fresh process: new streams and batcher; returns per global row (inputs, targets) and consumption."""
-    b = lm_batcher([SourceStream("prose", refs["prose"], 11), SourceStream("code", refs["code"], 11)], [0.7, 0.3], 8)
+    b = Batcher([LMRows(SourceStream("prose", refs["prose"], 11), 8), LMRows(SourceStream("code", refs["code"], 11), 8)],
+                [0.7, 0.3])
     out, cons = {}, Consumption()
     rows = first_row
     for _ in steps:
@@ -362,7 +353,7 @@ def test_resume_equals_uninterrupted_run(mixture_refs):
     m_split, o_split = merge_pieces(cons_a.pieces + cons_b.pieces)
     assert o_whole == o_split == 0
     assert m_whole == m_split
-    assert cons_whole.real_tokens == cons_a.real_tokens + cons_b.real_tokens == 80 * 8
+    assert cons_whole.counts.real_tokens == cons_a.counts.real_tokens + cons_b.counts.real_tokens == 80 * 8
 
 
 def test_seek_to_a_late_row_opens_only_the_needed_shard(tmp_path):
@@ -375,7 +366,7 @@ def test_seek_to_a_late_row_opens_only_the_needed_shard(tmp_path):
         else:
             refs.append(ShardRef(f"web-{k:03d}", "web", "train", str(tmp_path / "missing" / f"{k}.arrow"), 1, 10))
     stream = SourceStream("web", refs, seed=0)
-    b = lm_batcher([stream], [1.0], seq_len=4)
+    b = Batcher([LMRows(stream, 4)], [1.0])
     batch = b.batch(range(93, 94))  # reads stream [372, 377) = shard 37 tokens [2, 7)
     assert batch.inputs[0].tolist() == [1372, 1373, 1374, 1375]
     assert batch.targets[0].tolist() == [1373, 1374, 1375, 1376]
@@ -386,7 +377,7 @@ def test_seek_to_a_late_row_opens_only_the_needed_shard(tmp_path):
 def test_seek_into_a_late_epoch_opens_one_shard_and_one_epoch_order(tmp_path):
     refs = [write_shard(tmp_path, "web", f"web-{k:03d}", [list(range(1000 + 10 * k, 1010 + 10 * k))]) for k in range(40)]
     stream = SourceStream("web", refs, seed=0)
-    b = lm_batcher([stream], [1.0], seq_len=4)
+    b = Batcher([LMRows(stream, 4)], [1.0])
     g = 5 * 100 + 93  # 100 rows per 400-token epoch: epoch 5, offset 372
     batch = b.batch(range(g, g + 1))
     assert len(stream._open) == 1
@@ -416,20 +407,18 @@ def test_token_shard_doc_list_reads_a_parallel_list_column(tmp_path):
 
 
 def test_chat_rows_counts(tmp_path):
-    if not hasattr(loader_mod, "ChatRows"):
-        pytest.skip("no ChatRows in this loader")
     # Three conversations, seq_len 8: lengths 5, 5, 11 -> each needs its own row in any order
     # (5+5 > 8, 5+8 > 8). Loss mask 0 on the first two (prompt) tokens / first three for the long one.
     docs = [list(range(10, 15)), list(range(20, 25)), list(range(30, 41))]
     masks = [[0, 0, 1, 1, 1], [0, 0, 1, 1, 1], [0, 0, 0] + [1] * 8]
     mask_col = list_column([5, 5, 11], [m for mm in masks for m in mm], np.uint8)
     ref = write_shard(tmp_path, "chat", "chat-000", docs, extra={"mask": mask_col})
-    rows = loader_mod.ChatRows(SourceStream("chat", [ref], 0), seq_len=8, seed=0, pad_id=0)
-    batch = loader_mod.Batcher([rows], [1.0]).batch(range(0, 3))
+    rows = ChatRows(SourceStream("chat", [ref], 0), seq_len=8, seed=0, pad_id=0)
+    batch = Batcher([rows], [1.0]).batch(range(0, 3))
     # real: 5 + 5 + 8 (the long one is cut at 8); pad: 3 + 3 + 0; cropped: 11 - 8 = 3
     # loss: a target at position i is token i+1 when mask[i+1], inside the row: 3 + 3 + (mask[1:8] has 5
     # ones); the cut-off token 38 is cropped, so it is not a target either
-    assert (batch.real_tokens, batch.pad_tokens, batch.loss_tokens, batch.cropped_tokens) == (18, 6, 11, 3)
+    assert batch.counts.as_list() == [18, 6, 11, 3]
     assert int((batch.targets != IGNORE_INDEX).sum()) == 11
     by_first = {int(batch.inputs[i, 0]): i for i in range(3)}
     i = by_first[10]
@@ -440,20 +429,18 @@ def test_chat_rows_counts(tmp_path):
     assert batch.inputs[i].tolist() == list(range(30, 38))
     assert batch.targets[i].tolist() == [-1, -1, 33, 34, 35, 36, 37, -1]  # 38 is cut: cropped, not a target
     # pieces are whole conversations: what was read = trained + cropped
-    assert sum(p.tokens for p in batch.pieces) == batch.real_tokens + batch.cropped_tokens == 21
+    assert sum(p.tokens for p in batch.pieces) == batch.counts.real_tokens + batch.counts.cropped_tokens == 21
 
 
 @pytest.mark.parametrize("seed", [0, 4])
 def test_chat_rows_read_every_conversation_once_per_epoch(tmp_path, seed):
-    if not hasattr(loader_mod, "ChatRows"):
-        pytest.skip("no ChatRows in this loader")
     lens = [4, 4, 5, 3]
     docs, nxt = [], 10
     for n in lens:
         docs.append(list(range(nxt, nxt + n)))
         nxt += n
     ref = write_shard(tmp_path, "chat", "chat-000", docs)  # no mask column: loss on every target
-    rows = loader_mod.ChatRows(SourceStream("chat", [ref], seed), seq_len=8, seed=seed, pad_id=0)
+    rows = ChatRows(SourceStream("chat", [ref], seed), seq_len=8, seed=seed, pad_id=0)
     by_epoch: dict[int, list[tuple[int, int]]] = {}
     for j in range(12):
         for p in rows.row(j).pieces:

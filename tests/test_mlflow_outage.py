@@ -14,6 +14,7 @@ import pytest
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
+from ghostvis_core.train.runs import run_result
 from tests.conftest import BIN, cli_env
 
 pytestmark = pytest.mark.e2e
@@ -84,8 +85,9 @@ def test_training_survives_an_mlflow_outage_and_the_metrics_arrive_complete(home
         history = client.get_metric_history(run_id, "tokens/real")
         assert sorted(int(m.step) for m in history) == list(range(1, steps + 1))  # no gap left
         run_key = client.get_run(run_id).data.tags["ghostvis.run_key"]
-        done = json.loads((Home(home_copy).checkpoints("pretrain", run_key) / "RUN_COMPLETE.json").read_text())
-        assert max(m.value for m in history) == done["real_tokens"] == Ledger(Home(home_copy).ledger).run_totals(run_key)["real_tokens"]
+        done = run_result(Home(home_copy).store, "pretrain", run_key)
+        ledger = Ledger(Home(home_copy).store.path("ledger"))
+        assert max(m.value for m in history) == done.counts.real_tokens == ledger.run_counts(run_key).real_tokens
         assert done["mlflow_failed_flushes"] >= 1 and done["mlflow_gap_seconds"] > 0  # the outage is reported
         assert done["mlflow_unsent_metrics"] == 0
         assert client.get_run(run_id).info.status == "FINISHED"

@@ -91,7 +91,7 @@ def test_changing_a_user_token_leaves_the_loss_unchanged(tmp_path, tok):
               {"role": "user", "content": "The cat sat on the mat."}]  # a trailing user turn, no reply
     base = _packed_batch(tmp_path / "a", tok, [first, second])
     reply_tokens = len(tok.encode("It is four.")) + len(tok.encode("Hello there!")) + 2  # + their <|eot|>
-    assert base.loss_tokens == reply_tokens
+    assert base.counts.loss_tokens == reply_tokens
     model = small_gpt(tok.vocab_size)
     loss = _reply_losses(model, base)
 
@@ -103,14 +103,14 @@ def test_changing_a_user_token_leaves_the_loss_unchanged(tmp_path, tok):
     # the trailing user turn of the second conversation: no reply's loss moves (the packing may put
     # the second conversation first, so the other one shifts: equal up to float rounding of RoPE)
     trailing = _packed_batch(tmp_path / "b", tok, [first, changed(second, 2)])
-    assert trailing.real_tokens != base.real_tokens and trailing.loss_tokens == base.loss_tokens
+    assert trailing.counts.real_tokens != base.counts.real_tokens and trailing.counts.loss_tokens == base.counts.loss_tokens
     for new, old in zip(_reply_losses(model, trailing), loss):
         torch.testing.assert_close(new, old, rtol=0, atol=1e-5)
 
     # the first conversation's question: its own reply's loss moves, the packed neighbour's does not
     asked = _packed_batch(tmp_path / "c", tok, [changed(first, 0), second])
     new = _reply_losses(model, asked)
-    assert asked.loss_tokens == base.loss_tokens
+    assert asked.counts.loss_tokens == base.counts.loss_tokens
     torch.testing.assert_close(new[1], loss[1], rtol=0, atol=1e-5)
     assert not torch.allclose(new[0], loss[0], atol=1e-3)
 

@@ -18,6 +18,7 @@ import pytest
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
+from ghostvis_core.train.runs import run_result
 from ghostvis_core.train import checkpoint as ckpt
 from tests.conftest import BIN, cli_env, run_cli
 
@@ -29,7 +30,7 @@ MATERIALIZE = ["dagster", "asset", "materialize", "--select", "pretrain", "-m", 
 
 
 def newest_run_dir(home: Path, known: set[str]) -> Path | None:
-    root = Home(home).store / "checkpoints" / "pretrain"
+    root = Home(home).store.path("checkpoints", "pretrain", "x").parent
     new = [p for p in root.iterdir() if p.name not in known] if root.exists() else []
     return max(new, key=lambda p: p.stat().st_mtime) if new else None
 
@@ -37,7 +38,7 @@ def newest_run_dir(home: Path, known: set[str]) -> Path | None:
 def start_and_kill_after(home: Path, step: int) -> Path:
     """Start the materialization, SIGKILL the whole process group once checkpoint `step` is
     committed (the run is then between checkpoints), and return the run's checkpoint folder."""
-    known = {p.name for p in (Home(home).store / "checkpoints" / "pretrain").iterdir()}
+    known = {p.name for p in (Home(home).store.path("checkpoints", "pretrain", "x").parent).iterdir()}
     proc = subprocess.Popen([str(BIN / MATERIALIZE[0]), *MATERIALIZE[1:]], env=cli_env(home),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             cwd=Path(__file__).resolve().parent.parent)
@@ -79,7 +80,7 @@ def reference(demo_home, tmp_path_factory):
     """An uninterrupted run of the same config, in its own copy of the demo state."""
     home = tmp_path_factory.mktemp("reference") / "home"
     shutil.copytree(demo_home, home, symlinks=True)
-    known = {p.name for p in (Home(home).store / "checkpoints" / "pretrain").iterdir()}
+    known = {p.name for p in (Home(home).store.path("checkpoints", "pretrain", "x").parent).iterdir()}
     run_cli(MATERIALIZE, home)
     return home, newest_run_dir(home, known)
 
@@ -87,38 +88,38 @@ def reference(demo_home, tmp_path_factory):
 def test_sigkill_between_checkpoints_then_rematerialize_resumes_exactly(home_copy, reference):
     ref_home, ref_dir = reference
     run_dir = start_and_kill_after(home_copy, 6)
-    assert not (run_dir / "RUN_COMPLETE.json").exists()
+    assert not (run_dir / "RUN_COMPLETE.json").exists()  # the run_record artifact
     killed_at = ckpt.latest_complete(run_dir).step
     assert 6 <= killed_at < 24
     run_cli(MATERIALIZE, home_copy)  # re-materialize: the unfinished run is found and resumed
 
     assert run_dir.name == ref_dir.name  # same config and data -> same run key
-    done = json.loads((run_dir / "RUN_COMPLETE.json").read_text())
-    ref = json.loads((ref_dir / "RUN_COMPLETE.json").read_text())
-    ledger, ref_ledger = Ledger(Home(home_copy).ledger), Ledger(Home(ref_home).ledger)
+    done = run_result(Home(home_copy).store, "pretrain", run_dir.name)
+    ref = run_result(Home(ref_home).store, "pretrain", ref_dir.name)
+    ledger, ref_ledger = Ledger(Home(home_copy).store.path("ledger")), Ledger(Home(ref_home).store.path("ledger"))
     chain = ledger.chain(run_dir.name)
     segments = sorted({p["segment"] for p in chain})
-    assert segments == [0, 1] and done["segment"] == 1
+    assert segments == [0, 1] and done.segment == 1
     seg0 = [p["part_id"] for p in chain if p["segment"] == 0]
     seg1 = [p["part_id"] for p in chain if p["segment"] == 1]
     a, b = covered(consumed(ledger, seg0)), covered(consumed(ledger, seg1))
     whole = covered(consumed(ref_ledger, [p["part_id"] for p in ref_ledger.chain(ref_dir.name)]))
     assert a and b and not (a & b)  # no token (so no shard row) read twice across the resume
     assert a | b == whole  # and none skipped: the union is exactly the uninterrupted run's
-    for key in ("real_tokens", "pad_tokens", "loss_tokens", "cropped_tokens", "steps"):
-        assert done[key] == ref[key] == ledger.run_totals(run_dir.name).get(key, done[key]), key
+    assert done.counts == ref.counts == ledger.run_counts(run_dir.name)
+    assert done.steps == ref.steps == ledger.run_totals(run_dir.name)["steps"]
     # CPU training is deterministic here (fixed threads, gloo sum of 2 ranks): the resumed run ends
     # bitwise where the uninterrupted one does
-    assert done["train_loss"] == ref["train_loss"] and done["val_loss"] == ref["val_loss"]
+    assert done.train_loss == ref.train_loss and done.val_loss == ref.val_loss
     final = ckpt.latest_complete(run_dir).path / "model.safetensors"
     assert final.read_bytes() == (ckpt.latest_complete(ref_dir).path / "model.safetensors").read_bytes()
     # the MLflow run continued instead of starting a second one
-    first = json.loads((run_dir / ckpt.step_dir_name(24) / "trainer.json").read_text())
-    assert done["mlflow_run_id"] == first["mlflow_run_id"]
+    first = ckpt.read_state(run_dir / ckpt.step_dir_name(24))
+    assert done.mlflow_run_id == first["mlflow_run_id"]
     from mlflow.tracking import MlflowClient
 
-    history = MlflowClient(Home(home_copy).mlflow_tracking_uri).get_metric_history(done["mlflow_run_id"], "tokens/real")
-    assert max(m.value for m in history) == done["real_tokens"]
+    history = MlflowClient(Home(home_copy).mlflow_tracking_uri).get_metric_history(done.mlflow_run_id, "tokens/real")
+    assert max(m.value for m in history) == done.counts.real_tokens
 
 
 def test_resuming_from_an_older_checkpoint_is_flagged_as_reuse(home_copy):
@@ -127,7 +128,7 @@ def test_resuming_from_an_older_checkpoint_is_flagged_as_reuse(home_copy):
     shutil.rmtree(run_dir / ckpt.step_dir_name(12))  # its ledger part stays: steps 7..12 were trained
     proc = run_cli(MATERIALIZE, home_copy, check=False)
     assert proc.returncode != 0  # the blocking no_reuse check fails the run
-    reuse = [r for r in Ledger(Home(home_copy).ledger).reuse(run_dir.name) if r["kind"] == "reuse"]
+    reuse = [r for r in Ledger(Home(home_copy).store.path("ledger")).reuse(run_dir.name) if r["kind"] == "reuse"]
     assert reuse and all(r["run_a"] == r["run_b"] == run_dir.name for r in reuse)
     # the twice-read range is exactly what segment 0 read in steps 7..12 (6 steps x 8 x 256 x 2 ranks)
     assert sum(r["tokens"] for r in reuse) == 6 * 8 * 256 * 2
@@ -148,7 +149,7 @@ def test_a_checkpoint_cut_mid_write_is_ignored_and_the_previous_one_resumed(home
     good = (run_dir / ckpt.step_dir_name(last) / "model.safetensors").read_bytes()
     (partial / "model.safetensors").write_bytes(good[: len(good) // 3])
     run_cli(MATERIALIZE, home_copy)
-    done = json.loads((run_dir / "RUN_COMPLETE.json").read_text())
-    assert done["steps"] == 24 and not partial.exists()
-    first_resumed = min(p["step_first"] for p in Ledger(Home(home_copy).ledger).chain(run_dir.name) if p["segment"] == 1)
+    done = run_result(Home(home_copy).store, "pretrain", run_dir.name)
+    assert done.steps == 24 and not partial.exists()
+    first_resumed = min(p["step_first"] for p in Ledger(Home(home_copy).store.path("ledger")).chain(run_dir.name) if p["segment"] == 1)
     assert first_resumed == last + 1

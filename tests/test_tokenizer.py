@@ -20,6 +20,7 @@ from ghostvis_core.data.tokenizer import (
     train_tokenizer,
 )
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.store import LocalStore
 
 SAMPLES = [
     "",
@@ -97,10 +98,11 @@ def test_training_is_deterministic_and_id_tracks_vocab(corpus):
 
 
 def test_save_and_load(tok, tmp_path, monkeypatch):
-    directory = save_tokenizer(tok, tmp_path)
-    assert directory == tmp_path / tok.tokenizer_id
-    assert sorted(p.name for p in tmp_path.iterdir()) == [tok.tokenizer_id]  # no temp dir left
-    assert save_tokenizer(tok, tmp_path) == directory  # already there: nothing to do
+    store = LocalStore(tmp_path)
+    directory = save_tokenizer(tok, store)
+    assert directory == store.path("tokenizer", tok.tokenizer_id) == tmp_path / "tokenizers" / tok.tokenizer_id
+    assert sorted(p.name for p in directory.parent.iterdir()) == [tok.tokenizer_id]  # no temp dir left
+    assert save_tokenizer(tok, store) == directory  # already there: nothing to do
 
     meta = json.loads((directory / "tokenizer.json").read_text())
     assert meta["tokenizer_id"] == tok.tokenizer_id and meta["vocab_size"] == 4096
@@ -109,26 +111,27 @@ def test_save_and_load(tok, tmp_path, monkeypatch):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # read the file directly, do not cache it
     assert tiktoken.load.load_tiktoken_bpe(str(directory / "ranks.tiktoken")) == tok.enc._mergeable_ranks
 
-    for loaded in (load_tokenizer(tok.tokenizer_id, tmp_path), load_tokenizer(str(directory))):
+    for loaded in (load_tokenizer(tok.tokenizer_id, store), load_tokenizer(str(directory)), load_tokenizer(directory)):
         assert loaded.tokenizer_id == tok.tokenizer_id
         assert loaded.encode_batch(SAMPLES) == tok.encode_batch(SAMPLES)
         assert [loaded.special(n) for n in SPECIAL_TOKENS] == [tok.special(n) for n in SPECIAL_TOKENS]
 
 
 def test_tampered_or_missing_files_fail_loading(tok, tmp_path):
-    directory = save_tokenizer(tok, tmp_path)
+    store = LocalStore(tmp_path)
+    directory = save_tokenizer(tok, store)
     ranks = directory / "ranks.tiktoken"
     lines = ranks.read_bytes().splitlines(keepends=True)
     ranks.write_bytes(b"".join(lines[:300] + [lines[301], lines[300]] + lines[302:]))  # swap two ranks
     with pytest.raises(GhostvisError, match="ranks.tiktoken.*re-materialize the `tokenizer` asset"):
-        load_tokenizer(tok.tokenizer_id, tmp_path)
+        load_tokenizer(tok.tokenizer_id, store)
 
     ranks.unlink()
     with pytest.raises(GhostvisError, match="ranks.tiktoken.*re-materialize the `tokenizer` asset"):
-        load_tokenizer(tok.tokenizer_id, tmp_path)
+        load_tokenizer(tok.tokenizer_id, store)
 
     with pytest.raises(GhostvisError, match="not found"):
-        load_tokenizer("bpe4096-000000000000", tmp_path)
+        load_tokenizer("bpe4096-000000000000", store)
 
 
 def test_standard_encoding_without_cache_fails_fast(tmp_path, monkeypatch):

@@ -22,16 +22,16 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
-from ghostvis_core import presets
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
+from ghostvis_core.stages import stage_names
 from tests.conftest import BIN, cli_env
 
 pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts" / "ui"
-STAGES = presets.demo_stages()
+STAGES = stage_names()
 # The asset graph as the issue lists it (the UI must show at least these; exactly the code location's).
 ASSETS = ["shard_manifest", "raw_shards", "tokenizer", "tokenized_shards", "token_ledger", "pretrain",
           "continued_pretrain", "context_expansion", "reasoning_mix", "vision_alignment", "sft", "dpo",
@@ -182,7 +182,7 @@ def materializations(instance, asset: str) -> list[dict]:
 
 
 def ledger_totals(demo_home, run_key: str) -> dict:
-    return Ledger(Home(demo_home).ledger).run_totals(run_key)
+    return Ledger(Home(demo_home).store.path("ledger")).run_totals(run_key)
 
 
 def eventually(read, ok, timeout_s: float = UI_TIMEOUT_MS / 1000):

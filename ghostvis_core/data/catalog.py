@@ -1,5 +1,5 @@
 """Which sources exist: the embedded demo sources, published locally as if remote, and the
-manifests the pipeline registered (one JSON per source under <store>/manifests/)."""
+manifests the pipeline registered (one per source in the store, artifact kind "manifest")."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from ghostvis_core.data.sources import Manifest, ShardEntry, list_remote, manifest_for_files, manifest_from_pattern
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
+from ghostvis_core.store import LocalStore
 
 # source -> kind, in the order the demo registers them
 DEMO_SOURCES: dict[str, str] = {**{s: "text" for s in TEXT_SOURCES}, **TASK_SOURCES}
@@ -66,20 +67,28 @@ def remote_manifest(src: RemoteSource) -> Manifest:
     return m
 
 
-def manifest_path(home: Home, source: str):
-    return home.store / "manifests" / f"{source}.json"
+def manifest_path(store: LocalStore, source: str) -> Path:
+    return store.path("manifest", source)
 
 
-def registered_manifests(home: Home) -> dict[str, Manifest]:
-    folder = home.store / "manifests"
-    if not folder.exists():
-        return {}
-    return {p.stem: Manifest.load(p) for p in sorted(folder.glob("*.json"))}
+def save_manifest(store: LocalStore, manifest: Manifest) -> Path:
+    """Register a source's manifest in the store (atomically)."""
+    return store.write_text("manifest", manifest.source, text=manifest.to_json())
 
 
-def manifest_of_shard(home: Home, shard_id: str) -> Manifest:
+def load_manifest(store: LocalStore, source: str) -> Manifest:
+    if not store.exists("manifest", source):
+        raise GhostvisError(f"source {source} has no manifest; materialize shard_manifest first")
+    return Manifest.from_dict(store.read_json("manifest", source))
+
+
+def registered_manifests(store: LocalStore) -> dict[str, Manifest]:
+    """Every registered source's manifest, by source name (sorted)."""
+    return {source: load_manifest(store, source) for (source,) in sorted(store.keys("manifest"))}
+
+
+def manifest_of_shard(store: LocalStore, shard_id: str) -> Manifest:
     source = shard_id.split("/", 1)[0]
-    path = manifest_path(home, source)
-    if not path.exists():
+    if not store.exists("manifest", source):
         raise GhostvisError(f"shard {shard_id}: source {source} has no manifest; materialize shard_manifest first")
-    return Manifest.load(path)
+    return load_manifest(store, source)

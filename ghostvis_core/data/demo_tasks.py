@@ -39,6 +39,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
 
+from ghostvis_core.data.facts import capitals
 from ghostvis_core.errors import GhostvisError
 
 TASK_SOURCES: dict[str, str] = {
@@ -465,17 +466,6 @@ def _reasoning_rows(rng, n_train, n_val):
 # --- short factual Q&A (demo_chat and demo_prefs) ---------------------------------------------
 # Each family returns (user prompt, correct concise reply, a plausible wrong reply).
 
-CAPITALS = (
-    ("France", "Paris"), ("Germany", "Berlin"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Portugal", "Lisbon"),
-    ("Japan", "Tokyo"), ("China", "Beijing"), ("India", "New Delhi"), ("Egypt", "Cairo"), ("Kenya", "Nairobi"),
-    ("Canada", "Ottawa"), ("Mexico", "Mexico City"), ("Argentina", "Buenos Aires"), ("Peru", "Lima"),
-    ("Chile", "Santiago"), ("Russia", "Moscow"), ("Poland", "Warsaw"), ("Greece", "Athens"),
-    ("Sweden", "Stockholm"), ("Norway", "Oslo"), ("Finland", "Helsinki"), ("Ireland", "Dublin"),
-    ("Austria", "Vienna"), ("Hungary", "Budapest"), ("Thailand", "Bangkok"), ("Vietnam", "Hanoi"),
-    ("Australia", "Canberra"), ("Cuba", "Havana"), ("Denmark", "Copenhagen"), ("Belgium", "Brussels"),
-    ("Switzerland", "Bern"), ("Nigeria", "Abuja"), ("Morocco", "Rabat"), ("South Korea", "Seoul"),
-    ("Indonesia", "Jakarta"), ("Iran", "Tehran"),
-)
 _WORDS = (
     "cat", "dog", "sun", "tree", "book", "fish", "bird", "milk", "rain", "star", "moon", "ship", "door", "lamp",
     "cake", "frog", "hand", "leaf", "ring", "bell", "desk", "road", "king", "note", "rose", "sand", "wolf",
@@ -532,10 +522,10 @@ def _qa_arith(rng):
 
 
 def _qa_capital(rng):
-    country, city = _pick(rng, CAPITALS)
+    country, city = _pick(rng, capitals())
     prompt = _pick(rng, (f"What is the capital of {country}?", f"Which city is the capital of {country}?",
                          f"Name the capital of {country}.", f"What's the capital city of {country}?"))
-    wrong = _other(rng, CAPITALS, (country, city))[1]
+    wrong = _other(rng, capitals(), (country, city))[1]
     return prompt, f"The capital of {country} is {city}.", f"The capital of {country} is {wrong}."
 
 

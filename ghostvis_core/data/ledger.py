@@ -1,6 +1,6 @@
 """The token ledger: append-only Parquet files, queried through DuckDB.
 
-Three tables under <store>/ledger/:
+Tables in the artifact store's "ledger" artifact (`Ledger.in_store(store)`):
 - shards/       one file per tokenized shard: what each shard holds (docs, tokens, bytes, drops).
 - parts/        one file per checkpointed part of a training run segment: real/pad/loss/cropped
                 tokens and the four tokens_per_step factors; `prev_part_id` chains the parts that
@@ -26,7 +26,9 @@ import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.stream import Piece
+from ghostvis_core.store import LocalStore
 
 SHARD_SCHEMA = pa.schema(
     [
@@ -123,7 +125,12 @@ def _key(*parts: Any) -> str:
 
 @dataclass
 class Ledger:
-    root: Path
+    root: Path  # the folder of the ledger's Parquet tables (DuckDB reads files)
+
+    @classmethod
+    def in_store(cls, store: LocalStore) -> "Ledger":
+        """The ledger of an artifact store (artifact kind "ledger")."""
+        return cls(store.path("ledger"))
 
     # ---- writing ----
     def shard_record_path(self, shard_id: str, tokenizer_id: str, content_sha256: str) -> Path:
@@ -225,14 +232,30 @@ class Ledger:
             cur = by_id.get(cur["prev_part_id"] or "")
         return out[::-1]
 
+    def run_counts(self, run_key: str) -> TokenCounts:
+        """The four token figures along the run's chain (segments summed)."""
+        return TokenCounts.total(TokenCounts.from_mapping(p) for p in self.chain(run_key))
+
     def run_totals(self, run_key: str) -> dict[str, Any]:
-        """real/pad/loss/cropped tokens and steps along the run's chain (segments summed)."""
+        """The four token figures (TokenCounts names), overlap_tokens, steps, segments and parts along
+        the run's chain (segments summed)."""
         chain = self.chain(run_key)
-        totals = {k: sum(p[k] for p in chain) for k in ("real_tokens", "pad_tokens", "loss_tokens", "cropped_tokens", "overlap_tokens")}
+        totals: dict[str, Any] = TokenCounts.total(TokenCounts.from_mapping(p) for p in chain).as_dict()
+        totals["overlap_tokens"] = sum(p["overlap_tokens"] for p in chain)
         totals["steps"] = chain[-1]["step_last"] if chain else 0
         totals["segments"] = sorted({p["segment"] for p in chain})
         totals["parts"] = len(chain)
         return totals
+
+    def segments(self, run_key: str) -> list[dict[str, Any]]:
+        """Per segment (launch) of the run: its step range, world size and real tokens."""
+        segs: dict[int, dict[str, Any]] = {}
+        for part in self.chain(run_key):
+            seg = segs.setdefault(part["segment"], {"segment": part["segment"], "first_step": part["step_first"],
+                                                    "world_size": part["world_size"], "real_tokens": 0})
+            seg["last_step"] = part["step_last"]
+            seg["real_tokens"] += part["real_tokens"]
+        return list(segs.values())
 
     def lineage(self, run_key: str) -> list[str]:
         """The run and its upstream runs (parent_run_key links), nearest first."""
@@ -303,6 +326,42 @@ class Ledger:
     def leakage(self, run_key: str) -> list[dict[str, Any]]:
         """Validation shards consumed in training along the run's chain."""
         return [r for r in self.consumed_by_shard(run_key) if r["split"] != "train"]
+
+
+def source_split_totals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (source, split) of ledger shard records, sorted: shards, docs, tokens and text_bytes."""
+    by: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in rows:
+        agg = by.setdefault((r["source"], r["split"]), {"source": r["source"], "split": r["split"], "shards": 0,
+                                                        "docs": 0, "tokens": 0, "text_bytes": 0})
+        agg["shards"] += 1
+        for k in ("docs", "tokens", "text_bytes"):
+            agg[k] += r[k]
+    return [by[k] for k in sorted(by)]
+
+
+def run_summaries(ledger: Ledger) -> list[dict[str, Any]]:
+    """Per training run in the ledger (in order of its first part): stage, run_key, parent_run_key,
+    planned_tokens, tokens_per_step and its `run_totals` (the four TokenCounts figures, steps, ...)."""
+    runs, seen = [], set()
+    for part in ledger.parts():
+        if part["run_key"] in seen:
+            continue
+        seen.add(part["run_key"])
+        runs.append({"stage": part["stage"], "run_key": part["run_key"], "parent_run_key": part["parent_run_key"] or None,
+                     "planned_tokens": part["planned_tokens"], "tokens_per_step": part["tokens_per_step"],
+                     **ledger.run_totals(part["run_key"])})
+    return runs
+
+
+def held_out_text_shards(ledger: Ledger, tokenizer_id: str, sources: list[str]) -> dict[str, list[dict[str, str]]]:
+    """Of `sources`, in their order, those with plain-text validation shards tokenized with
+    `tokenizer_id`: source -> [{"shard_id", "path"}] (by shard_id)."""
+    found: dict[str, list[dict[str, str]]] = {}
+    for r in ledger.shards(tokenizer_id=tokenizer_id, sources=list(sources)):
+        if r["split"] == "validation" and r["kind"] == "text":
+            found.setdefault(r["source"], []).append({"shard_id": r["shard_id"], "path": r["token_path"]})
+    return {s: found[s] for s in sources if s in found}
 
 
 def duplicate_shards(ledger: Ledger, tokenizer_id: str) -> list[dict[str, Any]]:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ghostvis_core.budget import BatchPlan
+from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.stream import MixtureSchedule, Piece, SourceStream
 from ghostvis_core.model.gpt import IGNORE_INDEX
 
@@ -53,10 +54,7 @@ class Batch:
     inputs: torch.Tensor
     targets: torch.Tensor
     pieces: list[Piece]
-    real_tokens: int
-    pad_tokens: int
-    loss_tokens: int
-    cropped_tokens: int = 0
+    counts: TokenCounts
     doc_ids: torch.Tensor | None = None
     images: list[bytes] = field(default_factory=list)
     # What the loss is averaged over in a step: loss tokens, or preference pairs for DPO.
@@ -64,7 +62,7 @@ class Batch:
 
     @property
     def units(self) -> int:
-        return self.loss_tokens if self.loss_units is None else self.loss_units
+        return self.counts.loss_tokens if self.loss_units is None else self.loss_units
 
 
 def micro_batch_rows(first_row: int, micro: int, rank: int, plan: BatchPlan) -> range:
@@ -318,10 +316,8 @@ class Batcher:
             inputs=torch.from_numpy(np.stack([r.inputs for r in got])),
             targets=torch.from_numpy(np.stack([r.targets for r in got])),
             pieces=[p for r in got for p in r.pieces],
-            real_tokens=sum(r.real for r in got),
-            pad_tokens=sum(r.pad for r in got),
-            loss_tokens=sum(r.loss for r in got),
-            cropped_tokens=sum(r.cropped for r in got),
+            counts=TokenCounts(sum(r.real for r in got), sum(r.pad for r in got), sum(r.loss for r in got),
+                               sum(r.cropped for r in got)),
             doc_ids=doc_ids,
             images=[im for r in got for im in r.images],
         )
@@ -332,23 +328,14 @@ class Batcher:
 
 @dataclass
 class Consumption:
-    """What one rank's loader delivered since the last flush: token counters and shard pieces."""
+    """What one rank's loader delivered since the last flush: token counts and shard pieces."""
 
-    real_tokens: int = 0
-    pad_tokens: int = 0
-    loss_tokens: int = 0
-    cropped_tokens: int = 0
+    counts: TokenCounts = field(default_factory=TokenCounts)
     pieces: list[Piece] = field(default_factory=list)
 
     def add(self, batch: Batch) -> None:
-        self.real_tokens += batch.real_tokens
-        self.pad_tokens += batch.pad_tokens
-        self.loss_tokens += batch.loss_tokens
-        self.cropped_tokens += batch.cropped_tokens
+        self.counts = self.counts + batch.counts
         self.pieces.extend(batch.pieces)
-
-    def counters(self) -> list[int]:
-        return [self.real_tokens, self.pad_tokens, self.loss_tokens, self.cropped_tokens]
 
 
 def merge_pieces(pieces: list[Piece]) -> tuple[list[Piece], int]:

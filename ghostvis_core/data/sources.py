@@ -65,10 +65,18 @@ class Manifest:
                 return e
         raise GhostvisError(f"shard {shard_id} is not in the manifest of source {self.source}; re-materialize shard_manifest")
 
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Manifest":
+        return cls(data["source"], data.get("kind", "text"), [ShardEntry(**e) for e in data["shards"]],
+                   data.get("validation_sha256", []))
+
     def save(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.write_text(self.to_json())
         os.replace(tmp, path)
         return path
 
@@ -76,9 +84,7 @@ class Manifest:
     def load(cls, path: Path) -> "Manifest":
         if not path.exists():
             raise GhostvisError(f"manifest {path} is missing; materialize the shard_manifest asset first")
-        data = json.loads(path.read_text())
-        return cls(data["source"], data.get("kind", "text"), [ShardEntry(**e) for e in data["shards"]],
-                   data.get("validation_sha256", []))
+        return cls.from_dict(json.loads(path.read_text()))
 
 
 def sha256_file(path: Path) -> str:

@@ -26,9 +26,11 @@ from datatrove.pipeline.readers import ParquetReader
 
 from ghostvis_core.data.chat import IMAGE, render_chat, render_prompt, render_reply
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.sources import Manifest, sha256_file
 from ghostvis_core.data.token_shard import TokenShard, list_column, token_dtype, write_token_shard
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.store import LocalStore, open_store
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,16 @@ class TokenizeJob:
     content_sha256: str  # of the raw file, hashed once by the caller (it also decides the split)
     token_path: str
     kind: str = "text"
+
+
+def job_for_shard(store: LocalStore, manifest: Manifest, shard_id: str, tokenizer_id: str) -> TokenizeJob:
+    """The job for one downloaded raw shard: its content hash decides its split (pinned validation)."""
+    raw = store.path("raw_shard", shard_id)
+    if not raw.exists():
+        raise GhostvisError(f"raw shard {shard_id} is not downloaded; materialize raw_shards partition {shard_id} first")
+    content_sha256 = sha256_file(raw)
+    return TokenizeJob(shard_id, manifest.source, manifest.split_of(manifest.entry(shard_id), content_sha256),
+                       str(raw), content_sha256, str(store.path("token_shard", tokenizer_id, shard_id)), manifest.kind)
 
 
 # Raw columns each kind of source needs; the first is the text a document filter looks at.
@@ -131,11 +143,11 @@ class TokenShardWriter(PipelineStep):
     name = "🔢 GhostVis tokenize"
     type = "🔢 - TOKENIZER"
 
-    def __init__(self, jobs: list[TokenizeJob], tokenizer_dir: str, ledger_dir: str, errors_dir: str):
+    def __init__(self, jobs: list[TokenizeJob], store_uri: str, tokenizer_id: str, errors_dir: str):
         super().__init__()
         self.jobs = jobs
-        self.tokenizer_dir = tokenizer_dir
-        self.ledger_dir = ledger_dir
+        self.store_uri = store_uri  # workers are other processes: they open the store from its URI or path
+        self.tokenizer_id = tokenizer_id
         self.errors_dir = errors_dir
 
     def run(self, data, rank: int = 0, world_size: int = 1):
@@ -151,7 +163,8 @@ class TokenShardWriter(PipelineStep):
         yield  # a datatrove step is a generator; this one consumes and writes, yielding nothing
 
     def tokenize(self, job: TokenizeJob, data) -> None:
-        tok = load_tokenizer(self.tokenizer_dir)
+        store = open_store(self.store_uri)
+        tok = load_tokenizer(self.tokenizer_id, store)
         dtype = token_dtype(tok.vocab_size)
         rows: list[int] = []
         lists: dict[str, tuple[list[int], list]] = {}  # column -> (lengths, chunks of values)
@@ -195,7 +208,7 @@ class TokenShardWriter(PipelineStep):
         n_tokens = sum(lists.get("tokens", ([], []))[0])
         write_token_shard(Path(job.token_path), columns)
         self.stat_update("tokens", value=n_tokens, unit="shard")
-        ledger = Ledger(Path(self.ledger_dir))
+        ledger = Ledger.in_store(store)
         ledger.write_doc_hashes(job.shard_id, job.source, job.split, job.content_sha256, rows, doc_hashes)
         ledger.write_shard({
             "shard_id": job.shard_id, "source": job.source, "split": job.split, "kind": job.kind,
@@ -285,26 +298,27 @@ class TokenizeReport:
 def tokenize_shards(
     jobs: list[TokenizeJob],
     *,
-    tokenizer_dir: Path,
-    ledger_dir: Path,
+    store: LocalStore,
+    tokenizer_id: str,
     logging_dir: Path,
     workers: int = 2,
     filters: dict[str, list[str]] | None = None,
 ) -> list[TokenizeReport]:
     """Tokenize the jobs that are not already done; return one report per job (from the ledger).
-    `filters` maps a source to its document filters (see build_filter)."""
+    The tokenizer is read from, and the ledger rows written to, `store`; each job names its token
+    shard's file. `filters` maps a source to its document filters (see build_filter)."""
     for specs in (filters or {}).values():
         for spec in specs:
             build_filter(spec)  # fail on a bad spec before any work
-    tok = load_tokenizer(str(tokenizer_dir))
-    ledger = Ledger(ledger_dir)
+    tok = load_tokenizer(tokenizer_id, store)
+    ledger = Ledger.in_store(store)
     todo = [j for j in jobs if not is_done(j, ledger, tok.tokenizer_id)]
     t0 = time.time()
     errors_dir = logging_dir / "errors" / uuid.uuid4().hex[:8]
     if todo:
         executor = LocalPipelineExecutor(
             pipeline=[RawShardReader(todo), CountedFilters(filters or {}, todo),
-                      TokenShardWriter(todo, str(tokenizer_dir), str(ledger_dir), str(errors_dir))],
+                      TokenShardWriter(todo, str(store.root), tok.tokenizer_id, str(errors_dir))],
             tasks=len(todo),
             workers=max(1, min(workers, len(todo))),
             logging_dir=str(logging_dir),

@@ -1,9 +1,9 @@
 """Byte-level BPE tokenizer: trained with HF `tokenizers`, served as a `tiktoken.Encoding`.
 
 HF `tokenizers` trains fast; tiktoken encodes fast and is what the rest of the pipeline uses. A
-trained tokenizer is stored as `ranks.tiktoken` (tiktoken's own format) plus `tokenizer.json`, in a
-directory named by its `tokenizer_id`, a hash of its content: two tokenizers with the same id
-encode identically, so the id can name the tokenized shards built with it.
+trained tokenizer is stored as `ranks.tiktoken` (tiktoken's own format) plus `tokenizer.json`, in the
+artifact store under kind "tokenizer" and its `tokenizer_id`, a hash of its content: two tokenizers
+with the same id encode identically, so the id can name the tokenized shards built with it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import tiktoken
 from tokenizers import Regex, Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
 
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.store import LocalStore
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eot|>", "<|system|>", "<|user|>", "<|assistant|>", "<|image|>", "<|pad|>")
 # GPT-4 style, but numbers are split into 1-2 digit groups (as nanochat does) to save vocab on a
@@ -116,11 +117,12 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return _make_tokenizer(_merges_to_ranks(merges), SPLIT_PATTERN)
 
 
-def save_tokenizer(tok: Tokenizer, root: Path) -> Path:
-    """Write root/<tokenizer_id>/ atomically; an existing directory with that id is already it."""
+def save_tokenizer(tok: Tokenizer, store: LocalStore) -> Path:
+    """Write artifact (tokenizer, tokenizer_id) atomically; an existing one with that id is already it."""
     if tok.tokenizer_id in _STANDARD_FILES:
         raise GhostvisError(f"{tok.tokenizer_id} is a standard tiktoken encoding: load it by name, do not save it")
-    target = root / tok.tokenizer_id
+    target = store.path("tokenizer", tok.tokenizer_id)
+    root = target.parent
     if target.is_dir():
         return target
     # tiktoken keeps what we need only in these attributes; they have been stable since 0.1.
@@ -146,13 +148,15 @@ def save_tokenizer(tok: Tokenizer, root: Path) -> Path:
     return target
 
 
-def load_tokenizer(ref: str, root: Path | None = None) -> Tokenizer:
-    """Load by tokenizer_id under root, by directory path, or by standard tiktoken encoding name."""
+def load_tokenizer(ref: str | Path, store: LocalStore | None = None) -> Tokenizer:
+    """Load by tokenizer_id from the store, by directory path, or by standard tiktoken encoding name."""
+    ref = str(ref)
     if ref in _STANDARD_FILES:
         return _load_standard(ref)
-    directory = root / ref if root is not None and (root / ref).is_dir() else Path(ref)
+    in_store = store is not None and bool(ref) and "/" not in ref and not ref.startswith(".")
+    directory = store.path("tokenizer", ref) if in_store and store.path("tokenizer", ref).is_dir() else Path(ref)
     if not directory.is_dir():
-        where = f" under {root}" if root is not None else ""
+        where = f" in the store ({store.path('tokenizer', ref)})" if in_store else ""
         raise GhostvisError(
             f"tokenizer {ref!r} not found{where}: give a tokenizer_id of a materialized `tokenizer` asset, "
             f"a tokenizer directory, or one of {', '.join(_STANDARD_FILES)}"

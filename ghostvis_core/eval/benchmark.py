@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ghostvis_core.data.demo_tasks import CAPITALS
+from ghostvis_core.data.facts import capitals
 from ghostvis_core.data.token_shard import TokenShard
 from ghostvis_core.eval.checkpoints import TrainedStage
 
@@ -88,8 +88,9 @@ def build_items(ts: TrainedStage, val_shards: dict[str, list[dict]], per_task: i
         rng.shuffle(opts)
         items.append(Choice("arithmetic", [tok.bos, *tok.encode(f"Step 1: {a} + {b} =")],
                             [tok.encode(f" {v}.") for v in opts], opts.index(right)))
-    for country, city in rng.sample(list(CAPITALS), min(per_task, len(CAPITALS))):
-        others = rng.sample([c for _, c in CAPITALS if c != city], 3)
+    caps = capitals()
+    for country, city in rng.sample(list(caps), min(per_task, len(caps))):
+        others = rng.sample([c for _, c in caps if c != city], 3)
         opts = [city, *others]
         rng.shuffle(opts)
         items.append(Choice("capitals", [tok.bos, *tok.encode(f"The capital of {country} is")],

@@ -6,15 +6,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from ghostvis_core.config import StageConfig
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.model.gpt import GPT
+from ghostvis_core.store import LocalStore
 from ghostvis_core.train import checkpoint as ckpt
-from ghostvis_core.train.launch import completed_runs
+from ghostvis_core.train.result import RunResult
+from ghostvis_core.train.runs import completed_runs
 from ghostvis_core.train.spec import LaunchSpec
 
 
@@ -27,24 +27,41 @@ class TrainedStage:
     model: GPT
     tok: Tokenizer
     spec: LaunchSpec
-    result: dict
+    result: RunResult
+
+
+def checkpoint_dir(store: LocalStore, result: RunResult) -> Path:
+    """The run's final checkpoint folder, found in the store by (stage, run_key) and its step folder's
+    name, so a moved or copied home still finds it."""
+    return store.path("checkpoints", result.stage, result.run_key) / Path(result.checkpoint_uri).name
+
+
+def stage_config(store: LocalStore, result: RunResult) -> StageConfig:
+    """The resolved config the trainer saved with the run's final checkpoint."""
+    path = checkpoint_dir(store, result) / "config.json"
+    if not path.is_file():
+        raise GhostvisError(f"stage {result.stage} run {result.run_key}: checkpoint config {path} is missing; "
+                            f"re-materialize the `{result.stage}` asset")
+    return StageConfig.from_dict(json.loads(path.read_text()))
 
 
 def load_stage(home: Home, stage: str, run_key: str | None = None) -> TrainedStage:
     """The newest completed run of `stage` (or the named run), ready for inference on the CPU."""
-    runs = completed_runs(home, stage)
+    store = home.store
+    runs = completed_runs(store, stage)
     if run_key:
-        runs = [r for r in runs if r["run_key"] == run_key]
+        runs = [r for r in runs if r.run_key == run_key]
     if not runs:
         raise GhostvisError(f"stage {stage} has no completed run{' ' + run_key if run_key else ''}; "
                             f"materialize the `{stage}` asset first (or run `ghostvis demo`)")
     result = runs[-1]
-    path = Path(result["checkpoint_uri"])
-    cfg = StageConfig.from_dict(json.loads((path / "config.json").read_text()))
-    spec = LaunchSpec.load(home.run_dir(stage, result["run_key"]) / "spec.json")
+    path = checkpoint_dir(store, result)
+    cfg = stage_config(store, result)
+    spec = LaunchSpec.from_dict(store.read_json("run_spec", stage, result.run_key))
     model = GPT(cfg.model)
     if cfg.vision is not None:
         model.attach_vision(cfg.vision)
     ckpt.load_model(path, model)
     model.eval()
-    return TrainedStage(stage, result["run_key"], path, cfg, model, load_tokenizer(spec.tokenizer_dir), spec, result)
+    tok = load_tokenizer(spec.tokenizer_id, store)
+    return TrainedStage(stage, result.run_key, path, cfg, model, tok, spec, result)

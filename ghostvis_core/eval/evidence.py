@@ -28,8 +28,8 @@ def beyond_context_loss(obj, model, ctx, autocast, metrics) -> dict[str, float]:
     stage's RoPE settings and with the upstream's (the model as it was before the stage)."""
     out = _context_losses(obj, model, ctx, autocast, "")
     saved = (model.cfg.rope_base, model.cfg.rope_scaling)
-    up = obj.spec.extra["upstream_rope"]
-    model.cfg.rope_base, model.cfg.rope_scaling, model._rope_len = up["rope_base"], up["rope_scaling"], 0
+    up = obj.spec.inputs
+    model.cfg.rope_base, model.cfg.rope_scaling, model._rope_len = up.upstream_rope_base, up.upstream_rope_scaling, 0
     try:
         out.update(_context_losses(obj, model, ctx, autocast, "_upstream_rope"))
     finally:
@@ -38,7 +38,7 @@ def beyond_context_loss(obj, model, ctx, autocast, metrics) -> dict[str, float]:
 
 
 def _context_losses(obj, model, ctx, autocast, suffix: str) -> dict[str, float]:
-    old = int(obj.spec.extra["old_seq_len"])
+    old = int(obj.spec.inputs.old_seq_len)
     sums = [0.0, 0.0, 0.0, 0.0]  # beyond loss, beyond count, within loss, within count
     for src in sorted(obj.val_streams):
         rs, rows = obj.val_rows(src)
@@ -72,7 +72,7 @@ def reasoning(obj, model, ctx, autocast, metrics) -> dict[str, float]:
     """Answer-token loss given the question and worked solution, and answer accuracy when the
     model writes its own solution from the question alone (greedy)."""
     tok = obj.tok
-    source = obj.spec.extra["reasoning_source"]
+    source = obj.spec.inputs.reasoning_source
     docs = _val_docs(obj, source, 4 * obj.cfg.eval.samples)
     sums = [0.0, 0.0, 0.0, 0.0]  # answer loss, answer tokens, correct, sampled
     for k in range(ctx.rank, len(docs), ctx.world_size):
@@ -117,7 +117,7 @@ def caption_image_gap(obj, model, ctx, autocast, metrics) -> dict[str, float]:
                 wrong = model(batch.inputs.to(ctx.device), batch.targets.to(ctx.device), reduction="sum", **inputs)
             sums[0] += float(true)
             sums[1] += float(wrong)
-            sums[2] += batch.loss_tokens
+            sums[2] += batch.counts.loss_tokens
     s = all_reduce_sum(sums, ctx)
     t, w = s[0] / max(1, s[2]), s[1] / max(1, s[2])
     return {"evidence/caption_loss_true_image": t, "evidence/caption_loss_shuffled_image": w,

@@ -1,5 +1,5 @@
 """The report card of a lineage: one HTML page (and its Markdown twin) with each stage's planned vs
-consumed tokens, shards used, reuse and leakage status, loss curves, evidence, evaluation, wall
+consumed tokens, shards used, reuse and leakage status, loss curves, evidence, mixture vs recipe, evaluation, wall
 time and throughput, and what the same plan would cost on GPUs. Token figures come from the ledger.
 """
 
@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import html
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ghostvis_core.budget import plan
 from ghostvis_core.config import StageConfig
+from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.store import LocalStore
+from ghostvis_core.train.result import RunResult
 
-TOKEN_FIELDS = ("planned_tokens", "real_tokens", "pad_tokens", "loss_tokens", "cropped_tokens")
+TOKEN_FIELDS = ("planned_tokens", *TokenCounts.names())
 
 
 @dataclass
@@ -37,12 +40,13 @@ class StageReport:
     costs: list[dict[str, Any]]
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     evaluation: dict[str, Any] = field(default_factory=dict)
+    mixture: dict[str, dict[str, Any]] = field(default_factory=dict)  # source -> fraction, weight, tokens
 
 
-def stage_report(ledger: Ledger, result: dict[str, Any], config: dict[str, Any], curves: dict[str, list],
+def stage_report(ledger: Ledger, result: RunResult, config: StageConfig, curves: dict[str, list],
                  evaluation: dict[str, Any], gpu_prices: dict[str, float]) -> StageReport:
-    """One stage's row of the report, from its RUN_COMPLETE record, config and the ledger."""
-    key = result["run_key"]
+    """One stage's row of the report, from its run record, config and the ledger."""
+    key = result.run_key
     totals = ledger.run_totals(key)
     shards = ledger.consumed_by_shard(key)
     reuse = ledger.reuse(key)
@@ -52,24 +56,20 @@ def stage_report(ledger: Ledger, result: dict[str, Any], config: dict[str, Any],
                   else "none" + (f" ({declared:,} tokens of declared replay/repeat)" if declared else ""))
     leaked = ledger.leakage(key)
     leak_text = f"FLAGGED: {', '.join(r['shard_id'] for r in leaked)}" if leaked else "none"
-    evidence = []
-    for k, v in sorted(result.items()):
-        if k.endswith("_after") and not k.startswith("frozen"):
-            name = k[: -len("_after")]
-            evidence.append((name, result.get(f"{name}_before"), v))
-    if "frozen_params_unchanged" in result:
-        evidence.append(("frozen_params_unchanged", None, bool(result["frozen_params_unchanged"])))
-    cfg = StageConfig.from_dict(config)
+    evidence: list[tuple[str, Any, Any]] = [(name, e.before, e.after) for name, e in sorted(result.evidence.items())]
+    if result.frozen is not None:
+        evidence.append(("frozen_params_unchanged", None, result.frozen.unchanged))
     costs = []
     for gpu, price in gpu_prices.items():
-        p = plan(cfg, gpu=gpu, price_per_gpu_hour=price)
+        p = plan(config, gpu=gpu, price_per_gpu_hour=price)
         costs.append({"gpu": gpu, "gpus": p.world_size, "gpu_hours": p.gpu_hours, "cost": p.cost, "price": price})
     return StageReport(
-        stage=result["stage"], run_key=key, mlflow_run_id=result.get("mlflow_run_id", ""), totals=totals,
-        planned_tokens=int(result["planned_tokens"]), shards_used=len(shards), shard_rows=shards,
-        reuse=reuse_text, leakage=leak_text, wall_time_s=float(result.get("wall_time_s", 0.0)),
-        tokens_per_sec=float(result.get("tokens_per_sec", 0.0)), val_loss_start=result.get("val_loss_start"),
-        val_loss=result.get("val_loss"), evidence=evidence, costs=costs, curves=curves, evaluation=evaluation,
+        stage=result.stage, run_key=key, mlflow_run_id=result.mlflow_run_id, totals=totals,
+        planned_tokens=int(result.planned_tokens), shards_used=len(shards), shard_rows=shards,
+        reuse=reuse_text, leakage=leak_text, wall_time_s=float(result.wall_time_s),
+        tokens_per_sec=float(result.tokens_per_sec), val_loss_start=result.val_loss_start,
+        val_loss=result.val_loss, evidence=evidence, costs=costs, curves=curves, evaluation=evaluation,
+        mixture={s: asdict(m) for s, m in result.mixture.items()},
     )
 
 
@@ -116,18 +116,20 @@ def tables(stages: list[StageReport]) -> dict[str, tuple[list[str], list[list[An
     """The report's tables, shared by the HTML and Markdown renderings."""
     tok = (["stage", "run", "steps", "planned", "real", "pad", "loss", "cropped", "shards", "reuse", "leakage",
             "wall s", "tokens/s", "val loss start", "val loss end"],
-           [[s.stage, s.run_key, s.totals["steps"], s.planned_tokens, s.totals["real_tokens"], s.totals["pad_tokens"],
-             s.totals["loss_tokens"], s.totals["cropped_tokens"], s.shards_used, s.reuse, s.leakage, s.wall_time_s,
-             s.tokens_per_sec, s.val_loss_start, s.val_loss] for s in stages])
+           [[s.stage, s.run_key, s.totals["steps"], s.planned_tokens, *(s.totals[k] for k in TokenCounts.names()),
+             s.shards_used, s.reuse, s.leakage, s.wall_time_s, s.tokens_per_sec, s.val_loss_start, s.val_loss]
+            for s in stages])
     evid = (["stage", "evidence", "before", "after"],
             [[s.stage, name, before, after] for s in stages for name, before, after in s.evidence])
+    mix = (["stage", "source", "recipe weight", "fraction consumed", "tokens"],
+           [[s.stage, src, m["weight"], m["fraction"], m["tokens"]] for s in stages for src, m in s.mixture.items()])
     ev = (["stage", "bits/byte (per source)", "multiple choice (accuracy)"],
           [[s.stage, ", ".join(f"{k} {v:.3f}" for k, v in s.evaluation.get("bpb", {}).items()),
             ", ".join(f"{k} {v:.2f}" for k, v in s.evaluation.get("mc", {}).items())] for s in stages])
     cost = (["stage", "gpu", "gpus", "GPU-hours", "price/h", "cost"],
             [[s.stage, c["gpu"], c["gpus"], c["gpu_hours"], c["price"], c["cost"]] for s in stages for c in s.costs])
     return {"Tokens (ledger)": tok, "Evidence (held-out, before vs after)": evid,
-            "Evaluation": ev, "The same plan on GPUs (40% MFU)": cost}
+            "Mixture (ledger vs recipe)": mix, "Evaluation": ev, "The same plan on GPUs (40% MFU)": cost}
 
 
 def render_markdown(title: str, stages: list[StageReport], chart: str, samples: dict[str, list]) -> str:
@@ -164,12 +166,16 @@ def render_html(title: str, stages: list[StageReport], chart: str, samples: dict
     return "\n".join(parts)
 
 
-def write_report(folder: Path, title: str, stages: list[StageReport], samples: dict[str, list]) -> dict[str, Path]:
-    folder.mkdir(parents=True, exist_ok=True)
-    chart = loss_chart(stages, folder / "loss_curves.png")
-    files = {"html": folder / "report.html", "md": folder / "report.md", "png": chart, "json": folder / "report.json"}
-    files["html"].write_text(render_html(title, stages, chart.name, samples))
-    files["md"].write_text(render_markdown(title, stages, chart.name, samples))
-    files["json"].write_text(json.dumps([s.__dict__ for s in stages], indent=2, default=str))
-    return files
-
+def write_report(store: LocalStore, name: str, title: str, stages: list[StageReport],
+                 samples: dict[str, list]) -> dict[str, Path]:
+    """Write the report card as artifacts (kind "report") under reports/<name>/."""
+    chart_path = store.path("report", f"{name}/loss_curves.png")
+    chart_path.parent.mkdir(parents=True, exist_ok=True)
+    chart = loss_chart(stages, chart_path)
+    return {
+        "html": store.write_text("report", f"{name}/report.html", text=render_html(title, stages, chart.name, samples)),
+        "md": store.write_text("report", f"{name}/report.md", text=render_markdown(title, stages, chart.name, samples)),
+        "png": chart,
+        "json": store.write_text("report", f"{name}/report.json",
+                                 text=json.dumps([s.__dict__ for s in stages], indent=2, default=str)),
+    }

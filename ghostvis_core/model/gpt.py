@@ -211,32 +211,40 @@ class GPT(nn.Module):
                  top_k: int | None = None, stop_tokens: tuple[int, ...] = (), generator=None,
                  images=None, image_token: int | None = None) -> list[int]:
         """KV-cached sampling; greedy at temperature 0. Stops after any stop token.
-        `images` fill the prompt's (already expanded) image_token positions."""
+        `images` fill the prompt's (already expanded) image_token positions. Runs in eval mode, then
+        restores the caller's mode: a training loop that samples mid-run must stay in training mode."""
+        was_training = self.training
         self.eval()
-        device = self.embed.weight.device
-        caches = [KVCache() for _ in self.blocks]
-        x = torch.tensor([prompt], device=device)
-        out: list[int] = []
-        pos = 0
-        for _ in range(max_new_tokens):
-            mask = (x == image_token) if images is not None and pos == 0 else None
-            embeds = self.embed_inputs(x, images if pos == 0 else None, mask)
-            h = self.hidden(embeds=embeds, kv_caches=caches, start_pos=pos)
-            pos += x.shape[1]
-            logits = self.lm_head(h[:, -1]).float()
-            if temperature <= 0:
-                nxt = int(logits.argmax(-1))
-            else:
-                logits = logits / temperature
-                if top_k:
-                    v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
-                    logits[logits < v[:, [-1]]] = -float("inf")
-                nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
-            out.append(nxt)
-            if nxt in stop_tokens or pos >= self.cfg.max_seq_len:
-                break
-            x = torch.tensor([[nxt]], device=device)
-        return out
+        try:
+            device = self.embed.weight.device
+            caches = [KVCache() for _ in self.blocks]
+            x = torch.tensor([prompt], device=device)
+            out: list[int] = []
+            pos = 0
+            for _ in range(max_new_tokens):
+                mask = (x == image_token) if images is not None and pos == 0 else None
+                embeds = self.embed_inputs(x, images if pos == 0 else None, mask)
+                h = self.hidden(embeds=embeds, kv_caches=caches, start_pos=pos)
+                pos += x.shape[1]
+                nxt = _pick(self.lm_head(h[:, -1]).float(), temperature, top_k, generator)
+                out.append(nxt)
+                if nxt in stop_tokens or pos >= self.cfg.max_seq_len:
+                    break
+                x = torch.tensor([[nxt]], device=device)
+            return out
+        finally:
+            self.train(was_training)
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> int:
+    """The next token from last-position logits: argmax at temperature 0, else (top-k) sampling."""
+    if temperature <= 0:
+        return int(logits.argmax(-1))
+    logits = logits / temperature
+    if top_k:
+        v, _ = torch.topk(logits, min(top_k, logits.shape[-1]))
+        logits[logits < v[:, [-1]]] = -float("inf")
+    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:

@@ -3,11 +3,13 @@
 mlflow is imported and the run created in a background thread, so the first optimizer step does
 not wait for it. Metrics are buffered and sent in batches; if the tracking server is unreachable
 the buffer is kept and retried, training goes on, and the outage is reported as a gap.
+For that, mlflow's HTTP client must fail fast, or one flush blocks for minutes of retries: the
+launcher sets MLFLOW_HTTP_REQUEST_MAX_RETRIES=0 and MLFLOW_HTTP_REQUEST_TIMEOUT=10 in the training
+process's environment (this module leaves the environment alone).
 """
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
@@ -25,6 +27,20 @@ class MlflowTarget:
     run_name: str = ""
     run_id: str | None = None  # set: continue this run (resume) instead of creating one
     tags: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Outbox:
+    """What the background thread has yet to send, and since when sending has failed."""
+
+    metrics: list = field(default_factory=list)
+    tags: list = field(default_factory=list)
+    artifacts: list = field(default_factory=list)  # (path, artifact_path)
+    down_since: float | None = None
+    finishing: tuple[str, float] | None = None  # (status, deadline) once finish() was called
+
+    def empty(self) -> bool:
+        return not (self.metrics or self.tags or self.artifacts)
 
 
 class MlflowRun:
@@ -69,73 +85,97 @@ class MlflowRun:
 
     # ---- background thread ----
     def _worker(self) -> None:
-        # Fail fast inside mlflow's HTTP client: this thread keeps the buffer and retries itself,
-        # so an outage costs a gap in delivery, not minutes of blocked retries.
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        """Thread body: create (or resume) the run, then deliver queued items until finish()."""
+        if self._connect():
+            self._deliver()
+
+    def _connect(self) -> bool:
+        """Import mlflow and start the run here, off the training thread; False (the error kept for
+        wait_run_id) if that failed."""
         from mlflow.entities import Metric, Param, RunTag
         from mlflow.tracking import MlflowClient
 
         self._Metric, self._Param, self._RunTag = Metric, Param, RunTag
-        client = MlflowClient(tracking_uri=self.target.tracking_uri)
-        self._client = client
+        self._client = MlflowClient(tracking_uri=self.target.tracking_uri)
         try:
-            self._start_run(client)
+            self._start_run(self._client)
         except BaseException as exc:  # surfaced through wait_run_id
             self._error = exc
+            return False
+        finally:
             self._started.set()
-            return
-        self._started.set()
-        pending_metrics: list = []
-        pending_tags: list = []
-        pending_artifacts: list = []
+        return True
+
+    def _deliver(self) -> None:
+        """Buffer queued items and flush them every flush_every_s (at once when finishing)."""
+        out = _Outbox()
         last_flush = time.time()
-        down_since: float | None = None
-        finishing: tuple | None = None
         while True:
-            try:
-                item = self._q.get(timeout=0.5)
-            except queue.Empty:
-                item = None
-            if item is not None:
-                kind = item[0]
-                if kind == "metrics":
-                    _, metrics, step, ts = item
-                    pending_metrics += [Metric(k, float(v), ts, step) for k, v in metrics.items()]
-                elif kind == "tags":
-                    pending_tags += [RunTag(k, str(v)) for k, v in item[1].items()]
-                elif kind == "artifact":
-                    pending_artifacts.append((item[1], item[2]))
-                elif kind == "finish":
-                    finishing = (item[1], time.time() + item[2])
-            due = finishing is not None or time.time() - last_flush >= self._flush_every
-            if due and (pending_metrics or pending_tags or pending_artifacts):
-                try:
-                    for i in range(0, max(len(pending_metrics), 1), 1000):
-                        client.log_batch(self.run_id, metrics=pending_metrics[i : i + 1000],
-                                         tags=pending_tags if i == 0 else [])
-                    pending_metrics, pending_tags = [], []
-                    while pending_artifacts:
-                        path, apath = pending_artifacts[0]
-                        client.log_artifact(self.run_id, path, apath)
-                        pending_artifacts.pop(0)
-                    if down_since is not None:
-                        self.gap_seconds += time.time() - down_since
-                        down_since = None
-                except Exception:  # server down: keep the buffer, retry at the next flush
-                    self.failed_flushes += 1
-                    down_since = down_since or time.time()
+            self._take(out, self._next_item())
+            due = out.finishing is not None or time.time() - last_flush >= self._flush_every
+            if due and not out.empty():
+                self._flush(out)
                 last_flush = time.time()
-            if finishing is not None:
-                done = not (pending_metrics or pending_tags or pending_artifacts)
-                if done or time.time() > finishing[1]:
-                    try:
-                        client.set_terminated(self.run_id, finishing[0] if done else "FAILED")
-                    except Exception:
-                        self.failed_flushes += 1
-                    self.unsent = len(pending_metrics)
+            if out.finishing is not None:
+                if self._end_if_done(out):
                     return
                 time.sleep(1.0)
+
+    def _next_item(self) -> tuple | None:
+        """The next queued item, or None after half a second so a due flush is not held up."""
+        try:
+            return self._q.get(timeout=0.5)
+        except queue.Empty:
+            return None
+
+    def _take(self, out: _Outbox, item: tuple | None) -> None:
+        """Move one queued item into the outbox; finish() records its status and deadline."""
+        if item is None:
+            return
+        kind = item[0]
+        if kind == "metrics":
+            _, metrics, step, ts = item
+            out.metrics += [self._Metric(k, float(v), ts, step) for k, v in metrics.items()]
+        elif kind == "tags":
+            out.tags += [self._RunTag(k, str(v)) for k, v in item[1].items()]
+        elif kind == "artifact":
+            out.artifacts.append((item[1], item[2]))
+        elif kind == "finish":
+            out.finishing = (item[1], time.time() + item[2])
+
+    def _flush(self, out: _Outbox) -> None:
+        """Send the outbox; while the server is down keep it for the next flush and time the gap."""
+        try:
+            self._send(out)
+            if out.down_since is not None:
+                self.gap_seconds += time.time() - out.down_since
+                out.down_since = None
+        except Exception:  # server down: keep the buffer, retry at the next flush
+            self.failed_flushes += 1
+            out.down_since = out.down_since or time.time()
+
+    def _send(self, out: _Outbox) -> None:
+        """Metrics and tags in batches of 1000, then artifacts one by one; each leaves the outbox once sent."""
+        for i in range(0, max(len(out.metrics), 1), 1000):
+            self._client.log_batch(self.run_id, metrics=out.metrics[i : i + 1000], tags=out.tags if i == 0 else [])
+        out.metrics, out.tags = [], []
+        while out.artifacts:
+            path, apath = out.artifacts[0]
+            self._client.log_artifact(self.run_id, path, apath)
+            out.artifacts.pop(0)
+
+    def _end_if_done(self, out: _Outbox) -> bool:
+        """End the run once everything is sent, or as FAILED past finish()'s deadline; True if ended."""
+        status, deadline = out.finishing
+        done = out.empty()
+        if not done and time.time() <= deadline:
+            return False
+        try:
+            self._client.set_terminated(self.run_id, status if done else "FAILED")
+        except Exception:
+            self.failed_flushes += 1
+        self.unsent = len(out.metrics)
+        return True
 
     def _start_run(self, client) -> None:
         t = self.target

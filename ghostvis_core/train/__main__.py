@@ -8,10 +8,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.store import open_store
 from ghostvis_core.train import dist
 from ghostvis_core.train.loop import train
 from ghostvis_core.train.spec import LaunchSpec
@@ -28,13 +30,9 @@ def parse_sets(items: list[str]) -> dict[str, str]:
 
 
 def _leave_reason(spec, reason: str) -> None:
+    """The one-line reason the launcher shows (artifact run_error of this run)."""
     if isinstance(spec, LaunchSpec):
-        from ghostvis_core.home import Home
-        from ghostvis_core.train.launch import error_file
-
-        path = error_file(Home(Path(spec.home)), spec)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(reason + "\n")
+        open_store(spec.store).write_text("run_error", spec.stage, spec.run_key, text=reason + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = None
     try:
         if args.spec:
-            spec = LaunchSpec.load(args.spec)
+            spec = LaunchSpec.from_dict(json.loads(args.spec.read_text()))
         elif args.stage:
             spec = None
             if ctx.is_main:  # other ranks wait for the spec, or for the reason there is none

@@ -1,7 +1,8 @@
 """Atomic, pickle-free checkpoints.
 
-<run>/step_000000150/ holds model.safetensors, optimizer.safetensors, trainer.json (step, loader
-position, token counters, ledger part chain, MLflow run id), config.json and a COMPLETE marker.
+<run>/step_000000150/ holds model.safetensors, optimizer.safetensors, train_state.json (the
+TrainState: step, loader position, token counts, ledger part chain, MLflow run id, RNG states),
+config.json and a COMPLETE marker.
 It is written under a temporary name and renamed into place, so a reader that lists step_* folders
 with COMPLETE only ever sees finished checkpoints; a crash mid-write leaves a .tmp folder that is
 ignored and later removed.
@@ -22,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.train.state import STATE_FILE
 
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
 MARKER = "COMPLETE"
@@ -72,7 +74,7 @@ def save(
     *,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
-    trainer_state: dict[str, Any],
+    state: dict[str, Any],
     config: dict[str, Any],
     keep_last: int,
     extra_dirs: dict[str, Path] | None = None,
@@ -90,8 +92,7 @@ def save(
         save_file(_tensors_for_save(model.state_dict()), str(tmp / "model.safetensors"))
         if optimizer is not None:
             save_file(optimizer_tensors(model, optimizer), str(tmp / "optimizer.safetensors"))
-        save_file(rng_tensors(), str(tmp / "rng.safetensors"))
-        (tmp / "trainer.json").write_text(json.dumps(trainer_state, indent=2, sort_keys=True))
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         for name, src in (extra_dirs or {}).items():  # committed together with the weights
             os.replace(src, tmp / name)
@@ -114,22 +115,6 @@ def save(
     _fsync_dir(run_dir)
     prune(run_dir, keep_last)
     return final
-
-
-def rng_tensors() -> dict[str, torch.Tensor]:
-    out = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state()
-    return out
-
-
-def load_rng(path: Path) -> None:
-    f = path / "rng.safetensors"
-    if f.exists():
-        state = load_file(str(f))
-        torch.set_rng_state(state["cpu"])
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["cuda"])
 
 
 def prune(run_dir: Path, keep_last: int) -> None:
@@ -176,6 +161,11 @@ def load_optimizer(path: Path, model: torch.nn.Module, optimizer: torch.optim.Op
     for key, value in tensors.items():
         name, field = key.split("::")
         optimizer.state[params[name]][field] = value.to(params[name].device)
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """The TrainState saved with a checkpoint, as a dict."""
+    return read_json(path, STATE_FILE)
 
 
 def read_json(path: Path, name: str) -> dict[str, Any]:

@@ -10,76 +10,51 @@ import hashlib
 import json
 import math
 import os
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ghostvis_core import presets
-from ghostvis_core.budget import batch_plan, plan as make_plan
+from ghostvis_core.budget import Plan, batch_plan, plan as make_plan
 from ghostvis_core.config import StageConfig
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.stream import ShardRef
-from ghostvis_core.data.tokenizer import load_tokenizer
+from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.eval.evidence import EVIDENCE
 from ghostvis_core.home import Home
-from ghostvis_core.train.loop import RUN_COMPLETE
-from ghostvis_core.train.spec import LaunchSpec
+from ghostvis_core.store import LocalStore
+from ghostvis_core.train.objectives import build_objective
+from ghostvis_core.train.runs import Upstream, find_upstream, next_run_key
+from ghostvis_core.train.spec import LaunchSpec, SourceBudget, StageInputs
 
 MLFLOW_EXPERIMENT = "ghostvis"
 
 
-@dataclass(frozen=True)
-class Upstream:
-    """The checkpoint a stage starts from, and the run that wrote it."""
-
-    stage: str
-    run_key: str
-    checkpoint: str
-
-
-def newest_tokenizer(home: Home) -> str:
-    root = home.store / "tokenizers"
-    found = sorted(root.glob("*/tokenizer.json"), key=lambda p: p.stat().st_mtime) if root.exists() else []
+def newest_tokenizer(store: LocalStore) -> str:
+    found = store.keys("tokenizer")
     if not found:
-        raise GhostvisError(f"no tokenizer in {root}; materialize the `tokenizer` asset first (or run `ghostvis demo`)")
-    return found[-1].parent.name
+        raise GhostvisError(f"no tokenizer in {store.path('ledger').parent / 'tokenizers'}; materialize the `tokenizer` asset first "
+                            "(or run `ghostvis demo`)")
+    return found[-1][0]
 
 
-def completed_runs(home: Home, stage: str) -> list[dict[str, Any]]:
-    """RUN_COMPLETE records of a stage (not of its variants), oldest first."""
-    root = home.store / "checkpoints" / stage
-    if not root.exists():
-        return []
-    recs = [json.loads(p.read_text()) for p in root.glob(f"*/{RUN_COMPLETE}") if "@" not in p.parent.name]
-    return sorted(recs, key=lambda r: Path(r["checkpoint_uri"]).parent.joinpath(RUN_COMPLETE).stat().st_mtime)
-
-
-def find_upstream(home: Home, stage: str) -> Upstream:
-    runs = completed_runs(home, stage)
-    if not runs:
-        raise GhostvisError(f"upstream stage '{stage}' has no completed run; materialize the `{stage}` asset first")
-    last = runs[-1]
-    return Upstream(stage, last["run_key"], last["checkpoint_uri"])
-
-
-def select_shards(ledger: Ledger, tokenizer_id: str, sources: list[str], split: str) -> dict[str, list[dict]]:
-    """Ledger shards of the given sources and split; every file must be on disk."""
-    rows = ledger.shards(tokenizer_id=tokenizer_id, sources=sources)
+def select_shards(ledger: Ledger, store: LocalStore, tokenizer_id: str, sources: list[str],
+                  split: str) -> dict[str, list[dict]]:
+    """Ledger shards of the given sources and split; every token file must be in the store."""
     out: dict[str, list[dict]] = {s: [] for s in sources}
-    for r in rows:
+    for r in ledger.shards(tokenizer_id=tokenizer_id, sources=sources):
         if r["split"] != split:
             continue
-        if not Path(r["token_path"]).exists():
+        if not store.exists("token_shard", tokenizer_id, r["shard_id"]):
             raise GhostvisError(
-                f"tokenized shard {r['shard_id']} ({r['token_path']}) is in the ledger but missing on disk; "
-                f"re-materialize tokenized_shards partition {r['shard_id']}"
+                f"tokenized shard {r['shard_id']} ({store.path('token_shard', tokenizer_id, r['shard_id'])}) is in "
+                f"the ledger but missing in the store; re-materialize tokenized_shards partition {r['shard_id']}"
             )
-        out[r["source"]].append(
-            ShardRef(r["shard_id"], r["source"], r["split"], r["token_path"], r["docs"], r["tokens"],
-                     r["content_sha256"]).__dict__
-        )
+        path = str(store.path("token_shard", tokenizer_id, r["shard_id"]))
+        out[r["source"]].append(ShardRef(r["shard_id"], r["source"], r["split"], path, r["docs"], r["tokens"],
+                                         r["content_sha256"]).__dict__)
     empty = [s for s, refs in out.items() if not refs]
     if empty:
         raise GhostvisError(
@@ -89,18 +64,15 @@ def select_shards(ledger: Ledger, tokenizer_id: str, sources: list[str], split: 
     return out
 
 
-def preflight(cfg: StageConfig, plan_steps: int, objective) -> dict[str, dict[str, Any]]:
+def preflight(cfg: StageConfig, plan_steps: int, objective) -> dict[str, SourceBudget]:
     """Per source: tokens the budget needs vs tokens available. Refuses to start on a shortfall."""
-    bp = batch_plan(cfg.batch)
-    rows = objective.batcher.rows_per_source(plan_steps * bp.rows_per_step)
+    rows = objective.batcher.rows_per_source(plan_steps * batch_plan(cfg.batch).rows_per_step)
     report, problems = {}, []
     for rs in objective.batcher.sources:
-        needed = rs.tokens_for_rows(rows[rs.source])
-        available = rs.available_tokens
+        needed, available = rs.tokens_for_rows(rows[rs.source]), rs.available_tokens
         shards = len(objective.train_streams[rs.source].refs)
         epochs = needed / max(1, available)
-        report[rs.source] = {"needed_tokens": needed, "available_tokens": available, "shards": shards,
-                             "epochs": round(epochs, 3)}
+        report[rs.source] = SourceBudget(needed, available, shards, round(epochs, 3))
         if needed > available and not cfg.data.allow_repeat:
             per_shard = available / shards
             more = math.ceil((needed - available) / max(1.0, per_shard))
@@ -136,119 +108,126 @@ def lineage_offsets(ledger: Ledger, parent_run_key: str, train_shards: dict[str,
     return offsets
 
 
-def prepare_run(
-    stage: str,
-    *,
-    preset: str = "tiny",
-    overrides: dict[str, Any] | None = None,
-    home: Home | None = None,
-    tokenizer_id: str | None = None,
-    upstream: Upstream | None = None,
-    variant: str | None = None,
-) -> LaunchSpec:
-    """Resolve a stage run. A `variant` (a named set of overrides) gets run keys of its own,
-    <stage>@<variant>-..., so it never becomes another stage's upstream by accident."""
-    home = home or Home.from_env()
-    defaults_from = presets.resolve(stage, preset, overrides)
-    if defaults_from.init_from and upstream is None:
-        upstream = find_upstream(home, defaults_from.init_from)
+@dataclass
+class Resolved:
+    """A stage's config as it will train: preset + overrides + upstream model + tokenizer."""
+
+    cfg: StageConfig
+    upstream: Upstream | None
+    upstream_cfg: dict[str, Any] | None
+    tok: Tokenizer
+
+
+def resolve_stage(stage: str, preset: str, overrides: dict[str, Any], home: Home, tokenizer_id: str | None,
+                  upstream: Upstream | None) -> Resolved:
+    declared = presets.resolve(stage, preset, overrides)
+    if declared.init_from and upstream is None:
+        upstream = find_upstream(home.store, declared.init_from)
     up_cfg = None
     if upstream:
         cfg_file = Path(upstream.checkpoint) / "config.json"
         if not cfg_file.exists():
-            raise GhostvisError(
-                f"stage {stage}: upstream checkpoint {upstream.checkpoint} is missing; "
-                f"materialize the `{upstream.stage}` asset first"
-            )
+            raise GhostvisError(f"stage {stage}: upstream checkpoint {upstream.checkpoint} is missing; "
+                                f"materialize the `{upstream.stage}` asset first")
         up_cfg = json.loads(cfg_file.read_text())
     cfg = presets.resolve(stage, preset, overrides, upstream=up_cfg)
-    tokenizer_id = tokenizer_id or newest_tokenizer(home)
-    tok = load_tokenizer(tokenizer_id, home.store / "tokenizers")
+    unknown = [e for e in cfg.eval.evidence if e not in EVIDENCE]
+    if unknown:
+        raise GhostvisError(f"eval.evidence: unknown {unknown}; known: {', '.join(EVIDENCE)}")
+    tokenizer_id = tokenizer_id or newest_tokenizer(home.store)
+    tok = load_tokenizer(home.store.path("tokenizer", tokenizer_id))
+    fit_vocab(cfg, tok, overrides, upstream, up_cfg is None)
+    return Resolved(cfg, upstream, up_cfg, tok)
+
+
+def fit_vocab(cfg: StageConfig, tok: Tokenizer, overrides: dict[str, Any], upstream: Upstream | None,
+              fresh: bool) -> None:
+    """A fresh model takes the tokenizer's vocabulary (padded to 64); a continued one must match it."""
     vocab = 64 * math.ceil(tok.vocab_size / 64)
-    if up_cfg is None:
-        if "model.vocab_size" in (overrides or {}) and cfg.model.vocab_size != vocab:
-            raise GhostvisError(f"model.vocab_size={cfg.model.vocab_size} does not fit tokenizer {tokenizer_id} "
+    if fresh:
+        if "model.vocab_size" in overrides and cfg.model.vocab_size != vocab:
+            raise GhostvisError(f"model.vocab_size={cfg.model.vocab_size} does not fit tokenizer {tok.tokenizer_id} "
                                 f"({tok.vocab_size} tokens, padded to {vocab}); drop the override")
         cfg.model.vocab_size = vocab
     elif cfg.model.vocab_size != vocab:
         raise GhostvisError(
-            f"stage {stage}: tokenizer {tokenizer_id} has {tok.vocab_size} tokens (padded {vocab}) but the upstream "
-            f"{upstream.stage} model has vocab_size {cfg.model.vocab_size}; the tokenizer changed since that run — "
-            f"re-run the chain from pretrain with this tokenizer"
+            f"stage {cfg.stage}: tokenizer {tok.tokenizer_id} has {tok.vocab_size} tokens (padded {vocab}) but the "
+            f"upstream {upstream.stage} model has vocab_size {cfg.model.vocab_size}; the tokenizer changed since that "
+            f"run — re-run the chain from pretrain with this tokenizer"
         )
 
-    ledger = Ledger(home.ledger)
-    train_shards = select_shards(ledger, tok.tokenizer_id, [s.source for s in cfg.data.recipe], "train")
-    val_shards = select_shards(ledger, tok.tokenizer_id, cfg.data.val_sources, "validation") if cfg.data.val_sources else {}
-    p = make_plan(cfg)
-    extra: dict[str, Any] = {}
-    if upstream and cfg.objective == "lm":
+
+def stage_inputs(r: Resolved, ledger: Ledger, train_shards: dict[str, list[dict]]) -> StageInputs:
+    """What the stage takes from its lineage: where to continue each source, the old context, ..."""
+    cfg, inputs = r.cfg, StageInputs()
+    if r.upstream and cfg.objective == "lm":
         fresh = [s.source for s in cfg.data.recipe if s.source not in cfg.data.replay_sources]
-        extra["stream_offsets"] = lineage_offsets(ledger, upstream.run_key, train_shards, fresh)
-    if up_cfg and up_cfg["model"]["max_seq_len"] < cfg.model.max_seq_len:
-        extra["old_seq_len"] = up_cfg["model"]["max_seq_len"]
-        extra["upstream_rope"] = {k: up_cfg["model"][k] for k in ("rope_base", "rope_scaling")}
+        inputs.stream_offsets = lineage_offsets(ledger, r.upstream.run_key, train_shards, fresh)
+    up_model = (r.upstream_cfg or {}).get("model")
+    if up_model and up_model["max_seq_len"] < cfg.model.max_seq_len:
+        inputs.old_seq_len = up_model["max_seq_len"]
+        inputs.upstream_rope_base, inputs.upstream_rope_scaling = up_model["rope_base"], up_model["rope_scaling"]
     if "reasoning" in cfg.eval.evidence:
-        extra["reasoning_source"] = max(cfg.data.recipe, key=lambda s: s.weight).source
-    if cfg.vision is not None and not (up_cfg or {}).get("vision"):
-        extra["new_vision"] = True
+        inputs.reasoning_source = max(cfg.data.recipe, key=lambda s: s.weight).source
+    inputs.new_vision = cfg.vision is not None and not (r.upstream_cfg or {}).get("vision")
+    return inputs
 
-    spec = LaunchSpec(
-        stage=stage, run_key="", config=cfg.to_dict(), plan=p.to_dict(), home=str(home.root),
-        tokenizer_id=tok.tokenizer_id, tokenizer_dir=str(home.tokenizer_dir(tok.tokenizer_id)),
-        train_shards=train_shards, val_shards=val_shards, checkpoint_dir="", ledger_dir=str(home.ledger),
-        mlflow_tracking_uri=home.mlflow_tracking_uri, mlflow_experiment=MLFLOW_EXPERIMENT,
-        mlflow_artifact_location=home.mlflow_artifacts.as_uri(),
-        parent_run_key=upstream.run_key if upstream else None,
-        init_checkpoint=upstream.checkpoint if upstream else None, extra=extra,
-    )
-    from ghostvis_core.train.objectives import build_objective
 
-    spec.extra["source_budget"] = preflight(cfg, p.steps, build_objective(spec, cfg))
-
-    # The run key names what is trained, not how it is split over ranks: a resume on another world
-    # size (same tokens_per_step) finds the same run and re-partitions the remaining rows exactly.
-    ident_cfg = cfg.to_dict()
+def run_identity(r: Resolved, p: Plan, train_shards: dict[str, list[dict]], inputs: StageInputs) -> str:
+    """The run key names what is trained, not how it is split over ranks: a resume on another world
+    size (same tokens_per_step) finds the same run and re-partitions the remaining rows exactly."""
+    ident_cfg = r.cfg.to_dict()
     for k in ("world_size", "micro_batch_size", "grad_accum_steps", "total_batch_tokens"):
         ident_cfg["batch"].pop(k)
     ident_cfg["batch"]["tokens_per_step"] = p.tokens_per_step
-    identity = json.dumps({"config": ident_cfg, "tokenizer": tok.tokenizer_id,
-                           "train": {s: [r["content_sha256"] for r in refs] for s, refs in train_shards.items()},
-                           "upstream": upstream.checkpoint if upstream else None, "extra": extra}, sort_keys=True)
-    digest = hashlib.sha256(identity.encode()).hexdigest()[:10]
-    spec.run_key = _next_run_key(home, stage, f"{stage}@{variant}-{digest}" if variant else f"{stage}-{digest}")
-    spec.checkpoint_dir = str(home.checkpoints(stage, spec.run_key))
-    spec.tags = {"ghostvis.stage": stage, "ghostvis.run_key": spec.run_key, "ghostvis.preset": preset,
-                 "ghostvis.tokenizer_id": tok.tokenizer_id,
-                 **({"ghostvis.parent_run_key": upstream.run_key, "ghostvis.init_checkpoint": upstream.checkpoint,
-                     "ghostvis.upstream_stage": upstream.stage} if upstream else {}),
-                 **({"ghostvis.variant": variant} if variant else {})}
-    spec.save(home.run_dir(stage, spec.run_key) / "spec.json")
+    lineage = {k: v for k, v in inputs.__dict__.items() if k != "source_budget"}
+    identity = json.dumps({"config": ident_cfg, "tokenizer": r.tok.tokenizer_id,
+                           "train": {s: [x["content_sha256"] for x in refs] for s, refs in train_shards.items()},
+                           "upstream": r.upstream.checkpoint if r.upstream else None, "inputs": lineage},
+                          sort_keys=True)
+    return hashlib.sha256(identity.encode()).hexdigest()[:10]
+
+
+def prepare_run(stage: str, *, preset: str = presets.DEFAULT_PRESET, overrides: dict[str, Any] | None = None,
+                home: Home | None = None, tokenizer_id: str | None = None, upstream: Upstream | None = None,
+                variant: str | None = None) -> LaunchSpec:
+    """Resolve a stage run and save its spec. A `variant` (a named set of overrides) gets run keys of its
+    own, <stage>@<variant>-..., so it never becomes another stage's upstream by accident."""
+    home = home or Home.from_env()
+    r = resolve_stage(stage, preset, overrides or {}, home, tokenizer_id, upstream)
+    ledger = Ledger(home.store.path("ledger"))
+    recipe_sources = [s.source for s in r.cfg.data.recipe]
+    train_shards = select_shards(ledger, home.store, r.tok.tokenizer_id, recipe_sources, "train")
+    val_shards = (select_shards(ledger, home.store, r.tok.tokenizer_id, r.cfg.data.val_sources, "validation")
+                  if r.cfg.data.val_sources else {})
+    p = make_plan(r.cfg)
+    spec = LaunchSpec(
+        stage=stage, run_key="", config=r.cfg.to_dict(), plan=p.to_dict(), store=home.store.uri,
+        tokenizer_id=r.tok.tokenizer_id, train_shards=train_shards, val_shards=val_shards,
+        mlflow_tracking_uri=home.mlflow_tracking_uri, mlflow_experiment=MLFLOW_EXPERIMENT,
+        mlflow_artifact_location=home.mlflow_artifacts.as_uri(),
+        parent_run_key=r.upstream.run_key if r.upstream else None,
+        init_checkpoint=r.upstream.checkpoint if r.upstream else None,
+        inputs=stage_inputs(r, ledger, train_shards),
+    )
+    spec.inputs.source_budget = preflight(r.cfg, p.steps, build_objective(spec, r.cfg))
+    digest = run_identity(r, p, train_shards, spec.inputs)
+    spec.run_key = next_run_key(home.store, stage, f"{stage}@{variant}-{digest}" if variant else f"{stage}-{digest}")
+    spec.tags = run_tags(spec, preset, r.upstream, variant)
+    home.store.write_text("run_spec", stage, spec.run_key, text=spec.to_json())
     return spec
 
 
-def _next_run_key(home: Home, stage: str, base: str) -> str:
-    """base-r<n>: the newest unfinished attempt is resumed; after a finished one, a new attempt starts."""
-    root = home.store / "checkpoints" / stage
-    attempts = []
-    if root.exists():
-        for p in root.glob(f"{base}-r*"):
-            m = re.fullmatch(re.escape(base) + r"-r(\d+)", p.name)
-            if m:
-                attempts.append((int(m.group(1)), p))
-    if not attempts:
-        return f"{base}-r1"
-    n, path = max(attempts)
-    return f"{base}-r{n}" if not (path / RUN_COMPLETE).exists() else f"{base}-r{n + 1}"
-
-
-def spec_path(home: Home, spec: LaunchSpec) -> Path:
-    return home.run_dir(spec.stage, spec.run_key) / "spec.json"
-
-
-def error_file(home: Home, spec: LaunchSpec) -> Path:
-    """Where a failed training process leaves its one-line reason for the launcher to show."""
-    return home.run_dir(spec.stage, spec.run_key) / "error.txt"
+def run_tags(spec: LaunchSpec, preset: str, upstream: Upstream | None, variant: str | None) -> dict[str, str]:
+    """MLflow tags: the run's stage, key, preset, tokenizer and lineage."""
+    tags = {"ghostvis.stage": spec.stage, "ghostvis.run_key": spec.run_key, "ghostvis.preset": preset,
+            "ghostvis.tokenizer_id": spec.tokenizer_id}
+    if upstream:
+        tags |= {"ghostvis.parent_run_key": upstream.run_key, "ghostvis.init_checkpoint": upstream.checkpoint,
+                 "ghostvis.upstream_stage": upstream.stage}
+    if variant:
+        tags["ghostvis.variant"] = variant
+    return tags
 
 
 def torchrun_command(spec_file: Path, nproc_per_node: int, python: str | None = None) -> list[str]:
@@ -258,6 +237,9 @@ def torchrun_command(spec_file: Path, nproc_per_node: int, python: str | None = 
 
 
 def launch_env(nproc_per_node: int) -> dict[str, str]:
-    """Threads per rank: the machine's cores shared evenly (torchrun would default to 1 and warn)."""
+    """Threads per rank (the machine's cores shared evenly; torchrun would default to 1 and warn), and
+    MLflow's HTTP client failing fast: the tracker keeps its own buffer and retries (an outage costs a
+    gap in delivery, not minutes of blocked retries)."""
     threads = max(1, (os.cpu_count() or 1) // nproc_per_node)
-    return {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
+    return {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
+            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}

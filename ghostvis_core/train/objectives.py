@@ -30,6 +30,7 @@ from ghostvis_core.errors import GhostvisError
 from ghostvis_core.eval import evidence as ev
 from ghostvis_core.model.gpt import GPT
 from ghostvis_core.model.vision import decode_images
+from ghostvis_core.store import open_store
 from ghostvis_core.train.dist import DistContext, all_reduce_sum
 from ghostvis_core.train.spec import LaunchSpec
 
@@ -43,7 +44,7 @@ class Objective:
 
     def __init__(self, spec: LaunchSpec, cfg: StageConfig):
         self.spec, self.cfg = spec, cfg
-        self.tok = load_tokenizer(spec.tokenizer_dir)
+        self.tok = load_tokenizer(open_store(spec.store).path("tokenizer", spec.tokenizer_id))
         self.seq_len = cfg.batch.seq_len
         recipe = cfg.data.recipe
         missing = [s.source for s in recipe if s.source not in spec.train_shards]
@@ -115,7 +116,7 @@ class Objective:
             batch = b.batch(mine[i : i + self.cfg.batch.micro_batch_size])
             with autocast():
                 total += float(self.loss_sum(model, batch, ctx.device))
-            count += batch.loss_tokens
+            count += batch.counts.loss_tokens
         total, count = all_reduce_sum([total, count], ctx)
         return total / max(1.0, count)
 
@@ -137,7 +138,7 @@ class LMObjective(Objective):
     stopped reading it, unless it is declared replay (then it is read again from the start)."""
 
     def row_source(self, stream, train):
-        start = self.spec.extra.get("stream_offsets", {}).get(stream.source, 0) if train else 0
+        start = self.spec.inputs.stream_offsets.get(stream.source, 0) if train else 0
         return LMRows(stream, self.seq_len, start)
 
 

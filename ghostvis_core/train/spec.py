@@ -1,16 +1,45 @@
 """LaunchSpec: everything one stage run needs, resolved before torchrun starts.
 
-The spec is a JSON file; the training process reads it and nothing else (it does not query the
-ledger or know it was started by Dagster). It is written next to the run's logs.
+The spec is a JSON artifact in the store (kind run_spec); every rank reads it and nothing else (it
+does not query the ledger or know who started it). `StageInputs` holds what the launcher worked out
+for this stage from its lineage; the trainer, the objectives and the evidence read typed fields.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
+
+
+@dataclass
+class SourceBudget:
+    """Pre-flight, per source: tokens the budget needs vs tokens the tokenized shards hold."""
+
+    needed_tokens: int
+    available_tokens: int
+    shards: int
+    epochs: float
+
+
+@dataclass
+class StageInputs:
+    """What a stage takes from its lineage and the pre-flight, beyond its config."""
+
+    # source -> token offset where the lineage stopped reading it (the stage continues there)
+    stream_offsets: dict[str, int] = field(default_factory=dict)
+    # context expansion: the upstream model's context and RoPE settings (for the before/after evidence)
+    old_seq_len: int | None = None
+    upstream_rope_base: float | None = None
+    upstream_rope_scaling: float | None = None
+    reasoning_source: str | None = None  # the source the reasoning evidence reads
+    new_vision: bool = False  # this stage introduces the vision stack (not in the upstream checkpoint)
+    source_budget: dict[str, SourceBudget] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StageInputs":
+        budget = {s: SourceBudget(**b) for s, b in data.get("source_budget", {}).items()}
+        return cls(**{**data, "source_budget": budget})
 
 
 @dataclass
@@ -19,28 +48,21 @@ class LaunchSpec:
     run_key: str
     config: dict[str, Any]  # the resolved StageConfig
     plan: dict[str, Any]  # budget.Plan
-    home: str
+    store: str  # the artifact store's URI (ghostvis_core.store.open_store)
     tokenizer_id: str
-    tokenizer_dir: str
     train_shards: dict[str, list[dict[str, Any]]]  # source -> ShardRef dicts
     val_shards: dict[str, list[dict[str, Any]]]
-    checkpoint_dir: str
-    ledger_dir: str
     mlflow_tracking_uri: str
     mlflow_experiment: str
     mlflow_artifact_location: str
     parent_run_key: str | None = None
     init_checkpoint: str | None = None
     tags: dict[str, str] = field(default_factory=dict)
-    extra: dict[str, Any] = field(default_factory=dict)  # stage-specific inputs (eval sets, etc.)
+    inputs: StageInputs = field(default_factory=StageInputs)
 
-    def save(self, path: Path) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(asdict(self), indent=2, sort_keys=True))
-        os.replace(tmp, path)
-        return path
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def load(cls, path: Path) -> "LaunchSpec":
-        return cls(**json.loads(Path(path).read_text()))
+    def from_dict(cls, data: dict[str, Any]) -> "LaunchSpec":
+        return cls(**{**data, "inputs": StageInputs.from_dict(data.get("inputs", {}))})

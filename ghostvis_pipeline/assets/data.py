@@ -2,7 +2,6 @@
 
 
 import time
-from pathlib import Path
 
 import pyarrow.parquet as pq
 from dagster import (
@@ -16,31 +15,22 @@ from dagster import (
 
 from ghostvis_core import presets
 from ghostvis_core.data.catalog import (
-    DEMO_SOURCES, RemoteSource, manifest_of_shard, manifest_path, publish_demo_source, registered_manifests,
-    remote_manifest,
+    DEMO_SOURCES, RemoteSource, manifest_of_shard, publish_demo_source, registered_manifests, remote_manifest,
+    save_manifest,
 )
-from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.sources import fetch_shard, sha256_file
-from ghostvis_core.data.tokenize import TokenizeJob, tokenize_shards
+from ghostvis_core.data.ledger import Ledger, source_split_totals
+from ghostvis_core.data.sources import fetch_shard
+from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.errors import GhostvisError
+from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.partitions import shard_partitions
 from ghostvis_pipeline.resources import GhostvisHome
 
 
-class RemoteSourceConfig(Config):
-    """A source of your own (see ghostvis_core.data.catalog.RemoteSource)."""
-
-    name: str
-    kind: str = "text"
-    url_pattern: str = ""
-    listing: str = ""
-    first_shard: int = 0
-    num_shards: int = 0
-    validation: list[str] = []
-    validation_sha256: list[str] = []
-    sha256: dict[str, str] = {}
+# A source of your own: the fields and defaults of ghostvis_core.data.catalog.RemoteSource, declared there once.
+RemoteSourceConfig = config_from_dataclass(RemoteSource)
 
 
 class ManifestConfig(Config):
@@ -57,7 +47,7 @@ def shard_manifest(context: AssetExecutionContext, config: ManifestConfig, home:
     manifests = [publish_demo_source(h, source) for source in config.sources]
     manifests += [remote_manifest(RemoteSource(**src.model_dump())) for src in config.remote]
     for manifest in manifests:
-        manifest.save(manifest_path(h, manifest.source))
+        save_manifest(h.store, manifest)
         for e in manifest.shards:
             keys.append(manifest.shard_id(e))
             rows.append([manifest.shard_id(e), e.split, e.bytes, (e.sha256 or "")[:12], e.url])
@@ -83,12 +73,12 @@ def shard_manifest(context: AssetExecutionContext, config: ManifestConfig, home:
 )
 def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> MaterializeResult:
     """Downloads shards through the one fetch path (temp name, verify size + sha256, rename)."""
-    h = home.home()
+    store = home.home().store
     t0 = time.time()
     rows, total, fetched = [], 0, 0
     for key in context.partition_keys:
-        entry = manifest_of_shard(h, key).entry(key)
-        r = fetch_shard(key, entry, h.raw_shard(key))
+        entry = manifest_of_shard(store, key).entry(key)
+        r = fetch_shard(key, entry, store.path("raw_shard", key))
         total += r.bytes
         fetched += r.downloaded
         rows.append([key, entry.split, r.bytes, r.sha256[:12], "downloaded" if r.downloaded else "present"])
@@ -102,7 +92,7 @@ def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> Materializ
 
 
 class TokenizerConfig(Config):
-    preset: str = presets.default_preset()
+    preset: str = ""  # "": GHOSTVIS_PRESET, else the default preset (read when the asset runs)
     vocab_size: int = 0  # 0: the preset's tokenizer vocabulary
     max_train_bytes: int = 200_000_000
 
@@ -110,17 +100,17 @@ class TokenizerConfig(Config):
 @asset(group_name="data", kinds={"python"}, owners=["team:data"], deps=[raw_shards])
 def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, home: GhostvisHome) -> MaterializeResult:
     """Trains a byte-level BPE on the train shards of the text sources; served as tiktoken."""
-    h = home.home()
-    vocab = config.vocab_size or presets.tokenizer_vocab(config.preset)
+    store = home.home().store
+    vocab = config.vocab_size or presets.tokenizer_vocab(config.preset or presets.default_preset())
     texts, n_bytes, files = [], 0, 0
-    for manifest in registered_manifests(h).values():
+    for manifest in registered_manifests(store).values():
         if manifest.kind != "text":
             continue
         for e in manifest.shards:
             if e.split != "train" or n_bytes >= config.max_train_bytes:
                 continue
             sid = manifest.shard_id(e)
-            path = h.raw_shard(sid)
+            path = store.path("raw_shard", sid)
             if not path.exists():
                 raise GhostvisError(f"raw shard {sid} is not downloaded; materialize raw_shards partition {sid} first")
             for text in pq.read_table(path, columns=["text"]).column("text").to_pylist():
@@ -131,7 +121,7 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, home: Gho
         raise GhostvisError("no downloaded text train shards to train the tokenizer on; materialize raw_shards first")
     t0 = time.time()
     tok = train_tokenizer(texts, vocab)
-    path = save_tokenizer(tok, h.store / "tokenizers")
+    path = save_tokenizer(tok, store)
     return MaterializeResult(metadata={
         "tokenizer_id": tok.tokenizer_id, "vocab_size": tok.vocab_size, "train_shards": files,
         "train_bytes": n_bytes, "train_seconds": round(time.time() - t0, 2),
@@ -159,18 +149,9 @@ def tokenized_shards(context: AssetExecutionContext, config: TokenizeConfig, hom
     A shard already tokenized with the same content and tokenizer is not redone."""
     h = home.home()
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
-    jobs = []
-    for key in context.partition_keys:
-        manifest = manifest_of_shard(h, key)
-        entry = manifest.entry(key)
-        raw = h.raw_shard(key)
-        if not raw.exists():
-            raise GhostvisError(f"raw shard {key} is not downloaded; materialize raw_shards partition {key} first")
-        content_sha256 = sha256_file(raw)
-        jobs.append(TokenizeJob(key, manifest.source, manifest.split_of(entry, content_sha256), str(raw),
-                                content_sha256, str(h.token_shard(tokenizer_id, key)), manifest.kind))
+    jobs = [job_for_shard(h.store, manifest_of_shard(h.store, key), key, tokenizer_id) for key in context.partition_keys]
     t0 = time.time()
-    reports = tokenize_shards(jobs, tokenizer_dir=h.tokenizer_dir(tokenizer_id), ledger_dir=h.ledger,
+    reports = tokenize_shards(jobs, store=h.store, tokenizer_id=tokenizer_id,
                               logging_dir=h.root / "logs" / "datatrove" / tokenizer_id, workers=config.workers,
                               filters=dict(config.filters))
     secs = time.time() - t0
@@ -194,25 +175,20 @@ def tokenized_shards(context: AssetExecutionContext, config: TokenizeConfig, hom
 @asset(group_name="data", kinds={"duckdb", "parquet"}, owners=["team:data"], deps=[tokenized_shards])
 def token_ledger(context: AssetExecutionContext, home: GhostvisHome) -> MaterializeResult:
     """The token ledger's shard table for the current tokenizer: what each source and split holds."""
-    h = home.home()
+    store = home.home().store
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
-    rows = Ledger(h.ledger).shards(tokenizer_id=tokenizer_id)
+    rows = Ledger.in_store(store).shards(tokenizer_id=tokenizer_id)
     if not rows:
         raise GhostvisError(f"the ledger has no shards tokenized with {tokenizer_id}; materialize tokenized_shards")
-    by: dict[tuple[str, str], list[int]] = {}
-    for r in rows:
-        agg = by.setdefault((r["source"], r["split"]), [0, 0, 0, 0])
-        for i, k in enumerate(("docs", "tokens", "text_bytes")):
-            agg[i] += r[k]
-        agg[3] += 1
-    table = [[s, sp, a[3], a[0], a[1], a[2]] for (s, sp), a in sorted(by.items())]
+    by = source_split_totals(rows)
+    table = [[t["source"], t["split"], t["shards"], t["docs"], t["tokens"], t["text_bytes"]] for t in by]
     return MaterializeResult(metadata={
         "tokenizer_id": tokenizer_id,
         "shards": len(rows),
-        "docs": sum(r["docs"] for r in rows),
-        "tokens": sum(r["tokens"] for r in rows),
-        "train_tokens": sum(r["tokens"] for r in rows if r["split"] == "train"),
-        "validation_tokens": sum(r["tokens"] for r in rows if r["split"] == "validation"),
-        "ledger_dir": MetadataValue.path(str(Path(h.ledger))),
+        "docs": sum(t["docs"] for t in by),
+        "tokens": sum(t["tokens"] for t in by),
+        "train_tokens": sum(t["tokens"] for t in by if t["split"] == "train"),
+        "validation_tokens": sum(t["tokens"] for t in by if t["split"] == "validation"),
+        "ledger_dir": MetadataValue.path(str(store.path("ledger"))),
         "by_source": MetadataValue.md(md_table(["source", "split", "shards", "docs", "tokens", "text_bytes"], table)),
     })

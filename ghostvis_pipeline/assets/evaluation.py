@@ -3,21 +3,22 @@ each stage's MLflow run; `report` writes the lineage's report card (HTML + Markd
 to MLflow and links it from Dagster."""
 
 import json
-import os
 import time
 
 from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
 
 from ghostvis_core.budget import DEFAULT_GPU_PRICES
-from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger import Ledger, held_out_text_shards
 from ghostvis_core.eval.benchmark import PROMPTS, bits_per_byte, build_items, multiple_choice, samples
-from ghostvis_core.eval.checkpoints import load_stage
+from ghostvis_core.eval.checkpoints import load_stage, stage_config
 from ghostvis_core.eval.report import stage_report, write_report
-from ghostvis_core.presets import STAGES
+from ghostvis_core.stages import stage_names
+from ghostvis_core.store import LocalStore
+from ghostvis_core.train.runs import run_result
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
 
-EVAL_SOURCES = ("demo_prose", "demo_code")  # the plain-text held-out sources every stage is scored on
+STAGES = stage_names()
 
 
 def lineage_run_keys(context) -> dict[str, str]:
@@ -25,7 +26,16 @@ def lineage_run_keys(context) -> dict[str, str]:
     return {s: latest_metadata(context, s)["run_key"] for s in STAGES}
 
 
-@asset(group_name="eval", kinds={"torch", "mlflow"}, owners=["team:training"], deps=list(STAGES))
+def eval_shards(store: LocalStore, tokenizer_id: str, lineage: dict[str, str]) -> dict[str, list[dict]]:
+    """The held-out plain-text shards every stage is scored on: the validation sources of the
+    lineage's first stage (its data.val_sources, in that order) that have text validation shards
+    in the ledger for the tokenizer."""
+    first = next(iter(lineage))
+    sources = stage_config(store, run_result(store, first, lineage[first])).data.val_sources
+    return held_out_text_shards(Ledger.in_store(store), tokenizer_id, sources)
+
+
+@asset(group_name="eval", kinds={"torch", "mlflow"}, owners=["team:training"], deps=STAGES)
 def evaluation(context: AssetExecutionContext, home: GhostvisHome) -> MaterializeResult:
     """Validation bits per byte, a multiple-choice benchmark (lowest answer loss wins) and sampled
     completions for fixed prompts, for every stage's newest checkpoint."""
@@ -33,14 +43,11 @@ def evaluation(context: AssetExecutionContext, home: GhostvisHome) -> Materializ
     from mlflow.tracking import MlflowClient
 
     h = home.home()
-    tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
-    val = {}
-    for r in Ledger(h.ledger).shards(tokenizer_id=tokenizer_id, sources=list(EVAL_SOURCES)):
-        if r["split"] == "validation":
-            val.setdefault(r["source"], []).append({"shard_id": r["shard_id"], "path": r["token_path"]})
+    lineage = lineage_run_keys(context)
+    val = eval_shards(h.store, latest_metadata(context, "tokenizer")["tokenizer_id"], lineage)
     client = MlflowClient(h.mlflow_tracking_uri)
     results, rows = {}, []
-    for stage, run_key in lineage_run_keys(context).items():
+    for stage, run_key in lineage.items():
         t0 = time.time()
         ts = load_stage(h, stage, run_key)
         bpb = bits_per_byte(ts, val, max_tokens=8192)
@@ -48,19 +55,17 @@ def evaluation(context: AssetExecutionContext, home: GhostvisHome) -> Materializ
         smp = samples(ts)
         results[stage] = {"run_key": run_key, "bpb": bpb, "mc": mc, "samples": smp}
         metrics = {f"eval/bpb/{k}": v for k, v in bpb.items()} | {f"eval/mc/{k}": v for k, v in mc.items()}
-        run_id = ts.result["mlflow_run_id"]
+        run_id = ts.result.mlflow_run_id
         stamp = int(time.time() * 1000)
-        client.log_batch(run_id, metrics=[Metric(k, v, stamp, int(ts.result["steps"])) for k, v in metrics.items()])
+        client.log_batch(run_id, metrics=[Metric(k, v, stamp, int(ts.result.steps)) for k, v in metrics.items()])
         client.log_text(run_id, json.dumps(smp, indent=2), "eval/samples.json")
-        rows.append([stage, run_key, *[f"{bpb.get(s, float('nan')):.3f}" for s in EVAL_SOURCES], f"{mc['overall']:.2f}",
+        rows.append([stage, run_key, *[f"{bpb.get(s, float('nan')):.3f}" for s in val], f"{mc['overall']:.2f}",
                      smp[0]["completion"].strip()[:60]])
         context.log.info(f"{stage}: bpb {bpb}, mc {mc['overall']:.2f} ({time.time() - t0:.1f}s)")
-    path = h.store / "reports" / "evaluation.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=2))
+    path = h.store.write_text("report", "evaluation.json", text=json.dumps(results, indent=2))
     return MaterializeResult(metadata={
         "evaluation": MetadataValue.md(md_table(
-            ["stage", "run", *[f"bpb {s}" for s in EVAL_SOURCES], "mc accuracy", f"'{PROMPTS[0]}'"],
+            ["stage", "run", *[f"bpb {s}" for s in val], "mc accuracy", f"'{PROMPTS[0]}'"],
             rows)),
         "mc_chance": 0.25,
         "results": MetadataValue.path(str(path)),
@@ -76,23 +81,20 @@ def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisH
     """The lineage's report card: tokens from the ledger, evidence, evaluation, loss curves, cost."""
     from mlflow.tracking import MlflowClient
 
-    h = home.home()
-    client = MlflowClient(h.mlflow_tracking_uri)
-    ledger = Ledger(h.ledger)
-    evaluation_results = json.loads((h.store / "reports" / "evaluation.json").read_text())
+    store = home.home().store
+    client = MlflowClient(home.home().mlflow_tracking_uri)
+    ledger = Ledger.in_store(store)
+    evaluation_results = store.read_json("report", "evaluation.json")
     stages, smp = [], {}
     for stage, run_key in lineage_run_keys(context).items():
-        ts_dir = h.checkpoints(stage, run_key)
-        result = json.loads((ts_dir / "RUN_COMPLETE.json").read_text())
-        stage_cfg = json.loads((ts_dir / os.path.basename(result["checkpoint_uri"]) / "config.json").read_text())
-        curves = {m: [(int(x.step), float(x.value)) for x in client.get_metric_history(result["mlflow_run_id"], m)]
+        result = run_result(store, stage, run_key)
+        curves = {m: [(int(x.step), float(x.value)) for x in client.get_metric_history(result.mlflow_run_id, m)]
                   for m in ("train/loss", "val/loss")}
         ev = evaluation_results.get(stage, {})
-        stages.append(stage_report(ledger, result, stage_cfg, curves, ev, dict(config.gpu_prices)))
+        stages.append(stage_report(ledger, result, stage_config(store, result), curves, ev, dict(config.gpu_prices)))
         smp[stage] = ev.get("samples", [])
     lineage = " -> ".join(f"{s.stage}" for s in stages)
-    folder = h.store / "reports" / stages[-1].run_key
-    files = write_report(folder, f"GhostVis report card: {lineage}", stages, smp)
+    files = write_report(store, stages[-1].run_key, f"GhostVis report card: {lineage}", stages, smp)
     final_run = stages[-1].mlflow_run_id
     for f in files.values():
         client.log_artifact(final_run, str(f), "report")

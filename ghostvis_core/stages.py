@@ -1,0 +1,72 @@
+"""The stage table: the one declaration of the training chain.
+
+Presets, the Dagster asset chain and its descriptions, the CLI's stage list and the README's stage
+table are all derived from `STAGES`. Adding a stage is one entry here plus its objective
+(ghostvis_core/train/objectives.py) and its preset values (ghostvis_core/presets.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ghostvis_core.errors import GhostvisError
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    upstream: str | None  # the stage whose final checkpoint initialises this one (None: random init)
+    objective: str  # a key of ghostvis_core.train.objectives.OBJECTIVES
+    description: str
+    evidence: tuple[str, ...] = ()  # default eval.evidence: measured before and after training
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("pretrain", None, "lm",
+          "Pretrains the decoder LM from scratch on the token ledger's train shards."),
+    Stage("continued_pretrain", "pretrain", "lm",
+          "Continues pretraining on a declared domain mixture (code-heavy), where pretraining stopped "
+          "reading each source. Evidence: mixture fractions vs recipe, held-out domain loss.",
+          ("domain_loss",)),
+    Stage("context_expansion", "continued_pretrain", "lm",
+          "Raises the context (256 -> 1024 in the demo) with a 16x larger RoPE base (ABF) on long documents. "
+          "Evidence: held-out loss beyond the old context, before vs after.",
+          ("beyond_context_loss",)),
+    Stage("reasoning_mix", "context_expansion", "lm",
+          "Trains on step-by-step arithmetic problems plus declared replay of earlier prose. "
+          "Evidence: answer-token loss and answer accuracy, before vs after.",
+          ("reasoning",)),
+    Stage("vision_alignment", "reasoning_mix", "vision_align",
+          "Trains a perceiver resampler + MLP projector between a frozen vision encoder and the frozen LM "
+          "on image-caption pairs. Evidence: caption loss, true vs shuffled image.",
+          ("caption_image_gap",)),
+    Stage("sft", "vision_alignment", "sft",
+          "Supervised fine-tuning on packed chats, loss on assistant tokens only. Evidence: assistant loss "
+          "and how many sampled replies end with <|eot|>.",
+          ("reply_endings",)),
+    Stage("dpo", "sft", "dpo",
+          "Direct preference optimisation against the frozen SFT model. Evidence: preference accuracy and "
+          "reward margin on held-out pairs (computed by the DPO objective)."),
+)
+
+
+def stage_names() -> list[str]:
+    """Stage names in dependency order."""
+    return [s.name for s in STAGES]
+
+
+def stage(name: str) -> Stage:
+    for s in STAGES:
+        if s.name == name:
+            return s
+    raise GhostvisError(f"unknown stage '{name}'; stages are: {', '.join(stage_names())}")
+
+
+def markdown_table() -> str:
+    """The README's stage table (tests/test_stages.py keeps the README equal to it)."""
+    lines = ["| stage | starts from | objective | what it trains | evidence |", "|---|---|---|---|---|"]
+    for s in STAGES:
+        what = s.description.split(" Evidence:")[0]
+        lines.append(f"| {s.name} | {s.upstream or 'random init'} | {s.objective} | {what} | "
+                     f"{', '.join(s.evidence) or '-'} |")
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""The end of a run: its RunResult (figures, evidence, mixture, frozen-parameter check), the last
+MLflow metrics, and the run record in the store that tells every reader the run is complete."""
+
+from __future__ import annotations
+
+import time
+
+from ghostvis_core.config import StageConfig
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.model.vision import frozen_fingerprint
+from ghostvis_core.train import checkpoint as ckpt
+from ghostvis_core.train.result import BatchShape, BeforeAfter, FrozenCheck, MixtureShare, RunResult
+from ghostvis_core.train.run import Run
+
+
+def finish(run: Run) -> RunResult:
+    result = run_result(run)
+    if run.ctx.is_main:
+        result.mixture = mixture_shares(Ledger(run.store.path("ledger")), run.spec.run_key, run.cfg)
+        run.tracker.metrics(final_metrics(result), step=result.steps)
+        result.mlflow_run_id = run.tracker.run_id()
+        result.mlflow_experiment_id = run.tracker.mlflow.experiment_id
+        result.mlflow_delivery = run.tracker.finish({"ghostvis.checkpoint_uri": result.checkpoint_uri},
+                                                    run.spec.run_key)
+        run.store.write_json("run_record", run.spec.stage, run.spec.run_key, data=result.to_dict())
+    return result
+
+
+def run_result(run: Run) -> RunResult:
+    s, p, spec = run.state, run.plan, run.spec
+    return RunResult(
+        run_key=spec.run_key, stage=spec.stage, steps=s.step, segment=s.segment, counts=s.counts,
+        planned_tokens=int(spec.plan["planned_tokens"]),
+        batch=BatchShape(p.micro_batch_size, p.seq_len, p.world_size, p.grad_accum_steps, p.tokens_per_step),
+        train_loss=run.train_loss, val_loss=run.last_val.get("val/loss"),
+        val_loss_start=s.history.get("val_start", {}).get("val/loss"),
+        tokens_per_sec=round(run.clock.tokens_per_sec(p.tokens_per_step), 1),
+        first_step_s=round(run.clock.first_step_s or 0.0, 2), wall_time_s=round(time.time() - run.clock.launched, 1),
+        checkpoint_uri=str(run.run_dir / ckpt.step_dir_name(s.step)), parent_run_key=spec.parent_run_key,
+        mlflow_run_id="", mlflow_experiment_id="", evidence=evidence(run),
+        frozen=FrozenCheck(run.frozen_before, frozen_fingerprint(run.model)) if run.frozen_before else None,
+    )
+
+
+def evidence(run: Run) -> dict[str, BeforeAfter]:
+    """Each `evidence/<name>` figure of the last evaluation, with its step-0 value when there is one."""
+    before = run.state.history.get("val_start", {})
+    return {k.split("/", 1)[1]: BeforeAfter(before.get(k), v)
+            for k, v in run.last_val.items() if k.startswith("evidence/")}
+
+
+def mixture_shares(ledger: Ledger, run_key: str, cfg: StageConfig) -> dict[str, MixtureShare]:
+    """Per recipe source: its fraction of the run's consumed shard tokens (from the ledger) and weight."""
+    by_source: dict[str, int] = {}
+    for r in ledger.consumed_by_shard(run_key):
+        by_source[r["source"]] = by_source.get(r["source"], 0) + int(r["tokens"])
+    total = sum(by_source.values()) or 1
+    return {s.source: MixtureShare(by_source.get(s.source, 0) / total, s.weight, by_source.get(s.source, 0))
+            for s in cfg.data.recipe}
+
+
+def final_metrics(result: RunResult) -> dict[str, float]:
+    """The MLflow metrics logged once at the end: mixture shares, frozen check, time to first step."""
+    out: dict[str, float] = {}
+    for source, m in result.mixture.items():
+        out.update({f"mixture/{source}/fraction": m.fraction, f"mixture/{source}/weight": m.weight,
+                    f"mixture/{source}/tokens": m.tokens})
+    if result.frozen is not None:
+        out["frozen_params_unchanged"] = int(result.frozen.unchanged)
+    out["time/first_step_s"] = result.first_step_s
+    return out

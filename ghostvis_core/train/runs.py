@@ -1,0 +1,50 @@
+"""Finding runs in the store: completed runs of a stage, the upstream a stage starts from, run keys."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.store import LocalStore
+from ghostvis_core.train.result import RunResult
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """The checkpoint a stage starts from, and the run that wrote it."""
+
+    stage: str
+    run_key: str
+    checkpoint: str
+
+
+def completed_runs(store: LocalStore, stage: str) -> list[RunResult]:
+    """Finished runs of a stage (not of its variants), oldest first."""
+    return [run_result(store, stage, key) for _, key in store.keys("run_record", stage) if "@" not in key]
+
+
+def run_result(store: LocalStore, stage: str, run_key: str) -> RunResult:
+    if not store.exists("run_record", stage, run_key):
+        raise GhostvisError(f"stage {stage} run {run_key} has not completed; materialize the `{stage}` asset")
+    return RunResult.from_dict(store.read_json("run_record", stage, run_key))
+
+
+def find_upstream(store: LocalStore, stage: str) -> Upstream:
+    runs = completed_runs(store, stage)
+    if not runs:
+        raise GhostvisError(f"upstream stage '{stage}' has no completed run; materialize the `{stage}` asset first")
+    return Upstream(stage, runs[-1].run_key, runs[-1].checkpoint_uri)
+
+
+def next_run_key(store: LocalStore, stage: str, base: str) -> str:
+    """base-r<n>: the newest unfinished attempt is resumed; after a finished one, a new attempt starts."""
+    attempts = []
+    for _, key in store.keys("checkpoints", stage):
+        m = re.fullmatch(re.escape(base) + r"-r(\d+)", key)
+        if m:
+            attempts.append((int(m.group(1)), key))
+    if not attempts:
+        return f"{base}-r1"
+    n, key = max(attempts)
+    return f"{base}-r{n}" if not store.exists("run_record", stage, key) else f"{base}-r{n + 1}"

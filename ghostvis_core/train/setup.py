@@ -1,0 +1,89 @@
+"""Build a Run: the model (fresh, from the upstream checkpoint, or resumed), the objective, the
+optimizer, the parallel wrapper, the TrainState and the tracker. The order of these steps is part
+of exact resume: the RNG state is restored after everything that draws from it is built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ghostvis_core.config import StageConfig
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.model.gpt import GPT
+from ghostvis_core.model.vision import frozen_fingerprint
+from ghostvis_core.store import open_store
+from ghostvis_core.train import checkpoint as ckpt
+from ghostvis_core.train.commit import publish_parts
+from ghostvis_core.train.dist import DistContext
+from ghostvis_core.train.objectives import build_objective
+from ghostvis_core.train.parallel import wrap
+from ghostvis_core.train.precision import use_bf16
+from ghostvis_core.train.run import Clock, Run, run_batch_plan
+from ghostvis_core.train.spec import LaunchSpec
+from ghostvis_core.train.state import TrainState
+from ghostvis_core.train.tracking import Tracker
+
+
+def setup(spec: LaunchSpec, ctx: DistContext) -> Run:
+    clock = Clock()
+    cfg = StageConfig.from_dict(spec.config)
+    plan = run_batch_plan(cfg, ctx)
+    store = open_store(spec.store)
+    run_dir = store.path("checkpoints", spec.stage, spec.run_key)
+    torch.manual_seed(cfg.data.seed)
+    model = build_model(cfg, ctx)
+    resume = ckpt.latest_complete(run_dir)
+    if resume is not None:
+        ckpt.load_model(resume.path, model)
+        state = TrainState.from_dict(ckpt.read_state(resume.path))
+        publish_parts(store, run_dir)
+    else:
+        state = TrainState(spec.run_key, plan.tokens_per_step, plan.world_size, segment=-1)
+        if spec.init_checkpoint:  # the stage that introduces the vision stack starts it fresh
+            ckpt.load_model(Path(spec.init_checkpoint), model,
+                            allow_missing=("vision.",) if spec.inputs.new_vision else ())
+    objective = build_objective(spec, cfg)
+    objective.prepare_model(model)
+    frozen_before = frozen_fingerprint(model) if any(not p.requires_grad for p in model.parameters()) else None
+    optimizer = make_optimizer(model, cfg, ctx.device)
+    if resume is not None:
+        ckpt.load_optimizer(resume.path, model, optimizer)
+        state.restore_rng()
+    _check_resumable(spec, state, plan.tokens_per_step)
+    state.segment += 1
+    state.world_size = plan.world_size
+    tracker = Tracker(spec, ctx, {**cfg.to_dict(), "plan": spec.plan, "run_key": spec.run_key},
+                      run_id=state.mlflow_run_id, segment=state.segment)
+    return Run(spec=spec, cfg=cfg, ctx=ctx, plan=plan, total_steps=int(spec.plan["steps"]), store=store,
+               parallel=wrap(model, ctx), optimizer=optimizer, objective=objective,
+               bf16=use_bf16(cfg.runtime.precision, ctx.device), tracker=tracker, state=state, clock=clock,
+               resumed=resume is not None, frozen_before=frozen_before)
+
+
+def build_model(cfg: StageConfig, ctx: DistContext) -> GPT:
+    model = GPT(cfg.model)
+    if cfg.vision is not None:
+        model.attach_vision(cfg.vision)
+    model.to(ctx.device)
+    model.grad_checkpointing = cfg.runtime.grad_checkpointing
+    return model
+
+
+def make_optimizer(model: torch.nn.Module, cfg: StageConfig, device) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters; no weight decay on vectors (norms, biases)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
+                             fused=device.type == "cuda")
+
+
+def _check_resumable(spec: LaunchSpec, state: TrainState, tokens_per_step: int) -> None:
+    if state.tokens_per_step != tokens_per_step:
+        raise GhostvisError(
+            f"run {spec.run_key}: the checkpoint was trained with tokens_per_step={state.tokens_per_step} "
+            f"but this launch has {tokens_per_step}; resume with the same micro_batch_size x seq_len x "
+            "world_size x grad_accum_steps product (e.g. halve grad_accum_steps when doubling the world size)"
+        )

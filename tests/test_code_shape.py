@@ -1,0 +1,270 @@
+"""The code's shape, checked statically with `ast`, so a drift fails here and not in review:
+
+- functions stay short (at most 60 lines) and take at most 8 parameters (self/cls not counted);
+- ghostvis_core imports only its own layer or lower ones (LAYERS), and never Dagster or
+  ghostvis_pipeline (the library must run under plain torchrun), except dagster_pipes in track/pipes.py;
+- ghostvis_pipeline uses no private `dagster._` module (they change without notice between releases);
+- neither package reads the environment at import time (a module's behaviour must not depend on when
+  it was first imported).
+
+Every offender is listed in the failure message, as `file:line name: what`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("ghostvis_core", "ghostvis_pipeline")
+MAX_LINES = 60
+MAX_PARAMS = 8
+
+# A module may import modules of its own layer or lower ones. "x.*" is the package x and everything in it.
+LAYERS = {
+    "ghostvis_core": 0,  # the package root: it is imported before any of its modules
+    "ghostvis_core.errors": 0, "ghostvis_core.config": 0, "ghostvis_core.counts": 0,
+    "ghostvis_core.stages": 1, "ghostvis_core.presets": 1, "ghostvis_core.store": 1, "ghostvis_core.home": 1,
+    "ghostvis_core.data.*": 2, "ghostvis_core.model.*": 2, "ghostvis_core.track.*": 2, "ghostvis_core.budget": 2,
+    "ghostvis_core.train.*": 3, "ghostvis_core.eval.*": 3,
+}
+# (importing module, imported top-level package) pairs allowed despite the no-Dagster rule
+DAGSTER_ALLOWED = {("ghostvis_core.track.pipes", "dagster_pipes")}
+ENV_READERS = {"environ", "environb", "getenv", "getenvb"}
+
+
+def layer_of(module: str) -> int | None:
+    if module in LAYERS:
+        return LAYERS[module]
+    for key, layer in LAYERS.items():
+        if key.endswith(".*") and (module == key[:-2] or module.startswith(key[:-1])):
+            return layer
+    return None
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+# ---------------------------------------------------------------- (a) function size
+
+
+def _params(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    a = fn.args
+    positional = [*a.posonlyargs, *a.args]
+    n = len(positional) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+    return n - 1 if positional and positional[0].arg in ("self", "cls") else n
+
+
+def _functions(node: ast.AST, prefix: str = ""):
+    """(qualified name, def node) for every def and async def, nested ones and methods included."""
+    for child in ast.iter_child_nodes(node):
+        name = prefix
+        if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            name = f"{prefix}{child.name}"
+            if not isinstance(child, ast.ClassDef):
+                yield name, child
+            name += "."
+        yield from _functions(child, name)
+
+
+def function_problems(tree: ast.Module, where: str) -> list[str]:
+    out = []
+    for name, fn in _functions(tree):
+        lines, params = fn.end_lineno - fn.lineno + 1, _params(fn)
+        if lines > MAX_LINES:
+            out.append(f"{where}:{fn.lineno} {name}: {lines} lines (max {MAX_LINES})")
+        if params > MAX_PARAMS:
+            out.append(f"{where}:{fn.lineno} {name}: {params} parameters (max {MAX_PARAMS})")
+    return out
+
+
+# ---------------------------------------------------------------- (b, c, d) imports
+
+
+def _imports(tree: ast.Module, module: str, is_package: bool):
+    """(line, imported module) for every import, those inside functions included. For `from x import y`
+    this is x.y when that is one of the project's modules (`from ghostvis_core import presets`), else x."""
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from ((node.lineno, a.name) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: `from . import x` in package p is p.x, `from ..y import x` is p's parent.y.x
+                base = ".".join(filter(None, [package.rsplit(".", node.level - 1)[0], base]))
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                yield node.lineno, sub if _is_project_module(sub) else base
+
+
+def _is_project_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def layer_problems(tree: ast.Module, module: str, is_package: bool, where: str) -> list[str]:
+    own = layer_of(module)
+    if own is None:
+        return [f"{where}:1 {module}: not in the layer map (add it to the layer map)"]
+    out = []
+    for line, target in _imports(tree, module, is_package):
+        theirs = layer_of(target)
+        if theirs is not None and theirs > own:
+            out.append(f"{where}:{line} {module}: imports {target} (layer {theirs}) from layer {own}")
+    return out
+
+
+def dependency_problems(tree: ast.Module, module: str, is_package: bool, where: str) -> list[str]:
+    out = []
+    for line, target in _imports(tree, module, is_package):
+        top = target.split(".")[0]
+        if (top.startswith("dagster") or top == "ghostvis_pipeline") and (module, top) not in DAGSTER_ALLOWED:
+            out.append(f"{where}:{line} {module}: imports {target} (ghostvis_core must not depend on it)")
+    return out
+
+
+def private_dagster_problems(tree: ast.Module, module: str, where: str) -> list[str]:
+    """`import dagster._x...`, `from dagster._x... import y` and `from dagster import _x`."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        out += [f"{where}:{node.lineno} {module}: imports private {name}" for name in names
+                if name.split(".")[0] == "dagster" and any(p.startswith("_") for p in name.split(".")[1:])]
+    return out
+
+
+# ---------------------------------------------------------------- (e) environment read at import time
+
+
+def _import_time_nodes(node: ast.AST):
+    """Every node evaluated when the module is imported: all but function and lambda bodies (their
+    decorators and default values are evaluated; class bodies are) and an `if __name__ == "__main__"` block."""
+    for child in ast.iter_child_nodes(node):
+        yield from _evaluated(child)
+
+
+def _evaluated(node: ast.AST):
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        evaluated = [*getattr(node, "decorator_list", []), *node.args.defaults, *node.args.kw_defaults]
+        for expr in filter(None, evaluated):
+            yield from _evaluated(expr)
+    elif not _is_main_guard(node):
+        yield node
+        yield from _import_time_nodes(node)
+
+
+def _is_main_guard(node: ast.AST) -> bool:
+    return isinstance(node, ast.If) and ast.unparse(node.test).replace("'", '"') == '__name__ == "__main__"'
+
+
+def environment_problems(tree: ast.Module, module: str, where: str) -> list[str]:
+    os_names, readers = {"os"}, set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            os_names |= {a.asname or a.name for a in node.names if a.name == "os"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "os" and not node.level:
+            readers |= {a.asname or a.name for a in node.names if a.name in ENV_READERS}
+    out = []
+    for node in _import_time_nodes(tree):
+        os_attr = (isinstance(node, ast.Attribute) and node.attr in ENV_READERS
+                   and isinstance(node.value, ast.Name) and node.value.id in os_names)
+        if os_attr or (isinstance(node, ast.Name) and node.id in readers):
+            out.append(f"{where}:{node.lineno} {module}: reads {ast.unparse(node)} at import time")
+    return out
+
+
+# ---------------------------------------------------------------- the checker
+
+
+def check_source(source: str, module: str, where: str, is_package: bool = False) -> list[str]:
+    """Every problem in one module's source; `module` (its dotted name) selects the package's rules."""
+    tree = ast.parse(source, filename=where)
+    out = function_problems(tree, where) + environment_problems(tree, module, where)
+    if module.split(".")[0] == "ghostvis_core":
+        out += layer_problems(tree, module, is_package, where)
+        out += dependency_problems(tree, module, is_package, where)
+    else:
+        out += private_dagster_problems(tree, module, where)
+    return out
+
+
+def offenders() -> list[str]:
+    out = []
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            where = str(path.relative_to(ROOT))
+            out += check_source(path.read_text(encoding="utf-8"), module_name(path), where,
+                                path.name == "__init__.py")
+    return out
+
+
+def test_code_shape():
+    problems = offenders()
+    assert not problems, f"{len(problems)} code-shape problem(s):\n" + "\n".join(problems)
+
+
+SYNTHETIC = '''
+import os
+from ghostvis_core.config import flatten
+from ghostvis_core import presets
+from ghostvis_core.train import loop
+
+
+def long_one():
+''' + "    x = 1\n" * 60 + '''
+
+def just_short_enough():
+''' + "    x = 1\n" * 59 + '''
+
+class C:
+    def many(self, a, b, c, d, e, f, g, h, i):
+        return os.environ.get("X")
+
+    def enough(self, a, b, c, d, e, f, *args, **kwargs):
+        return a
+'''
+
+
+def test_the_checker_reports_exactly_the_planted_problems():
+    problems = check_source(SYNTHETIC, "ghostvis_core.data.synthetic", "synthetic.py")
+    assert problems == [
+        "synthetic.py:8 long_one: 61 lines (max 60)",
+        "synthetic.py:134 C.many: 9 parameters (max 8)",
+        "synthetic.py:5 ghostvis_core.data.synthetic: imports ghostvis_core.train.loop (layer 3) from layer 2",
+    ]
+
+
+def test_the_checker_reports_dagster_and_environment_problems():
+    core = """
+import os
+import dagster_pipes
+TIMEOUT = os.environ.get("T")
+
+
+def f(level=os.getenv("L")):
+    from ghostvis_pipeline import cli
+    return os.environ["X"]
+"""
+    pipeline = "from dagster._core.storage.tags import X\nfrom dagster import asset, _check\n"
+    assert check_source(core, "ghostvis_core.track.mlflow_run", "core.py") == [
+        "core.py:4 ghostvis_core.track.mlflow_run: reads os.environ at import time",
+        "core.py:7 ghostvis_core.track.mlflow_run: reads os.getenv at import time",
+        "core.py:3 ghostvis_core.track.mlflow_run: imports dagster_pipes (ghostvis_core must not depend on it)",
+        "core.py:8 ghostvis_core.track.mlflow_run: imports ghostvis_pipeline.cli (ghostvis_core must not depend on it)",
+    ]
+    assert check_source(core, "ghostvis_core.track.pipes", "pipes.py") == [  # dagster_pipes is allowed here
+        "pipes.py:4 ghostvis_core.track.pipes: reads os.environ at import time",
+        "pipes.py:7 ghostvis_core.track.pipes: reads os.getenv at import time",
+        "pipes.py:8 ghostvis_core.track.pipes: imports ghostvis_pipeline.cli (ghostvis_core must not depend on it)",
+    ]
+    assert check_source(pipeline, "ghostvis_pipeline.demo", "demo.py") == [
+        "demo.py:1 ghostvis_pipeline.demo: imports private dagster._core.storage.tags.X",
+        "demo.py:2 ghostvis_pipeline.demo: imports private dagster._check",
+    ]
