@@ -156,26 +156,54 @@ class SourcePlan:
         return asdict(self)
 
 
-def source_plan(weights: dict[str, float], planned_tokens: int, shards: dict[str, list[tuple[str, int]]]) -> list[SourcePlan]:
+# The one-line rule `ghostvis plan` prints under its per-source table (LM stages).
+LM_NEEDED_RULE = "needed = rows x seq_len + 1 boundary token per source: the last target token"
+
+
+def lm_tokens_for_rows(n_rows: int, seq_len: int) -> int:
+    """Tokens n_rows LM windows of a source read: a window of seq_len positions reads seq_len + 1
+    tokens, and consecutive windows share one (a window's last target is the next one's first
+    input), so rows x seq_len plus the final target. The arithmetic of `LMRows.tokens_for_rows`."""
+    return n_rows * seq_len + (1 if n_rows else 0)
+
+
+def mixture_rows(weights: dict[str, float], n_rows: int) -> dict[str, int]:
+    """Rows of each source among the first n_rows global rows: the loader's MixtureSchedule (weights
+    rounded to 1/1000, in the recipe's order), the split the pre-flight uses."""
+    from ghostvis_core.data.stream import MixtureSchedule
+
+    return dict(zip(weights, MixtureSchedule(list(weights.values())).rows_before(n_rows)))
+
+
+def source_plan(weights: dict[str, float], planned_tokens: int, shards: dict[str, list[tuple[str, int]]],
+                seq_len: int | None = None) -> list[SourcePlan]:
     """Per source of a mixture: tokens the budget takes, epochs over what is tokenized, and which
-    shards are needed (`shards`: source -> [(shard_id, tokens)] from the ledger)."""
+    shards are needed (`shards`: source -> [(shard_id, tokens)] from the ledger).
+
+    With `seq_len` (an LM stage; `planned_tokens` = steps x tokens_per_step), needed tokens are
+    what the pre-flight checks: the source's rows of the mixture schedule x seq_len + 1 boundary
+    token (`lm_tokens_for_rows`). Without it, planned_tokens split by weight (an estimate)."""
     total = sum(weights.values())
     if total <= 0 or any(w <= 0 for w in weights.values()):
         raise GhostvisError(f"recipe weights must be positive, got {weights}")
-    out = []
-    for source, w in weights.items():
-        needed = int(round(planned_tokens * w / total))
-        have = sorted(shards.get(source, []))
-        if not have:
-            out.append(SourcePlan(source, w / total, needed, None, None, 0, None, []))
-            continue
-        available = sum(t for _, t in have)
-        chosen, acc = [], 0
-        for sid, t in have:
-            if acc >= needed:
-                break
-            chosen.append(sid)
-            acc += t
-        out.append(SourcePlan(source, w / total, needed, available, needed / available, len(have),
-                              math.ceil(needed / (available / len(have))), chosen))
-    return out
+    if seq_len is not None:
+        rows = mixture_rows(weights, -(-planned_tokens // seq_len))
+        needed = {src: lm_tokens_for_rows(rows[src], seq_len) for src in weights}
+    else:
+        needed = {src: int(round(planned_tokens * w / total)) for src, w in weights.items()}
+    return [_source_shards(src, w / total, needed[src], sorted(shards.get(src, []))) for src, w in weights.items()]
+
+
+def _source_shards(source: str, weight: float, needed: int, have: list[tuple[str, int]]) -> SourcePlan:
+    """A source's plan line: available tokens, epochs, and the first shards that cover `needed`."""
+    if not have:
+        return SourcePlan(source, weight, needed, None, None, 0, None, [])
+    available = sum(t for _, t in have)
+    chosen, acc = [], 0
+    for sid, t in have:
+        if acc >= needed:
+            break
+        chosen.append(sid)
+        acc += t
+    return SourcePlan(source, weight, needed, available, needed / available, len(have),
+                      math.ceil(needed / (available / len(have))), chosen)

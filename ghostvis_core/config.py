@@ -88,6 +88,8 @@ class SourceWeight:
 
 @dataclass
 class DataConfig:
+    # Empty recipe: every registered source of the stage's kind (stages.py `reads`), weighted by its
+    # train tokens; empty val_sources: those of the recipe's sources that have validation shards.
     recipe: list[SourceWeight] = field(default_factory=list)
     val_sources: list[str] = field(default_factory=list)
     # Sources a stage replays from its lineage on purpose (shown as declared replay, not reuse).

@@ -123,7 +123,6 @@ _LARGE_PRETRAIN = dict(
     batch=dict(micro_batch_size=8, seq_len=2048, world_size=8, total_batch_tokens=524288),
     budget=dict(tokens_per_param=20.0),
     optim=dict(lr=6e-4, warmup_steps=700),
-    data=dict(recipe=[{"source": "fineweb_edu", "weight": 1.0}], val_sources=["fineweb_edu"]),
     eval=dict(every_steps=500, val_tokens=10_485_760),
     checkpoint=dict(every_steps=1000, keep_last=3),
 )
@@ -203,6 +202,22 @@ def _refuse_shape_change(cfg: StageConfig, upstream: dict[str, Any]) -> None:
             f"stage {cfg.stage}: {', '.join(changed)}; a stage starts from its upstream checkpoint and "
             "cannot change the model shape (drop the override, or retrain from pretrain)"
         )
+
+
+def data_overrides(recipe: dict[str, float], val_sources: list[str]) -> dict[str, Any]:
+    """Dotted overrides for a recipe given as source -> weight (normalised to sum 1) and validation
+    sources. No recipe leaves the preset's; a recipe without validation sources validates on those of
+    its sources that have validation shards (the preset's validation sources belong to its recipe)."""
+    out: dict[str, Any] = {}
+    if recipe:
+        total = sum(recipe.values())
+        if total <= 0 or any(w <= 0 for w in recipe.values()):
+            raise GhostvisError(f"recipe weights must be positive, got {recipe}")
+        out["data.recipe"] = [{"source": s, "weight": w / total} for s, w in recipe.items()]
+        out["data.val_sources"] = []
+    if val_sources:
+        out["data.val_sources"] = list(val_sources)
+    return out
 
 
 def validate(cfg: StageConfig) -> None:

@@ -17,34 +17,35 @@ class Stage:
     name: str
     upstream: str | None  # the stage whose final checkpoint initialises this one (None: random init)
     objective: str  # a key of ghostvis_core.train.objectives.OBJECTIVES
+    reads: str  # the source kind it trains on; an empty data.recipe means every registered source of it
     description: str
     evidence: tuple[str, ...] = ()  # default eval.evidence: measured before and after training
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("pretrain", None, "lm",
+    Stage("pretrain", None, "lm", "text",
           "Pretrains the decoder LM from scratch on the token ledger's train shards."),
-    Stage("continued_pretrain", "pretrain", "lm",
+    Stage("continued_pretrain", "pretrain", "lm", "text",
           "Continues pretraining on a declared domain mixture (code-heavy), where pretraining stopped "
           "reading each source. Evidence: mixture fractions vs recipe, held-out domain loss.",
           ("domain_loss",)),
-    Stage("context_expansion", "continued_pretrain", "lm",
+    Stage("context_expansion", "continued_pretrain", "lm", "text",
           "Raises the context (256 -> 1024 in the demo) with a 16x larger RoPE base (ABF) on long documents. "
           "Evidence: held-out loss beyond the old context, before vs after.",
           ("beyond_context_loss",)),
-    Stage("reasoning_mix", "context_expansion", "lm",
+    Stage("reasoning_mix", "context_expansion", "lm", "text",
           "Trains on step-by-step arithmetic problems plus declared replay of earlier prose. "
           "Evidence: answer-token loss and answer accuracy, before vs after.",
           ("reasoning",)),
-    Stage("vision_alignment", "reasoning_mix", "vision_align",
+    Stage("vision_alignment", "reasoning_mix", "vision_align", "image_caption",
           "Trains a perceiver resampler + MLP projector between a frozen vision encoder and the frozen LM "
           "on image-caption pairs. Evidence: caption loss, true vs shuffled image.",
           ("caption_image_gap",)),
-    Stage("sft", "vision_alignment", "sft",
+    Stage("sft", "vision_alignment", "sft", "chat",
           "Supervised fine-tuning on packed chats, loss on assistant tokens only. Evidence: assistant loss "
           "and how many sampled replies end with <|eot|>.",
           ("reply_endings",)),
-    Stage("dpo", "sft", "dpo",
+    Stage("dpo", "sft", "dpo", "preference",
           "Direct preference optimisation against the frozen SFT model. Evidence: preference accuracy and "
           "reward margin on held-out pairs (computed by the DPO objective)."),
 )
@@ -64,9 +65,9 @@ def stage(name: str) -> Stage:
 
 def markdown_table() -> str:
     """The README's stage table (tests/test_stages.py keeps the README equal to it)."""
-    lines = ["| stage | starts from | objective | what it trains | evidence |", "|---|---|---|---|---|"]
+    lines = ["| stage | starts from | objective | reads | what it trains | evidence |", "|---|---|---|---|---|---|"]
     for s in STAGES:
         what = s.description.split(" Evidence:")[0]
-        lines.append(f"| {s.name} | {s.upstream or 'random init'} | {s.objective} | {what} | "
+        lines.append(f"| {s.name} | {s.upstream or 'random init'} | {s.objective} | {s.reads} | {what} | "
                      f"{', '.join(s.evidence) or '-'} |")
     return "\n".join(lines)

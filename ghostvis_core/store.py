@@ -25,6 +25,7 @@ from ghostvis_core.errors import GhostvisError
 LAYOUT: dict[str, str] = {
     "manifest": "manifests/{}.json",  # source
     "raw_shard": "shards/raw/{path}.parquet",  # shard_id
+    "raw_shard_meta": "shards/raw_meta/{path}.json",  # shard_id: sha256, bytes, split of the downloaded shard
     "tokenizer": "tokenizers/{}",  # tokenizer_id: a folder (tokenizer.json, ...)
     "token_shard": "shards/tokens/{}/{path}.arrow",  # tokenizer_id, shard_id
     "ledger": "ledger",  # the ledger's Parquet tables (data/ledger.py)

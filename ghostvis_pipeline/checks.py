@@ -1,6 +1,7 @@
 """Asset checks: the numbers are compared, not trusted. Each check's metadata shows what it compared.
 
-Data: the ledger matches a recount of the token files, and every manifest shard is in it.
+Data: the tokenizer trained on no validation shard; the ledger matches a recount of the token
+files, and every manifest shard is in it.
 Training stages: consumed vs planned tokens, ledger == MLflow == materialization metadata,
 no (shard, row range) consumed twice, no validation shard consumed in training.
 """
@@ -10,9 +11,11 @@ no (shard, row range) consumed twice, no validation shard consumed in training.
 from dagster import AssetCheckResult, AssetCheckSeverity, MetadataValue, asset_check
 
 from ghostvis_core.counts import MLFLOW_METRICS, TokenCounts
-from ghostvis_core.data.catalog import registered_manifests
+from ghostvis_core.data.catalog import recorded_sha256, registered_manifests, shard_split
 from ghostvis_core.data.ledger import Ledger, duplicate_shards, train_validation_overlap
+from ghostvis_core.data.sources import Manifest
 from ghostvis_core.data.token_shard import TokenShard
+from ghostvis_core.track.mlflow_records import latest_metrics
 from ghostvis_core.errors import GhostvisError
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
@@ -72,6 +75,39 @@ def no_duplicate_content(context, home: GhostvisHome) -> AssetCheckResult:
     })
 
 
+@asset_check(asset="tokenizer", blocking=True,
+             description="No shard whose split is validation (pinned by name or by sha256) is in the tokenizer's training set.")
+def tokenizer_trained_on_train_shards_only(context, home: GhostvisHome) -> AssetCheckResult:
+    store = home.home().store
+    md = latest_metadata(context, "tokenizer")
+    trained = list(md.get("train_shard_ids") or [])
+    manifests = registered_manifests(store)
+    validation = sorted(m.shard_id(e) for m in manifests.values() for e in m.shards
+                        if _split_or_none(store, m, m.shard_id(e)) == "validation")
+    offenders = []
+    for sid in trained:
+        manifest = manifests.get(sid.split("/", 1)[0])
+        known = manifest is not None and any(manifest.shard_id(e) == sid for e in manifest.shards)
+        split = _split_or_none(store, manifest, sid) if known else None
+        if split != "train":
+            offenders.append([sid, split or ("not downloaded: split unknown" if known else "in no manifest")])
+    recorded = "train_shard_ids" in md
+    return AssetCheckResult(passed=recorded and not offenders, metadata={
+        "trained_shards": len(trained), "validation_shards": len(validation),
+        "offending_shards": len(offenders),
+        "offenders": MetadataValue.md(md_table(["shard", "split"], offenders)) if offenders else "none",
+        "validation_shard_ids": ", ".join(validation[:100]) or "none",
+        "note": "ok" if recorded else "the tokenizer's metadata has no train_shard_ids; re-materialize tokenizer",
+    })
+
+
+def _split_or_none(store, manifest: Manifest, shard_id: str) -> str | None:
+    """The resolved split, or None for a shard that is not downloaded (it cannot have been read)."""
+    if recorded_sha256(store, shard_id) is None and not store.exists("raw_shard", shard_id):
+        return None
+    return shard_split(store, manifest, shard_id)
+
+
 def stage_checks(stage: str) -> list:
     """The four blocking checks of a training stage's materialization."""
     return [_tokens_match_plan(stage), _ledger_mlflow_metadata_agree(stage), _no_reuse(stage),
@@ -100,12 +136,10 @@ def _ledger_mlflow_metadata_agree(stage: str):
     @asset_check(asset=stage, name="ledger_mlflow_metadata_agree", blocking=True,
                  description="real/pad/loss/cropped tokens: ledger == MLflow == materialization metadata, exactly.")
     def ledger_mlflow_metadata_agree(context, home: GhostvisHome) -> AssetCheckResult:
-        from mlflow.tracking import MlflowClient
-
         h = home.home()
         md = latest_metadata(context, stage)
         ledger = Ledger(h.store.path("ledger")).run_totals(md["run_key"])
-        metrics = MlflowClient(h.mlflow_tracking_uri).get_run(md["mlflow_run_id"]).data.metrics
+        metrics = latest_metrics(h.mlflow_tracking_uri, md["mlflow_run_id"])
         rows, passed = [], True
         for k in TokenCounts.names():
             vals = [ledger.get(k), metrics.get(MLFLOW_METRICS[k]), md.get(k)]

@@ -1,4 +1,4 @@
-"""The `ghostvis` command: demo, plan, ledger.
+"""The `ghostvis` command: init, demo, plan, ledger, chat.
 
 Bad input ends with one line naming the problem and the fix (exit code 2), not a traceback.
 """
@@ -7,15 +7,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
 
 from ghostvis_core import presets
-from ghostvis_core.budget import plan as make_plan, source_plan
-from ghostvis_core.data.ledger import Ledger, run_summaries
+from ghostvis_core.budget import LM_NEEDED_RULE, plan as make_plan, source_plan
+from ghostvis_core.counts import TokenCounts
+from ghostvis_core.data.ledger import Ledger, run_consumption, run_keys, run_summaries
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.stages import stage_names
+from ghostvis_core.stages import stage, stage_names
+from ghostvis_pipeline import data_command, train_command
+
+
+def cmd_init(args) -> int:
+    """Create GHOSTVIS_HOME and the Dagster instance folder (with the project's dagster.yaml), so a
+    plain `dagster ...` command works; print the exports and the next command. Idempotent."""
+    from ghostvis_pipeline.environment import init_report, prepare_environment
+
+    print(init_report(prepare_environment(Home.from_env())))
+    return 0
 
 
 def cmd_demo(args) -> int:
@@ -65,24 +77,35 @@ def parse_recipe(text: str) -> dict[str, float]:
         raise GhostvisError(f"--recipe {text!r}: expected source=weight,... e.g. web=0.6,books=0.15,code=0.25") from None
 
 
-def recipe_report(args, planned_tokens: int) -> list[dict]:
+def needed_rule(stage_name: str) -> str:
+    """How `plan` counts a source's needed tokens: like the pre-flight for LM stages."""
+    if stage(stage_name).objective == "lm":
+        return LM_NEEDED_RULE
+    return (f"needed = planned tokens x weight: an estimate; the {stage_name} pre-flight counts the rows "
+            f"its objective packs from the data")
+
+
+def recipe_report(args, p) -> list[dict]:
+    """Per source of --recipe: needed tokens (for LM stages exactly the pre-flight's), shards, epochs."""
     if not args.recipe:
         return []
     shards: dict[str, list[tuple[str, int]]] = {}
     for r in Ledger(Home.from_env().store.path("ledger")).shards(tokenizer_id=args.tokenizer):
         if r["split"] == "train":
             shards.setdefault(r["source"], []).append((r["shard_id"], r["tokens"]))
-    return [sp.to_dict() for sp in source_plan(parse_recipe(args.recipe), planned_tokens, shards)]
+    seq_len = p.seq_len if stage(args.stage).objective == "lm" else None
+    return [sp.to_dict() for sp in source_plan(parse_recipe(args.recipe), p.step_tokens_total, shards, seq_len)]
 
 
 def cmd_plan(args) -> int:
     cfg = presets.resolve(args.stage, args.preset, plan_overrides(args))
     p = make_plan(cfg, step_time_s=args.step_time, price_per_gpu_hour=args.price, gpu=args.gpu, mfu=args.mfu,
                   params=args.params)
-    sources = recipe_report(args, p.step_tokens_total)
+    sources = recipe_report(args, p)
     if args.json:
         print(json.dumps({"stage": args.stage, "preset": args.preset, **p.to_dict(),
-                          **({"sources": sources} if sources else {})}, indent=2))
+                          **({"sources": sources, "needed_tokens_rule": needed_rule(args.stage)} if sources else {})},
+                         indent=2))
         return 0
     print(f"{args.stage} ({args.preset})")
     print(f"  tokens_per_step = micro_batch_size x seq_len x world_size x grad_accum_steps")
@@ -105,6 +128,7 @@ def cmd_plan(args) -> int:
             ep = f"{sp['epochs']:.2f}" if sp["epochs"] is not None else "-"
             need = f"{sp['shards_needed']}/{sp['shards_available']}" if sp["shards_needed"] is not None else "-"
             print(f"  {sp['source']:<16} {sp['weight']:>6.2f} {sp['needed_tokens']:>16,} {avail:>16} {ep:>7} {need:>13}")
+        print(f"  ({needed_rule(args.stage)})")
     return 0
 
 
@@ -113,7 +137,47 @@ def ledger_report(home: Home, tokenizer_id: str | None) -> dict[str, Any]:
     return {"shards": ledger.shards(tokenizer_id=tokenizer_id), "runs": run_summaries(ledger)}
 
 
+def resolve_run(home: Home, ledger: Ledger, name: str) -> str:
+    """A stage name means its newest completed run; anything else is taken as a run key."""
+    from ghostvis_core.train.runs import completed_runs
+
+    if name not in stage_names():
+        return name
+    runs = completed_runs(home.store, name)
+    if runs:
+        return runs[-1].run_key
+    unfinished = run_keys(ledger, name)
+    raise GhostvisError(f"stage {name} has no completed run; materialize the `{name}` asset"
+                        + (f" (or pass one of its unfinished run keys: {', '.join(unfinished)})" if unfinished else ""))
+
+
+def format_run_consumption(c: dict[str, Any]) -> list[str]:
+    """`ghostvis ledger --run`: a run's segments, parts, token figures, per-shard and per-range consumption."""
+    lines = [f"{c['stage']} {c['run_key']}" + (f"  (from {c['parent_run_key']})" if c["parent_run_key"] else ""),
+             f"  steps {c['steps']:,}, parts {c['parts']}, tokens_per_step {c['tokens_per_step']:,}, "
+             f"planned {c['planned_tokens']:,}",
+             "  " + ", ".join(f"{k} {c[k]:,}" for k in TokenCounts.names()) + f", overlap_tokens {c['overlap_tokens']:,}",
+             "", f"  {'segment':>7} {'steps':>15} {'world_size':>10} {'real_tokens':>14}"]
+    lines += [f"  {s['segment']:>7} {str(s['first_step']) + '..' + str(s['last_step']):>15} {s['world_size']:>10} "
+              f"{s['real_tokens']:>14,}" for s in c["segments"]]
+    lines += ["", f"  {'shard':<26} {'split':<10} {'epochs':>6} {'rows':>13} {'tokens':>14}"]
+    lines += [f"  {r['shard_id']:<26} {r['split']:<10} {r['epochs']:>6} {str(r['row_start']) + '..' + str(r['row_end']):>13} "
+              f"{r['tokens']:>14,}" for r in c["shards"]]
+    lines.append(f"  {'consumed (shard tokens)':<58} {c['consumed_tokens']:>14,}")
+    lines += ["", f"  {'shard':<26} {'split':<10} {'epoch':>5} {'token range':>21} {'row range':>13} {'tokens':>12} parts"]
+    lines += [f"  {r['shard_id']:<26} {r['split']:<10} {r['epoch']:>5} {str(r['tok_start']) + '..' + str(r['tok_end']):>21} "
+              f"{str(r['row_start']) + '..' + str(r['row_end']):>13} {r['tokens']:>12,} {r['parts']:>5}" for r in c["ranges"]]
+    lines.append("  (ranges are [start, end): token positions and rows of the shard; touching parts are joined)")
+    return lines
+
+
 def cmd_ledger(args) -> int:
+    if args.run:
+        home = Home.from_env()
+        ledger = Ledger.in_store(home.store)
+        consumed = run_consumption(ledger, resolve_run(home, ledger, args.run))
+        print(json.dumps(consumed, indent=2, default=str) if args.json else "\n".join(format_run_consumption(consumed)))
+        return 0
     report = ledger_report(Home.from_env(), args.tokenizer)
     if args.json:
         print(json.dumps(report, indent=2, default=str))
@@ -166,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="ghostvis", description="GhostVis: a training pipeline whose token numbers are checked.")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
+    i = sub.add_parser("init", help="create GHOSTVIS_HOME and the Dagster instance folder; print the exports")
+    i.set_defaults(fn=cmd_init)
+
     d = sub.add_parser("demo", help="materialize every asset on the embedded demo data")
     d.add_argument("--preset", default=presets.default_preset(), help="tiny (default) or smoke (fewer steps)")
     d.add_argument("--stages", nargs="*", help="train only these stages (default: all)")
@@ -197,8 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     lg = sub.add_parser("ledger", help="the token ledger: shards and per-stage consumption")
     lg.add_argument("--tokenizer", help="only shards tokenized with this tokenizer id")
+    lg.add_argument("--run", metavar="STAGE_OR_RUN_KEY",
+                    help="what one run consumed: segments, token figures, per shard and range "
+                         "(a stage name means its newest completed run)")
     lg.add_argument("--json", action="store_true")
     lg.set_defaults(fn=cmd_ledger)
+    data_command.add_parser(sub)
+    train_command.add_parser(sub)
     return ap
 
 
@@ -221,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
+    except BrokenPipeError:  # the reader stopped early (`ghostvis ledger --run sft | head`): not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except Exception as exc:
         message = user_error(exc)
         if message is None:

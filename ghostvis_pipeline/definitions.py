@@ -1,6 +1,13 @@
 """The Dagster code location: `dagster dev` (workspace.yaml) and `dagster ... -m ghostvis_pipeline.definitions`."""
 
-from dagster import Definitions
+import warnings
+
+from dagster import BetaWarning, Definitions, PreviewWarning, SupersessionWarning
+
+# Dagster's notes on its own beta/preview/superseded APIs (e.g. `backfill_policy`) are not the
+# user's business; filtered by class before the asset modules below are imported.
+for _category in (BetaWarning, PreviewWarning, SupersessionWarning):
+    warnings.filterwarnings("ignore", category=_category)
 
 from ghostvis_core.presets import VARIANTS
 from ghostvis_core.stages import STAGES
@@ -9,6 +16,7 @@ from ghostvis_pipeline.assets.evaluation import evaluation, report
 from ghostvis_pipeline.assets.training import stage_asset, variants_asset
 from ghostvis_pipeline.checks import (
     all_manifest_shards_tokenized, ledger_matches_token_files, no_duplicate_content, stage_checks,
+    tokenizer_trained_on_train_shards_only,
 )
 from ghostvis_pipeline.jobs import shard_data_job, training_job
 from ghostvis_pipeline.resources import GhostvisHome, TorchrunLauncher
@@ -22,7 +30,8 @@ for stage in STAGES:  # each stage starts from its upstream's checkpoint; every 
 
 defs = Definitions(
     assets=[shard_manifest, raw_shards, tokenizer, tokenized_shards, token_ledger, *stage_assets, evaluation, report],
-    asset_checks=[ledger_matches_token_files, all_manifest_shards_tokenized, no_duplicate_content,
+    asset_checks=[tokenizer_trained_on_train_shards_only,
+                  ledger_matches_token_files, all_manifest_shards_tokenized, no_duplicate_content,
                   *[c for stage in STAGES for c in stage_checks(stage.name)]],
     jobs=[shard_data_job, training_job],
     resources={"home": GhostvisHome(), "launcher": TorchrunLauncher()},

@@ -3,37 +3,24 @@ instance (DAGSTER_HOME) and the MLflow store, then print a per-asset breakdown."
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from dagster import DagsterInstance
 
+from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.stages import stage_names
 from ghostvis_pipeline.definitions import defs
+from ghostvis_pipeline.environment import prepare_environment
 from ghostvis_pipeline.partitions import shard_partitions
 
-PROJECT_DAGSTER_YAML = Path(__file__).resolve().parent.parent / "dagster.yaml"
 # Dagster 1.13 has no public API to run a partition range in process (execute_in_process takes one
 # partition_key), so a single-run range is selected by its documented run tags, the ones
 # `dagster asset materialize --partition-range` sets; dagster only exports them from a private module.
 PARTITION_RANGE_START_TAG = "dagster/asset_partition_range_start"
 PARTITION_RANGE_END_TAG = "dagster/asset_partition_range_end"
-
-
-def prepare_environment(home: Home) -> None:
-    """Point Dagster at $GHOSTVIS_HOME/dagster (unless DAGSTER_HOME is set) with the project's instance config."""
-    os.environ.setdefault("GHOSTVIS_HOME", str(home.root))
-    dagster_home = home.dagster_home
-    os.environ["DAGSTER_HOME"] = str(dagster_home)
-    dagster_home.mkdir(parents=True, exist_ok=True)
-    target = dagster_home / "dagster.yaml"
-    if not target.exists() and PROJECT_DAGSTER_YAML.exists():
-        shutil.copyfile(PROJECT_DAGSTER_YAML, target)
 
 
 @dataclass
@@ -71,17 +58,25 @@ def materialize(defs, instance, assets: list[str], *, partition_range: tuple[str
     return summary
 
 
+def materialize_data(instance, preset: str) -> list[RunSummary]:
+    """raw_shards and tokenized_shards over every registered shard partition (single-run backfills),
+    the tokenizer in between and the token ledger after; unchanged shards are skipped."""
+    keys = instance.get_dynamic_partitions(shard_partitions.name)
+    if not keys:
+        raise GhostvisError("no shard partitions are registered; materialize shard_manifest with your sources first")
+    span = (keys[0], keys[-1])
+    return [materialize(defs, instance, ["raw_shards"], partition_range=span),
+            materialize(defs, instance, ["tokenizer"], run_config={"ops": {"tokenizer": {"config": {"preset": preset}}}}),
+            materialize(defs, instance, ["tokenized_shards"], partition_range=span),
+            materialize(defs, instance, ["token_ledger"])]
+
+
 def run_demo(home: Home, preset: str, stages: list[str]) -> list[RunSummary]:
     prepare_environment(home)
     instance = DagsterInstance.get()
-    runs = [materialize(defs, instance, ["shard_manifest"])]
-    keys = instance.get_dynamic_partitions(shard_partitions.name)
-    span = (keys[0], keys[-1])
-    runs.append(materialize(defs, instance, ["raw_shards"], partition_range=span))
-    runs.append(materialize(defs, instance, ["tokenizer"], run_config={"ops": {"tokenizer": {"config": {"preset": preset}}}}))
-    runs.append(materialize(defs, instance, ["tokenized_shards"], partition_range=span))
+    runs = [materialize(defs, instance, ["shard_manifest"]), *materialize_data(instance, preset)]
     stage_config = {"ops": {s: {"config": {"preset": preset}} for s in stages}}
-    runs.append(materialize(defs, instance, ["token_ledger", *stages], run_config=stage_config))
+    runs.append(materialize(defs, instance, stages, run_config=stage_config))
     if list(stages) == stage_names():  # the whole lineage: score it and write its report card
         runs.append(materialize(defs, instance, ["evaluation", "report"]))
     return runs

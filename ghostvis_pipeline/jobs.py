@@ -3,12 +3,10 @@
 from dagster import AssetSelection, define_asset_job
 
 from ghostvis_core.stages import stage_names
-from ghostvis_pipeline.partitions import shard_partitions
 
 shard_data_job = define_asset_job(
     "shard_data",
-    selection=AssetSelection.assets("raw_shards", "tokenized_shards"),
-    partitions_def=shard_partitions,
+    selection=AssetSelection.assets("raw_shards", "tokenized_shards"),  # partitioned by shard: inferred from them
     description="Download and tokenize shard partitions (backfill a range from the UI).",
 )
 

@@ -12,7 +12,9 @@ import re
 import pytest
 
 from ghostvis_core import presets
-from ghostvis_core.budget import GPU_PEAK_FLOPS, BatchPlan, batch_plan, plan
+from ghostvis_core.budget import (
+    GPU_PEAK_FLOPS, LM_NEEDED_RULE, BatchPlan, batch_plan, lm_tokens_for_rows, plan, source_plan,
+)
 from ghostvis_core.config import BatchConfig, ModelConfig
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.model.gpt import GPT, count_params
@@ -351,3 +353,60 @@ def test_cli_plan_text_shows_the_four_factors(capsys):
     assert re.search(r"steps\s+= 200\b", out)
     assert "819,200" in out
     assert "1.942e+13" in out  # 6 * 3,950,848 * 819,200 = 1.9419e13
+
+
+# ---------------------------------------------------------------- planner == pre-flight, per source
+
+
+def _preflight_needed(cfg, steps: int, shard_tokens: int) -> dict[str, int]:
+    """The pre-flight's needed tokens per source (`launch.preflight`, the function prepare_run calls),
+    over LMRows of real SourceStreams whose shards are never opened (only their sizes are read)."""
+    from types import SimpleNamespace
+
+    from ghostvis_core.data.loader import Batcher, LMRows
+    from ghostvis_core.data.stream import ShardRef, SourceStream
+    from ghostvis_core.train.launch import preflight
+
+    streams = {s.source: SourceStream(s.source, [ShardRef(f"{s.source}/00000", s.source, "train", "/nonexistent",
+                                                          10, shard_tokens, "sha")], seed=0)
+               for s in cfg.data.recipe}
+    batcher = Batcher([LMRows(streams[s.source], cfg.batch.seq_len) for s in cfg.data.recipe],
+                      [s.weight for s in cfg.data.recipe])
+    report = preflight(cfg, steps, SimpleNamespace(batcher=batcher, train_streams=streams))
+    return {src: b.needed_tokens for src, b in report.items()}
+
+
+@pytest.mark.parametrize("recipe, budget", [
+    ({"demo_prose": 0.5, "demo_code": 0.5}, {}),  # smoke: 24 steps
+    ({"demo_prose": 0.6, "demo_code": 0.15, "demo_reasoning": 0.25}, {"budget.steps": 7}),
+    ({"demo_prose": 0.333, "demo_code": 0.667}, {"budget.steps": None, "budget.tokens": 122_880}),
+])
+def test_planner_needed_tokens_equal_the_preflight_for_lm_stages(recipe, budget):
+    cfg = presets.resolve("pretrain", "smoke", {
+        "data.recipe": json.dumps([{"source": s, "weight": w} for s, w in recipe.items()]), **budget})
+    p = plan(cfg)
+    planned = {sp.source: sp.needed_tokens for sp in source_plan(recipe, p.step_tokens_total, {}, p.seq_len)}
+    assert planned == _preflight_needed(cfg, p.steps, shard_tokens=10**9)
+    # rows x seq_len over all sources is the step total; each source read adds its one boundary token
+    assert sum(planned.values()) == p.step_tokens_total + len(recipe)
+
+
+def test_planner_needed_tokens_by_hand():
+    # smoke pretrain: 24 steps x 16 rows (8 x 2 x 1) = 384 rows; 0.5/0.5 -> 192 rows per source
+    # 192 x 256 = 49,152 positions + 1 boundary token (the last row's last target) = 49,153
+    got = source_plan({"a": 0.5, "b": 0.5}, 24 * 4096, {"a": [("a/0", 49_153)]}, seq_len=256)
+    assert [sp.needed_tokens for sp in got] == [49_153, 49_153]
+    assert got[0].epochs == 1.0 and got[0].shards == ["a/0"]  # exactly one epoch: the file holds 49,153
+    assert lm_tokens_for_rows(0, 256) == 0  # a source never read needs no boundary token
+    # without seq_len (a non-LM stage) the split by weight stays: an estimate
+    assert [sp.needed_tokens for sp in source_plan({"a": 0.5, "b": 0.5}, 24 * 4096, {})] == [49_152, 49_152]
+
+
+def test_cli_plan_recipe_says_why_needed_has_one_more_token(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("GHOSTVIS_HOME", str(tmp_path))
+    got = _cli_json(capsys, "--preset", "smoke", "--recipe", "demo_prose=0.5,demo_code=0.5")
+    assert [s["needed_tokens"] for s in got["sources"]] == [49_153, 49_153]
+    assert got["needed_tokens_rule"] == LM_NEEDED_RULE
+    assert cli_main(["plan", "--preset", "smoke", "--recipe", "demo_prose=0.5,demo_code=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "49,153" in out and "needed = rows x seq_len + 1 boundary token per source: the last target token" in out

@@ -51,7 +51,7 @@ def test_demo_materializes_every_asset_and_all_checks_pass(demo_home):
         assert f"\n{asset} " in out, f"{asset} missing from the per-asset breakdown:\n{out}"
     line = next(l for l in out.splitlines() if l.startswith("checks:"))
     passed, total = map(int, line.split()[1].split("/"))
-    assert passed == total == 3 + 4 * len(STAGES), line
+    assert passed == total == 4 + 4 * len(STAGES), line  # 4 data checks (3 ledger, 1 tokenizer), 4 per stage
 
 
 def test_ledger_mlflow_and_dagster_agree_to_the_token_for_every_stage(demo_home):

@@ -64,6 +64,7 @@ def test_corrupt_parquet_fails_its_partition_and_leaves_the_others_done(home_cop
                                                                         "demo_prose/00002"}
 
 
+@pytest.mark.e2e
 def test_a_budget_beyond_the_data_fails_pre_flight_with_the_numbers(home_copy):
     """The known failure: 100 shards on disk when 178 were needed. The stage must not start, and
     the message says how many tokens are missing and about how many more shards to tokenize."""

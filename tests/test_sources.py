@@ -591,7 +591,7 @@ def test_manifest_from_pattern(http, tmp_path):
     entry = m.entry("web/00001")
     assert fetch_shard("web/00001", entry, tmp_path / "raw" / "00001.parquet").sha256 == sha(data)
 
-    with pytest.raises(GhostvisError, match=r"shards \['12'\].*not in range\(0, 3\)"):
+    with pytest.raises(GhostvisError, match=r"pinned shards \['12'\] .*match no shard of .* over range\(0, 3\); pins name shards by file stem"):
         manifest_from_pattern("web", pattern, range(3), validation=["12"])
     with pytest.raises(GhostvisError, match=r"must contain \{shard\} and no other field"):
         manifest_from_pattern("web", "https://host/data/shard.parquet", range(3))

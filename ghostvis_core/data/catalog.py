@@ -1,14 +1,25 @@
 """Which sources exist: the embedded demo sources, published locally as if remote, and the
-manifests the pipeline registered (one per source in the store, artifact kind "manifest")."""
+manifests the pipeline registered (one per source in the store, artifact kind "manifest").
+
+And which split each shard is in: `shard_split`, the one resolution every reader uses (the tokenizer,
+tokenized_shards, shard_manifest's table, the tokenizer check). It applies `Manifest.split_of` (name
+pin or content pin -> validation) to the shard's content hash, recorded by raw_shards when it
+downloaded and verified the shard (artifact kind "raw_shard_meta").
+"""
 
 from __future__ import annotations
 
-from ghostvis_core.data.demo_corpus import TEXT_SOURCES, build_text_source
-from ghostvis_core.data.demo_tasks import TASK_SOURCES, build_task_source
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ghostvis_core.data.sources import Manifest, ShardEntry, list_remote, manifest_for_files, manifest_from_pattern
+import pyarrow.parquet as pq
+
+from ghostvis_core.data.demo_corpus import TEXT_SOURCES, build_text_source
+from ghostvis_core.data.demo_tasks import TASK_SOURCES, build_task_source
+from ghostvis_core.data.sources import (
+    Manifest, ShardEntry, check_pins, list_remote, manifest_for_files, manifest_from_pattern, sha256_file, shard_name,
+)
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.store import LocalStore
@@ -60,11 +71,21 @@ def remote_manifest(src: RemoteSource) -> Manifest:
         listed = listed[src.first_shard : src.first_shard + src.num_shards if src.num_shards else None]
         if not listed:
             raise GhostvisError(f"source {src.name}: no .parquet shards found at {src.listing}")
+        names = [shard_name(url) for url, _ in listed]
+        check_pins(src.name, names, set(src.validation) | src.sha256.keys(), f"listed at {src.listing}")
         m = Manifest(src.name, src.kind, [
-            ShardEntry(Path(url.rsplit("/", 1)[-1]).stem, url, "validation" if Path(url).stem in src.validation else "train",
-                       size, src.sha256.get(Path(url).stem)) for url, size in listed])
-    m.validation_sha256 = list(src.validation_sha256)
+            ShardEntry(name, url, "validation" if name in src.validation else "train", size, src.sha256.get(name))
+            for name, (url, size) in zip(names, listed)])
+    m.validation_sha256 = [_sha256_pin(src.name, d) for d in src.validation_sha256]
     return m
+
+
+def _sha256_pin(source: str, digest: str) -> str:
+    d = digest.strip().lower()
+    if not re.fullmatch(r"[0-9a-f]{64}", d):
+        raise GhostvisError(f"source {source}: validation_sha256 pin {digest!r} is not a sha256 digest; "
+                            f"give the 64 hex digits of the shard file's sha256 (e.g. from `sha256sum`)")
+    return d
 
 
 def manifest_path(store: LocalStore, source: str) -> Path:
@@ -92,3 +113,98 @@ def manifest_of_shard(store: LocalStore, shard_id: str) -> Manifest:
     if not store.exists("manifest", source):
         raise GhostvisError(f"shard {shard_id}: source {source} has no manifest; materialize shard_manifest first")
     return load_manifest(store, source)
+
+
+# --- splits: one rule (Manifest.split_of), resolved from the downloaded shard's content ----------
+
+
+def record_raw_shard(store: LocalStore, manifest: Manifest, shard_id: str, sha256: str, size: int) -> str:
+    """What raw_shards learned downloading and verifying a shard: its content hash, size, and the split
+    the rule gives it. Returns that split."""
+    split = manifest.split_of(manifest.entry(shard_id), sha256)
+    store.write_json("raw_shard_meta", shard_id, data={"shard_id": shard_id, "sha256": sha256, "bytes": size,
+                                                       "split": split})
+    return split
+
+
+def recorded_sha256(store: LocalStore, shard_id: str) -> str | None:
+    """The content hash raw_shards recorded for the shard, or None if it has not downloaded it."""
+    return store.read_json("raw_shard_meta", shard_id)["sha256"] if store.exists("raw_shard_meta", shard_id) else None
+
+
+def shard_split(store: LocalStore, manifest: Manifest, shard_id: str, content_sha256: str | None = None) -> str:
+    """"train" or "validation": the split rule (Manifest.split_of) applied to the shard's content hash,
+    the one raw_shards recorded and, when the caller hashed the raw file it is about to read, that one
+    too: if the file changed since its download, validation under either hash wins."""
+    entry = manifest.entry(shard_id)
+    digests = {d for d in (content_sha256, recorded_sha256(store, shard_id)) if d}
+    raw = store.path("raw_shard", shard_id)
+    if not digests and raw.exists():  # downloaded before raw_shards kept records
+        digests.add(sha256_file(raw))
+    if not digests:
+        raise GhostvisError(f"shard {shard_id} is not downloaded; materialize raw_shards partition {shard_id} first")
+    splits = {manifest.split_of(entry, d) for d in digests}
+    return "validation" if "validation" in splits else "train"
+
+
+def shard_split_shown(store: LocalStore, manifest: Manifest, shard_id: str) -> str:
+    """The split for a table, before the shard may be downloaded: the rule applied to the recorded
+    content hash, else to the manifest's expected one (a download is verified against it)."""
+    entry = manifest.entry(shard_id)
+    split = manifest.split_of(entry, recorded_sha256(store, shard_id) or entry.sha256)
+    return split or "pending download (sha256 pins)"
+
+
+def unmatched_sha256_pins(store: LocalStore, manifest: Manifest) -> list[str] | None:
+    """The source's validation_sha256 pins that match no shard's content; None while some shard's
+    content is unknown (neither in the manifest nor downloaded)."""
+    if not manifest.validation_sha256:
+        return []
+    digests = [e.sha256 or recorded_sha256(store, manifest.shard_id(e)) for e in manifest.shards]
+    return None if None in digests else manifest.unmatched_sha256_pins(digests)
+
+
+def check_sha256_pins(store: LocalStore, manifest: Manifest, where: str) -> None:
+    """Fail when every shard's content is known and a validation_sha256 pin matches none of them."""
+    unmatched = unmatched_sha256_pins(store, manifest)
+    if unmatched:
+        raise GhostvisError(
+            f"source {manifest.source}: validation_sha256 pin(s) {unmatched} match none of its "
+            f"{len(manifest.shards)} shards' content (checked in {where}); a pin must be the sha256 of one of the "
+            f"source's files (raw_shards' shards_table shows them): fix or remove the pin and re-materialize shard_manifest"
+        )
+
+
+@dataclass
+class TokenizerCorpus:
+    """The text the tokenizer trains on: only shards whose resolved split is train."""
+
+    texts: list[str] = field(default_factory=list)
+    train_shard_ids: list[str] = field(default_factory=list)
+    validation_shard_ids: list[str] = field(default_factory=list)  # resolved validation: left out
+    train_bytes: int = 0
+
+
+def tokenizer_corpus(store: LocalStore, max_train_bytes: int) -> TokenizerCorpus:
+    """Texts of the downloaded train shards of the text sources, in manifest order, up to
+    max_train_bytes. Each shard's split is resolved from the content of the very file read."""
+    corpus = TokenizerCorpus()
+    for manifest in registered_manifests(store).values():
+        if manifest.kind != "text":
+            continue
+        check_sha256_pins(store, manifest, "the tokenizer asset")
+        for e in manifest.shards:
+            if corpus.train_bytes >= max_train_bytes:
+                return corpus
+            sid = manifest.shard_id(e)
+            path = store.path("raw_shard", sid)
+            if not path.exists():
+                raise GhostvisError(f"shard {sid} is not downloaded; materialize raw_shards partition {sid} first")
+            if shard_split(store, manifest, sid, sha256_file(path)) != "train":
+                corpus.validation_shard_ids.append(sid)
+                continue
+            for text in pq.read_table(path, columns=["text"]).column("text").to_pylist():
+                corpus.texts.append(text)
+                corpus.train_bytes += len(text.encode("utf-8"))
+            corpus.train_shard_ids.append(sid)
+    return corpus

@@ -28,6 +28,8 @@ import pyarrow.parquet as pq
 
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.stream import Piece
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.stages import stage_names
 from ghostvis_core.store import LocalStore
 
 SHARD_SCHEMA = pa.schema(
@@ -62,10 +64,7 @@ PART_SCHEMA = pa.schema(
         ("step_last", pa.int64()),
         ("rows_first", pa.int64()),
         ("rows_last", pa.int64()),
-        ("real_tokens", pa.int64()),
-        ("pad_tokens", pa.int64()),
-        ("loss_tokens", pa.int64()),
-        ("cropped_tokens", pa.int64()),
+        *[(name, pa.int64()) for name in TokenCounts.names()],
         ("overlap_tokens", pa.int64()),
         ("micro_batch_size", pa.int64()),
         ("seq_len", pa.int64()),
@@ -352,6 +351,64 @@ def run_summaries(ledger: Ledger) -> list[dict[str, Any]]:
                      "planned_tokens": part["planned_tokens"], "tokens_per_step": part["tokens_per_step"],
                      **ledger.run_totals(part["run_key"])})
     return runs
+
+
+def run_keys(ledger: Ledger, stage: str | None = None) -> list[str]:
+    """Run keys in the ledger (of `stage` if given, variants included), in order of their first part."""
+    return list(dict.fromkeys(p["run_key"] for p in ledger.parts(stage=stage)))
+
+
+def unknown_run_message(ledger: Ledger, run_key: str, stages: list[str]) -> str:
+    """One line: `run_key` has no part in the ledger; the known run keys of its stage (the part before
+    '-' or '@'), or else the stages and every known run key."""
+    stage = run_key.split("@")[0].split("-")[0]
+    if stage in stages:
+        known = run_keys(ledger, stage)
+        return (f"stage {stage} has no run {run_key!r} in the ledger; known run keys of {stage}: "
+                f"{', '.join(known) or 'none (materialize the `' + stage + '` asset)'}")
+    known = run_keys(ledger)
+    return (f"unknown stage or run key {run_key!r}; stages: {', '.join(stages)}; "
+            f"run keys in the ledger: {', '.join(known) or 'none (no stage has trained yet)'}")
+
+
+def merge_ranges(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Consumption rows (parts' pieces) as ranges per (source, shard, split, epoch): ranges that touch
+    (one ends where the next starts) are joined and `parts` counts the pieces joined; overlapping
+    ones are kept apart, so a range read twice stays visible."""
+    out: list[dict[str, Any]] = []
+    key = ("source", "shard_id", "split", "epoch")
+    for r in sorted(rows, key=lambda r: (*(r[k] for k in key), r["tok_start"], r["tok_end"])):
+        cur = out[-1] if out else None
+        if cur is not None and all(cur[k] == r[k] for k in key) and cur["tok_end"] == r["tok_start"]:
+            cur.update(tok_end=r["tok_end"], tokens=cur["tokens"] + r["tokens"], parts=cur["parts"] + 1,
+                       row_start=min(cur["row_start"], r["row_start"]), row_end=max(cur["row_end"], r["row_end"]))
+            continue
+        out.append({**{k: r[k] for k in key}, "tok_start": r["tok_start"], "tok_end": r["tok_end"],
+                    "row_start": r["row_start"], "row_end": r["row_end"], "tokens": r["tokens"], "parts": 1})
+    return out
+
+
+def run_consumption(ledger: Ledger, run_key: str) -> dict[str, Any]:
+    """What a run consumed, from the ledger alone, along its chain: segments (steps, world size, real
+    tokens), parts, the four token figures (`Ledger.run_counts`), overlap, per shard (tokens, rows,
+    epochs) and per range (shard, split, epoch, token range, row range, tokens).
+    Raises GhostvisError when the ledger has no part of `run_key`."""
+    chain = ledger.chain(run_key)
+    if not chain:
+        raise GhostvisError(unknown_run_message(ledger, run_key, stage_names()))
+    head = chain[-1]
+    ranges = merge_ranges(ledger.consumption([p["part_id"] for p in chain]))
+    return {
+        "run_key": run_key, "stage": head["stage"], "parent_run_key": head["parent_run_key"] or None,
+        "steps": head["step_last"], "parts": len(chain), "planned_tokens": head["planned_tokens"],
+        "tokens_per_step": head["tokens_per_step"],
+        **ledger.run_counts(run_key).as_dict(),
+        "overlap_tokens": sum(p["overlap_tokens"] for p in chain),
+        "consumed_tokens": sum(r["tokens"] for r in ranges),
+        "segments": ledger.segments(run_key),
+        "shards": ledger.consumed_by_shard(run_key),
+        "ranges": ranges,
+    }
 
 
 def held_out_text_shards(ledger: Ledger, tokenizer_id: str, sources: list[str]) -> dict[str, list[dict[str, str]]]:

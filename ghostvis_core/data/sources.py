@@ -18,6 +18,7 @@ import string
 import time
 import urllib.parse
 import uuid
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,8 +38,10 @@ HF_HOST = "huggingface.co"
 
 @dataclass
 class ShardEntry:
-    name: str
+    name: str  # the file stem of its URL (`shard_name`): the shard id is <source>/<name>
     url: str
+    # "validation" when the shard is pinned by name. This is a pin, not the shard's split: the split is
+    # `Manifest.split_of(entry, content_sha256)`, known once the content is (catalog.shard_split).
     split: str = "train"
     bytes: int | None = None
     sha256: str | None = None
@@ -53,8 +56,20 @@ class Manifest:
     # name or position, so a re-published, renumbered source cannot move it into training.
     validation_sha256: list[str] = field(default_factory=list)
 
-    def split_of(self, entry: ShardEntry, content_sha256: str) -> str:
-        return "validation" if content_sha256 in self.validation_sha256 else entry.split
+    def split_of(self, entry: ShardEntry, content_sha256: str | None) -> str | None:
+        """THE split rule, for every source kind: a shard is validation if its name is pinned or its
+        content sha256 is pinned, else train. None: not decidable yet (a content pin may match it
+        and its content is unknown); catalog.shard_split resolves it from the downloaded shard."""
+        if entry.split == "validation" or (content_sha256 is not None and content_sha256 in self.validation_sha256):
+            return "validation"
+        if content_sha256 is None and self.validation_sha256:
+            return None
+        return "train"
+
+    def unmatched_sha256_pins(self, content_sha256s) -> list[str]:
+        """The validation_sha256 pins that match none of these contents (all of the source's shards)."""
+        have = set(content_sha256s)
+        return [d for d in self.validation_sha256 if d not in have]
 
     def shard_id(self, entry: ShardEntry) -> str:
         return f"{self.source}/{entry.name}"
@@ -95,10 +110,37 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
+def shard_name(url: str) -> str:
+    """The one partition-key rule: a shard's name is its file's stem, whatever serves it
+    (file://, s3://, http(s):// listing or URL pattern), so its key is <source>/<file stem>."""
+    return Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path)).stem
+
+
+def check_pins(source: str, names: list[str], pinned: set[str], where: str) -> None:
+    """Shard names must be unique (they are partition keys) and every name pin (validation, sha256)
+    must name one of them; otherwise fail with the unmatched names and the available ones."""
+    dup = sorted(n for n, c in Counter(names).items() if c > 1)
+    if dup:
+        raise GhostvisError(
+            f"source {source}: several shards {where} have the file stem(s) {dup[:10]}; a shard's key is "
+            f"<source>/<file stem>, so file names must differ: list fewer files or split the source in two"
+        )
+    unknown = sorted(pinned - set(names))
+    if unknown:
+        shown = ", ".join(repr(n) for n in names[:10]) + (f" ... ({len(names)} in all)" if len(names) > 10 else "")
+        raise GhostvisError(
+            f"source {source}: pinned shards {unknown} (in validation/sha256) match no shard {where}; "
+            f"pins name shards by file stem (the <file stem> of the partition key <source>/<file stem>), "
+            f"available: {shown}; fix the names or the shard range"
+        )
+
+
 def manifest_for_files(source: str, kind: str, files: list[tuple[Path, str]]) -> Manifest:
     """A manifest of local files (file:// URLs) with their sizes and checksums."""
+    uris = [(p.resolve().as_uri(), p, split) for p, split in files]
+    check_pins(source, [shard_name(u) for u, _, _ in uris], set(), "among the files")
     return Manifest(source, kind, [
-        ShardEntry(p.stem, p.resolve().as_uri(), split, p.stat().st_size, sha256_file(p)) for p, split in files
+        ShardEntry(shard_name(u), u, split, p.stat().st_size, sha256_file(p)) for u, p, split in uris
     ])
 
 
@@ -112,31 +154,27 @@ def manifest_from_pattern(
 ) -> Manifest:
     """A manifest of numbered remote shards, e.g. "https://host/data/{shard:05d}.parquet" over range(100).
 
-    Shard names are the formatted index ("00012"); sizes stay unknown, `sha256` maps name -> digest.
-    `validation` names the held-out shards. Pinning them by name is only safe while the publisher never
-    renumbers; validation shards should later be identified by content hash (sha256), so a re-published
-    source cannot silently move a training shard into validation or back.
+    Shard names are the file stems of the URLs ("00012", or "013_00012" for ".../013_{shard:05d}.parquet"),
+    as for a listing of the same files; sizes stay unknown, `sha256` maps name -> digest. `validation`
+    names the held-out shards by file stem. Pinning by name is only safe while the publisher never
+    renumbers; pin validation shards by content (Manifest.validation_sha256) so a re-published source
+    cannot silently move a training shard into validation or back.
     """
     try:
         spec = next((s for _, f, s, _ in string.Formatter().parse(url_pattern) if f == "shard"), None)
         if spec is None:
             raise KeyError("shard")
-        urls = {format(i, spec): url_pattern.format(shard=i) for i in shard_range}
+        urls = [url_pattern.format(shard=i) for i in shard_range]
     except (KeyError, IndexError, ValueError):
         raise GhostvisError(
             f"source {source}: url_pattern {url_pattern!r} must contain {{shard}} and no other field "
             f"(e.g. 'https://host/data/{{shard:05d}}.parquet')"
         ) from None
     val, sums = set(validation or []), sha256 or {}
-    unknown = sorted((val | sums.keys()) - urls.keys())
-    if unknown:
-        raise GhostvisError(
-            f"source {source}: shards {unknown} (in validation/sha256) are not in {shard_range} of {url_pattern}; "
-            f"use the formatted names, e.g. {next(iter(urls), '00000')!r}"
-        )
+    check_pins(source, [shard_name(u) for u in urls], val | sums.keys(), f"of {url_pattern} over {shard_range}")
     return Manifest(source, kind, [
         ShardEntry(name, url, "validation" if name in val else "train", None, sums.get(name))
-        for name, url in urls.items()
+        for name, url in ((shard_name(u), u) for u in urls)
     ])
 
 

@@ -24,6 +24,7 @@ from datatrove.pipeline.filters import FineWebQualityFilter, LambdaFilter, Regex
 from datatrove.pipeline.filters.base_filter import BaseFilter, get_filter_result
 from datatrove.pipeline.readers import ParquetReader
 
+from ghostvis_core.data.catalog import shard_split
 from ghostvis_core.data.chat import IMAGE, render_chat, render_prompt, render_reply
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.sources import Manifest, sha256_file
@@ -47,12 +48,12 @@ class TokenizeJob:
 
 
 def job_for_shard(store: LocalStore, manifest: Manifest, shard_id: str, tokenizer_id: str) -> TokenizeJob:
-    """The job for one downloaded raw shard: its content hash decides its split (pinned validation)."""
+    """The job for one downloaded raw shard: its split is catalog.shard_split of its content hash."""
     raw = store.path("raw_shard", shard_id)
     if not raw.exists():
         raise GhostvisError(f"raw shard {shard_id} is not downloaded; materialize raw_shards partition {shard_id} first")
     content_sha256 = sha256_file(raw)
-    return TokenizeJob(shard_id, manifest.source, manifest.split_of(manifest.entry(shard_id), content_sha256),
+    return TokenizeJob(shard_id, manifest.source, shard_split(store, manifest, shard_id, content_sha256),
                        str(raw), content_sha256, str(store.path("token_shard", tokenizer_id, shard_id)), manifest.kind)
 
 

@@ -18,9 +18,6 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.store import LocalStore
 from ghostvis_core.train.result import RunResult
 
-TOKEN_FIELDS = ("planned_tokens", *TokenCounts.names())
-
-
 @dataclass
 class StageReport:
     stage: str

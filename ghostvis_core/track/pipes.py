@@ -17,10 +17,6 @@ class PipesReporter:
         if is_main and PipesEnvVarParamsLoader().is_dagster_pipes_process():
             self._ctx = open_dagster_pipes()
 
-    @property
-    def active(self) -> bool:
-        return self._ctx is not None
-
     def log(self, message: str) -> None:
         if self._ctx is not None:
             self._ctx.log.info(message)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ghostvis_core import presets
+from ghostvis_core import presets, stages
 from ghostvis_core.budget import Plan, batch_plan, plan as make_plan
-from ghostvis_core.config import StageConfig
+from ghostvis_core.config import SourceWeight, StageConfig
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.stream import ShardRef
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
@@ -50,7 +50,7 @@ def select_shards(ledger: Ledger, store: LocalStore, tokenizer_id: str, sources:
         if not store.exists("token_shard", tokenizer_id, r["shard_id"]):
             raise GhostvisError(
                 f"tokenized shard {r['shard_id']} ({store.path('token_shard', tokenizer_id, r['shard_id'])}) is in "
-                f"the ledger but missing in the store; re-materialize tokenized_shards partition {r['shard_id']}"
+                f"the ledger but missing on disk; re-materialize tokenized_shards partition {r['shard_id']}"
             )
         path = str(store.path("token_shard", tokenizer_id, r["shard_id"]))
         out[r["source"]].append(ShardRef(r["shard_id"], r["source"], r["split"], path, r["docs"], r["tokens"],
@@ -136,8 +136,36 @@ def resolve_stage(stage: str, preset: str, overrides: dict[str, Any], home: Home
         raise GhostvisError(f"eval.evidence: unknown {unknown}; known: {', '.join(EVIDENCE)}")
     tokenizer_id = tokenizer_id or newest_tokenizer(home.store)
     tok = load_tokenizer(home.store.path("tokenizer", tokenizer_id))
+    follow_registered_sources(cfg, Ledger(home.store.path("ledger")).shards(tokenizer_id=tokenizer_id), tokenizer_id)
     fit_vocab(cfg, tok, overrides, upstream, up_cfg is None)
     return Resolved(cfg, upstream, up_cfg, tok)
+
+
+def follow_registered_sources(cfg: StageConfig, shards: list[dict[str, Any]], tokenizer_id: str) -> None:
+    """Fill an empty recipe / val_sources from the registered sources of the stage's kind; refuse
+    a recipe that names sources nobody registered (and say which ones are)."""
+    kind = stages.stage(cfg.stage).reads
+    train: dict[str, int] = {}
+    for r in shards:
+        if r["kind"] == kind and r["split"] == "train":
+            train[r["source"]] = train.get(r["source"], 0) + r["tokens"]
+    if not cfg.data.recipe and train:
+        total = sum(train.values())
+        cfg.data.recipe = [SourceWeight(s, t / total) for s, t in sorted(train.items())]
+    if not cfg.data.val_sources:
+        chosen = {s.source for s in cfg.data.recipe}
+        cfg.data.val_sources = sorted({r["source"] for r in shards if r["split"] == "validation" and r["source"] in chosen})
+    known = sorted({r["source"] for r in shards})
+    named = [s.source for s in cfg.data.recipe] + cfg.data.val_sources
+    missing = sorted({s for s in named if s not in known})
+    if missing or not cfg.data.recipe:
+        example = next(iter(sorted(train)), "my_source")
+        raise GhostvisError(
+            f"stage {cfg.stage}: " + (f"the recipe names source(s) {', '.join(missing)}, which are not registered"
+                                      if missing else f"no {kind} source is registered")
+            + f" (sources tokenized with {tokenizer_id}: {', '.join(known) or 'none'}); set the stage's recipe to your "
+            f"sources (run config `recipe: {{{example}: 1.0}}` or `ghostvis train {cfg.stage} --recipe {example}=1.0`), "
+            "or register them in shard_manifest and backfill raw_shards and tokenized_shards")
 
 
 def fit_vocab(cfg: StageConfig, tok: Tokenizer, overrides: dict[str, Any], upstream: Upstream | None,

@@ -3,7 +3,6 @@
 
 import time
 
-import pyarrow.parquet as pq
 from dagster import (
     AssetExecutionContext,
     BackfillPolicy,
@@ -15,8 +14,8 @@ from dagster import (
 
 from ghostvis_core import presets
 from ghostvis_core.data.catalog import (
-    DEMO_SOURCES, RemoteSource, manifest_of_shard, publish_demo_source, registered_manifests, remote_manifest,
-    save_manifest,
+    DEMO_SOURCES, RemoteSource, check_sha256_pins, manifest_of_shard, publish_demo_source, record_raw_shard,
+    remote_manifest, save_manifest, shard_split_shown, tokenizer_corpus,
 )
 from ghostvis_core.data.ledger import Ledger, source_split_totals
 from ghostvis_core.data.sources import fetch_shard
@@ -40,17 +39,22 @@ class ManifestConfig(Config):
 
 @asset(group_name="data", kinds={"parquet"}, owners=["team:data"])
 def shard_manifest(context: AssetExecutionContext, config: ManifestConfig, home: GhostvisHome) -> MaterializeResult:
-    """Publishes each source's shard list (name, URL, split, bytes, sha256) and registers one
-    `shards` partition per shard, so shards can be downloaded and tokenized as a backfill."""
+    """Publishes each source's shard list (name, URL, bytes, sha256) and registers one `shards`
+    partition per shard (`<source>/<file stem>` for every kind of source), so shards can be downloaded
+    and tokenized as a backfill. A validation pin that matches no shard fails here. The split shown is
+    the split rule's answer so far: a shard pinned by content is resolved once it is downloaded."""
     h = home.home()
     keys, rows = [], []
     manifests = [publish_demo_source(h, source) for source in config.sources]
     manifests += [remote_manifest(RemoteSource(**src.model_dump())) for src in config.remote]
     for manifest in manifests:
+        check_sha256_pins(h.store, manifest, "shard_manifest")
+    for manifest in manifests:
         save_manifest(h.store, manifest)
         for e in manifest.shards:
-            keys.append(manifest.shard_id(e))
-            rows.append([manifest.shard_id(e), e.split, e.bytes, (e.sha256 or "")[:12], e.url])
+            sid = manifest.shard_id(e)
+            keys.append(sid)
+            rows.append([sid, shard_split_shown(h.store, manifest, sid), e.bytes, (e.sha256 or "")[:12], e.url])
     known = set(context.instance.get_dynamic_partitions(shard_partitions.name))
     new = [k for k in keys if k not in known]
     if new:
@@ -72,17 +76,23 @@ def shard_manifest(context: AssetExecutionContext, config: ManifestConfig, home:
     deps=[shard_manifest],
 )
 def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> MaterializeResult:
-    """Downloads shards through the one fetch path (temp name, verify size + sha256, rename)."""
+    """Downloads shards through the one fetch path (temp name, verify size + sha256, rename), and
+    records each one's content hash, size and split (the split rule applied to that content). Once
+    every shard of a source is downloaded, a validation_sha256 pin that matches none of them fails here."""
     store = home.home().store
     t0 = time.time()
-    rows, total, fetched = [], 0, 0
+    rows, total, fetched, manifests = [], 0, 0, {}
     for key in context.partition_keys:
-        entry = manifest_of_shard(store, key).entry(key)
-        r = fetch_shard(key, entry, store.path("raw_shard", key))
+        manifest = manifest_of_shard(store, key)
+        manifests[manifest.source] = manifest
+        r = fetch_shard(key, manifest.entry(key), store.path("raw_shard", key))
+        split = record_raw_shard(store, manifest, key, r.sha256, r.bytes)
         total += r.bytes
         fetched += r.downloaded
-        rows.append([key, entry.split, r.bytes, r.sha256[:12], "downloaded" if r.downloaded else "present"])
-        context.log.info(f"shard {key}: {r.bytes:,} bytes {'downloaded' if r.downloaded else 'already present'}")
+        rows.append([key, split, r.bytes, r.sha256[:12], "downloaded" if r.downloaded else "present"])
+        context.log.info(f"shard {key} ({split}): {r.bytes:,} bytes {'downloaded' if r.downloaded else 'already present'}")
+    for manifest in manifests.values():
+        check_sha256_pins(store, manifest, "raw_shards")
     secs = time.time() - t0
     return MaterializeResult(metadata={
         "shards": len(rows), "downloaded": fetched, "bytes": total,
@@ -99,32 +109,24 @@ class TokenizerConfig(Config):
 
 @asset(group_name="data", kinds={"python"}, owners=["team:data"], deps=[raw_shards])
 def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, home: GhostvisHome) -> MaterializeResult:
-    """Trains a byte-level BPE on the train shards of the text sources; served as tiktoken."""
+    """Trains a byte-level BPE on the train shards of the text sources; served as tiktoken. A shard is
+    left out when its split (the split rule applied to its content) is validation."""
     store = home.home().store
     vocab = config.vocab_size or presets.tokenizer_vocab(config.preset or presets.default_preset())
-    texts, n_bytes, files = [], 0, 0
-    for manifest in registered_manifests(store).values():
-        if manifest.kind != "text":
-            continue
-        for e in manifest.shards:
-            if e.split != "train" or n_bytes >= config.max_train_bytes:
-                continue
-            sid = manifest.shard_id(e)
-            path = store.path("raw_shard", sid)
-            if not path.exists():
-                raise GhostvisError(f"raw shard {sid} is not downloaded; materialize raw_shards partition {sid} first")
-            for text in pq.read_table(path, columns=["text"]).column("text").to_pylist():
-                texts.append(text)
-                n_bytes += len(text.encode("utf-8"))
-            files += 1
-    if not texts:
+    corpus = tokenizer_corpus(store, config.max_train_bytes)
+    if not corpus.texts:
         raise GhostvisError("no downloaded text train shards to train the tokenizer on; materialize raw_shards first")
+    context.log.info(f"tokenizer: {len(corpus.train_shard_ids)} train shards, "
+                     f"{len(corpus.validation_shard_ids)} validation shards left out")
     t0 = time.time()
-    tok = train_tokenizer(texts, vocab)
+    tok = train_tokenizer(corpus.texts, vocab)
     path = save_tokenizer(tok, store)
     return MaterializeResult(metadata={
-        "tokenizer_id": tok.tokenizer_id, "vocab_size": tok.vocab_size, "train_shards": files,
-        "train_bytes": n_bytes, "train_seconds": round(time.time() - t0, 2),
+        "tokenizer_id": tok.tokenizer_id, "vocab_size": tok.vocab_size,
+        "train_shards": len(corpus.train_shard_ids), "train_shard_ids": MetadataValue.json(corpus.train_shard_ids),
+        "validation_shards_excluded": len(corpus.validation_shard_ids),
+        "validation_shard_ids_excluded": MetadataValue.json(corpus.validation_shard_ids),
+        "train_bytes": corpus.train_bytes, "train_seconds": round(time.time() - t0, 2),
         "path": MetadataValue.path(str(path)),
     })
 

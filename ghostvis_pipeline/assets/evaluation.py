@@ -14,6 +14,7 @@ from ghostvis_core.eval.checkpoints import load_stage, stage_config
 from ghostvis_core.eval.report import stage_report, write_report
 from ghostvis_core.stages import stage_names
 from ghostvis_core.store import LocalStore
+from ghostvis_core.track.mlflow_records import add_files, add_to_run, metric_histories
 from ghostvis_core.train.runs import run_result
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
@@ -39,13 +40,9 @@ def eval_shards(store: LocalStore, tokenizer_id: str, lineage: dict[str, str]) -
 def evaluation(context: AssetExecutionContext, home: GhostvisHome) -> MaterializeResult:
     """Validation bits per byte, a multiple-choice benchmark (lowest answer loss wins) and sampled
     completions for fixed prompts, for every stage's newest checkpoint."""
-    from mlflow.entities import Metric
-    from mlflow.tracking import MlflowClient
-
     h = home.home()
     lineage = lineage_run_keys(context)
     val = eval_shards(h.store, latest_metadata(context, "tokenizer")["tokenizer_id"], lineage)
-    client = MlflowClient(h.mlflow_tracking_uri)
     results, rows = {}, []
     for stage, run_key in lineage.items():
         t0 = time.time()
@@ -55,10 +52,8 @@ def evaluation(context: AssetExecutionContext, home: GhostvisHome) -> Materializ
         smp = samples(ts)
         results[stage] = {"run_key": run_key, "bpb": bpb, "mc": mc, "samples": smp}
         metrics = {f"eval/bpb/{k}": v for k, v in bpb.items()} | {f"eval/mc/{k}": v for k, v in mc.items()}
-        run_id = ts.result.mlflow_run_id
-        stamp = int(time.time() * 1000)
-        client.log_batch(run_id, metrics=[Metric(k, v, stamp, int(ts.result.steps)) for k, v in metrics.items()])
-        client.log_text(run_id, json.dumps(smp, indent=2), "eval/samples.json")
+        add_to_run(h.mlflow_tracking_uri, ts.result.mlflow_run_id, metrics, ts.result.steps,
+                   texts={"eval/samples.json": json.dumps(smp, indent=2)})
         rows.append([stage, run_key, *[f"{bpb.get(s, float('nan')):.3f}" for s in val], f"{mc['overall']:.2f}",
                      smp[0]["completion"].strip()[:60]])
         context.log.info(f"{stage}: bpb {bpb}, mc {mc['overall']:.2f} ({time.time() - t0:.1f}s)")
@@ -79,25 +74,20 @@ class ReportConfig(Config):
 @asset(group_name="eval", kinds={"mlflow", "html"}, owners=["team:training"], deps=["evaluation", *STAGES])
 def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisHome) -> MaterializeResult:
     """The lineage's report card: tokens from the ledger, evidence, evaluation, loss curves, cost."""
-    from mlflow.tracking import MlflowClient
-
-    store = home.home().store
-    client = MlflowClient(home.home().mlflow_tracking_uri)
+    store, tracking_uri = home.home().store, home.home().mlflow_tracking_uri
     ledger = Ledger.in_store(store)
     evaluation_results = store.read_json("report", "evaluation.json")
     stages, smp = [], {}
     for stage, run_key in lineage_run_keys(context).items():
         result = run_result(store, stage, run_key)
-        curves = {m: [(int(x.step), float(x.value)) for x in client.get_metric_history(result.mlflow_run_id, m)]
-                  for m in ("train/loss", "val/loss")}
+        curves = metric_histories(tracking_uri, result.mlflow_run_id, ("train/loss", "val/loss"))
         ev = evaluation_results.get(stage, {})
         stages.append(stage_report(ledger, result, stage_config(store, result), curves, ev, dict(config.gpu_prices)))
         smp[stage] = ev.get("samples", [])
     lineage = " -> ".join(f"{s.stage}" for s in stages)
     files = write_report(store, stages[-1].run_key, f"GhostVis report card: {lineage}", stages, smp)
     final_run = stages[-1].mlflow_run_id
-    for f in files.values():
-        client.log_artifact(final_run, str(f), "report")
+    add_files(tracking_uri, final_run, list(files.values()), "report")
     return MaterializeResult(metadata={
         "report_html": MetadataValue.path(str(files["html"])),
         "report_md": MetadataValue.md(files["md"].read_text()),

@@ -27,6 +27,9 @@ class StageRunConfig(Config):
 
     preset: str = ""  # empty: GHOSTVIS_PRESET, else presets.DEFAULT_PRESET (read when the run starts)
     overrides: dict[str, str] = {}
+    # source -> weight (normalised); empty: the preset's recipe, else every registered source of the stage's kind
+    recipe: dict[str, float] = {}
+    val_sources: list[str] = []  # empty: the recipe's sources that have validation shards
 
 
 def mlflow_url(experiment_id: str, run_id: str) -> str:
@@ -90,7 +93,7 @@ def ledger_metadata(ledger: Ledger, run_key: str) -> dict:
 def _launch(context, stage: Stage, config: StageRunConfig, home: GhostvisHome, launcher: TorchrunLauncher,
             overrides: dict[str, str], variant: str | None = None) -> MaterializeResult:
     h = home.home()
-    spec = _prepare(context, stage, config.preset or presets.default_preset(), overrides, h, variant)
+    spec = _prepare(context, stage, config, overrides, h, variant)
     launcher.run(context, spec, h)
     result = run_result(h.store, spec.stage, spec.run_key)
     md = {**result_metadata(result), **lineage_metadata(result, spec),
@@ -100,9 +103,11 @@ def _launch(context, stage: Stage, config: StageRunConfig, home: GhostvisHome, l
     return MaterializeResult(metadata=md)
 
 
-def _prepare(context, stage: Stage, preset: str, overrides: dict, h: Home, variant: str | None) -> LaunchSpec:
-    """The run's spec, from the tokenizer and upstream materializations Dagster knows about."""
+def _prepare(context, stage: Stage, config: StageRunConfig, overrides: dict, h: Home, variant: str | None) -> LaunchSpec:
+    """The run's spec, from the run config and the tokenizer and upstream materializations Dagster knows about."""
     try:
+        preset = config.preset or presets.default_preset()
+        overrides = {**presets.data_overrides(config.recipe, config.val_sources), **overrides}
         tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
         up = None
         if stage.upstream:

@@ -1,0 +1,67 @@
+"""`ghostvis train <stage>`: materialize one training stage on your own sources, with the recipe
+given on the command line, through the same Dagster asset (and checks) as the UI and `dagster`."""
+
+from __future__ import annotations
+
+import argparse
+
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.home import Home
+from ghostvis_core.stages import stage_names
+
+
+def parse_recipe(text: str) -> dict[str, float]:
+    """'web=0.7,code=0.3' -> {'web': 0.7, 'code': 0.3}."""
+    try:
+        return {k.strip(): float(v) for k, v in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise GhostvisError(f"--recipe {text!r}: expected source=weight,... e.g. web=0.6,books=0.15,code=0.25") from None
+
+
+def stage_run_config(args) -> dict:
+    """The stage asset's run config (StageRunConfig) from the command's flags."""
+    overrides = {}
+    for item in args.sets:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise GhostvisError(f"--set {item!r}: expected key=value, e.g. --set budget.steps=100")
+        overrides[key] = value
+    config = {"overrides": overrides, "recipe": parse_recipe(args.recipe) if args.recipe else {},
+              "val_sources": [s for s in (args.val_sources or "").split(",") if s]}
+    if args.preset:
+        config["preset"] = args.preset
+    return {"ops": {args.stage: {"config": config}}}
+
+
+def cmd_train(args) -> int:
+    from dagster import DagsterInstance
+
+    from ghostvis_pipeline.definitions import defs
+    from ghostvis_pipeline.demo import format_summary, materialize
+    from ghostvis_pipeline.environment import prepare_environment
+
+    home = Home.from_env()
+    prepare_environment(home)
+    summary = materialize(defs, DagsterInstance.get(), [args.stage], run_config=stage_run_config(args))
+    print(format_summary([summary], sum(summary.assets.values())))
+    from ghostvis_core.train.runs import completed_runs
+
+    run = completed_runs(home.store, args.stage)[-1]
+    print(f"{args.stage}: run {run.run_key}, checkpoint {run.checkpoint_uri}")
+    return 0 if all(passed for *_, passed in summary.checks) else 1
+
+
+def add_parser(sub) -> None:
+    t = sub.add_parser("train", help="materialize one training stage (its asset and checks), e.g. on your own sources",
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       description="Runs the stage's Dagster asset in this process, recorded in DAGSTER_HOME like a UI "
+                                   "run. The upstream stage (if any) and the token ledger must be materialized.")
+    t.add_argument("stage", choices=stage_names())
+    t.add_argument("--preset", help="preset name (default: GHOSTVIS_PRESET, else tiny)")
+    t.add_argument("--recipe", help="source=weight,... of registered sources (default: the preset's recipe, or "
+                                    "every registered source of the stage's kind by its tokens)")
+    t.add_argument("--val-sources", help="comma-separated validation sources (default: the recipe's sources that "
+                                         "have validation shards)")
+    t.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                   help="a dotted config override, e.g. --set budget.steps=200 (repeatable)")
+    t.set_defaults(fn=cmd_train)
