@@ -86,3 +86,30 @@ def test_presets_state_only_values_that_differ_from_the_dataclass_defaults(prese
             defaults = _defaults(SECTIONS[section])
             restated += [f"{name}.{section}.{k}={v!r}" for k, v in fields.items() if k in defaults and defaults[k] == v]
     assert not restated, f"preset {preset} restates dataclass defaults: {restated}"
+
+
+SHARDS = [{"source": "web", "kind": "text", "split": "train", "tokens": 300},
+          {"source": "web", "kind": "text", "split": "validation", "tokens": 50},
+          {"source": "books", "kind": "text", "split": "train", "tokens": 100},
+          {"source": "chats", "kind": "chat", "split": "train", "tokens": 900}]
+
+
+def test_a_stage_follows_the_registered_sources_of_its_kind_when_its_preset_names_others():
+    from ghostvis_core.train.launch import follow_registered_sources
+
+    cfg = presets.resolve("pretrain", "tiny")  # the demo recipe: demo_prose, demo_code (not registered here)
+    follow_registered_sources(cfg, SHARDS, "tok", preset_recipe=True)
+    assert [(s.source, s.weight) for s in cfg.data.recipe] == [("books", 0.25), ("web", 0.75)]
+    assert cfg.data.val_sources == ["web"]
+
+
+def test_a_recipe_of_the_users_naming_unregistered_sources_names_the_registered_ones():
+    from ghostvis_core.train.launch import follow_registered_sources
+
+    cfg = presets.resolve("pretrain", "tiny", presets.data_overrides({"webb": 1.0}, []))
+    with pytest.raises(GhostvisError, match=r"the recipe names source\(s\) webb, which are not registered "
+                                            r"\(sources tokenized with tok: books, chats, web\); set the stage's recipe"):
+        follow_registered_sources(cfg, SHARDS, "tok", preset_recipe=False)
+    sft = presets.resolve("sft", "tiny")
+    follow_registered_sources(sft, SHARDS, "tok", preset_recipe=True)
+    assert [(s.source, s.weight) for s in sft.data.recipe] == [("chats", 1.0)] and sft.data.val_sources == []

@@ -136,15 +136,21 @@ def resolve_stage(stage: str, preset: str, overrides: dict[str, Any], home: Home
         raise GhostvisError(f"eval.evidence: unknown {unknown}; known: {', '.join(EVIDENCE)}")
     tokenizer_id = tokenizer_id or newest_tokenizer(home.store)
     tok = load_tokenizer(home.store.path("tokenizer", tokenizer_id))
-    follow_registered_sources(cfg, Ledger(home.store.path("ledger")).shards(tokenizer_id=tokenizer_id), tokenizer_id)
+    follow_registered_sources(cfg, Ledger(home.store.path("ledger")).shards(tokenizer_id=tokenizer_id), tokenizer_id,
+                              preset_recipe="data.recipe" not in overrides)
     fit_vocab(cfg, tok, overrides, upstream, up_cfg is None)
     return Resolved(cfg, upstream, up_cfg, tok)
 
 
-def follow_registered_sources(cfg: StageConfig, shards: list[dict[str, Any]], tokenizer_id: str) -> None:
-    """Fill an empty recipe / val_sources from the registered sources of the stage's kind; refuse
-    a recipe that names sources nobody registered (and say which ones are)."""
+def follow_registered_sources(cfg: StageConfig, shards: list[dict[str, Any]], tokenizer_id: str,
+                              preset_recipe: bool) -> None:
+    """Fill an empty recipe / val_sources from the registered sources of the stage's kind (also when
+    none of a preset's recipe sources is registered: the preset's recipe is for its own data); refuse
+    a recipe of the user's that names sources nobody registered, and say which ones are."""
     kind = stages.stage(cfg.stage).reads
+    registered = {r["source"] for r in shards}
+    if preset_recipe and not registered & {s.source for s in cfg.data.recipe}:
+        cfg.data.recipe, cfg.data.val_sources = [], []
     train: dict[str, int] = {}
     for r in shards:
         if r["kind"] == kind and r["split"] == "train":
@@ -155,7 +161,7 @@ def follow_registered_sources(cfg: StageConfig, shards: list[dict[str, Any]], to
     if not cfg.data.val_sources:
         chosen = {s.source for s in cfg.data.recipe}
         cfg.data.val_sources = sorted({r["source"] for r in shards if r["split"] == "validation" and r["source"] in chosen})
-    known = sorted({r["source"] for r in shards})
+    known = sorted(registered)
     named = [s.source for s in cfg.data.recipe] + cfg.data.val_sources
     missing = sorted({s for s in named if s not in known})
     if missing or not cfg.data.recipe:
