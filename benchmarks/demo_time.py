@@ -13,7 +13,6 @@ exits 1.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import shutil
 import sys

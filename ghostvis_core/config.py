@@ -196,6 +196,17 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
     return data
 
 
+def parse_sets(items: list[str]) -> dict[str, str]:
+    """`--set key=value` flags -> dotted overrides."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise GhostvisError(f"--set {item!r}: expected key=value, e.g. --set budget.steps=100")
+        out[key] = value
+    return out
+
+
 def _parse_value(value: Any) -> Any:
     if not isinstance(value, str):
         return value

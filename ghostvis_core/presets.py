@@ -204,6 +204,14 @@ def _refuse_shape_change(cfg: StageConfig, upstream: dict[str, Any]) -> None:
         )
 
 
+def parse_recipe(text: str) -> dict[str, float]:
+    """'web=0.7,code=0.3' (a --recipe flag) -> {'web': 0.7, 'code': 0.3}."""
+    try:
+        return {k.strip(): float(v) for k, v in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise GhostvisError(f"--recipe {text!r}: expected source=weight,... e.g. web=0.6,books=0.15,code=0.25") from None
+
+
 def data_overrides(recipe: dict[str, float], val_sources: list[str]) -> dict[str, Any]:
     """Dotted overrides for a recipe given as source -> weight (normalised to sum 1) and validation
     sources. No recipe leaves the preset's; a recipe without validation sources validates on those of

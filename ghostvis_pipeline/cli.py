@@ -70,13 +70,6 @@ def plan_overrides(args) -> dict[str, Any]:
     return o
 
 
-def parse_recipe(text: str) -> dict[str, float]:
-    try:
-        return {k.strip(): float(v) for k, v in (item.split("=") for item in text.split(","))}
-    except ValueError:
-        raise GhostvisError(f"--recipe {text!r}: expected source=weight,... e.g. web=0.6,books=0.15,code=0.25") from None
-
-
 def needed_rule(stage_name: str) -> str:
     """How `plan` counts a source's needed tokens: like the pre-flight for LM stages."""
     if stage(stage_name).objective == "lm":
@@ -94,7 +87,7 @@ def recipe_report(args, p) -> list[dict]:
         if r["split"] == "train":
             shards.setdefault(r["source"], []).append((r["shard_id"], r["tokens"]))
     seq_len = p.seq_len if stage(args.stage).objective == "lm" else None
-    return [sp.to_dict() for sp in source_plan(parse_recipe(args.recipe), p.step_tokens_total, shards, seq_len)]
+    return [sp.to_dict() for sp in source_plan(presets.parse_recipe(args.recipe), p.step_tokens_total, shards, seq_len)]
 
 
 def cmd_plan(args) -> int:

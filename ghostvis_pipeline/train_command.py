@@ -5,28 +5,15 @@ from __future__ import annotations
 
 import argparse
 
-from ghostvis_core.errors import GhostvisError
+from ghostvis_core.config import parse_sets
 from ghostvis_core.home import Home
+from ghostvis_core.presets import parse_recipe
 from ghostvis_core.stages import stage_names
-
-
-def parse_recipe(text: str) -> dict[str, float]:
-    """'web=0.7,code=0.3' -> {'web': 0.7, 'code': 0.3}."""
-    try:
-        return {k.strip(): float(v) for k, v in (item.split("=") for item in text.split(","))}
-    except ValueError:
-        raise GhostvisError(f"--recipe {text!r}: expected source=weight,... e.g. web=0.6,books=0.15,code=0.25") from None
 
 
 def stage_run_config(args) -> dict:
     """The stage asset's run config (StageRunConfig) from the command's flags."""
-    overrides = {}
-    for item in args.sets:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise GhostvisError(f"--set {item!r}: expected key=value, e.g. --set budget.steps=100")
-        overrides[key] = value
-    config = {"overrides": overrides, "recipe": parse_recipe(args.recipe) if args.recipe else {},
+    config = {"overrides": parse_sets(args.sets), "recipe": parse_recipe(args.recipe) if args.recipe else {},
               "val_sources": [s for s in (args.val_sources or "").split(",") if s]}
     if args.preset:
         config["preset"] = args.preset

@@ -3,7 +3,6 @@ once the server is back, and the outage is reported (a real `mlflow server` on 1
 
 from __future__ import annotations
 
-import json
 import socket
 import subprocess
 import time

@@ -6,7 +6,6 @@ and a pretrained checkpoint at the end."""
 from __future__ import annotations
 
 import functools
-import json
 import re
 import subprocess
 import threading

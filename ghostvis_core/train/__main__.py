@@ -12,21 +12,12 @@ import json
 import sys
 from pathlib import Path
 
+from ghostvis_core.config import parse_sets
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import open_store
 from ghostvis_core.train import dist
 from ghostvis_core.train.loop import train
 from ghostvis_core.train.spec import LaunchSpec
-
-
-def parse_sets(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise GhostvisError(f"--set {item!r}: expected key=value, e.g. --set budget.steps=100")
-        out[key] = value
-    return out
 
 
 def _leave_reason(spec, reason: str) -> None:
