@@ -87,8 +87,9 @@ def test_training_survives_an_mlflow_outage_and_the_metrics_arrive_complete(home
         done = run_result(Home(home_copy).store, "pretrain", run_key)
         ledger = Ledger(Home(home_copy).store.path("ledger"))
         assert max(m.value for m in history) == done.counts.real_tokens == ledger.run_counts(run_key).real_tokens
-        assert done["mlflow_failed_flushes"] >= 1 and done["mlflow_gap_seconds"] > 0  # the outage is reported
-        assert done["mlflow_unsent_metrics"] == 0
+        delivery = done.mlflow_delivery
+        assert delivery["failed_flushes"] >= 1 and delivery["gap_seconds"] > 0  # the outage is reported
+        assert delivery["unsent_metrics"] == 0
         assert client.get_run(run_id).info.status == "FINISHED"
     finally:
         stop_server(server)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -34,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
     args = ap.parse_args(argv)
+    # MLflow's HTTP client fails fast in this process, however it was launched: the tracker keeps its
+    # own buffer and retries, so an outage costs a gap in delivery, not minutes of blocked retries.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     ctx = dist.setup()
     spec = None
     try:

@@ -271,9 +271,6 @@ def torchrun_command(spec_file: Path, nproc_per_node: int, python: str | None = 
 
 
 def launch_env(nproc_per_node: int) -> dict[str, str]:
-    """Threads per rank (the machine's cores shared evenly; torchrun would default to 1 and warn), and
-    MLflow's HTTP client failing fast: the tracker keeps its own buffer and retries (an outage costs a
-    gap in delivery, not minutes of blocked retries)."""
+    """Threads per rank: the machine's cores shared evenly (torchrun would default to 1 and warn)."""
     threads = max(1, (os.cpu_count() or 1) // nproc_per_node)
-    return {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1",
-            "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+    return {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}
