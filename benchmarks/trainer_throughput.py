@@ -101,8 +101,9 @@ def main() -> int:
         for i in range(args.repeats):
             print(f"[{i + 1}/{args.repeats}] trainer bf16 (precision auto), {args.steps} steps ...", flush=True)
             trainers.append(trainer_run(home, wd, args.preset, args.steps, None, f"auto{i}"))
-            print(f"[{i + 1}/{args.repeats}] bare loop bf16, {args.steps} steps ...", flush=True)
-            bares.append(bare_run(trainers[0]["spec"], wd, args.steps, "bf16", f"bf16-{i}"))
+            precision = "bf16" if trainers[-1]["bf16"] else "fp32"  # what the trainer picked: like for like
+            print(f"[{i + 1}/{args.repeats}] bare loop {precision}, {args.steps} steps ...", flush=True)
+            bares.append(bare_run(trainers[0]["spec"], wd, args.steps, precision, f"{precision}-{i}"))
         t32 = b32 = None
         if not args.no_fp32:
             print(f"trainer fp32, {args.fp32_steps} steps ...", flush=True)
@@ -112,8 +113,8 @@ def main() -> int:
 
         t, b = best(trainers), best(bares)
         if not t["bf16"]:
-            print("note: runtime.precision=auto did not pick bf16 on this machine (no AVX512-BF16/AMX?); the "
-                  "bare loop still ran bf16 autocast", flush=True)
+            print("note: runtime.precision=auto did not pick bf16 on this machine (no AVX512-BF16/AMX); trainer "
+                  "and bare loop both ran fp32", flush=True)
         rows = []
         for r in trainers + ([t32] if t32 else []):
             rows.append([f"trainer {r['tag']}", r["shape"], "bf16" if r["bf16"] else "fp32", r["tokens_per_sec"],
