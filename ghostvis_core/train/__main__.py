@@ -1,6 +1,6 @@
 """Training entry point, the same under plain torchrun and under Dagster Pipes:
 
-    torchrun --standalone --nproc_per_node=2 -m ghostvis_core.train --spec runs/.../spec.json
+    torchrun --standalone --nproc_per_node=2 -m ghostvis_core.train --spec <store>/runs/<stage>/<run_key>/spec.json
     torchrun --standalone --nproc_per_node=2 -m ghostvis_core.train --stage pretrain --preset tiny \
         --set budget.steps=50
 """
