@@ -19,7 +19,8 @@ from ghostvis_pipeline.checks import (
     tokenizer_trained_on_train_shards_only,
 )
 from ghostvis_pipeline.jobs import shard_data_job, training_job
-from ghostvis_pipeline.resources import GhostvisHome, TorchrunLauncher
+from ghostvis_pipeline.launchers import Launcher
+from ghostvis_pipeline.resources import GhostvisHome
 
 stage_assets = []
 for stage in STAGES:  # each stage starts from its upstream's checkpoint; every stage reads the token ledger
@@ -34,5 +35,5 @@ defs = Definitions(
                   ledger_matches_token_files, all_manifest_shards_tokenized, no_duplicate_content,
                   *[c for stage in STAGES for c in stage_checks(stage.name)]],
     jobs=[shard_data_job, training_job],
-    resources={"home": GhostvisHome(), "launcher": TorchrunLauncher()},
+    resources={"home": GhostvisHome(), "launcher": Launcher()},
 )

@@ -9,8 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -262,15 +260,3 @@ def run_tags(spec: LaunchSpec, preset: str, upstream: Upstream | None, variant: 
     if variant:
         tags["ghostvis.variant"] = variant
     return tags
-
-
-def torchrun_command(spec_file: Path, nproc_per_node: int, python: str | None = None) -> list[str]:
-    """The local launch: one node, `nproc_per_node` ranks, rendezvous on a free local port."""
-    return [python or sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={nproc_per_node}", "-m", "ghostvis_core.train", "--spec", str(spec_file)]
-
-
-def launch_env(nproc_per_node: int) -> dict[str, str]:
-    """Threads per rank: the machine's cores shared evenly (torchrun would default to 1 and warn)."""
-    threads = max(1, (os.cpu_count() or 1) // nproc_per_node)
-    return {"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1"}

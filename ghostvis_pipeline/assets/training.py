@@ -18,8 +18,9 @@ from ghostvis_core.train.launch import prepare_run
 from ghostvis_core.train.result import RunResult
 from ghostvis_core.train.runs import Upstream, run_result
 from ghostvis_core.train.spec import LaunchSpec
+from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.metadata import latest_metadata, md_table
-from ghostvis_pipeline.resources import GhostvisHome, TorchrunLauncher
+from ghostvis_pipeline.resources import GhostvisHome
 
 
 class StageRunConfig(Config):
@@ -90,7 +91,7 @@ def ledger_metadata(ledger: Ledger, run_key: str) -> dict:
     }
 
 
-def _launch(context, stage: Stage, config: StageRunConfig, home: GhostvisHome, launcher: TorchrunLauncher,
+def _launch(context, stage: Stage, config: StageRunConfig, home: GhostvisHome, launcher: Launcher,
             overrides: dict[str, str], variant: str | None = None) -> MaterializeResult:
     h = home.home()
     spec = _prepare(context, stage, config, overrides, h, variant)
@@ -135,7 +136,7 @@ def variants_asset(stage: Stage, deps: list):
                     + "; ".join(f"{k}: {v}" for k, v in variants.items()),
     )
     def _variants(context: AssetExecutionContext, config: StageRunConfig, home: GhostvisHome,
-                  launcher: TorchrunLauncher) -> MaterializeResult:
+                  launcher: Launcher) -> MaterializeResult:
         name = context.partition_key
         return _launch(context, stage, config, home, launcher, {**variants[name], **config.overrides}, variant=name)
 
@@ -154,7 +155,7 @@ def stage_asset(stage: Stage, deps: list):
         retry_policy=RetryPolicy(max_retries=1, delay=2, backoff=Backoff.LINEAR),
     )
     def _stage(context: AssetExecutionContext, config: StageRunConfig, home: GhostvisHome,
-               launcher: TorchrunLauncher) -> MaterializeResult:
+               launcher: Launcher) -> MaterializeResult:
         return _launch(context, stage, config, home, launcher, dict(config.overrides))
 
     return _stage

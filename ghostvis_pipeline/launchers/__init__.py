@@ -1,0 +1,49 @@
+"""The `launcher` resource: where a stage's torchrun job runs, chosen by config, never by the stage code.
+
+    kind: local       torchrun on the Dagster host (the default)
+    kind: torchrun    multi-node torchrun with a c10d rendezvous (nodes started by hand or another scheduler)
+    kind: slurm       an sbatch job: `srun torchrun` on N nodes, followed, streamed, cancelled with the run
+    kind: kubernetes  pods through dagster-k8s Pipes: one pod per node, an indexed Job for several
+
+Every launcher runs the same entry point on the same spec in the same store; when it returns, the
+run's RunResult is in the store (kind run_record).
+"""
+
+from __future__ import annotations
+
+from dagster import AssetExecutionContext, ConfigurableResource, Failure
+from pydantic import Field
+
+from ghostvis_core.home import Home
+from ghostvis_core.train.spec import LaunchSpec
+from ghostvis_pipeline.launchers.local import run_local
+
+LAUNCHERS = {"local": run_local}
+
+
+class Launcher(ConfigurableResource):
+    """How and where a stage's ranks are started."""
+
+    kind: str = Field("local", description="local | torchrun | slurm | kubernetes")
+    nproc_per_node: int = Field(0, description="ranks per node; 0: the stage's batch.world_size / nodes")
+    profile: str = Field("local", description="named environment settings: local, no-nvlink, no-infiniband, pcie-cloud")
+
+    def nodes(self) -> int:
+        return 1
+
+    def ranks_per_node(self, spec: LaunchSpec) -> int:
+        """Ranks on each node; the stage's world size must be nodes x ranks per node."""
+        world, nodes = int(spec.config["batch"]["world_size"]), self.nodes()
+        per_node = self.nproc_per_node or world // nodes
+        if per_node * nodes != world:
+            raise Failure(f"{spec.stage}: batch.world_size={world} is not {nodes} node(s) x {per_node} rank(s); "
+                          f"set launcher nproc_per_node and nodes so that they multiply to {world}, or set "
+                          f"batch.world_size", allow_retries=False)
+        return per_node
+
+    def run(self, context: AssetExecutionContext, spec: LaunchSpec, home: Home) -> None:
+        """Train the run to completion; its RunResult is then in the store (kind run_record)."""
+        if self.kind not in LAUNCHERS:
+            raise Failure(f"launcher kind '{self.kind}' is unknown; choose one of {', '.join(LAUNCHERS)}",
+                          allow_retries=False)
+        LAUNCHERS[self.kind](context, spec, home, self)
