@@ -34,6 +34,7 @@ LAYOUT: dict[str, str] = {
     "run_record": "checkpoints/{}/{}/RUN_COMPLETE.json",  # stage, run_key: the finished run's RunResult
     "run_spec": "runs/{}/{}/spec.json",  # stage, run_key: the LaunchSpec the ranks read
     "run_error": "runs/{}/{}/error.txt",  # stage, run_key: a failed run's one-line reason
+    "run_file": "runs/{}/{}/{path}",  # stage, run_key, name: a launcher's file (job script, job output, Pipes messages)
     "report": "reports/{path}",  # file name under reports/
 }
 

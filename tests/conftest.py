@@ -3,6 +3,7 @@ the real `ghostvis` CLI, that later tests read (and copy when they need to break
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -46,3 +47,48 @@ def home_copy(demo_home, tmp_path) -> Path:
     dest = tmp_path / "home"
     shutil.copytree(demo_home, dest, symlinks=True)
     return dest
+
+
+# A short pretraining run that the resume, multi-node and Slurm tests share: 12 steps of the smoke
+# preset (2 ranks, 8 x 256 tokens each), a checkpoint every 4.
+SHORT_PRETRAIN = {"budget.steps": "12", "checkpoint.every_steps": "4"}
+
+
+def pretrain_config(**launcher) -> str:
+    """`--config-json` for the short pretraining run, launched by the given launcher config."""
+    run = {"ops": {"pretrain": {"config": {"preset": "smoke", "overrides": SHORT_PRETRAIN}}}}
+    if launcher:
+        run["resources"] = {"launcher": {"config": launcher}}
+    return json.dumps(run)
+
+
+def materialize_pretrain(**launcher) -> list[str]:
+    return ["dagster", "asset", "materialize", "--select", "pretrain", "-m", "ghostvis_pipeline.definitions",
+            "--config-json", pretrain_config(**launcher)]
+
+
+def new_run_dirs(home: Path, known: set[str]) -> list[Path]:
+    """Pretrain run folders in `home`'s store that are not in `known`, oldest first."""
+    from ghostvis_core.home import Home
+
+    root = Home(home).store.path("checkpoints", "pretrain", "x").parent
+    new = [p for p in root.iterdir() if p.name not in known] if root.exists() else []
+    return sorted(new, key=lambda p: p.stat().st_mtime)
+
+
+def run_names(home: Path) -> set[str]:
+    from ghostvis_core.home import Home
+
+    root = Home(home).store.path("checkpoints", "pretrain", "x").parent
+    return {p.name for p in root.iterdir()} if root.exists() else set()
+
+
+@pytest.fixture(scope="session")
+def pretrain_reference(demo_home, tmp_path_factory) -> tuple[Path, Path]:
+    """The short pretraining run, uninterrupted, 2 ranks on this machine (the `local` launcher):
+    (its home, its run folder). Other launchers and resumed runs must end exactly here."""
+    home = tmp_path_factory.mktemp("reference") / "home"
+    shutil.copytree(demo_home, home, symlinks=True)
+    known = run_names(home)
+    run_cli(materialize_pretrain(), home)
+    return home, new_run_dirs(home, known)[-1]
