@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import LocalStore, open_store
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,8 @@ class Home:
 
     @property
     def store(self) -> LocalStore:
-        return LocalStore(self.root / "store")
+        """GHOSTVIS_STORE (a folder, or s3://bucket/prefix) when set, else GHOSTVIS_HOME/store."""
+        return open_store(os.environ.get("GHOSTVIS_STORE") or str(self.root / "store"))
 
     @property
     def sources(self) -> Path:

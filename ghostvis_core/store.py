@@ -2,8 +2,12 @@
 
 Every read and write of shards, tokenizers, checkpoints, run specs and records, ledger tables and
 reports names an artifact kind (a key of `LAYOUT`) and its key parts. `LocalStore` keeps them in a
-folder (GHOSTVIS_HOME/store by default); a shared filesystem is the same folder mounted on every
-node. Libraries that need a file (safetensors, DuckDB, datatrove) get one from `path()`. Where an
+folder (GHOSTVIS_HOME/store by default, or GHOSTVIS_STORE); a shared filesystem is the same folder
+mounted on every node. `S3Store` keeps them in a bucket (GHOSTVIS_STORE=s3://bucket/prefix, any
+S3-compatible endpoint) and caches what a node opens in a local folder with the same layout.
+
+Libraries that need a file (safetensors, DuckDB, datatrove) get one from `fetch()` (reads) or
+`path()` followed by `publish()` (writes); on a local store both are the store's own file. Where an
 artifact lives never changes what it is (docs/invariants.md, invariant 7): the key is the identity.
 """
 
@@ -31,6 +35,8 @@ LAYOUT: dict[str, str] = {
     "ledger": "ledger",  # the ledger's Parquet tables (data/ledger.py)
     "ledger_file": "ledger/{path}",  # one file of those tables, by its path inside the ledger
     "checkpoints": "checkpoints/{}/{}",  # stage, run_key: the run's step_* folders
+    "checkpoint": "checkpoints/{}/{}/{}",  # stage, run_key, step_* folder: one checkpoint
+    "checkpoint_marker": "checkpoints/{}/{}/{}/COMPLETE",  # stage, run_key, step_*: written last, when committed
     "run_record": "checkpoints/{}/{}/RUN_COMPLETE.json",  # stage, run_key: the finished run's RunResult
     "run_spec": "runs/{}/{}/spec.json",  # stage, run_key: the LaunchSpec the ranks read
     "run_error": "runs/{}/{}/error.txt",  # stage, run_key: a failed run's one-line reason
@@ -51,7 +57,7 @@ class LocalStore:
 
     def path(self, kind: str, *key: str) -> Path:
         """The file or folder that holds artifact (kind, key)."""
-        return self.root / _fill(kind, key)
+        return self.root / fill(kind, key)
 
     def exists(self, kind: str, *key: str) -> bool:
         return self.path(kind, *key).exists()
@@ -87,6 +93,17 @@ class LocalStore:
             os.replace(tmp, path)
         return path
 
+    def uri_of(self, kind: str, *key: str) -> str:
+        """Where artifact (kind, key) lives, for people and metadata."""
+        return str(self.path(kind, *key))
+
+    def fetch(self, kind: str, *key: str) -> Path:
+        """The local file or folder holding artifact (kind, key), for a library to open."""
+        return self.path(kind, *key)
+
+    def publish(self, kind: str, *key: str) -> None:
+        """Make what was written at `path(kind, key)` visible to every node (here it already is)."""
+
     def delete(self, kind: str, *key: str) -> None:
         path = self.path(kind, *key)
         if path.is_dir():
@@ -96,12 +113,12 @@ class LocalStore:
 
     def keys(self, kind: str, *prefix: str) -> list[tuple[str, ...]]:
         """Keys of the stored artifacts of `kind` whose key starts with `prefix`, oldest first."""
-        template = LAYOUT[_known(kind)]
+        template = LAYOUT[known_kind(kind)]
         fixed = template.split("{")[0].rsplit("/", 1)[0] if "{" in template else template
         base = self.root / fixed
         if not base.exists():
             return []
-        pattern = re.compile(_regex(template, prefix))
+        pattern = re.compile(key_regex(template, prefix))
         found = []
         for p in base.rglob("*"):
             m = pattern.fullmatch(p.relative_to(self.root).as_posix())
@@ -112,22 +129,26 @@ class LocalStore:
 
 def open_store(uri: str) -> LocalStore:
     """The store at a URI or path (what a launch spec carries to every rank)."""
+    if uri.startswith("s3://"):
+        from ghostvis_core.s3_store import S3Store
+
+        return S3Store.from_uri(uri)
     if uri.startswith("file://"):
         return LocalStore(Path(urllib.parse.unquote(urllib.parse.urlparse(uri).path)))
     if "://" in uri:
-        raise GhostvisError(f"artifact store {uri}: only local and shared-filesystem folders are supported; "
-                            "mount the storage on every node and give its path")
+        raise GhostvisError(f"artifact store {uri}: give a folder (local, or a shared filesystem mounted on every "
+                            "node) or s3://bucket/prefix")
     return LocalStore(Path(uri))
 
 
-def _known(kind: str) -> str:
+def known_kind(kind: str) -> str:
     if kind not in LAYOUT:
         raise GhostvisError(f"unknown artifact kind '{kind}'; kinds: {', '.join(LAYOUT)}")
     return kind
 
 
-def _fill(kind: str, key: tuple[str, ...]) -> str:
-    template = LAYOUT[_known(kind)]
+def fill(kind: str, key: tuple[str, ...]) -> str:
+    template = LAYOUT[known_kind(kind)]
     slots = template.count("{")
     if len(key) != slots:
         raise GhostvisError(f"artifact kind '{kind}' takes {slots} key part(s), got {list(key)}")
@@ -137,7 +158,7 @@ def _fill(kind: str, key: tuple[str, ...]) -> str:
     return template.replace("{path}", "{}").format(*key)
 
 
-def _regex(template: str, prefix: tuple[str, ...]) -> str:
+def key_regex(template: str, prefix: tuple[str, ...]) -> str:
     out, given = "", list(prefix)
     for chunk in re.split(r"(\{path\}|\{\})", template):
         if chunk in ("{}", "{path}"):

@@ -27,9 +27,9 @@ def ledger_matches_token_files(context, home: GhostvisHome) -> AssetCheckResult:
     h = home.home()
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
     mismatches, total = [], 0
-    for r in Ledger(h.store.path("ledger")).shards(tokenizer_id=tokenizer_id):
+    for r in Ledger.in_store(h.store).shards(tokenizer_id=tokenizer_id):
         try:
-            shard = TokenShard.open(h.store.path("token_shard", tokenizer_id, r["shard_id"]), r["shard_id"])
+            shard = TokenShard.open(h.store.fetch("token_shard", tokenizer_id, r["shard_id"]), r["shard_id"])
             docs, tokens = len(shard.rows), shard.num_tokens
         except GhostvisError as exc:
             docs, tokens = -1, -1
@@ -47,7 +47,7 @@ def ledger_matches_token_files(context, home: GhostvisHome) -> AssetCheckResult:
 def all_manifest_shards_tokenized(context, home: GhostvisHome) -> AssetCheckResult:
     h = home.home()
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
-    have = {r["shard_id"] for r in Ledger(h.store.path("ledger")).shards(tokenizer_id=tokenizer_id)}
+    have = {r["shard_id"] for r in Ledger.in_store(h.store).shards(tokenizer_id=tokenizer_id)}
     want = [m.shard_id(e) for m in registered_manifests(h.store).values() for e in m.shards]
     missing = [s for s in want if s not in have]
     return AssetCheckResult(passed=not missing, metadata={
@@ -60,7 +60,7 @@ def all_manifest_shards_tokenized(context, home: GhostvisHome) -> AssetCheckResu
              description="No two shards with the same content, and no document in both train and validation.")
 def no_duplicate_content(context, home: GhostvisHome) -> AssetCheckResult:
     h = home.home()
-    ledger = Ledger(h.store.path("ledger"))
+    ledger = Ledger.in_store(h.store)
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
     dup_shards = duplicate_shards(ledger, tokenizer_id)
     overlap = train_validation_overlap(ledger, ledger.shards(tokenizer_id=tokenizer_id))
@@ -138,7 +138,7 @@ def _ledger_mlflow_metadata_agree(stage: str):
     def ledger_mlflow_metadata_agree(context, home: GhostvisHome) -> AssetCheckResult:
         h = home.home()
         md = latest_metadata(context, stage)
-        ledger = Ledger(h.store.path("ledger")).run_totals(md["run_key"])
+        ledger = Ledger.in_store(h.store).run_totals(md["run_key"])
         metrics = latest_metrics(h.mlflow_tracking_uri, md["mlflow_run_id"])
         rows, passed = [], True
         for k in TokenCounts.names():
@@ -160,7 +160,7 @@ def _no_reuse(stage: str):
                  description="No (shard, row range) consumed twice in the stage lineage unless declared (replay / allowed repeat).")
     def no_reuse(context, home: GhostvisHome) -> AssetCheckResult:
         md = latest_metadata(context, stage)
-        found = Ledger(home.home().store.path("ledger")).reuse(md["run_key"])
+        found = Ledger.in_store(home.home().store).reuse(md["run_key"])
         bad = [r for r in found if r["kind"] in ("reuse", "undeclared_repeat", "undeclared_cross_stage")]
         declared = [r for r in found if r not in bad]
         rows = [[r["kind"], r["shard_id"], f"{r['tok_start']}..{r['tok_end']}", f"{r['row_start']}..{r['row_end']}",
@@ -179,7 +179,7 @@ def _no_validation_leakage(stage: str):
                  description="No validation shard was consumed in training.")
     def no_validation_leakage(context, home: GhostvisHome) -> AssetCheckResult:
         md = latest_metadata(context, stage)
-        leaked = Ledger(home.home().store.path("ledger")).leakage(md["run_key"])
+        leaked = Ledger.in_store(home.home().store).leakage(md["run_key"])
         return AssetCheckResult(passed=not leaked, metadata={
             "leaked_tokens": sum(r["tokens"] for r in leaked),
             "leaked_shards": ", ".join(r["shard_id"] for r in leaked) or "none",

@@ -83,7 +83,7 @@ def recipe_report(args, p) -> list[dict]:
     if not args.recipe:
         return []
     shards: dict[str, list[tuple[str, int]]] = {}
-    for r in Ledger(Home.from_env().store.path("ledger")).shards(tokenizer_id=args.tokenizer):
+    for r in Ledger.in_store(Home.from_env().store).shards(tokenizer_id=args.tokenizer):
         if r["split"] == "train":
             shards.setdefault(r["source"], []).append((r["shard_id"], r["tokens"]))
     seq_len = p.seq_len if stage(args.stage).objective == "lm" else None

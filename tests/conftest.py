@@ -92,3 +92,30 @@ def pretrain_reference(demo_home, tmp_path_factory) -> tuple[Path, Path]:
     known = run_names(home)
     run_cli(materialize_pretrain(), home)
     return home, new_run_dirs(home, known)[-1]
+
+
+@pytest.fixture(scope="session")
+def moto_s3():
+    """A real S3 endpoint (moto's server) on 127.0.0.1 for the session: its URL. Clients are given the
+    endpoint and test credentials explicitly (`s3_env`), never the machine's own AWS settings."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+def s3_env(endpoint: str, tmp: Path) -> dict[str, str]:
+    """Environment for S3 clients of the moto endpoint (the usual AWS variables, as a user sets them)."""
+    return {"AWS_ENDPOINT_URL_S3": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
+            "AWS_CONFIG_FILE": str(tmp / "no-aws-config"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "no-aws-credentials")}
+
+
+def new_bucket(endpoint: str, name: str) -> None:
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test",
+                 aws_secret_access_key="test").create_bucket(Bucket=name)

@@ -24,7 +24,7 @@ MAX_PARAMS = 8
 LAYERS = {
     "ghostvis_core": 0,  # the package root: it is imported before any of its modules
     "ghostvis_core.errors": 0, "ghostvis_core.config": 0, "ghostvis_core.counts": 0,
-    "ghostvis_core.stages": 1, "ghostvis_core.presets": 1, "ghostvis_core.store": 1, "ghostvis_core.home": 1,
+    "ghostvis_core.stages": 1, "ghostvis_core.presets": 1, "ghostvis_core.store": 1, "ghostvis_core.s3_store": 1, "ghostvis_core.home": 1,
     "ghostvis_core.data.*": 2, "ghostvis_core.model.*": 2, "ghostvis_core.track.*": 2, "ghostvis_core.budget": 2,
     "ghostvis_core.train.*": 3, "ghostvis_core.eval.*": 3, "ghostvis_core.cluster.*": 3,
 }

@@ -187,10 +187,13 @@ def test_report_card_token_figures_equal_the_ledger_and_evidence_is_listed(demo_
     assert ev["mc_chance"] == 0.25 and "dpo" in ev["evaluation"]
 
 
+SHORT_VARIANTS = json.dumps({"ops": {"pretrain_variants": {"config": {"overrides": {"budget.steps": "8"}}}}})
+
+
 def test_variant_backfill_gives_two_comparable_mlflow_runs(home_copy):
     for variant in presets.VARIANTS["pretrain"]:
         run_cli(["dagster", "asset", "materialize", "--select", "pretrain_variants", "--partition", variant,
-                 "-m", "ghostvis_pipeline.definitions"], home_copy)
+                 "-m", "ghostvis_pipeline.definitions", "--config-json", SHORT_VARIANTS], home_copy)
     client, runs = mlflow_runs(home_copy)
     by_variant = {r.data.tags["ghostvis.variant"]: r for r in runs if "ghostvis.variant" in r.data.tags}
     assert set(by_variant) == set(presets.VARIANTS["pretrain"])

@@ -56,11 +56,11 @@ def test_training_survives_an_mlflow_outage_and_the_metrics_arrive_complete(home
     port, store = free_port(), tmp_path / "mlflow"
     uri = f"http://127.0.0.1:{port}"
     server = start_server(port, store)
-    steps = 30
+    steps = 20
     train = subprocess.Popen(
         [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "ghostvis_core.train",
          "--stage", "pretrain", "--preset", "smoke", "--set", f"budget.steps={steps}",
-         "--set", "runtime.log_every_steps=1", "--set", "checkpoint.every_steps=15"],
+         "--set", "runtime.log_every_steps=1", "--set", "checkpoint.every_steps=10"],
         env=cli_env(home_copy, MLFLOW_TRACKING_URI=uri, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT, text=True)
     client = MlflowClient(uri)

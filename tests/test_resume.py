@@ -1,12 +1,11 @@
 """Crash, resume, re-run (end to end through the dagster CLI and torchrun).
 
-A pretrain run (smoke preset, 24 steps, a checkpoint every 6) is killed with SIGKILL after its first
-checkpoint and re-materialized; the result is compared with an uninterrupted run of the same config
-in a copy of the same state."""
+The short pretraining run (tests/conftest.py: smoke preset, 12 steps, a checkpoint every 4) is killed
+with SIGKILL after a checkpoint and re-materialized; the result is compared with the uninterrupted run
+of the same config in a copy of the same state (the `pretrain_reference` fixture)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -20,25 +19,22 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.train.runs import run_result
 from ghostvis_core.train import checkpoint as ckpt
-from tests.conftest import BIN, cli_env, run_cli
+from tests.conftest import BIN, cli_env, materialize_pretrain, new_run_dirs, run_cli, run_names
 
 pytestmark = pytest.mark.e2e
 
-CONFIG = json.dumps({"ops": {"pretrain": {"config": {"preset": "smoke", "overrides": {"checkpoint.every_steps": "6"}}}}})
-MATERIALIZE = ["dagster", "asset", "materialize", "--select", "pretrain", "-m", "ghostvis_pipeline.definitions",
-               "--config-json", CONFIG]
+MATERIALIZE = materialize_pretrain()
 
 
 def newest_run_dir(home: Path, known: set[str]) -> Path | None:
-    root = Home(home).store.path("checkpoints", "pretrain", "x").parent
-    new = [p for p in root.iterdir() if p.name not in known] if root.exists() else []
-    return max(new, key=lambda p: p.stat().st_mtime) if new else None
+    new = new_run_dirs(home, known)
+    return new[-1] if new else None
 
 
 def start_and_kill_after(home: Path, step: int) -> Path:
     """Start the materialization, SIGKILL the whole process group once checkpoint `step` is
     committed (the run is then between checkpoints), and return the run's checkpoint folder."""
-    known = {p.name for p in (Home(home).store.path("checkpoints", "pretrain", "x").parent).iterdir()}
+    known = run_names(home)
     proc = subprocess.Popen([str(BIN / MATERIALIZE[0]), *MATERIALIZE[1:]], env=cli_env(home),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                             cwd=Path(__file__).resolve().parent.parent)
@@ -75,22 +71,12 @@ def covered(ranges) -> set[tuple[str, int, int]]:
     return {(s, e, t) for s, e, a, b in ranges for t in range(a, b)}
 
 
-@pytest.fixture(scope="module")
-def reference(demo_home, tmp_path_factory):
-    """An uninterrupted run of the same config, in its own copy of the demo state."""
-    home = tmp_path_factory.mktemp("reference") / "home"
-    shutil.copytree(demo_home, home, symlinks=True)
-    known = {p.name for p in (Home(home).store.path("checkpoints", "pretrain", "x").parent).iterdir()}
-    run_cli(MATERIALIZE, home)
-    return home, newest_run_dir(home, known)
-
-
-def test_sigkill_between_checkpoints_then_rematerialize_resumes_exactly(home_copy, reference):
-    ref_home, ref_dir = reference
-    run_dir = start_and_kill_after(home_copy, 6)
+def test_sigkill_between_checkpoints_then_rematerialize_resumes_exactly(home_copy, pretrain_reference):
+    ref_home, ref_dir = pretrain_reference
+    run_dir = start_and_kill_after(home_copy, 4)
     assert not (run_dir / "RUN_COMPLETE.json").exists()  # the run_record artifact
     killed_at = ckpt.latest_complete(run_dir).step
-    assert 6 <= killed_at < 24
+    assert 4 <= killed_at < 12
     run_cli(MATERIALIZE, home_copy)  # re-materialize: the unfinished run is found and resumed
 
     assert run_dir.name == ref_dir.name  # same config and data -> same run key
@@ -114,7 +100,7 @@ def test_sigkill_between_checkpoints_then_rematerialize_resumes_exactly(home_cop
     final = ckpt.latest_complete(run_dir).path / "model.safetensors"
     assert final.read_bytes() == (ckpt.latest_complete(ref_dir).path / "model.safetensors").read_bytes()
     # the MLflow run continued instead of starting a second one
-    first = ckpt.read_state(run_dir / ckpt.step_dir_name(24))
+    first = ckpt.read_state(run_dir / ckpt.step_dir_name(12))
     assert done.mlflow_run_id == first["mlflow_run_id"]
     from mlflow.tracking import MlflowClient
 
@@ -123,33 +109,33 @@ def test_sigkill_between_checkpoints_then_rematerialize_resumes_exactly(home_cop
 
 
 def test_resuming_from_an_older_checkpoint_is_flagged_as_reuse(home_copy):
-    run_dir = start_and_kill_after(home_copy, 12)
-    assert [c.step for c in ckpt.list_complete(run_dir)][-2:] == [6, 12]
-    shutil.rmtree(run_dir / ckpt.step_dir_name(12))  # its ledger part stays: steps 7..12 were trained
+    run_dir = start_and_kill_after(home_copy, 8)
+    assert [c.step for c in ckpt.list_complete(run_dir)][-2:] == [4, 8]
+    shutil.rmtree(run_dir / ckpt.step_dir_name(8))  # its ledger part stays: steps 5..8 were trained
     proc = run_cli(MATERIALIZE, home_copy, check=False)
     assert proc.returncode != 0  # the blocking no_reuse check fails the run
     reuse = [r for r in Ledger(Home(home_copy).store.path("ledger")).reuse(run_dir.name) if r["kind"] == "reuse"]
     assert reuse and all(r["run_a"] == r["run_b"] == run_dir.name for r in reuse)
-    # the twice-read range is exactly what segment 0 read in steps 7..12 (6 steps x 8 x 256 x 2 ranks)
-    assert sum(r["tokens"] for r in reuse) == 6 * 8 * 256 * 2
+    # the twice-read range is exactly what segment 0 read in steps 5..8 (4 steps x 8 x 256 x 2 ranks)
+    assert sum(r["tokens"] for r in reuse) == 4 * 8 * 256 * 2
     evaluation = latest_check(home_copy, "pretrain", "no_reuse")
     assert evaluation.passed is False
     md = {k: v.value for k, v in evaluation.metadata.items()}
-    assert md["reused_tokens"] == 6 * 8 * 256 * 2
+    assert md["reused_tokens"] == 4 * 8 * 256 * 2
     first = reuse[0]
     assert f"{first['tok_start']}..{first['tok_end']}" in md["ranges"] and first["shard_id"] in md["ranges"]
 
 
 def test_a_checkpoint_cut_mid_write_is_ignored_and_the_previous_one_resumed(home_copy):
-    run_dir = start_and_kill_after(home_copy, 6)
+    run_dir = start_and_kill_after(home_copy, 4)
     last = ckpt.latest_complete(run_dir).step
     # the state a kill during save leaves: a temporary folder with a truncated weights file
-    partial = run_dir / f".tmp-{ckpt.step_dir_name(last + 6)}-killed"
+    partial = run_dir / f".tmp-{ckpt.step_dir_name(last + 4)}-killed"
     partial.mkdir()
     good = (run_dir / ckpt.step_dir_name(last) / "model.safetensors").read_bytes()
     (partial / "model.safetensors").write_bytes(good[: len(good) // 3])
     run_cli(MATERIALIZE, home_copy)
     done = run_result(Home(home_copy).store, "pretrain", run_dir.name)
-    assert done.steps == 24 and not partial.exists()
+    assert done.steps == 12 and not partial.exists()
     first_resumed = min(p["step_first"] for p in Ledger(Home(home_copy).store.path("ledger")).chain(run_dir.name) if p["segment"] == 1)
     assert first_resumed == last + 1

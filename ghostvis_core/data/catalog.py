@@ -138,7 +138,7 @@ def shard_split(store: LocalStore, manifest: Manifest, shard_id: str, content_sh
     too: if the file changed since its download, validation under either hash wins."""
     entry = manifest.entry(shard_id)
     digests = {d for d in (content_sha256, recorded_sha256(store, shard_id)) if d}
-    raw = store.path("raw_shard", shard_id)
+    raw = store.fetch("raw_shard", shard_id)
     if not digests and raw.exists():  # downloaded before raw_shards kept records
         digests.add(sha256_file(raw))
     if not digests:
@@ -197,7 +197,7 @@ def tokenizer_corpus(store: LocalStore, max_train_bytes: int) -> TokenizerCorpus
             if corpus.train_bytes >= max_train_bytes:
                 return corpus
             sid = manifest.shard_id(e)
-            path = store.path("raw_shard", sid)
+            path = store.fetch("raw_shard", sid)
             if not path.exists():
                 raise GhostvisError(f"shard {sid} is not downloaded; materialize raw_shards partition {sid} first")
             if shard_split(store, manifest, sid, sha256_file(path)) != "train":

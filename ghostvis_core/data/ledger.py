@@ -129,7 +129,7 @@ class Ledger:
     @classmethod
     def in_store(cls, store: LocalStore) -> "Ledger":
         """The ledger of an artifact store (artifact kind "ledger")."""
-        return cls(store.path("ledger"))
+        return cls(store.fetch("ledger"))
 
     # ---- writing ----
     def shard_record_path(self, shard_id: str, tokenizer_id: str, content_sha256: str) -> Path:

@@ -49,7 +49,7 @@ class TokenizeJob:
 
 def job_for_shard(store: LocalStore, manifest: Manifest, shard_id: str, tokenizer_id: str) -> TokenizeJob:
     """The job for one downloaded raw shard: its split is catalog.shard_split of its content hash."""
-    raw = store.path("raw_shard", shard_id)
+    raw = store.fetch("raw_shard", shard_id)
     if not raw.exists():
         raise GhostvisError(f"raw shard {shard_id} is not downloaded; materialize raw_shards partition {shard_id} first")
     content_sha256 = sha256_file(raw)
@@ -326,6 +326,10 @@ def tokenize_shards(
             skip_completed=False,
         )
         executor.run()
+        for j in todo:  # visible to every node once written (a no-op on a local store)
+            if Path(j.token_path).exists():
+                store.publish("token_shard", tokenizer_id, j.shard_id)
+        store.publish("ledger")
     seconds = time.time() - t0
     failed = {j.shard_id: error_file(errors_dir, j.shard_id).read_text() for j in todo
               if error_file(errors_dir, j.shard_id).exists()}

@@ -124,6 +124,7 @@ def save_tokenizer(tok: Tokenizer, store: LocalStore) -> Path:
     target = store.path("tokenizer", tok.tokenizer_id)
     root = target.parent
     if target.is_dir():
+        store.publish("tokenizer", tok.tokenizer_id)
         return target
     # tiktoken keeps what we need only in these attributes; they have been stable since 0.1.
     ranks_bytes = _ranks_file_bytes(tok.enc._mergeable_ranks)
@@ -141,6 +142,7 @@ def save_tokenizer(tok: Tokenizer, store: LocalStore) -> Path:
         (tmp / RANKS_FILE).write_bytes(ranks_bytes)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         os.rename(tmp, target)
+        store.publish("tokenizer", tok.tokenizer_id)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         if not target.is_dir():  # not merely a concurrent writer finishing first
@@ -154,9 +156,11 @@ def load_tokenizer(ref: str | Path, store: LocalStore | None = None) -> Tokenize
     if ref in _STANDARD_FILES:
         return _load_standard(ref)
     in_store = store is not None and bool(ref) and "/" not in ref and not ref.startswith(".")
-    directory = store.path("tokenizer", ref) if in_store and store.path("tokenizer", ref).is_dir() else Path(ref)
+    directory = store.fetch("tokenizer", ref) if in_store else Path(ref)
+    if in_store and not directory.is_dir():
+        directory = Path(ref)
     if not directory.is_dir():
-        where = f" in the store ({store.path('tokenizer', ref)})" if in_store else ""
+        where = f" in the store ({store.uri_of('tokenizer', ref)})" if in_store else ""
         raise GhostvisError(
             f"tokenizer {ref!r} not found{where}: give a tokenizer_id of a materialized `tokenizer` asset, "
             f"a tokenizer directory, or one of {', '.join(_STANDARD_FILES)}"

@@ -33,7 +33,7 @@ class TrainedStage:
 def checkpoint_dir(store: LocalStore, result: RunResult) -> Path:
     """The run's final checkpoint folder, found in the store by (stage, run_key) and its step folder's
     name, so a moved or copied home still finds it."""
-    return store.path("checkpoints", result.stage, result.run_key) / Path(result.checkpoint_uri).name
+    return store.fetch("checkpoint", result.stage, result.run_key, Path(result.checkpoint_uri).name)
 
 
 def stage_config(store: LocalStore, result: RunResult) -> StageConfig:

@@ -172,7 +172,12 @@ def write_report(store: LocalStore, name: str, title: str, stages: list[StageRep
     return {
         "html": store.write_text("report", f"{name}/report.html", text=render_html(title, stages, chart.name, samples)),
         "md": store.write_text("report", f"{name}/report.md", text=render_markdown(title, stages, chart.name, samples)),
-        "png": chart,
+        "png": _published(store, f"{name}/loss_curves.png", chart),
         "json": store.write_text("report", f"{name}/report.json",
                                  text=json.dumps([s.__dict__ for s in stages], indent=2, default=str)),
     }
+
+
+def _published(store: LocalStore, name: str, path: Path) -> Path:
+    store.publish("report", name)
+    return path

@@ -8,14 +8,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from dagster_pipes import PipesEnvVarParamsLoader, open_dagster_pipes
+from dagster_pipes import PipesDefaultMessageWriter, PipesEnvVarParamsLoader, PipesS3MessageWriter, open_dagster_pipes
+
+
+def message_writer(params: dict[str, Any]):
+    """The launcher's channel: S3 objects when it gave a bucket (ranks on other machines, store in S3),
+    else Dagster's default (a file or stdio)."""
+    if "bucket" in params:
+        import boto3
+
+        return PipesS3MessageWriter(client=boto3.client("s3"), interval=2)
+    return PipesDefaultMessageWriter()
 
 
 class PipesReporter:
     def __init__(self, is_main: bool):
         self._ctx = None
-        if is_main and PipesEnvVarParamsLoader().is_dagster_pipes_process():
-            self._ctx = open_dagster_pipes()
+        loader = PipesEnvVarParamsLoader()
+        if is_main and loader.is_dagster_pipes_process():
+            self._ctx = open_dagster_pipes(message_writer=message_writer(loader.load_messages_params()))
 
     def log(self, message: str) -> None:
         if self._ctx is not None:

@@ -8,10 +8,8 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from pathlib import Path
 
 from ghostvis_core.config import parse_sets
 from ghostvis_core.errors import GhostvisError
@@ -27,10 +25,19 @@ def _leave_reason(spec, reason: str) -> None:
         open_store(spec.store).write_text("run_error", spec.stage, spec.run_key, text=reason + "\n")
 
 
+def read_spec(uri: str) -> LaunchSpec:
+    """The spec at <store>/runs/<stage>/<run_key>/spec.json, read through its store (a folder or s3://)."""
+    store_uri, _, rest = uri.rpartition("/runs/")
+    parts = rest.split("/")
+    if not store_uri or len(parts) != 3 or parts[2] != "spec.json":
+        raise GhostvisError(f"--spec {uri}: expected <store>/runs/<stage>/<run_key>/spec.json")
+    return LaunchSpec.from_dict(open_store(store_uri).read_json("run_spec", parts[0], parts[1]))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m ghostvis_core.train", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--spec", type=Path, help="launch spec written by the pipeline or `ghostvis`")
+    ap.add_argument("--spec", help="launch spec written by the pipeline or `ghostvis`: its path or URI in the store")
     ap.add_argument("--stage", help="prepare the run here instead (rank 0 resolves, all ranks train)")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
@@ -43,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = None
     try:
         if args.spec:
-            spec = LaunchSpec.from_dict(json.loads(args.spec.read_text()))
+            spec = read_spec(args.spec)
         elif args.stage:
             spec = None
             if ctx.is_main:  # other ranks wait for the spec, or for the reason there is none

@@ -39,6 +39,10 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:09d}"
 
 
+def is_step_dir(name: str) -> bool:
+    return bool(_STEP_DIR.match(name))
+
+
 def list_complete(run_dir: Path) -> list[CheckpointRef]:
     """Committed checkpoints of a run, oldest first."""
     if not run_dir.exists():

@@ -27,12 +27,22 @@ def commit(run: Run) -> None:
         s.head_part_id = part_id
         s.mlflow_run_id = run.tracker.run_id()
         s.capture_rng()
+        before = {c.path.name for c in ckpt.list_complete(run.run_dir)}
         path = ckpt.save(run.run_dir, s.step, model=run.model, optimizer=run.optimizer, state=s.to_dict(),
                          config=run.spec.config, keep_last=run.cfg.checkpoint.keep_last,
                          extra_dirs={"ledger": staging})
+        share_checkpoint(run, path.name, before)
         publish_parts(run.store, run.run_dir, only=path)
     s.head_part_id = part_id
     barrier(run.ctx)
+
+
+def share_checkpoint(run: Run, name: str, before: set[str]) -> None:
+    """Publish the new checkpoint (its COMPLETE marker last) and drop the ones `save` pruned here."""
+    key = (run.spec.stage, run.spec.run_key)
+    run.store.publish("checkpoint", *key, name)
+    for gone in before - {c.path.name for c in ckpt.list_complete(run.run_dir)}:
+        run.store.delete("checkpoint", *key, gone)
 
 
 def write_part(run: Run, folder: Path, part_id: str, gathered: list) -> None:

@@ -16,7 +16,7 @@ from ghostvis_core.train.run import Run
 def finish(run: Run) -> RunResult:
     result = run_result(run)
     if run.ctx.is_main:
-        result.mixture = mixture_shares(Ledger(run.store.path("ledger")), run.spec.run_key, run.cfg)
+        result.mixture = mixture_shares(Ledger.in_store(run.store), run.spec.run_key, run.cfg)
         run.tracker.metrics(final_metrics(result), step=result.steps)
         result.mlflow_run_id = run.tracker.run_id()
         result.mlflow_experiment_id = run.tracker.mlflow.experiment_id
@@ -36,7 +36,7 @@ def run_result(run: Run) -> RunResult:
         val_loss_start=s.history.get("val_start", {}).get("val/loss"),
         tokens_per_sec=round(run.clock.tokens_per_sec(p.tokens_per_step), 1),
         first_step_s=round(run.clock.first_step_s or 0.0, 2), wall_time_s=round(time.time() - run.clock.launched, 1),
-        checkpoint_uri=str(run.run_dir / ckpt.step_dir_name(s.step)), parent_run_key=spec.parent_run_key,
+        checkpoint_uri=run.store.uri_of("checkpoint", spec.stage, spec.run_key, ckpt.step_dir_name(s.step)), parent_run_key=spec.parent_run_key,
         mlflow_run_id="", mlflow_experiment_id="", evidence=evidence(run),
         frozen=FrozenCheck(run.frozen_before, frozen_fingerprint(run.model)) if run.frozen_before else None,
     )

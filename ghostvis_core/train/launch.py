@@ -10,7 +10,6 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ghostvis_core import presets, stages
@@ -24,7 +23,7 @@ from ghostvis_core.eval.evidence import EVIDENCE
 from ghostvis_core.home import Home
 from ghostvis_core.store import LocalStore
 from ghostvis_core.train.objectives import build_objective
-from ghostvis_core.train.runs import Upstream, find_upstream, next_run_key
+from ghostvis_core.train.runs import Upstream, checkpoint_of, find_upstream, next_run_key
 from ghostvis_core.train.spec import LaunchSpec, SourceBudget, StageInputs
 
 MLFLOW_EXPERIMENT = "ghostvis"
@@ -33,7 +32,7 @@ MLFLOW_EXPERIMENT = "ghostvis"
 def newest_tokenizer(store: LocalStore) -> str:
     found = store.keys("tokenizer")
     if not found:
-        raise GhostvisError(f"no tokenizer in {store.path('ledger').parent / 'tokenizers'}; materialize the `tokenizer` asset first "
+        raise GhostvisError(f"no tokenizer in the store {store.uri}; materialize the `tokenizer` asset first "
                             "(or run `ghostvis demo`)")
     return found[-1][0]
 
@@ -47,10 +46,10 @@ def select_shards(ledger: Ledger, store: LocalStore, tokenizer_id: str, sources:
             continue
         if not store.exists("token_shard", tokenizer_id, r["shard_id"]):
             raise GhostvisError(
-                f"tokenized shard {r['shard_id']} ({store.path('token_shard', tokenizer_id, r['shard_id'])}) is in "
+                f"tokenized shard {r['shard_id']} ({store.uri_of('token_shard', tokenizer_id, r['shard_id'])}) is in "
                 f"the ledger but missing on disk; re-materialize tokenized_shards partition {r['shard_id']}"
             )
-        path = str(store.path("token_shard", tokenizer_id, r["shard_id"]))
+        path = store.uri_of("token_shard", tokenizer_id, r["shard_id"])  # each rank fetches it (setup.localize)
         out[r["source"]].append(ShardRef(r["shard_id"], r["source"], r["split"], path, r["docs"], r["tokens"],
                                          r["content_sha256"]).__dict__)
     empty = [s for s, refs in out.items() if not refs]
@@ -123,7 +122,7 @@ def resolve_stage(stage: str, preset: str, overrides: dict[str, Any], home: Home
         upstream = find_upstream(home.store, declared.init_from)
     up_cfg = None
     if upstream:
-        cfg_file = Path(upstream.checkpoint) / "config.json"
+        cfg_file = checkpoint_of(home.store, upstream.checkpoint) / "config.json"
         if not cfg_file.exists():
             raise GhostvisError(f"stage {stage}: upstream checkpoint {upstream.checkpoint} is missing; "
                                 f"materialize the `{upstream.stage}` asset first")
@@ -133,8 +132,8 @@ def resolve_stage(stage: str, preset: str, overrides: dict[str, Any], home: Home
     if unknown:
         raise GhostvisError(f"eval.evidence: unknown {unknown}; known: {', '.join(EVIDENCE)}")
     tokenizer_id = tokenizer_id or newest_tokenizer(home.store)
-    tok = load_tokenizer(home.store.path("tokenizer", tokenizer_id))
-    follow_registered_sources(cfg, Ledger(home.store.path("ledger")).shards(tokenizer_id=tokenizer_id), tokenizer_id,
+    tok = load_tokenizer(tokenizer_id, home.store)
+    follow_registered_sources(cfg, Ledger.in_store(home.store).shards(tokenizer_id=tokenizer_id), tokenizer_id,
                               preset_recipe="data.recipe" not in overrides)
     fit_vocab(cfg, tok, overrides, upstream, up_cfg is None)
     return Resolved(cfg, upstream, up_cfg, tok)
@@ -227,7 +226,7 @@ def prepare_run(stage: str, *, preset: str = presets.DEFAULT_PRESET, overrides: 
     own, <stage>@<variant>-..., so it never becomes another stage's upstream by accident."""
     home = home or Home.from_env()
     r = resolve_stage(stage, preset, overrides or {}, home, tokenizer_id, upstream)
-    ledger = Ledger(home.store.path("ledger"))
+    ledger = Ledger.in_store(home.store)
     recipe_sources = [s.source for s in r.cfg.data.recipe]
     train_shards = select_shards(ledger, home.store, r.tok.tokenizer_id, recipe_sources, "train")
     val_shards = (select_shards(ledger, home.store, r.tok.tokenizer_id, r.cfg.data.val_sources, "validation")

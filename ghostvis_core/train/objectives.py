@@ -14,7 +14,6 @@ training). The loop does the rest (DDP, accumulation, accounting, checkpoints) f
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +31,7 @@ from ghostvis_core.model.gpt import GPT
 from ghostvis_core.model.vision import decode_images
 from ghostvis_core.store import open_store
 from ghostvis_core.train.dist import DistContext, all_reduce_sum
+from ghostvis_core.train.runs import checkpoint_of
 from ghostvis_core.train.spec import LaunchSpec
 
 
@@ -44,7 +44,7 @@ class Objective:
 
     def __init__(self, spec: LaunchSpec, cfg: StageConfig):
         self.spec, self.cfg = spec, cfg
-        self.tok = load_tokenizer(open_store(spec.store).path("tokenizer", spec.tokenizer_id))
+        self.tok = load_tokenizer(spec.tokenizer_id, open_store(spec.store))
         self.seq_len = cfg.batch.seq_len
         recipe = cfg.data.recipe
         missing = [s.source for s in recipe if s.source not in spec.train_shards]
@@ -190,7 +190,7 @@ class DPOObjective(Objective):
         self.ref = GPT(model.cfg)
         if self.cfg.vision is not None:
             self.ref.attach_vision(self.cfg.vision)
-        ckpt.load_model(Path(self.spec.init_checkpoint), self.ref)
+        ckpt.load_model(checkpoint_of(open_store(self.spec.store), self.spec.init_checkpoint), self.ref)
         self.ref.to(model.embed.weight.device).eval().requires_grad_(False)
 
     def step_batches(self, first_row, plan, rank):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import LocalStore
@@ -17,6 +18,13 @@ class Upstream:
     stage: str
     run_key: str
     checkpoint: str
+
+
+def checkpoint_of(store: LocalStore, uri: str) -> Path:
+    """The local folder of the checkpoint at `uri` (.../checkpoints/<stage>/<run_key>/<step>), fetched
+    from the store by its key, so a moved store or another node finds it too."""
+    stage, run_key, step = uri.rstrip("/").split("/")[-3:]
+    return store.fetch("checkpoint", stage, run_key, step)
 
 
 def completed_runs(store: LocalStore, stage: str) -> list[RunResult]:

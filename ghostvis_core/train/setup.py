@@ -4,15 +4,13 @@ of exact resume: the RNG state is restored after everything that draws from it i
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from ghostvis_core.config import StageConfig
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.model.gpt import GPT
 from ghostvis_core.model.vision import frozen_fingerprint
-from ghostvis_core.store import open_store
+from ghostvis_core.store import LocalStore, open_store
 from ghostvis_core.train import checkpoint as ckpt
 from ghostvis_core.train.commit import publish_parts
 from ghostvis_core.train.dist import DistContext
@@ -20,6 +18,7 @@ from ghostvis_core.train.objectives import build_objective
 from ghostvis_core.train.parallel import wrap
 from ghostvis_core.train.precision import use_bf16
 from ghostvis_core.train.run import Clock, Run, run_batch_plan
+from ghostvis_core.train.runs import checkpoint_of
 from ghostvis_core.train.spec import LaunchSpec
 from ghostvis_core.train.state import TrainState
 from ghostvis_core.train.tracking import Tracker
@@ -30,10 +29,11 @@ def setup(spec: LaunchSpec, ctx: DistContext) -> Run:
     cfg = StageConfig.from_dict(spec.config)
     plan = run_batch_plan(cfg, ctx)
     store = open_store(spec.store)
-    run_dir = store.path("checkpoints", spec.stage, spec.run_key)
+    localize_shards(spec, store)
     torch.manual_seed(cfg.data.seed)
     model = build_model(cfg, ctx)
-    resume = ckpt.latest_complete(run_dir)
+    resume = newest_checkpoint(store, spec)
+    run_dir = store.path("checkpoints", spec.stage, spec.run_key)
     if resume is not None:
         ckpt.load_model(resume.path, model)
         state = TrainState.from_dict(ckpt.read_state(resume.path))
@@ -41,7 +41,7 @@ def setup(spec: LaunchSpec, ctx: DistContext) -> Run:
     else:
         state = TrainState(spec.run_key, plan.tokens_per_step, plan.world_size, segment=-1)
         if spec.init_checkpoint:  # the stage that introduces the vision stack starts it fresh
-            ckpt.load_model(Path(spec.init_checkpoint), model,
+            ckpt.load_model(checkpoint_of(store, spec.init_checkpoint), model,
                             allow_missing=("vision.",) if spec.inputs.new_vision else ())
     objective = build_objective(spec, cfg)
     objective.prepare_model(model)
@@ -59,6 +59,21 @@ def setup(spec: LaunchSpec, ctx: DistContext) -> Run:
                parallel=wrap(model, ctx), optimizer=optimizer, objective=objective,
                bf16=use_bf16(cfg.runtime.precision, ctx.device), tracker=tracker, state=state, clock=clock,
                resumed=resume is not None, frozen_before=frozen_before)
+
+
+def localize_shards(spec: LaunchSpec, store: LocalStore) -> None:
+    """Point the spec's shards at this node's copies (fetched from the store by key when it is remote)."""
+    for refs in (*spec.train_shards.values(), *spec.val_shards.values()):
+        for ref in refs:
+            ref["path"] = str(store.fetch("token_shard", spec.tokenizer_id, ref["shard_id"]))
+
+
+def newest_checkpoint(store: LocalStore, spec: LaunchSpec) -> ckpt.CheckpointRef | None:
+    """The run's newest committed checkpoint in the store (fetched to this node), or None."""
+    steps = sorted(k[2] for k in store.keys("checkpoint_marker", spec.stage, spec.run_key) if ckpt.is_step_dir(k[2]))
+    if steps:
+        store.fetch("checkpoint", spec.stage, spec.run_key, steps[-1])
+    return ckpt.latest_complete(store.path("checkpoints", spec.stage, spec.run_key))
 
 
 def build_model(cfg: StageConfig, ctx: DistContext) -> GPT:

@@ -85,7 +85,8 @@ def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> Materializ
     for key in context.partition_keys:
         manifest = manifest_of_shard(store, key)
         manifests[manifest.source] = manifest
-        r = fetch_shard(key, manifest.entry(key), store.path("raw_shard", key))
+        r = fetch_shard(key, manifest.entry(key), store.fetch("raw_shard", key))
+        store.publish("raw_shard", key)
         split = record_raw_shard(store, manifest, key, r.sha256, r.bytes)
         total += r.bytes
         fetched += r.downloaded
@@ -191,6 +192,6 @@ def token_ledger(context: AssetExecutionContext, home: GhostvisHome) -> Material
         "tokens": sum(t["tokens"] for t in by),
         "train_tokens": sum(t["tokens"] for t in by if t["split"] == "train"),
         "validation_tokens": sum(t["tokens"] for t in by if t["split"] == "validation"),
-        "ledger_dir": MetadataValue.path(str(store.path("ledger"))),
+        "ledger_dir": MetadataValue.path(store.uri_of("ledger")),
         "by_source": MetadataValue.md(md_table(["source", "split", "shards", "docs", "tokens", "text_bytes"], table)),
     })

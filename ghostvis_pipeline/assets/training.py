@@ -98,7 +98,7 @@ def _launch(context, stage: Stage, config: StageRunConfig, home: GhostvisHome, l
     launcher.run(context, spec, h)
     result = run_result(h.store, spec.stage, spec.run_key)
     md = {**result_metadata(result), **lineage_metadata(result, spec),
-          **ledger_metadata(Ledger(h.store.path("ledger")), spec.run_key)}
+          **ledger_metadata(Ledger.in_store(h.store), spec.run_key)}
     if variant:
         md["variant"] = variant
     return MaterializeResult(metadata=md)

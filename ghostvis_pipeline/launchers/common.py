@@ -27,7 +27,7 @@ def job_env(profile: str, nproc_per_node: int, cpus: int | None = None) -> dict[
 
 def spec_uri(home: Home, spec: LaunchSpec) -> str:
     """Where every node reads the run's spec (a path in the shared store)."""
-    return str(home.store.path("run_spec", spec.stage, spec.run_key))
+    return home.store.uri_of("run_spec", spec.stage, spec.run_key)
 
 
 def clear_reason(home: Home, spec: LaunchSpec) -> None:
