@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup browser demo test bench
+.PHONY: setup browser slurm demo test bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml scripts/install-torch
@@ -21,7 +21,14 @@ browser:
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y chromium; }
 
-test: setup browser
+# A real Slurm cluster for tests/test_slurm.py (tests/slurm_cluster.py starts munged, slurmctld and
+# two slurmd on 127.0.0.1): Debian's packages, installed with apt when missing (as root, or through sudo).
+slurm:
+	@command -v slurmctld >/dev/null 2>&1 || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y slurm-wlm munge; }
+
+test: setup browser slurm
 	$(VENV)/bin/pytest -q
 
 bench: setup

@@ -124,9 +124,11 @@ def run_pipeline(paths: list[Path], tok_dir: Path, wd: Path, workers: int, tag: 
     store = LocalStore(out / "store")  # a fresh store per run, holding only the tokenizer
     shutil.copytree(tok_dir, store.path("tokenizer", tok_dir.name))
     with C.CpuMeter() as m, quiet(wd / "datatrove.log"):
-        # the asset hashes each raw shard once (it decides the split), so the timing includes it
-        jobs = [TokenizeJob(f"bench/{p.stem}", "bench", "train", str(p), sha256_file(p),
-                            str(store.path("token_shard", tok_dir.name, f"bench/{p.stem}"))) for p in paths]
+        # raw_shards hashes each shard once (it decides the split) and the worker checks it, so the
+        # timing includes both
+        for p in paths:
+            store.put_file("raw_shard", f"bench/{p.stem}", src=p)
+        jobs = [TokenizeJob(f"bench/{p.stem}", "bench", "train", sha256_file(p)) for p in paths]
         reports = tokenize_shards(jobs, store=store, tokenizer_id=tok_dir.name, logging_dir=out / "logs",
                                   workers=workers)
     if any(r.skipped for r in reports):

@@ -124,8 +124,19 @@ class CheckpointConfig:
 class RuntimeConfig:
     # auto: bf16 autocast on CUDA and on CPUs with bf16 matrix instructions (AMX / AVX512-BF16).
     precision: str = "auto"
+    # Recompute each transformer block in the backward pass instead of keeping its activations.
     grad_checkpointing: bool = False
+    # torch.compile each block: auto = on CUDA, off on CPU (compilation costs more than it saves there).
+    compile: str = "auto"
     log_every_steps: int = 5
+
+
+@dataclass
+class ParallelConfig:
+    # ddp: every rank holds the whole model, gradients all-reduced; safetensors checkpoints by rank 0.
+    # fsdp: FSDP2 shards weights, gradients and optimizer state over the ranks (per block and root);
+    # each rank writes its shard of a torch.distributed.checkpoint (DCP) checkpoint.
+    strategy: str = "ddp"
 
 
 @dataclass
@@ -141,6 +152,7 @@ class StageConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     vision: VisionConfig | None = None
     dpo: DPOConfig | None = None
     # Upstream stage whose final checkpoint initialises this one (None: random init).

@@ -127,6 +127,13 @@ _LARGE_PRETRAIN = dict(
     checkpoint=dict(every_steps=1000, keep_last=3),
 )
 
+# What the larger presets change on top: weights, grads and Adam states (16 bytes per parameter)
+# no longer fit one GPU next to the activations, so they are sharded (FSDP2); 7b also recomputes
+# activations per block (`ghostvis plan --preset 7b --gpu H100` shows the arithmetic).
+_LARGE_PARALLEL: dict[str, dict[str, Any]] = {
+    "1.5b": dict(parallel=dict(strategy="fsdp")),
+    "7b": dict(parallel=dict(strategy="fsdp"), runtime=dict(grad_checkpointing=True)),
+}
 
 DEFAULT_PRESET = "tiny"
 
@@ -156,7 +163,7 @@ def _stage_defaults(stage: str, preset: str) -> dict[str, Any]:
                     "checkpoint": dict(every_steps=steps // 2)}
         return base
     if stage == "pretrain":
-        return _LARGE_PRETRAIN
+        return {**_LARGE_PRETRAIN, **_LARGE_PARALLEL.get(preset, {})}
     raise GhostvisError(f"stage '{stage}' has no defaults in preset '{preset}' yet")
 
 
@@ -230,6 +237,10 @@ def data_overrides(recipe: dict[str, float], val_sources: list[str]) -> dict[str
 
 def validate(cfg: StageConfig) -> None:
     b = cfg.batch
+    if cfg.parallel.strategy not in ("ddp", "fsdp"):
+        raise GhostvisError(f"parallel.strategy must be ddp or fsdp, got '{cfg.parallel.strategy}'")
+    if cfg.runtime.compile not in ("auto", "on", "off"):
+        raise GhostvisError(f"runtime.compile must be auto, on or off, got '{cfg.runtime.compile}'")
     for name in ("micro_batch_size", "seq_len", "world_size"):
         if getattr(b, name) <= 0:
             raise GhostvisError(f"batch.{name} must be positive, got {getattr(b, name)}")

@@ -42,6 +42,7 @@ LAYOUT: dict[str, str] = {
     "run_error": "runs/{}/{}/error.txt",  # stage, run_key: a failed run's one-line reason
     "run_file": "runs/{}/{}/{path}",  # stage, run_key, name: a launcher's file (job script, job output, Pipes messages)
     "report": "reports/{path}",  # file name under reports/
+    "identity": "identities/{}/{path}.json",  # asset, key: what an artifact is made of (ghostvis_core/identity.py)
 }
 
 

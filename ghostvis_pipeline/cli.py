@@ -1,4 +1,4 @@
-"""The `ghostvis` command: init, demo, plan, ledger, chat.
+"""The `ghostvis` command: init, demo, plan, ledger, audit, chat.
 
 Bad input ends with one line naming the problem and the fix (exit code 2), not a traceback.
 """
@@ -12,13 +12,14 @@ import sys
 from typing import Any
 
 from ghostvis_core import presets
-from ghostvis_core.budget import LM_NEEDED_RULE, plan as make_plan, source_plan
+from ghostvis_core.budget import GPUS, LM_NEEDED_RULE, budget_for_hours, MemoryPlan, memory_refusal, plan as make_plan, source_plan
+from ghostvis_core.config import parse_sets
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger, run_consumption, run_keys, run_summaries
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.stages import stage, stage_names
-from ghostvis_pipeline import data_command, train_command
+from ghostvis_pipeline import data_command, status_command, train_command
 
 
 def cmd_init(args) -> int:
@@ -50,24 +51,44 @@ def ui_hint(home: Home) -> str:
             f"MLflow UI:  mlflow ui --backend-store-uri {home.mlflow_tracking_uri}")
 
 
+PLAN_SHAPE_FLAGS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")
+
+
 def plan_overrides(args) -> dict[str, Any]:
     o: dict[str, Any] = {}
     for flag, key in [("micro_batch_size", "batch.micro_batch_size"), ("seq_len", "batch.seq_len"),
                       ("world_size", "batch.world_size"), ("grad_accum", "batch.grad_accum_steps"),
-                      ("total_batch_tokens", "batch.total_batch_tokens")]:
+                      ("total_batch_tokens", "batch.total_batch_tokens"), ("strategy", "parallel.strategy"),
+                      ("grad_checkpointing", "runtime.grad_checkpointing"),
+                      *[(f, f"model.{f}") for f in PLAN_SHAPE_FLAGS]]:
         if getattr(args, flag) is not None:
             o[key] = getattr(args, flag)
+    model = presets.resolve(args.stage, args.preset).model
+    if args.seq_len is not None and args.seq_len > model.max_seq_len:
+        o["model.max_seq_len"] = args.seq_len  # planned, with a note (plan_notes), not refused
     if args.total_batch_tokens is not None and args.grad_accum is None:
         o["batch.grad_accum_steps"] = None
     if args.grad_accum is not None and args.total_batch_tokens is None:
         o["batch.total_batch_tokens"] = None
-    budgets = {k: getattr(args, k) for k in ("steps", "tokens", "tokens_per_param") if getattr(args, k) is not None}
+    budgets = {k: getattr(args, k) for k in ("steps", "tokens", "tokens_per_param", "hours") if getattr(args, k) is not None}
     if len(budgets) > 1:
-        raise GhostvisError(f"give one of --steps, --tokens, --tokens-per-param (got {', '.join(budgets)})")
+        raise GhostvisError(f"give one of --steps, --tokens, --tokens-per-param, --hours (got {', '.join(budgets)})")
+    budgets.pop("hours", None)  # steps from the step time: budget_for_hours
     if budgets:
         o.update({"budget.steps": None, "budget.tokens": None, "budget.tokens_per_param": None})
         o.update({f"budget.{k}": v for k, v in budgets.items()})
+    o.update(parse_sets(args.set or []))
     return o
+
+
+def plan_notes(args) -> list[str]:
+    """What the plan assumed that the user may not have meant."""
+    model = presets.resolve(args.stage, args.preset).model
+    notes = []
+    if args.seq_len is not None and args.seq_len > model.max_seq_len:
+        notes.append(f"seq_len {args.seq_len} is beyond the {args.preset} model's context ({model.max_seq_len}): "
+                     f"planned as a model trained to {args.seq_len} (context_expansion raises a model's context)")
+    return notes
 
 
 def needed_rule(stage_name: str) -> str:
@@ -92,14 +113,45 @@ def recipe_report(args, p) -> list[dict]:
 
 def cmd_plan(args) -> int:
     cfg = presets.resolve(args.stage, args.preset, plan_overrides(args))
+    if args.hours is not None:
+        cfg = budget_for_hours(cfg, args.hours, step_time_s=args.step_time, gpu=args.gpu, mfu=args.mfu, params=args.params)
     p = make_plan(cfg, step_time_s=args.step_time, price_per_gpu_hour=args.price, gpu=args.gpu, mfu=args.mfu,
                   params=args.params)
     sources = recipe_report(args, p)
+    notes = plan_notes(args)
     if args.json:
         print(json.dumps({"stage": args.stage, "preset": args.preset, **p.to_dict(),
-                          **({"sources": sources, "needed_tokens_rule": needed_rule(args.stage)} if sources else {})},
-                         indent=2))
-        return 0
+                          **({"sources": sources, "needed_tokens_rule": needed_rule(args.stage)} if sources else {}),
+                          **({"notes": notes} if notes else {})}, indent=2))
+        return refuse_unfit(args.stage, p)
+    print_plan(args, p, sources)
+    print_memory(p.memory)
+    for note in notes:
+        print(f"  note: {note}")
+    return refuse_unfit(args.stage, p)
+
+
+def refuse_unfit(stage_name: str, p) -> int:
+    """Exit 2 with the numbers and the fixes when the memory plan does not fit the --gpu."""
+    if p.memory["fits"] is False:
+        print(f"ghostvis: error: {memory_refusal(stage_name, MemoryPlan(**p.memory))}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def print_memory(m: dict) -> None:
+    print(f"  memory per GPU  = {m['total_gb']:.2f} GB ({m['strategy']}, {'bf16' if m['bf16'] else 'fp32'}, "
+          f"activation checkpointing {'on' if m['grad_checkpointing'] else 'off'}, micro batch "
+          f"{m['micro_batch_size']} x {m['seq_len']}, {m['world_size']} GPUs)")
+    print(f"                  = {m['weights_gb']:.2f} weights + {m['grads_gb']:.2f} grads + {m['optimizer_gb']:.2f} "
+          f"optimizer + {m['buffers_gb']:.2f} buffers + {m['activations_gb']:.2f} activations + "
+          f"{m['logits_gb']:.2f} logits")
+    if m["fits"] is not None:
+        print(f"  fits {m['gpu'] or 'GPU'}        = {'yes' if m['fits'] else 'NO'} ({m['usable_gb']:.1f} of "
+              f"{m['gpu_memory_gb']:.0f} GB usable)")
+
+
+def print_plan(args, p, sources: list[dict]) -> None:
     print(f"{args.stage} ({args.preset})")
     print(f"  tokens_per_step = micro_batch_size x seq_len x world_size x grad_accum_steps")
     print(f"                  = {p.micro_batch_size} x {p.seq_len} x {p.world_size} x {p.grad_accum_steps}"
@@ -122,7 +174,6 @@ def cmd_plan(args) -> int:
             need = f"{sp['shards_needed']}/{sp['shards_available']}" if sp["shards_needed"] is not None else "-"
             print(f"  {sp['source']:<16} {sp['weight']:>6.2f} {sp['needed_tokens']:>16,} {avail:>16} {ep:>7} {need:>13}")
         print(f"  ({needed_rule(args.stage)})")
-    return 0
 
 
 def ledger_report(home: Home, tokenizer_id: str | None) -> dict[str, Any]:
@@ -189,6 +240,36 @@ def cmd_ledger(args) -> int:
     return 0
 
 
+def dagster_metadata(home: Home, stages: list[str]) -> dict[str, dict[str, Any]]:
+    """Per stage, its newest materialization's metadata in the home's Dagster instance (when there is
+    one: the audit needs only the store and MLflow, and compares Dagster's copy when it can)."""
+    if not (home.dagster_home / "storage").exists():
+        return {}
+    from dagster import AssetKey, DagsterInstance
+
+    with DagsterInstance.from_config(str(home.dagster_home)) as instance:
+        out = {}
+        for name in stages:
+            event = instance.get_latest_materialization_event(AssetKey(name))
+            if event is not None and event.asset_materialization is not None:
+                out[name] = {k: getattr(v, "value", v) for k, v in event.asset_materialization.metadata.items()}
+        return out
+
+
+def cmd_audit(args) -> int:
+    """Every data and stage invariant from the store and MLflow; exit 1 naming each disagreement."""
+    from ghostvis_core.audit.report import audit, format_report
+
+    unknown = sorted(set(args.stage or []) - set(stage_names()))
+    if unknown:
+        raise GhostvisError(f"unknown stage(s) {', '.join(unknown)}; stages: {', '.join(stage_names())}")
+    home = Home.from_env()
+    stages = [s for s in stage_names() if s in args.stage] if args.stage else stage_names()
+    report = audit(home, stages, {} if args.no_dagster else dagster_metadata(home, stages), required=bool(args.stage))
+    print(json.dumps(report, indent=2, default=str) if args.json else "\n".join(format_report(report)))
+    return 1 if report["failures"] else 0
+
+
 def cmd_chat(args) -> int:
     """Talk to a chat stage's checkpoint: the chat template, KV-cached sampling, stop at <|eot|>."""
     import torch
@@ -231,19 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--stages", nargs="*", help="train only these stages (default: all)")
     d.set_defaults(fn=cmd_demo)
 
-    p = sub.add_parser("plan", help="token / step / FLOP / cost planner")
-    p.add_argument("--stage", default="pretrain", choices=stage_names())
-    p.add_argument("--preset", default=presets.default_preset())
-    for flag in ("micro-batch-size", "seq-len", "world-size", "grad-accum", "total-batch-tokens", "steps", "tokens", "params"):
-        p.add_argument(f"--{flag}", type=int)
-    p.add_argument("--tokens-per-param", type=float)
-    p.add_argument("--step-time", type=float, help="seconds per optimizer step (measured)")
-    p.add_argument("--gpu", help="estimate the step time from this GPU's peak bf16 FLOP/s at --mfu")
-    p.add_argument("--mfu", type=float, default=0.4)
-    p.add_argument("--price", type=float, help="price per GPU-hour")
-    p.add_argument("--recipe", help="mixture source=weight,...: per source tokens, epochs and shards from the ledger")
-    p.add_argument("--tokenizer", help="count ledger shards of this tokenizer only")
-    p.add_argument("--json", action="store_true")
+    p = sub.add_parser("plan", help="token / step / FLOP / cost / per-GPU memory planner")
+    add_plan_arguments(p)
     p.set_defaults(fn=cmd_plan)
 
     c = sub.add_parser("chat", help="chat with a trained stage in the terminal (stdin may be piped)")
@@ -262,9 +332,60 @@ def build_parser() -> argparse.ArgumentParser:
                          "(a stage name means its newest completed run)")
     lg.add_argument("--json", action="store_true")
     lg.set_defaults(fn=cmd_ledger)
+    au = sub.add_parser("audit", help="re-run every data and stage invariant from the store and MLflow (no Dagster "
+                                      "run needed); exit 1 naming each stage and figure that disagrees")
+    au.add_argument("--stage", action="append", choices=stage_names(), help="audit only this stage (repeatable)")
+    au.add_argument("--json", action="store_true")
+    au.add_argument("--no-dagster", action="store_true", help="do not compare the Dagster instance's metadata")
+    au.set_defaults(fn=cmd_audit)
     data_command.add_parser(sub)
     train_command.add_parser(sub)
+    status_command.add_parser(sub)
     return ap
+
+
+PLAN_INT_FLAGS = {
+    "micro-batch-size": "rows per micro-step per GPU (batch.micro_batch_size)",
+    "seq-len": "tokens per row (batch.seq_len); beyond the model's context it is planned with a note",
+    "world-size": "GPUs (batch.world_size)",
+    "grad-accum": "micro-steps per optimizer step (batch.grad_accum_steps)",
+    "total-batch-tokens": "tokens per optimizer step; grad-accum is derived from it",
+    "steps": "budget: optimizer steps",
+    "tokens": "budget: tokens to train on (steps rounded up)",
+    "params": "N for 6ND FLOPs and for weight/optimizer memory, instead of the model shape's count "
+              "(activations still follow the shape: the preset's, or --d-model, --n-layers, ...)",
+    "vocab-size": "model shape: vocabulary (default: the preset's)",
+    "d-model": "model shape: hidden size",
+    "n-layers": "model shape: transformer blocks",
+    "n-heads": "model shape: attention heads",
+    "n-kv-heads": "model shape: key/value heads (grouped-query attention)",
+    "ffn-hidden": "model shape: SwiGLU hidden size",
+}
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--stage", default="pretrain", choices=stage_names(), help="the stage to plan (default pretrain)")
+    p.add_argument("--preset", default=presets.default_preset(),
+                   help=f"model shape and stage defaults: {', '.join(presets.preset_names())}")
+    for flag, text in PLAN_INT_FLAGS.items():
+        p.add_argument(f"--{flag}", type=int, help=text)
+    p.add_argument("--tokens-per-param", type=float, help="budget: tokens per parameter (20 = Chinchilla)")
+    p.add_argument("--hours", type=float, help="budget: the steps that fit in this many hours of wall clock at "
+                   "--step-time, or at --gpu's peak x --mfu (e.g. --world-size 1 --gpu H100 --hours 4)")
+    p.add_argument("--strategy", choices=["ddp", "fsdp"], help="parallel.strategy: ddp replicates the model, "
+                   "fsdp shards weights, grads and optimizer state over the GPUs")
+    p.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="runtime.grad_checkpointing: recompute each block's activations in the backward pass")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="any stage config value, e.g. --set parallel.strategy=ddp (repeatable)")
+    p.add_argument("--step-time", type=float, help="seconds per optimizer step (measured)")
+    p.add_argument("--gpu", choices=list(GPUS), help="estimate the step time from this GPU's peak bf16 FLOP/s at "
+                   "--mfu, and check the per-GPU memory against its memory (exit 2 if it does not fit)")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilization assumed with --gpu (default 0.4)")
+    p.add_argument("--price", type=float, help="price per GPU-hour")
+    p.add_argument("--recipe", help="mixture source=weight,...: per source tokens, epochs and shards from the ledger")
+    p.add_argument("--tokenizer", help="count ledger shards of this tokenizer only")
+    p.add_argument("--json", action="store_true", help="print the plan (and memory plan) as JSON")
 
 
 def user_error(exc: BaseException) -> str | None:

@@ -18,13 +18,15 @@ from ghostvis_pipeline.checks import (
     all_manifest_shards_tokenized, ledger_matches_token_files, no_duplicate_content, stage_checks,
     tokenizer_trained_on_train_shards_only,
 )
-from ghostvis_pipeline.jobs import shard_data_job, training_job
+from ghostvis_pipeline.jobs import checks_job, shard_data_job, training_job
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.resources import GhostvisHome
 
 stage_assets = []
-for stage in STAGES:  # each stage starts from its upstream's checkpoint; every stage reads the token ledger
-    deps = [token_ledger] + ([stage.upstream] if stage.upstream else [])
+# Each stage starts from its upstream's checkpoint and reads the token ledger and the tokenizer: a new
+# tokenizer (a new data version) shows every stage as unsynced in the UI and in `ghostvis status`.
+for stage in STAGES:
+    deps = [token_ledger, tokenizer] + ([stage.upstream] if stage.upstream else [])
     stage_assets.append(stage_asset(stage, deps))
     if stage.name in VARIANTS:
         stage_assets.append(variants_asset(stage, deps))
@@ -34,6 +36,6 @@ defs = Definitions(
     asset_checks=[tokenizer_trained_on_train_shards_only,
                   ledger_matches_token_files, all_manifest_shards_tokenized, no_duplicate_content,
                   *[c for stage in STAGES for c in stage_checks(stage.name)]],
-    jobs=[shard_data_job, training_job],
+    jobs=[shard_data_job, training_job, checks_job],
     resources={"home": GhostvisHome(), "launcher": Launcher()},
 )

@@ -28,6 +28,7 @@ class RunSummary:
     run_id: str
     assets: dict[str, float] = field(default_factory=dict)  # asset -> seconds
     checks: list[tuple[str, str, bool]] = field(default_factory=list)  # (asset, check, passed)
+    cached: set[str] = field(default_factory=set)  # assets that returned an earlier result (metadata cached_from)
 
 
 def materialize(defs, instance, assets: list[str], *, partition_range: tuple[str, str] | None = None,
@@ -55,11 +56,14 @@ def materialize(defs, instance, assets: list[str], *, partition_range: tuple[str
             summary.assets[ev.step_key] = entry.timestamp - starts[ev.step_key]
     for ev in result.get_asset_check_evaluations():
         summary.checks.append((ev.asset_key.to_user_string(), ev.check_name, ev.passed))
+    for ev in result.get_asset_materialization_events():
+        if "cached_from" in ev.materialization.metadata:
+            summary.cached.add(ev.asset_key.to_user_string())
     return summary
 
 
 def materialize_data(instance, preset: str) -> list[RunSummary]:
-    """raw_shards and tokenized_shards over every registered shard partition (single-run backfills),
+    """raw_shards and tokenized_shards over every registered shard partition (one run each, here),
     the tokenizer in between and the token ledger after; unchanged shards are skipped."""
     keys = instance.get_dynamic_partitions(shard_partitions.name)
     if not keys:
@@ -93,6 +97,7 @@ def format_summary(runs: list[RunSummary], wall: float) -> str:
         for step, secs in r.assets.items():
             if step not in check_steps:
                 extra = f"  (+{check_secs[step]:.1f})" if step in check_secs else ""
+                extra += "  cached" if step in r.cached else ""
                 lines.append(f"{step:<22} {secs:>8.1f}{extra}")
     lines.append(f"{'total (wall)':<22} {wall:>8.1f}")
     checks = [c for r in runs for c in r.checks]

@@ -11,10 +11,26 @@ from ghostvis_core.errors import GhostvisError
 
 def latest_metadata(context, asset: str) -> dict[str, Any]:
     """Metadata of the newest materialization of `asset` (raw values), or a clear error."""
-    event = context.instance.get_latest_materialization_event(AssetKey(asset))
+    return newest_metadata(context.instance, asset)
+
+
+def newest_metadata(instance, asset: str) -> dict[str, Any]:
+    """latest_metadata outside an asset: from the Dagster instance itself."""
+    event = instance.get_latest_materialization_event(AssetKey(asset))
     if event is None or event.asset_materialization is None:
         raise GhostvisError(f"asset `{asset}` has never been materialized; materialize it first")
     return {k: getattr(v, "value", v) for k, v in event.asset_materialization.metadata.items()}
+
+
+def materializations(instance, key: AssetKey, page: int = 1000) -> list:
+    """Every materialization record of an asset (all partitions), newest first, read page by page."""
+    out, cursor = [], None
+    while True:
+        result = instance.fetch_materializations(key, limit=page, cursor=cursor)
+        out += result.records
+        if not result.has_more:
+            return out
+        cursor = result.cursor
 
 
 def md_table(header: list[str], rows: list[list[Any]]) -> str:

@@ -14,7 +14,7 @@ from ghostvis_core.stages import stage_names
 def stage_run_config(args) -> dict:
     """The stage asset's run config (StageRunConfig) from the command's flags."""
     config = {"overrides": parse_sets(args.sets), "recipe": parse_recipe(args.recipe) if args.recipe else {},
-              "val_sources": [s for s in (args.val_sources or "").split(",") if s]}
+              "val_sources": [s for s in (args.val_sources or "").split(",") if s], "force": args.force}
     if args.preset:
         config["preset"] = args.preset
     return {"ops": {args.stage: {"config": config}}}
@@ -27,14 +27,17 @@ def cmd_train(args) -> int:
     from ghostvis_pipeline.demo import format_summary, materialize
     from ghostvis_pipeline.environment import prepare_environment
 
+    from ghostvis_pipeline.metadata import newest_metadata
+
     home = Home.from_env()
     prepare_environment(home)
-    summary = materialize(defs, DagsterInstance.get(), [args.stage], run_config=stage_run_config(args))
+    instance = DagsterInstance.get()
+    summary = materialize(defs, instance, [args.stage], run_config=stage_run_config(args))
     print(format_summary([summary], sum(summary.assets.values())))
-    from ghostvis_core.train.runs import completed_runs
-
-    run = completed_runs(home.store, args.stage)[-1]
-    print(f"{args.stage}: run {run.run_key}, checkpoint {run.checkpoint_uri}")
+    md = newest_metadata(instance, args.stage)  # this run's materialization
+    print(f"{args.stage}: run {md['run_key']}, checkpoint {md['checkpoint_uri']}")
+    if "cached_from" in md:
+        print(f"cached: {md['cached_from']['why']} (--force trains anyway)")
     return 0 if all(passed for *_, passed in summary.checks) else 1
 
 
@@ -51,4 +54,6 @@ def add_parser(sub) -> None:
                                          "have validation shards)")
     t.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                    help="a dotted config override, e.g. --set budget.steps=200 (repeatable)")
+    t.add_argument("--force", action="store_true",
+                   help="train even when a completed run of the same identity passed its checks (a new attempt)")
     t.set_defaults(fn=cmd_train)

@@ -36,6 +36,10 @@ def run_cli(args: list[str], home: Path, timeout: float = 600, check: bool = Tru
 def demo_home(tmp_path_factory) -> Path:
     """A GHOSTVIS_HOME after `ghostvis demo --preset smoke` (every asset, every stage)."""
     home = tmp_path_factory.mktemp("ghostvis") / "home"
+    prebuilt = os.environ.get("GHOSTVIS_TEST_DEMO_HOME")  # a developer's shortcut: a home built by this command
+    if prebuilt:
+        shutil.copytree(prebuilt, home, symlinks=True)
+        return home
     proc = run_cli(["ghostvis", "demo", "--preset", "smoke"], home, timeout=1200)
     (home / "demo_stdout.txt").write_text(proc.stdout)
     return home

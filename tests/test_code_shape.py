@@ -23,10 +23,11 @@ MAX_PARAMS = 8
 # A module may import modules of its own layer or lower ones. "x.*" is the package x and everything in it.
 LAYERS = {
     "ghostvis_core": 0,  # the package root: it is imported before any of its modules
-    "ghostvis_core.errors": 0, "ghostvis_core.config": 0, "ghostvis_core.counts": 0,
+    "ghostvis_core.errors": 0, "ghostvis_core.config": 0, "ghostvis_core.counts": 0, "ghostvis_core.identity": 0,
     "ghostvis_core.stages": 1, "ghostvis_core.presets": 1, "ghostvis_core.store": 1, "ghostvis_core.s3_store": 1, "ghostvis_core.home": 1,
     "ghostvis_core.data.*": 2, "ghostvis_core.model.*": 2, "ghostvis_core.track.*": 2, "ghostvis_core.budget": 2,
     "ghostvis_core.train.*": 3, "ghostvis_core.eval.*": 3, "ghostvis_core.cluster.*": 3,
+    "ghostvis_core.audit.*": 4,
 }
 # (importing module, imported top-level package) pairs allowed despite the no-Dagster rule
 DAGSTER_ALLOWED = {("ghostvis_core.track.pipes", "dagster_pipes")}

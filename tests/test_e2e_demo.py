@@ -51,7 +51,7 @@ def test_demo_materializes_every_asset_and_all_checks_pass(demo_home):
         assert f"\n{asset} " in out, f"{asset} missing from the per-asset breakdown:\n{out}"
     line = next(l for l in out.splitlines() if l.startswith("checks:"))
     passed, total = map(int, line.split()[1].split("/"))
-    assert passed == total == 4 + 4 * len(STAGES), line  # 4 data checks (3 ledger, 1 tokenizer), 4 per stage
+    assert passed == total == 4 + 8 * len(STAGES), line  # 4 data checks (3 ledger, 1 tokenizer), 8 per stage
 
 
 def test_ledger_mlflow_and_dagster_agree_to_the_token_for_every_stage(demo_home):
@@ -104,14 +104,17 @@ def test_pretraining_lowers_validation_loss_and_mixture_follows_the_recipe(demo_
 
 
 def test_rematerializing_one_stage_through_the_dagster_cli(demo_home):
+    """With force: true (the same inputs are otherwise a cache hit, test_cache.py): a new attempt of the
+    same run identity, with its own MLflow run, that packs exactly the same tokens."""
     instance = dagster_instance(demo_home)
     before = latest(instance, "sft")
     vision = latest(instance, "vision_alignment")
-    proc = run_cli(["dagster", "asset", "materialize", "--select", "sft", "-m", "ghostvis_pipeline.definitions"],
-                   demo_home)
+    proc = run_cli(["dagster", "asset", "materialize", "--select", "sft", "-m", "ghostvis_pipeline.definitions",
+                    "--config-json", json.dumps({"ops": {"sft": {"config": {"force": True}}}})], demo_home)
     assert "RUN_SUCCESS" in proc.stdout + proc.stderr
     after = latest(dagster_instance(demo_home), "sft")
-    assert after["run_key"] != before["run_key"] and after["run_key"].endswith("-r2")
+    assert after["run_key"] == before["run_key"][:-len("-r1")] + "-r2" and "cached_from" not in after
+    assert after["mlflow_run_id"] != before["mlflow_run_id"]
     assert after["parent_run_key"] == vision["run_key"]  # from the stored upstream checkpoint
     assert after["real_tokens"] == before["real_tokens"]  # same config, same data, deterministic packing
     assert Ledger(Home(demo_home).store.path("ledger")).run_totals(after["run_key"])["real_tokens"] == after["real_tokens"]

@@ -50,8 +50,9 @@ def test_corrupt_parquet_fails_its_partition_and_leaves_the_others_done(home_cop
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "1 of 3 shards failed to tokenize (2 others are done and recorded; a re-run skips them)" in out
-    assert (f"raw shard demo_prose/00001 ({bad}) is unreadable:" in out
-            and "delete it and re-materialize raw_shards partition demo_prose/00001" in out)
+    # the worker checks the file it reads against the hash raw_shards recorded at download
+    assert (f"raw shard demo_prose/00001 ({bad}): content changed since it was recorded (expected sha256 " in out
+            and "re-materialize raw_shards partition demo_prose/00001" in out)
     done = {r["shard_id"] for r in Ledger.in_store(store).shards()}
     assert done == {"demo_prose/00000", "demo_prose/00002"}
     # the fix the message names: re-materialize the raw shard (its checksum no longer matches, so it

@@ -110,8 +110,8 @@ def test_held_out_shard_is_validation_and_never_reaches_the_tokenizer(transport,
     assert {k: shard_split_shown(store, manifest, k) for k in KEYS} == expected
     assert store.read_json("raw_shard_meta", f"web/{HELD_OUT}") == {
         "shard_id": f"web/{HELD_OUT}", "sha256": HELD_OUT_SHA, "bytes": len(DATA[HELD_OUT]), "split": "validation"}
-    assert job_for_shard(store, manifest, f"web/{HELD_OUT}", "tok").split == "validation"
-    assert job_for_shard(store, manifest, "web/013_00001", "tok").split == "train"
+    assert job_for_shard(store, manifest, f"web/{HELD_OUT}").split == "validation"
+    assert job_for_shard(store, manifest, "web/013_00001").split == "train"
 
     corpus = tokenizer_corpus(store, max_train_bytes=10**9)
     assert corpus.train_shard_ids == ["web/013_00000", "web/013_00001", "web/013_00003"]

@@ -53,7 +53,7 @@ def test_the_dagster_chain_and_descriptions_come_from_the_table():
     for s in STAGES:
         node = graph.get(AssetKey(s.name))
         deps = {k.to_user_string() for k in node.parent_keys}
-        assert deps == {"token_ledger", *([s.upstream] if s.upstream else [])}
+        assert deps == {"token_ledger", "tokenizer", *([s.upstream] if s.upstream else [])}
         assert node.description == s.description
 
 
@@ -71,7 +71,7 @@ def _defaults(tp) -> dict[str, typing.Any]:
 SECTIONS = {"batch": config.BatchConfig, "optim": config.OptimConfig, "budget": config.BudgetConfig,
             "data": config.DataConfig, "eval": config.EvalConfig, "checkpoint": config.CheckpointConfig,
             "runtime": config.RuntimeConfig, "vision": config.VisionConfig, "dpo": config.DPOConfig,
-            "model": config.ModelConfig}
+            "model": config.ModelConfig, "parallel": config.ParallelConfig}
 
 
 @pytest.mark.parametrize("preset", presets.preset_names())

@@ -36,7 +36,9 @@ STAGES = stage_names()
 ASSETS = ["shard_manifest", "raw_shards", "tokenizer", "tokenized_shards", "token_ledger", "pretrain",
           "continued_pretrain", "context_expansion", "reasoning_mix", "vision_alignment", "sft", "dpo",
           "pretrain_variants", "evaluation", "report"]
-STAGE_CHECKS = ["tokens_match_plan", "ledger_mlflow_metadata_agree", "no_reuse", "no_validation_leakage"]
+STAGE_CHECKS = ["tokens_recounted_from_files", "consumption_matches_plan", "no_validation_selected",
+                "every_rank_read_its_rows", "tokens_match_plan", "ledger_mlflow_metadata_agree", "no_reuse",
+                "no_validation_leakage"]
 TOKEN_COLS = {"real": "real_tokens", "pad": "pad_tokens", "loss": "loss_tokens", "cropped": "cropped_tokens"}
 # Debian's chromium under Playwright (Playwright's own browser download is not used). Without the
 # background-networking flags chromium dials out at start-up, which a closed network refuses.

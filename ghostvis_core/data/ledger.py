@@ -6,6 +6,8 @@ Tables in the artifact store's "ledger" artifact (`Ledger.in_store(store)`):
                 tokens and the four tokens_per_step factors; `prev_part_id` chains the parts that
                 lead to a checkpoint, so a run's totals are the sum along its chain.
 - consumption/  per part, the (shard, epoch, token range, row range) pieces the loader delivered.
+- shares/       per part and rank, that rank's share: the global rows it read and its four figures,
+                so a rank whose rows or counts were dropped is visible (the part row is their sum).
 
 Many writers (tokenizer workers, training runs) each write their own file, atomically; nobody
 rewrites a file. A file name is derived from its content key, so writing twice is harmless.
@@ -48,6 +50,7 @@ SHARD_SCHEMA = pa.schema(
         ("tokens_dropped", pa.int64()),
         ("drop_reasons", pa.string()),  # JSON {reason: {"docs": n, "tokens": n}}
         ("token_path", pa.string()),
+        ("token_sha256", pa.string()),  # of the token file as written: a replaced file shows
         ("created_at", pa.float64()),
     ]
 )
@@ -109,6 +112,30 @@ CONSUMPTION_SCHEMA = pa.schema(
 )
 
 
+SHARE_SCHEMA = pa.schema(
+    [
+        ("part_id", pa.string()),
+        ("run_key", pa.string()),
+        ("rank", pa.int64()),
+        ("world_size", pa.int64()),
+        ("row_count", pa.int64()),
+        ("row_ranges", pa.string()),  # JSON [[start, end), ...] of global rows, sorted
+        *[(name, pa.int64()) for name in TokenCounts.names()],
+    ]
+)
+
+
+def row_ranges(rows: list[int]) -> list[list[int]]:
+    """Global rows as sorted [start, end) ranges; a row read twice appears in two ranges."""
+    out: list[list[int]] = []
+    for r in sorted(rows):
+        if out and out[-1][1] == r:
+            out[-1][1] = r + 1
+        else:
+            out.append([r, r + 1])
+    return out
+
+
 def _write(path: Path, rows: list[dict[str, Any]] | pa.Table, schema: pa.Schema) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     table = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(rows, schema=schema)
@@ -116,6 +143,14 @@ def _write(path: Path, rows: list[dict[str, Any]] | pa.Table, schema: pa.Schema)
     pq.write_table(table, tmp)
     os.replace(tmp, path)
     return path
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _key(*parts: Any) -> str:
@@ -140,9 +175,12 @@ class Ledger:
         return self.root.parent
 
     def write_shard(self, record: dict[str, Any]) -> Path:
-        """Token paths are kept relative to the store, so a GHOSTVIS_HOME can be moved or copied."""
+        """Token paths are kept relative to the store, so a GHOSTVIS_HOME can be moved or copied; the
+        token file's sha256 is kept, so a file replaced later (same rows, other tokens) is found."""
         record = {"created_at": time.time(), "docs_dropped": 0, "tokens_dropped": 0, "drop_reasons": "{}", **record}
         path = Path(record.get("token_path") or "")
+        if path.is_file():
+            record["token_sha256"] = file_sha256(path)
         if path.is_absolute() and path.is_relative_to(self.store):
             record["token_path"] = str(path.relative_to(self.store))
         path = self.shard_record_path(record["shard_id"], record["tokenizer_id"], record["content_sha256"])
@@ -156,13 +194,18 @@ class Ledger:
                           "content_sha256": [content_sha256] * n, "row": rows, "doc_hash": hashes}, schema=DOC_SCHEMA)
         return _write(self.root / "docs" / f"{_key(shard_id, content_sha256)}.parquet", table, DOC_SCHEMA)
 
-    def write_part(self, part: dict[str, Any], pieces: list[dict[str, Any]]) -> None:
-        """Consumption first, then the part row: a part row is only visible once its pieces are."""
+    def write_part(self, part: dict[str, Any], pieces: list[dict[str, Any]],
+                   shares: list[dict[str, Any]] | None = None) -> None:
+        """Consumption and per-rank shares (when given: the trainer always gives them) first, then the
+        part row: a part row is only visible once what it sums is."""
         part = {"created_at": time.time(), **part}
         name = f"{part['run_key']}.s{part['segment']:03d}.p{part['step_last']:09d}.parquet"
         rows = [{"part_id": part["part_id"], "run_key": part["run_key"], "stage": part["stage"],
                  "segment": part["segment"], **p} for p in pieces]
         _write(self.root / "consumption" / name, rows, CONSUMPTION_SCHEMA)
+        if shares is not None:
+            _write(self.root / "shares" / name, [{"part_id": part["part_id"], "run_key": part["run_key"], **r}
+                                                 for r in shares], SHARE_SCHEMA)
         _write(self.root / "parts" / name, [part], PART_SCHEMA)
 
     # ---- reading ----
@@ -216,6 +259,16 @@ class Ledger:
             f"SELECT * FROM consumption WHERE part_id IN ({','.join('?' * len(part_ids))}) ORDER BY shard_id, tok_start",
             part_ids,
         )
+
+    def shares(self, part_ids: list[str]) -> list[dict[str, Any]]:
+        """Per part and rank: the rank's rows (`row_ranges`, decoded) and its four figures."""
+        if not part_ids:
+            return []
+        rows = self._query("shares", f"SELECT * FROM shares WHERE part_id IN ({','.join('?' * len(part_ids))}) "
+                                     "ORDER BY part_id, rank", part_ids)
+        for r in rows:
+            r["row_ranges"] = json.loads(r["row_ranges"])
+        return rows
 
     def chain(self, run_key: str) -> list[dict[str, Any]]:
         """The parts that lead to the run's newest checkpoint, oldest first."""
@@ -445,6 +498,21 @@ def train_validation_overlap(ledger: Ledger, shards: list[dict[str, Any]]) -> li
             WHERE v.split = 'validation' AND t.split = 'train' ORDER BY v.shard_id, v.row""",
         shas,
     )
+
+
+def validation_selected(ledger: Ledger, tokenizer_id: str, train_shards: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Shards selected for training (a launch spec's train_shards) whose ledger split is not train, or
+    that the ledger does not know: checked before launch and again by the stage checks, because what
+    is selected is what the run may read, whatever it happened to consume."""
+    known = {(r["shard_id"], r["content_sha256"]): r["split"] for r in ledger.shards(tokenizer_id=tokenizer_id)}
+    out = []
+    for source, refs in sorted(train_shards.items()):
+        for ref in refs:
+            split = known.get((ref["shard_id"], ref.get("content_sha256", "")), "not in the ledger")
+            if split != "train" or ref.get("split") != "train":
+                out.append({"source": source, "shard_id": ref["shard_id"], "split": split,
+                            "spec_split": ref.get("split")})
+    return out
 
 
 def pieces_to_rows(pieces: list[Piece], rows_of) -> list[dict[str, Any]]:

@@ -59,6 +59,7 @@ class Batch:
     images: list[bytes] = field(default_factory=list)
     # What the loss is averaged over in a step: loss tokens, or preference pairs for DPO.
     loss_units: int | None = None
+    rows: list[int] = field(default_factory=list)  # the global rows it holds (the ledger's per-rank shares)
 
     @property
     def units(self) -> int:
@@ -320,6 +321,7 @@ class Batcher:
                                sum(r.cropped for r in got)),
             doc_ids=doc_ids,
             images=[im for r in got for im in r.images],
+            rows=list(rows),
         )
 
     def rows_per_source(self, n_rows: int) -> dict[str, int]:
@@ -328,14 +330,17 @@ class Batcher:
 
 @dataclass
 class Consumption:
-    """What one rank's loader delivered since the last flush: token counts and shard pieces."""
+    """What one rank's loader delivered since the last flush: token counts, shard pieces and the
+    global rows (so the ledger can show each rank's share, not only the sum)."""
 
     counts: TokenCounts = field(default_factory=TokenCounts)
     pieces: list[Piece] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
 
     def add(self, batch: Batch) -> None:
         self.counts = self.counts + batch.counts
         self.pieces.extend(batch.pieces)
+        self.rows.extend(batch.rows)
 
 
 def merge_pieces(pieces: list[Piece]) -> tuple[list[Piece], int]:

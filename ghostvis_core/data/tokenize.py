@@ -13,6 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pyarrow as pa
@@ -24,7 +25,7 @@ from datatrove.pipeline.filters import FineWebQualityFilter, LambdaFilter, Regex
 from datatrove.pipeline.filters.base_filter import BaseFilter, get_filter_result
 from datatrove.pipeline.readers import ParquetReader
 
-from ghostvis_core.data.catalog import shard_split
+from ghostvis_core.data.catalog import recorded_sha256, shard_split
 from ghostvis_core.data.chat import IMAGE, render_chat, render_prompt, render_reply
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.sources import Manifest, sha256_file
@@ -41,20 +42,35 @@ class TokenizeJob:
     shard_id: str
     source: str
     split: str
-    raw_path: str
-    content_sha256: str  # of the raw file, hashed once by the caller (it also decides the split)
-    token_path: str
+    content_sha256: str  # of the raw file: it decides the split; the worker checks the file it reads has it
     kind: str = "text"
 
 
-def job_for_shard(store: LocalStore, manifest: Manifest, shard_id: str, tokenizer_id: str) -> TokenizeJob:
-    """The job for one downloaded raw shard: its split is catalog.shard_split of its content hash."""
-    raw = store.fetch("raw_shard", shard_id)
-    if not raw.exists():
-        raise GhostvisError(f"raw shard {shard_id} is not downloaded; materialize raw_shards partition {shard_id} first")
-    content_sha256 = sha256_file(raw)
+def job_for_shard(store: LocalStore, manifest: Manifest, shard_id: str) -> TokenizeJob:
+    """The job for one downloaded raw shard: its split is catalog.shard_split of its content hash, the
+    one raw_shards recorded when it downloaded and verified the file (hashed here only for shards
+    downloaded before raw_shards kept records), so the launching host reads no raw file."""
+    content_sha256 = recorded_sha256(store, shard_id)
+    if content_sha256 is None:
+        raw = store.fetch("raw_shard", shard_id)
+        if not raw.exists():
+            raise GhostvisError(f"raw shard {shard_id} is not downloaded; materialize raw_shards partition {shard_id} first")
+        content_sha256 = sha256_file(raw)
     return TokenizeJob(shard_id, manifest.source, shard_split(store, manifest, shard_id, content_sha256),
-                       str(raw), content_sha256, str(store.path("token_shard", tokenizer_id, shard_id)), manifest.kind)
+                       content_sha256, manifest.kind)
+
+
+def raw_file(store: LocalStore, job: TokenizeJob) -> Path:
+    """The raw shard a worker reads (fetched to its node), refused if its content is not the job's."""
+    path = store.fetch("raw_shard", job.shard_id)
+    if not path.exists():
+        raise GhostvisError(f"raw shard {job.shard_id} is not in the store ({store.uri_of('raw_shard', job.shard_id)}); "
+                            f"materialize raw_shards partition {job.shard_id}")
+    got = sha256_file(path)
+    if got != job.content_sha256:
+        raise GhostvisError(f"raw shard {job.shard_id} ({path}): content changed since it was recorded (expected "
+                            f"sha256 {job.content_sha256}, got {got}); re-materialize raw_shards partition {job.shard_id}")
+    return path
 
 
 # Raw columns each kind of source needs; the first is the text a document filter looks at.
@@ -72,19 +88,21 @@ class RawShardReader(ParquetReader):
 
     name = "📒 GhostVis raw shard"
 
-    def __init__(self, jobs: list[TokenizeJob]):
+    def __init__(self, jobs: list[TokenizeJob], store_uri: str):
         self.jobs = jobs
+        self.store_uri = store_uri  # workers may run on other nodes: they open the store from its URI
         super().__init__("/", read_metadata=False, batch_size=2048)
 
     def run(self, data=None, rank: int = 0, world_size: int = 1):
         job = self.jobs[rank]
         columns = KIND_COLUMNS[job.kind]
+        raw_path = raw_file(open_store(self.store_uri), job)
         try:
-            pf = pq.ParquetFile(job.raw_path)
+            pf = pq.ParquetFile(raw_path)
             missing = [c for c in columns if c not in pf.schema_arrow.names and c != "image"]
             if missing:
                 raise GhostvisError(
-                    f"raw shard {job.shard_id} ({job.raw_path}): no {', '.join(missing)} column for a {job.kind} "
+                    f"raw shard {job.shard_id} ({raw_path}): no {', '.join(missing)} column for a {job.kind} "
                     f"source (columns: {', '.join(pf.schema_arrow.names)}); fix the source's kind or its files"
                 )
             present = [c for c in columns if c in pf.schema_arrow.names]
@@ -103,7 +121,7 @@ class RawShardReader(ParquetReader):
             raise
         except Exception as exc:  # pyarrow raises several types for truncated/corrupt files
             raise GhostvisError(
-                f"raw shard {job.shard_id} ({job.raw_path}) is unreadable: {exc}; delete it and "
+                f"raw shard {job.shard_id} ({raw_path}) is unreadable: {exc}; delete it and "
                 f"re-materialize raw_shards partition {job.shard_id}"
             ) from None
 
@@ -207,18 +225,21 @@ class TokenShardWriter(PipelineStep):
         if "tokens" not in columns:
             columns["tokens"] = list_column([], [], dtype)
         n_tokens = sum(lists.get("tokens", ([], []))[0])
-        write_token_shard(Path(job.token_path), columns)
+        write_token_shard(store.path("token_shard", tok.tokenizer_id, job.shard_id), columns)
         self.stat_update("tokens", value=n_tokens, unit="shard")
         ledger = Ledger.in_store(store)
         ledger.write_doc_hashes(job.shard_id, job.source, job.split, job.content_sha256, rows, doc_hashes)
         ledger.write_shard({
             "shard_id": job.shard_id, "source": job.source, "split": job.split, "kind": job.kind,
-            "content_sha256": job.content_sha256, "raw_bytes": Path(job.raw_path).stat().st_size,
+            "content_sha256": job.content_sha256, "raw_bytes": store.path("raw_shard", job.shard_id).stat().st_size,
             "tokenizer_id": tok.tokenizer_id, "docs": len(rows), "tokens": n_tokens,
             "text_bytes": text_bytes, "docs_dropped": sum(d["docs"] for d in dropped.values()),
             "tokens_dropped": sum(d["tokens"] for d in dropped.values()),
-            "drop_reasons": json.dumps(dropped, sort_keys=True), "token_path": job.token_path,
+            "drop_reasons": json.dumps(dropped, sort_keys=True),
+            "token_path": str(store.path("token_shard", tok.tokenizer_id, job.shard_id)),
         })
+        store.publish("token_shard", tok.tokenizer_id, job.shard_id)  # visible to every node (no-op when local)
+        store.publish("ledger")
 
 
 def doc_hash(kind: str, text_utf8: bytes, doc: Document) -> str:
@@ -271,14 +292,15 @@ def error_file(errors_dir: Path, shard_id: str) -> Path:
     return errors_dir / (shard_id.replace("/", "__") + ".txt")
 
 
-def is_done(job: TokenizeJob, ledger: Ledger, tokenizer_id: str) -> bool:
+def is_done(job: TokenizeJob, ledger: Ledger, store: LocalStore, tokenizer_id: str) -> bool:
     """Same content and tokenizer already tokenized, with the token file intact: nothing to redo."""
     rec = ledger.shard_record_path(job.shard_id, tokenizer_id, job.content_sha256)
-    if not rec.exists() or not Path(job.token_path).exists():
+    if not rec.exists() or not store.exists("token_shard", tokenizer_id, job.shard_id):
         return False
     rows = pq.read_table(rec).to_pylist()
     try:
-        return TokenShard.open(Path(job.token_path), job.shard_id).num_tokens == rows[0]["tokens"]
+        token_file = store.fetch("token_shard", tokenizer_id, job.shard_id)
+        return TokenShard.open(token_file, job.shard_id).num_tokens == rows[0]["tokens"]
     except GhostvisError:
         return False
 
@@ -296,6 +318,12 @@ class TokenizeReport:
     drop_reasons: str = "{}"
 
 
+def run_locally(pipeline: list, tasks: int, workers: int, logging_dir: Path) -> None:
+    """datatrove worker processes on this machine."""
+    LocalPipelineExecutor(pipeline=pipeline, tasks=tasks, workers=workers, logging_dir=str(logging_dir),
+                          skip_completed=False).run()
+
+
 def tokenize_shards(
     jobs: list[TokenizeJob],
     *,
@@ -304,32 +332,26 @@ def tokenize_shards(
     logging_dir: Path,
     workers: int = 2,
     filters: dict[str, list[str]] | None = None,
+    run_pipeline: Callable[[list, int, int, Path], None] | None = None,
 ) -> list[TokenizeReport]:
     """Tokenize the jobs that are not already done; return one report per job (from the ledger).
     The tokenizer is read from, and the ledger rows written to, `store`; each job names its token
-    shard's file. `filters` maps a source to its document filters (see build_filter)."""
+    shard's file (in the store). `filters` maps a source to its document filters (see build_filter).
+    `run_pipeline(pipeline, tasks, workers, logging_dir)` runs the datatrove pipeline: worker processes
+    here (`run_locally`), or a Slurm job array (ghostvis_core/cluster/slurm_pipeline.py)."""
     for specs in (filters or {}).values():
         for spec in specs:
             build_filter(spec)  # fail on a bad spec before any work
     tok = load_tokenizer(tokenizer_id, store)
     ledger = Ledger.in_store(store)
-    todo = [j for j in jobs if not is_done(j, ledger, tok.tokenizer_id)]
+    todo = [j for j in jobs if not is_done(j, ledger, store, tok.tokenizer_id)]
     t0 = time.time()
     errors_dir = logging_dir / "errors" / uuid.uuid4().hex[:8]
     if todo:
-        executor = LocalPipelineExecutor(
-            pipeline=[RawShardReader(todo), CountedFilters(filters or {}, todo),
-                      TokenShardWriter(todo, str(store.root), tok.tokenizer_id, str(errors_dir))],
-            tasks=len(todo),
-            workers=max(1, min(workers, len(todo))),
-            logging_dir=str(logging_dir),
-            skip_completed=False,
-        )
-        executor.run()
-        for j in todo:  # visible to every node once written (a no-op on a local store)
-            if Path(j.token_path).exists():
-                store.publish("token_shard", tokenizer_id, j.shard_id)
-        store.publish("ledger")
+        pipeline = [RawShardReader(todo, store.uri), CountedFilters(filters or {}, todo),
+                    TokenShardWriter(todo, store.uri, tok.tokenizer_id, str(errors_dir))]
+        (run_pipeline or run_locally)(pipeline, len(todo), max(1, min(workers, len(todo))), logging_dir)
+        ledger = Ledger.in_store(store)  # the workers' rows (fetched again when the store is remote)
     seconds = time.time() - t0
     failed = {j.shard_id: error_file(errors_dir, j.shard_id).read_text() for j in todo
               if error_file(errors_dir, j.shard_id).exists()}

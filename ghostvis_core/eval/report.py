@@ -31,6 +31,7 @@ class StageReport:
     leakage: str
     wall_time_s: float
     tokens_per_sec: float
+    mfu: float | None
     val_loss_start: float | None
     val_loss: float | None
     evidence: list[tuple[str, Any, Any]]
@@ -64,7 +65,7 @@ def stage_report(ledger: Ledger, result: RunResult, config: StageConfig, curves:
         stage=result.stage, run_key=key, mlflow_run_id=result.mlflow_run_id, totals=totals,
         planned_tokens=int(result.planned_tokens), shards_used=len(shards), shard_rows=shards,
         reuse=reuse_text, leakage=leak_text, wall_time_s=float(result.wall_time_s),
-        tokens_per_sec=float(result.tokens_per_sec), val_loss_start=result.val_loss_start,
+        tokens_per_sec=float(result.tokens_per_sec), mfu=result.mfu, val_loss_start=result.val_loss_start,
         val_loss=result.val_loss, evidence=evidence, costs=costs, curves=curves, evaluation=evaluation,
         mixture={s: asdict(m) for s, m in result.mixture.items()},
     )
@@ -112,9 +113,9 @@ def _fmt(v: Any) -> str:
 def tables(stages: list[StageReport]) -> dict[str, tuple[list[str], list[list[Any]]]]:
     """The report's tables, shared by the HTML and Markdown renderings."""
     tok = (["stage", "run", "steps", "planned", "real", "pad", "loss", "cropped", "shards", "reuse", "leakage",
-            "wall s", "tokens/s", "val loss start", "val loss end"],
+            "wall s", "tokens/s", "MFU", "val loss start", "val loss end"],
            [[s.stage, s.run_key, s.totals["steps"], s.planned_tokens, *(s.totals[k] for k in TokenCounts.names()),
-             s.shards_used, s.reuse, s.leakage, s.wall_time_s, s.tokens_per_sec, s.val_loss_start, s.val_loss]
+             s.shards_used, s.reuse, s.leakage, s.wall_time_s, s.tokens_per_sec, s.mfu, s.val_loss_start, s.val_loss]
             for s in stages])
     evid = (["stage", "evidence", "before", "after"],
             [[s.stage, name, before, after] for s in stages for name, before, after in s.evidence])

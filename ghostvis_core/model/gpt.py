@@ -1,13 +1,18 @@
 """Decoder-only LM: RoPE, RMSNorm, SwiGLU, grouped-query attention.
 
-Attention goes through flash-attn when it is installed and the tensors are on CUDA in half
-precision, else through PyTorch SDPA. Packed rows can carry `doc_ids` so attention never crosses
-a document boundary (SFT packs conversations; pretraining lets documents see each other).
+Attention goes through flash-attn when it is installed and the kernel's inputs (q, k, v: bf16
+under autocast even when the residual stream is fp32) are CUDA half precision, else through PyTorch
+SDPA. Packed rows can carry `doc_ids` so attention never crosses a document boundary (SFT packs
+conversations; pretraining lets documents see each other): each document is attended as its own
+variable-length sequence (`DocSpans`: flash-attn's varlen kernel, or SDPA per document), never
+through a dense T x T mask. The loss is computed in chunks of positions (`LOSS_CHUNK_ELEMENTS`),
+so fp32 logits over the whole vocabulary exist for one chunk at a time.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -17,11 +22,52 @@ from torch.utils.checkpoint import checkpoint
 from ghostvis_core.config import ModelConfig, VisionConfig
 
 try:  # optional, GPU only
-    from flash_attn import flash_attn_func  # type: ignore
+    from flash_attn import flash_attn_func, flash_attn_varlen_func  # type: ignore
 except ImportError:  # pragma: no cover - depends on the machine
-    flash_attn_func = None
+    flash_attn_func = flash_attn_varlen_func = None
 
 IGNORE_INDEX = -1
+# Logit elements (positions x vocabulary) the loss holds at once: 64M, i.e. 256 MB in fp32, and their
+# bf16 copy and gradient; a larger batch is computed chunk by chunk, each chunk's logits recomputed
+# in the backward pass instead of kept.
+LOSS_CHUNK_ELEMENTS = 1 << 26
+
+
+@dataclass(frozen=True)
+class DocSpans:
+    """Packed documents as variable-length sequences: offsets into the flattened (B*T) positions."""
+
+    cu_seqlens: torch.Tensor  # int32, (n_docs + 1,): where each document starts, then B*T
+    bounds: tuple[tuple[int, int], ...]  # the same offsets as (start, end) pairs, on the host
+    max_len: int
+
+    @classmethod
+    def from_doc_ids(cls, doc_ids: torch.Tensor) -> "DocSpans":
+        """A document is a run of equal ids within a row; rows never share a document."""
+        b, t = doc_ids.shape
+        starts = torch.ones_like(doc_ids, dtype=torch.bool)
+        starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        offsets = [*starts.flatten().nonzero().flatten().tolist(), b * t]
+        bounds = tuple(zip(offsets[:-1], offsets[1:]))
+        return cls(torch.tensor(offsets, dtype=torch.int32, device=doc_ids.device), bounds,
+                   max(e - s for s, e in bounds))
+
+
+def _half(t: torch.Tensor) -> bool:
+    return t.is_cuda and t.dtype in (torch.float16, torch.bfloat16)
+
+
+def varlen_attention(q, k, v, docs: DocSpans, gqa: bool) -> torch.Tensor:
+    """Causal attention within each document; q, k, v: (B, T, heads, head_dim)."""
+    b, t = q.shape[:2]
+    qf, kf, vf = (x.reshape(b * t, *x.shape[2:]) for x in (q, k, v))
+    if flash_attn_varlen_func is not None and _half(qf):
+        y = flash_attn_varlen_func(qf, kf, vf, docs.cu_seqlens, docs.cu_seqlens, docs.max_len, docs.max_len, causal=True)
+    else:  # PyTorch's own: one SDPA call per document, no T x T mask
+        y = torch.cat([F.scaled_dot_product_attention(
+            qf[s:e].transpose(0, 1), kf[s:e].transpose(0, 1), vf[s:e].transpose(0, 1), is_causal=True, enable_gqa=gqa,
+        ).transpose(0, 1) for s, e in docs.bounds])
+    return y.view(b, t, *y.shape[1:])
 
 
 class RMSNorm(nn.Module):
@@ -60,23 +106,25 @@ class Attention(nn.Module):
         self.wkv = nn.Linear(cfg.d_model, 2 * self.n_kv * self.hd, bias=False)
         self.wo = nn.Linear(self.n_heads * self.hd, cfg.d_model, bias=False)
 
-    def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
+    def forward(self, x, cos, sin, docs: DocSpans | None = None, kv_cache=None):
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.hd)
         k, v = self.wkv(x).view(b, t, 2, self.n_kv, self.hd).unbind(2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
-        if flash_attn_func is not None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and attn_mask is None:
+        gqa = self.n_kv != self.n_heads
+        if docs is not None:
+            y = varlen_attention(q, k, v, docs, gqa)
+        elif flash_attn_func is not None and _half(q):  # the dtype the kernel sees, not the residual's
             y = flash_attn_func(q, k, v, causal=kv_cache is None or t > 1)
         else:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            if attn_mask is None and (kv_cache is None or t > 1) and k.shape[2] == t:
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
-            else:
-                if attn_mask is None and k.shape[2] != t:  # decoding with a cache: attend to all past
-                    attn_mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - t)
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=self.n_kv != self.n_heads)
+            if (kv_cache is None or t > 1) and k.shape[2] == t:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            else:  # decoding with a cache: attend to all past
+                mask = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - t)
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
             y = y.transpose(1, 2)
         return self.wo(y.reshape(b, t, -1))
 
@@ -100,8 +148,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = SwiGLU(cfg)
 
-    def forward(self, x, cos, sin, attn_mask=None, kv_cache=None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, attn_mask, kv_cache)
+    def forward(self, x, cos, sin, docs: DocSpans | None = None, kv_cache=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, docs, kv_cache)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -170,18 +218,19 @@ class GPT(nn.Module):
         t = x.shape[1]
         cos, sin = self._rope(start_pos + t, x.device)
         cos, sin = cos[start_pos : start_pos + t], sin[start_pos : start_pos + t]
-        mask = None
-        if doc_ids is not None:
-            same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]
-            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-            mask = (same_doc & causal)[:, None]
+        docs = DocSpans.from_doc_ids(doc_ids) if doc_ids is not None else None
         for i, block in enumerate(self.blocks):
             cache = kv_caches[i] if kv_caches is not None else None
             if self.grad_checkpointing and self.training:
-                x = checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+                x = checkpoint(block, x, cos, sin, docs, use_reentrant=False)
             else:
-                x = block(x, cos, sin, mask, cache)
+                x = block(x, cos, sin, docs, cache)
         return self.norm(x)
+
+    def compile_blocks(self) -> None:
+        """torch.compile each block in place (the unit FSDP gathers, so both compose)."""
+        for block in self.blocks:
+            block.compile()
 
     def embed_inputs(self, idx, images=None, image_mask=None):
         """Token embeddings, with image embeddings written over the expanded <|image|> positions."""
@@ -196,15 +245,9 @@ class GPT(nn.Module):
         """Logits; or with targets, the cross-entropy over targets != IGNORE_INDEX (reduction mean,
         sum or none), or reduction="logprobs": log p(target) per position (0 where ignored)."""
         h = self.hidden(embeds=self.embed_inputs(idx, images, image_mask), doc_ids=doc_ids)
-        logits = self.lm_head(h)
         if targets is None:
-            return logits
-        if reduction == "logprobs":
-            lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets.clamp_min(0)[..., None]).squeeze(-1)
-            return lp * (targets != IGNORE_INDEX)
-        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1),
-                               ignore_index=IGNORE_INDEX, reduction=reduction)
-        return loss.view(targets.shape) if reduction == "none" else loss
+            return self.lm_head(h)
+        return lm_loss(h, self.lm_head.weight, targets, reduction)
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
@@ -234,6 +277,37 @@ class GPT(nn.Module):
             return out
         finally:
             self.train(was_training)
+
+
+def _target_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """-log p(target) per position, in fp32, for one chunk of positions."""
+    logits = F.linear(h, weight).float()
+    return torch.logsumexp(logits, -1) - logits.gather(-1, targets.clamp_min(0)[:, None]).squeeze(-1)
+
+
+def lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",
+            chunk_elements: int = LOSS_CHUNK_ELEMENTS) -> torch.Tensor:
+    """Cross-entropy of the lm_head over targets != IGNORE_INDEX (reduction mean, sum, none) or
+    reduction="logprobs" (log p(target) per position, 0 where ignored), chunk by chunk of positions:
+    a chunk's logits are recomputed in the backward pass, so only one chunk's exist at a time."""
+    flat_h, flat_t = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+    rows = max(1, chunk_elements // weight.shape[0])
+    if flat_h.shape[0] <= rows:
+        nll = _target_nll(flat_h, weight, flat_t)
+    else:
+        nll = torch.cat([checkpoint(_target_nll, flat_h[i:i + rows], weight, flat_t[i:i + rows], use_reentrant=False)
+                         for i in range(0, flat_h.shape[0], rows)])
+    keep = flat_t != IGNORE_INDEX
+    nll = nll * keep
+    if reduction == "logprobs":
+        return (-nll).view(targets.shape)
+    if reduction == "none":
+        return nll.view(targets.shape)
+    if reduction == "sum":
+        return nll.sum()
+    if reduction == "mean":
+        return nll.sum() / keep.sum()
+    raise ValueError(f"lm_loss reduction must be mean, sum, none or logprobs, got '{reduction}'")
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_k: int | None, generator) -> int:

@@ -161,6 +161,7 @@ def frozen_fingerprint(module: nn.Module) -> str:
     for name, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
         if not p.requires_grad:
             h.update(name.encode())
-            h.update(p.detach().to(torch.float32).cpu().numpy().tobytes())
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p  # a sharded (FSDP) parameter: all ranks call
+            h.update(full.detach().to(torch.float32).cpu().numpy().tobytes())
     return h.hexdigest()
 

@@ -1,8 +1,13 @@
-"""Atomic, pickle-free checkpoints.
+"""Atomic, pickle-free checkpoints, in one of two formats.
 
-<run>/step_000000150/ holds model.safetensors, optimizer.safetensors, train_state.json (the
-TrainState: step, loader position, token counts, ledger part chain, MLflow run id, RNG states),
-config.json and a COMPLETE marker.
+<run>/step_000000150/ holds the weights and optimizer state, train_state.json (the TrainState: step,
+loader position, token counts, ledger part chain, MLflow run id, RNG states), config.json and a
+COMPLETE marker. The weights are either
+- model.safetensors + optimizer.safetensors (ddp: rank 0 holds everything and writes them), or
+- dcp/: a torch.distributed.checkpoint folder (fsdp: every rank writes its own shard, `save_shards`);
+  its tensors are keyed by parameter name, so it loads on any world size (DCP reshards on read),
+  and `export_safetensors` consolidates it into one file when someone asks for one.
+`load_model` and `load_optimizer` read both.
 It is written under a temporary name and renamed into place, so a reader that lists step_* folders
 with COMPLETE only ever sees finished checkpoints; a crash mid-write leaves a .tmp folder that is
 ignored and later removed.
@@ -12,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle  # only to check DCP metadata before DCP unpickles it (_MetadataCheck)
 import re
 import shutil
 import uuid
@@ -27,6 +33,7 @@ from ghostvis_core.train.state import STATE_FILE
 
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
 MARKER = "COMPLETE"
+DCP_DIR = "dcp"
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,9 @@ def save(
 ) -> Path:
     """Write a checkpoint atomically and prune older ones (never the newest complete one).
 
+    With a `dcp` entry in `extra_dirs` (from `save_shards`) the weights and optimizer state are
+    already written, by every rank; they are committed with the rest instead of safetensors.
+
     A failure while writing (full disk, I/O error) removes the partial folder and raises; the
     previous checkpoints are untouched.
     """
@@ -93,8 +103,9 @@ def save(
     tmp = run_dir / f".tmp-{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
     try:
         tmp.mkdir()
-        save_file(_tensors_for_save(model.state_dict()), str(tmp / "model.safetensors"))
-        if optimizer is not None:
+        if DCP_DIR not in (extra_dirs or {}):
+            save_file(_tensors_for_save(model.state_dict()), str(tmp / "model.safetensors"))
+        if optimizer is not None and DCP_DIR not in (extra_dirs or {}):
             save_file(optimizer_tensors(model, optimizer), str(tmp / "optimizer.safetensors"))
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True))
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -125,8 +136,24 @@ def prune(run_dir: Path, keep_last: int) -> None:
     refs = list_complete(run_dir)
     for ref in refs[: max(0, len(refs) - max(1, keep_last))]:
         shutil.rmtree(ref.path, ignore_errors=True)
-    for p in run_dir.glob(".tmp-step_*"):
+    for p in [*run_dir.glob(".tmp-step_*"), *run_dir.glob(".dcp-step_*")]:
         shutil.rmtree(p, ignore_errors=True)
+
+
+def save_shards(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Path]:
+    """Every rank writes its shard of the weights and optimizer state (DCP) into a staging folder;
+    the `extra_dirs` entry for `save`, which rank 0 then commits. Called by all ranks together."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    staging = run_dir / f".dcp-{step_dir_name(step)}"
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    try:
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging))
+    except OSError as exc:
+        raise GhostvisError(f"checkpoint step {step}: this rank could not write its shard to {staging} "
+                            f"({exc.strerror or exc}); free space or fix the storage, then re-materialize") from None
+    return {DCP_DIR: staging}
 
 
 def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -140,7 +167,9 @@ def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 def load_model(path: Path, model: torch.nn.Module, *, allow_missing: tuple[str, ...] = ()) -> None:
-    """Load weights; parameters under an `allow_missing` prefix may be absent (newly added)."""
+    """Load weights (either format); parameters under an `allow_missing` prefix may be absent (newly added)."""
+    if (path / DCP_DIR).is_dir():
+        return _load_model_dcp(path, model, allow_missing)
     state = load_file(str(_require(path, "model.safetensors")))
     own = model.state_dict()
     wrong = [f"{k} {tuple(v.shape)} vs model {tuple(own[k].shape)}" for k, v in state.items()
@@ -159,12 +188,93 @@ def load_model(path: Path, model: torch.nn.Module, *, allow_missing: tuple[str, 
         )
 
 
+# What a DCP checkpoint's .metadata file (a pickle) may name: DCP's metadata records, torch.Size,
+# dtypes, the layout helper and paths. Anything else (os.system, a class with a malicious reduce) is
+# refused before the file is unpickled, so loading a DCP checkpoint runs no code from it either.
+_DCP_GLOBALS = {("pathlib", "PosixPath"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
+                ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+
+class _MetadataCheck(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if module == "torch.distributed.checkpoint.metadata" or (module, name) in _DCP_GLOBALS or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not DCP metadata")
+
+
+def _reader(path: Path):
+    """A DCP FileSystemReader whose metadata is checked against _DCP_GLOBALS before it is loaded."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class CheckedReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            try:
+                with open(path / DCP_DIR / ".metadata", "rb") as f:
+                    _MetadataCheck(f).load()
+            except (pickle.UnpicklingError, OSError, EOFError) as exc:
+                raise GhostvisError(f"checkpoint {path}: {DCP_DIR}/.metadata is not a DCP checkpoint's metadata ({exc}); "
+                                    f"it was not loaded; delete {path}") from None
+            return super().read_metadata(*args, **kwargs)
+
+    return CheckedReader(str(path / DCP_DIR))
+
+
+def _dcp_metadata(path: Path) -> dict[str, Any]:
+    """Tensor name -> its metadata (size, dtype) in a DCP checkpoint."""
+    return _reader(path).read_metadata().state_dict_metadata
+
+
+def _load_model_dcp(path: Path, model: torch.nn.Module, allow_missing: tuple[str, ...]) -> None:
+    """Each rank reads the parts of the saved shards its own parameters need (any world size)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    saved = {k.removeprefix("model."): m for k, m in _dcp_metadata(path).items() if k.startswith("model.")}
+    own = get_model_state_dict(model)
+    missing = [k for k in own if k not in saved and not k.startswith(allow_missing)]
+    unexpected = [k for k in saved if k not in own]
+    wrong = [f"{k} {tuple(saved[k].size)} vs model {tuple(own[k].shape)}" for k in own
+             if k in saved and tuple(saved[k].size) != tuple(own[k].shape)]
+    if missing or unexpected or wrong:
+        raise GhostvisError(
+            f"checkpoint {path}: does not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]}, "
+            f"shapes {wrong[:3]}); the stage config's model shape must match the checkpoint's config.json")
+    wanted = {k: v for k, v in own.items() if k in saved}
+    dcp.load({"model": wanted}, storage_reader=_reader(path))
+    set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))
+
+
+def export_safetensors(path: Path, dest: Path) -> Path:
+    """Consolidate a DCP checkpoint's weights into one model.safetensors at `dest` (one process,
+    no process group): the explicit export step, never done at every save."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = {k: m for k, m in _dcp_metadata(path).items() if k.startswith("model.")}
+    full = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items()}
+    dcp.load(full, storage_reader=_reader(path), no_dist=True)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k.removeprefix("model."): v for k, v in full.items()}, str(dest))
+    return dest
+
+
 def load_optimizer(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    if (path / DCP_DIR).is_dir():
+        return _load_optimizer_dcp(path, model, optimizer)
     tensors = load_file(str(_require(path, "optimizer.safetensors")))
     params = dict(model.named_parameters())
     for key, value in tensors.items():
         name, field = key.split("::")
         optimizer.state[params[name]][field] = value.to(params[name].device)
+
+
+def _load_optimizer_dcp(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict
+
+    _, optim_sd = get_state_dict(model, optimizer)  # the optimizer's own layout (sharded or not), to fill
+    dcp.load({"optim": optim_sd}, storage_reader=_reader(path))
+    set_optimizer_state_dict(model, optimizer, optim_sd)
 
 
 def read_state(path: Path) -> dict[str, Any]:

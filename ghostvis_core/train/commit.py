@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ghostvis_core.counts import TokenCounts
-from ghostvis_core.data.ledger import Ledger, pieces_to_rows
+from ghostvis_core.data.ledger import Ledger, pieces_to_rows, row_ranges
 from ghostvis_core.data.loader import merge_pieces
 from ghostvis_core.store import LocalStore
 from ghostvis_core.train import checkpoint as ckpt
@@ -19,8 +19,11 @@ from ghostvis_core.train.run import Run
 
 def commit(run: Run) -> None:
     s = run.state
-    gathered = gather_objects((run.consumption.pieces, run.consumption.counts), run.ctx)
+    c = run.consumption
+    gathered = gather_objects((c.pieces, c.counts, c.rows), run.ctx)
     part_id = f"{run.spec.run_key}.s{s.segment:03d}.p{s.step:09d}"
+    # fsdp: every rank writes its shard of weights and optimizer state first; rank 0 commits them
+    shards = ckpt.save_shards(run.run_dir, s.step, run.model, run.optimizer) if run.cfg.parallel.strategy == "fsdp" else {}
     if run.ctx.is_main:
         staging = run.run_dir / f".ledger-{part_id}"
         write_part(run, staging, part_id, gathered)
@@ -30,7 +33,7 @@ def commit(run: Run) -> None:
         before = {c.path.name for c in ckpt.list_complete(run.run_dir)}
         path = ckpt.save(run.run_dir, s.step, model=run.model, optimizer=run.optimizer, state=s.to_dict(),
                          config=run.spec.config, keep_last=run.cfg.checkpoint.keep_last,
-                         extra_dirs={"ledger": staging})
+                         extra_dirs={"ledger": staging, **shards})
         share_checkpoint(run, path.name, before)
         publish_parts(run.store, run.run_dir, only=path)
     s.head_part_id = part_id
@@ -46,11 +49,17 @@ def share_checkpoint(run: Run, name: str, before: set[str]) -> None:
 
 
 def write_part(run: Run, folder: Path, part_id: str, gathered: list) -> None:
-    """The ledger part of the steps since the last checkpoint, from every rank's pieces and counts."""
-    pieces = [p for ps, _ in gathered for p in ps]
-    counts = TokenCounts.total(c for _, c in gathered)
+    """The ledger part of the steps since the last checkpoint, from every rank's (pieces, counts, rows):
+    the part row sums them, and each rank's share is kept beside it, so a rank whose rows or counts
+    went missing is visible rather than hidden in the sum."""
+    pieces = [p for ps, _, _ in gathered for p in ps]
+    counts = TokenCounts.total(c for _, c, _ in gathered)
     merged, overlap = merge_pieces(pieces)
-    Ledger(folder).write_part(part_record(run, part_id, counts, overlap), pieces_to_rows(merged, run.objective.rows_of))
+    shares = [{"rank": rank, "world_size": run.ctx.world_size, "row_count": len(rows),
+               "row_ranges": json.dumps(row_ranges(rows)), **c.as_dict()}
+              for rank, (_, c, rows) in enumerate(gathered)]
+    Ledger(folder).write_part(part_record(run, part_id, counts, overlap), pieces_to_rows(merged, run.objective.rows_of),
+                              shares)
 
 
 def part_record(run: Run, part_id: str, counts: TokenCounts, overlap: int) -> dict[str, Any]:

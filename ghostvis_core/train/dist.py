@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ghostvis_core.errors import GhostvisError
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -78,6 +80,36 @@ def gather_objects(obj, ctx: DistContext) -> list:
     out: list = [None] * ctx.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+SAME_STORE = ("every node must read the same store: mount the shared filesystem at the same path on every "
+              "node, or use GHOSTVIS_STORE=s3://bucket/prefix")
+
+
+def agree(value, ctx: DistContext, what: str, fix: str = SAME_STORE):
+    """`value` when every rank has the same one. Each rank finds some things on its own (e.g. the
+    newest committed checkpoint to resume from); ranks that see different ones would train on from
+    different states without any error, so a difference stops the run here, naming who saw what."""
+    values = gather_objects(value, ctx)
+    if all(v == values[0] for v in values):
+        return value
+    seen: dict[str, list[int]] = {}
+    for rank, v in enumerate(values):
+        seen.setdefault("none" if v is None else str(v), []).append(rank)
+    parts = [f"{'rank' if len(r) == 1 else 'ranks'} {_ranges(r)} {'sees' if len(r) == 1 else 'see'} {v}"
+             for v, r in sorted(seen.items(), key=lambda kv: kv[1][0])]
+    raise GhostvisError(f"ranks disagree on {what}: {'; '.join(parts)}; {fix}")
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5' (a 256-rank job stays readable)."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def broadcast_object(obj, ctx: DistContext):

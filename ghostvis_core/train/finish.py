@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from ghostvis_core.config import StageConfig
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.model.vision import frozen_fingerprint
@@ -39,7 +41,17 @@ def run_result(run: Run) -> RunResult:
         checkpoint_uri=run.store.uri_of("checkpoint", spec.stage, spec.run_key, ckpt.step_dir_name(s.step)), parent_run_key=spec.parent_run_key,
         mlflow_run_id="", mlflow_experiment_id="", evidence=evidence(run),
         frozen=FrozenCheck(run.frozen_before, frozen_fingerprint(run.model)) if run.frozen_before else None,
+        **efficiency_fields(run),
     )
+
+
+def efficiency_fields(run: Run) -> dict:
+    """MFU over the run's throughput, FLOPs per token, the peak it is measured against, CUDA peak memory."""
+    e, tok_s = run.efficiency, run.clock.tokens_per_sec(run.plan.tokens_per_step)
+    cuda = run.ctx.device.type == "cuda"
+    return {"mfu": round(e.mfu(tok_s), 5), "flops_per_token": e.flops_per_token, "peak_flops": e.peak_flops,
+            "peak_source": e.peak_source,
+            "cuda_peak_memory_gb": round(torch.cuda.max_memory_allocated(run.ctx.device) / 1e9, 3) if cuda else None}
 
 
 def evidence(run: Run) -> dict[str, BeforeAfter]:

@@ -6,16 +6,15 @@ batch that does not divide, a missing tokenized shard, a budget larger than the 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
-from ghostvis_core import presets, stages
-from ghostvis_core.budget import Plan, batch_plan, plan as make_plan
+from ghostvis_core import identity, presets, stages
+from ghostvis_core.budget import Plan, batch_plan, detected_gpu, memory_plan, memory_refusal, plan as make_plan
 from ghostvis_core.config import SourceWeight, StageConfig
-from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger import Ledger, validation_selected
 from ghostvis_core.data.stream import ShardRef
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
@@ -58,11 +57,23 @@ def select_shards(ledger: Ledger, store: LocalStore, tokenizer_id: str, sources:
             f"no {split} shards tokenized with {tokenizer_id} for source(s) {', '.join(empty)}; "
             f"materialize raw_shards and tokenized_shards for them first"
         )
+    leaked = validation_selected(ledger, tokenizer_id, out) if split == "train" else []
+    if leaked:
+        names = ", ".join(f"{r['shard_id']} ({r['split']})" for r in leaked)
+        raise GhostvisError(f"shard(s) {names} selected for training are not train shards in the ledger; "
+                            "training must never read them: fix the shard selection (select_shards filters by "
+                            "split) or the shard's split pin in its manifest, then re-launch")
     return out
 
 
 def preflight(cfg: StageConfig, plan_steps: int, objective) -> dict[str, SourceBudget]:
-    """Per source: tokens the budget needs vs tokens available. Refuses to start on a shortfall."""
+    """Per source: tokens the budget needs vs tokens available. Refuses to start on a shortfall, and
+    on a CUDA machine a config whose memory plan does not fit its GPU (naming the fixes)."""
+    device = detected_gpu()
+    if device is not None:
+        mp = memory_plan(cfg, gpu=device[0], gpu_memory_gb=device[1])
+        if not mp.fits:
+            raise GhostvisError(memory_refusal(cfg.stage, mp))
     rows = objective.batcher.rows_per_source(plan_steps * batch_plan(cfg.batch).rows_per_step)
     report, problems = {}, []
     for rs in objective.batcher.sources:
@@ -204,26 +215,46 @@ def stage_inputs(r: Resolved, ledger: Ledger, train_shards: dict[str, list[dict]
     return inputs
 
 
-def run_identity(r: Resolved, p: Plan, train_shards: dict[str, list[dict]], inputs: StageInputs) -> str:
-    """The run key names what is trained, not how it is split over ranks: a resume on another world
-    size (same tokens_per_step) finds the same run and re-partitions the remaining rows exactly."""
+def run_identity(r: Resolved, p: Plan, spec: LaunchSpec) -> dict[str, Any]:
+    """What the run trains, never where: the config minus how it is split over ranks (a resume on another
+    world size with the same tokens_per_step finds the same run), the tokenizer, the content hashes of
+    the shards it reads (train and validation, from the ledger), the upstream run's key (its data
+    version) and what the lineage hands over. No path, store URI, host, time or launcher."""
     ident_cfg = r.cfg.to_dict()
     for k in ("world_size", "micro_batch_size", "grad_accum_steps", "total_batch_tokens"):
         ident_cfg["batch"].pop(k)
     ident_cfg["batch"]["tokens_per_step"] = p.tokens_per_step
-    lineage = {k: v for k, v in inputs.__dict__.items() if k != "source_budget"}
-    identity = json.dumps({"config": ident_cfg, "tokenizer": r.tok.tokenizer_id,
-                           "train": {s: [x["content_sha256"] for x in refs] for s, refs in train_shards.items()},
-                           "upstream": r.upstream.checkpoint if r.upstream else None, "inputs": lineage},
-                          sort_keys=True)
-    return hashlib.sha256(identity.encode()).hexdigest()[:10]
+
+    def contents(shards: dict[str, list[dict]]) -> dict[str, list[str]]:
+        return {s: [x["content_sha256"] for x in refs] for s, refs in shards.items()}
+
+    return {"config": ident_cfg, "tokenizer": r.tok.tokenizer_id, "train": contents(spec.train_shards),
+            "validation": contents(spec.val_shards), "upstream": r.upstream.run_key if r.upstream else None,
+            "inputs": {k: v for k, v in spec.inputs.__dict__.items() if k != "source_budget"}}
 
 
-def prepare_run(stage: str, *, preset: str = presets.DEFAULT_PRESET, overrides: dict[str, Any] | None = None,
-                home: Home | None = None, tokenizer_id: str | None = None, upstream: Upstream | None = None,
-                variant: str | None = None) -> LaunchSpec:
-    """Resolve a stage run and save its spec. A `variant` (a named set of overrides) gets run keys of its
-    own, <stage>@<variant>-..., so it never becomes another stage's upstream by accident."""
+# The modules that make a stage's checkpoint: the torchrun entry point and the launch preparation (and,
+# through identity.code_version, every ghostvis_core module they import). The Dagster code_version.
+TRAINING_MODULES = ("ghostvis_core.train.__main__", "ghostvis_core.train.launch")
+
+
+@dataclass
+class PlannedRun:
+    """A stage run resolved and identified, before its pre-flight and attempt: what a cache looks up."""
+
+    spec: LaunchSpec  # run_key still empty
+    base_key: str  # <stage>-<identity digest> (<stage>@<variant>-... for a variant): its attempts are base-r<n>
+    identity: dict[str, Any]  # what the digest hashes, saved beside each attempt (artifact kind "identity")
+    resolved: Resolved
+    plan: Plan
+    preset: str
+    variant: str | None
+
+
+def plan_run(stage: str, *, preset: str = presets.DEFAULT_PRESET, overrides: dict[str, Any] | None = None,
+             home: Home | None = None, tokenizer_id: str | None = None, upstream: Upstream | None = None,
+             variant: str | None = None) -> PlannedRun:
+    """Resolve a stage run and derive its identity; reads the ledger and the manifests, no shard file."""
     home = home or Home.from_env()
     r = resolve_stage(stage, preset, overrides or {}, home, tokenizer_id, upstream)
     ledger = Ledger.in_store(home.store)
@@ -241,12 +272,32 @@ def prepare_run(stage: str, *, preset: str = presets.DEFAULT_PRESET, overrides: 
         init_checkpoint=r.upstream.checkpoint if r.upstream else None,
         inputs=stage_inputs(r, ledger, train_shards),
     )
-    spec.inputs.source_budget = preflight(r.cfg, p.steps, build_objective(spec, r.cfg))
-    digest = run_identity(r, p, train_shards, spec.inputs)
-    spec.run_key = next_run_key(home.store, stage, f"{stage}@{variant}-{digest}" if variant else f"{stage}-{digest}")
-    spec.tags = run_tags(spec, preset, r.upstream, variant)
-    home.store.write_text("run_spec", stage, spec.run_key, text=spec.to_json())
+    ident = run_identity(r, p, spec)
+    name = f"{stage}@{variant}" if variant else stage
+    return PlannedRun(spec, f"{name}-{identity.digest(ident, 10)}", ident, r, p, preset, variant)
+
+
+def start_run(planned: PlannedRun, home: Home) -> LaunchSpec:
+    """The pre-flight, then the attempt (the newest unfinished one is resumed, else a new one starts);
+    saves the launch spec and, beside it, the identity and the code version that make the run."""
+    spec, r = planned.spec, planned.resolved
+    spec.inputs.source_budget = preflight(r.cfg, planned.plan.steps, build_objective(spec, r.cfg))
+    spec.run_key = next_run_key(home.store, spec.stage, planned.base_key)
+    spec.tags = run_tags(spec, planned.preset, r.upstream, planned.variant)
+    home.store.write_json("identity", spec.stage, spec.run_key, data={
+        "identity": planned.identity, "code_version": identity.code_version(*TRAINING_MODULES)})
+    home.store.write_text("run_spec", spec.stage, spec.run_key, text=spec.to_json())
     return spec
+
+
+def prepare_run(stage: str, *, preset: str = presets.DEFAULT_PRESET, overrides: dict[str, Any] | None = None,
+                home: Home | None = None, tokenizer_id: str | None = None, upstream: Upstream | None = None,
+                variant: str | None = None) -> LaunchSpec:
+    """Resolve a stage run and save its spec. A `variant` (a named set of overrides) gets run keys of its
+    own, <stage>@<variant>-..., so it never becomes another stage's upstream by accident."""
+    home = home or Home.from_env()
+    return start_run(plan_run(stage, preset=preset, overrides=overrides, home=home, tokenizer_id=tokenizer_id,
+                              upstream=upstream, variant=variant), home)
 
 
 def run_tags(spec: LaunchSpec, preset: str, upstream: Upstream | None, variant: str | None) -> dict[str, str]:

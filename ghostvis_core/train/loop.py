@@ -46,7 +46,8 @@ def begin(run: Run) -> None:
         f"({p.micro_batch_size} x {p.seq_len} x world {p.world_size} x accum {p.grad_accum_steps}), "
         f"{run.total_steps} steps, bf16={run.bf16}")
     if s.step == 0:
-        s.history["val_start"] = run.objective.evaluate(run.model, run.ctx, run.autocast, evidence=True)
+        with run.parallel.evaluating():
+            s.history["val_start"] = run.objective.evaluate(run.model, run.ctx, run.autocast, evidence=True)
         run.tracker.metrics(s.history["val_start"], step=0)
     run.last_val = dict(s.history.get("val_last", s.history.get("val_start", {})))
     run.part_first = (s.step, s.rows)
@@ -90,10 +91,11 @@ def progress(run: Run) -> dict[str, float]:
     tok_s = run.clock.tokens_per_sec(run.plan.tokens_per_step)
     lr = run.optimizer.param_groups[0]["lr"]
     run.tracker.say(f"[{run.spec.stage}] step {s.step}/{run.total_steps} loss {run.train_loss:.4f} lr {lr:.2e} "
-                    f"{tok_s:,.0f} tok/s eta {run.clock.eta_s(run.total_steps - s.step):,.0f}s "
+                    f"{tok_s:,.0f} tok/s MFU {run.efficiency.mfu(tok_s):.1%} eta {run.clock.eta_s(run.total_steps - s.step):,.0f}s "
                     f"tokens/real {s.counts.real_tokens:,}", pipes=True)
     return {"train/loss": run.train_loss, "lr": lr, "throughput/tokens_per_sec": tok_s,
-            **s.counts.as_metrics(), "time/step_s": run.clock.last_step_s}
+            **s.counts.as_metrics(), "time/step_s": run.clock.last_step_s,
+            **run.efficiency.metrics(tok_s, run.ctx.device)}
 
 
 def maybe_eval(run: Run) -> dict[str, float]:
@@ -101,7 +103,8 @@ def maybe_eval(run: Run) -> dict[str, float]:
     s = run.state
     if not (s.step % run.cfg.eval.every_steps == 0 or s.step == run.total_steps):
         return {}
-    run.last_val = run.objective.evaluate(run.model, run.ctx, run.autocast, evidence=s.step == run.total_steps)
+    with run.parallel.evaluating():
+        run.last_val = run.objective.evaluate(run.model, run.ctx, run.autocast, evidence=s.step == run.total_steps)
     run.tracker.say(f"[{run.spec.stage}] step {s.step} val/loss {run.last_val.get('val/loss', float('nan')):.4f}")
     return run.last_val
 

@@ -1,4 +1,5 @@
-"""Whether a run computes in bf16: asked for, or `auto` where the hardware does bf16 matmuls fast."""
+"""Runtime choices from the hardware: bf16 when asked for, or `auto` where the hardware does bf16 matmuls
+fast; torch.compile where it pays."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ def use_bf16(precision: str, device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     return cpu_has_bf16_matmul()
+
+
+def use_compile(setting: str, device: torch.device) -> bool:
+    """torch.compile per block: `auto` compiles on CUDA only (on CPU compilation costs more than it saves)."""
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
 
 
 def cpu_has_bf16_matmul() -> bool:

@@ -76,6 +76,12 @@ class RunResult:
     mixture: dict[str, MixtureShare] = field(default_factory=dict)
     frozen: FrozenCheck | None = None
     mlflow_delivery: dict[str, float] = field(default_factory=dict)  # failed flushes, gap, unsent metrics
+    # Measured efficiency (train/efficiency.py): MFU at tokens_per_sec against peak_flops per device.
+    mfu: float | None = None
+    flops_per_token: float | None = None
+    peak_flops: float | None = None
+    peak_source: str = ""
+    cuda_peak_memory_gb: float | None = None  # max allocated on rank 0's GPU; None without CUDA
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -14,8 +14,9 @@ from ghostvis_core.data.loader import Consumption
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import LocalStore
 from ghostvis_core.train.dist import DistContext
+from ghostvis_core.train.efficiency import Efficiency
 from ghostvis_core.train.objectives import Objective
-from ghostvis_core.train.parallel import Replicated, SingleProcess
+from ghostvis_core.train.parallel import SingleProcess
 from ghostvis_core.train.spec import LaunchSpec
 from ghostvis_core.train.state import TrainState
 from ghostvis_core.train.tracking import Tracker
@@ -58,7 +59,7 @@ class Run:
     plan: BatchPlan
     total_steps: int
     store: LocalStore
-    parallel: SingleProcess | Replicated
+    parallel: SingleProcess  # or a Replicated / Sharded subclass
     optimizer: torch.optim.Optimizer
     objective: Objective
     bf16: bool
@@ -67,6 +68,7 @@ class Run:
     clock: Clock
     resumed: bool
     frozen_before: str | None = None
+    efficiency: Efficiency | None = None
     consumption: Consumption = field(default_factory=Consumption)
     part_first: tuple[int, int] = (0, 0)  # (step, rows) where the current ledger part began
     train_loss: float = float("nan")

@@ -45,14 +45,25 @@ def find_upstream(store: LocalStore, stage: str) -> Upstream:
     return Upstream(stage, runs[-1].run_key, runs[-1].checkpoint_uri)
 
 
-def next_run_key(store: LocalStore, stage: str, base: str) -> str:
-    """base-r<n>: the newest unfinished attempt is resumed; after a finished one, a new attempt starts."""
-    attempts = []
+def attempts(store: LocalStore, stage: str, base: str) -> list[tuple[int, str]]:
+    """(n, run key) of every attempt base-r<n> of one run identity that wrote a checkpoint folder, oldest first."""
+    found = []
     for _, key in store.keys("checkpoints", stage):
         m = re.fullmatch(re.escape(base) + r"-r(\d+)", key)
         if m:
-            attempts.append((int(m.group(1)), key))
-    if not attempts:
+            found.append((int(m.group(1)), key))
+    return sorted(found)
+
+
+def completed_attempts(store: LocalStore, stage: str, base: str) -> list[str]:
+    """Run keys of the finished attempts of one run identity, newest first: what a cache hit may reuse."""
+    return [key for _, key in reversed(attempts(store, stage, base)) if store.exists("run_record", stage, key)]
+
+
+def next_run_key(store: LocalStore, stage: str, base: str) -> str:
+    """base-r<n>: the newest unfinished attempt is resumed; after a finished one, a new attempt starts."""
+    found = attempts(store, stage, base)
+    if not found:
         return f"{base}-r1"
-    n, key = max(attempts)
+    n, key = max(found)
     return f"{base}-r{n}" if not store.exists("run_record", stage, key) else f"{base}-r{n + 1}"

@@ -13,10 +13,11 @@ from ghostvis_core.model.vision import frozen_fingerprint
 from ghostvis_core.store import LocalStore, open_store
 from ghostvis_core.train import checkpoint as ckpt
 from ghostvis_core.train.commit import publish_parts
-from ghostvis_core.train.dist import DistContext
+from ghostvis_core.train.dist import DistContext, agree
+from ghostvis_core.train.efficiency import efficiency
 from ghostvis_core.train.objectives import build_objective
 from ghostvis_core.train.parallel import wrap
-from ghostvis_core.train.precision import use_bf16
+from ghostvis_core.train.precision import use_bf16, use_compile
 from ghostvis_core.train.run import Clock, Run, run_batch_plan
 from ghostvis_core.train.runs import checkpoint_of
 from ghostvis_core.train.spec import LaunchSpec
@@ -34,6 +35,7 @@ def setup(spec: LaunchSpec, ctx: DistContext) -> Run:
     model = build_model(cfg, ctx)
     resume = newest_checkpoint(store, spec)
     run_dir = store.path("checkpoints", spec.stage, spec.run_key)
+    agree(resume.step if resume else None, ctx, f"the checkpoint step to resume from in {run_dir}")
     if resume is not None:
         ckpt.load_model(resume.path, model)
         state = TrainState.from_dict(ckpt.read_state(resume.path))
@@ -46,9 +48,11 @@ def setup(spec: LaunchSpec, ctx: DistContext) -> Run:
     objective = build_objective(spec, cfg)
     objective.prepare_model(model)
     frozen_before = frozen_fingerprint(model) if any(not p.requires_grad for p in model.parameters()) else None
-    optimizer = make_optimizer(model, cfg, ctx.device)
+    bf16 = use_bf16(cfg.runtime.precision, ctx.device)
+    parallel = wrap(model, ctx, cfg.parallel.strategy, bf16)  # before the optimizer: FSDP replaces the params
+    optimizer = make_optimizer(parallel.model, cfg, ctx.device)
     if resume is not None:
-        ckpt.load_optimizer(resume.path, model, optimizer)
+        ckpt.load_optimizer(resume.path, parallel.model, optimizer)
         state.restore_rng()
     _check_resumable(spec, state, plan.tokens_per_step)
     state.segment += 1
@@ -56,9 +60,9 @@ def setup(spec: LaunchSpec, ctx: DistContext) -> Run:
     tracker = Tracker(spec, ctx, {**cfg.to_dict(), "plan": spec.plan, "run_key": spec.run_key},
                       run_id=state.mlflow_run_id, segment=state.segment)
     return Run(spec=spec, cfg=cfg, ctx=ctx, plan=plan, total_steps=int(spec.plan["steps"]), store=store,
-               parallel=wrap(model, ctx), optimizer=optimizer, objective=objective,
-               bf16=use_bf16(cfg.runtime.precision, ctx.device), tracker=tracker, state=state, clock=clock,
-               resumed=resume is not None, frozen_before=frozen_before)
+               parallel=parallel, optimizer=optimizer, objective=objective, bf16=bf16, tracker=tracker, state=state, clock=clock,
+               resumed=resume is not None, frozen_before=frozen_before,
+               efficiency=efficiency(cfg, ctx.device, bf16, plan.world_size))
 
 
 def localize_shards(spec: LaunchSpec, store: LocalStore) -> None:
@@ -82,6 +86,8 @@ def build_model(cfg: StageConfig, ctx: DistContext) -> GPT:
         model.attach_vision(cfg.vision)
     model.to(ctx.device)
     model.grad_checkpointing = cfg.runtime.grad_checkpointing
+    if use_compile(cfg.runtime.compile, ctx.device):
+        model.compile_blocks()
     return model
 
 

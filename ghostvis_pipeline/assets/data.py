@@ -7,22 +7,28 @@ from dagster import (
     AssetExecutionContext,
     BackfillPolicy,
     Config,
+    DataVersion,
     MaterializeResult,
     MetadataValue,
     asset,
 )
 
 from ghostvis_core import presets
+from ghostvis_core.cluster.slurm import SlurmJob
+from ghostvis_core.cluster.slurm_pipeline import SlurmPipeline
 from ghostvis_core.data.catalog import (
     DEMO_SOURCES, RemoteSource, check_sha256_pins, manifest_of_shard, publish_demo_source, record_raw_shard,
     remote_manifest, save_manifest, shard_split_shown, tokenizer_corpus,
 )
+from ghostvis_core.data.identities import ledger_identity, manifest_identity, shard_contents, tokenizer_identity
 from ghostvis_core.data.ledger import Ledger, source_split_totals
 from ghostvis_core.data.sources import fetch_shard
 from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.identity import code_version, digest
 from ghostvis_pipeline.config import config_from_dataclass
+from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.partitions import shard_partitions
 from ghostvis_pipeline.resources import GhostvisHome
@@ -32,17 +38,27 @@ from ghostvis_pipeline.resources import GhostvisHome
 RemoteSourceConfig = config_from_dataclass(RemoteSource)
 
 
+# The modules that make each data asset: its code_version hashes them and what they import
+# (ghostvis_core/identity.py). Each asset's data version is its identity: see the assets' docstrings.
+MANIFEST_CODE = code_version("ghostvis_core.data.catalog")
+RAW_SHARDS_CODE = code_version("ghostvis_core.data.sources", "ghostvis_core.data.catalog")
+TOKENIZER_CODE = code_version("ghostvis_core.data.tokenizer", "ghostvis_core.data.catalog")
+TOKENIZE_CODE = code_version("ghostvis_core.data.tokenize")
+LEDGER_CODE = code_version("ghostvis_core.data.ledger")
+
+
 class ManifestConfig(Config):
     sources: list[str] = list(DEMO_SOURCES)  # embedded demo sources to publish
     remote: list[RemoteSourceConfig] = []  # sources of your own: URL pattern or listing
 
 
-@asset(group_name="data", kinds={"parquet"}, owners=["team:data"])
+@asset(group_name="data", kinds={"parquet"}, owners=["team:data"], code_version=MANIFEST_CODE)
 def shard_manifest(context: AssetExecutionContext, config: ManifestConfig, home: GhostvisHome) -> MaterializeResult:
     """Publishes each source's shard list (name, URL, bytes, sha256) and registers one `shards`
     partition per shard (`<source>/<file stem>` for every kind of source), so shards can be downloaded
     and tokenized as a backfill. A validation pin that matches no shard fails here. The split shown is
-    the split rule's answer so far: a shard pinned by content is resolved once it is downloaded."""
+    the split rule's answer so far: a shard pinned by content is resolved once it is downloaded. Data
+    version: the shard lists (names, pins, sizes, content hashes), not their URLs."""
     h = home.home()
     keys, rows = [], []
     manifests = [publish_demo_source(h, source) for source in config.sources]
@@ -59,7 +75,7 @@ def shard_manifest(context: AssetExecutionContext, config: ManifestConfig, home:
     new = [k for k in keys if k not in known]
     if new:
         context.instance.add_dynamic_partitions(shard_partitions.name, new)
-    return MaterializeResult(metadata={
+    return MaterializeResult(data_version=DataVersion(digest(manifest_identity(manifests))), metadata={
         "shards": len(keys),
         "new_partitions": len(new),
         "sources": ", ".join(m.source for m in manifests),
@@ -67,18 +83,27 @@ def shard_manifest(context: AssetExecutionContext, config: ManifestConfig, home:
     })
 
 
+# A backfill of raw_shards or tokenized_shards is one Dagster run (the CLI's --partition-range needs
+# that); inside it the shards fan out over datatrove workers, or over a Slurm job array with the
+# `slurm` launcher (one task per shard, on the cluster's nodes).
+SHARD_BACKFILL = BackfillPolicy.single_run()
+
+
 @asset(
     group_name="data",
     kinds={"parquet"},
     owners=["team:data"],
     partitions_def=shard_partitions,
-    backfill_policy=BackfillPolicy.single_run(),
+    backfill_policy=SHARD_BACKFILL,
     deps=[shard_manifest],
+    code_version=RAW_SHARDS_CODE,
 )
 def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> MaterializeResult:
     """Downloads shards through the one fetch path (temp name, verify size + sha256, rename), and
     records each one's content hash, size and split (the split rule applied to that content). Once
-    every shard of a source is downloaded, a validation_sha256 pin that matches none of them fails here."""
+    every shard of a source is downloaded, a validation_sha256 pin that matches none of them fails here.
+    Data version: the recorded content hash of every registered shard, the same whichever partitions a
+    run covers, so a shard downloaded again with the same bytes changes nothing downstream."""
     store = home.home().store
     t0 = time.time()
     rows, total, fetched, manifests = [], 0, 0, {}
@@ -95,7 +120,7 @@ def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> Materializ
     for manifest in manifests.values():
         check_sha256_pins(store, manifest, "raw_shards")
     secs = time.time() - t0
-    return MaterializeResult(metadata={
+    return MaterializeResult(data_version=DataVersion(digest(shard_contents(store))), metadata={
         "shards": len(rows), "downloaded": fetched, "bytes": total,
         "mb_per_s": round(total / 1e6 / max(secs, 1e-6), 1),
         "shards_table": MetadataValue.md(md_table(["shard", "split", "bytes", "sha256", "status"], rows)),
@@ -106,14 +131,26 @@ class TokenizerConfig(Config):
     preset: str = ""  # "": GHOSTVIS_PRESET, else the default preset (read when the asset runs)
     vocab_size: int = 0  # 0: the preset's tokenizer vocabulary
     max_train_bytes: int = 200_000_000
+    force: bool = False  # true: train even when a tokenizer of the same identity is in the store
 
 
-@asset(group_name="data", kinds={"python"}, owners=["team:data"], deps=[raw_shards])
+@asset(group_name="data", kinds={"python"}, owners=["team:data"], deps=[raw_shards], code_version=TOKENIZER_CODE)
 def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, home: GhostvisHome) -> MaterializeResult:
     """Trains a byte-level BPE on the train shards of the text sources; served as tiktoken. A shard is
-    left out when its split (the split rule applied to its content) is validation."""
+    left out when its split (the split rule applied to its content) is validation. Identity: the
+    vocabulary, the byte cap and the text shards by recorded content and split; a tokenizer of the same
+    identity in the store is returned, not retrained. Data version: the tokenizer id (a content hash),
+    so a retraining that yields the same tokenizer changes nothing downstream."""
     store = home.home().store
     vocab = config.vocab_size or presets.tokenizer_vocab(config.preset or presets.default_preset())
+    ident = tokenizer_identity(store, vocab, config.max_train_bytes)
+    key = digest(ident)
+    record = store.read_json("identity", "tokenizer", key) if store.exists("identity", "tokenizer", key) else None
+    if record and not config.force and store.exists("tokenizer", record["metadata"]["tokenizer_id"]):
+        why = (f"identity {key} (vocab {vocab}, max_train_bytes {config.max_train_bytes}, the text shards by content "
+               f"and split) equals that of tokenizer {record['metadata']['tokenizer_id']}, trained before")
+        context.log.info(f"tokenizer: cache hit, {why}")
+        return _tokenizer_result(store, record["metadata"], {"identity": key, "why": why})
     corpus = tokenizer_corpus(store, config.max_train_bytes)
     if not corpus.texts:
         raise GhostvisError("no downloaded text train shards to train the tokenizer on; materialize raw_shards first")
@@ -121,15 +158,24 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, home: Gho
                      f"{len(corpus.validation_shard_ids)} validation shards left out")
     t0 = time.time()
     tok = train_tokenizer(corpus.texts, vocab)
-    path = save_tokenizer(tok, store)
-    return MaterializeResult(metadata={
-        "tokenizer_id": tok.tokenizer_id, "vocab_size": tok.vocab_size,
-        "train_shards": len(corpus.train_shard_ids), "train_shard_ids": MetadataValue.json(corpus.train_shard_ids),
-        "validation_shards_excluded": len(corpus.validation_shard_ids),
-        "validation_shard_ids_excluded": MetadataValue.json(corpus.validation_shard_ids),
-        "train_bytes": corpus.train_bytes, "train_seconds": round(time.time() - t0, 2),
-        "path": MetadataValue.path(str(path)),
-    })
+    save_tokenizer(tok, store)
+    md = {"tokenizer_id": tok.tokenizer_id, "vocab_size": tok.vocab_size,
+          "train_shards": len(corpus.train_shard_ids), "train_shard_ids": corpus.train_shard_ids,
+          "validation_shards_excluded": len(corpus.validation_shard_ids),
+          "validation_shard_ids_excluded": corpus.validation_shard_ids,
+          "train_bytes": corpus.train_bytes, "train_seconds": round(time.time() - t0, 2)}
+    store.write_json("identity", "tokenizer", key, data={
+        "identity": ident, "code_version": TOKENIZER_CODE, "metadata": md})
+    return _tokenizer_result(store, md, None)
+
+
+def _tokenizer_result(store, md: dict, cached_from: dict | None) -> MaterializeResult:
+    """The tokenizer's metadata (lists as JSON, its folder where the store is now); data version = its id."""
+    out = {k: MetadataValue.json(v) if isinstance(v, list) else v for k, v in md.items()}
+    out["path"] = MetadataValue.path(store.uri_of("tokenizer", md["tokenizer_id"]))
+    if cached_from:
+        out["cached_from"] = MetadataValue.json(cached_from)
+    return MaterializeResult(metadata=out, data_version=DataVersion(md["tokenizer_id"]))
 
 
 class TokenizeConfig(Config):
@@ -139,30 +185,41 @@ class TokenizeConfig(Config):
     filters: dict[str, list[str]] = {}
 
 
+def data_runner(launcher: Launcher):
+    """Where tokenization runs: datatrove workers here, or a Slurm job array with the `slurm` launcher."""
+    if launcher.kind == "slurm":
+        return SlurmPipeline(SlurmJob(**launcher.slurm.model_dump()))
+    return None
+
+
 @asset(
     group_name="data",
     kinds={"datatrove"},
     owners=["team:data"],
     partitions_def=shard_partitions,
-    backfill_policy=BackfillPolicy.single_run(),
+    backfill_policy=SHARD_BACKFILL,
     deps=[raw_shards, tokenizer],
+    code_version=TOKENIZE_CODE,
 )
-def tokenized_shards(context: AssetExecutionContext, config: TokenizeConfig, home: GhostvisHome) -> MaterializeResult:
+def tokenized_shards(context: AssetExecutionContext, config: TokenizeConfig, home: GhostvisHome,
+                     launcher: Launcher) -> MaterializeResult:
     """Tokenizes shards with datatrove workers into token shards and writes their ledger rows.
-    A shard already tokenized with the same content and tokenizer is not redone."""
+    A shard already tokenized with the same content and tokenizer is not redone. Data version: the
+    tokenizer, the filters and the recorded content of every registered shard (like raw_shards')."""
     h = home.home()
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
-    jobs = [job_for_shard(h.store, manifest_of_shard(h.store, key), key, tokenizer_id) for key in context.partition_keys]
+    jobs = [job_for_shard(h.store, manifest_of_shard(h.store, key), key) for key in context.partition_keys]
     t0 = time.time()
     reports = tokenize_shards(jobs, store=h.store, tokenizer_id=tokenizer_id,
                               logging_dir=h.root / "logs" / "datatrove" / tokenizer_id, workers=config.workers,
-                              filters=dict(config.filters))
+                              filters=dict(config.filters), run_pipeline=data_runner(launcher))
     secs = time.time() - t0
     done = [r for r in reports if not r.skipped]
     text_bytes = sum(r.text_bytes for r in done)
     for r in reports:
         context.log.info(f"shard {r.shard_id}: {r.docs:,} docs, {r.tokens:,} tokens{' (unchanged, skipped)' if r.skipped else ''}")
-    return MaterializeResult(metadata={
+    version = digest({"tokenizer": tokenizer_id, "filters": dict(config.filters), "shards": shard_contents(h.store)})
+    return MaterializeResult(data_version=DataVersion(version), metadata={
         "tokenizer_id": tokenizer_id, "shards": len(reports), "tokenized": len(done),
         "skipped_unchanged": len(reports) - len(done),
         "docs": sum(r.docs for r in reports), "tokens": sum(r.tokens for r in reports),
@@ -175,9 +232,11 @@ def tokenized_shards(context: AssetExecutionContext, config: TokenizeConfig, hom
     })
 
 
-@asset(group_name="data", kinds={"duckdb", "parquet"}, owners=["team:data"], deps=[tokenized_shards])
+@asset(group_name="data", kinds={"duckdb", "parquet"}, owners=["team:data"], deps=[tokenized_shards, tokenizer],
+       code_version=LEDGER_CODE)
 def token_ledger(context: AssetExecutionContext, home: GhostvisHome) -> MaterializeResult:
-    """The token ledger's shard table for the current tokenizer: what each source and split holds."""
+    """The token ledger's shard table for the current tokenizer: what each source and split holds.
+    Data version: that table (each shard's content hash, split, docs and tokens)."""
     store = home.home().store
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
     rows = Ledger.in_store(store).shards(tokenizer_id=tokenizer_id)
@@ -185,7 +244,8 @@ def token_ledger(context: AssetExecutionContext, home: GhostvisHome) -> Material
         raise GhostvisError(f"the ledger has no shards tokenized with {tokenizer_id}; materialize tokenized_shards")
     by = source_split_totals(rows)
     table = [[t["source"], t["split"], t["shards"], t["docs"], t["tokens"], t["text_bytes"]] for t in by]
-    return MaterializeResult(metadata={
+    version = digest({"tokenizer": tokenizer_id, "shards": ledger_identity(rows)})
+    return MaterializeResult(data_version=DataVersion(version), metadata={
         "tokenizer_id": tokenizer_id,
         "shards": len(rows),
         "docs": sum(t["docs"] for t in by),

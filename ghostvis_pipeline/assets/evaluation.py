@@ -5,13 +5,14 @@ to MLflow and links it from Dagster."""
 import json
 import time
 
-from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, asset
+from dagster import AssetExecutionContext, Config, DataVersion, MaterializeResult, MetadataValue, asset
 
 from ghostvis_core.budget import DEFAULT_GPU_PRICES
 from ghostvis_core.data.ledger import Ledger, held_out_text_shards
 from ghostvis_core.eval.benchmark import PROMPTS, bits_per_byte, build_items, multiple_choice, samples
 from ghostvis_core.eval.checkpoints import load_stage, stage_config
 from ghostvis_core.eval.report import stage_report, write_report
+from ghostvis_core.identity import code_version, digest
 from ghostvis_core.stages import stage_names
 from ghostvis_core.store import LocalStore
 from ghostvis_core.track.mlflow_records import add_files, add_to_run, metric_histories
@@ -36,62 +37,105 @@ def eval_shards(store: LocalStore, tokenizer_id: str, lineage: dict[str, str]) -
     return held_out_text_shards(Ledger.in_store(store), tokenizer_id, sources)
 
 
-@asset(group_name="eval", kinds={"torch", "mlflow"}, owners=["team:training"], deps=STAGES)
+# The modules that make each eval asset (their code_version, ghostvis_core/identity.py).
+EVALUATION_CODE = code_version("ghostvis_core.eval.benchmark", "ghostvis_core.eval.checkpoints")
+REPORT_CODE = code_version("ghostvis_core.eval.report", "ghostvis_core.track.mlflow_records")
+MAX_BPB_TOKENS, MC_PER_TASK = 8192, 25
+
+
+def evaluation_identity(store: LocalStore, tokenizer_id: str, lineage: dict[str, str], val: dict) -> dict:
+    """What the scores depend on: each stage's run (its data version), the held-out shards by content,
+    the tokenizer and the benchmark's settings."""
+    content = {r["shard_id"]: r["content_sha256"] for r in Ledger.in_store(store).shards(tokenizer_id=tokenizer_id)}
+    return {"lineage": lineage, "tokenizer": tokenizer_id, "prompts": list(PROMPTS),
+            "held_out": {s: [[x["shard_id"], content.get(x["shard_id"])] for x in shards] for s, shards in val.items()},
+            "max_bpb_tokens": MAX_BPB_TOKENS, "mc_per_task": MC_PER_TASK}
+
+
+@asset(group_name="eval", kinds={"torch", "mlflow"}, owners=["team:training"], deps=["tokenizer", *STAGES],
+       code_version=EVALUATION_CODE)
 def evaluation(context: AssetExecutionContext, home: GhostvisHome) -> MaterializeResult:
     """Validation bits per byte, a multiple-choice benchmark (lowest answer loss wins) and sampled
-    completions for fixed prompts, for every stage's newest checkpoint."""
+    completions for fixed prompts, for every stage's newest checkpoint. A lineage scored before on
+    the same held-out data is not scored again; data version: the identity of what was scored."""
     h = home.home()
     lineage = lineage_run_keys(context)
-    val = eval_shards(h.store, latest_metadata(context, "tokenizer")["tokenizer_id"], lineage)
-    results, rows = {}, []
-    for stage, run_key in lineage.items():
-        t0 = time.time()
-        ts = load_stage(h, stage, run_key)
-        bpb = bits_per_byte(ts, val, max_tokens=8192)
-        mc = multiple_choice(ts, build_items(ts, val, per_task=25))
-        smp = samples(ts)
-        results[stage] = {"run_key": run_key, "bpb": bpb, "mc": mc, "samples": smp}
-        metrics = {f"eval/bpb/{k}": v for k, v in bpb.items()} | {f"eval/mc/{k}": v for k, v in mc.items()}
-        add_to_run(h.mlflow_tracking_uri, ts.result.mlflow_run_id, metrics, ts.result.steps,
-                   texts={"eval/samples.json": json.dumps(smp, indent=2)})
-        rows.append([stage, run_key, *[f"{bpb.get(s, float('nan')):.3f}" for s in val], f"{mc['overall']:.2f}",
-                     smp[0]["completion"].strip()[:60]])
-        context.log.info(f"{stage}: bpb {bpb}, mc {mc['overall']:.2f} ({time.time() - t0:.1f}s)")
-    path = h.store.write_text("report", "evaluation.json", text=json.dumps(results, indent=2))
-    return MaterializeResult(metadata={
-        "evaluation": MetadataValue.md(md_table(
-            ["stage", "run", *[f"bpb {s}" for s in val], "mc accuracy", f"'{PROMPTS[0]}'"],
-            rows)),
-        "mc_chance": 0.25,
-        "results": MetadataValue.path(str(path)),
-    })
+    tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
+    val = eval_shards(h.store, tokenizer_id, lineage)
+    key = digest(evaluation_identity(h.store, tokenizer_id, lineage, val))
+    cached = h.store.exists("report", f"evaluation/{key}.json")
+    if cached:
+        context.log.info(f"evaluation: cache hit, lineage {', '.join(lineage.values())} was scored before ({key})")
+        results = h.store.read_json("report", f"evaluation/{key}.json")
+    else:
+        results = {stage: score_stage(context, h, stage, run_key, val) for stage, run_key in lineage.items()}
+        h.store.write_text("report", f"evaluation/{key}.json", text=json.dumps(results, indent=2))
+    rows = [[stage, r["run_key"], *[f"{r['bpb'].get(s, float('nan')):.3f}" for s in val], f"{r['mc']['overall']:.2f}",
+             r["samples"][0]["completion"].strip()[:60]] for stage, r in results.items()]
+    md = {"evaluation": MetadataValue.md(md_table(
+              ["stage", "run", *[f"bpb {s}" for s in val], "mc accuracy", f"'{PROMPTS[0]}'"], rows)),
+          "mc_chance": 0.25, "identity": key,
+          "results": MetadataValue.path(h.store.uri_of("report", f"evaluation/{key}.json"))}
+    if cached:
+        md["cached_from"] = MetadataValue.json({"identity": key, "why": "the same stage runs, held-out shards by "
+                                                "content, tokenizer and benchmark settings were scored before"})
+    return MaterializeResult(metadata=md, data_version=DataVersion(key))
+
+
+def score_stage(context, h, stage: str, run_key: str, val: dict) -> dict:
+    """One stage's scores, also logged to its MLflow run."""
+    t0 = time.time()
+    ts = load_stage(h, stage, run_key)
+    bpb = bits_per_byte(ts, val, max_tokens=MAX_BPB_TOKENS)
+    mc = multiple_choice(ts, build_items(ts, val, per_task=MC_PER_TASK))
+    smp = samples(ts)
+    metrics = {f"eval/bpb/{k}": v for k, v in bpb.items()} | {f"eval/mc/{k}": v for k, v in mc.items()}
+    add_to_run(h.mlflow_tracking_uri, ts.result.mlflow_run_id, metrics, ts.result.steps,
+               texts={"eval/samples.json": json.dumps(smp, indent=2)})
+    context.log.info(f"{stage}: bpb {bpb}, mc {mc['overall']:.2f} ({time.time() - t0:.1f}s)")
+    return {"run_key": run_key, "bpb": bpb, "mc": mc, "samples": smp}
 
 
 class ReportConfig(Config):
     gpu_prices: dict[str, float] = dict(DEFAULT_GPU_PRICES)  # assumed $/GPU-hour; set your own
 
 
-@asset(group_name="eval", kinds={"mlflow", "html"}, owners=["team:training"], deps=["evaluation", *STAGES])
+@asset(group_name="eval", kinds={"mlflow", "html"}, owners=["team:training"], deps=["evaluation", *STAGES],
+       code_version=REPORT_CODE)
 def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisHome) -> MaterializeResult:
-    """The lineage's report card: tokens from the ledger, evidence, evaluation, loss curves, cost."""
+    """The lineage's report card: tokens from the ledger, evidence, evaluation, loss curves, cost. The
+    card of the same lineage, evaluation and prices is not written again; data version: that identity."""
     store, tracking_uri = home.home().store, home.home().mlflow_tracking_uri
-    ledger = Ledger.in_store(store)
-    evaluation_results = store.read_json("report", "evaluation.json")
+    lineage = lineage_run_keys(context)
+    evaluation_key = latest_metadata(context, "evaluation")["identity"]
+    key = digest({"lineage": lineage, "evaluation": evaluation_key, "gpu_prices": dict(config.gpu_prices)})
+    name = list(lineage.values())[-1]
+    done = store.read_json("identity", "report", name) if store.exists("identity", "report", name) else {}
+    if done.get("digest") == key:
+        context.log.info(f"report: cache hit, the card of {name} was written for the same inputs ({key})")
+        return _report_result(store, name, done["metadata"], key, cached=True)
+    evaluation_results = store.read_json("report", f"evaluation/{evaluation_key}.json")
     stages, smp = [], {}
-    for stage, run_key in lineage_run_keys(context).items():
+    ledger = Ledger.in_store(store)
+    for stage, run_key in lineage.items():
         result = run_result(store, stage, run_key)
         curves = metric_histories(tracking_uri, result.mlflow_run_id, ("train/loss", "val/loss"))
         ev = evaluation_results.get(stage, {})
         stages.append(stage_report(ledger, result, stage_config(store, result), curves, ev, dict(config.gpu_prices)))
         smp[stage] = ev.get("samples", [])
-    lineage = " -> ".join(f"{s.stage}" for s in stages)
-    files = write_report(store, stages[-1].run_key, f"GhostVis report card: {lineage}", stages, smp)
-    final_run = stages[-1].mlflow_run_id
-    add_files(tracking_uri, final_run, list(files.values()), "report")
-    return MaterializeResult(metadata={
-        "report_html": MetadataValue.path(str(files["html"])),
-        "report_md": MetadataValue.md(files["md"].read_text()),
-        "mlflow_run_id": final_run,
-        "stages": len(stages),
-        "real_tokens_total": sum(s.totals["real_tokens"] for s in stages),
-    })
+    title = f"GhostVis report card: {' -> '.join(s.stage for s in stages)}"
+    files = write_report(store, name, title, stages, smp)
+    add_files(tracking_uri, stages[-1].mlflow_run_id, list(files.values()), "report")
+    md = {"mlflow_run_id": stages[-1].mlflow_run_id, "stages": len(stages),
+          "real_tokens_total": sum(s.totals["real_tokens"] for s in stages)}
+    store.write_json("identity", "report", name, data={"digest": key, "metadata": md, "code_version": REPORT_CODE})
+    return _report_result(store, name, md, key, cached=False)
+
+
+def _report_result(store: LocalStore, name: str, md: dict, key: str, cached: bool) -> MaterializeResult:
+    """The card's metadata (its files where the store is now); data version = the card's identity."""
+    out = {**md, "report_html": MetadataValue.path(store.uri_of("report", f"{name}/report.html")),
+           "report_md": MetadataValue.md(store.read_text("report", f"{name}/report.md"))}
+    if cached:
+        out["cached_from"] = MetadataValue.json({"identity": key, "why": "the same lineage, evaluation and prices"})
+    return MaterializeResult(metadata=out, data_version=DataVersion(key))

@@ -5,7 +5,7 @@ launches torchrun through Pipes, and maps the run's RunResult to metadata."""
 import os
 
 from dagster import (
-    AssetExecutionContext, Backoff, Config, Failure, MaterializeResult, MetadataValue, RetryPolicy,
+    AssetExecutionContext, Backoff, Config, DataVersion, Failure, MaterializeResult, MetadataValue, RetryPolicy,
     StaticPartitionsDefinition, asset,
 )
 
@@ -14,10 +14,14 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.stages import Stage
-from ghostvis_core.train.launch import prepare_run
+from ghostvis_core.identity import code_version
+from ghostvis_core.store import LocalStore
+from ghostvis_core.train.launch import TRAINING_MODULES, PlannedRun, plan_run, start_run
 from ghostvis_core.train.result import RunResult
 from ghostvis_core.train.runs import Upstream, run_result
 from ghostvis_core.train.spec import LaunchSpec
+from ghostvis_pipeline.cache import cached_stage_run, changed_since
+from ghostvis_pipeline.checks import stage_checks
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
@@ -31,6 +35,8 @@ class StageRunConfig(Config):
     # source -> weight (normalised); empty: the preset's recipe, else every registered source of the stage's kind
     recipe: dict[str, float] = {}
     val_sources: list[str] = []  # empty: the recipe's sources that have validation shards
+    # true: train even when a completed run of the same identity passed its checks (a new attempt, its own MLflow run)
+    force: bool = False
 
 
 def mlflow_url(experiment_id: str, run_id: str) -> str:
@@ -44,8 +50,12 @@ def result_metadata(r: RunResult) -> dict:
     md |= {"planned_tokens": MetadataValue.int(r.planned_tokens), "steps": MetadataValue.int(r.steps),
            "segment": MetadataValue.int(r.segment)}
     floats = {"train_loss": r.train_loss, "val_loss": r.val_loss, "val_loss_start": r.val_loss_start,
-              "tokens_per_sec": r.tokens_per_sec, "first_step_s": r.first_step_s, "wall_time_s": r.wall_time_s}
+              "tokens_per_sec": r.tokens_per_sec, "first_step_s": r.first_step_s, "wall_time_s": r.wall_time_s,
+              "mfu": r.mfu, "flops_per_token": r.flops_per_token, "peak_flops": r.peak_flops,
+              "cuda_peak_memory_gb": r.cuda_peak_memory_gb}
     md |= {k: MetadataValue.float(float(v)) for k, v in floats.items() if v is not None}
+    if r.peak_source:
+        md["peak_flops_source"] = r.peak_source
     for name, e in r.evidence.items():
         md[f"{name}_after"] = MetadataValue.float(e.after)
         if e.before is not None:
@@ -61,11 +71,13 @@ def result_metadata(r: RunResult) -> dict:
     return md
 
 
-def lineage_metadata(r: RunResult, spec: LaunchSpec) -> dict:
-    """Where the run lives and what it came from: run key, MLflow run, checkpoint, tokenizer, upstream."""
+def lineage_metadata(r: RunResult, spec: LaunchSpec, store: LocalStore) -> dict:
+    """Where the run lives and what it came from: run key, MLflow run, checkpoint (where the store is
+    now, also for a run made before the store moved), tokenizer, upstream."""
+    checkpoint = store.uri_of("checkpoint", r.stage, r.run_key, r.checkpoint_uri.rstrip("/").rsplit("/", 1)[-1])
     md = {"run_key": spec.run_key, "mlflow_run_id": r.mlflow_run_id,
           "mlflow_url": MetadataValue.url(mlflow_url(r.mlflow_experiment_id, r.mlflow_run_id)),
-          "checkpoint_uri": MetadataValue.path(r.checkpoint_uri), "tokenizer_id": spec.tokenizer_id}
+          "checkpoint_uri": MetadataValue.path(checkpoint), "tokenizer_id": spec.tokenizer_id}
     if spec.parent_run_key:
         md |= {"parent_run_key": spec.parent_run_key, "init_checkpoint": MetadataValue.path(spec.init_checkpoint or "")}
     budget = spec.inputs.source_budget
@@ -93,31 +105,57 @@ def ledger_metadata(ledger: Ledger, run_key: str) -> dict:
 
 def _launch(context, stage: Stage, config: StageRunConfig, home: GhostvisHome, launcher: Launcher,
             overrides: dict[str, str], variant: str | None = None) -> MaterializeResult:
+    """Train the stage, or return the completed run of the same identity whose checks passed (a cache
+    hit: same checkpoint, same MLflow run, metadata `cached_from`). The data version is the run key."""
     h = home.home()
-    spec = _prepare(context, stage, config, overrides, h, variant)
-    launcher.run(context, spec, h)
+    planned = _user_error(_prepare, context, stage, config, overrides, h, variant)
+    checks = [] if variant else [c.check_key.name for c in stage_checks(stage.name)]
+    hit = None if config.force else cached_stage_run(context.instance, h.store, context.asset_key.path[-1], planned,
+                                                     checks)
+    if hit:
+        context.log.info(f"{stage.name}: cache hit, {hit.why}")
+        spec = LaunchSpec.from_dict(h.store.read_json("run_spec", stage.name, hit.run_key))
+    else:
+        changed = changed_since(h.store, stage.name, planned)
+        spec = _user_error(start_run, planned, h)
+        launcher.run(context, spec, h)
     result = run_result(h.store, spec.stage, spec.run_key)
-    md = {**result_metadata(result), **lineage_metadata(result, spec),
+    md = {**result_metadata(result), **lineage_metadata(result, spec, h.store),
           **ledger_metadata(Ledger.in_store(h.store), spec.run_key)}
+    if hit:
+        md["cached_from"] = MetadataValue.json({"run_key": hit.run_key, "why": hit.why})
+    elif changed:
+        md["changed_since"] = MetadataValue.json(changed)
     if variant:
         md["variant"] = variant
-    return MaterializeResult(metadata=md)
+    return MaterializeResult(metadata=md, data_version=DataVersion(spec.run_key))
 
 
-def _prepare(context, stage: Stage, config: StageRunConfig, overrides: dict, h: Home, variant: str | None) -> LaunchSpec:
-    """The run's spec, from the run config and the tokenizer and upstream materializations Dagster knows about."""
+def _user_error(fn, *args, **kwargs):
+    """fn(...), a GhostvisError (bad input: retrying cannot help) becoming a non-retryable Failure."""
     try:
-        preset = config.preset or presets.default_preset()
-        overrides = {**presets.data_overrides(config.recipe, config.val_sources), **overrides}
-        tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
-        up = None
-        if stage.upstream:
-            md = latest_metadata(context, stage.upstream)
-            up = Upstream(stage.upstream, md["run_key"], md["checkpoint_uri"])
-        return prepare_run(stage.name, preset=preset, overrides=overrides, home=h, tokenizer_id=tokenizer_id,
-                           upstream=up, variant=variant)
-    except GhostvisError as exc:  # bad input: retrying cannot help
+        return fn(*args, **kwargs)
+    except GhostvisError as exc:
         raise Failure(description=str(exc), allow_retries=False) from None
+
+
+def _prepare(context, stage: Stage, config: StageRunConfig, overrides: dict, h: Home,
+             variant: str | None) -> PlannedRun:
+    """The run's identity, from the run config and the tokenizer and upstream materializations Dagster knows about."""
+    preset = config.preset or presets.default_preset()
+    overrides = {**presets.data_overrides(config.recipe, config.val_sources), **overrides}
+    tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
+    up = None
+    if stage.upstream:
+        md = latest_metadata(context, stage.upstream)
+        up = Upstream(stage.upstream, md["run_key"], md["checkpoint_uri"])
+    return plan_run(stage.name, preset=preset, overrides=overrides, home=h, tokenizer_id=tokenizer_id,
+                    upstream=up, variant=variant)
+
+
+# Every stage asset claims a slot of this Dagster concurrency pool while its job runs: set its limit to
+# the number of stages the cluster's GPUs can hold at once (`dagster instance concurrency set gpu N`).
+GPU_POOL = "gpu"
 
 
 def variants_asset(stage: Stage, deps: list):
@@ -132,6 +170,8 @@ def variants_asset(stage: Stage, deps: list):
         owners=["team:training"],
         deps=deps,
         partitions_def=StaticPartitionsDefinition(list(variants)),
+        pool=GPU_POOL,
+        code_version=code_version(*TRAINING_MODULES),
         description=f"{stage.description} One partition per variant: "
                     + "; ".join(f"{k}: {v}" for k, v in variants.items()),
     )
@@ -151,6 +191,8 @@ def stage_asset(stage: Stage, deps: list):
         owners=["team:training"],
         deps=deps,
         description=stage.description,
+        pool=GPU_POOL,
+        code_version=code_version(*TRAINING_MODULES),
         # A retry re-materializes through the same path: the unfinished run is found and resumed.
         retry_policy=RetryPolicy(max_retries=1, delay=2, backoff=Backoff.LINEAR),
     )

@@ -16,9 +16,12 @@ from pydantic import Field
 
 from ghostvis_core.home import Home
 from ghostvis_core.train.spec import LaunchSpec
+from ghostvis_pipeline.launchers.kubernetes import KubernetesConfig, run_kubernetes
 from ghostvis_pipeline.launchers.local import run_local
+from ghostvis_pipeline.launchers.slurm import SlurmConfig, run_slurm
+from ghostvis_pipeline.launchers.torchrun import MultiNodeConfig, run_torchrun
 
-LAUNCHERS = {"local": run_local}
+LAUNCHERS = {"local": run_local, "torchrun": run_torchrun, "slurm": run_slurm, "kubernetes": run_kubernetes}
 
 
 class Launcher(ConfigurableResource):
@@ -27,8 +30,17 @@ class Launcher(ConfigurableResource):
     kind: str = Field("local", description="local | torchrun | slurm | kubernetes")
     nproc_per_node: int = Field(0, description="ranks per node; 0: the stage's batch.world_size / nodes")
     profile: str = Field("local", description="named environment settings: local, no-nvlink, no-infiniband, pcie-cloud")
+    torchrun: MultiNodeConfig = MultiNodeConfig()
+    slurm: SlurmConfig = SlurmConfig()
+    kubernetes: KubernetesConfig = KubernetesConfig()
 
     def nodes(self) -> int:
+        if self.kind == "torchrun":
+            return self.torchrun.nnodes
+        if self.kind == "slurm":
+            return self.slurm.nodes
+        if self.kind == "kubernetes":
+            return self.kubernetes.nodes
         return 1
 
     def ranks_per_node(self, spec: LaunchSpec) -> int:

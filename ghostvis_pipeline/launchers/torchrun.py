@@ -1,0 +1,97 @@
+"""The `torchrun` launcher: multi-node torchrun with a c10d rendezvous on machines started by hand or
+by another scheduler. The Dagster host is one of the nodes; the others are started through
+`node_shell` (e.g. `ssh {host}`) when `hosts` are listed, or by whoever reads the logged command
+(also in the store: run_file torchrun/nodes.sh). Rank 0 may land on any node, so every node gets the
+Pipes variables and the messages travel through the shared store."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import time
+
+from dagster import AssetExecutionContext, Failure
+
+from ghostvis_core.cluster.torchrun import MultiNode, node_line, torchrun_command
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.home import Home
+from ghostvis_core.train.spec import LaunchSpec
+from ghostvis_pipeline.config import config_from_dataclass
+from ghostvis_pipeline.launchers.common import clear_reason, failure, job_env, require_result, spec_uri
+from ghostvis_pipeline.launchers.pipes import store_pipes_session
+
+MultiNodeConfig = config_from_dataclass(MultiNode)
+STOP_GRACE_S = 30  # torchrun stops its ranks on SIGTERM; after this it gets SIGKILL
+
+
+def run_torchrun(context: AssetExecutionContext, spec: LaunchSpec, home: Home, launcher) -> None:
+    multi = MultiNode(**launcher.torchrun.model_dump())
+    try:
+        multi.check()
+    except GhostvisError as exc:
+        raise Failure(str(exc), allow_retries=False) from None
+    nproc = launcher.ranks_per_node(spec)
+    attempt = f"{context.run_id[:8]}-{context.retry_number}"
+    rdzv = multi.rendezvous(spec.run_key, attempt)
+    cmd = torchrun_command(spec_uri(home, spec), nproc, rdzv)
+    clear_reason(home, spec)
+    with store_pipes_session(context, home, spec, attempt) as session:
+        env = {**job_env(launcher.profile, nproc, multi.cpus_per_node or None), **session.get_bootstrap_env_vars()}
+        line = node_line(cmd, env)
+        script = home.store.write_text("run_file", spec.stage, spec.run_key, "torchrun/nodes.sh", text=(
+            f"#!/bin/sh\n# {spec.run_key}: run on each of the {multi.nnodes - 1} other node(s)\n{line}\n"))
+        context.log.info(f"rendezvous {rdzv.endpoint} id {rdzv.rdzv_id}, {multi.nnodes} nodes x {nproc} rank(s); "
+                         f"this node: {' '.join(cmd)}")
+        nodes = {"this node": subprocess.Popen(cmd, env={**os.environ, **env})}
+        try:
+            _start_others(context, multi, line, str(script), nodes)
+            failed = _wait(nodes)
+        finally:
+            _stop(nodes)
+    if failed:
+        raise failure(home, spec, f"{failed[0]} exited with code {failed[1]}")
+    require_result(home, spec)
+
+
+def _start_others(context: AssetExecutionContext, multi: MultiNode, line: str, script: str,
+                  nodes: dict[str, subprocess.Popen]) -> None:
+    """Start the other nodes through node_shell (into `nodes`), or tell the user how to start them."""
+    if not multi.hosts:
+        context.log.info(f"start the {multi.nnodes - 1} other node(s) now, each with this command "
+                         f"(also in {script}):\n{line}")
+    for i, host in enumerate(multi.hosts):
+        argv = multi.node_argv(host, line)
+        context.log.info(f"node {host}: {shlex.join(argv[:-1])} '<the command in {script}>'")
+        try:
+            nodes[f"hosts[{i}] {host}"] = subprocess.Popen(argv)  # a host may be listed twice
+        except OSError as exc:
+            raise Failure(f"torchrun launcher: node_shell '{multi.node_shell}' could not start on {host} ({exc}); "
+                          "install its program on the Dagster host or fix launcher torchrun.node_shell",
+                          allow_retries=False) from None
+
+
+def _wait(nodes: dict[str, subprocess.Popen]) -> tuple[str, int] | None:
+    """Wait until every node has finished; the first that fails ends the wait: (name, exit code)."""
+    while True:
+        codes = {name: proc.poll() for name, proc in nodes.items()}
+        bad = [(name, code) for name, code in codes.items() if code not in (None, 0)]
+        if bad:
+            return bad[0]
+        if all(code == 0 for code in codes.values()):
+            return None
+        time.sleep(0.5)
+
+
+def _stop(nodes: dict[str, subprocess.Popen]) -> None:
+    """Stop the nodes still running (after a failure elsewhere, or an interrupted Dagster step)."""
+    running = [proc for proc in nodes.values() if proc.poll() is None]
+    for proc in running:
+        proc.terminate()
+    deadline = time.time() + STOP_GRACE_S
+    for proc in running:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

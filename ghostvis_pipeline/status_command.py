@@ -1,0 +1,143 @@
+"""`ghostvis status`: per asset, up to date, stale (which input changed, or its code) or missing.
+
+The same answer the Dagster UI gives as synced / unsynced, from the same records: each
+materialization carries its data version (the asset's identity), its code version and the data
+versions of its inputs when it ran (its provenance). An asset is stale when its code version
+changed since, or an input's data version is not the one it was made from; a partitioned input
+(shards) is compared partition by partition, like Dagster does.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from ghostvis_core.home import Home
+from ghostvis_pipeline.metadata import materializations
+
+DATA_VERSION_TAG = "dagster/data_version"
+SHOWN = 5  # partitions named per reason
+
+
+@dataclass
+class AssetStatus:
+    asset: str
+    state: str  # "up to date" | "stale" | "missing"
+    reasons: list[str] = field(default_factory=list)
+    partitions: str = ""  # "n/m up to date" for a partitioned asset
+
+
+class Records:
+    """The materializations of each asset (newest first), read once per asset."""
+
+    def __init__(self, instance):
+        self.instance, self.cache = instance, {}
+
+    def of(self, key) -> list:
+        if key not in self.cache:
+            self.cache[key] = materializations(self.instance, key)
+        return self.cache[key]
+
+    def latest(self, key, partition: str | None = None):
+        return next((r for r in self.of(key) if r.partition_key == partition), None)
+
+    def version_at(self, key, partition: str | None, storage_id: int | None) -> str | None:
+        """The data version of (key, partition) as of storage_id (None: now)."""
+        for r in self.of(key):
+            if r.partition_key == partition and (storage_id is None or r.storage_id <= storage_id):
+                return _version(r)
+        return None
+
+
+def _version(record) -> str | None:
+    return record.event_log_entry.asset_materialization.tags.get(DATA_VERSION_TAG)
+
+
+def stale_reasons(records: Records, node, partition: str | None, record) -> list[str]:
+    """Why one materialization (of one partition) is out of date: its code, or which inputs changed."""
+    from dagster import DataProvenance
+
+    prov = DataProvenance.from_tags(record.event_log_entry.asset_materialization.tags or {})
+    if prov is None:
+        return ["made before data versions were recorded: re-materialize it"]
+    out = []
+    code = node.code_versions_by_key.get(node.key)
+    if code and code != prov.code_version:
+        out.append(f"its code changed (code version {prov.code_version} -> {code})")
+    for dep in sorted(node.dependency_keys, key=lambda k: k.to_user_string()):
+        name = dep.to_user_string()
+        if not prov.has_input_asset(dep):
+            out.append(f"new input {name}")
+            continue
+        cursor = prov.input_storage_ids[dep]
+        dep_partitions = sorted({r.partition_key for r in records.of(dep)} - {None})
+        if not dep_partitions:
+            now = records.version_at(dep, None, None)
+            if now != prov.input_data_versions[dep].value:
+                out.append(f"input {name} changed (data version {prov.input_data_versions[dep].value} -> {now})")
+            continue
+        keys = [partition] if partition in dep_partitions else dep_partitions
+        changed = [p for p in keys if records.version_at(dep, p, cursor) != records.version_at(dep, p, None)]
+        if changed:
+            more = f" and {len(changed) - SHOWN} more" if len(changed) > SHOWN else ""
+            out.append(f"input {name} changed in partition(s) {', '.join(changed[:SHOWN])}{more}")
+    return out
+
+
+def asset_status(instance, records: Records, node) -> AssetStatus:
+    name = node.key.to_user_string()
+    if node.partitions_def is None:
+        record = records.latest(node.key)
+        if record is None:
+            return AssetStatus(name, "missing", ["never materialized"])
+        reasons = stale_reasons(records, node, None, record)
+        return AssetStatus(name, "stale" if reasons else "up to date", reasons)
+    keys = node.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
+    missing, stale = [], {}
+    for key in keys:
+        record = records.latest(node.key, key)
+        if record is None:
+            missing.append(key)
+        elif reasons := stale_reasons(records, node, key, record):
+            stale[key] = reasons
+    fresh = len(keys) - len(missing) - len(stale)
+    reasons = [f"{p}: {'; '.join(r)}" for p, r in list(stale.items())[:SHOWN]]
+    if missing:
+        reasons.append(f"{len(missing)} partition(s) never materialized: {', '.join(missing[:SHOWN])}")
+    state = "stale" if stale else ("missing" if missing or not keys else "up to date")
+    return AssetStatus(name, state, reasons, f"{fresh}/{len(keys)} up to date")
+
+
+def statuses(defs, instance) -> list[AssetStatus]:
+    """Every asset of the code location, upstream first."""
+    records = Records(instance)
+    return [asset_status(instance, records, node) for node in defs.assets]
+
+
+def format_statuses(rows: list[AssetStatus]) -> str:
+    lines = [f"{'asset':<22} {'status':<11} why"]
+    for s in rows:
+        first, rest = (s.partitions, s.reasons) if s.partitions else ((s.reasons or [""])[0], s.reasons[1:])
+        lines.append(f"{s.asset:<22} {s.state:<11} {first}".rstrip())
+        lines += [f"{'':<35}{r}" for r in rest]
+    return "\n".join(lines)
+
+
+def cmd_status(args) -> int:
+    from dagster import DagsterInstance
+
+    from ghostvis_pipeline.definitions import defs
+    from ghostvis_pipeline.environment import prepare_environment
+
+    prepare_environment(Home.from_env())
+    rows = statuses(defs, DagsterInstance.get())
+    print(json.dumps([asdict(r) for r in rows], indent=2) if args.json else format_statuses(rows))
+    return 0
+
+
+def add_parser(sub) -> None:
+    s = sub.add_parser("status", help="per asset: up to date, stale (which input or code changed) or missing",
+                       description="What the Dagster UI shows as synced / unsynced: an asset is stale when its "
+                                   "code or an input's data version changed since it was materialized.")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_status)

@@ -1,0 +1,98 @@
+"""Planted bugs for tests/test_audit.py: each is a one-line mutation of a real function's source,
+applied in the process (never an edited file), so the checks are shown to fail on the bugs they
+exist for. Run in the rank processes as
+
+    torchrun --standalone --nproc_per_node=2 -m tests.planted <bug>[,<bug>] -- <ghostvis_core.train args>
+
+or in-process with `plant(bug, setter)` (e.g. pytest's monkeypatch.setattr). A mutation whose
+anchor text is no longer in the function fails loudly: update the anchor, not the check.
+"""
+
+from __future__ import annotations
+
+import __future__
+import importlib
+import inspect
+import sys
+import textwrap
+
+REDUCED = "s.counts = s.counts + TokenCounts.from_list(reduced[1:])"
+GATHER = "gathered = gather_objects((c.pieces, c.counts, c.rows), run.ctx)"
+
+# bug -> [(module, function or Class.method, anchor text, replacement)]
+BUGS: dict[str, list[tuple[str, str, str, str]]] = {
+    # the trainer's figures (MLflow, run record, metadata) summed on rank 0 only; the ledger right
+    "rank0_counters": [("ghostvis_core.train.loop", "train_step", REDUCED, "s.counts = s.counts + step_counts")],
+    # rank 0 only everywhere: also the ledger part takes rank 0's pieces, counts and rows only
+    "rank0_everywhere": [("ghostvis_core.train.loop", "train_step", REDUCED, "s.counts = s.counts + step_counts"),
+                         ("ghostvis_core.train.commit", "commit", GATHER, GATHER + "[:1]")],
+    # only the last micro-batch of a step counted (figures and consumption)
+    "last_micro_batch_only": [("ghostvis_core.train.loop", "train_step", "step_counts = TokenCounts.total(b.counts for b in batches)",
+                               "step_counts = batches[-1].counts"),
+                              ("ghostvis_core.train.loop", "train_step", "        run.consumption.add(b)\n",
+                               "        run.consumption.add(b) if m == len(batches) - 1 else None\n")],
+    # micro-batch 0 trained and counted twice (in place of micro-batch 1)
+    "micro_batch_0_twice": [("ghostvis_core.train.objectives", "Objective.step_batches",
+                             "micro_batch_rows(first_row, m, rank, plan)", "micro_batch_rows(first_row, max(0, m - 1), rank, plan)")],
+    # a resume rewinds the loader to the start of the current shard (row 0: the smoke run is in each
+    # source's first shard)
+    "resume_rewinds": [("ghostvis_core.train.setup", "setup",
+                        "        state = TrainState.from_dict(ckpt.read_state(resume.path))\n",
+                        "        state = TrainState.from_dict(ckpt.read_state(resume.path))\n        state.rows = 0\n")],
+    # the last ledger part is never published to the store's ledger
+    "last_part_unpublished": [("ghostvis_core.train.commit", "commit", "        publish_parts(run.store, run.run_dir, only=path)\n",
+                               "        if s.step < run.total_steps:\n            publish_parts(run.store, run.run_dir, only=path)\n")],
+    # the split filter dropped: validation shards selected for training
+    "split_filter_dropped": [("ghostvis_core.train.launch", "select_shards",
+                              '        if r["split"] != split:\n            continue\n', "")],
+    # not a bug: the run stops (every rank) right after its first checkpoint, to be resumed
+    "stop_after_first_checkpoint": [("ghostvis_core.train.loop", "maybe_checkpoint", "        commit(run)\n",
+                                     "        commit(run)\n        __import__('os')._exit(3)\n")],
+}
+
+
+def mutate(module: str, qualname: str, edits: list[tuple[str, str]], setter=setattr) -> None:
+    """Re-define `module.qualname` from its source with each (anchor, replacement) of `edits` applied,
+    and rebind every module that imported the old function by name."""
+    mod = importlib.import_module(module)
+    owner = mod
+    for name in qualname.split(".")[:-1]:
+        owner = getattr(owner, name)
+    name = qualname.split(".")[-1]
+    old = getattr(owner, name)
+    source = inspect.getsource(old)
+    for anchor, replacement in edits:
+        if source.count(anchor) != 1:
+            raise AssertionError(f"planted bug: {anchor!r} is not once in {module}.{qualname}; update tests/planted.py")
+        source = source.replace(anchor, replacement)
+    code = compile(textwrap.dedent(source), f"<planted {module}.{qualname}>", "exec",
+                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    local: dict = {}
+    exec(code, vars(mod), local)
+    new = local[name]
+    setter(owner, name, new)
+    for other in list(sys.modules.values()):
+        for attr, value in list(vars(other).items()) if other is not None else []:
+            if value is old and other is not owner:
+                setter(other, attr, new)
+
+
+def plant(bugs: str, setter=setattr) -> None:
+    """Apply the named bugs (comma-separated keys of BUGS); edits of one function are applied together."""
+    by_function: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for bug in bugs.split(","):
+        for module, qualname, anchor, replacement in BUGS[bug]:
+            by_function.setdefault((module, qualname), []).append((anchor, replacement))
+    for (module, qualname), edits in by_function.items():
+        mutate(module, qualname, edits, setter=setter)
+
+
+if __name__ == "__main__":
+    bugs, sep, *args = sys.argv[1:]
+    assert sep == "--", "usage: -m tests.planted <bug>[,<bug>] -- <ghostvis_core.train args>"
+    import ghostvis_core.train.launch  # noqa: F401  (what the mutations patch must be imported first)
+    import ghostvis_core.train.loop  # noqa: F401
+    from ghostvis_core.train.__main__ import main
+
+    plant(bugs)
+    sys.exit(main(args))

@@ -1,0 +1,297 @@
+"""The accounting verified against the data (issue 16): the stage checks recount the token figures
+from the token files, compare the consumption with what the plan says the run had to read, check the
+selection and every rank's share; `ghostvis audit` re-runs them from the store and MLflow alone.
+
+Each planted bug (tests/planted.py: a one-line mutation of the real code in the rank processes, never
+an edited file) runs on one tiny smoke pretrain with grad accumulation (4 steps of 2 x 64 x 2 ranks x
+2 micro-batches = 512 tokens per step), all in one copy of the demo home; the checks are then called
+directly, as the Dagster checks and the audit call them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.token_shard import TokenShard, write_token_shard
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.home import Home
+from ghostvis_core.stages import stage_names
+from ghostvis_core.train.launch import prepare_run
+from ghostvis_core.train.runs import completed_runs
+from tests.conftest import run_cli
+from tests.planted import plant
+
+pytestmark = pytest.mark.e2e
+
+STEPS, TOKENS_PER_STEP = 4, 2 * 64 * 2 * 2
+SMOKE_ACCUM = ["--stage", "pretrain", "--preset", "smoke", "--set", f"budget.steps={STEPS}",
+               "--set", "batch.grad_accum_steps=2", "--set", "batch.micro_batch_size=2", "--set", "batch.seq_len=64",
+               "--set", "checkpoint.every_steps=2", "--set", "eval.val_tokens=256"]
+TORCHRUN_BUGS = ["rank0_counters", "rank0_everywhere", "last_micro_batch_only", "micro_batch_0_twice",
+                 "last_part_unpublished"]
+
+
+def launch(home: Path, bugs: str | None, seed: int, check: bool = True) -> str:
+    """One smoke pretrain (2 ranks), with `bugs` planted in its rank processes; its run key. A distinct
+    data.seed gives each scenario a run key of its own."""
+    module = ["-m", "tests.planted", bugs, "--"] if bugs else ["-m", "ghostvis_core.train"]
+    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", *module, *SMOKE_ACCUM,
+                    "--set", f"data.seed={seed}"], home, check=check, OMP_NUM_THREADS="1")
+    return re.search(r"run (\S+) segment", proc.stdout).group(1)
+
+
+@pytest.fixture(scope="module")
+def planted(demo_home, tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """(home, scenario -> run key): a clean run, one run per planted bug, and a run stopped after its
+    first checkpoint then resumed with the rewind bug; all in one copy of the demo home."""
+    home = tmp_path_factory.mktemp("planted") / "home"
+    shutil.copytree(demo_home, home, symlinks=True)
+    keys = {"clean": launch(home, None, 1)}
+    for seed, bug in enumerate(TORCHRUN_BUGS, start=2):
+        keys[bug] = launch(home, bug, seed)
+    launch(home, "stop_after_first_checkpoint", 20, check=False)
+    keys["resume_rewinds"] = launch(home, "resume_rewinds", 20)
+    return home, keys
+
+
+def checks_of(home: Path, run_key: str) -> dict[str, dict]:
+    """Every stage check of the run, by name, as `ghostvis audit` runs them (no Dagster metadata)."""
+    from ghostvis_core.audit.report import audit_stage
+
+    h = Home(home)
+    result = audit_stage(h, Ledger.in_store(h.store), "pretrain", run_key, None)
+    return {c["name"]: c for c in result["checks"]}
+
+
+def failed(checks: dict[str, dict]) -> set[str]:
+    return {name for name, c in checks.items() if not c["passed"]}
+
+
+def test_a_grad_accum_smoke_stage_passes_every_check_and_the_recount_equals_the_trainer(planted):
+    home, keys = planted
+    checks = checks_of(home, keys["clean"])
+    assert not failed(checks), {n: c["failures"] for n, c in checks.items() if not c["passed"]}
+    figures = checks["tokens_recounted_from_files"]["figures"]
+    assert figures["real_tokens_trainer"] == figures["real_tokens_recount"] == STEPS * TOKENS_PER_STEP
+    assert checks["consumption_matches_plan"]["figures"]["expected_shard_tokens"] == STEPS * TOKENS_PER_STEP
+    assert checks["every_rank_read_its_rows"]["figures"]["shares"] == 2 * 2  # 2 parts x 2 ranks
+
+
+def test_counters_summed_on_rank_0_only_fail_the_recount(planted):
+    home, keys = planted
+    checks = checks_of(home, keys["rank0_counters"])
+    assert {"tokens_recounted_from_files", "ledger_mlflow_metadata_agree"} <= failed(checks)
+    figures = checks["tokens_recounted_from_files"]["figures"]
+    assert (figures["real_tokens_trainer"], figures["real_tokens_recount"]) == (STEPS * TOKENS_PER_STEP // 2,
+                                                                                 STEPS * TOKENS_PER_STEP)
+
+
+def test_rank_0_only_everywhere_leaves_a_gap_and_a_missing_rank_share(planted):
+    home, keys = planted
+    checks = checks_of(home, keys["rank0_everywhere"])
+    assert {"consumption_matches_plan", "every_rank_read_its_rows"} <= failed(checks)
+    assert checks["consumption_matches_plan"]["figures"]["gap_tokens"] == STEPS * TOKENS_PER_STEP // 2
+    problems = checks["every_rank_read_its_rows"]["tables"]["problems"]["rows"]
+    assert {(row[1], row[4]) for row in problems} == {(1, "no share recorded")}
+
+
+def test_only_the_last_micro_batch_counted_leaves_a_gap_in_every_rank(planted):
+    home, keys = planted
+    checks = checks_of(home, keys["last_micro_batch_only"])
+    assert {"consumption_matches_plan", "every_rank_read_its_rows"} <= failed(checks)
+    assert checks["consumption_matches_plan"]["figures"]["gap_tokens"] == STEPS * TOKENS_PER_STEP // 2
+    problems = checks["every_rank_read_its_rows"]["tables"]["problems"]["rows"]
+    assert {(row[1], row[4]) for row in problems} == {(0, "other rows"), (1, "other rows")}
+
+
+def test_micro_batch_0_trained_twice_fails_the_recount_where_the_old_checks_passed(planted):
+    home, keys = planted
+    checks = checks_of(home, keys["micro_batch_0_twice"])
+    assert {"tokens_recounted_from_files", "consumption_matches_plan", "every_rank_read_its_rows"} <= failed(checks)
+    assert {"tokens_match_plan", "ledger_mlflow_metadata_agree"}.isdisjoint(failed(checks))  # the old checks miss it
+    figures = checks["tokens_recounted_from_files"]["figures"]
+    half = STEPS * TOKENS_PER_STEP // 2
+    assert (figures["real_tokens_trainer"], figures["real_tokens_recount"], figures["overlap_tokens"]) == (2 * half, half, half)
+    assert checks["consumption_matches_plan"]["figures"]["gap_tokens"] == half
+
+
+def test_an_unpublished_last_part_fails_the_recount_and_the_expected_consumption(planted):
+    home, keys = planted
+    checks = checks_of(home, keys["last_part_unpublished"])
+    assert {"tokens_recounted_from_files", "consumption_matches_plan"} <= failed(checks)
+    figures = checks["tokens_recounted_from_files"]["figures"]
+    assert (figures["real_tokens_trainer"], figures["real_tokens_recount"]) == (STEPS * TOKENS_PER_STEP,
+                                                                                 STEPS * TOKENS_PER_STEP // 2)
+    assert any("the chain ends after step 2" in f for f in checks["consumption_matches_plan"]["failures"])
+
+
+def test_a_resume_that_rewinds_reads_twice_and_shifts(planted):
+    home, keys = planted
+    checks = checks_of(home, keys["resume_rewinds"])
+    assert {"no_reuse", "consumption_matches_plan", "tokens_recounted_from_files"} <= failed(checks)
+    half = STEPS * TOKENS_PER_STEP // 2
+    figures = checks["consumption_matches_plan"]["figures"]
+    assert (figures["read_twice_tokens"], figures["gap_tokens"]) == (half, half)
+    assert any("starts at step 3, row 0" in f for f in checks["consumption_matches_plan"]["failures"])
+
+
+def test_a_dropped_split_filter_is_refused_before_launch_and_by_the_stage_check(planted, monkeypatch):
+    from ghostvis_core.audit import invariants as inv
+
+    home, keys = planted
+    h = Home(home)
+    plant("split_filter_dropped", setter=monkeypatch.setattr)
+    with pytest.raises(GhostvisError, match=r"\(validation\).* selected for training are not train shards"):
+        prepare_run("pretrain", preset="smoke", home=h)
+    monkeypatch.undo()
+    ledger = Ledger.in_store(h.store)
+    run = inv.StageRun.load(h.store, ledger, "pretrain", keys["clean"])
+    validation = next(r for r in ledger.shards(tokenizer_id=run.spec.tokenizer_id, sources=["demo_prose"])
+                      if r["split"] == "validation")
+    run.spec.train_shards["demo_prose"].append({k: validation[k] for k in ("shard_id", "source", "split", "content_sha256")})
+    outcome = inv.no_validation_selected(ledger, run)
+    assert not outcome.passed and outcome.failures == [f"{validation['shard_id']} selected for training is validation"]
+
+
+@pytest.mark.parametrize("bug", [None, "last_micro_batch_only", "micro_batch_0_twice"])
+def test_the_real_training_step_delivers_every_micro_batch_once(planted, monkeypatch, bug):
+    """Two calls of the real train_step (world size 1, two micro-batches per step): the rows and pieces
+    it hands the ledger are the plan's, and the recount from the files equals its figures; each
+    planted bug makes the same comparison fail."""
+    import torch
+
+    from ghostvis_core.audit.expected import share_problems
+    from ghostvis_core.audit.recount import FileRecount, recount
+    from ghostvis_core.data.ledger import pieces_to_rows, row_ranges
+    from ghostvis_core.data.loader import merge_pieces
+    from ghostvis_core.train import loop
+    from ghostvis_core.train.dist import DistContext
+    from ghostvis_core.train.setup import setup
+
+    home, _ = planted
+    overrides = {"batch.world_size": 1, "batch.grad_accum_steps": 2, "batch.micro_batch_size": 2,
+                 "batch.seq_len": 64, "budget.steps": 2, "eval.val_tokens": 256, "data.seed": 40}
+    spec = prepare_run("pretrain", preset="smoke", overrides=overrides, home=Home(home))
+    if bug:
+        plant(bug, setter=monkeypatch.setattr)
+    run = setup(spec, DistContext(0, 0, 1, torch.device("cpu")))
+    try:
+        loop.train_step(run)  # looked up now: a planted bug replaces it
+        loop.train_step(run)
+    finally:
+        run.tracker.mlflow.finish("FINISHED")
+    c = run.consumption
+    part = {"part_id": "p", "step_first": 1, "step_last": 2, "micro_batch_size": 2, "seq_len": 64, "world_size": 1,
+            "grad_accum_steps": 2, **c.counts.as_dict()}
+    share = {"rank": 0, "row_ranges": row_ranges(c.rows), **c.counts.as_dict()}
+    merged, overlap = merge_pieces(c.pieces)
+    counted, _ = recount(FileRecount(Home(home).store, spec, {}), pieces_to_rows(merged, run.objective.rows_of),
+                         2 * run.plan.tokens_per_step)
+    found = (share_problems(part, [share], run.plan.rows_per_step), overlap, counted == run.state.counts)
+    if bug is None:
+        assert found == ([], 0, True) and run.state.counts.real_tokens == 2 * run.plan.tokens_per_step
+    else:
+        assert found != ([], 0, True), f"{bug} went unnoticed"
+
+
+# ---------------------------------------------------------------- `ghostvis audit` on the demo, and tampered
+
+
+def audit_cli(home: Path, *args: str):
+    return run_cli(["ghostvis", "audit", *args], home, check=False, timeout=900)
+
+
+def test_audit_of_the_demo_exits_0_with_trainer_figures_next_to_the_recount(demo_home):
+    proc = audit_cli(demo_home, "--json")
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 0, report["failures"]
+    assert [s["stage"] for s in report["stages"]] == stage_names()
+    for s in report["stages"]:
+        for figure, trainer, ledger, mlflow, metadata, recount, status in s["figures"]:
+            assert trainer == ledger == mlflow == metadata == recount and status == "ok", (s["stage"], figure)
+        recount = next(c for c in s["checks"] if c["name"] == "tokens_recounted_from_files")["figures"]
+        wall = completed_runs(Home(demo_home).store, s["stage"])[-1].wall_time_s
+        print(f"{s['stage']}: recount {recount['recount_seconds']:.3f} s of a {wall:.1f} s stage "
+              f"({100 * recount['recount_seconds'] / wall:.2f}%)")
+
+
+def test_the_checks_only_job_re_executes_every_check_without_retraining(home_copy):
+    from dagster import DagsterEventType, DagsterInstance
+
+    runs_before = {p.name for p in Home(home_copy).store.path("checkpoints", "pretrain", "x").parent.iterdir()}
+    run_cli(["dagster", "job", "execute", "-m", "ghostvis_pipeline.definitions", "-j", "checks_only"], home_copy,
+            timeout=1200)
+    assert {p.name for p in Home(home_copy).store.path("checkpoints", "pretrain", "x").parent.iterdir()} == runs_before
+    with DagsterInstance.from_config(str(home_copy / "dagster")) as instance:
+        run = instance.get_runs(limit=1)[0]
+        events = instance.get_records_for_run(run.run_id, of_type=DagsterEventType.ASSET_CHECK_EVALUATION).records
+        results = {(e.event_log_entry.dagster_event.event_specific_data.asset_key.to_user_string(),
+                    e.event_log_entry.dagster_event.event_specific_data.check_name):
+                   e.event_log_entry.dagster_event.event_specific_data.passed for e in events}
+    assert run.job_name == "checks_only"
+    assert results[("sft", "tokens_recounted_from_files")] and all(results.values()), results
+    assert len(results) == 4 + 8 * len(stage_names())  # 4 data checks, 8 per stage
+
+
+def last_part_files(home: Path, stage: str) -> list[Path]:
+    h = Home(home)
+    run_key = completed_runs(h.store, stage)[-1].run_key
+    head = Ledger.in_store(h.store).chain(run_key)[-1]
+    name = f"{run_key}.s{head['segment']:03d}.p{head['step_last']:09d}.parquet"
+    return [h.store.path("ledger_file", f"{table}/{name}") for table in ("parts", "consumption", "shares")]
+
+
+def test_a_ledger_part_duplicated_under_another_name_is_named(home_copy):
+    for f in last_part_files(home_copy, "continued_pretrain"):
+        shutil.copyfile(f, f.with_name("copy-" + f.name))
+    proc = audit_cli(home_copy, "--stage", "continued_pretrain")
+    assert proc.returncode == 1
+    assert re.search(r"continued_pretrain: consumption_matches_plan: part \S+ is recorded 2 times", proc.stdout)
+    assert "continued_pretrain: tokens_recounted_from_files" in proc.stdout  # its ranges are read twice
+
+
+def test_a_deleted_ledger_part_is_named(home_copy):
+    for f in last_part_files(home_copy, "sft"):
+        f.unlink()
+    proc = audit_cli(home_copy, "--stage", "sft")
+    assert proc.returncode == 1
+    assert re.search(r"sft: tokens_recounted_from_files: run \(trainer's run record\): real_tokens trainer [\d,]+ "
+                     r"!= recount [\d,]+", proc.stdout)
+    assert "sft: consumption_matches_plan: the chain ends after step" in proc.stdout
+
+
+def test_an_edited_mlflow_token_metric_is_named(home_copy):
+    from mlflow.tracking import MlflowClient
+
+    record = completed_runs(Home(home_copy).store, "dpo")[-1]
+    client = MlflowClient(Home(home_copy).mlflow_tracking_uri)
+    client.log_metric(record.mlflow_run_id, "tokens/real", record.counts.real_tokens + 7, step=record.steps + 1)
+    proc = audit_cli(home_copy, "--stage", "dpo")
+    assert proc.returncode == 1
+    assert f"dpo: ledger_mlflow_metadata_agree: real_tokens: ledger {record.counts.real_tokens}, " \
+           f"mlflow {record.counts.real_tokens + 7}" in proc.stdout
+
+
+def test_a_token_shard_replaced_by_other_content_with_the_same_rows_is_named(home_copy):
+    h = Home(home_copy)
+    run_key = completed_runs(h.store, "pretrain")[-1].run_key
+    shard_id = Ledger.in_store(h.store).consumed_by_shard(run_key)[0]["shard_id"]
+    tokenizer_id = json.loads(h.store.read_text("run_spec", "pretrain", run_key))["tokenizer_id"]
+    path = h.store.path("token_shard", tokenizer_id, shard_id)
+    shard = TokenShard.open(path, shard_id)
+    reversed_docs = [shard.doc_tokens(d)[::-1] for d in range(shard.num_docs)]  # same rows, same lengths
+    offsets = pa.array([0, *[int(x) for x in (shard.offsets[1:] - shard.offsets[0])]], pa.int64())
+    tokens = pa.LargeListArray.from_arrays(offsets, pa.array([t for doc in reversed_docs for t in doc.tolist()],
+                                                             pa.from_numpy_dtype(shard.values.dtype)))
+    write_token_shard(path, {"row": pa.array(shard.rows), "tokens": tokens})
+    proc = audit_cli(home_copy, "--stage", "pretrain")
+    assert proc.returncode == 1
+    assert f"pretrain: tokens_recounted_from_files: token file of {shard_id} is not the one the ledger recorded" in proc.stdout
+    assert f"data: ledger_matches_token_files: shard {shard_id}" in proc.stdout

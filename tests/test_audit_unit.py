@@ -1,0 +1,67 @@
+"""Unit tests of the audit's pieces (no training run): range arithmetic, each rank's expected rows,
+and the real shard selection refusing a validation shard (with the split filter planted away)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ghostvis_core.audit.expected import rank_rows, share_problems
+from ghostvis_core.audit.outcome import covered_twice, subtract, union
+from ghostvis_core.data.ledger import Ledger, row_ranges
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.store import LocalStore
+from ghostvis_core.train.launch import select_shards
+from tests.planted import plant
+from tests.test_loader import write_shard
+
+
+def test_range_arithmetic():
+    assert union([(5, 9), (0, 3), (3, 4), (8, 12)]) == [(0, 4), (5, 12)]
+    assert subtract([(0, 10)], [(2, 3), (5, 7)]) == [(0, 2), (3, 5), (7, 10)]
+    assert covered_twice([(0, 4), (4, 8)]) == []  # touching is not overlapping
+    assert covered_twice([(0, 6), (4, 8), (5, 9)]) == [(4, 8)]
+
+
+def part(step_first=1, step_last=2, world_size=2, **figures) -> dict:
+    return {"part_id": "r.s000.p000000002", "step_first": step_first, "step_last": step_last,
+            "micro_batch_size": 2, "seq_len": 8, "world_size": world_size, "grad_accum_steps": 2,
+            "real_tokens": 0, "pad_tokens": 0, "loss_tokens": 0, "cropped_tokens": 0, **figures}
+
+
+def test_each_rank_reads_its_interleaved_micro_batches():
+    # 8 rows per step: micro-step m on rank r reads rows (2m + r) x 2 + [0, 2)
+    assert rank_rows(part(), 0, 8) == [[0, 2], [4, 6], [8, 10], [12, 14]]
+    assert rank_rows(part(), 1, 8) == [[2, 4], [6, 8], [10, 12], [14, 16]]
+
+
+def share(rank: int, rows: list[int], real: int) -> dict:
+    return {"rank": rank, "row_ranges": row_ranges(rows), "real_tokens": real, "pad_tokens": 0,
+            "loss_tokens": real, "cropped_tokens": 0}
+
+
+def test_a_missing_or_wrong_rank_share_is_named():
+    p = part(real_tokens=128, loss_tokens=128)
+    rank0 = [0, 1, 4, 5, 8, 9, 12, 13]
+    rank1 = [2, 3, 6, 7, 10, 11, 14, 15]
+    assert share_problems(p, [share(0, rank0, 64), share(1, rank1, 64)], 8) == []
+    assert [r[1:] for r in share_problems(p, [share(0, rank0, 128)], 8)] == [
+        [1, "2..4, 6..8, 10..12, 14..16", "none", "no share recorded"]]
+    twice = [0, 1, 0, 1, 8, 9, 8, 9]  # micro-batch 0 read twice, micro-batch 1 never
+    problems = share_problems(p, [share(0, twice, 64), share(1, rank1, 32)], 8)
+    assert [r[1] for r in problems] == [0, "all"] and problems[0][4] == "other rows"
+
+
+def test_the_real_shard_selection_refuses_a_validation_shard(tmp_path, monkeypatch):
+    store = LocalStore(tmp_path / "store")
+    ledger = Ledger.in_store(store)
+    for shard_id, split in (("prose/train-000", "train"), ("prose/val-000", "validation")):
+        ref = write_shard(store.path("token_shard", "tok", shard_id).parent.parent, "prose", shard_id.split("/")[1],
+                          [[1, 2, 3], [4, 5]], split=split)
+        ledger.write_shard({"shard_id": shard_id, "source": "prose", "split": split, "kind": "text",
+                            "content_sha256": shard_id, "raw_bytes": 1, "tokenizer_id": "tok", "docs": ref.docs,
+                            "tokens": ref.tokens, "text_bytes": 1, "token_path": ref.path})
+    selected = select_shards(ledger, store, "tok", ["prose"], "train")
+    assert [r["shard_id"] for r in selected["prose"]] == ["prose/train-000"]
+    plant("split_filter_dropped", setter=monkeypatch.setattr)
+    with pytest.raises(GhostvisError, match=r"prose/val-000 \(validation\) selected for training are not train"):
+        select_shards(ledger, store, "tok", ["prose"], "train")

@@ -1,0 +1,235 @@
+"""FSDP2 on 2 gloo ranks (CPU): same losses as DDP, sharded (DCP) checkpoints that resume on another
+world size, frozen modules untouched, evaluation with uneven work per rank.
+
+Each test spawns 2 processes (torch.multiprocessing) running the real `parallel.wrap` and
+`checkpoint` code on a tiny GPT; results come back through a queue.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch._dynamo  # noqa: F401  (imported before forking: FSDP and DCP load these lazily, seconds per rank)
+import torch.distributed.checkpoint  # noqa: F401
+import torch.distributed.fsdp  # noqa: F401
+import torch.multiprocessing as mp
+
+from ghostvis_core.config import ModelConfig
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.model.gpt import GPT
+from ghostvis_core.model.vision import frozen_fingerprint
+from ghostvis_core.train import checkpoint as ckpt
+from ghostvis_core.train.dist import DistContext
+from ghostvis_core.train.parallel import Sharded, SingleProcess, wrap
+
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16)
+ROWS_PER_STEP = 8  # global rows per optimizer step: micro 2 x world 2 x accum 2, or micro 2 x world 1 x accum 4
+MICRO = 2
+# fp32 on both sides; the only difference is the order of the gradient reductions (all-reduce vs
+# reduce-scatter), so losses agree to float rounding, compounded over 20 AdamW steps.
+LOSS_RTOL = 1e-4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rows(step: int) -> torch.Tensor:
+    """The global batch of a step: ROWS_PER_STEP rows of 9 tokens, the same whatever the world size."""
+    g = torch.Generator().manual_seed(1000 + step % 2)  # two batches, seen again and again: it must learn them
+    return torch.randint(0, CFG.vocab_size, (ROWS_PER_STEP, 9), generator=g)
+
+
+def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.95))
+
+
+def train_steps(par, opt, steps: range, rank: int, world: int) -> list[float]:
+    """The trainer's step: micro-batches interleaved over ranks, loss normalised over the whole step."""
+    losses = []
+    accum = ROWS_PER_STEP // (MICRO * world)
+    for step in steps:
+        rows = _rows(step)
+        total = torch.zeros(())
+        for m in range(accum):
+            start = (m * world + rank) * MICRO
+            x = rows[start:start + MICRO]
+            with par.accumulating(last_micro_step=m == accum - 1):
+                loss = par.forward_module(x[:, :-1], x[:, 1:], reduction="sum")
+                (loss * world / (ROWS_PER_STEP * 8)).backward()
+            total += loss.detach()
+        torch.nn.utils.clip_grad_norm_(par.model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if world > 1:
+            dist.all_reduce(total)
+        losses.append(float(total) / (ROWS_PER_STEP * 8))
+    return losses
+
+
+def _fresh(strategy: str, rank: int, world: int, freeze: bool = False):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    if freeze:
+        model.blocks[0].requires_grad_(False)
+    par = wrap(model, DistContext(rank, rank, world, torch.device("cpu")), strategy)
+    return par, _optimizer(par.model)
+
+
+def _worker(rank: int, world: int, port: int, fn, queue, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        queue.put((rank, fn(rank, world, *args)))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn, *args, world: int = 2) -> list:
+    """Run fn(rank, world, *args) on `world` gloo ranks; the results by rank."""
+    ctx = mp.get_context("fork")  # no re-import per rank: seconds, not tens of seconds
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_worker, args=(r, world, _free_port() if r < 0 else port, fn, queue, args))
+             for port in [_free_port()] for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
+    out = dict(queue.get() for _ in procs)
+    return [out[r] for r in range(world)]
+
+
+def _losses(rank, world, strategy):
+    par, opt = _fresh(strategy, rank, world)
+    assert isinstance(par, Sharded) == (strategy == "fsdp")
+    return train_steps(par, opt, range(20), rank, world)
+
+
+def test_fsdp_and_ddp_give_the_same_losses_for_20_steps():
+    ddp = spawn(_losses, "ddp")
+    fsdp = spawn(_losses, "fsdp")
+    assert ddp[0] == ddp[1] and fsdp[0] == fsdp[1]  # every rank reports the same reduced loss
+    assert ddp[0][-1] < ddp[0][0] - 0.5  # it learns
+    assert fsdp[0] == pytest.approx(ddp[0], rel=LOSS_RTOL)
+
+
+def _write_then_continue(rank, world, run_dir):
+    par, opt = _fresh("fsdp", rank, world)
+    train_steps(par, opt, range(3), rank, world)
+    shards = ckpt.save_shards(Path(run_dir), 3, par.model, opt)
+    if rank == 0:
+        ckpt.save(Path(run_dir), 3, model=par.model, optimizer=opt, state={"step": 3, "rows": 3 * ROWS_PER_STEP},
+                  config={}, keep_last=2, extra_dirs=shards)
+    dist.barrier()
+    return train_steps(par, opt, range(3, 6), rank, world)
+
+
+def _resume(rank, world, path):
+    torch.manual_seed(1)  # other weights than the run's: everything must come from the checkpoint
+    model = GPT(CFG)
+    ckpt.load_model(Path(path), model)
+    par = wrap(model, DistContext(rank, rank, world, torch.device("cpu")), "fsdp")
+    opt = _optimizer(par.model)
+    ckpt.load_optimizer(Path(path), par.model, opt)
+    state = ckpt.read_state(Path(path))
+    return state, train_steps(par, opt, range(state["step"], 6), rank, world)
+
+
+def _resume_single(path):
+    """World size 1: no process group at all, the full model in one process."""
+    model = GPT(CFG)
+    ckpt.load_model(Path(path), model)
+    par = SingleProcess(model)
+    opt = _optimizer(model)
+    ckpt.load_optimizer(Path(path), model, opt)
+    state = ckpt.read_state(Path(path))
+    return state, train_steps(par, opt, range(state["step"], 6), 0, 1)
+
+
+def test_a_dcp_checkpoint_from_2_ranks_resumes_exactly_on_2_and_on_1(tmp_path):
+    uninterrupted = spawn(_write_then_continue, str(tmp_path))[0]
+    ref = ckpt.latest_complete(tmp_path)
+    assert ref.step == 3 and (ref.path / ckpt.DCP_DIR).is_dir()
+    assert sorted(f.name for f in (ref.path / ckpt.DCP_DIR).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not (ref.path / "model.safetensors").exists()
+    assert not list(tmp_path.glob(".dcp-*"))  # the staging folder became the checkpoint's dcp/
+    (state2, on_two), _ = spawn(_resume, str(ref.path))
+    state1, on_one = _resume_single(str(ref.path))
+    assert state1 == state2 == {"step": 3, "rows": 3 * ROWS_PER_STEP}  # data position, world-size free
+    assert on_two == pytest.approx(uninterrupted, rel=1e-6)
+    assert on_one == pytest.approx(uninterrupted, rel=LOSS_RTOL)
+
+
+def test_a_dcp_checkpoint_exports_to_one_safetensors_file_equal_to_the_weights(tmp_path):
+    spawn(_write_then_continue, str(tmp_path))
+    path = ckpt.latest_complete(tmp_path).path
+    full = GPT(CFG)
+    ckpt.load_model(path, full)
+    out = ckpt.export_safetensors(path, tmp_path / "export" / "model.safetensors")
+    exported = GPT(CFG)
+    ckpt.load_model(out.parent, exported)
+    for (name, a), (_, b) in zip(full.state_dict().items(), exported.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def _frozen(rank, world):
+    par, opt = _fresh("fsdp", rank, world, freeze=True)
+    before = frozen_fingerprint(par.model)
+    trained_before = par.model.blocks[1].ffn.w2.weight.full_tensor().clone()
+    train_steps(par, opt, range(3), rank, world)
+    return before, frozen_fingerprint(par.model), bool(torch.equal(trained_before, par.model.blocks[1].ffn.w2.weight.full_tensor()))
+
+
+def test_a_frozen_block_stays_bit_identical_under_fsdp():
+    for before, after, trainable_unchanged in spawn(_frozen):
+        assert before == after
+        assert not trainable_unchanged
+
+
+def _uneven_eval(rank, world):
+    par, _ = _fresh("fsdp", rank, world)
+    prompts = [[1, 2, 3], [4, 5], [6]][: 3 if rank == 0 else 1]  # rank 0 samples three prompts, rank 1 one
+    with par.evaluating():
+        out = [par.model.generate(p, 4) for p in prompts]
+    return out
+
+
+def test_evaluation_under_fsdp_lets_ranks_sample_different_amounts():
+    torch.manual_seed(0)
+    plain = GPT(CFG)
+    r0, r1 = spawn(_uneven_eval)
+    assert r0 == [plain.generate(p, 4) for p in ([1, 2, 3], [4, 5], [6])]
+    assert r1 == r0[:1]
+
+
+class _Payload:
+    """Unpickling this runs code: what a tampered checkpoint would carry."""
+
+    def __reduce__(self):
+        return (Path.touch, (Path(os.environ["GHOSTVIS_PAYLOAD"]),))
+
+
+def test_a_tampered_dcp_metadata_file_is_refused_without_running_it(tmp_path, monkeypatch):
+    import pickle
+
+    model = GPT(CFG)
+    opt = _optimizer(model)
+    shards = ckpt.save_shards(tmp_path, 1, model, opt)  # one process, no process group
+    path = ckpt.save(tmp_path, 1, model=model, optimizer=opt, state={"step": 1}, config={}, keep_last=1,
+                     extra_dirs=shards)
+    ckpt.load_model(path, GPT(CFG))  # the untampered one loads
+    flag = tmp_path / "payload-ran"
+    monkeypatch.setenv("GHOSTVIS_PAYLOAD", str(flag))
+    (path / ckpt.DCP_DIR / ".metadata").write_bytes(pickle.dumps(_Payload()))
+    with pytest.raises(GhostvisError, match="is not a DCP checkpoint's metadata"):
+        ckpt.load_model(path, GPT(CFG))
+    assert not flag.exists()

@@ -1,0 +1,228 @@
+"""The `slurm` launcher: its sbatch script and state mapping (fast), and end to end through the dagster
+CLI on a real Slurm cluster on this machine (tests/slurm_cluster.py: munged, slurmctld, two slurmd).
+
+The short pretraining run (2 ranks) runs as 2 nodes x 1 rank in one sbatch job and must end bitwise
+where the same run through the local launcher ends (`pretrain_reference`); a second run is cancelled
+with `scancel` after its first checkpoint and resumed by re-materializing."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from ghostvis_core.cluster.slurm import JOB_OUTCOMES, SlurmJob, job_outcome, redact, render_sbatch
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.home import Home
+from ghostvis_core.train import checkpoint as ckpt
+from ghostvis_core.train.runs import run_result
+from tests.conftest import BIN, cli_env, materialize_pretrain, new_run_dirs, run_cli, run_names
+from tests.slurm_cluster import free_ports, slurm_cluster  # noqa: F401 (a fixture)
+
+SPEC = "/shared/ghostvis/store/runs/pretrain/pretrain-abc-r1/spec.json"
+OUTPUT = "/shared/ghostvis/store/runs/pretrain/pretrain-abc-r1/slurm/a1.out"
+# One materialization is a few minutes here: the dagster CLI starts a process per step (the stage and
+# its four checks), each importing torch, on a machine that others share.
+MATERIALIZE_TIMEOUT = 1200
+
+
+def script_lines(job: SlurmJob, env: dict[str, str] | None = None, nproc: int = 4) -> list[str]:
+    return render_sbatch(job, SPEC, nproc, OUTPUT, env or {"OMP_NUM_THREADS": "4"}).splitlines()
+
+
+def test_sbatch_script_asks_for_the_job_and_starts_torchrun_once_per_node():
+    job = SlurmJob(nodes=4, gpus_per_node=8, cpus_per_task=64, mem="480G", time="12:00:00", partition="gpu",
+                   account="llm", qos="high", rdzv_port=29555, python="/opt/venv/bin/python")
+    lines = script_lines(job, nproc=8)
+    assert lines[0] == "#!/bin/bash"
+    assert [line for line in lines if line.startswith("#SBATCH")] == [
+        "#SBATCH --job-name=ghostvis", "#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --output={OUTPUT}", "#SBATCH --export=ALL", "#SBATCH --no-requeue",
+        "#SBATCH --cpus-per-task=64", "#SBATCH --gpus-per-node=8", "#SBATCH --mem=480G",
+        "#SBATCH --time=12:00:00", "#SBATCH --partition=gpu", "#SBATCH --account=llm", "#SBATCH --qos=high"]
+    srun = [line for line in lines if line.startswith("srun ")]
+    assert srun == ['srun --kill-on-bad-exit=1 /opt/venv/bin/python -m torch.distributed.run --nnodes="$SLURM_NNODES" '
+                    '--rdzv-backend=c10d --rdzv-endpoint="$rdzv_host":29555 --rdzv-id="$SLURM_JOB_ID" '
+                    f'--nproc_per_node=8 -m ghostvis_core.train --spec {SPEC}']
+    assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in lines
+    assert lines.index("export OMP_NUM_THREADS=4") < lines.index(srun[0])
+
+
+def test_defaults_leave_the_cluster_defaults_and_ask_for_one_cpu_node():
+    sbatch = [line for line in script_lines(SlurmJob()) if line.startswith("#SBATCH")]
+    assert "#SBATCH --nodes=1" in sbatch and "#SBATCH --cpus-per-task=8" in sbatch
+    assert not [line for line in sbatch if line.startswith(("#SBATCH --gpus", "#SBATCH --mem", "#SBATCH --time",
+                                                             "#SBATCH --partition", "#SBATCH --account", "#SBATCH --qos"))]
+
+
+def test_extra_sbatch_options_and_setup_lines_come_in_order_before_srun():
+    job = SlurmJob(nodes=2, extra_sbatch=["--exclusive", "--constraint=a100"],
+                   setup=["module load cuda/12.4", "source /opt/venv/bin/activate"])
+    lines = script_lines(job)
+    sbatch = [line for line in lines if line.startswith("#SBATCH")]
+    assert sbatch[-2:] == ["#SBATCH --exclusive", "#SBATCH --constraint=a100"]
+    setup = [lines.index("module load cuda/12.4"), lines.index("source /opt/venv/bin/activate")]
+    srun = next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    assert setup[0] < setup[1] < srun
+    assert lines.index("set -eo pipefail") < setup[0]
+
+
+def test_an_extra_line_that_is_not_an_sbatch_option_is_refused_with_the_fix():
+    with pytest.raises(GhostvisError, match=r"extra_sbatch entry '#SBATCH --exclusive'.*'--constraint=a100'"):
+        render_sbatch(SlurmJob(extra_sbatch=["#SBATCH --exclusive"]), SPEC, 1, OUTPUT, {})
+
+
+def test_paths_with_spaces_are_quoted_for_bash():
+    lines = render_sbatch(SlurmJob(), "/data/my runs/spec.json", 1, "/data/my runs/a.out", {"X": "a b"}).splitlines()
+    assert "#SBATCH '--output=/data/my runs/a.out'" in lines and "export X='a b'" in lines
+    srun = next(line for line in lines if line.startswith("srun "))
+    assert shlex.split(srun)[-2:] == ["--spec", "/data/my runs/spec.json"]
+
+
+def test_secrets_never_enter_the_script_and_are_redacted_in_logs():
+    env = {"OMP_NUM_THREADS": "1", "AWS_ACCESS_KEY_ID": "AKIAEXAMPLE", "AWS_SECRET_ACCESS_KEY": "s3cr3t/value",
+           "MLFLOW_TRACKING_TOKEN": "tok-123", "DAGSTER_PIPES_MESSAGES": "eyJwYXRoIjogIi9zIn0="}
+    script = "\n".join(script_lines(SlurmJob(setup=["export HF_TOKEN=hf_abc"]), env))
+    assert "s3cr3t/value" not in script and "tok-123" not in script and "AKIAEXAMPLE" not in script
+    assert "export DAGSTER_PIPES_MESSAGES=eyJwYXRoIjogIi9zIn0=" in script  # Pipes bootstrap: not a secret
+    logged = redact(script)
+    assert "hf_abc" not in logged and "export HF_TOKEN=***" in logged
+    assert redact("AWS_SECRET_ACCESS_KEY='a b' OMP_NUM_THREADS=2") == "AWS_SECRET_ACCESS_KEY=*** OMP_NUM_THREADS=2"
+
+
+def test_job_states_map_to_outcomes():
+    assert job_outcome("COMPLETED") == "ok"
+    assert [job_outcome(s) for s in ("TIMEOUT", "PREEMPTED", "NODE_FAIL")] == ["resumable"] * 3
+    assert [job_outcome(s) for s in ("FAILED", "CANCELLED", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")] == ["failed"] * 5
+    assert job_outcome("CANCELLED by 0") == "failed"  # sacct's spelling
+    assert [job_outcome(s) for s in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED")] == [None] * 5
+    assert job_outcome("SPECIAL_EXIT") == "failed"  # a final state nobody listed is not success
+    assert set(JOB_OUTCOMES.values()) == {"ok", "resumable", "failed"}
+
+
+# ---------------------------------------------------------------- end to end, on the real cluster
+
+
+@pytest.mark.e2e
+def test_the_test_cluster_runs_one_step_on_both_nodes(slurm_cluster):
+    """The cluster itself (tests/slurm_cluster.py), before anything trains on it."""
+    proc = slurm_cluster.run("srun", "-N2", "bash", "-c", 'echo "$SLURMD_NODENAME $SLURM_NNODES"')
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["gv1 2", "gv2 2"]
+
+
+def slurm_launcher(**extra) -> dict:
+    """The launcher config of the e2e runs: 2 nodes x 1 rank (the smoke preset's world size is 2), one
+    core per node's ranks like the reference's one thread per rank, the venv activated by `setup`."""
+    slurm = {"nodes": 2, "cpus_per_task": 1, "setup": [f"source {BIN / 'activate'}"],
+             "rdzv_port": free_ports(1)[0], "poll_seconds": 1.0, **extra}
+    return {"kind": "slurm", "slurm": slurm}
+
+
+def assert_same_run(home: Path, run_dir: Path, reference: tuple[Path, Path]) -> Ledger:
+    """The run ended exactly where the reference ended: ledger totals, losses, final weights."""
+    ref_home, ref_dir = reference
+    assert run_dir.name == ref_dir.name  # same config and data -> same run key, whatever the launcher
+    done = run_result(Home(home).store, "pretrain", run_dir.name)
+    ref = run_result(Home(ref_home).store, "pretrain", ref_dir.name)
+    ledger, ref_ledger = Ledger(Home(home).store.path("ledger")), Ledger(Home(ref_home).store.path("ledger"))
+    assert ledger.run_counts(run_dir.name) == ref_ledger.run_counts(ref_dir.name) == done.counts == ref.counts
+    totals, ref_totals = ledger.run_totals(run_dir.name), ref_ledger.run_totals(ref_dir.name)
+    assert {**totals, "segments": None} == {**ref_totals, "segments": None}  # a resumed run has two segments
+    assert done.train_loss == ref.train_loss and done.val_loss == ref.val_loss
+    weights = (ckpt.latest_complete(run_dir).path / "model.safetensors").read_bytes()
+    assert weights == (ckpt.latest_complete(ref_dir).path / "model.safetensors").read_bytes()
+    return ledger
+
+
+@pytest.mark.e2e
+def test_pretraining_as_two_slurm_nodes_ends_where_the_local_run_ends(slurm_cluster, home_copy, pretrain_reference):
+    known = run_names(home_copy)
+    proc = run_cli(materialize_pretrain(**slurm_launcher()), home_copy, timeout=MATERIALIZE_TIMEOUT)
+    run_dir = new_run_dirs(home_copy, known)[-1]
+    assert_same_run(home_copy, run_dir, pretrain_reference)
+    store = Home(home_copy).store
+    [script] = store.path("run_file", "pretrain", run_dir.name, "slurm").glob("*.sbatch")
+    output = script.with_suffix(".out").read_text()
+    assert "#SBATCH --nodes=2" in script.read_text() and "srun " in script.read_text()
+    last = [line for line in output.splitlines() if line.strip()][-1]
+    assert last in proc.stderr  # the job's output reached the Dagster log
+
+
+@pytest.mark.e2e
+def test_a_cancelled_slurm_job_fails_the_materialization_and_rematerializing_resumes(
+        slurm_cluster, home_copy, pretrain_reference):
+    launcher = slurm_launcher()
+    known = run_names(home_copy)
+    log_path = home_copy.parent / "materialize.log"
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen([str(BIN / "dagster"), *materialize_pretrain(**launcher)[1:]], env=cli_env(home_copy),
+                                stdout=log_file, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
+    run_dir = wait_for_checkpoint(home_copy, known, 4, proc, log_path)
+    [job_id] = slurm_cluster.run("squeue", "-h", "-o", "%i").stdout.split()
+    assert slurm_cluster.run("scancel", job_id).returncode == 0
+    assert proc.wait(timeout=MATERIALIZE_TIMEOUT) != 0
+    log = log_path.read_text()
+    assert f"Slurm job {job_id} ended CANCELLED" in log
+    assert not Home(home_copy).store.exists("run_record", "pretrain", run_dir.name)
+    assert 4 <= ckpt.latest_complete(run_dir).step < 12
+
+    # re-materialize: the cancelled run is found and resumed from its newest checkpoint
+    run_cli(materialize_pretrain(**launcher), home_copy, timeout=MATERIALIZE_TIMEOUT)
+    ledger = assert_same_run(home_copy, run_dir, pretrain_reference)
+    assert sorted({p["segment"] for p in ledger.chain(run_dir.name)}) == [0, 1]
+    assert run_result(Home(home_copy).store, "pretrain", run_dir.name).segment == 1
+
+
+def wait_for_checkpoint(home: Path, known: set[str], step: int, proc: subprocess.Popen, log: Path) -> Path:
+    """The new run's folder once checkpoint `step` is committed in it."""
+    deadline = time.time() + MATERIALIZE_TIMEOUT
+    while time.time() < deadline:
+        new = new_run_dirs(home, known)
+        if new and any(c.step >= step for c in ckpt.list_complete(new[-1])):
+            return new[-1]
+        if proc.poll() is not None:
+            raise AssertionError(f"materialization ended (exit {proc.returncode}) before checkpoint {step}:\n"
+                                 f"{log.read_text()[-4000:]}")
+        time.sleep(0.2)
+    proc.kill()
+    raise AssertionError(f"no checkpoint {step} within {MATERIALIZE_TIMEOUT} s")
+
+
+@pytest.mark.e2e
+def test_tokenization_runs_as_a_slurm_job_array_and_gives_the_same_ledger(slurm_cluster, home_copy):
+    """With the slurm launcher, tokenized_shards runs its datatrove pipeline through datatrove's
+    SlurmPipelineExecutor (one array task per shard) on the cluster's nodes; the ledger rows equal
+    the ones the local workers wrote."""
+    store = Home(home_copy).store
+    shards = ["demo_prose/00000", "demo_prose/00001"]
+    before = {r["shard_id"]: r for r in Ledger.in_store(store).shards() if r["shard_id"] in shards}
+    for f in (store.path("ledger") / "shards").glob("*.parquet"):  # forget them: they must be redone
+        if set(pq_shard_ids(f)) & set(shards):
+            f.unlink()
+    config = {"resources": {"launcher": {"config": slurm_launcher()}}}
+    run_cli(["dagster", "asset", "materialize", "--select", "tokenized_shards", "--partition-range",
+             "...".join(shards), "-m", "ghostvis_pipeline.definitions", "--config-json", json.dumps(config)],
+            home_copy, timeout=MATERIALIZE_TIMEOUT)
+    after = {r["shard_id"]: r for r in Ledger.in_store(store).shards() if r["shard_id"] in shards}
+    for shard in shards:
+        assert {k: after[shard][k] for k in ("docs", "tokens", "text_bytes", "content_sha256", "split")} == \
+               {k: before[shard][k] for k in ("docs", "tokens", "text_bytes", "content_sha256", "split")}
+    [job_dir] = (home_copy / "logs" / "datatrove").glob("*/slurm-*")
+    tasks_by_job: dict[str, int] = {}
+    for log in job_dir.glob("slurm_logs/*.out"):  # <job id>_<array index>.out
+        tasks_by_job[log.name.split("_")[0]] = tasks_by_job.get(log.name.split("_")[0], 0) + 1
+    # the array (one task per shard) and datatrove's stats merge after it
+    assert sorted(tasks_by_job.values()) == [1, len(shards)]
+    assert "launch_pickled_pipeline" in (job_dir / "launch_script.slurm").read_text()
+
+
+def pq_shard_ids(path: Path) -> list[str]:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path, columns=["shard_id"]).column("shard_id").to_pylist()
