@@ -283,8 +283,9 @@ def test_dagster_sft_page_shows_ledger_token_metadata_and_passed_checks(page, da
             for key in ("real_tokens", "pad_tokens", "loss_tokens", "cropped_tokens"):
                 cells = dialog.locator("tr", has=page.locator("td", has_text=re.compile(f"^{key}$"))).first
                 texts = [t.strip() for t in cells.locator("td").all_inner_texts()]
-                assert texts[0] == key and [as_int(t) for t in texts[1:4]] == [totals[key]] * 3, texts
-                assert texts[4] == "ok", texts
+                # ledger, MLflow, run record, Dagster metadata, then the verdict
+                assert texts[0] == key and [as_int(t) for t in texts[1:5]] == [totals[key]] * 4, texts
+                assert texts[5] == "ok", texts
             shot(page, f"dagster-sft-check-{check}")
             dialog.get_by_role("button", name="Close").click()
         else:
