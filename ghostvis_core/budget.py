@@ -39,6 +39,9 @@ GPU_PEAK_FLOPS = {name: g.bf16_flops for name, g in GPUS.items()}
 # Assumed on-demand prices per GPU-hour (USD) for the report's cost estimate; set your own.
 DEFAULT_GPU_PRICES = {"H100": 2.5, "A100": 1.5}
 
+# The model FLOPs utilization the planner assumes when it turns a GPU's peak into a step time.
+DEFAULT_MFU = 0.4
+
 
 @dataclass(frozen=True)
 class BatchPlan:
@@ -95,7 +98,9 @@ class Plan:
     params_non_embedding: int
     tokens_per_param: float
     flops: float  # 6 x N x D, N = non-embedding params, D = step_tokens_total
+    flops_per_token: float  # model FLOPs per token, attention included: what a step time at an MFU uses
     step_time_s: float | None = None
+    hours: float | None = None  # wall clock: steps x step_time_s
     gpu_hours: float | None = None
     cost: float | None = None
     memory: dict | None = None  # the MemoryPlan, per GPU
@@ -111,11 +116,13 @@ def plan(
     step_time_s: float | None = None,
     price_per_gpu_hour: float | None = None,
     gpu: str | None = None,
-    mfu: float = 0.4,
+    mfu: float = DEFAULT_MFU,
     params: int | None = None,
 ) -> Plan:
-    """Plan a stage. Time comes from step_time_s, or from a GPU's peak FLOP/s at an assumed MFU.
-    `params` overrides N (non-embedding parameters) for a model that is not a preset."""
+    """Plan a stage. Time comes from step_time_s, or from a GPU's peak FLOP/s at an assumed MFU: the
+    step's model FLOPs (`flops_per_token`, attention included, as the trainer counts them when it
+    measures MFU) over world_size x peak x mfu. `params` overrides N (non-embedding parameters) for a
+    model that is not a preset."""
     bp = batch_plan(cfg.batch, world_size)
     counts = count_params(cfg.model)
     n = params if params is not None else counts["non_embedding"]
@@ -131,11 +138,13 @@ def plan(
         raise GhostvisError(f"budget gives {steps} steps; the budget must cover at least one step of {tps} tokens")
     d = steps * tps
     flops = 6.0 * n * d
+    per_token = flops_per_token(cfg.model, bp.seq_len, params)
     if step_time_s is None and gpu is not None:
         if gpu not in GPUS:
             raise GhostvisError(f"unknown gpu '{gpu}'; known: {', '.join(GPUS)} (or pass a step time)")
-        step_time_s = 6.0 * n * tps / (bp.world_size * GPU_PEAK_FLOPS[gpu] * mfu)
-    gpu_hours = steps * step_time_s * bp.world_size / 3600 if step_time_s is not None else None
+        step_time_s = per_token * tps / (bp.world_size * GPU_PEAK_FLOPS[gpu] * mfu)
+    hours = steps * step_time_s / 3600 if step_time_s is not None else None
+    gpu_hours = hours * bp.world_size if hours is not None else None
     cost = gpu_hours * price_per_gpu_hour if gpu_hours is not None and price_per_gpu_hour is not None else None
     memory = memory_plan(cfg, world_size=bp.world_size, gpu=gpu, params=params)
     return Plan(
@@ -151,17 +160,21 @@ def plan(
         params_non_embedding=n,
         tokens_per_param=d / n,
         flops=flops,
+        flops_per_token=per_token,
         step_time_s=step_time_s,
+        hours=hours,
         gpu_hours=gpu_hours,
         cost=cost,
         memory=memory.to_dict(),
     )
 
 
-def flops_per_token(m: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs per token: 6N (N non-embedding parameters) plus attention's 12 x layers x
-    d_attn x seq_len (QK^T and AV, forward and backward; PaLM's accounting, causal half not discounted)."""
-    return 6.0 * count_params(m)["non_embedding"] + 12.0 * m.n_layers * m.n_heads * m.head_dim * seq_len
+def flops_per_token(m: ModelConfig, seq_len: int, params: int | None = None) -> float:
+    """Training FLOPs per token: 6N (N non-embedding parameters, or `params`) plus attention's 12 x
+    layers x d_attn x seq_len (QK^T and AV, forward and backward; PaLM's accounting, causal half not
+    discounted)."""
+    n = params if params is not None else count_params(m)["non_embedding"]
+    return 6.0 * n + 12.0 * m.n_layers * m.n_heads * m.head_dim * seq_len
 
 
 GB = 1e9
@@ -317,7 +330,7 @@ def gpu_of(device_name: str) -> str | None:
 
 
 def budget_for_hours(cfg: StageConfig, hours: float, *, step_time_s: float | None = None, gpu: str | None = None,
-                     mfu: float = 0.4, params: int | None = None) -> StageConfig:
+                     mfu: float = DEFAULT_MFU, params: int | None = None) -> StageConfig:
     """The config with budget.steps = the optimizer steps that fit in `hours` of wall clock, at a
     measured step time or at a GPU's peak x mfu (a run mode: "4 hours on one H100")."""
     step = plan(cfg, step_time_s=step_time_s, gpu=gpu, mfu=mfu, params=params).step_time_s

@@ -29,6 +29,8 @@ class ModelConfig:
     rope_scaling: float = 1.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    # Biases on the q, k and v projections (Qwen2's attention; exported as Qwen2ForCausalLM).
+    qkv_bias: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -118,6 +120,10 @@ class DPOConfig:
 class CheckpointConfig:
     every_steps: int = 100
     keep_last: int = 2
+    # Write the weights and optimizer state as DCP shards (every rank its own, whatever the strategy) in
+    # a background thread while training continues; the checkpoint is committed (marker last) once every
+    # shard is written, before the next checkpoint or the end of the run.
+    async_save: bool = False
 
 
 @dataclass
@@ -155,7 +161,9 @@ class StageConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     vision: VisionConfig | None = None
     dpo: DPOConfig | None = None
-    # Upstream stage whose final checkpoint initialises this one (None: random init).
+    # What initialises this stage: an upstream stage's name (its final checkpoint), or a Hugging Face
+    # Llama / Qwen2 checkpoint with its tokenizer: a local folder, s3://bucket/prefix or
+    # hf://org/name[@revision] (ghostvis_core.hf.sources); None: random init.
     init_from: str | None = None
 
     def to_dict(self) -> dict[str, Any]:

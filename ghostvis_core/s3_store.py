@@ -136,7 +136,7 @@ class S3Store(LocalStore):
         """Upload what this node wrote at path(kind, key) that the bucket lacks; markers last."""
         local = self.path(kind, *key)
         files = [local] if local.is_file() else [f for f in sorted(local.rglob("*")) if f.is_file()]
-        files = [f for f in files if not any(p.startswith(".") for p in f.relative_to(self.root).parts)]
+        files = [f for f in files if not _staging(f.relative_to(self.root))]
         remote = {o["Key"]: o["Size"] for o in self._objects(kind, *key)}
         files.sort(key=lambda f: f.name in COMMIT_MARKERS)
         for f in files:
@@ -160,3 +160,9 @@ class S3Store(LocalStore):
                                 f"got {got}); the object changed or the transfer was corrupted: fetch it again, "
                                 "or re-materialize the asset that writes it")
         os.replace(tmp, dest)
+
+
+def _staging(rel: Path) -> bool:
+    """A file still being written: in a hidden folder (`.tmp-step_…`) or a download's `.name.tmp-…`.
+    Hidden files that are data (DCP's `.metadata`) are published."""
+    return any(p.startswith(".") for p in rel.parts[:-1]) or (rel.name.startswith(".") and ".tmp-" in rel.name)

@@ -12,14 +12,15 @@ import sys
 from typing import Any
 
 from ghostvis_core import presets
-from ghostvis_core.budget import GPUS, LM_NEEDED_RULE, budget_for_hours, MemoryPlan, memory_refusal, plan as make_plan, source_plan
+from ghostvis_core.budget import GPUS, LM_NEEDED_RULE, budget_for_hours, DEFAULT_MFU, MemoryPlan, memory_refusal, plan as make_plan, source_plan
 from ghostvis_core.config import parse_sets
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger, run_consumption, run_keys, run_summaries
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
+from ghostvis_core.run_modes import MODES, RunMode, compute_optimal_params, describe, mode_of, mode_overrides, plan_mode
 from ghostvis_core.stages import stage, stage_names
-from ghostvis_pipeline import data_command, status_command, train_command
+from ghostvis_pipeline import data_command, export_command, status_command, train_command
 
 
 def cmd_init(args) -> int:
@@ -111,8 +112,31 @@ def recipe_report(args, p) -> list[dict]:
     return [sp.to_dict() for sp in source_plan(presets.parse_recipe(args.recipe), p.step_tokens_total, shards, seq_len)]
 
 
+def plan_mode_args(args) -> RunMode | None:
+    """A run mode (--mode, or a mode's name in --preset) plans its own preset, GPU, GPUs, hours and MFU:
+    args.preset becomes the model preset, args.gpu and args.mfu the mode's."""
+    if args.mode and args.preset and args.mode != args.preset:
+        raise GhostvisError(f"--mode {args.mode} sets the preset; drop --preset {args.preset}")
+    name = args.mode or args.preset or presets.default_preset()
+    mode = mode_of(name)
+    args.preset = mode.preset if mode else name
+    if mode is None:
+        args.mfu = DEFAULT_MFU if args.mfu is None else args.mfu
+        return None
+    given = [f"--{f.replace('_', '-')}" for f in ("gpu", "mfu", "hours", "step_time") if getattr(args, f) is not None]
+    if given:
+        raise GhostvisError(f"run mode {mode.name} states the hardware and hours ({describe(mode)}); drop "
+                            f"{', '.join(given)}, or plan --preset {mode.preset} with them")
+    args.gpu, args.mfu = mode.gpu, mode.mfu
+    return mode
+
+
 def cmd_plan(args) -> int:
-    cfg = presets.resolve(args.stage, args.preset, plan_overrides(args))
+    if args.modes:
+        return print_modes(args.stage, args.json)
+    mode = plan_mode_args(args)
+    overrides = plan_overrides(args)
+    cfg = presets.resolve(args.stage, args.preset, mode_overrides(args.stage, mode, overrides) if mode else overrides)
     if args.hours is not None:
         cfg = budget_for_hours(cfg, args.hours, step_time_s=args.step_time, gpu=args.gpu, mfu=args.mfu, params=args.params)
     p = make_plan(cfg, step_time_s=args.step_time, price_per_gpu_hour=args.price, gpu=args.gpu, mfu=args.mfu,
@@ -120,10 +144,13 @@ def cmd_plan(args) -> int:
     sources = recipe_report(args, p)
     notes = plan_notes(args)
     if args.json:
-        print(json.dumps({"stage": args.stage, "preset": args.preset, **p.to_dict(),
+        print(json.dumps({"stage": args.stage, "preset": args.preset, **({"run_mode": mode.name} if mode else {}),
+                          **p.to_dict(),
                           **({"sources": sources, "needed_tokens_rule": needed_rule(args.stage)} if sources else {}),
                           **({"notes": notes} if notes else {})}, indent=2))
         return refuse_unfit(args.stage, p)
+    if mode:
+        print(f"run mode {mode.name}: {describe(mode)}")
     print_plan(args, p, sources)
     print_memory(p.memory)
     for note in notes:
@@ -161,8 +188,11 @@ def print_plan(args, p, sources: list[dict]) -> None:
     print(f"  params          = {p.params_total:,} total, N = {p.params_non_embedding:,} non-embedding")
     print(f"  tokens/param    = {p.tokens_per_param:,.2f}")
     print(f"  FLOPs (6ND)     = {p.flops:.3e}")
+    print(f"  FLOPs/token     = {p.flops_per_token:.4g}  (6N + attention: what MFU counts)")
     if p.step_time_s is not None:
-        print(f"  step time       = {p.step_time_s:.3f} s")
+        at = f"  ({args.gpu} peak x MFU {args.mfu:g})" if args.step_time is None and args.gpu else ""
+        print(f"  step time       = {p.step_time_s:.3f} s{at}")
+        print(f"  wall clock      = {p.hours:,.2f} h")
         print(f"  GPU-hours       = {p.gpu_hours:,.2f}  ({p.world_size} GPUs)")
     if p.cost is not None:
         print(f"  cost            = {p.cost:,.2f}  at {args.price}/GPU-hour")
@@ -174,6 +204,30 @@ def print_plan(args, p, sources: list[dict]) -> None:
             need = f"{sp['shards_needed']}/{sp['shards_available']}" if sp["shards_needed"] is not None else "-"
             print(f"  {sp['source']:<16} {sp['weight']:>6.2f} {sp['needed_tokens']:>16,} {avail:>16} {ep:>7} {need:>13}")
         print(f"  ({needed_rule(args.stage)})")
+
+
+def print_modes(stage_name: str, as_json: bool) -> int:
+    """`ghostvis plan --modes`: every run mode, what it states and what the planner derives from it."""
+    rows = []
+    for name, mode in MODES.items():
+        p = plan_mode(name, stage_name)
+        rows.append({"mode": name, "states": describe(mode), "preset": mode.preset, "gpu": mode.gpu, "gpus": mode.gpus,
+                     "hours_target": mode.hours, "mfu": mode.mfu, "steps": p.steps, "tokens_per_step": p.tokens_per_step,
+                     "tokens": p.step_tokens_total, "tokens_per_param": round(p.tokens_per_param, 2),
+                     "hours": round(p.hours, 3), "memory_gb": p.memory["total_gb"], "fits": p.memory["fits"],
+                     "compute_optimal_params": int(compute_optimal_params(p))})
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'mode':<12} {'preset':>6} {'steps':>8} {'tokens/step':>11} {'tokens':>16} {'tok/param':>9} {'hours':>6} "
+          f"{'GB/GPU':>7} {'fits':>4} {'20-tok/param N':>14}")
+    for r in rows:
+        print(f"{r['mode']:<12} {r['preset']:>6} {r['steps']:>8,} {r['tokens_per_step']:>11,} {r['tokens']:>16,} "
+              f"{r['tokens_per_param']:>9.2f} {r['hours']:>6.2f} {r['memory_gb']:>7.1f} {'yes' if r['fits'] else 'NO':>4} "
+              f"{r['compute_optimal_params'] / 1e6:>13,.0f}M")
+    print(f"({stage_name}; steps = the hours at the mode's GPU peak x MFU over model FLOPs per step, from the planner; "
+          "20-tok/param N: the model size the compute would train to 20 tokens per parameter)")
+    return 0
 
 
 def ledger_report(home: Home, tokenizer_id: str | None) -> dict[str, Any]:
@@ -340,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     au.set_defaults(fn=cmd_audit)
     data_command.add_parser(sub)
     train_command.add_parser(sub)
+    export_command.add_parser(sub)
     status_command.add_parser(sub)
     return ap
 
@@ -365,8 +420,12 @@ PLAN_INT_FLAGS = {
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage", default="pretrain", choices=stage_names(), help="the stage to plan (default pretrain)")
-    p.add_argument("--preset", default=presets.default_preset(),
-                   help=f"model shape and stage defaults: {', '.join(presets.preset_names())}")
+    p.add_argument("--preset", help=f"model shape and stage defaults: {', '.join(presets.preset_names())} (default: "
+                   "GHOSTVIS_PRESET, else tiny); a run mode's name works too")
+    p.add_argument("--mode", choices=list(MODES), help="a run mode: model preset, GPU, GPUs, hours and MFU; the "
+                   "planner derives steps and tokens and checks the memory (see --modes)")
+    p.add_argument("--modes", action="store_true", help="list the run modes with the steps, tokens and hours the "
+                   "planner derives for each, and whether each fits its GPU")
     for flag, text in PLAN_INT_FLAGS.items():
         p.add_argument(f"--{flag}", type=int, help=text)
     p.add_argument("--tokens-per-param", type=float, help="budget: tokens per parameter (20 = Chinchilla)")
@@ -381,7 +440,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-time", type=float, help="seconds per optimizer step (measured)")
     p.add_argument("--gpu", choices=list(GPUS), help="estimate the step time from this GPU's peak bf16 FLOP/s at "
                    "--mfu, and check the per-GPU memory against its memory (exit 2 if it does not fit)")
-    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilization assumed with --gpu (default 0.4)")
+    p.add_argument("--mfu", type=float, help=f"model FLOPs utilization assumed with --gpu (default {DEFAULT_MFU})")
     p.add_argument("--price", type=float, help="price per GPU-hour")
     p.add_argument("--recipe", help="mixture source=weight,...: per source tokens, epochs and shards from the ledger")
     p.add_argument("--tokenizer", help="count ledger shards of this tokenizer only")

@@ -18,6 +18,7 @@ from ghostvis_pipeline.checks import (
     all_manifest_shards_tokenized, ledger_matches_token_files, no_duplicate_content, stage_checks,
     tokenizer_trained_on_train_shards_only,
 )
+from ghostvis_pipeline.export_job import export_model
 from ghostvis_pipeline.jobs import checks_job, shard_data_job, training_job
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.resources import GhostvisHome
@@ -36,6 +37,6 @@ defs = Definitions(
     asset_checks=[tokenizer_trained_on_train_shards_only,
                   ledger_matches_token_files, all_manifest_shards_tokenized, no_duplicate_content,
                   *[c for stage in STAGES for c in stage_checks(stage.name)]],
-    jobs=[shard_data_job, training_job, checks_job],
+    jobs=[shard_data_job, training_job, checks_job, export_model],
     resources={"home": GhostvisHome(), "launcher": Launcher()},
 )

@@ -171,14 +171,18 @@ def test_step_time_from_gpu_peak_and_mfu():
     n = 208_000_000
     p = plan(cfg, params=n, gpu="A100", mfu=0.5, price_per_gpu_hour=2.25)
     assert (p.grad_accum_steps, p.tokens_per_step) == (1, 1_000_000)
-    # FLOPs per step 6 * 208e6 * 1e6 = 1.248e15; cluster rate 8 * 312e12 * 0.5 = 1.248e15 /s -> 1.0 s
-    assert p.step_time_s == pytest.approx(1.0, rel=1e-12)
+    # model FLOPs per token: 6 x 208e6 + attention 12 x 32 layers x 4096 x 1000 positions = 2.820864e9;
+    # per step x 1e6 tokens = 2.820864e15; cluster rate 8 x 312e12 x 0.5 = 1.248e15 /s -> 2.2603 s
+    assert p.flops_per_token == 2_820_864_000
+    step = 2.820864e15 / 1.248e15
+    assert p.step_time_s == pytest.approx(step, rel=1e-12)
     # 20 tokens/param: 4.16e9 tokens = 4160 steps exactly
     assert p.planned_tokens == 4_160_000_000 and p.steps == 4160 and p.step_tokens_total == 4_160_000_000
     assert p.tokens_per_param == 20.0
-    # 4160 s of wall clock on 8 GPUs = 33,280 GPU-seconds = 9.2444 GPU-hours; x 2.25 = 20.80
-    assert p.gpu_hours == pytest.approx(33_280 / 3600, rel=1e-12)
-    assert p.cost == pytest.approx(20.8, rel=1e-12)
+    # 4160 steps x 2.2603 s = 9,402.5 s of wall clock (2.61 h) on 8 GPUs = 20.89 GPU-hours; x 2.25 = 47.01
+    assert p.hours == pytest.approx(4160 * step / 3600, rel=1e-12)
+    assert p.gpu_hours == pytest.approx(4160 * step * 8 / 3600, rel=1e-12)
+    assert p.cost == pytest.approx(4160 * step * 8 / 3600 * 2.25, rel=1e-12)
     assert p.flops == pytest.approx(5.19168e18, rel=1e-12)  # 6 * 2.08e8 * 4.16e9
     assert p.params_non_embedding == p.params_total == n
 
@@ -187,7 +191,7 @@ def test_lower_mfu_means_proportionally_longer_steps():
     cfg = _seven_b_million_token_steps()
     fast = plan(cfg, params=208_000_000, gpu="A100", mfu=0.5)
     slow = plan(cfg, params=208_000_000, gpu="A100", mfu=0.25)
-    assert slow.step_time_s == pytest.approx(2.0, rel=1e-12)
+    assert slow.step_time_s == pytest.approx(2 * fast.step_time_s, rel=1e-12)
     assert slow.gpu_hours == pytest.approx(2 * fast.gpu_hours, rel=1e-12)
 
 
@@ -327,7 +331,7 @@ def test_cli_plan_json_matches_plan_gpu_estimate(capsys):
                     price_per_gpu_hour=2.25).to_dict()
     assert got == {"stage": "pretrain", "preset": "7b", **expected}
     assert got["steps"] == 4160 and got["grad_accum_steps"] == 1
-    assert got["cost"] == pytest.approx(20.8, rel=1e-12)
+    assert got["cost"] == pytest.approx(4160 * 2.820864e15 / 1.248e15 * 8 / 3600 * 2.25, rel=1e-12)
 
 
 def test_cli_plan_two_budgets_is_a_one_line_error(capsys):

@@ -26,7 +26,8 @@ LAYERS = {
     "ghostvis_core.errors": 0, "ghostvis_core.config": 0, "ghostvis_core.counts": 0, "ghostvis_core.identity": 0,
     "ghostvis_core.stages": 1, "ghostvis_core.presets": 1, "ghostvis_core.store": 1, "ghostvis_core.s3_store": 1, "ghostvis_core.home": 1,
     "ghostvis_core.data.*": 2, "ghostvis_core.model.*": 2, "ghostvis_core.track.*": 2, "ghostvis_core.budget": 2,
-    "ghostvis_core.train.*": 3, "ghostvis_core.eval.*": 3, "ghostvis_core.cluster.*": 3,
+    "ghostvis_core.run_modes": 2,
+    "ghostvis_core.train.*": 3, "ghostvis_core.eval.*": 3, "ghostvis_core.cluster.*": 3, "ghostvis_core.hf.*": 3,
     "ghostvis_core.audit.*": 4,
 }
 # (importing module, imported top-level package) pairs allowed despite the no-Dagster rule

@@ -7,6 +7,7 @@ Each test spawns 2 processes (torch.multiprocessing) running the real `parallel.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -122,8 +123,8 @@ def test_fsdp_and_ddp_give_the_same_losses_for_20_steps():
     assert fsdp[0] == pytest.approx(ddp[0], rel=LOSS_RTOL)
 
 
-def _write_then_continue(rank, world, run_dir):
-    par, opt = _fresh("fsdp", rank, world)
+def _write_then_continue(rank, world, run_dir, strategy="fsdp"):
+    par, opt = _fresh(strategy, rank, world)
     train_steps(par, opt, range(3), rank, world)
     shards = ckpt.save_shards(Path(run_dir), 3, par.model, opt)
     if rank == 0:
@@ -167,6 +168,58 @@ def test_a_dcp_checkpoint_from_2_ranks_resumes_exactly_on_2_and_on_1(tmp_path):
     assert state1 == state2 == {"step": 3, "rows": 3 * ROWS_PER_STEP}  # data position, world-size free
     assert on_two == pytest.approx(uninterrupted, rel=1e-6)
     assert on_one == pytest.approx(uninterrupted, rel=LOSS_RTOL)
+
+
+def _slow_writes(seconds: float) -> None:
+    """This rank's DCP file writes start `seconds` late (the real writer, only delayed)."""
+    import time
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write = FileSystemWriter.write_data
+    FileSystemWriter.write_data = lambda self, plan, planner: (time.sleep(seconds), write(self, plan, planner))[1]
+
+
+def _write_async_then_continue(rank, world, run_dir, strategy):
+    """start_shards at step 3, train steps 4-6 while the shards are written (rank 1 writes 1.5 s late),
+    then commit: rank 0 writes the marker only after `wait`."""
+    par, opt = _fresh(strategy, rank, world)
+    train_steps(par, opt, range(3), rank, world)
+    if rank == 1:
+        _slow_writes(1.5)
+    in_flight = ckpt.start_shards(Path(run_dir), 3, par.model, opt)
+    losses = train_steps(par, opt, range(3, 6), rank, world)  # the weights change under the save
+    not_done_during_training = not in_flight.future.done()
+    extra = in_flight.wait()
+    written = []
+    if rank == 0:
+        written = sorted(f.name for f in extra[ckpt.DCP_DIR].iterdir())  # on disk when rank 0's wait returns
+        assert ckpt.latest_complete(Path(run_dir)) is None  # no marker before the shards were waited for
+        ckpt.save(Path(run_dir), 3, model=par.model, optimizer=opt, state={"step": 3, "rows": 3 * ROWS_PER_STEP},
+                  config={}, keep_last=2, extra_dirs=extra)
+    dist.barrier()
+    return losses, written, not_done_during_training
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_an_async_dcp_checkpoint_resumes_exactly_like_a_sync_one(tmp_path, strategy):
+    sync_dir, async_dir = tmp_path / "sync", tmp_path / "async"
+    uninterrupted = spawn(_write_then_continue, str(sync_dir), strategy)[0]
+    (losses, written, slow), (_, _, slow1) = spawn(_write_async_then_continue, str(async_dir), strategy)
+    assert losses == pytest.approx(uninterrupted, rel=1e-6)  # training went on while the shards were written
+    assert slow and slow1  # rank 1's late write kept the save in flight through three training steps
+    # rank 0's wait returned only once every rank's shard and DCP's metadata were on disk
+    assert written == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    ref = ckpt.latest_complete(async_dir)
+    assert ref.step == 3 and (ref.path / ckpt.MARKER).exists() and not list(async_dir.glob(".dcp-*"))
+    sync_model, async_model = GPT(CFG), GPT(CFG)
+    ckpt.load_model(ckpt.latest_complete(sync_dir).path, sync_model)
+    ckpt.load_model(ref.path, async_model)
+    for (name, a), (_, b) in zip(sync_model.state_dict().items(), async_model.state_dict().items()):
+        assert torch.equal(a, b), name  # the step-3 weights, not the ones trained while writing
+    (state, on_two), _ = spawn(_resume, str(ref.path))
+    assert state == {"step": 3, "rows": 3 * ROWS_PER_STEP}
+    assert on_two == pytest.approx(uninterrupted, rel=1e-6)
 
 
 def test_a_dcp_checkpoint_exports_to_one_safetensors_file_equal_to_the_weights(tmp_path):
@@ -233,3 +286,113 @@ def test_a_tampered_dcp_metadata_file_is_refused_without_running_it(tmp_path, mo
     with pytest.raises(GhostvisError, match="is not a DCP checkpoint's metadata"):
         ckpt.load_model(path, GPT(CFG))
     assert not flag.exists()
+
+
+ASYNC_RUN = ["--set", "budget.steps=6", "--set", "checkpoint.every_steps=2", "--set", "parallel.strategy=fsdp"]
+
+
+@pytest.mark.e2e
+def test_the_trainer_with_async_checkpoints_trains_and_commits_like_the_sync_one(home_copy):
+    """Two plain torchrun pretrains of 6 steps with a checkpoint every 2, fsdp on 2 ranks: sync, then
+    checkpoint.async_save=true (the same identity, so a new attempt of the same run). Each async
+    checkpoint is committed whole (both shards, metadata, ledger part, marker) and the final weights
+    and ledger totals equal the sync run's."""
+    from ghostvis_core.data.ledger import Ledger
+    from ghostvis_core.home import Home
+    from tests.conftest import run_cli
+
+    for extra in ([], ["--set", "checkpoint.async_save=true"]):
+        run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "ghostvis_core.train", "--stage", "pretrain",
+                 "--preset", "smoke", *ASYNC_RUN, *extra], home_copy, OMP_NUM_THREADS="1")
+    store = Home(home_copy).store
+    ledger = Ledger(store.path("ledger"))
+    keys = sorted({p["run_key"] for p in ledger.parts(stage="pretrain") if p["step_last"] == 6})
+    assert len(keys) == 2 and keys[0].endswith("-r1") and keys[1].endswith("-r2")
+    sync_dir, async_dir = (store.path("checkpoints", "pretrain", k) for k in keys)
+    refs = ckpt.list_complete(async_dir)
+    assert [r.step for r in refs] == [4, 6] and not list(async_dir.glob(".dcp-*"))
+    for r in refs:
+        assert sorted(f.name for f in (r.path / ckpt.DCP_DIR).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        assert (r.path / "ledger").is_dir() and (r.path / ckpt.MARKER).read_text() == str(r.step)
+    assert ledger.run_totals(keys[1]) == ledger.run_totals(keys[0])
+    assert ledger.run_totals(keys[1])["real_tokens"] == 6 * 8 * 256 * 2 and ledger.run_totals(keys[1])["parts"] == 3
+    config = json.loads((refs[-1].path / "config.json").read_text())
+    assert config["checkpoint"]["async_save"] is True and config["parallel"]["strategy"] == "fsdp"
+    cfg = ModelConfig(**config["model"])
+    sync_model, async_model = GPT(cfg), GPT(cfg)
+    ckpt.load_model(ckpt.latest_complete(sync_dir).path, sync_model)
+    ckpt.load_model(refs[-1].path, async_model)
+    for (name, a), (_, b) in zip(sync_model.state_dict().items(), async_model.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def _s3_node(rank: int, env: dict[str, str], cache: str):
+    """This rank's view of the bucket store, with a cache of its own: as if each rank were a node."""
+    from ghostvis_core.s3_store import S3Store
+
+    os.environ.update(env, GHOSTVIS_STORE_CACHE=cache)
+    return S3Store.from_uri(env["GHOSTVIS_TEST_STORE"])
+
+
+def _objects(store, step_dir: str) -> list[str]:
+    prefix = store.object_key("checkpoint", "pretrain", "run-r1", step_dir)
+    return sorted(o["Key"][len(prefix) + 1:] for o in store._list(prefix + "/"))
+
+
+def _write_through_s3(rank, world, env, tmp):
+    """fsdp on 2 'nodes': each rank writes its shard into its own cache; `share_shard` uploads it,
+    then rank 0 commits and publishes the rest, marker last."""
+    from ghostvis_core.train.commit import share_shard
+
+    store = _s3_node(rank, env, f"{tmp}/node{rank}")
+    par, opt = _fresh("fsdp", rank, world)
+    train_steps(par, opt, range(3), rank, world)
+    run_dir = store.path("checkpoints", "pretrain", "run-r1")
+    shards = ckpt.save_shards(run_dir, 3, par.model, opt)
+    share_shard(store, DistContext(rank, rank, world, torch.device("cpu")), "pretrain", "run-r1", 3, shards[ckpt.DCP_DIR])
+    before_marker = []
+    if rank == 0:
+        assert not (run_dir / ".dcp-step_000000003" / "__1_0.distcp").exists()  # rank 1 wrote in another cache
+        before_marker = _objects(store, "step_000000003")
+        ckpt.save(run_dir, 3, model=par.model, optimizer=opt, state={"step": 3, "rows": 3 * ROWS_PER_STEP},
+                  config={}, keep_last=2, extra_dirs=shards)
+        store.publish("checkpoint", "pretrain", "run-r1", "step_000000003")
+    dist.barrier()
+    return train_steps(par, opt, range(3, 6), rank, world), before_marker
+
+
+def test_fsdp_shards_from_ranks_with_their_own_caches_commit_through_s3(moto_s3, tmp_path):
+    from tests.conftest import new_bucket, s3_env
+
+    new_bucket(moto_s3, "fsdp")
+    env = {**s3_env(moto_s3, tmp_path), "GHOSTVIS_TEST_STORE": "s3://fsdp/team"}
+    saved = {k: os.environ.get(k) for k in [*env, "GHOSTVIS_STORE_CACHE"]}
+    try:
+        (uninterrupted, before_marker), _ = spawn(_write_through_s3, env, str(tmp_path))
+        # every shard and the metadata reached the bucket before rank 0 published the rest
+        assert before_marker == ["dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"]
+        reader = _s3_node(0, env, str(tmp_path / "node3"))  # a third node: nothing in its cache
+        assert _objects(reader, "step_000000003") == ["COMPLETE", "config.json", "dcp/.metadata", "dcp/__0_0.distcp",
+                                                     "dcp/__1_0.distcp", "train_state.json"]
+        path = reader.fetch("checkpoint", "pretrain", "run-r1", "step_000000003")
+        (state, on_two), _ = spawn(_resume, str(path))
+        state1, on_one = _resume_single(str(path))
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    assert state == state1 == {"step": 3, "rows": 3 * ROWS_PER_STEP}
+    assert on_two == pytest.approx(uninterrupted, rel=1e-6)
+    assert on_one == pytest.approx(uninterrupted, rel=LOSS_RTOL)
+
+
+def test_a_rank_drops_only_its_own_leftover_shards_and_the_emptied_staging_folder(tmp_path):
+    from ghostvis_core.train.commit import drop_stale_shards
+
+    staging = tmp_path / ".dcp-step_000000002"
+    staging.mkdir()
+    for name in ("__0_0.distcp", "__1_0.distcp"):
+        (staging / name).write_bytes(b"x")
+    drop_stale_shards(tmp_path, 1)
+    assert sorted(f.name for f in staging.iterdir()) == ["__0_0.distcp"]  # rank 0's file is not rank 1's to drop
+    drop_stale_shards(tmp_path, 0)
+    assert not staging.exists()

@@ -308,7 +308,9 @@ def test_a_one_node_launch_goes_through_dagster_k8s_pipes(home, monkeypatch):
             calls.append(kwargs)
             home.store.write_json("run_record", spec.stage, spec.run_key, data={})
 
-    monkeypatch.setattr(k8s_launcher, "PipesK8sClient", FakePipesK8sClient)
+    import dagster_k8s  # the launcher imports its client on use
+
+    monkeypatch.setattr(dagster_k8s, "PipesK8sClient", FakePipesK8sClient)
     resource = launcher(**CLUSTER)
 
     @asset

@@ -134,10 +134,11 @@ def test_a_run_mode_in_hours_gets_its_steps_from_the_planner(capsys):
     rc, out, _ = _plan_cli(capsys, "--preset", "500m", "--world-size", "1", "--gpu", "H100", "--mfu", "0.4",
                            "--hours", "4", "--json")
     got = json.loads(out)
-    # 6 x N 520,418,560 x 524,288 tokens per step / (989e12 x 0.4) = 4.138 s per step; 14,400 s / 4.138 = 3,479.9
-    step = 6 * 520_418_560 * 524_288 / (989e12 * 0.4)
-    assert rc == 0 and got["steps"] == int(4 * 3600 // step) == 3_479
-    assert got["planned_tokens"] == 3_479 * 524_288 and got["gpu_hours"] == pytest.approx(3_479 * step / 3600)
+    # (6 x N 520,418,560 + attention 12 x 24 layers x 1280 x 2048) x 524,288 tokens per step / (989e12 x 0.4)
+    # = 5.139 s per step; 14,400 s / 5.139 = 2,802.2
+    step = (6 * 520_418_560 + 12 * 24 * 1280 * 2048) * 524_288 / (989e12 * 0.4)
+    assert rc == 0 and got["steps"] == int(4 * 3600 // step) == 2_802
+    assert got["planned_tokens"] == 2_802 * 524_288 and got["gpu_hours"] == pytest.approx(2_802 * step / 3600)
     assert got["memory"]["buffers_gb"] == round(2 * 604_304_640 / GB, 3)  # one process: no DDP buckets
 
 

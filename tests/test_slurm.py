@@ -141,21 +141,7 @@ def assert_same_run(home: Path, run_dir: Path, reference: tuple[Path, Path]) -> 
 
 
 @pytest.mark.e2e
-def test_pretraining_as_two_slurm_nodes_ends_where_the_local_run_ends(slurm_cluster, home_copy, pretrain_reference):
-    known = run_names(home_copy)
-    proc = run_cli(materialize_pretrain(**slurm_launcher()), home_copy, timeout=MATERIALIZE_TIMEOUT)
-    run_dir = new_run_dirs(home_copy, known)[-1]
-    assert_same_run(home_copy, run_dir, pretrain_reference)
-    store = Home(home_copy).store
-    [script] = store.path("run_file", "pretrain", run_dir.name, "slurm").glob("*.sbatch")
-    output = script.with_suffix(".out").read_text()
-    assert "#SBATCH --nodes=2" in script.read_text() and "srun " in script.read_text()
-    last = [line for line in output.splitlines() if line.strip()][-1]
-    assert last in proc.stderr  # the job's output reached the Dagster log
-
-
-@pytest.mark.e2e
-def test_a_cancelled_slurm_job_fails_the_materialization_and_rematerializing_resumes(
+def test_a_cancelled_two_node_slurm_job_fails_and_rematerializing_resumes_to_the_local_run(
         slurm_cluster, home_copy, pretrain_reference):
     launcher = slurm_launcher()
     known = run_names(home_copy)
@@ -172,11 +158,19 @@ def test_a_cancelled_slurm_job_fails_the_materialization_and_rematerializing_res
     assert not Home(home_copy).store.exists("run_record", "pretrain", run_dir.name)
     assert 4 <= ckpt.latest_complete(run_dir).step < 12
 
-    # re-materialize: the cancelled run is found and resumed from its newest checkpoint
-    run_cli(materialize_pretrain(**launcher), home_copy, timeout=MATERIALIZE_TIMEOUT)
+    # re-materialize: the cancelled run is found and resumed from its newest checkpoint, as a second
+    # 2-node job, and ends exactly where the uninterrupted local 2-rank run ends
+    proc = run_cli(materialize_pretrain(**launcher), home_copy, timeout=MATERIALIZE_TIMEOUT)
     ledger = assert_same_run(home_copy, run_dir, pretrain_reference)
     assert sorted({p["segment"] for p in ledger.chain(run_dir.name)}) == [0, 1]
     assert run_result(Home(home_copy).store, "pretrain", run_dir.name).segment == 1
+    scripts = sorted(Home(home_copy).store.path("run_file", "pretrain", run_dir.name, "slurm").glob("*.sbatch"),
+                     key=lambda p: p.stat().st_mtime)
+    assert len(scripts) == 2
+    assert "#SBATCH --nodes=2" in scripts[-1].read_text() and "srun " in scripts[-1].read_text()
+    output = scripts[-1].with_suffix(".out").read_text()
+    last = [line for line in output.splitlines() if line.strip()][-1]
+    assert last in proc.stdout + proc.stderr  # the job's output reached the Dagster log
 
 
 def wait_for_checkpoint(home: Path, known: set[str], step: int, proc: subprocess.Popen, log: Path) -> Path:

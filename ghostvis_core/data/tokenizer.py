@@ -114,7 +114,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     )
     hf.train_from_iterator(texts, trainer=trainer)
     merges = json.loads(hf.to_str())["model"]["merges"]
-    return _make_tokenizer(_merges_to_ranks(merges), SPLIT_PATTERN)
+    return build_tokenizer(_merges_to_ranks(merges), SPLIT_PATTERN)
 
 
 def save_tokenizer(tok: Tokenizer, store: LocalStore) -> Path:
@@ -173,7 +173,7 @@ def load_tokenizer(ref: str | Path, store: LocalStore | None = None) -> Tokenize
 
 def _merges_to_ranks(merges: list) -> dict[bytes, int]:
     """tiktoken ranks: the 256 bytes in byte order, then each merged token in merge order."""
-    byte_of = {ch: b for b, ch in _bytes_to_unicode().items()}
+    byte_of = {ch: b for b, ch in bytes_to_unicode().items()}
     ranks = {bytes([b]): b for b in range(256)}
     for merge in merges:
         left, right = merge.split(" ") if isinstance(merge, str) else merge  # old and new HF formats
@@ -185,7 +185,7 @@ def _merges_to_ranks(merges: list) -> dict[bytes, int]:
     return ranks
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """The GPT-2 byte-to-printable-character map that HF's ByteLevel pre-tokenizer uses."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     mapping, n = {}, 0
@@ -206,9 +206,10 @@ def _ranks_file_bytes(ranks: dict[bytes, int]) -> bytes:
     )
 
 
-def _make_tokenizer(ranks: dict[bytes, int], pattern: str) -> Tokenizer:
-    """Append the specials after the ranks and name the result by a hash of its content."""
-    specials = {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
+def build_tokenizer(ranks: dict[bytes, int], pattern: str, specials: dict[str, int] | None = None) -> Tokenizer:
+    """A Tokenizer named by a hash of its content; the specials default to SPECIAL_TOKENS after the
+    ranks (an imported Hugging Face tokenizer brings its own, ghostvis_core.hf.tokenizer_json)."""
+    specials = specials or {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
     digest = hashlib.sha256(_ranks_file_bytes(ranks))
     digest.update(pattern.encode())
     digest.update(json.dumps(specials).encode())
@@ -234,7 +235,7 @@ def _load_directory(directory: Path) -> Tokenizer:
     # Parsed here rather than with tiktoken.load.load_tiktoken_bpe, which would copy the file
     # into tiktoken's download cache.
     ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in ranks_bytes.splitlines())}
-    tok = _make_tokenizer(ranks, pattern)
+    tok = build_tokenizer(ranks, pattern, meta.get("special_tokens"))
     if tok.tokenizer_id != meta.get("tokenizer_id"):
         raise GhostvisError(
             f"tokenizer {directory}: {META_FILE} says id {meta.get('tokenizer_id')} but its content hashes "

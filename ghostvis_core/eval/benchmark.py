@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,7 @@ import torch
 
 from ghostvis_core.data.facts import capitals
 from ghostvis_core.data.token_shard import TokenShard
+from ghostvis_core.data.tokenizer import Tokenizer
 from ghostvis_core.eval.checkpoints import TrainedStage
 
 PROMPTS = (
@@ -109,15 +111,20 @@ def build_items(ts: TrainedStage, val_shards: dict[str, list[dict]], per_task: i
     return items
 
 
-def _held_out_lines(ts: TrainedStage, refs: list[dict], limit: int = 2000) -> list[str]:
-    lines: list[str] = []
+def held_out_texts(tok: Tokenizer, refs: list[dict]) -> Iterator[str]:
+    """The documents of held-out token shards as text (their leading <|bos|> dropped), in shard order."""
     for ref in refs:
         shard = TokenShard.open(Path(ref["path"]), ref["shard_id"])
         for d in range(shard.num_docs):
-            text = ts.tok.decode(shard.doc_tokens(d)[1:].tolist())
-            lines += [l for l in text.splitlines() if 20 <= len(l.strip()) <= 120]
-            if len(lines) >= limit:
-                return lines
+            yield tok.decode(shard.doc_tokens(d)[1:].tolist())
+
+
+def _held_out_lines(ts: TrainedStage, refs: list[dict], limit: int = 2000) -> list[str]:
+    lines: list[str] = []
+    for text in held_out_texts(ts.tok, refs):
+        lines += [l for l in text.splitlines() if 20 <= len(l.strip()) <= 120]
+        if len(lines) >= limit:
+            return lines
     return lines
 
 

@@ -124,10 +124,14 @@ def tables(stages: list[StageReport]) -> dict[str, tuple[list[str], list[list[An
     ev = (["stage", "bits/byte (per source)", "multiple choice (accuracy)"],
           [[s.stage, ", ".join(f"{k} {v:.3f}" for k, v in s.evaluation.get("bpb", {}).items()),
             ", ".join(f"{k} {v:.2f}" for k, v in s.evaluation.get("mc", {}).items())] for s in stages])
+    harness = (["stage", "task", "metric", "value"],
+               [[s.stage, task, metric, value] for s in stages
+                for task, metrics in s.evaluation.get("harness", {}).items() for metric, value in metrics.items()])
     cost = (["stage", "gpu", "gpus", "GPU-hours", "price/h", "cost"],
             [[s.stage, c["gpu"], c["gpus"], c["gpu_hours"], c["price"], c["cost"]] for s in stages for c in s.costs])
     return {"Tokens (ledger)": tok, "Evidence (held-out, before vs after)": evid,
-            "Mixture (ledger vs recipe)": mix, "Evaluation": ev, "The same plan on GPUs (40% MFU)": cost}
+            "Mixture (ledger vs recipe)": mix, "Evaluation": ev, "lm-evaluation-harness": harness,
+            "The same plan on GPUs (40% MFU)": cost}
 
 
 def render_markdown(title: str, stages: list[StageReport], chart: str, samples: dict[str, list]) -> str:

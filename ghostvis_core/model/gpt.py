@@ -102,8 +102,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.d_model, self.n_heads * self.hd, bias=False)
-        self.wkv = nn.Linear(cfg.d_model, 2 * self.n_kv * self.hd, bias=False)
+        self.wq = nn.Linear(cfg.d_model, self.n_heads * self.hd, bias=cfg.qkv_bias)
+        self.wkv = nn.Linear(cfg.d_model, 2 * self.n_kv * self.hd, bias=cfg.qkv_bias)
         self.wo = nn.Linear(self.n_heads * self.hd, cfg.d_model, bias=False)
 
     def forward(self, x, cos, sin, docs: DocSpans | None = None, kv_cache=None):
@@ -198,7 +198,9 @@ class GPT(nn.Module):
     def reset_parameters(self):
         std = 0.02
         for name, p in self.named_parameters():
-            if p.dim() == 1:
+            if name.endswith(".bias"):
+                nn.init.zeros_(p)
+            elif p.dim() == 1:
                 nn.init.ones_(p)
             elif name.endswith("wo.weight") or name.endswith("w2.weight"):
                 nn.init.normal_(p, std=std / math.sqrt(2 * self.cfg.n_layers))
@@ -329,6 +331,7 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
     """
     d, hd = cfg.d_model, cfg.head_dim
     attn = d * cfg.n_heads * hd + d * 2 * cfg.n_kv_heads * hd + cfg.n_heads * hd * d
+    attn += (cfg.n_heads + 2 * cfg.n_kv_heads) * hd if cfg.qkv_bias else 0
     ffn = 3 * d * cfg.ffn_hidden
     layers = cfg.n_layers * (attn + ffn + 2 * d) + d
     table = cfg.vocab_size * d

@@ -6,6 +6,7 @@ the buffer is kept and retried, training goes on, and the outage is reported as 
 For that, mlflow's HTTP client must fail fast, or one flush blocks for minutes of retries: the
 launcher sets MLFLOW_HTTP_REQUEST_MAX_RETRIES=0 and MLFLOW_HTTP_REQUEST_TIMEOUT=10 in the training
 process's environment (this module leaves the environment alone).
+The dataset inputs (mlflow_inputs) and the system metrics (mlflow_system) travel the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ghostvis_core.config import flatten
+
+# The experiment tag MLflow's UI and tools read for the kind of experiment, and the kind that opens
+# the model-training view (runs, metrics, models) rather than the GenAI one (traces, prompts).
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+MODEL_TRAINING_KIND = "custom_model_development"
 
 
 @dataclass
@@ -36,11 +42,12 @@ class _Outbox:
     metrics: list = field(default_factory=list)
     tags: list = field(default_factory=list)
     artifacts: list = field(default_factory=list)  # (path, artifact_path)
+    inputs: list = field(default_factory=list)  # mlflow DatasetInput
     down_since: float | None = None
     finishing: tuple[str, float] | None = None  # (status, deadline) once finish() was called
 
     def empty(self) -> bool:
-        return not (self.metrics or self.tags or self.artifacts)
+        return not (self.metrics or self.tags or self.artifacts or self.inputs)
 
 
 class MlflowRun:
@@ -56,6 +63,7 @@ class MlflowRun:
         self.failed_flushes = 0
         self.gap_seconds = 0.0
         self.unsent = 0
+        self._system = None  # the system metrics sampler, started with the run
         self._thread = threading.Thread(target=self._worker, name="mlflow-logger", daemon=True)
         self._thread.start()
 
@@ -69,6 +77,10 @@ class MlflowRun:
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         self._q.put(("artifact", path, artifact_path, 0))
 
+    def log_inputs(self, shards: list) -> None:
+        """The run's dataset inputs, one per mlflow_inputs.ShardInput."""
+        self._q.put(("inputs", shards, 0, 0))
+
     def wait_run_id(self, timeout: float = 120.0) -> str:
         if not self._started.wait(timeout):
             raise RuntimeError(f"MLflow run was not created within {timeout:.0f}s ({self.target.tracking_uri})")
@@ -77,7 +89,10 @@ class MlflowRun:
         return self.run_id  # type: ignore[return-value]
 
     def finish(self, status: str = "FINISHED", timeout: float = 300.0) -> dict[str, Any]:
-        """Flush everything (retrying while the server is down, up to timeout) and end the run."""
+        """Stop sampling system metrics, flush everything (retrying while the server is down, up to
+        timeout) and end the run."""
+        if self._started.wait(timeout) and self._system is not None:
+            self._system.finish()  # its last sample is queued before the finish item
         self._q.put(("finish", status, timeout, 0))
         self._thread.join(timeout + 30)
         return {"failed_flushes": self.failed_flushes, "gap_seconds": round(self.gap_seconds, 1),
@@ -99,12 +114,21 @@ class MlflowRun:
         self._client = MlflowClient(tracking_uri=self.target.tracking_uri)
         try:
             self._start_run(self._client)
+            self._start_system_metrics()
         except BaseException as exc:  # surfaced through wait_run_id
             self._error = exc
             return False
         finally:
             self._started.set()
         return True
+
+    def _start_system_metrics(self) -> None:
+        """Sample CPU, memory (and GPU) into this run until finish(); a resumed run continues its steps."""
+        from ghostvis_core.track.mlflow_system import OutboxSystemMetrics
+
+        self._system = OutboxSystemMetrics(self.run_id, self.target.tracking_uri, self.log_metrics,
+                                           resume=bool(self.target.run_id))
+        self._system.start()
 
     def _deliver(self) -> None:
         """Buffer queued items and flush them every flush_every_s (at once when finishing)."""
@@ -140,6 +164,10 @@ class MlflowRun:
             out.tags += [self._RunTag(k, str(v)) for k, v in item[1].items()]
         elif kind == "artifact":
             out.artifacts.append((item[1], item[2]))
+        elif kind == "inputs":
+            from ghostvis_core.track.mlflow_inputs import dataset_input
+
+            out.inputs += [dataset_input(s) for s in item[1]]
         elif kind == "finish":
             out.finishing = (item[1], time.time() + item[2])
 
@@ -155,10 +183,14 @@ class MlflowRun:
             out.down_since = out.down_since or time.time()
 
     def _send(self, out: _Outbox) -> None:
-        """Metrics and tags in batches of 1000, then artifacts one by one; each leaves the outbox once sent."""
+        """Metrics and tags in batches of 1000, dataset inputs, then artifacts one by one; each leaves
+        the outbox once sent."""
         for i in range(0, max(len(out.metrics), 1), 1000):
             self._client.log_batch(self.run_id, metrics=out.metrics[i : i + 1000], tags=out.tags if i == 0 else [])
         out.metrics, out.tags = [], []
+        if out.inputs:
+            self._client.log_inputs(self.run_id, datasets=out.inputs)
+            out.inputs = []
         while out.artifacts:
             path, apath = out.artifacts[0]
             self._client.log_artifact(self.run_id, path, apath)
@@ -184,17 +216,24 @@ class MlflowRun:
             client.update_run(t.run_id, status="RUNNING")
             client.log_batch(t.run_id, tags=[self._RunTag(k, v) for k, v in t.tags.items()])
             return
-        exp = client.get_experiment_by_name(t.experiment)
-        if exp is None:
-            try:
-                exp_id = client.create_experiment(t.experiment, artifact_location=t.artifact_location)
-            except Exception:  # created concurrently by another run
-                exp_id = client.get_experiment_by_name(t.experiment).experiment_id
-        else:
-            exp_id = exp.experiment_id
-        self.experiment_id = exp_id
+        self.experiment_id = exp_id = self._experiment(client)
         run = client.create_run(exp_id, run_name=t.run_name, tags=t.tags)
         self.run_id = run.info.run_id
         params = [self._Param(k, v) for k, v in self._params.items()]
         for i in range(0, len(params), 100):
             client.log_batch(self.run_id, params=params[i : i + 100])
+
+    def _experiment(self, client) -> str:
+        """The experiment's id, created as a model-training experiment if missing (an experiment made
+        before it carried the kind gets it)."""
+        t = self.target
+        exp = client.get_experiment_by_name(t.experiment)
+        if exp is None:
+            try:
+                return client.create_experiment(t.experiment, artifact_location=t.artifact_location,
+                                                 tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND})
+            except Exception:  # created concurrently by another run
+                exp = client.get_experiment_by_name(t.experiment)
+        if EXPERIMENT_KIND_TAG not in exp.tags:
+            client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND)
+        return exp.experiment_id

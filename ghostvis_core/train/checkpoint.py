@@ -4,9 +4,11 @@
 loader position, token counts, ledger part chain, MLflow run id, RNG states), config.json and a
 COMPLETE marker. The weights are either
 - model.safetensors + optimizer.safetensors (ddp: rank 0 holds everything and writes them), or
-- dcp/: a torch.distributed.checkpoint folder (fsdp: every rank writes its own shard, `save_shards`);
-  its tensors are keyed by parameter name, so it loads on any world size (DCP reshards on read),
-  and `export_safetensors` consolidates it into one file when someone asks for one.
+- dcp/: a torch.distributed.checkpoint folder (fsdp: every rank writes its own shard, `save_shards`,
+  or in a background thread while training goes on, `start_shards`; the folder is committed only
+  when every rank's shard and the metadata are written); its tensors are keyed by parameter name,
+  so it loads on any world size (DCP reshards on read), and `export_safetensors` consolidates it
+  into one file when someone asks for one.
 `load_model` and `load_optimizer` read both.
 It is written under a temporary name and renamed into place, so a reader that lists step_* folders
 with COMPLETE only ever sees finished checkpoints; a crash mid-write leaves a .tmp folder that is
@@ -21,6 +23,7 @@ import pickle  # only to check DCP metadata before DCP unpickles it (_MetadataCh
 import re
 import shutil
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,20 +143,68 @@ def prune(run_dir: Path, keep_last: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
+def _shard_state(run_dir: Path, step: int, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer) -> tuple[Path, dict[str, Any]]:
+    """The DCP staging folder of a step and what goes in it: this rank's part of weights and optimizer."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return run_dir / f".dcp-{step_dir_name(step)}", {"model": model_sd, "optim": optim_sd}
+
+
+def _shard_error(step: int, staging: Path, exc: BaseException) -> GhostvisError:
+    return GhostvisError(f"checkpoint step {step}: this rank could not write its shard to {staging} "
+                         f"({getattr(exc, 'strerror', None) or exc}); free space or fix the storage, then re-materialize")
+
+
 def save_shards(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Path]:
     """Every rank writes its shard of the weights and optimizer state (DCP) into a staging folder;
     the `extra_dirs` entry for `save`, which rank 0 then commits. Called by all ranks together."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    staging = run_dir / f".dcp-{step_dir_name(step)}"
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    staging, state = _shard_state(run_dir, step, model, optimizer)
     try:
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging))
+        dcp.save(state, checkpoint_id=str(staging))
     except OSError as exc:
-        raise GhostvisError(f"checkpoint step {step}: this rank could not write its shard to {staging} "
-                            f"({exc.strerror or exc}); free space or fix the storage, then re-materialize") from None
+        raise _shard_error(step, staging, exc) from None
     return {DCP_DIR: staging}
+
+
+@dataclass
+class ShardsInFlight:
+    """An async DCP save (`start_shards`). Its future completes on rank 0 only after DCP has gathered
+    every rank's write result and written `.metadata`, so what `wait` returns is safe to commit."""
+
+    step: int
+    staging: Path
+    future: Future
+    group: Any  # the save's own gloo process group (None without a process group)
+
+    def wait(self) -> dict[str, Path]:
+        """Block until the shards are written; the `extra_dirs` entry for `save`. Called by all ranks."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            self.future.result()
+        except (OSError, CheckpointException) as exc:
+            raise _shard_error(self.step, self.staging, exc) from None
+        finally:
+            if self.group is not None:
+                torch.distributed.destroy_process_group(self.group)
+        return {DCP_DIR: self.staging}
+
+
+def start_shards(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> ShardsInFlight:
+    """`save_shards` in a background thread: returns once this rank's shard is copied to CPU memory, so
+    training may change the weights while the copy is written. DCP's collectives run on a gloo group
+    of the save's own (async DCP needs a CPU backend, and they must never interleave with training's
+    collectives on the default group). Called by all ranks together."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    staging, state = _shard_state(run_dir, step, model, optimizer)
+    group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    return ShardsInFlight(step, staging, dcp.async_save(state, checkpoint_id=str(staging), process_group=group), group)
 
 
 def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

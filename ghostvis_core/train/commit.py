@@ -1,10 +1,15 @@
 """A checkpoint and its ledger part, committed together: the part (what the loader delivered since
 the last checkpoint, gathered from every rank) is written inside the checkpoint folder, so both
-appear at the checkpoint's atomic rename, and is then published into the store's ledger."""
+appear at the checkpoint's atomic rename, and is then published into the store's ledger.
+
+DCP shards on a store in a bucket: every rank uploads its own shard into the checkpoint's place
+(`share_shard`) before rank 0 publishes the rest with the COMPLETE marker last, so ranks on other
+nodes (each with its own cache) need no filesystem shared with rank 0."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -13,31 +18,100 @@ from ghostvis_core.data.ledger import Ledger, pieces_to_rows, row_ranges
 from ghostvis_core.data.loader import merge_pieces
 from ghostvis_core.store import LocalStore
 from ghostvis_core.train import checkpoint as ckpt
-from ghostvis_core.train.dist import barrier, gather_objects
+from ghostvis_core.train.dist import DistContext, barrier, gather_objects
 from ghostvis_core.train.run import Run
 
 
+@dataclass
+class Pending:
+    """An async checkpoint (checkpoint.async_save) whose shards are still being written."""
+
+    shards: ckpt.ShardsInFlight
+    ledger: Path | None  # rank 0: the staging folder of the checkpoint's ledger part
+    state: dict[str, Any] | None  # rank 0: the TrainState as of the checkpoint's step
+
+
+# Per run folder, the checkpoint in flight: the next `commit` settles it before anything else, and the
+# run's last checkpoint is settled at once, so its marker is written after all of its data and before
+# the next checkpoint or the end of the run.
+_in_flight: dict[Path, Pending] = {}
+
+
 def commit(run: Run) -> None:
+    settle(run)
     s = run.state
     c = run.consumption
     gathered = gather_objects((c.pieces, c.counts, c.rows), run.ctx)
+    drop_stale_shards(run.run_dir, run.ctx.rank)  # every earlier checkpoint is committed by now
     part_id = f"{run.spec.run_key}.s{s.segment:03d}.p{s.step:09d}"
-    # fsdp: every rank writes its shard of weights and optimizer state first; rank 0 commits them
-    shards = ckpt.save_shards(run.run_dir, s.step, run.model, run.optimizer) if run.cfg.parallel.strategy == "fsdp" else {}
+    # DCP (fsdp, or any strategy with async_save): every rank writes its shard first; rank 0 commits them
+    async_save = run.cfg.checkpoint.async_save
+    in_flight = ckpt.start_shards(run.run_dir, s.step, run.model, run.optimizer) if async_save else None
+    shards = (ckpt.save_shards(run.run_dir, s.step, run.model, run.optimizer)
+              if run.cfg.parallel.strategy == "fsdp" and not async_save else {})
+    if shards:
+        share_shard(run.store, run.ctx, run.spec.stage, run.spec.run_key, s.step, shards[ckpt.DCP_DIR])
+    staging = state = None
     if run.ctx.is_main:
         staging = run.run_dir / f".ledger-{part_id}"
         write_part(run, staging, part_id, gathered)
         s.head_part_id = part_id
         s.mlflow_run_id = run.tracker.run_id()
         s.capture_rng()
-        before = {c.path.name for c in ckpt.list_complete(run.run_dir)}
-        path = ckpt.save(run.run_dir, s.step, model=run.model, optimizer=run.optimizer, state=s.to_dict(),
-                         config=run.spec.config, keep_last=run.cfg.checkpoint.keep_last,
-                         extra_dirs={"ledger": staging, **shards})
-        share_checkpoint(run, path.name, before)
-        publish_parts(run.store, run.run_dir, only=path)
+        state = s.to_dict()
     s.head_part_id = part_id
+    if in_flight is not None:
+        _in_flight[run.run_dir] = Pending(in_flight, staging, state)
+        if s.step == run.total_steps:
+            settle(run)
+    elif run.ctx.is_main:
+        save_and_publish(run, s.step, state, {"ledger": staging, **shards})
     barrier(run.ctx)
+
+
+def settle(run: Run) -> None:
+    """Commit the async checkpoint in flight, if any: every rank waits for its shard; rank 0 then
+    writes the state, config and ledger part beside the shards, the COMPLETE marker last."""
+    pending = _in_flight.pop(run.run_dir, None)
+    if pending is None:
+        return
+    shards = pending.shards.wait()
+    share_shard(run.store, run.ctx, run.spec.stage, run.spec.run_key, pending.shards.step, shards[ckpt.DCP_DIR])
+    if run.ctx.is_main:
+        save_and_publish(run, pending.shards.step, pending.state, {"ledger": pending.ledger, **shards})
+
+
+def share_shard(store: LocalStore, ctx: DistContext, stage: str, run_key: str, step: int, staging: Path) -> None:
+    """Called by every rank once its DCP shard is written. On a store in a bucket the rank uploads its
+    own shard file(s) into the checkpoint's place, rank 0 also DCP's `.metadata` (which `publish`, skipping
+    hidden names, would leave out); a folder store needs nothing: every rank wrote into the same folder.
+    The barrier then holds rank 0's marker until every shard is in the store."""
+    if store.uri != store.root.as_uri():
+        own = [*staging.glob(f"__{ctx.rank}_*.distcp"), *([staging / ".metadata"] if ctx.is_main else [])]
+        for f in sorted(own):
+            store.put_file("checkpoint", stage, run_key, f"{ckpt.step_dir_name(step)}/{ckpt.DCP_DIR}/{f.name}", src=f)
+    barrier(ctx)
+
+
+def drop_stale_shards(run_dir: Path, rank: int) -> None:
+    """This rank's shard files left in staging folders of committed checkpoints: on rank 0's node the
+    folders were renamed into the checkpoints, on another node (its own cache) they were uploaded."""
+    for folder in run_dir.glob(".dcp-step_*"):
+        for f in folder.glob(f"__{rank}_*.distcp"):
+            f.unlink(missing_ok=True)
+        try:
+            folder.rmdir()  # empty once every rank of this node has removed its file
+        except OSError:
+            pass
+
+
+def save_and_publish(run: Run, step: int, state: dict[str, Any], extra_dirs: dict[str, Path]) -> None:
+    """Rank 0: the checkpoint folder (safetensors, or the DCP shards in `extra_dirs`), then the store."""
+    before = {c.path.name for c in ckpt.list_complete(run.run_dir)}
+    path = ckpt.save(run.run_dir, step, model=run.model, optimizer=run.optimizer, state=state,
+                     config=run.spec.config, keep_last=run.cfg.checkpoint.keep_last, extra_dirs=extra_dirs)
+    share_checkpoint(run, path.name, before)
+    publish_parts(run.store, run.run_dir, only=path)
 
 
 def share_checkpoint(run: Run, name: str, before: set[str]) -> None:

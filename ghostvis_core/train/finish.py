@@ -1,5 +1,6 @@
 """The end of a run: its RunResult (figures, evidence, mixture, frozen-parameter check), the last
-MLflow metrics, and the run record in the store that tells every reader the run is complete."""
+MLflow metrics and the dataset inputs, and the run record in the store that tells every reader the
+run is complete."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import torch
 
 from ghostvis_core.config import StageConfig
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.stream import ShardRef
 from ghostvis_core.model.vision import frozen_fingerprint
+from ghostvis_core.track.shard_input import ShardInput
 from ghostvis_core.train import checkpoint as ckpt
 from ghostvis_core.train.result import BatchShape, BeforeAfter, FrozenCheck, MixtureShare, RunResult
 from ghostvis_core.train.run import Run
@@ -18,14 +21,25 @@ from ghostvis_core.train.run import Run
 def finish(run: Run) -> RunResult:
     result = run_result(run)
     if run.ctx.is_main:
-        result.mixture = mixture_shares(Ledger.in_store(run.store), run.spec.run_key, run.cfg)
+        ledger = Ledger.in_store(run.store)
+        result.mixture = mixture_shares(ledger, run.spec.run_key, run.cfg)
         run.tracker.metrics(final_metrics(result), step=result.steps)
+        run.tracker.inputs(shard_inputs(run, {r["shard_id"] for r in ledger.consumed_by_shard(run.spec.run_key)}))
         result.mlflow_run_id = run.tracker.run_id()
         result.mlflow_experiment_id = run.tracker.mlflow.experiment_id
         result.mlflow_delivery = run.tracker.finish({"ghostvis.checkpoint_uri": result.checkpoint_uri},
                                                     run.spec.run_key)
         run.store.write_json("run_record", run.spec.stage, run.spec.run_key, data=result.to_dict())
     return result
+
+
+def shard_inputs(run: Run, consumed: set[str]) -> list[ShardInput]:
+    """The train shards the run read (per the ledger) and every validation shard it evaluated on."""
+    spec = run.spec
+    refs = [ShardRef.from_dict(d) for shards in spec.train_shards.values() for d in shards if d["shard_id"] in consumed]
+    refs += [ShardRef.from_dict(d) for shards in spec.val_shards.values() for d in shards]
+    return [ShardInput(r.shard_id, r.source, r.split, r.content_sha256, run.store.uri_of("raw_shard", r.shard_id),
+                       r.path) for r in refs]
 
 
 def run_result(run: Run) -> RunResult:

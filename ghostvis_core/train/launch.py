@@ -19,7 +19,10 @@ from ghostvis_core.data.stream import ShardRef
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.eval.evidence import EVIDENCE
+from ghostvis_core.hf.imports import import_checkpoint
+from ghostvis_core.hf.sources import is_hf_source
 from ghostvis_core.home import Home
+from ghostvis_core.run_modes import expand as expand_run_mode
 from ghostvis_core.store import LocalStore
 from ghostvis_core.train.objectives import build_objective
 from ghostvis_core.train.runs import Upstream, checkpoint_of, find_upstream, next_run_key
@@ -128,8 +131,17 @@ class Resolved:
 
 def resolve_stage(stage: str, preset: str, overrides: dict[str, Any], home: Home, tokenizer_id: str | None,
                   upstream: Upstream | None) -> Resolved:
+    preset, overrides = expand_run_mode(stage, preset, overrides)  # a run mode: its preset and derived steps
     declared = presets.resolve(stage, preset, overrides)
-    if declared.init_from and upstream is None:
+    imported = None
+    if declared.init_from and is_hf_source(declared.init_from):  # over the upstream stage a caller passes
+        imported = import_checkpoint(home.store, declared.init_from)
+        upstream, tokenizer_id = imported.upstream, imported.tokenizer.tokenizer_id
+    elif declared.init_from and upstream is None:
+        if declared.init_from not in stages.stage_names():
+            raise GhostvisError(
+                f"stage {stage}: init_from '{declared.init_from}' is neither a stage ({', '.join(stages.stage_names())}) "
+                "nor a Hugging Face checkpoint (a folder path, s3://bucket/prefix or hf://org/name[@revision])")
         upstream = find_upstream(home.store, declared.init_from)
     up_cfg = None
     if upstream:
@@ -146,8 +158,21 @@ def resolve_stage(stage: str, preset: str, overrides: dict[str, Any], home: Home
     tok = load_tokenizer(tokenizer_id, home.store)
     follow_registered_sources(cfg, Ledger.in_store(home.store).shards(tokenizer_id=tokenizer_id), tokenizer_id,
                               preset_recipe="data.recipe" not in overrides)
-    fit_vocab(cfg, tok, overrides, upstream, up_cfg is None)
+    if imported:
+        check_imported_data(cfg, tok, home.store)
+    else:
+        fit_vocab(cfg, tok, overrides, upstream, up_cfg is None)
     return Resolved(cfg, upstream, up_cfg, tok)
+
+
+def check_imported_data(cfg: StageConfig, tok: Tokenizer, store: LocalStore) -> None:
+    """An imported model trains on shards tokenized with its own tokenizer (its vocab_size, from its
+    config.json, already covers the tokenizer's ids: from_hf_tokenizer checked it)."""
+    if not Ledger.in_store(store).shards(tokenizer_id=tok.tokenizer_id):
+        raise GhostvisError(
+            f"stage {cfg.stage}: init_from {cfg.init_from} brings tokenizer {tok.tokenizer_id} (saved in the store), but "
+            f"no shard is tokenized with it; tokenize the stage's sources with tokenizer {tok.tokenizer_id} "
+            "(tokenized_shards) before training from this checkpoint")
 
 
 def follow_registered_sources(cfg: StageConfig, shards: list[dict[str, Any]], tokenizer_id: str,
@@ -224,6 +249,7 @@ def run_identity(r: Resolved, p: Plan, spec: LaunchSpec) -> dict[str, Any]:
     for k in ("world_size", "micro_batch_size", "grad_accum_steps", "total_batch_tokens"):
         ident_cfg["batch"].pop(k)
     ident_cfg["batch"]["tokens_per_step"] = p.tokens_per_step
+    ident_cfg["checkpoint"].pop("async_save")  # how shards are written, not what is trained
 
     def contents(shards: dict[str, list[dict]]) -> dict[str, list[str]]:
         return {s: [x["content_sha256"] for x in refs] for s, refs in shards.items()}

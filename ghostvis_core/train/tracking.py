@@ -1,11 +1,13 @@
-"""What a run reports while it trains: progress lines, MLflow metrics (rank 0, off the training
-thread) and Dagster Pipes logs. Other ranks get the same object and it stays silent."""
+"""What a run reports while it trains: progress lines, MLflow metrics, dataset inputs and system
+metrics (rank 0, off the training thread) and Dagster Pipes logs. Other ranks get the same object
+and it stays silent."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ghostvis_core.track.mlflow_run import MlflowRun, MlflowTarget
+from ghostvis_core.track.shard_input import ShardInput
 from ghostvis_core.track.pipes import PipesReporter
 from ghostvis_core.train.dist import DistContext, print0
 from ghostvis_core.train.spec import LaunchSpec
@@ -33,6 +35,11 @@ class Tracker:
     def metrics(self, values: dict[str, float], step: int) -> None:
         if self.mlflow and values:
             self.mlflow.log_metrics(values, step=step)
+
+    def inputs(self, shards: list[ShardInput]) -> None:
+        """The shards the run read, as the MLflow run's dataset inputs."""
+        if self.mlflow and shards:
+            self.mlflow.log_inputs(shards)
 
     def run_id(self) -> str | None:
         """The MLflow run id (rank 0 waits for the run to exist; other ranks have none)."""

@@ -13,7 +13,7 @@ from dagster import (
     asset,
 )
 
-from ghostvis_core import presets
+from ghostvis_core import presets, run_modes
 from ghostvis_core.cluster.slurm import SlurmJob
 from ghostvis_core.cluster.slurm_pipeline import SlurmPipeline
 from ghostvis_core.data.catalog import (
@@ -142,7 +142,7 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, home: Gho
     identity in the store is returned, not retrained. Data version: the tokenizer id (a content hash),
     so a retraining that yields the same tokenizer changes nothing downstream."""
     store = home.home().store
-    vocab = config.vocab_size or presets.tokenizer_vocab(config.preset or presets.default_preset())
+    vocab = config.vocab_size or presets.tokenizer_vocab(run_modes.model_preset(config.preset or presets.default_preset()))
     ident = tokenizer_identity(store, vocab, config.max_train_bytes)
     key = digest(ident)
     record = store.read_json("identity", "tokenizer", key) if store.exists("identity", "tokenizer", key) else None

@@ -4,13 +4,19 @@ to MLflow and links it from Dagster."""
 
 import json
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 from dagster import AssetExecutionContext, Config, DataVersion, MaterializeResult, MetadataValue, asset
 
 from ghostvis_core.budget import DEFAULT_GPU_PRICES
 from ghostvis_core.data.ledger import Ledger, held_out_text_shards
-from ghostvis_core.eval.benchmark import PROMPTS, bits_per_byte, build_items, multiple_choice, samples
+from ghostvis_core.data.tokenizer import load_tokenizer
+from ghostvis_core.eval.benchmark import (PROMPTS, bits_per_byte, build_items, held_out_texts, multiple_choice,
+                                          samples)
 from ghostvis_core.eval.checkpoints import load_stage, stage_config
+from ghostvis_core.eval.harness import (CLOZE_FILE, CLOZE_TASK, DEFAULT_TASKS, GhostvisLM, cloze_jsonl, run_tasks,
+                                        task_files_digest)
 from ghostvis_core.eval.report import stage_report, write_report
 from ghostvis_core.identity import code_version, digest
 from ghostvis_core.stages import stage_names
@@ -38,42 +44,58 @@ def eval_shards(store: LocalStore, tokenizer_id: str, lineage: dict[str, str]) -
 
 
 # The modules that make each eval asset (their code_version, ghostvis_core/identity.py).
-EVALUATION_CODE = code_version("ghostvis_core.eval.benchmark", "ghostvis_core.eval.checkpoints")
+EVALUATION_CODE = code_version("ghostvis_core.eval.benchmark", "ghostvis_core.eval.checkpoints",
+                               "ghostvis_core.eval.harness")
 REPORT_CODE = code_version("ghostvis_core.eval.report", "ghostvis_core.track.mlflow_records")
 MAX_BPB_TOKENS, MC_PER_TASK = 8192, 25
 
 
-def evaluation_identity(store: LocalStore, tokenizer_id: str, lineage: dict[str, str], val: dict) -> dict:
+class EvaluationConfig(Config):
+    # lm-evaluation-harness tasks run on every stage: GhostVis's own (ghostvis_core/resources/lm_eval_tasks),
+    # the harness's standard ones where this machine has their data, or tasks in harness_include folders
+    harness_tasks: list[str] = list(DEFAULT_TASKS)
+    harness_include: list[str] = []  # folders of your own task YAML (lm_eval's include_path)
+
+
+def evaluation_identity(store: LocalStore, tokenizer_id: str, lineage: dict[str, str], val: dict,
+                        config: EvaluationConfig) -> dict:
     """What the scores depend on: each stage's run (its data version), the held-out shards by content,
-    the tokenizer and the benchmark's settings."""
+    the tokenizer, the benchmark's settings and the harness tasks (their files by content)."""
     content = {r["shard_id"]: r["content_sha256"] for r in Ledger.in_store(store).shards(tokenizer_id=tokenizer_id)}
     return {"lineage": lineage, "tokenizer": tokenizer_id, "prompts": list(PROMPTS),
             "held_out": {s: [[x["shard_id"], content.get(x["shard_id"])] for x in shards] for s, shards in val.items()},
-            "max_bpb_tokens": MAX_BPB_TOKENS, "mc_per_task": MC_PER_TASK}
+            "max_bpb_tokens": MAX_BPB_TOKENS, "mc_per_task": MC_PER_TASK, "harness_tasks": list(config.harness_tasks),
+            "harness_files": task_files_digest(config.harness_include)}
 
 
 @asset(group_name="eval", kinds={"torch", "mlflow"}, owners=["team:training"], deps=["tokenizer", *STAGES],
        code_version=EVALUATION_CODE)
-def evaluation(context: AssetExecutionContext, home: GhostvisHome) -> MaterializeResult:
-    """Validation bits per byte, a multiple-choice benchmark (lowest answer loss wins) and sampled
-    completions for fixed prompts, for every stage's newest checkpoint. A lineage scored before on
-    the same held-out data is not scored again; data version: the identity of what was scored."""
+def evaluation(context: AssetExecutionContext, config: EvaluationConfig, home: GhostvisHome) -> MaterializeResult:
+    """Validation bits per byte, a multiple-choice benchmark (lowest answer loss wins), sampled
+    completions for fixed prompts and lm-evaluation-harness tasks, for every stage's newest
+    checkpoint. A lineage scored before on the same held-out data and tasks is not scored again;
+    data version: the identity of what was scored."""
     h = home.home()
     lineage = lineage_run_keys(context)
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
     val = eval_shards(h.store, tokenizer_id, lineage)
-    key = digest(evaluation_identity(h.store, tokenizer_id, lineage, val))
+    key = digest(evaluation_identity(h.store, tokenizer_id, lineage, val, config))
     cached = h.store.exists("report", f"evaluation/{key}.json")
     if cached:
         context.log.info(f"evaluation: cache hit, lineage {', '.join(lineage.values())} was scored before ({key})")
         results = h.store.read_json("report", f"evaluation/{key}.json")
     else:
-        results = {stage: score_stage(context, h, stage, run_key, val) for stage, run_key in lineage.items()}
+        held_out = held_out_folder(h, key, tokenizer_id, val, config.harness_tasks)
+        harness = HarnessSetup(key, config.harness_tasks, config.harness_include, held_out)
+        results = {stage: score_stage(context, h, stage, run_key, val, harness) for stage, run_key in lineage.items()}
         h.store.write_text("report", f"evaluation/{key}.json", text=json.dumps(results, indent=2))
     rows = [[stage, r["run_key"], *[f"{r['bpb'].get(s, float('nan')):.3f}" for s in val], f"{r['mc']['overall']:.2f}",
              r["samples"][0]["completion"].strip()[:60]] for stage, r in results.items()]
     md = {"evaluation": MetadataValue.md(md_table(
               ["stage", "run", *[f"bpb {s}" for s in val], "mc accuracy", f"'{PROMPTS[0]}'"], rows)),
+          "harness": MetadataValue.json({stage: r["harness"] for stage, r in results.items()}),
+          "harness_table": MetadataValue.md(harness_table(results)),
+          "harness_results": MetadataValue.path(h.store.uri_of("report", f"evaluation/{key}/harness")),
           "mc_chance": 0.25, "identity": key,
           "results": MetadataValue.path(h.store.uri_of("report", f"evaluation/{key}.json"))}
     if cached:
@@ -82,18 +104,56 @@ def evaluation(context: AssetExecutionContext, home: GhostvisHome) -> Materializ
     return MaterializeResult(metadata=md, data_version=DataVersion(key))
 
 
-def score_stage(context, h, stage: str, run_key: str, val: dict) -> dict:
-    """One stage's scores, also logged to its MLflow run."""
+@dataclass(frozen=True)
+class HarnessSetup:
+    """The harness run of one evaluation: its identity (where its output goes), tasks, the user's task
+    folders and the folder of the held-out files GhostVis's cloze task reads."""
+
+    key: str
+    tasks: list[str]
+    include: list[str]
+    held_out_dir: Path | None
+
+
+def held_out_folder(h, key: str, tokenizer_id: str, val: dict, tasks: list[str]) -> Path | None:
+    """When the cloze task runs: its passages, cut from the held-out shards' text and saved with this
+    evaluation's output (store: reports/evaluation/<key>/), and the folder holding them."""
+    if CLOZE_TASK not in tasks:
+        return None
+    tok = load_tokenizer(tokenizer_id, h.store)
+    texts = {source: held_out_texts(tok, refs) for source, refs in val.items()}
+    name = f"evaluation/{key}/{CLOZE_FILE}"
+    h.store.write_text("report", name, text=cloze_jsonl(texts))
+    return h.store.fetch("report", name).parent  # a local copy where the store is remote
+
+
+def score_stage(context, h, stage: str, run_key: str, val: dict, harness: HarnessSetup) -> dict:
+    """One stage's scores, also logged to its MLflow run; the harness's own output is saved in the
+    store (reports/evaluation/<key>/harness/<stage>.json) and its metrics are read from it."""
     t0 = time.time()
     ts = load_stage(h, stage, run_key)
     bpb = bits_per_byte(ts, val, max_tokens=MAX_BPB_TOKENS)
     mc = multiple_choice(ts, build_items(ts, val, per_task=MC_PER_TASK))
     smp = samples(ts)
-    metrics = {f"eval/bpb/{k}": v for k, v in bpb.items()} | {f"eval/mc/{k}": v for k, v in mc.items()}
+    t1 = time.time()
+    run = run_tasks(GhostvisLM(ts), harness.tasks, harness.include, harness.held_out_dir)
+    saved = f"evaluation/{harness.key}/harness/{stage}.json"
+    h.store.write_text("report", saved, text=json.dumps(run.results, indent=2))
+    metrics = ({f"eval/bpb/{k}": v for k, v in bpb.items()} | {f"eval/mc/{k}": v for k, v in mc.items()}
+               | {f"harness/{task}/{m}": v for task, ms in run.metrics.items() for m, v in ms.items()})
     add_to_run(h.mlflow_tracking_uri, ts.result.mlflow_run_id, metrics, ts.result.steps,
                texts={"eval/samples.json": json.dumps(smp, indent=2)})
-    context.log.info(f"{stage}: bpb {bpb}, mc {mc['overall']:.2f} ({time.time() - t0:.1f}s)")
-    return {"run_key": run_key, "bpb": bpb, "mc": mc, "samples": smp}
+    context.log.info(f"{stage}: bpb {bpb}, mc {mc['overall']:.2f}, harness {run.metrics} "
+                     f"({time.time() - t0:.1f}s, harness {time.time() - t1:.1f}s)")
+    return {"run_key": run_key, "bpb": bpb, "mc": mc, "samples": smp, "harness": run.metrics,
+            "harness_results": saved}
+
+
+def harness_table(results: dict) -> str:
+    """One row per stage and harness task: its metrics as the harness reported them."""
+    rows = [[stage, task, ", ".join(f"{m} {v:.4g}" for m, v in ms.items())]
+            for stage, r in results.items() for task, ms in r["harness"].items()]
+    return md_table(["stage", "task", "metrics (lm-evaluation-harness)"], rows)
 
 
 class ReportConfig(Config):

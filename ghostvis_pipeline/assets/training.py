@@ -1,8 +1,10 @@
 """Training stage assets, one per entry of the stage table: each materialization prepares a run,
-launches torchrun through Pipes, and maps the run's RunResult to metadata."""
+launches torchrun through Pipes, registers the run's model in MLflow and maps the run's RunResult to
+metadata."""
 
 
 import os
+import time
 
 from dagster import (
     AssetExecutionContext, Backoff, Config, DataVersion, Failure, MaterializeResult, MetadataValue, RetryPolicy,
@@ -12,10 +14,12 @@ from dagster import (
 from ghostvis_core import presets
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.hf.export import export_run
 from ghostvis_core.home import Home
 from ghostvis_core.stages import Stage
 from ghostvis_core.identity import code_version
 from ghostvis_core.store import LocalStore
+from ghostvis_core.track.mlflow_models import StageModel, register_stage_model
 from ghostvis_core.train.launch import TRAINING_MODULES, PlannedRun, plan_run, start_run
 from ghostvis_core.train.result import RunResult
 from ghostvis_core.train.runs import Upstream, run_result
@@ -39,9 +43,14 @@ class StageRunConfig(Config):
     force: bool = False
 
 
+def mlflow_ui() -> str:
+    return os.environ.get("GHOSTVIS_MLFLOW_UI", "http://127.0.0.1:5000").rstrip("/")
+
+
 def mlflow_url(experiment_id: str, run_id: str) -> str:
-    base = os.environ.get("GHOSTVIS_MLFLOW_UI", "http://127.0.0.1:5000").rstrip("/")
-    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}"
+    """The run's page, in MLflow's model-training view (MLflow 3.17's UI takes the view from this query
+    parameter, else from the browser's last choice, GenAI by default)."""
+    return f"{mlflow_ui()}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
 
 
 def result_metadata(r: RunResult) -> dict:
@@ -128,7 +137,41 @@ def _launch(context, stage: Stage, config: StageRunConfig, home: GhostvisHome, l
         md["changed_since"] = MetadataValue.json(changed)
     if variant:
         md["variant"] = variant
+    else:
+        md |= model_metadata(context, stage, spec, result, h)
     return MaterializeResult(metadata=md, data_version=DataVersion(spec.run_key))
+
+
+def stage_model(stage: Stage, spec: LaunchSpec, result: RunResult, store: LocalStore) -> StageModel:
+    """The run's model as the registry sees it: the stage's alias, the lineage as version tags."""
+    tags = {**spec.tags, "ghostvis.checkpoint_uri": result.checkpoint_uri}
+    if spec.parent_run_key and spec.tags.get("ghostvis.upstream_stage") == stage.upstream:  # not an HF import
+        tags["ghostvis.parent_mlflow_run_id"] = run_result(store, stage.upstream, spec.parent_run_key).mlflow_run_id
+    return StageModel(spec.mlflow_experiment, stage.name, result.mlflow_run_id, result.mlflow_experiment_id,
+                      result.steps, tags)
+
+
+def model_metadata(context, stage: Stage, spec: LaunchSpec, result: RunResult, h: Home) -> dict:
+    """Register the run's model (once per MLflow run: a cache hit's run already has its version) and
+    point the stage's alias at it. If MLflow cannot, the run stands: a warning and an `mlflow_model`
+    entry say so, and the next materialization of the stage (a cache hit) registers it."""
+    started = time.time()
+    try:
+        model = stage_model(stage, spec, result, h.store)
+        version, created = register_stage_model(h.mlflow_tracking_uri, model,
+                                                lambda out: export_run(h, spec.stage, spec.run_key, out))
+    except Exception as exc:  # the registry is an add-on to a completed run: never lose the run for it
+        why = (f"{stage.name}: the model of run {spec.run_key} is not registered in MLflow "
+               f"({h.mlflow_tracking_uri}): {type(exc).__name__}: {exc}; the run is complete: once MLflow is "
+               f"reachable, materialize {stage.name} again (a cache hit) to register it")
+        context.log.warning(why)
+        return {"mlflow_model": why}
+    uri = f"models:/{model.registered_name}@{stage.name}"
+    context.log.info(f"{stage.name}: {uri} -> version {version.version} "
+                     + (f"(logged and registered in {time.time() - started:.1f} s)" if created else "(already registered)"))
+    return {"mlflow_model": uri, "mlflow_model_version": MetadataValue.int(int(version.version)),
+            "mlflow_model_url": MetadataValue.url(
+                f"{mlflow_ui()}/#/models/{model.registered_name}/versions/{version.version}")}
 
 
 def _user_error(fn, *args, **kwargs):

@@ -14,10 +14,7 @@ import os
 import threading
 import time
 
-import kubernetes
 from dagster import AssetExecutionContext, Failure
-from dagster_k8s import PipesK8sClient
-from kubernetes.client.exceptions import ApiException
 
 from ghostvis_core.cluster.kubernetes import (
     CONTAINER, INDEX_ANNOTATION, JOB_LABEL, KubernetesJob, RunTarget, check_config, check_job, render_indexed_job,
@@ -72,6 +69,8 @@ def _run_pod(context: AssetExecutionContext, spec: LaunchSpec, home: Home, job: 
     """One pod through dagster-k8s Pipes; it deletes the pod when the run ends, however it ends."""
     meta, pod = render_pod(job, run)
     context.log.info(f"launching a pod in namespace {job.namespace}: {' '.join(pod['containers'][0]['command'])}")
+    from dagster_k8s import PipesK8sClient  # imported on use: the client libraries take ~1.5 s to import
+
     try:
         # pod_wait_timeout=0: no limit on a training run's length (dagster-k8s would stop at 24 hours)
         PipesK8sClient().run(context=context, namespace=job.namespace, base_pod_meta=meta, base_pod_spec=pod,
@@ -103,6 +102,8 @@ def _run_indexed_job(context: AssetExecutionContext, spec: LaunchSpec, home: Hom
 
 def _clients() -> tuple:
     """In a pod: its service account; elsewhere: the kubeconfig (as dagster-k8s Pipes does)."""
+    import kubernetes
+
     try:
         if os.environ.get("KUBERNETES_SERVICE_HOST"):
             kubernetes.config.load_incluster_config()
@@ -116,6 +117,8 @@ def _clients() -> tuple:
 
 def _create(create, namespace: str, manifest: dict, created: list[str]) -> None:
     """Create one object; remember it so that only what this launch made is deleted."""
+    from kubernetes.client.exceptions import ApiException
+
     kind, name = manifest["kind"], manifest["metadata"]["name"]
     try:
         create(namespace, manifest)
@@ -129,7 +132,7 @@ def _create(create, namespace: str, manifest: dict, created: list[str]) -> None:
     created.append(kind)
 
 
-def _api_message(exc: ApiException) -> str:
+def _api_message(exc) -> str:
     """The API server's own explanation (which field is invalid, which quota is exceeded)."""
     try:
         return json.loads(exc.body or "{}").get("message") or str(exc.reason)
@@ -186,6 +189,9 @@ def _pod_logs(context: AssetExecutionContext, core, namespace: str, pod: str) ->
 
 def _delete(context: AssetExecutionContext, core, batch, namespace: str, name: str, created: list[str]) -> None:
     """Delete this launch's Job (with its pods) and Service, and wait until the Job is gone."""
+    import kubernetes
+    from kubernetes.client.exceptions import ApiException
+
     body = kubernetes.client.V1DeleteOptions(propagation_policy="Foreground")
     delete = {"Job": batch.delete_namespaced_job, "Service": core.delete_namespaced_service}
     for kind in created:

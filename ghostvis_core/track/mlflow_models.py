@@ -1,0 +1,93 @@
+"""A stage run's final model in the MLflow Model Registry: logged with the transformers flavor (from
+the Hugging Face export) into the stage's own MLflow run, registered as a version of the project's
+registered model, the stage's alias moved to it, the lineage in the version's tags.
+
+One registered model per project (named like the MLflow experiment, `ghostvis`) and one alias per
+stage: the stages are successive checkpoints of one model, each starting from the one before, and
+an alias is MLflow's name for the role a version plays (`models:/ghostvis@sft` is the sft run
+Dagster materialized last, whatever its version number; the version's tags say which run that is).
+
+Registering is idempotent per MLflow run: a run that already has a version (a cache hit returns the
+same run) gets no new one, only the alias pointed back at it; a run left unregistered (MLflow was
+down) is registered by the next materialization.
+
+Two things in MLflow 3.17 decide how the model is passed: its transformers flavor cannot log a local
+checkpoint folder with transformers 5 (`build_flavor_config_from_local_checkpoint` takes
+`check_task(task)[1]["impl"].__name__`, a dotted string in transformers 5), and its default pip
+requirements import torchvision. So the model and tokenizer are loaded from the export (no network:
+a local folder) and the requirements are pinned here.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from importlib.metadata import version as installed
+from pathlib import Path
+from typing import Callable
+
+from packaging.version import Version
+
+# What loading the logged model needs (besides mlflow, which MLflow adds itself).
+REQUIREMENTS = ("transformers", "torch", "safetensors")
+
+
+@dataclass(frozen=True)
+class StageModel:
+    """What the registry is told about one stage run's model."""
+
+    registered_name: str
+    stage: str  # the alias
+    run_id: str  # the stage's MLflow run: the version's source run
+    experiment_id: str
+    step: int  # the run's last step: its metrics there are copied to the logged model
+    tags: dict[str, str]  # the lineage, on the logged model and the version
+
+
+def pinned_requirements() -> list[str]:
+    """`package==version` as installed, without a local label (torch 2.13.0+cpu -> 2.13.0)."""
+    return [f"{p}=={Version(installed(p)).public}" for p in REQUIREMENTS]
+
+
+def registered_version(client, model: StageModel):
+    """The version registered from the model's run, or None."""
+    found = client.search_model_versions(f"name = '{model.registered_name}' and run_id = '{model.run_id}'")
+    return min(found, key=lambda v: int(v.version)) if found else None
+
+
+def register_stage_model(tracking_uri: str, model: StageModel, export: Callable[[Path], Path]):
+    """The run's registered version, with the stage's alias on it: (version, True) when it was logged
+    and registered now from `export(folder)` (a Hugging Face folder), (version, False) when the run
+    already had one."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+    found = registered_version(client, model)
+    created = found is None
+    if created:
+        with tempfile.TemporaryDirectory() as tmp:
+            number = log_and_register(tracking_uri, model, export(Path(tmp) / "hf"))
+        found = client.get_model_version(model.registered_name, number)
+    client.set_registered_model_alias(model.registered_name, model.stage, found.version)
+    return found, created
+
+
+def log_and_register(tracking_uri: str, model: StageModel, hf_dir: Path) -> str:
+    """Log the exported model into the stage's run and register it; its version number. Sets this
+    process's MLflow tracking URI and experiment: the logged model goes to the active experiment."""
+    import mlflow
+    import mlflow.transformers
+    from huggingface_hub import ModelCard
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_experiment(experiment_id=model.experiment_id)
+    components = {"model": AutoModelForCausalLM.from_pretrained(hf_dir),
+                  "tokenizer": AutoTokenizer.from_pretrained(hf_dir)}
+    card = ModelCard(f"# {model.registered_name}@{model.stage}\n\nGhostVis stage `{model.stage}`, run "
+                     f"`{model.tags.get('ghostvis.run_key', '')}`; the lineage is in the model version's tags.\n")
+    info = mlflow.transformers.log_model(
+        components, task="text-generation", name=model.stage, registered_model_name=model.registered_name,
+        run_id=model.run_id, step=model.step, tags=model.tags, pip_requirements=pinned_requirements(),
+        model_card=card)
+    return str(info.registered_model_version)

@@ -1,0 +1,218 @@
+"""MLflow as its users expect, against a real `mlflow server` on 127.0.0.1: every stage's model is one
+version of the `ghostvis` registered model, with the stage's alias and the lineage in its tags (a
+cache hit adds none); each stage run lists the shards it read as dataset inputs whose digests are
+the ledger's content hashes, records system metrics while it runs, and the experiment is a
+model-training one; the registered sft model loads with mlflow.transformers (and as a pyfunc) and
+gives GhostVis's logits and greedy tokens."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+import torch
+
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.home import Home
+from ghostvis_core.stages import stage, stage_names
+from ghostvis_core.train.runs import run_result
+from ghostvis_core.train.spec import LaunchSpec
+from tests.conftest import run_cli
+from tests.test_e2e_demo import dagster_instance, latest
+from tests.test_mlflow_outage import free_port, start_server, stop_server
+
+STAGES = stage_names()
+MODEL = "ghostvis"  # the registered model: named like the MLflow experiment
+
+
+def own_artifacts(home: Path) -> None:
+    """MLflow stores the experiment's artifact folder as an absolute URI, so a copied home still names
+    the home it was copied from: point the copy at its own, so the test writes nothing into that one."""
+    with sqlite3.connect(home / "mlflow.db") as db:
+        db.execute("UPDATE experiments SET artifact_location = ? WHERE name = 'ghostvis'",
+                   ((home / "mlartifacts").as_uri(),))
+
+
+@pytest.fixture(scope="module")
+def registry(demo_home, tmp_path_factory):
+    """A copy of the demo home whose MLflow store is served by `mlflow server`, in which sft trained
+    again (--force), dpo after it (its upstream changed), then every stage was materialized (cache
+    hits: the runs made before this code get their model registered, the others nothing new):
+    (home, tracking URI)."""
+    home = tmp_path_factory.mktemp("registry") / "home"
+    shutil.copytree(demo_home, home, symlinks=True)
+    own_artifacts(home)
+    port = free_port()
+    server = start_server(port, home)  # its backend: the home's own sqlite store
+    uri = f"http://127.0.0.1:{port}"
+    try:
+        run_cli(["ghostvis", "train", "sft", "--force"], home, MLFLOW_TRACKING_URI=uri)
+        run_cli(["ghostvis", "train", "dpo"], home, MLFLOW_TRACKING_URI=uri)
+        run_cli(["dagster", "asset", "materialize", "--select", ",".join(STAGES), "-m",
+                 "ghostvis_pipeline.definitions"], home, MLFLOW_TRACKING_URI=uri)
+        yield home, uri
+    finally:
+        stop_server(server)
+
+
+def assert_registered(client, instance, name: str) -> None:
+    """The stage's current materialization: its MLflow run has exactly one version, the stage's alias
+    points at it, its tags carry the run key, stage, tokenizer and parent run (key and MLflow run)."""
+    md = latest(instance, name)
+    versions = client.search_model_versions(f"name = '{MODEL}' and run_id = '{md['mlflow_run_id']}'")
+    assert len(versions) == 1, f"{name}: {len(versions)} versions for run {md['run_key']}"
+    v = versions[0]
+    assert client.get_model_version_by_alias(MODEL, name).version == v.version
+    assert (md["mlflow_model"], md["mlflow_model_version"]) == (f"models:/{MODEL}@{name}", int(v.version))
+    tags = v.tags
+    assert (tags["ghostvis.stage"], tags["ghostvis.run_key"], tags["ghostvis.tokenizer_id"]) == (
+        name, md["run_key"], md["tokenizer_id"])
+    up = stage(name).upstream
+    if up:
+        parent = latest(instance, up)
+        assert tags["ghostvis.parent_run_key"] == md["parent_run_key"] == parent["run_key"]
+        assert tags["ghostvis.parent_mlflow_run_id"] == parent["mlflow_run_id"]
+    else:
+        assert "ghostvis.parent_run_key" not in tags
+
+
+def assert_datasets(client, home: Path, name: str, md: dict) -> None:
+    """The run's dataset inputs: the train shards it read (per the ledger) and its validation shards,
+    each named by shard id, digest = the ledger's sha256 as far as MLflow stores it (36 characters),
+    the full hash in the profile, the raw shard (whose sha256 it is) as source, the split as context."""
+    store = Home(home).store
+    ledger = Ledger.in_store(store)
+    rows = {r["shard_id"]: r for r in ledger.shards(tokenizer_id=md["tokenizer_id"])}
+    spec = LaunchSpec.from_dict(store.read_json("run_spec", name, md["run_key"]))
+    read = {r["shard_id"] for r in ledger.consumed_by_shard(md["run_key"])}
+    val = {d["shard_id"] for refs in spec.val_shards.values() for d in refs}
+    inputs = {d.dataset.name: d for d in client.get_run(md["mlflow_run_id"]).inputs.dataset_inputs}
+    assert read and set(inputs) == read | val, name
+    for shard_id, d in inputs.items():
+        sha = rows[shard_id]["content_sha256"]
+        assert len(sha) == 64 and d.dataset.digest == sha[:36], shard_id
+        assert json.loads(d.dataset.profile)["content_sha256"] == sha
+        # the raw shard in the store; MLflow shares a dataset by name and digest within an experiment, so
+        # in a copied home it keeps the store path under which it was first logged
+        source, local = json.loads(d.dataset.source)["uri"], Path(store.uri_of("raw_shard", shard_id))
+        assert source.endswith(local.relative_to(store.root).as_posix()), (source, local)
+        assert hashlib.sha256(local.read_bytes()).hexdigest() == sha
+        context = {t.key: t.value for t in d.tags}["mlflow.data.context"]
+        assert context == rows[shard_id]["split"] == ("validation" if shard_id in val else "train")
+
+
+def assert_system_metrics(client, run_id: str) -> None:
+    """CPU and memory sampled while the run ran, and not after it ended."""
+    run = client.get_run(run_id)
+    for key in ("system/cpu_utilization_percentage", "system/system_memory_usage_megabytes"):
+        history = client.get_metric_history(run_id, key)
+        assert history, f"{key} missing from run {run.info.run_name}"
+        assert all(run.info.start_time <= m.timestamp <= run.info.end_time for m in history), key
+    assert client.get_metric_history(run_id, "system/system_memory_usage_megabytes")[0].value > 0
+
+
+@pytest.mark.e2e
+def test_every_stage_has_one_model_version_with_its_alias_and_lineage(registry):
+    from mlflow.tracking import MlflowClient
+
+    home, uri = registry
+    client, instance = MlflowClient(uri), dagster_instance(home)
+    assert "cached_from" in latest(instance, "sft")  # the last materialization was a hit: no new version
+    for name in STAGES:
+        assert_registered(client, instance, name)
+
+
+@pytest.mark.e2e
+def test_runs_trained_here_list_their_shards_and_system_metrics_in_a_model_training_experiment(registry):
+    from mlflow.tracking import MlflowClient
+
+    home, uri = registry
+    client, instance = MlflowClient(uri), dagster_instance(home)
+    exp = client.get_experiment_by_name("ghostvis")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    for name in ("sft", "dpo"):
+        md = latest(instance, name)
+        assert_datasets(client, home, name, md)
+        assert_system_metrics(client, md["mlflow_run_id"])
+        assert md["mlflow_url"].endswith(f"/runs/{md['mlflow_run_id']}?workflowType=machine_learning")
+
+
+@pytest.mark.e2e
+def test_the_registered_sft_model_loads_and_gives_ghostvis_logits_and_tokens(registry):
+    import mlflow
+    import mlflow.pyfunc
+    import mlflow.transformers
+
+    from ghostvis_core.eval.checkpoints import load_stage
+
+    home, uri = registry
+    mlflow.set_tracking_uri(uri)
+    parts = mlflow.transformers.load_model(f"models:/{MODEL}@sft", return_type="components")
+    hf = parts["model"].float().eval()
+    ours = load_stage(Home(home), "sft", latest(dagster_instance(home), "sft")["run_key"])
+    ids = torch.tensor([ours.tok.encode("What is 12 plus 7? The answer is")])
+    with torch.no_grad():
+        assert (hf(ids).logits - ours.model(ids).float()).abs().max().item() <= 1e-4
+        greedy = hf.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
+        theirs, x = [], ids
+        for _ in range(16):
+            nxt = ours.model(x)[0, -1].argmax().item()
+            theirs.append(nxt)
+            x = torch.cat([x, torch.tensor([[nxt]])], dim=1)
+    assert greedy and greedy == theirs[:len(greedy)]  # generate() may stop at the end-of-text token
+    out = mlflow.pyfunc.load_model(f"models:/{MODEL}@sft").predict(["What is 12 plus 7?"])
+    assert isinstance(out[0], str) and out[0]
+
+
+@pytest.mark.e2e
+def test_an_unreachable_registry_leaves_the_run_and_says_so(demo_home, monkeypatch):
+    from dagster import build_asset_context
+
+    from ghostvis_pipeline.assets.training import model_metadata
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")  # nothing listens there
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    home = Home(demo_home)
+    run_key = latest(dagster_instance(demo_home), "sft")["run_key"]
+    spec = LaunchSpec.from_dict(home.store.read_json("run_spec", "sft", run_key))
+    md = model_metadata(build_asset_context(), stage("sft"), spec, run_result(home.store, "sft", run_key), home)
+    assert list(md) == ["mlflow_model"]
+    assert md["mlflow_model"].startswith(f"sft: the model of run {run_key} is not registered in MLflow")
+    assert md["mlflow_model"].endswith("materialize sft again (a cache hit) to register it")
+
+
+def sampled(monkeypatch, interval: str, run_for: float) -> list[tuple[dict[str, float], int]]:
+    """The points the system-metrics sampler hands the outbox while it runs for `run_for` seconds,
+    and none after finish() (nothing listens at the tracking URI: nothing is sent there)."""
+    import time
+
+    from ghostvis_core.track.mlflow_system import OutboxSystemMetrics
+
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", interval)
+    points: list = []
+    monitor = OutboxSystemMetrics("run", f"http://127.0.0.1:{free_port()}", lambda m, step: points.append((m, step)),
+                                  resume=False)
+    monitor.start()
+    time.sleep(run_for)
+    monitor.finish()
+    after = len(points)
+    time.sleep(3 * float(interval))
+    assert len(points) == after
+    return points
+
+
+def test_system_metrics_are_sampled_each_interval_and_stop_with_the_run(monkeypatch):
+    points = sampled(monkeypatch, "0.2", 1.5)
+    assert 4 <= len(points) <= 9 and [step for _, step in points] == list(range(len(points)))
+    for metrics, _ in points:
+        assert 0 <= metrics["system/cpu_utilization_percentage"] <= 100
+        assert metrics["system/system_memory_usage_megabytes"] > 0
+
+
+def test_a_run_shorter_than_one_interval_gets_one_sample(monkeypatch):
+    points = sampled(monkeypatch, "30", 0.3)
+    assert len(points) == 1 and points[0][0]["system/system_memory_usage_megabytes"] > 0
