@@ -40,8 +40,8 @@ BUGS: dict[str, list[tuple[str, str, str, str]]] = {
                         "        state = TrainState.from_dict(ckpt.read_state(resume.path))\n",
                         "        state = TrainState.from_dict(ckpt.read_state(resume.path))\n        state.rows = 0\n")],
     # the last ledger part is never published to the store's ledger
-    "last_part_unpublished": [("ghostvis_core.train.commit", "commit", "        publish_parts(run.store, run.run_dir, only=path)\n",
-                               "        if s.step < run.total_steps:\n            publish_parts(run.store, run.run_dir, only=path)\n")],
+    "last_part_unpublished": [("ghostvis_core.train.commit", "save_and_publish", "    publish_parts(run.store, run.run_dir, only=path)\n",
+                               "    if step < run.total_steps:\n        publish_parts(run.store, run.run_dir, only=path)\n")],
     # the split filter dropped: validation shards selected for training
     "split_filter_dropped": [("ghostvis_core.train.launch", "select_shards",
                               '        if r["split"] != split:\n            continue\n', "")],
