@@ -32,14 +32,35 @@ def run_cli(args: list[str], home: Path, timeout: float = 600, check: bool = Tru
     return proc
 
 
+def copy_home(src: Path, dest: Path) -> Path:
+    """Copy a GHOSTVIS_HOME, hard-linking its write-once files (committed checkpoint steps, MLflow
+    artifacts) instead of copying them: the suite copies the demo home dozens of times, which would
+    otherwise write tens of GB. Nothing rewrites a committed step in place (a test that breaks a
+    checkpoint writes a new file), so the copies stay independent."""
+
+    def link_or_copy(source: str, target: str) -> None:
+        parts = Path(source).relative_to(src).parts
+        write_once = parts[0] == "mlartifacts" or any(
+            a == "checkpoints" and any(p.startswith("step_") for p in parts[i + 1:]) for i, a in enumerate(parts))
+        if write_once:
+            try:
+                os.link(source, target)
+                return
+            except OSError:  # another filesystem
+                pass
+        shutil.copy2(source, target)
+
+    shutil.copytree(src, dest, symlinks=True, copy_function=link_or_copy)
+    return dest
+
+
 @pytest.fixture(scope="session")
 def demo_home(tmp_path_factory) -> Path:
     """A GHOSTVIS_HOME after `ghostvis demo --preset smoke` (every asset, every stage)."""
     home = tmp_path_factory.mktemp("ghostvis") / "home"
     prebuilt = os.environ.get("GHOSTVIS_TEST_DEMO_HOME")  # a developer's shortcut: a home built by this command
     if prebuilt:
-        shutil.copytree(prebuilt, home, symlinks=True)
-        return home
+        return copy_home(Path(prebuilt), home)
     proc = run_cli(["ghostvis", "demo", "--preset", "smoke"], home, timeout=1200)
     (home / "demo_stdout.txt").write_text(proc.stdout)
     return home
@@ -48,9 +69,7 @@ def demo_home(tmp_path_factory) -> Path:
 @pytest.fixture
 def home_copy(demo_home, tmp_path) -> Path:
     """A private copy of the demo home, for tests that break or extend it."""
-    dest = tmp_path / "home"
-    shutil.copytree(demo_home, dest, symlinks=True)
-    return dest
+    return copy_home(demo_home, tmp_path / "home")
 
 
 # A short pretraining run that the resume, multi-node and Slurm tests share: 12 steps of the smoke
@@ -92,7 +111,7 @@ def pretrain_reference(demo_home, tmp_path_factory) -> tuple[Path, Path]:
     """The short pretraining run, uninterrupted, 2 ranks on this machine (the `local` launcher):
     (its home, its run folder). Other launchers and resumed runs must end exactly here."""
     home = tmp_path_factory.mktemp("reference") / "home"
-    shutil.copytree(demo_home, home, symlinks=True)
+    copy_home(demo_home, home)
     known = run_names(home)
     run_cli(materialize_pretrain(), home)
     return home, new_run_dirs(home, known)[-1]

@@ -25,7 +25,7 @@ from ghostvis_core.home import Home
 from ghostvis_core.stages import stage_names
 from ghostvis_core.train.launch import prepare_run
 from ghostvis_core.train.runs import completed_runs
-from tests.conftest import run_cli
+from tests.conftest import copy_home, run_cli
 from tests.planted import plant
 
 pytestmark = pytest.mark.e2e
@@ -52,7 +52,7 @@ def planted(demo_home, tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """(home, scenario -> run key): a clean run, one run per planted bug, and a run stopped after its
     first checkpoint then resumed with the rewind bug; all in one copy of the demo home."""
     home = tmp_path_factory.mktemp("planted") / "home"
-    shutil.copytree(demo_home, home, symlinks=True)
+    copy_home(demo_home, home)
     keys = {"clean": launch(home, None, 1)}
     for seed, bug in enumerate(TORCHRUN_BUGS, start=2):
         keys[bug] = launch(home, bug, seed)

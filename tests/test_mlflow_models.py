@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
+import os
 import sqlite3
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from ghostvis_core.home import Home
 from ghostvis_core.stages import stage, stage_names
 from ghostvis_core.train.runs import run_result
 from ghostvis_core.train.spec import LaunchSpec
-from tests.conftest import run_cli
+from tests.conftest import copy_home, run_cli
 from tests.test_e2e_demo import dagster_instance, latest
 from tests.test_mlflow_outage import free_port, start_server, stop_server
 
@@ -39,24 +39,51 @@ def own_artifacts(home: Path) -> None:
 
 @pytest.fixture(scope="module")
 def registry(demo_home, tmp_path_factory):
-    """A copy of the demo home whose MLflow store is served by `mlflow server`, in which sft trained
-    again (--force), dpo after it (its upstream changed), then every stage was materialized (cache
-    hits: the runs made before this code get their model registered, the others nothing new):
+    """A copy of the demo home (whose stage materializations registered every stage's model) with its
+    MLflow store served by `mlflow server`, in which dpo was trained again (--force: a second version,
+    the alias moved to it) and then materialized through Dagster (a cache hit: no third version):
     (home, tracking URI)."""
     home = tmp_path_factory.mktemp("registry") / "home"
-    shutil.copytree(demo_home, home, symlinks=True)
+    copy_home(demo_home, home)
     own_artifacts(home)
     port = free_port()
     server = start_server(port, home)  # its backend: the home's own sqlite store
     uri = f"http://127.0.0.1:{port}"
     try:
-        run_cli(["ghostvis", "train", "sft", "--force"], home, MLFLOW_TRACKING_URI=uri)
-        run_cli(["ghostvis", "train", "dpo"], home, MLFLOW_TRACKING_URI=uri)
-        run_cli(["dagster", "asset", "materialize", "--select", ",".join(STAGES), "-m",
-                 "ghostvis_pipeline.definitions"], home, MLFLOW_TRACKING_URI=uri)
+        run_cli(["ghostvis", "train", "dpo", "--force"], home, MLFLOW_TRACKING_URI=uri)
+        run_cli(["dagster", "asset", "materialize", "--select", "dpo", "-m", "ghostvis_pipeline.definitions"],
+                home, MLFLOW_TRACKING_URI=uri)
         yield home, uri
     finally:
         stop_server(server)
+
+
+@pytest.mark.e2e
+def test_every_stage_has_one_model_version_with_its_alias_and_lineage(registry):
+    from mlflow.tracking import MlflowClient
+
+    home, uri = registry
+    client, instance = MlflowClient(uri), dagster_instance(home)
+    assert "cached_from" in latest(instance, "dpo")  # the last materialization was a hit: no new version
+    for name in STAGES:
+        assert_registered(client, instance, name)
+    dpo_versions = [v for v in client.search_model_versions(f"name = '{MODEL}'") if v.tags["ghostvis.stage"] == "dpo"]
+    assert len(dpo_versions) == 2  # the demo's and the retrained run's; the alias is on the newer (above)
+
+
+@pytest.mark.e2e
+def test_runs_list_their_shards_and_system_metrics_in_a_model_training_experiment(registry):
+    from mlflow.tracking import MlflowClient
+
+    home, uri = registry
+    client, instance = MlflowClient(uri), dagster_instance(home)
+    exp = client.get_experiment_by_name("ghostvis")
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
+    for name in ("sft", "dpo"):  # trained by the demo, and through the server
+        md = latest(instance, name)
+        assert_datasets(client, home, name, md)
+        assert_system_metrics(client, md["mlflow_run_id"])
+        assert md["mlflow_url"].endswith(f"/runs/{md['mlflow_run_id']}?workflowType=machine_learning")
 
 
 def assert_registered(client, instance, name: str) -> None:
@@ -116,44 +143,19 @@ def assert_system_metrics(client, run_id: str) -> None:
 
 
 @pytest.mark.e2e
-def test_every_stage_has_one_model_version_with_its_alias_and_lineage(registry):
-    from mlflow.tracking import MlflowClient
-
-    home, uri = registry
-    client, instance = MlflowClient(uri), dagster_instance(home)
-    assert "cached_from" in latest(instance, "sft")  # the last materialization was a hit: no new version
-    for name in STAGES:
-        assert_registered(client, instance, name)
-
-
-@pytest.mark.e2e
-def test_runs_trained_here_list_their_shards_and_system_metrics_in_a_model_training_experiment(registry):
-    from mlflow.tracking import MlflowClient
-
-    home, uri = registry
-    client, instance = MlflowClient(uri), dagster_instance(home)
-    exp = client.get_experiment_by_name("ghostvis")
-    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
-    for name in ("sft", "dpo"):
-        md = latest(instance, name)
-        assert_datasets(client, home, name, md)
-        assert_system_metrics(client, md["mlflow_run_id"])
-        assert md["mlflow_url"].endswith(f"/runs/{md['mlflow_run_id']}?workflowType=machine_learning")
-
-
-@pytest.mark.e2e
-def test_the_registered_sft_model_loads_and_gives_ghostvis_logits_and_tokens(registry):
-    import mlflow
+def test_the_registered_dpo_model_loads_and_gives_ghostvis_logits_and_tokens(registry, monkeypatch):
+    """The version logged through the server (its artifacts in this home; the demo's versions name the
+    artifact folder of the home they were made in)."""
     import mlflow.pyfunc
     import mlflow.transformers
 
     from ghostvis_core.eval.checkpoints import load_stage
 
     home, uri = registry
-    mlflow.set_tracking_uri(uri)
-    parts = mlflow.transformers.load_model(f"models:/{MODEL}@sft", return_type="components")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # as a user would point MLflow at the server
+    parts = mlflow.transformers.load_model(f"models:/{MODEL}@dpo", return_type="components")
     hf = parts["model"].float().eval()
-    ours = load_stage(Home(home), "sft", latest(dagster_instance(home), "sft")["run_key"])
+    ours = load_stage(Home(home), "dpo", latest(dagster_instance(home), "dpo")["run_key"])
     ids = torch.tensor([ours.tok.encode("What is 12 plus 7? The answer is")])
     with torch.no_grad():
         assert (hf(ids).logits - ours.model(ids).float()).abs().max().item() <= 1e-4
@@ -164,7 +166,7 @@ def test_the_registered_sft_model_loads_and_gives_ghostvis_logits_and_tokens(reg
             theirs.append(nxt)
             x = torch.cat([x, torch.tensor([[nxt]])], dim=1)
     assert greedy and greedy == theirs[:len(greedy)]  # generate() may stop at the end-of-text token
-    out = mlflow.pyfunc.load_model(f"models:/{MODEL}@sft").predict(["What is 12 plus 7?"])
+    out = mlflow.pyfunc.load_model(f"models:/{MODEL}@dpo").predict(["What is 12 plus 7?"])
     assert isinstance(out[0], str) and out[0]
 
 
@@ -200,7 +202,7 @@ def sampled(monkeypatch, interval: str, run_for: float) -> list[tuple[dict[str, 
     time.sleep(run_for)
     monitor.finish()
     after = len(points)
-    time.sleep(3 * float(interval))
+    time.sleep(min(3 * float(interval), 1.0))  # three more intervals, or a second: a sampler still running shows
     assert len(points) == after
     return points
 
@@ -216,3 +218,23 @@ def test_system_metrics_are_sampled_each_interval_and_stop_with_the_run(monkeypa
 def test_a_run_shorter_than_one_interval_gets_one_sample(monkeypatch):
     points = sampled(monkeypatch, "30", 0.3)
     assert len(points) == 1 and points[0][0]["system/system_memory_usage_megabytes"] > 0
+
+
+def test_registering_leaves_the_callers_mlflow_environment_as_it_was(tmp_path, monkeypatch):
+    """MLflow's fluent API writes MLFLOW_TRACKING_URI into the process's environment; a Dagster
+    process that registered a model must not keep that server as its tracking URI."""
+    import mlflow
+    from mlflow import MlflowClient
+
+    from ghostvis_core.track.mlflow_models import fluent_scope
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    experiment_id = MlflowClient(uri).create_experiment("scoped")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "0")
+    with fluent_scope(uri, experiment_id):
+        assert mlflow.get_tracking_uri() == uri
+        with mlflow.start_run() as run:
+            assert run.info.experiment_id == experiment_id
+    assert "MLFLOW_TRACKING_URI" not in os.environ and os.environ["MLFLOW_EXPERIMENT_ID"] == "0"
+    assert mlflow.get_tracking_uri() != uri

@@ -20,11 +20,13 @@ a local folder) and the requirements are pinned here.
 
 from __future__ import annotations
 
+import os
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import version as installed
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from packaging.version import Version
 
@@ -72,22 +74,41 @@ def register_stage_model(tracking_uri: str, model: StageModel, export: Callable[
     return found, created
 
 
-def log_and_register(tracking_uri: str, model: StageModel, hf_dir: Path) -> str:
-    """Log the exported model into the stage's run and register it; its version number. Sets this
-    process's MLflow tracking URI and experiment: the logged model goes to the active experiment."""
+@contextmanager
+def fluent_scope(tracking_uri: str, experiment_id: str) -> Iterator[None]:
+    """MLflow's fluent API (which `log_model` uses) keeps the tracking URI and active experiment in
+    process globals it also writes to `MLFLOW_TRACKING_URI` / `MLFLOW_EXPERIMENT_ID`; set them for one
+    call and put the caller's environment back, so a long-lived process (Dagster's, a test's) does
+    not keep talking to this server afterwards."""
     import mlflow
+
+    saved = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID")}
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_experiment(experiment_id=experiment_id)
+    try:
+        yield
+    finally:
+        mlflow.set_tracking_uri(saved["MLFLOW_TRACKING_URI"])  # None: back to the environment's
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def log_and_register(tracking_uri: str, model: StageModel, hf_dir: Path) -> str:
+    """Log the exported model into the stage's run and register it; its version number."""
     import mlflow.transformers
     from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    mlflow.set_tracking_uri(tracking_uri)
-    mlflow.set_experiment(experiment_id=model.experiment_id)
     components = {"model": AutoModelForCausalLM.from_pretrained(hf_dir),
                   "tokenizer": AutoTokenizer.from_pretrained(hf_dir)}
     card = ModelCard(f"# {model.registered_name}@{model.stage}\n\nGhostVis stage `{model.stage}`, run "
                      f"`{model.tags.get('ghostvis.run_key', '')}`; the lineage is in the model version's tags.\n")
-    info = mlflow.transformers.log_model(
-        components, task="text-generation", name=model.stage, registered_model_name=model.registered_name,
-        run_id=model.run_id, step=model.step, tags=model.tags, pip_requirements=pinned_requirements(),
-        model_card=card)
+    with fluent_scope(tracking_uri, model.experiment_id):
+        info = mlflow.transformers.log_model(
+            components, task="text-generation", name=model.stage, registered_model_name=model.registered_name,
+            run_id=model.run_id, step=model.step, tags=model.tags, pip_requirements=pinned_requirements(),
+            model_card=card)
     return str(info.registered_model_version)
