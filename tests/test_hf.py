@@ -4,6 +4,7 @@ template), import of transformers-built Llama / Qwen2 checkpoints, round trips, 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -208,6 +209,7 @@ def test_broken_imports_fail_naming_the_tensors(how, tok, tmp_path):
     assert not store.keys("checkpoints", IMPORT_STAGE)  # nothing half-imported
 
 
+@pytest.mark.e2e
 def test_export_command_on_the_demo_sft(home_copy, tmp_path):
     out = tmp_path / "sft-hf"
     run_cli(["ghostvis", "export", "--stage", "sft", "--to", str(out)], home_copy)
@@ -234,6 +236,7 @@ def test_export_command_on_the_demo_sft(home_copy, tmp_path):
         assert (ours - hf(inputs_embeds=embeds).logits).abs().max().item() <= 1e-4
 
 
+@pytest.mark.e2e
 def test_a_stage_trains_from_an_imported_hf_folder(home_copy, tmp_path):
     """The trainer's first step, from an exported-then-imported pretrain, has the imported model's loss
     on that step's batch (not ~ln(vocab) of a random init)."""
@@ -369,3 +372,43 @@ def test_planning_a_stage_refuses_a_broken_import_or_an_unknown_init_from(tok, t
         plan_run("continued_pretrain", preset="smoke", overrides={"init_from": str(folder)}, home=home)
     with pytest.raises(GhostvisError, match="init_from 'pretrian' is neither a stage"):
         plan_run("continued_pretrain", preset="smoke", overrides={"init_from": "pretrian"}, home=home)
+
+
+@pytest.mark.e2e
+def test_a_foreign_models_tokenizer_tokenizes_the_data_a_stage_starts_from_it(tok, home_copy, tmp_path):
+    """A Qwen2 with a tokenizer of its own (not the demo's): planning a stage from it names the fix;
+    the tokenizer asset takes the model's tokenizer (from_model), tokenized_shards tokenizes the text
+    sources with it, and pretraining starts from the model on those tokens."""
+    from ghostvis_core.data.ledger import Ledger
+    from ghostvis_core.home import Home
+    from ghostvis_core.train.result import RunResult
+    from tests.test_e2e_demo import dagster_instance, latest
+
+    folder, _ = hf_reference("qwen2", tmp_path, tok)
+    sets = [f"init_from={folder}", "budget.steps=2", "checkpoint.every_steps=2", "batch.seq_len=64",
+            "batch.world_size=1", "eval.evidence=[]", "eval.val_tokens=128", "runtime.precision=fp32"]
+    train = ["python", "-m", "ghostvis_core.train", "--stage", "pretrain", "--preset", "smoke",
+             *[a for s in sets for a in ("--set", s)]]
+    refused = run_cli(train, home_copy, check=False)
+    assert refused.returncode != 0
+    assert f"materialize tokenizer with from_model: {folder}, then tokenized_shards" in refused.stdout + refused.stderr
+
+    dagster = ["dagster", "asset", "materialize", "-m", "ghostvis_pipeline.definitions", "--select"]
+    run_cli([*dagster, "tokenizer", "--config-json",
+             json.dumps({"ops": {"tokenizer": {"config": {"from_model": str(folder)}}}})], home_copy)
+    instance = dagster_instance(home_copy)
+    md = latest(instance, "tokenizer")
+    assert (md["tokenizer_id"], md["from_model"], md["train_shard_ids"]) == (tok.tokenizer_id, str(folder), [])
+    keys = instance.get_dynamic_partitions("shards")
+    text = [i for i, k in enumerate(keys) if k.split("/")[0] in ("demo_prose", "demo_code")]
+    run_cli([*dagster, "tokenized_shards", "--partition-range", f"{keys[text[0]]}...{keys[text[-1]]}"], home_copy)
+    store = Home(home_copy).store
+    rows = Ledger.in_store(store).shards(tokenizer_id=tok.tokenizer_id)
+    assert {r["source"] for r in rows} >= {"demo_prose", "demo_code"} and all(r["tokens"] > 0 for r in rows)
+
+    out = run_cli(train, home_copy).stdout
+    run_key = re.search(r"run (\S+) segment", out).group(1)
+    spec = store.read_json("run_spec", "pretrain", run_key)
+    result = RunResult.from_dict(store.read_json("run_record", "pretrain", run_key))
+    assert spec["tokenizer_id"] == tok.tokenizer_id and IMPORT_STAGE in spec["init_checkpoint"]
+    assert result.counts.real_tokens == Ledger.in_store(store).run_counts(run_key).real_tokens > 0

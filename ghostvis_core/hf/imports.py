@@ -112,13 +112,25 @@ def import_checkpoint(store: LocalStore, uri: str) -> Imported:
     where = f"init_from {uri}"
     with local_copy(uri) as folder:
         hc = inspect_checkpoint(folder, where)
-        tok = from_hf_tokenizer(folder / "tokenizer.json", hc.model.vocab_size)
-        save_tokenizer(tok, store)
+        tok = _save_tokenizer_of(store, hc)
         key = f"hf-{_content_digest(hc)}"
         step = ckpt.step_dir_name(0)
         if not store.exists("checkpoint_marker", IMPORT_STAGE, key, step):
             _write_checkpoint(store, hc, key, step, uri)
     return Imported(Upstream(IMPORT_STAGE, key, store.uri_of("checkpoint", IMPORT_STAGE, key, step)), tok)
+
+
+def import_tokenizer(store: LocalStore, uri: str) -> Tokenizer:
+    """The tokenizer of the HF checkpoint at `uri`, saved in the store, so the data can be tokenized
+    as that model was trained before a stage starts from it (the `tokenizer` asset's `from_model`)."""
+    with local_copy(uri) as folder:
+        return _save_tokenizer_of(store, inspect_checkpoint(folder, f"tokenizer from_model {uri}"))
+
+
+def _save_tokenizer_of(store: LocalStore, hc: HFCheckpoint) -> Tokenizer:
+    tok = from_hf_tokenizer(hc.folder / "tokenizer.json", hc.model.vocab_size)
+    save_tokenizer(tok, store)
+    return tok
 
 
 def _content_digest(hc: HFCheckpoint) -> str:

@@ -156,11 +156,11 @@ def resolve_stage(stage: str, preset: str, overrides: dict[str, Any], home: Home
         raise GhostvisError(f"eval.evidence: unknown {unknown}; known: {', '.join(EVIDENCE)}")
     tokenizer_id = tokenizer_id or newest_tokenizer(home.store)
     tok = load_tokenizer(tokenizer_id, home.store)
+    if imported:  # before the sources are looked up with its tokenizer: the fix is to tokenize with it
+        check_imported_data(cfg, tok, home.store)
     follow_registered_sources(cfg, Ledger.in_store(home.store).shards(tokenizer_id=tokenizer_id), tokenizer_id,
                               preset_recipe="data.recipe" not in overrides)
-    if imported:
-        check_imported_data(cfg, tok, home.store)
-    else:
+    if not imported:
         fit_vocab(cfg, tok, overrides, upstream, up_cfg is None)
     return Resolved(cfg, upstream, up_cfg, tok)
 
@@ -171,8 +171,8 @@ def check_imported_data(cfg: StageConfig, tok: Tokenizer, store: LocalStore) -> 
     if not Ledger.in_store(store).shards(tokenizer_id=tok.tokenizer_id):
         raise GhostvisError(
             f"stage {cfg.stage}: init_from {cfg.init_from} brings tokenizer {tok.tokenizer_id} (saved in the store), but "
-            f"no shard is tokenized with it; tokenize the stage's sources with tokenizer {tok.tokenizer_id} "
-            "(tokenized_shards) before training from this checkpoint")
+            f"no shard is tokenized with it; materialize tokenizer with from_model: {cfg.init_from}, then tokenized_shards, "
+            "before training from this checkpoint")
 
 
 def follow_registered_sources(cfg: StageConfig, shards: list[dict[str, Any]], tokenizer_id: str,

@@ -26,6 +26,7 @@ from ghostvis_core.data.sources import fetch_shard
 from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.hf.imports import import_tokenizer
 from ghostvis_core.identity import code_version, digest
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers import Launcher
@@ -42,7 +43,7 @@ RemoteSourceConfig = config_from_dataclass(RemoteSource)
 # (ghostvis_core/identity.py). Each asset's data version is its identity: see the assets' docstrings.
 MANIFEST_CODE = code_version("ghostvis_core.data.catalog")
 RAW_SHARDS_CODE = code_version("ghostvis_core.data.sources", "ghostvis_core.data.catalog")
-TOKENIZER_CODE = code_version("ghostvis_core.data.tokenizer", "ghostvis_core.data.catalog")
+TOKENIZER_CODE = code_version("ghostvis_core.data.tokenizer", "ghostvis_core.data.catalog", "ghostvis_core.hf.tokenizer_json")
 TOKENIZE_CODE = code_version("ghostvis_core.data.tokenize")
 LEDGER_CODE = code_version("ghostvis_core.data.ledger")
 
@@ -132,6 +133,9 @@ class TokenizerConfig(Config):
     vocab_size: int = 0  # 0: the preset's tokenizer vocabulary
     max_train_bytes: int = 200_000_000
     force: bool = False  # true: train even when a tokenizer of the same identity is in the store
+    # a Hugging Face checkpoint (folder, s3://, hf://org/name@rev) whose tokenizer.json to use instead of
+    # training one: the data is then tokenized as that model was trained, for stages that init_from it
+    from_model: str = ""
 
 
 @asset(group_name="data", kinds={"python"}, owners=["team:data"], deps=[raw_shards], code_version=TOKENIZER_CODE)
@@ -142,6 +146,11 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, home: Gho
     identity in the store is returned, not retrained. Data version: the tokenizer id (a content hash),
     so a retraining that yields the same tokenizer changes nothing downstream."""
     store = home.home().store
+    if config.from_model:
+        tok = import_tokenizer(store, config.from_model)
+        context.log.info(f"tokenizer: {tok.tokenizer_id} is the tokenizer of {config.from_model} (not trained)")
+        return _tokenizer_result(store, {"tokenizer_id": tok.tokenizer_id, "vocab_size": tok.vocab_size,
+                                         "from_model": config.from_model, "train_shards": 0, "train_shard_ids": []}, None)
     vocab = config.vocab_size or presets.tokenizer_vocab(run_modes.model_preset(config.preset or presets.default_preset()))
     ident = tokenizer_identity(store, vocab, config.max_train_bytes)
     key = digest(ident)
