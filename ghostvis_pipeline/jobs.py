@@ -1,6 +1,6 @@
 """Jobs for the UI's launchpad: shard data (partitioned), the training chain, and the checks alone."""
 
-from dagster import AssetSelection, define_asset_job, in_process_executor
+from dagster import AssetSelection, define_asset_job
 
 from ghostvis_core.stages import stage_names
 
@@ -19,7 +19,6 @@ training_job = define_asset_job(
 checks_job = define_asset_job(
     "checks_only",
     selection=AssetSelection.all_asset_checks(),
-    executor_def=in_process_executor,  # the checks only read: one process, not one per check
     description="Re-execute every asset check (data and stages) against the newest materializations, without "
                 "retraining or re-tokenizing: the same invariants `ghostvis audit` runs.",
 )
