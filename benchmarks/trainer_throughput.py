@@ -47,6 +47,7 @@ def trainer_run(home: Path, wd: Path, preset: str, steps: int, precision: str | 
     bf16 = "bf16=True" in (started[1] if started else "")
     return {
         "tag": tag, "run_key": run.run_key, "bf16": bf16, "tokens_per_sec": rc.tokens_per_sec,
+        "mfu": rc.mfu, "flops_per_token": rc.flops_per_token, "peak_flops": rc.peak_flops, "peak_source": rc.peak_source,
         "tokens_per_sec_late": C.window_rate(run.steps, tps_step, half, steps) if half else None,
         "late_window": [half, steps], "tokens_per_step": tps_step,
         "first_step_s_wall": step1[0] if step1 else None, "start_line_s": started[0] if started else None,
@@ -133,6 +134,9 @@ def main() -> int:
         if ratio_late is not None:
             print(f"  (second half of the run only, steps {t['late_window'][0]}..{t['late_window'][1]}: "
                   f"{ratio_late:.3f})")
+        print(f"trainer MFU = {t['mfu']:.3f} (RUN_COMPLETE.json: {t['tokens_per_sec']:,.0f} tok/s x "
+              f"{t['flops_per_token'] / 1e6:.2f} MFLOP/token / ({t['shape'].split('x')[2]} ranks x "
+              f"{t['peak_flops'] / 1e9:.1f} GFLOP/s, {t['peak_source']}))")
         first = min(trainers, key=lambda r: r["first_step_s_wall"] or float("inf"))
         print(C.goal(f"first optimizer step, launch -> '[pretrain] step 1/' line (best of {len(trainers)}: "
                      + ", ".join(f"{r['first_step_s_wall']:.2f}" for r in trainers) + ")",
@@ -142,7 +146,7 @@ def main() -> int:
         results = {
             "trainer_tok_s": t["tokens_per_sec"], "bare_tok_s": b["tokens_per_sec"], "trainer_over_bare": ratio,
             "trainer_over_bare_late": ratio_late, "first_step_s": first["first_step_s_wall"],
-            "first_step_s_inside": first["first_step_s_inside"],
+            "first_step_s_inside": first["first_step_s_inside"], "trainer_mfu": t["mfu"],
         }
         if t32 and b32:
             r16_32 = t["tokens_per_sec"] / t32["tokens_per_sec"]

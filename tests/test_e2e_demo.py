@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ghostvis_core import presets
-from ghostvis_core.budget import plan
+from ghostvis_core.budget import flops_per_token, plan
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.counts import MLFLOW_METRICS, TokenCounts
@@ -188,6 +188,26 @@ def test_report_card_token_figures_equal_the_ledger_and_evidence_is_listed(demo_
     assert "preference_accuracy" in html and "caption_image_gap" in html and "H100" in html
     ev = latest(instance, "evaluation")
     assert ev["mc_chance"] == 0.25 and "dpo" in ev["evaluation"]
+
+
+def test_measured_mfu_is_one_figure_in_dagster_mlflow_and_the_report(demo_home):
+    """Per stage: the FLOPs per token are the planner's formula for the stage's model and context, MFU is
+    tokens/s x FLOPs per token over the ranks' measured CPU matmul peak, and the run's figures are the
+    same in Dagster's metadata, the last MLflow point and the report."""
+    instance = dagster_instance(demo_home)
+    client, _ = mlflow_runs(demo_home)
+    report = latest(instance, "report")
+    rows = {r["stage"]: r for r in json.loads(Path(report["report_html"]).with_name("report.json").read_text())}
+    for stage in STAGES:
+        md = latest(instance, stage)
+        cfg = presets.resolve(stage, "smoke")
+        assert md["flops_per_token"] == flops_per_token(cfg.model, cfg.batch.seq_len), stage
+        assert md["peak_flops_source"] == "measured:cpu" and md["peak_flops"] > 1e9, stage
+        by_hand = md["tokens_per_sec"] * md["flops_per_token"] / (md["world_size"] * md["peak_flops"])
+        assert 0 < md["mfu"] == pytest.approx(by_hand, rel=1e-3, abs=1e-5), stage
+        metrics = client.get_run(md["mlflow_run_id"]).data.metrics
+        assert round(metrics["throughput/mfu"], 5) == md["mfu"] == rows[stage]["mfu"], stage
+        assert round(metrics["throughput/tokens_per_sec"], 1) == md["tokens_per_sec"] == rows[stage]["tokens_per_sec"]
 
 
 SHORT_VARIANTS = json.dumps({"ops": {"pretrain_variants": {"config": {"overrides": {"budget.steps": "8"}}}}})
