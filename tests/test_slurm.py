@@ -188,6 +188,14 @@ def wait_for_checkpoint(home: Path, known: set[str], step: int, proc: subprocess
     raise AssertionError(f"no checkpoint {step} within {MATERIALIZE_TIMEOUT} s")
 
 
+def array_tasks_by_job(job_dir: Path) -> list[int]:
+    """How many task logs (<job id>_<array index>.out) each job of a datatrove Slurm run wrote, sorted."""
+    tasks_by_job: dict[str, int] = {}
+    for log in job_dir.glob("slurm_logs/*.out"):
+        tasks_by_job[log.name.split("_")[0]] = tasks_by_job.get(log.name.split("_")[0], 0) + 1
+    return sorted(tasks_by_job.values())
+
+
 @pytest.mark.e2e
 def test_tokenization_runs_as_a_slurm_job_array_and_gives_the_same_ledger(slurm_cluster, home_copy):
     """With the slurm launcher, tokenized_shards runs its datatrove pipeline through datatrove's
@@ -208,11 +216,12 @@ def test_tokenization_runs_as_a_slurm_job_array_and_gives_the_same_ledger(slurm_
         assert {k: after[shard][k] for k in ("docs", "tokens", "text_bytes", "content_sha256", "split")} == \
                {k: before[shard][k] for k in ("docs", "tokens", "text_bytes", "content_sha256", "split")}
     [job_dir] = (home_copy / "logs" / "datatrove").glob("*/slurm-*")
-    tasks_by_job: dict[str, int] = {}
-    for log in job_dir.glob("slurm_logs/*.out"):  # <job id>_<array index>.out
-        tasks_by_job[log.name.split("_")[0]] = tasks_by_job.get(log.name.split("_")[0], 0) + 1
-    # the array (one task per shard) and datatrove's stats merge after it
-    assert sorted(tasks_by_job.values()) == [1, len(shards)]
+    # the array (one task per shard), and datatrove's stats merge: a job of its own that Slurm starts once
+    # the array is done, so it may still be pending when the materialization (which waits for the array) ends
+    deadline = time.time() + 120
+    while (tasks := array_tasks_by_job(job_dir)) != [1, len(shards)] and time.time() < deadline:
+        time.sleep(0.5)
+    assert tasks == [1, len(shards)]
     assert "launch_pickled_pipeline" in (job_dir / "launch_script.slurm").read_text()
 
 
