@@ -11,6 +11,7 @@ import json
 import shlex
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -190,10 +191,7 @@ def wait_for_checkpoint(home: Path, known: set[str], step: int, proc: subprocess
 
 def array_tasks_by_job(job_dir: Path) -> list[int]:
     """How many task logs (<job id>_<array index>.out) each job of a datatrove Slurm run wrote, sorted."""
-    tasks_by_job: dict[str, int] = {}
-    for log in job_dir.glob("slurm_logs/*.out"):
-        tasks_by_job[log.name.split("_")[0]] = tasks_by_job.get(log.name.split("_")[0], 0) + 1
-    return sorted(tasks_by_job.values())
+    return sorted(Counter(log.name.split("_")[0] for log in job_dir.glob("slurm_logs/*.out")).values())
 
 
 @pytest.mark.e2e
