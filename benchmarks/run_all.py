@@ -1,7 +1,7 @@
 """Run every benchmark in sequence (what `make bench` runs), sharing one demo home.
 
 demo_time.py builds the home (a full `ghostvis demo`, timed) and keeps it; trainer_throughput.py,
-tokenize_throughput.py and resume_time.py then read its tokenized data (each trains in its own
+tokenize_throughput.py, resume_time.py and content_digest.py then read its tokenized data (each trains in its own
 scratch copy, so the home is not changed). With --home, the demo is not re-run and that home is used.
 At the end, every script's final key=value line is repeated.
 
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-ORDER = ("demo_time", "trainer_throughput", "tokenize_throughput", "resume_time")
+ORDER = ("demo_time", "trainer_throughput", "tokenize_throughput", "resume_time", "content_digest")
 
 
 def run(name: str, extra: list[str]) -> tuple[int, str, float]:

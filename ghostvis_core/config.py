@@ -71,6 +71,12 @@ class OptimConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0
+    # adamw, or muon: Muon (Nesterov momentum, update orthogonalized by Newton-Schulz) for the hidden
+    # weight matrices at peak muon_lr, AdamW (the settings above) for embeddings, head, norms and biases;
+    # the schedule scales both lrs alike (ghostvis_core/train/muon.py).
+    name: str = "adamw"
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
 
 
 @dataclass
@@ -113,7 +119,26 @@ class EvalConfig:
 
 @dataclass
 class DPOConfig:
+    # The preference loss (TRL's definitions; formulas in train/objectives.py DPOObjective): sigmoid (DPO),
+    # ipo, simpo (reference-free: length-averaged log-probs and a target margin) or sft_dpo (DPO plus an
+    # NLL term on the chosen response).
+    loss: str = "sigmoid"
+    # The strength of the implicit reward (every loss; for ipo 1/(2 beta) is the margin it regresses to).
     beta: float = 0.1
+    # simpo: the target reward margin (TRL's simpo_gamma; gamma / beta is SimPO's gamma_beta_ratio).
+    gamma: float = 0.5
+    # sft_dpo: the weight of the chosen response's mean token NLL (TRL's rpo_alpha).
+    alpha: float = 1.0
+
+
+@dataclass
+class GRPOConfig:
+    """The rl stage's group-relative policy optimisation (ghostvis_core/train/grpo.py)."""
+
+    group_size: int = 4  # completions sampled per prompt; rows 0..G-1 of a group share the prompt
+    max_new_tokens: int = 48  # a completion's length bound (each generated token is accounted)
+    temperature: float = 1.0
+    kl_beta: float = 0.0  # weight of the KL term to the frozen upstream model (0: no reference loaded)
 
 
 @dataclass
@@ -134,6 +159,10 @@ class RuntimeConfig:
     grad_checkpointing: bool = False
     # torch.compile each block: auto = on CUDA, off on CPU (compilation costs more than it saves there).
     compile: str = "auto"
+    # float8 matmuls in the decoder's Linear layers (torchao, train/float8.py): ~+20% tokens/s on H100-class
+    # GPUs (compute capability >= 8.9); the trainer refuses it elsewhere. Weights, optimizer state and
+    # checkpoints stay in high precision.
+    float8: bool = False
     log_every_steps: int = 5
 
 
@@ -143,6 +172,19 @@ class ParallelConfig:
     # fsdp: FSDP2 shards weights, gradients and optimizer state over the ranks (per block and root);
     # each rank writes its shard of a torch.distributed.checkpoint (DCP) checkpoint.
     strategy: str = "ddp"
+
+
+@dataclass
+class ContaminationConfig:
+    # The decontamination gate (check no_eval_contamination, ghostvis_core/audit/contamination.py): a
+    # consumed training document and an evaluation item are contaminated when the 13-gram fingerprints
+    # they share are more than this share of the smaller one's fingerprints (the overlap coefficient);
+    # 0 fails on any shared fingerprint, as GPT-3 and Marin do.
+    max_overlap: float = 0.5
+    # Evaluation sets checked besides the known ones (validation shards, the shipped lm-eval tasks, the
+    # benchmark and demo prompts): JSON Lines files or folders of them (e.g. a harness_include folder);
+    # one item per line: its string fields, plus choices[answer] for a multiple-choice item.
+    eval_sets: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -159,8 +201,10 @@ class StageConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    contamination: ContaminationConfig = field(default_factory=ContaminationConfig)
     vision: VisionConfig | None = None
     dpo: DPOConfig | None = None
+    grpo: GRPOConfig | None = None
     # What initialises this stage: an upstream stage's name (its final checkpoint), or a Hugging Face
     # Llama / Qwen2 checkpoint with its tokenizer: a local folder, s3://bucket/prefix or
     # hf://org/name[@revision] (ghostvis_core.hf.sources); None: random init.

@@ -11,6 +11,10 @@ from dataclasses import dataclass
 
 from ghostvis_core.errors import GhostvisError
 
+# The lineage quality gate's default (ghostvis_core/eval/gate.py): a stage may score at most 10% more
+# bits per byte than the stage it starts from on any held-out text source.
+BPB_TOLERANCE = 0.10
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -20,6 +24,7 @@ class Stage:
     reads: str  # the source kind it trains on; an empty data.recipe means every registered source of it
     description: str
     evidence: tuple[str, ...] = ()  # default eval.evidence: measured before and after training
+    bpb_tolerance: float = BPB_TOLERANCE  # allowed held-out bpb worsening vs upstream (the quality gate)
 
 
 STAGES: tuple[Stage, ...] = (
@@ -46,8 +51,15 @@ STAGES: tuple[Stage, ...] = (
           "and how many sampled replies end with <|eot|>.",
           ("reply_endings",)),
     Stage("dpo", "sft", "dpo", "preference",
-          "Direct preference optimisation against the frozen SFT model. Evidence: preference accuracy and "
+          "Preference optimisation on chosen/rejected pairs (dpo.loss: sigmoid DPO, ipo or sft_dpo against the "
+          "frozen SFT model, or reference-free simpo). Evidence: preference accuracy and "
           "reward margin on held-out pairs (computed by the DPO objective)."),
+    Stage("rl", "dpo", "grpo", "text",
+          "Group-relative policy optimisation (GRPO) on the arithmetic problems: G sampled solutions per "
+          "prompt, reward 1 for the exact final answer plus 0.1 for a well-formed final `Answer: <integer>` "
+          "line; every generated token is accounted. Evidence: reward, exact-answer accuracy and well-formed "
+          "answer rate on held-out problems, before vs after.",
+          ("reward",)),
 )
 
 

@@ -5,17 +5,19 @@ too); these wrap them for Dagster. Data: the tokenizer trained on no validation 
 matches a recount of the token files, and every manifest shard is in it. Training stages: the four
 figures recounted from the token files, the consumption the plan expected, the selection, every
 rank's share, consumed vs planned tokens, ledger == MLflow == run record == metadata, no range read
-twice, no validation shard consumed.
+twice, no validation shard consumed. Evaluation: no stage beyond its held-out bpb tolerance against
+its upstream (non-blocking: a judgement on the model, not on the accounting).
 """
 
 from dagster import AssetCheckResult, MetadataValue, asset_check
 
 from ghostvis_core.audit import invariants as inv
 from ghostvis_core.audit.outcome import CheckOutcome
+from ghostvis_core.audit.stage_checks import STAGE_CHECKS, CheckInputs
 from ghostvis_core.data.catalog import recorded_sha256, registered_manifests, shard_split
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.sources import Manifest
-from ghostvis_core.track.mlflow_records import latest_metrics
+from ghostvis_core.eval.gate import lineage_gate
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
 
@@ -77,6 +79,20 @@ def tokenizer_trained_on_train_shards_only(context, home: GhostvisHome) -> Asset
     })
 
 
+@asset_check(asset="evaluation", blocking=False,
+             description="No stage scores more bits per byte than its upstream times (1 + its tolerance) on any "
+                         "held-out text source (the lineage quality gate).")
+def lineage_quality_gate(context, home: GhostvisHome) -> AssetCheckResult:
+    """One check on the evaluation rather than one per stage: the held-out scores of a stage and its
+    upstream exist together only once the evaluation has scored the lineage. Non-blocking, so the
+    report card is still written, with the flagged stages in it."""
+    md = latest_metadata(context, "evaluation")
+    results = home.home().store.read_json("report", f"evaluation/{md['identity']}.json")
+    verdict = lineage_gate({stage: r["bpb"] for stage, r in results.items()}, dict(md["bpb_tolerance"]))
+    return to_result(CheckOutcome("lineage_quality_gate", verdict.passed, verdict.figures,
+                                  {"bpb_vs_upstream": verdict.table()}, verdict.failures))
+
+
 def _split_or_none(store, manifest: Manifest, shard_id: str) -> str | None:
     """The resolved split, or None for a shard that is not downloaded (it cannot have been read)."""
     if recorded_sha256(store, shard_id) is None and not store.exists("raw_shard", shard_id):
@@ -84,43 +100,10 @@ def _split_or_none(store, manifest: Manifest, shard_id: str) -> str | None:
     return shard_split(store, manifest, shard_id)
 
 
-# name -> (description, the core check of one run: (store, ledger, run, context, metadata) -> CheckOutcome)
-STAGE_CHECKS = {
-    "tokens_recounted_from_files": (
-        "real/pad/loss/cropped recounted from the token files over the consumed ranges == the trainer's, per segment "
-        "and in total; every range inside its file and on the row rule; no token read twice.",
-        lambda store, ledger, run, md, h: inv.tokens_recounted_from_files(store, run)),
-    "consumption_matches_plan": (
-        "The rows and shard ranges the plan (steps, tokens_per_step, mixture) says the run had to read are exactly "
-        "the recorded ones: no gap, no overlap, no shift; consumed == steps x tokens_per_step, within a step of plan.",
-        lambda store, ledger, run, md, h: inv.consumption_matches_plan(store, run)),
-    "no_validation_selected": (
-        "The run's selected training shards (its launch spec) contain no validation shard.",
-        lambda store, ledger, run, md, h: inv.no_validation_selected(ledger, run)),
-    "every_rank_read_its_rows": (
-        "Every part keeps each rank's share: exactly the rows that rank had to read each step, summing to the part.",
-        lambda store, ledger, run, md, h: inv.every_rank_read_its_rows(ledger, run)),
-    "tokens_match_plan": (
-        "Consumed positions == steps x tokens_per_step, and that is within one step of planned_tokens.",
-        lambda store, ledger, run, md, h: inv.tokens_match_plan(md)),
-    "ledger_mlflow_metadata_agree": (
-        "real/pad/loss/cropped tokens: ledger == MLflow == run record == materialization metadata, exactly.",
-        lambda store, ledger, run, md, h: inv.figures_agree(
-            ledger, run, latest_metrics(h.mlflow_tracking_uri, md["mlflow_run_id"]), md)),
-    "no_reuse": (
-        "No (shard, row range) consumed twice in the stage lineage unless declared (replay / allowed repeat).",
-        lambda store, ledger, run, md, h: inv.no_reuse(ledger, md["run_key"])),
-    "no_validation_leakage": (
-        "No validation shard was consumed in training.",
-        lambda store, ledger, run, md, h: inv.no_validation_leakage(ledger, md["run_key"])),
-}
-
-
 def stage_checks(stage: str) -> list:
     """The blocking checks of a training stage's materialization (STAGE_CHECKS), each reading the newest
     materialization's run from the store: they re-run without retraining (the checks-only job)."""
-    return [_stage_check(stage, name, description, run_check)
-            for name, (description, run_check) in STAGE_CHECKS.items()]
+    return [_stage_check(stage, name, description, run_check) for name, description, run_check in STAGE_CHECKS]
 
 
 def _stage_check(stage: str, name: str, description: str, run_check):
@@ -130,6 +113,6 @@ def _stage_check(stage: str, name: str, description: str, run_check):
         md = latest_metadata(context, stage)
         ledger = Ledger.in_store(h.store)
         run = inv.StageRun.load(h.store, ledger, stage, md["run_key"])
-        return to_result(run_check(h.store, ledger, run, md, h))
+        return to_result(run_check(CheckInputs(h, ledger, run, md)))
 
     return check

@@ -231,8 +231,11 @@ def print_modes(stage_name: str, as_json: bool) -> int:
 
 
 def ledger_report(home: Home, tokenizer_id: str | None) -> dict[str, Any]:
+    from ghostvis_core.audit.contamination import shard_contamination
+
     ledger = Ledger.in_store(home.store)
-    return {"shards": ledger.shards(tokenizer_id=tokenizer_id), "runs": run_summaries(ledger)}
+    shards = ledger.shards(tokenizer_id=tokenizer_id)
+    return {"shards": shards, "runs": run_summaries(ledger), "contamination": shard_contamination(ledger, shards)}
 
 
 def resolve_run(home: Home, ledger: Ledger, name: str) -> str:
@@ -280,12 +283,19 @@ def cmd_ledger(args) -> int:
     if args.json:
         print(json.dumps(report, indent=2, default=str))
         return 0
-    shards = report["shards"]
-    print(f"{'shard':<26} {'split':<10} {'tokenizer':<22} {'docs':>7} {'tokens':>12} {'text_bytes':>12}")
+    shards, contamination = report["shards"], report["contamination"]
+    print(f"{'shard':<26} {'split':<10} {'tokenizer':<22} {'docs':>7} {'tokens':>12} {'text_bytes':>12} "
+          f"{'eval 13-grams':>13} {'docs sharing':>12} {'contaminated':>12}")
     for r in shards:
-        print(f"{r['shard_id']:<26} {r['split']:<10} {r['tokenizer_id']:<22} {r['docs']:>7,} {r['tokens']:>12,} {r['text_bytes']:>12,}")
+        c = contamination.get(r["shard_id"]) if r["split"] == "train" else None
+        eval_cols = (f"{c['shared_ngrams']:>13,} {c['docs_sharing']:>12,} {c['docs_contaminated']:>12,}" if c
+                     else f"{'-':>13} {'-':>12} {'-':>12}")
+        print(f"{r['shard_id']:<26} {r['split']:<10} {r['tokenizer_id']:<22} {r['docs']:>7,} {r['tokens']:>12,} "
+              f"{r['text_bytes']:>12,} {eval_cols}")
     print(f"{'total':<60} {sum(r['docs'] for r in shards):>7,} {sum(r['tokens'] for r in shards):>12,} "
           f"{sum(r['text_bytes'] for r in shards):>12,}")
+    print("(eval 13-grams: a train shard's document fingerprints shared with evaluation data; docs sharing: its "
+          "documents with any; contaminated: over the default contamination.max_overlap; see no_eval_contamination)")
     print()
     print(f"{'stage':<20} {'run_key':<28} {'steps':>6} {'planned':>11} {'real':>11} {'pad':>9} {'loss':>11} {'cropped':>9} seg")
     for r in report["runs"]:

@@ -17,7 +17,10 @@ import sys
 import textwrap
 
 REDUCED = "s.counts = s.counts + TokenCounts.from_list(reduced[1:])"
-GATHER = "gathered = gather_objects((c.pieces, c.counts, c.rows), run.ctx)"
+GATHER = "gathered = gather_objects((c.pieces, c.counts, c.rows, run.fed.records(run.ctx.rank)), run.ctx)"
+
+# the token figures divided by the step, except at the last step: the first step's figures, repeated
+STALE = "s.counts if s.step == run.total_steps else TokenCounts.from_list([x // s.step for x in s.counts.as_list()])"
 
 # bug -> [(module, function or Class.method, anchor text, replacement)]
 BUGS: dict[str, list[tuple[str, str, str, str]]] = {
@@ -45,6 +48,38 @@ BUGS: dict[str, list[tuple[str, str, str, str]]] = {
     # the split filter dropped: validation shards selected for training
     "split_filter_dropped": [("ghostvis_core.train.launch", "select_shards",
                               '        if r["split"] != split:\n            continue\n', "")],
+    # the source's validation shards merged into its train stream under a `train` label
+    "validation_merged_into_train": [("ghostvis_core.train.objectives", "Objective.__init__",
+                                      "{s.source: spec.train_shards[s.source] for s in recipe}",
+                                      "{s.source: spec.train_shards[s.source] + [dict(r, split='train') for r in "
+                                      "spec.val_shards.get(s.source, [])] for s in recipe}")],
+    # a row recorded as consumed but never trained: every row 2 mod 4 is fed row 3's content in its place
+    # (row 3 trained twice); the rows, pieces and counts recorded are the plan's
+    "row_fed_in_place_of_another": [("ghostvis_core.data.loader", "Batcher.batch",
+                                     "inputs=torch.from_numpy(np.stack([r.inputs for r in got])),\n"
+                                     "            targets=torch.from_numpy(np.stack([r.targets for r in got])),",
+                                     "inputs=torch.from_numpy(np.stack([self.row(g + (g % 4 == 2)).inputs for g in rows])),\n"
+                                     "            targets=torch.from_numpy(np.stack([self.row(g + (g % 4 == 2)).targets for g in rows])),")],
+    # the ranks' row offsets swapped in the shared row arithmetic: each rank reads the other's rows, the
+    # totals and ranges are unchanged
+    "ranks_swapped": [("ghostvis_core.data.loader", "micro_batch_rows", "(micro * plan.world_size + rank)",
+                       "(micro * plan.world_size + (plan.world_size - 1 - rank))")],
+    # lm targets equal to the inputs (the model learns to copy, not to predict): every count is unchanged
+    "targets_are_inputs": [("ghostvis_core.data.loader", "LMRows.row", "return Row(t[:-1], t[1:], pieces, real=L, pad=0)",
+                            "return Row(t[:-1], t[:-1].copy(), pieces, real=L, pad=0)")],
+    # sft: loss on every token of a chat, not only the assistant's
+    "chat_mask_ignored": [("ghostvis_core.data.loader", "ChatRows.row",
+                           "tgt = np.where(mask[1:n] > 0, ids[1:n], IGNORE_INDEX)", "tgt = ids[1:n]")],
+    # sft: packed chats attend to each other (every position in document 0); every count is unchanged
+    "chat_doc_ids_dropped": [("ghostvis_core.data.loader", "ChatRows.row", "doc_ids[pos : pos + n] = slot",
+                              "doc_ids[pos : pos + n] = 0")],
+    # images fed to the wrong rows: a micro-batch's images rotated by one
+    "images_rotated": [("ghostvis_core.data.loader", "Batcher.batch", "images=[im for r in got for im in r.images],",
+                        "images=[im for r in got for im in r.images][1:] + [im for r in got for im in r.images][:1],")],
+    # MLflow's token chart stays at the first step's figures until the last point, which is right
+    # (a chart reading 512, 512, 512, 2048)
+    "mlflow_history_stale": [("ghostvis_core.train.loop", "token_metrics", "**s.counts.as_metrics(),",
+                              f"**({STALE}).as_metrics(),")],
     # not a bug: the run stops (every rank) right after its first checkpoint, to be resumed
     "stop_after_first_checkpoint": [("ghostvis_core.train.loop", "maybe_checkpoint", "        commit(run)\n",
                                      "        commit(run)\n        __import__('os')._exit(3)\n")],

@@ -18,6 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from ghostvis_core.audit.stage_checks import STAGE_CHECKS
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.token_shard import TokenShard, write_token_shard
 from ghostvis_core.errors import GhostvisError
@@ -35,14 +36,18 @@ SMOKE_ACCUM = ["--stage", "pretrain", "--preset", "smoke", "--set", f"budget.ste
                "--set", "batch.grad_accum_steps=2", "--set", "batch.micro_batch_size=2", "--set", "batch.seq_len=64",
                "--set", "checkpoint.every_steps=2", "--set", "eval.val_tokens=256"]
 TORCHRUN_BUGS = ["rank0_counters", "rank0_everywhere", "last_micro_batch_only", "micro_batch_0_twice",
-                 "last_part_unpublished"]
+                 "last_part_unpublished", "row_fed_in_place_of_another", "ranks_swapped", "targets_are_inputs",
+                 "mlflow_history_stale"]
+# sft: 4 steps of the smoke recipe (8 packed chats of 256 positions per rank and step, image chats among them)
+SMOKE_SFT = ["--stage", "sft", "--preset", "smoke", "--set", "budget.steps=4", "--set", "checkpoint.every_steps=2"]
+SFT_BUGS = ["chat_mask_ignored", "chat_doc_ids_dropped", "images_rotated"]
 
 
-def launch(home: Path, bugs: str | None, seed: int, check: bool = True) -> str:
-    """One smoke pretrain (2 ranks), with `bugs` planted in its rank processes; its run key. A distinct
-    data.seed gives each scenario a run key of its own."""
+def launch(home: Path, bugs: str | None, seed: int, check: bool = True, args: list[str] = SMOKE_ACCUM) -> str:
+    """One smoke stage run (2 ranks; pretrain unless `args` say otherwise), with `bugs` planted in its rank
+    processes; its run key. A distinct data.seed gives each scenario a run key of its own."""
     module = ["-m", "tests.planted", bugs, "--"] if bugs else ["-m", "ghostvis_core.train"]
-    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", *module, *SMOKE_ACCUM,
+    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", *module, *args,
                     "--set", f"data.seed={seed}"], home, check=check, OMP_NUM_THREADS="1")
     return re.search(r"run (\S+) segment", proc.stdout).group(1)
 
@@ -58,15 +63,22 @@ def planted(demo_home, tmp_path_factory) -> tuple[Path, dict[str, str]]:
         keys[bug] = launch(home, bug, seed)
     launch(home, "stop_after_first_checkpoint", 20, check=False)
     keys["resume_rewinds"] = launch(home, "resume_rewinds", 20)
+    keys["sft_clean"] = launch(home, None, 30, args=SMOKE_SFT)
+    for seed, bug in enumerate(SFT_BUGS, start=31):
+        keys[bug] = launch(home, bug, seed, args=SMOKE_SFT)
     return home, keys
 
 
-def checks_of(home: Path, run_key: str) -> dict[str, dict]:
-    """Every stage check of the run, by name, as `ghostvis audit` runs them (no Dagster metadata)."""
+def checks_of(home: Path, run_key: str, bug: str | None = None, monkeypatch=None, stage: str = "pretrain") -> dict[str, dict]:
+    """Every stage check of the run, by name, as `ghostvis audit` runs them (no Dagster metadata). With
+    `bug`, the same bug is planted in this (the auditing) process too: the audit must not run the code
+    it checks, so a bug in shared code must still be caught."""
     from ghostvis_core.audit.report import audit_stage
 
+    if bug:
+        plant(bug, setter=monkeypatch.setattr)
     h = Home(home)
-    result = audit_stage(h, Ledger.in_store(h.store), "pretrain", run_key, None)
+    result = audit_stage(h, Ledger.in_store(h.store), stage, run_key, None)
     return {c["name"]: c for c in result["checks"]}
 
 
@@ -82,6 +94,32 @@ def test_a_grad_accum_smoke_stage_passes_every_check_and_the_recount_equals_the_
     assert figures["real_tokens_trainer"] == figures["real_tokens_recount"] == STEPS * TOKENS_PER_STEP
     assert checks["consumption_matches_plan"]["figures"]["expected_shard_tokens"] == STEPS * TOKENS_PER_STEP
     assert checks["every_rank_read_its_rows"]["figures"]["shares"] == 2 * 2  # 2 parts x 2 ranks
+    content = checks["fed_content_matches_files"]["figures"]
+    # 4 steps x 2 ranks, 8 rows per step rebuilt from the files, each matching its digest
+    assert (content["rank_steps_checked"], content["rows_rebuilt"], content["problems"]) == (STEPS * 2, STEPS * 8, 0)
+
+
+def test_a_row_recorded_but_never_trained_is_named_by_the_content_proof_alone(planted, monkeypatch):
+    home, keys = planted
+    checks = checks_of(home, keys["row_fed_in_place_of_another"], "row_fed_in_place_of_another", monkeypatch)
+    assert failed(checks) == {"fed_content_matches_files"}  # every count, range and share is right
+    failures = checks["fed_content_matches_files"]["failures"]
+    # rows 2 mod 4 are rows 2 and 6 of step 1 (8 rows a step): rank 1, micro-batches 0 and 1, in every step
+    assert len(failures) == STEPS * 2
+    assert re.fullmatch(r"pretrain step 1 rank 1 micro-batch 0: row 2 was recorded but row 3 was fed in its place "
+                        r"\(first differing position \d+: inputs \d+ in the files' row 2, \d+ fed\)", failures[0]), failures[0]
+
+
+def test_a_rank_offset_bug_in_shared_row_arithmetic_is_caught_with_the_bug_in_the_audit_too(planted, monkeypatch):
+    home, keys = planted
+    checks = checks_of(home, keys["ranks_swapped"], "ranks_swapped", monkeypatch)
+    assert {"every_rank_read_its_rows", "fed_content_matches_files"} <= failed(checks)
+    assert {"tokens_recounted_from_files", "consumption_matches_plan"}.isdisjoint(failed(checks))  # totals right
+    problems = checks["every_rank_read_its_rows"]["tables"]["problems"]["rows"]
+    assert [(row[1], row[2], row[3]) for row in problems[:2]] == [(0, "0..2, 4..6, 8..10, 12..14", "2..4, 6..8, 10..12, 14..16"),
+                                                                  (1, "2..4, 6..8, 10..12, 14..16", "0..2, 4..6, 8..10, 12..14")]
+    assert "pretrain step 1 rank 0 micro-batch 0: recorded rows 2..4, the plan's rows are 0..2" in \
+        checks["fed_content_matches_files"]["failures"]
 
 
 def test_counters_summed_on_rank_0_only_fail_the_recount(planted):
@@ -111,10 +149,61 @@ def test_only_the_last_micro_batch_counted_leaves_a_gap_in_every_rank(planted):
     assert {(row[1], row[4]) for row in problems} == {(0, "other rows"), (1, "other rows")}
 
 
-def test_micro_batch_0_trained_twice_fails_the_recount_where_the_old_checks_passed(planted):
+def test_targets_equal_to_the_inputs_are_caught_by_the_content_proof_alone(planted, monkeypatch):
     home, keys = planted
-    checks = checks_of(home, keys["micro_batch_0_twice"])
-    assert {"tokens_recounted_from_files", "consumption_matches_plan", "every_rank_read_its_rows"} <= failed(checks)
+    checks = checks_of(home, keys["targets_are_inputs"], "targets_are_inputs", monkeypatch)
+    assert failed(checks) == {"fed_content_matches_files"}
+    failures = checks["fed_content_matches_files"]["failures"]
+    assert len(failures) == STEPS * 2 * 2  # every micro-batch of every rank and step
+    assert failures[0] == "pretrain step 1 rank 0 micro-batch 0: row 0 as fed matches no row of the plan within 2 steps of step 1"
+
+
+def test_a_stale_mlflow_token_chart_with_a_right_last_point_is_named_step_by_step(planted, monkeypatch):
+    home, keys = planted
+    checks = checks_of(home, keys["mlflow_history_stale"], "mlflow_history_stale", monkeypatch)
+    assert failed(checks) == {"mlflow_token_history"}  # the newest point, which the old check read, is right
+    failures = checks["mlflow_token_history"]["failures"]
+    assert "step 2: real + pad mlflow 512 != step x tokens_per_step 1,024" in failures
+
+
+def sft_checks(planted, bug: str | None, monkeypatch) -> dict[str, dict]:
+    home, keys = planted
+    return checks_of(home, keys[bug or "sft_clean"], bug, monkeypatch, stage="sft")
+
+
+def test_a_clean_sft_run_with_images_passes_every_check_and_its_rows_are_rebuilt(planted, monkeypatch):
+    checks = sft_checks(planted, None, monkeypatch)
+    assert not failed(checks), {n: c["failures"] for n, c in checks.items() if not c["passed"]}
+    content = checks["fed_content_matches_files"]["figures"]
+    assert (content["rank_steps_checked"], content["rows_rebuilt"], content["problems"]) == (4 * 2, 4 * 16, 0)
+
+
+def test_loss_on_every_chat_token_fails_the_recount_and_the_content_proof(planted, monkeypatch):
+    checks = sft_checks(planted, "chat_mask_ignored", monkeypatch)
+    assert {"tokens_recounted_from_files", "fed_content_matches_files"} <= failed(checks)
+    figures = checks["tokens_recounted_from_files"]["figures"]
+    assert figures["loss_tokens_trainer"] > figures["loss_tokens_recount"] > 0
+    assert figures["real_tokens_trainer"] == figures["real_tokens_recount"]
+
+
+def test_packed_chats_attending_across_documents_are_caught_by_the_content_proof_alone(planted, monkeypatch):
+    checks = sft_checks(planted, "chat_doc_ids_dropped", monkeypatch)
+    assert failed(checks) == {"fed_content_matches_files"}
+    assert "sft step 1 rank 0 micro-batch 0: row 0 as fed matches no row of the plan" in \
+        checks["fed_content_matches_files"]["failures"][0]
+
+
+def test_images_fed_to_the_wrong_rows_are_caught_by_the_content_proof_alone(planted, monkeypatch):
+    checks = sft_checks(planted, "images_rotated", monkeypatch)
+    assert failed(checks) == {"fed_content_matches_files"}
+    assert all(": images fed [" in f for f in checks["fed_content_matches_files"]["failures"])
+
+
+def test_micro_batch_0_trained_twice_fails_the_recount_where_the_old_checks_passed(planted, monkeypatch):
+    home, keys = planted
+    checks = checks_of(home, keys["micro_batch_0_twice"], "micro_batch_0_twice", monkeypatch)
+    assert {"tokens_recounted_from_files", "consumption_matches_plan", "every_rank_read_its_rows",
+            "fed_content_matches_files"} <= failed(checks)
     assert {"tokens_match_plan", "ledger_mlflow_metadata_agree"}.isdisjoint(failed(checks))  # the old checks miss it
     figures = checks["tokens_recounted_from_files"]["figures"]
     half = STEPS * TOKENS_PER_STEP // 2
@@ -237,7 +326,8 @@ def test_the_checks_only_job_re_executes_every_check_without_retraining(home_cop
                    e.event_log_entry.dagster_event.event_specific_data.passed for e in events}
     assert run.job_name == "checks_only"
     assert results[("sft", "tokens_recounted_from_files")] and all(results.values()), results
-    assert len(results) == 4 + 8 * len(stage_names())  # 4 data checks, 8 per stage
+    # 4 data checks, the lineage quality gate on `evaluation`, then every stage check of every stage
+    assert len(results) == 4 + 1 + len(STAGE_CHECKS) * len(stage_names())
 
 
 def last_part_files(home: Path, stage: str) -> list[Path]:

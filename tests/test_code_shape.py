@@ -23,7 +23,7 @@ MAX_PARAMS = 8
 # A module may import modules of its own layer or lower ones. "x.*" is the package x and everything in it.
 LAYERS = {
     "ghostvis_core": 0,  # the package root: it is imported before any of its modules
-    "ghostvis_core.errors": 0, "ghostvis_core.config": 0, "ghostvis_core.counts": 0, "ghostvis_core.identity": 0,
+    "ghostvis_core.errors": 0, "ghostvis_core.digest": 0, "ghostvis_core.config": 0, "ghostvis_core.counts": 0, "ghostvis_core.identity": 0,
     "ghostvis_core.stages": 1, "ghostvis_core.presets": 1, "ghostvis_core.store": 1, "ghostvis_core.s3_store": 1, "ghostvis_core.home": 1,
     "ghostvis_core.data.*": 2, "ghostvis_core.model.*": 2, "ghostvis_core.track.*": 2, "ghostvis_core.budget": 2,
     "ghostvis_core.run_modes": 2,
@@ -205,6 +205,46 @@ def offenders() -> list[str]:
             out += check_source(path.read_text(encoding="utf-8"), module_name(path), where,
                                 path.name == "__init__.py")
     return out
+
+
+# The audit proves what the trainer did, so it must not run the trainer's code: nothing it imports, however
+# indirectly, may be the loader, the objectives, the loop or the model (the launch spec, run record and run
+# folders under train/ are records it reads). A bug planted there is then caught, not repeated.
+AUDIT_MAY_NOT_REACH = ("ghostvis_core.train.", "ghostvis_core.data.loader", "ghostvis_core.data.stream",
+                       "ghostvis_core.data.token_shard", "ghostvis_core.model")
+AUDIT_RECORDS = {"ghostvis_core.train.spec", "ghostvis_core.train.result", "ghostvis_core.train.runs"}
+
+
+def _runtime_imports(path: Path, module: str) -> set[str]:
+    """Project modules a module imports when it runs (imports under `if TYPE_CHECKING:` do not run)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            node.body = []
+    return {t for _, t in _imports(tree, module, path.name == "__init__.py") if _is_project_module(t)}
+
+
+def reachable(start: str) -> dict[str, str]:
+    """Every project module `start` imports, directly or not: module -> the module that imports it."""
+    seen, todo = {start: ""}, [start]
+    while todo:
+        mod = todo.pop()
+        path = ROOT.joinpath(*mod.split("."))
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        for target in sorted(_runtime_imports(path, mod)):
+            if target not in seen:
+                seen[target] = mod
+                todo.append(target)
+    return seen
+
+
+def test_the_audit_reaches_no_training_or_loader_code():
+    problems = []
+    for path in sorted((ROOT / "ghostvis_core" / "audit").glob("*.py")):
+        for target, via in reachable(module_name(path)).items():
+            if target.startswith(AUDIT_MAY_NOT_REACH) and target not in AUDIT_RECORDS:
+                problems.append(f"{module_name(path)} reaches {target} (imported by {via})")
+    assert not problems, "\n".join(problems)
 
 
 def test_code_shape():

@@ -18,6 +18,10 @@ from ghostvis_core.data.demo_corpus import (
     TEXT_SOURCES,
     build_text_source,
 )
+from ghostvis_core.data import demo_corpus
+from ghostvis_core.data.demo_tasks import TASK_SOURCES, build_task_source
+from ghostvis_core.data.eval_texts import shipped_texts
+from ghostvis_core.data.ngrams import fingerprints, record_text
 from ghostvis_core.errors import GhostvisError
 
 EXPECTED_SCHEMA = {
@@ -53,6 +57,8 @@ def _sha256(path):
 
 
 def test_rebuild_is_byte_identical(built, tmp_path):
+    demo_corpus._split.cache_clear()  # read the stdlib again, not the first build's documents
+    demo_corpus._held_out.cache_clear()
     for source in TEXT_SOURCES:
         first, _ = built[source]
         second = build_text_source(source, tmp_path / source)
@@ -130,3 +136,18 @@ def test_unknown_source_is_a_clear_error(tmp_path):
     with pytest.raises(GhostvisError, match="demo_prose, demo_code"):
         build_text_source("demo_poetry", tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+def test_no_training_document_of_the_demo_shares_a_fingerprint_with_its_validation(built, tmp_path):
+    """From the built shards, across both builders: no training document of any demo source shares a
+    13-gram fingerprint with a validation document of any (the code holds the prose's docstrings;
+    demo_tasks.py is never checked against the stdlib text, so this is what holds them apart) or with
+    a shipped evaluation item."""
+    shards = {s: (built[s][0], "text") for s in TEXT_SOURCES}
+    shards |= {s: (build_task_source(s, tmp_path / s), kind) for s, kind in TASK_SOURCES.items()}
+    fps = {(s, split): [fingerprints(record_text(kind, r)) for r in _rows(files, split)]
+           for s, (files, kind) in shards.items() for split in ("train", "validation")}
+    held = set().union(*(f for (_, split), docs in fps.items() if split == "validation" for f in docs),
+                       *(fingerprints(t) for t in shipped_texts()))
+    assert {s: sum(1 for f in fps[(s, "train")] if f & held) for s in shards} == {s: 0 for s in shards}
+    assert all(sum(1 for f in fps[(s, "train")] if f) > 100 for s in shards if s != "demo_images")  # not empty

@@ -9,6 +9,7 @@ import random
 import re
 import time
 from collections import Counter
+from functools import partial
 
 import numpy as np
 import pyarrow as pa
@@ -16,6 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
+from ghostvis_core.data.decontaminate import drop_shared, held_out_fingerprints
+from ghostvis_core.data.eval_texts import shipped_texts
+from ghostvis_core.data.ngrams import fingerprints, record_text
 from ghostvis_core.data.demo_tasks import (
     COLORS,
     SPLIT_SIZES,
@@ -34,6 +38,12 @@ EXPECTED_SCHEMAS = {
     "demo_images": {"image": pa.binary(), "caption": pa.string(), "shape": pa.string(), "color": pa.string(),
                     "count": pa.int64(), "position": pa.string(), "id": pa.string()},
 }
+# Generated training rows dropped for sharing a 13-gram fingerprint with a validation row of any task
+# source. demo_prefs: all 308 pairs whose rejected reply ends in the 24-word "I hope this helps! ..."
+# tail (21 validation pairs have it too) and 32 that repeat a validation pair's or chat's Q&A;
+# demo_chat: 14 of its 64 repeat a validation preference pair's; demo_images: captions are too short
+# to have a fingerprint.
+DECONTAMINATED = {"demo_reasoning": 23, "demo_chat": 64, "demo_prefs": 340, "demo_images": 0}
 SHARD_NAMES = ["00000.parquet", "00001.parquet", "00002.parquet", "00003.parquet", "val_00000.parquet"]
 STEP = re.compile(r"^Step (\d+): (\d+) ([-+*]) (\d+) = (\d+)\.$")
 ARITH_REPLY = re.compile(r"^(\d+) ([-+*]) (\d+) = (\d+)\.$")
@@ -130,7 +140,7 @@ def test_shards_splits_and_counts(built, source):
     assert all(pq.read_metadata(p).num_rows > 0 for p, _ in shards)
     assert all(pq.ParquetFile(p).metadata.row_group(0).column(0).compression == "ZSTD" for p, _ in shards)
     n_train, n_val = SPLIT_SIZES[source]
-    assert len(_rows(built, source, "train")) == n_train
+    assert len(_rows(built, source, "train")) == n_train - DECONTAMINATED[source]
     assert len(_rows(built, source, "validation")) == n_val
     assert n_train >= 3000 and n_val >= 200
 
@@ -168,6 +178,29 @@ def test_rows_unique_and_validation_not_in_train(built, source):
     val = [_content(source, r) for r in _rows(built, source, "validation")]
     assert len(set(train)) == len(train) and len(set(val)) == len(val)
     assert not set(train) & set(val)
+
+
+def test_a_training_row_holding_20_words_of_a_validation_row_is_dropped():
+    val = " ".join(f"v{i}" for i in range(40))
+    passage = " ".join(f"v{i}" for i in range(10, 30))  # 20 words: a shared fingerprint is guaranteed
+    near = " ".join(f"v{i}" for i in range(10, 22))  # 12 words: no 13-gram in common
+    train = [{"text": f"Tom has 3 apples. {passage}. Answer: 3"},
+             {"text": f"Ann has 2 pears. {near} and more words here."}]
+    held = held_out_fingerprints([val])
+    assert drop_shared(train, partial(record_text, "text"), held) == [train[1]]
+
+
+@pytest.mark.parametrize("source", list(TASK_SOURCES))
+def test_train_shares_no_fingerprint_with_validation_or_shipped_items(built, source):
+    """From the built shards, the way tokenization fingerprints them: the held-out side is every task
+    source's validation rows (the gate compares across kinds) and the shipped evaluation items."""
+    held = set().union(*(fingerprints(record_text(k, r)) for s, k in TASK_SOURCES.items()
+                         for r in _rows(built, s, "validation")), *(fingerprints(t) for t in shipped_texts()))
+    kind = TASK_SOURCES[source]
+    train = [fingerprints(record_text(kind, r)) for r in _rows(built, source, "train")]
+    assert sum(1 for fps in train if fps & held) == 0
+    if kind != "image_caption":  # captions are too short for a 13-gram, so the check would be empty
+        assert sum(1 for fps in train if fps) > len(train) / 2 and held
 
 
 # --- demo_reasoning ---------------------------------------------------------------------------

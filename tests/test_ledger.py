@@ -209,6 +209,8 @@ def test_unrelated_runs_are_not_compared(parent_run):
 
 
 def test_leakage_lists_validation_shards_trained_on(ledger):
+    ledger.write_shard(shard_record("s0"))
+    ledger.write_shard(shard_record("v0", split="validation"))
     ledger.write_part(part("l.p0", "l", created_at=1.0),
                       [piece("s0", (0, 100), (0, 10)), piece("v0", (0, 30), (0, 3), split="validation")])
     ledger.write_part(part("l.p1", "l", steps=(11, 20), prev="l.p0", created_at=2.0),
@@ -219,11 +221,13 @@ def test_leakage_lists_validation_shards_trained_on(ledger):
 
 
 def test_no_leakage_when_only_train_shards(ledger):
+    ledger.write_shard(shard_record("s0"))
     ledger.write_part(part("ok.p0", "ok"), [piece("s0", (0, 100), (0, 10))])
     assert ledger.leakage("ok") == []
 
 
 def test_orphan_part_leakage_is_not_on_the_chain(resumed_run):
+    resumed_run.write_shard(shard_record("s0"))
     assert resumed_run.leakage("r") == []  # only the orphaned p1 read v0
 
 

@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from ghostvis_core.config import ModelConfig, VisionConfig
+from ghostvis_core.config import DPOConfig, ModelConfig, VisionConfig
 from ghostvis_core.data.chat import render_chat
 from ghostvis_core.data.loader import Batch, Batcher, ChatRows, PreferenceRows
 from ghostvis_core.data.stream import ShardRef, SourceStream
@@ -147,7 +147,7 @@ class FixedLogprobs(torch.nn.Module):
 
 def dpo(beta: float, ref: torch.nn.Module) -> DPOObjective:
     obj = DPOObjective.__new__(DPOObjective)  # the loss needs beta and the reference, not shards
-    obj.beta, obj.ref = beta, ref
+    obj.dpo, obj.ref = DPOConfig(beta=beta), ref
     return obj
 
 

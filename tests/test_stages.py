@@ -27,7 +27,7 @@ def test_the_readme_stage_table_is_the_generated_one():
 def test_the_chain_is_ordered_and_every_upstream_is_a_stage():
     names = stage_names()
     assert names == ["pretrain", "continued_pretrain", "context_expansion", "reasoning_mix", "vision_alignment",
-                     "sft", "dpo"]
+                     "sft", "dpo", "rl"]
     for i, s in enumerate(STAGES):
         assert s.upstream is None if i == 0 else names.index(s.upstream) < i
 
@@ -71,7 +71,7 @@ def _defaults(tp) -> dict[str, typing.Any]:
 SECTIONS = {"batch": config.BatchConfig, "optim": config.OptimConfig, "budget": config.BudgetConfig,
             "data": config.DataConfig, "eval": config.EvalConfig, "checkpoint": config.CheckpointConfig,
             "runtime": config.RuntimeConfig, "vision": config.VisionConfig, "dpo": config.DPOConfig,
-            "model": config.ModelConfig, "parallel": config.ParallelConfig}
+            "model": config.ModelConfig, "parallel": config.ParallelConfig, "grpo": config.GRPOConfig}
 
 
 @pytest.mark.parametrize("preset", presets.preset_names())

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
+from ghostvis_core.audit.stage_checks import stage_check_names
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.stages import stage_names
@@ -36,9 +37,7 @@ STAGES = stage_names()
 ASSETS = ["shard_manifest", "raw_shards", "tokenizer", "tokenized_shards", "token_ledger", "pretrain",
           "continued_pretrain", "context_expansion", "reasoning_mix", "vision_alignment", "sft", "dpo",
           "pretrain_variants", "evaluation", "report"]
-STAGE_CHECKS = ["tokens_recounted_from_files", "consumption_matches_plan", "no_validation_selected",
-                "every_rank_read_its_rows", "tokens_match_plan", "ledger_mlflow_metadata_agree", "no_reuse",
-                "no_validation_leakage"]
+STAGE_CHECKS = stage_check_names()  # the one registry (ghostvis_core/audit/stage_checks.py)
 TOKEN_COLS = {"real": "real_tokens", "pad": "pad_tokens", "loss": "loss_tokens", "cropped": "cropped_tokens"}
 # Debian's chromium under Playwright (Playwright's own browser download is not used). Without the
 # background-networking flags chromium dials out at start-up, which a closed network refuses.

@@ -4,28 +4,21 @@ From the launch spec (steps, tokens_per_step's factors, mixture, where each sour
 ledger's shard sizes, the rows [0, steps x rows_per_step) are mapped to their sources and to shard
 token ranges by the stage's row rule; the ranges the ledger recorded must be exactly those: a gap,
 a range read twice or an unexpected range (a resume that started in the wrong place shows as all
-three) fails with the ranges. Each rank's share of each part must be exactly the rows the loader's
-arithmetic gives that rank for those steps.
+three) fails with the ranges. Each rank's share of each part must be exactly the rows the row rule
+gives that rank for those steps. The rows come from rebuild.py, the audit's own code, never the loader's.
 """
 
 from __future__ import annotations
 
-import json
+from dataclasses import asdict
 from typing import Any
 
-from ghostvis_core.budget import BatchPlan
-from ghostvis_core.config import StageConfig
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import row_ranges
-from ghostvis_core.data.loader import LMRows, merge_pieces, micro_batch_rows
-from ghostvis_core.data.stream import Piece, SourceStream
 from ghostvis_core.store import LocalStore
-from ghostvis_core.train.objectives import build_objective
-from ghostvis_core.train.setup import localize_shards
 from ghostvis_core.train.spec import LaunchSpec
 from ghostvis_core.audit.outcome import covered_twice, length, subtract, union
-
-READ_CHUNK = 1 << 22  # tokens per read when mapping a long window range to shards
+from ghostvis_core.audit.rebuild import PlannedRows, Span, micro_rows
 
 
 def rows_per_step(spec: LaunchSpec) -> int:
@@ -33,33 +26,14 @@ def rows_per_step(spec: LaunchSpec) -> int:
     return int(p["micro_batch_size"]) * int(p["world_size"]) * int(p["grad_accum_steps"])
 
 
-def stream_pieces(stream: SourceStream, start: int, end: int) -> list[Piece]:
-    """The shard pieces of stream tokens [start, end), epochs included."""
-    out = []
-    while start < end:
-        stop = min(end, start + READ_CHUNK)
-        out += stream.read(start, stop)[1]
-        start = stop
-    return out
-
-
-def expected_pieces(store: LocalStore, spec: LaunchSpec) -> list[Piece]:
-    """The merged shard pieces the plan's rows read (windows: one stream range per source; documents:
-    the rows the stage's rule packs), from the token files in the store."""
-    spec = LaunchSpec.from_dict(json.loads(spec.to_json()))  # a copy: its shard paths are localized below
-    localize_shards(spec, store)
-    objective = build_objective(spec, StageConfig.from_dict(spec.config))
+def expected_pieces(store: LocalStore, spec: LaunchSpec) -> list[Span]:
+    """The shard spans the plan's rows read (windows: one stream range per source; documents: the rows
+    the stage's rule packs), rebuilt from the token files by the audit's own row rule."""
     n_rows = int(spec.plan["steps"]) * rows_per_step(spec)
-    pieces: list[Piece] = []
-    for rs, n in zip(objective.batcher.sources, objective.batcher.schedule.rows_before(n_rows)):
-        if isinstance(rs, LMRows):
-            pieces += stream_pieces(rs.stream, rs.start, rs.start + n * rs.seq_len)
-        else:
-            pieces += [p for j in range(n) for p in rs.row(j).pieces]
-    return merge_pieces(pieces)[0]
+    return PlannedRows(store, asdict(spec)).spans_before(n_rows)
 
 
-def compare_ranges(expected: list[Piece], recorded: list[dict[str, Any]]) -> list[list[Any]]:
+def compare_ranges(expected: list[Span], recorded: list[dict[str, Any]]) -> list[list[Any]]:
     """[kind, shard, epoch, range, tokens] for every gap (expected, not recorded), range read twice, and
     unexpected range (recorded, not expected), per (shard, epoch)."""
     want: dict[tuple[str, int], list[tuple[int, int]]] = {}
@@ -77,7 +51,7 @@ def compare_ranges(expected: list[Piece], recorded: list[dict[str, Any]]) -> lis
     return out
 
 
-def expected_tokens(expected: list[Piece]) -> int:
+def expected_tokens(expected: list[Span]) -> int:
     by: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for p in expected:
         by.setdefault((p.shard_id, p.epoch), []).append((p.tok_start, p.tok_end))
@@ -104,9 +78,8 @@ def part_row_problems(chain: list[dict[str, Any]], spec: LaunchSpec) -> list[str
 
 def rank_rows(part: dict[str, Any], rank: int, per_step: int) -> list[list[int]]:
     """The global rows rank `rank` reads in the part's steps, as [start, end) ranges."""
-    plan = BatchPlan(part["micro_batch_size"], part["seq_len"], part["world_size"], part["grad_accum_steps"])
-    rows = [g for s in range(part["step_first"], part["step_last"] + 1)
-            for m in range(plan.grad_accum_steps) for g in micro_batch_rows((s - 1) * per_step, m, rank, plan)]
+    rows = [g for s in range(part["step_first"], part["step_last"] + 1) for m in range(part["grad_accum_steps"])
+            for g in micro_rows((s - 1) * per_step, m, rank, part["micro_batch_size"], part["world_size"])]
     return row_ranges(rows)
 
 

@@ -12,7 +12,6 @@ from typing import Any
 from ghostvis_core.counts import MLFLOW_METRICS, TokenCounts
 from ghostvis_core.data.catalog import registered_manifests
 from ghostvis_core.data.ledger import Ledger, duplicate_shards, file_sha256, train_validation_overlap, validation_selected
-from ghostvis_core.data.token_shard import TokenShard
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import LocalStore
 from ghostvis_core.train.result import RunResult
@@ -23,6 +22,7 @@ from ghostvis_core.audit.expected import (
 )
 from ghostvis_core.audit.outcome import CheckOutcome
 from ghostvis_core.audit.recount import FileRecount, recount
+from ghostvis_core.audit.token_files import TokenFile
 
 
 @dataclass
@@ -99,7 +99,8 @@ def consumption_matches_plan(store: LocalStore, run: StageRun) -> CheckOutcome:
     failures = part_row_problems(run.chain, run.spec)
     ids = [p["part_id"] for p in run.parts]
     failures += [f"part {i} is recorded {ids.count(i)} times in the ledger" for i in sorted(set(ids)) if ids.count(i) > 1]
-    failures += [f"{kind} {shard} epoch {epoch} tokens {span} ({n:,} tokens)" for kind, shard, epoch, span, n in ranges[:50]]
+    failures += [f"{kind} {shard} epoch {epoch} tokens {span} ({n:,} tokens): {range_readers(run, shard, epoch, span)}"
+                 for kind, shard, epoch, span, n in ranges[:50]]
     plan = run.spec.plan
     tps, steps, planned = int(plan["tokens_per_step"]), int(plan["steps"]), int(plan["planned_tokens"])
     consumed = run.record.counts.consumed
@@ -118,8 +119,21 @@ def consumption_matches_plan(store: LocalStore, run: StageRun) -> CheckOutcome:
         tables={"ranges": (["kind", "shard", "epoch", "tokens_range", "tokens"], ranges[:200])}, failures=failures)
 
 
+def range_readers(run: StageRun, shard: str, epoch: int, span: str) -> str:
+    """Which recorded parts of the run read tokens `span` ("a..b") of (shard, epoch), with their
+    segments and steps (from the ledger's parts table): a range's message names who read it."""
+    a, b = (int(x) for x in span.split(".."))
+    ids = sorted({r["part_id"] for r in run.consumption if r["shard_id"] == shard and int(r["epoch"]) == epoch
+                  and r["tok_start"] < b and a < r["tok_end"]})
+    parts = {p["part_id"]: p for p in run.parts}
+    named = [_part_text(i, None, parts[i]["segment"], f"{parts[i]['step_first']}..{parts[i]['step_last']}")
+             for i in ids if i in parts]
+    return "read by " + " and ".join(named) if named else "read by no part of the run's chain"
+
+
 def no_validation_selected(ledger: Ledger, run: StageRun) -> CheckOutcome:
-    """The run's selected train shards (its spec) hold no shard the ledger calls validation."""
+    """The run's selected train shards (its spec) are all train in the ledger's shard table; the split
+    label the spec carries is shown, never trusted."""
     found = validation_selected(ledger, run.spec.tokenizer_id, run.spec.train_shards)
     rows = [[r["source"], r["shard_id"], r["split"], r["spec_split"]] for r in found]
     return CheckOutcome("no_validation_selected", not found, figures={
@@ -163,6 +177,62 @@ def figures_agree(ledger: Ledger, run: StageRun, mlflow: dict[str, float], metad
                         tables={"comparison": (header, rows)}, failures=failures)
 
 
+def _points_by_step(history: dict[str, list[tuple[int, float]]]) -> dict[int, dict[str, set[int]]]:
+    """step -> figure -> the values MLflow holds for it (a resumed segment re-logs its steps: one value)."""
+    out: dict[int, dict[str, set[int]]] = {}
+    for k, metric in MLFLOW_METRICS.items():
+        for step, value in history.get(metric, []):
+            out.setdefault(step, {}).setdefault(k, set()).add(int(value))
+    return out
+
+
+def _history_problems(by_step: dict[int, dict[str, set[int]]], tokens_per_step: int) -> list[str]:
+    """At each logged step: each figure logged once, none below its previous point, and real + pad ==
+    step x tokens_per_step."""
+    out, last = [], {}
+    for step in sorted(by_step):
+        values = by_step[step]
+        for k in TokenCounts.names():
+            got = sorted(values.get(k, ()))
+            if len(got) != 1:
+                out.append(f"step {step}: {k} has {len(got)} values in MLflow ({', '.join(map(str, got)) or 'none'})")
+                continue
+            if k in last and got[0] < last[k][1]:
+                out.append(f"step {step}: {k} mlflow {got[0]:,} falls below {last[k][1]:,} at step {last[k][0]}")
+            last[k] = (step, got[0])
+        if all(len(values.get(k, ())) == 1 for k in ("real_tokens", "pad_tokens")):
+            consumed = min(values["real_tokens"]) + min(values["pad_tokens"])
+            if consumed != step * tokens_per_step:
+                out.append(f"step {step}: real + pad mlflow {consumed:,} != step x tokens_per_step "
+                           f"{step * tokens_per_step:,}")
+    return out
+
+
+def mlflow_token_history(chain: list[dict[str, Any]], tokens_per_step: int,
+                         history: dict[str, list[tuple[int, float]]]) -> CheckOutcome:
+    """Every logged point of the four token metrics, not only the newest (a chart reading 512, 512, 512,
+    2048 with its last point right is wrong): per step see `_history_problems`; and at each committed
+    step (a part's step_last along the chain) each figure equals the ledger's cumulative figure up to
+    that part (the trainer logs the token metrics at every checkpoint step)."""
+    by_step = _points_by_step(history)
+    failures, rows, cumulative = _history_problems(by_step, tokens_per_step), [], TokenCounts()
+    for part in chain:
+        cumulative = cumulative + TokenCounts.from_mapping(part)
+        step = part["step_last"]
+        for k, want in cumulative.as_dict().items():
+            got = sorted(by_step.get(step, {}).get(k, ()))
+            rows.append([step, part["part_id"], part["segment"], k, ", ".join(map(str, got)) or "none", want,
+                         "ok" if got == [want] else "MISMATCH"])
+            if got != [want]:
+                failures.append(f"step {step} (end of part {part['part_id']}, segment {part['segment']}): {k} "
+                                f"mlflow {', '.join(f'{v:,}' for v in got) or 'not logged'} != ledger {want:,}")
+    return CheckOutcome("mlflow_token_history", not failures and bool(chain), figures={
+        "logged_steps": len(by_step), "committed_steps": len(chain), "tokens_per_step": tokens_per_step,
+        "problems": len(failures)},
+        tables={"committed_steps": (["step", "part", "segment", "figure", "mlflow", "ledger", "status"], rows)},
+        failures=failures[:100] or ([] if chain else ["the run has no part in the ledger"]))
+
+
 def tokens_match_plan(figures: dict[str, Any]) -> CheckOutcome:
     """Consumed positions == steps x tokens_per_step, within one step of planned_tokens (`figures`: the
     run's tokens_per_step, steps, planned_tokens and four figures, from metadata or the run record)."""
@@ -176,26 +246,45 @@ def tokens_match_plan(figures: dict[str, Any]) -> CheckOutcome:
         "tolerance_tokens": tps, "difference": step_tokens - planned}, failures=failures)
 
 
+def _part_text(part_id: str, run: str | None, segment: int, steps: str) -> str:
+    return f"part {part_id} ({'run ' + run + ', ' if run else ''}segment {segment}, steps {steps})"
+
+
 def no_reuse(ledger: Ledger, run_key: str) -> CheckOutcome:
-    """No token range consumed twice in the stage's lineage unless declared (replay, allowed repeat)."""
+    """No token range consumed twice in the stage's lineage unless declared (replay, allowed repeat).
+    Each failure names the two parts that read the range, with their segments (launches) and steps,
+    so a resume from a checkpoint too early reads as which launch re-read which steps."""
     found = ledger.reuse(run_key)
     bad = [r for r in found if r["kind"] in ("reuse", "undeclared_repeat", "undeclared_cross_stage")]
     rows = [[r["kind"], r["shard_id"], f"{r['tok_start']}..{r['tok_end']}", f"{r['row_start']}..{r['row_end']}",
-             r["tokens"], r["run_a"], r["run_b"]] for r in found[:200]]
+             r["tokens"], r["run_a"], r["part_a"], r["segment_a"], r["steps_a"],
+             r["run_b"], r["part_b"], r["segment_b"], r["steps_b"]] for r in found[:200]]
+    failures = []
+    for r in bad[:50]:
+        runs = (r["run_a"], r["run_b"]) if r["run_a"] != r["run_b"] else (None, None)
+        failures.append(f"{r['kind']} {r['shard_id']} tokens {r['tok_start']}..{r['tok_end']}: read by "
+                        f"{_part_text(r['part_a'], runs[0], r['segment_a'], r['steps_a'])} and "
+                        f"{_part_text(r['part_b'], runs[1], r['segment_b'], r['steps_b'])}")
     return CheckOutcome("no_reuse", not bad, figures={
         "reused_tokens": sum(r["tokens"] for r in bad),
         "declared_replay_or_repeat_tokens": sum(r["tokens"] for r in found if r not in bad)},
-        tables={"ranges": (["kind", "shard", "tokens_range", "rows", "tokens", "run_a", "run_b"], rows)},
-        failures=[f"{r['kind']} {r['shard_id']} tokens {r['tok_start']}..{r['tok_end']}" for r in bad[:50]])
+        tables={"ranges": (["kind", "shard", "tokens_range", "rows", "tokens", "run_a", "part_a", "segment_a",
+                            "steps_a", "run_b", "part_b", "segment_b", "steps_b"], rows)}, failures=failures)
 
 
-def no_validation_leakage(ledger: Ledger, run_key: str) -> CheckOutcome:
-    """No validation shard consumed in training along the run's chain."""
-    leaked = ledger.leakage(run_key)
+def no_validation_leakage(ledger: Ledger, run_key: str, tokenizer_id: str) -> CheckOutcome:
+    """No shard consumed in training along the run's chain is anything but train in the ledger's shard
+    table (of the run's tokenizer): the split is looked up there, never taken from the label the
+    trainer wrote into its consumption rows, and a shard the table does not know fails too."""
+    leaked = ledger.leakage(run_key, tokenizer_id)
+    rows = [[r["shard_id"], r["split"], r["label"], r["tokens"], f"{r['row_start']}..{r['row_end']}"] for r in leaked]
     return CheckOutcome("no_validation_leakage", not leaked, figures={
         "leaked_tokens": sum(r["tokens"] for r in leaked),
         "leaked_shards": ", ".join(r["shard_id"] for r in leaked) or "none"},
-        failures=[f"validation shard {r['shard_id']} consumed ({r['tokens']:,} tokens)" for r in leaked])
+        tables={"leaked": (["shard", "ledger split", "trainer's label", "tokens", "rows"], rows)},
+        failures=[f"shard {r['shard_id']} consumed in training ({r['tokens']:,} tokens, rows "
+                  f"{r['row_start']}..{r['row_end']}) is not train (ledger shard table: {r['split']}; "
+                  f"the trainer labelled it {r['label']})" for r in leaked])
 
 
 def ledger_matches_token_files(store: LocalStore, ledger: Ledger, tokenizer_id: str) -> CheckOutcome:
@@ -203,8 +292,8 @@ def ledger_matches_token_files(store: LocalStore, ledger: Ledger, tokenizer_id: 
     mismatches, total = [], 0
     for r in ledger.shards(tokenizer_id=tokenizer_id):
         try:
-            shard = TokenShard.open(store.fetch("token_shard", tokenizer_id, r["shard_id"]), r["shard_id"])
-            docs, tokens = len(shard.rows), shard.num_tokens
+            shard = TokenFile(store.fetch("token_shard", tokenizer_id, r["shard_id"]), r["shard_id"])
+            docs, tokens = shard.num_docs, shard.num_tokens
         except GhostvisError as exc:
             mismatches.append([r["shard_id"], r["docs"], -1, r["tokens"], -1, str(exc)])
             continue

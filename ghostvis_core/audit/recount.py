@@ -10,6 +10,9 @@ the file and its row range to follow the stage's row rule, takes the union of th
 - sft (packed chats), dpo (preference pairs), vision_align (captions): ranges are whole documents;
   a document longer than a row is cut (the rest is cropped), loss follows the chat mask, the
   response, or the caption; an <|image|> token fills n_latents positions.
+- grpo (rl): ranges are whole documents; each document's prompt is fed to grpo.group_size rows (real, no
+  loss), the rest of it (solution and answer, the label) is cropped; the generated tokens, real and
+  carrying loss, are recounted from the completions the ledger's rollouts saved for the parts read.
 Padding is what the rows' positions (steps x tokens_per_step) leave after the real tokens; lm rows
 have none. A range read twice counts once here, so any double counting by the trainer shows.
 """
@@ -19,16 +22,18 @@ from __future__ import annotations
 import numpy as np
 
 from ghostvis_core.counts import TokenCounts
-from ghostvis_core.data.ledger import file_sha256
-from ghostvis_core.data.token_shard import TokenShard
+from ghostvis_core.data.ledger import Ledger, file_sha256
 from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.store import LocalStore
 from ghostvis_core.train.spec import LaunchSpec
 from ghostvis_core.audit.outcome import covered_twice, union
+from ghostvis_core.audit.rebuild import rl_prompt_length
+from ghostvis_core.audit.token_files import TokenFile
 
 
 class FileRecount:
-    """A run's token files, opened through the store once each, and the stage's row rule."""
+    """A run's token files, opened through the store once each (by the audit's own reader), and the
+    stage's row rule."""
 
     def __init__(self, store: LocalStore, spec: LaunchSpec, token_sha256: dict[str, str | None]):
         """`token_sha256`: per shard id, the token file's hash the ledger recorded (None: not recorded)."""
@@ -38,19 +43,19 @@ class FileRecount:
         self.seq_len = int(spec.config["batch"]["seq_len"])
         vision = spec.config.get("vision") or {}
         self.n_latents = vision.get("n_latents")
-        self.image_id = None if self.objective == "lm" else load_tokenizer(spec.tokenizer_id, store).special("<|image|>")
-        self._open: dict[str, TokenShard] = {}
-        self._columns: dict[str, dict[str, np.ndarray]] = {}  # per shard: doc starts, chat mask, image present
+        self.tok = None if self.objective == "lm" else load_tokenizer(spec.tokenizer_id, store)
+        self.image_id = None if self.tok is None else self.tok.special("<|image|>")
+        self.grpo = spec.config.get("grpo") or {}
+        self._open: dict[str, TokenFile] = {}
 
-    def shard(self, shard_id: str) -> TokenShard:
+    def shard(self, shard_id: str) -> TokenFile:
         if shard_id not in self._open:
             path = self.store.fetch("token_shard", self.tokenizer_id, shard_id)
             want = self.token_sha256.get(shard_id)
             if want and file_sha256(path) != want:
                 self.replaced.append(f"token file of {shard_id} is not the one the ledger recorded (sha256 "
                                      f"{want[:12]}...); re-materialize tokenized_shards partition {shard_id}")
-            self._open[shard_id] = TokenShard.open(path, shard_id)
-            self._columns[shard_id] = columns_of(self._open[shard_id])
+            self._open[shard_id] = TokenFile(path, shard_id)
         return self._open[shard_id]
 
     @property
@@ -68,8 +73,7 @@ class FileRecount:
             return f"{where}: outside the file's {shard.num_tokens} tokens"
         if r["tokens"] != b - a:
             return f"{where}: tokens column says {r['tokens']}, the range holds {b - a}"
-        starts = self._columns[r["shard_id"]]["starts"]
-        if self.objective != "lm" and not (_holds(starts, a) and _holds(starts, b)):
+        if self.objective != "lm" and not (_holds(shard.starts, a) and _holds(shard.starts, b)):
             return f"{where}: not whole documents (the {self.objective} rows read whole documents)"
         rows = shard.rows_of(a, b)
         if (r["row_start"], r["row_end"]) != rows:
@@ -81,54 +85,46 @@ class FileRecount:
         if self.objective == "lm":
             return TokenCounts(real_tokens=b - a, loss_tokens=b - a)
         shard = self.shard(shard_id)
-        base = shard.offsets[0]
-        first = int(np.searchsorted(shard.offsets, base + a, side="left"))
-        last = int(np.searchsorted(shard.offsets, base + b, side="left"))
-        per_doc = {"sft": self._chat, "dpo": self._pair, "vision_align": self._caption}[self.objective]
-        return TokenCounts.total(per_doc(shard, self._columns[shard_id], d) for d in range(first, last))
+        first = int(np.searchsorted(shard.starts, a, side="left"))
+        last = int(np.searchsorted(shard.starts, b, side="left"))
+        per_doc = {"sft": self._chat, "dpo": self._pair, "vision_align": self._caption,
+                   "grpo": self._prompt}[self.objective]
+        return TokenCounts.total(per_doc(shard, d) for d in range(first, last))
 
-    def _chat(self, shard: TokenShard, cols: dict[str, np.ndarray], d: int) -> TokenCounts:
-        ids = shard.doc_tokens(d)
-        has_image = self.n_latents and "image" in cols and cols["image"][d]
+    def _chat(self, shard: TokenFile, d: int) -> TokenCounts:
+        ids = shard.doc(d)
+        has_image = self.n_latents and shard.image(d) is not None
         keep = np.where(ids == self.image_id, self.n_latents, 1) if has_image else np.ones(len(ids), np.int64)
-        if "mask" in cols:
-            mask = cols["mask"][cols["mask_offsets"][d]:cols["mask_offsets"][d + 1]]
-        else:
-            mask = np.ones(len(ids), np.uint8)
-        mask = np.repeat(mask, keep)
+        mask = np.repeat(shard.doc_mask(d), keep)
         real = min(len(mask), self.seq_len)
         return TokenCounts(real, 0, int((mask[1:real] > 0).sum()), len(mask) - real)
 
-    def _pair(self, shard: TokenShard, cols: dict[str, np.ndarray], d: int) -> TokenCounts:
-        n_all = len(shard.doc_tokens(d))
-        prompt, chosen = int(cols["prompt_len"][d]), int(cols["chosen_len"][d])
+    def _pair(self, shard: TokenFile, d: int) -> TokenCounts:
+        n_all = len(shard.doc(d))
+        prompt, chosen = int(shard.prompt_len[d]), int(shard.chosen_len[d])
         out = TokenCounts()
         for length in (prompt + chosen, n_all - chosen):  # prompt + chosen, prompt + rejected: two rows
             n = min(length, self.seq_len)
             out = out + TokenCounts(n, 0, max(0, n - prompt), length - n)
         return out
 
-    def _caption(self, shard: TokenShard, _cols: dict[str, np.ndarray], d: int) -> TokenCounts:
-        tokens = shard.doc_tokens(d)  # a caption always has its image: every <|image|> expands
+    def _caption(self, shard: TokenFile, d: int) -> TokenCounts:
+        tokens = shard.doc(d)  # a caption always has its image: every <|image|> expands
         ids = np.repeat(tokens, np.where(tokens == self.image_id, self.n_latents, 1))
         n = min(len(ids), self.seq_len)
         caption_start = int(np.nonzero(ids == self.image_id)[0][-1]) + 1
         return TokenCounts(n, 0, max(0, n - caption_start), len(ids) - n)
 
 
-def columns_of(shard: TokenShard) -> dict[str, np.ndarray]:
-    """A shard's document starts and, where it has them, its chat mask, which documents carry an image
-    and the preference lengths, as numpy arrays (read once per shard, not once per document)."""
-    out = {"starts": shard.offsets - shard.offsets[0]}
-    if "mask" in shard.extra:
-        out["mask"] = shard.extra["mask"].values.to_numpy(zero_copy_only=False)
-        out["mask_offsets"] = shard.extra["mask"].offsets.to_numpy()
-    if "image" in shard.extra:
-        out["image"] = shard.extra["image"].is_valid().to_numpy(zero_copy_only=False)
-    for name in ("prompt_len", "chosen_len"):
-        if name in shard.extra:
-            out[name] = shard.extra[name].to_numpy(zero_copy_only=False)
-    return out
+    def _prompt(self, shard: TokenFile, d: int) -> TokenCounts:
+        ids = shard.doc(d)
+        fed = min(rl_prompt_length(ids, self.tok), self.seq_len - int(self.grpo["max_new_tokens"]))
+        return TokenCounts(int(self.grpo["group_size"]) * fed, 0, 0, len(ids) - fed)
+
+    def generated(self, part_ids: set[str]) -> TokenCounts:
+        """rl: the tokens of every completion the parts' rollouts saved (real, carrying loss)."""
+        n = sum(len(c) for r in Ledger.in_store(self.store).rollouts(sorted(part_ids)) for c in r["completion_ids"])
+        return TokenCounts(real_tokens=n, loss_tokens=n)
 
 
 def _holds(sorted_values: np.ndarray, x: int) -> bool:
@@ -147,5 +143,7 @@ def recount(files: FileRecount, consumption: list[dict], positions: int) -> tupl
         twice += sum(b - a for a, b in covered_twice(ranges))
         for a, b in union(ranges):
             counts = counts + files.count(shard_id, a, b)
+    if files.objective == "grpo":
+        counts = counts + files.generated({r["part_id"] for r in consumption})
     pad = 0 if files.objective == "lm" else positions - counts.real_tokens
     return TokenCounts(counts.real_tokens, pad, counts.loss_tokens, counts.cropped_tokens), twice

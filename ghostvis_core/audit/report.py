@@ -13,13 +13,14 @@ from typing import Any, Callable
 
 from ghostvis_core.counts import MLFLOW_METRICS, TokenCounts
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.tokenizer import newest_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.track.mlflow_records import latest_metrics
-from ghostvis_core.train.launch import newest_tokenizer
 from ghostvis_core.train.runs import completed_runs
 from ghostvis_core.audit import invariants as inv
 from ghostvis_core.audit.outcome import CheckOutcome
+from ghostvis_core.audit.stage_checks import STAGE_CHECKS, CheckInputs
 
 
 def data_checks(home: Home, ledger: Ledger) -> list[CheckOutcome]:
@@ -31,23 +32,9 @@ def data_checks(home: Home, ledger: Ledger) -> list[CheckOutcome]:
             _guarded("no_duplicate_content", lambda: inv.no_duplicate_content(ledger, tokenizer_id))]
 
 
-def stage_checks(home: Home, ledger: Ledger, run: inv.StageRun, mlflow: dict[str, float],
-                 metadata: dict[str, Any] | None) -> list[CheckOutcome]:
+def stage_checks(inputs: CheckInputs) -> list[CheckOutcome]:
     """Every stage check of one run, in the order the Dagster asset checks list them."""
-    record = run.record
-    figures = {"tokens_per_step": record.batch.tokens_per_step, "steps": record.steps,
-               "planned_tokens": record.planned_tokens, **record.counts.as_dict()}
-    checks: list[tuple[str, Callable[[], CheckOutcome]]] = [
-        ("tokens_recounted_from_files", lambda: inv.tokens_recounted_from_files(home.store, run)),
-        ("consumption_matches_plan", lambda: inv.consumption_matches_plan(home.store, run)),
-        ("no_validation_selected", lambda: inv.no_validation_selected(ledger, run)),
-        ("every_rank_read_its_rows", lambda: inv.every_rank_read_its_rows(ledger, run)),
-        ("ledger_mlflow_metadata_agree", lambda: inv.figures_agree(ledger, run, mlflow, metadata)),
-        ("tokens_match_plan", lambda: inv.tokens_match_plan(figures)),
-        ("no_reuse", lambda: inv.no_reuse(ledger, run.spec.run_key)),
-        ("no_validation_leakage", lambda: inv.no_validation_leakage(ledger, run.spec.run_key)),
-    ]
-    return [_guarded(name, c) for name, c in checks]
+    return [_guarded(name, lambda check=check: check(inputs)) for name, _, check in STAGE_CHECKS]
 
 
 def _guarded(name: str, check: Callable[[], CheckOutcome]) -> CheckOutcome:
@@ -81,7 +68,7 @@ def audit_stage(home: Home, ledger: Ledger, stage: str, run_key: str, metadata: 
         mlflow = {}
         print(f"audit: MLflow run {run.record.mlflow_run_id} not readable at {home.mlflow_tracking_uri}: {exc}",
               file=sys.stderr)
-    outcomes = stage_checks(home, ledger, run, mlflow, metadata)
+    outcomes = stage_checks(CheckInputs(home, ledger, run, metadata, mlflow))
     return {"stage": stage, "run_key": run_key, "passed": all(o.passed for o in outcomes),
             "figures": figure_table(ledger, run, mlflow, metadata, outcomes[0]),
             "checks": [o.to_dict() for o in outcomes]}

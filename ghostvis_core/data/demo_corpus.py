@@ -7,6 +7,13 @@ treats them exactly like downloaded data:
   importing the module), one document per module, plus the `pydoc` help topics (one per topic).
 - `demo_code`: Python source files of the stdlib, one file per document, about 3 MB in all.
 
+Each source holds out 8% of its documents as validation, independently, yet the two overlap: a
+module's docstrings are both a prose document and part of its code. So after the split, a training
+document of either source that shares any 13-gram fingerprint with a validation document of either
+source, or with a shipped evaluation item, is dropped (ghostvis_core/data/decontaminate.py; stricter
+than the gate's `contamination.max_overlap`). The generated task data (demo_tasks.py) shares no
+13-word run with stdlib text (tests/test_demo_corpus.py checks both directions).
+
 The build is deterministic (sorted directory walks, a fixed seed, no timestamps), so the same
 Python installation always yields byte-identical shards, and hence the same tokenizer and ledger.
 """
@@ -22,11 +29,13 @@ import sys
 import sysconfig
 import warnings
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from ghostvis_core.data.decontaminate import drop_shared, held_out_fingerprints
 from ghostvis_core.errors import GhostvisError
 
 TEXT_SOURCES = ("demo_prose", "demo_code")
@@ -74,18 +83,15 @@ class _Doc:
 
 def build_text_source(source: str, out_dir: Path) -> list[tuple[Path, str]]:
     """Write the shards of one demo text source into out_dir; return [(path, split)] with split in
-    {"train","validation"}, train shards first, sorted by name."""
-    builders = {"demo_prose": (_prose_docs, "en"), "demo_code": (_code_docs, "python")}
-    if source not in builders:
+    {"train","validation"}, train shards first, sorted by name. Training documents that share a
+    fingerprint with held-out text are dropped (module docstring)."""
+    languages = {"demo_prose": "en", "demo_code": "python"}
+    if source not in languages:
         raise GhostvisError(
             f"unknown demo text source {source!r}; the embedded demo sources are {', '.join(TEXT_SOURCES)}"
         )
-    build, language = builders[source]
-    docs = _dedupe(build())
-    random.Random(SEED).shuffle(docs)
-
-    n_val = max(MIN_VAL_DOCS, round(VAL_FRACTION * len(docs)))
-    val, train = docs[:n_val], docs[n_val:]
+    train, val = _split(source)
+    train = drop_shared(train, lambda d: d.text, _held_out())
     shards = [(f"{i:05d}.parquet", "train", train[i::DEMO_TRAIN_SHARDS]) for i in range(DEMO_TRAIN_SHARDS)]
     shards.append(("val_00000.parquet", "validation", val))
 
@@ -93,9 +99,26 @@ def build_text_source(source: str, out_dir: Path) -> list[tuple[Path, str]]:
     written = []
     for name, split, shard_docs in shards:
         path = out_dir / name
-        _write_shard(path, source, language, shard_docs)
+        _write_shard(path, source, languages[source], shard_docs)
         written.append((path, split))
     return written
+
+
+@cache
+def _split(source: str) -> tuple[tuple[_Doc, ...], tuple[_Doc, ...]]:
+    """(train, validation) documents of a source before decontamination. Cached per process: each
+    source's build needs the other's validation documents, and reading the stdlib prose costs ~5 s."""
+    docs = _dedupe(_prose_docs() if source == "demo_prose" else _code_docs())
+    random.Random(SEED).shuffle(docs)
+    n_val = max(MIN_VAL_DOCS, round(VAL_FRACTION * len(docs)))
+    return tuple(docs[n_val:]), tuple(docs[:n_val])
+
+
+@cache
+def _held_out() -> frozenset[int]:
+    """What no training document of either source may share a fingerprint with: the validation
+    documents of both sources (docstrings are in the code and in the prose) and the shipped evaluation items."""
+    return held_out_fingerprints(d.text for source in TEXT_SOURCES for d in _split(source)[1])
 
 
 # --- shared helpers ---------------------------------------------------------------------------

@@ -21,6 +21,16 @@ Rows are unique within a source, so no validation row is a copy of a training ro
 training. Validation images reuse attribute combinations seen in training (a held-out caption loss),
 never the exact picture.
 
+Unique is not clean: templated rows repeat phrases, so a training chat can carry a validation chat's
+words with another picture, a preference pair a validation pair's replies under a reworded prompt,
+and a chat a validation preference pair's exchange (both use the same Q&A templates). After the
+split, a training row that shares any 13-gram fingerprint (the text the tokenization fingerprints,
+`ngrams.record_text`) with a validation row of any task source, whatever its kind, or with a shipped
+evaluation item, is dropped (ghostvis_core/data/decontaminate.py; stricter than the gate's
+`contamination.max_overlap`). A source therefore has somewhat fewer training rows than SPLIT_SIZES
+generates; rows shorter than 13 words (every caption) have no fingerprint and are kept. The stdlib
+text sources (demo_corpus.py) share no 13-word run with these rows (tests/test_demo_corpus.py).
+
 The build is deterministic (one seeded `random.Random` per source, no timestamps, no set
 iteration), so the same installation always yields byte-identical shards.
 """
@@ -33,13 +43,16 @@ import json
 import os
 import random
 from collections.abc import Callable
+from functools import cache, partial
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
 
+from ghostvis_core.data.decontaminate import drop_shared, held_out_fingerprints
 from ghostvis_core.data.facts import capitals
+from ghostvis_core.data.ngrams import record_text
 from ghostvis_core.errors import GhostvisError
 
 TASK_SOURCES: dict[str, str] = {
@@ -52,7 +65,7 @@ TASK_SOURCES: dict[str, str] = {
 SEED = 1337
 DEMO_TRAIN_SHARDS = 4
 ROW_GROUP_SIZE = 1000
-# (train rows, validation rows) per source
+# (train rows generated, validation rows) per source; decontamination then drops some training rows
 SPLIT_SIZES: dict[str, tuple[int, int]] = {
     "demo_reasoning": (6000, 300),
     "demo_chat": (4000, 200),
@@ -169,19 +182,14 @@ def _layout(count: int, position: str, rng: random.Random) -> list[tuple[int, in
 
 def build_task_source(source: str, out_dir: Path) -> list[tuple[Path, str]]:
     """Write one source's shards into out_dir; return [(path, split)], train shards first (sorted),
-    then validation."""
-    builders: dict[str, Callable[[random.Random, int, int], tuple[list[dict], list[dict]]]] = {
-        "demo_reasoning": _reasoning_rows,
-        "demo_chat": _chat_rows,
-        "demo_prefs": _pref_rows,
-        "demo_images": _image_rows,
-    }
-    if source not in builders:
+    then validation. Training rows that share a 13-gram fingerprint with a validation row of any
+    task source or with a shipped evaluation item are dropped (module docstring)."""
+    if source not in TASK_SOURCES:
         raise GhostvisError(
             f"unknown demo task source {source!r}; the embedded demo task sources are {', '.join(TASK_SOURCES)}"
         )
-    n_train, n_val = SPLIT_SIZES[source]
-    train, val = builders[source](random.Random(f"{SEED}:{source}"), n_train, n_val)
+    train, val = _generate(source)
+    train = drop_shared(train, partial(record_text, TASK_SOURCES[source]), _held_out())
     shards = [(f"{i:05d}.parquet", "train", train[i::DEMO_TRAIN_SHARDS]) for i in range(DEMO_TRAIN_SHARDS)]
     shards.append(("val_00000.parquet", "validation", val))
 
@@ -193,6 +201,27 @@ def build_task_source(source: str, out_dir: Path) -> list[tuple[Path, str]]:
         _write_shard(path, source, rows)
         written.append((path, split))
     return written
+
+
+def _generate(source: str) -> tuple[list[dict], list[dict]]:
+    """(train, validation) rows of a source as generated, before decontamination."""
+    builders: dict[str, Callable[[random.Random, int, int], tuple[list[dict], list[dict]]]] = {
+        "demo_reasoning": _reasoning_rows,
+        "demo_chat": _chat_rows,
+        "demo_prefs": _pref_rows,
+        "demo_images": _image_rows,
+    }
+    n_train, n_val = SPLIT_SIZES[source]
+    return builders[source](random.Random(f"{SEED}:{source}"), n_train, n_val)
+
+
+@cache
+def _held_out() -> frozenset[int]:
+    """What no training row may share a fingerprint with: the validation rows of every task source,
+    whatever its kind (the gate compares across kinds, and chats and preference pairs come from the
+    same Q&A templates), and the shipped evaluation items. Cached: every source's build needs all of it."""
+    return held_out_fingerprints(record_text(kind, row) for source, kind in TASK_SOURCES.items()
+                                 for row in _generate(source)[1])
 
 
 # --- shared helpers ---------------------------------------------------------------------------

@@ -8,6 +8,13 @@ Tables in the artifact store's "ledger" artifact (`Ledger.in_store(store)`):
 - consumption/  per part, the (shard, epoch, token range, row range) pieces the loader delivered.
 - shares/       per part and rank, that rank's share: the global rows it read and its four figures,
                 so a rank whose rows or counts were dropped is visible (the part row is their sum).
+- ngrams/       one file per tokenized shard: each document's winnowed 13-gram fingerprints, compared
+                with the evaluation sets by the decontamination gate (ghostvis_core/audit/contamination.py).
+- feeds/        per part, rank and step: content digests of every micro-batch the rank fed the model
+                (ghostvis_core/digest.py), which the audit recomputes from the token files.
+- rollouts/     per part, rank and step of an rl run: the generated and rewarded tokens, and every
+                completion the rank sampled (its global row, token ids, reward), from which the audit
+                recounts the generated tokens and rebuilds the rows it fed.
 
 Many writers (tokenizer workers, training runs) each write their own file, atomically; nobody
 rewrites a file. A file name is derived from its content key, so writing twice is harmless.
@@ -22,17 +29,19 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ghostvis_core.counts import TokenCounts
-from ghostvis_core.data.stream import Piece
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.stages import stage_names
 from ghostvis_core.store import LocalStore
+
+if TYPE_CHECKING:  # the ledger stores pieces; it does not read streams (the audit imports it)
+    from ghostvis_core.data.stream import Piece
 
 SHARD_SCHEMA = pa.schema(
     [
@@ -93,6 +102,19 @@ DOC_SCHEMA = pa.schema(
     ]
 )
 
+# Per training or validation document (raw row): its winnowed 13-gram fingerprints (ghostvis_core/data/ngrams.py),
+# one row per fingerprint, for the decontamination gate (ghostvis_core/audit/contamination.py).
+NGRAM_SCHEMA = pa.schema(
+    [
+        ("shard_id", pa.string()),
+        ("source", pa.string()),
+        ("split", pa.string()),
+        ("content_sha256", pa.string()),
+        ("row", pa.int64()),
+        ("ngram_hash", pa.int64()),
+    ]
+)
+
 CONSUMPTION_SCHEMA = pa.schema(
     [
         ("part_id", pa.string()),
@@ -121,6 +143,38 @@ SHARE_SCHEMA = pa.schema(
         ("row_count", pa.int64()),
         ("row_ranges", pa.string()),  # JSON [[start, end), ...] of global rows, sorted
         *[(name, pa.int64()) for name in TokenCounts.names()],
+    ]
+)
+
+# Per part, rank and step: what the rank fed the model (ghostvis_core/digest.py), for the content proof.
+FEED_SCHEMA = pa.schema(
+    [
+        ("part_id", pa.string()),
+        ("run_key", pa.string()),
+        ("rank", pa.int64()),
+        ("step", pa.int64()),
+        ("step_digest", pa.string()),
+        ("micro_digests", pa.string()),  # JSON [digest per micro-batch]
+        ("micro_rows", pa.string()),  # JSON [[global rows] per micro-batch]
+        ("row_digests", pa.string()),  # JSON [[digest per row] per micro-batch]
+        ("image_hashes", pa.string()),  # JSON [[hash per image] per micro-batch]
+    ]
+)
+
+# Per part, rank and step of an rl run (ghostvis_core/train/grpo.py): the rollout figures and the completions.
+ROLLOUT_SCHEMA = pa.schema(
+    [
+        ("part_id", pa.string()),
+        ("run_key", pa.string()),
+        ("rank", pa.int64()),
+        ("step", pa.int64()),
+        ("generated_tokens", pa.int64()),
+        ("rewarded_tokens", pa.int64()),  # of exact-answer completions (reward >= 1)
+        ("completions", pa.int64()),
+        ("correct_completions", pa.int64()),
+        ("rows", pa.string()),  # JSON [global row per completion]
+        ("completion_ids", pa.string()),  # JSON [[token id] per completion]
+        ("rewards", pa.string()),  # JSON [reward per completion]
     ]
 )
 
@@ -194,10 +248,24 @@ class Ledger:
                           "content_sha256": [content_sha256] * n, "row": rows, "doc_hash": hashes}, schema=DOC_SCHEMA)
         return _write(self.root / "docs" / f"{_key(shard_id, content_sha256)}.parquet", table, DOC_SCHEMA)
 
+    def ngram_record_path(self, shard_id: str, content_sha256: str) -> Path:
+        return self.root / "ngrams" / f"{_key(shard_id, content_sha256)}.parquet"
+
+    def write_ngrams(self, shard_id: str, source: str, split: str, content_sha256: str,
+                     rows: list[int], hashes: list[int]) -> Path:
+        """Per document (raw row, repeated per fingerprint), its winnowed 13-gram hashes: what the
+        decontamination gate compares with the evaluation sets. Keyed like the doc hashes (text only)."""
+        n = len(rows)
+        table = pa.table({"shard_id": [shard_id] * n, "source": [source] * n, "split": [split] * n,
+                          "content_sha256": [content_sha256] * n, "row": pa.array(rows, pa.int64()),
+                          "ngram_hash": pa.array(hashes, pa.int64())}, schema=NGRAM_SCHEMA)
+        return _write(self.ngram_record_path(shard_id, content_sha256), table, NGRAM_SCHEMA)
+
     def write_part(self, part: dict[str, Any], pieces: list[dict[str, Any]],
-                   shares: list[dict[str, Any]] | None = None) -> None:
-        """Consumption and per-rank shares (when given: the trainer always gives them) first, then the
-        part row: a part row is only visible once what it sums is."""
+                   shares: list[dict[str, Any]] | None = None, feeds: list[dict[str, Any]] | None = None,
+                   rollouts: list[dict[str, Any]] | None = None) -> None:
+        """Consumption, per-rank shares, content digests (when given: the trainer always gives them) and
+        an rl run's rollouts first, then the part row: a part row is only visible once what it sums is."""
         part = {"created_at": time.time(), **part}
         name = f"{part['run_key']}.s{part['segment']:03d}.p{part['step_last']:09d}.parquet"
         rows = [{"part_id": part["part_id"], "run_key": part["run_key"], "stage": part["stage"],
@@ -206,6 +274,12 @@ class Ledger:
         if shares is not None:
             _write(self.root / "shares" / name, [{"part_id": part["part_id"], "run_key": part["run_key"], **r}
                                                  for r in shares], SHARE_SCHEMA)
+        if feeds is not None:
+            _write(self.root / "feeds" / name, [{"part_id": part["part_id"], "run_key": part["run_key"], **r}
+                                                for r in feeds], FEED_SCHEMA)
+        if rollouts is not None:
+            _write(self.root / "rollouts" / name, [{"part_id": part["part_id"], "run_key": part["run_key"], **r}
+                                                   for r in rollouts], ROLLOUT_SCHEMA)
         _write(self.root / "parts" / name, [part], PART_SCHEMA)
 
     # ---- reading ----
@@ -269,6 +343,36 @@ class Ledger:
         for r in rows:
             r["row_ranges"] = json.loads(r["row_ranges"])
         return rows
+
+    def feeds(self, part_ids: list[str]) -> list[dict[str, Any]]:
+        """Per part, rank and step: the content digests of what the rank fed the model (JSON decoded)."""
+        if not part_ids:
+            return []
+        rows = self._query("feeds", f"SELECT * FROM feeds WHERE part_id IN ({','.join('?' * len(part_ids))}) "
+                                    "ORDER BY step, rank", part_ids)
+        for r in rows:
+            for k in ("micro_digests", "micro_rows", "row_digests", "image_hashes"):
+                r[k] = json.loads(r[k])
+        return rows
+
+    def rollouts(self, part_ids: list[str]) -> list[dict[str, Any]]:
+        """Per part, rank and step of an rl run: the rollout figures and completions (JSON decoded)."""
+        if not part_ids:
+            return []
+        rows = self._query("rollouts", f"SELECT * FROM rollouts WHERE part_id IN ({','.join('?' * len(part_ids))}) "
+                                       "ORDER BY step, rank", part_ids)
+        for r in rows:
+            for k in ("rows", "completion_ids", "rewards"):
+                r[k] = json.loads(r[k])
+        return rows
+
+    def ngrams(self, content_sha256s: list[str]) -> list[dict[str, Any]]:
+        """The fingerprint rows (shard_id, split, content_sha256, row, ngram_hash) of these shard contents."""
+        if not content_sha256s:
+            return []
+        return self._query("ngrams", f"SELECT DISTINCT shard_id, split, content_sha256, row, ngram_hash FROM ngrams "
+                                     f"WHERE content_sha256 IN ({','.join('?' * len(content_sha256s))}) "
+                                     "ORDER BY shard_id, row", list(content_sha256s))
 
     def chain(self, run_key: str) -> list[dict[str, Any]]:
         """The parts that lead to the run's newest checkpoint, oldest first."""
@@ -339,7 +443,9 @@ class Ledger:
 
         kind = 'reuse' (same run, same epoch, two parts: e.g. resumed from an old checkpoint while
         keeping the later part), 'repeat' (same run, another epoch), 'replay' (an upstream run's
-        tokens read again, declared in replay_sources) or 'undeclared_cross_stage'.
+        tokens read again, declared in replay_sources) or 'undeclared_cross_stage'. Each row names
+        both parts (part_a/b, run_a/b) with their segment (segment_a/b) and steps (steps_a/b, "3..4"),
+        so a message can say which launches and steps read the range.
         """
         runs = self.lineage(run_key)
         parts = {p["part_id"]: p for p in self.parts(runs)}
@@ -372,12 +478,29 @@ class Ledger:
             else:
                 declared = json.loads(later["replay_sources"] or "[]")
                 kind = "replay" if r["source"] in declared else "undeclared_cross_stage"
-            out.append({**r, "tokens": r["tok_end"] - r["tok_start"], "kind": kind})
+            out.append({**r, "tokens": r["tok_end"] - r["tok_start"], "kind": kind,
+                        "segment_a": pa_["segment"], "steps_a": f"{pa_['step_first']}..{pa_['step_last']}",
+                        "segment_b": pb["segment"], "steps_b": f"{pb['step_first']}..{pb['step_last']}"})
         return out
 
-    def leakage(self, run_key: str) -> list[dict[str, Any]]:
-        """Validation shards consumed in training along the run's chain."""
-        return [r for r in self.consumed_by_shard(run_key) if r["split"] != "train"]
+    def shard_splits(self, tokenizer_id: str | None = None) -> dict[str, str]:
+        """shard_id -> its split in the shard table (the newest record per shard, of `tokenizer_id` when
+        given): the one authority on splits, since a label a trainer wrote can be wrong."""
+        return {r["shard_id"]: r["split"] for r in sorted(self.shards(tokenizer_id=tokenizer_id),
+                                                          key=lambda r: r["created_at"])}
+
+    def leakage(self, run_key: str, tokenizer_id: str | None = None) -> list[dict[str, Any]]:
+        """Shards consumed along the run's chain that the shard table does not call train, or does not
+        know (`split` is the table's, `label` what the trainer wrote into the consumption rows): a
+        validation shard merged into a train stream under a `train` label is found all the same.
+        `tokenizer_id` is the run's (its launch spec's); None takes each shard's newest record."""
+        splits = self.shard_splits(tokenizer_id)
+        out = []
+        for r in self.consumed_by_shard(run_key):
+            split = splits.get(r["shard_id"], "not in the ledger")
+            if split != "train":
+                out.append({**r, "split": split, "label": r["split"]})
+        return out
 
 
 def source_split_totals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -509,7 +632,7 @@ def validation_selected(ledger: Ledger, tokenizer_id: str, train_shards: dict[st
     for source, refs in sorted(train_shards.items()):
         for ref in refs:
             split = known.get((ref["shard_id"], ref.get("content_sha256", "")), "not in the ledger")
-            if split != "train" or ref.get("split") != "train":
+            if split != "train":  # the ledger's split; the spec's label is shown, never trusted
                 out.append({"source": source, "shard_id": ref["shard_id"], "split": split,
                             "spec_split": ref.get("split")})
     return out

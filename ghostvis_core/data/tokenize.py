@@ -28,6 +28,7 @@ from datatrove.pipeline.readers import ParquetReader
 from ghostvis_core.data.catalog import recorded_sha256, shard_split
 from ghostvis_core.data.chat import IMAGE, render_chat, render_prompt, render_reply
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ngrams import fingerprints, record_text
 from ghostvis_core.data.sources import Manifest, sha256_file
 from ghostvis_core.data.token_shard import TokenShard, list_column, token_dtype, write_token_shard
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
@@ -127,11 +128,7 @@ class RawShardReader(ParquetReader):
 
 
 def _record_text(kind: str, record: dict) -> str:
-    if kind == "chat":
-        return "\n".join(m["content"] for m in record["messages"] or [])
-    if kind == "preference":
-        return record["prompt"] or ""
-    return record.get("caption") or ""
+    return (record["prompt"] or "") if kind == "preference" else record_text(kind, record)
 
 
 def encode_document(tok: Tokenizer, kind: str, doc: Document) -> dict:
@@ -190,7 +187,7 @@ class TokenShardWriter(PipelineStep):
         scalars: dict[str, list] = {}
         text_bytes = 0
         dropped: dict[str, dict[str, int]] = {}
-        doc_hashes: list[str] = []
+        doc_hashes, doc_ngrams = [], []  # per kept document: its doc_hash, its winnowed 13-gram hashes
         seen: set[str] = set()
         for doc in data:
             reason = doc.metadata.get("dropped")
@@ -215,6 +212,7 @@ class TokenShardWriter(PipelineStep):
                     scalars.setdefault(col, []).append(value)
             rows.append(doc.metadata["row"])
             doc_hashes.append(digest)
+            doc_ngrams.append(sorted(fingerprints(ngram_text(job.kind, doc))))
             text_bytes += len(raw)
         columns = {"row": pa.array(rows, pa.int64())}
         for col, (lengths, chunks) in lists.items():
@@ -228,7 +226,7 @@ class TokenShardWriter(PipelineStep):
         write_token_shard(store.path("token_shard", tok.tokenizer_id, job.shard_id), columns)
         self.stat_update("tokens", value=n_tokens, unit="shard")
         ledger = Ledger.in_store(store)
-        ledger.write_doc_hashes(job.shard_id, job.source, job.split, job.content_sha256, rows, doc_hashes)
+        write_documents(ledger, job, rows, doc_hashes, doc_ngrams)
         ledger.write_shard({
             "shard_id": job.shard_id, "source": job.source, "split": job.split, "kind": job.kind,
             "content_sha256": job.content_sha256, "raw_bytes": store.path("raw_shard", job.shard_id).stat().st_size,
@@ -249,6 +247,21 @@ def doc_hash(kind: str, text_utf8: bytes, doc: Document) -> str:
     if kind != "text" and (image := doc.metadata["record"].get("image")):
         h.update(image)
     return h.hexdigest()
+
+
+def write_documents(ledger: Ledger, job: TokenizeJob, rows: list[int], hashes: list[str],
+                    ngrams: list[list[int]]) -> None:
+    """The shard's per-document ledger tables: doc hashes (exact duplicates, train/validation overlap)
+    and 13-gram fingerprints (the decontamination gate), both keyed by the raw row."""
+    ledger.write_doc_hashes(job.shard_id, job.source, job.split, job.content_sha256, rows, hashes)
+    ledger.write_ngrams(job.shard_id, job.source, job.split, job.content_sha256,
+                        [row for row, kept in zip(rows, ngrams) for _ in kept], [h for kept in ngrams for h in kept])
+
+
+def ngram_text(kind: str, doc: Document) -> str:
+    """The words a document is tokenized from, for its n-gram fingerprints: a text, a chat's messages,
+    a caption (the document's text) or a preference pair's prompt, chosen and rejected replies."""
+    return doc.text if kind == "text" else record_text(kind, doc.metadata["record"])
 
 
 class CountedFilters(PipelineStep):
@@ -296,6 +309,8 @@ def is_done(job: TokenizeJob, ledger: Ledger, store: LocalStore, tokenizer_id: s
     """Same content and tokenizer already tokenized, with the token file intact: nothing to redo."""
     rec = ledger.shard_record_path(job.shard_id, tokenizer_id, job.content_sha256)
     if not rec.exists() or not store.exists("token_shard", tokenizer_id, job.shard_id):
+        return False
+    if not ledger.ngram_record_path(job.shard_id, job.content_sha256).exists():  # tokenized before the gate
         return False
     rows = pq.read_table(rec).to_pylist()
     try:

@@ -150,6 +150,15 @@ def save_tokenizer(tok: Tokenizer, store: LocalStore) -> Path:
     return target
 
 
+def newest_tokenizer(store: LocalStore) -> str:
+    """The id of the tokenizer added to the store last."""
+    found = store.keys("tokenizer")
+    if not found:
+        raise GhostvisError(f"no tokenizer in the store {store.uri}; materialize the `tokenizer` asset first "
+                            "(or run `ghostvis demo`)")
+    return found[-1][0]
+
+
 def load_tokenizer(ref: str | Path, store: LocalStore | None = None) -> Tokenizer:
     """Load by tokenizer_id from the store, by directory path, or by standard tiktoken encoding name."""
     ref = str(ref)

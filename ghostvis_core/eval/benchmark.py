@@ -17,18 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ghostvis_core.data.facts import capitals
+from ghostvis_core.data.eval_texts import BENCHMARK_PER_TASK, BENCHMARK_SEED, PROMPTS, template_choices
 from ghostvis_core.data.token_shard import TokenShard
 from ghostvis_core.data.tokenizer import Tokenizer
 from ghostvis_core.eval.checkpoints import TrainedStage
-
-PROMPTS = (
-    "The tallest mountain in the world is",
-    "def fibonacci(n):",
-    "The capital of France is",
-    "3 + 4 =",
-)
-
 
 @dataclass(frozen=True)
 class Choice:
@@ -78,25 +70,12 @@ def samples(ts: TrainedStage, prompts=PROMPTS, max_new_tokens: int = 32) -> list
     return out
 
 
-def build_items(ts: TrainedStage, val_shards: dict[str, list[dict]], per_task: int = 40, seed: int = 7) -> list[Choice]:
+def build_items(ts: TrainedStage, val_shards: dict[str, list[dict]], per_task: int = BENCHMARK_PER_TASK,
+                seed: int = BENCHMARK_SEED) -> list[Choice]:
     """Multiple-choice items: 4 options each, one correct; deterministic for a tokenizer and data."""
     tok, rng = ts.tok, random.Random(seed)
-    items: list[Choice] = []
-    for _ in range(per_task):
-        a, b = rng.randint(2, 40), rng.randint(2, 40)
-        right = a + b
-        wrong = rng.sample([v for v in range(right - 6, right + 7) if v not in (right,) and v > 0], 3)
-        opts = [right, *wrong]
-        rng.shuffle(opts)
-        items.append(Choice("arithmetic", [tok.bos, *tok.encode(f"Step 1: {a} + {b} =")],
-                            [tok.encode(f" {v}.") for v in opts], opts.index(right)))
-    caps = capitals()
-    for country, city in rng.sample(list(caps), min(per_task, len(caps))):
-        others = rng.sample([c for _, c in caps if c != city], 3)
-        opts = [city, *others]
-        rng.shuffle(opts)
-        items.append(Choice("capitals", [tok.bos, *tok.encode(f"The capital of {country} is")],
-                            [tok.encode(f" {c}.") for c in opts], opts.index(city)))
+    items = [Choice(task, [tok.bos, *tok.encode(context)], [tok.encode(o) for o in options], answer)
+             for task, context, options, answer in template_choices(rng, per_task)]
     for source in sorted(val_shards):
         lines = _held_out_lines(ts, val_shards[source])
         if len(lines) < 8:

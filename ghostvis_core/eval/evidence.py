@@ -23,6 +23,14 @@ def domain_loss(obj, model, ctx, autocast, metrics) -> dict[str, float]:
     return {"evidence/domain_loss": metrics[f"val/loss/{src}"]} if f"val/loss/{src}" in metrics else {}
 
 
+def reward(obj, model, ctx, autocast, metrics) -> dict[str, float]:
+    """rl: mean reward of greedy completions to held-out problems, and its two parts (exact-answer accuracy,
+    well-formed answer rate), from the objective's held-out figures."""
+    names = {"val/reward": "evidence/reward", "val/exact_accuracy": "evidence/exact_accuracy",
+             "val/format_rate": "evidence/format_rate"}
+    return {e: metrics[v] for v, e in names.items() if v in metrics}
+
+
 def beyond_context_loss(obj, model, ctx, autocast, metrics) -> dict[str, float]:
     """Held-out loss at positions beyond the upstream model's context vs within it, with this
     stage's RoPE settings and with the upstream's (the model as it was before the stage)."""
@@ -167,6 +175,7 @@ EVIDENCE = {
     "reasoning": reasoning,
     "caption_image_gap": caption_image_gap,
     "reply_endings": reply_endings,
+    "reward": reward,
 }
 
 

@@ -31,11 +31,12 @@ from lm_eval.models.utils import normalize_gen_kwargs, postprocess_generated_tex
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window
 
+from ghostvis_core.data.eval_texts import LM_EVAL_TASKS_DIR
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.eval.checkpoints import TrainedStage, load_stage
 from ghostvis_core.home import Home
 
-TASKS_DIR = Path(__file__).resolve().parents[1] / "resources" / "lm_eval_tasks"
+TASKS_DIR = LM_EVAL_TASKS_DIR
 CLOZE_TASK, CLOZE_FILE = "ghostvis_cloze", "heldout_cloze.jsonl"  # the task and the file it reads from held_out_dir
 DEFAULT_TASKS = ("ghostvis_capitals", "ghostvis_arithmetic", CLOZE_TASK)
 BATCH_ROWS, MAX_GEN_TOKS, GEN_CHUNK = 32, 256, 32

@@ -1,6 +1,7 @@
 """The report card of a lineage: one HTML page (and its Markdown twin) with each stage's planned vs
-consumed tokens, shards used, reuse and leakage status, loss curves, evidence, mixture vs recipe, evaluation, wall
-time and throughput, and what the same plan would cost on GPUs. Token figures come from the ledger.
+consumed tokens, shards used, reuse and leakage status, loss curves, evidence, mixture vs recipe, evaluation, the
+lineage quality gate (held-out bpb vs the upstream stage, ghostvis_core/eval/gate.py), wall time and
+throughput, and what the same plan would cost on GPUs. Token figures come from the ledger.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from ghostvis_core.budget import plan
 from ghostvis_core.config import StageConfig
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.eval.gate import GATE_HEADER, gate_rows
 from ghostvis_core.store import LocalStore
 from ghostvis_core.train.result import RunResult
 
@@ -39,11 +41,13 @@ class StageReport:
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     evaluation: dict[str, Any] = field(default_factory=dict)
     mixture: dict[str, dict[str, Any]] = field(default_factory=dict)  # source -> fraction, weight, tokens
+    bpb_tolerance: float | None = None  # the quality gate's allowed bpb worsening vs upstream
 
 
 def stage_report(ledger: Ledger, result: RunResult, config: StageConfig, curves: dict[str, list],
-                 evaluation: dict[str, Any], gpu_prices: dict[str, float]) -> StageReport:
-    """One stage's row of the report, from its run record, config and the ledger."""
+                 evaluation: dict[str, Any], gpu_prices: dict[str, float], bpb_tolerance: float) -> StageReport:
+    """One stage's row of the report, from its run record, config, the ledger and its evaluation
+    (judged by the quality gate with `bpb_tolerance`)."""
     key = result.run_key
     totals = ledger.run_totals(key)
     shards = ledger.consumed_by_shard(key)
@@ -57,6 +61,7 @@ def stage_report(ledger: Ledger, result: RunResult, config: StageConfig, curves:
     evidence: list[tuple[str, Any, Any]] = [(name, e.before, e.after) for name, e in sorted(result.evidence.items())]
     if result.frozen is not None:
         evidence.append(("frozen_params_unchanged", None, result.frozen.unchanged))
+    evidence += [(name, None, n) for name, n in result.generated.items()]  # rl: generated/rewarded tokens
     costs = []
     for gpu, price in gpu_prices.items():
         p = plan(config, gpu=gpu, price_per_gpu_hour=price)
@@ -67,7 +72,7 @@ def stage_report(ledger: Ledger, result: RunResult, config: StageConfig, curves:
         reuse=reuse_text, leakage=leak_text, wall_time_s=float(result.wall_time_s),
         tokens_per_sec=float(result.tokens_per_sec), mfu=result.mfu, val_loss_start=result.val_loss_start,
         val_loss=result.val_loss, evidence=evidence, costs=costs, curves=curves, evaluation=evaluation,
-        mixture={s: asdict(m) for s, m in result.mixture.items()},
+        mixture={s: asdict(m) for s, m in result.mixture.items()}, bpb_tolerance=bpb_tolerance,
     )
 
 
@@ -124,13 +129,16 @@ def tables(stages: list[StageReport]) -> dict[str, tuple[list[str], list[list[An
     ev = (["stage", "bits/byte (per source)", "multiple choice (accuracy)"],
           [[s.stage, ", ".join(f"{k} {v:.3f}" for k, v in s.evaluation.get("bpb", {}).items()),
             ", ".join(f"{k} {v:.2f}" for k, v in s.evaluation.get("mc", {}).items())] for s in stages])
+    gate = (GATE_HEADER, [r.cells() for r in gate_rows({s.stage: s.evaluation.get("bpb", {}) for s in stages},
+                                                       {s.stage: s.bpb_tolerance for s in stages})])
     harness = (["stage", "task", "metric", "value"],
                [[s.stage, task, metric, value] for s in stages
                 for task, metrics in s.evaluation.get("harness", {}).items() for metric, value in metrics.items()])
     cost = (["stage", "gpu", "gpus", "GPU-hours", "price/h", "cost"],
             [[s.stage, c["gpu"], c["gpus"], c["gpu_hours"], c["price"], c["cost"]] for s in stages for c in s.costs])
     return {"Tokens (ledger)": tok, "Evidence (held-out, before vs after)": evid,
-            "Mixture (ledger vs recipe)": mix, "Evaluation": ev, "lm-evaluation-harness": harness,
+            "Mixture (ledger vs recipe)": mix, "Evaluation": ev,
+            "Lineage quality gate (held-out bits/byte vs the upstream stage)": gate, "lm-evaluation-harness": harness,
             "The same plan on GPUs (40% MFU)": cost}
 
 

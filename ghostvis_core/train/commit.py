@@ -41,7 +41,8 @@ def commit(run: Run) -> None:
     settle(run)
     s = run.state
     c = run.consumption
-    gathered = gather_objects((c.pieces, c.counts, c.rows), run.ctx)
+    gathered = gather_objects((c.pieces, c.counts, c.rows, run.fed.records(run.ctx.rank)), run.ctx)
+    rollouts = [r for rs in gather_objects(run.rollouts.records(run.ctx.rank), run.ctx) for r in rs]
     drop_stale_shards(run.run_dir, run.ctx.rank)  # every earlier checkpoint is committed by now
     part_id = f"{run.spec.run_key}.s{s.segment:03d}.p{s.step:09d}"
     # DCP (fsdp, or any strategy with async_save): every rank writes its shard first; rank 0 commits them
@@ -54,7 +55,7 @@ def commit(run: Run) -> None:
     staging = state = None
     if run.ctx.is_main:
         staging = run.run_dir / f".ledger-{part_id}"
-        write_part(run, staging, part_id, gathered)
+        write_part(run, staging, part_id, gathered, rollouts)
         s.head_part_id = part_id
         s.mlflow_run_id = run.tracker.run_id()
         s.capture_rng()
@@ -122,18 +123,20 @@ def share_checkpoint(run: Run, name: str, before: set[str]) -> None:
         run.store.delete("checkpoint", *key, gone)
 
 
-def write_part(run: Run, folder: Path, part_id: str, gathered: list) -> None:
-    """The ledger part of the steps since the last checkpoint, from every rank's (pieces, counts, rows):
-    the part row sums them, and each rank's share is kept beside it, so a rank whose rows or counts
-    went missing is visible rather than hidden in the sum."""
-    pieces = [p for ps, _, _ in gathered for p in ps]
-    counts = TokenCounts.total(c for _, c, _ in gathered)
+def write_part(run: Run, folder: Path, part_id: str, gathered: list, rollouts: list[dict[str, Any]]) -> None:
+    """The ledger part of the steps since the last checkpoint, from every rank's (pieces, counts, rows,
+    feeds): the part row sums them, and each rank's share and content digests are kept beside it, so a
+    rank whose rows, counts or content went wrong is visible rather than hidden in the sum. An rl run's
+    rollouts (every rank's completions and rewards per step) go beside them."""
+    pieces = [p for ps, _, _, _ in gathered for p in ps]
+    counts = TokenCounts.total(c for _, c, _, _ in gathered)
     merged, overlap = merge_pieces(pieces)
     shares = [{"rank": rank, "world_size": run.ctx.world_size, "row_count": len(rows),
                "row_ranges": json.dumps(row_ranges(rows)), **c.as_dict()}
-              for rank, (_, c, rows) in enumerate(gathered)]
+              for rank, (_, c, rows, _) in enumerate(gathered)]
+    feeds = [f for _, _, _, fs in gathered for f in fs]
     Ledger(folder).write_part(part_record(run, part_id, counts, overlap), pieces_to_rows(merged, run.objective.rows_of),
-                              shares)
+                              shares, feeds, rollouts or None)
 
 
 def part_record(run: Run, part_id: str, counts: TokenCounts, overlap: int) -> dict[str, Any]:

@@ -53,7 +53,7 @@ def run_result(run: Run) -> RunResult:
         tokens_per_sec=round(run.clock.tokens_per_sec(p.tokens_per_step), 1),
         first_step_s=round(run.clock.first_step_s or 0.0, 2), wall_time_s=round(time.time() - run.clock.launched, 1),
         checkpoint_uri=run.store.uri_of("checkpoint", spec.stage, spec.run_key, ckpt.step_dir_name(s.step)), parent_run_key=spec.parent_run_key,
-        mlflow_run_id="", mlflow_experiment_id="", evidence=evidence(run),
+        mlflow_run_id="", mlflow_experiment_id="", evidence=evidence(run), generated=dict(s.generated),
         frozen=FrozenCheck(run.frozen_before, frozen_fingerprint(run.model)) if run.frozen_before else None,
         **efficiency_fields(run),
     )

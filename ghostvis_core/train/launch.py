@@ -15,8 +15,8 @@ from ghostvis_core import identity, presets, stages
 from ghostvis_core.budget import Plan, batch_plan, detected_gpu, memory_plan, memory_refusal, plan as make_plan
 from ghostvis_core.config import SourceWeight, StageConfig
 from ghostvis_core.data.ledger import Ledger, validation_selected
-from ghostvis_core.data.stream import ShardRef
-from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
+from ghostvis_core.data.stream import ShardRef, SourceStream
+from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer, newest_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.eval.evidence import EVIDENCE
 from ghostvis_core.hf.imports import import_checkpoint
@@ -29,14 +29,6 @@ from ghostvis_core.train.runs import Upstream, checkpoint_of, find_upstream, nex
 from ghostvis_core.train.spec import LaunchSpec, SourceBudget, StageInputs
 
 MLFLOW_EXPERIMENT = "ghostvis"
-
-
-def newest_tokenizer(store: LocalStore) -> str:
-    found = store.keys("tokenizer")
-    if not found:
-        raise GhostvisError(f"no tokenizer in the store {store.uri}; materialize the `tokenizer` asset first "
-                            "(or run `ghostvis demo`)")
-    return found[-1][0]
 
 
 def select_shards(ledger: Ledger, store: LocalStore, tokenizer_id: str, sources: list[str],
@@ -67,6 +59,32 @@ def select_shards(ledger: Ledger, store: LocalStore, tokenizer_id: str, sources:
                             "training must never read them: fix the shard selection (select_shards filters by "
                             "split) or the shard's split pin in its manifest, then re-launch")
     return out
+
+
+def stream_split_problems(splits: dict[str, str], streams: dict[str, dict[str, SourceStream]]) -> list[str]:
+    """For `streams` (split -> source -> the SourceStream an objective will read), every shard whose split
+    in the ledger's shard table (`splits`, `Ledger.shard_splits`) is not the stream's: looked up by shard
+    id there, never in the shard ref's own label, so a validation shard merged into a train stream
+    under a `train` label is named."""
+    out = []
+    for want, by_source in streams.items():
+        for source, stream in sorted(by_source.items()):
+            for ref in stream.refs:
+                have = splits.get(ref.shard_id, "not in the ledger")
+                if have != want:
+                    out.append(f"shard {ref.shard_id} (ledger split: {have}) is in the {want} stream of {source}")
+    return out
+
+
+def check_stream_splits(ledger: Ledger, tokenizer_id: str, objective) -> None:
+    """Before launch: the objective's train streams hold only train shards and its validation streams
+    only validation shards, by the ledger's shard table (what the ranks will read, not what was selected)."""
+    problems = stream_split_problems(ledger.shard_splits(tokenizer_id), {"train": objective.train_streams,
+                                                                          "validation": objective.val_streams})
+    if problems:
+        raise GhostvisError("stream composition: " + "; ".join(problems) + "; a stream must hold only shards of "
+                            "its split: fix the objective's streams (built from the launch spec's train_shards and "
+                            "val_shards) or the shard's split pin in its manifest, then re-launch")
 
 
 def preflight(cfg: StageConfig, plan_steps: int, objective) -> dict[str, SourceBudget]:
@@ -250,6 +268,7 @@ def run_identity(r: Resolved, p: Plan, spec: LaunchSpec) -> dict[str, Any]:
         ident_cfg["batch"].pop(k)
     ident_cfg["batch"]["tokens_per_step"] = p.tokens_per_step
     ident_cfg["checkpoint"].pop("async_save")  # how shards are written, not what is trained
+    ident_cfg.pop("contamination")  # what the run is checked against, not what it trains
 
     def contents(shards: dict[str, list[dict]]) -> dict[str, list[str]]:
         return {s: [x["content_sha256"] for x in refs] for s, refs in shards.items()}
@@ -307,7 +326,9 @@ def start_run(planned: PlannedRun, home: Home) -> LaunchSpec:
     """The pre-flight, then the attempt (the newest unfinished one is resumed, else a new one starts);
     saves the launch spec and, beside it, the identity and the code version that make the run."""
     spec, r = planned.spec, planned.resolved
-    spec.inputs.source_budget = preflight(r.cfg, planned.plan.steps, build_objective(spec, r.cfg))
+    objective = build_objective(spec, r.cfg)
+    check_stream_splits(Ledger.in_store(home.store), spec.tokenizer_id, objective)
+    spec.inputs.source_budget = preflight(r.cfg, planned.plan.steps, objective)
     spec.run_key = next_run_key(home.store, spec.stage, planned.base_key)
     spec.tags = run_tags(spec, planned.preset, r.upstream, planned.variant)
     home.store.write_json("identity", spec.stage, spec.run_key, data={

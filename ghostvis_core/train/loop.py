@@ -14,11 +14,13 @@ import time
 import torch
 
 from ghostvis_core.config import StageConfig
-from ghostvis_core.counts import TokenCounts
+from ghostvis_core.counts import ROLLOUT_METRICS, TokenCounts
 from ghostvis_core.data.loader import Consumption
 from ghostvis_core.train.commit import commit
 from ghostvis_core.train.dist import DistContext, all_reduce_sum
+from ghostvis_core.train.feeds import FedLog
 from ghostvis_core.train.finish import finish
+from ghostvis_core.train.grpo import RolloutLog, count_step
 from ghostvis_core.train.result import RunResult
 from ghostvis_core.train.run import Run
 from ghostvis_core.train.setup import setup
@@ -59,11 +61,13 @@ def train_step(run: Run) -> None:
     started = time.time()
     lr = lr_at(s.step, run.total_steps, run.cfg)
     for g in run.optimizer.param_groups:
-        g["lr"] = lr
+        g["lr"] = lr * g.get("lr_scale", 1.0)  # Muon's group: muon_lr on the same schedule
     batches = run.objective.step_batches(s.rows, run.plan, ctx.rank)
     (n_units,) = all_reduce_sum([sum(b.units for b in batches)], ctx, dtype=torch.int64)
     loss_total = 0.0
     for m, b in enumerate(batches):
+        run.fed.add(s.step + 1, b)
+        run.rollouts.add(s.step + 1, b)
         with run.parallel.accumulating(last_micro_step=m == len(batches) - 1):
             with run.autocast():
                 loss_sum = run.objective.loss_sum(run.parallel.forward_module, b, ctx.device)
@@ -78,24 +82,37 @@ def train_step(run: Run) -> None:
     reduced = all_reduce_sum([loss_total, *step_counts.as_list()], ctx)
     run.train_loss = reduced[0] / max(1, n_units)
     s.counts = s.counts + TokenCounts.from_list(reduced[1:])
+    s.generated, run.step_reward = count_step(run.rollouts, s.step + 1, s.generated, ctx)
     s.step += 1
     s.rows += run.plan.rows_per_step
     run.clock.tick(started)
 
 
 def progress(run: Run) -> dict[str, float]:
-    """Every log_every_steps (and at the first and last step): a progress line and its metrics."""
+    """Every log_every_steps (and at the first and last step): a progress line and its metrics. At every
+    checkpoint step at least the token figures, so each committed ledger part has its MLflow point to
+    be checked against (`mlflow_token_history`)."""
     s = run.state
     if not (s.step % run.cfg.runtime.log_every_steps == 0 or s.step in (1, run.total_steps)):
-        return {}
+        return token_metrics(run) if s.step % run.cfg.checkpoint.every_steps == 0 else {}
     tok_s = run.clock.tokens_per_sec(run.plan.tokens_per_step)
     lr = run.optimizer.param_groups[0]["lr"]
     run.tracker.say(f"[{run.spec.stage}] step {s.step}/{run.total_steps} loss {run.train_loss:.4f} lr {lr:.2e} "
                     f"{tok_s:,.0f} tok/s MFU {run.efficiency.mfu(tok_s):.1%} eta {run.clock.eta_s(run.total_steps - s.step):,.0f}s "
                     f"tokens/real {s.counts.real_tokens:,}", pipes=True)
     return {"train/loss": run.train_loss, "lr": lr, "throughput/tokens_per_sec": tok_s,
-            **s.counts.as_metrics(), "time/step_s": run.clock.last_step_s,
+            **token_metrics(run), "time/step_s": run.clock.last_step_s,
             **run.efficiency.metrics(tok_s, run.ctx.device)}
+
+
+def token_metrics(run: Run) -> dict[str, float]:
+    """The token figures' running totals; for a stage that samples (rl) also the rollout figures and the
+    step's mean reward."""
+    s = run.state
+    out: dict[str, float] = {**s.counts.as_metrics(), **{ROLLOUT_METRICS[k]: v for k, v in s.generated.items()}}
+    if s.generated:
+        out["rl/reward_mean"] = run.step_reward
+    return out
 
 
 def maybe_eval(run: Run) -> dict[str, float]:
@@ -115,7 +132,7 @@ def maybe_checkpoint(run: Run) -> None:
     if s.step % run.cfg.checkpoint.every_steps == 0 or s.step == run.total_steps:
         s.history["val_last"] = run.last_val
         commit(run)
-        run.consumption = Consumption()
+        run.consumption, run.fed, run.rollouts = Consumption(), FedLog(), RolloutLog()
         run.part_first = (s.step, s.rows)
 
 

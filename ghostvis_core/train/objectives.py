@@ -8,7 +8,10 @@ training). The loop does the rest (DDP, accumulation, accounting, checkpoints) f
   reasoning_mix)
 - vision_align: caption loss through frozen encoder + LM; only resampler and projector train
 - sft: assistant-token loss on packed conversations (attention kept inside each conversation)
-- dpo: DPO loss against a frozen reference model (the upstream checkpoint)
+- dpo: a preference loss (dpo.loss: DPO, IPO, DPO + SFT against a frozen reference model, the
+  upstream checkpoint; or reference-free SimPO)
+- grpo: group-relative policy optimisation on sampled completions, reward = the exact answer + a format
+  reward for a well-formed answer line (rl)
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.eval import evidence as ev
-from ghostvis_core.model.gpt import GPT
+from ghostvis_core.model.gpt import GPT, IGNORE_INDEX
 from ghostvis_core.model.vision import decode_images
 from ghostvis_core.store import open_store
 from ghostvis_core.train.dist import DistContext, all_reduce_sum
+from ghostvis_core.train.grpo import GroupRows, grpo_loss_sum, held_out_reward, rollout_batch
 from ghostvis_core.train.runs import checkpoint_of
 from ghostvis_core.train.spec import LaunchSpec
 
@@ -85,6 +89,16 @@ class Objective:
 
     def prepare_model(self, model: GPT) -> None:
         """Set which parameters train (all, by default)."""
+
+    def frozen_upstream(self, model: GPT) -> GPT:
+        """The stage's starting checkpoint as a frozen reference model beside `model` (DPO, GRPO's KL)."""
+        from ghostvis_core.train import checkpoint as ckpt
+
+        ref = GPT(model.cfg)
+        if self.cfg.vision is not None:
+            ref.attach_vision(self.cfg.vision)
+        ckpt.load_model(checkpoint_of(open_store(self.spec.store), self.spec.init_checkpoint), ref)
+        return ref.to(model.embed.weight.device).eval().requires_grad_(False)
 
     # --- shared ---
     def step_batches(self, first_row: int, plan: BatchPlan, rank: int) -> list[Batch]:
@@ -168,30 +182,41 @@ class SFTObjective(Objective):
 
 
 class DPOObjective(Objective):
-    """loss = -log sigmoid(beta x ((pi_c - ref_c) - (pi_r - ref_r))), averaged over pairs."""
+    """Preference optimisation on (chosen, rejected) pairs; the loss per pair is the stage's `dpo.loss`,
+    as TRL defines it. pc, pr: the policy's summed log-probs of the chosen and rejected response; rc, rr:
+    the frozen reference's (the upstream checkpoint); avg x: x over the response's token count.
+
+    - sigmoid (DPO):  -log sigmoid(beta x ((pc - rc) - (pr - rr)))
+    - ipo:            ((avg pc - avg rc) - (avg pr - avg rr) - 1 / (2 beta))^2   (TRL length-averages for IPO)
+    - simpo:          -log sigmoid(beta x (avg pc - avg pr) - gamma); reference-free, so no reference is built
+    - sft_dpo:        sigmoid + alpha x (-avg pc), the NLL of the chosen response (TRL's rpo_alpha), which
+                      keeps the chosen answers likely while the margin grows
+
+    loss_sum sums over pairs (the loop divides by the pairs, loss_units); per-pair length averages keep
+    a pair's loss independent of what else is in its micro-batch."""
+
+    LOSSES = ("sigmoid", "ipo", "simpo", "sft_dpo")
 
     def __init__(self, spec, cfg):
-        super().__init__(spec, cfg)
         if cfg.batch.micro_batch_size % 2:
             raise GhostvisError(f"dpo: batch.micro_batch_size={cfg.batch.micro_batch_size} must be even "
                                 "(each preference pair is two rows)")
-        self.beta = cfg.dpo.beta
+        if cfg.dpo.loss not in self.LOSSES:
+            raise GhostvisError(f"stage {cfg.stage}: dpo.loss='{cfg.dpo.loss}' is not a preference loss; set one of "
+                                f"{', '.join(self.LOSSES)} (e.g. --set dpo.loss=ipo)")
+        super().__init__(spec, cfg)
+        self.dpo = cfg.dpo
         self.ref: GPT | None = None
 
     def row_source(self, stream, train):
         return PreferenceRows(stream, self.seq_len, self.cfg.data.seed, self.tok.special("<|pad|>"))
 
     def prepare_model(self, model: GPT) -> None:
-        from ghostvis_core.train import checkpoint as ckpt
-
         if model.vision is not None:
             for p in model.vision.parameters():
                 p.requires_grad_(False)
-        self.ref = GPT(model.cfg)
-        if self.cfg.vision is not None:
-            self.ref.attach_vision(self.cfg.vision)
-        ckpt.load_model(checkpoint_of(open_store(self.spec.store), self.spec.init_checkpoint), self.ref)
-        self.ref.to(model.embed.weight.device).eval().requires_grad_(False)
+        if self.uses_reference:  # simpo: no second model in memory, no reference forward pass
+            self.ref = self.frozen_upstream(model)
 
     def step_batches(self, first_row, plan, rank):
         batches = super().step_batches(first_row, plan, rank)
@@ -203,15 +228,40 @@ class DPOObjective(Objective):
         lp = model(batch.inputs.to(device), batch.targets.to(device), reduction="logprobs")
         return lp.sum(-1)
 
-    def margins(self, model, batch, device):
+    @property
+    def uses_reference(self) -> bool:
+        return self.dpo.loss != "simpo"
+
+    def scores(self, model, batch: Batch, device) -> dict[str, torch.Tensor]:
+        """Per pair (chosen rows even, rejected odd): the policy's summed response log-probs pc, pr, the
+        reference's rc, rr (unless the loss is reference-free) and the response token counts nc, nr."""
+        n = (batch.targets != IGNORE_INDEX).sum(-1).clamp_min(1).to(device)
         pol = self.sequence_logps(model, batch, device)
-        with torch.no_grad():
-            ref = self.sequence_logps(self.ref, batch, device)
-        return pol[0::2], pol[1::2], ref[0::2], ref[1::2]
+        s = {"pc": pol[0::2], "pr": pol[1::2], "nc": n[0::2], "nr": n[1::2]}
+        if self.uses_reference:
+            with torch.no_grad():
+                ref = self.sequence_logps(self.ref, batch, device)
+            s["rc"], s["rr"] = ref[0::2], ref[1::2]
+        return s
+
+    def pair_losses(self, s: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per pair: the loss of the stage's variant and the implicit rewards of the chosen and rejected
+        response (TRL's: beta x the log-ratio the loss compares; for simpo beta x avg log-prob)."""
+        d = self.dpo
+        if d.loss == "simpo":
+            chosen, rejected = d.beta * s["pc"] / s["nc"], d.beta * s["pr"] / s["nr"]
+            return -F.logsigmoid(chosen - rejected - d.gamma), chosen, rejected
+        if d.loss == "ipo":
+            hc, hr = (s["pc"] - s["rc"]) / s["nc"], (s["pr"] - s["rr"]) / s["nr"]
+            return (hc - hr - 1 / (2 * d.beta)) ** 2, d.beta * hc, d.beta * hr
+        chosen, rejected = d.beta * (s["pc"] - s["rc"]), d.beta * (s["pr"] - s["rr"])
+        losses = -F.logsigmoid(chosen - rejected)
+        if d.loss == "sft_dpo":
+            losses = losses - d.alpha * s["pc"] / s["nc"]
+        return losses, chosen, rejected
 
     def loss_sum(self, model, batch, device):
-        pc, pr, rc, rr = self.margins(model, batch, device)
-        return -F.logsigmoid(self.beta * ((pc - rc) - (pr - rr))).sum()
+        return self.pair_losses(self.scores(model, batch, device))[0].sum()
 
     @torch.no_grad()
     def evaluate(self, model, ctx, autocast, evidence):
@@ -228,13 +278,13 @@ class DPOObjective(Objective):
             for i in range(0, len(pairs), step):
                 batch = b.batch([r for p in pairs[i : i + step] for r in (2 * p, 2 * p + 1)])
                 with autocast():
-                    pc, pr, rc, rr = self.margins(model, batch, ctx.device)
-                z = self.beta * ((pc - rc) - (pr - rr))
-                sums[0] += float(-F.logsigmoid(z).sum())
-                sums[1] += float(((pc - pr) > (rc - rr)).sum())
-                sums[2] += float(z.sum())
-                sums[3] += float((pc > pr).sum())
-                sums[4] += len(pc)
+                    s = self.scores(model, batch, ctx.device)
+                    losses, chosen, rejected = self.pair_losses(s)
+                sums[0] += float(losses.sum())
+                sums[1] += float((chosen > rejected).sum())
+                sums[2] += float((chosen - rejected).sum())
+                sums[3] += float((s["pc"] > s["pr"]).sum())
+                sums[4] += len(losses)
             sums = all_reduce_sum(sums, ctx)
             n = max(1.0, sums[4])
             out["val/loss"] = out[f"val/loss/{src}"] = sums[0] / n
@@ -246,7 +296,57 @@ class DPOObjective(Objective):
         return out
 
 
-OBJECTIVES = {"lm": LMObjective, "vision_align": VisionAlignObjective, "sft": SFTObjective, "dpo": DPOObjective}
+class GRPOObjective(Objective):
+    """GRPO on problems with a verifiable answer (ghostvis_core/train/grpo.py): each step samples G
+    completions per prompt from the current policy, rewards the exact answer (and a well-formed answer line)
+    and trains on the generated tokens with group-relative advantages; optionally a KL term to the frozen
+    upstream model."""
+
+    def __init__(self, spec, cfg):
+        super().__init__(spec, cfg)
+        self.policy: GPT | None = None
+        self.ref: GPT | None = None
+
+    def row_source(self, stream, train):
+        return GroupRows(stream, self.seq_len, self.cfg.data.seed, self.tok, self.cfg.grpo)
+
+    def prepare_model(self, model: GPT) -> None:
+        """Sampling uses the policy's own weights (DDP shares them with its wrapper); the reference is
+        loaded only when the KL term has a weight."""
+        if model.vision is not None:
+            for p in model.vision.parameters():
+                p.requires_grad_(False)
+        self.policy = model
+        if self.cfg.grpo.kl_beta:
+            self.ref = self.frozen_upstream(model)
+
+    def step_batches(self, first_row, plan, rank):
+        src = self.batcher.sources[0]
+        return [rollout_batch(src, list(micro_batch_rows(first_row, m, rank, plan)), self.policy, self.cfg.data.seed)
+                for m in range(plan.grad_accum_steps)]
+
+    def loss_sum(self, model, batch, device):
+        inputs, targets = batch.inputs.to(device), batch.targets.to(device)
+        logps = model(inputs, targets, reduction="logprobs")
+        ref = None
+        if self.ref is not None:
+            with torch.no_grad():
+                ref = self.ref(inputs, targets, reduction="logprobs")
+        return grpo_loss_sum(logps, ref, batch.advantages.to(device), targets != IGNORE_INDEX, self.cfg.grpo.kl_beta)
+
+    @torch.no_grad()
+    def evaluate(self, model, ctx, autocast, evidence):
+        """Held-out reward, exact-answer accuracy and format rate (greedy), the stage's evidence before and
+        after training."""
+        src = self.row_source(self.val_streams[sorted(self.val_streams)[0]], train=False)
+        out = held_out_reward(src, model, self.cfg.eval.samples, ctx)
+        if evidence:
+            out.update(ev.compute(self, model, ctx, autocast, out))
+        return out
+
+
+OBJECTIVES = {"lm": LMObjective, "vision_align": VisionAlignObjective, "sft": SFTObjective, "dpo": DPOObjective,
+              "grpo": GRPOObjective}
 
 
 def build_objective(spec: LaunchSpec, cfg: StageConfig) -> Objective:

@@ -82,6 +82,7 @@ class RunResult:
     peak_flops: float | None = None
     peak_source: str = ""
     cuda_peak_memory_gb: float | None = None  # max allocated on rank 0's GPU; None without CUDA
+    generated: dict[str, int] = field(default_factory=dict)  # rl: counts.ROLLOUT_FIGURES over the run
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -15,6 +15,8 @@ from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import LocalStore
 from ghostvis_core.train.dist import DistContext
 from ghostvis_core.train.efficiency import Efficiency
+from ghostvis_core.train.feeds import FedLog
+from ghostvis_core.train.grpo import RolloutLog
 from ghostvis_core.train.objectives import Objective
 from ghostvis_core.train.parallel import SingleProcess
 from ghostvis_core.train.spec import LaunchSpec
@@ -75,6 +77,9 @@ class Run:
     frozen_before: str | None = None
     efficiency: Efficiency | None = None
     consumption: Consumption = field(default_factory=Consumption)
+    fed: FedLog = field(default_factory=FedLog)  # what this rank fed the model since the last checkpoint
+    rollouts: RolloutLog = field(default_factory=RolloutLog)  # rl: what this rank sampled since then
+    step_reward: float = float("nan")  # rl: the last step's mean reward over every rank's completions
     part_first: tuple[int, int] = (0, 0)  # (step, rows) where the current ledger part began
     train_loss: float = float("nan")
     last_val: dict[str, float] = field(default_factory=dict)

@@ -12,9 +12,11 @@ from ghostvis_core.model.gpt import GPT
 from ghostvis_core.model.vision import frozen_fingerprint
 from ghostvis_core.store import LocalStore, open_store
 from ghostvis_core.train import checkpoint as ckpt
+from ghostvis_core.train import float8
 from ghostvis_core.train.commit import publish_parts
 from ghostvis_core.train.dist import DistContext, agree
 from ghostvis_core.train.efficiency import efficiency
+from ghostvis_core.train.muon import make_muon
 from ghostvis_core.train.objectives import build_objective
 from ghostvis_core.train.parallel import wrap
 from ghostvis_core.train.precision import use_bf16, use_compile
@@ -81,18 +83,25 @@ def newest_checkpoint(store: LocalStore, spec: LaunchSpec) -> ckpt.CheckpointRef
 
 
 def build_model(cfg: StageConfig, ctx: DistContext) -> GPT:
+    if cfg.runtime.float8:  # refused on hardware without float8 tensor cores, before anything is built
+        float8.require_float8(ctx.device)
     model = GPT(cfg.model)
     if cfg.vision is not None:
         model.attach_vision(cfg.vision)
     model.to(ctx.device)
     model.grad_checkpointing = cfg.runtime.grad_checkpointing
+    if cfg.runtime.float8:  # before compile and the parallel wrapper; parameter names do not change
+        float8.convert(model)
     if use_compile(cfg.runtime.compile, ctx.device):
         model.compile_blocks()
     return model
 
 
 def make_optimizer(model: torch.nn.Module, cfg: StageConfig, device) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters; no weight decay on vectors (norms, biases)."""
+    """AdamW over the trainable parameters (optim.name=adamw), or Muon for the hidden weight matrices
+    and AdamW for the rest (muon); no weight decay on vectors (norms, biases)."""
+    if cfg.optim.name == "muon":
+        return make_muon(model, cfg.optim)
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]

@@ -30,6 +30,7 @@ class TrainState:
     counts: TokenCounts = field(default_factory=TokenCounts)
     mlflow_run_id: str | None = None
     history: dict[str, dict[str, float]] = field(default_factory=dict)  # val_start, val_last
+    generated: dict[str, int] = field(default_factory=dict)  # rl: running ROLLOUT_FIGURES along the chain
     rng: dict[str, str] = field(default_factory=dict)  # device -> base64 of torch's RNG state
 
     def to_dict(self) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.eval.benchmark import (PROMPTS, bits_per_byte, build_items, held_out_texts, multiple_choice,
                                           samples)
 from ghostvis_core.eval.checkpoints import load_stage, stage_config
+from ghostvis_core.eval.gate import tolerances
 from ghostvis_core.eval.harness import (CLOZE_FILE, CLOZE_TASK, DEFAULT_TASKS, GhostvisLM, cloze_jsonl, run_tasks,
                                         task_files_digest)
 from ghostvis_core.eval.report import stage_report, write_report
@@ -55,6 +56,9 @@ class EvaluationConfig(Config):
     # the harness's standard ones where this machine has their data, or tasks in harness_include folders
     harness_tasks: list[str] = list(DEFAULT_TASKS)
     harness_include: list[str] = []  # folders of your own task YAML (lm_eval's include_path)
+    # stage -> allowed held-out bpb worsening vs its upstream (0.2 = 20%) for the lineage quality gate
+    # (the check lineage_quality_gate); unnamed stages keep the stage table's (ghostvis_core/stages.py)
+    bpb_tolerance: dict[str, float] = {}
 
 
 def evaluation_identity(store: LocalStore, tokenizer_id: str, lineage: dict[str, str], val: dict,
@@ -76,6 +80,7 @@ def evaluation(context: AssetExecutionContext, config: EvaluationConfig, home: G
     checkpoint. A lineage scored before on the same held-out data and tasks is not scored again;
     data version: the identity of what was scored."""
     h = home.home()
+    tolerance = tolerances(dict(config.bpb_tolerance))  # refused before scoring when it names no stage
     lineage = lineage_run_keys(context)
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
     val = eval_shards(h.store, tokenizer_id, lineage)
@@ -97,6 +102,7 @@ def evaluation(context: AssetExecutionContext, config: EvaluationConfig, home: G
           "harness_table": MetadataValue.md(harness_table(results)),
           "harness_results": MetadataValue.path(h.store.uri_of("report", f"evaluation/{key}/harness")),
           "mc_chance": 0.25, "identity": key,
+          "bpb_tolerance": MetadataValue.json(tolerance),
           "results": MetadataValue.path(h.store.uri_of("report", f"evaluation/{key}.json"))}
     if cached:
         md["cached_from"] = MetadataValue.json({"identity": key, "why": "the same stage runs, held-out shards by "
@@ -167,8 +173,10 @@ def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisH
     card of the same lineage, evaluation and prices is not written again; data version: that identity."""
     store, tracking_uri = home.home().store, home.home().mlflow_tracking_uri
     lineage = lineage_run_keys(context)
-    evaluation_key = latest_metadata(context, "evaluation")["identity"]
-    key = digest({"lineage": lineage, "evaluation": evaluation_key, "gpu_prices": dict(config.gpu_prices)})
+    evaluated = latest_metadata(context, "evaluation")
+    evaluation_key, tolerance = evaluated["identity"], dict(evaluated["bpb_tolerance"])
+    key = digest({"lineage": lineage, "evaluation": evaluation_key, "gpu_prices": dict(config.gpu_prices),
+                  "bpb_tolerance": tolerance})
     name = list(lineage.values())[-1]
     done = store.read_json("identity", "report", name) if store.exists("identity", "report", name) else {}
     if done.get("digest") == key:
@@ -181,7 +189,8 @@ def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisH
         result = run_result(store, stage, run_key)
         curves = metric_histories(tracking_uri, result.mlflow_run_id, ("train/loss", "val/loss"))
         ev = evaluation_results.get(stage, {})
-        stages.append(stage_report(ledger, result, stage_config(store, result), curves, ev, dict(config.gpu_prices)))
+        stages.append(stage_report(ledger, result, stage_config(store, result), curves, ev, dict(config.gpu_prices),
+                                   tolerance[stage]))
         smp[stage] = ev.get("samples", [])
     title = f"GhostVis report card: {' -> '.join(s.stage for s in stages)}"
     files = write_report(store, name, title, stages, smp)

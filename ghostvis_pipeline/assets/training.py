@@ -12,6 +12,7 @@ from dagster import (
 )
 
 from ghostvis_core import presets
+from ghostvis_core.audit.stage_checks import stage_check_names
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.hf.export import export_run
@@ -25,7 +26,6 @@ from ghostvis_core.train.result import RunResult
 from ghostvis_core.train.runs import Upstream, run_result
 from ghostvis_core.train.spec import LaunchSpec
 from ghostvis_pipeline.cache import cached_stage_run, changed_since
-from ghostvis_pipeline.checks import stage_checks
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
@@ -58,6 +58,7 @@ def result_metadata(r: RunResult) -> dict:
     md: dict = {k: MetadataValue.int(v) for k, v in {**r.counts.as_dict(), **r.batch.__dict__}.items()}
     md |= {"planned_tokens": MetadataValue.int(r.planned_tokens), "steps": MetadataValue.int(r.steps),
            "segment": MetadataValue.int(r.segment)}
+    md |= {k: MetadataValue.int(v) for k, v in r.generated.items()}  # rl: generated/rewarded tokens, completions
     floats = {"train_loss": r.train_loss, "val_loss": r.val_loss, "val_loss_start": r.val_loss_start,
               "tokens_per_sec": r.tokens_per_sec, "first_step_s": r.first_step_s, "wall_time_s": r.wall_time_s,
               "mfu": r.mfu, "flops_per_token": r.flops_per_token, "peak_flops": r.peak_flops,
@@ -118,7 +119,7 @@ def _launch(context, stage: Stage, config: StageRunConfig, home: GhostvisHome, l
     hit: same checkpoint, same MLflow run, metadata `cached_from`). The data version is the run key."""
     h = home.home()
     planned = _user_error(_prepare, context, stage, config, overrides, h, variant)
-    checks = [] if variant else [c.check_key.name for c in stage_checks(stage.name)]
+    checks = [] if variant else stage_check_names()
     hit = None if config.force else cached_stage_run(context.instance, h.store, context.asset_key.path[-1], planned,
                                                      checks)
     if hit:

@@ -1,0 +1,78 @@
+"""The content proof's cost: the share of a training step spent digesting what the model is fed.
+
+The real training step (`ghostvis_core.train.loop.train_step`, world size 1, the demo's `tiny` pretrain
+shape, the precision `auto` picks) runs --steps times after a warm-up step; every call of the digest
+(`FedLog.add`, one per micro-batch) is timed inside the step. Goal: digest time / step time < 2%.
+
+    .venv/bin/python benchmarks/content_digest.py [--home PATH] [--steps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as C  # noqa: E402
+
+GOAL_SHARE = 0.02
+
+
+def measure(home: Path, steps: int) -> dict:
+    import torch
+
+    from ghostvis_core.home import Home
+    from ghostvis_core.train import loop
+    from ghostvis_core.train.dist import DistContext
+    from ghostvis_core.train.feeds import FedLog
+    from ghostvis_core.train.launch import prepare_run
+    from ghostvis_core.train.setup import setup
+
+    spec = prepare_run("pretrain", preset="tiny", home=Home(home),
+                       overrides={"batch.world_size": 1, "budget.steps": steps + 1, "data.seed": 97})
+    run = setup(spec, DistContext(0, 0, 1, torch.device("cpu")))
+    spent = [0.0]
+    add = FedLog.add
+
+    def timed_add(self, step, batch):
+        t0 = time.perf_counter()
+        add(self, step, batch)
+        spent[0] += time.perf_counter() - t0
+
+    FedLog.add = timed_add
+    try:
+        loop.train_step(run)  # warm-up: allocator and threads
+        spent[0], t0 = 0.0, time.perf_counter()
+        for _ in range(steps):
+            loop.train_step(run)
+        wall = time.perf_counter() - t0
+    finally:
+        FedLog.add = add
+        run.tracker.mlflow.finish("FINISHED")
+    p = run.plan
+    return {"steps": steps, "step_s": wall / steps, "digest_s": spent[0] / steps, "share": spent[0] / wall,
+            "shape": f"{p.micro_batch_size}x{p.seq_len}x{p.world_size}x{p.grad_accum_steps}", "bf16": run.bf16}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--home", help="a GhostVis home with tokenized data (default: build a smoke demo home)")
+    ap.add_argument("--steps", type=int, default=20)
+    args = ap.parse_args()
+    wd = C.workdir("digest")
+    src, how = C.home_arg_or_build(args.home, wd)
+    home = C.scratch_home(src, wd / "home")
+    r = measure(home, args.steps)
+    print(f"home: {how}\nshape (micro x seq x world x accum): {r['shape']}, bf16={r['bf16']}")
+    print(C.table([[r["steps"], r["step_s"] * 1000, r["digest_s"] * 1000, 100 * r["share"]]],
+                  ["steps", "step ms", "digest ms", "digest % of step"]))
+    print(C.goal("digest share of step time", r["share"], GOAL_SHARE, higher_is_better=False))
+    print(C.kv_line({k: v for k, v in r.items() if k != "shape"}))
+    return 0
+
+
+if __name__ == "__main__":
+    C.main_wrapper(main)
