@@ -66,7 +66,7 @@ def test_every_stage_has_one_model_version_with_its_alias_and_lineage(registry):
     client, instance = MlflowClient(uri), dagster_instance(home)
     assert "cached_from" in latest(instance, "dpo")  # the last materialization was a hit: no new version
     for name in STAGES:
-        assert_registered(client, instance, name)
+        assert_registered(client, instance, home, name)
     dpo_versions = [v for v in client.search_model_versions(f"name = '{MODEL}'") if v.tags["ghostvis.stage"] == "dpo"]
     assert len(dpo_versions) == 2  # the demo's and the retrained run's; the alias is on the newer (above)
 
@@ -86,7 +86,7 @@ def test_runs_list_their_shards_and_system_metrics_in_a_model_training_experimen
         assert md["mlflow_url"].endswith(f"/runs/{md['mlflow_run_id']}?workflowType=machine_learning")
 
 
-def assert_registered(client, instance, name: str) -> None:
+def assert_registered(client, instance, home: Path, name: str) -> None:
     """The stage's current materialization: its MLflow run has exactly one version, the stage's alias
     points at it, its tags carry the run key, stage, tokenizer and parent run (key and MLflow run)."""
     md = latest(instance, name)
@@ -99,10 +99,12 @@ def assert_registered(client, instance, name: str) -> None:
     assert (tags["ghostvis.stage"], tags["ghostvis.run_key"], tags["ghostvis.tokenizer_id"]) == (
         name, md["run_key"], md["tokenizer_id"])
     up = stage(name).upstream
-    if up:
-        parent = latest(instance, up)
-        assert tags["ghostvis.parent_run_key"] == md["parent_run_key"] == parent["run_key"]
-        assert tags["ghostvis.parent_mlflow_run_id"] == parent["mlflow_run_id"]
+    if up:  # the run it started from: the upstream's newest, except below a stage the fixture retrained (rl)
+        parent = run_result(Home(home).store, up, md["parent_run_key"])
+        assert tags["ghostvis.parent_run_key"] == md["parent_run_key"] == parent.run_key
+        assert tags["ghostvis.parent_mlflow_run_id"] == parent.mlflow_run_id
+        if name not in STAGES[STAGES.index("dpo") + 1:]:  # above the retrained dpo: the upstream's newest
+            assert parent.run_key == latest(instance, up)["run_key"]
     else:
         assert "ghostvis.parent_run_key" not in tags
 

@@ -51,6 +51,9 @@ def begin(run: Run) -> None:
         with run.parallel.evaluating():
             s.history["val_start"] = run.objective.evaluate(run.model, run.ctx, run.autocast, evidence=True)
         run.tracker.metrics(s.history["val_start"], step=0)
+    else:  # the interrupted segment's last points may not have reached MLflow before it died: the
+        # committed step it resumes from gets its token point again (`mlflow_token_history` reads it)
+        run.tracker.metrics(token_metrics(run), step=s.step)
     run.last_val = dict(s.history.get("val_last", s.history.get("val_start", {})))
     run.part_first = (s.step, s.rows)
 
@@ -107,10 +110,10 @@ def progress(run: Run) -> dict[str, float]:
 
 def token_metrics(run: Run) -> dict[str, float]:
     """The token figures' running totals; for a stage that samples (rl) also the rollout figures and the
-    step's mean reward."""
+    step's mean reward (none yet right after a resume)."""
     s = run.state
     out: dict[str, float] = {**s.counts.as_metrics(), **{ROLLOUT_METRICS[k]: v for k, v in s.generated.items()}}
-    if s.generated:
+    if s.generated and not math.isnan(run.step_reward):
         out["rl/reward_mean"] = run.step_reward
     return out
 
