@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup browser slurm demo test bench
+.PHONY: setup browser slurm postgres demo test bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml scripts/install-torch
@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml scripts/install-torch
 demo: setup
 	$(VENV)/bin/ghostvis demo
 
-# Headless Chromium for tests/test_ui_browser.py: Debian's package, driven by Playwright (its own
+# Headless Chromium for tests/test_ui_browser.py and tests/test_ui_actions.py: Debian's package, driven by Playwright (its own
 # browser download is not used). Installed with apt when missing (as root, or through sudo).
 browser:
 	@command -v chromium >/dev/null 2>&1 || { \
@@ -28,7 +28,15 @@ slurm:
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y slurm-wlm munge; }
 
-test: setup browser slurm
+# A PostgreSQL server for tests/test_postgres.py (tests/postgres_server.py runs initdb and postgres
+# in a temporary folder as the `postgres` user, on 127.0.0.1): Debian's package, installed with apt
+# when missing (as root, or through sudo). Its own cluster service is not used.
+postgres:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y postgresql; }
+
+test: setup browser slurm postgres
 	$(VENV)/bin/pytest -q
 
 bench: setup

@@ -185,6 +185,23 @@ def check_home(home: Path) -> None:
                          f"store/ledger/shards); build one with `ghostvis demo --preset smoke --stages pretrain`")
 
 
+def linked_home(src: Path, dst: Path) -> Path:
+    """A private copy of a whole home (store, MLflow, Dagster instance) for a benchmark that adds to it:
+    the store's and MLflow's artifact files are hard-linked (nothing rewrites them in place: new ledger
+    parts and checkpoints are new files), the databases and everything else are copied."""
+    def link_or_copy(source: str, target: str) -> None:
+        if Path(source).relative_to(src).parts[0] in ("store", "mlartifacts"):
+            try:
+                os.link(source, target)
+                return
+            except OSError:  # another filesystem
+                pass
+        shutil.copy2(source, target)
+
+    shutil.copytree(src, dst, symlinks=True, copy_function=link_or_copy)
+    return dst
+
+
 def scratch_home(src: Path, dst: Path) -> Path:
     """A fresh home for training runs that reads src's tokenized data: the tokenizers and the
     ledger's shard rows are copied, the shard files symlinked (ledger token paths are relative to

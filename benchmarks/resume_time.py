@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 
+from ghostvis_core.data.ledger import PART_TABLES, Ledger  # noqa: E402
 from ghostvis_core.home import Home  # noqa: E402
 
 GOAL_RATIO = 1.10
@@ -42,11 +43,11 @@ def truncate_to(home: Path, run_key: str, step: int) -> None:
         if m and int(m.group(1)) > step:
             shutil.rmtree(p)
     store.delete("run_record", "pretrain", run_key)
-    for table in ("parts", "consumption"):
-        for f in (store.path("ledger") / table).glob(f"{run_key}.s*.p*.parquet"):
-            m = re.search(r"\.p(\d{9})\.parquet$", f.name)
-            if m and int(m.group(1)) > step:
-                f.unlink()
+    ledger = Ledger.in_store(store)
+    for part in ledger.parts([run_key]):
+        if part["step_last"] > step:
+            for table in PART_TABLES:
+                ledger.part_file(table, part).unlink(missing_ok=True)
 
 
 def resume_once(base: Path, wd: Path, run_key: str, step: int, preset: str, sets: list[str], tag: str) -> dict:

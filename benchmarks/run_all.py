@@ -2,7 +2,7 @@
 
 demo_time.py builds the home (a full `ghostvis demo`, timed) and keeps it; trainer_throughput.py,
 tokenize_throughput.py, resume_time.py and content_digest.py then read its tokenized data (each trains in its own
-scratch copy, so the home is not changed). With --home, the demo is not re-run and that home is used.
+scratch copy, so the home is not changed); ledger_scale.py adds ledger parts to a copy of it. With --home, the demo is not re-run and that home is used.
 At the end, every script's final key=value line is repeated.
 
     .venv/bin/python benchmarks/run_all.py [--preset tiny] [--home PATH] [--only NAME ...]
@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-ORDER = ("demo_time", "trainer_throughput", "tokenize_throughput", "resume_time", "content_digest")
+ORDER = ("demo_time", "trainer_throughput", "tokenize_throughput", "resume_time", "content_digest", "ledger_scale",
+         "scale")
+OWN_HOMES = {"scale": ["--no-ledger"]}  # builds its homes per shard count; its ledger side is ledger_scale's run
 
 
 def run(name: str, extra: list[str]) -> tuple[int, str, float]:
@@ -68,7 +70,7 @@ def main() -> int:
             elif rc != 0:
                 print("demo_time failed, but its home has tokenized data: the others use it", flush=True)
         for name in names:
-            rc, kv, secs = run(name, ["--home", home] if home else [])
+            rc, kv, secs = run(name, OWN_HOMES.get(name, ["--home", home] if home else []))
             results.append((name, rc, kv, secs))
     finally:
         if wd is not None and not args.keep_home:

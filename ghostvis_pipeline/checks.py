@@ -2,7 +2,8 @@
 
 The checks' logic lives in ghostvis_core.audit.invariants (plain functions that `ghostvis audit` calls
 too); these wrap them for Dagster. Data: the tokenizer trained on no validation shard; the ledger
-matches a recount of the token files, and every manifest shard is in it. Training stages: the four
+matches a recount of the token files, every manifest shard is in it, and tokens before
+tokenization = tokens kept + tokens removed. Training stages: the four
 figures recounted from the token files, the consumption the plan expected, the selection, every
 rank's share, consumed vs planned tokens, ledger == MLflow == run record == metadata, no range read
 twice, no validation shard consumed. Evaluation: no stage beyond its held-out bpb tolerance against
@@ -12,6 +13,7 @@ its upstream (non-blocking: a judgement on the model, not on the accounting).
 from dagster import AssetCheckResult, MetadataValue, asset_check
 
 from ghostvis_core.audit import invariants as inv
+from ghostvis_core.audit import removed
 from ghostvis_core.audit.outcome import CheckOutcome
 from ghostvis_core.audit.stage_checks import STAGE_CHECKS, CheckInputs
 from ghostvis_core.data.catalog import recorded_sha256, registered_manifests, shard_split
@@ -22,13 +24,24 @@ from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
 
 
+# A check's table shows its first rows only, so its event stays bounded at any number of shards.
+TABLE_ROWS = 20
+
+
 def to_result(outcome: CheckOutcome) -> AssetCheckResult:
     """A core check's outcome as Dagster metadata: its figures, its tables as Markdown, its failures."""
     metadata = dict(outcome.figures)
-    metadata.update({name: MetadataValue.md(md_table(header, rows)) for name, (header, rows) in outcome.tables.items()})
+    metadata.update({name: capped_table(header, rows) for name, (header, rows) in outcome.tables.items()})
     if outcome.failures:
         metadata["failures"] = MetadataValue.md("\n".join(f"- {f}" for f in outcome.failures[:100]))
     return AssetCheckResult(passed=outcome.passed, metadata=metadata)
+
+
+def capped_table(header: list[str], rows: list[list]) -> MetadataValue:
+    """The first TABLE_ROWS rows as Markdown and how many more there are (`ghostvis audit --json` has every row)."""
+    more = len(rows) - TABLE_ROWS
+    note = f"\n\n... and {more:,} more rows (every row: `ghostvis audit --json`)" if more > 0 else ""
+    return MetadataValue.md(md_table(header, rows[:TABLE_ROWS]) + note)
 
 
 @asset_check(asset="token_ledger", blocking=True, description="Ledger docs/tokens equal a recount of the token files.")
@@ -53,30 +66,52 @@ def no_duplicate_content(context, home: GhostvisHome) -> AssetCheckResult:
     return to_result(inv.no_duplicate_content(Ledger.in_store(h.store), tokenizer_id))
 
 
+@asset_check(asset="token_ledger", blocking=True,
+             description="Per text shard and in total: tokens before (every raw document tokenized again) = tokens "
+                         "kept (the token file) + tokens removed (the ledger's drops, equal to a recount).")
+def removed_tokens_reconcile(context, home: GhostvisHome) -> AssetCheckResult:
+    h = home.home()
+    tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
+    return to_result(removed.removed_tokens_reconcile(h.store, Ledger.in_store(h.store), tokenizer_id))
+
+
 @asset_check(asset="tokenizer", blocking=True,
              description="No shard whose split is validation (pinned by name or by sha256) is in the tokenizer's training set.")
 def tokenizer_trained_on_train_shards_only(context, home: GhostvisHome) -> AssetCheckResult:
     store = home.home().store
     md = latest_metadata(context, "tokenizer")
-    trained = list(md.get("train_shard_ids") or [])
+    trained = _tokenizer_train_shard_ids(store, md)
+    recorded = trained is not None
+    trained = trained or []
     manifests = registered_manifests(store)
     validation = sorted(m.shard_id(e) for m in manifests.values() for e in m.shards
                         if _split_or_none(store, m, m.shard_id(e)) == "validation")
     offenders = []
     for sid in trained:
         manifest = manifests.get(sid.split("/", 1)[0])
-        known = manifest is not None and any(manifest.shard_id(e) == sid for e in manifest.shards)
+        known = manifest is not None and sid in manifest.entries_by_id
         split = _split_or_none(store, manifest, sid) if known else None
         if split != "train":
             offenders.append([sid, split or ("not downloaded: split unknown" if known else "in no manifest")])
-    recorded = "train_shard_ids" in md
     return AssetCheckResult(passed=recorded and not offenders, metadata={
         "trained_shards": len(trained), "validation_shards": len(validation),
         "offending_shards": len(offenders),
-        "offenders": MetadataValue.md(md_table(["shard", "split"], offenders)) if offenders else "none",
+        "offenders": capped_table(["shard", "split"], offenders) if offenders else "none",
         "validation_shard_ids": ", ".join(validation[:100]) or "none",
-        "note": "ok" if recorded else "the tokenizer's metadata has no train_shard_ids; re-materialize tokenizer",
+        "note": "ok" if recorded else "the tokenizer's identity record (metadata `identity`) with its train shards "
+                                      "is not in the store; re-materialize tokenizer",
     })
+
+
+def _tokenizer_train_shard_ids(store, md: dict) -> list[str] | None:
+    """The shards the tokenizer trained on, from its identity record in the store (assets/data.py keeps the list
+    there, not in the event); [] for a tokenizer taken from a model; None when no record says."""
+    if md.get("from_model"):
+        return []
+    key = md.get("identity")
+    if not key or not store.exists("identity", "tokenizer", key):
+        return None
+    return list(store.read_json("identity", "tokenizer", key)["metadata"]["train_shard_ids"])
 
 
 @asset_check(asset="evaluation", blocking=False,

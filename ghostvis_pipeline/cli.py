@@ -26,9 +26,12 @@ from ghostvis_pipeline import data_command, export_command, status_command, trai
 def cmd_init(args) -> int:
     """Create GHOSTVIS_HOME and the Dagster instance folder (with the project's dagster.yaml), so a
     plain `dagster ...` command works; print the exports and the next command. Idempotent."""
+    from pathlib import Path
+
     from ghostvis_pipeline.environment import init_report, prepare_environment
 
-    print(init_report(prepare_environment(Home.from_env())))
+    config = Path(args.dagster_config) if args.dagster_config else None
+    print(init_report(prepare_environment(Home.from_env(), config)))
     return 0
 
 
@@ -369,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     i = sub.add_parser("init", help="create GHOSTVIS_HOME and the Dagster instance folder; print the exports")
+    i.add_argument("--dagster-config", metavar="YAML",
+                   help="instance config to install (default: the project's dagster.yaml, SQLite; "
+                        "a team's PostgreSQL: deploy/dagster-postgres.yaml)")
     i.set_defaults(fn=cmd_init)
 
     d = sub.add_parser("demo", help="materialize every asset on the embedded demo data")

@@ -34,9 +34,15 @@ def materializations(instance, key: AssetKey, page: int = 1000) -> list:
 
 
 def md_table(header: list[str], rows: list[list[Any]]) -> str:
-    def fmt(v: Any) -> str:
-        return f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
-
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    """A Markdown table whose every row stays one row: a cell's `|` would start a new column and a
+    line break end the table (a sampled completion holds both), so `|` is escaped and line breaks
+    become spaces."""
+    lines = ["| " + " | ".join(md_cell(h) for h in header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(md_cell(v) for v in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def md_cell(value: Any) -> str:
+    """One table cell: integers with thousands separators, one line, `|` escaped."""
+    text = f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+    return " ".join(text.replace("|", "\\|").split())

@@ -28,23 +28,35 @@ class AssetStatus:
 
 
 class Records:
-    """The materializations of each asset (newest first), read once per asset."""
+    """The materializations of each asset, read in one pass per asset and kept per partition (newest
+    first), so that the latest record of a partition, or its version at a cursor, is a dict lookup and
+    a walk over that partition's own history: linear in the records, whatever the number of partitions."""
 
     def __init__(self, instance):
-        self.instance, self.cache = instance, {}
+        self.instance, self.cache, self.materialized = instance, {}, {}
 
-    def of(self, key) -> list:
+    def by_partition(self, key) -> dict[str | None, list]:
         if key not in self.cache:
-            self.cache[key] = materializations(self.instance, key)
+            history: dict[str | None, list] = {}
+            for record in materializations(self.instance, key):
+                history.setdefault(record.partition_key, []).append(record)
+            self.cache[key] = history
         return self.cache[key]
 
+    def partitions(self, key) -> set[str]:
+        """The partitions of `key` that were ever materialized (computed once: asked once per partition
+        of each dependent asset)."""
+        if key not in self.materialized:
+            self.materialized[key] = set(self.by_partition(key)) - {None}
+        return self.materialized[key]
+
     def latest(self, key, partition: str | None = None):
-        return next((r for r in self.of(key) if r.partition_key == partition), None)
+        return next(iter(self.by_partition(key).get(partition, [])), None)
 
     def version_at(self, key, partition: str | None, storage_id: int | None) -> str | None:
         """The data version of (key, partition) as of storage_id (None: now)."""
-        for r in self.of(key):
-            if r.partition_key == partition and (storage_id is None or r.storage_id <= storage_id):
+        for r in self.by_partition(key).get(partition, []):
+            if storage_id is None or r.storage_id <= storage_id:
                 return _version(r)
         return None
 
@@ -70,13 +82,13 @@ def stale_reasons(records: Records, node, partition: str | None, record) -> list
             out.append(f"new input {name}")
             continue
         cursor = prov.input_storage_ids[dep]
-        dep_partitions = sorted({r.partition_key for r in records.of(dep)} - {None})
+        dep_partitions = records.partitions(dep)
         if not dep_partitions:
             now = records.version_at(dep, None, None)
             if now != prov.input_data_versions[dep].value:
                 out.append(f"input {name} changed (data version {prov.input_data_versions[dep].value} -> {now})")
             continue
-        keys = [partition] if partition in dep_partitions else dep_partitions
+        keys = [partition] if partition in dep_partitions else sorted(dep_partitions)
         changed = [p for p in keys if records.version_at(dep, p, cursor) != records.version_at(dep, p, None)]
         if changed:
             more = f" and {len(changed) - SHOWN} more" if len(changed) > SHOWN else ""

@@ -326,16 +326,16 @@ def test_the_checks_only_job_re_executes_every_check_without_retraining(home_cop
                    e.event_log_entry.dagster_event.event_specific_data.passed for e in events}
     assert run.job_name == "checks_only"
     assert results[("sft", "tokens_recounted_from_files")] and all(results.values()), results
-    # 4 data checks, the lineage quality gate on `evaluation`, then every stage check of every stage
-    assert len(results) == 4 + 1 + len(STAGE_CHECKS) * len(stage_names())
+    # 5 data checks, the lineage quality gate on `evaluation`, then every stage check of every stage
+    assert len(results) == 5 + 1 + len(STAGE_CHECKS) * len(stage_names())
 
 
 def last_part_files(home: Path, stage: str) -> list[Path]:
     h = Home(home)
     run_key = completed_runs(h.store, stage)[-1].run_key
-    head = Ledger.in_store(h.store).chain(run_key)[-1]
-    name = f"{run_key}.s{head['segment']:03d}.p{head['step_last']:09d}.parquet"
-    return [h.store.path("ledger_file", f"{table}/{name}") for table in ("parts", "consumption", "shares")]
+    ledger = Ledger.in_store(h.store)
+    head = ledger.chain(run_key)[-1]
+    return [ledger.part_file(table, head) for table in ("parts", "consumption", "shares")]
 
 
 def test_a_ledger_part_duplicated_under_another_name_is_named(home_copy):

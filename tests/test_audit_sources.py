@@ -147,7 +147,7 @@ def test_a_resume_from_a_checkpoint_too_early_names_the_parts_segments_and_steps
                                 "(segment 0, steps 3..4) and part r.s001.p000000004 (segment 1, steps 3..4)"]
     # a range the plan's check finds read twice names the same parts (only segment 1's is on the chain)
     run = inv.StageRun(spec=None, record=None, chain=ledger.chain("r"), parts=ledger.parts(["r"]),
-                       consumption=ledger.consumption([p["part_id"] for p in ledger.parts(["r"])]))
+                       consumption=ledger.consumption(ledger.parts(["r"])))
     assert inv.range_readers(run, "demo_prose/00000", 0, "600..700") == (
         "read by part r.s000.p000000004 (segment 0, steps 3..4) and part r.s001.p000000004 (segment 1, steps 3..4)")
     assert inv.range_readers(run, "demo_prose/00000", 0, "2000..2100") == "read by no part of the run's chain"

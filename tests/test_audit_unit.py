@@ -1,15 +1,23 @@
-"""Unit tests of the audit's pieces (no training run): range arithmetic, each rank's expected rows,
-and the real shard selection refusing a validation shard (with the split filter planted away)."""
+"""Unit tests of the audit's pieces: range arithmetic, each rank's expected rows, and the real shard
+selection refusing a validation shard (with the split filter planted away), on no training run; and
+every check's figures showing both sides of its comparisons, on the demo's clean runs."""
 
 from __future__ import annotations
 
 import pytest
 
+from ghostvis_core.audit import invariants as inv
 from ghostvis_core.audit.expected import rank_rows, share_problems
 from ghostvis_core.audit.outcome import covered_twice, subtract, union
+from ghostvis_core.audit.stage_checks import STAGE_CHECKS, CheckInputs
+from ghostvis_core.counts import ROLLOUT_FIGURES, TokenCounts
 from ghostvis_core.data.ledger import Ledger, row_ranges
+from ghostvis_core.data.tokenizer import newest_tokenizer
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.home import Home
+from ghostvis_core.stages import stage_names
 from ghostvis_core.store import LocalStore
+from ghostvis_core.train.runs import completed_runs
 from ghostvis_core.train.launch import select_shards
 from tests.planted import plant
 from tests.test_loader import write_shard
@@ -65,3 +73,38 @@ def test_the_real_shard_selection_refuses_a_validation_shard(tmp_path, monkeypat
     plant("split_filter_dropped", setter=monkeypatch.setattr)
     with pytest.raises(GhostvisError, match=r"prose/val-000 \(validation\) selected for training are not train"):
         select_shards(ledger, store, "tok", ["prose"], "train")
+
+
+# Each stage check's comparisons as pairs of figures (Dagster metadata entries): (one side, the other).
+CHECK_SIDES = {
+    "tokens_recounted_from_files": [(f"{k}_trainer", f"{k}_recount") for k in TokenCounts.names()],
+    "fed_content_matches_files": [("rows_rebuilt", "rows_fed")],
+    "rollouts_recounted": [(f"{k}_recount", f"{k}_ledger") for k in ROLLOUT_FIGURES]
+    + [("prompt_tokens_recount", "prompt_tokens_ledger")],
+    "consumption_matches_plan": [("expected_shard_tokens", "consumed_shard_tokens"), ("rows_planned", "rows_recorded"),
+                                 ("steps_planned", "steps_trained"), ("steps_x_tokens_per_step", "consumed_positions")],
+    "every_rank_read_its_rows": [("rows_expected", "rows_recorded")],
+}
+
+
+def test_every_check_shows_both_sides_of_its_comparisons_equal_on_the_clean_demo(demo_home):
+    home = Home(demo_home)
+    ledger = Ledger.in_store(home.store)
+    checks = {name: check for name, _, check in STAGE_CHECKS if name in CHECK_SIDES}
+    assert set(checks) == set(CHECK_SIDES)
+    figures = {}  # (stage, check) -> the check's figures
+    for stage in stage_names():
+        inputs = CheckInputs(home, ledger, inv.StageRun.load(home.store, ledger, stage,
+                                                             completed_runs(home.store, stage)[-1].run_key))
+        figures.update({(stage, name): check(inputs).figures for name, check in checks.items()})
+    shown = {(stage, name): {k: f.get(k) for pair in CHECK_SIDES[name] for k in pair}
+             for (stage, name), f in figures.items() if any(k in f for pair in CHECK_SIDES[name] for k in pair)}
+    for (stage, name), sides in shown.items():
+        for a, b in CHECK_SIDES[name]:
+            assert sides[a] == sides[b] is not None, (stage, name, a, b, figures[stage, name])
+    assert {name for _, name in shown} == set(CHECK_SIDES)  # rollouts_recounted: the rl stage only
+    assert shown["rl", "rollouts_recounted"]["prompt_tokens_ledger"] > 0
+    assert shown["pretrain", "fed_content_matches_files"]["rows_fed"] == \
+        shown["pretrain", "every_rank_read_its_rows"]["rows_recorded"] > 0
+    data = inv.ledger_matches_token_files(home.store, ledger, newest_tokenizer(home.store)).figures
+    assert data["recounted_tokens"] == data["ledger_tokens"] > 0

@@ -235,7 +235,7 @@ def first_consumed_row(home: Path, run_key: str) -> tuple[str, int]:
     from ghostvis_core.home import Home
 
     ledger = Ledger.in_store(Home(home).store)
-    rows = ledger.consumption([p["part_id"] for p in ledger.chain(run_key)])
+    rows = ledger.consumption(ledger.chain(run_key))
     first = min(rows, key=lambda r: (r["shard_id"], r["row_start"]))
     return first["shard_id"], first["row_start"]
 

@@ -52,8 +52,8 @@ def test_demo_materializes_every_asset_and_all_checks_pass(demo_home):
         assert f"\n{asset} " in out, f"{asset} missing from the per-asset breakdown:\n{out}"
     line = next(l for l in out.splitlines() if l.startswith("checks:"))
     passed, total = map(int, line.split()[1].split("/"))
-    # 4 data checks (3 ledger, 1 tokenizer), the stages' checks and the evaluation's lineage quality gate
-    assert passed == total == 4 + len(stage_check_names()) * len(STAGES) + 1, line
+    # 5 data checks (4 ledger, 1 tokenizer), the stages' checks and the evaluation's lineage quality gate
+    assert passed == total == 5 + len(stage_check_names()) * len(STAGES) + 1, line
 
 
 def test_ledger_mlflow_and_dagster_agree_to_the_token_for_every_stage(demo_home):
@@ -106,21 +106,22 @@ def test_pretraining_lowers_validation_loss_and_mixture_follows_the_recipe(demo_
     assert replay and {r["source"] for r in replay} == {"demo_prose", "demo_code"}
 
 
-def test_rematerializing_one_stage_through_the_dagster_cli(demo_home):
+def test_rematerializing_one_stage_through_the_dagster_cli(home_copy):
     """With force: true (the same inputs are otherwise a cache hit, test_cache.py): a new attempt of the
-    same run identity, with its own MLflow run, that packs exactly the same tokens."""
-    instance = dagster_instance(demo_home)
+    same run identity, with its own MLflow run, that packs exactly the same tokens. On a copy: the stages
+    above sft would otherwise be unsynced for every later test of the shared demo home."""
+    instance = dagster_instance(home_copy)
     before = latest(instance, "sft")
     vision = latest(instance, "vision_alignment")
     proc = run_cli(["dagster", "asset", "materialize", "--select", "sft", "-m", "ghostvis_pipeline.definitions",
-                    "--config-json", json.dumps({"ops": {"sft": {"config": {"force": True}}}})], demo_home)
+                    "--config-json", json.dumps({"ops": {"sft": {"config": {"force": True}}}})], home_copy)
     assert "RUN_SUCCESS" in proc.stdout + proc.stderr
-    after = latest(dagster_instance(demo_home), "sft")
+    after = latest(dagster_instance(home_copy), "sft")
     assert after["run_key"] == before["run_key"][:-len("-r1")] + "-r2" and "cached_from" not in after
     assert after["mlflow_run_id"] != before["mlflow_run_id"]
     assert after["parent_run_key"] == vision["run_key"]  # from the stored upstream checkpoint
     assert after["real_tokens"] == before["real_tokens"]  # same config, same data, deterministic packing
-    assert Ledger(Home(demo_home).store.path("ledger")).run_totals(after["run_key"])["real_tokens"] == after["real_tokens"]
+    assert Ledger(Home(home_copy).store.path("ledger")).run_totals(after["run_key"])["real_tokens"] == after["real_tokens"]
 
 
 def test_ghostvis_ledger_json_shows_the_same_totals(demo_home):

@@ -158,7 +158,7 @@ def test_the_rl_stage_runs_through_the_cli_and_its_audit_recounts_the_generated_
     failures = [f for c in result["checks"] for f in c["failures"] if not stale_home(c["name"], f)]
     assert not failures and all(c["passed"] or c["name"] == "no_eval_contamination" for c in result["checks"]), failures
     assert proc.returncode == 0 or any(stale_home(n, f) for n, c in checks.items() for f in c["failures"])
-    rollouts = ledger.rollouts([p["part_id"] for p in ledger.chain(run_key)])
+    rollouts = ledger.rollouts(ledger.chain(run_key))
     recount = sum(len(c) for r in rollouts for c in r["completion_ids"])
     ledger_generated = sum(r["generated_tokens"] for r in rollouts)
     figures = checks["rollouts_recounted"]["figures"]
@@ -196,7 +196,7 @@ def tamper_first_completion(folder: Path) -> None:
 
     from ghostvis_core.data.ledger import ROLLOUT_SCHEMA
 
-    path = sorted(folder.glob("*.parquet"))[0]
+    path = sorted(folder.rglob("*.parquet"))[0]
     rows = pq.read_table(path).to_pylist()
     ids = json.loads(rows[0]["completion_ids"])
     ids[0] = ids[0][:-1]

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import duckdb
 import numpy as np
 import pyarrow as pa
 import pytest
 
 from ghostvis_core.budget import BatchPlan
-from ghostvis_core.data.ledger import Ledger, pieces_to_rows
+from ghostvis_core.data.ledger import PART_TABLES, Ledger, pieces_to_rows, run_summaries
 from ghostvis_core.data.loader import Batcher, Consumption, LMRows, merge_pieces, micro_batch_rows
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.token_shard import TokenShard, list_column, write_token_shard
+from ghostvis_core.errors import GhostvisError
 
 
 @pytest.fixture
@@ -288,3 +290,50 @@ def test_ledger_totals_equal_the_files_and_the_loader(tmp_path, ledger):
         assert r["tokens"] <= on_disk[r["shard_id"]]
         n_docs = next(x["docs"] for x in records if x["shard_id"] == r["shard_id"])
         assert 0 <= r["row_start"] < r["row_end"] <= n_docs
+
+
+# ---------------------------------------------------------------- layout: a folder per run
+
+
+def garble_run(ledger: Ledger, stage: str, run_key: str) -> int:
+    """Overwrite every file of a run's folders with bytes no Parquet reader accepts; returns how many."""
+    files = [f for table in PART_TABLES for f in (ledger.root / table / f"stage={stage}" / f"run={run_key}").glob("*")]
+    for f in files:
+        f.write_bytes(b"not parquet")
+    return len(files)
+
+
+def test_a_query_about_one_run_opens_only_that_runs_files(parent_run):
+    parent_run.write_part(part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", real=50, created_at=2.0),
+                          [piece("s0", (60, 120), (6, 12))], shares=[{"rank": 0, "world_size": 1, "row_count": 6,
+                                                                      "row_ranges": "[[6, 12]]", "real_tokens": 50,
+                                                                      "pad_tokens": 0, "loss_tokens": 0,
+                                                                      "cropped_tokens": 0}])
+    parent_run.write_part(part("other.p0", "other", real=7, created_at=3.0), [piece("s9", (0, 10), (0, 1))])
+    assert parent_run.part_file("shares", parent_run.chain("cpt")[0]) == (
+        parent_run.root / "shares" / "stage=continued_pretrain" / "run=cpt" / "s000.p000000010.parquet")
+    assert garble_run(parent_run, "pretrain", "other") == 2  # its part row and its consumption
+    with pytest.raises(duckdb.Error):  # the garbled files are really unreadable: a query that opened them fails
+        parent_run.parts()
+    chain = parent_run.chain("cpt")
+    assert [p["part_id"] for p in chain] == ["cpt.p0"] and parent_run.run_totals("cpt")["real_tokens"] == 50
+    assert [(r["shard_id"], r["tok_start"]) for r in parent_run.consumption(chain)] == [("s0", 60)]
+    assert [r["row_ranges"] for r in parent_run.shares(chain)] == [[[6, 12]]]
+    assert [r["kind"] for r in parent_run.reuse("cpt")] == ["undeclared_cross_stage"]  # reads "pre" too, not "other"
+    assert [p["run_key"] for p in parent_run.parts(stage="continued_pretrain")] == ["cpt"]
+    garble_run(parent_run, "pretrain", "pre")
+    assert parent_run.consumed_by_shard("cpt")[0]["tokens"] == 60  # the chain's own run only
+
+
+def test_run_summaries_equal_each_runs_totals(resumed_run, parent_run):
+    summaries = {r["run_key"]: r for r in run_summaries(resumed_run)}
+    assert sorted(summaries) == ["pre", "r"]
+    for key, s in summaries.items():
+        assert {k: s[k] for k in resumed_run.run_totals(key)} == resumed_run.run_totals(key)
+    assert (summaries["r"]["real_tokens"], summaries["r"]["parts"], summaries["r"]["planned_tokens"]) == (600, 3, 960)
+
+
+def test_a_run_key_that_cannot_name_a_folder_is_refused(ledger):
+    with pytest.raises(GhostvisError, match="run_key 'a/b' cannot name a folder"):
+        ledger.write_part(part("x.p0", "a/b"), [])
+    assert not (ledger.root / "parts").exists()

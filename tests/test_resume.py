@@ -63,8 +63,8 @@ def latest_check(home: Path, asset: str, check: str):
     return records[0].event.dagster_event.event_specific_data
 
 
-def consumed(ledger: Ledger, part_ids: list[str]) -> list[tuple[str, int, int, int]]:
-    return sorted((r["shard_id"], r["epoch"], r["tok_start"], r["tok_end"]) for r in ledger.consumption(part_ids))
+def consumed(ledger: Ledger, parts: list[dict]) -> list[tuple[str, int, int, int]]:
+    return sorted((r["shard_id"], r["epoch"], r["tok_start"], r["tok_end"]) for r in ledger.consumption(parts))
 
 
 def covered(ranges) -> set[tuple[str, int, int]]:
@@ -94,10 +94,10 @@ def test_sigkill_between_checkpoints_then_rematerialize_resumes_exactly(home_cop
     segments = sorted({p["segment"] for p in chain})
     assert segments == [0, 1] and done.segment == 1
     assert min(p["step_first"] for p in chain if p["segment"] == 1) == killed_at + 1
-    seg0 = [p["part_id"] for p in chain if p["segment"] == 0]
-    seg1 = [p["part_id"] for p in chain if p["segment"] == 1]
+    seg0 = [p for p in chain if p["segment"] == 0]
+    seg1 = [p for p in chain if p["segment"] == 1]
     a, b = covered(consumed(ledger, seg0)), covered(consumed(ledger, seg1))
-    whole = covered(consumed(ref_ledger, [p["part_id"] for p in ref_ledger.chain(ref_dir.name)]))
+    whole = covered(consumed(ref_ledger, ref_ledger.chain(ref_dir.name)))
     assert a and b and not (a & b)  # no token (so no shard row) read twice across the resume
     assert a | b == whole  # and none skipped: the union is exactly the uninterrupted run's
     assert done.counts == ref.counts == ledger.run_counts(run_dir.name)

@@ -25,6 +25,7 @@ from ghostvis_core.data.catalog import (
 from ghostvis_core.data.sources import Manifest, fetch_shard
 from ghostvis_core.data.tokenize import job_for_shard
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.home import Home
 from ghostvis_core.store import LocalStore
 from tests.test_sources import aws_env, fast_retries, http, moto_endpoint, s3  # noqa: F401 (fixtures)
 
@@ -147,8 +148,8 @@ def test_a_sha256_pin_that_matches_no_content_fails_once_all_shards_are_download
         download_all(store, manifest)
     assert str(exc.value) == (
         f"source web: validation_sha256 pin(s) ['{wrong}'] match none of its 4 shards' content (checked in "
-        f"raw_shards); a pin must be the sha256 of one of the source's files (raw_shards' shards_table shows them): "
-        f"fix or remove the pin and re-materialize shard_manifest")
+        f"raw_shards); a pin must be the sha256 of one of the source's files (each raw_shards partition's metadata "
+        f"shows its sha256): fix or remove the pin and re-materialize shard_manifest")
     save_manifest(store, manifest)
     with pytest.raises(GhostvisError, match=r"validation_sha256 pin\(s\) .* \(checked in the tokenizer asset\)"):
         tokenizer_corpus(store, max_train_bytes=10**9)
@@ -197,11 +198,25 @@ def dagster_run(assets, instance, home, *, run_config=None, tags=None, selection
                        run_config=run_config or {}, tags=tags, selection=selection, raise_on_error=False)
 
 
-def latest(instance, asset: str) -> dict:
-    from dagster import AssetKey
+def latest(instance, asset: str, partition: str | None = None) -> dict:
+    """The metadata of the asset's newest materialization, or of its partition's."""
+    from dagster import AssetKey, AssetRecordsFilter
 
-    ev = instance.get_latest_materialization_event(AssetKey(asset))
+    if partition is None:
+        ev = instance.get_latest_materialization_event(AssetKey(asset))
+    else:
+        ev = instance.fetch_materializations(AssetRecordsFilter(asset_key=AssetKey(asset), asset_partitions=[partition]),
+                                             limit=1).records[0].event_log_entry
     return {k: getattr(v, "value", v) for k, v in ev.asset_materialization.metadata.items()}
+
+
+def observed(instance, asset: str, partition: str) -> dict:
+    """The metadata of the partition's newest observation: a shard's own figures (assets/data.py shard_observation)."""
+    from dagster import AssetKey, AssetRecordsFilter
+
+    [record] = instance.fetch_observations(AssetRecordsFilter(asset_key=AssetKey(asset), asset_partitions=[partition]),
+                                           limit=1).records
+    return {k: getattr(v, "value", v) for k, v in record.event_log_entry.asset_observation.metadata.items()}
 
 
 def error_of(result) -> str:
@@ -234,19 +249,26 @@ def test_dagster_tokenizer_trains_on_train_shards_only(transport, pin, request, 
         keys, raw = materialize_sources(instance, home, remote)
         assert keys == KEYS
         assert raw.success, error_of(raw)
-        table = latest(instance, "shard_manifest")["manifest"]
-        shown = "validation" if pin == "name" else "pending download (sha256 pins)"
-        assert f"| web/{HELD_OUT} | {shown} |" in table
-        assert f"| web/{HELD_OUT} | validation | {len(DATA[HELD_OUT]):,} | {HELD_OUT_SHA[:12]} | downloaded |" \
-               in latest(instance, "raw_shards")["shards_table"]
+        # per source: shards, train, validation, pending download (a content pin before the download)
+        table = latest(instance, "shard_manifest")["by_source"]
+        shown = "3 | 1 | 0" if pin == "name" else "0 | 0 | 4"
+        assert f"| web | text | 4 | {shown} |" in table
+        held_out = observed(instance, "raw_shards", f"web/{HELD_OUT}")
+        assert {k: held_out[k] for k in ("split", "bytes", "sha256", "status")} == \
+               {"split": "validation", "bytes": len(DATA[HELD_OUT]), "sha256": HELD_OUT_SHA, "status": "downloaded"}
 
         result = dagster_run([tokenizer, tokenizer_trained_on_train_shards_only], instance, home,
                              run_config={"ops": {"tokenizer": {"config": {"vocab_size": 300}}}})
         assert result.success, error_of(result)
         md = latest(instance, "tokenizer")
-        assert md["train_shard_ids"] == ["web/013_00000", "web/013_00001", "web/013_00003"]
         assert (md["train_shards"], md["validation_shards_excluded"]) == (3, 1)
-        assert md["validation_shard_ids_excluded"] == [f"web/{HELD_OUT}"]
+        # the shard lists are in the tokenizer's identity record, not in its event (it would grow with the shards)
+        store = Home(home).store
+        assert "train_shard_ids" not in md
+        assert md["shard_lists"] == store.uri_of("identity", "tokenizer", md["identity"])
+        lists = store.read_json("identity", "tokenizer", md["identity"])["metadata"]
+        assert lists["train_shard_ids"] == ["web/013_00000", "web/013_00001", "web/013_00003"]
+        assert lists["validation_shard_ids_excluded"] == [f"web/{HELD_OUT}"]
         [check] = result.get_asset_check_evaluations()
         assert check.check_name == "tokenizer_trained_on_train_shards_only" and check.passed
         cmd = {k: getattr(v, "value", v) for k, v in check.metadata.items()}
@@ -256,11 +278,11 @@ def test_dagster_tokenizer_trains_on_train_shards_only(transport, pin, request, 
         # shard_manifest now shows the resolved split of the downloaded shard, however it was pinned
         again = dagster_run([shard_manifest], instance, home,
                             run_config={"ops": {"shard_manifest": {"config": {"sources": [], "remote": [remote]}}}})
-        assert again.success and f"| web/{HELD_OUT} | validation |" in latest(instance, "shard_manifest")["manifest"]
+        assert again.success and "| web | text | 4 | 3 | 1 | 0 |" in latest(instance, "shard_manifest")["by_source"]
 
 
 def test_dagster_check_fails_on_a_validation_shard_in_the_training_set(request, tmp_path):
-    from dagster import AssetMaterialization, DagsterInstance, MetadataValue, build_asset_check_context
+    from dagster import AssetMaterialization, DagsterInstance, build_asset_check_context
 
     from ghostvis_pipeline.checks import tokenizer_trained_on_train_shards_only
     from ghostvis_pipeline.resources import GhostvisHome
@@ -271,8 +293,10 @@ def test_dagster_check_fails_on_a_validation_shard_in_the_training_set(request, 
         _, raw = materialize_sources(instance, home, remote)
         assert raw.success, error_of(raw)
         # a tokenizer trained before the fix: the sha256-pinned shard among its training shards
+        Home(home).store.write_json("identity", "tokenizer", "old-identity",
+                                    data={"metadata": {"tokenizer_id": "old", "train_shard_ids": KEYS}})
         instance.report_runless_asset_event(AssetMaterialization("tokenizer", metadata={
-            "tokenizer_id": "old", "train_shard_ids": MetadataValue.json(KEYS)}))
+            "tokenizer_id": "old", "identity": "old-identity"}))
         ctx = build_asset_check_context(instance=instance, resources={"home": GhostvisHome(root=str(home))})
         res = tokenizer_trained_on_train_shards_only(ctx)
     md = {k: getattr(v, "value", v) for k, v in res.metadata.items()}

@@ -7,16 +7,8 @@ card renders with its image and the ledger's token figures. Screenshots go to te
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import signal
-import socket
-import subprocess
-import time
 import urllib.parse
-import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,12 +18,13 @@ from ghostvis_core.audit.stage_checks import stage_check_names
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.stages import stage_names
-from tests.conftest import BIN, cli_env
+from tests.ui_servers import (
+    UI_TIMEOUT_MS, as_int, chromium, clear_run_outputs, dagster_ui, eventually, mlflow_server, new_page, save_failure,
+    shot,
+)
 
 pytestmark = pytest.mark.e2e
 
-ROOT = Path(__file__).resolve().parent.parent
-ARTIFACTS = ROOT / "test-artifacts" / "ui"
 STAGES = stage_names()
 # The asset graph as the issue lists it (the UI must show at least these; exactly the code location's).
 ASSETS = ["shard_manifest", "raw_shards", "tokenizer", "tokenized_shards", "token_ledger", "pretrain",
@@ -39,128 +32,44 @@ ASSETS = ["shard_manifest", "raw_shards", "tokenizer", "tokenized_shards", "toke
           "pretrain_variants", "evaluation", "report"]
 STAGE_CHECKS = stage_check_names()  # the one registry (ghostvis_core/audit/stage_checks.py)
 TOKEN_COLS = {"real": "real_tokens", "pad": "pad_tokens", "loss": "loss_tokens", "cropped": "cropped_tokens"}
-# Debian's chromium under Playwright (Playwright's own browser download is not used). Without the
-# background-networking flags chromium dials out at start-up, which a closed network refuses.
-CHROMIUM = os.environ.get("GHOSTVIS_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-SERVICE_START_S = 180  # a loaded 2-core CI machine imports dagster/mlflow slowly
-UI_TIMEOUT_MS = 60_000
 expect.set_options(timeout=UI_TIMEOUT_MS)
 
 
 # --------------------------------------------------------------------------------------- services
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=5) as r:
-            return r.status
-    except Exception:
-        return 0
-
-
-@contextmanager
-def service(name: str, cmd: list[str], env: dict[str, str], ready_url: str, cwd: Path):
-    """Start `cmd` in its own process group, wait until `ready_url` answers 200, kill the group after."""
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    log_path = ARTIFACTS / f"{name}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            deadline = time.monotonic() + SERVICE_START_S
-            while _get(ready_url) != 200:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"{name} did not come up at {ready_url} (exit code {proc.poll()}):\n"
-                                         + log_path.read_text()[-4000:])
-                time.sleep(0.5)
-            yield proc
-        finally:
-            for sig, wait in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=wait)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-
-
 @pytest.fixture(scope="module", autouse=True)
 def fresh_artifacts():
-    """test-artifacts/ui/ holds this run's screenshots and service logs only."""
-    shutil.rmtree(ARTIFACTS, ignore_errors=True)
-    ARTIFACTS.mkdir(parents=True)
+    """test-artifacts/ui/ holds this run's screenshots and service logs (and the walk-through's screenshots)."""
+    clear_run_outputs()
 
 
 @pytest.fixture(scope="module")
 def dagster_url(demo_home):
-    port = free_port()
-    env = cli_env(demo_home)
-    cmd = [str(BIN / "dagster-webserver"), "-m", "ghostvis_pipeline.definitions", "-h", "127.0.0.1", "-p", str(port)]
-    url = f"http://127.0.0.1:{port}"
-    with service("dagster-webserver", cmd, env, f"{url}/server_info", cwd=ROOT):
+    with dagster_ui(demo_home, "dagster-webserver") as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def mlflow_url(demo_home, tmp_path_factory):
-    port = free_port()
-    # no job runner: its worker pool (GenAI jobs) costs memory and start-up time and serves nothing here
-    env = cli_env(demo_home, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    cmd = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-           "--backend-store-uri", Home(demo_home).mlflow_tracking_uri, "--workers", "1"]
-    url = f"http://127.0.0.1:{port}"
-    # cwd: a scratch folder, so the server's default ./mlartifacts never lands in the project
-    with service("mlflow-server", cmd, env, f"{url}/health", cwd=tmp_path_factory.mktemp("mlflow_cwd")):
+    with mlflow_server(demo_home, "mlflow-server", tmp_path_factory.mktemp("mlflow_cwd")) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def browser():
-    from playwright.sync_api import sync_playwright
-
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"chromium not found at {CHROMIUM}: `apt-get install -y chromium` (make test does it), "
-                    "or point GHOSTVIS_CHROMIUM at a Chromium binary")
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+    with chromium() as b:
         yield b
-        b.close()
 
 
 @pytest.fixture
 def page(browser, request):
     """A fresh page; on failure its screenshot and visible text are saved as FAILED-<test>.*"""
-    ctx = browser.new_context(viewport={"width": 1600, "height": 1400})
-    # Dagster's "Join the Dagster community" modal (shown after 1 s on 127.0.0.1) would cover the page;
-    # this is what its Skip button stores, so no mutation reaches the demo's instance.
-    ctx.add_init_script("window.localStorage.setItem('communityNux', '1')")
-    ctx.set_default_timeout(UI_TIMEOUT_MS)
-    pg = ctx.new_page()
+    pg = new_page(browser, 1600, 1400)
     failed_before = request.session.testsfailed
     yield pg
     if request.session.testsfailed > failed_before:  # this test's call phase failed
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        try:
-            pg.screenshot(path=str(ARTIFACTS / f"FAILED-{request.node.name}.png"), full_page=True)
-            (ARTIFACTS / f"FAILED-{request.node.name}.txt").write_text(f"{pg.url}\n\n{pg.inner_text('body')}")
-        except Exception:
-            pass
-    ctx.close()
-
-
-def shot(pg, name: str) -> None:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    pg.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+        save_failure(pg, request.node.name)
+    pg.context.close()
 
 
 # ----------------------------------------------------------------------------- expected numbers
@@ -184,22 +93,6 @@ def materializations(instance, asset: str) -> list[dict]:
 
 def ledger_totals(demo_home, run_key: str) -> dict:
     return Ledger(Home(demo_home).store.path("ledger")).run_totals(run_key)
-
-
-def eventually(read, ok, timeout_s: float = UI_TIMEOUT_MS / 1000):
-    """read() until ok(value) or the timeout (an SPA renders in steps); returns the last value."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = read()
-        if ok(value) or time.monotonic() > deadline:
-            return value
-        time.sleep(0.5)
-
-
-def as_int(text: str) -> int:
-    text = text.strip()
-    assert re.fullmatch(r"-?[\d,]+", text), f"not an integer as displayed: {text!r}"
-    return int(text.replace(",", ""))
 
 
 # ---------------------------------------------------------------------------------------- Dagster

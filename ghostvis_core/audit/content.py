@@ -98,9 +98,9 @@ def fed_content_matches_files(store: LocalStore, ledger: Ledger, spec: dict[str,
     """Every rank's every step along the run's chain: a feed record exists, its rows are the plan's, and
     its digests equal those of the rows rebuilt from the token files."""
     auditor = StepAuditor(PlannedRows(store, spec), spec["plan"], spec["stage"])
-    feeds = {(f["step"], f["rank"]): f for f in ledger.feeds([p["part_id"] for p in chain])}
+    feeds = {(f["step"], f["rank"]): f for f in ledger.feeds(chain)}
     problems: list[list[Any]] = []
-    checked = 0
+    checked, fed = 0, 0
     for part in chain:
         for step in range(part["step_first"], part["step_last"] + 1):
             for rank in range(auditor.world):
@@ -110,10 +110,11 @@ def fed_content_matches_files(store: LocalStore, ledger: Ledger, spec: dict[str,
                     continue
                 problems += auditor.compare(feed)
                 checked += 1
+                fed += sum(len(rows) for rows in feed["micro_rows"])
     stage = spec["stage"]
     return CheckOutcome("fed_content_matches_files", not problems and bool(chain), figures={
         "steps_checked": len({s for s, _ in feeds}), "rank_steps_checked": checked,
-        "rows_rebuilt": len(auditor._digests), "problems": len(problems)},
+        "rows_rebuilt": len(auditor._digests), "rows_fed": fed, "problems": len(problems)},
         tables={"problems": (["step", "rank", "micro-batch", "row", "problem"], problems[:200])},
         failures=[f"{stage} step {s} rank {r} micro-batch {m}: {p}" for s, r, m, _, p in problems[:50]]
         or ([] if chain else ["the run has no part in the ledger"]))

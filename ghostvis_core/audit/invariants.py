@@ -42,7 +42,7 @@ class StageRun:
                                 f"re-materialize the `{stage}` asset")
         spec = LaunchSpec.from_dict(store.read_json("run_spec", stage, run_key))
         chain = ledger.chain(run_key)
-        return cls(spec, run_result(store, stage, run_key), chain, ledger.consumption([p["part_id"] for p in chain]),
+        return cls(spec, run_result(store, stage, run_key), chain, ledger.consumption(chain),
                    ledger.parts([run_key]))
 
 
@@ -115,6 +115,7 @@ def consumption_matches_plan(store: LocalStore, run: StageRun) -> CheckOutcome:
         "rows_planned": steps * rows_per_step(run.spec),
         "rows_recorded": run.chain[-1]["rows_last"] if run.chain else 0,
         "expected_shard_tokens": expected_tokens(expected),
+        "consumed_shard_tokens": sum(int(r["tok_end"]) - int(r["tok_start"]) for r in run.consumption),
         **{f"{k.replace(' ', '_')}_tokens": v for k, v in totals.items()}},
         tables={"ranges": (["kind", "shard", "epoch", "tokens_range", "tokens"], ranges[:200])}, failures=failures)
 
@@ -145,13 +146,15 @@ def no_validation_selected(ledger: Ledger, run: StageRun) -> CheckOutcome:
 def every_rank_read_its_rows(ledger: Ledger, run: StageRun) -> CheckOutcome:
     """Each part keeps every rank's share: exactly the rows the loader gives that rank in those steps,
     and the shares' figures sum to the part's."""
-    shares = ledger.shares([p["part_id"] for p in run.chain])
+    shares = ledger.shares(run.chain)
     per_step = rows_per_step(run.spec)
     rows = []
     for part in run.chain:
         rows += share_problems(part, [s for s in shares if s["part_id"] == part["part_id"]], per_step)
     return CheckOutcome("every_rank_read_its_rows", not rows and bool(run.chain), figures={
-        "parts": len(run.chain), "shares": len(shares), "problems": len(rows)},
+        "parts": len(run.chain), "shares": len(shares), "problems": len(rows),
+        "rows_expected": sum((p["step_last"] - p["step_first"] + 1) * per_step for p in run.chain),
+        "rows_recorded": sum(b - a for s in shares for a, b in s["row_ranges"])},
         tables={"problems": (["part", "rank", "expected rows", "recorded rows", "problem"], rows[:200])},
         failures=[f"part {r[0]} rank {r[1]}: {r[4]} (expected {r[2]}, recorded {r[3]})" for r in rows]
         or ([] if run.chain else ["the run has no part in the ledger"]))
@@ -290,7 +293,9 @@ def no_validation_leakage(ledger: Ledger, run_key: str, tokenizer_id: str) -> Ch
 def ledger_matches_token_files(store: LocalStore, ledger: Ledger, tokenizer_id: str) -> CheckOutcome:
     """Every ledger shard record's docs and tokens equal a recount of its token file."""
     mismatches, total = [], 0
-    for r in ledger.shards(tokenizer_id=tokenizer_id):
+    records = ledger.shards(tokenizer_id=tokenizer_id)
+    ledger_total = sum(int(r["tokens"]) for r in records)
+    for r in records:
         try:
             shard = TokenFile(store.fetch("token_shard", tokenizer_id, r["shard_id"]), r["shard_id"])
             docs, tokens = shard.num_docs, shard.num_tokens
@@ -302,7 +307,7 @@ def ledger_matches_token_files(store: LocalStore, ledger: Ledger, tokenizer_id: 
         if (docs, tokens, same) != (r["docs"], r["tokens"], True):
             mismatches.append([r["shard_id"], r["docs"], docs, r["tokens"], tokens, "ok" if same else "other content"])
     return CheckOutcome("ledger_matches_token_files", not mismatches, figures={
-        "recounted_tokens": total, "mismatched_shards": len(mismatches)},
+        "recounted_tokens": total, "ledger_tokens": ledger_total, "mismatched_shards": len(mismatches)},
         tables={"mismatches": (["shard", "ledger_docs", "file_docs", "ledger_tokens", "file_tokens", "sha256"], mismatches)},
         failures=[f"shard {m[0]}: ledger {m[1]} docs / {m[3]} tokens, file {m[2]} / {m[4]}, sha256 {m[5]}"
                   for m in mismatches])

@@ -366,8 +366,8 @@ class PlannedRows:
         """grpo: row g's completion as the run's rollouts (along its ledger chain) saved it; none saved: empty."""
         if self._completions is None:
             ledger = Ledger.in_store(self.store)
-            parts = [p["part_id"] for p in ledger.chain(self.run_key)]
-            self._completions = {g_: ids for r in ledger.rollouts(parts) for g_, ids in zip(r["rows"], r["completion_ids"])}
+            rollouts = ledger.rollouts(ledger.chain(self.run_key))
+            self._completions = {g_: ids for r in rollouts for g_, ids in zip(r["rows"], r["completion_ids"])}
         return self._completions.get(g, [])
 
     def spans_before(self, n_rows: int) -> list[Span]:

@@ -121,9 +121,10 @@ class FileRecount:
         fed = min(rl_prompt_length(ids, self.tok), self.seq_len - int(self.grpo["max_new_tokens"]))
         return TokenCounts(int(self.grpo["group_size"]) * fed, 0, 0, len(ids) - fed)
 
-    def generated(self, part_ids: set[str]) -> TokenCounts:
-        """rl: the tokens of every completion the parts' rollouts saved (real, carrying loss)."""
-        n = sum(len(c) for r in Ledger.in_store(self.store).rollouts(sorted(part_ids)) for c in r["completion_ids"])
+    def generated(self, consumption: list[dict]) -> TokenCounts:
+        """rl: the tokens of every completion the rollouts of the consumption rows' parts saved (real,
+        carrying loss)."""
+        n = sum(len(c) for r in Ledger.in_store(self.store).rollouts(consumption) for c in r["completion_ids"])
         return TokenCounts(real_tokens=n, loss_tokens=n)
 
 
@@ -144,6 +145,6 @@ def recount(files: FileRecount, consumption: list[dict], positions: int) -> tupl
         for a, b in union(ranges):
             counts = counts + files.count(shard_id, a, b)
     if files.objective == "grpo":
-        counts = counts + files.generated({r["part_id"] for r in consumption})
+        counts = counts + files.generated(consumption)
     pad = 0 if files.objective == "lm" else positions - counts.real_tokens
     return TokenCounts(counts.real_tokens, pad, counts.loss_tokens, counts.cropped_tokens), twice

@@ -20,6 +20,7 @@ from ghostvis_core.track.mlflow_records import latest_metrics
 from ghostvis_core.train.runs import completed_runs
 from ghostvis_core.audit import invariants as inv
 from ghostvis_core.audit.outcome import CheckOutcome
+from ghostvis_core.audit.removed import removed_tokens_reconcile
 from ghostvis_core.audit.stage_checks import STAGE_CHECKS, CheckInputs
 
 
@@ -29,7 +30,9 @@ def data_checks(home: Home, ledger: Ledger) -> list[CheckOutcome]:
     return [_guarded("ledger_matches_token_files", lambda: inv.ledger_matches_token_files(home.store, ledger, tokenizer_id)),
             _guarded("all_manifest_shards_tokenized",
                      lambda: inv.all_manifest_shards_tokenized(home.store, ledger, tokenizer_id)),
-            _guarded("no_duplicate_content", lambda: inv.no_duplicate_content(ledger, tokenizer_id))]
+            _guarded("no_duplicate_content", lambda: inv.no_duplicate_content(ledger, tokenizer_id)),
+            _guarded("removed_tokens_reconcile",
+                     lambda: removed_tokens_reconcile(home.store, ledger, tokenizer_id))]
 
 
 def stage_checks(inputs: CheckInputs) -> list[CheckOutcome]:

@@ -93,7 +93,7 @@ def rollouts_recounted(store: LocalStore, ledger: Ledger, run, mlflow: dict[str,
     """rl: generated/rewarded tokens recounted from the saved rollouts and prompts from the token files ==
     the ledger == the run record == MLflow == metadata. Any other stage: no rollouts in its parts."""
     spec = asdict(run.spec)
-    records = ledger.rollouts([p["part_id"] for p in run.chain])
+    records = ledger.rollouts(run.chain)
     if spec["config"]["objective"] != "grpo":
         return CheckOutcome(NAME, not records, figures={"objective": spec["config"]["objective"], "rollout_records": len(records)},
                             failures=[f"{len(records)} rollout records in the parts of a stage that samples nothing"] if records else [])
@@ -111,7 +111,8 @@ def rollouts_recounted(store: LocalStore, ledger: Ledger, run, mlflow: dict[str,
     return CheckOutcome(NAME, not failures and bool(records), figures={
         **{f"{k}_recount": v for k, v in zip(ROLLOUT_FIGURES, recount)},
         **{f"{k}_ledger": v for k, v in zip(ROLLOUT_FIGURES, ledger_totals)},
-        "prompt_tokens_recount": prompts, "rollout_records": len(records), "problems": len(problems)},
+        "prompt_tokens_recount": prompts, "prompt_tokens_ledger": chain.real_tokens - chain.loss_tokens,
+        "rollout_records": len(records), "problems": len(problems)},
         tables={"copies": (["figure", "ledger", "run record", "mlflow", "metadata"], table),
                 "problems": (["step", "rank", "problem"], problems[:200])},
         failures=failures or ([] if records else ["the rl run has no rollouts in the ledger"]))

@@ -115,6 +115,17 @@ def manifest_of_shard(store: LocalStore, shard_id: str) -> Manifest:
     return load_manifest(store, source)
 
 
+def manifests_of_shards(store: LocalStore, shard_ids: list[str]) -> dict[str, Manifest]:
+    """shard_id -> its source's manifest, each source's manifest read once: a backfill of N shards
+    reads its few sources, not N manifests of N entries each."""
+    by_source: dict[str, Manifest] = {}
+    for sid in shard_ids:
+        source = sid.split("/", 1)[0]
+        if source not in by_source:
+            by_source[source] = manifest_of_shard(store, sid)
+    return {sid: by_source[sid.split("/", 1)[0]] for sid in shard_ids}
+
+
 # --- splits: one rule (Manifest.split_of), resolved from the downloaded shard's content ----------
 
 
@@ -171,7 +182,8 @@ def check_sha256_pins(store: LocalStore, manifest: Manifest, where: str) -> None
         raise GhostvisError(
             f"source {manifest.source}: validation_sha256 pin(s) {unmatched} match none of its "
             f"{len(manifest.shards)} shards' content (checked in {where}); a pin must be the sha256 of one of the "
-            f"source's files (raw_shards' shards_table shows them): fix or remove the pin and re-materialize shard_manifest"
+            f"source's files (each raw_shards partition's metadata shows its sha256): fix or remove the pin and "
+            f"re-materialize shard_manifest"
         )
 
 

@@ -15,9 +15,17 @@ Tables in the artifact store's "ledger" artifact (`Ledger.in_store(store)`):
 - rollouts/     per part, rank and step of an rl run: the generated and rewarded tokens, and every
                 completion the rank sampled (its global row, token ids, reward), from which the audit
                 recounts the generated tokens and rebuilds the rows it fed.
+- dedup/        one file per cross-shard MinHash index of a source (ghostvis_core/data/dedup.py): each
+                removed (shard, row), the (shard, row) it duplicates and the reason; written by dedup.py.
 
 Many writers (tokenizer workers, training runs) each write their own file, atomically; nobody
 rewrites a file. A file name is derived from its content key, so writing twice is harmless.
+
+The per-shard tables (shards, docs, ngrams) are flat folders. The per-part tables (parts and the four
+beside it, PART_TABLES) keep a folder per run, hive-style: `<table>/stage=<stage>/run=<run_key>/
+s<segment>.p<step_last>.parquet`, so a query about some runs opens only their files, and one about a
+stage only that stage's: what the audit, the checks and `ghostvis ledger --run` read does not grow
+with the number of other runs. A process queries through one DuckDB connection (`_connection`).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -42,6 +51,9 @@ from ghostvis_core.store import LocalStore
 
 if TYPE_CHECKING:  # the ledger stores pieces; it does not read streams (the audit imports it)
     from ghostvis_core.data.stream import Piece
+
+# The tables written per part of a run, each in a folder per run (`Ledger.part_file`).
+PART_TABLES = ("parts", "consumption", "shares", "feeds", "rollouts")
 
 SHARD_SCHEMA = pa.schema(
     [
@@ -211,6 +223,32 @@ def _key(*parts: Any) -> str:
     return hashlib.sha1("|".join(map(str, parts)).encode()).hexdigest()[:20]
 
 
+_process_connection: tuple[int, duckdb.DuckDBPyConnection] | None = None
+_connection_lock = threading.Lock()
+
+
+def _connection() -> duckdb.DuckDBPyConnection:
+    """This process's DuckDB connection (in memory: the tables are the Parquet files), opened once,
+    since opening one costs more than a small query. Queries run on cursors of it, which threads may
+    use at once; a forked child (a tokenizer worker) opens its own rather than share its parent's."""
+    global _process_connection
+    with _connection_lock:
+        if _process_connection is None or _process_connection[0] != os.getpid():
+            _process_connection = (os.getpid(), duckdb.connect())
+        return _process_connection[1]
+
+
+def _parquet_list(files: list[Path]) -> str:
+    """A SQL list literal of file paths, for read_parquet."""
+    return "[" + ", ".join("'" + str(f).replace("'", "''") + "'" for f in files) + "]"
+
+
+def _with_table(table: str, source: str, sql: str) -> str:
+    """`sql` with `table` defined as a common table expression over `source`, ahead of its own ones."""
+    head = f"WITH {table} AS (SELECT * FROM {source})"
+    return f"{head}, {sql[len('WITH '):]}" if sql.lstrip().upper().startswith("WITH ") else f"{head} {sql}"
+
+
 @dataclass
 class Ledger:
     root: Path  # the folder of the ledger's Parquet tables (DuckDB reads files)
@@ -261,37 +299,73 @@ class Ledger:
                           "ngram_hash": pa.array(hashes, pa.int64())}, schema=NGRAM_SCHEMA)
         return _write(self.ngram_record_path(shard_id, content_sha256), table, NGRAM_SCHEMA)
 
+    def part_file(self, table: str, part: dict[str, Any]) -> Path:
+        """Where `table` (one of PART_TABLES) keeps `part`'s rows: the run's folder, one file per part."""
+        return (self.root / table / f"stage={part['stage']}" / f"run={part['run_key']}"
+                / f"s{part['segment']:03d}.p{part['step_last']:09d}.parquet")
+
     def write_part(self, part: dict[str, Any], pieces: list[dict[str, Any]],
                    shares: list[dict[str, Any]] | None = None, feeds: list[dict[str, Any]] | None = None,
                    rollouts: list[dict[str, Any]] | None = None) -> None:
         """Consumption, per-rank shares, content digests (when given: the trainer always gives them) and
-        an rl run's rollouts first, then the part row: a part row is only visible once what it sums is."""
+        an rl run's rollouts first, then the part row: a part row is only visible once what it sums is.
+        A fixed number of files in the run's folders, whatever the ledger already holds."""
         part = {"created_at": time.time(), **part}
-        name = f"{part['run_key']}.s{part['segment']:03d}.p{part['step_last']:09d}.parquet"
-        rows = [{"part_id": part["part_id"], "run_key": part["run_key"], "stage": part["stage"],
-                 "segment": part["segment"], **p} for p in pieces]
-        _write(self.root / "consumption" / name, rows, CONSUMPTION_SCHEMA)
-        if shares is not None:
-            _write(self.root / "shares" / name, [{"part_id": part["part_id"], "run_key": part["run_key"], **r}
-                                                 for r in shares], SHARE_SCHEMA)
-        if feeds is not None:
-            _write(self.root / "feeds" / name, [{"part_id": part["part_id"], "run_key": part["run_key"], **r}
-                                                for r in feeds], FEED_SCHEMA)
-        if rollouts is not None:
-            _write(self.root / "rollouts" / name, [{"part_id": part["part_id"], "run_key": part["run_key"], **r}
-                                                   for r in rollouts], ROLLOUT_SCHEMA)
-        _write(self.root / "parts" / name, [part], PART_SCHEMA)
+        for k in ("stage", "run_key"):
+            if not part[k] or any(c in part[k] for c in "/\\=*?["):
+                raise GhostvisError(f"ledger part {part['part_id']}: {k} {part[k]!r} cannot name a folder of the "
+                                    "ledger (empty, or holds one of / \\ = * ? [); give the run another key")
+        ids = {"part_id": part["part_id"], "run_key": part["run_key"]}
+        rows = [{**ids, "stage": part["stage"], "segment": part["segment"], **p} for p in pieces]
+        _write(self.part_file("consumption", part), rows, CONSUMPTION_SCHEMA)
+        for table, given, schema in (("shares", shares, SHARE_SCHEMA), ("feeds", feeds, FEED_SCHEMA),
+                                     ("rollouts", rollouts, ROLLOUT_SCHEMA)):
+            if given is not None:
+                _write(self.part_file(table, part), [{**ids, **r} for r in given], schema)
+        _write(self.part_file("parts", part), [part], PART_SCHEMA)
 
     # ---- reading ----
-    def _query(self, table: str, sql: str, params: list | None = None) -> list[dict[str, Any]]:
-        folder = self.root / table
-        if not folder.exists() or not any(folder.glob("*.parquet")):
+    def _query(self, table: str, sql: str, params: list | None = None,
+               files: list[Path] | None = None) -> list[dict[str, Any]]:
+        """Rows of `sql`, which reads `table` by its name: a per-shard table's every file (by name, so
+        columns added later read as NULL in older files), or a per-part table's `files` (`run_files`: files or glob patterns)."""
+        if files is None:
+            folder = self.root / table
+            if not folder.exists() or not any(folder.glob("*.parquet")):
+                return []
+            source = f"read_parquet('{folder}/*.parquet', union_by_name=true)"
+        elif not files:
             return []
-        con = duckdb.connect()
-        con.execute(f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{folder}/*.parquet', union_by_name=true)")
-        cur = con.execute(sql, params or [])
-        cols = [d[0] for d in cur.description]
-        return [dict(zip(cols, r)) for r in cur.fetchall()]
+        else:  # one schema per part table; the folders' stage=/run= are not made columns
+            source = f"read_parquet({_parquet_list(files)}, hive_partitioning=false)"
+        cur = _connection().cursor()
+        try:
+            result = cur.execute(_with_table(table, source, sql), params or [])
+            cols = [d[0] for d in result.description]
+            return [dict(zip(cols, r)) for r in result.fetchall()]
+        finally:
+            cur.close()
+
+    def run_files(self, table: str, run_keys: list[str] | None = None, stage: str | None = None) -> list[Path]:
+        """The files of a per-part table for these runs (of any stage), else the glob pattern of one
+        stage's runs or of every run (none when nothing matches, which DuckDB would refuse): only the
+        folders asked for are listed; a pattern is expanded by DuckDB as it reads."""
+        folder = self.root / table
+        if run_keys is not None:
+            return sorted(f for key in dict.fromkeys(run_keys)
+                          for f in folder.glob(f"stage={stage or '*'}/run={key}/*.parquet"))
+        pattern = f"stage={stage or '*'}/run=*/*.parquet"
+        return [folder / pattern] if next(folder.glob(pattern), None) else []
+
+    def _of_parts(self, table: str, parts: list[dict[str, Any]], order: str) -> list[dict[str, Any]]:
+        """The rows of `table` that belong to `parts` (rows carrying part_id and run_key), read from their
+        runs' folders only."""
+        if not parts:
+            return []
+        ids = sorted({p["part_id"] for p in parts})
+        marks = ",".join("?" * len(ids))
+        return self._query(table, f"SELECT * FROM {table} WHERE part_id IN ({marks}) ORDER BY {order}", ids,
+                           self.run_files(table, [p["run_key"] for p in parts]))
 
     def shards(self, tokenizer_id: str | None = None, sources: list[str] | None = None) -> list[dict[str, Any]]:
         """Newest record per (shard_id, tokenizer_id)."""
@@ -314,53 +388,32 @@ class Ledger:
         return rows
 
     def parts(self, run_keys: list[str] | None = None, stage: str | None = None) -> list[dict[str, Any]]:
-        where, params = ["1=1"], []
-        if run_keys is not None:
-            if not run_keys:
-                return []
-            where.append(f"run_key IN ({','.join('?' * len(run_keys))})")
-            params.extend(run_keys)
-        if stage:
-            where.append("stage = ?")
-            params.append(stage)
-        return self._query("parts", f"SELECT * FROM parts WHERE {' AND '.join(where)} ORDER BY created_at", params)
+        """Part rows of these runs, or of a stage's runs, or of every run, oldest first."""
+        return self._query("parts", "SELECT * FROM parts ORDER BY created_at",
+                           files=self.run_files("parts", run_keys, stage))
 
-    def consumption(self, part_ids: list[str]) -> list[dict[str, Any]]:
-        if not part_ids:
-            return []
-        return self._query(
-            "consumption",
-            f"SELECT * FROM consumption WHERE part_id IN ({','.join('?' * len(part_ids))}) ORDER BY shard_id, tok_start",
-            part_ids,
-        )
+    def consumption(self, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The pieces the loader delivered in `parts` (part rows, or any rows naming part_id and run_key)."""
+        return self._of_parts("consumption", parts, "shard_id, tok_start")
 
-    def shares(self, part_ids: list[str]) -> list[dict[str, Any]]:
+    def shares(self, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Per part and rank: the rank's rows (`row_ranges`, decoded) and its four figures."""
-        if not part_ids:
-            return []
-        rows = self._query("shares", f"SELECT * FROM shares WHERE part_id IN ({','.join('?' * len(part_ids))}) "
-                                     "ORDER BY part_id, rank", part_ids)
+        rows = self._of_parts("shares", parts, "part_id, rank")
         for r in rows:
             r["row_ranges"] = json.loads(r["row_ranges"])
         return rows
 
-    def feeds(self, part_ids: list[str]) -> list[dict[str, Any]]:
+    def feeds(self, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Per part, rank and step: the content digests of what the rank fed the model (JSON decoded)."""
-        if not part_ids:
-            return []
-        rows = self._query("feeds", f"SELECT * FROM feeds WHERE part_id IN ({','.join('?' * len(part_ids))}) "
-                                    "ORDER BY step, rank", part_ids)
+        rows = self._of_parts("feeds", parts, "step, rank")
         for r in rows:
             for k in ("micro_digests", "micro_rows", "row_digests", "image_hashes"):
                 r[k] = json.loads(r[k])
         return rows
 
-    def rollouts(self, part_ids: list[str]) -> list[dict[str, Any]]:
+    def rollouts(self, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Per part, rank and step of an rl run: the rollout figures and completions (JSON decoded)."""
-        if not part_ids:
-            return []
-        rows = self._query("rollouts", f"SELECT * FROM rollouts WHERE part_id IN ({','.join('?' * len(part_ids))}) "
-                                       "ORDER BY step, rank", part_ids)
+        rows = self._of_parts("rollouts", parts, "step, rank")
         for r in rows:
             for k in ("rows", "completion_ids", "rewards"):
                 r[k] = json.loads(r[k])
@@ -376,17 +429,7 @@ class Ledger:
 
     def chain(self, run_key: str) -> list[dict[str, Any]]:
         """The parts that lead to the run's newest checkpoint, oldest first."""
-        parts = self.parts([run_key])
-        if not parts:
-            return []
-        by_id = {p["part_id"]: p for p in parts}
-        head = max(parts, key=lambda p: (p["segment"], p["step_last"], p["created_at"]))
-        out = []
-        cur: dict | None = head
-        while cur is not None:
-            out.append(cur)
-            cur = by_id.get(cur["prev_part_id"] or "")
-        return out[::-1]
+        return chain_of(self.parts([run_key]))
 
     def run_counts(self, run_key: str) -> TokenCounts:
         """The four token figures along the run's chain (segments summed)."""
@@ -395,13 +438,7 @@ class Ledger:
     def run_totals(self, run_key: str) -> dict[str, Any]:
         """The four token figures (TokenCounts names), overlap_tokens, steps, segments and parts along
         the run's chain (segments summed)."""
-        chain = self.chain(run_key)
-        totals: dict[str, Any] = TokenCounts.total(TokenCounts.from_mapping(p) for p in chain).as_dict()
-        totals["overlap_tokens"] = sum(p["overlap_tokens"] for p in chain)
-        totals["steps"] = chain[-1]["step_last"] if chain else 0
-        totals["segments"] = sorted({p["segment"] for p in chain})
-        totals["parts"] = len(chain)
-        return totals
+        return chain_totals(self.chain(run_key))
 
     def segments(self, run_key: str) -> list[dict[str, Any]]:
         """Per segment (launch) of the run: its step range, world size and real tokens."""
@@ -435,7 +472,7 @@ class Ledger:
                        max(row_end) AS row_end, count(DISTINCT epoch) AS epochs
                 FROM consumption WHERE part_id IN ({','.join('?' * len(ids))})
                 GROUP BY ALL ORDER BY shard_id""",
-            ids,
+            ids, self.run_files("consumption", [run_key]),
         )
 
     def reuse(self, run_key: str) -> list[dict[str, Any]]:
@@ -464,7 +501,7 @@ class Ledger:
                   AND a.tok_start < b.tok_end AND b.tok_start < a.tok_end
                 WHERE a.run_key = ? OR b.run_key = ?
                 ORDER BY a.shard_id, tok_start""",
-            ids + [run_key, run_key],
+            ids + [run_key, run_key], self.run_files("consumption", runs),
         )
         out = []
         for r in rows:
@@ -515,17 +552,43 @@ def source_split_totals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [by[k] for k in sorted(by)]
 
 
+def chain_of(parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Of one run's part rows, those that lead to its newest checkpoint (prev_part_id links), oldest first."""
+    if not parts:
+        return []
+    by_id = {p["part_id"]: p for p in parts}
+    head = max(parts, key=lambda p: (p["segment"], p["step_last"], p["created_at"]))
+    out = []
+    cur: dict | None = head
+    while cur is not None:
+        out.append(cur)
+        cur = by_id.get(cur["prev_part_id"] or "")
+    return out[::-1]
+
+
+def chain_totals(chain: list[dict[str, Any]]) -> dict[str, Any]:
+    """The four token figures (TokenCounts names), overlap_tokens, steps, segments and parts of a chain."""
+    totals: dict[str, Any] = TokenCounts.total(TokenCounts.from_mapping(p) for p in chain).as_dict()
+    totals["overlap_tokens"] = sum(p["overlap_tokens"] for p in chain)
+    totals["steps"] = chain[-1]["step_last"] if chain else 0
+    totals["segments"] = sorted({p["segment"] for p in chain})
+    totals["parts"] = len(chain)
+    return totals
+
+
 def run_summaries(ledger: Ledger) -> list[dict[str, Any]]:
     """Per training run in the ledger (in order of its first part): stage, run_key, parent_run_key,
-    planned_tokens, tokens_per_step and its `run_totals` (the four TokenCounts figures, steps, ...)."""
-    runs, seen = [], set()
+    planned_tokens, tokens_per_step and its `run_totals` (the four TokenCounts figures, steps, ...),
+    from one query over the part rows."""
+    by_run: dict[str, list[dict[str, Any]]] = {}
     for part in ledger.parts():
-        if part["run_key"] in seen:
-            continue
-        seen.add(part["run_key"])
-        runs.append({"stage": part["stage"], "run_key": part["run_key"], "parent_run_key": part["parent_run_key"] or None,
-                     "planned_tokens": part["planned_tokens"], "tokens_per_step": part["tokens_per_step"],
-                     **ledger.run_totals(part["run_key"])})
+        by_run.setdefault(part["run_key"], []).append(part)
+    runs = []
+    for key, parts in by_run.items():
+        first = parts[0]
+        runs.append({"stage": first["stage"], "run_key": key, "parent_run_key": first["parent_run_key"] or None,
+                     "planned_tokens": first["planned_tokens"], "tokens_per_step": first["tokens_per_step"],
+                     **chain_totals(chain_of(parts))})
     return runs
 
 
@@ -573,7 +636,7 @@ def run_consumption(ledger: Ledger, run_key: str) -> dict[str, Any]:
     if not chain:
         raise GhostvisError(unknown_run_message(ledger, run_key, stage_names()))
     head = chain[-1]
-    ranges = merge_ranges(ledger.consumption([p["part_id"] for p in chain]))
+    ranges = merge_ranges(ledger.consumption(chain))
     return {
         "run_key": run_key, "stage": head["stage"], "parent_run_key": head["parent_run_key"] or None,
         "steps": head["step_last"], "parts": len(chain), "planned_tokens": head["planned_tokens"],

@@ -21,6 +21,7 @@ import uuid
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Iterator
 
@@ -74,11 +75,16 @@ class Manifest:
     def shard_id(self, entry: ShardEntry) -> str:
         return f"{self.source}/{entry.name}"
 
+    @cached_property
+    def entries_by_id(self) -> dict[str, ShardEntry]:
+        """shard_id -> entry, built once: a backfill looks up each of N shards (N lookups, not N^2)."""
+        return {self.shard_id(e): e for e in self.shards}
+
     def entry(self, shard_id: str) -> ShardEntry:
-        for e in self.shards:
-            if self.shard_id(e) == shard_id:
-                return e
-        raise GhostvisError(f"shard {shard_id} is not in the manifest of source {self.source}; re-materialize shard_manifest")
+        if shard_id not in self.entries_by_id:
+            raise GhostvisError(f"shard {shard_id} is not in the manifest of source {self.source}; "
+                                "re-materialize shard_manifest")
+        return self.entries_by_id[shard_id]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

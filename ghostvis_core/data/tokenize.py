@@ -11,9 +11,9 @@ import hashlib
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -61,6 +61,35 @@ def job_for_shard(store: LocalStore, manifest: Manifest, shard_id: str) -> Token
                        content_sha256, manifest.kind)
 
 
+@dataclass(frozen=True)
+class JobsFile:
+    """A run's jobs in one Arrow file, of which each datatrove task reads only its own row, memory-mapped.
+    The pipeline's steps hold this (a path), not the list: the local executor pickles the pipeline for each
+    of the N tasks, so steps holding all N jobs cost N^2. Indexed by rank like the list it stands for."""
+
+    path: str
+    count: int
+
+    @classmethod
+    def write(cls, jobs: list[TokenizeJob], path: Path) -> "JobsFile":
+        table = pa.Table.from_pylist([asdict(j) for j in jobs])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+            writer.write_table(table)
+        return cls(str(path), len(jobs))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, rank: int) -> TokenizeJob:
+        with pa.memory_map(self.path) as source:
+            row = pa.ipc.open_file(source).read_all().slice(rank, 1).to_pylist()
+        if not row:
+            raise GhostvisError(f"tokenization task {rank}: no such job in {self.path} ({self.count} jobs); "
+                                "re-materialize the partitions")
+        return TokenizeJob(**row[0])
+
+
 def raw_file(store: LocalStore, job: TokenizeJob) -> Path:
     """The raw shard a worker reads (fetched to its node), refused if its content is not the job's."""
     path = store.fetch("raw_shard", job.shard_id)
@@ -89,8 +118,8 @@ class RawShardReader(ParquetReader):
 
     name = "📒 GhostVis raw shard"
 
-    def __init__(self, jobs: list[TokenizeJob], store_uri: str):
-        self.jobs = jobs
+    def __init__(self, jobs: Sequence[TokenizeJob], store_uri: str):
+        self.jobs = jobs  # a JobsFile in tokenize_shards: each task reads its own job
         self.store_uri = store_uri  # workers may run on other nodes: they open the store from its URI
         super().__init__("/", read_metadata=False, batch_size=2048)
 
@@ -159,7 +188,7 @@ class TokenShardWriter(PipelineStep):
     name = "🔢 GhostVis tokenize"
     type = "🔢 - TOKENIZER"
 
-    def __init__(self, jobs: list[TokenizeJob], store_uri: str, tokenizer_id: str, errors_dir: str):
+    def __init__(self, jobs: Sequence[TokenizeJob], store_uri: str, tokenizer_id: str, errors_dir: str):
         super().__init__()
         self.jobs = jobs
         self.store_uri = store_uri  # workers are other processes: they open the store from its URI or path
@@ -266,24 +295,31 @@ def ngram_text(kind: str, doc: Document) -> str:
 
 class CountedFilters(PipelineStep):
     """Runs datatrove document filters, but marks a rejected document (with the filter's name and
-    reason) instead of dropping it, so the writer counts its docs and tokens in the ledger."""
+    reason) instead of dropping it, so the writer counts its docs and tokens in the ledger. `removed`
+    (shard -> {row: reason}, called once per task) marks rows decided before the run: cross-shard
+    duplicates (data/dedup.py RemovedRows)."""
 
     name = "🔻 GhostVis filters"
     type = "🔻 - FILTER"
 
-    def __init__(self, filters: dict[str, list[str]], jobs: list[TokenizeJob]):
+    def __init__(self, filters: dict[str, list[str]], jobs: Sequence[TokenizeJob],
+                 removed: Callable[[str], dict[int, str]] | None = None):
         super().__init__()
         self.specs = filters
         self.jobs = jobs
+        self.removed = removed
 
     def run(self, data, rank: int = 0, world_size: int = 1):
         filters = [(spec, build_filter(spec)) for spec in self.specs.get(self.jobs[rank].source, [])]
+        removed = self.removed(self.jobs[rank].shard_id) if self.removed else {}
         for doc in data:
             for spec, f in filters:
                 keep, why = get_filter_result(f.filter(doc))
                 if not keep:
                     doc.metadata["dropped"] = f"{spec.split('=')[0]}:{why}" if why else spec.split("=")[0]
                     break
+            if "dropped" not in doc.metadata and doc.metadata["row"] in removed:
+                doc.metadata["dropped"] = removed[doc.metadata["row"]]
             yield doc
 
 
@@ -348,10 +384,12 @@ def tokenize_shards(
     workers: int = 2,
     filters: dict[str, list[str]] | None = None,
     run_pipeline: Callable[[list, int, int, Path], None] | None = None,
+    removed: Callable[[str], dict[int, str]] | None = None,
 ) -> list[TokenizeReport]:
     """Tokenize the jobs that are not already done; return one report per job (from the ledger).
     The tokenizer is read from, and the ledger rows written to, `store`; each job names its token
-    shard's file (in the store). `filters` maps a source to its document filters (see build_filter).
+    shard's file (in the store). `filters` maps a source to its document filters (see build_filter);
+    `removed(shard_id)` names rows to drop with their reason (cross-shard duplicates: data/dedup.py).
     `run_pipeline(pipeline, tasks, workers, logging_dir)` runs the datatrove pipeline: worker processes
     here (`run_locally`), or a Slurm job array (ghostvis_core/cluster/slurm_pipeline.py)."""
     for specs in (filters or {}).values():
@@ -361,10 +399,12 @@ def tokenize_shards(
     ledger = Ledger.in_store(store)
     todo = [j for j in jobs if not is_done(j, ledger, store, tok.tokenizer_id)]
     t0 = time.time()
-    errors_dir = logging_dir / "errors" / uuid.uuid4().hex[:8]
+    run_id = uuid.uuid4().hex[:8]
+    errors_dir = logging_dir / "errors" / run_id
     if todo:
-        pipeline = [RawShardReader(todo, store.uri), CountedFilters(filters or {}, todo),
-                    TokenShardWriter(todo, store.uri, tok.tokenizer_id, str(errors_dir))]
+        todo_file = JobsFile.write(todo, logging_dir / "jobs" / f"{run_id}.arrow")  # beside datatrove's own files
+        pipeline = [RawShardReader(todo_file, store.uri), CountedFilters(filters or {}, todo_file, removed),
+                    TokenShardWriter(todo_file, store.uri, tok.tokenizer_id, str(errors_dir))]
         (run_pipeline or run_locally)(pipeline, len(todo), max(1, min(workers, len(todo))), logging_dir)
         ledger = Ledger.in_store(store)  # the workers' rows (fetched again when the store is remote)
     seconds = time.time() - t0

@@ -19,8 +19,9 @@ from typing import Any
 
 from ghostvis_core.config import flatten
 
-# The experiment tag MLflow's UI and tools read for the kind of experiment, and the kind that opens
-# the model-training view (runs, metrics, models) rather than the GenAI one (traces, prompts).
+# The experiment tag MLflow's tools read for the kind of experiment: model training (runs, metrics,
+# models), not GenAI (traces, prompts). MLflow 3.17's UI does not read it; its view comes from the URL's
+# `workflowType`, which is why GhostVis's MLflow links carry `workflowType=machine_learning`.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING_KIND = "custom_model_development"
 

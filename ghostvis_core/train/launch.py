@@ -129,8 +129,7 @@ def lineage_offsets(ledger: Ledger, parent_run_key: str, train_shards: dict[str,
             pos += r["tokens"]
         end = 0
         for run in ledger.lineage(parent_run_key):
-            ids = [p["part_id"] for p in ledger.chain(run)]
-            for c in ledger.consumption(ids):
+            for c in ledger.consumption(ledger.chain(run)):
                 if c["source"] == src and c["shard_id"] in starts:
                     end = max(end, c["epoch"] * pos + starts[c["shard_id"]] + c["tok_end"])
         offsets[src] = end

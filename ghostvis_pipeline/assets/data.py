@@ -2,9 +2,11 @@
 
 
 import time
+from collections import Counter
 
 from dagster import (
     AssetExecutionContext,
+    AssetObservation,
     BackfillPolicy,
     Config,
     DataVersion,
@@ -17,10 +19,11 @@ from ghostvis_core import presets, run_modes
 from ghostvis_core.cluster.slurm import SlurmJob
 from ghostvis_core.cluster.slurm_pipeline import SlurmPipeline
 from ghostvis_core.data.catalog import (
-    DEMO_SOURCES, RemoteSource, check_sha256_pins, manifest_of_shard, publish_demo_source, record_raw_shard,
+    DEMO_SOURCES, RemoteSource, check_sha256_pins, manifests_of_shards, publish_demo_source, record_raw_shard,
     remote_manifest, save_manifest, shard_split_shown, tokenizer_corpus,
 )
 from ghostvis_core.data.identities import ledger_identity, manifest_identity, shard_contents, tokenizer_identity
+from ghostvis_core.data.dedup import dedup_indexes, removed_rows
 from ghostvis_core.data.ledger import Ledger, source_split_totals
 from ghostvis_core.data.sources import fetch_shard
 from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards
@@ -44,7 +47,7 @@ RemoteSourceConfig = config_from_dataclass(RemoteSource)
 MANIFEST_CODE = code_version("ghostvis_core.data.catalog")
 RAW_SHARDS_CODE = code_version("ghostvis_core.data.sources", "ghostvis_core.data.catalog")
 TOKENIZER_CODE = code_version("ghostvis_core.data.tokenizer", "ghostvis_core.data.catalog", "ghostvis_core.hf.tokenizer_json")
-TOKENIZE_CODE = code_version("ghostvis_core.data.tokenize")
+TOKENIZE_CODE = code_version("ghostvis_core.data.tokenize", "ghostvis_core.data.dedup")
 LEDGER_CODE = code_version("ghostvis_core.data.ledger")
 
 
@@ -61,17 +64,13 @@ def shard_manifest(context: AssetExecutionContext, config: ManifestConfig, home:
     the split rule's answer so far: a shard pinned by content is resolved once it is downloaded. Data
     version: the shard lists (names, pins, sizes, content hashes), not their URLs."""
     h = home.home()
-    keys, rows = [], []
     manifests = [publish_demo_source(h, source) for source in config.sources]
     manifests += [remote_manifest(RemoteSource(**src.model_dump())) for src in config.remote]
     for manifest in manifests:
         check_sha256_pins(h.store, manifest, "shard_manifest")
     for manifest in manifests:
         save_manifest(h.store, manifest)
-        for e in manifest.shards:
-            sid = manifest.shard_id(e)
-            keys.append(sid)
-            rows.append([sid, shard_split_shown(h.store, manifest, sid), e.bytes, (e.sha256 or "")[:12], e.url])
+    keys = [sid for manifest in manifests for sid in manifest.entries_by_id]
     known = set(context.instance.get_dynamic_partitions(shard_partitions.name))
     new = [k for k in keys if k not in known]
     if new:
@@ -80,8 +79,20 @@ def shard_manifest(context: AssetExecutionContext, config: ManifestConfig, home:
         "shards": len(keys),
         "new_partitions": len(new),
         "sources": ", ".join(m.source for m in manifests),
-        "manifest": MetadataValue.md(md_table(["shard", "split", "bytes", "sha256", "url"], rows)),
+        "by_source": MetadataValue.md(md_table(
+            ["source", "kind", "shards", "train", "validation", "pending download (sha256 pins)", "manifest"],
+            [source_split_counts(h.store, m) for m in manifests])),
     })
+
+
+def source_split_counts(store, manifest) -> list:
+    """One source's row of shard_manifest's table: its shards by the split shown (catalog.shard_split_shown)
+    and where its manifest, the list of every shard, is. One row per source, so the event does not grow
+    with the number of shards."""
+    shown = Counter(shard_split_shown(store, manifest, sid) for sid in manifest.entries_by_id)
+    pending = sum(n for split, n in shown.items() if split not in ("train", "validation"))
+    return [manifest.source, manifest.kind, len(manifest.shards), shown["train"], shown["validation"], pending,
+            store.uri_of("manifest", manifest.source)]
 
 
 # A backfill of raw_shards or tokenized_shards is one Dagster run (the CLI's --partition-range needs
@@ -103,29 +114,40 @@ def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> Materializ
     """Downloads shards through the one fetch path (temp name, verify size + sha256, rename), and
     records each one's content hash, size and split (the split rule applied to that content). Once
     every shard of a source is downloaded, a validation_sha256 pin that matches none of them fails here.
-    Data version: the recorded content hash of every registered shard, the same whichever partitions a
-    run covers, so a shard downloaded again with the same bytes changes nothing downstream."""
+    Each shard's figures are an observation of its partition (`shard_observation`); the run's counts are
+    its one summary log line. Data version: the recorded content hash of every
+    registered shard, the same whichever partitions a run covers, so a shard downloaded again with the
+    same bytes changes nothing downstream."""
     store = home.home().store
     t0 = time.time()
-    rows, total, fetched, manifests = [], 0, 0, {}
-    for key in context.partition_keys:
-        manifest = manifest_of_shard(store, key)
-        manifests[manifest.source] = manifest
+    keys = context.partition_keys
+    manifests = manifests_of_shards(store, keys)
+    total = fetched = 0
+    for key in keys:
+        manifest = manifests[key]
         r = fetch_shard(key, manifest.entry(key), store.fetch("raw_shard", key))
         store.publish("raw_shard", key)
         split = record_raw_shard(store, manifest, key, r.sha256, r.bytes)
         total += r.bytes
         fetched += r.downloaded
-        rows.append([key, split, r.bytes, r.sha256[:12], "downloaded" if r.downloaded else "present"])
-        context.log.info(f"shard {key} ({split}): {r.bytes:,} bytes {'downloaded' if r.downloaded else 'already present'}")
-    for manifest in manifests.values():
+        shard_observation(context, key, {
+            "split": split, "bytes": r.bytes, "sha256": r.sha256, "status": "downloaded" if r.downloaded else "present",
+            "path": MetadataValue.path(store.uri_of("raw_shard", key))})
+    for manifest in {m.source: m for m in manifests.values()}.values():
         check_sha256_pins(store, manifest, "raw_shards")
     secs = time.time() - t0
-    return MaterializeResult(data_version=DataVersion(digest(shard_contents(store))), metadata={
-        "shards": len(rows), "downloaded": fetched, "bytes": total,
-        "mb_per_s": round(total / 1e6 / max(secs, 1e-6), 1),
-        "shards_table": MetadataValue.md(md_table(["shard", "split", "bytes", "sha256", "status"], rows)),
-    })
+    context.log.info(f"raw_shards: {len(keys):,} shards, {fetched:,} downloaded, {len(keys) - fetched:,} already "
+                     f"present, {total:,} bytes, {total / 1e6 / max(secs, 1e-6):.1f} MB/s")
+    return MaterializeResult(data_version=DataVersion(digest(shard_contents(store))))
+
+
+def shard_observation(context: AssetExecutionContext, partition: str, figures: dict) -> None:
+    """One shard's own figures, logged as an observation of its partition: shown in that partition's
+    events in the UI, and each costs the same whatever the number of partitions the run covers. The
+    backfill's MaterializeResult sets no metadata: Dagster copies it into each of the run's N
+    materializations; the run's counts are its one summary log line."""
+    # not add_asset_metadata(partition_key=...): Dagster 1.13 reloads every dynamic partition key per call (N^2)
+    context.log_event(AssetObservation(asset_key=context.asset_key, partition=partition, metadata=figures))
 
 
 class TokenizerConfig(Config):
@@ -150,7 +172,7 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, home: Gho
         tok = import_tokenizer(store, config.from_model)
         context.log.info(f"tokenizer: {tok.tokenizer_id} is the tokenizer of {config.from_model} (not trained)")
         return _tokenizer_result(store, {"tokenizer_id": tok.tokenizer_id, "vocab_size": tok.vocab_size,
-                                         "from_model": config.from_model, "train_shards": 0, "train_shard_ids": []}, None)
+                                         "from_model": config.from_model, "train_shards": 0}, None, None)
     vocab = config.vocab_size or presets.tokenizer_vocab(run_modes.model_preset(config.preset or presets.default_preset()))
     ident = tokenizer_identity(store, vocab, config.max_train_bytes)
     key = digest(ident)
@@ -159,7 +181,7 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, home: Gho
         why = (f"identity {key} (vocab {vocab}, max_train_bytes {config.max_train_bytes}, the text shards by content "
                f"and split) equals that of tokenizer {record['metadata']['tokenizer_id']}, trained before")
         context.log.info(f"tokenizer: cache hit, {why}")
-        return _tokenizer_result(store, record["metadata"], {"identity": key, "why": why})
+        return _tokenizer_result(store, record["metadata"], key, {"identity": key, "why": why})
     corpus = tokenizer_corpus(store, config.max_train_bytes)
     if not corpus.texts:
         raise GhostvisError("no downloaded text train shards to train the tokenizer on; materialize raw_shards first")
@@ -175,13 +197,23 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, home: Gho
           "train_bytes": corpus.train_bytes, "train_seconds": round(time.time() - t0, 2)}
     store.write_json("identity", "tokenizer", key, data={
         "identity": ident, "code_version": TOKENIZER_CODE, "metadata": md})
-    return _tokenizer_result(store, md, None)
+    return _tokenizer_result(store, md, key, None)
 
 
-def _tokenizer_result(store, md: dict, cached_from: dict | None) -> MaterializeResult:
-    """The tokenizer's metadata (lists as JSON, its folder where the store is now); data version = its id."""
-    out = {k: MetadataValue.json(v) if isinstance(v, list) else v for k, v in md.items()}
+# The shards a trained tokenizer read and left out: lists as long as the sources, kept in its identity record
+# (read by checks.tokenizer_trained_on_train_shards_only), not in its materialization event (133 KB at 10,000 shards).
+SHARD_LISTS = ("train_shard_ids", "validation_shard_ids_excluded")
+
+
+def _tokenizer_result(store, md: dict, identity_key: str | None, cached_from: dict | None) -> MaterializeResult:
+    """The tokenizer's figures without its shard lists, the identity record that holds them (`shard_lists`;
+    none for a tokenizer taken from a model, which read no shard), its folder where the store is now;
+    data version = its id."""
+    out = {k: v for k, v in md.items() if k not in SHARD_LISTS}
     out["path"] = MetadataValue.path(store.uri_of("tokenizer", md["tokenizer_id"]))
+    if identity_key:
+        out["identity"] = identity_key
+        out["shard_lists"] = MetadataValue.path(store.uri_of("identity", "tokenizer", identity_key))
     if cached_from:
         out["cached_from"] = MetadataValue.json(cached_from)
     return MaterializeResult(metadata=out, data_version=DataVersion(md["tokenizer_id"]))
@@ -192,6 +224,9 @@ class TokenizeConfig(Config):
     # per source, datatrove document filters: min_chars=N, max_chars=N, regex_exclude=PATTERN,
     # fineweb_quality. Exact duplicates within a shard are always removed. Drops are counted.
     filters: dict[str, list[str]] = {}
+    # per text source, near duplicates removed across all its downloaded shards before tokenization
+    # (first in shard order kept), counted as minhash_dup: {web: minhash} (ghostvis_core/data/dedup.py).
+    dedup: dict[str, str] = {}
 
 
 def data_runner(launcher: Launcher):
@@ -213,32 +248,44 @@ def data_runner(launcher: Launcher):
 def tokenized_shards(context: AssetExecutionContext, config: TokenizeConfig, home: GhostvisHome,
                      launcher: Launcher) -> MaterializeResult:
     """Tokenizes shards with datatrove workers into token shards and writes their ledger rows.
-    A shard already tokenized with the same content and tokenizer is not redone. Data version: the
-    tokenizer, the filters and the recorded content of every registered shard (like raw_shards')."""
+    A shard already tokenized with the same content and tokenizer is not redone. Each shard's figures
+    are an observation of its partition (`shard_observation`), the run's counts its summary log line. Data version: the tokenizer, the
+    filters, the dedup settings and the recorded content of every registered shard."""
     h = home.home()
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
-    jobs = [job_for_shard(h.store, manifest_of_shard(h.store, key), key) for key in context.partition_keys]
+    keys = context.partition_keys
+    manifests = manifests_of_shards(h.store, keys)
+    jobs = [job_for_shard(h.store, manifests[key], key) for key in keys]
     t0 = time.time()
+    indexes = dedup_indexes(h.store, dict(config.dedup), jobs, tokenizer_id=tokenizer_id, filters=dict(config.filters),
+                            logging_dir=h.root / "logs" / "datatrove" / "dedup", workers=config.workers)
+    for ix in indexes:
+        context.log.info(f"dedup {ix.source} ({ix.method}, index {ix.key}{', reused' if ix.reused else ''}): "
+                         f"{ix.removed:,} near duplicates over {len(ix.shards):,} shards")
     reports = tokenize_shards(jobs, store=h.store, tokenizer_id=tokenizer_id,
                               logging_dir=h.root / "logs" / "datatrove" / tokenizer_id, workers=config.workers,
-                              filters=dict(config.filters), run_pipeline=data_runner(launcher))
+                              filters=dict(config.filters), run_pipeline=data_runner(launcher),
+                              removed=removed_rows(h.store, indexes))
     secs = time.time() - t0
-    done = [r for r in reports if not r.skipped]
-    text_bytes = sum(r.text_bytes for r in done)
     for r in reports:
-        context.log.info(f"shard {r.shard_id}: {r.docs:,} docs, {r.tokens:,} tokens{' (unchanged, skipped)' if r.skipped else ''}")
-    version = digest({"tokenizer": tokenizer_id, "filters": dict(config.filters), "shards": shard_contents(h.store)})
-    return MaterializeResult(data_version=DataVersion(version), metadata={
-        "tokenizer_id": tokenizer_id, "shards": len(reports), "tokenized": len(done),
-        "skipped_unchanged": len(reports) - len(done),
-        "docs": sum(r.docs for r in reports), "tokens": sum(r.tokens for r in reports),
-        "docs_dropped": sum(r.docs_dropped for r in reports), "tokens_dropped": sum(r.tokens_dropped for r in reports),
-        "text_mb_per_s": round(text_bytes / 1e6 / max(secs, 1e-6), 2),
-        "shards_table": MetadataValue.md(md_table(
-            ["shard", "docs", "tokens", "dropped docs", "dropped tokens", "why", "status"],
-            [[r.shard_id, r.docs, r.tokens, r.docs_dropped, r.tokens_dropped, r.drop_reasons,
-              "skipped" if r.skipped else "tokenized"] for r in reports])),
-    })
+        shard_observation(context, r.shard_id, shard_figures(h.store, tokenizer_id, r))
+    done = [r for r in reports if not r.skipped]
+    context.log.info(
+        f"tokenized_shards: {len(reports):,} shards ({len(done):,} tokenized, {len(reports) - len(done):,} unchanged "
+        f"and skipped), {sum(r.docs for r in reports):,} docs, {sum(r.tokens for r in reports):,} tokens, "
+        f"{sum(r.text_bytes for r in done) / 1e6 / max(secs, 1e-6):.2f} MB/s of text; every shard: `ghostvis ledger`")
+    version = digest({"tokenizer": tokenizer_id, "filters": dict(config.filters), "dedup": dict(config.dedup),
+                      "shards": shard_contents(h.store)})
+    return MaterializeResult(data_version=DataVersion(version))
+
+
+def shard_figures(store, tokenizer_id: str, report) -> dict:
+    """One partition's observation: that shard's figures from its ledger row (never a table of every shard,
+    which would be stored with each of the N partitions' events: N^2; the ledger holds that table)."""
+    return {"tokenizer_id": tokenizer_id, "docs": report.docs, "tokens": report.tokens,
+            "docs_dropped": report.docs_dropped, "tokens_dropped": report.tokens_dropped,
+            "drop_reasons": report.drop_reasons, "status": "skipped (unchanged)" if report.skipped else "tokenized",
+            "token_file": MetadataValue.path(store.uri_of("token_shard", tokenizer_id, report.shard_id))}
 
 
 @asset(group_name="data", kinds={"duckdb", "parquet"}, owners=["team:data"], deps=[tokenized_shards, tokenizer],

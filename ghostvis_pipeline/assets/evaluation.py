@@ -72,7 +72,10 @@ def evaluation_identity(store: LocalStore, tokenizer_id: str, lineage: dict[str,
             "harness_files": task_files_digest(config.harness_include)}
 
 
-@asset(group_name="eval", kinds={"torch", "mlflow"}, owners=["team:training"], deps=["tokenizer", *STAGES],
+# Evaluation and report depend on everything their scores are made of, directly: Dagster marks an asset
+# unsynced only when a direct dependency changed (a new tokenizer or ledger, any stage re-trained).
+@asset(group_name="eval", kinds={"torch", "mlflow"}, owners=["team:training"],
+       deps=["tokenizer", "token_ledger", *STAGES],
        code_version=EVALUATION_CODE)
 def evaluation(context: AssetExecutionContext, config: EvaluationConfig, home: GhostvisHome) -> MaterializeResult:
     """Validation bits per byte, a multiple-choice benchmark (lowest answer loss wins), sampled
@@ -166,7 +169,8 @@ class ReportConfig(Config):
     gpu_prices: dict[str, float] = dict(DEFAULT_GPU_PRICES)  # assumed $/GPU-hour; set your own
 
 
-@asset(group_name="eval", kinds={"mlflow", "html"}, owners=["team:training"], deps=["evaluation", *STAGES],
+@asset(group_name="eval", kinds={"mlflow", "html"}, owners=["team:training"],
+       deps=["evaluation", "tokenizer", "token_ledger", *STAGES],
        code_version=REPORT_CODE)
 def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisHome) -> MaterializeResult:
     """The lineage's report card: tokens from the ledger, evidence, evaluation, loss curves, cost. The

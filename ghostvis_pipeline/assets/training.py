@@ -5,10 +5,11 @@ metadata."""
 
 import os
 import time
+from typing import Any
 
 from dagster import (
-    AssetExecutionContext, Backoff, Config, DataVersion, Failure, MaterializeResult, MetadataValue, RetryPolicy,
-    StaticPartitionsDefinition, asset,
+    AssetExecutionContext, Backoff, Config, DagsterExecutionInterruptedError, DataVersion, Failure, MaterializeResult,
+    MetadataValue, RetryPolicy, StaticPartitionsDefinition, asset,
 )
 
 from ghostvis_core import presets
@@ -17,7 +18,7 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.hf.export import export_run
 from ghostvis_core.home import Home
-from ghostvis_core.stages import Stage
+from ghostvis_core.stages import Stage, stage as stage_of
 from ghostvis_core.identity import code_version
 from ghostvis_core.store import LocalStore
 from ghostvis_core.track.mlflow_models import StageModel, register_stage_model
@@ -32,10 +33,12 @@ from ghostvis_pipeline.resources import GhostvisHome
 
 
 class StageRunConfig(Config):
-    """Preset name plus dotted overrides of the stage config, e.g. {"budget.steps": "50"}."""
+    """Preset name plus dotted overrides of the stage config, e.g. {"budget.steps": 50}."""
 
     preset: str = ""  # empty: GHOSTVIS_PRESET, else presets.DEFAULT_PRESET (read when the run starts)
-    overrides: dict[str, str] = {}
+    # dotted key -> value as typed in YAML (30, 1e-3, true, muon) or as `--set` gives it ("30"): both
+    # resolve alike (ghostvis_core.config.apply_overrides)
+    overrides: dict[str, Any] = {}
     # source -> weight (normalised); empty: the preset's recipe, else every registered source of the stage's kind
     recipe: dict[str, float] = {}
     val_sources: list[str] = []  # empty: the recipe's sources that have validation shards
@@ -114,7 +117,22 @@ def ledger_metadata(ledger: Ledger, run_key: str) -> dict:
 
 
 def _launch(context, stage: Stage, config: StageRunConfig, home: GhostvisHome, launcher: Launcher,
-            overrides: dict[str, str], variant: str | None = None) -> MaterializeResult:
+            overrides: dict[str, Any], variant: str | None = None) -> MaterializeResult:
+    """_materialize, ended by a terminated Dagster run without a retry. Dagster raises
+    DagsterExecutionInterruptedError in the step; the launcher stops the job and lets it go on up,
+    and here it becomes a Failure that is not retried: the RetryPolicy would retry the interrupt itself
+    (dagster's op_execution_error_boundary turns it into RetryRequested), a new job would resume the
+    run under a run that says 'Canceling'. The step fails and Dagster ends the run Canceled."""
+    try:
+        return _materialize(context, stage, config, home, launcher, overrides, variant)
+    except DagsterExecutionInterruptedError:
+        raise Failure(description=f"{stage.name}: terminated from Dagster (run {context.run_id}): the training "
+                                  f"job is stopped and not retried; materialize {stage.name} again to resume "
+                                  "from its newest checkpoint", allow_retries=False) from None
+
+
+def _materialize(context, stage: Stage, config: StageRunConfig, home: GhostvisHome, launcher: Launcher,
+                 overrides: dict[str, Any], variant: str | None) -> MaterializeResult:
     """Train the stage, or return the completed run of the same identity whose checks passed (a cache
     hit: same checkpoint, same MLflow run, metadata `cached_from`). The data version is the run key."""
     h = home.home()
@@ -227,17 +245,31 @@ def variants_asset(stage: Stage, deps: list):
     return _variants
 
 
+def stages_below(stage: Stage) -> list[str]:
+    """Every stage `stage` is trained on top of: its upstream, the upstream's upstream, ... to pretrain."""
+    below = [stage.upstream] if stage.upstream else []
+    while below and (up := stage_of(below[-1]).upstream):
+        below.append(up)
+    return below
+
+
 def stage_asset(stage: Stage, deps: list):
+    """The stage's asset. Every stage below it is a dependency, not only its upstream: a stage's run is
+    made of the whole chain (its identity holds its upstream's run key, which holds that one's), while
+    Dagster marks an asset unsynced only when a direct dependency's data version changed (its
+    CachingStaleStatusResolver does not carry a parent's stale causes down). So a re-trained pretrain
+    leaves every stage above it unsynced, each naming pretrain, in the UI and in `ghostvis status`."""
     @asset(
         name=stage.name,
         group_name="training",
         kinds={"torch", "mlflow"},
         owners=["team:training"],
-        deps=deps,
+        deps=[*deps, *(name for name in stages_below(stage) if name not in deps)],
         description=stage.description,
         pool=GPU_POOL,
         code_version=code_version(*TRAINING_MODULES),
-        # A retry re-materializes through the same path: the unfinished run is found and resumed.
+        # A retry re-materializes through the same path: the unfinished run is found and resumed. For
+        # faults only: a terminated run is not retried (_launch).
         retry_policy=RetryPolicy(max_retries=1, delay=2, backoff=Backoff.LINEAR),
     )
     def _stage(context: AssetExecutionContext, config: StageRunConfig, home: GhostvisHome,

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from dagster import AssetExecutionContext, PipesSubprocessClient
+from dagster import AssetExecutionContext
 
 from ghostvis_core.cluster.torchrun import torchrun_command
 from ghostvis_core.home import Home
 from ghostvis_core.train.spec import LaunchSpec
 from ghostvis_pipeline.launchers.common import clear_reason, failure, job_env, require_result, spec_uri
+from ghostvis_pipeline.launchers.pipes import store_pipes_session
+from ghostvis_pipeline.launchers.processes import start, stop, wait
 
 
 def run_local(context: AssetExecutionContext, spec: LaunchSpec, home: Home, launcher) -> None:
@@ -15,9 +17,12 @@ def run_local(context: AssetExecutionContext, spec: LaunchSpec, home: Home, laun
     cmd = torchrun_command(spec_uri(home, spec), nproc)
     context.log.info(f"launching: {' '.join(cmd)}")
     clear_reason(home, spec)
-    client = PipesSubprocessClient(env=job_env(launcher.profile, nproc))
-    try:
-        client.run(command=cmd, context=context)
-    except Exception as exc:
-        raise failure(home, spec, str(exc)) from None
+    with store_pipes_session(context, home, spec, f"{context.run_id[:8]}-{context.retry_number}") as session:
+        job = {"torchrun": start(cmd, {**job_env(launcher.profile, nproc), **session.get_bootstrap_env_vars()})}
+        try:
+            failed = wait(job)
+        finally:  # the Dagster run terminated: torchrun and its ranks stop before the interrupt goes on up
+            stop(job)
+    if failed:
+        raise failure(home, spec, f"torchrun exited with code {failed[1]}")
     require_result(home, spec)

@@ -109,7 +109,9 @@ def follow(context: AssetExecutionContext, job_id: str, output: Path, poll_secon
             return state
         run = context.instance.get_run_by_id(context.run_id)
         if run is not None and run.status in (DagsterRunStatus.CANCELING, DagsterRunStatus.CANCELED):
-            raise Failure(f"Dagster run {context.run_id} was terminated; Slurm job {job_id} is cancelled")
+            raise Failure(f"Dagster run {context.run_id} was terminated; Slurm job {job_id} is cancelled and not "
+                          "retried; materialize the stage again to resume from its newest checkpoint",
+                          allow_retries=False)
         time.sleep(poll_seconds)
 
 

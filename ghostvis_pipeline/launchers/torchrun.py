@@ -6,10 +6,8 @@ Pipes variables and the messages travel through the shared store."""
 
 from __future__ import annotations
 
-import os
 import shlex
 import subprocess
-import time
 
 from dagster import AssetExecutionContext, Failure
 
@@ -20,9 +18,9 @@ from ghostvis_core.train.spec import LaunchSpec
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers.common import clear_reason, failure, job_env, require_result, spec_uri
 from ghostvis_pipeline.launchers.pipes import store_pipes_session
+from ghostvis_pipeline.launchers.processes import start, stop, wait
 
 MultiNodeConfig = config_from_dataclass(MultiNode)
-STOP_GRACE_S = 30  # torchrun stops its ranks on SIGTERM; after this it gets SIGKILL
 
 
 def run_torchrun(context: AssetExecutionContext, spec: LaunchSpec, home: Home, launcher) -> None:
@@ -43,12 +41,12 @@ def run_torchrun(context: AssetExecutionContext, spec: LaunchSpec, home: Home, l
             f"#!/bin/sh\n# {spec.run_key}: run on each of the {multi.nnodes - 1} other node(s)\n{line}\n"))
         context.log.info(f"rendezvous {rdzv.endpoint} id {rdzv.rdzv_id}, {multi.nnodes} nodes x {nproc} rank(s); "
                          f"this node: {' '.join(cmd)}")
-        nodes = {"this node": subprocess.Popen(cmd, env={**os.environ, **env})}
+        nodes = {"this node": start(cmd, env)}
         try:
             _start_others(context, multi, line, str(script), nodes)
-            failed = _wait(nodes)
-        finally:
-            _stop(nodes)
+            failed = wait(nodes)
+        finally:  # a failed node, or the Dagster run terminated (its interrupt goes on up once all are stopped)
+            stop(nodes)
     if failed:
         raise failure(home, spec, f"{failed[0]} exited with code {failed[1]}")
     require_result(home, spec)
@@ -64,34 +62,9 @@ def _start_others(context: AssetExecutionContext, multi: MultiNode, line: str, s
         argv = multi.node_argv(host, line)
         context.log.info(f"node {host}: {shlex.join(argv[:-1])} '<the command in {script}>'")
         try:
-            nodes[f"hosts[{i}] {host}"] = subprocess.Popen(argv)  # a host may be listed twice
+            nodes[f"hosts[{i}] {host}"] = start(argv, {})  # a host may be listed twice
         except OSError as exc:
             raise Failure(f"torchrun launcher: node_shell '{multi.node_shell}' could not start on {host} ({exc}); "
                           "install its program on the Dagster host or fix launcher torchrun.node_shell",
                           allow_retries=False) from None
 
-
-def _wait(nodes: dict[str, subprocess.Popen]) -> tuple[str, int] | None:
-    """Wait until every node has finished; the first that fails ends the wait: (name, exit code)."""
-    while True:
-        codes = {name: proc.poll() for name, proc in nodes.items()}
-        bad = [(name, code) for name, code in codes.items() if code not in (None, 0)]
-        if bad:
-            return bad[0]
-        if all(code == 0 for code in codes.values()):
-            return None
-        time.sleep(0.5)
-
-
-def _stop(nodes: dict[str, subprocess.Popen]) -> None:
-    """Stop the nodes still running (after a failure elsewhere, or an interrupted Dagster step)."""
-    running = [proc for proc in nodes.values() if proc.poll() is None]
-    for proc in running:
-        proc.terminate()
-    deadline = time.time() + STOP_GRACE_S
-    for proc in running:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
