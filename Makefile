@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup browser slurm postgres demo test bench
+.PHONY: setup browser slurm postgres hosts demo test bench
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml scripts/install-torch
@@ -36,7 +36,14 @@ postgres:
 	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	  $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y postgresql; }
 
-test: setup browser slurm postgres
+# Separate hosts for tests/test_separate_hosts.py (tests/hosts.py makes network and mount namespaces
+# joined by veth pairs): `ip` from Debian's iproute2 (unshare and nsenter come with util-linux).
+hosts:
+	@command -v ip >/dev/null 2>&1 || [ -x /usr/sbin/ip ] || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y iproute2; }
+
+test: setup browser slurm postgres hosts
 	$(VENV)/bin/pytest -q
 
 bench: setup

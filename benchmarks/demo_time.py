@@ -25,7 +25,7 @@ import _common as C  # noqa: E402
 from ghostvis_core.home import Home  # noqa: E402
 from ghostvis_core.stages import stage_names  # noqa: E402
 from ghostvis_core.train.result import RunResult  # noqa: E402
-from ghostvis_core.train.runs import completed_runs  # noqa: E402
+from ghostvis_core.train.runs import newest_completed_run  # noqa: E402
 
 GOAL_S = 600.0
 STAGES = stage_names()
@@ -70,12 +70,8 @@ def step_events(lines: list[str]) -> list[list]:
 
 def stage_results(home: Path) -> list[RunResult]:
     """Each stage's newest completed run."""
-    out = []
-    for stage in STAGES:
-        runs = completed_runs(Home(home).store, stage)
-        if runs:
-            out.append(runs[-1])
-    return out
+    store = Home(home).store
+    return [r for r in (newest_completed_run(store, stage) for stage in STAGES) if r is not None]
 
 
 def print_stages(home: Path) -> dict:

@@ -39,7 +39,7 @@ import _common as C  # noqa: E402
 
 from ghostvis_core.data.ledger import PART_TABLES, Ledger  # noqa: E402
 from ghostvis_core.home import Home  # noqa: E402
-from ghostvis_core.train.runs import completed_runs  # noqa: E402
+from ghostvis_core.train.runs import newest_completed_run  # noqa: E402
 
 GOAL_RATIO = 12.0
 SEGMENTS_PER_RUN = 10
@@ -122,14 +122,14 @@ def ledger_scale(parts: int, home: Path, workdir: Path, stage: str = "pretrain")
     and the stage's Dagster checks in a copy of `home` holding `parts` more ledger parts (copies of
     the stage's newest run's newest part). `home` is not changed; the copy is removed afterwards."""
     C.check_home(home)
-    runs = completed_runs(Home(home).store, stage)
-    if not runs:
+    newest = newest_completed_run(Home(home).store, stage)
+    if newest is None:
         raise C.BenchError(f"{home} has no completed {stage} run; build it with `ghostvis demo --preset smoke`")
     copy = C.linked_home(home, workdir / f"home-{parts}")
     try:
         ledger = Ledger(copy / "store" / "ledger")
         t0 = time.time()
-        write_copies(ledger, newest_part(ledger, runs[-1].run_key), parts, stage)
+        write_copies(ledger, newest_part(ledger, newest.run_key), parts, stage)
         out: dict[str, float] = {"write_s": time.time() - t0}
         env = C.clean_env(copy)
         for name, args in (("ledger_s", ["ledger"]), ("ledger_run_s", ["ledger", "--run", stage]),

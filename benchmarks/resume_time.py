@@ -37,7 +37,7 @@ def truncate_to(home: Path, run_key: str, step: int) -> None:
     """Leave the run as a crash right after checkpoint `step` would: later checkpoints, the
     completion record and the later ledger parts gone."""
     store = Home(home).store
-    run_dir = store.path("checkpoints", "pretrain", run_key)
+    run_dir = store.fetch("checkpoints", "pretrain", run_key)  # a folder store's own folder, cut below
     for p in run_dir.iterdir():
         m = re.fullmatch(r"step_(\d{9})", p.name)
         if m and int(m.group(1)) > step:

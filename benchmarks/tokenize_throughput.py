@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 from ghostvis_core.home import Home  # noqa: E402
-from ghostvis_core.store import LocalStore  # noqa: E402
+from ghostvis_core.store import FolderStore  # noqa: E402
 
 GOAL_1W = 0.80
 GOAL_2W = 1.7
@@ -49,8 +49,9 @@ def base_documents(home: Path | None, wd: Path) -> list[tuple[str, str]]:
     from ghostvis_core.data import demo_corpus
 
     docs: list[tuple[str, str]] = []
+    shard_ids = sorted(sid for (sid,) in Home(home).store.keys("raw_shard")) if home else []
     for source, lang in (("demo_prose", "en"), ("demo_code", "python")):
-        files = sorted(Home(home).store.path("raw_shard", f"{source}/x").parent.glob("*.parquet")) if home else []
+        files = [Home(home).store.fetch("raw_shard", sid) for sid in shard_ids if sid.startswith(f"{source}/")]
         if not files:
             files = [p for p, _ in demo_corpus.build_text_source(source, wd / "corpus" / source)]
         for f in files:
@@ -105,12 +106,12 @@ def get_tokenizer(home: Path | None, docs: list[tuple[str, str]], wd: Path):
     if home is not None:
         found = Home(home).store.keys("tokenizer")
         if found:
-            d = Home(home).store.path("tokenizer", found[-1][0])
+            d = Home(home).store.fetch("tokenizer", found[-1][0])
             return load_tokenizer(str(d)), d, "from the home"
     t0 = time.time()
     sample = [t for _, t in docs]
     tok = train_tokenizer(sample, 4096)
-    d = save_tokenizer(tok, LocalStore(wd / "tokenizer-store"))
+    d = save_tokenizer(tok, FolderStore(wd / "tokenizer-store"))
     return tok, d, f"trained on the demo documents (vocab 4096) in {time.time() - t0:.1f}s"
 
 
@@ -121,8 +122,9 @@ def run_pipeline(paths: list[Path], tok_dir: Path, wd: Path, workers: int, tag: 
     out = wd / f"run-{tag}"
     if out.exists():
         shutil.rmtree(out)
-    store = LocalStore(out / "store")  # a fresh store per run, holding only the tokenizer
-    shutil.copytree(tok_dir, store.path("tokenizer", tok_dir.name))
+    store = FolderStore(out / "store")  # a fresh store per run, holding only the tokenizer
+    shutil.copytree(tok_dir, store.writable("tokenizer", tok_dir.name))
+    store.publish("tokenizer", tok_dir.name)
     with C.CpuMeter() as m, quiet(wd / "datatrove.log"):
         # raw_shards hashes each shard once (it decides the split) and the worker checks it, so the
         # timing includes both

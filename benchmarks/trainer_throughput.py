@@ -52,7 +52,7 @@ def trainer_run(home: Path, wd: Path, preset: str, steps: int, precision: str | 
         "late_window": [half, steps], "tokens_per_step": tps_step,
         "first_step_s_wall": step1[0] if step1 else None, "start_line_s": started[0] if started else None,
         "first_step_s_inside": rc.first_step_s, "wall": run.wall, "other_cores": run.other_cores,
-        "spec": str(Home(home).store.path("run_spec", "pretrain", run.run_key)),
+        "spec": str(Home(home).store.fetch("run_spec", "pretrain", run.run_key)),
         "shape": f"{rc.batch.micro_batch_size}x{rc.batch.seq_len}x{rc.batch.world_size}x{rc.batch.grad_accum_steps}",
     }
 

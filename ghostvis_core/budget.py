@@ -13,6 +13,7 @@ import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 
+from ghostvis_core.batch import BatchPlan
 from ghostvis_core.config import BatchConfig, BudgetConfig, ModelConfig, StageConfig
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.model.gpt import LOSS_CHUNK_ELEMENTS, count_params
@@ -41,23 +42,6 @@ DEFAULT_GPU_PRICES = {"H100": 2.5, "A100": 1.5}
 
 # The model FLOPs utilization the planner assumes when it turns a GPU's peak into a step time.
 DEFAULT_MFU = 0.4
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    micro_batch_size: int
-    seq_len: int
-    world_size: int
-    grad_accum_steps: int
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.micro_batch_size * self.seq_len * self.world_size * self.grad_accum_steps
-
-    @property
-    def rows_per_step(self) -> int:
-        """Packed rows (of seq_len tokens) one optimizer step reads, over all ranks."""
-        return self.micro_batch_size * self.world_size * self.grad_accum_steps
 
 
 def batch_plan(batch: BatchConfig, world_size: int | None = None) -> BatchPlan:

@@ -1,6 +1,6 @@
 """Where GhostVis keeps its state: one folder, GHOSTVIS_HOME (default ./.ghostvis).
 
-The artifact store (ghostvis_core/store.py), the Dagster instance and the MLflow store are derived
+The artifact store (ghostvis_core/store/), the Dagster instance and the MLflow store are derived
 from it unless the user's own environment variable (DAGSTER_HOME, MLFLOW_TRACKING_URI) says otherwise.
 """
 
@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from ghostvis_core.store import LocalStore, open_store
+from ghostvis_core.store import Store, open_store
 
 
 @dataclass(frozen=True)
@@ -22,8 +22,9 @@ class Home:
         return cls(Path(os.environ.get("GHOSTVIS_HOME", ".ghostvis")).expanduser().resolve())
 
     @property
-    def store(self) -> LocalStore:
-        """GHOSTVIS_STORE (a folder, or s3://bucket/prefix) when set, else GHOSTVIS_HOME/store."""
+    def store(self) -> Store:
+        """GHOSTVIS_STORE (a folder, or s3://bucket/prefix) when set, else GHOSTVIS_HOME/store: the process's
+        one object for that store (open_store), not a new one (and a new S3 client) per access."""
         return open_store(os.environ.get("GHOSTVIS_STORE") or str(self.root / "store"))
 
     @property

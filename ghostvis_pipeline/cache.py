@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from dagster import AssetCheckKey, AssetKey, RunsFilter
 
 from ghostvis_core import identity
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
 from ghostvis_core.train.launch import TRAINING_MODULES, PlannedRun
 from ghostvis_core.train.runs import completed_attempts
 from ghostvis_pipeline.metadata import materializations
@@ -54,7 +54,7 @@ def checks_passed_in(instance, asset: str, run_key: str, checks: list[str]) -> s
     return instance.get_runs(filters=RunsFilter(run_ids=sorted(passed_in)), limit=1)[0].run_id  # newest first
 
 
-def cached_stage_run(instance, store: LocalStore, asset: str, planned: PlannedRun,
+def cached_stage_run(instance, store: Store, asset: str, planned: PlannedRun,
                      checks: list[str]) -> CacheHit | None:
     """The newest completed attempt of the planned run's identity whose checks passed, with why it matched."""
     for run_key in completed_attempts(store, planned.spec.stage, planned.base_key):
@@ -71,7 +71,7 @@ def cached_stage_run(instance, store: LocalStore, asset: str, planned: PlannedRu
     return None
 
 
-def code_note(store: LocalStore, stage: str, run_key: str) -> str:
+def code_note(store: Store, stage: str, run_key: str) -> str:
     """Says so when the cached run was made by other code than today's (force: true retrains with it)."""
     now = identity.code_version(*TRAINING_MODULES)
     record = store.read_json("identity", stage, run_key) if store.exists("identity", stage, run_key) else {}
@@ -82,7 +82,7 @@ def code_note(store: LocalStore, stage: str, run_key: str) -> str:
             "config to retrain with it")
 
 
-def changed_since(store: LocalStore, stage: str, planned: PlannedRun) -> dict | None:
+def changed_since(store: Store, stage: str, planned: PlannedRun) -> dict | None:
     """On a miss: which inputs differ from the stage's newest earlier run (config keys, tokenizer,
     shards, upstream), read from the identities saved beside the runs."""
     earlier = [key for _, key in store.keys("identity", stage)

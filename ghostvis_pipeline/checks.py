@@ -13,7 +13,7 @@ its upstream (non-blocking: a judgement on the model, not on the accounting).
 from dagster import AssetCheckResult, MetadataValue, asset_check
 
 from ghostvis_core.audit import invariants as inv
-from ghostvis_core.audit import removed
+from ghostvis_core.audit.data_checks import DATA_CHECKS
 from ghostvis_core.audit.outcome import CheckOutcome
 from ghostvis_core.audit.stage_checks import STAGE_CHECKS, CheckInputs
 from ghostvis_core.data.catalog import recorded_sha256, registered_manifests, shard_split
@@ -44,35 +44,19 @@ def capped_table(header: list[str], rows: list[list]) -> MetadataValue:
     return MetadataValue.md(md_table(header, rows[:TABLE_ROWS]) + note)
 
 
-@asset_check(asset="token_ledger", blocking=True, description="Ledger docs/tokens equal a recount of the token files.")
-def ledger_matches_token_files(context, home: GhostvisHome) -> AssetCheckResult:
-    h = home.home()
-    tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
-    return to_result(inv.ledger_matches_token_files(h.store, Ledger.in_store(h.store), tokenizer_id))
+def data_checks() -> list:
+    """The blocking checks of the token ledger (DATA_CHECKS), for the newest tokenizer's shards."""
+    return [_data_check(name, description, run_check) for name, description, run_check in DATA_CHECKS]
 
 
-@asset_check(asset="token_ledger", blocking=True, description="Every shard in the manifests is tokenized with the current tokenizer.")
-def all_manifest_shards_tokenized(context, home: GhostvisHome) -> AssetCheckResult:
-    h = home.home()
-    tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
-    return to_result(inv.all_manifest_shards_tokenized(h.store, Ledger.in_store(h.store), tokenizer_id))
+def _data_check(name: str, description: str, run_check):
+    @asset_check(asset="token_ledger", name=name, blocking=True, description=description)
+    def check(context, home: GhostvisHome) -> AssetCheckResult:
+        h = home.home()
+        tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
+        return to_result(run_check(h.store, Ledger.in_store(h.store), tokenizer_id))
 
-
-@asset_check(asset="token_ledger", blocking=True,
-             description="No two shards with the same content, and no document in both train and validation.")
-def no_duplicate_content(context, home: GhostvisHome) -> AssetCheckResult:
-    h = home.home()
-    tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
-    return to_result(inv.no_duplicate_content(Ledger.in_store(h.store), tokenizer_id))
-
-
-@asset_check(asset="token_ledger", blocking=True,
-             description="Per text shard and in total: tokens before (every raw document tokenized again) = tokens "
-                         "kept (the token file) + tokens removed (the ledger's drops, equal to a recount).")
-def removed_tokens_reconcile(context, home: GhostvisHome) -> AssetCheckResult:
-    h = home.home()
-    tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
-    return to_result(removed.removed_tokens_reconcile(h.store, Ledger.in_store(h.store), tokenizer_id))
+    return check
 
 
 @asset_check(asset="tokenizer", blocking=True,

@@ -20,7 +20,7 @@ from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.run_modes import MODES, RunMode, compute_optimal_params, describe, mode_of, mode_overrides, plan_mode
 from ghostvis_core.stages import stage, stage_names
-from ghostvis_pipeline import data_command, export_command, status_command, train_command
+from ghostvis_pipeline import data_command, export_command, status_command, store_command, train_command
 
 
 def cmd_init(args) -> int:
@@ -243,13 +243,13 @@ def ledger_report(home: Home, tokenizer_id: str | None) -> dict[str, Any]:
 
 def resolve_run(home: Home, ledger: Ledger, name: str) -> str:
     """A stage name means its newest completed run; anything else is taken as a run key."""
-    from ghostvis_core.train.runs import completed_runs
+    from ghostvis_core.train.runs import newest_completed_run
 
     if name not in stage_names():
         return name
-    runs = completed_runs(home.store, name)
-    if runs:
-        return runs[-1].run_key
+    newest = newest_completed_run(home.store, name)
+    if newest:
+        return newest.run_key
     unfinished = run_keys(ledger, name)
     raise GhostvisError(f"stage {name} has no completed run; materialize the `{name}` asset"
                         + (f" (or pass one of its unfinished run keys: {', '.join(unfinished)})" if unfinished else ""))
@@ -312,15 +312,13 @@ def dagster_metadata(home: Home, stages: list[str]) -> dict[str, dict[str, Any]]
     one: the audit needs only the store and MLflow, and compares Dagster's copy when it can)."""
     if not (home.dagster_home / "storage").exists():
         return {}
-    from dagster import AssetKey, DagsterInstance
+    from dagster import DagsterInstance
+
+    from ghostvis_pipeline.metadata import newest_metadata_or_none
 
     with DagsterInstance.from_config(str(home.dagster_home)) as instance:
-        out = {}
-        for name in stages:
-            event = instance.get_latest_materialization_event(AssetKey(name))
-            if event is not None and event.asset_materialization is not None:
-                out[name] = {k: getattr(v, "value", v) for k, v in event.asset_materialization.metadata.items()}
-        return out
+        found = {name: newest_metadata_or_none(instance, name) for name in stages}
+        return {name: md for name, md in found.items() if md is not None}
 
 
 def cmd_audit(args) -> int:
@@ -412,6 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     train_command.add_parser(sub)
     export_command.add_parser(sub)
     status_command.add_parser(sub)
+    store_command.add_parser(sub)
     return ap
 
 

@@ -15,8 +15,7 @@ from ghostvis_pipeline.assets.data import raw_shards, shard_manifest, token_ledg
 from ghostvis_pipeline.assets.evaluation import evaluation, report
 from ghostvis_pipeline.assets.training import stage_asset, variants_asset
 from ghostvis_pipeline.checks import (
-    all_manifest_shards_tokenized, ledger_matches_token_files, lineage_quality_gate, no_duplicate_content,
-    removed_tokens_reconcile, stage_checks, tokenizer_trained_on_train_shards_only,
+    data_checks, lineage_quality_gate, stage_checks, tokenizer_trained_on_train_shards_only,
 )
 from ghostvis_pipeline.export_job import export_model
 from ghostvis_pipeline.jobs import checks_job, shard_data_job, training_job
@@ -34,8 +33,7 @@ for stage in STAGES:
 
 defs = Definitions(
     assets=[shard_manifest, raw_shards, tokenizer, tokenized_shards, token_ledger, *stage_assets, evaluation, report],
-    asset_checks=[tokenizer_trained_on_train_shards_only,
-                  ledger_matches_token_files, all_manifest_shards_tokenized, no_duplicate_content, removed_tokens_reconcile,
+    asset_checks=[tokenizer_trained_on_train_shards_only, *data_checks(),
                   *[c for stage in STAGES for c in stage_checks(stage.name)], lineage_quality_gate],
     jobs=[shard_data_job, training_job, checks_job, export_model],
     resources={"home": GhostvisHome(), "launcher": Launcher()},

@@ -16,9 +16,17 @@ def latest_metadata(context, asset: str) -> dict[str, Any]:
 
 def newest_metadata(instance, asset: str) -> dict[str, Any]:
     """latest_metadata outside an asset: from the Dagster instance itself."""
+    md = newest_metadata_or_none(instance, asset)
+    if md is None:
+        raise GhostvisError(f"asset `{asset}` has never been materialized; materialize it first")
+    return md
+
+
+def newest_metadata_or_none(instance, asset: str) -> dict[str, Any] | None:
+    """The newest materialization's metadata as raw values (the one reader of it), None when there is none."""
     event = instance.get_latest_materialization_event(AssetKey(asset))
     if event is None or event.asset_materialization is None:
-        raise GhostvisError(f"asset `{asset}` has never been materialized; materialize it first")
+        return None
     return {k: getattr(v, "value", v) for k, v in event.asset_materialization.metadata.items()}
 
 

@@ -8,7 +8,10 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import pytest
 
@@ -91,19 +94,18 @@ def materialize_pretrain(**launcher) -> list[str]:
 
 
 def new_run_dirs(home: Path, known: set[str]) -> list[Path]:
-    """Pretrain run folders in `home`'s store that are not in `known`, oldest first."""
+    """Pretrain run folders in `home`'s store that are not in `known`, oldest first (a folder store's
+    `fetch` is the run's own folder, which a test watches while the run writes it)."""
     from ghostvis_core.home import Home
 
-    root = Home(home).store.path("checkpoints", "pretrain", "x").parent
-    new = [p for p in root.iterdir() if p.name not in known] if root.exists() else []
-    return sorted(new, key=lambda p: p.stat().st_mtime)
+    store = Home(home).store
+    return [store.fetch("checkpoints", *key) for key in store.keys("checkpoints", "pretrain") if key[1] not in known]
 
 
 def run_names(home: Path) -> set[str]:
     from ghostvis_core.home import Home
 
-    root = Home(home).store.path("checkpoints", "pretrain", "x").parent
-    return {p.name for p in root.iterdir()} if root.exists() else set()
+    return {run_key for _, run_key in Home(home).store.keys("checkpoints", "pretrain")}
 
 
 @pytest.fixture(scope="session")
@@ -115,6 +117,15 @@ def pretrain_reference(demo_home, tmp_path_factory) -> tuple[Path, Path]:
     known = run_names(home)
     run_cli(materialize_pretrain(), home)
     return home, new_run_dirs(home, known)[-1]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium for a browser test module (tests/ui_servers.py)."""
+    from tests.ui_servers import chromium
+
+    with chromium() as b:
+        yield b
 
 
 @pytest.fixture(scope="session")
@@ -142,3 +153,30 @@ def new_bucket(endpoint: str, name: str) -> None:
 
     boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test",
                  aws_secret_access_key="test").create_bucket(Bucket=name)
+
+
+@dataclass
+class StoreNodes:
+    """One artifact store as two nodes see it, and where its artifacts are named (`located(relative)`)."""
+
+    writer: Any
+    reader: Any
+    located: Callable[[str], str]
+
+
+@pytest.fixture(params=["folder", "s3"])
+def store_nodes(request, tmp_path, monkeypatch) -> StoreNodes:
+    """Each store implementation, for tests that must hold for both: a folder store (both nodes see the
+    same folder) and a bucket store on moto's S3 server (each node with its own cache folder)."""
+    from ghostvis_core.store import FolderStore, S3Store
+
+    if request.param == "folder":
+        root = tmp_path / "store"
+        return StoreNodes(FolderStore(root), FolderStore(root), lambda rel: str(root / rel))
+    endpoint = request.getfixturevalue("moto_s3")
+    for var, value in s3_env(endpoint, tmp_path).items():
+        monkeypatch.setenv(var, value)
+    bucket = f"b-{uuid.uuid4().hex[:10]}"
+    new_bucket(endpoint, bucket)
+    return StoreNodes(S3Store(bucket, "store", tmp_path / "node-a"), S3Store(bucket, "store", tmp_path / "node-b"),
+                      lambda rel: f"s3://{bucket}/store/{rel}")

@@ -1,5 +1,8 @@
 """A real Slurm cluster on 127.0.0.1 for the Slurm launcher's tests: munged on its own socket and key,
-slurmctld, and two slurmd (nodes gv1, gv2) on this host, configured in a temporary folder.
+slurmctld, and two slurmd (nodes gv1, gv2) on this host, configured in a temporary folder. With a
+`Placement` the same cluster runs on separate hosts (tests/hosts.py): slurmctld on the controller's
+host, each slurmd on its own node, at their own addresses; the one munged is reached by its socket's
+path, which every host sees (a shared socket stands in for a munged per host with the same key).
 
 Nothing of the machine's own Slurm or munge set-up is read or changed: every daemon gets its own
 config, socket, ports, spool and state folders, and `SLURM_CONF` points the clients at them. Debian's
@@ -17,6 +20,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,13 +55,32 @@ def node_hardware(slurmd: str) -> str:
     return " ".join(w for w in line.split() if not w.startswith(("NodeName=", "UpTime=")))
 
 
-def slurm_conf(root: Path, munge_socket: Path, slurmd: str) -> str:
+@dataclass(frozen=True)
+class Placement:
+    """Where the daemons run: the controller's host name and address, each node's (NODES order) host
+    name and address, the argv prefix that starts a program on a host (e.g. nsenter into its
+    namespaces), and an optional TaskProlog (a node's own environment for its tasks)."""
+
+    controller: tuple[str, str]
+    nodes: tuple[tuple[str, str], ...]
+    on_host: Callable[[str], list[str]] = lambda host: []
+    task_prolog: str = ""
+
+
+def this_host() -> Placement:
+    """Every daemon on this host, at 127.0.0.1 (the default)."""
     host = socket.gethostname()
+    return Placement((host, "127.0.0.1"), tuple((host, "127.0.0.1") for _ in NODES))
+
+
+def slurm_conf(root: Path, munge_socket: Path, slurmd: str, placement: Placement | None = None) -> str:
+    placement = placement or this_host()
+    (host, addr), prolog = placement.controller, placement.task_prolog
     ctld_port, *node_ports = free_ports(1 + len(NODES))
-    nodes = [f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} {node_hardware(slurmd)} State=UNKNOWN"
-             for name, port in zip(NODES, node_ports)]
+    nodes = [f"NodeName={name} NodeHostname={node_host} NodeAddr={node_addr} Port={port} {node_hardware(slurmd)} "
+             "State=UNKNOWN" for name, (node_host, node_addr), port in zip(NODES, placement.nodes, node_ports)]
     return "\n".join([
-        "ClusterName=ghostvis-test", f"SlurmctldHost={host}(127.0.0.1)", f"SlurmctldPort={ctld_port}",
+        "ClusterName=ghostvis-test", f"SlurmctldHost={host}({addr})", f"SlurmctldPort={ctld_port}",
         "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={munge_socket}",
         "SlurmUser=root", "SlurmdUser=root", "MailProg=/bin/true", "MpiDefault=none",
         f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool/%n",
@@ -66,6 +89,7 @@ def slurm_conf(root: Path, munge_socket: Path, slurmd: str) -> str:
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
         "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "ReturnToService=2",
         "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
+        *([f"TaskProlog={prolog}"] if prolog else []),
         *nodes,
         f"PartitionName={PARTITION} Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4",
         "",
@@ -77,18 +101,22 @@ class SlurmCluster:
     root: Path
     conf: Path
     procs: list[subprocess.Popen] = field(default_factory=list)
+    placement: Placement = field(default_factory=this_host)
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "SLURM_CONF": str(self.conf)}
 
     def run(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-        """A Slurm client command against this cluster."""
-        return subprocess.run(list(args), env=self.env(), capture_output=True, text=True, timeout=timeout)
+        """A Slurm client command against this cluster (on the controller's host)."""
+        return subprocess.run([*self.placement.on_host(self.placement.controller[0]), *args], env=self.env(),
+                              capture_output=True, text=True, timeout=timeout, check=False)
 
-    def start(self, log_name: str, exe: str, *args: str) -> None:
-        """A daemon in the foreground, in its own process group, its output in log/<log_name>.out."""
+    def start(self, log_name: str, exe: str, *args: str, host: str = "") -> None:
+        """A daemon in the foreground on `host` (default: the controller's), in its own process group,
+        its output in log/<log_name>.out."""
+        on_host = self.placement.on_host(host or self.placement.controller[0])
         with (self.root / "log" / f"{log_name}.out").open("w") as log:
-            self.procs.append(subprocess.Popen([daemon(exe), *args], stdout=log, stderr=subprocess.STDOUT,
+            self.procs.append(subprocess.Popen([*on_host, daemon(exe), *args], stdout=log, stderr=subprocess.STDOUT,
                                                env=self.env(), start_new_session=True))
 
     def logs(self) -> str:
@@ -121,8 +149,8 @@ class SlurmCluster:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
-def start_cluster() -> SlurmCluster:
-    """munged, slurmctld and the slurmd of gv1 and gv2, up and idle."""
+def start_cluster(placement: Placement | None = None) -> SlurmCluster:
+    """munged, slurmctld and the slurmd of gv1 and gv2, up and idle (on this host, or as `placement` says)."""
     root = Path(tempfile.mkdtemp(prefix="gv-slurm-"))
     root.chmod(0o755)  # munged wants its socket's folders searchable by all
     for sub in ("munge", "state", "log", *(f"spool/{n}" for n in NODES)):
@@ -134,8 +162,8 @@ def start_cluster() -> SlurmCluster:
     (key_dir / "munge.key").chmod(0o400)
     sock = root / "munge" / "munge.socket"
     conf = root / "slurm.conf"
-    conf.write_text(slurm_conf(root, sock, daemon("slurmd")))
-    cluster = SlurmCluster(root, conf)
+    conf.write_text(slurm_conf(root, sock, daemon("slurmd"), placement))
+    cluster = SlurmCluster(root, conf, placement=placement or this_host())
     try:
         boot(cluster, sock, key_dir)
     except BaseException:
@@ -152,8 +180,8 @@ def boot(cluster: SlurmCluster, sock: Path, key_dir: Path) -> None:
     wait_for(lambda: sock.exists(), "munged's socket", cluster)
     cluster.start("slurmctld", "slurmctld", "-D", "-f", str(conf))
     wait_for(lambda: cluster.run("scontrol", "ping").returncode == 0, "slurmctld", cluster)
-    for node in NODES:
-        cluster.start(f"slurmd-{node}", "slurmd", "-D", "-N", node, "-f", str(conf))
+    for node, (node_host, _) in zip(NODES, cluster.placement.nodes):
+        cluster.start(f"slurmd-{node}", "slurmd", "-D", "-N", node, "-f", str(conf), host=node_host)
     cluster.wait_idle()
 
 

@@ -16,7 +16,7 @@ from ghostvis_core.data.tokenizer import newest_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.stages import stage_names
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import FolderStore
 from ghostvis_core.train.runs import completed_runs
 from ghostvis_core.train.launch import select_shards
 from tests.planted import plant
@@ -60,11 +60,12 @@ def test_a_missing_or_wrong_rank_share_is_named():
 
 
 def test_the_real_shard_selection_refuses_a_validation_shard(tmp_path, monkeypatch):
-    store = LocalStore(tmp_path / "store")
+    store = FolderStore(tmp_path / "store")
     ledger = Ledger.in_store(store)
     for shard_id, split in (("prose/train-000", "train"), ("prose/val-000", "validation")):
-        ref = write_shard(store.path("token_shard", "tok", shard_id).parent.parent, "prose", shard_id.split("/")[1],
+        ref = write_shard(store.writable("token_shard", "tok", shard_id).parent.parent, "prose", shard_id.split("/")[1],
                           [[1, 2, 3], [4, 5]], split=split)
+        store.publish("token_shard", "tok", shard_id)
         ledger.write_shard({"shard_id": shard_id, "source": "prose", "split": split, "kind": "text",
                             "content_sha256": shard_id, "raw_bytes": 1, "tokenizer_id": "tok", "docs": ref.docs,
                             "tokens": ref.tokens, "text_bytes": 1, "token_path": ref.path})

@@ -5,7 +5,11 @@
   ghostvis_pipeline (the library must run under plain torchrun), except dagster_pipes in track/pipes.py;
 - ghostvis_pipeline uses no private `dagster._` module (they change without notice between releases);
 - neither package reads the environment at import time (a module's behaviour must not depend on when
-  it was first imported).
+  it was first imported);
+- outside ghostvis_core/store/ nobody reaches into a store (`.root`, `.path(`, `.s3`, `.bucket`, `.cache`,
+  `.object_key(` on something named ...store) or asks which implementation it is (`isinstance(x, S3Store)`):
+  everything goes through the `Store` protocol, in tests/ and benchmarks/ too (they use stores as a user's
+  code does); and the store's modules import each other without a circle.
 
 Every offender is listed in the failure message, as `file:line name: what`.
 """
@@ -13,10 +17,12 @@ Every offender is listed in the failure message, as `file:line name: what`.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("ghostvis_core", "ghostvis_pipeline")
+SCRIPTS = ("tests", "benchmarks")  # held to the store rule only
 MAX_LINES = 60
 MAX_PARAMS = 8
 
@@ -24,7 +30,8 @@ MAX_PARAMS = 8
 LAYERS = {
     "ghostvis_core": 0,  # the package root: it is imported before any of its modules
     "ghostvis_core.errors": 0, "ghostvis_core.digest": 0, "ghostvis_core.config": 0, "ghostvis_core.counts": 0, "ghostvis_core.identity": 0,
-    "ghostvis_core.stages": 1, "ghostvis_core.presets": 1, "ghostvis_core.store": 1, "ghostvis_core.s3_store": 1, "ghostvis_core.home": 1,
+    "ghostvis_core.batch": 0,
+    "ghostvis_core.stages": 1, "ghostvis_core.presets": 1, "ghostvis_core.store.*": 1, "ghostvis_core.home": 1,
     "ghostvis_core.data.*": 2, "ghostvis_core.model.*": 2, "ghostvis_core.track.*": 2, "ghostvis_core.budget": 2,
     "ghostvis_core.run_modes": 2,
     "ghostvis_core.train.*": 3, "ghostvis_core.eval.*": 3, "ghostvis_core.cluster.*": 3, "ghostvis_core.hf.*": 3,
@@ -182,6 +189,46 @@ def environment_problems(tree: ast.Module, module: str, where: str) -> list[str]
     return out
 
 
+# ---------------------------------------------------------------- (f) the store is used through its protocol
+
+STORE_INTERNALS = {"root", "path", "s3", "bucket", "cache", "object_key"}
+STORE_CLASSES = {"S3Store", "FolderStore"}
+
+
+def _names_a_store(node: ast.AST) -> bool:
+    """`store`, `home.store`, `self.store`, `ref_store`: an expression whose last name says it holds a store."""
+    last = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return last == "store" or last.endswith("_store")
+
+
+def store_use_problems(tree: ast.Module, module: str, where: str) -> list[str]:
+    if module.startswith("ghostvis_core.store"):
+        return []
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in STORE_INTERNALS and _names_a_store(node.value):
+            out.append((node.lineno, f"uses {ast.unparse(node)} (go through the Store protocol)"))
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2
+              and STORE_CLASSES & {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}):
+            out.append((node.lineno, f"asks {ast.unparse(node)} (a store's kind is no caller's business: use the "
+                                     "Store protocol)"))
+    return [f"{where}:{line} {module}: {what}" for line, what in sorted(out)]
+
+
+def import_circles(package: str) -> list[str]:
+    """Modules of `package` that import (directly or not) a module of it that imports them back."""
+    folder = ROOT.joinpath(*package.split("."))
+    modules = [module_name(p) for p in sorted(folder.rglob("*.py"))]
+    out = []
+    for mod in modules:
+        path = ROOT.joinpath(*mod.split("."))
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        for target in sorted(_runtime_imports(path, mod)):
+            if target.startswith(package + ".") and target != mod and mod in reachable(target):
+                out.append(f"{mod} imports {target}, which imports {mod} back")
+    return out
+
+
 # ---------------------------------------------------------------- the checker
 
 
@@ -189,6 +236,7 @@ def check_source(source: str, module: str, where: str, is_package: bool = False)
     """Every problem in one module's source; `module` (its dotted name) selects the package's rules."""
     tree = ast.parse(source, filename=where)
     out = function_problems(tree, where) + environment_problems(tree, module, where)
+    out += store_use_problems(tree, module, where)
     if module.split(".")[0] == "ghostvis_core":
         out += layer_problems(tree, module, is_package, where)
         out += dependency_problems(tree, module, is_package, where)
@@ -204,6 +252,17 @@ def offenders() -> list[str]:
             where = str(path.relative_to(ROOT))
             out += check_source(path.read_text(encoding="utf-8"), module_name(path), where,
                                 path.name == "__init__.py")
+    return out
+
+
+def script_store_offenders() -> list[str]:
+    """Tests and benchmarks that reach into a store: one that does tests or times what no user's code runs."""
+    out = []
+    for folder in SCRIPTS:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            where = str(path.relative_to(ROOT))
+            out += store_use_problems(ast.parse(path.read_text(encoding="utf-8"), filename=where), module_name(path),
+                                      where)
     return out
 
 
@@ -247,9 +306,19 @@ def test_the_audit_reaches_no_training_or_loader_code():
     assert not problems, "\n".join(problems)
 
 
+def test_the_store_modules_import_each_other_without_a_circle():
+    assert reachable("ghostvis_core.store").keys() >= {"ghostvis_core.store.folder", "ghostvis_core.store.s3"}
+    assert import_circles("ghostvis_core.store") == []
+
+
 def test_code_shape():
     problems = offenders()
     assert not problems, f"{len(problems)} code-shape problem(s):\n" + "\n".join(problems)
+
+
+def test_tests_and_benchmarks_use_stores_through_the_protocol():
+    problems = script_store_offenders()
+    assert not problems, f"{len(problems)} store use(s) outside the Store protocol:\n" + "\n".join(problems)
 
 
 SYNTHETIC = '''
@@ -310,3 +379,33 @@ def f(level=os.getenv("L")):
         "demo.py:1 ghostvis_pipeline.demo: imports private dagster._core.storage.tags.X",
         "demo.py:2 ghostvis_pipeline.demo: imports private dagster._check",
     ]
+
+
+def test_the_checker_reports_a_store_reached_into():
+    source = """
+def f(home, run, ref_store, other):
+    a = home.store.root
+    b = run.store.path("ledger")
+    c = isinstance(ref_store, (S3Store, int))
+    return home.store.fetch("ledger"), other.root, other.path
+"""
+    assert check_source(source, "ghostvis_pipeline.launchers.slurm", "slurm.py") == [
+        "slurm.py:3 ghostvis_pipeline.launchers.slurm: uses home.store.root (go through the Store protocol)",
+        "slurm.py:4 ghostvis_pipeline.launchers.slurm: uses run.store.path (go through the Store protocol)",
+        "slurm.py:5 ghostvis_pipeline.launchers.slurm: asks isinstance(ref_store, (S3Store, int)) (a store's kind "
+        "is no caller's business: use the Store protocol)",
+    ]
+    assert check_source(source, "ghostvis_core.store.s3", "s3.py") == []  # the store's own modules may
+
+
+def test_the_circle_finder_finds_a_planted_circle(tmp_path, monkeypatch):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "x.py").write_text("from pkg.y import g\n")
+    (pkg / "y.py").write_text("from pkg import z\n")
+    (pkg / "z.py").write_text("import pkg.x\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert import_circles("pkg") == ["pkg.x imports pkg.y, which imports pkg.x back",
+                                     "pkg.y imports pkg.z, which imports pkg.y back",
+                                     "pkg.z imports pkg.x, which imports pkg.z back"]

@@ -23,12 +23,12 @@ from ghostvis_core.audit.contamination import item_text, no_eval_contamination, 
 from ghostvis_core.audit.stage_checks import stage_check_names
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ngrams import NGRAM, WINDOW, fingerprints, ngram_hash, ngram_hashes, normalize, winnow
-from ghostvis_core.data.sources import sha256_file
+from ghostvis_core.store.files import sha256_file
 from ghostvis_core.data.tokenize import TokenizeJob, job_for_shard, run_locally, tokenize_shards
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.presets import resolve
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import FolderStore
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
 
@@ -105,7 +105,7 @@ def tokenized(tmp_path_factory) -> SimpleNamespace:
     validation document pasted mid-text, row 3 the multiple-choice item with its answer; rows 0 and 2
     are clean), a clean train shard corp/00001 and a validation shard corp/val."""
     root = tmp_path_factory.mktemp("contamination")
-    store, rng = LocalStore(root / "store"), random.Random(11)
+    store, rng = FolderStore(root / "store"), random.Random(11)
     val_docs = [words(rng, 50), words(rng, 70)]
     mc_text = f"Question: {MC_ITEM['question']} Answer: {MC_ITEM['choices'][MC_ITEM['answer']]}"
     texts = {"corp/00000": [words(rng, 60), f"{words(rng, 30)}\n{val_docs[0]}\n{words(rng, 30)}", words(rng, 80),
@@ -115,9 +115,9 @@ def tokenized(tmp_path_factory) -> SimpleNamespace:
     save_tokenizer(tok, store)
     jobs = []
     for shard_id, docs in texts.items():
-        path = store.path("raw_shard", shard_id)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path = store.writable("raw_shard", shard_id)
         pq.write_table(pa.table({"text": docs}), path)
+        store.publish("raw_shard", shard_id)
         jobs.append(TokenizeJob(shard_id, "corp", "validation" if shard_id.endswith("val") else "train",
                                 sha256_file(path), "text"))
     tokenize_shards(jobs, store=store, tokenizer_id=tok.tokenizer_id, logging_dir=root / "logs",
@@ -246,7 +246,7 @@ def paste_into(home: Path, shard_id: str, row: int, passage: str) -> None:
     from ghostvis_core.home import Home
 
     store = Home(home).store
-    path = store.path("raw_shard", shard_id)
+    path = store.fetch("raw_shard", shard_id)  # a folder store's own file, rewritten below
     table = pq.read_table(path)
     texts = table.column("text").to_pylist()
     texts[row] = f"{texts[row]}\n\n{passage}"
@@ -258,7 +258,7 @@ def validation_document(home: Path, source: str, min_words: int = 40, max_words:
     """(row, text) of the first validation document of `source` of a size the gate must catch whole."""
     from ghostvis_core.home import Home
 
-    texts = pq.read_table(Home(home).store.path("raw_shard", f"{source}/val_00000"), columns=["text"]).column(0)
+    texts = pq.read_table(Home(home).store.fetch("raw_shard", f"{source}/val_00000"), columns=["text"]).column(0)
     return next((i, t) for i, t in enumerate(texts.to_pylist()) if min_words <= len(normalize(t)) <= max_words)
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ghostvis_core.batch import BatchPlan
 from ghostvis_core.counts import TokenCounts
-from ghostvis_core.train.result import BatchShape, BeforeAfter, FrozenCheck, MixtureShare, RunResult
+from ghostvis_core.train.result import BeforeAfter, FrozenCheck, MixtureShare, RunResult
 from ghostvis_core.train.spec import LaunchSpec, SourceBudget, StageInputs
 from ghostvis_core.train.state import TrainState
 
@@ -23,7 +24,7 @@ def test_arithmetic_and_names():
 
 def test_run_result_round_trips_through_its_dict():
     r = RunResult(run_key="sft-x-r1", stage="sft", steps=8, segment=1, counts=TokenCounts(4096, 100, 900, 7),
-                  planned_tokens=4196, batch=BatchShape(8, 256, 2, 1, 4096), train_loss=1.5, val_loss=1.4,
+                  planned_tokens=4196, batch=BatchPlan(8, 256, 2, 1), train_loss=1.5, val_loss=1.4,
                   val_loss_start=6.7, tokens_per_sec=1e4, first_step_s=3.2, wall_time_s=30.0,
                   checkpoint_uri="/s/checkpoints/sft/sft-x-r1/step_000000008", parent_run_key="va-r1",
                   mlflow_run_id="abc", mlflow_experiment_id="1",
@@ -31,6 +32,10 @@ def test_run_result_round_trips_through_its_dict():
                   frozen=FrozenCheck("aa", "aa"))
     back = RunResult.from_dict(r.to_dict())
     assert back == r and back.frozen.unchanged and back.counts.loss_tokens == 900
+    # the record keeps the derived tokens_per_step for readers of the JSON; reading it back derives it again
+    assert r.to_dict()["batch"] == {"micro_batch_size": 8, "seq_len": 256, "world_size": 2, "grad_accum_steps": 1,
+                                    "tokens_per_step": 4096}
+    assert back.batch.tokens_per_step == 4096
 
 
 def test_launch_spec_and_train_state_round_trip_with_their_typed_parts():

@@ -25,12 +25,13 @@ from ghostvis_core.data.dedup import (
     Removal, RemovedRows, check_dedup_config, dedup_indexes, removed_rows, survivors_first,
 )
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.sources import ShardEntry, sha256_file
+from ghostvis_core.data.sources import ShardEntry
+from ghostvis_core.store.files import sha256_file
 from ghostvis_core.data.tokenize import job_for_shard, run_locally, tokenize_shards
 from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import FolderStore
 from ghostvis_pipeline.definitions import defs
 from ghostvis_pipeline.demo import materialize
 from tests.conftest import copy_home
@@ -97,7 +98,7 @@ def recount(tok, text: str) -> int:
 
 
 def test_exactly_the_planted_duplicates_are_removed_first_occurrence_kept(deduped):
-    (index,) = (deduped.store.root / "ledger" / "dedup").glob("*.parquet")
+    (index,) = deduped.store.fetch("ledger_file", "dedup").glob("*.parquet")
     assert json.loads(pq.read_schema(index).metadata[b"ghostvis.shards"]) == SHARDS
     removals = pq.read_table(index).to_pylist()
     assert {(r["shard_id"], r["row"]): (r["kept_shard"], r["kept_row"]) for r in removals} == PLANTED
@@ -158,10 +159,11 @@ def test_a_wrong_removed_count_fails_the_check_in_dagster(deduped, tmp_path, mon
 def test_a_later_shard_is_deduped_against_the_earlier_ones_which_keep_their_tokens(deduped, tmp_path):
     """web/00003 arrives with a copy of web/00000 row 0: a new index over four shards removes it; the
     three tokenized shards are not redone; the same shards again reuse the index."""
-    store = LocalStore(tmp_path / "store")
-    shutil.copytree(deduped.store.root, store.root)
-    path = store.path("raw_shard", "web/00003")
+    shutil.copytree(deduped.home / "store", tmp_path / "store")  # the home's folder store
+    store = FolderStore(tmp_path / "store")
+    path = store.writable("raw_shard", "web/00003")
     pq.write_table(pa.table({"text": [deduped.texts["web/00000"][0], "a short new document"]}), path)
+    store.publish("raw_shard", "web/00003")
     manifest = load_manifest(store, "web")
     manifest.shards.append(ShardEntry("00003", path.as_uri(), "train", path.stat().st_size, sha256_file(path)))
     save_manifest(store, manifest)
@@ -210,8 +212,8 @@ def test_the_first_document_in_shard_order_survives_whatever_order_the_cluster_m
 
 def test_a_document_the_filters_drop_removes_no_duplicate(deduped, tmp_path):
     """With a filter dropping web/00000 row 4, its near copy web/00002 row 5 is the first occurrence left: kept."""
-    store = LocalStore(tmp_path / "store")
-    shutil.copytree(deduped.store.root, store.root)
+    shutil.copytree(deduped.home / "store", tmp_path / "store")  # the home's folder store
+    store = FolderStore(tmp_path / "store")
     words = deduped.texts["web/00000"][4].split()
     middle = " ".join(words[len(words) // 2 - 1: len(words) // 2 + 2])  # the copy has "changed" in the middle
     assert sum(middle in t for docs in deduped.texts.values() for t in docs) == 1

@@ -58,7 +58,7 @@ def test_demo_materializes_every_asset_and_all_checks_pass(demo_home):
 
 def test_ledger_mlflow_and_dagster_agree_to_the_token_for_every_stage(demo_home):
     instance = dagster_instance(demo_home)
-    ledger = Ledger(Home(demo_home).store.path("ledger"))
+    ledger = Ledger.in_store(Home(demo_home).store)
     client, runs = mlflow_runs(demo_home)
     for stage in STAGES:
         md = latest(instance, stage)
@@ -98,7 +98,7 @@ def test_pretraining_lowers_validation_loss_and_mixture_follows_the_recipe(demo_
     assert cp["mixture/demo_code/tokens"] == 90 * 256 and cp["mixture/demo_prose/tokens"] == 38 * 256
     assert cp["domain_loss_after"] < cp["domain_loss_before"]
     # continued_pretrain starts where pretrain stopped reading each source: no undeclared reuse
-    ledger = Ledger(Home(demo_home).store.path("ledger"))
+    ledger = Ledger.in_store(Home(demo_home).store)
     assert not [r for r in ledger.reuse(cp["run_key"]) if r["kind"] != "replay"]
     rm = latest(instance, "reasoning_mix")
     replay = [r for r in ledger.reuse(rm["run_key"]) if r["kind"] == "replay"]
@@ -121,7 +121,7 @@ def test_rematerializing_one_stage_through_the_dagster_cli(home_copy):
     assert after["mlflow_run_id"] != before["mlflow_run_id"]
     assert after["parent_run_key"] == vision["run_key"]  # from the stored upstream checkpoint
     assert after["real_tokens"] == before["real_tokens"]  # same config, same data, deterministic packing
-    assert Ledger(Home(home_copy).store.path("ledger")).run_totals(after["run_key"])["real_tokens"] == after["real_tokens"]
+    assert Ledger.in_store(Home(home_copy).store).run_totals(after["run_key"])["real_tokens"] == after["real_tokens"]
 
 
 def test_ghostvis_ledger_json_shows_the_same_totals(demo_home):
@@ -167,7 +167,7 @@ def test_plain_torchrun_runs_a_stage_without_dagster(home_copy):
                     "--stage", "pretrain", "--preset", "smoke", "--set", "budget.steps=4"], home_copy,
                    OMP_NUM_THREADS="1")
     assert "step 4/4" in proc.stdout
-    ledger = Ledger(Home(home_copy).store.path("ledger"))
+    ledger = Ledger.in_store(Home(home_copy).store)
     runs = [p for p in ledger.parts(stage="pretrain") if p["step_last"] == 4 and p["world_size"] == 2]
     assert runs
     totals = ledger.run_totals(runs[-1]["run_key"])
@@ -181,7 +181,7 @@ def test_report_card_token_figures_equal_the_ledger_and_evidence_is_listed(demo_
     md = latest(instance, "report")
     html = Path(md["report_html"]).read_text()
     rows = json.loads(Path(md["report_html"]).with_name("report.json").read_text())
-    ledger = Ledger(Home(demo_home).store.path("ledger"))
+    ledger = Ledger.in_store(Home(demo_home).store)
     assert [r["stage"] for r in rows] == STAGES
     for r in rows:
         totals = ledger.run_totals(r["run_key"])

@@ -41,9 +41,9 @@ def test_missing_tokenized_shard_stops_the_stage_before_torchrun(home_copy):
 @pytest.mark.e2e
 def test_corrupt_parquet_fails_its_partition_and_leaves_the_others_done(home_copy):
     store = Home(home_copy).store
-    bad = store.path("raw_shard", "demo_prose/00001")
+    bad = store.fetch("raw_shard", "demo_prose/00001")  # a folder store's own file, truncated below
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # truncated mid-file
-    for f in (store.path("ledger") / "shards").glob("*.parquet"):  # forget the neighbours: they must be redone
+    for f in store.fetch("ledger_file", "shards").glob("*.parquet"):  # forget the neighbours: they must be redone
         f.unlink()
     proc = run_cli([*MATERIALIZE, "--select", "tokenized_shards", "--partition-range",
                     "demo_prose/00000...demo_prose/00002"], home_copy, check=False)

@@ -305,10 +305,10 @@ def test_the_trainer_with_async_checkpoints_trains_and_commits_like_the_sync_one
         run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "ghostvis_core.train", "--stage", "pretrain",
                  "--preset", "smoke", *ASYNC_RUN, *extra], home_copy, OMP_NUM_THREADS="1")
     store = Home(home_copy).store
-    ledger = Ledger(store.path("ledger"))
+    ledger = Ledger.in_store(store)
     keys = sorted({p["run_key"] for p in ledger.parts(stage="pretrain") if p["step_last"] == 6})
     assert len(keys) == 2 and keys[0].endswith("-r1") and keys[1].endswith("-r2")
-    sync_dir, async_dir = (store.path("checkpoints", "pretrain", k) for k in keys)
+    sync_dir, async_dir = (store.fetch("checkpoints", "pretrain", k) for k in keys)
     refs = ckpt.list_complete(async_dir)
     assert [r.step for r in refs] == [4, 6] and not list(async_dir.glob(".dcp-*"))
     for r in refs:
@@ -328,15 +328,20 @@ def test_the_trainer_with_async_checkpoints_trains_and_commits_like_the_sync_one
 
 def _s3_node(rank: int, env: dict[str, str], cache: str):
     """This rank's view of the bucket store, with a cache of its own: as if each rank were a node."""
-    from ghostvis_core.s3_store import S3Store
+    from ghostvis_core.store import S3Store
 
     os.environ.update(env, GHOSTVIS_STORE_CACHE=cache)
     return S3Store.from_uri(env["GHOSTVIS_TEST_STORE"])
 
 
 def _objects(store, step_dir: str) -> list[str]:
-    prefix = store.object_key("checkpoint", "pretrain", "run-r1", step_dir)
-    return sorted(o["Key"][len(prefix) + 1:] for o in store._list(prefix + "/"))
+    """The files of a checkpoint in the bucket, as a client of the test's own lists them (not the store's)."""
+    import boto3
+
+    uri = store.uri_of("checkpoint", "pretrain", "run-r1", step_dir)
+    bucket, _, prefix = uri.removeprefix("s3://").partition("/")
+    listing = boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix=prefix + "/")
+    return sorted(o["Key"][len(prefix) + 1:] for o in listing.get("Contents", []))
 
 
 def _write_through_s3(rank, world, env, tmp):
@@ -347,7 +352,7 @@ def _write_through_s3(rank, world, env, tmp):
     store = _s3_node(rank, env, f"{tmp}/node{rank}")
     par, opt = _fresh("fsdp", rank, world)
     train_steps(par, opt, range(3), rank, world)
-    run_dir = store.path("checkpoints", "pretrain", "run-r1")
+    run_dir = store.writable("checkpoints", "pretrain", "run-r1")
     shards = ckpt.save_shards(run_dir, 3, par.model, opt)
     share_shard(store, DistContext(rank, rank, world, torch.device("cpu")), "pretrain", "run-r1", 3, shards[ckpt.DCP_DIR])
     before_marker = []

@@ -157,7 +157,7 @@ def test_sft_harness_figures_in_dagster_mlflow_and_the_report_equal_the_saved_ha
 
     evaluation, report = latest("evaluation"), latest("report")
     store = Home(home_copy).store
-    saved = json.loads(store.path("report", f"evaluation/{evaluation['identity']}/harness/sft.json").read_text())
+    saved = store.read_json("report", f"evaluation/{evaluation['identity']}/harness/sft.json")
     acc = saved["results"]["ghostvis_capitals"]["acc,none"]
     assert acc == recount(saved["samples"]["ghostvis_capitals"])
     assert evaluation["harness"]["sft"] == task_metrics(saved)
@@ -165,7 +165,7 @@ def test_sft_harness_figures_in_dagster_mlflow_and_the_report_equal_the_saved_ha
     assert set(evaluation["harness"]["sft"]) == {"ghostvis_capitals", "ghostvis_arithmetic", "ghostvis_cloze"}
 
     client = MlflowClient(Home(home_copy).mlflow_tracking_uri)
-    sft_run = json.loads(store.path("report", f"evaluation/{evaluation['identity']}.json").read_text())["sft"]
+    sft_run = store.read_json("report", f"evaluation/{evaluation['identity']}.json")["sft"]
     row = next(r for r in json.loads(Path(report["report_html"]).with_name("report.json").read_text())
                if r["stage"] == "sft")
     assert row["run_key"] == sft_run["run_key"]

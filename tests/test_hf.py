@@ -15,7 +15,8 @@ from safetensors.torch import load_file
 from tests.conftest import new_bucket, run_cli, s3_env
 from ghostvis_core.config import ModelConfig
 from ghostvis_core.data.chat import render_chat, render_prompt
-from ghostvis_core.data.tokenizer import LocalStore, train_tokenizer
+from ghostvis_core.data.tokenizer import train_tokenizer
+from ghostvis_core.store import FolderStore
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.hf.export import export_model
 from ghostvis_core.hf.imports import IMPORT_STAGE, import_checkpoint, load_hf_model
@@ -148,7 +149,7 @@ def test_import_matches_transformers_and_round_trips(arch, tok, tmp_path):
 
 def test_import_into_the_store_is_a_ghostvis_checkpoint(tok, tmp_path):
     folder, reference = hf_reference("llama", tmp_path, tok, tie_word_embeddings=True)
-    store = LocalStore(tmp_path / "store")
+    store = FolderStore(tmp_path / "store")
     imported = import_checkpoint(store, str(folder))
     assert imported.upstream.stage == IMPORT_STAGE and imported.tokenizer.tokenizer_id == tok.tokenizer_id
     path = checkpoint_of(store, imported.upstream.checkpoint)
@@ -170,9 +171,9 @@ def test_import_from_s3(tok, tmp_path, moto_s3, monkeypatch):
     s3 = boto3.client("s3")
     for f in folder.iterdir():
         s3.upload_file(str(f), "models", f"open/qwen-tiny/{f.name}")
-    imported = import_checkpoint(LocalStore(tmp_path / "store"), "s3://models/open/qwen-tiny")
+    imported = import_checkpoint(FolderStore(tmp_path / "store"), "s3://models/open/qwen-tiny")
     model = GPT(load_hf_model(folder).cfg).eval()
-    ckpt.load_model(checkpoint_of(LocalStore(tmp_path / "store"), imported.upstream.checkpoint), model)
+    ckpt.load_model(checkpoint_of(FolderStore(tmp_path / "store"), imported.upstream.checkpoint), model)
     x = batch()
     with torch.no_grad():
         assert (model(x) - reference(x).logits).abs().max().item() <= 1e-4
@@ -203,7 +204,7 @@ def _break(folder: Path, how: str) -> str:
 def test_broken_imports_fail_naming_the_tensors(how, tok, tmp_path):
     folder, _ = hf_reference("llama", tmp_path, tok)
     expected = _break(folder, how)
-    store = LocalStore(tmp_path / "store")
+    store = FolderStore(tmp_path / "store")
     with pytest.raises(GhostvisError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
         import_checkpoint(store, str(folder))
     assert not store.keys("checkpoints", IMPORT_STAGE)  # nothing half-imported
@@ -342,7 +343,7 @@ def test_import_from_the_hub_through_huggingface_hub(tok, tmp_path, monkeypatch)
     endpoint = f"http://127.0.0.1:{server.server_address[1]}"
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub-cache"))
-    store = LocalStore(tmp_path / "store")
+    store = FolderStore(tmp_path / "store")
     try:
         imported = import_checkpoint(store, "hf://open-org/llama-tiny@main")
         with pytest.raises(GhostvisError, match=f"init_from hf://open-org/missing: download from {endpoint} failed"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from io import StringIO
 from types import SimpleNamespace
 
 import kubernetes
@@ -16,9 +17,11 @@ from dagster_k8s.pipes import build_pod_body
 from dagster_pipes import decode_env_var
 
 from ghostvis_core.cluster.kubernetes import (
-    COMPLETION_INDEX, CONTAINER, INDEX_ANNOTATION, JOB_LABEL, NAME_MAX, QUEUE_LABEL, render_indexed_job, render_pod,
+    CONTAINER, INDEX_ANNOTATION, JOB_LABEL, NAME_MAX, QUEUE_LABEL, render_indexed_job, render_pod,
     resource_name)
+from ghostvis_core.cluster.run_files import read_run_file
 from ghostvis_core.home import Home
+from ghostvis_core.track.pipes import StoreMessageWriterChannel
 from ghostvis_core.train.spec import LaunchSpec
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.launchers import kubernetes as k8s_launcher
@@ -85,12 +88,11 @@ def test_one_node_is_one_pod_with_all_its_gpus(home):
     validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "trainer-0", **meta}, "spec": spec})
     c = container(spec)
     assert c["command"] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
-                            "-m", "ghostvis_core.train", "--spec", str(home.store.path("run_spec", "pretrain",
-                                                                                      run.run_key))]
+                            "-m", "ghostvis_core.train", "--spec", home.store.uri_of("run_spec", "pretrain", run.run_key)]
     assert c["resources"]["limits"] == {"cpu": "64", "memory": "900Gi", "nvidia.com/gpu": "8"}
     assert c["resources"]["requests"] == c["resources"]["limits"]
     assert meta["labels"][QUEUE_LABEL] == "h100"
-    assert {"name": "store", "mountPath": str(home.store.root)} in c["volumeMounts"]
+    assert {"name": "store", "mountPath": str(home.root / "store")} in c["volumeMounts"]
     assert {"name": "store", "persistentVolumeClaim": {"claimName": "ghostvis-store"}} in spec["volumes"]
     assert {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in spec["volumes"]
     assert c["envFrom"] == [{"secretRef": {"name": "ghostvis-s3"}}, {"secretRef": {"name": "mlflow-auth"}}]
@@ -138,11 +140,9 @@ def test_four_nodes_are_an_indexed_job_behind_a_headless_service(home):
     cmd = c["command"]
     assert f"--rdzv-endpoint={name}-0.{name}:29400" in cmd and "--rdzv-backend=c10d" in cmd
     assert "--nnodes=4" in cmd and "--nproc_per_node=8" in cmd and f"--rdzv-id={run.run_key}" in cmd
-    assert f"--node-rank=$({COMPLETION_INDEX})" in cmd
-    assert env_of(c)[COMPLETION_INDEX] == {
-        "fieldRef": {"fieldPath": "metadata.annotations['batch.kubernetes.io/job-completion-index']"}}
+    assert not [arg for arg in cmd if arg.startswith("--node-rank")]  # c10d ignores it: nodes are sorted
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "8"
-    assert {"name": "store", "mountPath": str(home.store.root)} in c["volumeMounts"]
+    assert {"name": "store", "mountPath": str(home.root / "store")} in c["volumeMounts"]
     assert [r["action"] for r in spec["podFailurePolicy"]["rules"]] == ["Ignore", "FailJob"]
     assert c["envFrom"] == [{"secretRef": {"name": "ghostvis-s3"}}, {"secretRef": {"name": "mlflow-auth"}}]
     assert SECRET_VALUE not in json.dumps([service, manifest])
@@ -221,10 +221,10 @@ class FakeCluster:
     def create_namespaced_job(self, namespace, body):
         self._create("Job", body)
         env = {e["name"]: e.get("value") for e in body["spec"]["template"]["spec"]["containers"][0]["env"]}
-        messages = decode_env_var(env["DAGSTER_PIPES_MESSAGES"])["path"]
-        with open(messages, "a") as f:  # rank 0, writing to the store the pods mount
-            f.write(json.dumps({"__dagster_pipes_version": "0.1", "method": "log",
-                                "params": {"message": "rank 0 reporting", "level": "INFO"}}) + "\n")
+        channel = StoreMessageWriterChannel(decode_env_var(env["DAGSTER_PIPES_MESSAGES"]), interval=1)
+        channel.upload_messages_chunk(StringIO(json.dumps({  # rank 0's first chunk, through the store
+            "__dagster_pipes_version": "0.1", "method": "log",
+            "params": {"message": "rank 0 reporting", "level": "INFO"}})), 1)
         if self.outcome == "Complete":
             self.home.store.write_json("run_record", self.spec.stage, self.spec.run_key, data={})
 
@@ -279,6 +279,9 @@ def test_a_multi_node_launch_is_followed_and_cleaned_up(home, monkeypatch):
     assert cluster.created == ["Service", "Job"] and cluster.objects == {}  # both deleted
     assert any("waiting in Kueue" in m for m in logs) and any("step 2 loss 3.05" in m for m in logs)
     assert "rank 0 reporting" in logs  # Pipes, through the store
+    [told] = [m for m in logs if "kubectl apply -f -" in m]  # the manifests, by their store URI
+    uri = re.search(r"`ghostvis store cat (\S+) \| kubectl apply -f -`", told)[1]
+    assert [o["kind"] for o in json.loads(read_run_file(uri))["items"]] == ["Service", "Job"]
 
 
 def test_a_failed_job_fails_the_run_and_is_cleaned_up(home, monkeypatch):

@@ -3,6 +3,7 @@ and an independent recount of what the files hold against what the ledger says."
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 import duckdb
@@ -10,12 +11,14 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from ghostvis_core.budget import BatchPlan
+from ghostvis_core.batch import BatchPlan
 from ghostvis_core.data.ledger import PART_TABLES, Ledger, pieces_to_rows, run_summaries
 from ghostvis_core.data.loader import Batcher, Consumption, LMRows, merge_pieces, micro_batch_rows
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.token_shard import TokenShard, list_column, write_token_shard
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.store import S3Store
+from tests.conftest import new_bucket, s3_env
 
 
 @pytest.fixture
@@ -337,3 +340,35 @@ def test_a_run_key_that_cannot_name_a_folder_is_refused(ledger):
     with pytest.raises(GhostvisError, match="run_key 'a/b' cannot name a folder"):
         ledger.write_part(part("x.p0", "a/b"), [])
     assert not (ledger.root / "parts").exists()
+
+
+# ---------------------------------------------------------------- through the artifact store
+
+
+def test_the_ledger_writes_and_reads_through_the_store(store_nodes):
+    """Files written on one node are read on the other (a folder store, and a bucket store with a cache
+    per node): the ledger publishes each file it writes and fetches the folders a query reads."""
+    written, read = Ledger.in_store(store_nodes.writer), Ledger.in_store(store_nodes.reader)
+    written.write_shard(shard_record("web/00001", tokens=30))
+    written.write_part(part("k.p0", "k", real=30), [piece("web/00001", (0, 30), (0, 3))])
+    assert [(r["shard_id"], r["tokens"]) for r in read.shards()] == [("web/00001", 30)]
+    assert [p["part_id"] for p in read.parts(["k"], stage="pretrain")] == ["k.p0"]
+    assert read.run_totals("k")["real_tokens"] == 30
+    assert [r["tokens"] for r in read.consumed_by_shard("k")] == [30]
+
+
+def test_on_a_bucket_a_query_about_one_run_lists_only_that_runs_folder(moto_s3, tmp_path, monkeypatch):
+    for var, value in s3_env(moto_s3, tmp_path).items():
+        monkeypatch.setenv(var, value)
+    bucket = f"b-{uuid.uuid4().hex[:10]}"
+    new_bucket(moto_s3, bucket)
+    writer = Ledger.in_store(S3Store(bucket, "store", tmp_path / "a"))
+    for key in ("k1", "k2"):
+        writer.write_part(part(f"{key}.p0", key, real=5), [piece("s0", (0, 5), (0, 1))])
+    reader = S3Store(bucket, "store", tmp_path / "b")
+    listed = []
+    reader.s3.meta.events.register("provide-client-params.s3.ListObjectsV2",
+                                   lambda params, **_: listed.append(params["Prefix"]))
+    assert [p["part_id"] for p in Ledger.in_store(reader).parts(["k1"], stage="pretrain")] == ["k1.p0"]
+    assert listed and all(p.startswith("store/ledger/parts/stage=pretrain/run=k1") for p in listed), listed
+    assert not (tmp_path / "b" / "ledger" / "parts" / "stage=pretrain" / "run=k2").exists()

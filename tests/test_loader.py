@@ -14,7 +14,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from ghostvis_core.budget import BatchPlan
+from ghostvis_core.batch import BatchPlan
 from ghostvis_core.data.loader import Batcher, ChatRows, Consumption, LMRows, merge_pieces, micro_batch_rows
 from ghostvis_core.data.stream import MixtureSchedule, Piece, ShardRef, SourceStream
 from ghostvis_core.data.token_shard import TokenShard, list_column, write_token_shard

@@ -89,7 +89,7 @@ def test_training_survives_an_mlflow_outage_and_the_metrics_arrive_complete(home
         assert during_outage, f"no step was logged during the outage ({down_at_ms}..{up_at_ms} ms)"
         run_key = client.get_run(run_id).data.tags["ghostvis.run_key"]
         done = run_result(Home(home_copy).store, "pretrain", run_key)
-        ledger = Ledger(Home(home_copy).store.path("ledger"))
+        ledger = Ledger.in_store(Home(home_copy).store)
         assert max(m.value for m in history) == done.counts.real_tokens == ledger.run_counts(run_key).real_tokens
         delivery = done.mlflow_delivery
         assert delivery["failed_flushes"] >= 1 and delivery["gap_seconds"] > 0  # the outage is reported

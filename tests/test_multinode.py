@@ -116,7 +116,7 @@ def test_pretraining_on_two_nodes_ends_where_one_node_with_two_ranks_does(home_c
 
     store, ref_store = Home(home_copy).store, Home(ref_home).store
     done, ref = run_result(store, "pretrain", run_dir.name), run_result(ref_store, "pretrain", ref_dir.name)
-    ledger, ref_ledger = Ledger(store.path("ledger")), Ledger(ref_store.path("ledger"))
+    ledger, ref_ledger = Ledger.in_store(store), Ledger.in_store(ref_store)
     assert ledger.run_counts(run_dir.name) == ref_ledger.run_counts(ref_dir.name) == ref.counts == done.counts
     assert ledger.run_totals(run_dir.name) == ref_ledger.run_totals(ref_dir.name)
     assert done.steps == ref.steps == 12
@@ -137,3 +137,5 @@ def test_pretraining_on_two_nodes_ends_where_one_node_with_two_ranks_does(home_c
     # rank 0's progress lines reached Dagster through Pipes messages in the store
     logs = [e.user_message for e in instance.all_logs(event.run_id)]
     assert any("[pretrain] step 12/12" in m for m in logs), logs[-20:]
+    nodes_uri = store.uri_of("run_file", "pretrain", run_dir.name, "torchrun/nodes.sh")
+    assert any(f"`ghostvis store cat {nodes_uri} | sh`" in m for m in logs)  # the command a node fetches and runs

@@ -175,6 +175,6 @@ def test_the_trainer_runs_muon_under_fsdp_through_torchrun(home_copy):
     assert len(runs) == 1 and runs[0].data.params["parallel.strategy"] == "fsdp"
     losses = [m.value for m in client.get_metric_history(runs[0].info.run_id, "train/loss")]
     assert len(losses) >= 3 and losses[-1] < losses[0] - 0.3  # it learns (measured 8.35 -> 7.74 under DDP)
-    run_dir = Home(home_copy).store.path("checkpoints", "pretrain", runs[0].info.run_name)
+    run_dir = Home(home_copy).store.fetch("checkpoints", "pretrain", runs[0].info.run_name)
     assert [r.step for r in ckpt.list_complete(run_dir)] == [4, 8]
     assert all((r.path / ckpt.DCP_DIR).is_dir() for r in ckpt.list_complete(run_dir))

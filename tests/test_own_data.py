@@ -95,7 +95,7 @@ def walk(workdir: Path, sources_yaml: str, commands: str, endpoint: str, stop_be
 
 
 def shards_of(home: Home) -> dict[str, dict]:
-    return {r["shard_id"]: r for r in Ledger(home.store.path("ledger")).shards()}
+    return {r["shard_id"]: r for r in Ledger.in_store(home.store).shards()}
 
 
 def test_the_readme_walk_over_s3_and_http_gives_the_same_shards_and_a_checkpoint(tmp_path, s3_endpoint,
@@ -114,13 +114,13 @@ def test_the_readme_walk_over_s3_and_http_gives_the_same_shards_and_a_checkpoint
     assert [k for k, r in s3_shards.items() if r["split"] == "validation"] == ["web/00006"]
     # the ledger's figures are those of the token files
     for key, row in s3_shards.items():
-        shard = TokenShard.open(s3_home.store.path("token_shard", row["tokenizer_id"], key), key)
+        shard = TokenShard.open(s3_home.store.fetch("token_shard", row["tokenizer_id"], key), key)
         assert (len(shard.rows), shard.num_tokens) == (row["docs"], row["tokens"]), key
 
     run = completed_runs(s3_home.store, "pretrain")[-1]
     assert run.steps == 12 and run.counts.real_tokens == 12 * 4096
     assert Path(run.checkpoint_uri, "model.safetensors").exists()
-    ledger = Ledger(s3_home.store.path("ledger"))
+    ledger = Ledger.in_store(s3_home.store)
     consumed = ledger.consumed_by_shard(run.run_key)
     assert consumed and "web/00006" not in {r["shard_id"] for r in consumed}
     assert sum(r["tokens"] for r in consumed) == run.counts.real_tokens

@@ -89,7 +89,7 @@ def test_sigkill_between_checkpoints_then_rematerialize_resumes_exactly(home_cop
     assert run_dir.name == ref_dir.name  # same config and data -> same run key
     done = run_result(Home(home_copy).store, "pretrain", run_dir.name)
     ref = run_result(Home(ref_home).store, "pretrain", ref_dir.name)
-    ledger, ref_ledger = Ledger(Home(home_copy).store.path("ledger")), Ledger(Home(ref_home).store.path("ledger"))
+    ledger, ref_ledger = Ledger.in_store(Home(home_copy).store), Ledger.in_store(Home(ref_home).store)
     chain = ledger.chain(run_dir.name)
     segments = sorted({p["segment"] for p in chain})
     assert segments == [0, 1] and done.segment == 1
@@ -122,7 +122,7 @@ def test_resuming_from_an_older_checkpoint_is_flagged_as_reuse(home_copy):
     shutil.rmtree(run_dir / ckpt.step_dir_name(8))  # its ledger part stays: steps 5..8 were trained
     proc = run_cli(MATERIALIZE, home_copy, check=False)
     assert proc.returncode != 0  # the blocking no_reuse check fails the run
-    reuse = [r for r in Ledger(Home(home_copy).store.path("ledger")).reuse(run_dir.name) if r["kind"] == "reuse"]
+    reuse = [r for r in Ledger.in_store(Home(home_copy).store).reuse(run_dir.name) if r["kind"] == "reuse"]
     assert reuse and all(r["run_a"] == r["run_b"] == run_dir.name for r in reuse)
     # the twice-read range is exactly what segment 0 read in steps 5..8 (4 steps x 8 x 256 x 2 ranks)
     assert sum(r["tokens"] for r in reuse) == 4 * 8 * 256 * 2

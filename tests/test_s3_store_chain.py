@@ -1,42 +1,134 @@
-"""A smoke chain with the whole artifact store in a bucket (GHOSTVIS_STORE=s3://..., moto's S3 server):
-sources -> shards -> tokenizer -> token shards -> ledger -> pretrain -> continued_pretrain, through the
-real `ghostvis demo` CLI, every check passing and nothing written to the home's own store folder."""
+"""The whole smoke chain with the artifact store in a bucket (GHOSTVIS_STORE=s3://..., moto's S3 server):
+sources -> shards -> tokenizer -> token shards -> ledger -> every stage -> evaluation -> report, through the
+real `ghostvis demo` CLI, then `ghostvis export` and `ghostvis audit`. One run of the chain, shared by the
+tests below: every check passes, nothing is written to the home's own store folder, the bucket holds the
+records and checkpoints, and the ledger in the bucket agrees with MLflow to the token."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
 import boto3
 import pytest
+from mlflow.tracking import MlflowClient
 
+from ghostvis_core.audit.stage_checks import stage_check_names
+from ghostvis_core.counts import MLFLOW_METRICS
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.home import Home
+from ghostvis_core.presets import resolve
+from ghostvis_core.stages import stage_names
 from ghostvis_core.store import open_store
 from ghostvis_core.train.runs import completed_runs
 from tests.conftest import new_bucket, run_cli, s3_env
 
-pytestmark = pytest.mark.e2e
+# the first test waits for the whole chain (its module fixture), longer than the suite's 900 s per test
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
+
+STAGES = stage_names()
+BUCKET, PREFIX = "chain", "team/store"
+STORE_URI = f"s3://{BUCKET}/{PREFIX}"
 
 
-def test_a_smoke_chain_with_the_store_in_s3_passes_every_check(moto_s3, tmp_path, monkeypatch):
-    env = {**s3_env(moto_s3, tmp_path), "GHOSTVIS_STORE": "s3://chain/team/store",
-           "GHOSTVIS_STORE_CACHE": str(tmp_path / "node-cache")}
-    new_bucket(moto_s3, "chain")
-    home = tmp_path / "home"
-    proc = run_cli(["ghostvis", "demo", "--preset", "smoke", "--stages", "pretrain", "continued_pretrain"], home,
-                   timeout=900, **env)
-    assert "FAILED" not in proc.stdout and "checks: " in proc.stdout, proc.stdout
-    assert not (home / "store").exists()  # every artifact went to the bucket
+@dataclass
+class Chain:
+    home: Path
+    env: dict[str, str]
+    demo_stdout: str
+    export_dir: Path
+    audit: object  # the `ghostvis audit` CompletedProcess
 
-    for var, value in env.items():
-        monkeypatch.setenv(var, value)
-    monkeypatch.setenv("GHOSTVIS_STORE_CACHE", str(tmp_path / "reader-cache"))  # another machine's view
-    store = open_store("s3://chain/team/store")
-    objects = [o["Key"] for o in boto3.client("s3").list_objects_v2(Bucket="chain", Prefix="team/store/")["Contents"]]
-    assert any(k.startswith("team/store/shards/tokens/") for k in objects)
-    assert any(k.startswith("team/store/ledger/parts/") for k in objects)
-    ledger = Ledger.in_store(store)
-    for stage, parent in (("pretrain", None), ("continued_pretrain", "pretrain")):
+
+@pytest.fixture(scope="module")
+def chain(moto_s3, tmp_path_factory) -> Chain:
+    """`ghostvis demo --preset smoke` (every stage, evaluation and report), `ghostvis export` of the last
+    stage and `ghostvis audit`, all with the store in the bucket and this node's cache outside the home."""
+    tmp = tmp_path_factory.mktemp("s3-chain")
+    env = {**s3_env(moto_s3, tmp), "GHOSTVIS_STORE": STORE_URI, "GHOSTVIS_STORE_CACHE": str(tmp / "node-cache")}
+    new_bucket(moto_s3, BUCKET)
+    home = tmp / "home"
+    demo = run_cli(["ghostvis", "demo", "--preset", "smoke"], home, timeout=2400, **env)
+    export_dir = tmp / "export"
+    run_cli(["ghostvis", "export", "--stage", STAGES[-1], "--to", str(export_dir)], home, **env)
+    audit = run_cli(["ghostvis", "audit"], home, check=False, **env)
+    return Chain(home, env, demo.stdout, export_dir, audit)
+
+
+@pytest.fixture(scope="module")
+def reader(chain, tmp_path_factory):
+    """The bucket store as another machine sees it (its own, empty cache): (store, MLflow client)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for var, value in chain.env.items():
+            mp.setenv(var, value)
+        mp.setenv("GHOSTVIS_STORE_CACHE", str(tmp_path_factory.mktemp("reader-cache")))
+        yield open_store(STORE_URI), MlflowClient(Home(chain.home).mlflow_tracking_uri)
+
+
+def bucket_objects(chain: Chain) -> list[str]:
+    s3 = boto3.client("s3", endpoint_url=chain.env["AWS_ENDPOINT_URL_S3"], region_name="us-east-1",
+                      aws_access_key_id="test", aws_secret_access_key="test")
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=f"{PREFIX}/")
+    return [o["Key"] for page in pages for o in page.get("Contents", [])]
+
+
+def test_every_asset_is_materialized_and_every_check_passes(chain):
+    for asset in ["shard_manifest", "raw_shards", "tokenizer", "tokenized_shards", "token_ledger", *STAGES,
+                  "evaluation", "report"]:
+        assert f"\n{asset} " in chain.demo_stdout, f"{asset} missing from the per-asset breakdown:\n{chain.demo_stdout}"
+    line = next(l for l in chain.demo_stdout.splitlines() if l.startswith("checks:"))
+    passed, total = map(int, line.split()[1].split("/"))
+    # 5 data checks (4 ledger, 1 tokenizer), the stages' checks and the evaluation's lineage quality gate
+    assert passed == total == 5 + len(stage_check_names()) * len(STAGES) + 1, line
+
+
+def test_nothing_is_written_to_the_homes_store_folder(chain):
+    store_folder = chain.home / "store"
+    assert not store_folder.exists() or not any(store_folder.iterdir()), sorted(store_folder.rglob("*"))[:20]
+
+
+def test_the_bucket_holds_every_stages_run_record_checkpoint_and_lineage(chain, reader):
+    store, _ = reader
+    objects = set(bucket_objects(chain))
+    assert any(k.startswith(f"{PREFIX}/shards/tokens/") for k in objects)
+    assert any(k.startswith(f"{PREFIX}/ledger/") for k in objects)
+    for stage in STAGES:
         (run,) = completed_runs(store, stage)
-        assert run.counts == ledger.run_counts(run.run_key)  # the trainer's figures = the bucket's ledger
-        assert run.checkpoint_uri.startswith(f"s3://chain/team/store/checkpoints/{stage}/{run.run_key}/step_")
-        assert f"team/store/checkpoints/{stage}/{run.run_key}/{run.checkpoint_uri.rsplit('/', 1)[1]}/COMPLETE" in objects
+        prefix = f"{STORE_URI}/checkpoints/{stage}/{run.run_key}/step_"
+        assert run.checkpoint_uri.startswith(prefix), (stage, run.checkpoint_uri)
+        step = run.checkpoint_uri.rsplit("/", 1)[1]
+        assert f"{PREFIX}/checkpoints/{stage}/{run.run_key}/{step}/COMPLETE" in objects
+        assert f"{PREFIX}/checkpoints/{stage}/{run.run_key}/RUN_COMPLETE.json" in objects
+        assert f"{PREFIX}/runs/{stage}/{run.run_key}/spec.json" in objects
+        parent = resolve(stage, "smoke").init_from
         if parent:
-            assert run.parent_run_key == completed_runs(store, parent)[0].run_key
+            assert run.parent_run_key == completed_runs(store, parent)[0].run_key, stage
+    report_files = {k.rsplit("/", 1)[1] for k in objects if k.startswith(f"{PREFIX}/reports/")
+                    and not k.startswith(f"{PREFIX}/reports/evaluation/")}
+    assert {"report.html", "report.md", "report.json", "loss_curves.png"} <= report_files, report_files
+
+
+def test_the_ledger_in_the_bucket_equals_mlflow_to_the_token(reader):
+    store, client = reader
+    ledger = Ledger.in_store(store)
+    for stage in STAGES:
+        (run,) = completed_runs(store, stage)
+        totals = ledger.run_totals(run.run_key)
+        metrics = client.get_run(run.mlflow_run_id).data.metrics
+        assert totals["real_tokens"] > 0, stage
+        for key, metric in MLFLOW_METRICS.items():
+            assert totals[key] == int(metrics[metric]) == getattr(run.counts, key), (stage, key)
+
+
+def test_audit_passes_from_the_bucket(chain):
+    assert chain.audit.returncode == 0, chain.audit.stdout[-4000:] + chain.audit.stderr[-4000:]
+
+
+def test_the_last_stage_exports_from_the_bucket(chain, reader):
+    store, _ = reader
+    config = json.loads((chain.export_dir / "config.json").read_text())
+    (run,) = completed_runs(store, STAGES[-1])
+    trained = json.loads(store.read_text("run_spec", STAGES[-1], run.run_key))["config"]["model"]
+    assert (config["hidden_size"], config["num_hidden_layers"]) == (trained["d_model"], trained["n_layers"])
+    assert (chain.export_dir / "model.safetensors").is_file() and (chain.export_dir / "tokenizer.json").is_file()

@@ -8,32 +8,40 @@ with `scancel` after its first checkpoint and resumed by re-materializing."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
+import shutil
+import signal
+import socket
 import subprocess
 import time
 from collections import Counter
 from pathlib import Path
 
+import boto3
+import psutil
 import pytest
 
-from ghostvis_core.cluster.slurm import JOB_OUTCOMES, SlurmJob, job_outcome, redact, render_sbatch
+from ghostvis_core.cluster.slurm import JOB_OUTCOMES, SlurmJob, job_outcome, redact, render_sbatch, ship_command
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
+from ghostvis_core.store import open_store
 from ghostvis_core.train import checkpoint as ckpt
 from ghostvis_core.train.runs import run_result
-from tests.conftest import BIN, cli_env, materialize_pretrain, new_run_dirs, run_cli, run_names
+from tests.conftest import BIN, cli_env, materialize_pretrain, new_run_dirs, run_cli, run_names, s3_env
+from tests.hosts import upload
 from tests.slurm_cluster import free_ports, slurm_cluster  # noqa: F401 (a fixture)
 
-SPEC = "/shared/ghostvis/store/runs/pretrain/pretrain-abc-r1/spec.json"
-OUTPUT = "/shared/ghostvis/store/runs/pretrain/pretrain-abc-r1/slurm/a1.out"
+SPEC = "s3://team/store/runs/pretrain/pretrain-abc-r1/spec.json"
+SHIP = ship_command(SlurmJob(), "s3://team/store", "pretrain", "pretrain-abc-r1", "slurm/a1/out")
 # One materialization is a few minutes here: the dagster CLI starts a process per step (the stage and
 # its four checks), each importing torch, on a machine that others share.
 MATERIALIZE_TIMEOUT = 1200
 
 
 def script_lines(job: SlurmJob, env: dict[str, str] | None = None, nproc: int = 4) -> list[str]:
-    return render_sbatch(job, SPEC, nproc, OUTPUT, env or {"OMP_NUM_THREADS": "4"}).splitlines()
+    return render_sbatch(job, SPEC, nproc, env or {"OMP_NUM_THREADS": "4"}, SHIP).splitlines()
 
 
 def test_sbatch_script_asks_for_the_job_and_starts_torchrun_once_per_node():
@@ -43,7 +51,7 @@ def test_sbatch_script_asks_for_the_job_and_starts_torchrun_once_per_node():
     assert lines[0] == "#!/bin/bash"
     assert [line for line in lines if line.startswith("#SBATCH")] == [
         "#SBATCH --job-name=ghostvis", "#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --output={OUTPUT}", "#SBATCH --export=ALL", "#SBATCH --no-requeue",
+        "#SBATCH --output=/tmp/ghostvis-slurm-%j.out", "#SBATCH --export=ALL", "#SBATCH --no-requeue",
         "#SBATCH --cpus-per-task=64", "#SBATCH --gpus-per-node=8", "#SBATCH --mem=480G",
         "#SBATCH --time=12:00:00", "#SBATCH --partition=gpu", "#SBATCH --account=llm", "#SBATCH --qos=high"]
     srun = [line for line in lines if line.startswith("srun ")]
@@ -52,6 +60,10 @@ def test_sbatch_script_asks_for_the_job_and_starts_torchrun_once_per_node():
                     f'--nproc_per_node=8 -m ghostvis_core.train --spec {SPEC}']
     assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in lines
     assert lines.index("export OMP_NUM_THREADS=4") < lines.index(srun[0])
+    # everything from the rendezvous lookup to srun's end goes through the shipper, to the store
+    assert lines.index("{") < lines.index(srun[0]) < lines.index(
+        "} 2>&1 | python -m ghostvis_core.cluster.ship_output --store s3://team/store --stage pretrain "
+        "--run-key pretrain-abc-r1 --name slurm/a1/out")
 
 
 def test_defaults_leave_the_cluster_defaults_and_ask_for_one_cpu_node():
@@ -75,11 +87,12 @@ def test_extra_sbatch_options_and_setup_lines_come_in_order_before_srun():
 
 def test_an_extra_line_that_is_not_an_sbatch_option_is_refused_with_the_fix():
     with pytest.raises(GhostvisError, match=r"extra_sbatch entry '#SBATCH --exclusive'.*'--constraint=a100'"):
-        render_sbatch(SlurmJob(extra_sbatch=["#SBATCH --exclusive"]), SPEC, 1, OUTPUT, {})
+        render_sbatch(SlurmJob(extra_sbatch=["#SBATCH --exclusive"]), SPEC, 1, {}, SHIP)
 
 
 def test_paths_with_spaces_are_quoted_for_bash():
-    lines = render_sbatch(SlurmJob(), "/data/my runs/spec.json", 1, "/data/my runs/a.out", {"X": "a b"}).splitlines()
+    lines = render_sbatch(SlurmJob(output="/data/my runs/a.out"), "/data/my runs/spec.json", 1, {"X": "a b"},
+                          SHIP).splitlines()
     assert "#SBATCH '--output=/data/my runs/a.out'" in lines and "export X='a b'" in lines
     srun = next(line for line in lines if line.startswith("srun "))
     assert shlex.split(srun)[-2:] == ["--spec", "/data/my runs/spec.json"]
@@ -94,6 +107,7 @@ def test_secrets_never_enter_the_script_and_are_redacted_in_logs():
     logged = redact(script)
     assert "hf_abc" not in logged and "export HF_TOKEN=***" in logged
     assert redact("AWS_SECRET_ACCESS_KEY='a b' OMP_NUM_THREADS=2") == "AWS_SECRET_ACCESS_KEY=*** OMP_NUM_THREADS=2"
+    assert redact("start; tokens_per_step=4096") == "start; tokens_per_step=4096"  # job output, not a variable
 
 
 def test_job_states_map_to_outcomes():
@@ -119,8 +133,9 @@ def test_the_test_cluster_runs_one_step_on_both_nodes(slurm_cluster):
 
 def slurm_launcher(**extra) -> dict:
     """The launcher config of the e2e runs: 2 nodes x 1 rank (the smoke preset's world size is 2), one
-    core per node's ranks like the reference's one thread per rank, the venv activated by `setup`."""
-    slurm = {"nodes": 2, "cpus_per_task": 1, "setup": [f"source {BIN / 'activate'}"],
+    core per node's ranks like the reference's one thread per rank, the venv activated by `setup`, no
+    output file on the batch node (the output travels through the store)."""
+    slurm = {"nodes": 2, "cpus_per_task": 1, "setup": [f"source {BIN / 'activate'}"], "output": "/dev/null",
              "rdzv_port": free_ports(1)[0], "poll_seconds": 1.0, **extra}
     return {"kind": "slurm", "slurm": slurm}
 
@@ -131,7 +146,7 @@ def assert_same_run(home: Path, run_dir: Path, reference: tuple[Path, Path]) -> 
     assert run_dir.name == ref_dir.name  # same config and data -> same run key, whatever the launcher
     done = run_result(Home(home).store, "pretrain", run_dir.name)
     ref = run_result(Home(ref_home).store, "pretrain", ref_dir.name)
-    ledger, ref_ledger = Ledger(Home(home).store.path("ledger")), Ledger(Home(ref_home).store.path("ledger"))
+    ledger, ref_ledger = Ledger.in_store(Home(home).store), Ledger.in_store(Home(ref_home).store)
     assert ledger.run_counts(run_dir.name) == ref_ledger.run_counts(ref_dir.name) == done.counts == ref.counts
     totals, ref_totals = ledger.run_totals(run_dir.name), ref_ledger.run_totals(ref_dir.name)
     assert {**totals, "segments": None} == {**ref_totals, "segments": None}  # a resumed run has two segments
@@ -165,13 +180,121 @@ def test_a_cancelled_two_node_slurm_job_fails_and_rematerializing_resumes_to_the
     ledger = assert_same_run(home_copy, run_dir, pretrain_reference)
     assert sorted({p["segment"] for p in ledger.chain(run_dir.name)}) == [0, 1]
     assert run_result(Home(home_copy).store, "pretrain", run_dir.name).segment == 1
-    scripts = sorted(Home(home_copy).store.path("run_file", "pretrain", run_dir.name, "slurm").glob("*.sbatch"),
-                     key=lambda p: p.stat().st_mtime)
+    store = Home(home_copy).store
+    scripts = slurm_scripts(store, run_dir.name)
     assert len(scripts) == 2
-    assert "#SBATCH --nodes=2" in scripts[-1].read_text() and "srun " in scripts[-1].read_text()
-    output = scripts[-1].with_suffix(".out").read_text()
-    last = [line for line in output.splitlines() if line.strip()][-1]
+    script = store.read_text("run_file", "pretrain", run_dir.name, scripts[-1])
+    assert "#SBATCH --nodes=2" in script and "srun " in script
+    last = [line for line in shipped_output(store, run_dir.name, scripts[-1]).splitlines() if line.strip()][-1]
     assert last in proc.stdout + proc.stderr  # the job's output reached the Dagster log
+
+
+def slurm_scripts(store, run_key: str) -> list[str]:
+    """The run's sbatch scripts in the store (`run_file` names), oldest first."""
+    return [key[2] for key in store.keys("run_file", "pretrain", run_key) if key[2].endswith(".sbatch")]
+
+
+def shipped_output(store, run_key: str, script: str) -> str:
+    """The output the batch node shipped to the store for the job of `script` (its chunks, in order)."""
+    out = script.removesuffix(".sbatch") + "/out/"
+    chunks = sorted(key[2] for key in store.keys("run_file", "pretrain", run_key) if key[2].startswith(out))
+    assert chunks, f"no output chunks under {out}"
+    return "".join(store.read_text("run_file", "pretrain", run_key, name) for name in chunks)
+
+
+FAKE_KEY_ID, FAKE_SECRET = "AKIAFAKE7Q2WZ", "fake-secret-9c1e4b7d"  # the Dagster host's; moto accepts any
+
+
+@pytest.mark.e2e
+def test_slurm_with_an_s3_store_a_cache_per_node_and_no_credentials_sent(
+        slurm_cluster, home_copy, pretrain_reference, moto_s3, tmp_path, monkeypatch):
+    """The store is a bucket and nothing else is shared: the job's store cache is not the Dagster
+    process's, the node reads its own credentials file (send_credentials: false), its output reaches the
+    Dagster log through the store. Rank 1, interrupted after the first checkpoint, gives the run's
+    reason; re-materializing resumes and ends exactly where the local run ends. The Dagster host's
+    secret is in no job script, no job environment Slurm keeps, no output, no object, no log."""
+    store_uri = "s3://slurm-store/team/store"
+    dagster_cache, job_cache = tmp_path / "dagster-cache", tmp_path / "job-cache"
+    for var, value in s3_env(moto_s3, tmp_path).items():
+        monkeypatch.setenv(var, value)
+    monkeypatch.setenv("GHOSTVIS_STORE_CACHE", str(tmp_path / "test-cache"))
+    upload(moto_s3, "slurm-store", "team/store", home_copy / "store")
+    shutil.rmtree(home_copy / "store")  # nothing can come from a folder any more
+    creds = tmp_path / "node-credentials"
+    creds.write_text("[default]\naws_access_key_id = test\naws_secret_access_key = test\n")
+    env = {**s3_env(moto_s3, tmp_path), "AWS_ACCESS_KEY_ID": FAKE_KEY_ID, "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
+           "GHOSTVIS_STORE": store_uri, "GHOSTVIS_STORE_CACHE": str(dagster_cache)}
+    launcher = {**slurm_launcher(output=str(tmp_path / "node-%j.out"), setup=[
+        f"source {BIN / 'activate'}", f"export GHOSTVIS_STORE_CACHE={job_cache}",
+        f"export AWS_SHARED_CREDENTIALS_FILE={creds}"]), "send_credentials": False}
+    store = open_store(store_uri)
+    known = set(store.keys("checkpoint_marker", "pretrain"))
+    log_path = tmp_path / "materialize.log"
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen([str(BIN / "dagster"), *materialize_pretrain(**launcher)[1:]],
+                                env=cli_env(home_copy, **env), stdout=log_file, stderr=subprocess.STDOUT,
+                                cwd=Path(__file__).resolve().parent.parent)
+    run_key = wait_for_marker(store, known, proc, log_path)
+    interrupt_rank(1, store_uri)
+    assert proc.wait(timeout=MATERIALIZE_TIMEOUT) != 0
+    log = log_path.read_text()
+    assert re.search(rf"pretrain run {run_key} failed: rank 1 on {re.escape(socket.gethostname())} at \S+: "
+                     "KeyboardInterrupt", log), log[-4000:]
+    assert f"its output is in the store at {store_uri}/runs/pretrain/{run_key}/slurm/" in log
+    [script] = slurm_scripts(store, run_key)
+    shipped = shipped_output(store, run_key, script)
+    assert next(line for line in shipped.splitlines() if "tokens_per_step=" in line) in log  # reached the Dagster log
+    # the ranks wrote the checkpoint in the job's cache and published it; the Dagster process never held it
+    assert (job_cache / "slurm-store" / "team/store" / "checkpoints" / "pretrain" / run_key).is_dir()
+    assert not (dagster_cache / "slurm-store" / "team/store" / "checkpoints" / "pretrain" / run_key).exists()
+
+    proc = run_cli(materialize_pretrain(**launcher), home_copy, timeout=MATERIALIZE_TIMEOUT, **env)
+    ref_home, ref_dir = pretrain_reference
+    assert run_key == ref_dir.name
+    done, ref = run_result(store, "pretrain", run_key), run_result(Home(ref_home).store, "pretrain", run_key)
+    assert (done.counts, done.train_loss, done.val_loss) == (ref.counts, ref.train_loss, ref.val_loss)
+    last = ckpt.latest_complete(ref_dir).path
+    assert (store.fetch("checkpoint", "pretrain", run_key, last.name) / "model.safetensors").read_bytes() == \
+           (last / "model.safetensors").read_bytes()
+
+    kept = [f for f in (slurm_cluster.root / "state").rglob("*") if f.is_file()]  # what slurmctld keeps of jobs
+    assert any(f.name == "environment" and b"GHOSTVIS_STORE_CACHE=" in f.read_bytes() for f in kept)
+    places = [*kept, *tmp_path.glob("node-*.out"), *(p for p in (home_copy / "dagster").rglob("*") if p.is_file())]
+    leaks = [str(p) for p in places if FAKE_SECRET.encode() in p.read_bytes() or FAKE_KEY_ID.encode() in p.read_bytes()]
+    bucket = boto3.client("s3", endpoint_url=moto_s3)
+    for page in bucket.get_paginator("list_objects_v2").paginate(Bucket="slurm-store", Prefix="team/store/runs/"):
+        leaks += [o["Key"] for o in page.get("Contents", [])
+                  if FAKE_SECRET.encode() in bucket.get_object(Bucket="slurm-store", Key=o["Key"])["Body"].read()]
+    assert leaks == [] and FAKE_SECRET not in log + proc.stdout + proc.stderr
+
+
+def wait_for_marker(store, known: set, proc: subprocess.Popen, log: Path) -> str:
+    """The run key of the first checkpoint committed in the store after `known` (its marker)."""
+    deadline = time.time() + MATERIALIZE_TIMEOUT
+    while time.time() < deadline:
+        new = set(store.keys("checkpoint_marker", "pretrain")) - known
+        if new:
+            return sorted(new)[0][1]
+        if proc.poll() is not None:
+            raise AssertionError(f"materialization ended (exit {proc.returncode}) before a checkpoint:\n"
+                                 f"{log.read_text()[-4000:]}")
+        time.sleep(0.5)
+    proc.kill()
+    raise AssertionError(f"no checkpoint within {MATERIALIZE_TIMEOUT} s")
+
+
+def interrupt_rank(rank: int, store_uri: str) -> None:
+    """SIGINT to the training process of global rank `rank` of the run in `store_uri` (KeyboardInterrupt in it)."""
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if "ghostvis_core.train" in (p.info["cmdline"] or []) and any(store_uri in a for a in p.info["cmdline"]) \
+                    and p.environ().get("RANK") == str(rank):
+                found.append(p)
+        except psutil.Error:
+            continue
+    assert len(found) == 1, f"rank {rank}: found {found}"
+    found[0].send_signal(signal.SIGINT)
 
 
 def wait_for_checkpoint(home: Path, known: set[str], step: int, proc: subprocess.Popen, log: Path) -> Path:
@@ -202,7 +325,7 @@ def test_tokenization_runs_as_a_slurm_job_array_and_gives_the_same_ledger(slurm_
     store = Home(home_copy).store
     shards = ["demo_prose/00000", "demo_prose/00001"]
     before = {r["shard_id"]: r for r in Ledger.in_store(store).shards() if r["shard_id"] in shards}
-    for f in (store.path("ledger") / "shards").glob("*.parquet"):  # forget them: they must be redone
+    for f in store.fetch("ledger_file", "shards").glob("*.parquet"):  # forget them: they must be redone
         if set(pq_shard_ids(f)) & set(shards):
             f.unlink()
     config = {"resources": {"launcher": {"config": slurm_launcher()}}}

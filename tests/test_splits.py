@@ -26,7 +26,7 @@ from ghostvis_core.data.sources import Manifest, fetch_shard
 from ghostvis_core.data.tokenize import job_for_shard
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import FolderStore
 from tests.test_sources import aws_env, fast_retries, http, moto_endpoint, s3  # noqa: F401 (fixtures)
 
 NAMES = [f"013_{i:05d}" for i in range(4)]
@@ -77,12 +77,13 @@ def pins(kind: str) -> dict:
     return {"validation": [HELD_OUT]} if kind == "name" else {"validation_sha256": [HELD_OUT_SHA]}
 
 
-def download_all(store: LocalStore, manifest: Manifest) -> dict[str, str]:
+def download_all(store: FolderStore, manifest: Manifest) -> dict[str, str]:
     """What raw_shards does per partition: fetch, verify, record; then the source's pin check."""
     splits = {}
     for e in manifest.shards:
         sid = manifest.shard_id(e)
-        r = fetch_shard(sid, e, store.path("raw_shard", sid))
+        r = fetch_shard(sid, e, store.writable("raw_shard", sid))
+        store.publish("raw_shard", sid)
         splits[sid] = record_raw_shard(store, manifest, sid, r.sha256, r.bytes)
     check_sha256_pins(store, manifest, "raw_shards")
     return splits
@@ -91,7 +92,7 @@ def download_all(store: LocalStore, manifest: Manifest) -> dict[str, str]:
 @pytest.mark.parametrize("pin", ["name", "sha256"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_held_out_shard_is_validation_and_never_reaches_the_tokenizer(transport, pin, request, tmp_path):
-    store = LocalStore(tmp_path / "store")
+    store = FolderStore(tmp_path / "store")
     manifest = remote_manifest(RemoteSource(name="web", **serve(transport, request, tmp_path), **pins(pin)))
     save_manifest(store, manifest)
     assert [manifest.shard_id(e) for e in manifest.shards] == KEYS
@@ -135,13 +136,14 @@ def test_a_name_pin_that_matches_nothing_fails_on_every_source_kind(transport, r
 
 @pytest.mark.parametrize("transport", ["s3_listing", "pattern_http"])
 def test_a_sha256_pin_that_matches_no_content_fails_once_all_shards_are_downloaded(transport, request, tmp_path):
-    store = LocalStore(tmp_path / "store")
+    store = FolderStore(tmp_path / "store")
     wrong = hashlib.sha256(b"not a shard of this source").hexdigest()
     manifest = remote_manifest(RemoteSource(name="web", validation_sha256=[wrong.upper()],
                                             **serve(transport, request, tmp_path)))
     assert manifest.validation_sha256 == [wrong]  # pins are compared as lowercase hex
     first = manifest.shards[0]
-    r = fetch_shard(KEYS[0], first, store.path("raw_shard", KEYS[0]))
+    r = fetch_shard(KEYS[0], first, store.writable("raw_shard", KEYS[0]))
+    store.publish("raw_shard", KEYS[0])
     record_raw_shard(store, manifest, KEYS[0], r.sha256, r.bytes)
     check_sha256_pins(store, manifest, "raw_shards")  # 3 shards' content still unknown: not yet an error
     with pytest.raises(GhostvisError) as exc:
@@ -156,7 +158,7 @@ def test_a_sha256_pin_that_matches_no_content_fails_once_all_shards_are_download
 
 
 def test_sha256_pins_are_checked_at_shard_manifest_when_the_contents_are_known(request, tmp_path):
-    store = LocalStore(tmp_path / "store")
+    store = FolderStore(tmp_path / "store")
     served = serve("file_listing", request, tmp_path)
     known = {n: hashlib.sha256(d).hexdigest() for n, d in DATA.items()}
     wrong = "ab" * 32
@@ -337,7 +339,7 @@ def test_the_same_tokenizer_whether_the_shard_is_pinned_by_name_or_by_sha256(req
     served = serve("file_listing", request, tmp_path)
     ids, corpora = [], []
     for pin in ("name", "sha256"):
-        store = LocalStore(tmp_path / f"store-{pin}")
+        store = FolderStore(tmp_path / f"store-{pin}")
         manifest = remote_manifest(RemoteSource(name="web", **served, **pins(pin)))
         save_manifest(store, manifest)
         download_all(store, manifest)

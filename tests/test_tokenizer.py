@@ -20,7 +20,7 @@ from ghostvis_core.data.tokenizer import (
     train_tokenizer,
 )
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import FolderStore
 
 SAMPLES = [
     "",
@@ -98,9 +98,9 @@ def test_training_is_deterministic_and_id_tracks_vocab(corpus):
 
 
 def test_save_and_load(tok, tmp_path, monkeypatch):
-    store = LocalStore(tmp_path)
+    store = FolderStore(tmp_path)
     directory = save_tokenizer(tok, store)
-    assert directory == store.path("tokenizer", tok.tokenizer_id) == tmp_path / "tokenizers" / tok.tokenizer_id
+    assert directory == store.fetch("tokenizer", tok.tokenizer_id) == tmp_path / "tokenizers" / tok.tokenizer_id
     assert sorted(p.name for p in directory.parent.iterdir()) == [tok.tokenizer_id]  # no temp dir left
     assert save_tokenizer(tok, store) == directory  # already there: nothing to do
 
@@ -118,7 +118,7 @@ def test_save_and_load(tok, tmp_path, monkeypatch):
 
 
 def test_tampered_or_missing_files_fail_loading(tok, tmp_path):
-    store = LocalStore(tmp_path)
+    store = FolderStore(tmp_path)
     directory = save_tokenizer(tok, store)
     ranks = directory / "ranks.tiktoken"
     lines = ranks.read_bytes().splitlines(keepends=True)

@@ -28,8 +28,7 @@ from ghostvis_core.presets import VARIANTS
 from ghostvis_core.train import checkpoint as ckpt
 from tests.conftest import copy_home, new_run_dirs, run_cli, run_names
 from tests.ui_servers import (
-    UI_TIMEOUT_MS, as_int, chromium, clear_run_outputs, dagster_ui, eventually, mlflow_server, new_page, save_failure,
-    shot,
+    UI_TIMEOUT_MS, as_int, captured_page, clear_run_outputs, dagster_ui, eventually, mlflow_server, shot,
 )
 
 pytestmark = pytest.mark.e2e
@@ -86,21 +85,10 @@ def dagster_url(home, mlflow_url):
         yield url
 
 
-@pytest.fixture(scope="module")
-def browser():
-    with chromium() as b:
-        yield b
-
-
 @pytest.fixture
 def page(browser, request):
-    """A fresh 1280x800 page; on failure its screenshot and visible text are saved as FAILED-<test>.*"""
-    pg = new_page(browser, 1280, 800)
-    failed_before = request.session.testsfailed
-    yield pg
-    if request.session.testsfailed > failed_before:
-        save_failure(pg, request.node.name)
-    pg.context.close()
+    with captured_page(browser, request, 1280, 800) as pg:
+        yield pg
 
 
 @pytest.fixture(scope="module")
@@ -215,13 +203,12 @@ def cli_json(home: Path, *args: str):
 # ------------------------------------------------------------------- 1. materialize with a config
 
 @pytest.fixture(scope="module")
-def sft_launch(home, dagster_url, browser, instance, mlflow):
+def sft_launch(home, dagster_url, browser, instance, mlflow, request):
     """sft launched from its Launchpad with `budget.steps: 12` typed in: (run id, config as typed,
     MLflow run ids before the launch)."""
     client, exp = mlflow
     before = {r.info.run_id for r in client.search_runs([exp], max_results=1000)}
-    pg = new_page(browser, 1280, 800)
-    try:
+    with captured_page(browser, request, 1280, 800, name="sft_launch") as pg:
         dialog = open_launchpad(pg, dagster_url, "sft")
         config = type_config(pg, dialog, {"budget.steps": SFT_STEPS})
         step("01-launchpad", pg)
@@ -229,11 +216,6 @@ def sft_launch(home, dagster_url, browser, instance, mlflow):
         finished_run(instance, run_id)
         show_run(pg, dagster_url, run_id, "Success")
         step("02-run-succeeded", pg)
-    except BaseException:
-        save_failure(pg, "sft_launch")
-        raise
-    finally:
-        pg.context.close()
     return run_id, config, before
 
 
@@ -551,7 +533,8 @@ def test_mlflow_compares_the_two_pretrain_variants(page, mlflow_url, mlflow, var
         assert curve["y"] == pytest.approx([v for _, v in history]), (curve, history)
 
 
-def test_mlflow_experiment_opens_on_the_training_runs(page, browser, mlflow_url, mlflow, variant_runs, monkeypatch):
+def test_mlflow_experiment_opens_on_the_training_runs(page, browser, mlflow_url, mlflow, variant_runs, monkeypatch,
+                                                      request):
     """A fresh browser (no stored view choice) following the link GhostVis gives lands on the training
     runs, not on GenAI traces. MLflow 3.17's UI ignores the experiment's `mlflow.experimentKind` tag: it
     takes the view from the URL's `workflowType` parameter, else from the browser's last choice
@@ -576,11 +559,10 @@ def test_mlflow_experiment_opens_on_the_training_runs(page, browser, mlflow_url,
     assert landed.startswith(f"#/experiments/{exp}/runs?workflowType=machine_learning"), landed
     expect(page.get_by_text(no_data)).to_have_count(0)
 
-    bare = new_page(browser, 1280, 800)
-    bare.goto(f"{mlflow_url}/#/experiments/{exp}")
-    bare.get_by_text(no_data).first.wait_for()
-    assert "workflowType=genai" in bare.evaluate("location.hash"), bare.evaluate("location.hash")
-    bare.context.close()
+    with captured_page(browser, request, 1280, 800, name="mlflow_bare_experiment") as bare:
+        bare.goto(f"{mlflow_url}/#/experiments/{exp}")
+        bare.get_by_text(no_data).first.wait_for()
+        assert "workflowType=genai" in bare.evaluate("location.hash"), bare.evaluate("location.hash")
 
 
 # ---------------------------------------------------------------------------------- 2. backfill

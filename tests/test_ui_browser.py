@@ -19,8 +19,7 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.stages import stage_names
 from tests.ui_servers import (
-    UI_TIMEOUT_MS, as_int, chromium, clear_run_outputs, dagster_ui, eventually, mlflow_server, new_page, save_failure,
-    shot,
+    UI_TIMEOUT_MS, as_int, captured_page, clear_run_outputs, dagster_ui, eventually, mlflow_server, shot,
 )
 
 pytestmark = pytest.mark.e2e
@@ -55,21 +54,10 @@ def mlflow_url(demo_home, tmp_path_factory):
         yield url
 
 
-@pytest.fixture(scope="module")
-def browser():
-    with chromium() as b:
-        yield b
-
-
 @pytest.fixture
 def page(browser, request):
-    """A fresh page; on failure its screenshot and visible text are saved as FAILED-<test>.*"""
-    pg = new_page(browser, 1600, 1400)
-    failed_before = request.session.testsfailed
-    yield pg
-    if request.session.testsfailed > failed_before:  # this test's call phase failed
-        save_failure(pg, request.node.name)
-    pg.context.close()
+    with captured_page(browser, request, 1600, 1400) as pg:
+        yield pg
 
 
 # ----------------------------------------------------------------------------- expected numbers
@@ -92,7 +80,7 @@ def materializations(instance, asset: str) -> list[dict]:
 
 
 def ledger_totals(demo_home, run_key: str) -> dict:
-    return Ledger(Home(demo_home).store.path("ledger")).run_totals(run_key)
+    return Ledger.in_store(Home(demo_home).store).run_totals(run_key)
 
 
 # ---------------------------------------------------------------------------------------- Dagster

@@ -118,18 +118,30 @@ def chromium():
             b.close()
 
 
-def new_page(browser, width: int, height: int):
-    """A page in a fresh browser context (no stored UI choices)."""
+@contextmanager
+def captured_page(browser, request, width: int, height: int, name: str = ""):
+    """A page in a fresh browser context (no stored UI choices); if the test (or the block using it)
+    fails, the page as it was is saved as FAILED-<name or test>.png with its URL and visible text."""
     ctx = browser.new_context(viewport={"width": width, "height": height})
     # Dagster's "Join the Dagster community" modal (shown after 1 s on 127.0.0.1) would cover the page;
     # this is what its Skip button stores, so no mutation reaches the demo's instance.
     ctx.add_init_script("window.localStorage.setItem('communityNux', '1')")
     ctx.set_default_timeout(UI_TIMEOUT_MS)
-    return ctx.new_page()
+    pg = ctx.new_page()
+    failed_before = request.session.testsfailed
+    try:
+        yield pg
+    except BaseException:
+        _save_failure(pg, name or request.node.name)
+        raise
+    else:
+        if request.session.testsfailed > failed_before:  # this test's call phase failed
+            _save_failure(pg, name or request.node.name)
+    finally:
+        ctx.close()
 
 
-def save_failure(pg, name: str) -> None:
-    """The page as it was when a test failed: FAILED-<name>.png and its URL and visible text."""
+def _save_failure(pg, name: str) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     try:
         pg.screenshot(path=str(ARTIFACTS / f"FAILED-{name}.png"), full_page=True)

@@ -3,6 +3,7 @@ ledger, launch spec, run record) and the MLflow store by a process other than th
 that shares nothing with the trainer's loader, objectives or loop (tests/test_code_shape.py).
 
 - stage_checks.py  the one list of a stage's checks (Dagster checks, checks-only job, `ghostvis audit`)
+- data_checks.py   the one list of the token ledger's checks (the same three users)
 - outcome.py       CheckOutcome (what a check compared, both sides) and range arithmetic
 - token_files.py   the audit's own reader of token files
 - rebuild.py       the audit's own row rule: every row of a run's plan rebuilt from the token files

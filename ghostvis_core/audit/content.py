@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 
 from ghostvis_core import digest
+from ghostvis_core.batch import BatchPlan
 from ghostvis_core.audit.outcome import CheckOutcome
 from ghostvis_core.audit.rebuild import PlannedRows, micro_rows
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
 
 SEARCH_STEPS = 2  # a fed row that is not its planned row is looked for this many steps either side
 
@@ -28,8 +29,9 @@ class StepAuditor:
 
     def __init__(self, rows: PlannedRows, plan: dict[str, Any], stage: str):
         self.rows, self.stage = rows, stage
-        self.mbs, self.world, self.accum = (int(plan[k]) for k in ("micro_batch_size", "world_size", "grad_accum_steps"))
-        self.per_step = self.mbs * self.world * self.accum
+        batch = BatchPlan.of(plan)
+        self.mbs, self.world, self.accum = batch.micro_batch_size, batch.world_size, batch.grad_accum_steps
+        self.per_step = batch.rows_per_step
         self.total_rows = int(plan["steps"]) * self.per_step
         self._digests: dict[int, str] = {}
 
@@ -93,7 +95,7 @@ def _span(rows: list[int]) -> str:
     return f"{rows[0]}..{rows[-1] + 1}" if rows == list(range(rows[0], rows[0] + len(rows))) else str(rows)
 
 
-def fed_content_matches_files(store: LocalStore, ledger: Ledger, spec: dict[str, Any],
+def fed_content_matches_files(store: Store, ledger: Ledger, spec: dict[str, Any],
                               chain: list[dict[str, Any]]) -> CheckOutcome:
     """Every rank's every step along the run's chain: a feed record exists, its rows are the plan's, and
     its digests equal those of the rows rebuilt from the token files."""

@@ -13,20 +13,20 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any
 
+from ghostvis_core.batch import BatchPlan
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import row_ranges
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
 from ghostvis_core.train.spec import LaunchSpec
 from ghostvis_core.audit.outcome import covered_twice, length, subtract, union
 from ghostvis_core.audit.rebuild import PlannedRows, Span, micro_rows
 
 
 def rows_per_step(spec: LaunchSpec) -> int:
-    p = spec.plan
-    return int(p["micro_batch_size"]) * int(p["world_size"]) * int(p["grad_accum_steps"])
+    return BatchPlan.of(spec.plan).rows_per_step
 
 
-def expected_pieces(store: LocalStore, spec: LaunchSpec) -> list[Span]:
+def expected_pieces(store: Store, spec: LaunchSpec) -> list[Span]:
     """The shard spans the plan's rows read (windows: one stream range per source; documents: the rows
     the stage's rule packs), rebuilt from the token files by the audit's own row rule."""
     n_rows = int(spec.plan["steps"]) * rows_per_step(spec)
@@ -78,8 +78,9 @@ def part_row_problems(chain: list[dict[str, Any]], spec: LaunchSpec) -> list[str
 
 def rank_rows(part: dict[str, Any], rank: int, per_step: int) -> list[list[int]]:
     """The global rows rank `rank` reads in the part's steps, as [start, end) ranges."""
-    rows = [g for s in range(part["step_first"], part["step_last"] + 1) for m in range(part["grad_accum_steps"])
-            for g in micro_rows((s - 1) * per_step, m, rank, part["micro_batch_size"], part["world_size"])]
+    batch = BatchPlan.of(part)
+    rows = [g for s in range(part["step_first"], part["step_last"] + 1) for m in range(batch.grad_accum_steps)
+            for g in micro_rows((s - 1) * per_step, m, rank, batch.micro_batch_size, batch.world_size)]
     return row_ranges(rows)
 
 

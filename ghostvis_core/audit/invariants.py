@@ -11,9 +11,10 @@ from typing import Any
 
 from ghostvis_core.counts import MLFLOW_METRICS, TokenCounts
 from ghostvis_core.data.catalog import registered_manifests
-from ghostvis_core.data.ledger import Ledger, duplicate_shards, file_sha256, train_validation_overlap, validation_selected
+from ghostvis_core.data.ledger import Ledger, duplicate_shards, train_validation_overlap, validation_selected
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
+from ghostvis_core.store.files import sha256_file
 from ghostvis_core.train.result import RunResult
 from ghostvis_core.train.runs import run_result
 from ghostvis_core.train.spec import LaunchSpec
@@ -36,7 +37,7 @@ class StageRun:
     parts: list[dict[str, Any]]  # every part row of the run, on the chain or not
 
     @classmethod
-    def load(cls, store: LocalStore, ledger: Ledger, stage: str, run_key: str) -> "StageRun":
+    def load(cls, store: Store, ledger: Ledger, stage: str, run_key: str) -> "StageRun":
         if not store.exists("run_spec", stage, run_key):
             raise GhostvisError(f"stage {stage} run {run_key}: its launch spec is not in the store; "
                                 f"re-materialize the `{stage}` asset")
@@ -55,7 +56,7 @@ def _compare(scope: str, trainer: TokenCounts, counted: TokenCounts) -> tuple[li
     return rows, failures
 
 
-def tokens_recounted_from_files(store: LocalStore, run: StageRun) -> CheckOutcome:
+def tokens_recounted_from_files(store: Store, run: StageRun) -> CheckOutcome:
     """The four figures recounted from the token files over the consumed ranges equal the trainer's,
     per segment (the ledger's parts) and for the run (ledger chain and run record); no range is read
     twice; every range lies in its file and follows the row rule."""
@@ -91,7 +92,7 @@ def tokens_recounted_from_files(store: LocalStore, run: StageRun) -> CheckOutcom
                 "range_problems": (["problem"], [[p] for p in problems[:200]])}, failures=failures)
 
 
-def consumption_matches_plan(store: LocalStore, run: StageRun) -> CheckOutcome:
+def consumption_matches_plan(store: Store, run: StageRun) -> CheckOutcome:
     """The rows and shard ranges the plan says the run had to read are exactly the recorded ones, the
     parts tile the plan's steps and rows, and the trainer's positions equal steps x tokens_per_step."""
     expected = expected_pieces(store, run.spec)
@@ -290,7 +291,7 @@ def no_validation_leakage(ledger: Ledger, run_key: str, tokenizer_id: str) -> Ch
                   f"the trainer labelled it {r['label']})" for r in leaked])
 
 
-def ledger_matches_token_files(store: LocalStore, ledger: Ledger, tokenizer_id: str) -> CheckOutcome:
+def ledger_matches_token_files(store: Store, ledger: Ledger, tokenizer_id: str) -> CheckOutcome:
     """Every ledger shard record's docs and tokens equal a recount of its token file."""
     mismatches, total = [], 0
     records = ledger.shards(tokenizer_id=tokenizer_id)
@@ -303,7 +304,7 @@ def ledger_matches_token_files(store: LocalStore, ledger: Ledger, tokenizer_id: 
             mismatches.append([r["shard_id"], r["docs"], -1, r["tokens"], -1, str(exc)])
             continue
         total += tokens
-        same = not r.get("token_sha256") or file_sha256(shard.path) == r["token_sha256"]
+        same = not r.get("token_sha256") or sha256_file(shard.path) == r["token_sha256"]
         if (docs, tokens, same) != (r["docs"], r["tokens"], True):
             mismatches.append([r["shard_id"], r["docs"], docs, r["tokens"], tokens, "ok" if same else "other content"])
     return CheckOutcome("ledger_matches_token_files", not mismatches, figures={
@@ -313,7 +314,7 @@ def ledger_matches_token_files(store: LocalStore, ledger: Ledger, tokenizer_id: 
                   for m in mismatches])
 
 
-def all_manifest_shards_tokenized(store: LocalStore, ledger: Ledger, tokenizer_id: str) -> CheckOutcome:
+def all_manifest_shards_tokenized(store: Store, ledger: Ledger, tokenizer_id: str) -> CheckOutcome:
     """Every shard of every registered manifest is tokenized with the tokenizer."""
     have = {r["shard_id"] for r in ledger.shards(tokenizer_id=tokenizer_id)}
     want = [m.shard_id(e) for m in registered_manifests(store).values() for e in m.shards]

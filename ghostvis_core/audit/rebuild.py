@@ -34,7 +34,7 @@ from ghostvis_core import digest
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
 from ghostvis_core.audit.token_files import TokenFile
 
 IGNORE = -1  # the targets' value at positions without loss
@@ -330,7 +330,7 @@ class PlannedRows:
     """Every global row of a run's plan, rebuilt from its launch spec (a dict, as stored) and the token
     files in the store."""
 
-    def __init__(self, store: LocalStore, spec: dict[str, Any]):
+    def __init__(self, store: Store, spec: dict[str, Any]):
         cfg = spec["config"]
         self.objective, seq_len, seed = cfg["objective"], int(cfg["batch"]["seq_len"]), int(cfg["data"]["seed"])
         recipe = cfg["data"]["recipe"]

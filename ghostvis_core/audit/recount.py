@@ -22,9 +22,10 @@ from __future__ import annotations
 import numpy as np
 
 from ghostvis_core.counts import TokenCounts
-from ghostvis_core.data.ledger import Ledger, file_sha256
+from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.tokenizer import load_tokenizer
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
+from ghostvis_core.store.files import sha256_file
 from ghostvis_core.train.spec import LaunchSpec
 from ghostvis_core.audit.outcome import covered_twice, union
 from ghostvis_core.audit.rebuild import rl_prompt_length
@@ -35,7 +36,7 @@ class FileRecount:
     """A run's token files, opened through the store once each (by the audit's own reader), and the
     stage's row rule."""
 
-    def __init__(self, store: LocalStore, spec: LaunchSpec, token_sha256: dict[str, str | None]):
+    def __init__(self, store: Store, spec: LaunchSpec, token_sha256: dict[str, str | None]):
         """`token_sha256`: per shard id, the token file's hash the ledger recorded (None: not recorded)."""
         self.store, self.tokenizer_id, self.token_sha256 = store, spec.tokenizer_id, token_sha256
         self.replaced: list[str] = []  # shards whose file is not the one the ledger recorded
@@ -52,7 +53,7 @@ class FileRecount:
         if shard_id not in self._open:
             path = self.store.fetch("token_shard", self.tokenizer_id, shard_id)
             want = self.token_sha256.get(shard_id)
-            if want and file_sha256(path) != want:
+            if want and sha256_file(path) != want:
                 self.replaced.append(f"token file of {shard_id} is not the one the ledger recorded (sha256 "
                                      f"{want[:12]}...); re-materialize tokenized_shards partition {shard_id}")
             self._open[shard_id] = TokenFile(path, shard_id)

@@ -21,10 +21,11 @@ import pyarrow.parquet as pq
 
 from ghostvis_core.audit.outcome import CheckOutcome
 from ghostvis_core.audit.token_files import TokenFile
-from ghostvis_core.data.ledger import Ledger, file_sha256
+from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
+from ghostvis_core.store.files import sha256_file
 
 HEADER = ["shard", "docs before", "docs kept", "docs removed (ledger)", "docs removed (recount)", "tokens before",
           "tokens kept", "tokens removed (ledger)", "tokens removed (recount)", "removed by reason (ledger)"]
@@ -64,7 +65,7 @@ class ShardTally:
         return out
 
 
-def removed_tokens_reconcile(store: LocalStore, ledger: Ledger, tokenizer_id: str) -> CheckOutcome:
+def removed_tokens_reconcile(store: Store, ledger: Ledger, tokenizer_id: str) -> CheckOutcome:
     """Per text shard of the tokenizer and in total: before = kept + removed, removed (ledger) = removed
     (recount), and the ledger's reasons sum to its totals. The table lists the shards that disagree only:
     one row per shard of a 10,000-shard ledger would be kept in every check event."""
@@ -90,7 +91,7 @@ def removed_tokens_reconcile(store: LocalStore, ledger: Ledger, tokenizer_id: st
                         {"disagreeing_shards": (HEADER, [t.row() for t in disagreeing])}, failures)
 
 
-def tally_shard(store: LocalStore, tok: Tokenizer, record: dict[str, Any]) -> ShardTally:
+def tally_shard(store: Store, tok: Tokenizer, record: dict[str, Any]) -> ShardTally:
     """The shard's raw documents tokenized again, against its token file and its ledger record."""
     sid = record["shard_id"]
     reasons = json.loads(record["drop_reasons"] or "{}")
@@ -110,11 +111,11 @@ def tally_shard(store: LocalStore, tok: Tokenizer, record: dict[str, Any]) -> Sh
                       (len(missing), int(per_row[missing].sum())), reasons, problems)
 
 
-def raw_document_tokens(store: LocalStore, tok: Tokenizer, shard_id: str, content_sha256: str) -> np.ndarray:
+def raw_document_tokens(store: Store, tok: Tokenizer, shard_id: str, content_sha256: str) -> np.ndarray:
     """Per raw row, the tokens its document is trained as: <|bos|> + its text's tokens (0 for an empty
     text, which tokenization drops as empty_text), from the raw file the ledger recorded."""
-    path = store.fetch("raw_shard", shard_id)
-    if not path.exists() or file_sha256(path) != content_sha256:
+    path = store.fetch("raw_shard", shard_id) if store.exists("raw_shard", shard_id) else None
+    if path is None or sha256_file(path) != content_sha256:
         raise GhostvisError(f"shard {shard_id}: the raw shard is missing or not the content it was tokenized from "
                             f"(sha256 {content_sha256[:12]}); re-materialize raw_shards and tokenized_shards "
                             f"partition {shard_id}")

@@ -17,22 +17,18 @@ from ghostvis_core.data.tokenizer import newest_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.track.mlflow_records import latest_metrics
-from ghostvis_core.train.runs import completed_runs
+from ghostvis_core.train.runs import newest_completed_run
 from ghostvis_core.audit import invariants as inv
 from ghostvis_core.audit.outcome import CheckOutcome
-from ghostvis_core.audit.removed import removed_tokens_reconcile
+from ghostvis_core.audit.data_checks import DATA_CHECKS
 from ghostvis_core.audit.stage_checks import STAGE_CHECKS, CheckInputs
 
 
 def data_checks(home: Home, ledger: Ledger) -> list[CheckOutcome]:
-    """The token ledger's checks, for the store's newest tokenizer."""
+    """The token ledger's checks (DATA_CHECKS), for the store's newest tokenizer."""
     tokenizer_id = newest_tokenizer(home.store)
-    return [_guarded("ledger_matches_token_files", lambda: inv.ledger_matches_token_files(home.store, ledger, tokenizer_id)),
-            _guarded("all_manifest_shards_tokenized",
-                     lambda: inv.all_manifest_shards_tokenized(home.store, ledger, tokenizer_id)),
-            _guarded("no_duplicate_content", lambda: inv.no_duplicate_content(ledger, tokenizer_id)),
-            _guarded("removed_tokens_reconcile",
-                     lambda: removed_tokens_reconcile(home.store, ledger, tokenizer_id))]
+    return [_guarded(name, lambda check=check: check(home.store, ledger, tokenizer_id))
+            for name, _, check in DATA_CHECKS]
 
 
 def stage_checks(inputs: CheckInputs) -> list[CheckOutcome]:
@@ -81,8 +77,8 @@ def newest_run_key(home: Home, stage: str, metadata: dict[str, Any] | None) -> s
     """The run the Dagster metadata names, else the stage's newest completed run, else None."""
     if metadata and metadata.get("run_key"):
         return str(metadata["run_key"])
-    runs = completed_runs(home.store, stage)
-    return runs[-1].run_key if runs else None
+    newest = newest_completed_run(home.store, stage)
+    return newest.run_key if newest else None
 
 
 def audit(home: Home, stages: list[str], metadata: dict[str, dict[str, Any]], required: bool) -> dict[str, Any]:

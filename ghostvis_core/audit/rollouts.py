@@ -18,9 +18,10 @@ import re
 from dataclasses import asdict
 from typing import Any
 
+from ghostvis_core.batch import BatchPlan
 from ghostvis_core.counts import ROLLOUT_FIGURES, ROLLOUT_METRICS, TokenCounts
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
 from ghostvis_core.audit.outcome import CheckOutcome
 from ghostvis_core.audit.rebuild import PlannedRows, last_answer, micro_rows
 
@@ -55,7 +56,8 @@ def recount_record(rows: PlannedRows, record: dict[str, Any]) -> tuple[list[int]
 def record_problems(rows: PlannedRows, plan: dict[str, Any], chain: list[dict[str, Any]],
                     records: list[dict[str, Any]]) -> tuple[list[int], int, list[list[Any]]]:
     """Recounted totals, prompt tokens, and [step, rank, problem] for every (step, rank) of the chain."""
-    mbs, world, accum = (int(plan[k]) for k in ("micro_batch_size", "world_size", "grad_accum_steps"))
+    batch = BatchPlan.of(plan)
+    mbs, world, accum = batch.micro_batch_size, batch.world_size, batch.grad_accum_steps
     by = {(r["step"], r["rank"]): r for r in records}
     totals, prompts, problems = [0, 0, 0, 0], 0, []
     for part in chain:
@@ -65,7 +67,8 @@ def record_problems(rows: PlannedRows, plan: dict[str, Any], chain: list[dict[st
                 if r is None:
                     problems.append([step, rank, f"no rollouts recorded (part {part['part_id']})"])
                     continue
-                want = [g for m in range(accum) for g in micro_rows((step - 1) * mbs * world * accum, m, rank, mbs, world)]
+                first = (step - 1) * batch.rows_per_step
+                want = [g for m in range(accum) for g in micro_rows(first, m, rank, mbs, world)]
                 if r["rows"] != want:
                     problems.append([step, rank, f"completions for rows {r['rows'][:8]}..., the plan's rows are {want[:8]}..."])
                 figs, p, wrong = recount_record(rows, r)
@@ -88,7 +91,7 @@ def copies(ledger_totals: list[int], record: dict[str, int], mlflow: dict[str, f
     return out
 
 
-def rollouts_recounted(store: LocalStore, ledger: Ledger, run, mlflow: dict[str, float],
+def rollouts_recounted(store: Store, ledger: Ledger, run, mlflow: dict[str, float],
                        metadata: dict[str, Any] | None) -> CheckOutcome:
     """rl: generated/rewarded tokens recounted from the saved rollouts and prompts from the token files ==
     the ledger == the run record == MLflow == metadata. Any other stage: no rollouts in its parts."""

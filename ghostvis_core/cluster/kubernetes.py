@@ -1,8 +1,9 @@
 """Kubernetes manifests for a run's ranks: one pod per node, each with its node's GPUs.
 
 One node is one pod running `torchrun --standalone` (dagster-k8s Pipes submits it and reads its logs).
-Several nodes are an Indexed Job (pod i is node rank i) plus a headless Service, so that pod 0 has a
-stable DNS name, `<job>-0.<service>`, for the c10d rendezvous before any pod has an address.
+Several nodes are an Indexed Job plus a headless Service, so that pod 0 has a stable DNS name,
+`<job>-0.<service>`, for the c10d rendezvous before any pod has an address. torchrun numbers the
+nodes by sorting their host names (`<job>-<index>.<service>...`), so pod 0 is node rank 0.
 
 Plain dicts in the API's camelCase: the launcher submits them, the tests validate them offline
 against the Kubernetes schema. Secrets are only ever referenced by name (envFrom), never read.
@@ -23,7 +24,6 @@ JOB_LABEL = "ghostvis.io/job"  # on every pod of one launch: the headless Servic
 STAGE_LABEL = "ghostvis.io/stage"
 RUN_KEY_ANNOTATION = "ghostvis.io/run-key"  # run keys may hold characters a label value may not
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-COMPLETION_INDEX = "JOB_COMPLETION_INDEX"
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 NAME_MAX = 52  # an indexed pod's hostname is <job>-<index>: it must stay a 63-character DNS label
 GPU_RESOURCE = "nvidia.com/gpu"
@@ -130,9 +130,8 @@ def _volumes(job: KubernetesJob, run: RunTarget) -> tuple[list[dict], list[dict]
     return volumes, mounts
 
 
-def _container(job: KubernetesJob, run: RunTarget, command: list[str], mounts: list[dict],
-               extra_env: list[dict]) -> dict[str, Any]:
-    env = [*extra_env, *({"name": k, "value": v} for k, v in {**run.env, **job.env}.items())]
+def _container(job: KubernetesJob, run: RunTarget, command: list[str], mounts: list[dict]) -> dict[str, Any]:
+    env = [{"name": k, "value": v} for k, v in {**run.env, **job.env}.items()]
     container = {"name": CONTAINER, "image": job.image, "imagePullPolicy": job.image_pull_policy,
                  "command": command, "env": env, "resources": _resources(job), "volumeMounts": mounts}
     if job.secrets:
@@ -140,12 +139,11 @@ def _container(job: KubernetesJob, run: RunTarget, command: list[str], mounts: l
     return container
 
 
-def pod_spec(job: KubernetesJob, run: RunTarget, command: list[str], extra_env: list[dict] | None = None,
-             subdomain: str = "") -> dict[str, Any]:
+def pod_spec(job: KubernetesJob, run: RunTarget, command: list[str], subdomain: str = "") -> dict[str, Any]:
     """The PodSpec of one node: one container with all its ranks (torchrun starts them)."""
     volumes, mounts = _volumes(job, run)
     spec: dict[str, Any] = {"restartPolicy": "Never", "volumes": volumes,
-                            "containers": [_container(job, run, command, mounts, extra_env or [])]}
+                            "containers": [_container(job, run, command, mounts)]}
     optional = {"subdomain": subdomain, "nodeSelector": job.node_selector, "tolerations": job.tolerations,
                 "serviceAccountName": job.service_account,
                 "imagePullSecrets": [{"name": name} for name in job.image_pull_secrets]}
@@ -172,10 +170,9 @@ def render_service(job: KubernetesJob, run: RunTarget) -> dict[str, Any]:
 
 
 def rendezvous(job: KubernetesJob, run: RunTarget) -> Rendezvous:
-    """Every node meets at pod 0; the node rank is the pod's completion index."""
+    """Every node meets at pod 0."""
     name = resource_name(run.stage, run.run_key)
-    return Rendezvous(nnodes=job.nodes, endpoint=f"{name}-0.{name}:{job.rdzv_port}", rdzv_id=run.run_key,
-                      node_rank=f"$({COMPLETION_INDEX})")
+    return Rendezvous(nnodes=job.nodes, endpoint=f"{name}-0.{name}:{job.rdzv_port}", rdzv_id=run.run_key)
 
 
 # The Job fails at the first failed pod (a rank's error is the run's error: retrying is Dagster's
@@ -187,15 +184,11 @@ POD_FAILURE_POLICY = {"rules": [
 
 
 def render_job(job: KubernetesJob, run: RunTarget) -> dict[str, Any]:
-    """The Indexed Job of a multi-node run: `nodes` pods at once, pod i is torchrun node rank i."""
+    """The Indexed Job of a multi-node run: `nodes` pods at once, each a torchrun node."""
     check_job(job, run)
     name = resource_name(run.stage, run.run_key)
     command = torchrun_command(run.spec_uri, run.nproc_per_node, rendezvous(job, run), python="python")
-    # Declared here (the Job controller adds the same) so that $(JOB_COMPLETION_INDEX) in the command
-    # is expanded by the kubelet whatever the cluster version.
-    index = {"name": COMPLETION_INDEX,
-             "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}}
-    spec = pod_spec(job, run, command, [index], subdomain=name)
+    spec = pod_spec(job, run, command, subdomain=name)
     spec["containers"][0]["ports"] = [{"name": "rdzv", "containerPort": job.rdzv_port}]
     return {"apiVersion": "batch/v1", "kind": "Job",
             "metadata": {"name": name, "namespace": job.namespace, **meta(job, run, queued=True)},

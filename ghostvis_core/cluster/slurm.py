@@ -32,6 +32,8 @@ class SlurmJob:
     extra_sbatch: list[str] = field(default_factory=list)  # more sbatch options, one per line: "--exclusive"
     setup: list[str] = field(default_factory=list)  # shell lines before srun: `module load ...`, a venv or container
     python: str = "python"  # the interpreter on the nodes once `setup` has run
+    # the batch node's copy of the job's output; node-local is fine: the output travels through the store
+    output: str = "/tmp/ghostvis-slurm-%j.out"
     rdzv_port: int = 29400  # the c10d rendezvous port on the job's first node
     poll_seconds: float = 5.0  # how often the launcher reads the job's state and output
 
@@ -49,7 +51,7 @@ ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED",
                  "REQUEUE_HOLD", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"}
 
 # Variables whose values must never be written into a script or a log; they reach the job through
-# sbatch's own environment (--export=ALL) instead.
+# sbatch's own environment (--export=ALL) instead, or not at all (launcher send_credentials: false).
 SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSW|CREDENTIAL|PRIVATE|(^|_)KEY($|_)", re.IGNORECASE)
 SHELL_VAR = re.compile(r"(\$\{?[A-Za-z_][A-Za-z0-9_]*\}?)")
 
@@ -67,8 +69,9 @@ def is_secret(name: str) -> bool:
 
 
 def redact(text: str) -> str:
-    """`NAME=value` with a secret-looking NAME shown as `NAME=***`, for logging scripts and environments."""
-    return re.sub(r"\b([A-Za-z_][A-Za-z0-9_]*)=(\"[^\"]*\"|'[^']*'|\S+)",
+    """`NAME=value` with a secret-looking variable NAME (upper case, as environment variables are) shown as
+    `NAME=***`, for logging scripts, environments and job output (where `tokens_per_step=4096` stays)."""
+    return re.sub(r"\b([A-Z_][A-Z0-9_]*)=(\"[^\"]*\"|'[^']*'|\S+)",
                   lambda m: f"{m[1]}=***" if is_secret(m[1]) else m[0], text)
 
 
@@ -78,12 +81,12 @@ def shell_word(arg: str) -> str:
                    for part in SHELL_VAR.split(arg))
 
 
-def sbatch_options(job: SlurmJob, output: str) -> list[str]:
+def sbatch_options(job: SlurmJob) -> list[str]:
     """The `#SBATCH` lines: one srun task per node, which runs torchrun for that node's ranks."""
     if job.nodes < 1:
         raise GhostvisError(f"slurm nodes={job.nodes}: a job needs at least 1 node; set launcher slurm.nodes")
     opts = [f"--job-name={job.job_name}", f"--nodes={job.nodes}", "--ntasks-per-node=1",
-            f"--output={output}", "--export=ALL",
+            f"--output={job.output}", "--export=ALL",
             "--no-requeue"]  # the launcher follows one job to its end; a Dagster retry resumes the run
     named = {"--cpus-per-task": job.cpus_per_task, "--gpus-per-node": job.gpus_per_node, "--mem": job.mem,
              "--time": job.time, "--partition": job.partition, "--account": job.account, "--qos": job.qos}
@@ -96,24 +99,33 @@ def sbatch_options(job: SlurmJob, output: str) -> list[str]:
     return [f"#SBATCH {shlex.quote(opt)}" for opt in opts]
 
 
-def render_sbatch(job: SlurmJob, spec_uri: str, nproc_per_node: int, output: str,
-                  env: dict[str, str]) -> str:
+def ship_command(job: SlurmJob, store_uri: str, stage: str, run_key: str, name: str) -> list[str]:
+    """The batch node's pipe that ships the job's output to the store (ghostvis_core/cluster/ship_output.py)."""
+    return [job.python, "-m", "ghostvis_core.cluster.ship_output", "--store", store_uri, "--stage", stage,
+            "--run-key", run_key, "--name", name]
+
+
+def render_sbatch(job: SlurmJob, spec_uri: str, nproc_per_node: int, env: dict[str, str],
+                  ship: list[str]) -> str:
     """The job script: options, exported (non-secret) environment, setup lines, then one
-    `srun torchrun` whose rendezvous is on the first node of the allocation."""
+    `srun torchrun` whose rendezvous is on the first node of the allocation, its output piped
+    through `ship` (to the store, where the launcher reads it, and on to the `--output` file)."""
     rendezvous = Rendezvous(nnodes="$SLURM_NNODES", endpoint=f"$rdzv_host:{job.rdzv_port}",
                             rdzv_id="$SLURM_JOB_ID")
     torchrun = torchrun_command(spec_uri, nproc_per_node, rendezvous, python=job.python)
     exports = [f"export {name}={shlex.quote(value)}" for name, value in sorted(env.items()) if not is_secret(name)]
     return "\n".join([
         "#!/bin/bash",
-        *sbatch_options(job, output),
+        *sbatch_options(job),
         "set -eo pipefail",
         *exports,
         *job.setup,
+        "{",
         '# the first node hosts the rendezvous; its NodeAddr is how the other nodes reach it',
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
         'head_addr=$(scontrol -o show node "$head_node" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)',
         'rdzv_host="${head_addr:-$head_node}"',
         "srun --kill-on-bad-exit=1 " + " ".join(shell_word(arg) for arg in torchrun),
+        "} 2>&1 | " + shlex.join(ship),
         "",
     ])

@@ -18,7 +18,8 @@ class Rendezvous:
     nnodes: int | str  # a count, or a variable the node's shell expands ("$SLURM_NNODES")
     endpoint: str  # host:port of the rendezvous store (the first node's address)
     rdzv_id: str  # the same on every node of one run; a new one for every launch
-    node_rank: str = ""  # "": torchrun assigns ranks on arrival; "$SLURM_NODEID" etc. on a scheduler
+    # No node rank: the c10d rendezvous ignores --node-rank and numbers the nodes by sorting them
+    # (host name, then process id; torch/distributed/elastic/rendezvous/dynamic_rendezvous.py).
 
 
 def torchrun_command(spec_uri: str, nproc_per_node: int, rendezvous: Rendezvous | None = None,
@@ -30,8 +31,6 @@ def torchrun_command(spec_uri: str, nproc_per_node: int, rendezvous: Rendezvous 
     else:
         nodes = [f"--nnodes={rendezvous.nnodes}", "--rdzv-backend=c10d",
                  f"--rdzv-endpoint={rendezvous.endpoint}", f"--rdzv-id={rendezvous.rdzv_id}"]
-        if rendezvous.node_rank:
-            nodes.append(f"--node-rank={rendezvous.node_rank}")
     return [python or sys.executable, "-m", "torch.distributed.run", *nodes,
             f"--nproc_per_node={nproc_per_node}", "-m", "ghostvis_core.train", "--spec", spec_uri]
 
@@ -48,7 +47,7 @@ RDZV_PORT = 29400  # torchrun's usual c10d port; open it on the rendezvous host
 @dataclass
 class MultiNode:
     """A multi-node torchrun launch on machines started by hand or by another scheduler: the Dagster
-    host is one of the nodes; the others run the same command (torchrun ranks nodes on arrival)."""
+    host is one of the nodes; the others run the same command (torchrun ranks the nodes by host name)."""
 
     nnodes: int = 2
     rdzv_endpoint: str = ""  # host:port every node reaches; "": this host's name, port RDZV_PORT

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pyarrow.parquet as pq
 
 from ghostvis_core.data.demo_corpus import TEXT_SOURCES, build_text_source
 from ghostvis_core.data.demo_tasks import TASK_SOURCES, build_task_source
 from ghostvis_core.data.sources import (
-    Manifest, ShardEntry, check_pins, list_remote, manifest_for_files, manifest_from_pattern, sha256_file, shard_name,
+    Manifest, ShardEntry, check_pins, list_remote, manifest_for_files, manifest_from_pattern, shard_name,
 )
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
+from ghostvis_core.store.files import sha256_file
 
 # source -> kind, in the order the demo registers them
 DEMO_SOURCES: dict[str, str] = {**{s: "text" for s in TEXT_SOURCES}, **TASK_SOURCES}
@@ -88,34 +88,30 @@ def _sha256_pin(source: str, digest: str) -> str:
     return d
 
 
-def manifest_path(store: LocalStore, source: str) -> Path:
-    return store.path("manifest", source)
-
-
-def save_manifest(store: LocalStore, manifest: Manifest) -> Path:
-    """Register a source's manifest in the store (atomically)."""
+def save_manifest(store: Store, manifest: Manifest) -> str:
+    """Register a source's manifest in the store (atomically); returns its URI."""
     return store.write_text("manifest", manifest.source, text=manifest.to_json())
 
 
-def load_manifest(store: LocalStore, source: str) -> Manifest:
+def load_manifest(store: Store, source: str) -> Manifest:
     if not store.exists("manifest", source):
         raise GhostvisError(f"source {source} has no manifest; materialize shard_manifest first")
     return Manifest.from_dict(store.read_json("manifest", source))
 
 
-def registered_manifests(store: LocalStore) -> dict[str, Manifest]:
+def registered_manifests(store: Store) -> dict[str, Manifest]:
     """Every registered source's manifest, by source name (sorted)."""
     return {source: load_manifest(store, source) for (source,) in sorted(store.keys("manifest"))}
 
 
-def manifest_of_shard(store: LocalStore, shard_id: str) -> Manifest:
+def manifest_of_shard(store: Store, shard_id: str) -> Manifest:
     source = shard_id.split("/", 1)[0]
     if not store.exists("manifest", source):
         raise GhostvisError(f"shard {shard_id}: source {source} has no manifest; materialize shard_manifest first")
     return load_manifest(store, source)
 
 
-def manifests_of_shards(store: LocalStore, shard_ids: list[str]) -> dict[str, Manifest]:
+def manifests_of_shards(store: Store, shard_ids: list[str]) -> dict[str, Manifest]:
     """shard_id -> its source's manifest, each source's manifest read once: a backfill of N shards
     reads its few sources, not N manifests of N entries each."""
     by_source: dict[str, Manifest] = {}
@@ -129,7 +125,7 @@ def manifests_of_shards(store: LocalStore, shard_ids: list[str]) -> dict[str, Ma
 # --- splits: one rule (Manifest.split_of), resolved from the downloaded shard's content ----------
 
 
-def record_raw_shard(store: LocalStore, manifest: Manifest, shard_id: str, sha256: str, size: int) -> str:
+def record_raw_shard(store: Store, manifest: Manifest, shard_id: str, sha256: str, size: int) -> str:
     """What raw_shards learned downloading and verifying a shard: its content hash, size, and the split
     the rule gives it. Returns that split."""
     split = manifest.split_of(manifest.entry(shard_id), sha256)
@@ -138,27 +134,26 @@ def record_raw_shard(store: LocalStore, manifest: Manifest, shard_id: str, sha25
     return split
 
 
-def recorded_sha256(store: LocalStore, shard_id: str) -> str | None:
+def recorded_sha256(store: Store, shard_id: str) -> str | None:
     """The content hash raw_shards recorded for the shard, or None if it has not downloaded it."""
     return store.read_json("raw_shard_meta", shard_id)["sha256"] if store.exists("raw_shard_meta", shard_id) else None
 
 
-def shard_split(store: LocalStore, manifest: Manifest, shard_id: str, content_sha256: str | None = None) -> str:
+def shard_split(store: Store, manifest: Manifest, shard_id: str, content_sha256: str | None = None) -> str:
     """"train" or "validation": the split rule (Manifest.split_of) applied to the shard's content hash,
     the one raw_shards recorded and, when the caller hashed the raw file it is about to read, that one
     too: if the file changed since its download, validation under either hash wins."""
     entry = manifest.entry(shard_id)
     digests = {d for d in (content_sha256, recorded_sha256(store, shard_id)) if d}
-    raw = store.fetch("raw_shard", shard_id)
-    if not digests and raw.exists():  # downloaded before raw_shards kept records
-        digests.add(sha256_file(raw))
+    if not digests and store.exists("raw_shard", shard_id):  # downloaded before raw_shards kept records
+        digests.add(sha256_file(store.fetch("raw_shard", shard_id)))
     if not digests:
         raise GhostvisError(f"shard {shard_id} is not downloaded; materialize raw_shards partition {shard_id} first")
     splits = {manifest.split_of(entry, d) for d in digests}
     return "validation" if "validation" in splits else "train"
 
 
-def shard_split_shown(store: LocalStore, manifest: Manifest, shard_id: str) -> str:
+def shard_split_shown(store: Store, manifest: Manifest, shard_id: str) -> str:
     """The split for a table, before the shard may be downloaded: the rule applied to the recorded
     content hash, else to the manifest's expected one (a download is verified against it)."""
     entry = manifest.entry(shard_id)
@@ -166,7 +161,7 @@ def shard_split_shown(store: LocalStore, manifest: Manifest, shard_id: str) -> s
     return split or "pending download (sha256 pins)"
 
 
-def unmatched_sha256_pins(store: LocalStore, manifest: Manifest) -> list[str] | None:
+def unmatched_sha256_pins(store: Store, manifest: Manifest) -> list[str] | None:
     """The source's validation_sha256 pins that match no shard's content; None while some shard's
     content is unknown (neither in the manifest nor downloaded)."""
     if not manifest.validation_sha256:
@@ -175,7 +170,7 @@ def unmatched_sha256_pins(store: LocalStore, manifest: Manifest) -> list[str] | 
     return None if None in digests else manifest.unmatched_sha256_pins(digests)
 
 
-def check_sha256_pins(store: LocalStore, manifest: Manifest, where: str) -> None:
+def check_sha256_pins(store: Store, manifest: Manifest, where: str) -> None:
     """Fail when every shard's content is known and a validation_sha256 pin matches none of them."""
     unmatched = unmatched_sha256_pins(store, manifest)
     if unmatched:
@@ -197,7 +192,7 @@ class TokenizerCorpus:
     train_bytes: int = 0
 
 
-def tokenizer_corpus(store: LocalStore, max_train_bytes: int) -> TokenizerCorpus:
+def tokenizer_corpus(store: Store, max_train_bytes: int) -> TokenizerCorpus:
     """Texts of the downloaded train shards of the text sources, in manifest order, up to
     max_train_bytes. Each shard's split is resolved from the content of the very file read."""
     corpus = TokenizerCorpus()
@@ -209,9 +204,9 @@ def tokenizer_corpus(store: LocalStore, max_train_bytes: int) -> TokenizerCorpus
             if corpus.train_bytes >= max_train_bytes:
                 return corpus
             sid = manifest.shard_id(e)
-            path = store.fetch("raw_shard", sid)
-            if not path.exists():
+            if not store.exists("raw_shard", sid):
                 raise GhostvisError(f"shard {sid} is not downloaded; materialize raw_shards partition {sid} first")
+            path = store.fetch("raw_shard", sid)
             if shard_split(store, manifest, sid, sha256_file(path)) != "train":
                 corpus.validation_shard_ids.append(sid)
                 continue

@@ -34,14 +34,14 @@ from datatrove.utils.hashing import HashConfig
 from datatrove.utils.word_tokenizers import WordTokenizer
 
 from ghostvis_core.data.catalog import recorded_sha256, registered_manifests
-from ghostvis_core.data.ledger import Ledger, _write as write_ledger_file
+from ghostvis_core.data.ledger import Ledger, write_parquet
 from ghostvis_core.data.sources import Manifest
 from ghostvis_core.data.tokenize import (
     CountedFilters, JobsFile, RawShardReader, TokenizeJob, build_filter, is_done, job_for_shard, run_locally,
 )
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.identity import code_version, digest
-from ghostvis_core.store import LocalStore, open_store
+from ghostvis_core.store import Store, open_store
 
 REASON = {"minhash": "minhash_dup"}  # method -> the drop reason its removals are counted under
 # datatrove's defaults: 5-word shingles, 14 bands of 8 hashes (a pair at Jaccard 0.8 is found with p = 0.92);
@@ -98,7 +98,7 @@ def index_file(key: str) -> str:
     return f"dedup/{key}.parquet"
 
 
-def removed_rows(store: LocalStore, indexes: list[DedupIndex]) -> RemovedRows | None:
+def removed_rows(store: Store, indexes: list[DedupIndex]) -> RemovedRows | None:
     """The rows tokenization drops for these indexes (None: no source is deduped in this run)."""
     return RemovedRows(store.uri, {ix.source: ix.key for ix in indexes}) if indexes else None
 
@@ -131,7 +131,7 @@ class BlankDropped(PipelineStep):
             yield doc
 
 
-def dedup_indexes(store: LocalStore, dedup: dict[str, str], jobs: list[TokenizeJob], *, tokenizer_id: str,
+def dedup_indexes(store: Store, dedup: dict[str, str], jobs: list[TokenizeJob], *, tokenizer_id: str,
                   filters: dict[str, list[str]], logging_dir: Path, workers: int = 2) -> list[DedupIndex]:
     """The index of each source in `dedup` (source -> method) with a shard among `jobs` still to
     tokenize, built over every downloaded shard of that source (or reused from the store)."""
@@ -159,7 +159,7 @@ def check_dedup_config(dedup: dict[str, str], manifests: dict[str, Manifest]) ->
                                 "compares plain text, so list only text sources under dedup")
 
 
-def source_index(store: LocalStore, manifest: Manifest, method: str, filters: list[str], logging_dir: Path,
+def source_index(store: Store, manifest: Manifest, method: str, filters: list[str], logging_dir: Path,
                  workers: int) -> DedupIndex:
     """The source's index over its downloaded shards: read from the store if one with the same identity
     was built, else built with datatrove and saved."""
@@ -178,7 +178,7 @@ def source_index(store: LocalStore, manifest: Manifest, method: str, filters: li
     return DedupIndex(source, method, key, [j.shard_id for j in jobs], len(removals), False)
 
 
-def write_index(store: LocalStore, key: str, identity: dict, shards: list[str], removals: list[Removal],
+def write_index(store: Store, key: str, identity: dict, shards: list[str], removals: list[Removal],
                 reason: str) -> None:
     """The index as one Parquet file (temporary name, then rename; then published), its identity and
     shards in the file's metadata: a half-written index is never taken for one."""
@@ -187,11 +187,11 @@ def write_index(store: LocalStore, key: str, identity: dict, shards: list[str], 
     table = pa.table({"shard_id": [r.shard_id for r in removals], "row": [r.row for r in removals],
                       "kept_shard": [r.kept_shard for r in removals], "kept_row": [r.kept_row for r in removals],
                       "reason": [reason] * len(removals)}, schema=schema)
-    write_ledger_file(store.path("ledger_file", index_file(key)), table, schema)
+    write_parquet(store.writable("ledger_file", index_file(key)), table, schema)
     store.publish("ledger_file", index_file(key))
 
 
-def minhash_removals(store: LocalStore, jobs: list[TokenizeJob], filters: list[str], logging_dir: Path,
+def minhash_removals(store: Store, jobs: list[TokenizeJob], filters: list[str], logging_dir: Path,
                      workers: int) -> list[Removal]:
     """datatrove's three MinHash stages over the shards (one signature task per shard, so a signature
     file's number is the shard's position in `jobs`), then the first-in-shard-order survivor per cluster.

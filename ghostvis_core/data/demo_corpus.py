@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 
 from ghostvis_core.data.decontaminate import drop_shared, held_out_fingerprints
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.store.files import replacing
 
 TEXT_SOURCES = ("demo_prose", "demo_code")
 
@@ -205,9 +206,8 @@ def _write_shard(path: Path, source: str, language: str, docs: list[_Doc]) -> No
         },
         schema=SCHEMA,
     )
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp, row_group_size=ROW_GROUP_SIZE, compression="zstd")
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        pq.write_table(table, tmp, row_group_size=ROW_GROUP_SIZE, compression="zstd")
 
 
 # --- demo_prose -------------------------------------------------------------------------------

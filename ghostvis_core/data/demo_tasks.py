@@ -40,7 +40,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-import os
 import random
 from collections.abc import Callable
 from functools import cache, partial
@@ -54,6 +53,7 @@ from ghostvis_core.data.decontaminate import drop_shared, held_out_fingerprints
 from ghostvis_core.data.facts import capitals
 from ghostvis_core.data.ngrams import record_text
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.store.files import replacing
 
 TASK_SOURCES: dict[str, str] = {
     "demo_reasoning": "text",
@@ -266,9 +266,8 @@ def _write_shard(path: Path, source: str, rows: list[dict]) -> None:
     columns = {f.name: [r[f.name] for r in rows] for f in schema if f.name != "id"}
     columns["id"] = [_row_id(source, *_content_key(source, r)) for r in rows]
     table = pa.table(columns, schema=schema)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    pq.write_table(table, tmp, row_group_size=ROW_GROUP_SIZE, compression="zstd")
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        pq.write_table(table, tmp, row_group_size=ROW_GROUP_SIZE, compression="zstd")
 
 
 def _pick(rng: random.Random, seq):

@@ -10,7 +10,7 @@ from typing import Any
 
 from ghostvis_core.data.catalog import recorded_sha256, registered_manifests, shard_split
 from ghostvis_core.data.sources import Manifest
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
 
 
 def manifest_identity(manifests: list[Manifest]) -> dict[str, Any]:
@@ -19,13 +19,13 @@ def manifest_identity(manifests: list[Manifest]) -> dict[str, Any]:
                        "shards": [[e.name, e.split, e.bytes, e.sha256] for e in m.shards]} for m in manifests}
 
 
-def shard_contents(store: LocalStore) -> dict[str, str | None]:
+def shard_contents(store: Store) -> dict[str, str | None]:
     """Every registered shard's content hash as raw_shards recorded it (None: not downloaded yet)."""
     return {m.shard_id(e): recorded_sha256(store, m.shard_id(e))
             for m in registered_manifests(store).values() for e in m.shards}
 
 
-def tokenizer_identity(store: LocalStore, vocab_size: int, max_train_bytes: int) -> dict[str, Any]:
+def tokenizer_identity(store: Store, vocab_size: int, max_train_bytes: int) -> dict[str, Any]:
     """What the tokenizer trains on: the text shards by content, their splits, the vocabulary and byte cap."""
     shards = {}
     for manifest in registered_manifests(store).values():

@@ -19,7 +19,9 @@ Tables in the artifact store's "ledger" artifact (`Ledger.in_store(store)`):
                 removed (shard, row), the (shard, row) it duplicates and the reason; written by dedup.py.
 
 Many writers (tokenizer workers, training runs) each write their own file, atomically; nobody
-rewrites a file. A file name is derived from its content key, so writing twice is harmless.
+rewrites a file. A file name is derived from its content key, so writing twice is harmless. The
+ledger reads and writes through the artifact store (artifact kind "ledger_file"): `root` is this
+node's copy, each written file is published at once, and a query fetches only the folders it reads.
 
 The per-shard tables (shards, docs, ngrams) are flat folders. The per-part tables (parts and the four
 beside it, PART_TABLES) keep a folder per run, hive-style: `<table>/stage=<stage>/run=<run_key>/
@@ -35,7 +37,6 @@ import json
 import os
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,8 @@ import pyarrow.parquet as pq
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.stages import stage_names
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
+from ghostvis_core.store.files import atomic_write, sha256_file
 
 if TYPE_CHECKING:  # the ledger stores pieces; it does not read streams (the audit imports it)
     from ghostvis_core.data.stream import Piece
@@ -202,25 +204,26 @@ def row_ranges(rows: list[int]) -> list[list[int]]:
     return out
 
 
-def _write(path: Path, rows: list[dict[str, Any]] | pa.Table, schema: pa.Schema) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
+def write_parquet(path: Path, rows: list[dict[str, Any]] | pa.Table, schema: pa.Schema) -> Path:
+    """One ledger file, written whole or not at all (readers never see half a Parquet file)."""
     table = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(rows, schema=schema)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
-    return path
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    out = pa.BufferOutputStream()
+    pq.write_table(table, out)
+    return atomic_write(path, out.getvalue().to_pybytes())
 
 
 def _key(*parts: Any) -> str:
     return hashlib.sha1("|".join(map(str, parts)).encode()).hexdigest()[:20]
+
+
+def _shard_record_name(shard_id: str, tokenizer_id: str, content_sha256: str) -> str:
+    """A shard record's file inside the ledger: one per (shard, tokenizer, content)."""
+    return f"shards/{_key(shard_id, tokenizer_id, content_sha256)}.parquet"
+
+
+def _ngram_name(shard_id: str, content_sha256: str) -> str:
+    """A shard's n-gram fingerprints' file inside the ledger: one per (shard, content)."""
+    return f"ngrams/{_key(shard_id, content_sha256)}.parquet"
 
 
 _process_connection: tuple[int, duckdb.DuckDBPyConnection] | None = None
@@ -251,20 +254,43 @@ def _with_table(table: str, source: str, sql: str) -> str:
 
 @dataclass
 class Ledger:
-    root: Path  # the folder of the ledger's Parquet tables (DuckDB reads files)
+    root: Path  # this node's folder of the ledger's Parquet tables (DuckDB reads local files)
+    # where the files live for every node: written files are published to it, and a query first fetches
+    # the folders it reads (only those: one table, or one stage's or run's folder). None: `root` is all.
+    store: Store | None = None
 
     @classmethod
-    def in_store(cls, store: LocalStore) -> "Ledger":
-        """The ledger of an artifact store (artifact kind "ledger")."""
-        return cls(store.fetch("ledger"))
+    def in_store(cls, store: Store) -> "Ledger":
+        """The ledger of an artifact store (artifact kind "ledger"); nothing is fetched until a query needs it."""
+        return cls(store.writable("ledger"), store)
 
     # ---- writing ----
     def shard_record_path(self, shard_id: str, tokenizer_id: str, content_sha256: str) -> Path:
-        return self.root / "shards" / f"{_key(shard_id, tokenizer_id, content_sha256)}.parquet"
+        """The local file of a shard's record, fetched from the store when it is there."""
+        return self._fetched_file(_shard_record_name(shard_id, tokenizer_id, content_sha256))
 
     @property
-    def store(self) -> Path:
+    def store_folder(self) -> Path:
+        """The local folder the ledger sits in (token paths are kept relative to it)."""
         return self.root.parent
+
+    def _fetched(self, folder: str) -> None:
+        """Bring a folder of the ledger (a table, or one stage's or run's folder of a per-part table) from
+        the store to this node's copy, when the store has it."""
+        if self.store is not None and self.store.exists("ledger_file", folder):
+            self.store.fetch("ledger_file", folder)
+
+    def _fetched_file(self, name: str) -> Path:
+        """The local copy of one ledger file (fetched when the store has it; may not exist)."""
+        self._fetched(name)
+        return self.root / name
+
+    def _write(self, path: Path, rows: list[dict[str, Any]] | pa.Table, schema: pa.Schema) -> Path:
+        """Write one file of the ledger and publish it to the store, so every node sees it."""
+        write_parquet(path, rows, schema)
+        if self.store is not None:
+            self.store.publish("ledger_file", path.relative_to(self.root).as_posix())
+        return path
 
     def write_shard(self, record: dict[str, Any]) -> Path:
         """Token paths are kept relative to the store, so a GHOSTVIS_HOME can be moved or copied; the
@@ -272,11 +298,11 @@ class Ledger:
         record = {"created_at": time.time(), "docs_dropped": 0, "tokens_dropped": 0, "drop_reasons": "{}", **record}
         path = Path(record.get("token_path") or "")
         if path.is_file():
-            record["token_sha256"] = file_sha256(path)
-        if path.is_absolute() and path.is_relative_to(self.store):
-            record["token_path"] = str(path.relative_to(self.store))
-        path = self.shard_record_path(record["shard_id"], record["tokenizer_id"], record["content_sha256"])
-        return _write(path, [record], SHARD_SCHEMA)
+            record["token_sha256"] = sha256_file(path)
+        if path.is_absolute() and path.is_relative_to(self.store_folder):
+            record["token_path"] = str(path.relative_to(self.store_folder))
+        name = _shard_record_name(record["shard_id"], record["tokenizer_id"], record["content_sha256"])
+        return self._write(self.root / name, [record], SHARD_SCHEMA)
 
     def write_doc_hashes(self, shard_id: str, source: str, split: str, content_sha256: str,
                          rows: list[int], hashes: list[str]) -> Path:
@@ -284,10 +310,11 @@ class Ledger:
         n = len(rows)
         table = pa.table({"shard_id": [shard_id] * n, "source": [source] * n, "split": [split] * n,
                           "content_sha256": [content_sha256] * n, "row": rows, "doc_hash": hashes}, schema=DOC_SCHEMA)
-        return _write(self.root / "docs" / f"{_key(shard_id, content_sha256)}.parquet", table, DOC_SCHEMA)
+        return self._write(self.root / "docs" / f"{_key(shard_id, content_sha256)}.parquet", table, DOC_SCHEMA)
 
     def ngram_record_path(self, shard_id: str, content_sha256: str) -> Path:
-        return self.root / "ngrams" / f"{_key(shard_id, content_sha256)}.parquet"
+        """The local file of a shard's n-gram fingerprints, fetched from the store when it is there."""
+        return self._fetched_file(_ngram_name(shard_id, content_sha256))
 
     def write_ngrams(self, shard_id: str, source: str, split: str, content_sha256: str,
                      rows: list[int], hashes: list[int]) -> Path:
@@ -297,7 +324,7 @@ class Ledger:
         table = pa.table({"shard_id": [shard_id] * n, "source": [source] * n, "split": [split] * n,
                           "content_sha256": [content_sha256] * n, "row": pa.array(rows, pa.int64()),
                           "ngram_hash": pa.array(hashes, pa.int64())}, schema=NGRAM_SCHEMA)
-        return _write(self.ngram_record_path(shard_id, content_sha256), table, NGRAM_SCHEMA)
+        return self._write(self.root / _ngram_name(shard_id, content_sha256), table, NGRAM_SCHEMA)
 
     def part_file(self, table: str, part: dict[str, Any]) -> Path:
         """Where `table` (one of PART_TABLES) keeps `part`'s rows: the run's folder, one file per part."""
@@ -317,12 +344,12 @@ class Ledger:
                                     "ledger (empty, or holds one of / \\ = * ? [); give the run another key")
         ids = {"part_id": part["part_id"], "run_key": part["run_key"]}
         rows = [{**ids, "stage": part["stage"], "segment": part["segment"], **p} for p in pieces]
-        _write(self.part_file("consumption", part), rows, CONSUMPTION_SCHEMA)
+        self._write(self.part_file("consumption", part), rows, CONSUMPTION_SCHEMA)
         for table, given, schema in (("shares", shares, SHARE_SCHEMA), ("feeds", feeds, FEED_SCHEMA),
                                      ("rollouts", rollouts, ROLLOUT_SCHEMA)):
             if given is not None:
-                _write(self.part_file(table, part), [{**ids, **r} for r in given], schema)
-        _write(self.part_file("parts", part), [part], PART_SCHEMA)
+                self._write(self.part_file(table, part), [{**ids, **r} for r in given], schema)
+        self._write(self.part_file("parts", part), [part], PART_SCHEMA)
 
     # ---- reading ----
     def _query(self, table: str, sql: str, params: list | None = None,
@@ -330,6 +357,7 @@ class Ledger:
         """Rows of `sql`, which reads `table` by its name: a per-shard table's every file (by name, so
         columns added later read as NULL in older files), or a per-part table's `files` (`run_files`: files or glob patterns)."""
         if files is None:
+            self._fetched(table)
             folder = self.root / table
             if not folder.exists() or not any(folder.glob("*.parquet")):
                 return []
@@ -349,13 +377,25 @@ class Ledger:
     def run_files(self, table: str, run_keys: list[str] | None = None, stage: str | None = None) -> list[Path]:
         """The files of a per-part table for these runs (of any stage), else the glob pattern of one
         stage's runs or of every run (none when nothing matches, which DuckDB would refuse): only the
-        folders asked for are listed; a pattern is expanded by DuckDB as it reads."""
+        folders asked for are listed (and fetched from the store: the run's folder when the stage is
+        given, else the table's); a pattern is expanded by DuckDB as it reads."""
         folder = self.root / table
+        self._fetch_runs(table, run_keys, stage)
         if run_keys is not None:
             return sorted(f for key in dict.fromkeys(run_keys)
                           for f in folder.glob(f"stage={stage or '*'}/run={key}/*.parquet"))
         pattern = f"stage={stage or '*'}/run=*/*.parquet"
         return [folder / pattern] if next(folder.glob(pattern), None) else []
+
+    def _fetch_runs(self, table: str, run_keys: list[str] | None, stage: str | None) -> None:
+        """From the store, only the folders of a per-part table that a query reads."""
+        if stage is None:
+            self._fetched(table)
+        elif run_keys is None:
+            self._fetched(f"{table}/stage={stage}")
+        else:
+            for key in dict.fromkeys(run_keys):
+                self._fetched(f"{table}/stage={stage}/run={key}")
 
     def _of_parts(self, table: str, parts: list[dict[str, Any]], order: str) -> list[dict[str, Any]]:
         """The rows of `table` that belong to `parts` (rows carrying part_id and run_key), read from their
@@ -384,7 +424,7 @@ class Ledger:
             params,
         )
         for r in rows:
-            r["token_path"] = str(self.store / r["token_path"]) if r["token_path"] else ""
+            r["token_path"] = str(self.store_folder / r["token_path"]) if r["token_path"] else ""
         return rows
 
     def parts(self, run_keys: list[str] | None = None, stage: str | None = None) -> list[dict[str, Any]]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ghostvis_core.budget import BatchPlan
+from ghostvis_core.batch import BatchPlan
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.stream import MixtureSchedule, Piece, SourceStream
 from ghostvis_core.model.gpt import IGNORE_INDEX
@@ -193,8 +193,7 @@ class ChatRows:
     def row(self, j: int) -> Row:
         epoch, j = self.locate(j)
         L = self.seq_len
-        inputs = np.full(L, self.pad_id, dtype=np.int64)
-        targets = np.full(L, IGNORE_INDEX, dtype=np.int64)
+        inputs, targets = blank_row(L, self.pad_id)
         doc_ids = np.full(L, -1, dtype=np.int64)
         pieces, images, pos, cropped = [], [], 0, 0
         for slot, k in enumerate(self.plan(epoch)[j]):
@@ -244,14 +243,8 @@ class PreferenceRows:
         n_prompt, n_chosen = shard.doc_value("prompt_len", d), shard.doc_value("chosen_len", d)
         response = ids[n_prompt : n_prompt + n_chosen] if side == 0 else ids[n_prompt + n_chosen :]
         seq = np.concatenate([ids[:n_prompt], response])
-        L = self.seq_len
-        n = min(len(seq), L)
-        inputs = np.full(L, self.pad_id, dtype=np.int64)
-        targets = np.full(L, IGNORE_INDEX, dtype=np.int64)
-        inputs[:n] = seq[:n]
-        targets[n_prompt - 1 : n - 1] = seq[n_prompt:n]
         pieces = [self.index.piece(k, epoch)] if side == 0 else []
-        return Row(inputs, targets, pieces, real=n, pad=L - n, cropped=len(seq) - n)
+        return padded_row(seq, n_prompt, self.seq_len, self.pad_id, pieces)
 
     def tokens_for_rows(self, n_rows: int) -> int:
         return int(n_rows / 2 / len(self.index.docs) * self.index.stream.total)
@@ -274,15 +267,9 @@ class CaptionRows:
         k = self.index.order(epoch)[p]
         ref, shard, d = self.index.doc(k)
         seq = expand_images(shard.doc_tokens(d).astype(np.int64), self.image_id, self.n_latents)
-        L = self.seq_len
-        n = min(len(seq), L)
-        inputs = np.full(L, self.pad_id, dtype=np.int64)
-        targets = np.full(L, IGNORE_INDEX, dtype=np.int64)
-        inputs[:n] = seq[:n]
         caption_start = int(np.nonzero(seq == self.image_id)[0][-1]) + 1
-        targets[caption_start - 1 : n - 1] = seq[caption_start:n]
-        return Row(inputs, targets, [self.index.piece(k, epoch)], real=n, pad=L - n, cropped=len(seq) - n,
-                   images=[shard.doc_value("image", d)])
+        return padded_row(seq, caption_start, self.seq_len, self.pad_id, [self.index.piece(k, epoch)],
+                          images=[shard.doc_value("image", d)])
 
     def tokens_for_rows(self, n_rows: int) -> int:
         return int(n_rows / len(self.index.docs) * self.index.stream.total)
@@ -290,6 +277,22 @@ class CaptionRows:
     @property
     def available_tokens(self) -> int:
         return self.index.stream.total
+
+
+def blank_row(seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """The inputs and targets of a row before anything is placed in it: all padding, no loss."""
+    return np.full(seq_len, pad_id, dtype=np.int64), np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
+
+
+def padded_row(seq: np.ndarray, loss_start: int, seq_len: int, pad_id: int, pieces: list[Piece],
+               images: list[bytes] | None = None) -> Row:
+    """One sequence alone in a row: cut at seq_len (the rest counted as cropped, never trained), padded
+    after it, loss on the tokens from `loss_start` on. The one rule of every single-sequence row."""
+    n = min(len(seq), seq_len)
+    inputs, targets = blank_row(seq_len, pad_id)
+    inputs[:n] = seq[:n]
+    targets[loss_start - 1 : n - 1] = seq[loss_start:n]
+    return Row(inputs, targets, pieces, real=n, pad=seq_len - n, cropped=len(seq) - n, images=images or [])
 
 
 def expand_images(ids: np.ndarray, image_id: int, n_latents: int) -> np.ndarray:
@@ -326,6 +329,26 @@ class Batcher:
 
     def rows_per_source(self, n_rows: int) -> dict[str, int]:
         return {src.source: n for src, n in zip(self.sources, self.schedule.rows_before(n_rows))}
+
+
+def rank_share(n: int, rank: int, world_size: int) -> range:
+    """The items of 0..n-1 one rank evaluates: every world_size-th, from its rank on, so the ranks'
+    shares cover each item exactly once and their sums all-reduce to the whole."""
+    return range(rank, n, world_size)
+
+
+def rank_batches(rs, n_rows: int, rank: int, world_size: int, rows_per_batch: int, group: int = 1,
+                 min_rows: int = 1):
+    """This rank's share of the first n_rows rows of one row source, in batches of up to rows_per_batch
+    rows: the held-out evaluation loop. Rows are dealt in groups of `group` consecutive rows (a
+    preference pair stays together); a last batch of fewer than `min_rows` rows is left out."""
+    batcher = Batcher([rs], [1.0])
+    mine = rank_share(n_rows // group, rank, world_size)
+    per = max(1, rows_per_batch // group)
+    for i in range(0, len(mine), per):
+        rows = [u * group + j for u in mine[i : i + per] for j in range(group)]
+        if len(rows) >= min_rows:
+            yield batcher.batch(rows)
 
 
 @dataclass

@@ -17,7 +17,6 @@ import random
 import string
 import time
 import urllib.parse
-import uuid
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -28,6 +27,7 @@ from typing import Iterator
 import requests
 
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.store.files import atomic_write, replacing, sha256_file
 
 CHUNK = 1 << 20
 RETRY_ATTEMPTS = 4  # per fetch or listing, the first try included
@@ -95,25 +95,13 @@ class Manifest:
                    data.get("validation_sha256", []))
 
     def save(self, path: Path) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-        tmp.write_text(self.to_json())
-        os.replace(tmp, path)
-        return path
+        return atomic_write(path, self.to_json())
 
     @classmethod
     def load(cls, path: Path) -> "Manifest":
         if not path.exists():
             raise GhostvisError(f"manifest {path} is missing; materialize the shard_manifest asset first")
         return cls.from_dict(json.loads(path.read_text()))
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def shard_name(url: str) -> str:
@@ -223,43 +211,45 @@ def _retrying(what: str, fix: str, attempt):
 
 
 def _fetch_once(shard_id: str, entry: ShardEntry, dest: Path, what: str) -> FetchResult:
-    tmp = dest.with_name(f".{dest.name}.part-{uuid.uuid4().hex[:8]}")
     try:
-        h = hashlib.sha256()
-        size = 0
-        with _open_stream(what, entry.url) as (chunks, length), open(tmp, "wb") as out:
-            expected = length if length is not None else entry.bytes
-            of = f" of {expected:,}" if expected is not None else ""
-            try:
-                for chunk in chunks:
-                    out.write(chunk)
-                    h.update(chunk)
-                    size += len(chunk)
-            except _Transient as e:
-                raise _Transient(f"{e} after {size:,}{of} bytes") from None
-            if expected is not None and size < expected:  # the server promised more: a cut transfer
-                raise _Transient(f"transfer ended after {size:,}{of} bytes")
-            out.flush()
-            os.fsync(out.fileno())
-        digest = h.hexdigest()
-        if entry.bytes is not None and size != entry.bytes:
-            raise GhostvisError(
-                f"{what}: size mismatch (expected {entry.bytes} bytes, got {size}); "
-                f"the source changed or the transfer was cut; re-materialize raw_shards partition {shard_id}"
-            )
-        if entry.sha256 and digest != entry.sha256:
-            raise GhostvisError(
-                f"{what}: checksum mismatch (expected sha256 {entry.sha256}, got {digest}); "
-                f"fix the manifest's sha256 or the source file, then re-materialize raw_shards partition {shard_id}"
-            )
-        os.replace(tmp, dest)
+        with replacing(dest) as tmp:
+            size, digest = _download_to(tmp, entry, what)
+            if entry.bytes is not None and size != entry.bytes:
+                raise GhostvisError(
+                    f"{what}: size mismatch (expected {entry.bytes} bytes, got {size}); "
+                    f"the source changed or the transfer was cut; re-materialize raw_shards partition {shard_id}"
+                )
+            if entry.sha256 and digest != entry.sha256:
+                raise GhostvisError(
+                    f"{what}: checksum mismatch (expected sha256 {entry.sha256}, got {digest}); "
+                    f"fix the manifest's sha256 or the source file, then re-materialize raw_shards partition {shard_id}"
+                )
         return FetchResult(dest, size, digest, downloaded=True)
     except OSError as e:  # local disk or file:// source, not the network: retrying would not help
         raise GhostvisError(
-            f"{what}: {e.strerror or e} ({e.filename or tmp}); check free space and permissions under {dest.parent}"
+            f"{what}: {e.strerror or e} ({e.filename or dest}); check free space and permissions under {dest.parent}"
         ) from None
-    finally:
-        tmp.unlink(missing_ok=True)
+
+
+def _download_to(tmp: Path, entry: ShardEntry, what: str) -> tuple[int, str]:
+    """Stream entry.url into `tmp`, hashing as it goes: (bytes, sha256). A cut transfer is transient."""
+    h = hashlib.sha256()
+    size = 0
+    with _open_stream(what, entry.url) as (chunks, length), open(tmp, "wb") as out:
+        expected = length if length is not None else entry.bytes
+        of = f" of {expected:,}" if expected is not None else ""
+        try:
+            for chunk in chunks:
+                out.write(chunk)
+                h.update(chunk)
+                size += len(chunk)
+        except _Transient as e:
+            raise _Transient(f"{e} after {size:,}{of} bytes") from None
+        if expected is not None and size < expected:  # the server promised more: a cut transfer
+            raise _Transient(f"transfer ended after {size:,}{of} bytes")
+        out.flush()
+        os.fsync(out.fileno())
+    return size, h.hexdigest()
 
 
 def _safe_url(url: str) -> str:

@@ -12,7 +12,6 @@ without copying; consumption is recorded in these shard-local token coordinates.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.store.files import replacing
 
 
 def token_dtype(vocab_size: int):
@@ -35,11 +35,8 @@ def list_column(lengths: list[int], flat: list[int], dtype) -> pa.Array:
 def write_token_shard(path: Path, columns: dict[str, pa.Array]) -> None:
     """Write atomically: a reader never sees a half-written shard under the final name."""
     table = pa.table(columns)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+    with replacing(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table, max_chunksize=max(1, table.num_rows))
-    os.replace(tmp, path)
 
 
 @dataclass

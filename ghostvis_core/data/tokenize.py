@@ -29,11 +29,12 @@ from ghostvis_core.data.catalog import recorded_sha256, shard_split
 from ghostvis_core.data.chat import IMAGE, render_chat, render_prompt, render_reply
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ngrams import fingerprints, record_text
-from ghostvis_core.data.sources import Manifest, sha256_file
+from ghostvis_core.data.sources import Manifest
 from ghostvis_core.data.token_shard import TokenShard, list_column, token_dtype, write_token_shard
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.store import LocalStore, open_store
+from ghostvis_core.store import Store, open_store
+from ghostvis_core.store.files import atomic_write, sha256_file
 
 
 @dataclass(frozen=True)
@@ -47,16 +48,15 @@ class TokenizeJob:
     kind: str = "text"
 
 
-def job_for_shard(store: LocalStore, manifest: Manifest, shard_id: str) -> TokenizeJob:
+def job_for_shard(store: Store, manifest: Manifest, shard_id: str) -> TokenizeJob:
     """The job for one downloaded raw shard: its split is catalog.shard_split of its content hash, the
     one raw_shards recorded when it downloaded and verified the file (hashed here only for shards
     downloaded before raw_shards kept records), so the launching host reads no raw file."""
     content_sha256 = recorded_sha256(store, shard_id)
     if content_sha256 is None:
-        raw = store.fetch("raw_shard", shard_id)
-        if not raw.exists():
+        if not store.exists("raw_shard", shard_id):
             raise GhostvisError(f"raw shard {shard_id} is not downloaded; materialize raw_shards partition {shard_id} first")
-        content_sha256 = sha256_file(raw)
+        content_sha256 = sha256_file(store.fetch("raw_shard", shard_id))
     return TokenizeJob(shard_id, manifest.source, shard_split(store, manifest, shard_id, content_sha256),
                        content_sha256, manifest.kind)
 
@@ -90,12 +90,12 @@ class JobsFile:
         return TokenizeJob(**row[0])
 
 
-def raw_file(store: LocalStore, job: TokenizeJob) -> Path:
+def raw_file(store: Store, job: TokenizeJob) -> Path:
     """The raw shard a worker reads (fetched to its node), refused if its content is not the job's."""
-    path = store.fetch("raw_shard", job.shard_id)
-    if not path.exists():
+    if not store.exists("raw_shard", job.shard_id):
         raise GhostvisError(f"raw shard {job.shard_id} is not in the store ({store.uri_of('raw_shard', job.shard_id)}); "
                             f"materialize raw_shards partition {job.shard_id}")
+    path = store.fetch("raw_shard", job.shard_id)
     got = sha256_file(path)
     if got != job.content_sha256:
         raise GhostvisError(f"raw shard {job.shard_id} ({path}): content changed since it was recorded (expected "
@@ -201,9 +201,7 @@ class TokenShardWriter(PipelineStep):
             self.tokenize(job, data)
         except Exception as exc:
             reason = str(exc) if isinstance(exc, GhostvisError) else f"shard {job.shard_id}: {type(exc).__name__}: {exc}"
-            path = error_file(Path(self.errors_dir), job.shard_id)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(reason)
+            atomic_write(error_file(Path(self.errors_dir), job.shard_id), reason)
         return
         yield  # a datatrove step is a generator; this one consumes and writes, yielding nothing
 
@@ -252,21 +250,21 @@ class TokenShardWriter(PipelineStep):
         if "tokens" not in columns:
             columns["tokens"] = list_column([], [], dtype)
         n_tokens = sum(lists.get("tokens", ([], []))[0])
-        write_token_shard(store.path("token_shard", tok.tokenizer_id, job.shard_id), columns)
+        token_file = store.writable("token_shard", tok.tokenizer_id, job.shard_id)
+        write_token_shard(token_file, columns)
+        store.publish("token_shard", tok.tokenizer_id, job.shard_id)  # before its ledger record names it
         self.stat_update("tokens", value=n_tokens, unit="shard")
         ledger = Ledger.in_store(store)
         write_documents(ledger, job, rows, doc_hashes, doc_ngrams)
         ledger.write_shard({
             "shard_id": job.shard_id, "source": job.source, "split": job.split, "kind": job.kind,
-            "content_sha256": job.content_sha256, "raw_bytes": store.path("raw_shard", job.shard_id).stat().st_size,
+            "content_sha256": job.content_sha256, "raw_bytes": store.fetch("raw_shard", job.shard_id).stat().st_size,
             "tokenizer_id": tok.tokenizer_id, "docs": len(rows), "tokens": n_tokens,
             "text_bytes": text_bytes, "docs_dropped": sum(d["docs"] for d in dropped.values()),
             "tokens_dropped": sum(d["tokens"] for d in dropped.values()),
             "drop_reasons": json.dumps(dropped, sort_keys=True),
-            "token_path": str(store.path("token_shard", tok.tokenizer_id, job.shard_id)),
+            "token_path": str(token_file),
         })
-        store.publish("token_shard", tok.tokenizer_id, job.shard_id)  # visible to every node (no-op when local)
-        store.publish("ledger")
 
 
 def doc_hash(kind: str, text_utf8: bytes, doc: Document) -> str:
@@ -341,7 +339,7 @@ def error_file(errors_dir: Path, shard_id: str) -> Path:
     return errors_dir / (shard_id.replace("/", "__") + ".txt")
 
 
-def is_done(job: TokenizeJob, ledger: Ledger, store: LocalStore, tokenizer_id: str) -> bool:
+def is_done(job: TokenizeJob, ledger: Ledger, store: Store, tokenizer_id: str) -> bool:
     """Same content and tokenizer already tokenized, with the token file intact: nothing to redo."""
     rec = ledger.shard_record_path(job.shard_id, tokenizer_id, job.content_sha256)
     if not rec.exists() or not store.exists("token_shard", tokenizer_id, job.shard_id):
@@ -378,7 +376,7 @@ def run_locally(pipeline: list, tasks: int, workers: int, logging_dir: Path) -> 
 def tokenize_shards(
     jobs: list[TokenizeJob],
     *,
-    store: LocalStore,
+    store: Store,
     tokenizer_id: str,
     logging_dir: Path,
     workers: int = 2,

@@ -22,7 +22,7 @@ import tiktoken
 from tokenizers import Regex, Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eot|>", "<|system|>", "<|user|>", "<|assistant|>", "<|image|>", "<|pad|>")
 # GPT-4 style, but numbers are split into 1-2 digit groups (as nanochat does) to save vocab on a
@@ -117,15 +117,15 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return build_tokenizer(_merges_to_ranks(merges), SPLIT_PATTERN)
 
 
-def save_tokenizer(tok: Tokenizer, store: LocalStore) -> Path:
-    """Write artifact (tokenizer, tokenizer_id) atomically; an existing one with that id is already it."""
+def save_tokenizer(tok: Tokenizer, store: Store) -> Path:
+    """Write artifact (tokenizer, tokenizer_id) atomically; an existing one with that id is already it.
+    Returns this node's copy of its folder."""
     if tok.tokenizer_id in _STANDARD_FILES:
         raise GhostvisError(f"{tok.tokenizer_id} is a standard tiktoken encoding: load it by name, do not save it")
-    target = store.path("tokenizer", tok.tokenizer_id)
+    if store.exists("tokenizer", tok.tokenizer_id):
+        return store.fetch("tokenizer", tok.tokenizer_id)
+    target = store.writable("tokenizer", tok.tokenizer_id)
     root = target.parent
-    if target.is_dir():
-        store.publish("tokenizer", tok.tokenizer_id)
-        return target
     # tiktoken keeps what we need only in these attributes; they have been stable since 0.1.
     ranks_bytes = _ranks_file_bytes(tok.enc._mergeable_ranks)
     meta = {
@@ -142,15 +142,15 @@ def save_tokenizer(tok: Tokenizer, store: LocalStore) -> Path:
         (tmp / RANKS_FILE).write_bytes(ranks_bytes)
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         os.rename(tmp, target)
-        store.publish("tokenizer", tok.tokenizer_id)
     except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
         if not target.is_dir():  # not merely a concurrent writer finishing first
             raise
+    store.publish("tokenizer", tok.tokenizer_id)
     return target
 
 
-def newest_tokenizer(store: LocalStore) -> str:
+def newest_tokenizer(store: Store) -> str:
     """The id of the tokenizer added to the store last."""
     found = store.keys("tokenizer")
     if not found:
@@ -159,17 +159,15 @@ def newest_tokenizer(store: LocalStore) -> str:
     return found[-1][0]
 
 
-def load_tokenizer(ref: str | Path, store: LocalStore | None = None) -> Tokenizer:
+def load_tokenizer(ref: str | Path, store: Store | None = None) -> Tokenizer:
     """Load by tokenizer_id from the store, by directory path, or by standard tiktoken encoding name."""
     ref = str(ref)
     if ref in _STANDARD_FILES:
         return _load_standard(ref)
-    in_store = store is not None and bool(ref) and "/" not in ref and not ref.startswith(".")
-    directory = store.fetch("tokenizer", ref) if in_store else Path(ref)
-    if in_store and not directory.is_dir():
-        directory = Path(ref)
+    named = store is not None and bool(ref) and "/" not in ref and not ref.startswith(".")  # may be an id
+    directory = store.fetch("tokenizer", ref) if named and store.exists("tokenizer", ref) else Path(ref)
     if not directory.is_dir():
-        where = f" in the store ({store.uri_of('tokenizer', ref)})" if in_store else ""
+        where = f" in the store ({store.uri_of('tokenizer', ref)})" if named else ""
         raise GhostvisError(
             f"tokenizer {ref!r} not found{where}: give a tokenizer_id of a materialized `tokenizer` asset, "
             f"a tokenizer directory, or one of {', '.join(_STANDARD_FILES)}"

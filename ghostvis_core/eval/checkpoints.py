@@ -11,10 +11,10 @@ from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.model.gpt import GPT
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
 from ghostvis_core.train import checkpoint as ckpt
 from ghostvis_core.train.result import RunResult
-from ghostvis_core.train.runs import completed_runs
+from ghostvis_core.train.runs import completed_runs, newest_completed_run
 from ghostvis_core.train.spec import LaunchSpec
 
 
@@ -30,13 +30,13 @@ class TrainedStage:
     result: RunResult
 
 
-def checkpoint_dir(store: LocalStore, result: RunResult) -> Path:
+def checkpoint_dir(store: Store, result: RunResult) -> Path:
     """The run's final checkpoint folder, found in the store by (stage, run_key) and its step folder's
     name, so a moved or copied home still finds it."""
     return store.fetch("checkpoint", result.stage, result.run_key, Path(result.checkpoint_uri).name)
 
 
-def stage_config(store: LocalStore, result: RunResult) -> StageConfig:
+def stage_config(store: Store, result: RunResult) -> StageConfig:
     """The resolved config the trainer saved with the run's final checkpoint."""
     path = checkpoint_dir(store, result) / "config.json"
     if not path.is_file():
@@ -48,13 +48,13 @@ def stage_config(store: LocalStore, result: RunResult) -> StageConfig:
 def load_stage(home: Home, stage: str, run_key: str | None = None) -> TrainedStage:
     """The newest completed run of `stage` (or the named run), ready for inference on the CPU."""
     store = home.store
-    runs = completed_runs(store, stage)
     if run_key:
-        runs = [r for r in runs if r.run_key == run_key]
-    if not runs:
+        result = next((r for r in completed_runs(store, stage) if r.run_key == run_key), None)
+    else:
+        result = newest_completed_run(store, stage)
+    if result is None:
         raise GhostvisError(f"stage {stage} has no completed run{' ' + run_key if run_key else ''}; "
                             f"materialize the `{stage}` asset first (or run `ghostvis demo`)")
-    result = runs[-1]
     path = checkpoint_dir(store, result)
     cfg = stage_config(store, result)
     spec = LaunchSpec.from_dict(store.read_json("run_spec", stage, result.run_key))

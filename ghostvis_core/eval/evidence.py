@@ -10,7 +10,7 @@ import re
 import numpy as np
 import torch
 
-from ghostvis_core.data.loader import Batcher, expand_images
+from ghostvis_core.data.loader import expand_images, rank_batches, rank_share
 from ghostvis_core.model.gpt import IGNORE_INDEX
 from ghostvis_core.train.dist import all_reduce_sum
 
@@ -50,10 +50,7 @@ def _context_losses(obj, model, ctx, autocast, suffix: str) -> dict[str, float]:
     sums = [0.0, 0.0, 0.0, 0.0]  # beyond loss, beyond count, within loss, within count
     for src in sorted(obj.val_streams):
         rs, rows = obj.val_rows(src)
-        b = Batcher([rs], [1.0])
-        mine = list(range(ctx.rank, rows, ctx.world_size))
-        for i in range(0, len(mine), obj.cfg.batch.micro_batch_size):
-            batch = b.batch(mine[i : i + obj.cfg.batch.micro_batch_size])
+        for batch in rank_batches(rs, rows, ctx.rank, ctx.world_size, obj.cfg.batch.micro_batch_size):
             with autocast():
                 per = model(batch.inputs.to(ctx.device), batch.targets.to(ctx.device), reduction="none").float()
             valid = (batch.targets != IGNORE_INDEX).to(ctx.device)
@@ -83,7 +80,7 @@ def reasoning(obj, model, ctx, autocast, metrics) -> dict[str, float]:
     source = obj.spec.inputs.reasoning_source
     docs = _val_docs(obj, source, 4 * obj.cfg.eval.samples)
     sums = [0.0, 0.0, 0.0, 0.0]  # answer loss, answer tokens, correct, sampled
-    for k in range(ctx.rank, len(docs), ctx.world_size):
+    for k in rank_share(len(docs), ctx.rank, ctx.world_size):
         shard, d = docs[k]
         text = tok.decode(shard.doc_tokens(d)[1:].tolist())
         head, sep, answer = text.rpartition("Answer:")
@@ -113,11 +110,9 @@ def caption_image_gap(obj, model, ctx, autocast, metrics) -> dict[str, float]:
     sums = [0.0, 0.0, 0.0]  # true, shuffled, tokens
     for src in sorted(obj.val_streams):
         rs, rows = obj.val_rows(src)
-        b = Batcher([rs], [1.0])
-        mine = list(range(ctx.rank, rows, ctx.world_size))
-        step = max(2, obj.cfg.batch.micro_batch_size)
-        for i in range(0, len(mine) - 1, step):
-            batch = b.batch(mine[i : i + step])
+        # a batch of one cannot give a caption another sample's image
+        for batch in rank_batches(rs, rows, ctx.rank, ctx.world_size, max(2, obj.cfg.batch.micro_batch_size),
+                                  min_rows=2):
             inputs = obj.image_inputs(batch, ctx.device)
             with autocast():
                 true = model(batch.inputs.to(ctx.device), batch.targets.to(ctx.device), reduction="sum", **inputs)
@@ -153,7 +148,7 @@ def reply_endings(obj, model, ctx, autocast, metrics) -> dict[str, float]:
         if len(prompts) == obj.cfg.eval.samples:
             break
     sums = [0.0, 0.0, 0.0]
-    for k in range(ctx.rank, len(prompts), ctx.world_size):
+    for k in rank_share(len(prompts), ctx.rank, ctx.world_size):
         ids, blob = prompts[k]
         kwargs = {}
         if blob is not None:

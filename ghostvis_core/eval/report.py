@@ -17,7 +17,8 @@ from ghostvis_core.config import StageConfig
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.eval.gate import GATE_HEADER, gate_rows
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
+from ghostvis_core.store.files import atomic_write
 from ghostvis_core.train.result import RunResult
 
 @dataclass
@@ -176,21 +177,14 @@ def render_html(title: str, stages: list[StageReport], chart: str, samples: dict
     return "\n".join(parts)
 
 
-def write_report(store: LocalStore, name: str, title: str, stages: list[StageReport],
+def write_report(store: Store, name: str, title: str, stages: list[StageReport],
                  samples: dict[str, list]) -> dict[str, Path]:
-    """Write the report card as artifacts (kind "report") under reports/<name>/."""
-    chart_path = store.path("report", f"{name}/loss_curves.png")
-    chart_path.parent.mkdir(parents=True, exist_ok=True)
-    chart = loss_chart(stages, chart_path)
-    return {
-        "html": store.write_text("report", f"{name}/report.html", text=render_html(title, stages, chart.name, samples)),
-        "md": store.write_text("report", f"{name}/report.md", text=render_markdown(title, stages, chart.name, samples)),
-        "png": _published(store, f"{name}/loss_curves.png", chart),
-        "json": store.write_text("report", f"{name}/report.json",
-                                 text=json.dumps([s.__dict__ for s in stages], indent=2, default=str)),
-    }
-
-
-def _published(store: LocalStore, name: str, path: Path) -> Path:
+    """Write the report card under reports/<name>/ (kind "report") and publish it to every node; returns
+    this machine's copies of its files (what MLflow logs)."""
+    chart = loss_chart(stages, store.writable("report", f"{name}/loss_curves.png"))
+    texts = {"html": render_html(title, stages, chart.name, samples),
+             "md": render_markdown(title, stages, chart.name, samples),
+             "json": json.dumps([s.__dict__ for s in stages], indent=2, default=str)}
+    files = {ext: atomic_write(store.writable("report", f"{name}/report.{ext}"), text) for ext, text in texts.items()}
     store.publish("report", name)
-    return path
+    return {**files, "png": chart}

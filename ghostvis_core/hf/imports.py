@@ -28,7 +28,7 @@ from ghostvis_core.hf.names import expected_shapes, from_hf, model_config
 from ghostvis_core.hf.sources import local_copy
 from ghostvis_core.hf.tokenizer_json import from_hf_tokenizer
 from ghostvis_core.model.gpt import GPT
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
 from ghostvis_core.train import checkpoint as ckpt
 from ghostvis_core.train.runs import Upstream
 
@@ -107,7 +107,7 @@ class Imported:
     tokenizer: Tokenizer
 
 
-def import_checkpoint(store: LocalStore, uri: str) -> Imported:
+def import_checkpoint(store: Store, uri: str) -> Imported:
     """Fetch, check and (once per content) convert the checkpoint at `uri` into the store."""
     where = f"init_from {uri}"
     with local_copy(uri) as folder:
@@ -120,14 +120,14 @@ def import_checkpoint(store: LocalStore, uri: str) -> Imported:
     return Imported(Upstream(IMPORT_STAGE, key, store.uri_of("checkpoint", IMPORT_STAGE, key, step)), tok)
 
 
-def import_tokenizer(store: LocalStore, uri: str) -> Tokenizer:
+def import_tokenizer(store: Store, uri: str) -> Tokenizer:
     """The tokenizer of the HF checkpoint at `uri`, saved in the store, so the data can be tokenized
     as that model was trained before a stage starts from it (the `tokenizer` asset's `from_model`)."""
     with local_copy(uri) as folder:
         return _save_tokenizer_of(store, inspect_checkpoint(folder, f"tokenizer from_model {uri}"))
 
 
-def _save_tokenizer_of(store: LocalStore, hc: HFCheckpoint) -> Tokenizer:
+def _save_tokenizer_of(store: Store, hc: HFCheckpoint) -> Tokenizer:
     tok = from_hf_tokenizer(hc.folder / "tokenizer.json", hc.model.vocab_size)
     save_tokenizer(tok, store)
     return tok
@@ -142,11 +142,11 @@ def _content_digest(hc: HFCheckpoint) -> str:
     return h.hexdigest()[:16]
 
 
-def _write_checkpoint(store: LocalStore, hc: HFCheckpoint, key: str, step: str, uri: str) -> None:
+def _write_checkpoint(store: Store, hc: HFCheckpoint, key: str, step: str, uri: str) -> None:
     """model.safetensors + config.json ({stage, model}: what presets.resolve inherits) + COMPLETE, atomically."""
-    final = store.path("checkpoint", IMPORT_STAGE, key, step)
+    final = store.writable("checkpoint", IMPORT_STAGE, key, step)
     tmp = final.parent / f".tmp-{step}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir(parents=True)
+    tmp.mkdir()
     try:
         tensors = load_tensors(hc)  # tied: embed and lm_head are one tensor, which safetensors stores twice
         save_file({k: v.clone() if k == "lm_head.weight" and hc.model.tie_embeddings else v.contiguous()

@@ -11,27 +11,28 @@ import argparse
 import os
 import sys
 
+from ghostvis_core.cluster.run_files import split_run_uri
 from ghostvis_core.config import parse_sets
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import open_store
 from ghostvis_core.train import dist
 from ghostvis_core.train.loop import train
+from ghostvis_core.train.reasons import record_reason
 from ghostvis_core.train.spec import LaunchSpec
 
 
-def _leave_reason(spec, reason: str) -> None:
-    """The one-line reason the launcher shows (artifact run_error of this run)."""
+def _leave_reason(spec, rank: int, reason: str) -> None:
+    """This rank's reason, for the launcher (artifact run_error of this run and rank)."""
     if isinstance(spec, LaunchSpec):
-        open_store(spec.store).write_text("run_error", spec.stage, spec.run_key, text=reason + "\n")
+        record_reason(open_store(spec.store), spec.stage, spec.run_key, rank, reason)
 
 
 def read_spec(uri: str) -> LaunchSpec:
     """The spec at <store>/runs/<stage>/<run_key>/spec.json, read through its store (a folder or s3://)."""
-    store_uri, _, rest = uri.rpartition("/runs/")
-    parts = rest.split("/")
-    if not store_uri or len(parts) != 3 or parts[2] != "spec.json":
+    store_uri, stage, run_key, name = split_run_uri(uri)
+    if name != "spec.json":
         raise GhostvisError(f"--spec {uri}: expected <store>/runs/<stage>/<run_key>/spec.json")
-    return LaunchSpec.from_dict(open_store(store_uri).read_json("run_spec", parts[0], parts[1]))
+    return LaunchSpec.from_dict(open_store(store_uri).read_json("run_spec", stage, run_key))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,10 +70,10 @@ def main(argv: list[str] | None = None) -> int:
     except GhostvisError as exc:
         if ctx.is_main:
             print(f"error: {exc}", file=sys.stderr, flush=True)
-            _leave_reason(spec, str(exc))
+            _leave_reason(spec, ctx.rank, str(exc))
         return 2
     except BaseException as exc:
-        _leave_reason(spec, f"rank {ctx.rank}: {type(exc).__name__}: {exc}")
+        _leave_reason(spec, ctx.rank, f"{type(exc).__name__}: {exc}")
         raise
     finally:
         dist.teardown()

@@ -16,7 +16,7 @@ from typing import Any
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger, pieces_to_rows, row_ranges
 from ghostvis_core.data.loader import merge_pieces
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
 from ghostvis_core.train import checkpoint as ckpt
 from ghostvis_core.train.dist import DistContext, barrier, gather_objects
 from ghostvis_core.train.run import Run
@@ -82,12 +82,12 @@ def settle(run: Run) -> None:
         save_and_publish(run, pending.shards.step, pending.state, {"ledger": pending.ledger, **shards})
 
 
-def share_shard(store: LocalStore, ctx: DistContext, stage: str, run_key: str, step: int, staging: Path) -> None:
+def share_shard(store: Store, ctx: DistContext, stage: str, run_key: str, step: int, staging: Path) -> None:
     """Called by every rank once its DCP shard is written. On a store in a bucket the rank uploads its
     own shard file(s) into the checkpoint's place, rank 0 also DCP's `.metadata` (which `publish`, skipping
     hidden names, would leave out); a folder store needs nothing: every rank wrote into the same folder.
     The barrier then holds rank 0's marker until every shard is in the store."""
-    if store.uri != store.root.as_uri():
+    if not store.shared_folder:
         own = [*staging.glob(f"__{ctx.rank}_*.distcp"), *([staging / ".metadata"] if ctx.is_main else [])]
         for f in sorted(own):
             store.put_file("checkpoint", stage, run_key, f"{ckpt.step_dir_name(step)}/{ckpt.DCP_DIR}/{f.name}", src=f)
@@ -155,7 +155,7 @@ def part_record(run: Run, part_id: str, counts: TokenCounts, overlap: int) -> di
     }
 
 
-def publish_parts(store: LocalStore, run_dir: Path, only: Path | None = None) -> None:
+def publish_parts(store: Store, run_dir: Path, only: Path | None = None) -> None:
     """Copy committed checkpoints' ledger parts into the store's ledger (idempotent: same names)."""
     refs = [only] if only else [r.path for r in ckpt.list_complete(run_dir)]
     for path in refs:

@@ -14,7 +14,7 @@ from ghostvis_core.data.stream import ShardRef
 from ghostvis_core.model.vision import frozen_fingerprint
 from ghostvis_core.track.shard_input import ShardInput
 from ghostvis_core.train import checkpoint as ckpt
-from ghostvis_core.train.result import BatchShape, BeforeAfter, FrozenCheck, MixtureShare, RunResult
+from ghostvis_core.train.result import BeforeAfter, FrozenCheck, MixtureShare, RunResult
 from ghostvis_core.train.run import Run
 
 
@@ -39,7 +39,7 @@ def shard_inputs(run: Run, consumed: set[str]) -> list[ShardInput]:
     refs = [ShardRef.from_dict(d) for shards in spec.train_shards.values() for d in shards if d["shard_id"] in consumed]
     refs += [ShardRef.from_dict(d) for shards in spec.val_shards.values() for d in shards]
     return [ShardInput(r.shard_id, r.source, r.split, r.content_sha256, run.store.uri_of("raw_shard", r.shard_id),
-                       r.path) for r in refs]
+                       run.store.uri_of("token_shard", spec.tokenizer_id, r.shard_id)) for r in refs]
 
 
 def run_result(run: Run) -> RunResult:
@@ -47,7 +47,7 @@ def run_result(run: Run) -> RunResult:
     return RunResult(
         run_key=spec.run_key, stage=spec.stage, steps=s.step, segment=s.segment, counts=s.counts,
         planned_tokens=int(spec.plan["planned_tokens"]),
-        batch=BatchShape(p.micro_batch_size, p.seq_len, p.world_size, p.grad_accum_steps, p.tokens_per_step),
+        batch=p,
         train_loss=run.train_loss, val_loss=run.last_val.get("val/loss"),
         val_loss_start=s.history.get("val_start", {}).get("val/loss"),
         tokens_per_sec=round(run.clock.tokens_per_sec(p.tokens_per_step), 1),

@@ -33,7 +33,7 @@ import torch
 
 from ghostvis_core.config import GRPOConfig
 from ghostvis_core.counts import ROLLOUT_FIGURES, TokenCounts
-from ghostvis_core.data.loader import Batch, DocIndex, Row
+from ghostvis_core.data.loader import Batch, DocIndex, Row, rank_share
 from ghostvis_core.data.stream import Piece, SourceStream
 from ghostvis_core.data.tokenizer import Tokenizer
 from ghostvis_core.model.gpt import IGNORE_INDEX
@@ -225,7 +225,7 @@ def held_out_reward(src: GroupRows, policy, n_problems: int, ctx: DistContext) -
     stops = (src.tok.bos, src.tok.eot)
     n = min(n_problems, len(src.index.docs))
     sums = [0.0, 0.0, 0.0, 0.0]
-    for k in range(ctx.rank, n, ctx.world_size):
+    for k in rank_share(n, ctx.rank, ctx.world_size):
         pr = src.problem(k)
         out = policy.generate(pr.prompt.tolist(), src.cfg.max_new_tokens, stop_tokens=stops)
         text = src.tok.decode([t for t in out if t not in stops])

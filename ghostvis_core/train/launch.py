@@ -23,15 +23,16 @@ from ghostvis_core.hf.imports import import_checkpoint
 from ghostvis_core.hf.sources import is_hf_source
 from ghostvis_core.home import Home
 from ghostvis_core.run_modes import expand as expand_run_mode
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
 from ghostvis_core.train.objectives import build_objective
 from ghostvis_core.train.runs import Upstream, checkpoint_of, find_upstream, next_run_key
+from ghostvis_core.train.setup import localize_shards
 from ghostvis_core.train.spec import LaunchSpec, SourceBudget, StageInputs
 
 MLFLOW_EXPERIMENT = "ghostvis"
 
 
-def select_shards(ledger: Ledger, store: LocalStore, tokenizer_id: str, sources: list[str],
+def select_shards(ledger: Ledger, store: Store, tokenizer_id: str, sources: list[str],
                   split: str) -> dict[str, list[dict]]:
     """Ledger shards of the given sources and split; every token file must be in the store."""
     out: dict[str, list[dict]] = {s: [] for s in sources}
@@ -182,7 +183,7 @@ def resolve_stage(stage: str, preset: str, overrides: dict[str, Any], home: Home
     return Resolved(cfg, upstream, up_cfg, tok)
 
 
-def check_imported_data(cfg: StageConfig, tok: Tokenizer, store: LocalStore) -> None:
+def check_imported_data(cfg: StageConfig, tok: Tokenizer, store: Store) -> None:
     """An imported model trains on shards tokenized with its own tokenizer (its vocab_size, from its
     config.json, already covers the tokenizer's ids: from_hf_tokenizer checked it)."""
     if not Ledger.in_store(store).shards(tokenizer_id=tok.tokenizer_id):
@@ -325,7 +326,7 @@ def start_run(planned: PlannedRun, home: Home) -> LaunchSpec:
     """The pre-flight, then the attempt (the newest unfinished one is resumed, else a new one starts);
     saves the launch spec and, beside it, the identity and the code version that make the run."""
     spec, r = planned.spec, planned.resolved
-    objective = build_objective(spec, r.cfg)
+    objective = build_objective(with_local_shards(spec, home.store), r.cfg)
     check_stream_splits(Ledger.in_store(home.store), spec.tokenizer_id, objective)
     spec.inputs.source_budget = preflight(r.cfg, planned.plan.steps, objective)
     spec.run_key = next_run_key(home.store, spec.stage, planned.base_key)
@@ -334,6 +335,14 @@ def start_run(planned: PlannedRun, home: Home) -> LaunchSpec:
         "identity": planned.identity, "code_version": identity.code_version(*TRAINING_MODULES)})
     home.store.write_text("run_spec", spec.stage, spec.run_key, text=spec.to_json())
     return spec
+
+
+def with_local_shards(spec: LaunchSpec, store: Store) -> LaunchSpec:
+    """A copy of `spec` whose shards are this machine's copies of the token files (fetched from the store):
+    the pre-flight opens them here, while the saved spec keeps their store URIs for every node to fetch."""
+    local = LaunchSpec.from_dict(json.loads(spec.to_json()))
+    localize_shards(local, store)
+    return local
 
 
 def prepare_run(stage: str, *, preset: str = presets.DEFAULT_PRESET, overrides: dict[str, Any] | None = None,

@@ -21,10 +21,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ghostvis_core.budget import BatchPlan
+from ghostvis_core.batch import BatchPlan
 from ghostvis_core.config import StageConfig
 from ghostvis_core.data.loader import (
-    Batch, Batcher, CaptionRows, ChatRows, LMRows, PreferenceRows, micro_batch_rows,
+    Batch, Batcher, CaptionRows, ChatRows, LMRows, PreferenceRows, micro_batch_rows, rank_batches,
 )
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.tokenizer import load_tokenizer
@@ -123,11 +123,8 @@ class Objective:
 
     def mean_loss(self, model, rs, n_rows: int, ctx, autocast) -> float:
         """Mean loss over the first n_rows of a row source (rows split over ranks)."""
-        b = Batcher([rs], [1.0])
         total = count = 0.0
-        mine = list(range(ctx.rank, n_rows, ctx.world_size))
-        for i in range(0, len(mine), self.cfg.batch.micro_batch_size):
-            batch = b.batch(mine[i : i + self.cfg.batch.micro_batch_size])
+        for batch in rank_batches(rs, n_rows, ctx.rank, ctx.world_size, self.cfg.batch.micro_batch_size):
             with autocast():
                 total += float(self.loss_sum(model, batch, ctx.device))
             count += batch.counts.loss_tokens
@@ -270,13 +267,8 @@ class DPOObjective(Objective):
         out = {}
         for src in sorted(self.val_streams):
             rs, rows = self.val_rows(src)
-            rows -= rows % 2
-            b = Batcher([rs], [1.0])
             sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # loss, pref_acc, margin, chosen>rejected, pairs
-            pairs = list(range(ctx.rank, rows // 2, ctx.world_size))
-            step = max(1, self.cfg.batch.micro_batch_size // 2)
-            for i in range(0, len(pairs), step):
-                batch = b.batch([r for p in pairs[i : i + step] for r in (2 * p, 2 * p + 1)])
+            for batch in rank_batches(rs, rows, ctx.rank, ctx.world_size, self.cfg.batch.micro_batch_size, group=2):
                 with autocast():
                     s = self.scores(model, batch, ctx.device)
                     losses, chosen, rejected = self.pair_losses(s)

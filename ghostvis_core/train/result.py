@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ghostvis_core.batch import BatchPlan
 from ghostvis_core.counts import TokenCounts
 
 
@@ -43,17 +44,6 @@ class FrozenCheck:
 
 
 @dataclass
-class BatchShape:
-    """The four factors of tokens_per_step, as trained."""
-
-    micro_batch_size: int
-    seq_len: int
-    world_size: int
-    grad_accum_steps: int
-    tokens_per_step: int
-
-
-@dataclass
 class RunResult:
     run_key: str
     stage: str
@@ -61,7 +51,7 @@ class RunResult:
     segment: int
     counts: TokenCounts
     planned_tokens: int
-    batch: BatchShape
+    batch: BatchPlan  # the four factors of tokens_per_step, as trained
     train_loss: float
     val_loss: float | None
     val_loss_start: float | None
@@ -85,14 +75,14 @@ class RunResult:
     generated: dict[str, int] = field(default_factory=dict)  # rl: counts.ROLLOUT_FIGURES over the run
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "batch": self.batch.to_dict()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "RunResult":
         return cls(**{
             **data,
             "counts": TokenCounts(**data["counts"]),
-            "batch": BatchShape(**data["batch"]),
+            "batch": BatchPlan.of(data["batch"]),
             "evidence": {k: BeforeAfter(**v) for k, v in data["evidence"].items()},
             "mixture": {k: MixtureShare(**v) for k, v in data["mixture"].items()},
             "frozen": FrozenCheck(**data["frozen"]) if data.get("frozen") else None,

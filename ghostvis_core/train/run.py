@@ -8,11 +8,12 @@ from pathlib import Path
 
 import torch
 
-from ghostvis_core.budget import BatchPlan, batch_plan
+from ghostvis_core.batch import BatchPlan
+from ghostvis_core.budget import batch_plan
 from ghostvis_core.config import StageConfig
 from ghostvis_core.data.loader import Consumption
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
 from ghostvis_core.train.dist import DistContext
 from ghostvis_core.train.efficiency import Efficiency
 from ghostvis_core.train.feeds import FedLog
@@ -65,7 +66,7 @@ class Run:
     ctx: DistContext
     plan: BatchPlan
     total_steps: int
-    store: LocalStore
+    store: Store
     parallel: SingleProcess  # or a Replicated / Sharded subclass
     optimizer: torch.optim.Optimizer
     objective: Objective
@@ -90,7 +91,8 @@ class Run:
 
     @property
     def run_dir(self) -> Path:
-        return self.store.path("checkpoints", self.spec.stage, self.spec.run_key)
+        """This node's folder of the run's checkpoints (written here, then published to the store)."""
+        return self.store.writable("checkpoints", self.spec.stage, self.spec.run_key)
 
     def autocast(self):
         return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.bf16)

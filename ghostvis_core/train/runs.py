@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
 from ghostvis_core.train.result import RunResult
 
 
@@ -20,32 +20,39 @@ class Upstream:
     checkpoint: str
 
 
-def checkpoint_of(store: LocalStore, uri: str) -> Path:
+def checkpoint_of(store: Store, uri: str) -> Path:
     """The local folder of the checkpoint at `uri` (.../checkpoints/<stage>/<run_key>/<step>), fetched
     from the store by its key, so a moved store or another node finds it too."""
     stage, run_key, step = uri.rstrip("/").split("/")[-3:]
     return store.fetch("checkpoint", stage, run_key, step)
 
 
-def completed_runs(store: LocalStore, stage: str) -> list[RunResult]:
+def completed_runs(store: Store, stage: str) -> list[RunResult]:
     """Finished runs of a stage (not of its variants), oldest first."""
     return [run_result(store, stage, key) for _, key in store.keys("run_record", stage) if "@" not in key]
 
 
-def run_result(store: LocalStore, stage: str, run_key: str) -> RunResult:
+def newest_completed_run(store: Store, stage: str) -> RunResult | None:
+    """The stage's newest finished run (what a stage name means: the upstream a stage starts from, the
+    model evaluation loads, the run the audit and `ghostvis ledger --run <stage>` read), or None."""
+    runs = completed_runs(store, stage)
+    return runs[-1] if runs else None
+
+
+def run_result(store: Store, stage: str, run_key: str) -> RunResult:
     if not store.exists("run_record", stage, run_key):
         raise GhostvisError(f"stage {stage} run {run_key} has not completed; materialize the `{stage}` asset")
     return RunResult.from_dict(store.read_json("run_record", stage, run_key))
 
 
-def find_upstream(store: LocalStore, stage: str) -> Upstream:
-    runs = completed_runs(store, stage)
-    if not runs:
+def find_upstream(store: Store, stage: str) -> Upstream:
+    newest = newest_completed_run(store, stage)
+    if newest is None:
         raise GhostvisError(f"upstream stage '{stage}' has no completed run; materialize the `{stage}` asset first")
-    return Upstream(stage, runs[-1].run_key, runs[-1].checkpoint_uri)
+    return Upstream(stage, newest.run_key, newest.checkpoint_uri)
 
 
-def attempts(store: LocalStore, stage: str, base: str) -> list[tuple[int, str]]:
+def attempts(store: Store, stage: str, base: str) -> list[tuple[int, str]]:
     """(n, run key) of every attempt base-r<n> of one run identity that wrote a checkpoint folder, oldest first."""
     found = []
     for _, key in store.keys("checkpoints", stage):
@@ -55,12 +62,12 @@ def attempts(store: LocalStore, stage: str, base: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def completed_attempts(store: LocalStore, stage: str, base: str) -> list[str]:
+def completed_attempts(store: Store, stage: str, base: str) -> list[str]:
     """Run keys of the finished attempts of one run identity, newest first: what a cache hit may reuse."""
     return [key for _, key in reversed(attempts(store, stage, base)) if store.exists("run_record", stage, key)]
 
 
-def next_run_key(store: LocalStore, stage: str, base: str) -> str:
+def next_run_key(store: Store, stage: str, base: str) -> str:
     """base-r<n>: the newest unfinished attempt is resumed; after a finished one, a new attempt starts."""
     found = attempts(store, stage, base)
     if not found:

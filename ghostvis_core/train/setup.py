@@ -10,7 +10,7 @@ from ghostvis_core.config import StageConfig
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.model.gpt import GPT
 from ghostvis_core.model.vision import frozen_fingerprint
-from ghostvis_core.store import LocalStore, open_store
+from ghostvis_core.store import Store, open_store
 from ghostvis_core.train import checkpoint as ckpt
 from ghostvis_core.train import float8
 from ghostvis_core.train.commit import publish_parts
@@ -36,7 +36,7 @@ def setup(spec: LaunchSpec, ctx: DistContext) -> Run:
     torch.manual_seed(cfg.data.seed)
     model = build_model(cfg, ctx)
     resume = newest_checkpoint(store, spec)
-    run_dir = store.path("checkpoints", spec.stage, spec.run_key)
+    run_dir = store.writable("checkpoints", spec.stage, spec.run_key)
     agree(resume.step if resume else None, ctx, f"the checkpoint step to resume from in {run_dir}")
     if resume is not None:
         ckpt.load_model(resume.path, model)
@@ -67,19 +67,19 @@ def setup(spec: LaunchSpec, ctx: DistContext) -> Run:
                efficiency=efficiency(cfg, ctx.device, bf16, plan.world_size))
 
 
-def localize_shards(spec: LaunchSpec, store: LocalStore) -> None:
+def localize_shards(spec: LaunchSpec, store: Store) -> None:
     """Point the spec's shards at this node's copies (fetched from the store by key when it is remote)."""
     for refs in (*spec.train_shards.values(), *spec.val_shards.values()):
         for ref in refs:
             ref["path"] = str(store.fetch("token_shard", spec.tokenizer_id, ref["shard_id"]))
 
 
-def newest_checkpoint(store: LocalStore, spec: LaunchSpec) -> ckpt.CheckpointRef | None:
+def newest_checkpoint(store: Store, spec: LaunchSpec) -> ckpt.CheckpointRef | None:
     """The run's newest committed checkpoint in the store (fetched to this node), or None."""
     steps = sorted(k[2] for k in store.keys("checkpoint_marker", spec.stage, spec.run_key) if ckpt.is_step_dir(k[2]))
     if steps:
         store.fetch("checkpoint", spec.stage, spec.run_key, steps[-1])
-    return ckpt.latest_complete(store.path("checkpoints", spec.stage, spec.run_key))
+    return ckpt.latest_complete(store.writable("checkpoints", spec.stage, spec.run_key))
 
 
 def build_model(cfg: StageConfig, ctx: DistContext) -> GPT:

@@ -125,7 +125,8 @@ def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> Materializ
     total = fetched = 0
     for key in keys:
         manifest = manifests[key]
-        r = fetch_shard(key, manifest.entry(key), store.fetch("raw_shard", key))
+        local = store.fetch("raw_shard", key) if store.exists("raw_shard", key) else store.writable("raw_shard", key)
+        r = fetch_shard(key, manifest.entry(key), local)
         store.publish("raw_shard", key)
         split = record_raw_shard(store, manifest, key, r.sha256, r.bytes)
         total += r.bytes

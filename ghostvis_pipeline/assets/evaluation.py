@@ -21,7 +21,7 @@ from ghostvis_core.eval.harness import (CLOZE_FILE, CLOZE_TASK, DEFAULT_TASKS, G
 from ghostvis_core.eval.report import stage_report, write_report
 from ghostvis_core.identity import code_version, digest
 from ghostvis_core.stages import stage_names
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
 from ghostvis_core.track.mlflow_records import add_files, add_to_run, metric_histories
 from ghostvis_core.train.runs import run_result
 from ghostvis_pipeline.metadata import latest_metadata, md_table
@@ -35,13 +35,15 @@ def lineage_run_keys(context) -> dict[str, str]:
     return {s: latest_metadata(context, s)["run_key"] for s in STAGES}
 
 
-def eval_shards(store: LocalStore, tokenizer_id: str, lineage: dict[str, str]) -> dict[str, list[dict]]:
+def eval_shards(store: Store, tokenizer_id: str, lineage: dict[str, str]) -> dict[str, list[dict]]:
     """The held-out plain-text shards every stage is scored on: the validation sources of the
     lineage's first stage (its data.val_sources, in that order) that have text validation shards
-    in the ledger for the tokenizer."""
+    in the ledger for the tokenizer; each shard's path is this machine's copy of its token file."""
     first = next(iter(lineage))
     sources = stage_config(store, run_result(store, first, lineage[first])).data.val_sources
-    return held_out_text_shards(Ledger.in_store(store), tokenizer_id, sources)
+    held_out = held_out_text_shards(Ledger.in_store(store), tokenizer_id, sources)
+    return {source: [{**ref, "path": str(store.fetch("token_shard", tokenizer_id, ref["shard_id"]))} for ref in refs]
+            for source, refs in held_out.items()}
 
 
 # The modules that make each eval asset (their code_version, ghostvis_core/identity.py).
@@ -61,7 +63,7 @@ class EvaluationConfig(Config):
     bpb_tolerance: dict[str, float] = {}
 
 
-def evaluation_identity(store: LocalStore, tokenizer_id: str, lineage: dict[str, str], val: dict,
+def evaluation_identity(store: Store, tokenizer_id: str, lineage: dict[str, str], val: dict,
                         config: EvaluationConfig) -> dict:
     """What the scores depend on: each stage's run (its data version), the held-out shards by content,
     the tokenizer, the benchmark's settings and the harness tasks (their files by content)."""
@@ -205,7 +207,7 @@ def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisH
     return _report_result(store, name, md, key, cached=False)
 
 
-def _report_result(store: LocalStore, name: str, md: dict, key: str, cached: bool) -> MaterializeResult:
+def _report_result(store: Store, name: str, md: dict, key: str, cached: bool) -> MaterializeResult:
     """The card's metadata (its files where the store is now); data version = the card's identity."""
     out = {**md, "report_html": MetadataValue.path(store.uri_of("report", f"{name}/report.html")),
            "report_md": MetadataValue.md(store.read_text("report", f"{name}/report.md"))}

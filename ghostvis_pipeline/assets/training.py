@@ -20,7 +20,7 @@ from ghostvis_core.hf.export import export_run
 from ghostvis_core.home import Home
 from ghostvis_core.stages import Stage, stage as stage_of
 from ghostvis_core.identity import code_version
-from ghostvis_core.store import LocalStore
+from ghostvis_core.store import Store
 from ghostvis_core.track.mlflow_models import StageModel, register_stage_model
 from ghostvis_core.train.launch import TRAINING_MODULES, PlannedRun, plan_run, start_run
 from ghostvis_core.train.result import RunResult
@@ -58,7 +58,7 @@ def mlflow_url(experiment_id: str, run_id: str) -> str:
 
 def result_metadata(r: RunResult) -> dict:
     """The run's figures: the four token counts, the batch factors, losses, evidence, mixture."""
-    md: dict = {k: MetadataValue.int(v) for k, v in {**r.counts.as_dict(), **r.batch.__dict__}.items()}
+    md: dict = {k: MetadataValue.int(v) for k, v in {**r.counts.as_dict(), **r.batch.to_dict()}.items()}
     md |= {"planned_tokens": MetadataValue.int(r.planned_tokens), "steps": MetadataValue.int(r.steps),
            "segment": MetadataValue.int(r.segment)}
     md |= {k: MetadataValue.int(v) for k, v in r.generated.items()}  # rl: generated/rewarded tokens, completions
@@ -84,7 +84,7 @@ def result_metadata(r: RunResult) -> dict:
     return md
 
 
-def lineage_metadata(r: RunResult, spec: LaunchSpec, store: LocalStore) -> dict:
+def lineage_metadata(r: RunResult, spec: LaunchSpec, store: Store) -> dict:
     """Where the run lives and what it came from: run key, MLflow run, checkpoint (where the store is
     now, also for a run made before the store moved), tokenizer, upstream."""
     checkpoint = store.uri_of("checkpoint", r.stage, r.run_key, r.checkpoint_uri.rstrip("/").rsplit("/", 1)[-1])
@@ -161,7 +161,7 @@ def _materialize(context, stage: Stage, config: StageRunConfig, home: GhostvisHo
     return MaterializeResult(metadata=md, data_version=DataVersion(spec.run_key))
 
 
-def stage_model(stage: Stage, spec: LaunchSpec, result: RunResult, store: LocalStore) -> StageModel:
+def stage_model(stage: Stage, spec: LaunchSpec, result: RunResult, store: Store) -> StageModel:
     """The run's model as the registry sees it: the stage's alias, the lineage as version tags."""
     tags = {**spec.tags, "ghostvis.checkpoint_uri": result.checkpoint_uri}
     if spec.parent_run_key and spec.tags.get("ghostvis.upstream_stage") == stage.upstream:  # not an HF import

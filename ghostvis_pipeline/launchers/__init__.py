@@ -30,6 +30,10 @@ class Launcher(ConfigurableResource):
     kind: str = Field("local", description="local | torchrun | slurm | kubernetes")
     nproc_per_node: int = Field(0, description="ranks per node; 0: the stage's batch.world_size / nodes")
     profile: str = Field("local", description="named environment settings: local, no-nvlink, no-infiniband, pcie-cloud")
+    send_credentials: bool = Field(True, description="false: no credential of the Dagster host's environment "
+                                   "(AWS_*, MLFLOW_TRACKING_PASSWORD/TOKEN, any *SECRET*/*TOKEN*/*KEY*) goes to "
+                                   "sbatch (slurm) or a node shell (torchrun); the nodes use their own (environment, "
+                                   "credentials file, instance role). kubernetes sends only the Secrets it lists")
     torchrun: MultiNodeConfig = MultiNodeConfig()
     slurm: SlurmConfig = SlurmConfig()
     kubernetes: KubernetesConfig = KubernetesConfig()

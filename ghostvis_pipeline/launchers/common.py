@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 from dagster import Failure
 
 from ghostvis_core.home import Home
+from ghostvis_core.cluster.slurm import is_secret
 from ghostvis_core.cluster.torchrun import worker_env
+from ghostvis_core.train.reasons import clear_reasons, run_reason
 from ghostvis_core.train.spec import LaunchSpec
 
 # Named launcher profiles: environment settings known to be needed on some clusters, chosen by
@@ -25,21 +29,29 @@ def job_env(profile: str, nproc_per_node: int, cpus: int | None = None) -> dict[
     return {**worker_env(nproc_per_node, cpus), **LAUNCH_PROFILES[profile]}
 
 
+def host_environment(send_credentials: bool) -> dict[str, str]:
+    """This host's environment for what starts a job elsewhere (sbatch, a node shell), with or without
+    its credentials (launcher send_credentials; without: the nodes use their own environment,
+    credentials file or instance role)."""
+    return {name: value for name, value in os.environ.items() if send_credentials or not is_secret(name)}
+
+
 def spec_uri(home: Home, spec: LaunchSpec) -> str:
     """Where every node reads the run's spec (a path in the shared store)."""
     return home.store.uri_of("run_spec", spec.stage, spec.run_key)
 
 
 def clear_reason(home: Home, spec: LaunchSpec) -> None:
-    """An earlier attempt's failure reason is not this one's."""
-    home.store.delete("run_error", spec.stage, spec.run_key)
+    """An earlier attempt's failure reasons are not this one's."""
+    clear_reasons(home.store, spec.stage, spec.run_key)
 
 
 def failure(home: Home, spec: LaunchSpec, fallback: str, allow_retries: bool = True) -> Failure:
-    """The run's own one-line reason (left in the store by a rank) or the launcher's."""
-    failed = home.store.exists("run_error", spec.stage, spec.run_key)
-    reason = home.store.read_text("run_error", spec.stage, spec.run_key).strip() if failed else fallback
-    return Failure(f"{spec.stage} run {spec.run_key} failed: {reason}", allow_retries=allow_retries)
+    """The run's own reason (the first failing rank's, then the others', left in the store by the ranks),
+    then the launcher's; the launcher's alone when no rank left one."""
+    reason = run_reason(home.store, spec.stage, spec.run_key)
+    told = f"{reason}\n({fallback})" if reason else fallback
+    return Failure(f"{spec.stage} run {spec.run_key} failed: {told}", allow_retries=allow_retries)
 
 
 def require_result(home: Home, spec: LaunchSpec) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import urllib.parse
 import threading
 import time
 
@@ -38,20 +39,27 @@ def plan(launcher, spec: LaunchSpec, home: Home) -> tuple[KubernetesJob, RunTarg
         check_config(job)
         nproc = launcher.ranks_per_node(spec)
         run = RunTarget(stage=spec.stage, run_key=spec.run_key, spec_uri=spec_uri(home, spec),
-                        store_path=str(home.store.root), nproc_per_node=nproc,
+                        store_path=store_folder(home), nproc_per_node=nproc,
                         env=job_env(launcher.profile, nproc, job.cpu))
         check_job(job, run)
     except GhostvisError as exc:
         raise Failure(str(exc), allow_retries=False) from None
-    if not job.store_claim and home.store.uri.startswith("file:"):
+    if not job.store_claim and run.store_path:
         raise Failure(f"launcher kubernetes.store_claim is empty: pods cannot see the store folder "
-                      f"{home.store.root}; set store_claim to a ReadWriteMany PVC that the Dagster host mounts "
+                      f"{run.store_path}; set store_claim to a ReadWriteMany PVC that the Dagster host mounts "
                       "there, or use an S3 store (docs/launch-kubernetes.md)", allow_retries=False)
     if spec.mlflow_tracking_uri.startswith(("sqlite:", "file:", "/", ".")):
         raise Failure(f"MLflow tracking URI {spec.mlflow_tracking_uri} is a file on the Dagster host that pods "
                       "cannot reach: run a tracking server and set MLFLOW_TRACKING_URI=http(s)://... where "
                       "Dagster runs", allow_retries=False)
     return job, run
+
+
+def store_folder(home: Home) -> str:
+    """The store's folder on the Dagster host, where the pods mount store_claim; "" for a bucket store,
+    which the pods reach by its URI."""
+    parsed = urllib.parse.urlparse(home.store.uri)
+    return urllib.parse.unquote(parsed.path) if parsed.scheme == "file" else ""
 
 
 def run_kubernetes(context: AssetExecutionContext, spec: LaunchSpec, home: Home, launcher) -> None:
@@ -89,7 +97,10 @@ def _run_indexed_job(context: AssetExecutionContext, spec: LaunchSpec, home: Hom
         service, manifest = render_indexed_job(job, run)
         name = manifest["metadata"]["name"]
         command = " ".join(manifest["spec"]["template"]["spec"]["containers"][0]["command"])
-        context.log.info(f"launching Indexed Job {job.namespace}/{name}, {job.nodes} pods: {command}")
+        uri = home.store.write_json("run_file", spec.stage, spec.run_key, f"kubernetes/{context.run.run_id}.json",
+                                    data={"apiVersion": "v1", "kind": "List", "items": [service, manifest]})
+        context.log.info(f"launching Indexed Job {job.namespace}/{name}, {job.nodes} pods: {command}; its "
+                         f"Service and Job: {uri} (`ghostvis store cat {uri} | kubectl apply -f -`)")
         try:
             _create(core.create_namespaced_service, job.namespace, service, created)
             _create(batch.create_namespaced_job, job.namespace, manifest, created)

@@ -1,39 +1,53 @@
-"""Dagster Pipes for ranks on other machines: rank 0 writes its messages into the run's folder in the
-shared store (a file on a shared filesystem, or objects in the store's bucket), and the launcher on
-the Dagster host reads them from there."""
+"""Dagster Pipes for ranks on any machine: rank 0 writes its messages as numbered chunks into the run's
+folder in the store (`run_file` pipes/<attempt>/<n>.json, ghostvis_core/track/pipes.py), and the
+launcher on the Dagster host reads them from there, whatever the store is (a folder, a shared
+filesystem or a bucket)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from dagster import (
-    AssetExecutionContext, PipesEnvContextInjector, PipesFileMessageReader, PipesMessageReader, open_pipes_session,
-)
+from dagster import AssetExecutionContext, PipesBlobStoreMessageReader, PipesEnvContextInjector, open_pipes_session
 
+from ghostvis_core.store import Store
 from ghostvis_core.home import Home
-from ghostvis_core.s3_store import S3Store
+from ghostvis_core.track.pipes import (
+    ATTEMPT_PARAM, CHUNK_INTERVAL_S, RUN_KEY_PARAM, STAGE_PARAM, STORE_PARAM, chunk_name,
+)
 from ghostvis_core.train.spec import LaunchSpec
 
 
-def store_message_reader(home: Home, spec: LaunchSpec, attempt: str) -> PipesMessageReader:
-    """Messages through the store: S3 objects (rank 0 picks the S3 writer from the bootstrap
-    parameters) or a file in the run's folder (`run_file` pipes/<attempt>.jsonl)."""
-    store = home.store
-    if isinstance(store, S3Store):
-        from dagster_aws.pipes import PipesS3MessageReader
+class StoreMessageReader(PipesBlobStoreMessageReader):
+    """Reads one launch attempt's message chunks from the store, in order, as they appear."""
 
-        return PipesS3MessageReader(bucket=store.bucket, client=store.s3, interval=2)
-    path = store.path("run_file", spec.stage, spec.run_key, f"pipes/{attempt}.jsonl")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.unlink(missing_ok=True)
-    return PipesFileMessageReader(str(path), include_stdio_in_messages=False)
+    def __init__(self, store: Store, spec: LaunchSpec, attempt: str):
+        super().__init__(interval=CHUNK_INTERVAL_S)
+        self.store, self.stage, self.run_key, self.attempt = store, spec.stage, spec.run_key, attempt
+
+    @contextmanager
+    def get_params(self) -> Iterator[dict]:
+        yield {STORE_PARAM: self.store.uri, STAGE_PARAM: self.stage, RUN_KEY_PARAM: self.run_key,
+               ATTEMPT_PARAM: self.attempt}
+
+    def messages_are_readable(self, params: dict) -> bool:
+        return self.store.exists("run_file", self.stage, self.run_key, chunk_name(self.attempt, 1))
+
+    def download_messages_chunk(self, index: int, params: dict) -> str | None:
+        name = chunk_name(self.attempt, index)
+        if not self.store.exists("run_file", self.stage, self.run_key, name):
+            return None
+        return self.store.read_text("run_file", self.stage, self.run_key, name)
+
+    def no_messages_debug_text(self) -> str:
+        first = self.store.uri_of("run_file", self.stage, self.run_key, chunk_name(self.attempt, 1))
+        return f"no Pipes messages at {first}: rank 0 writes them there once it runs and reaches the store"
 
 
 @contextmanager
 def store_pipes_session(context: AssetExecutionContext, home: Home, spec: LaunchSpec, attempt: str) -> Iterator:
     """A Pipes session whose messages travel through the store. Pass `session.get_bootstrap_env_vars()`
     to the job's environment; the messages arrive as the session runs and when it closes."""
-    reader = store_message_reader(home, spec, attempt)
+    reader = StoreMessageReader(home.store, spec, attempt)
     with open_pipes_session(context, PipesEnvContextInjector(), reader) as session:
         yield session

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections.abc import Mapping
 
 import psutil
 
@@ -17,9 +18,9 @@ STOP_GRACE_S = 30  # torchrun stops its ranks on SIGTERM (waiting up to 30 s for
 POLL_S = 0.5
 
 
-def start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
-    """`cmd` with this process's environment plus `env`."""
-    return subprocess.Popen(cmd, env={**os.environ, **env})
+def start(cmd: list[str], env: dict[str, str], inherit: Mapping[str, str] | None = None) -> subprocess.Popen:
+    """`cmd` with `inherit` (None: this process's environment) plus `env`."""
+    return subprocess.Popen(cmd, env={**(os.environ if inherit is None else inherit), **env})
 
 
 def wait(nodes: dict[str, subprocess.Popen]) -> tuple[str, int] | None:

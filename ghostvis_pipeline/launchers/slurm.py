@@ -1,26 +1,51 @@
 """The `slurm` launcher: one sbatch job (`srun torchrun` on N nodes), followed until it ends, its
-output streamed into the Dagster log, cancelled with the Dagster run. Rank 0 reports through Pipes
-messages in the shared store; the job's end state decides whether a retry resumes the run."""
+output streamed into the Dagster log, cancelled with the Dagster run. Nothing needs a folder that the
+Dagster host shares with the cluster: the script goes to sbatch on its stdin (and into the store, for
+people), the job ships its output to the store as it runs (ghostvis_core/cluster/ship_output.py),
+rank 0 reports through Pipes messages in the store, and the job's end state decides whether a retry
+resumes the run."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import time
-from pathlib import Path
 
 from dagster import AssetExecutionContext, DagsterRunStatus, Failure
 
-from ghostvis_core.cluster.slurm import SlurmJob, job_outcome, redact, render_sbatch
+from ghostvis_core.cluster.ship_output import chunk_name
+from ghostvis_core.cluster.slurm import SlurmJob, job_outcome, redact, render_sbatch, ship_command
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
+from ghostvis_core.store import Store
 from ghostvis_core.train.spec import LaunchSpec
 from ghostvis_pipeline.config import config_from_dataclass
-from ghostvis_pipeline.launchers.common import clear_reason, failure, job_env, require_result, spec_uri
+from ghostvis_pipeline.launchers.common import (
+    clear_reason, failure, host_environment, job_env, require_result, spec_uri,
+)
 from ghostvis_pipeline.launchers.pipes import store_pipes_session
 
 SlurmConfig = config_from_dataclass(SlurmJob)
+
+
+class JobOutput:
+    """The job's output as the batch node ships it: numbered chunks (`run_file` slurm/<attempt>/out/<seq>.txt)."""
+
+    def __init__(self, store: Store, spec: LaunchSpec, attempt: str):
+        self.store, self.key, self.name = store, (spec.stage, spec.run_key), f"slurm/{attempt}/out"
+        self.shipped = 0  # chunks already logged
+
+    @property
+    def uri(self) -> str:
+        return self.store.uri_of("run_file", *self.key, self.name)
+
+    def stream(self, context: AssetExecutionContext) -> None:
+        """Log the chunks that arrived since the last call, in order, secrets redacted."""
+        while self.store.exists("run_file", *self.key, chunk_name(self.name, self.shipped + 1)):
+            text = self.store.read_text("run_file", *self.key, chunk_name(self.name, self.shipped + 1))
+            for line in text.splitlines():
+                context.log.debug(redact(line))  # debug: rank 0's own lines also arrive through Pipes, at info
+            self.shipped += 1
 
 
 def run_slurm(context: AssetExecutionContext, spec: LaunchSpec, home: Home, launcher) -> None:
@@ -30,43 +55,45 @@ def run_slurm(context: AssetExecutionContext, spec: LaunchSpec, home: Home, laun
     nproc = launcher.ranks_per_node(spec)
     attempt = f"{context.run_id[:8]}-{context.retry_number}"
     clear_reason(home, spec)
+    output = JobOutput(home.store, spec, attempt)
     with store_pipes_session(context, home, spec, attempt) as session:
         env = {**job_env(launcher.profile, nproc, job.cpus_per_task), **session.get_bootstrap_env_vars()}
-        script, output = write_script(home, spec, job, nproc, attempt, env)
-        context.log.info(f"sbatch script {script}:\n{redact(script.read_text())}")
-        job_id = submit(script, env)
-        context.log.info(f"{spec.stage} run {spec.run_key}: Slurm job {job_id}, output {output}")
+        script = job_script(home, spec, job, nproc, env, output.name)
+        uri = home.store.write_text("run_file", spec.stage, spec.run_key, f"slurm/{attempt}.sbatch", text=script)
+        context.log.info(f"sbatch script {uri} (submit it by hand: `ghostvis store cat {uri} | sbatch`):\n"
+                         f"{redact(script)}")
+        job_id = submit(script, {**host_environment(launcher.send_credentials), **env})  # --export=ALL
+        context.log.info(f"{spec.stage} run {spec.run_key}: Slurm job {job_id}, its output arriving at {output.uri}")
         state = follow_or_cancel(context, job_id, output, job.poll_seconds)
     context.log.info(f"Slurm job {job_id} ended {state}")
-    end(home, spec, job_id, state, output)
+    end(home, spec, job_id, state, output.uri)
 
 
-def write_script(home: Home, spec: LaunchSpec, job: SlurmJob, nproc: int, attempt: str,
-                 env: dict[str, str]) -> tuple[Path, Path]:
-    """The job script and its output file, both in the run's folder of the store (every node sees it)."""
-    output = home.store.path("run_file", spec.stage, spec.run_key, f"slurm/{attempt}.out")
+def job_script(home: Home, spec: LaunchSpec, job: SlurmJob, nproc: int, env: dict[str, str], out: str) -> str:
+    """The job script, its output shipped to the store (`run_file` <out>/<seq>.txt)."""
+    ship = ship_command(job, home.store.uri, spec.stage, spec.run_key, out)
     try:
-        text = render_sbatch(job, spec_uri(home, spec), nproc, str(output), env)
+        return render_sbatch(job, spec_uri(home, spec), nproc, env, ship)
     except GhostvisError as exc:
         raise Failure(str(exc), allow_retries=False) from None
-    script = home.store.write_text("run_file", spec.stage, spec.run_key, f"slurm/{attempt}.sbatch", text=text)
-    return script, output
 
 
-def slurm_cli(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def slurm_cli(args: list[str], env: dict[str, str] | None = None,
+              stdin: str | None = None) -> subprocess.CompletedProcess:
     """A Slurm client command (sbatch, scontrol, sacct, scancel) on the Dagster host."""
     try:
-        return subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+        return subprocess.run(args, env=env, input=stdin, capture_output=True, text=True, timeout=120)
     except FileNotFoundError:
         raise Failure(f"slurm launcher: '{args[0]}' is not on this host's PATH; install the Slurm client "
                       "(`make slurm`) or run Dagster on a login node of the cluster", allow_retries=False) from None
 
 
-def submit(script: Path, env: dict[str, str]) -> str:
-    """The job id. Secrets of this host's environment reach the job through sbatch's environment, not the script."""
-    proc = slurm_cli(["sbatch", "--parsable", str(script)], env={**os.environ, **env})
+def submit(script: str, env: dict[str, str]) -> str:
+    """The job id. The script goes on sbatch's stdin (no file the cluster would have to see); secrets
+    reach the job, if at all, through sbatch's environment, never the script."""
+    proc = slurm_cli(["sbatch", "--parsable"], env=env, stdin=script)
     if proc.returncode != 0:
-        raise Failure(f"sbatch refused {script}: {proc.stderr.strip()}; fix the launcher's slurm config "
+        raise Failure(f"sbatch refused the job script: {proc.stderr.strip()}; fix the launcher's slurm config "
                       "(partition, account, qos, extra_sbatch) or the cluster", allow_retries=False)
     return proc.stdout.strip().split(";")[0]
 
@@ -86,26 +113,13 @@ def job_state(job_id: str) -> str:
                   "launcher can read how jobs end")
 
 
-def stream(context: AssetExecutionContext, output: Path, offset: int) -> int:
-    """Log the output's complete lines past `offset`; return the offset after them."""
-    if not output.exists():
-        return offset
-    with output.open("rb") as f:
-        f.seek(offset)
-        data = f.read()
-    whole = data[: data.rfind(b"\n") + 1]
-    for line in whole.decode(errors="replace").splitlines():
-        context.log.debug(line)  # debug: rank 0's own lines also arrive through Pipes, at info
-    return offset + len(whole)
-
-
-def follow(context: AssetExecutionContext, job_id: str, output: Path, poll_seconds: float) -> str:
+def follow(context: AssetExecutionContext, job_id: str, output: JobOutput, poll_seconds: float) -> str:
     """Wait for the job's final state, streaming its output; stop when the Dagster run is terminated."""
-    offset = 0
     while True:
         state = job_state(job_id)
-        offset = stream(context, output, offset)
+        output.stream(context)
         if job_outcome(state) is not None:
+            output.stream(context)  # the batch step ships its last chunk before it ends
             return state
         run = context.instance.get_run_by_id(context.run_id)
         if run is not None and run.status in (DagsterRunStatus.CANCELING, DagsterRunStatus.CANCELED):
@@ -115,7 +129,7 @@ def follow(context: AssetExecutionContext, job_id: str, output: Path, poll_secon
         time.sleep(poll_seconds)
 
 
-def follow_or_cancel(context: AssetExecutionContext, job_id: str, output: Path, poll_seconds: float) -> str:
+def follow_or_cancel(context: AssetExecutionContext, job_id: str, output: JobOutput, poll_seconds: float) -> str:
     """Follow the job; if following stops for any reason (interrupt, termination, error), the job
     must not run on unwatched, holding nodes and writing to the run."""
     try:
@@ -126,7 +140,7 @@ def follow_or_cancel(context: AssetExecutionContext, job_id: str, output: Path, 
         raise
 
 
-def end(home: Home, spec: LaunchSpec, job_id: str, state: str, output: Path) -> None:
+def end(home: Home, spec: LaunchSpec, job_id: str, state: str, output_uri: str) -> None:
     """Map the job's final state: ok needs the run's record; a resumable end asks for a retry; a failed
     one does not (a bug or OOM would recur, a cancel was meant): re-materialize once it is fixed."""
     outcome = job_outcome(state)
@@ -135,6 +149,6 @@ def end(home: Home, spec: LaunchSpec, job_id: str, state: str, output: Path) -> 
                       "re-materialization with the same config resumes the run from its newest checkpoint",
                       allow_retries=True)
     if outcome == "failed":
-        raise failure(home, spec, f"Slurm job {job_id} ended {state}; its output is {output}", allow_retries=False)
+        raise failure(home, spec, f"Slurm job {job_id} ended {state}; its output is in the store at {output_uri}",
+                      allow_retries=False)
     require_result(home, spec)
-

@@ -1,0 +1,44 @@
+"""Why a run failed, one record per failing rank (artifact run_error: stage, run_key, rank), so that
+rank 1's follow-on error ("Connection closed by peer") never hides rank 0's root cause ("No space
+left on device"). The run's reason is the first failure in time, with its rank and host; the other
+ranks' follow."""
+
+from __future__ import annotations
+
+import socket
+from datetime import datetime, timezone
+
+from ghostvis_core.store import Store
+
+
+def record_reason(store: Store, stage: str, run_key: str, rank: int, reason: str) -> None:
+    """Rank `rank`'s reason with its host and time (UTC, ISO 8601); a rank's first reason is kept."""
+    if store.exists("run_error", stage, run_key, str(rank)):
+        return
+    store.write_json("run_error", stage, run_key, str(rank), data={
+        "rank": rank, "host": socket.gethostname(), "time": datetime.now(timezone.utc).isoformat(),
+        "reason": reason})
+
+
+def rank_reasons(store: Store, stage: str, run_key: str) -> list[dict]:
+    """Every failing rank's record, first failure first."""
+    records = [store.read_json("run_error", *key) for key in store.keys("run_error", stage, run_key)]
+    return sorted(records, key=lambda r: (r["time"], r["rank"]))
+
+
+def run_reason(store: Store, stage: str, run_key: str) -> str | None:
+    """The run's reason: the first failure (rank, host, reason), then the other ranks' one per line; None
+    when no rank left one."""
+    records = rank_reasons(store, stage, run_key)
+    if not records:
+        return None
+    lines = [f"rank {r['rank']} on {r['host']} at {r['time']}: {r['reason']}" for r in records]
+    if len(lines) == 1:
+        return lines[0]
+    return lines[0] + "\nthen " + "\nthen ".join(lines[1:])
+
+
+def clear_reasons(store: Store, stage: str, run_key: str) -> None:
+    """An earlier attempt's reasons are not this one's."""
+    for key in store.keys("run_error", stage, run_key):
+        store.delete("run_error", *key)

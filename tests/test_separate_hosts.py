@@ -1,0 +1,174 @@
+"""The launchers on hosts that share nothing but an S3 bucket (issue 23): a Dagster host and two nodes,
+each in its own network, mount and UTS namespace made by the test (tests/hosts.py), the store in a
+bucket on an S3 server and MLflow a tracking server, both on the Dagster host. The prebuilt demo
+home's store is moved into the bucket and deleted, so nothing can come from a folder. Every run ends
+bit-identical to the same run on one machine with 2 ranks (`pretrain_reference`), and `ghostvis audit`
+passes after it. The namespaces need root: without them the test fails, saying so; it never skips."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from pathlib import Path
+
+import pytest
+
+from ghostvis_core.store import open_store
+from ghostvis_core.train import checkpoint as ckpt
+from ghostvis_core.train.runs import run_result
+from tests.conftest import BIN, copy_home, materialize_pretrain
+from tests.hosts import (
+    HOST_ADDR,
+    another_home,
+    make_hosts,
+    move_store_to_bucket,
+    slurm_placement,
+    start_servers,
+)
+from tests.slurm_cluster import start_cluster
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def hosts(demo_home, tmp_path_factory):
+    """One set of hosts for the module: servers up, the demo home's store in the bucket."""
+    hosts = make_hosts(tmp_path_factory.mktemp("hosts"), secret=f"gvFakeSecret{secrets.token_hex(12)}")
+    try:
+        copy_home(demo_home, hosts.home)
+        start_servers(hosts)
+        move_store_to_bucket(hosts)
+        yield hosts
+    finally:
+        hosts.stop()
+
+
+def weights(run_dir: Path) -> bytes:
+    return (ckpt.latest_complete(run_dir).path / "model.safetensors").read_bytes()
+
+
+def new_run(hosts, store_uri: str, demo_home: Path, dest: Path) -> tuple[Path, Path]:
+    """The store's pretraining runs as a folder, and the one run in it that the demo had not."""
+    store_dir = hosts.download(store_uri, dest, "checkpoints/pretrain", "runs/pretrain")
+    known = {p.name for p in (demo_home / "store" / "checkpoints" / "pretrain").iterdir()}
+    (run_key,) = {p.name for p in (store_dir / "checkpoints" / "pretrain").iterdir()} - known
+    return store_dir, store_dir / "checkpoints" / "pretrain" / run_key
+
+
+def assert_same_run(store_dir: Path, run_dir: Path, reference: tuple[Path, Path]) -> None:
+    """The run ended exactly where the local 2-rank run did: same key, figures and weights."""
+    ref_home, ref_dir = reference
+    assert run_dir.name == ref_dir.name  # same config and data -> same run key
+    done, ref = run_result(open_store(str(store_dir)), "pretrain", run_dir.name), \
+        run_result(open_store(str(ref_home / "store")), "pretrain", ref_dir.name)
+    assert done.steps == ref.steps == 12 and done.counts == ref.counts
+    assert done.train_loss == ref.train_loss and done.val_loss == ref.val_loss
+    assert weights(run_dir) == weights(ref_dir)
+
+
+def compute_logs(home: Path, dagster_output: str) -> str:
+    """The stderr of the Dagster run's steps (what the processes they start print: torchrun's output)."""
+    run_id = re.search(r"__ASSET_JOB - ([0-9a-f-]{36}) - ", dagster_output)[1]
+    return "".join(p.read_text() for p in sorted((home / "dagster" / "storage" / run_id).rglob("*.err")))
+
+
+def assert_audit_passes(hosts, home: Path, store_uri: str) -> None:
+    audit = hosts.run(["ghostvis", "audit", "--stage", "pretrain"], home, check=False, GHOSTVIS_STORE=store_uri)
+    assert audit.returncode == 0, audit.stdout[-4000:] + audit.stderr[-4000:]
+
+
+def test_torchrun_on_two_nodes_with_rank_0_away_from_the_dagster_host(hosts, demo_home, pretrain_reference, tmp_path):
+    proc = hosts.run(materialize_pretrain(**torchrun_on_gv1(hosts)))
+    store_dir, run_dir = new_run(hosts, hosts.store_uri, demo_home, tmp_path / "bucket")
+    assert_same_run(store_dir, run_dir, pretrain_reference)
+    # rank 0 ran on gv1: torchrun's rendezvous names its host the master, and rank 0 (which writes the
+    # checkpoints) published the final step from gv1's own store cache
+    torchrun_output = compute_logs(hosts.home, proc.stderr)
+    assert "master_addr=gv1" in torchrun_output and "master_addr=gvhost" not in torchrun_output, torchrun_output[-3000:]
+    step = f"checkpoints/pretrain/{run_dir.name}/{ckpt.latest_complete(run_dir).path.name}/model.safetensors"
+    assert list(hosts.cache("gv1").rglob(step)), sorted(hosts.cache("gv1").rglob("*"))[:20]
+    assert not (hosts.home / "store").exists(), proc.stdout[-2000:]
+    assert_audit_passes(hosts, hosts.home, hosts.store_uri)
+
+
+def torchrun_on_gv1(hosts) -> dict:
+    """The torchrun launcher: the Dagster host and gv1, 1 rank each (gv1 gets rank 0: see tests/hosts.py)."""
+    return {"kind": "torchrun", "torchrun": {"nnodes": 2, "rdzv_endpoint": f"{HOST_ADDR}:29400", "hosts": ["gv1"],
+                                             "node_shell": f"{hosts.nodesh} {{host}}", "cpus_per_node": 1}}
+
+
+def wait_for_key(hosts, key: str, proc, log: Path, timeout: float = 600) -> None:
+    deadline = time.time() + timeout
+    while key not in hosts.keys(key):
+        assert proc.poll() is None, f"the run ended ({proc.returncode}) before {key}:\n{log.read_text()[-4000:]}"
+        assert time.time() < deadline, f"no {key} within {timeout} s:\n{log.read_text()[-4000:]}"
+        time.sleep(2)
+
+
+def test_a_node_killed_after_the_first_checkpoint_is_retried_and_resumes_exactly(
+        hosts, demo_home, pretrain_reference, tmp_path):
+    home, store = another_home(hosts, demo_home, "killed")
+    run_key, log = pretrain_reference[1].name, tmp_path / "materialize.log"
+    proc = hosts.start(materialize_pretrain(**torchrun_on_gv1(hosts)), log, home, GHOSTVIS_STORE=store)
+    try:
+        wait_for_key(hosts, f"killed/store/checkpoints/pretrain/{run_key}/step_000000004/COMPLETE", proc, log)
+        assert hosts.kill_node("gv1")  # rank 0's node crashes: torchrun, its worker, the node shell
+        assert proc.wait(timeout=900) == 0, log.read_text()[-6000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "STEP_UP_FOR_RETRY" in text, text[-4000:]  # the stage's retry policy started it again
+    store_dir, run_dir = new_run(hosts, store, demo_home, tmp_path / "bucket")
+    assert_same_run(store_dir, run_dir, pretrain_reference)
+    assert run_result(open_store(str(store_dir)), "pretrain", run_key).segment == 1  # resumed, not restarted
+    assert_audit_passes(hosts, home, store)
+
+
+@pytest.fixture(scope="module")
+def slurm_on_hosts(hosts):
+    """slurmctld on the Dagster host, a slurmd on each node (tests/slurm_cluster.py, placed by tests/hosts.py)."""
+    cluster = start_cluster(slurm_placement(hosts))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_slurm_on_two_nodes_with_the_batch_step_away_from_the_dagster_host(
+        hosts, slurm_on_hosts, demo_home, pretrain_reference, tmp_path):
+    home, store = another_home(hosts, demo_home, "slurm")
+    (hosts.root / "job-output").mkdir()  # the batch node's own copy of the job's output (looked at for secrets)
+    proc = hosts.run(materialize_pretrain(kind="slurm", send_credentials=False, slurm={
+        "nodes": 2, "cpus_per_task": 1, "poll_seconds": 1, "python": str(BIN / "python"),
+        "output": f"{hosts.root}/job-output/%j.out"}),
+        home, GHOSTVIS_STORE=store, SLURM_CONF=str(slurm_on_hosts.conf))
+    store_dir, run_dir = new_run(hosts, store, demo_home, tmp_path / "bucket")
+    assert_same_run(store_dir, run_dir, pretrain_reference)
+    # the job's output, written on the batch node gv1, reached the Dagster log through the store:
+    # torchrun's rendezvous lines are in no other output
+    assert "Rendezvous complete for workers" in proc.stderr and "master_addr=gv1" in proc.stderr, proc.stderr[-4000:]
+    assert not (home / "store").exists()
+    assert_audit_passes(hosts, home, store)
+
+
+def files_holding(text: str, *roots: Path, skip: tuple[Path, ...] = ()) -> list[Path]:
+    """The files (`roots`, or the files under them) whose bytes contain `text`."""
+    needle = text.encode()
+    files = [p for root in roots for p in ([root] if root.is_file() else root.rglob("*"))]
+    return [p for p in files if p.is_file() and not p.is_symlink() and p not in skip and needle in p.read_bytes()]
+
+
+def test_the_secret_is_in_no_file_of_the_home_the_bucket_mlflow_or_the_job_outputs(hosts, slurm_on_hosts):
+    """Runs after the runs above: the Dagster host had AWS_SECRET_ACCESS_KEY in its environment, the
+    nodes in their own credentials files, and the Slurm launcher was told not to send credentials."""
+    job_outputs = sorted((hosts.root / "job-output").glob("*.out"))
+    shipped = [key for key in hosts.keys("slurm/store/runs/pretrain/") if "/slurm/" in key and "/out/" in key]
+    assert job_outputs and shipped and (hosts.home / "mlflow.db").exists()  # there is something to look in
+    credentials = tuple(hosts.root / node / "home" / ".aws" / "credentials" for node in ("gv1", "gv2"))
+    assert files_holding(hosts.secret, *credentials) == list(credentials)  # the search finds it where it is
+    # the homes (Dagster storage, MLflow's store, logs), every host's cache and job output, the
+    # servers' logs, Slurm's state and spool; then every object of the bucket
+    assert files_holding(hosts.secret, hosts.root, slurm_on_hosts.root, skip=credentials) == []
+    assert hosts.keys_holding(hosts.secret) == []
