@@ -39,7 +39,6 @@ import shutil
 import sqlite3
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path

@@ -296,7 +296,7 @@ def validate(cfg: StageConfig) -> None:
     total = sum(s.weight for s in cfg.data.recipe)
     if cfg.data.recipe and (abs(total - 1.0) > 1e-6 or any(s.weight <= 0 for s in cfg.data.recipe)):
         raise GhostvisError(
-            f"data.recipe weights must be positive and sum to 1, got "
+            "data.recipe weights must be positive and sum to 1, got "
             + ", ".join(f"{s.source}={s.weight}" for s in cfg.data.recipe)
         )
 

@@ -183,7 +183,7 @@ def print_memory(m: dict) -> None:
 
 def print_plan(args, p, sources: list[dict]) -> None:
     print(f"{args.stage} ({args.preset})")
-    print(f"  tokens_per_step = micro_batch_size x seq_len x world_size x grad_accum_steps")
+    print("  tokens_per_step = micro_batch_size x seq_len x world_size x grad_accum_steps")
     print(f"                  = {p.micro_batch_size} x {p.seq_len} x {p.world_size} x {p.grad_accum_steps}"
           f" = {p.tokens_per_step:,}")
     print(f"  steps           = {p.steps:,}")

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.slurm_cluster import stop_group
+
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parent.parent
 DAGSTER_HOST = "gvhost"
@@ -204,16 +206,6 @@ class Hosts:
             stop_group(proc)
         for proc in reversed(list(self.holders.values())):
             stop_group(proc)
-
-
-def stop_group(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def s3_client_env(endpoint: str, secret: str) -> dict[str, str]:

@@ -13,7 +13,6 @@ the spool and pid files are per node (%n).
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import socket
@@ -139,13 +138,7 @@ class SlurmCluster:
         while self.run("squeue", "-h").stdout.strip() and time.time() < deadline:
             time.sleep(0.5)
         for proc in reversed(self.procs):
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_group(proc)
         shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -208,3 +201,13 @@ def slurm_cluster():
             os.environ["SLURM_CONF"] = before
         cluster.stop()
 
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """Stop a daemon started in its own process group: SIGTERM, then SIGKILL after 20 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

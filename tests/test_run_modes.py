@@ -112,7 +112,7 @@ def test_cli_plan_modes_lists_every_mode_with_the_derived_figures(capsys):
         assert r["hours"] == pytest.approx(MODES[name].hours, abs=p.step_time_s / 3600)
     assert cli_main(["plan", "--modes"]) == 0
     out = capsys.readouterr().out
-    assert f"1xh100-4h      500m    2,802     524,288    1,469,054,976" in out
+    assert "1xh100-4h      500m    2,802     524,288    1,469,054,976" in out
 
 
 def test_cli_plan_mode_refuses_hardware_flags_it_states(capsys):

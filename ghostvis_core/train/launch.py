@@ -25,7 +25,7 @@ from ghostvis_core.home import Home
 from ghostvis_core.run_modes import expand as expand_run_mode
 from ghostvis_core.store import Store
 from ghostvis_core.train.objectives import build_objective
-from ghostvis_core.train.runs import Upstream, checkpoint_of, find_upstream, next_run_key
+from ghostvis_core.train.runs import Upstream, checkpoint_key, checkpoint_of, find_upstream, next_run_key
 from ghostvis_core.train.setup import localize_shards
 from ghostvis_core.train.spec import LaunchSpec, SourceBudget, StageInputs
 
@@ -163,11 +163,10 @@ def resolve_stage(stage: str, preset: str, overrides: dict[str, Any], home: Home
         upstream = find_upstream(home.store, declared.init_from)
     up_cfg = None
     if upstream:
-        cfg_file = checkpoint_of(home.store, upstream.checkpoint) / "config.json"
-        if not cfg_file.exists():
+        if not home.store.exists("checkpoint", *checkpoint_key(upstream.checkpoint)):
             raise GhostvisError(f"stage {stage}: upstream checkpoint {upstream.checkpoint} is missing; "
                                 f"materialize the `{upstream.stage}` asset first")
-        up_cfg = json.loads(cfg_file.read_text())
+        up_cfg = json.loads((checkpoint_of(home.store, upstream.checkpoint) / "config.json").read_text())
     cfg = presets.resolve(stage, preset, overrides, upstream=up_cfg)
     unknown = [e for e in cfg.eval.evidence if e not in EVIDENCE]
     if unknown:

@@ -20,11 +20,16 @@ class Upstream:
     checkpoint: str
 
 
-def checkpoint_of(store: Store, uri: str) -> Path:
-    """The local folder of the checkpoint at `uri` (.../checkpoints/<stage>/<run_key>/<step>), fetched
-    from the store by its key, so a moved store or another node finds it too."""
+def checkpoint_key(uri: str) -> tuple[str, str, str]:
+    """The store key (stage, run_key, step folder) of the checkpoint at `uri` (.../checkpoints/<stage>/<run_key>/<step>):
+    the key, not the place, names a checkpoint, so a moved store or another node finds it too."""
     stage, run_key, step = uri.rstrip("/").split("/")[-3:]
-    return store.fetch("checkpoint", stage, run_key, step)
+    return stage, run_key, step
+
+
+def checkpoint_of(store: Store, uri: str) -> Path:
+    """The local folder of the checkpoint at `uri`, fetched from the store by its key."""
+    return store.fetch("checkpoint", *checkpoint_key(uri))
 
 
 def completed_runs(store: Store, stage: str) -> list[RunResult]:
