@@ -1,5 +1,5 @@
 # The training image: what every pod of the `kubernetes` launcher runs
-# (`python -m torch.distributed.run ... -m ghostvis_core.train --spec <spec>`; docs/launch-kubernetes.md).
+# (`python -m torch.distributed.run ... -m ghostvis_core.run --spec <spec>`; docs/launch-kubernetes.md).
 #
 #   docker build -t registry.example.com/ghostvis:0.1.0 .
 #   docker build --build-arg EXTRAS= -t registry.example.com/ghostvis:0.1.0-noflash .   # without flash-attn
@@ -36,4 +36,4 @@ COPY pyproject.toml README.md ./
 COPY ghostvis_core ghostvis_core
 COPY ghostvis_pipeline ghostvis_pipeline
 RUN python -m pip install ".${EXTRAS:+[${EXTRAS}]}" \
- && python -c "import torch, ghostvis_core.train; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
+ && python -c "import torch, ghostvis_core.run; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"

@@ -1,6 +1,6 @@
 """The bare PyTorch loop that trainer_throughput.py compares the trainer against (run under torchrun).
 
-Same model (ghostvis_core.model.gpt.GPT built from the resolved stage config's ModelConfig), DDP,
+Same model (ghostvis_core.run.model.gpt.GPT built from the resolved stage config's ModelConfig), DDP,
 AdamW with the trainer's hyperparameters and parameter groups (decay on >= 2-D parameters), the
 same micro-batch shape and grad accumulation, random token batches generated before the loop,
 bf16 autocast (or fp32), grad-norm clipping. Nothing else: no data loader, no token accounting, no
@@ -25,8 +25,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from ghostvis_core.config import ModelConfig  # noqa: E402
-from ghostvis_core.model.gpt import GPT  # noqa: E402
+from ghostvis_core.plan.config import ModelConfig  # noqa: E402
+from ghostvis_core.run.model.gpt import GPT  # noqa: E402
 
 
 def main() -> None:

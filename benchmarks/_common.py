@@ -6,7 +6,7 @@
 - demo homes: build one with `ghostvis demo`, or derive a scratch training home from an existing one
   (tokenizer and ledger shard rows copied, token shards symlinked) so benchmarks never write into a
   home they were given;
-- running a stage with the real entry point (`torchrun ... -m ghostvis_core.train --stage ...`),
+- running a stage with the real entry point (`torchrun ... -m ghostvis_core.run --stage ...`),
   time-stamping every output line as it is read;
 - goal lines ("goal met" / "goal missed") and the final key=value line.
 """
@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Callable
 
 from ghostvis_core.home import Home
-from ghostvis_core.train.result import RunResult
-from ghostvis_core.train.runs import run_result
+from ghostvis_core.run.train.result import RunResult
+from ghostvis_core.run.train.runs import run_result
 
 ROOT = Path(__file__).resolve().parent.parent
 _VENV_PY = ROOT / ".venv" / "bin" / "python"
@@ -257,7 +257,7 @@ class StageRun:
 
 def torchrun_cmd(stage: str, preset: str, sets: list[str], nproc: int = 2) -> list[str]:
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "ghostvis_core.train", "--stage", stage, "--preset", preset]
+           "-m", "ghostvis_core.run", "--stage", stage, "--preset", preset]
     for s in sets:
         cmd += ["--set", s]
     return cmd
@@ -320,7 +320,7 @@ def run_lines(cmd: list[str], env: dict[str, str], log: Path, *, timeout: float 
 def run_stage(home: Path, stage: str, preset: str, sets: list[str], *, log: Path, nproc: int = 2,
               threads_per_rank: int = 1, timeout: float = 900.0,
               stop_when: Callable[[str, "StageRun"], bool] | None = None) -> StageRun:
-    """Launch `torchrun --standalone --nproc_per_node=N -m ghostvis_core.train --stage ...` (as
+    """Launch `torchrun --standalone --nproc_per_node=N -m ghostvis_core.run --stage ...` (as
     `python -m torch.distributed.run`, which is what the torchrun script runs) and read its output
     line by line, time-stamping each line when it is read (PYTHONUNBUFFERED=1). With stop_when, the
     run is ended (SIGTERM to its process group) once it returns True."""

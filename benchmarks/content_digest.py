@@ -1,6 +1,6 @@
 """The content proof's cost: the share of a training step spent digesting what the model is fed.
 
-The real training step (`ghostvis_core.train.loop.train_step`, world size 1, the demo's `tiny` pretrain
+The real training step (`ghostvis_core.run.train.loop.train_step`, world size 1, the demo's `tiny` pretrain
 shape, the precision `auto` picks) runs --steps times after a warm-up step; every call of the digest
 (`FedLog.add`, one per micro-batch) is timed inside the step. Goal: digest time / step time < 2%.
 
@@ -25,11 +25,11 @@ def measure(home: Path, steps: int) -> dict:
     import torch
 
     from ghostvis_core.home import Home
-    from ghostvis_core.train import loop
-    from ghostvis_core.train.dist import DistContext
-    from ghostvis_core.train.feeds import FedLog
-    from ghostvis_core.train.launch import prepare_run
-    from ghostvis_core.train.setup import setup
+    from ghostvis_core.run.train import loop
+    from ghostvis_core.run.train.dist import DistContext
+    from ghostvis_core.run.train.feeds import FedLog
+    from ghostvis_core.run.launch import prepare_run
+    from ghostvis_core.run.train.setup import setup
 
     spec = prepare_run("pretrain", preset="tiny", home=Home(home),
                        overrides={"batch.world_size": 1, "budget.steps": steps + 1, "data.seed": 97})

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 from ghostvis_core.home import Home  # noqa: E402
-from ghostvis_core.stages import stage_names  # noqa: E402
-from ghostvis_core.train.result import RunResult  # noqa: E402
-from ghostvis_core.train.runs import newest_completed_run  # noqa: E402
+from ghostvis_core.plan.stages import stage_names  # noqa: E402
+from ghostvis_core.run.train.result import RunResult  # noqa: E402
+from ghostvis_core.run.train.runs import newest_completed_run  # noqa: E402
 
 GOAL_S = 600.0
 STAGES = stage_names()

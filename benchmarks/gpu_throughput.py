@@ -37,12 +37,12 @@ CASES = [("500m", "ddp"), ("500m", "fsdp"), ("1.5b", "fsdp")]
 
 def worker(preset: str, strategy: str, steps: int, warmup: int, out: Path, use_float8: bool) -> None:
     """One rank: the trainer's model step on random tokens; rank 0 writes the figures as JSON."""
-    from ghostvis_core import presets
-    from ghostvis_core.model.gpt import GPT
-    from ghostvis_core.train import dist, float8
-    from ghostvis_core.train.efficiency import efficiency
-    from ghostvis_core.train.parallel import wrap
-    from ghostvis_core.train.precision import use_bf16
+    from ghostvis_core.plan import presets
+    from ghostvis_core.run.model.gpt import GPT
+    from ghostvis_core.run.train import dist, float8
+    from ghostvis_core.run.train.efficiency import efficiency
+    from ghostvis_core.run.train.parallel import wrap
+    from ghostvis_core.run.train.precision import use_bf16
 
     ctx = dist.setup()
     cfg = presets.resolve("pretrain", preset, {"parallel.strategy": strategy, "batch.world_size": ctx.world_size})
@@ -90,7 +90,7 @@ def run_case(preset: str, strategy: str, steps: int, warmup: int, use_float8: bo
 def float8_unavailable() -> str | None:
     """Why float8 cannot be measured here (the trainer's own refusal), or None."""
     from ghostvis_core.errors import GhostvisError
-    from ghostvis_core.train.float8 import require_float8
+    from ghostvis_core.run.train.float8 import require_float8
 
     try:
         require_float8(torch.device("cuda", 0))

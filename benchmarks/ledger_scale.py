@@ -38,7 +38,7 @@ import _common as C  # noqa: E402
 
 from ghostvis_core.data.ledger import PART_TABLES, Ledger  # noqa: E402
 from ghostvis_core.home import Home  # noqa: E402
-from ghostvis_core.train.runs import newest_completed_run  # noqa: E402
+from ghostvis_core.run.train.runs import newest_completed_run  # noqa: E402
 
 GOAL_RATIO = 12.0
 SEGMENTS_PER_RUN = 10

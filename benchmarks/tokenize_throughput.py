@@ -46,7 +46,7 @@ def base_documents(home: Path | None, wd: Path) -> list[tuple[str, str]]:
     """(language, text) of the demo prose and code documents: from the home's raw shards, or built."""
     import pyarrow.parquet as pq
 
-    from ghostvis_core.data import demo_corpus
+    from ghostvis_core.demo import corpus as demo_corpus
 
     docs: list[tuple[str, str]] = []
     shard_ids = sorted(sid for (sid,) in Home(home).store.keys("raw_shard")) if home else []
@@ -65,7 +65,7 @@ def write_workload(docs: list[tuple[str, str]], out: Path, n_shards: int, shard_
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from ghostvis_core.data.demo_corpus import SCHEMA
+    from ghostvis_core.demo.corpus import SCHEMA
 
     out.mkdir(parents=True, exist_ok=True)
     paths = []

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 MLFLOW_METRICS = {"real_tokens": "tokens/real", "pad_tokens": "tokens/pad", "loss_tokens": "tokens/loss",
                   "cropped_tokens": "tokens/cropped"}
 
-# The rl stage's rollout figures (ghostvis_core/train/grpo.py), per step and rank in the ledger's `rollouts`
+# The rl stage's rollout figures (ghostvis_core/run/train/grpo.py), per step and rank in the ledger's `rollouts`
 # table, as running totals in MLflow, the run record and the Dagster metadata: tokens the policy generated,
 # those of completions that earned a reward, completions sampled and those with the exact answer.
 ROLLOUT_FIGURES = ("generated_tokens", "rewarded_tokens", "completions", "correct_completions")

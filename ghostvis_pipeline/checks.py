@@ -1,6 +1,6 @@
 """Asset checks: the numbers are compared, not trusted. Each check's metadata shows what it compared.
 
-The checks' logic lives in ghostvis_core.audit.invariants (plain functions that `ghostvis audit` calls
+The checks' logic lives in ghostvis_core.verify.audit.invariants (plain functions that `ghostvis audit` calls
 too); these wrap them for Dagster. Data: the tokenizer trained on no validation shard; the ledger
 matches a recount of the token files, every manifest shard is in it, and tokens before
 tokenization = tokens kept + tokens removed. Training stages: the four
@@ -12,14 +12,14 @@ its upstream (non-blocking: a judgement on the model, not on the accounting).
 
 from dagster import AssetCheckResult, MetadataValue, asset_check
 
-from ghostvis_core.audit import invariants as inv
-from ghostvis_core.audit.data_checks import DATA_CHECKS
-from ghostvis_core.audit.outcome import CheckOutcome
-from ghostvis_core.audit.stage_checks import STAGE_CHECKS, CheckInputs
+from ghostvis_core.verify.audit import invariants as inv
+from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
+from ghostvis_core.verify.audit.outcome import CheckOutcome
+from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS, CheckInputs
 from ghostvis_core.data.catalog import recorded_sha256, registered_manifests, shard_split
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.sources import Manifest
-from ghostvis_core.eval.gate import lineage_gate
+from ghostvis_core.verify.eval.gate import lineage_gate
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
 

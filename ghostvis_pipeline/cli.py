@@ -11,15 +11,15 @@ import os
 import sys
 from typing import Any
 
-from ghostvis_core import presets
-from ghostvis_core.budget import GPUS, LM_NEEDED_RULE, budget_for_hours, DEFAULT_MFU, MemoryPlan, memory_refusal, plan as make_plan, source_plan
-from ghostvis_core.config import parse_sets
+from ghostvis_core.plan import presets
+from ghostvis_core.plan.budget import GPUS, LM_NEEDED_RULE, budget_for_hours, DEFAULT_MFU, MemoryPlan, memory_refusal, plan as make_plan, source_plan
+from ghostvis_core.plan.config import parse_sets
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger, run_consumption, run_keys, run_summaries
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.run_modes import MODES, RunMode, compute_optimal_params, describe, mode_of, mode_overrides, plan_mode
-from ghostvis_core.stages import stage, stage_names
+from ghostvis_core.plan.run_modes import MODES, RunMode, compute_optimal_params, describe, mode_of, mode_overrides, plan_mode
+from ghostvis_core.plan.stages import stage, stage_names
 from ghostvis_pipeline import data_command, export_command, status_command, store_command, train_command
 
 
@@ -234,7 +234,7 @@ def print_modes(stage_name: str, as_json: bool) -> int:
 
 
 def ledger_report(home: Home, tokenizer_id: str | None) -> dict[str, Any]:
-    from ghostvis_core.audit.contamination import shard_contamination
+    from ghostvis_core.verify.audit.contamination import shard_contamination
 
     ledger = Ledger.in_store(home.store)
     shards = ledger.shards(tokenizer_id=tokenizer_id)
@@ -243,7 +243,7 @@ def ledger_report(home: Home, tokenizer_id: str | None) -> dict[str, Any]:
 
 def resolve_run(home: Home, ledger: Ledger, name: str) -> str:
     """A stage name means its newest completed run; anything else is taken as a run key."""
-    from ghostvis_core.train.runs import newest_completed_run
+    from ghostvis_core.run.train.runs import newest_completed_run
 
     if name not in stage_names():
         return name
@@ -323,7 +323,7 @@ def dagster_metadata(home: Home, stages: list[str]) -> dict[str, dict[str, Any]]
 
 def cmd_audit(args) -> int:
     """Every data and stage invariant from the store and MLflow; exit 1 naming each disagreement."""
-    from ghostvis_core.audit.report import audit, format_report
+    from ghostvis_core.verify.audit.report import audit, format_report
 
     unknown = sorted(set(args.stage or []) - set(stage_names()))
     if unknown:
@@ -340,7 +340,7 @@ def cmd_chat(args) -> int:
     import torch
 
     from ghostvis_core.data.chat import render_prompt
-    from ghostvis_core.eval.checkpoints import load_stage
+    from ghostvis_core.run.train.trained import load_stage
 
     ts = load_stage(Home.from_env(), args.stage, args.run)
     tok, interactive = ts.tok, sys.stdin.isatty()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from ghostvis_core import presets
+from ghostvis_core.plan import presets
 from ghostvis_core.home import Home
 
 

@@ -9,8 +9,8 @@ from dagster import BetaWarning, Definitions, PreviewWarning, SupersessionWarnin
 for _category in (BetaWarning, PreviewWarning, SupersessionWarning):
     warnings.filterwarnings("ignore", category=_category)
 
-from ghostvis_core.presets import VARIANTS
-from ghostvis_core.stages import STAGES
+from ghostvis_core.plan.presets import VARIANTS
+from ghostvis_core.plan.stages import STAGES
 from ghostvis_pipeline.assets.data import raw_shards, shard_manifest, token_ledger, tokenized_shards, tokenizer
 from ghostvis_pipeline.assets.evaluation import evaluation, report
 from ghostvis_pipeline.assets.training import stage_asset, variants_asset

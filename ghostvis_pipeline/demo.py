@@ -11,7 +11,7 @@ from dagster import DagsterInstance
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.stages import stage_names
+from ghostvis_core.plan.stages import stage_names
 from ghostvis_pipeline.definitions import defs
 from ghostvis_pipeline.environment import prepare_environment
 from ghostvis_pipeline.partitions import shard_partitions

@@ -4,11 +4,11 @@ vLLM, lm-eval), with its tokenizer, chat template and, for a vision stage, visio
 from __future__ import annotations
 
 from ghostvis_core.home import Home
-from ghostvis_core.stages import stage_names
+from ghostvis_core.plan.stages import stage_names
 
 
 def cmd_export(args) -> int:
-    from ghostvis_core.hf.export import export_run
+    from ghostvis_core.run.hf.export import export_run
 
     out = export_run(Home.from_env(), args.stage, args.run_key, args.to)
     print(f"{args.stage}: exported to {out} (load with transformers.AutoModelForCausalLM.from_pretrained('{out}'))")

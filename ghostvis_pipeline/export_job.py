@@ -17,7 +17,7 @@ class ExportConfig(Config):
 
 @op
 def export_stage(context: OpExecutionContext, config: ExportConfig, home: GhostvisHome) -> str:
-    from ghostvis_core.hf.export import export_run
+    from ghostvis_core.run.hf.export import export_run
 
     try:
         out = export_run(home.home(), config.stage, config.run_key, config.to)

@@ -2,7 +2,7 @@
 
 from dagster import AssetSelection, define_asset_job
 
-from ghostvis_core.stages import stage_names
+from ghostvis_core.plan.stages import stage_names
 
 shard_data_job = define_asset_job(
     "shard_data",

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 
-from ghostvis_core.config import parse_sets
+from ghostvis_core.plan.config import parse_sets
 from ghostvis_core.home import Home
-from ghostvis_core.presets import parse_recipe
-from ghostvis_core.stages import stage_names
+from ghostvis_core.plan.presets import parse_recipe
+from ghostvis_core.plan.stages import stage_names
 
 
 def stage_run_config(args) -> dict:

@@ -2,7 +2,7 @@
 applied in the process (never an edited file), so the checks are shown to fail on the bugs they
 exist for. Run in the rank processes as
 
-    torchrun --standalone --nproc_per_node=2 -m tests.planted <bug>[,<bug>] -- <ghostvis_core.train args>
+    torchrun --standalone --nproc_per_node=2 -m tests.planted <bug>[,<bug>] -- <ghostvis_core.run args>
 
 or in-process with `plant(bug, setter)` (e.g. pytest's monkeypatch.setattr). A mutation whose
 anchor text is no longer in the function fails loudly: update the anchor, not the check.
@@ -25,31 +25,31 @@ STALE = "s.counts if s.step == run.total_steps else TokenCounts.from_list([x // 
 # bug -> [(module, function or Class.method, anchor text, replacement)]
 BUGS: dict[str, list[tuple[str, str, str, str]]] = {
     # the trainer's figures (MLflow, run record, metadata) summed on rank 0 only; the ledger right
-    "rank0_counters": [("ghostvis_core.train.loop", "train_step", REDUCED, "s.counts = s.counts + step_counts")],
+    "rank0_counters": [("ghostvis_core.run.train.loop", "train_step", REDUCED, "s.counts = s.counts + step_counts")],
     # rank 0 only everywhere: also the ledger part takes rank 0's pieces, counts and rows only
-    "rank0_everywhere": [("ghostvis_core.train.loop", "train_step", REDUCED, "s.counts = s.counts + step_counts"),
-                         ("ghostvis_core.train.commit", "commit", GATHER, GATHER + "[:1]")],
+    "rank0_everywhere": [("ghostvis_core.run.train.loop", "train_step", REDUCED, "s.counts = s.counts + step_counts"),
+                         ("ghostvis_core.run.train.commit", "commit", GATHER, GATHER + "[:1]")],
     # only the last micro-batch of a step counted (figures and consumption)
-    "last_micro_batch_only": [("ghostvis_core.train.loop", "train_step", "step_counts = TokenCounts.total(b.counts for b in batches)",
+    "last_micro_batch_only": [("ghostvis_core.run.train.loop", "train_step", "step_counts = TokenCounts.total(b.counts for b in batches)",
                                "step_counts = batches[-1].counts"),
-                              ("ghostvis_core.train.loop", "train_step", "        run.consumption.add(b)\n",
+                              ("ghostvis_core.run.train.loop", "train_step", "        run.consumption.add(b)\n",
                                "        run.consumption.add(b) if m == len(batches) - 1 else None\n")],
     # micro-batch 0 trained and counted twice (in place of micro-batch 1)
-    "micro_batch_0_twice": [("ghostvis_core.train.objectives", "Objective.step_batches",
+    "micro_batch_0_twice": [("ghostvis_core.run.train.objectives", "Objective.step_batches",
                              "micro_batch_rows(first_row, m, rank, plan)", "micro_batch_rows(first_row, max(0, m - 1), rank, plan)")],
     # a resume rewinds the loader to the start of the current shard (row 0: the smoke run is in each
     # source's first shard)
-    "resume_rewinds": [("ghostvis_core.train.setup", "setup",
+    "resume_rewinds": [("ghostvis_core.run.train.setup", "setup",
                         "        state = TrainState.from_dict(ckpt.read_state(resume.path))\n",
                         "        state = TrainState.from_dict(ckpt.read_state(resume.path))\n        state.rows = 0\n")],
     # the last ledger part is never published to the store's ledger
-    "last_part_unpublished": [("ghostvis_core.train.commit", "save_and_publish", "    publish_parts(run.store, run.run_dir, only=path)\n",
+    "last_part_unpublished": [("ghostvis_core.run.train.commit", "save_and_publish", "    publish_parts(run.store, run.run_dir, only=path)\n",
                                "    if step < run.total_steps:\n        publish_parts(run.store, run.run_dir, only=path)\n")],
     # the split filter dropped: validation shards selected for training
-    "split_filter_dropped": [("ghostvis_core.train.launch", "select_shards",
+    "split_filter_dropped": [("ghostvis_core.run.launch", "select_shards",
                               '        if r["split"] != split:\n            continue\n', "")],
     # the source's validation shards merged into its train stream under a `train` label
-    "validation_merged_into_train": [("ghostvis_core.train.objectives", "Objective.__init__",
+    "validation_merged_into_train": [("ghostvis_core.run.train.objectives", "Objective.__init__",
                                       "{s.source: spec.train_shards[s.source] for s in recipe}",
                                       "{s.source: spec.train_shards[s.source] + [dict(r, split='train') for r in "
                                       "spec.val_shards.get(s.source, [])] for s in recipe}")],
@@ -78,10 +78,10 @@ BUGS: dict[str, list[tuple[str, str, str, str]]] = {
                         "images=[im for r in got for im in r.images][1:] + [im for r in got for im in r.images][:1],")],
     # MLflow's token chart stays at the first step's figures until the last point, which is right
     # (a chart reading 512, 512, 512, 2048)
-    "mlflow_history_stale": [("ghostvis_core.train.loop", "token_metrics", "**s.counts.as_metrics(),",
+    "mlflow_history_stale": [("ghostvis_core.run.train.loop", "token_metrics", "**s.counts.as_metrics(),",
                               f"**({STALE}).as_metrics(),")],
     # not a bug: the run stops (every rank) right after its first checkpoint, to be resumed
-    "stop_after_first_checkpoint": [("ghostvis_core.train.loop", "maybe_checkpoint", "        commit(run)\n",
+    "stop_after_first_checkpoint": [("ghostvis_core.run.train.loop", "maybe_checkpoint", "        commit(run)\n",
                                      "        commit(run)\n        __import__('os')._exit(3)\n")],
 }
 
@@ -124,10 +124,10 @@ def plant(bugs: str, setter=setattr) -> None:
 
 if __name__ == "__main__":
     bugs, sep, *args = sys.argv[1:]
-    assert sep == "--", "usage: -m tests.planted <bug>[,<bug>] -- <ghostvis_core.train args>"
-    import ghostvis_core.train.launch  # noqa: F401  (what the mutations patch must be imported first)
-    import ghostvis_core.train.loop  # noqa: F401
-    from ghostvis_core.train.__main__ import main
+    assert sep == "--", "usage: -m tests.planted <bug>[,<bug>] -- <ghostvis_core.run args>"
+    import ghostvis_core.run.launch  # noqa: F401  (what the mutations patch must be imported first)
+    import ghostvis_core.run.train.loop  # noqa: F401
+    from ghostvis_core.run.__main__ import main
 
     plant(bugs)
     sys.exit(main(args))

@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ghostvis_core.config import ModelConfig
-from ghostvis_core.model import gpt
-from ghostvis_core.model.gpt import GPT, IGNORE_INDEX, DocSpans, lm_loss
+from ghostvis_core.plan.config import ModelConfig
+from ghostvis_core.run.model import gpt
+from ghostvis_core.run.model.gpt import GPT, DocSpans, lm_loss
+from ghostvis_core.plan.batch import IGNORE_INDEX
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=32)
 

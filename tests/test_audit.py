@@ -18,14 +18,14 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from ghostvis_core.audit.stage_checks import STAGE_CHECKS
+from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.token_shard import TokenShard, write_token_shard
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.stages import stage_names
-from ghostvis_core.train.launch import prepare_run
-from ghostvis_core.train.runs import completed_runs
+from ghostvis_core.plan.stages import stage_names
+from ghostvis_core.run.launch import prepare_run
+from ghostvis_core.run.train.runs import completed_runs
 from tests.conftest import copy_home, run_cli, run_names
 from tests.planted import plant
 
@@ -46,7 +46,7 @@ SFT_BUGS = ["chat_mask_ignored", "chat_doc_ids_dropped", "images_rotated"]
 def launch(home: Path, bugs: str | None, seed: int, check: bool = True, args: list[str] = SMOKE_ACCUM) -> str:
     """One smoke stage run (2 ranks; pretrain unless `args` say otherwise), with `bugs` planted in its rank
     processes; its run key. A distinct data.seed gives each scenario a run key of its own."""
-    module = ["-m", "tests.planted", bugs, "--"] if bugs else ["-m", "ghostvis_core.train"]
+    module = ["-m", "tests.planted", bugs, "--"] if bugs else ["-m", "ghostvis_core.run"]
     proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", *module, *args,
                     "--set", f"data.seed={seed}"], home, check=check, OMP_NUM_THREADS="1")
     return re.search(r"run (\S+) segment", proc.stdout).group(1)
@@ -73,7 +73,7 @@ def checks_of(home: Path, run_key: str, bug: str | None = None, monkeypatch=None
     """Every stage check of the run, by name, as `ghostvis audit` runs them (no Dagster metadata). With
     `bug`, the same bug is planted in this (the auditing) process too: the audit must not run the code
     it checks, so a bug in shared code must still be caught."""
-    from ghostvis_core.audit.report import audit_stage
+    from ghostvis_core.verify.audit.report import audit_stage
 
     if bug:
         plant(bug, setter=monkeypatch.setattr)
@@ -232,7 +232,7 @@ def test_a_resume_that_rewinds_reads_twice_and_shifts(planted):
 
 
 def test_a_dropped_split_filter_is_refused_before_launch_and_by_the_stage_check(planted, monkeypatch):
-    from ghostvis_core.audit import invariants as inv
+    from ghostvis_core.verify.audit import invariants as inv
 
     home, keys = planted
     h = Home(home)
@@ -256,13 +256,13 @@ def test_the_real_training_step_delivers_every_micro_batch_once(planted, monkeyp
     planted bug makes the same comparison fail."""
     import torch
 
-    from ghostvis_core.audit.expected import share_problems
-    from ghostvis_core.audit.recount import FileRecount, recount
+    from ghostvis_core.verify.audit.expected import share_problems
+    from ghostvis_core.verify.audit.recount import FileRecount, recount
     from ghostvis_core.data.ledger import pieces_to_rows, row_ranges
     from ghostvis_core.data.loader import merge_pieces
-    from ghostvis_core.train import loop
-    from ghostvis_core.train.dist import DistContext
-    from ghostvis_core.train.setup import setup
+    from ghostvis_core.run.train import loop
+    from ghostvis_core.run.train.dist import DistContext
+    from ghostvis_core.run.train.setup import setup
 
     home, _ = planted
     overrides = {"batch.world_size": 1, "batch.grad_accum_steps": 2, "batch.micro_batch_size": 2,

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from ghostvis_core.audit import invariants as inv
+from ghostvis_core.verify.audit import invariants as inv
 from ghostvis_core.data.ledger import Ledger, validation_selected
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.train.launch import stream_split_problems
+from ghostvis_core.run.launch import stream_split_problems
 from tests.test_ledger import part, piece, shard_record
 
 TPS = 512  # tokens per step of the histories below: 2 x 64 x 2 ranks x 2 micro-batches
@@ -200,7 +200,7 @@ def test_a_planted_mlflow_history_fails_at_its_wrong_steps(smoke_run):
 
     from ghostvis_core.counts import MLFLOW_METRICS
     from ghostvis_core.home import Home
-    from ghostvis_core.track.mlflow_records import metric_histories
+    from ghostvis_core.run.track.mlflow_records import metric_histories
 
     home, run_key = smoke_run
     uri = Home(home).mlflow_tracking_uri
@@ -222,7 +222,7 @@ def test_a_planted_mlflow_history_fails_at_its_wrong_steps(smoke_run):
 @pytest.mark.e2e
 def test_validation_shards_merged_into_a_train_stream_are_refused_before_launch(smoke_run, monkeypatch):
     from ghostvis_core.home import Home
-    from ghostvis_core.train.launch import prepare_run
+    from ghostvis_core.run.launch import prepare_run
     from tests.planted import plant
 
     home, _ = smoke_run

@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-from ghostvis_core.audit import invariants as inv
-from ghostvis_core.audit.expected import rank_rows, share_problems
-from ghostvis_core.audit.outcome import covered_twice, subtract, union
-from ghostvis_core.audit.stage_checks import STAGE_CHECKS, CheckInputs
+from ghostvis_core.verify.audit import invariants as inv
+from ghostvis_core.verify.audit.expected import rank_rows, share_problems
+from ghostvis_core.verify.audit.outcome import covered_twice, subtract, union
+from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS, CheckInputs
 from ghostvis_core.counts import ROLLOUT_FIGURES, TokenCounts
 from ghostvis_core.data.ledger import Ledger, row_ranges
 from ghostvis_core.data.tokenizer import newest_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.stages import stage_names
+from ghostvis_core.plan.stages import stage_names
 from ghostvis_core.store import FolderStore
-from ghostvis_core.train.runs import completed_runs
-from ghostvis_core.train.launch import select_shards
+from ghostvis_core.run.train.runs import completed_runs
+from ghostvis_core.run.launch import select_shards
 from tests.planted import plant
 from tests.test_loader import write_shard
 

@@ -11,13 +11,14 @@ import re
 
 import pytest
 
-from ghostvis_core import presets
-from ghostvis_core.budget import (
+from ghostvis_core.plan import presets
+from ghostvis_core.plan.budget import (
     GPU_PEAK_FLOPS, LM_NEEDED_RULE, BatchPlan, batch_plan, lm_tokens_for_rows, plan, source_plan,
 )
-from ghostvis_core.config import BatchConfig, ModelConfig
+from ghostvis_core.plan.config import BatchConfig, ModelConfig
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.model.gpt import GPT, count_params
+from ghostvis_core.run.model.gpt import GPT
+from ghostvis_core.plan.model_shape import count_params
 from ghostvis_pipeline.cli import main as cli_main
 
 # tiny preset model: vocab 4096, d 256, 4 layers, 4 heads (head_dim 64), 2 kv heads, ffn 688.
@@ -369,7 +370,7 @@ def _preflight_needed(cfg, steps: int, shard_tokens: int) -> dict[str, int]:
 
     from ghostvis_core.data.loader import Batcher, LMRows
     from ghostvis_core.data.stream import ShardRef, SourceStream
-    from ghostvis_core.train.launch import preflight
+    from ghostvis_core.run.launch import preflight
 
     streams = {s.source: SourceStream(s.source, [ShardRef(f"{s.source}/00000", s.source, "train", "/nonexistent",
                                                           10, shard_tokens, "sha")], seed=0)

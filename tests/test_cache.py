@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ghostvis_core import presets
+from ghostvis_core.plan import presets
 from ghostvis_core.home import Home
-from ghostvis_core.stages import stage_names
+from ghostvis_core.plan.stages import stage_names
 from ghostvis_core.store import open_store
 from tests.conftest import run_cli
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ghostvis_core.config import ModelConfig
+from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.model.gpt import GPT
-from ghostvis_core.train import checkpoint as ckpt
+from ghostvis_core.run.model.gpt import GPT
+from ghostvis_core.run.train import checkpoint as ckpt
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16)
 

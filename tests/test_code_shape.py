@@ -20,6 +20,8 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("ghostvis_core", "ghostvis_pipeline")
 SCRIPTS = ("tests", "benchmarks")  # held to the store rule only
@@ -27,18 +29,24 @@ MAX_LINES = 60
 MAX_PARAMS = 8
 
 # A module may import modules of its own layer or lower ones. "x.*" is the package x and everything in it.
+# The layers are the packages of docs/architecture.md, bottom up: foundation, store, plan, data, demo, run
+# (model/cluster/track, then train, hf, and the launch on top), verify.
 LAYERS = {
     "ghostvis_core": 0,  # the package root: it is imported before any of its modules
-    "ghostvis_core.errors": 0, "ghostvis_core.digest": 0, "ghostvis_core.config": 0, "ghostvis_core.counts": 0, "ghostvis_core.identity": 0,
-    "ghostvis_core.batch": 0,
-    "ghostvis_core.stages": 1, "ghostvis_core.presets": 1, "ghostvis_core.store.*": 1, "ghostvis_core.home": 1,
-    "ghostvis_core.data.*": 2, "ghostvis_core.model.*": 2, "ghostvis_core.track.*": 2, "ghostvis_core.budget": 2,
-    "ghostvis_core.run_modes": 2,
-    "ghostvis_core.train.*": 3, "ghostvis_core.eval.*": 3, "ghostvis_core.cluster.*": 3, "ghostvis_core.hf.*": 3,
-    "ghostvis_core.audit.*": 4,
+    "ghostvis_core.errors": 0, "ghostvis_core.digest": 0, "ghostvis_core.counts": 0, "ghostvis_core.identity": 0,
+    "ghostvis_core.store.*": 1, "ghostvis_core.home": 1,
+    "ghostvis_core.plan.*": 2,
+    "ghostvis_core.data.*": 3,
+    "ghostvis_core.demo.*": 4,
+    "ghostvis_core.run": 5, "ghostvis_core.run.model.*": 5, "ghostvis_core.run.cluster.*": 5,
+    "ghostvis_core.run.track.*": 5,
+    "ghostvis_core.run.train.*": 6,
+    "ghostvis_core.run.hf.*": 7,
+    "ghostvis_core.run.launch": 8, "ghostvis_core.run.__main__": 8,
+    "ghostvis_core.verify.*": 9,
 }
 # (importing module, imported top-level package) pairs allowed despite the no-Dagster rule
-DAGSTER_ALLOWED = {("ghostvis_core.track.pipes", "dagster_pipes")}
+DAGSTER_ALLOWED = {("ghostvis_core.run.track.pipes", "dagster_pipes")}
 ENV_READERS = {"environ", "environb", "getenv", "getenvb"}
 
 
@@ -269,9 +277,9 @@ def script_store_offenders() -> list[str]:
 # The audit proves what the trainer did, so it must not run the trainer's code: nothing it imports, however
 # indirectly, may be the loader, the objectives, the loop or the model (the launch spec, run record and run
 # folders under train/ are records it reads). A bug planted there is then caught, not repeated.
-AUDIT_MAY_NOT_REACH = ("ghostvis_core.train.", "ghostvis_core.data.loader", "ghostvis_core.data.stream",
-                       "ghostvis_core.data.token_shard", "ghostvis_core.model")
-AUDIT_RECORDS = {"ghostvis_core.train.spec", "ghostvis_core.train.result", "ghostvis_core.train.runs"}
+AUDIT_MAY_NOT_REACH = ("ghostvis_core.run.train.", "ghostvis_core.data.loader", "ghostvis_core.data.stream",
+                       "ghostvis_core.data.token_shard", "ghostvis_core.run.model")
+AUDIT_RECORDS = {"ghostvis_core.run.train.spec", "ghostvis_core.run.train.result", "ghostvis_core.run.train.runs"}
 
 
 def _runtime_imports(path: Path, module: str) -> set[str]:
@@ -299,7 +307,7 @@ def reachable(start: str) -> dict[str, str]:
 
 def test_the_audit_reaches_no_training_or_loader_code():
     problems = []
-    for path in sorted((ROOT / "ghostvis_core" / "audit").glob("*.py")):
+    for path in sorted((ROOT / "ghostvis_core" / "verify" / "audit").glob("*.py")):
         for target, via in reachable(module_name(path)).items():
             if target.startswith(AUDIT_MAY_NOT_REACH) and target not in AUDIT_RECORDS:
                 problems.append(f"{module_name(path)} reaches {target} (imported by {via})")
@@ -309,6 +317,49 @@ def test_the_audit_reaches_no_training_or_loader_code():
 def test_the_store_modules_import_each_other_without_a_circle():
     assert reachable("ghostvis_core.store").keys() >= {"ghostvis_core.store.folder", "ghostvis_core.store.s3"}
     assert import_circles("ghostvis_core.store") == []
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_module_imports_itself_back(package):
+    assert import_circles(package) == []
+
+
+def package_circles(package: str) -> list[str]:
+    """Packages of `package` (each folder with an __init__.py) whose imports, lazy ones included, lead back to
+    them through another package: `train` and `eval` importing each other is a circle even when no two
+    modules are."""
+    edges: dict[str, set[str]] = {}
+    for path in sorted(ROOT.joinpath(*package.split(".")).rglob("*.py")):
+        mod = module_name(path)
+        here = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for _, target in _imports(ast.parse(path.read_text(encoding="utf-8")), mod, path.name == "__init__.py"):
+            there = _package_of(target)
+            if there and there.startswith(package) and there != here and not here.startswith(there + "."):
+                edges.setdefault(here, set()).add(there)
+    out = []
+    for start in sorted(edges):
+        seen, todo = set(), sorted(edges[start])
+        while todo:
+            node = todo.pop()
+            if node == start:
+                out.append(f"{start} imports a package that imports {start} back")
+                break
+            if node not in seen:
+                seen.add(node)
+                todo += sorted(edges.get(node, ()))
+    return out
+
+
+def _package_of(module: str) -> str | None:
+    path = ROOT.joinpath(*module.split("."))
+    if (path / "__init__.py").is_file():
+        return module
+    return module.rpartition(".")[0] if path.with_suffix(".py").is_file() else None
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_package_imports_itself_back(package):
+    assert package_circles(package) == []
 
 
 def test_code_shape():
@@ -323,9 +374,9 @@ def test_tests_and_benchmarks_use_stores_through_the_protocol():
 
 SYNTHETIC = '''
 import os
-from ghostvis_core.config import flatten
-from ghostvis_core import presets
-from ghostvis_core.train import loop
+from ghostvis_core.plan.config import flatten
+from ghostvis_core.plan import presets
+from ghostvis_core.run.train import loop
 
 
 def long_one():
@@ -348,7 +399,7 @@ def test_the_checker_reports_exactly_the_planted_problems():
     assert problems == [
         "synthetic.py:8 long_one: 61 lines (max 60)",
         "synthetic.py:134 C.many: 9 parameters (max 8)",
-        "synthetic.py:5 ghostvis_core.data.synthetic: imports ghostvis_core.train.loop (layer 3) from layer 2",
+        "synthetic.py:5 ghostvis_core.data.synthetic: imports ghostvis_core.run.train.loop (layer 6) from layer 3",
     ]
 
 
@@ -364,16 +415,16 @@ def f(level=os.getenv("L")):
     return os.environ["X"]
 """
     pipeline = "from dagster._core.storage.tags import X\nfrom dagster import asset, _check\n"
-    assert check_source(core, "ghostvis_core.track.mlflow_run", "core.py") == [
-        "core.py:4 ghostvis_core.track.mlflow_run: reads os.environ at import time",
-        "core.py:7 ghostvis_core.track.mlflow_run: reads os.getenv at import time",
-        "core.py:3 ghostvis_core.track.mlflow_run: imports dagster_pipes (ghostvis_core must not depend on it)",
-        "core.py:8 ghostvis_core.track.mlflow_run: imports ghostvis_pipeline.cli (ghostvis_core must not depend on it)",
+    assert check_source(core, "ghostvis_core.run.track.mlflow_run", "core.py") == [
+        "core.py:4 ghostvis_core.run.track.mlflow_run: reads os.environ at import time",
+        "core.py:7 ghostvis_core.run.track.mlflow_run: reads os.getenv at import time",
+        "core.py:3 ghostvis_core.run.track.mlflow_run: imports dagster_pipes (ghostvis_core must not depend on it)",
+        "core.py:8 ghostvis_core.run.track.mlflow_run: imports ghostvis_pipeline.cli (ghostvis_core must not depend on it)",
     ]
-    assert check_source(core, "ghostvis_core.track.pipes", "pipes.py") == [  # dagster_pipes is allowed here
-        "pipes.py:4 ghostvis_core.track.pipes: reads os.environ at import time",
-        "pipes.py:7 ghostvis_core.track.pipes: reads os.getenv at import time",
-        "pipes.py:8 ghostvis_core.track.pipes: imports ghostvis_pipeline.cli (ghostvis_core must not depend on it)",
+    assert check_source(core, "ghostvis_core.run.track.pipes", "pipes.py") == [  # dagster_pipes is allowed here
+        "pipes.py:4 ghostvis_core.run.track.pipes: reads os.environ at import time",
+        "pipes.py:7 ghostvis_core.run.track.pipes: reads os.getenv at import time",
+        "pipes.py:8 ghostvis_core.run.track.pipes: imports ghostvis_pipeline.cli (ghostvis_core must not depend on it)",
     ]
     assert check_source(pipeline, "ghostvis_pipeline.demo", "demo.py") == [
         "demo.py:1 ghostvis_pipeline.demo: imports private dagster._core.storage.tags.X",
@@ -409,3 +460,17 @@ def test_the_circle_finder_finds_a_planted_circle(tmp_path, monkeypatch):
     assert import_circles("pkg") == ["pkg.x imports pkg.y, which imports pkg.x back",
                                      "pkg.y imports pkg.z, which imports pkg.y back",
                                      "pkg.z imports pkg.x, which imports pkg.z back"]
+
+
+def test_the_package_circle_finder_finds_a_planted_circle(tmp_path, monkeypatch):
+    for folder in ("pkg", "pkg/a", "pkg/b", "pkg/c"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "__init__.py").write_text("")
+    (tmp_path / "pkg/a/x.py").write_text("def f():\n    from pkg.b import y\n")  # lazy imports count
+    (tmp_path / "pkg/b/y.py").write_text("import pkg.c.z\n")
+    (tmp_path / "pkg/c/z.py").write_text("from pkg.a.x import f\n")
+    (tmp_path / "pkg/c/w.py").write_text("from pkg.c import z\n")  # within a package: no circle
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert package_circles("pkg") == ["pkg.a imports a package that imports pkg.a back",
+                                      "pkg.b imports a package that imports pkg.b back",
+                                      "pkg.c imports a package that imports pkg.c back"]

@@ -19,15 +19,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ghostvis_core.audit.contamination import item_text, no_eval_contamination, shard_contamination
-from ghostvis_core.audit.stage_checks import stage_check_names
+from ghostvis_core.verify.audit.contamination import item_text, no_eval_contamination, shard_contamination
+from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ngrams import NGRAM, WINDOW, fingerprints, ngram_hash, ngram_hashes, normalize, winnow
 from ghostvis_core.store.files import sha256_file
 from ghostvis_core.data.tokenize import TokenizeJob, job_for_shard, run_locally, tokenize_shards
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.presets import resolve
+from ghostvis_core.plan.presets import resolve
 from ghostvis_core.store import FolderStore
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()

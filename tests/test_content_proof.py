@@ -1,6 +1,6 @@
 """The content proof (issue 24): the digest format, and the audit's own row rule against the loader's.
 
-The audit rebuilds every row from the token files with code of its own (ghostvis_core/audit/rebuild.py);
+The audit rebuilds every row from the token files with code of its own (ghostvis_core/verify/audit/rebuild.py);
 these tests hold the two implementations to the same rows, position by position, for every stage of the
 demo, so a difference is a bug in one of them, found here rather than as a failed check.
 """
@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from ghostvis_core import digest
-from ghostvis_core.audit.rebuild import Mixture, PlannedRows, micro_rows
+from ghostvis_core.verify.audit.rebuild import Mixture, PlannedRows, micro_rows
 from ghostvis_core.home import Home
-from ghostvis_core.stages import stage_names
+from ghostvis_core.plan.stages import stage_names
 
 
 def test_the_digest_format_is_blake2b_of_little_endian_int64_as_documented():
@@ -34,7 +34,7 @@ def test_the_digest_format_is_blake2b_of_little_endian_int64_as_documented():
 
 
 def test_the_audit_mixture_gives_each_source_its_share_and_agrees_with_the_loader():
-    from ghostvis_core.data.stream import MixtureSchedule
+    from ghostvis_core.plan.mixture import MixtureSchedule
 
     audit, loader = Mixture([0.7, 0.2, 0.1]), MixtureSchedule([0.7, 0.2, 0.1])
     assert audit.counts == [700, 200, 100]
@@ -56,9 +56,9 @@ def test_micro_batch_rows_tile_a_step_once_across_ranks():
 def test_the_audit_rebuilds_exactly_the_rows_the_loader_builds(demo_home, stage):
     """Every row a smoke run of the stage reads (and a stretch beyond, into later epochs for the small
     chat, preference and caption sources): inputs, targets, document ids, images and spans equal."""
-    from ghostvis_core.config import StageConfig
-    from ghostvis_core.train.launch import prepare_run
-    from ghostvis_core.train.objectives import build_objective
+    from ghostvis_core.plan.config import StageConfig
+    from ghostvis_core.run.launch import prepare_run
+    from ghostvis_core.run.train.objectives import build_objective
 
     h = Home(demo_home)
     spec = prepare_run(stage, preset="smoke", home=h)

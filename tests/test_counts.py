@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from ghostvis_core.batch import BatchPlan
+from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.counts import TokenCounts
-from ghostvis_core.train.result import BeforeAfter, FrozenCheck, MixtureShare, RunResult
-from ghostvis_core.train.spec import LaunchSpec, SourceBudget, StageInputs
-from ghostvis_core.train.state import TrainState
+from ghostvis_core.run.train.result import BeforeAfter, FrozenCheck, MixtureShare, RunResult
+from ghostvis_core.run.train.spec import LaunchSpec, SourceBudget, StageInputs
+from ghostvis_core.run.train.state import TrainState
 
 
 def test_arithmetic_and_names():

@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 from dagster import DagsterError, DagsterInstance
 
-from ghostvis_core.audit.removed import removed_tokens_reconcile
-from ghostvis_core.audit.token_files import TokenFile
+from ghostvis_core.verify.audit.removed import removed_tokens_reconcile
+from ghostvis_core.verify.audit.token_files import TokenFile
 from ghostvis_core.data.catalog import load_manifest, record_raw_shard, save_manifest
 from ghostvis_core.data.dedup import (
     Removal, RemovedRows, check_dedup_config, dedup_indexes, removed_rows, survivors_first,

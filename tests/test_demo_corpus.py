@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ghostvis_core.data.demo_corpus import (
+from ghostvis_core.demo.corpus import (
     CODE_MAX_BYTES,
     CODE_MIN_BYTES,
     DEMO_TRAIN_SHARDS,
@@ -18,8 +18,8 @@ from ghostvis_core.data.demo_corpus import (
     TEXT_SOURCES,
     build_text_source,
 )
-from ghostvis_core.data import demo_corpus
-from ghostvis_core.data.demo_tasks import TASK_SOURCES, build_task_source
+from ghostvis_core.demo import corpus as demo_corpus
+from ghostvis_core.demo.tasks import TASK_SOURCES, build_task_source
 from ghostvis_core.data.eval_texts import shipped_texts
 from ghostvis_core.data.ngrams import fingerprints, record_text
 from ghostvis_core.errors import GhostvisError

@@ -20,7 +20,7 @@ from PIL import Image
 from ghostvis_core.data.decontaminate import drop_shared, held_out_fingerprints
 from ghostvis_core.data.eval_texts import shipped_texts
 from ghostvis_core.data.ngrams import fingerprints, record_text
-from ghostvis_core.data.demo_tasks import (
+from ghostvis_core.demo.tasks import (
     COLORS,
     SPLIT_SIZES,
     TASK_SOURCES,

@@ -13,15 +13,16 @@ import pyarrow as pa
 import pytest
 import torch
 
-from ghostvis_core.config import DPOConfig, ModelConfig
+from ghostvis_core.plan.config import DPOConfig, ModelConfig
 from ghostvis_core.data.loader import Batch, Batcher, PreferenceRows
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.token_shard import list_column, write_token_shard
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.model.gpt import GPT, IGNORE_INDEX
-from ghostvis_core.presets import resolve
-from ghostvis_core.train.dist import DistContext
-from ghostvis_core.train.objectives import DPOObjective
+from ghostvis_core.run.model.gpt import GPT
+from ghostvis_core.plan.batch import IGNORE_INDEX
+from ghostvis_core.plan.presets import resolve
+from ghostvis_core.run.train.dist import DistContext
+from ghostvis_core.run.train.objectives import DPOObjective
 
 # rows: pair 0 chosen, rejected; pair 1 chosen, rejected
 LENGTHS = [2, 4, 4, 1]  # response tokens per row

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from ghostvis_core import presets
-from ghostvis_core.budget import flops_per_token, plan
+from ghostvis_core.plan import presets
+from ghostvis_core.plan.budget import flops_per_token, plan
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.counts import MLFLOW_METRICS, TokenCounts
 from ghostvis_core.home import Home
-from ghostvis_core.audit.stage_checks import stage_check_names
-from ghostvis_core.stages import stage_names
+from ghostvis_core.verify.audit.stage_checks import stage_check_names
+from ghostvis_core.plan.stages import stage_names
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.e2e
@@ -102,7 +102,7 @@ def test_pretraining_lowers_validation_loss_and_mixture_follows_the_recipe(demo_
     assert not [r for r in ledger.reuse(cp["run_key"]) if r["kind"] != "replay"]
     rm = latest(instance, "reasoning_mix")
     replay = [r for r in ledger.reuse(rm["run_key"]) if r["kind"] == "replay"]
-    # its replay of the earlier text is declared (ghostvis_core/presets.py): shown as replay, not reuse
+    # its replay of the earlier text is declared (ghostvis_core/plan/presets.py): shown as replay, not reuse
     assert replay and {r["source"] for r in replay} == {"demo_prose", "demo_code"}
 
 
@@ -145,8 +145,8 @@ def test_a_stage_whose_upstream_is_missing_says_which_asset_to_materialize_first
     assert "asset `sft` has never been materialized; materialize it first" in proc.stdout + proc.stderr
     assert "torch.distributed.run" not in proc.stdout + proc.stderr  # refused before launching torchrun
     # the same when the upstream's checkpoint files are gone (core path, no Dagster)
-    from ghostvis_core.train.launch import prepare_run
-    from ghostvis_core.train.runs import Upstream
+    from ghostvis_core.run.launch import prepare_run
+    from ghostvis_core.run.train.runs import Upstream
 
     with pytest.raises(GhostvisError, match=r"upstream checkpoint .* is missing; materialize the `sft` asset first"):
         prepare_run("dpo", preset="smoke", home=Home(home_copy),
@@ -154,7 +154,7 @@ def test_a_stage_whose_upstream_is_missing_says_which_asset_to_materialize_first
 
 
 def test_a_config_inconsistent_with_the_upstream_checkpoint_fails_before_torchrun(home_copy):
-    from ghostvis_core.train.launch import prepare_run
+    from ghostvis_core.run.launch import prepare_run
 
     with pytest.raises(GhostvisError, match=r"model.d_model=512 \(upstream context_expansion has 256\)"):
         prepare_run("reasoning_mix", preset="smoke", home=Home(home_copy), overrides={"model.d_model": "512"})
@@ -163,7 +163,7 @@ def test_a_config_inconsistent_with_the_upstream_checkpoint_fails_before_torchru
 
 
 def test_plain_torchrun_runs_a_stage_without_dagster(home_copy):
-    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "ghostvis_core.train",
+    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "ghostvis_core.run",
                     "--stage", "pretrain", "--preset", "smoke", "--set", "budget.steps=4"], home_copy,
                    OMP_NUM_THREADS="1")
     assert "step 4/4" in proc.stdout
@@ -242,7 +242,7 @@ def test_variant_backfill_gives_comparable_mlflow_runs_at_equal_tokens(home_copy
     assert len({r.data.metrics["tokens/real"] for r in by_variant.values()}) == 1
     assert len({r.data.metrics["val/loss"] for r in by_variant.values()}) == len(by_variant)
     # a variant never becomes the upstream of the main chain
-    from ghostvis_core.train.runs import find_upstream
+    from ghostvis_core.run.train.runs import find_upstream
 
     assert "@" not in find_upstream(Home(home_copy).store, "pretrain").run_key
 

@@ -73,7 +73,7 @@ def test_a_budget_beyond_the_data_fails_pre_flight_with_the_numbers(home_copy):
     import re
 
     from ghostvis_core.errors import GhostvisError
-    from ghostvis_core.train.launch import prepare_run
+    from ghostvis_core.run.launch import prepare_run
 
     home = Home(home_copy)
     train = [r for r in Ledger.in_store(home.store).shards() if r["source"] == "demo_prose" and r["split"] == "train"]

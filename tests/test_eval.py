@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from ghostvis_core.config import ModelConfig
-from ghostvis_core.eval.benchmark import Choice, multiple_choice
-from ghostvis_core.model.gpt import GPT
+from ghostvis_core.plan.config import ModelConfig
+from ghostvis_core.verify.eval.benchmark import Choice, multiple_choice
+from ghostvis_core.run.model.gpt import GPT
 
 
 def _model() -> GPT:

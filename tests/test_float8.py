@@ -8,14 +8,14 @@ import pytest
 import torch
 from torchao.float8.float8_linear import Float8Linear  # torchao is in the dev extra as well as the gpu one
 
-from ghostvis_core.config import ModelConfig, StageConfig, VisionConfig, apply_overrides
+from ghostvis_core.plan.config import ModelConfig, StageConfig, VisionConfig, apply_overrides
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.model.gpt import GPT
-from ghostvis_core.presets import resolve
-from ghostvis_core.train import checkpoint as ckpt
-from ghostvis_core.train import float8
-from ghostvis_core.train.dist import DistContext
-from ghostvis_core.train.setup import build_model
+from ghostvis_core.run.model.gpt import GPT
+from ghostvis_core.plan.presets import resolve
+from ghostvis_core.run.train import checkpoint as ckpt
+from ghostvis_core.run.train import float8
+from ghostvis_core.run.train.dist import DistContext
+from ghostvis_core.run.train.setup import build_model
 
 # head_dim 16; ffn_hidden 72: w13 is 64 -> 144 (both divide by 16), w2 is 72 -> 64 (72 does not);
 # vocab 96 divides by 16 too, but the head is skipped by name

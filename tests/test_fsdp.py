@@ -20,13 +20,13 @@ import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.fsdp  # noqa: F401
 import torch.multiprocessing as mp
 
-from ghostvis_core.config import ModelConfig
+from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.model.gpt import GPT
-from ghostvis_core.model.vision import frozen_fingerprint
-from ghostvis_core.train import checkpoint as ckpt
-from ghostvis_core.train.dist import DistContext
-from ghostvis_core.train.parallel import Sharded, SingleProcess, wrap
+from ghostvis_core.run.model.gpt import GPT
+from ghostvis_core.run.model.vision import frozen_fingerprint
+from ghostvis_core.run.train import checkpoint as ckpt
+from ghostvis_core.run.train.dist import DistContext
+from ghostvis_core.run.train.parallel import Sharded, SingleProcess, wrap
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16)
 ROWS_PER_STEP = 8  # global rows per optimizer step: micro 2 x world 2 x accum 2, or micro 2 x world 1 x accum 4
@@ -302,7 +302,7 @@ def test_the_trainer_with_async_checkpoints_trains_and_commits_like_the_sync_one
     from tests.conftest import run_cli
 
     for extra in ([], ["--set", "checkpoint.async_save=true"]):
-        run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "ghostvis_core.train", "--stage", "pretrain",
+        run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "ghostvis_core.run", "--stage", "pretrain",
                  "--preset", "smoke", *ASYNC_RUN, *extra], home_copy, OMP_NUM_THREADS="1")
     store = Home(home_copy).store
     ledger = Ledger.in_store(store)
@@ -347,7 +347,7 @@ def _objects(store, step_dir: str) -> list[str]:
 def _write_through_s3(rank, world, env, tmp):
     """fsdp on 2 'nodes': each rank writes its shard into its own cache; `share_shard` uploads it,
     then rank 0 commits and publishes the rest, marker last."""
-    from ghostvis_core.train.commit import share_shard
+    from ghostvis_core.run.train.commit import share_shard
 
     store = _s3_node(rank, env, f"{tmp}/node{rank}")
     par, opt = _fresh("fsdp", rank, world)
@@ -391,7 +391,7 @@ def test_fsdp_shards_from_ranks_with_their_own_caches_commit_through_s3(moto_s3,
 
 
 def test_a_rank_drops_only_its_own_leftover_shards_and_the_emptied_staging_folder(tmp_path):
-    from ghostvis_core.train.commit import drop_stale_shards
+    from ghostvis_core.run.train.commit import drop_stale_shards
 
     staging = tmp_path / ".dcp-step_000000002"
     staging.mkdir()

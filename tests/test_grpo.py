@@ -12,15 +12,15 @@ import pyarrow as pa
 import pytest
 import torch
 
-from ghostvis_core.audit.rebuild import PromptGroupRows, SourceFiles, rl_prompt_length
-from ghostvis_core.audit.rollouts import recomputed_reward
-from ghostvis_core.audit.token_files import TokenFile
-from ghostvis_core.config import GRPOConfig
+from ghostvis_core.verify.audit.rebuild import PromptGroupRows, SourceFiles, rl_prompt_length
+from ghostvis_core.verify.audit.rollouts import recomputed_reward
+from ghostvis_core.verify.audit.token_files import TokenFile
+from ghostvis_core.plan.config import GRPOConfig
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.token_shard import list_column, write_token_shard
 from ghostvis_core.data.tokenizer import train_tokenizer
-from ghostvis_core.model.gpt import IGNORE_INDEX
-from ghostvis_core.train.grpo import (
+from ghostvis_core.plan.batch import IGNORE_INDEX
+from ghostvis_core.run.train.grpo import (
     FORMAT_REWARD, GroupRows, RolloutLog, group_advantages, grpo_loss_sum, parse_answer, prompt_length, reward,
 )
 
@@ -138,12 +138,12 @@ def stale_home(check: str, failure: str) -> bool:
 
 @pytest.mark.e2e
 def test_the_rl_stage_runs_through_the_cli_and_its_audit_recounts_the_generated_tokens(home_copy):
-    from ghostvis_core.audit.report import audit_stage
+    from ghostvis_core.verify.audit.report import audit_stage
     from ghostvis_core.counts import ROLLOUT_METRICS
     from ghostvis_core.data.ledger import Ledger
     from ghostvis_core.home import Home
-    from ghostvis_core.track.mlflow_records import latest_metrics
-    from ghostvis_core.train.runs import completed_runs
+    from ghostvis_core.run.track.mlflow_records import latest_metrics
+    from ghostvis_core.run.train.runs import completed_runs
 
     proc = run_cli(["dagster", "asset", "materialize", "--select", "rl", "-m", "ghostvis_pipeline.definitions"],
                    home_copy, timeout=900, check=False)

@@ -18,11 +18,11 @@ from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
-from ghostvis_core.config import ModelConfig
+from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.data.tokenizer import train_tokenizer
-from ghostvis_core.eval.harness import (CLOZE_FILE, TASKS_DIR, GhostvisLM, cloze_jsonl, run_tasks, task_metrics)
+from ghostvis_core.verify.eval.harness import (CLOZE_FILE, TASKS_DIR, GhostvisLM, cloze_jsonl, run_tasks, task_metrics)
 from ghostvis_core.home import Home
-from ghostvis_core.model.gpt import GPT
+from ghostvis_core.run.model.gpt import GPT
 from tests.conftest import run_cli
 
 SEQ = 32

@@ -13,16 +13,16 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import new_bucket, run_cli, s3_env
-from ghostvis_core.config import ModelConfig
+from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.data.chat import render_chat, render_prompt
 from ghostvis_core.data.tokenizer import train_tokenizer
 from ghostvis_core.store import FolderStore
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.hf.export import export_model
-from ghostvis_core.hf.imports import IMPORT_STAGE, import_checkpoint, load_hf_model
-from ghostvis_core.model.gpt import GPT
-from ghostvis_core.train import checkpoint as ckpt
-from ghostvis_core.train.runs import checkpoint_of
+from ghostvis_core.run.hf.export import export_model
+from ghostvis_core.run.hf.imports import IMPORT_STAGE, import_checkpoint, load_hf_model
+from ghostvis_core.run.model.gpt import GPT
+from ghostvis_core.run.train import checkpoint as ckpt
+from ghostvis_core.run.train.runs import checkpoint_of
 
 transformers = pytest.importorskip("transformers")
 
@@ -214,7 +214,7 @@ def test_broken_imports_fail_naming_the_tensors(how, tok, tmp_path):
 def test_export_command_on_the_demo_sft(home_copy, tmp_path):
     out = tmp_path / "sft-hf"
     run_cli(["ghostvis", "export", "--stage", "sft", "--to", str(out)], home_copy)
-    from ghostvis_core.eval.checkpoints import load_stage
+    from ghostvis_core.run.train.trained import load_stage
     from ghostvis_core.home import Home
 
     trained = load_stage(Home(home_copy), "sft")
@@ -225,7 +225,7 @@ def test_export_command_on_the_demo_sft(home_copy, tmp_path):
         assert (trained.model(x) - hf(x).logits).abs().max().item() <= 1e-4
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert tokenizer.apply_chat_template(CHAT, add_generation_prompt=True)["input_ids"] == ids
-    from ghostvis_core.hf.vision import image_embeds, load_vision
+    from ghostvis_core.run.hf.vision import image_embeds, load_vision
 
     vision, image_id = load_vision(out), trained.tok.special("<|image|>")
     images = torch.rand(1, 3, trained.config.vision.image_size, trained.config.vision.image_size)
@@ -243,20 +243,20 @@ def test_a_stage_trains_from_an_imported_hf_folder(home_copy, tmp_path):
     on that step's batch (not ~ln(vocab) of a random init)."""
     from mlflow.tracking import MlflowClient
 
-    from ghostvis_core.budget import batch_plan
-    from ghostvis_core.config import StageConfig
-    from ghostvis_core.hf.export import export_run
+    from ghostvis_core.plan.budget import batch_plan
+    from ghostvis_core.plan.config import StageConfig
+    from ghostvis_core.run.hf.export import export_run
     from ghostvis_core.home import Home
-    from ghostvis_core.train.objectives import build_objective
-    from ghostvis_core.train.result import RunResult
-    from ghostvis_core.train.setup import localize_shards
-    from ghostvis_core.train.spec import LaunchSpec
+    from ghostvis_core.run.train.objectives import build_objective
+    from ghostvis_core.run.train.result import RunResult
+    from ghostvis_core.run.train.setup import localize_shards
+    from ghostvis_core.run.train.spec import LaunchSpec
 
     home = Home(home_copy)
     folder = export_run(home, "pretrain", None, tmp_path / "pretrain-hf")
     sets = [f"init_from={folder}", "budget.steps=1", "checkpoint.every_steps=1", "eval.every_steps=1",
             "runtime.precision=fp32", "batch.world_size=1", "eval.evidence=[]", "eval.val_tokens=512"]
-    run_cli(["python", "-m", "ghostvis_core.train", "--stage", "continued_pretrain", "--preset", "smoke",
+    run_cli(["python", "-m", "ghostvis_core.run", "--stage", "continued_pretrain", "--preset", "smoke",
              *[a for s in sets for a in ("--set", s)]], home_copy)
     store = home.store
     (key,) = [k for _, k in store.keys("run_spec", "continued_pretrain")
@@ -364,7 +364,7 @@ def test_import_from_the_hub_through_huggingface_hub(tok, tmp_path, monkeypatch)
 def test_planning_a_stage_refuses_a_broken_import_or_an_unknown_init_from(tok, tmp_path):
     """In the launch planning path (before torchrun), the offending tensor is named."""
     from ghostvis_core.home import Home
-    from ghostvis_core.train.launch import plan_run
+    from ghostvis_core.run.launch import plan_run
 
     folder, _ = hf_reference("qwen2", tmp_path, tok)
     _break(folder, "missing")
@@ -382,13 +382,13 @@ def test_a_foreign_models_tokenizer_tokenizes_the_data_a_stage_starts_from_it(to
     sources with it, and pretraining starts from the model on those tokens."""
     from ghostvis_core.data.ledger import Ledger
     from ghostvis_core.home import Home
-    from ghostvis_core.train.result import RunResult
+    from ghostvis_core.run.train.result import RunResult
     from tests.test_e2e_demo import dagster_instance, latest
 
     folder, _ = hf_reference("qwen2", tmp_path, tok)
     sets = [f"init_from={folder}", "budget.steps=2", "checkpoint.every_steps=2", "batch.seq_len=64",
             "batch.world_size=1", "eval.evidence=[]", "eval.val_tokens=128", "runtime.precision=fp32"]
-    train = ["python", "-m", "ghostvis_core.train", "--stage", "pretrain", "--preset", "smoke",
+    train = ["python", "-m", "ghostvis_core.run", "--stage", "pretrain", "--preset", "smoke",
              *[a for s in sets for a in ("--set", s)]]
     refused = run_cli(train, home_copy, check=False)
     assert refused.returncode != 0

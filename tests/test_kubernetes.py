@@ -1,5 +1,5 @@
 """The `kubernetes` launcher's manifests, rendered from a launcher config the way a run renders them
-(Dagster resource config -> plan -> ghostvis_core.cluster.kubernetes) and validated offline against
+(Dagster resource config -> plan -> ghostvis_core.run.cluster.kubernetes) and validated offline against
 the Kubernetes API schema (kubernetes-validate ships it). No cluster is needed."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from dagster import DagsterInstance, Failure, MaterializeResult, asset, build_re
 from dagster_k8s.pipes import build_pod_body
 from dagster_pipes import decode_env_var
 
-from ghostvis_core.cluster.kubernetes import (
+from ghostvis_core.run.cluster.kubernetes import (
     CONTAINER, INDEX_ANNOTATION, JOB_LABEL, NAME_MAX, QUEUE_LABEL, render_indexed_job, render_pod,
     resource_name)
-from ghostvis_core.cluster.run_files import read_run_file
+from ghostvis_core.run.cluster.run_files import read_run_file
 from ghostvis_core.home import Home
-from ghostvis_core.track.pipes import StoreMessageWriterChannel
-from ghostvis_core.train.spec import LaunchSpec
+from ghostvis_core.run.track.pipes import StoreMessageWriterChannel
+from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.launchers import kubernetes as k8s_launcher
 from ghostvis_pipeline.launchers.kubernetes import plan
@@ -88,7 +88,7 @@ def test_one_node_is_one_pod_with_all_its_gpus(home):
     validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "trainer-0", **meta}, "spec": spec})
     c = container(spec)
     assert c["command"] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
-                            "-m", "ghostvis_core.train", "--spec", home.store.uri_of("run_spec", "pretrain", run.run_key)]
+                            "-m", "ghostvis_core.run", "--spec", home.store.uri_of("run_spec", "pretrain", run.run_key)]
     assert c["resources"]["limits"] == {"cpu": "64", "memory": "900Gi", "nvidia.com/gpu": "8"}
     assert c["resources"]["requests"] == c["resources"]["limits"]
     assert meta["labels"][QUEUE_LABEL] == "h100"

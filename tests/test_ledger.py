@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from ghostvis_core.batch import BatchPlan
+from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.data.ledger import PART_TABLES, Ledger, pieces_to_rows, run_summaries
 from ghostvis_core.data.loader import Batcher, Consumption, LMRows, merge_pieces, micro_batch_rows
 from ghostvis_core.data.stream import ShardRef, SourceStream

@@ -14,12 +14,13 @@ import pyarrow as pa
 import pytest
 import torch
 
-from ghostvis_core.batch import BatchPlan
+from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.data.loader import Batcher, ChatRows, Consumption, LMRows, merge_pieces, micro_batch_rows
-from ghostvis_core.data.stream import MixtureSchedule, Piece, ShardRef, SourceStream
+from ghostvis_core.data.stream import Piece, ShardRef, SourceStream
+from ghostvis_core.plan.mixture import MixtureSchedule
 from ghostvis_core.data.token_shard import TokenShard, list_column, write_token_shard
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.model.gpt import IGNORE_INDEX
+from ghostvis_core.plan.batch import IGNORE_INDEX
 
 
 # ---------------------------------------------------------------- helpers

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from ghostvis_core import presets
-from ghostvis_core.budget import GB, GPUS, flops_per_token, gpu_of, memory_plan
+from ghostvis_core.plan import presets
+from ghostvis_core.plan.budget import GB, GPUS, flops_per_token, gpu_of, memory_plan
 from ghostvis_pipeline.cli import build_parser, main as cli_main
 
 

@@ -18,10 +18,10 @@ import torch
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
-from ghostvis_core.stages import stage, stage_names
+from ghostvis_core.plan.stages import stage, stage_names
 from ghostvis_core.store.layout import fill
-from ghostvis_core.train.runs import run_result
-from ghostvis_core.train.spec import LaunchSpec
+from ghostvis_core.run.train.runs import run_result
+from ghostvis_core.run.train.spec import LaunchSpec
 from tests.conftest import copy_home, run_cli
 from tests.test_e2e_demo import dagster_instance, latest
 from tests.test_mlflow_outage import free_port, start_server, stop_server
@@ -152,7 +152,7 @@ def test_the_registered_dpo_model_loads_and_gives_ghostvis_logits_and_tokens(reg
     import mlflow.pyfunc
     import mlflow.transformers
 
-    from ghostvis_core.eval.checkpoints import load_stage
+    from ghostvis_core.run.train.trained import load_stage
 
     home, uri = registry
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # as a user would point MLflow at the server
@@ -195,7 +195,7 @@ def sampled(monkeypatch, interval: str, run_for: float) -> list[tuple[dict[str, 
     and none after finish() (nothing listens at the tracking URI: nothing is sent there)."""
     import time
 
-    from ghostvis_core.track.mlflow_system import OutboxSystemMetrics
+    from ghostvis_core.run.track.mlflow_system import OutboxSystemMetrics
 
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", interval)
     points: list = []
@@ -229,7 +229,7 @@ def test_registering_leaves_the_callers_mlflow_environment_as_it_was(tmp_path, m
     import mlflow
     from mlflow import MlflowClient
 
-    from ghostvis_core.track.mlflow_models import fluent_scope
+    from ghostvis_core.run.track.mlflow_models import fluent_scope
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     experiment_id = MlflowClient(uri).create_experiment("scoped")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ghostvis_core.config import ModelConfig
-from ghostvis_core.model.gpt import GPT
+from ghostvis_core.plan.config import ModelConfig
+from ghostvis_core.run.model.gpt import GPT
 
 PROMPT = [1, 5, 9, 2]
 

@@ -16,13 +16,13 @@ import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
-from ghostvis_core.cluster.torchrun import RDZV_PORT, MultiNode, node_line, torchrun_command
+from ghostvis_core.run.cluster.torchrun import RDZV_PORT, MultiNode, node_line, torchrun_command
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.train import checkpoint as ckpt
-from ghostvis_core.train.dist import DistContext, agree
-from ghostvis_core.train.runs import run_result
+from ghostvis_core.run.train import checkpoint as ckpt
+from ghostvis_core.run.train.dist import DistContext, agree
+from ghostvis_core.run.train.runs import run_result
 from tests.conftest import materialize_pretrain, new_run_dirs, run_cli, run_names
 
 pytestmark = pytest.mark.e2e
@@ -52,7 +52,7 @@ def test_each_node_gets_the_same_rendezvous_command_through_node_shell():
             "exec", "env", "DAGSTER_PIPES_CONTEXT=eJyrVkrLz1eyUkpKLFKqBQA=", "OMP_NUM_THREADS=8",
             "/opt/venv/bin/python", "-m", "torch.distributed.run", "--nnodes=3", "--rdzv-backend=c10d",
             "--rdzv-endpoint=10.0.0.1:29500", "--rdzv-id=pretrain-3f2a-r2-1a2b3c4d-0", "--nproc_per_node=4",
-            "-m", "ghostvis_core.train", "--spec", "/shared/store/runs/pretrain/pretrain-3f2a-r2/spec.json"]
+            "-m", "ghostvis_core.run", "--spec", "/shared/store/runs/pretrain/pretrain-3f2a-r2/spec.json"]
     # no --node-rank: torchrun ranks the nodes as they arrive, so rank 0 may run on any node
     assert not any(a.startswith("--node-rank") for a in cmd)
     # defaults: this host's name on the usual port; every launch attempt its own rendezvous

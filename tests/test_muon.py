@@ -1,4 +1,4 @@
-"""Muon (ghostvis_core/train/muon.py): the Newton-Schulz orthogonalization against an SVD, which
+"""Muon (ghostvis_core/run/train/muon.py): the Newton-Schulz orthogonalization against an SVD, which
 parameters of the real GPT get Muon and which AdamW, the AdamW half against torch.optim.AdamW, and on
 2 gloo ranks: DDP and FSDP2 train to the same losses, and both resume exactly from their checkpoints
 (safetensors for DDP, DCP shards for FSDP2). The 2-rank helpers are test_fsdp's.
@@ -12,12 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ghostvis_core.config import ModelConfig, OptimConfig
-from ghostvis_core.model.gpt import GPT
-from ghostvis_core.train import checkpoint as ckpt
-from ghostvis_core.train.dist import DistContext
-from ghostvis_core.train.muon import Muon, make_muon, orthogonalized, zeropower_via_newtonschulz5
-from ghostvis_core.train.parallel import wrap
+from ghostvis_core.plan.config import ModelConfig, OptimConfig
+from ghostvis_core.run.model.gpt import GPT
+from ghostvis_core.run.train import checkpoint as ckpt
+from ghostvis_core.run.train.dist import DistContext
+from ghostvis_core.run.train.muon import Muon, make_muon, orthogonalized, zeropower_via_newtonschulz5
+from ghostvis_core.run.train.parallel import wrap
 from tests.conftest import run_cli
 from tests.test_fsdp import CFG, ROWS_PER_STEP, spawn, train_steps
 
@@ -167,7 +167,7 @@ def test_the_trainer_runs_muon_under_fsdp_through_torchrun(home_copy):
     from ghostvis_core.home import Home
 
     sets = ["optim.name=muon", "budget.steps=8", "parallel.strategy=fsdp", "checkpoint.every_steps=4"]
-    run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "ghostvis_core.train", "--stage", "pretrain",
+    run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "ghostvis_core.run", "--stage", "pretrain",
              "--preset", "smoke", *[a for s in sets for a in ("--set", s)]], home_copy)
     client = MlflowClient(Home(home_copy).mlflow_tracking_uri)
     runs = client.search_runs([client.get_experiment_by_name("ghostvis").experiment_id],

@@ -12,17 +12,18 @@ import pyarrow as pa
 import pytest
 import torch
 
-from ghostvis_core.config import DPOConfig, ModelConfig, VisionConfig
+from ghostvis_core.plan.config import DPOConfig, ModelConfig, VisionConfig
 from ghostvis_core.data.chat import render_chat
 from ghostvis_core.data.loader import Batch, Batcher, ChatRows, PreferenceRows
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.token_shard import list_column, write_token_shard
 from ghostvis_core.data.tokenizer import train_tokenizer
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.model.gpt import GPT, IGNORE_INDEX, apply_rope, rope_tables
-from ghostvis_core.model.vision import VisionStack, frozen_fingerprint, splice_images
-from ghostvis_core.presets import resolve
-from ghostvis_core.train.objectives import DPOObjective, VisionAlignObjective
+from ghostvis_core.run.model.gpt import GPT, apply_rope, rope_tables
+from ghostvis_core.plan.batch import IGNORE_INDEX
+from ghostvis_core.run.model.vision import VisionStack, frozen_fingerprint, splice_images
+from ghostvis_core.plan.presets import resolve
+from ghostvis_core.run.train.objectives import DPOObjective, VisionAlignObjective
 
 SMALL = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=64)
 

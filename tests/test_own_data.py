@@ -16,11 +16,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ghostvis_core.data.demo_corpus import build_text_source
+from ghostvis_core.demo.corpus import build_text_source
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.token_shard import TokenShard
 from ghostvis_core.home import Home
-from ghostvis_core.train.runs import completed_runs
+from ghostvis_core.run.train.runs import completed_runs
 from tests.conftest import BIN, cli_env
 
 pytestmark = pytest.mark.e2e

@@ -23,7 +23,7 @@ import psycopg2
 import pytest
 from dagster import DagsterEventType
 
-from ghostvis_core.audit.stage_checks import stage_check_names
+from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_pipeline.environment import env_vars_read, init_report, prepare_environment

@@ -1,4 +1,4 @@
-"""The lineage quality gate (ghostvis_core/eval/gate.py): each stage's held-out bits per byte against
+"""The lineage quality gate (ghostvis_core/verify/eval/gate.py): each stage's held-out bits per byte against
 its upstream's, judged on hand-built figures, in the report card, and on the smoke demo's evaluation."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.eval.gate import lineage_gate, tolerances
-from ghostvis_core.eval.report import StageReport, tables
-from ghostvis_core.stages import BPB_TOLERANCE, stage_names
+from ghostvis_core.verify.eval.gate import lineage_gate, tolerances
+from ghostvis_core.verify.eval.report import StageReport, tables
+from ghostvis_core.plan.stages import BPB_TOLERANCE, stage_names
 
 # pretrain -> continued_pretrain: prose 12% worse (flagged), code 9% worse (within 10%)
 BPB = {"pretrain": {"demo_prose": 2.5, "demo_code": 3.0},

@@ -17,8 +17,8 @@ import pytest
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
-from ghostvis_core.train.runs import run_result
-from ghostvis_core.train import checkpoint as ckpt
+from ghostvis_core.run.train.runs import run_result
+from ghostvis_core.run.train import checkpoint as ckpt
 from tests.conftest import BIN, cli_env, materialize_pretrain, new_run_dirs, run_cli, run_names
 
 pytestmark = pytest.mark.e2e

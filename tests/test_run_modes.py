@@ -13,10 +13,10 @@ import math
 
 import pytest
 
-from ghostvis_core import presets
-from ghostvis_core.budget import GPUS, memory_plan, plan
+from ghostvis_core.plan import presets
+from ghostvis_core.plan.budget import GPUS, memory_plan, plan
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run_modes import MODES, expand, mode_overrides, model_preset, plan_mode
+from ghostvis_core.plan.run_modes import MODES, expand, mode_overrides, model_preset, plan_mode
 from ghostvis_pipeline.cli import main as cli_main
 
 
@@ -126,7 +126,7 @@ def test_a_stage_launched_with_a_mode_trains_the_planners_steps(demo_home, monke
     """`ghostvis train pretrain --preset 1xh100-1h` (or run config preset: 1xh100-1h) resolves through
     plan_run: the spec carries the mode's world size and the steps the planner derived."""
     from ghostvis_core.home import Home
-    from ghostvis_core.train.launch import plan_run
+    from ghostvis_core.run.launch import plan_run
 
     monkeypatch.setenv("GHOSTVIS_HOME", str(demo_home))
     monkeypatch.delenv("GHOSTVIS_STORE", raising=False)

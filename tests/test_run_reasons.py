@@ -7,11 +7,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from ghostvis_core.cluster.ship_output import chunk_name
+from ghostvis_core.run.cluster.ship_output import chunk_name
 from ghostvis_core.home import Home
 from ghostvis_core.store import open_store
-from ghostvis_core.train.reasons import clear_reasons, record_reason, run_reason
-from ghostvis_core.train.spec import LaunchSpec
+from ghostvis_core.run.train.reasons import clear_reasons, record_reason, run_reason
+from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_pipeline.launchers.common import failure, host_environment
 from tests.conftest import BIN
 
@@ -57,7 +57,7 @@ def test_the_launcher_failure_names_the_ranks_reason_and_its_own(tmp_path, monke
 def test_the_job_output_is_shipped_in_numbered_chunks_and_passed_on(tmp_path):
     store_dir = tmp_path / "store"
     lines = "".join(f"line {i}\n" for i in range(3))
-    proc = subprocess.run([sys.executable, "-m", "ghostvis_core.cluster.ship_output", "--store", str(store_dir),
+    proc = subprocess.run([sys.executable, "-m", "ghostvis_core.run.cluster.ship_output", "--store", str(store_dir),
                            "--stage", STAGE, "--run-key", RUN, "--name", "slurm/a1/out"],
                           input=lines, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout == lines  # the node-local --output file gets it too

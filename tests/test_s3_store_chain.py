@@ -14,14 +14,14 @@ import boto3
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ghostvis_core.audit.stage_checks import stage_check_names
+from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_core.counts import MLFLOW_METRICS
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
-from ghostvis_core.presets import resolve
-from ghostvis_core.stages import stage_names
+from ghostvis_core.plan.presets import resolve
+from ghostvis_core.plan.stages import stage_names
 from ghostvis_core.store import open_store
-from ghostvis_core.train.runs import completed_runs
+from ghostvis_core.run.train.runs import completed_runs
 from tests.conftest import new_bucket, run_cli, s3_env
 
 # the first test waits for the whole chain (its module fixture), longer than the suite's 900 s per test

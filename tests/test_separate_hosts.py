@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from ghostvis_core.store import open_store
-from ghostvis_core.train import checkpoint as ckpt
-from ghostvis_core.train.runs import run_result
+from ghostvis_core.run.train import checkpoint as ckpt
+from ghostvis_core.run.train.runs import run_result
 from tests.conftest import BIN, copy_home, materialize_pretrain
 from tests.hosts import (
     HOST_ADDR,

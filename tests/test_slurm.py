@@ -22,13 +22,13 @@ import boto3
 import psutil
 import pytest
 
-from ghostvis_core.cluster.slurm import JOB_OUTCOMES, SlurmJob, job_outcome, redact, render_sbatch, ship_command
+from ghostvis_core.run.cluster.slurm import JOB_OUTCOMES, SlurmJob, job_outcome, redact, render_sbatch, ship_command
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.store import open_store
-from ghostvis_core.train import checkpoint as ckpt
-from ghostvis_core.train.runs import run_result
+from ghostvis_core.run.train import checkpoint as ckpt
+from ghostvis_core.run.train.runs import run_result
 from tests.conftest import BIN, cli_env, materialize_pretrain, new_run_dirs, run_cli, run_names, s3_env
 from tests.hosts import upload
 from tests.slurm_cluster import free_ports, slurm_cluster  # noqa: F401 (a fixture)
@@ -57,12 +57,12 @@ def test_sbatch_script_asks_for_the_job_and_starts_torchrun_once_per_node():
     srun = [line for line in lines if line.startswith("srun ")]
     assert srun == ['srun --kill-on-bad-exit=1 /opt/venv/bin/python -m torch.distributed.run --nnodes="$SLURM_NNODES" '
                     '--rdzv-backend=c10d --rdzv-endpoint="$rdzv_host":29555 --rdzv-id="$SLURM_JOB_ID" '
-                    f'--nproc_per_node=8 -m ghostvis_core.train --spec {SPEC}']
+                    f'--nproc_per_node=8 -m ghostvis_core.run --spec {SPEC}']
     assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in lines
     assert lines.index("export OMP_NUM_THREADS=4") < lines.index(srun[0])
     # everything from the rendezvous lookup to srun's end goes through the shipper, to the store
     assert lines.index("{") < lines.index(srun[0]) < lines.index(
-        "} 2>&1 | python -m ghostvis_core.cluster.ship_output --store s3://team/store --stage pretrain "
+        "} 2>&1 | python -m ghostvis_core.run.cluster.ship_output --store s3://team/store --stage pretrain "
         "--run-key pretrain-abc-r1 --name slurm/a1/out")
 
 
@@ -288,7 +288,7 @@ def interrupt_rank(rank: int, store_uri: str) -> None:
     found = []
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if "ghostvis_core.train" in (p.info["cmdline"] or []) and any(store_uri in a for a in p.info["cmdline"]) \
+            if "ghostvis_core.run" in (p.info["cmdline"] or []) and any(store_uri in a for a in p.info["cmdline"]) \
                     and p.environ().get("RANK") == str(rank):
                 found.append(p)
         except psutil.Error:

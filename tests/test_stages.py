@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from ghostvis_core import config, presets
+from ghostvis_core.plan import config, presets
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.stages import STAGES, markdown_table, stage, stage_names
+from ghostvis_core.plan.stages import STAGES, markdown_table, stage, stage_names
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -96,7 +96,7 @@ SHARDS = [{"source": "web", "kind": "text", "split": "train", "tokens": 300},
 
 
 def test_a_stage_follows_the_registered_sources_of_its_kind_when_its_preset_names_others():
-    from ghostvis_core.train.launch import follow_registered_sources
+    from ghostvis_core.run.launch import follow_registered_sources
 
     cfg = presets.resolve("pretrain", "tiny")  # the demo recipe: demo_prose, demo_code (not registered here)
     follow_registered_sources(cfg, SHARDS, "tok", preset_recipe=True)
@@ -105,7 +105,7 @@ def test_a_stage_follows_the_registered_sources_of_its_kind_when_its_preset_name
 
 
 def test_a_recipe_of_the_users_naming_unregistered_sources_names_the_registered_ones():
-    from ghostvis_core.train.launch import follow_registered_sources
+    from ghostvis_core.run.launch import follow_registered_sources
 
     cfg = presets.resolve("pretrain", "tiny", presets.data_overrides({"webb": 1.0}, []))
     with pytest.raises(GhostvisError, match=r"the recipe names source\(s\) webb, which are not registered "

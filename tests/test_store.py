@@ -15,7 +15,7 @@ from ghostvis_core.home import Home
 from ghostvis_core.store import LAYOUT, S3Store, open_store
 from ghostvis_core.store.files import atomic_write, sha256_file
 from ghostvis_core.store.layout import fill, listing_prefix
-from ghostvis_core.train.setup import newest_checkpoint
+from ghostvis_core.run.train.setup import newest_checkpoint
 from tests.conftest import new_bucket, s3_env
 
 # --- both implementations -----------------------------------------------------------------------------

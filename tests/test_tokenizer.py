@@ -12,7 +12,7 @@ import pytest
 import tiktoken
 import tiktoken.load
 
-from ghostvis_core.data.demo_corpus import TEXT_SOURCES, build_text_source
+from ghostvis_core.demo.corpus import TEXT_SOURCES, build_text_source
 from ghostvis_core.data.tokenizer import (
     SPECIAL_TOKENS,
     load_tokenizer,

@@ -22,10 +22,10 @@ import pytest
 import yaml
 from playwright.sync_api import expect
 
-from ghostvis_core.audit.stage_checks import stage_check_names
+from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_core.home import Home
-from ghostvis_core.presets import VARIANTS
-from ghostvis_core.train import checkpoint as ckpt
+from ghostvis_core.plan.presets import VARIANTS
+from ghostvis_core.run.train import checkpoint as ckpt
 from tests.conftest import copy_home, new_run_dirs, run_cli, run_names
 from tests.ui_servers import (
     UI_TIMEOUT_MS, as_int, captured_page, clear_run_outputs, dagster_ui, eventually, mlflow_server, shot,

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
-from ghostvis_core.audit.stage_checks import stage_check_names
+from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
-from ghostvis_core.stages import stage_names
+from ghostvis_core.plan.stages import stage_names
 from tests.ui_servers import (
     UI_TIMEOUT_MS, as_int, captured_page, clear_run_outputs, dagster_ui, eventually, mlflow_server, shot,
 )
@@ -29,7 +29,7 @@ STAGES = stage_names()
 ASSETS = ["shard_manifest", "raw_shards", "tokenizer", "tokenized_shards", "token_ledger", "pretrain",
           "continued_pretrain", "context_expansion", "reasoning_mix", "vision_alignment", "sft", "dpo",
           "pretrain_variants", "evaluation", "report"]
-STAGE_CHECKS = stage_check_names()  # the one registry (ghostvis_core/audit/stage_checks.py)
+STAGE_CHECKS = stage_check_names()  # the one registry (ghostvis_core/verify/audit/stage_checks.py)
 TOKEN_COLS = {"real": "real_tokens", "pad": "pad_tokens", "loss": "loss_tokens", "cropped": "cropped_tokens"}
 expect.set_options(timeout=UI_TIMEOUT_MS)
 

@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from ghostvis_core import presets
-from ghostvis_core.config import parse_sets
-from ghostvis_core.stages import stage_names
+from ghostvis_core.plan import presets
+from ghostvis_core.plan.config import parse_sets
+from ghostvis_core.plan.stages import stage_names
 from ghostvis_pipeline.metadata import md_table
 
 STAGES = stage_names()
@@ -61,7 +61,7 @@ def test_runs_create_their_experiment_tagged_as_model_training(tmp_path):
     model training; an experiment made before without the kind gets it from the next run."""
     from mlflow.tracking import MlflowClient
 
-    from ghostvis_core.track.mlflow_run import EXPERIMENT_KIND_TAG, MlflowRun, MlflowTarget
+    from ghostvis_core.run.track.mlflow_run import EXPERIMENT_KIND_TAG, MlflowRun, MlflowTarget
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)

@@ -1,5 +1,5 @@
-"""Which sources exist: the embedded demo sources, published locally as if remote, and the
-manifests the pipeline registered (one per source in the store, artifact kind "manifest").
+"""Which sources exist: the manifests the pipeline registered (one per source in the store, artifact
+kind "manifest").
 
 And which split each shard is in: `shard_split`, the one resolution every reader uses (the tokenizer,
 tokenized_shards, shard_manifest's table, the tokenizer check). It applies `Manifest.split_of` (name
@@ -14,32 +14,12 @@ from dataclasses import dataclass, field
 
 import pyarrow.parquet as pq
 
-from ghostvis_core.data.demo_corpus import TEXT_SOURCES, build_text_source
-from ghostvis_core.data.demo_tasks import TASK_SOURCES, build_task_source
 from ghostvis_core.data.sources import (
-    Manifest, ShardEntry, check_pins, list_remote, manifest_for_files, manifest_from_pattern, shard_name,
+    Manifest, ShardEntry, check_pins, list_remote, manifest_from_pattern, shard_name,
 )
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.home import Home
 from ghostvis_core.store import Store
 from ghostvis_core.store.files import sha256_file
-
-# source -> kind, in the order the demo registers them
-DEMO_SOURCES: dict[str, str] = {**{s: "text" for s in TEXT_SOURCES}, **TASK_SOURCES}
-
-
-def publish_demo_source(home: Home, source: str) -> Manifest:
-    """Build a demo source under <home>/sources/<source>/ once; its manifest has file:// URLs."""
-    out = home.sources / source
-    manifest_path = out / "manifest.json"
-    if manifest_path.exists():
-        return Manifest.load(manifest_path)
-    if source not in DEMO_SOURCES:
-        raise GhostvisError(f"unknown demo source '{source}'; demo sources are: {', '.join(DEMO_SOURCES)}")
-    files = build_text_source(source, out) if source in TEXT_SOURCES else build_task_source(source, out)
-    manifest = manifest_for_files(source, DEMO_SOURCES[source], files)
-    manifest.save(manifest_path)  # last: a source without its manifest is rebuilt
-    return manifest
 
 
 @dataclass

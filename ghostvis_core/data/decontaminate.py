@@ -1,7 +1,7 @@
 """Build-time decontamination of the embedded demo data: invariant 9 kept at the source, not only
 checked by the gate.
 
-The gate (`no_eval_contamination`, ghostvis_core/audit/contamination.py) fails a stage that consumed a
+The gate (`no_eval_contamination`, ghostvis_core/verify/audit/contamination.py) fails a stage that consumed a
 training document sharing more than `contamination.max_overlap` of its 13-gram fingerprints with an
 evaluation item. The demo builders use a stricter rule, as real pipelines do when they decontaminate:
 after the train/validation split, a training document that shares *any* fingerprint

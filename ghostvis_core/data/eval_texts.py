@@ -1,6 +1,6 @@
 """The text of the evaluation items GhostVis ships: the fixed prompts every stage is sampled with, the
 multiple-choice benchmark's templated items and the folder of its lm-evaluation-harness tasks. One place
-for the evaluation (ghostvis_core/eval), the decontamination gate (ghostvis_core/audit/contamination.py)
+for the evaluation (ghostvis_core/verify/eval), the decontamination gate (ghostvis_core/verify/audit/contamination.py)
 and the demo builders that keep their training data clear of these items (ghostvis_core/data/decontaminate.py),
 none of which may import the evaluation code (it loads models and the training stack).
 """
@@ -22,12 +22,12 @@ PROMPTS = (
 )
 
 LM_EVAL_TASKS_DIR = Path(__file__).resolve().parents[1] / "resources" / "lm_eval_tasks"
-BENCHMARK_SEED, BENCHMARK_PER_TASK = 7, 40  # the benchmark's defaults (ghostvis_core/eval/benchmark.py build_items)
+BENCHMARK_SEED, BENCHMARK_PER_TASK = 7, 40  # the benchmark's defaults (ghostvis_core/verify/eval/benchmark.py build_items)
 
 
 def template_choices(rng: random.Random, per_task: int) -> list[tuple[str, str, list[str], int]]:
     """The templated items (arithmetic, capitals) as text, (task, context, options, answer): what
-    build_items encodes and what the decontamination gate (ghostvis_core/audit/contamination.py) hashes."""
+    build_items encodes and what the decontamination gate (ghostvis_core/verify/audit/contamination.py) hashes."""
     items = []
     for _ in range(per_task):
         a, b = rng.randint(2, 40), rng.randint(2, 40)

@@ -9,7 +9,7 @@ Tables in the artifact store's "ledger" artifact (`Ledger.in_store(store)`):
 - shares/       per part and rank, that rank's share: the global rows it read and its four figures,
                 so a rank whose rows or counts were dropped is visible (the part row is their sum).
 - ngrams/       one file per tokenized shard: each document's winnowed 13-gram fingerprints, compared
-                with the evaluation sets by the decontamination gate (ghostvis_core/audit/contamination.py).
+                with the evaluation sets by the decontamination gate (ghostvis_core/verify/audit/contamination.py).
 - feeds/        per part, rank and step: content digests of every micro-batch the rank fed the model
                 (ghostvis_core/digest.py), which the audit recomputes from the token files.
 - rollouts/     per part, rank and step of an rl run: the generated and rewarded tokens, and every
@@ -47,7 +47,7 @@ import pyarrow.parquet as pq
 
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.stages import stage_names
+from ghostvis_core.plan.stages import stage_names
 from ghostvis_core.store import Store
 from ghostvis_core.store.files import atomic_write, sha256_file
 
@@ -117,7 +117,7 @@ DOC_SCHEMA = pa.schema(
 )
 
 # Per training or validation document (raw row): its winnowed 13-gram fingerprints (ghostvis_core/data/ngrams.py),
-# one row per fingerprint, for the decontamination gate (ghostvis_core/audit/contamination.py).
+# one row per fingerprint, for the decontamination gate (ghostvis_core/verify/audit/contamination.py).
 NGRAM_SCHEMA = pa.schema(
     [
         ("shard_id", pa.string()),
@@ -175,7 +175,7 @@ FEED_SCHEMA = pa.schema(
     ]
 )
 
-# Per part, rank and step of an rl run (ghostvis_core/train/grpo.py): the rollout figures and the completions.
+# Per part, rank and step of an rl run (ghostvis_core/run/train/grpo.py): the rollout figures and the completions.
 ROLLOUT_SCHEMA = pa.schema(
     [
         ("part_id", pa.string()),

@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ghostvis_core.batch import BatchPlan
+from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.counts import TokenCounts
-from ghostvis_core.data.stream import MixtureSchedule, Piece, SourceStream
-from ghostvis_core.model.gpt import IGNORE_INDEX
+from ghostvis_core.data.stream import Piece, SourceStream
+from ghostvis_core.plan.mixture import MixtureSchedule
+from ghostvis_core.plan.batch import IGNORE_INDEX
 
 
 @dataclass

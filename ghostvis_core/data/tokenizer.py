@@ -215,7 +215,7 @@ def _ranks_file_bytes(ranks: dict[bytes, int]) -> bytes:
 
 def build_tokenizer(ranks: dict[bytes, int], pattern: str, specials: dict[str, int] | None = None) -> Tokenizer:
     """A Tokenizer named by a hash of its content; the specials default to SPECIAL_TOKENS after the
-    ranks (an imported Hugging Face tokenizer brings its own, ghostvis_core.hf.tokenizer_json)."""
+    ranks (an imported Hugging Face tokenizer brings its own, ghostvis_core.run.hf.tokenizer_json)."""
     specials = specials or {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
     digest = hashlib.sha256(_ranks_file_bytes(ranks))
     digest.update(pattern.encode())

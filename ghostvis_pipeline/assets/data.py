@@ -15,13 +15,14 @@ from dagster import (
     asset,
 )
 
-from ghostvis_core import presets, run_modes
-from ghostvis_core.cluster.slurm import SlurmJob
-from ghostvis_core.cluster.slurm_pipeline import SlurmPipeline
+from ghostvis_core.plan import presets, run_modes
+from ghostvis_core.run.cluster.slurm import SlurmJob
+from ghostvis_core.run.cluster.slurm_pipeline import SlurmPipeline
 from ghostvis_core.data.catalog import (
-    DEMO_SOURCES, RemoteSource, check_sha256_pins, manifests_of_shards, publish_demo_source, record_raw_shard,
-    remote_manifest, save_manifest, shard_split_shown, tokenizer_corpus,
+    RemoteSource, check_sha256_pins, manifests_of_shards, record_raw_shard, remote_manifest, save_manifest,
+    shard_split_shown, tokenizer_corpus,
 )
+from ghostvis_core.demo.sources import DEMO_SOURCES, publish_demo_source
 from ghostvis_core.data.identities import ledger_identity, manifest_identity, shard_contents, tokenizer_identity
 from ghostvis_core.data.dedup import dedup_indexes, removed_rows
 from ghostvis_core.data.ledger import Ledger, source_split_totals
@@ -29,7 +30,7 @@ from ghostvis_core.data.sources import fetch_shard
 from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.hf.imports import import_tokenizer
+from ghostvis_core.run.hf.imports import import_tokenizer
 from ghostvis_core.identity import code_version, digest
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers import Launcher
@@ -46,7 +47,7 @@ RemoteSourceConfig = config_from_dataclass(RemoteSource)
 # (ghostvis_core/identity.py). Each asset's data version is its identity: see the assets' docstrings.
 MANIFEST_CODE = code_version("ghostvis_core.data.catalog")
 RAW_SHARDS_CODE = code_version("ghostvis_core.data.sources", "ghostvis_core.data.catalog")
-TOKENIZER_CODE = code_version("ghostvis_core.data.tokenizer", "ghostvis_core.data.catalog", "ghostvis_core.hf.tokenizer_json")
+TOKENIZER_CODE = code_version("ghostvis_core.data.tokenizer", "ghostvis_core.data.catalog", "ghostvis_core.run.hf.tokenizer_json")
 TOKENIZE_CODE = code_version("ghostvis_core.data.tokenize", "ghostvis_core.data.dedup")
 LEDGER_CODE = code_version("ghostvis_core.data.ledger")
 

@@ -9,21 +9,21 @@ from pathlib import Path
 
 from dagster import AssetExecutionContext, Config, DataVersion, MaterializeResult, MetadataValue, asset
 
-from ghostvis_core.budget import DEFAULT_GPU_PRICES
+from ghostvis_core.plan.budget import DEFAULT_GPU_PRICES
 from ghostvis_core.data.ledger import Ledger, held_out_text_shards
 from ghostvis_core.data.tokenizer import load_tokenizer
-from ghostvis_core.eval.benchmark import (PROMPTS, bits_per_byte, build_items, held_out_texts, multiple_choice,
+from ghostvis_core.verify.eval.benchmark import (PROMPTS, bits_per_byte, build_items, held_out_texts, multiple_choice,
                                           samples)
-from ghostvis_core.eval.checkpoints import load_stage, stage_config
-from ghostvis_core.eval.gate import tolerances
-from ghostvis_core.eval.harness import (CLOZE_FILE, CLOZE_TASK, DEFAULT_TASKS, GhostvisLM, cloze_jsonl, run_tasks,
+from ghostvis_core.run.train.trained import load_stage, stage_config
+from ghostvis_core.verify.eval.gate import tolerances
+from ghostvis_core.verify.eval.harness import (CLOZE_FILE, CLOZE_TASK, DEFAULT_TASKS, GhostvisLM, cloze_jsonl, run_tasks,
                                         task_files_digest)
-from ghostvis_core.eval.report import stage_report, write_report
+from ghostvis_core.verify.eval.report import stage_report, write_report
 from ghostvis_core.identity import code_version, digest
-from ghostvis_core.stages import stage_names
+from ghostvis_core.plan.stages import stage_names
 from ghostvis_core.store import Store
-from ghostvis_core.track.mlflow_records import add_files, add_to_run, metric_histories
-from ghostvis_core.train.runs import run_result
+from ghostvis_core.run.track.mlflow_records import add_files, add_to_run, metric_histories
+from ghostvis_core.run.train.runs import run_result
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
 
@@ -47,9 +47,9 @@ def eval_shards(store: Store, tokenizer_id: str, lineage: dict[str, str]) -> dic
 
 
 # The modules that make each eval asset (their code_version, ghostvis_core/identity.py).
-EVALUATION_CODE = code_version("ghostvis_core.eval.benchmark", "ghostvis_core.eval.checkpoints",
-                               "ghostvis_core.eval.harness")
-REPORT_CODE = code_version("ghostvis_core.eval.report", "ghostvis_core.track.mlflow_records")
+EVALUATION_CODE = code_version("ghostvis_core.verify.eval.benchmark", "ghostvis_core.run.train.trained",
+                               "ghostvis_core.verify.eval.harness")
+REPORT_CODE = code_version("ghostvis_core.verify.eval.report", "ghostvis_core.run.track.mlflow_records")
 MAX_BPB_TOKENS, MC_PER_TASK = 8192, 25
 
 
@@ -59,7 +59,7 @@ class EvaluationConfig(Config):
     harness_tasks: list[str] = list(DEFAULT_TASKS)
     harness_include: list[str] = []  # folders of your own task YAML (lm_eval's include_path)
     # stage -> allowed held-out bpb worsening vs its upstream (0.2 = 20%) for the lineage quality gate
-    # (the check lineage_quality_gate); unnamed stages keep the stage table's (ghostvis_core/stages.py)
+    # (the check lineage_quality_gate); unnamed stages keep the stage table's (ghostvis_core/plan/stages.py)
     bpb_tolerance: dict[str, float] = {}
 
 

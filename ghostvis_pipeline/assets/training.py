@@ -12,20 +12,20 @@ from dagster import (
     MetadataValue, RetryPolicy, StaticPartitionsDefinition, asset,
 )
 
-from ghostvis_core import presets
-from ghostvis_core.audit.stage_checks import stage_check_names
+from ghostvis_core.plan import presets
+from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.hf.export import export_run
+from ghostvis_core.run.hf.export import export_run
 from ghostvis_core.home import Home
-from ghostvis_core.stages import Stage, stage as stage_of
+from ghostvis_core.plan.stages import Stage, stage as stage_of
 from ghostvis_core.identity import code_version
 from ghostvis_core.store import Store
-from ghostvis_core.track.mlflow_models import StageModel, register_stage_model
-from ghostvis_core.train.launch import TRAINING_MODULES, PlannedRun, plan_run, start_run
-from ghostvis_core.train.result import RunResult
-from ghostvis_core.train.runs import Upstream, run_result
-from ghostvis_core.train.spec import LaunchSpec
+from ghostvis_core.run.track.mlflow_models import StageModel, register_stage_model
+from ghostvis_core.run.launch import TRAINING_MODULES, PlannedRun, plan_run, start_run
+from ghostvis_core.run.train.result import RunResult
+from ghostvis_core.run.train.runs import Upstream, run_result
+from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_pipeline.cache import cached_stage_run, changed_since
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.metadata import latest_metadata, md_table
@@ -37,7 +37,7 @@ class StageRunConfig(Config):
 
     preset: str = ""  # empty: GHOSTVIS_PRESET, else presets.DEFAULT_PRESET (read when the run starts)
     # dotted key -> value as typed in YAML (30, 1e-3, true, muon) or as `--set` gives it ("30"): both
-    # resolve alike (ghostvis_core.config.apply_overrides)
+    # resolve alike (ghostvis_core.plan.config.apply_overrides)
     overrides: dict[str, Any] = {}
     # source -> weight (normalised); empty: the preset's recipe, else every registered source of the stage's kind
     recipe: dict[str, float] = {}

@@ -15,7 +15,7 @@ from dagster import AssetExecutionContext, ConfigurableResource, Failure
 from pydantic import Field
 
 from ghostvis_core.home import Home
-from ghostvis_core.train.spec import LaunchSpec
+from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_pipeline.launchers.kubernetes import KubernetesConfig, run_kubernetes
 from ghostvis_pipeline.launchers.local import run_local
 from ghostvis_pipeline.launchers.slurm import SlurmConfig, run_slurm

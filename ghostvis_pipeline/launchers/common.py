@@ -7,10 +7,10 @@ import os
 from dagster import Failure
 
 from ghostvis_core.home import Home
-from ghostvis_core.cluster.slurm import is_secret
-from ghostvis_core.cluster.torchrun import worker_env
-from ghostvis_core.train.reasons import clear_reasons, run_reason
-from ghostvis_core.train.spec import LaunchSpec
+from ghostvis_core.run.cluster.slurm import is_secret
+from ghostvis_core.run.cluster.torchrun import worker_env
+from ghostvis_core.run.train.reasons import clear_reasons, run_reason
+from ghostvis_core.run.train.spec import LaunchSpec
 
 # Named launcher profiles: environment settings known to be needed on some clusters, chosen by
 # name instead of edited into code (e.g. NCCL hangs on nodes without NVLink / InfiniBand).

@@ -1,5 +1,5 @@
 """Dagster Pipes for ranks on any machine: rank 0 writes its messages as numbered chunks into the run's
-folder in the store (`run_file` pipes/<attempt>/<n>.json, ghostvis_core/track/pipes.py), and the
+folder in the store (`run_file` pipes/<attempt>/<n>.json, ghostvis_core/run/track/pipes.py), and the
 launcher on the Dagster host reads them from there, whatever the store is (a folder, a shared
 filesystem or a bucket)."""
 
@@ -12,10 +12,10 @@ from dagster import AssetExecutionContext, PipesBlobStoreMessageReader, PipesEnv
 
 from ghostvis_core.store import Store
 from ghostvis_core.home import Home
-from ghostvis_core.track.pipes import (
+from ghostvis_core.run.track.pipes import (
     ATTEMPT_PARAM, CHUNK_INTERVAL_S, RUN_KEY_PARAM, STAGE_PARAM, STORE_PARAM, chunk_name,
 )
-from ghostvis_core.train.spec import LaunchSpec
+from ghostvis_core.run.train.spec import LaunchSpec
 
 
 class StoreMessageReader(PipesBlobStoreMessageReader):

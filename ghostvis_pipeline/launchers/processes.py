@@ -3,7 +3,7 @@ waited on by the Dagster step, and stopped with every process they started when 
 a failed node, or the Dagster run terminated from the UI (Dagster raises DagsterExecutionInterruptedError
 in the step, which goes on up once the job is stopped). They stay in the Dagster process's process
 group, so that killing that group (SIGKILL of the run worker or CLI) kills torchrun too, and its ranks
-with it (they die with their parent: ghostvis_core/train/dist.py)."""
+with it (they die with their parent: ghostvis_core/run/train/dist.py)."""
 
 from __future__ import annotations
 

@@ -12,10 +12,10 @@ import subprocess
 
 from dagster import AssetExecutionContext, Failure
 
-from ghostvis_core.cluster.torchrun import MultiNode, node_line, torchrun_command
+from ghostvis_core.run.cluster.torchrun import MultiNode, node_line, torchrun_command
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.train.spec import LaunchSpec
+from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers.common import (
     clear_reason, failure, host_environment, job_env, require_result, spec_uri,

@@ -1,0 +1,314 @@
+"""Typed configuration: one dataclass per component, one tree per stage run.
+
+A `StageConfig` is resolved from these defaults, the stage table (stages.py), a preset (presets.py, deltas only) and dotted
+overrides (`batch.micro_batch_size=8`), validated, and saved as JSON next to every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from ghostvis_core.errors import GhostvisError
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden: int
+    max_seq_len: int
+    rope_base: float = 10000.0
+    # Position interpolation factor for context expansion: positions are divided by it.
+    rope_scaling: float = 1.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    # Biases on the q, k and v projections (Qwen2's attention; exported as Qwen2ForCausalLM).
+    qkv_bias: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class VisionConfig:
+    """Vision encoder (frozen) + perceiver resampler + MLP projector (trained in vision_alignment)."""
+
+    image_size: int = 32
+    patch_size: int = 4
+    d_vision: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_latents: int = 16
+    resampler_layers: int = 2
+    # Local SigLIP checkpoint directory (used through transformers when installed); None = tiny ViT.
+    encoder_path: str | None = None
+
+
+@dataclass
+class BatchConfig:
+    micro_batch_size: int
+    seq_len: int
+    world_size: int = 1
+    grad_accum_steps: int | None = None
+    # Alternative to grad_accum_steps: the tokens one optimizer step must see; grad_accum is derived.
+    total_batch_tokens: int | None = None
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    # adamw, or muon: Muon (Nesterov momentum, update orthogonalized by Newton-Schulz) for the hidden
+    # weight matrices at peak muon_lr, AdamW (the settings above) for embeddings, head, norms and biases;
+    # the schedule scales both lrs alike (ghostvis_core/run/train/muon.py).
+    name: str = "adamw"
+    muon_lr: float = 0.02
+    muon_momentum: float = 0.95
+
+
+@dataclass
+class BudgetConfig:
+    """Exactly one of steps, tokens, tokens_per_param decides planned_tokens."""
+
+    steps: int | None = None
+    tokens: int | None = None
+    tokens_per_param: float | None = None
+
+
+@dataclass
+class SourceWeight:
+    source: str
+    weight: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    # Empty recipe: every registered source of the stage's kind (stages.py `reads`), weighted by its
+    # train tokens; empty val_sources: those of the recipe's sources that have validation shards.
+    recipe: list[SourceWeight] = field(default_factory=list)
+    val_sources: list[str] = field(default_factory=list)
+    # Sources a stage replays from its lineage on purpose (shown as declared replay, not reuse).
+    replay_sources: list[str] = field(default_factory=list)
+    allow_repeat: bool = False
+    seed: int = 1337
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 50
+    val_tokens: int = 16384
+    # Evidence this stage must show, measured before (step 0) and after training on held-out data;
+    # names from ghostvis_core.run.train.evidence.EVIDENCE; the stage table (stages.py) gives the default.
+    evidence: list[str] = field(default_factory=list)
+    samples: int = 16  # held-out prompts sampled for generation-based evidence
+    sample_max_tokens: int = 48
+
+
+@dataclass
+class DPOConfig:
+    # The preference loss (TRL's definitions; formulas in train/objectives.py DPOObjective): sigmoid (DPO),
+    # ipo, simpo (reference-free: length-averaged log-probs and a target margin) or sft_dpo (DPO plus an
+    # NLL term on the chosen response).
+    loss: str = "sigmoid"
+    # The strength of the implicit reward (every loss; for ipo 1/(2 beta) is the margin it regresses to).
+    beta: float = 0.1
+    # simpo: the target reward margin (TRL's simpo_gamma; gamma / beta is SimPO's gamma_beta_ratio).
+    gamma: float = 0.5
+    # sft_dpo: the weight of the chosen response's mean token NLL (TRL's rpo_alpha).
+    alpha: float = 1.0
+
+
+@dataclass
+class GRPOConfig:
+    """The rl stage's group-relative policy optimisation (ghostvis_core/run/train/grpo.py)."""
+
+    group_size: int = 4  # completions sampled per prompt; rows 0..G-1 of a group share the prompt
+    max_new_tokens: int = 48  # a completion's length bound (each generated token is accounted)
+    temperature: float = 1.0
+    kl_beta: float = 0.0  # weight of the KL term to the frozen upstream model (0: no reference loaded)
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 100
+    keep_last: int = 2
+    # Write the weights and optimizer state as DCP shards (every rank its own, whatever the strategy) in
+    # a background thread while training continues; the checkpoint is committed (marker last) once every
+    # shard is written, before the next checkpoint or the end of the run.
+    async_save: bool = False
+
+
+@dataclass
+class RuntimeConfig:
+    # auto: bf16 autocast on CUDA and on CPUs with bf16 matrix instructions (AMX / AVX512-BF16).
+    precision: str = "auto"
+    # Recompute each transformer block in the backward pass instead of keeping its activations.
+    grad_checkpointing: bool = False
+    # torch.compile each block: auto = on CUDA, off on CPU (compilation costs more than it saves there).
+    compile: str = "auto"
+    # float8 matmuls in the decoder's Linear layers (torchao, train/float8.py): ~+20% tokens/s on H100-class
+    # GPUs (compute capability >= 8.9); the trainer refuses it elsewhere. Weights, optimizer state and
+    # checkpoints stay in high precision.
+    float8: bool = False
+    log_every_steps: int = 5
+
+
+@dataclass
+class ParallelConfig:
+    # ddp: every rank holds the whole model, gradients all-reduced; safetensors checkpoints by rank 0.
+    # fsdp: FSDP2 shards weights, gradients and optimizer state over the ranks (per block and root);
+    # each rank writes its shard of a torch.distributed.checkpoint (DCP) checkpoint.
+    strategy: str = "ddp"
+
+
+@dataclass
+class ContaminationConfig:
+    # The decontamination gate (check no_eval_contamination, ghostvis_core/verify/audit/contamination.py): a
+    # consumed training document and an evaluation item are contaminated when the 13-gram fingerprints
+    # they share are more than this share of the smaller one's fingerprints (the overlap coefficient);
+    # 0 fails on any shared fingerprint, as GPT-3 and Marin do.
+    max_overlap: float = 0.5
+    # Evaluation sets checked besides the known ones (validation shards, the shipped lm-eval tasks, the
+    # benchmark and demo prompts): JSON Lines files or folders of them (e.g. a harness_include folder);
+    # one item per line: its string fields, plus choices[answer] for a multiple-choice item.
+    eval_sets: list[str] = field(default_factory=list)
+
+
+@dataclass
+class StageConfig:
+    stage: str
+    preset: str
+    objective: str
+    model: ModelConfig
+    batch: BatchConfig
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    contamination: ContaminationConfig = field(default_factory=ContaminationConfig)
+    vision: VisionConfig | None = None
+    dpo: DPOConfig | None = None
+    grpo: GRPOConfig | None = None
+    # What initialises this stage: an upstream stage's name (its final checkpoint), or a Hugging Face
+    # Llama / Qwen2 checkpoint with its tokenizer: a local folder, s3://bucket/prefix or
+    # hf://org/name[@revision] (ghostvis_core.run.hf.sources); None: random init.
+    init_from: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StageConfig":
+        return _build(cls, data, "config")
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'batch': {'seq_len': 256}} -> {'batch.seq_len': 256} (MLflow params, Dagster metadata)."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{name}."))
+        elif isinstance(value, list) and value and isinstance(value[0], dict):
+            out[name] = ",".join(
+                ":".join(str(v) for v in item.values()) for item in value
+            )
+        else:
+            out[name] = value
+    return out
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Set dotted keys in a nested dict; an unknown key is an error naming the valid ones."""
+    data = json.loads(json.dumps(data))
+    for dotted, value in overrides.items():
+        node = data
+        parts = dotted.split(".")
+        for i, part in enumerate(parts):
+            if not isinstance(node, dict) or part not in node:
+                where = ".".join(parts[:i]) or "config"
+                valid = sorted(node) if isinstance(node, dict) else []
+                raise GhostvisError(
+                    f"unknown config key '{dotted}': '{part}' is not in {where} "
+                    f"(valid keys there: {', '.join(valid)})"
+                )
+            if i == len(parts) - 1:
+                node[part] = _parse_value(value)
+            else:
+                if node[part] is None:
+                    raise GhostvisError(f"config key '{dotted}': section '{part}' is not set for this stage")
+                node = node[part]
+    return data
+
+
+def parse_sets(items: list[str]) -> dict[str, str]:
+    """`--set key=value` flags -> dotted overrides."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise GhostvisError(f"--set {item!r}: expected key=value, e.g. --set budget.steps=100")
+        out[key] = value
+    return out
+
+
+def _parse_value(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _build(tp: Any, data: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(data, dict):
+            raise GhostvisError(f"config {path}: expected a mapping, got {data!r}")
+        hints = typing.get_type_hints(tp)
+        names = {f.name for f in dataclasses.fields(tp)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise GhostvisError(
+                f"config {path}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(names))}"
+            )
+        kwargs = {k: _build(hints[k], v, f"{path}.{k}") for k, v in data.items()}
+        try:
+            return tp(**kwargs)
+        except TypeError as exc:
+            raise GhostvisError(f"config {path}: {exc}") from None
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if data is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _build(inner[0], data, path)
+    if origin is list:
+        if not isinstance(data, list):
+            raise GhostvisError(f"config {path}: expected a list, got {data!r}")
+        return [_build(args[0], item, f"{path}[{i}]") for i, item in enumerate(data)]
+    if tp is float and isinstance(data, (int, float)) and not isinstance(data, bool):
+        return float(data)
+    if tp in (int, str, bool) and not isinstance(data, tp) or (tp is int and isinstance(data, bool)):
+        raise GhostvisError(f"config {path}: expected {tp.__name__}, got {data!r}")
+    return data

@@ -1,0 +1,319 @@
+"""Presets: per stage, the values that differ from the config dataclasses' defaults.
+
+A preset names a model shape and, per stage, the batch, budget, optimiser and data recipe, as deltas
+over ghostvis_core/plan/config.py (the only place defaults live; tests/test_presets.py refuses a preset
+value equal to its default). The stage's objective, upstream and evidence come from the stage table
+(ghostvis_core/plan/stages.py). `resolve(stage, preset, overrides)` turns them into a validated StageConfig.
+
+- tiny:  ~5M params, trains every stage on 2 CPU cores in minutes (the demo).
+- smoke: the tiny model with fewer steps, for end-to-end tests.
+- 500m / 1.5b / 7b: GPU-class shapes the planner prices (Chinchilla budgets by default).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from ghostvis_core.plan import stages
+from ghostvis_core.plan.config import StageConfig, apply_overrides
+from ghostvis_core.errors import GhostvisError
+
+MODELS: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=688, max_seq_len=256),
+    "500m": dict(vocab_size=65536, d_model=1280, n_layers=24, n_heads=10, n_kv_heads=5, ffn_hidden=3456, max_seq_len=2048),
+    "1.5b": dict(vocab_size=65536, d_model=2048, n_layers=24, n_heads=16, n_kv_heads=8, ffn_hidden=5632, max_seq_len=4096),
+    "7b": dict(vocab_size=65536, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336, max_seq_len=4096),
+}
+
+# Tokenizer vocabulary (including special tokens) trained for each preset; the model's vocab_size
+# is set from the trained tokenizer at launch, this is what the tokenizer asset aims for.
+TOKENIZER_VOCAB = {"tiny": 4096, "smoke": 4096, "500m": 65536, "1.5b": 65536, "7b": 65536}
+
+_TEXT_VAL = ["demo_prose", "demo_code"]
+
+# Stage defaults per preset: nested dicts merged over the StageConfig tree. A stage's `model`
+# entry lists changes to the upstream checkpoint's model (context_expansion raises the context);
+# every other model field is inherited from upstream and may not change.
+_TINY: dict[str, dict[str, Any]] = {
+    "pretrain": dict(
+        batch=dict(micro_batch_size=8, seq_len=256, world_size=2, grad_accum_steps=1),
+        budget=dict(steps=200),
+        optim=dict(lr=2e-3, warmup_steps=15),
+        data=dict(recipe=[{"source": "demo_prose", "weight": 0.5}, {"source": "demo_code", "weight": 0.5}],
+                            val_sources=_TEXT_VAL),
+    ),
+    "continued_pretrain": dict(
+        batch=dict(micro_batch_size=8, seq_len=256, world_size=2, grad_accum_steps=1),
+        budget=dict(steps=60),
+        # Near pretraining's final LR (2e-4): re-warming to pretraining's peak undoes more than 60
+        # steps recover (held-out code loss rose at 1e-3 and 1.5e-3, fell at 3e-4 and 5e-4).
+        optim=dict(lr=3e-4, warmup_steps=5),
+        data=dict(recipe=[{"source": "demo_code", "weight": 0.7}, {"source": "demo_prose", "weight": 0.3}],
+                  val_sources=_TEXT_VAL),
+        eval=dict(every_steps=30),
+        checkpoint=dict(every_steps=30),
+    ),
+    "context_expansion": dict(
+        # Adjusted base frequency (ABF): a 16x larger RoPE base stretches the slow dimensions over the
+        # longer context and leaves the fast (local) ones nearly unchanged; position interpolation
+        # (model.rope_scaling=4) is the alternative.
+        model=dict(max_seq_len=1024, rope_base=160000.0),
+        batch=dict(micro_batch_size=2, seq_len=1024, world_size=2, grad_accum_steps=1),
+        budget=dict(steps=40),
+        optim=dict(lr=5e-4, warmup_steps=5),
+        data=dict(recipe=[{"source": "demo_code", "weight": 0.5}, {"source": "demo_prose", "weight": 0.5}],
+                  val_sources=_TEXT_VAL),
+        eval=dict(every_steps=20),
+        checkpoint=dict(every_steps=20),
+    ),
+    "reasoning_mix": dict(
+        batch=dict(micro_batch_size=4, seq_len=512, world_size=2, grad_accum_steps=1),
+        budget=dict(steps=80),
+        # Replays code as well as prose, at a lower LR: with prose alone at 1e-3, held-out code bpb rose
+        # 11% (2.73 -> 3.04), beyond the lineage quality gate's 10% (ghostvis_core/verify/eval/gate.py).
+        optim=dict(lr=7e-4, warmup_steps=5),
+        data=dict(recipe=[{"source": "demo_reasoning", "weight": 0.6}, {"source": "demo_prose", "weight": 0.2},
+                          {"source": "demo_code", "weight": 0.2}],
+                  replay_sources=["demo_prose", "demo_code"], val_sources=["demo_reasoning", "demo_prose"]),
+        eval=dict(every_steps=40, samples=24),
+        checkpoint=dict(every_steps=40),
+    ),
+    "vision_alignment": dict(
+        vision={},  # the VisionConfig defaults: a tiny ViT, 16 latents
+        batch=dict(micro_batch_size=32, seq_len=40, world_size=2, grad_accum_steps=1),
+        # The frozen tiny LM barely reads a soft prefix: the resampler first learns a generic prefix
+        # (caption loss falls, true and shuffled image alike) and starts to carry the image only after
+        # ~150 steps at a high LR. At 45 steps (one epoch) the true-vs-shuffled gap was 0.001; at 300
+        # (6.4 epochs of the 3,000 training images, declared repetition) it is 0.10.
+        budget=dict(steps=300),
+        optim=dict(lr=1e-2, warmup_steps=8, weight_decay=0.0),
+        data=dict(recipe=[{"source": "demo_images", "weight": 1.0}], val_sources=["demo_images"], allow_repeat=True),
+        eval=dict(every_steps=150, val_tokens=8000),
+        checkpoint=dict(every_steps=150),
+    ),
+    "sft": dict(
+        batch=dict(micro_batch_size=8, seq_len=256, world_size=2, grad_accum_steps=1),
+        budget=dict(steps=60),
+        # Near pretraining's final LR: at 1e-3 held-out prose bpb rose 40% over the upstream (2.67 -> 3.73),
+        # far beyond the lineage quality gate's 10%.
+        optim=dict(lr=2e-4, warmup_steps=5),
+        data=dict(recipe=[{"source": "demo_chat", "weight": 1.0}], val_sources=["demo_chat"], allow_repeat=True),
+        eval=dict(every_steps=30, samples=24, sample_max_tokens=40),
+        checkpoint=dict(every_steps=30),
+    ),
+    "dpo": dict(
+        # DPO plus an NLL term on the chosen reply (beta 0.1, alpha 1), at a sixth of the former LR: plain DPO at
+        # 3e-4 pushed held-out prose bpb 25% over SFT's (3.73 -> 4.67) and chat answered "8, 8, 8, ...".
+        dpo=dict(loss="sft_dpo"),
+        batch=dict(micro_batch_size=16, seq_len=96, world_size=2, grad_accum_steps=1),
+        budget=dict(steps=40),
+        optim=dict(lr=5e-5, warmup_steps=4, weight_decay=0.0),
+        data=dict(recipe=[{"source": "demo_prefs", "weight": 1.0}], val_sources=["demo_prefs"]),
+        eval=dict(every_steps=20, val_tokens=19200),
+        checkpoint=dict(every_steps=20),
+    ),
+    "rl": dict(
+        # 8 completions per prompt (at most 48 new tokens, temperature 1, the defaults): a group has a signal
+        # only when one completion's reward differs (a well-formed or exact answer), which is rare for a tiny policy.
+        grpo=dict(group_size=8),
+        # A row is one (prompt, completion): 16 rows = 2 prompts x 8 completions per micro-batch and rank.
+        batch=dict(micro_batch_size=16, seq_len=128, world_size=2, grad_accum_steps=1),
+        budget=dict(steps=30),
+        # 3e-4: started from reasoning_mix (a policy that writes the answer format), 1e-4 left held-out reward flat
+        # in 30 steps (0.108 -> 0.100) and 3e-4 raised it (0.105 -> 0.131, well-formed answers 73% -> 100%). The
+        # demo's dpo model never writes `Answer:` (0 of 768 samples), so from it every group's advantages are 0.
+        optim=dict(lr=3e-4, warmup_steps=3, weight_decay=0.0),
+        # The prompts are the problems reasoning_mix trained on (as nanochat's RL reads GSM8K train): declared replay.
+        data=dict(recipe=[{"source": "demo_reasoning", "weight": 1.0}], val_sources=["demo_reasoning"],
+                  replay_sources=["demo_reasoning"]),
+        eval=dict(every_steps=15, samples=64),  # held-out problems for the reward evidence (greedy, split over ranks)
+        checkpoint=dict(every_steps=15),
+    ),
+}
+
+# Named config variants of a stage (dotted overrides), materialized side by side as partitions of
+# `<stage>_variants` and compared in MLflow (tag ghostvis.variant).
+VARIANTS: dict[str, dict[str, dict[str, str]]] = {
+    "pretrain": {"lr_1e-3": {"optim.lr": "1e-3"}, "lr_4e-3": {"optim.lr": "4e-3"}, "muon": {"optim.name": "muon"}},
+}
+
+# The smoke preset: the tiny model and recipes with few steps, for end-to-end tests.
+_SMOKE_STEPS = {"pretrain": 24, "continued_pretrain": 8, "context_expansion": 6, "reasoning_mix": 8,
+                "vision_alignment": 8, "sft": 8, "dpo": 6, "rl": 4}
+# What else the smoke preset makes cheaper: rl samples 2 short completions per prompt (2 prompts per row batch).
+_SMOKE_DELTAS = {"rl": dict(grpo=dict(group_size=2, max_new_tokens=24),
+                            batch=dict(micro_batch_size=4, seq_len=96, world_size=2, grad_accum_steps=1))}
+
+_LARGE_PRETRAIN = dict(
+    batch=dict(micro_batch_size=8, seq_len=2048, world_size=8, total_batch_tokens=524288),
+    budget=dict(tokens_per_param=20.0),
+    optim=dict(lr=6e-4, warmup_steps=700),
+    eval=dict(every_steps=500, val_tokens=10_485_760),
+    checkpoint=dict(every_steps=1000, keep_last=3),
+)
+
+# What the larger presets change on top: weights, grads and Adam states (16 bytes per parameter)
+# no longer fit one GPU next to the activations, so they are sharded (FSDP2); 7b also recomputes
+# activations per block (`ghostvis plan --preset 7b --gpu H100` shows the arithmetic).
+_LARGE_PARALLEL: dict[str, dict[str, Any]] = {
+    "1.5b": dict(parallel=dict(strategy="fsdp")),
+    "7b": dict(parallel=dict(strategy="fsdp"), runtime=dict(grad_checkpointing=True)),
+}
+
+DEFAULT_PRESET = "tiny"
+
+
+def default_preset() -> str:
+    """GHOSTVIS_PRESET, else tiny: what the Dagster assets and the CLI use unless told otherwise
+    (read when a run starts, never at import)."""
+    return os.environ.get("GHOSTVIS_PRESET", DEFAULT_PRESET)
+
+
+def tokenizer_vocab(preset: str) -> int:
+    model_for(preset)  # validates the name
+    return TOKENIZER_VOCAB[preset]
+
+
+def preset_names() -> list[str]:
+    return ["tiny", "smoke", *[m for m in MODELS if m != "tiny"]]
+
+
+def _stage_defaults(stage: str, preset: str) -> dict[str, Any]:
+    if preset in ("tiny", "smoke"):
+        base = _TINY[stage]
+        if preset == "smoke":
+            steps = _SMOKE_STEPS[stage]
+            base = {**base, "budget": dict(steps=steps),
+                    "eval": {**base.get("eval", {}), "every_steps": steps, "val_tokens": 4096, "samples": 4},
+                    "checkpoint": dict(every_steps=steps // 2), **_SMOKE_DELTAS.get(stage, {})}
+        return base
+    if stage == "pretrain":
+        return {**_LARGE_PRETRAIN, **_LARGE_PARALLEL.get(preset, {})}
+    raise GhostvisError(f"stage '{stage}' has no defaults in preset '{preset}' yet")
+
+
+def model_for(preset: str) -> dict[str, Any]:
+    if preset not in preset_names():
+        raise GhostvisError(f"unknown preset '{preset}'; choose one of: {', '.join(preset_names())}")
+    return dict(MODELS["tiny" if preset == "smoke" else preset])
+
+
+SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")
+
+
+def resolve(stage: str, preset: str = DEFAULT_PRESET, overrides: dict[str, Any] | None = None,
+            upstream: dict[str, Any] | None = None) -> StageConfig:
+    """Stage table + preset values + dotted overrides -> a validated StageConfig.
+
+    With `upstream` (the config.json of the checkpoint the stage starts from) the model, and the
+    vision stack if there is one, are inherited from it; the stage's declared model changes apply
+    on top, and a shape change is refused with the mismatch named.
+    """
+    entry = stages.stage(stage)
+    defaults = json.loads(json.dumps(_stage_defaults(stage, preset)))
+    inherited = upstream or (resolve(entry.upstream, preset).to_dict() if entry.upstream else None)
+    model = dict(inherited["model"]) if inherited else model_for(preset)
+    model.update(defaults.pop("model", {}))
+    if inherited and inherited.get("vision") and "vision" not in defaults:
+        defaults["vision"] = inherited["vision"]
+    defaults.setdefault("eval", {}).setdefault("evidence", list(entry.evidence))
+    base = StageConfig.from_dict({"stage": stage, "preset": preset, "objective": entry.objective,
+                                  "init_from": entry.upstream, "model": model, **defaults}).to_dict()
+    cfg = StageConfig.from_dict(apply_overrides(base, overrides or {}))
+    if upstream:
+        _refuse_shape_change(cfg, upstream)
+    validate(cfg)
+    return cfg
+
+
+def _refuse_shape_change(cfg: StageConfig, upstream: dict[str, Any]) -> None:
+    changed = [f"model.{k}={getattr(cfg.model, k)} (upstream {upstream['stage']} has {upstream['model'][k]})"
+               for k in SHAPE_FIELDS if getattr(cfg.model, k) != upstream["model"][k]]
+    if changed:
+        raise GhostvisError(
+            f"stage {cfg.stage}: {', '.join(changed)}; a stage starts from its upstream checkpoint and "
+            "cannot change the model shape (drop the override, or retrain from pretrain)"
+        )
+
+
+def parse_recipe(text: str) -> dict[str, float]:
+    """'web=0.7,code=0.3' (a --recipe flag) -> {'web': 0.7, 'code': 0.3}."""
+    try:
+        return {k.strip(): float(v) for k, v in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise GhostvisError(f"--recipe {text!r}: expected source=weight,... e.g. web=0.6,books=0.15,code=0.25") from None
+
+
+def data_overrides(recipe: dict[str, float], val_sources: list[str]) -> dict[str, Any]:
+    """Dotted overrides for a recipe given as source -> weight (normalised to sum 1) and validation
+    sources. No recipe leaves the preset's; a recipe without validation sources validates on those of
+    its sources that have validation shards (the preset's validation sources belong to its recipe)."""
+    out: dict[str, Any] = {}
+    if recipe:
+        total = sum(recipe.values())
+        if total <= 0 or any(w <= 0 for w in recipe.values()):
+            raise GhostvisError(f"recipe weights must be positive, got {recipe}")
+        out["data.recipe"] = [{"source": s, "weight": w / total} for s, w in recipe.items()]
+        out["data.val_sources"] = []
+    if val_sources:
+        out["data.val_sources"] = list(val_sources)
+    return out
+
+
+def validate(cfg: StageConfig) -> None:
+    b = cfg.batch
+    if cfg.parallel.strategy not in ("ddp", "fsdp"):
+        raise GhostvisError(f"parallel.strategy must be ddp or fsdp, got '{cfg.parallel.strategy}'")
+    if cfg.optim.name not in ("adamw", "muon"):
+        raise GhostvisError(f"optim.name must be adamw or muon, got '{cfg.optim.name}'")
+    if not 0 <= cfg.contamination.max_overlap <= 1:
+        raise GhostvisError(f"contamination.max_overlap must be a share between 0 and 1 (0: any shared 13-gram "
+                            f"fails), got {cfg.contamination.max_overlap}")
+    if cfg.runtime.compile not in ("auto", "on", "off"):
+        raise GhostvisError(f"runtime.compile must be auto, on or off, got '{cfg.runtime.compile}'")
+    for name in ("micro_batch_size", "seq_len", "world_size"):
+        if getattr(b, name) <= 0:
+            raise GhostvisError(f"batch.{name} must be positive, got {getattr(b, name)}")
+    if b.seq_len > cfg.model.max_seq_len:
+        raise GhostvisError(
+            f"stage {cfg.stage}: batch.seq_len={b.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len} "
+            "(the context the model was trained for); run context_expansion first or lower batch.seq_len"
+        )
+    if cfg.objective in ("vision_align",) and cfg.vision is None:
+        raise GhostvisError(f"stage {cfg.stage}: objective {cfg.objective} needs a vision config")
+    if cfg.objective == "grpo":
+        validate_grpo(cfg)
+    if cfg.objective == "dpo" and (cfg.dpo is None or cfg.init_from is None):
+        raise GhostvisError(f"stage {cfg.stage}: dpo needs a dpo section and init_from (the starting policy, and "
+                            "the reference model unless dpo.loss is simpo)")
+    set_budget = [k for k in ("steps", "tokens", "tokens_per_param") if getattr(cfg.budget, k) is not None]
+    if len(set_budget) != 1:
+        raise GhostvisError(
+            f"budget: set exactly one of steps, tokens, tokens_per_param (got {set_budget or 'none'})"
+        )
+    total = sum(s.weight for s in cfg.data.recipe)
+    if cfg.data.recipe and (abs(total - 1.0) > 1e-6 or any(s.weight <= 0 for s in cfg.data.recipe)):
+        raise GhostvisError(
+            "data.recipe weights must be positive and sum to 1, got "
+            + ", ".join(f"{s.source}={s.weight}" for s in cfg.data.recipe)
+        )
+
+
+def validate_grpo(cfg: StageConfig) -> None:
+    """A GRPO group never straddles micro-batches or sources, and prompt + completion fit a row."""
+    g, b = cfg.grpo, cfg.batch
+    if g is None or cfg.init_from is None:
+        raise GhostvisError(f"stage {cfg.stage}: grpo needs a grpo section and init_from (the policy to start from)")
+    if g.group_size < 2 or b.micro_batch_size % g.group_size:
+        raise GhostvisError(f"stage {cfg.stage}: batch.micro_batch_size={b.micro_batch_size} must be a multiple of "
+                            f"grpo.group_size={g.group_size} (>= 2): each prompt's completions are rows of one micro-batch")
+    if not 0 < g.max_new_tokens < b.seq_len:
+        raise GhostvisError(f"stage {cfg.stage}: grpo.max_new_tokens={g.max_new_tokens} must be positive and below "
+                            f"batch.seq_len={b.seq_len} (the row holds the prompt and the completion)")
+    if len(cfg.data.recipe) != 1:
+        raise GhostvisError(f"stage {cfg.stage}: grpo reads one source of problems, the recipe has "
+                            f"{len(cfg.data.recipe)}; set data.recipe to one source")
+    if cfg.parallel.strategy != "ddp":
+        raise GhostvisError(f"stage {cfg.stage}: grpo samples on each rank's whole model; set parallel.strategy=ddp")

@@ -1,0 +1,84 @@
+"""Training entry point, the same under plain torchrun and under Dagster Pipes:
+
+    torchrun --standalone --nproc_per_node=2 -m ghostvis_core.run --spec <store>/runs/<stage>/<run_key>/spec.json
+    torchrun --standalone --nproc_per_node=2 -m ghostvis_core.run --stage pretrain --preset tiny \
+        --set budget.steps=50
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ghostvis_core.run.cluster.run_files import split_run_uri
+from ghostvis_core.plan.config import parse_sets
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.store import open_store
+from ghostvis_core.run.train import dist
+from ghostvis_core.run.train.loop import train
+from ghostvis_core.run.train.reasons import record_reason
+from ghostvis_core.run.train.spec import LaunchSpec
+
+
+def _leave_reason(spec, rank: int, reason: str) -> None:
+    """This rank's reason, for the launcher (artifact run_error of this run and rank)."""
+    if isinstance(spec, LaunchSpec):
+        record_reason(open_store(spec.store), spec.stage, spec.run_key, rank, reason)
+
+
+def read_spec(uri: str) -> LaunchSpec:
+    """The spec at <store>/runs/<stage>/<run_key>/spec.json, read through its store (a folder or s3://)."""
+    store_uri, stage, run_key, name = split_run_uri(uri)
+    if name != "spec.json":
+        raise GhostvisError(f"--spec {uri}: expected <store>/runs/<stage>/<run_key>/spec.json")
+    return LaunchSpec.from_dict(open_store(store_uri).read_json("run_spec", stage, run_key))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m ghostvis_core.run", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--spec", help="launch spec written by the pipeline or `ghostvis`: its path or URI in the store")
+    ap.add_argument("--stage", help="prepare the run here instead (rank 0 resolves, all ranks train)")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    args = ap.parse_args(argv)
+    # MLflow's HTTP client fails fast in this process, however it was launched: the tracker keeps its
+    # own buffer and retries, so an outage costs a gap in delivery, not minutes of blocked retries.
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    ctx = dist.setup()
+    spec = None
+    try:
+        if args.spec:
+            spec = read_spec(args.spec)
+        elif args.stage:
+            spec = None
+            if ctx.is_main:  # other ranks wait for the spec, or for the reason there is none
+                from ghostvis_core.run.launch import prepare_run
+
+                try:
+                    spec = prepare_run(args.stage, preset=args.preset, overrides=parse_sets(args.sets))
+                except GhostvisError as exc:
+                    spec = exc
+            spec = dist.broadcast_object(spec, ctx)
+            if isinstance(spec, GhostvisError):
+                raise spec
+        else:
+            ap.error("give --spec or --stage")
+        train(spec, ctx)
+    except GhostvisError as exc:
+        if ctx.is_main:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            _leave_reason(spec, ctx.rank, str(exc))
+        return 2
+    except BaseException as exc:
+        _leave_reason(spec, ctx.rank, f"{type(exc).__name__}: {exc}")
+        raise
+    finally:
+        dist.teardown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

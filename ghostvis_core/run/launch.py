@@ -1,0 +1,367 @@
+"""Prepare a stage run before any process starts: config, data selection, pre-flight, run key.
+
+Everything that can be wrong with the inputs is found here, before torchrun: an unknown preset, a
+batch that does not divide, a missing tokenized shard, a budget larger than the data.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ghostvis_core import identity
+from ghostvis_core.plan import presets, stages
+from ghostvis_core.plan.budget import Plan, batch_plan, detected_gpu, memory_plan, memory_refusal, plan as make_plan
+from ghostvis_core.plan.config import SourceWeight, StageConfig
+from ghostvis_core.data.ledger import Ledger, validation_selected
+from ghostvis_core.data.stream import ShardRef, SourceStream
+from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer, newest_tokenizer
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.run.train.evidence import EVIDENCE
+from ghostvis_core.run.hf.imports import import_checkpoint
+from ghostvis_core.run.hf.sources import is_hf_source
+from ghostvis_core.home import Home
+from ghostvis_core.plan.run_modes import expand as expand_run_mode
+from ghostvis_core.store import Store
+from ghostvis_core.run.train.objectives import build_objective
+from ghostvis_core.run.train.runs import Upstream, checkpoint_key, checkpoint_of, find_upstream, next_run_key
+from ghostvis_core.run.train.setup import localize_shards
+from ghostvis_core.run.train.spec import LaunchSpec, SourceBudget, StageInputs
+
+MLFLOW_EXPERIMENT = "ghostvis"
+
+
+def select_shards(ledger: Ledger, store: Store, tokenizer_id: str, sources: list[str],
+                  split: str) -> dict[str, list[dict]]:
+    """Ledger shards of the given sources and split; every token file must be in the store."""
+    out: dict[str, list[dict]] = {s: [] for s in sources}
+    for r in ledger.shards(tokenizer_id=tokenizer_id, sources=sources):
+        if r["split"] != split:
+            continue
+        if not store.exists("token_shard", tokenizer_id, r["shard_id"]):
+            raise GhostvisError(
+                f"tokenized shard {r['shard_id']} ({store.uri_of('token_shard', tokenizer_id, r['shard_id'])}) is in "
+                f"the ledger but missing on disk; re-materialize tokenized_shards partition {r['shard_id']}"
+            )
+        path = store.uri_of("token_shard", tokenizer_id, r["shard_id"])  # each rank fetches it (setup.localize)
+        out[r["source"]].append(ShardRef(r["shard_id"], r["source"], r["split"], path, r["docs"], r["tokens"],
+                                         r["content_sha256"]).__dict__)
+    empty = [s for s, refs in out.items() if not refs]
+    if empty:
+        raise GhostvisError(
+            f"no {split} shards tokenized with {tokenizer_id} for source(s) {', '.join(empty)}; "
+            f"materialize raw_shards and tokenized_shards for them first"
+        )
+    leaked = validation_selected(ledger, tokenizer_id, out) if split == "train" else []
+    if leaked:
+        names = ", ".join(f"{r['shard_id']} ({r['split']})" for r in leaked)
+        raise GhostvisError(f"shard(s) {names} selected for training are not train shards in the ledger; "
+                            "training must never read them: fix the shard selection (select_shards filters by "
+                            "split) or the shard's split pin in its manifest, then re-launch")
+    return out
+
+
+def stream_split_problems(splits: dict[str, str], streams: dict[str, dict[str, SourceStream]]) -> list[str]:
+    """For `streams` (split -> source -> the SourceStream an objective will read), every shard whose split
+    in the ledger's shard table (`splits`, `Ledger.shard_splits`) is not the stream's: looked up by shard
+    id there, never in the shard ref's own label, so a validation shard merged into a train stream
+    under a `train` label is named."""
+    out = []
+    for want, by_source in streams.items():
+        for source, stream in sorted(by_source.items()):
+            for ref in stream.refs:
+                have = splits.get(ref.shard_id, "not in the ledger")
+                if have != want:
+                    out.append(f"shard {ref.shard_id} (ledger split: {have}) is in the {want} stream of {source}")
+    return out
+
+
+def check_stream_splits(ledger: Ledger, tokenizer_id: str, objective) -> None:
+    """Before launch: the objective's train streams hold only train shards and its validation streams
+    only validation shards, by the ledger's shard table (what the ranks will read, not what was selected)."""
+    problems = stream_split_problems(ledger.shard_splits(tokenizer_id), {"train": objective.train_streams,
+                                                                          "validation": objective.val_streams})
+    if problems:
+        raise GhostvisError("stream composition: " + "; ".join(problems) + "; a stream must hold only shards of "
+                            "its split: fix the objective's streams (built from the launch spec's train_shards and "
+                            "val_shards) or the shard's split pin in its manifest, then re-launch")
+
+
+def preflight(cfg: StageConfig, plan_steps: int, objective) -> dict[str, SourceBudget]:
+    """Per source: tokens the budget needs vs tokens available. Refuses to start on a shortfall, and
+    on a CUDA machine a config whose memory plan does not fit its GPU (naming the fixes)."""
+    device = detected_gpu()
+    if device is not None:
+        mp = memory_plan(cfg, gpu=device[0], gpu_memory_gb=device[1])
+        if not mp.fits:
+            raise GhostvisError(memory_refusal(cfg.stage, mp))
+    rows = objective.batcher.rows_per_source(plan_steps * batch_plan(cfg.batch).rows_per_step)
+    report, problems = {}, []
+    for rs in objective.batcher.sources:
+        needed, available = rs.tokens_for_rows(rows[rs.source]), rs.available_tokens
+        shards = len(objective.train_streams[rs.source].refs)
+        epochs = needed / max(1, available)
+        report[rs.source] = SourceBudget(needed, available, shards, round(epochs, 3))
+        if needed > available and not cfg.data.allow_repeat:
+            per_shard = available / shards
+            more = math.ceil((needed - available) / max(1.0, per_shard))
+            problems.append(
+                f"source {rs.source}: the budget needs {needed:,} tokens but {available:,} are available in "
+                f"{shards} tokenized shards ({epochs:.2f} epochs); tokenize about {more} more shards "
+                f"(~{per_shard:,.0f} tokens each) or lower the budget, or set data.allow_repeat=true to repeat "
+                f"the data {epochs:.2f} times"
+            )
+    if problems:
+        raise GhostvisError("pre-flight failed: " + "; ".join(problems))
+    return report
+
+
+def lineage_offsets(ledger: Ledger, parent_run_key: str, train_shards: dict[str, list[dict]],
+                    sources: list[str]) -> dict[str, int]:
+    """Where the lineage stopped reading each source's token stream, so this stage continues
+    there instead of re-reading it (stream coordinates: epoch x total + shard start + token)."""
+    offsets: dict[str, int] = {}
+    for src in sources:
+        refs = sorted(train_shards[src], key=lambda r: r["shard_id"])
+        starts, pos = {}, 0
+        for r in refs:
+            starts[r["shard_id"]] = pos
+            pos += r["tokens"]
+        end = 0
+        for run in ledger.lineage(parent_run_key):
+            for c in ledger.consumption(ledger.chain(run)):
+                if c["source"] == src and c["shard_id"] in starts:
+                    end = max(end, c["epoch"] * pos + starts[c["shard_id"]] + c["tok_end"])
+        offsets[src] = end
+    return offsets
+
+
+@dataclass
+class Resolved:
+    """A stage's config as it will train: preset + overrides + upstream model + tokenizer."""
+
+    cfg: StageConfig
+    upstream: Upstream | None
+    upstream_cfg: dict[str, Any] | None
+    tok: Tokenizer
+
+
+def resolve_stage(stage: str, preset: str, overrides: dict[str, Any], home: Home, tokenizer_id: str | None,
+                  upstream: Upstream | None) -> Resolved:
+    preset, overrides = expand_run_mode(stage, preset, overrides)  # a run mode: its preset and derived steps
+    declared = presets.resolve(stage, preset, overrides)
+    imported = None
+    if declared.init_from and is_hf_source(declared.init_from):  # over the upstream stage a caller passes
+        imported = import_checkpoint(home.store, declared.init_from)
+        upstream, tokenizer_id = imported.upstream, imported.tokenizer.tokenizer_id
+    elif declared.init_from and upstream is None:
+        if declared.init_from not in stages.stage_names():
+            raise GhostvisError(
+                f"stage {stage}: init_from '{declared.init_from}' is neither a stage ({', '.join(stages.stage_names())}) "
+                "nor a Hugging Face checkpoint (a folder path, s3://bucket/prefix or hf://org/name[@revision])")
+        upstream = find_upstream(home.store, declared.init_from)
+    up_cfg = None
+    if upstream:
+        if not home.store.exists("checkpoint", *checkpoint_key(upstream.checkpoint)):
+            raise GhostvisError(f"stage {stage}: upstream checkpoint {upstream.checkpoint} is missing; "
+                                f"materialize the `{upstream.stage}` asset first")
+        up_cfg = json.loads((checkpoint_of(home.store, upstream.checkpoint) / "config.json").read_text())
+    cfg = presets.resolve(stage, preset, overrides, upstream=up_cfg)
+    unknown = [e for e in cfg.eval.evidence if e not in EVIDENCE]
+    if unknown:
+        raise GhostvisError(f"eval.evidence: unknown {unknown}; known: {', '.join(EVIDENCE)}")
+    tokenizer_id = tokenizer_id or newest_tokenizer(home.store)
+    tok = load_tokenizer(tokenizer_id, home.store)
+    if imported:  # before the sources are looked up with its tokenizer: the fix is to tokenize with it
+        check_imported_data(cfg, tok, home.store)
+    follow_registered_sources(cfg, Ledger.in_store(home.store).shards(tokenizer_id=tokenizer_id), tokenizer_id,
+                              preset_recipe="data.recipe" not in overrides)
+    if not imported:
+        fit_vocab(cfg, tok, overrides, upstream, up_cfg is None)
+    return Resolved(cfg, upstream, up_cfg, tok)
+
+
+def check_imported_data(cfg: StageConfig, tok: Tokenizer, store: Store) -> None:
+    """An imported model trains on shards tokenized with its own tokenizer (its vocab_size, from its
+    config.json, already covers the tokenizer's ids: from_hf_tokenizer checked it)."""
+    if not Ledger.in_store(store).shards(tokenizer_id=tok.tokenizer_id):
+        raise GhostvisError(
+            f"stage {cfg.stage}: init_from {cfg.init_from} brings tokenizer {tok.tokenizer_id} (saved in the store), but "
+            f"no shard is tokenized with it; materialize tokenizer with from_model: {cfg.init_from}, then tokenized_shards, "
+            "before training from this checkpoint")
+
+
+def follow_registered_sources(cfg: StageConfig, shards: list[dict[str, Any]], tokenizer_id: str,
+                              preset_recipe: bool) -> None:
+    """Fill an empty recipe / val_sources from the registered sources of the stage's kind (also when
+    none of a preset's recipe sources is registered: the preset's recipe is for its own data); refuse
+    a recipe of the user's that names sources nobody registered, and say which ones are."""
+    kind = stages.stage(cfg.stage).reads
+    registered = {r["source"] for r in shards}
+    if preset_recipe and not registered & {s.source for s in cfg.data.recipe}:
+        cfg.data.recipe, cfg.data.val_sources = [], []
+    train: dict[str, int] = {}
+    for r in shards:
+        if r["kind"] == kind and r["split"] == "train":
+            train[r["source"]] = train.get(r["source"], 0) + r["tokens"]
+    if not cfg.data.recipe and train:
+        total = sum(train.values())
+        cfg.data.recipe = [SourceWeight(s, t / total) for s, t in sorted(train.items())]
+    if not cfg.data.val_sources:
+        chosen = {s.source for s in cfg.data.recipe}
+        cfg.data.val_sources = sorted({r["source"] for r in shards if r["split"] == "validation" and r["source"] in chosen})
+    known = sorted(registered)
+    named = [s.source for s in cfg.data.recipe] + cfg.data.val_sources
+    missing = sorted({s for s in named if s not in known})
+    if missing or not cfg.data.recipe:
+        example = next(iter(sorted(train)), "my_source")
+        raise GhostvisError(
+            f"stage {cfg.stage}: " + (f"the recipe names source(s) {', '.join(missing)}, which are not registered"
+                                      if missing else f"no {kind} source is registered")
+            + f" (sources tokenized with {tokenizer_id}: {', '.join(known) or 'none'}); set the stage's recipe to your "
+            f"sources (run config `recipe: {{{example}: 1.0}}` or `ghostvis train {cfg.stage} --recipe {example}=1.0`), "
+            "or register them in shard_manifest and backfill raw_shards and tokenized_shards")
+
+
+def fit_vocab(cfg: StageConfig, tok: Tokenizer, overrides: dict[str, Any], upstream: Upstream | None,
+              fresh: bool) -> None:
+    """A fresh model takes the tokenizer's vocabulary (padded to 64); a continued one must match it."""
+    vocab = 64 * math.ceil(tok.vocab_size / 64)
+    if fresh:
+        if "model.vocab_size" in overrides and cfg.model.vocab_size != vocab:
+            raise GhostvisError(f"model.vocab_size={cfg.model.vocab_size} does not fit tokenizer {tok.tokenizer_id} "
+                                f"({tok.vocab_size} tokens, padded to {vocab}); drop the override")
+        cfg.model.vocab_size = vocab
+    elif cfg.model.vocab_size != vocab:
+        raise GhostvisError(
+            f"stage {cfg.stage}: tokenizer {tok.tokenizer_id} has {tok.vocab_size} tokens (padded {vocab}) but the "
+            f"upstream {upstream.stage} model has vocab_size {cfg.model.vocab_size}; the tokenizer changed since that "
+            f"run — re-run the chain from pretrain with this tokenizer"
+        )
+
+
+def stage_inputs(r: Resolved, ledger: Ledger, train_shards: dict[str, list[dict]]) -> StageInputs:
+    """What the stage takes from its lineage: where to continue each source, the old context, ..."""
+    cfg, inputs = r.cfg, StageInputs()
+    if r.upstream and cfg.objective == "lm":
+        fresh = [s.source for s in cfg.data.recipe if s.source not in cfg.data.replay_sources]
+        inputs.stream_offsets = lineage_offsets(ledger, r.upstream.run_key, train_shards, fresh)
+    up_model = (r.upstream_cfg or {}).get("model")
+    if up_model and up_model["max_seq_len"] < cfg.model.max_seq_len:
+        inputs.old_seq_len = up_model["max_seq_len"]
+        inputs.upstream_rope_base, inputs.upstream_rope_scaling = up_model["rope_base"], up_model["rope_scaling"]
+    if "reasoning" in cfg.eval.evidence:
+        inputs.reasoning_source = max(cfg.data.recipe, key=lambda s: s.weight).source
+    inputs.new_vision = cfg.vision is not None and not (r.upstream_cfg or {}).get("vision")
+    return inputs
+
+
+def run_identity(r: Resolved, p: Plan, spec: LaunchSpec) -> dict[str, Any]:
+    """What the run trains, never where: the config minus how it is split over ranks (a resume on another
+    world size with the same tokens_per_step finds the same run), the tokenizer, the content hashes of
+    the shards it reads (train and validation, from the ledger), the upstream run's key (its data
+    version) and what the lineage hands over. No path, store URI, host, time or launcher."""
+    ident_cfg = r.cfg.to_dict()
+    for k in ("world_size", "micro_batch_size", "grad_accum_steps", "total_batch_tokens"):
+        ident_cfg["batch"].pop(k)
+    ident_cfg["batch"]["tokens_per_step"] = p.tokens_per_step
+    ident_cfg["checkpoint"].pop("async_save")  # how shards are written, not what is trained
+    ident_cfg.pop("contamination")  # what the run is checked against, not what it trains
+
+    def contents(shards: dict[str, list[dict]]) -> dict[str, list[str]]:
+        return {s: [x["content_sha256"] for x in refs] for s, refs in shards.items()}
+
+    return {"config": ident_cfg, "tokenizer": r.tok.tokenizer_id, "train": contents(spec.train_shards),
+            "validation": contents(spec.val_shards), "upstream": r.upstream.run_key if r.upstream else None,
+            "inputs": {k: v for k, v in spec.inputs.__dict__.items() if k != "source_budget"}}
+
+
+# The modules that make a stage's checkpoint: the torchrun entry point and the launch preparation (and,
+# through identity.code_version, every ghostvis_core module they import). The Dagster code_version.
+TRAINING_MODULES = ("ghostvis_core.run.__main__", "ghostvis_core.run.launch")
+
+
+@dataclass
+class PlannedRun:
+    """A stage run resolved and identified, before its pre-flight and attempt: what a cache looks up."""
+
+    spec: LaunchSpec  # run_key still empty
+    base_key: str  # <stage>-<identity digest> (<stage>@<variant>-... for a variant): its attempts are base-r<n>
+    identity: dict[str, Any]  # what the digest hashes, saved beside each attempt (artifact kind "identity")
+    resolved: Resolved
+    plan: Plan
+    preset: str
+    variant: str | None
+
+
+def plan_run(stage: str, *, preset: str = presets.DEFAULT_PRESET, overrides: dict[str, Any] | None = None,
+             home: Home | None = None, tokenizer_id: str | None = None, upstream: Upstream | None = None,
+             variant: str | None = None) -> PlannedRun:
+    """Resolve a stage run and derive its identity; reads the ledger and the manifests, no shard file."""
+    home = home or Home.from_env()
+    r = resolve_stage(stage, preset, overrides or {}, home, tokenizer_id, upstream)
+    ledger = Ledger.in_store(home.store)
+    recipe_sources = [s.source for s in r.cfg.data.recipe]
+    train_shards = select_shards(ledger, home.store, r.tok.tokenizer_id, recipe_sources, "train")
+    val_shards = (select_shards(ledger, home.store, r.tok.tokenizer_id, r.cfg.data.val_sources, "validation")
+                  if r.cfg.data.val_sources else {})
+    p = make_plan(r.cfg)
+    spec = LaunchSpec(
+        stage=stage, run_key="", config=r.cfg.to_dict(), plan=p.to_dict(), store=home.store.uri,
+        tokenizer_id=r.tok.tokenizer_id, train_shards=train_shards, val_shards=val_shards,
+        mlflow_tracking_uri=home.mlflow_tracking_uri, mlflow_experiment=MLFLOW_EXPERIMENT,
+        mlflow_artifact_location=home.mlflow_artifacts.as_uri(),
+        parent_run_key=r.upstream.run_key if r.upstream else None,
+        init_checkpoint=r.upstream.checkpoint if r.upstream else None,
+        inputs=stage_inputs(r, ledger, train_shards),
+    )
+    ident = run_identity(r, p, spec)
+    name = f"{stage}@{variant}" if variant else stage
+    return PlannedRun(spec, f"{name}-{identity.digest(ident, 10)}", ident, r, p, preset, variant)
+
+
+def start_run(planned: PlannedRun, home: Home) -> LaunchSpec:
+    """The pre-flight, then the attempt (the newest unfinished one is resumed, else a new one starts);
+    saves the launch spec and, beside it, the identity and the code version that make the run."""
+    spec, r = planned.spec, planned.resolved
+    objective = build_objective(with_local_shards(spec, home.store), r.cfg)
+    check_stream_splits(Ledger.in_store(home.store), spec.tokenizer_id, objective)
+    spec.inputs.source_budget = preflight(r.cfg, planned.plan.steps, objective)
+    spec.run_key = next_run_key(home.store, spec.stage, planned.base_key)
+    spec.tags = run_tags(spec, planned.preset, r.upstream, planned.variant)
+    home.store.write_json("identity", spec.stage, spec.run_key, data={
+        "identity": planned.identity, "code_version": identity.code_version(*TRAINING_MODULES)})
+    home.store.write_text("run_spec", spec.stage, spec.run_key, text=spec.to_json())
+    return spec
+
+
+def with_local_shards(spec: LaunchSpec, store: Store) -> LaunchSpec:
+    """A copy of `spec` whose shards are this machine's copies of the token files (fetched from the store):
+    the pre-flight opens them here, while the saved spec keeps their store URIs for every node to fetch."""
+    local = LaunchSpec.from_dict(json.loads(spec.to_json()))
+    localize_shards(local, store)
+    return local
+
+
+def prepare_run(stage: str, *, preset: str = presets.DEFAULT_PRESET, overrides: dict[str, Any] | None = None,
+                home: Home | None = None, tokenizer_id: str | None = None, upstream: Upstream | None = None,
+                variant: str | None = None) -> LaunchSpec:
+    """Resolve a stage run and save its spec. A `variant` (a named set of overrides) gets run keys of its
+    own, <stage>@<variant>-..., so it never becomes another stage's upstream by accident."""
+    home = home or Home.from_env()
+    return start_run(plan_run(stage, preset=preset, overrides=overrides, home=home, tokenizer_id=tokenizer_id,
+                              upstream=upstream, variant=variant), home)
+
+
+def run_tags(spec: LaunchSpec, preset: str, upstream: Upstream | None, variant: str | None) -> dict[str, str]:
+    """MLflow tags: the run's stage, key, preset, tokenizer and lineage."""
+    tags = {"ghostvis.stage": spec.stage, "ghostvis.run_key": spec.run_key, "ghostvis.preset": preset,
+            "ghostvis.tokenizer_id": spec.tokenizer_id}
+    if upstream:
+        tags |= {"ghostvis.parent_run_key": upstream.run_key, "ghostvis.init_checkpoint": upstream.checkpoint,
+                 "ghostvis.upstream_stage": upstream.stage}
+    if variant:
+        tags["ghostvis.variant"] = variant
+    return tags

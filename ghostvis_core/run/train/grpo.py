@@ -1,0 +1,237 @@
+"""GRPO (group-relative policy optimisation) on problems with a verifiable answer: the rl stage's rows,
+rollouts, rewards, advantages and loss. The objective class that uses them is GRPOObjective
+(ghostvis_core/run/train/objectives.py).
+
+Rows (docs/glossary.md "rl row"): prompt p of the source's documents (seeded order per epoch, as dpo) is
+global rows p x G .. p x G + G - 1, one per sampled completion, so the row rule, the shares and the
+content digests work as for any stage. A document is `<|bos|>question\\n...Answer: n`; its prompt is its
+tokens up to and including the first token whose text holds a newline, its answer the last `Answer: n`
+after that. A row is prompt + completion, padded: real = prompt + generated tokens, loss = generated
+tokens; the document's piece rides on the group's first row, with the document's tokens never fed (the
+solution and answer, held back as the label) as cropped. Completion g is sampled from the current
+policy with a generator seeded by (data.seed, g), so a resumed run samples what it would have sampled.
+
+Reward (`reward`): 1 when the completion's last `Answer: n` equals the answer, plus FORMAT_REWARD (0.1)
+when the completion ends with a well-formed `Answer: <integer>` line (DeepSeek-R1's and TRL's accuracy +
+format rewards): the small demo policy almost never hits an exact answer, so without the format term every
+group's rewards are equal and no step changes the weights. Advantage: the reward minus
+its group's mean, over the group's (unbiased) standard deviation + 1e-4 (0 for a group of equal rewards).
+Loss: per generated token, -A x ratio (ratio = p / p_sampled, 1 on-policy, with the gradient of log p),
+plus kl_beta x the k3 estimate of KL(policy || reference); summed, and averaged over generated tokens by
+the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from ghostvis_core.plan.config import GRPOConfig
+from ghostvis_core.counts import ROLLOUT_FIGURES, TokenCounts
+from ghostvis_core.data.loader import Batch, DocIndex, Row, rank_share
+from ghostvis_core.data.stream import Piece, SourceStream
+from ghostvis_core.data.tokenizer import Tokenizer
+from ghostvis_core.plan.batch import IGNORE_INDEX
+from ghostvis_core.run.train.dist import DistContext, all_reduce_sum
+
+ANSWER = re.compile(r"Answer:\s*(-?\d+)")
+FINAL_ANSWER_LINE = re.compile(r"(?:^|\n)Answer: -?\d+\s*$")
+FORMAT_REWARD = 0.1
+ADV_EPS = 1e-4
+
+
+def parse_answer(text: str) -> str | None:
+    """The last `Answer: n` of a text (a completion may restate the question's numbers first)."""
+    found = ANSWER.findall(text)
+    return found[-1] if found else None
+
+
+def well_formed(text: str) -> bool:
+    """The completion's last line is `Answer: <integer>` (the format the reasoning documents end with)."""
+    return FINAL_ANSWER_LINE.search(text) is not None
+
+
+def reward(text: str, answer: str | None) -> float:
+    """1 for the exact answer + FORMAT_REWARD for a well-formed final answer line (module docstring)."""
+    exact = answer is not None and parse_answer(text) == answer
+    return float(exact) + FORMAT_REWARD * well_formed(text)
+
+
+def is_exact(r: float) -> bool:
+    """A reward that includes the exact-answer 1 (the format term alone is at most FORMAT_REWARD)."""
+    return r >= 1.0
+
+
+def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """(groups, G) rewards -> advantages: (r - group mean) / (group std + 1e-4), std unbiased (as TRL)."""
+    mean, std = rewards.mean(dim=1, keepdim=True), rewards.std(dim=1, keepdim=True)
+    return (rewards - mean) / (std + ADV_EPS)
+
+
+def grpo_loss_sum(logps: torch.Tensor, ref_logps: torch.Tensor | None, advantages: torch.Tensor,
+                  mask: torch.Tensor, kl_beta: float) -> torch.Tensor:
+    """Summed over generated tokens (mask): -A x exp(logp - sg(logp)) + kl_beta x (exp(ref - logp) - (ref - logp) - 1)."""
+    ratio = torch.exp(logps - logps.detach())
+    per_token = -advantages[:, None] * ratio
+    if ref_logps is not None and kl_beta:
+        d = ref_logps - logps
+        per_token = per_token + kl_beta * (torch.exp(d) - d - 1)
+    return (per_token * mask).sum()
+
+
+def prompt_length(ids: np.ndarray, tok: Tokenizer) -> int:
+    """Tokens up to and including the first (after <|bos|>) whose text holds a newline; all if none."""
+    for i in range(1, len(ids)):
+        if "\n" in tok.decode([int(ids[i])]):
+            return i + 1
+    return len(ids)
+
+
+class Problem(NamedTuple):
+    prompt: np.ndarray  # the prompt as fed (cut to seq_len - max_new_tokens)
+    answer: str | None
+    cropped: int  # the document's tokens never fed: its solution and answer (the label), and any prompt cut
+    piece: Piece
+
+
+class GroupRows:
+    """rl rows: G rows per prompt (see the module docstring); completions are handed in."""
+
+    def __init__(self, stream: SourceStream, seq_len: int, seed: int, tok: Tokenizer, cfg: GRPOConfig):
+        self.index = DocIndex(stream, seed)
+        self.source, self.seq_len, self.tok, self.cfg = stream.source, seq_len, tok, cfg
+        self.group_size, self.pad_id = cfg.group_size, tok.special("<|pad|>")
+        self._problems: dict[tuple[int, int], Problem] = {}
+
+    def problem(self, k: int, epoch: int = 0) -> Problem:
+        """Document k's prompt and answer (read from its token shard)."""
+        if (k, epoch) not in self._problems:
+            ref, shard, d = self.index.doc(k)
+            ids = shard.doc_tokens(d).astype(np.int64)
+            n = prompt_length(ids, self.tok)
+            keep = min(n, self.seq_len - self.cfg.max_new_tokens)
+            answer = parse_answer(self.tok.decode(ids[n:].tolist()))
+            self._problems[(k, epoch)] = Problem(ids[:keep], answer, len(ids) - keep, self.index.piece(k, epoch))
+        return self._problems[(k, epoch)]
+
+    def problem_of_row(self, j: int) -> Problem:
+        epoch, p = divmod(j // self.group_size, len(self.index.docs))
+        return self.problem(self.index.order(epoch)[p], epoch)
+
+    def row(self, j: int, completion: Sequence[int] = ()) -> Row:
+        """Row j with its completion (no completion: the prompt alone, as before sampling)."""
+        pr = self.problem_of_row(j)
+        seq = np.concatenate([pr.prompt, np.asarray(completion, np.int64)])
+        inputs = np.full(self.seq_len, self.pad_id, dtype=np.int64)
+        targets = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
+        inputs[:len(seq)] = seq
+        targets[len(pr.prompt) - 1:len(seq) - 1] = completion
+        first = j % self.group_size == 0
+        return Row(inputs, targets, [pr.piece] if first else [], real=len(seq), pad=self.seq_len - len(seq),
+                   cropped=pr.cropped if first else 0)
+
+    def tokens_for_rows(self, n_rows: int) -> int:
+        return int(n_rows / self.group_size / len(self.index.docs) * self.index.stream.total)
+
+    @property
+    def available_tokens(self) -> int:
+        return self.index.stream.total
+
+
+@dataclass
+class GRPOBatch(Batch):
+    """A micro-batch of rl rows with what the loss and the ledger need: each row's completion, reward
+    and group-relative advantage."""
+
+    completions: list[list[int]] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    advantages: torch.Tensor | None = None
+
+
+def sample(policy, prompt: np.ndarray, cfg: GRPOConfig, stops: tuple[int, ...], seed: int, g: int) -> list[int]:
+    """Completion of global row g: temperature sampling, at most max_new_tokens, ending at a stop token."""
+    device = policy.embed.weight.device
+    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + g)
+    with torch.no_grad():
+        return policy.generate(prompt.tolist(), cfg.max_new_tokens, temperature=cfg.temperature,
+                               stop_tokens=stops, generator=gen)
+
+
+def rollout_batch(src: GroupRows, rows: list[int], policy, seed: int) -> GRPOBatch:
+    """Sample each row's completion, reward it, and build the micro-batch (rows hold whole groups)."""
+    stops = (src.tok.bos, src.tok.eot)
+    built, completions, rewards = [], [], []
+    for g in rows:
+        pr = src.problem_of_row(g)
+        c = sample(policy, pr.prompt, src.cfg, stops, seed, g)
+        completions.append(c)
+        rewards.append(reward(src.tok.decode([t for t in c if t not in stops]), pr.answer))
+        built.append(src.row(g, c))
+    adv = group_advantages(torch.tensor(rewards).view(-1, src.group_size)).view(-1)
+    return GRPOBatch(
+        inputs=torch.from_numpy(np.stack([r.inputs for r in built])),
+        targets=torch.from_numpy(np.stack([r.targets for r in built])),
+        pieces=[p for r in built for p in r.pieces],
+        counts=TokenCounts(sum(r.real for r in built), sum(r.pad for r in built), sum(r.loss for r in built),
+                           sum(r.cropped for r in built)),
+        rows=list(rows), completions=completions, rewards=rewards, advantages=adv)
+
+
+@dataclass
+class RolloutLog:
+    """Per step since the last checkpoint: this rank's rows, completions and rewards (the ledger's
+    `rollouts` table, from which the audit recounts the generated tokens)."""
+
+    steps: dict[int, dict[str, list]] = field(default_factory=dict)
+
+    def add(self, step: int, batch: Batch) -> None:
+        if isinstance(batch, GRPOBatch):
+            s = self.steps.setdefault(step, {"rows": [], "completion_ids": [], "rewards": []})
+            s["rows"] += batch.rows
+            s["completion_ids"] += batch.completions
+            s["rewards"] += batch.rewards
+
+    def figures(self, step: int) -> list[int]:
+        """generated tokens, rewarded tokens (of exact-answer completions), completions, exact-answer ones."""
+        s = self.steps.get(step, {"completion_ids": [], "rewards": []})
+        ids = s["completion_ids"]
+        return [sum(len(c) for c in ids), sum(len(c) for c, r in zip(ids, s["rewards"]) if is_exact(r)),
+                len(ids), sum(1 for r in s["rewards"] if is_exact(r))]
+
+    def records(self, rank: int) -> list[dict[str, Any]]:
+        return [{"rank": rank, "step": step, **dict(zip(ROLLOUT_FIGURES, self.figures(step))),
+                 **{k: json.dumps(v) for k, v in s.items()}} for step, s in sorted(self.steps.items())]
+
+
+def count_step(log: RolloutLog, step: int, generated: dict[str, int], ctx: DistContext) -> tuple[dict[str, int], float]:
+    """The run's cumulative rollout figures after `step` (summed over ranks) and the step's mean reward.
+    Called on every rank; a stage that samples nothing has no figures and no collective."""
+    if step not in log.steps:
+        return generated, float("nan")
+    step_figs = all_reduce_sum(log.figures(step), ctx, dtype=torch.int64)
+    total = {k: generated.get(k, 0) + int(v) for k, v in zip(ROLLOUT_FIGURES, step_figs)}
+    return total, step_figs[3] / max(1, step_figs[2])
+
+
+@torch.no_grad()
+def held_out_reward(src: GroupRows, policy, n_problems: int, ctx: DistContext) -> dict[str, float]:
+    """Mean reward, exact-answer accuracy and well-formed answer rate of greedy completions to the first n
+    held-out problems (split over ranks): the reward alone cannot tell format from accuracy."""
+    stops = (src.tok.bos, src.tok.eot)
+    n = min(n_problems, len(src.index.docs))
+    sums = [0.0, 0.0, 0.0, 0.0]
+    for k in rank_share(n, ctx.rank, ctx.world_size):
+        pr = src.problem(k)
+        out = policy.generate(pr.prompt.tolist(), src.cfg.max_new_tokens, stop_tokens=stops)
+        text = src.tok.decode([t for t in out if t not in stops])
+        r = reward(text, pr.answer)
+        sums = [sums[0] + r, sums[1] + is_exact(r), sums[2] + well_formed(text), sums[3] + 1]
+    s = all_reduce_sum(sums, ctx)
+    per = max(1.0, s[3])
+    return {"val/reward": s[0] / per, "val/exact_accuracy": s[1] / per, "val/format_rate": s[2] / per,
+            "val/reward_problems": s[3]}

@@ -1,0 +1,228 @@
+"""The decontamination gate (issue 24): the training documents a stage consumed, compared with every
+evaluation set the project knows, by their 13-gram fingerprints (ghostvis_core/data/ngrams.py).
+
+Training side: the fingerprints tokenization recorded per document in the ledger's `ngrams` table, for
+the documents the run's chain consumed (consumption rows: shard, raw rows [row_start, row_end)).
+Evaluation side, reduced by the same rule:
+- `validation`: every validation shard in the ledger, one item per document (its `ngrams` rows);
+- `lm_eval:<file>`: the shipped lm-evaluation-harness tasks' JSON Lines (ghostvis_core/resources/lm_eval_tasks);
+- `benchmark:<task>`: the multiple-choice benchmark's templated items, context + right answer;
+- `prompts`: the fixed prompts every stage is sampled with;
+- `user:<file>`: the JSON Lines files (or folders of them) the stage config lists in `contamination.eval_sets`.
+The cloze task and the benchmark's next-line items are cut from validation shards, so `validation`
+covers them. A pair (training document, evaluation item) is contaminated when the fingerprints they
+share exceed `contamination.max_overlap` of the smaller one's fingerprints.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from bisect import bisect_right
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from ghostvis_core.verify.audit.outcome import CheckOutcome, union
+from ghostvis_core.plan.config import ContaminationConfig
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ngrams import fingerprints
+from ghostvis_core.data.eval_texts import (
+    BENCHMARK_PER_TASK, BENCHMARK_SEED, LM_EVAL_TASKS_DIR, PROMPTS, item_text, template_choices,
+)
+from ghostvis_core.errors import GhostvisError
+
+NAMED = 20  # contaminated pairs named one by one in a check's failures and tables
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    eval_set: str
+    item: str  # where in the set: a line number, a task item, a validation shard and row
+    fps: frozenset[int]
+
+
+@dataclass(frozen=True)
+class Match:
+    """A training document and an evaluation item that share fingerprints."""
+
+    shard_id: str
+    row: int
+    eval_set: str
+    item: str
+    shared: int
+    doc_fps: int
+    item_fps: int
+
+    @property
+    def overlap(self) -> float:
+        """Shared fingerprints over the smaller side's: 1.0 when one text is inside the other."""
+        return self.shared / max(1, min(self.doc_fps, self.item_fps))
+
+    def row_of(self) -> list[Any]:
+        return [self.shard_id, self.row, self.eval_set, self.item, self.shared, self.doc_fps, self.item_fps,
+                round(self.overlap, 3)]
+
+
+MATCH_HEADER = ["shard", "row", "eval set", "item", "shared", "doc fingerprints", "item fingerprints", "overlap"]
+
+
+def jsonl_items(path: Path, eval_set: str) -> Iterator[EvalItem]:
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise GhostvisError(f"evaluation set {path}, line {n}: not JSON ({exc}); fix the file or remove it "
+                                "from contamination.eval_sets") from None
+        text = item_text(record) if isinstance(record, dict) else str(record)
+        yield EvalItem(eval_set, f"line {n}", frozenset(fingerprints(text)))
+
+
+def file_sets(paths: list[str], prefix: str) -> Iterator[EvalItem]:
+    """Items of JSON Lines files, or of every *.jsonl under a folder; a missing path is an error."""
+    for entry in paths:
+        root = Path(entry).expanduser()
+        if not root.exists():
+            raise GhostvisError(f"evaluation set {entry} does not exist; fix contamination.eval_sets "
+                                "(JSON Lines files or folders of them)")
+        files = sorted(root.rglob("*.jsonl")) if root.is_dir() else [root]
+        for f in files:
+            yield from jsonl_items(f, f"{prefix}:{f.relative_to(root) if root.is_dir() else f.name}")
+
+
+def validation_items(ledger: Ledger) -> Iterator[EvalItem]:
+    """One item per document of every validation shard in the ledger, from its recorded fingerprints."""
+    shas = sorted({r["content_sha256"] for r in ledger.shards() if r["split"] == "validation"})
+    docs: dict[tuple[str, int], set[int]] = defaultdict(set)
+    for r in ledger.ngrams(shas):
+        docs[(r["shard_id"], r["row"])].add(r["ngram_hash"])
+    for (shard_id, row), fps in sorted(docs.items()):
+        yield EvalItem("validation", f"{shard_id} row {row}", frozenset(fps))
+
+
+def known_items(ledger: Ledger, eval_sets: list[str]) -> list[EvalItem]:
+    """Every evaluation item the project knows, fingerprinted (see the module docstring)."""
+    items = list(validation_items(ledger))
+    items += file_sets([str(LM_EVAL_TASKS_DIR)], "lm_eval")
+    choices = template_choices(random.Random(BENCHMARK_SEED), BENCHMARK_PER_TASK)
+    for n, (task, context, options, answer) in enumerate(choices, start=1):
+        items.append(EvalItem(f"benchmark:{task}", f"item {n}", frozenset(fingerprints(context + options[answer]))))
+    items += [EvalItem("prompts", p, frozenset(fingerprints(p))) for p in PROMPTS]
+    items += file_sets(eval_sets, "user")
+    return items
+
+
+def matches(docs: dict[tuple[str, int], set[int]], items: list[EvalItem]) -> list[Match]:
+    """Every (training document, evaluation item) pair sharing a fingerprint, most overlap first."""
+    index: dict[int, list[int]] = defaultdict(list)
+    for i, it in enumerate(items):
+        for h in it.fps:
+            index[h].append(i)
+    out = []
+    for (shard_id, row), fps in docs.items():
+        shared: dict[int, int] = defaultdict(int)
+        for h in fps:
+            for i in index.get(h, ()):
+                shared[i] += 1
+        out += [Match(shard_id, row, items[i].eval_set, items[i].item, n, len(fps), len(items[i].fps))
+                for i, n in shared.items()]
+    return sorted(out, key=lambda m: (-m.overlap, -m.shared, m.shard_id, m.row, m.eval_set, m.item))
+
+
+def set_table(items: list[EvalItem]) -> list[list[Any]]:
+    """Per evaluation set: items, items with a fingerprint (checkable), fingerprints."""
+    by: dict[str, list[int]] = {}
+    for it in items:
+        agg = by.setdefault(it.eval_set, [0, 0, 0])
+        agg[0] += 1
+        agg[1] += bool(it.fps)
+        agg[2] += len(it.fps)
+    return [[name, *by[name]] for name in sorted(by)]
+
+
+def consumed_documents(ledger: Ledger, spec: Any, consumption: list[dict[str, Any]]
+                       ) -> tuple[dict[tuple[str, int], set[int]], list[str]]:
+    """(shard_id, raw row) -> fingerprints of every document the consumption rows touch, and the
+    consumed shards with no n-gram record (tokenized before the gate existed)."""
+    content = {r["shard_id"]: r["content_sha256"] for r in ledger.shards(tokenizer_id=spec.tokenizer_id)}
+    content.update({ref["shard_id"]: ref["content_sha256"] for refs in spec.train_shards.values() for ref in refs})
+    spans: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for c in consumption:
+        spans[c["shard_id"]].append((c["row_start"], c["row_end"]))
+    missing = sorted(s for s in spans if s not in content or not ledger.ngram_record_path(s, content[s]).exists())
+    wanted = {content[s]: s for s in spans if s not in missing}
+    merged = {s: union(v) for s, v in spans.items()}
+    starts = {s: [a for a, _ in v] for s, v in merged.items()}
+    docs: dict[tuple[str, int], set[int]] = defaultdict(set)
+    for r in ledger.ngrams(sorted(wanted)):
+        shard_id, row = r["shard_id"], r["row"]
+        if wanted.get(r["content_sha256"]) != shard_id:
+            continue
+        i = bisect_right(starts[shard_id], row) - 1  # the merged row range starting at or before the row
+        if i >= 0 and row < merged[shard_id][i][1]:
+            docs[(shard_id, row)].add(r["ngram_hash"])
+    return dict(docs), missing
+
+
+def gate_config(spec: Any) -> ContaminationConfig:
+    """The run's declared gate (its launch spec's config; a spec saved before the gate gets the defaults)."""
+    return ContaminationConfig(**spec.config.get("contamination", {}))
+
+
+def no_eval_contamination(ledger: Ledger, spec: Any, consumption: list[dict[str, Any]]) -> CheckOutcome:
+    """The stage check: no consumed training document shares more than `max_overlap` of the smaller
+    side's 13-gram fingerprints with an evaluation item; each offending pair is named."""
+    cfg = gate_config(spec)
+    docs, missing = consumed_documents(ledger, spec, consumption)
+    items = known_items(ledger, cfg.eval_sets)
+    found = matches(docs, items)
+    bad = [m for m in found if m.overlap > cfg.max_overlap]
+    failures = [f"training shard {m.shard_id} row {m.row} shares {m.shared} 13-gram fingerprints with {m.eval_set} "
+                f"{m.item} (document {m.doc_fps}, item {m.item_fps}): overlap {m.overlap:.2f} > contamination."
+                f"max_overlap {cfg.max_overlap}" for m in bad[:NAMED]]
+    if len(bad) > NAMED:
+        failures.append(f"... and {len(bad) - NAMED} more contaminated pairs")
+    failures += [f"training shard {s} was consumed but has no n-gram record in the ledger (tokenized before the "
+                 f"decontamination gate); re-materialize tokenized_shards partition {s}" for s in missing]
+    figures = {
+        "consumed_documents_fingerprinted": len(docs), "consumed_fingerprints": sum(len(f) for f in docs.values()),
+        "eval_items": len(items), "eval_items_checkable": sum(1 for it in items if it.fps),
+        "eval_fingerprints": sum(len(it.fps) for it in items),
+        "documents_sharing_ngrams": len({(m.shard_id, m.row) for m in found}),
+        "contaminated_documents": len({(m.shard_id, m.row) for m in bad}),
+        "contaminated_eval_items": len({(m.eval_set, m.item) for m in bad}),
+        "max_overlap_found": round(found[0].overlap, 3) if found else 0.0, "max_overlap": cfg.max_overlap,
+        "shards_without_ngrams": len(missing),
+    }
+    tables = {"shared_ngrams": (MATCH_HEADER + ["verdict"],
+                                [[*m.row_of(), "contaminated" if m.overlap > cfg.max_overlap else "below threshold"]
+                                 for m in found[:NAMED]]),
+              "eval_sets": (["eval set", "items", "checkable", "fingerprints"], set_table(items))}
+    return CheckOutcome("no_eval_contamination", not failures, figures, tables, failures)
+
+
+def shard_contamination(ledger: Ledger, shards: list[dict[str, Any]], eval_sets: Sequence[str] = (),
+                        max_overlap: float | None = None) -> dict[str, dict[str, int]]:
+    """Per train shard of `shards` (ledger records): fingerprints shared with evaluation data, documents
+    sharing any, and documents over the default threshold (`ghostvis ledger`)."""
+    limit = ContaminationConfig().max_overlap if max_overlap is None else max_overlap
+    train = {r["content_sha256"]: r["shard_id"] for r in shards if r["split"] == "train"}
+    docs: dict[tuple[str, int], set[int]] = defaultdict(set)
+    for r in ledger.ngrams(sorted(train)):
+        if train.get(r["content_sha256"]) == r["shard_id"]:
+            docs[(r["shard_id"], r["row"])].add(r["ngram_hash"])
+    eval_fps = set()
+    items = known_items(ledger, list(eval_sets))
+    for it in items:
+        eval_fps |= it.fps
+    out = {s: {"shared_ngrams": 0, "docs_sharing": 0, "docs_contaminated": 0} for s in sorted(train.values())}
+    for (shard_id, _), fps in docs.items():
+        n = len(fps & eval_fps)
+        out[shard_id]["shared_ngrams"] += n
+        out[shard_id]["docs_sharing"] += bool(n)
+    for shard_id, _ in {(m.shard_id, m.row) for m in matches(docs, items) if m.overlap > limit}:
+        out[shard_id]["docs_contaminated"] += 1
+    return out
