@@ -50,15 +50,21 @@ def main() -> None:
     ddp = DDP(model) if world > 1 else model
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
-        [{"params": [p for p in params if p.dim() >= 2], "weight_decay": o["weight_decay"]},
-         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}],
-        lr=o["lr"], betas=(o["beta1"], o["beta2"]))
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": o["weight_decay"]},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        lr=o["lr"],
+        betas=(o["beta1"], o["beta2"]),
+    )
     bf16 = args.precision == "bf16"
 
     gen = torch.Generator().manual_seed(1000 + rank)
     data = torch.randint(0, model.cfg.vocab_size, (args.steps, accum, mbs, seq + 1), generator=gen)
-    batches = [[(data[s, m, :, :-1].contiguous(), data[s, m, :, 1:].contiguous()) for m in range(accum)]
-               for s in range(args.steps)]
+    batches = [
+        [(data[s, m, :, :-1].contiguous(), data[s, m, :, 1:].contiguous()) for m in range(accum)]
+        for s in range(args.steps)
+    ]
     del data
     tokens_per_step = mbs * seq * world * accum
 
@@ -84,8 +90,13 @@ def main() -> None:
         n = len(ends)
         half = max(1, n // 2)
         result = {
-            "steps": n, "precision": args.precision, "tokens_per_step": tokens_per_step,
-            "micro_batch_size": mbs, "seq_len": seq, "world_size": world, "grad_accum_steps": accum,
+            "steps": n,
+            "precision": args.precision,
+            "tokens_per_step": tokens_per_step,
+            "micro_batch_size": mbs,
+            "seq_len": seq,
+            "world_size": world,
+            "grad_accum_steps": accum,
             "tokens_per_sec": (n - 1) * tokens_per_step / (ends[-1] - ends[0]) if n > 1 else 0.0,
             # the same late window trainer_throughput takes from the trainer's log (step ~n/2 to n)
             "late_window": [half, n],

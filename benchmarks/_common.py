@@ -21,9 +21,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from ghostvis_core.home import Home
 from ghostvis_core.run.train.result import RunResult
@@ -45,21 +45,25 @@ class BenchError(RuntimeError):
 
 # --- machine load -------------------------------------------------------------------------------
 
+
 def load_snapshot(label: str = "") -> str:
     """uptime-style load averages plus the processes using CPU right now (top, second frame)."""
     la = os.getloadavg()
-    lines = [f"machine load{(' ' + label) if label else ''}: loadavg {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} "
-             f"on {os.cpu_count()} cores"]
+    lines = [
+        f"machine load{(' ' + label) if label else ''}: loadavg {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} "
+        f"on {os.cpu_count()} cores"
+    ]
     try:
-        out = subprocess.run(["top", "-bn2", "-d0.5", "-w", "200", "-c"], capture_output=True, text=True,
-                             timeout=10).stdout
+        out = subprocess.run(
+            ["top", "-bn2", "-d0.5", "-w", "200", "-c"], capture_output=True, text=True, timeout=10
+        ).stdout
         frame = out.split("\ntop - ")[-1].splitlines()
         hdr = next(i for i, line in enumerate(frame) if line.lstrip().startswith("PID"))
         cpu_line = next((line for line in frame if line.startswith("%Cpu")), "")
         if cpu_line:
             lines.append("  " + cpu_line.strip())
         me = os.getpid()
-        for line in frame[hdr + 1:]:
+        for line in frame[hdr + 1 :]:
             parts = line.split(None, 11)
             if len(parts) < 12:
                 continue
@@ -82,7 +86,7 @@ def _proc_table() -> dict[int, tuple[int, int]]:
                 stat = f.read()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         out[int(d)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
     return out
 
@@ -100,7 +104,7 @@ class CpuMeter:
     def _sample(self) -> None:
         table = _proc_table()
         me = os.getpid()
-        for pid, (ppid, ticks) in table.items():
+        for pid, (_ppid, ticks) in table.items():
             prev = self._last.get(pid)
             delta = ticks - prev if prev is not None else (ticks if self._started else 0)
             if delta <= 0:
@@ -122,7 +126,7 @@ class CpuMeter:
         while not self._stop.wait(self.interval):
             self._sample()
 
-    def __enter__(self) -> "CpuMeter":
+    def __enter__(self) -> CpuMeter:
         self._last, self._own, self._other, self._started = {}, 0, 0, False
         self._sample()
         self._started = True
@@ -148,11 +152,15 @@ def noise_note(other_cores: float) -> str:
 
 # --- homes ----------------------------------------------------------------------------------------
 
+
 def clean_env(home: Path | None = None) -> dict[str, str]:
     """The environment for a child: GHOSTVIS_HOME and the MLflow store inside it, no outer Dagster
     instance or Pipes variables, no preset override."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("DAGSTER_PIPES") and k not in ("DAGSTER_HOME", "GHOSTVIS_PRESET", "MLFLOW_TRACKING_URI")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("DAGSTER_PIPES") and k not in ("DAGSTER_HOME", "GHOSTVIS_PRESET", "MLFLOW_TRACKING_URI")
+    }
     if home is not None:
         env["GHOSTVIS_HOME"] = str(home)
         env["MLFLOW_TRACKING_URI"] = f"sqlite:///{home}/mlflow.db"
@@ -160,15 +168,18 @@ def clean_env(home: Path | None = None) -> dict[str, str]:
     return env
 
 
-def build_demo_home(home: Path, *, preset: str = "smoke", stages: tuple[str, ...] = ("pretrain",),
-                    log: Path | None = None) -> float:
+def build_demo_home(
+    home: Path, *, preset: str = "smoke", stages: tuple[str, ...] = ("pretrain",), log: Path | None = None
+) -> float:
     """`ghostvis demo --preset P --stages ...` into a fresh home (data, tokenizer, tokenized shards,
     ledger and the given stages). Returns the wall time."""
     home.mkdir(parents=True, exist_ok=True)
     log = log or home.parent / f"{home.name}-demo.log"
     cmd = [*GHOSTVIS, "demo", "--preset", preset, "--stages", *stages]
-    print(f"building a demo home: GHOSTVIS_HOME={home} ghostvis demo --preset {preset} --stages {' '.join(stages)}",
-          flush=True)
+    print(
+        f"building a demo home: GHOSTVIS_HOME={home} ghostvis demo --preset {preset} --stages {' '.join(stages)}",
+        flush=True,
+    )
     t0 = time.time()
     with open(log, "w") as f:
         rc = subprocess.run(cmd, cwd=ROOT, env=clean_env(home), stdout=f, stderr=subprocess.STDOUT).returncode
@@ -181,14 +192,17 @@ def build_demo_home(home: Path, *, preset: str = "smoke", stages: tuple[str, ...
 
 def check_home(home: Path) -> None:
     if not (home / "store" / "tokenizers").is_dir() or not (home / "store" / "ledger" / "shards").is_dir():
-        raise BenchError(f"{home} is not a GhostVis home with tokenized data (no store/tokenizers or "
-                         f"store/ledger/shards); build one with `ghostvis demo --preset smoke --stages pretrain`")
+        raise BenchError(
+            f"{home} is not a GhostVis home with tokenized data (no store/tokenizers or "
+            f"store/ledger/shards); build one with `ghostvis demo --preset smoke --stages pretrain`"
+        )
 
 
 def linked_home(src: Path, dst: Path) -> Path:
     """A private copy of a whole home (store, MLflow, Dagster instance) for a benchmark that adds to it:
     the store's and MLflow's artifact files are hard-linked (nothing rewrites them in place: new ledger
     parts and checkpoints are new files), the databases and everything else are copied."""
+
     def link_or_copy(source: str, target: str) -> None:
         if Path(source).relative_to(src).parts[0] in ("store", "mlartifacts"):
             try:
@@ -237,6 +251,7 @@ def tail(path: Path, n: int = 25) -> str:
 
 # --- running a stage through the real entry point ------------------------------------------------
 
+
 @dataclass
 class StageRun:
     cmd: list[str]
@@ -256,8 +271,19 @@ class StageRun:
 
 
 def torchrun_cmd(stage: str, preset: str, sets: list[str], nproc: int = 2) -> list[str]:
-    cmd = [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "ghostvis_core.run", "--stage", stage, "--preset", preset]
+    cmd = [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "ghostvis_core.run",
+        "--stage",
+        stage,
+        "--preset",
+        preset,
+    ]
     for s in sets:
         cmd += ["--set", s]
     return cmd
@@ -273,8 +299,15 @@ class Proc:
     stopped_early: bool
 
 
-def run_lines(cmd: list[str], env: dict[str, str], log: Path, *, timeout: float = 900.0,
-              on_line: Callable[[float, str], bool | None] | None = None, check: bool = True) -> Proc:
+def run_lines(
+    cmd: list[str],
+    env: dict[str, str],
+    log: Path,
+    *,
+    timeout: float = 900.0,
+    on_line: Callable[[float, str], bool | None] | None = None,
+    check: bool = True,
+) -> Proc:
     """Run cmd (stderr merged into stdout), time-stamping each output line as it is read. When
     on_line returns True the run is ended (SIGTERM to the process group we started)."""
     lines: list[tuple[float, str]] = []
@@ -283,8 +316,16 @@ def run_lines(cmd: list[str], env: dict[str, str], log: Path, *, timeout: float 
     with CpuMeter() as meter, open(log, "w") as f:
         f.write("$ " + " ".join(cmd) + "\n")
         t_launch = time.time()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, bufsize=1, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+        )
 
         def _kill_on_timeout():
             timed_out.set()
@@ -317,9 +358,18 @@ def run_lines(cmd: list[str], env: dict[str, str], log: Path, *, timeout: float 
     return Proc(cmd, rc, wall, lines, meter.other_cores, stopped)
 
 
-def run_stage(home: Path, stage: str, preset: str, sets: list[str], *, log: Path, nproc: int = 2,
-              threads_per_rank: int = 1, timeout: float = 900.0,
-              stop_when: Callable[[str, "StageRun"], bool] | None = None) -> StageRun:
+def run_stage(
+    home: Path,
+    stage: str,
+    preset: str,
+    sets: list[str],
+    *,
+    log: Path,
+    nproc: int = 2,
+    threads_per_rank: int = 1,
+    timeout: float = 900.0,
+    stop_when: Callable[[str, StageRun], bool] | None = None,
+) -> StageRun:
     """Launch `torchrun --standalone --nproc_per_node=N -m ghostvis_core.run --stage ...` (as
     `python -m torch.distributed.run`, which is what the torchrun script runs) and read its output
     line by line, time-stamping each line when it is read (PYTHONUNBUFFERED=1). With stop_when, the
@@ -336,8 +386,9 @@ def run_stage(home: Path, stage: str, preset: str, sets: list[str], *, log: Path
             run.run_key = m["run_key"]
         m = STEP_RE.match(line)
         if m:
-            run.steps.append({"t": t, "step": int(m["step"]), "total": int(m["total"]),
-                              "tps": float(m["tps"].replace(",", ""))})
+            run.steps.append(
+                {"t": t, "step": int(m["step"]), "total": int(m["total"]), "tps": float(m["tps"].replace(",", ""))}
+            )
         return bool(stop_when and stop_when(line, run))
 
     p = run_lines(cmd, env, log, timeout=timeout, on_line=on_line)
@@ -381,6 +432,7 @@ def nearest_logged(steps: list[dict], target: int) -> int | None:
 
 # --- output --------------------------------------------------------------------------------------
 
+
 def goal(name: str, value: float | None, target: float, *, higher_is_better: bool = True, unit: str = "") -> str:
     if value is None:
         return f"{name}: not measured -> goal missed (no value)"
@@ -413,6 +465,7 @@ def kv_line(results: dict) -> str:
         if isinstance(x, float):
             return f"{x:.4g}" if abs(x) < 1e5 else f"{x:.0f}"
         return str(x).replace(" ", "_")
+
     return " ".join(f"{k}={v(x)}" for k, x in results.items())
 
 

@@ -93,7 +93,6 @@ def measure(sizes: list[int], work: Path, server: PostgresServer) -> list[list]:
     return rows
 
 
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="50,400,2000", help="partition counts (default 50,400,2000)")
@@ -113,8 +112,15 @@ def main() -> int:
     last = rows[-1]
     print(f"postgres/sqlite at N={last[0]}: {last[3] / last[1]:.2f} (one planned event per partition on both)")
     print(C.goal(f"postgres with one planned event, N={last[0]}", last[6], 5.0, higher_is_better=False, unit=" s"))
-    print(C.kv_line({f"{kind}_s_{r[0]}": r[i] for r in rows
-                     for kind, i in (("sqlite", 1), ("postgres", 3), ("postgres_one_event", 6))}))
+    print(
+        C.kv_line(
+            {
+                f"{kind}_s_{r[0]}": r[i]
+                for r in rows
+                for kind, i in (("sqlite", 1), ("postgres", 3), ("postgres_one_event", 6))
+            }
+        )
+    )
     return 0
 
 

@@ -1,6 +1,6 @@
 """The content proof's cost: the share of a training step spent digesting what the model is fed.
 
-The real training step (`ghostvis_core.run.train.loop.train_step`, world size 1, the demo's `tiny` pretrain
+The real training step (`ghostvis_core.run.train.trainer.Trainer.train_step`, world size 1, the demo's `tiny` pretrain
 shape, the precision `auto` picks) runs --steps times after a warm-up step; every call of the digest
 (`FedLog.add`, one per micro-batch) is timed inside the step. Goal: digest time / step time < 2%.
 
@@ -25,15 +25,18 @@ def measure(home: Path, steps: int) -> dict:
     import torch
 
     from ghostvis_core.home import Home
-    from ghostvis_core.run.train import loop
+    from ghostvis_core.run.launch import prepare_run
     from ghostvis_core.run.train.dist import DistContext
     from ghostvis_core.run.train.feeds import FedLog
-    from ghostvis_core.run.launch import prepare_run
     from ghostvis_core.run.train.setup import setup
 
-    spec = prepare_run("pretrain", preset="tiny", home=Home(home),
-                       overrides={"batch.world_size": 1, "budget.steps": steps + 1, "data.seed": 97})
-    run = setup(spec, DistContext(0, 0, 1, torch.device("cpu")))
+    spec = prepare_run(
+        "pretrain",
+        preset="tiny",
+        home=Home(home),
+        overrides={"batch.world_size": 1, "budget.steps": steps + 1, "data.seed": 97},
+    )
+    trainer = setup(spec, DistContext(0, 0, 1, torch.device("cpu")))
     spent = [0.0]
     add = FedLog.add
 
@@ -44,17 +47,23 @@ def measure(home: Path, steps: int) -> dict:
 
     FedLog.add = timed_add
     try:
-        loop.train_step(run)  # warm-up: allocator and threads
+        trainer.train_step()  # warm-up: allocator and threads
         spent[0], t0 = 0.0, time.perf_counter()
         for _ in range(steps):
-            loop.train_step(run)
+            trainer.train_step()
         wall = time.perf_counter() - t0
     finally:
         FedLog.add = add
-        run.tracker.mlflow.finish("FINISHED")
-    p = run.plan
-    return {"steps": steps, "step_s": wall / steps, "digest_s": spent[0] / steps, "share": spent[0] / wall,
-            "shape": f"{p.micro_batch_size}x{p.seq_len}x{p.world_size}x{p.grad_accum_steps}", "bf16": run.bf16}
+        trainer.tracker.mlflow.finish("FINISHED")
+    p = trainer.plan
+    return {
+        "steps": steps,
+        "step_s": wall / steps,
+        "digest_s": spent[0] / steps,
+        "share": spent[0] / wall,
+        "shape": f"{p.micro_batch_size}x{p.seq_len}x{p.world_size}x{p.grad_accum_steps}",
+        "bf16": trainer.bf16,
+    }
 
 
 def main() -> int:
@@ -67,8 +76,12 @@ def main() -> int:
     home = C.scratch_home(src, wd / "home")
     r = measure(home, args.steps)
     print(f"home: {how}\nshape (micro x seq x world x accum): {r['shape']}, bf16={r['bf16']}")
-    print(C.table([[r["steps"], r["step_s"] * 1000, r["digest_s"] * 1000, 100 * r["share"]]],
-                  ["steps", "step ms", "digest ms", "digest % of step"]))
+    print(
+        C.table(
+            [[r["steps"], r["step_s"] * 1000, r["digest_s"] * 1000, 100 * r["share"]]],
+            ["steps", "step ms", "digest ms", "digest % of step"],
+        )
+    )
     print(C.goal("digest share of step time", r["share"], GOAL_SHARE, higher_is_better=False))
     print(C.kv_line({k: v for k, v in r.items() if k != "shape"}))
     return 0

@@ -70,15 +70,30 @@ def main() -> int:
         runs2, folders2 = mlflow_runs(home), run_folders(home)
         checks = next((line for line in block if line.startswith("checks:")), "checks: ?")
         print()
-        print(C.table([["first", first, runs1, folders1], ["second", second, runs2, folders2]],
-                      ["demo", "wall s", "MLflow runs after", "run folders after"]))
+        print(
+            C.table(
+                [["first", first, runs1, folders1], ["second", second, runs2, folders2]],
+                ["demo", "wall s", "MLflow runs after", "run folders after"],
+            )
+        )
         print(f"second run: {checks}; new MLflow runs {runs2 - runs1}, new run folders {folders2 - folders1}")
-        print(C.goal(f"second / first demo wall time ({args.preset})", second / first, GOAL_RATIO,
-                     higher_is_better=False))
+        print(
+            C.goal(f"second / first demo wall time ({args.preset})", second / first, GOAL_RATIO, higher_is_better=False)
+        )
         print(f"other load: {max(noise1, noise2):.2f} cores ({C.noise_note(max(noise1, noise2))})")
-        print(C.kv_line({"preset": args.preset, "first_s": first, "second_s": second, "ratio": second / first,
-                         "new_mlflow_runs": runs2 - runs1, "new_run_folders": folders2 - folders1,
-                         "goal_met": int(second / first <= GOAL_RATIO and runs2 == runs1 and folders2 == folders1)}))
+        print(
+            C.kv_line(
+                {
+                    "preset": args.preset,
+                    "first_s": first,
+                    "second_s": second,
+                    "ratio": second / first,
+                    "new_mlflow_runs": runs2 - runs1,
+                    "new_run_folders": folders2 - folders1,
+                    "goal_met": int(second / first <= GOAL_RATIO and runs2 == runs1 and folders2 == folders1),
+                }
+            )
+        )
         ok = True
         return 0
     finally:

@@ -29,19 +29,23 @@ from ghostvis_core.run.train.runs import newest_completed_run  # noqa: E402
 
 GOAL_S = 600.0
 STAGES = stage_names()
-STEP_DONE = re.compile(r'(STEP_SUCCESS|STEP_FAILURE) - (?:Finished execution of step|Execution of step) "([^"]+)"'
-                       r'(?: in ([\d.]+(?:ms|s)|\d+m\d+s|\d+h\d+m))?')
+STEP_DONE = re.compile(
+    r'(STEP_SUCCESS|STEP_FAILURE) - (?:Finished execution of step|Execution of step) "([^"]+)"'
+    r"(?: in ([\d.]+(?:ms|s)|\d+m\d+s|\d+h\d+m))?"
+)
 
 
 def summary_block(lines: list[str]) -> list[str]:
     """The per-asset table `ghostvis demo` prints at the end (header 'asset  seconds' to 'checks:')."""
-    start = max((i for i, l in enumerate(lines) if re.match(r"^asset\s+seconds(\s+\(checks\))?$", l)), default=None)
+    start = max(
+        (i for i, line in enumerate(lines) if re.match(r"^asset\s+seconds(\s+\(checks\))?$", line)), default=None
+    )
     if start is None:
         return []
     out = []
-    for l in lines[start:]:
-        out.append(l)
-        if l.startswith("checks:"):
+    for line in lines[start:]:
+        out.append(line)
+        if line.startswith("checks:"):
             break
     return out
 
@@ -61,8 +65,8 @@ def _seconds(text: str | None) -> float | None:
 def step_events(lines: list[str]) -> list[list]:
     """[step, status, seconds] from Dagster's STEP_SUCCESS / STEP_FAILURE log lines."""
     out = []
-    for l in lines:
-        m = STEP_DONE.search(l)
+    for line in lines:
+        m = STEP_DONE.search(line)
         if m:
             out.append([m.group(2), "ok" if m.group(1) == "STEP_SUCCESS" else "FAILED", _seconds(m.group(3))])
     return out
@@ -84,8 +88,9 @@ def print_stages(home: Path) -> dict:
         if r.frozen is not None:
             evidence_rows.append([r.stage, "frozen_params_unchanged", None, int(r.frozen.unchanged)])
     if rows:
-        print(C.table(rows, ["stage", "steps", "val loss start", "val loss end", "tok/s", "first step s",
-                             "train wall s"]))
+        print(
+            C.table(rows, ["stage", "steps", "val loss start", "val loss end", "tok/s", "first step s", "train wall s"])
+        )
     else:
         print("no training stage completed")
     if evidence_rows:
@@ -97,8 +102,11 @@ def print_stages(home: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--keep-home", help="build the home here (must not exist) and keep it, e.g. for the other "
-                                        "benchmarks (run_all.py passes it on as --home)")
+    ap.add_argument(
+        "--keep-home",
+        help="build the home here (must not exist) and keep it, e.g. for the other "
+        "benchmarks (run_all.py passes it on as --home)",
+    )
     ap.add_argument("--timeout", type=float, default=1800.0)
     args = ap.parse_args()
 
@@ -117,30 +125,46 @@ def main() -> int:
         print(f"$ GHOSTVIS_HOME={home} {' '.join(cmd)}", flush=True)
         log = wd / "demo.log"
         p = C.run_lines(cmd, C.clean_env(home), log, timeout=args.timeout, check=False)
-        lines = [l for _, l in p.lines]
+        lines = [line for _, line in p.lines]
         block = summary_block(lines)
         print()
         if block:
             print("\n".join(block))
         else:  # failed before its summary: what Dagster recorded up to the failure
-            print(f"`ghostvis demo` exited {p.rc} after {p.wall:.1f}s without its summary; per-step times from "
-                  "Dagster's events:")
+            print(
+                f"`ghostvis demo` exited {p.rc} after {p.wall:.1f}s without its summary; per-step times from "
+                "Dagster's events:"
+            )
             print(C.table(step_events(lines), ["step", "status", "seconds"]))
         print()
         losses = print_stages(home)
         print()
         if not block or p.rc not in (0, 1):  # 1 with a summary = some checks failed, still a measurement
-            err = next((l.strip() for l in reversed(lines) if re.match(r"^\s*\w*(Error|Exception|Failure)\b", l.strip())),
-                       lines[-1] if lines else "")
-            raise C.BenchError(f"`ghostvis demo --preset {args.preset}` failed (exit {p.rc}) after {p.wall:.0f}s: "
-                               f"{err}; log {log}")
-        checks = next((l for l in block if l.startswith("checks:")), "checks: ?")
+            err = next(
+                (
+                    line.strip()
+                    for line in reversed(lines)
+                    if re.match(r"^\s*\w*(Error|Exception|Failure)\b", line.strip())
+                ),
+                lines[-1] if lines else "",
+            )
+            raise C.BenchError(
+                f"`ghostvis demo --preset {args.preset}` failed (exit {p.rc}) after {p.wall:.0f}s: {err}; log {log}"
+            )
+        checks = next((line for line in block if line.startswith("checks:")), "checks: ?")
         print(f"demo exit code {p.rc}; {checks}")
-        print(C.goal(f"ghostvis demo --preset {args.preset} wall time", p.wall, GOAL_S, higher_is_better=False,
-                     unit=" s"))
+        print(
+            C.goal(f"ghostvis demo --preset {args.preset} wall time", p.wall, GOAL_S, higher_is_better=False, unit=" s")
+        )
         print(f"other load during the demo: {p.other_cores:.2f} cores ({C.noise_note(p.other_cores)})")
-        results = {"preset": args.preset, "demo_wall_s": p.wall, "exit_code": p.rc, "max_other_cores": p.other_cores,
-                   "goal_met": int(p.wall <= GOAL_S), **losses}
+        results = {
+            "preset": args.preset,
+            "demo_wall_s": p.wall,
+            "exit_code": p.rc,
+            "max_other_cores": p.other_cores,
+            "goal_met": int(p.wall <= GOAL_S),
+            **losses,
+        }
         print(C.kv_line(results))
         ok = True
         return 0

@@ -69,17 +69,40 @@ def worker(preset: str, strategy: str, steps: int, warmup: int, out: Path, use_f
     tok_s = steps * b.micro_batch_size * b.seq_len * ctx.world_size / (time.perf_counter() - start)
     e = efficiency(cfg, ctx.device, bf16, ctx.world_size)
     if ctx.is_main:
-        out.write_text(json.dumps({"tokens_per_sec": tok_s, "mfu": e.mfu(tok_s), "peak_source": e.peak_source,
-                                   "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9, "gpus": ctx.world_size,
-                                   "micro_batch": f"{b.micro_batch_size} x {b.seq_len}"}))
+        out.write_text(
+            json.dumps(
+                {
+                    "tokens_per_sec": tok_s,
+                    "mfu": e.mfu(tok_s),
+                    "peak_source": e.peak_source,
+                    "peak_memory_gb": torch.cuda.max_memory_allocated() / 1e9,
+                    "gpus": ctx.world_size,
+                    "micro_batch": f"{b.micro_batch_size} x {b.seq_len}",
+                }
+            )
+        )
 
 
 def run_case(preset: str, strategy: str, steps: int, warmup: int, use_float8: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={torch.cuda.device_count()}", __file__, "--worker", preset, strategy,
-               "--steps", str(steps), "--warmup", str(warmup), "--out", str(out)] + (["--float8"] if use_float8 else [])
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={torch.cuda.device_count()}",
+            __file__,
+            "--worker",
+            preset,
+            strategy,
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+            "--out",
+            str(out),
+        ] + (["--float8"] if use_float8 else [])
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
         if proc.returncode != 0 or not out.exists():
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -102,8 +125,10 @@ def float8_unavailable() -> str | None:
 def float8_cell(bf16: dict, f8: dict | None) -> str:
     if f8 is None or "error" in f8:
         return f"{'-':>12} {'':>8} {'':>8}" + (f"  float8 failed: {f8['error']}" if f8 else "")
-    return (f"{f8['tokens_per_sec']:>12,.0f} {f8['tokens_per_sec'] / bf16['tokens_per_sec']:>7.2f}x "
-            f"{f8['peak_memory_gb']:>8.1f}")
+    return (
+        f"{f8['tokens_per_sec']:>12,.0f} {f8['tokens_per_sec'] / bf16['tokens_per_sec']:>7.2f}x "
+        f"{f8['peak_memory_gb']:>8.1f}"
+    )
 
 
 def main() -> int:
@@ -124,8 +149,10 @@ def main() -> int:
     no_float8 = float8_unavailable()
     if no_float8:
         print(f"float8 not measured: {no_float8}")
-    print(f"{'preset':<6} {'strategy':<8} {'micro batch':>12} {'bf16 tok/s':>12} {'MFU':>6} {'peak GB':>8} "
-          f"{'float8 tok/s':>12} {'speed-up':>8} {'peak GB':>8}")
+    print(
+        f"{'preset':<6} {'strategy':<8} {'micro batch':>12} {'bf16 tok/s':>12} {'MFU':>6} {'peak GB':>8} "
+        f"{'float8 tok/s':>12} {'speed-up':>8} {'peak GB':>8}"
+    )
     results, speedups = {}, {}
     for preset, strategy in CASES:
         r = results[f"{preset}_{strategy}"] = run_case(preset, strategy, args.steps, args.warmup)
@@ -135,12 +162,18 @@ def main() -> int:
         f8 = None if no_float8 else run_case(preset, strategy, args.steps, args.warmup, use_float8=True)
         if f8 is not None and "error" not in f8:
             speedups[f"{preset}_{strategy}"] = f8["tokens_per_sec"] / r["tokens_per_sec"]
-        print(f"{preset:<6} {strategy:<8} {r['micro_batch']:>12} {r['tokens_per_sec']:>12,.0f} {r['mfu']:>6.1%} "
-              f"{r['peak_memory_gb']:>8.1f} {float8_cell(r, f8)}")
+        print(
+            f"{preset:<6} {strategy:<8} {r['micro_batch']:>12} {r['tokens_per_sec']:>12,.0f} {r['mfu']:>6.1%} "
+            f"{r['peak_memory_gb']:>8.1f} {float8_cell(r, f8)}"
+        )
     best = max((r.get("mfu", 0.0) for k, r in results.items() if k.startswith("500m")), default=0.0)
     print(f"goal {'met' if best >= GOAL_MFU_500M else 'missed'}: 500m MFU {best:.1%} (goal >= {GOAL_MFU_500M:.0%})")
-    print(" ".join([f"{k}_mfu={r.get('mfu', float('nan')):.4f}" for k, r in results.items()]
-                   + [f"{k}_float8_speedup={v:.3f}" for k, v in speedups.items()]))
+    print(
+        " ".join(
+            [f"{k}_mfu={r.get('mfu', float('nan')):.4f}" for k, r in results.items()]
+            + [f"{k}_float8_speedup={v:.3f}" for k, v in speedups.items()]
+        )
+    )
     return 0
 
 

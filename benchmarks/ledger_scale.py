@@ -83,12 +83,19 @@ def write_copies(ledger: Ledger, part: dict[str, list[dict]], n: int, stage: str
         run_key, segment = f"{stage}-ledgerscale{i // SEGMENTS_PER_RUN:05d}", i % SEGMENTS_PER_RUN
         prev = prev if segment else ""
         part_id = f"{run_key}.s{segment:03d}.p{head['step_last']:09d}"
-        row = {**head, "part_id": part_id, "prev_part_id": prev, "run_key": run_key, "segment": segment,
-               "parent_run_key": "", "created_at": time.time()}
-        own = {t: [{k: v for k, v in r.items() if k not in WRITTEN_BY_WRITE_PART} for r in part[t]]
-               for t in BESIDE_PARTS}
-        ledger.write_part(row, own["consumption"], own["shares"] or None, own["feeds"] or None,
-                          own["rollouts"] or None)
+        row = {
+            **head,
+            "part_id": part_id,
+            "prev_part_id": prev,
+            "run_key": run_key,
+            "segment": segment,
+            "parent_run_key": "",
+            "created_at": time.time(),
+        }
+        own = {
+            t: [{k: v for k, v in r.items() if k not in WRITTEN_BY_WRITE_PART} for r in part[t]] for t in BESIDE_PARTS
+        }
+        ledger.write_part(row, own["consumption"], own["shares"] or None, own["feeds"] or None, own["rollouts"] or None)
         prev = part_id
 
 
@@ -106,8 +113,9 @@ def stage_checks_seconds(home: Path, stage: str, log: Path) -> tuple[float, list
     with open(log, "w") as f:
         # -P: the working folder is not put first on sys.path, so a PYTHONPATH given (another checkout's
         # code, to measure it) is what the child imports, as it is for the `ghostvis` commands
-        proc = subprocess.run([C.PY, "-P", "-c", CHECKS_CHILD, stage], cwd=C.ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=f, text=True)
+        proc = subprocess.run(
+            [C.PY, "-P", "-c", CHECKS_CHILD, stage], cwd=C.ROOT, env=env, stdout=subprocess.PIPE, stderr=f, text=True
+        )
     if proc.returncode != 0:
         raise C.BenchError(f"the {stage} checks did not run (exit {proc.returncode}); log {log}:\n{C.tail(log)}")
     got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -131,13 +139,17 @@ def ledger_scale(parts: int, home: Path, workdir: Path, stage: str = "pretrain")
         write_copies(ledger, newest_part(ledger, newest.run_key), parts, stage)
         out: dict[str, float] = {"write_s": time.time() - t0}
         env = C.clean_env(copy)
-        for name, args in (("ledger_s", ["ledger"]), ("ledger_run_s", ["ledger", "--run", stage]),
-                           ("audit_s", ["audit", "--stage", stage])):
+        for name, args in (
+            ("ledger_s", ["ledger"]),
+            ("ledger_run_s", ["ledger", "--run", stage]),
+            ("audit_s", ["audit", "--stage", stage]),
+        ):
             log = workdir / f"{name}-{parts}.log"
             out[name], rc = timed([*C.GHOSTVIS, *args], env, log)
             if rc != 0 and not (name == "audit_s" and rc == 1):  # the audit's 1 names disagreements: timed
-                raise C.BenchError(f"ghostvis {' '.join(args)} exited {rc} with {parts} parts added; log {log}:\n"
-                                   f"{C.tail(log)}")
+                raise C.BenchError(
+                    f"ghostvis {' '.join(args)} exited {rc} with {parts} parts added; log {log}:\n{C.tail(log)}"
+                )
             if rc == 1:
                 print(f"  {parts} parts: the audit found disagreements:\n{C.tail(log, 8)}", flush=True)
         out["checks_s"], failed = stage_checks_seconds(copy, stage, workdir / f"checks-{parts}.log")
@@ -165,9 +177,19 @@ def main() -> int:
                 results[n] = ledger_scale(n, home, wd, args.stage)
                 print(f"  {n} parts: " + ", ".join(f"{k} {v:.2f}" for k, v in results[n].items()), flush=True)
         names = ("ledger_s", "ledger_run_s", "audit_s", "checks_s")
-        print(C.table([[n, *(results[n][k] for k in names), results[n]["write_s"]] for n in sizes],
-                      ["parts", "ghostvis ledger s", f"ledger --run {args.stage} s", f"audit --stage {args.stage} s",
-                       f"{args.stage} checks s", "writing parts s"]))
+        print(
+            C.table(
+                [[n, *(results[n][k] for k in names), results[n]["write_s"]] for n in sizes],
+                [
+                    "parts",
+                    "ghostvis ledger s",
+                    f"ledger --run {args.stage} s",
+                    f"audit --stage {args.stage} s",
+                    f"{args.stage} checks s",
+                    "writing parts s",
+                ],
+            )
+        )
         print(f"other cores while measuring: {meter.other_cores:.2f} ({C.noise_note(meter.other_cores)})")
         kv = {f"{k[:-2]}_{n}": results[n][k] for n in sizes for k in names}
         small, large = sizes[0], sizes[-1]

@@ -54,6 +54,7 @@ def resume_once(base: Path, wd: Path, run_key: str, step: int, preset: str, sets
     home = wd / f"home-{tag}"
     if home.exists():
         shutil.rmtree(home)
+
     def later_checkpoints(d: str, names: list[str]) -> list[str]:
         return [n for n in names if re.fullmatch(r"step_(\d{9})", n) and int(n[5:]) > step]
 
@@ -68,22 +69,33 @@ def resume_once(base: Path, wd: Path, run_key: str, step: int, preset: str, sets
         return seen["resume"] is not None and C.STEP_RE.match(line) is not None
 
     run = C.run_stage(home, "pretrain", preset, sets, log=wd / f"resume-{tag}.log", timeout=600, stop_when=stop)
-    start = run.first_line(lambda l: C.START_RE.match(l) is not None)
+    start = run.first_line(lambda line: C.START_RE.match(line) is not None)
     if run.run_key != run_key or not seen["resume"] or f"resume from step {step}" not in seen["resume"]:
-        raise C.BenchError(f"resume {tag}: expected run {run_key} to resume from step {step}, got "
-                           f"{run.run_key}: {seen['resume']!r}; log {run.log}")
+        raise C.BenchError(
+            f"resume {tag}: expected run {run_key} to resume from step {step}, got "
+            f"{run.run_key}: {seen['resume']!r}; log {run.log}"
+        )
     if not run.steps:
         raise C.BenchError(f"resume {tag}: no training step after the resume line; log {run.log}")
     first = run.steps[0]
     shutil.rmtree(home, ignore_errors=True)
-    return {"tag": tag, "step": step, "first_step": first["step"], "t_first_step": first["t"],
-            "t_start_line": start[0] if start else None, "other_cores": run.other_cores}
+    return {
+        "tag": tag,
+        "step": step,
+        "first_step": first["step"],
+        "t_first_step": first["t"],
+        "t_start_line": start[0] if start else None,
+        "other_cores": run.other_cores,
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--home", help="a GhostVis home with tokenized demo data (default: build one with "
-                                   "`ghostvis demo --preset smoke --stages pretrain` in a temp dir)")
+    ap.add_argument(
+        "--home",
+        help="a GhostVis home with tokenized demo data (default: build one with "
+        "`ghostvis demo --preset smoke --stages pretrain` in a temp dir)",
+    )
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--every", type=int, default=20, help="checkpoint every N steps (default 20)")
@@ -101,16 +113,24 @@ def main() -> int:
         src, how = C.home_arg_or_build(args.home, wd)
         base = C.scratch_home(src, wd / "run_home")
         print(f"data home: {how}", flush=True)
-        sets = [f"budget.steps={args.steps}", f"checkpoint.every_steps={args.every}", "checkpoint.keep_last=1000",
-                "eval.every_steps=1000000", "runtime.log_every_steps=1"]
+        sets = [
+            f"budget.steps={args.steps}",
+            f"checkpoint.every_steps={args.every}",
+            "checkpoint.keep_last=1000",
+            "eval.every_steps=1000000",
+            "runtime.log_every_steps=1",
+        ]
         print(f"training the run: pretrain --preset {args.preset} --set {' --set '.join(sets)}", flush=True)
         run = C.run_stage(base, "pretrain", args.preset, sets, log=wd / "train.log", timeout=900)
         if run.run_complete is None:
             raise C.BenchError(f"the run did not complete; log {run.log}")
         run_key = run.run_key
         fresh_first = run.steps[0]["t"] if run.steps else None
-        print(f"  run {run_key}: {run.run_complete.steps} steps in {run.wall:.0f}s "
-              f"(fresh start: launch -> step 1 in {fresh_first:.2f}s)", flush=True)
+        print(
+            f"  run {run_key}: {run.run_complete.steps} steps in {run.wall:.0f}s "
+            f"(fresh start: launch -> step 1 in {fresh_first:.2f}s)",
+            flush=True,
+        )
 
         order = []
         for i in range(args.repeats):
@@ -120,23 +140,57 @@ def main() -> int:
             print(f"resume {i + 1}/{len(order)}: {name} (checkpoint step {step}) ...", flush=True)
             results.append(resume_once(base, wd, run_key, step, args.preset, sets, f"{name}{i}") | {"name": name})
 
-        rows = [[r["name"], r["step"], r["first_step"], r["t_start_line"], r["t_first_step"],
-                 r["t_first_step"] - r["t_start_line"] if r["t_start_line"] is not None else None, r["other_cores"]]
-                for r in results]
+        rows = [
+            [
+                r["name"],
+                r["step"],
+                r["first_step"],
+                r["t_start_line"],
+                r["t_first_step"],
+                r["t_first_step"] - r["t_start_line"] if r["t_start_line"] is not None else None,
+                r["other_cores"],
+            ]
+            for r in results
+        ]
         print()
-        print(C.table(rows, ["resume", "checkpoint step", "first step", "launch->resume line s",
-                             "launch->first step s", "resume line->first step s", "other cores"]))
+        print(
+            C.table(
+                rows,
+                [
+                    "resume",
+                    "checkpoint step",
+                    "first step",
+                    "launch->resume line s",
+                    "launch->first step s",
+                    "resume line->first step s",
+                    "other cores",
+                ],
+            )
+        )
         print()
         med = {n: statistics.median(r["t_first_step"] for r in results if r["name"] == n) for n in ("early", "late")}
         ratio = med["late"] / med["early"]
-        print(f"median launch -> first step: early {med['early']:.2f}s, late {med['late']:.2f}s "
-              f"(fresh start of the same run: {fresh_first:.2f}s, incl. the step-0 evaluation a resume skips)")
+        print(
+            f"median launch -> first step: early {med['early']:.2f}s, late {med['late']:.2f}s "
+            f"(fresh start of the same run: {fresh_first:.2f}s, incl. the step-0 evaluation a resume skips)"
+        )
         print(C.goal("resume time late/early", ratio, GOAL_RATIO, higher_is_better=False))
         worst = max(r["other_cores"] for r in results)
         print(f"other load during the resumes: up to {worst:.2f} cores ({C.noise_note(worst)})")
-        print(C.kv_line({"resume_early_s": med["early"], "resume_late_s": med["late"], "late_over_early": ratio,
-                         "fresh_first_step_s": fresh_first, "early_step": early, "late_step": late,
-                         "max_other_cores": worst, "goal_met": int(ratio <= GOAL_RATIO)}))
+        print(
+            C.kv_line(
+                {
+                    "resume_early_s": med["early"],
+                    "resume_late_s": med["late"],
+                    "late_over_early": ratio,
+                    "fresh_first_step_s": fresh_first,
+                    "early_step": early,
+                    "late_step": late,
+                    "max_other_cores": worst,
+                    "goal_met": int(ratio <= GOAL_RATIO),
+                }
+            )
+        )
         ok = True
         return 0
     finally:

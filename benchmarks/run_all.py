@@ -1,8 +1,9 @@
 """Run every benchmark in sequence (what `make bench` runs), sharing one demo home.
 
-demo_time.py builds the home (a full `ghostvis demo`, timed) and keeps it; trainer_throughput.py,
+demo_time.py builds the home (a full `ghostvis demo`, timed) and keeps it; trainer_throughput.py, fixed_costs.py,
 tokenize_throughput.py, resume_time.py and content_digest.py then read its tokenized data (each trains in its own
-scratch copy, so the home is not changed); ledger_scale.py adds ledger parts to a copy of it. With --home, the demo is not re-run and that home is used.
+scratch copy, so the home is not changed); ledger_scale.py adds ledger parts to a copy of it.
+With --home, the demo is not re-run and that home is used.
 At the end, every script's final key=value line is repeated.
 
     .venv/bin/python benchmarks/run_all.py [--preset tiny] [--home PATH] [--only NAME ...]
@@ -22,8 +23,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-ORDER = ("demo_time", "trainer_throughput", "tokenize_throughput", "resume_time", "content_digest", "ledger_scale",
-         "scale")
+ORDER = (
+    "demo_time",
+    "trainer_throughput",
+    "fixed_costs",
+    "tokenize_throughput",
+    "resume_time",
+    "content_digest",
+    "ledger_scale",
+    "scale",
+)
 OWN_HOMES = {"scale": ["--no-ledger"]}  # builds its homes per shard count; its ledger side is ledger_scale's run
 
 

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-from collections import Counter
 import json
 import random
 import shutil
 import sqlite3
 import sys
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -50,19 +50,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import _common as C  # noqa: E402
+
 from tests.postgres_server import PostgresServer, start_server  # noqa: E402
 
 GOAL_TENFOLD = 12.0  # time(10 N) / time(N)
 DOCS = 8  # documents per shard
-WORDS = ("shard ledger token partition event backfill manifest stage checkpoint run model data train "
-         "validation source parquet tokenizer number metadata record growth linear table count").split()
+WORDS = (
+    "shard ledger token partition event backfill manifest stage checkpoint run model data train "
+    "validation source parquet tokenizer number metadata record growth linear table count"
+).split()
 DAGSTER = str(Path(C.PY).parent / "dagster")
 MODULE = ["-m", "ghostvis_pipeline.definitions"]
 STEPS = ("init", "shard_manifest", "raw_shards", "tokenizer", "tokenized_shards", "token_ledger", "status")
 PLANNED_SUBSET = "DAGSTER_EMIT_PARTITION_SUBSET_IN_PLANNED_EVENTS"  # the team setting (README "Dagster on PostgreSQL")
 TEAM_CONFIG = C.ROOT / "deploy" / "dagster-postgres.yaml"
-EVENTS_BY_TYPE = ("select coalesce(dagster_event_type, 'log line'), count(*), coalesce(max(length(event)), 0) "
-                  "from event_logs group by 1")
+EVENTS_BY_TYPE = (
+    "select coalesce(dagster_event_type, 'log line'), count(*), coalesce(max(length(event)), 0) "
+    "from event_logs group by 1"
+)
 
 
 def write_shards(folder: Path, n: int, docs: int) -> None:
@@ -70,8 +75,10 @@ def write_shards(folder: Path, n: int, docs: int) -> None:
     rng = random.Random(25)
     (folder / "web").mkdir(parents=True, exist_ok=True)
     for i in range(n):
-        texts = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 80))) + f" (shard {i}, doc {d})."
-                 for d in range(docs)]
+        texts = [
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(40, 80))) + f" (shard {i}, doc {d})."
+            for d in range(docs)
+        ]
         pq.write_table(pa.table({"text": texts}), folder / "web" / f"{i:05d}.parquet")
 
 
@@ -88,9 +95,25 @@ class _QuietHandler(SimpleHTTPRequestHandler):
 
 
 def sources_yaml(port: int, n: int) -> str:
-    return json.dumps({"ops": {"shard_manifest": {"config": {"sources": [], "remote": [{
-        "name": "web", "url_pattern": f"http://127.0.0.1:{port}/web/{{shard:05d}}.parquet", "num_shards": n,
-        "validation": [f"{n - 1:05d}"]}]}}}})  # JSON is YAML
+    return json.dumps(
+        {
+            "ops": {
+                "shard_manifest": {
+                    "config": {
+                        "sources": [],
+                        "remote": [
+                            {
+                                "name": "web",
+                                "url_pattern": f"http://127.0.0.1:{port}/web/{{shard:05d}}.parquet",
+                                "num_shards": n,
+                                "validation": [f"{n - 1:05d}"],
+                            }
+                        ],
+                    }
+                }
+            }
+        }
+    )  # JSON is YAML
 
 
 @dataclass
@@ -109,18 +132,45 @@ def commands(n: int) -> dict[str, list[str]]:
     tokenizer_cfg = json.dumps({"ops": {"tokenizer": {"config": {"vocab_size": 512}}}})
     return {
         "init": [*C.GHOSTVIS, "init"],
-        "shard_manifest": [DAGSTER, "asset", "materialize", *MODULE, "--select", "shard_manifest", "-c", "sources.yaml"],
+        "shard_manifest": [
+            DAGSTER,
+            "asset",
+            "materialize",
+            *MODULE,
+            "--select",
+            "shard_manifest",
+            "-c",
+            "sources.yaml",
+        ],
         "raw_shards": [DAGSTER, "asset", "materialize", *MODULE, "--select", "raw_shards", "--partition-range", span],
-        "tokenizer": [DAGSTER, "asset", "materialize", *MODULE, "--select", "tokenizer", "--config-json", tokenizer_cfg],
-        "tokenized_shards": [DAGSTER, "asset", "materialize", *MODULE, "--select", "tokenized_shards",
-                             "--partition-range", span],
+        "tokenizer": [
+            DAGSTER,
+            "asset",
+            "materialize",
+            *MODULE,
+            "--select",
+            "tokenizer",
+            "--config-json",
+            tokenizer_cfg,
+        ],
+        "tokenized_shards": [
+            DAGSTER,
+            "asset",
+            "materialize",
+            *MODULE,
+            "--select",
+            "tokenized_shards",
+            "--partition-range",
+            span,
+        ],
         "token_ledger": [DAGSTER, "asset", "materialize", *MODULE, "--select", "token_ledger"],
         "status": [*C.GHOSTVIS, "status"],
     }
 
 
-def run_size(n: int, docs: int, wd: Path, timeout: float, planned_subset: bool,
-             server: PostgresServer | None) -> SizeRun:
+def run_size(
+    n: int, docs: int, wd: Path, timeout: float, planned_subset: bool, server: PostgresServer | None
+) -> SizeRun:
     """Every step at N = n in a fresh home under wd/n<n>; the shards served from wd/n<n>/corpus; Dagster's
     storage in the database scale_<n> of `server` when given."""
     root = wd / f"n{n}"
@@ -203,10 +253,26 @@ def ratio_rows(runs: list[SizeRun]) -> list[list]:
     for small, big in zip(runs, runs[1:]):
         scale = 10.0 / (big.n / small.n)
         for step in STEPS:
-            rows.append([f"{step} {small.n:,}->{big.n:,}", small.seconds[step], big.seconds[step], small.cpu[step],
-                         big.cpu[step], big.cpu[step] / max(small.cpu[step], 1e-9) * scale])
-        rows.append([f"Dagster storage MB {small.n:,}->{big.n:,}", None, None, small.dagster_bytes / 1e6,
-                     big.dagster_bytes / 1e6, big.dagster_bytes / max(small.dagster_bytes, 1) * scale])
+            rows.append(
+                [
+                    f"{step} {small.n:,}->{big.n:,}",
+                    small.seconds[step],
+                    big.seconds[step],
+                    small.cpu[step],
+                    big.cpu[step],
+                    big.cpu[step] / max(small.cpu[step], 1e-9) * scale,
+                ]
+            )
+        rows.append(
+            [
+                f"Dagster storage MB {small.n:,}->{big.n:,}",
+                None,
+                None,
+                small.dagster_bytes / 1e6,
+                big.dagster_bytes / 1e6,
+                big.dagster_bytes / max(small.dagster_bytes, 1) * scale,
+            ]
+        )
     return rows
 
 
@@ -219,11 +285,21 @@ def ledger_side(home_arg: str | None, wd: Path) -> None:
     print(f"ledger parts, home {how}:", flush=True)
     results = {parts: ledger_scale(parts, home, wd / "ledger") for parts in (100, 1000)}
     names = ("ledger_s", "ledger_run_s", "audit_s", "checks_s")
-    print(C.table([[parts, *(r[k] for k in names)] for parts, r in results.items()],
-                  ["parts", "ghostvis ledger s", "ledger --run s", "audit --stage s", "checks s"]))
+    print(
+        C.table(
+            [[parts, *(r[k] for k in names)] for parts, r in results.items()],
+            ["parts", "ghostvis ledger s", "ledger --run s", "audit --stage s", "checks s"],
+        )
+    )
     for k in names:
-        print(C.goal(f"{k[:-2]} time(1000 parts) / time(100 parts)", results[1000][k] / results[100][k],
-                     GOAL_TENFOLD, higher_is_better=False))
+        print(
+            C.goal(
+                f"{k[:-2]} time(1000 parts) / time(100 parts)",
+                results[1000][k] / results[100][k],
+                GOAL_TENFOLD,
+                higher_is_better=False,
+            )
+        )
 
 
 def main() -> int:
@@ -233,39 +309,84 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=7200.0, help="per command, seconds")
     ap.add_argument("--keep", help="work here (must not exist) and keep the homes and logs")
     ap.add_argument("--no-ledger", action="store_true", help="skip the ledger-part side (ledger_scale.py)")
-    ap.add_argument("--ledger-home", help="a demo home with a pretrain run for the ledger-part side "
-                                          "(default: build a smoke demo home)")
-    ap.add_argument("--postgres", action="store_true", help="Dagster's storage in a throwaway PostgreSQL server "
-                                                          "(the team setup), not SQLite files in DAGSTER_HOME")
-    ap.add_argument("--planned-per-partition", action="store_true",
-                    help=f"Dagster's default, one planned event per partition (else {PLANNED_SUBSET}=true)")
+    ap.add_argument(
+        "--ledger-home",
+        help="a demo home with a pretrain run for the ledger-part side (default: build a smoke demo home)",
+    )
+    ap.add_argument(
+        "--postgres",
+        action="store_true",
+        help="Dagster's storage in a throwaway PostgreSQL server (the team setup), not SQLite files in DAGSTER_HOME",
+    )
+    ap.add_argument(
+        "--planned-per-partition",
+        action="store_true",
+        help=f"Dagster's default, one planned event per partition (else {PLANNED_SUBSET}=true)",
+    )
     args = ap.parse_args()
     sizes = sorted(int(s.replace("_", "")) for s in args.sizes.split(","))
 
     print(C.load_snapshot("before scale"), flush=True)
     planned_subset = not args.planned_per_partition
-    print(f"{PLANNED_SUBSET}={str(planned_subset).lower()}: "
-          + ("one planned event per asset and run, the team setting (README \"Dagster on PostgreSQL\")"
-             if planned_subset else "one planned event per partition, Dagster's default"), flush=True)
+    print(
+        f"{PLANNED_SUBSET}={str(planned_subset).lower()}: "
+        + (
+            'one planned event per asset and run, the team setting (README "Dagster on PostgreSQL")'
+            if planned_subset
+            else "one planned event per partition, Dagster's default"
+        ),
+        flush=True,
+    )
     wd = Path(args.keep).expanduser().resolve() if args.keep else C.workdir("scale")
     if args.keep:
         wd.mkdir(parents=True, exist_ok=False)
-    print("Dagster storage: " + ("PostgreSQL (deploy/dagster-postgres.yaml), a database per N" if args.postgres
-                                 else "SQLite files in DAGSTER_HOME"), flush=True)
+    print(
+        "Dagster storage: "
+        + (
+            "PostgreSQL (deploy/dagster-postgres.yaml), a database per N"
+            if args.postgres
+            else "SQLite files in DAGSTER_HOME"
+        ),
+        flush=True,
+    )
     server = start_server() if args.postgres else None
     ok = False
     try:
         runs = [run_size(n, args.docs, wd, args.timeout, planned_subset, server) for n in sizes]
         print()
-        print(C.table([[r.n, *(r.seconds[s] for s in STEPS), r.dagster_bytes / 1e6, r.dagster_bytes / r.n / 1e3,
-                        sum(r.events.values()), r.largest_event / 1e3] for r in runs],
-                      ["N", *STEPS, "Dagster storage MB", "KB/shard", "events", "largest event KB"]))
+        print(
+            C.table(
+                [
+                    [
+                        r.n,
+                        *(r.seconds[s] for s in STEPS),
+                        r.dagster_bytes / 1e6,
+                        r.dagster_bytes / r.n / 1e3,
+                        sum(r.events.values()),
+                        r.largest_event / 1e3,
+                    ]
+                    for r in runs
+                ],
+                ["N", *STEPS, "Dagster storage MB", "KB/shard", "events", "largest event KB"],
+            )
+        )
         print()
         print(C.table(events_per_shard_rows(runs), ["events per shard", *(f"N={r.n:,}" for r in runs)]))
         print()
         rows = ratio_rows(runs)
-        print(C.table(rows, ["step", "wall s small N", "wall s big N", "CPU s (MB) small N", "CPU s (MB) big N",
-                             "ratio per tenfold N"]))
+        print(
+            C.table(
+                rows,
+                [
+                    "step",
+                    "wall s small N",
+                    "wall s big N",
+                    "CPU s (MB) small N",
+                    "CPU s (MB) big N",
+                    "ratio per tenfold N",
+                ],
+            )
+        )
         worst = max(rows, key=lambda r: r[5]) if rows else None
         if worst:
             print(C.goal(f"worst growth per tenfold N ({worst[0]})", worst[5], GOAL_TENFOLD, higher_is_better=False))
@@ -274,14 +395,22 @@ def main() -> int:
         if not args.no_ledger:
             (wd / "ledger").mkdir(exist_ok=True)
             ledger_side(args.ledger_home, wd)
-        kv = {"sizes": "/".join(str(n) for n in sizes), "planned_subset": int(planned_subset),
-              "postgres": int(args.postgres)}
+        kv = {
+            "sizes": "/".join(str(n) for n in sizes),
+            "planned_subset": int(planned_subset),
+            "postgres": int(args.postgres),
+        }
         for r in runs:
             kv |= {f"{s}_cpu_s_{r.n}": r.cpu[s] for s in ("raw_shards", "tokenized_shards", "status")}
-            kv |= {f"dagster_kb_per_shard_{r.n}": r.dagster_bytes / r.n / 1e3,
-                   f"largest_event_kb_{r.n}": r.largest_event / 1e3, f"events_per_shard_{r.n}": sum(r.events.values()) / r.n}
-        kv |= {"worst_tenfold_ratio": worst[5] if worst else None,
-               "goal_met": int(bool(worst) and worst[5] <= GOAL_TENFOLD)}
+            kv |= {
+                f"dagster_kb_per_shard_{r.n}": r.dagster_bytes / r.n / 1e3,
+                f"largest_event_kb_{r.n}": r.largest_event / 1e3,
+                f"events_per_shard_{r.n}": sum(r.events.values()) / r.n,
+            }
+        kv |= {
+            "worst_tenfold_ratio": worst[5] if worst else None,
+            "goal_met": int(bool(worst) and worst[5] <= GOAL_TENFOLD),
+        }
         print(C.kv_line(kv))
         ok = True
         return 0

@@ -8,8 +8,8 @@
   AdamW (same hyperparameters), pre-generated random batches of the same shape, autocast, clipping;
   timed the same way.
 
-Goals (best of --repeats runs each): trainer/bare tokens/s >= 0.95 (bf16, the default `auto` precision on this CPU); first
-optimizer step <= 10 s from launching torchrun. Also reported: fp32 for both, bf16/fp32.
+Goals (best of --repeats runs each): trainer/bare tokens/s >= 0.95 (bf16, the default `auto` precision on this CPU);
+first optimizer step <= 10 s from launching torchrun. Also reported: fp32 for both, bf16/fp32.
 
     .venv/bin/python benchmarks/trainer_throughput.py [--home PATH] [--steps 50] [--repeats 1]
 """
@@ -42,16 +42,26 @@ def trainer_run(home: Path, wd: Path, preset: str, steps: int, precision: str | 
         raise C.BenchError(f"trainer run {tag}: no run record (RUN_COMPLETE.json) for run {run.run_key}; log {run.log}")
     tps_step = rc.batch.tokens_per_step
     half = C.nearest_logged(run.steps, steps // 2)
-    started = run.first_line(lambda l: C.START_RE.match(l) is not None)
-    step1 = run.first_line(lambda l: l.startswith("[pretrain] step 1/"))
+    started = run.first_line(lambda line: C.START_RE.match(line) is not None)
+    step1 = run.first_line(lambda line: line.startswith("[pretrain] step 1/"))
     bf16 = "bf16=True" in (started[1] if started else "")
     return {
-        "tag": tag, "run_key": run.run_key, "bf16": bf16, "tokens_per_sec": rc.tokens_per_sec,
-        "mfu": rc.mfu, "flops_per_token": rc.flops_per_token, "peak_flops": rc.peak_flops, "peak_source": rc.peak_source,
+        "tag": tag,
+        "run_key": run.run_key,
+        "bf16": bf16,
+        "tokens_per_sec": rc.tokens_per_sec,
+        "mfu": rc.mfu,
+        "flops_per_token": rc.flops_per_token,
+        "peak_flops": rc.peak_flops,
+        "peak_source": rc.peak_source,
         "tokens_per_sec_late": C.window_rate(run.steps, tps_step, half, steps) if half else None,
-        "late_window": [half, steps], "tokens_per_step": tps_step,
-        "first_step_s_wall": step1[0] if step1 else None, "start_line_s": started[0] if started else None,
-        "first_step_s_inside": rc.first_step_s, "wall": run.wall, "other_cores": run.other_cores,
+        "late_window": [half, steps],
+        "tokens_per_step": tps_step,
+        "first_step_s_wall": step1[0] if step1 else None,
+        "start_line_s": started[0] if started else None,
+        "first_step_s_inside": rc.first_step_s,
+        "wall": run.wall,
+        "other_cores": run.other_cores,
         "spec": str(Home(home).store.fetch("run_spec", "pretrain", run.run_key)),
         "shape": f"{rc.batch.micro_batch_size}x{rc.batch.seq_len}x{rc.batch.world_size}x{rc.batch.grad_accum_steps}",
     }
@@ -60,16 +70,32 @@ def trainer_run(home: Path, wd: Path, preset: str, steps: int, precision: str | 
 def bare_run(spec: str, wd: Path, steps: int, precision: str, tag: str) -> dict:
     env = C.clean_env()
     env["OMP_NUM_THREADS"] = "1"
-    cmd = [C.PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(Path(__file__).resolve().parent / "_bare_loop.py"), "--spec", spec, "--steps", str(steps),
-           "--precision", precision]
+    cmd = [
+        C.PY,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(Path(__file__).resolve().parent / "_bare_loop.py"),
+        "--spec",
+        spec,
+        "--steps",
+        str(steps),
+        "--precision",
+        precision,
+    ]
     p = C.run_lines(cmd, env, wd / f"bare-{tag}.log", timeout=900)
-    res = next((json.loads(l.split(" ", 1)[1]) for _, l in p.lines if l.startswith("BARE_RESULT ")), None)
+    res = next((json.loads(line.split(" ", 1)[1]) for _, line in p.lines if line.startswith("BARE_RESULT ")), None)
     if res is None:
         raise C.BenchError(f"bare loop {tag} printed no result; log {wd / f'bare-{tag}.log'}")
-    step1 = next((t for t, l in p.lines if l.startswith("BARE_STEP1")), None)
-    res.update(tag=tag, wall=p.wall, other_cores=p.other_cores, first_step_s_wall=step1,
-               shape=f"{res['micro_batch_size']}x{res['seq_len']}x{res['world_size']}x{res['grad_accum_steps']}")
+    step1 = next((t for t, line in p.lines if line.startswith("BARE_STEP1")), None)
+    res.update(
+        tag=tag,
+        wall=p.wall,
+        other_cores=p.other_cores,
+        first_step_s_wall=step1,
+        shape=f"{res['micro_batch_size']}x{res['seq_len']}x{res['world_size']}x{res['grad_accum_steps']}",
+    )
     return res
 
 
@@ -79,13 +105,20 @@ def best(runs: list[dict], key: str = "tokens_per_sec") -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--home", help="a GhostVis home with tokenized demo data (default: build one with "
-                                   "`ghostvis demo --preset smoke --stages pretrain` in a temp dir)")
+    ap.add_argument(
+        "--home",
+        help="a GhostVis home with tokenized demo data (default: build one with "
+        "`ghostvis demo --preset smoke --stages pretrain` in a temp dir)",
+    )
     ap.add_argument("--preset", default="tiny", help="preset of the pretrain run (default tiny)")
     ap.add_argument("--steps", type=int, default=50, help="optimizer steps per bf16 run (default 50)")
     ap.add_argument("--fp32-steps", type=int, default=30, help="optimizer steps per fp32 run (default 30)")
-    ap.add_argument("--repeats", type=int, default=2, help="bf16 trainer/bare pairs; the best of each counts "
-                                                           "(tokens/s: highest, first step: lowest)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="bf16 trainer/bare pairs; the best of each counts (tokens/s: highest, first step: lowest)",
+    )
     ap.add_argument("--no-fp32", action="store_true", help="skip the fp32 runs")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (logs, homes)")
     args = ap.parse_args()
@@ -114,56 +147,120 @@ def main() -> int:
 
         t, b = best(trainers), best(bares)
         if not t["bf16"]:
-            print("note: runtime.precision=auto did not pick bf16 on this machine (no AVX512-BF16/AMX); trainer "
-                  "and bare loop both ran fp32", flush=True)
+            print(
+                "note: runtime.precision=auto did not pick bf16 on this machine (no AVX512-BF16/AMX); trainer "
+                "and bare loop both ran fp32",
+                flush=True,
+            )
         rows = []
         for r in trainers + ([t32] if t32 else []):
-            rows.append([f"trainer {r['tag']}", r["shape"], "bf16" if r["bf16"] else "fp32", r["tokens_per_sec"],
-                         r["tokens_per_sec_late"], r["first_step_s_wall"], r["wall"], r["other_cores"]])
+            rows.append(
+                [
+                    f"trainer {r['tag']}",
+                    r["shape"],
+                    "bf16" if r["bf16"] else "fp32",
+                    r["tokens_per_sec"],
+                    r["tokens_per_sec_late"],
+                    r["first_step_s_wall"],
+                    r["wall"],
+                    r["other_cores"],
+                ]
+            )
         for r in bares + ([b32] if b32 else []):
-            rows.append([f"bare {r['tag']}", r["shape"], r["precision"], r["tokens_per_sec"], r["tokens_per_sec_late"],
-                         r["first_step_s_wall"], r["wall"], r["other_cores"]])
+            rows.append(
+                [
+                    f"bare {r['tag']}",
+                    r["shape"],
+                    r["precision"],
+                    r["tokens_per_sec"],
+                    r["tokens_per_sec_late"],
+                    r["first_step_s_wall"],
+                    r["wall"],
+                    r["other_cores"],
+                ]
+            )
         print()
-        print(C.table(rows, ["run", "mbs x seq x world x accum", "precision", "tok/s (excl. step 1)",
-                             "tok/s (2nd half)", "launch->step 1 s", "wall s", "other cores"]))
+        print(
+            C.table(
+                rows,
+                [
+                    "run",
+                    "mbs x seq x world x accum",
+                    "precision",
+                    "tok/s (excl. step 1)",
+                    "tok/s (2nd half)",
+                    "launch->step 1 s",
+                    "wall s",
+                    "other cores",
+                ],
+            )
+        )
         print()
         ratio = t["tokens_per_sec"] / b["tokens_per_sec"]
-        ratio_late = (t["tokens_per_sec_late"] / b["tokens_per_sec_late"]
-                      if t["tokens_per_sec_late"] and b["tokens_per_sec_late"] else None)
+        ratio_late = (
+            t["tokens_per_sec_late"] / b["tokens_per_sec_late"]
+            if t["tokens_per_sec_late"] and b["tokens_per_sec_late"]
+            else None
+        )
         print(C.goal("trainer/bare tokens/s (bf16)", ratio, GOAL_RATIO))
         if ratio_late is not None:
-            print(f"  (second half of the run only, steps {t['late_window'][0]}..{t['late_window'][1]}: "
-                  f"{ratio_late:.3f})")
-        print(f"trainer MFU = {t['mfu']:.3f} (RUN_COMPLETE.json: {t['tokens_per_sec']:,.0f} tok/s x "
-              f"{t['flops_per_token'] / 1e6:.2f} MFLOP/token / ({t['shape'].split('x')[2]} ranks x "
-              f"{t['peak_flops'] / 1e9:.1f} GFLOP/s, {t['peak_source']}))")
+            print(
+                f"  (second half of the run only, steps {t['late_window'][0]}..{t['late_window'][1]}: {ratio_late:.3f})"
+            )
+        print(
+            f"trainer MFU = {t['mfu']:.3f} (RUN_COMPLETE.json: {t['tokens_per_sec']:,.0f} tok/s x "
+            f"{t['flops_per_token'] / 1e6:.2f} MFLOP/token / ({t['shape'].split('x')[2]} ranks x "
+            f"{t['peak_flops'] / 1e9:.1f} GFLOP/s, {t['peak_source']}))"
+        )
         first = min(trainers, key=lambda r: r["first_step_s_wall"] or float("inf"))
-        print(C.goal(f"first optimizer step, launch -> '[pretrain] step 1/' line (best of {len(trainers)}: "
-                     + ", ".join(f"{r['first_step_s_wall']:.2f}" for r in trainers) + ")",
-                     first["first_step_s_wall"], GOAL_FIRST_STEP_S, higher_is_better=False, unit=" s"))
-        print(f"  launch -> run start line (imports, prepare_run, model, ranks up): {first['start_line_s']:.2f} s; "
-              f"RUN_COMPLETE first_step_s (inside train(), incl. step-0 eval): {first['first_step_s_inside']:.2f} s")
+        print(
+            C.goal(
+                f"first optimizer step, launch -> '[pretrain] step 1/' line (best of {len(trainers)}: "
+                + ", ".join(f"{r['first_step_s_wall']:.2f}" for r in trainers)
+                + ")",
+                first["first_step_s_wall"],
+                GOAL_FIRST_STEP_S,
+                higher_is_better=False,
+                unit=" s",
+            )
+        )
+        print(
+            f"  launch -> run start line (imports, prepare_run, model, ranks up): {first['start_line_s']:.2f} s; "
+            f"RUN_COMPLETE first_step_s (inside train(), incl. step-0 eval): {first['first_step_s_inside']:.2f} s"
+        )
         results = {
-            "trainer_tok_s": t["tokens_per_sec"], "bare_tok_s": b["tokens_per_sec"], "trainer_over_bare": ratio,
-            "trainer_over_bare_late": ratio_late, "first_step_s": first["first_step_s_wall"],
-            "first_step_s_inside": first["first_step_s_inside"], "trainer_mfu": t["mfu"],
+            "trainer_tok_s": t["tokens_per_sec"],
+            "bare_tok_s": b["tokens_per_sec"],
+            "trainer_over_bare": ratio,
+            "trainer_over_bare_late": ratio_late,
+            "first_step_s": first["first_step_s_wall"],
+            "first_step_s_inside": first["first_step_s_inside"],
+            "trainer_mfu": t["mfu"],
         }
         if t32 and b32:
             r16_32 = t["tokens_per_sec"] / t32["tokens_per_sec"]
-            print(f"bf16/fp32 trainer tokens/s = {r16_32:.3f} (info; auto picks "
-                  f"{'bf16' if t['bf16'] else 'fp32'}; -> {'goal met' if r16_32 >= 1.0 else 'goal missed'}: "
-                  f"auto must not be slower than fp32)")
-            print(f"  fp32: trainer/bare = {t32['tokens_per_sec'] / b32['tokens_per_sec']:.3f}; "
-                  f"bare bf16/fp32 = {b['tokens_per_sec'] / b32['tokens_per_sec']:.3f}")
-            results.update(trainer_fp32_tok_s=t32["tokens_per_sec"], bare_fp32_tok_s=b32["tokens_per_sec"],
-                           trainer_bf16_over_fp32=r16_32,
-                           trainer_over_bare_fp32=t32["tokens_per_sec"] / b32["tokens_per_sec"])
+            print(
+                f"bf16/fp32 trainer tokens/s = {r16_32:.3f} (info; auto picks "
+                f"{'bf16' if t['bf16'] else 'fp32'}; -> {'goal met' if r16_32 >= 1.0 else 'goal missed'}: "
+                f"auto must not be slower than fp32)"
+            )
+            print(
+                f"  fp32: trainer/bare = {t32['tokens_per_sec'] / b32['tokens_per_sec']:.3f}; "
+                f"bare bf16/fp32 = {b['tokens_per_sec'] / b32['tokens_per_sec']:.3f}"
+            )
+            results.update(
+                trainer_fp32_tok_s=t32["tokens_per_sec"],
+                bare_fp32_tok_s=b32["tokens_per_sec"],
+                trainer_bf16_over_fp32=r16_32,
+                trainer_over_bare_fp32=t32["tokens_per_sec"] / b32["tokens_per_sec"],
+            )
         worst = max(r["other_cores"] for r in trainers + bares + [x for x in (t32, b32) if x])
         print(f"other load during the timed runs: up to {worst:.2f} cores ({C.noise_note(worst)})")
         results["max_other_cores"] = worst
         results["goal_ratio_met"] = int(ratio >= GOAL_RATIO)
-        results["goal_first_step_met"] = int(first["first_step_s_wall"] is not None
-                                             and first["first_step_s_wall"] <= GOAL_FIRST_STEP_S)
+        results["goal_first_step_met"] = int(
+            first["first_step_s_wall"] is not None and first["first_step_s_wall"] <= GOAL_FIRST_STEP_S
+        )
         print(C.kv_line(results))
         ok = True
         return 0

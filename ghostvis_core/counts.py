@@ -10,15 +10,23 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 # figure -> the MLflow metric that charts its running total
-MLFLOW_METRICS = {"real_tokens": "tokens/real", "pad_tokens": "tokens/pad", "loss_tokens": "tokens/loss",
-                  "cropped_tokens": "tokens/cropped"}
+MLFLOW_METRICS = {
+    "real_tokens": "tokens/real",
+    "pad_tokens": "tokens/pad",
+    "loss_tokens": "tokens/loss",
+    "cropped_tokens": "tokens/cropped",
+}
 
 # The rl stage's rollout figures (ghostvis_core/run/train/grpo.py), per step and rank in the ledger's `rollouts`
 # table, as running totals in MLflow, the run record and the Dagster metadata: tokens the policy generated,
 # those of completions that earned a reward, completions sampled and those with the exact answer.
 ROLLOUT_FIGURES = ("generated_tokens", "rewarded_tokens", "completions", "correct_completions")
-ROLLOUT_METRICS = {"generated_tokens": "tokens/generated", "rewarded_tokens": "tokens/rewarded",
-                   "completions": "rl/completions", "correct_completions": "rl/correct_completions"}
+ROLLOUT_METRICS = {
+    "generated_tokens": "tokens/generated",
+    "rewarded_tokens": "tokens/rewarded",
+    "completions": "rl/completions",
+    "correct_completions": "rl/correct_completions",
+}
 
 
 @dataclass(frozen=True)
@@ -35,23 +43,23 @@ class TokenCounts:
         return tuple(f.name for f in fields(cls))
 
     @classmethod
-    def from_list(cls, values) -> "TokenCounts":
+    def from_list(cls, values) -> TokenCounts:
         """From numbers in `names()` order (an all-reduced tensor's list)."""
         return cls(*(int(v) for v in values))
 
     @classmethod
-    def from_mapping(cls, data) -> "TokenCounts":
+    def from_mapping(cls, data) -> TokenCounts:
         """From any mapping holding the four names (a ledger row, a metadata dict)."""
         return cls(*(int(data[k]) for k in cls.names()))
 
     @classmethod
-    def total(cls, items) -> "TokenCounts":
+    def total(cls, items) -> TokenCounts:
         out = cls()
         for c in items:
             out = out + c
         return out
 
-    def __add__(self, other: "TokenCounts") -> "TokenCounts":
+    def __add__(self, other: TokenCounts) -> TokenCounts:
         return TokenCounts(*(a + b for a, b in zip(self.as_list(), other.as_list())))
 
     def as_list(self) -> list[int]:

@@ -18,7 +18,7 @@ class Home:
     root: Path
 
     @classmethod
-    def from_env(cls) -> "Home":
+    def from_env(cls) -> Home:
         return cls(Path(os.environ.get("GHOSTVIS_HOME", ".ghostvis")).expanduser().resolve())
 
     @property

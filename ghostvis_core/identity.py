@@ -42,7 +42,7 @@ def changed_inputs(old: Any, new: Any, prefix: str = "") -> list[str]:
     return [] if old == new else [prefix or "(value)"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def code_version(*entry_modules: str) -> str:
     """Hash of the normalized source of `entry_modules` and every ghostvis_core module they import."""
     files = sorted(_closure(tuple(entry_modules)))
@@ -72,7 +72,7 @@ def _imports(path: Path) -> set[str]:
     return {m for m in found if m.split(".")[0] == PACKAGE}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _closure(entry_modules: tuple[str, ...]) -> frozenset[Path]:
     seen: set[Path] = set()
     todo = list(entry_modules)
@@ -83,19 +83,25 @@ def _closure(entry_modules: tuple[str, ...]) -> frozenset[Path]:
         seen.add(path)
         todo += sorted(_imports(path))
     if not seen:
-        raise GhostvisError(f"code_version: none of {', '.join(entry_modules)} is a {PACKAGE} module; name the "
-                         "modules that make the artifact")
+        raise GhostvisError(
+            f"code_version: none of {', '.join(entry_modules)} is a {PACKAGE} module; name the "
+            "modules that make the artifact"
+        )
     return frozenset(seen)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _normalized(path: Path) -> str:
     """The module's syntax tree without docstrings: what it does, not how it is written down."""
     tree = ast.parse(path.read_text())
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
-        if (isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body
-                and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
-                and isinstance(body[0].value.value, str)):
+        if (
+            isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
             node.body = body[1:] or [ast.Pass()]
     return ast.dump(tree, annotate_fields=False, include_attributes=False)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from dagster import AssetCheckKey, AssetKey, RunsFilter
 
 from ghostvis_core import identity
-from ghostvis_core.store import Store
 from ghostvis_core.run.launch import TRAINING_MODULES, PlannedRun
 from ghostvis_core.run.train.runs import completed_attempts
+from ghostvis_core.store import Store
 from ghostvis_pipeline.metadata import materializations
 
 # check executions looked at per check, newest first (Dagster reads at most 10,000 records at a time)
@@ -44,7 +44,8 @@ def checks_passed_in(instance, asset: str, run_key: str, checks: list[str]) -> s
     passed_in = set(runs)
     for name in checks:
         history = instance.event_log_storage.get_asset_check_execution_history(
-            AssetCheckKey(AssetKey(asset), name), limit=HISTORY)
+            AssetCheckKey(AssetKey(asset), name), limit=HISTORY
+        )
         mine = [r for r in history if r.run_id in runs]
         if any(r.status.value not in ("SUCCEEDED", "PLANNED") for r in mine):
             return None
@@ -54,19 +55,20 @@ def checks_passed_in(instance, asset: str, run_key: str, checks: list[str]) -> s
     return instance.get_runs(filters=RunsFilter(run_ids=sorted(passed_in)), limit=1)[0].run_id  # newest first
 
 
-def cached_stage_run(instance, store: Store, asset: str, planned: PlannedRun,
-                     checks: list[str]) -> CacheHit | None:
+def cached_stage_run(instance, store: Store, asset: str, planned: PlannedRun, checks: list[str]) -> CacheHit | None:
     """The newest completed attempt of the planned run's identity whose checks passed, with why it matched."""
     for run_key in completed_attempts(store, planned.spec.stage, planned.base_key):
         dagster_run = checks_passed_in(instance, asset, run_key, checks)
         if dagster_run is None:
             continue
         ident = planned.identity
-        why = (f"identity {planned.base_key.rsplit('-', 1)[-1]} equals that of completed run {run_key}: same config "
-               f"(rank split aside), tokenizer {ident['tokenizer']}, "
-               f"{sum(len(v) for v in ident['train'].values())} train and "
-               f"{sum(len(v) for v in ident['validation'].values())} validation shards by content, upstream "
-               f"{ident['upstream'] or 'none'}; its {len(checks)} checks passed in Dagster run {dagster_run}")
+        why = (
+            f"identity {planned.base_key.rsplit('-', 1)[-1]} equals that of completed run {run_key}: same config "
+            f"(rank split aside), tokenizer {ident['tokenizer']}, "
+            f"{sum(len(v) for v in ident['train'].values())} train and "
+            f"{sum(len(v) for v in ident['validation'].values())} validation shards by content, upstream "
+            f"{ident['upstream'] or 'none'}; its {len(checks)} checks passed in Dagster run {dagster_run}"
+        )
         return CacheHit(run_key, why + code_note(store, planned.spec.stage, run_key))
     return None
 
@@ -78,15 +80,20 @@ def code_note(store: Store, stage: str, run_key: str) -> str:
     then = record.get("code_version")
     if then == now:
         return f"; same code version {now}"
-    return (f"; made by code version {then or 'unknown'}, the code is now {now}: set force: true in the run "
-            "config to retrain with it")
+    return (
+        f"; made by code version {then or 'unknown'}, the code is now {now}: set force: true in the run "
+        "config to retrain with it"
+    )
 
 
 def changed_since(store: Store, stage: str, planned: PlannedRun) -> dict | None:
     """On a miss: which inputs differ from the stage's newest earlier run (config keys, tokenizer,
     shards, upstream), read from the identities saved beside the runs."""
-    earlier = [key for _, key in store.keys("identity", stage)
-               if not key.startswith(planned.base_key + "-") and ("@" in key) == ("@" in planned.base_key)]
+    earlier = [
+        key
+        for _, key in store.keys("identity", stage)
+        if not key.startswith(planned.base_key + "-") and ("@" in key) == ("@" in planned.base_key)
+    ]
     if not earlier:
         return None
     previous = store.read_json("identity", stage, earlier[-1])["identity"]

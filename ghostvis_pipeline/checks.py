@@ -12,17 +12,16 @@ its upstream (non-blocking: a judgement on the model, not on the accounting).
 
 from dagster import AssetCheckResult, MetadataValue, asset_check
 
+from ghostvis_core.data.catalog import recorded_sha256, registered_manifests, shard_split
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.sources import Manifest
 from ghostvis_core.verify.audit import invariants as inv
 from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
 from ghostvis_core.verify.audit.outcome import CheckOutcome
 from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS, CheckInputs
-from ghostvis_core.data.catalog import recorded_sha256, registered_manifests, shard_split
-from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.sources import Manifest
 from ghostvis_core.verify.eval.gate import lineage_gate
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
-
 
 # A check's table shows its first rows only, so its event stays bounded at any number of shards.
 TABLE_ROWS = 20
@@ -59,8 +58,11 @@ def _data_check(name: str, description: str, run_check):
     return check
 
 
-@asset_check(asset="tokenizer", blocking=True,
-             description="No shard whose split is validation (pinned by name or by sha256) is in the tokenizer's training set.")
+@asset_check(
+    asset="tokenizer",
+    blocking=True,
+    description="No shard whose split is validation (pinned by name or by sha256) is in the tokenizer's training set.",
+)
 def tokenizer_trained_on_train_shards_only(context, home: GhostvisHome) -> AssetCheckResult:
     store = home.home().store
     md = latest_metadata(context, "tokenizer")
@@ -68,8 +70,12 @@ def tokenizer_trained_on_train_shards_only(context, home: GhostvisHome) -> Asset
     recorded = trained is not None
     trained = trained or []
     manifests = registered_manifests(store)
-    validation = sorted(m.shard_id(e) for m in manifests.values() for e in m.shards
-                        if _split_or_none(store, m, m.shard_id(e)) == "validation")
+    validation = sorted(
+        m.shard_id(e)
+        for m in manifests.values()
+        for e in m.shards
+        if _split_or_none(store, m, m.shard_id(e)) == "validation"
+    )
     offenders = []
     for sid in trained:
         manifest = manifests.get(sid.split("/", 1)[0])
@@ -77,14 +83,20 @@ def tokenizer_trained_on_train_shards_only(context, home: GhostvisHome) -> Asset
         split = _split_or_none(store, manifest, sid) if known else None
         if split != "train":
             offenders.append([sid, split or ("not downloaded: split unknown" if known else "in no manifest")])
-    return AssetCheckResult(passed=recorded and not offenders, metadata={
-        "trained_shards": len(trained), "validation_shards": len(validation),
-        "offending_shards": len(offenders),
-        "offenders": capped_table(["shard", "split"], offenders) if offenders else "none",
-        "validation_shard_ids": ", ".join(validation[:100]) or "none",
-        "note": "ok" if recorded else "the tokenizer's identity record (metadata `identity`) with its train shards "
-                                      "is not in the store; re-materialize tokenizer",
-    })
+    return AssetCheckResult(
+        passed=recorded and not offenders,
+        metadata={
+            "trained_shards": len(trained),
+            "validation_shards": len(validation),
+            "offending_shards": len(offenders),
+            "offenders": capped_table(["shard", "split"], offenders) if offenders else "none",
+            "validation_shard_ids": ", ".join(validation[:100]) or "none",
+            "note": "ok"
+            if recorded
+            else "the tokenizer's identity record (metadata `identity`) with its train shards "
+            "is not in the store; re-materialize tokenizer",
+        },
+    )
 
 
 def _tokenizer_train_shard_ids(store, md: dict) -> list[str] | None:
@@ -98,9 +110,12 @@ def _tokenizer_train_shard_ids(store, md: dict) -> list[str] | None:
     return list(store.read_json("identity", "tokenizer", key)["metadata"]["train_shard_ids"])
 
 
-@asset_check(asset="evaluation", blocking=False,
-             description="No stage scores more bits per byte than its upstream times (1 + its tolerance) on any "
-                         "held-out text source (the lineage quality gate).")
+@asset_check(
+    asset="evaluation",
+    blocking=False,
+    description="No stage scores more bits per byte than its upstream times (1 + its tolerance) on any "
+    "held-out text source (the lineage quality gate).",
+)
 def lineage_quality_gate(context, home: GhostvisHome) -> AssetCheckResult:
     """One check on the evaluation rather than one per stage: the held-out scores of a stage and its
     upstream exist together only once the evaluation has scored the lineage. Non-blocking, so the
@@ -108,8 +123,15 @@ def lineage_quality_gate(context, home: GhostvisHome) -> AssetCheckResult:
     md = latest_metadata(context, "evaluation")
     results = home.home().store.read_json("report", f"evaluation/{md['identity']}.json")
     verdict = lineage_gate({stage: r["bpb"] for stage, r in results.items()}, dict(md["bpb_tolerance"]))
-    return to_result(CheckOutcome("lineage_quality_gate", verdict.passed, verdict.figures,
-                                  {"bpb_vs_upstream": verdict.table()}, verdict.failures))
+    return to_result(
+        CheckOutcome(
+            "lineage_quality_gate",
+            verdict.passed,
+            verdict.figures,
+            {"bpb_vs_upstream": verdict.table()},
+            verdict.failures,
+        )
+    )
 
 
 def _split_or_none(store, manifest: Manifest, shard_id: str) -> str | None:

@@ -11,14 +11,31 @@ import os
 import sys
 from typing import Any
 
-from ghostvis_core.plan import presets
-from ghostvis_core.plan.budget import GPUS, LM_NEEDED_RULE, budget_for_hours, DEFAULT_MFU, MemoryPlan, memory_refusal, plan as make_plan, source_plan
-from ghostvis_core.plan.config import parse_sets
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger, run_consumption, run_keys, run_summaries
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.plan.run_modes import MODES, RunMode, compute_optimal_params, describe, mode_of, mode_overrides, plan_mode
+from ghostvis_core.plan import presets
+from ghostvis_core.plan.budget import (
+    DEFAULT_MFU,
+    GPUS,
+    LM_NEEDED_RULE,
+    MemoryPlan,
+    budget_for_hours,
+    memory_refusal,
+    source_plan,
+)
+from ghostvis_core.plan.budget import plan as make_plan
+from ghostvis_core.plan.config import parse_sets
+from ghostvis_core.plan.run_modes import (
+    MODES,
+    RunMode,
+    compute_optimal_params,
+    describe,
+    mode_of,
+    mode_overrides,
+    plan_mode,
+)
 from ghostvis_core.plan.stages import stage, stage_names
 from ghostvis_pipeline import data_command, export_command, status_command, store_command, train_command
 
@@ -50,9 +67,11 @@ def cmd_demo(args) -> int:
 
 
 def ui_hint(home: Home) -> str:
-    return (f"state: {home.root}\n"
-            f"Dagster UI: DAGSTER_HOME={home.dagster_home} dagster dev   (from the project folder)\n"
-            f"MLflow UI:  mlflow ui --backend-store-uri {home.mlflow_tracking_uri}")
+    return (
+        f"state: {home.root}\n"
+        f"Dagster UI: DAGSTER_HOME={home.dagster_home} dagster dev   (from the project folder)\n"
+        f"MLflow UI:  mlflow ui --backend-store-uri {home.mlflow_tracking_uri}"
+    )
 
 
 PLAN_SHAPE_FLAGS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden")
@@ -60,11 +79,16 @@ PLAN_SHAPE_FLAGS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads"
 
 def plan_overrides(args) -> dict[str, Any]:
     o: dict[str, Any] = {}
-    for flag, key in [("micro_batch_size", "batch.micro_batch_size"), ("seq_len", "batch.seq_len"),
-                      ("world_size", "batch.world_size"), ("grad_accum", "batch.grad_accum_steps"),
-                      ("total_batch_tokens", "batch.total_batch_tokens"), ("strategy", "parallel.strategy"),
-                      ("grad_checkpointing", "runtime.grad_checkpointing"),
-                      *[(f, f"model.{f}") for f in PLAN_SHAPE_FLAGS]]:
+    for flag, key in [
+        ("micro_batch_size", "batch.micro_batch_size"),
+        ("seq_len", "batch.seq_len"),
+        ("world_size", "batch.world_size"),
+        ("grad_accum", "batch.grad_accum_steps"),
+        ("total_batch_tokens", "batch.total_batch_tokens"),
+        ("strategy", "parallel.strategy"),
+        ("grad_checkpointing", "runtime.grad_checkpointing"),
+        *[(f, f"model.{f}") for f in PLAN_SHAPE_FLAGS],
+    ]:
         if getattr(args, flag) is not None:
             o[key] = getattr(args, flag)
     model = presets.resolve(args.stage, args.preset).model
@@ -74,7 +98,9 @@ def plan_overrides(args) -> dict[str, Any]:
         o["batch.grad_accum_steps"] = None
     if args.grad_accum is not None and args.total_batch_tokens is None:
         o["batch.total_batch_tokens"] = None
-    budgets = {k: getattr(args, k) for k in ("steps", "tokens", "tokens_per_param", "hours") if getattr(args, k) is not None}
+    budgets = {
+        k: getattr(args, k) for k in ("steps", "tokens", "tokens_per_param", "hours") if getattr(args, k) is not None
+    }
     if len(budgets) > 1:
         raise GhostvisError(f"give one of --steps, --tokens, --tokens-per-param, --hours (got {', '.join(budgets)})")
     budgets.pop("hours", None)  # steps from the step time: budget_for_hours
@@ -90,8 +116,10 @@ def plan_notes(args) -> list[str]:
     model = presets.resolve(args.stage, args.preset).model
     notes = []
     if args.seq_len is not None and args.seq_len > model.max_seq_len:
-        notes.append(f"seq_len {args.seq_len} is beyond the {args.preset} model's context ({model.max_seq_len}): "
-                     f"planned as a model trained to {args.seq_len} (context_expansion raises a model's context)")
+        notes.append(
+            f"seq_len {args.seq_len} is beyond the {args.preset} model's context ({model.max_seq_len}): "
+            f"planned as a model trained to {args.seq_len} (context_expansion raises a model's context)"
+        )
     return notes
 
 
@@ -99,8 +127,10 @@ def needed_rule(stage_name: str) -> str:
     """How `plan` counts a source's needed tokens: like the pre-flight for LM stages."""
     if stage(stage_name).objective == "lm":
         return LM_NEEDED_RULE
-    return (f"needed = planned tokens x weight: an estimate; the {stage_name} pre-flight counts the rows "
-            f"its objective packs from the data")
+    return (
+        f"needed = planned tokens x weight: an estimate; the {stage_name} pre-flight counts the rows "
+        f"its objective packs from the data"
+    )
 
 
 def recipe_report(args, p) -> list[dict]:
@@ -128,8 +158,10 @@ def plan_mode_args(args) -> RunMode | None:
         return None
     given = [f"--{f.replace('_', '-')}" for f in ("gpu", "mfu", "hours", "step_time") if getattr(args, f) is not None]
     if given:
-        raise GhostvisError(f"run mode {mode.name} states the hardware and hours ({describe(mode)}); drop "
-                            f"{', '.join(given)}, or plan --preset {mode.preset} with them")
+        raise GhostvisError(
+            f"run mode {mode.name} states the hardware and hours ({describe(mode)}); drop "
+            f"{', '.join(given)}, or plan --preset {mode.preset} with them"
+        )
     args.gpu, args.mfu = mode.gpu, mode.mfu
     return mode
 
@@ -141,16 +173,28 @@ def cmd_plan(args) -> int:
     overrides = plan_overrides(args)
     cfg = presets.resolve(args.stage, args.preset, mode_overrides(args.stage, mode, overrides) if mode else overrides)
     if args.hours is not None:
-        cfg = budget_for_hours(cfg, args.hours, step_time_s=args.step_time, gpu=args.gpu, mfu=args.mfu, params=args.params)
-    p = make_plan(cfg, step_time_s=args.step_time, price_per_gpu_hour=args.price, gpu=args.gpu, mfu=args.mfu,
-                  params=args.params)
+        cfg = budget_for_hours(
+            cfg, args.hours, step_time_s=args.step_time, gpu=args.gpu, mfu=args.mfu, params=args.params
+        )
+    p = make_plan(
+        cfg, step_time_s=args.step_time, price_per_gpu_hour=args.price, gpu=args.gpu, mfu=args.mfu, params=args.params
+    )
     sources = recipe_report(args, p)
     notes = plan_notes(args)
     if args.json:
-        print(json.dumps({"stage": args.stage, "preset": args.preset, **({"run_mode": mode.name} if mode else {}),
-                          **p.to_dict(),
-                          **({"sources": sources, "needed_tokens_rule": needed_rule(args.stage)} if sources else {}),
-                          **({"notes": notes} if notes else {})}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "stage": args.stage,
+                    "preset": args.preset,
+                    **({"run_mode": mode.name} if mode else {}),
+                    **p.to_dict(),
+                    **({"sources": sources, "needed_tokens_rule": needed_rule(args.stage)} if sources else {}),
+                    **({"notes": notes} if notes else {}),
+                },
+                indent=2,
+            )
+        )
         return refuse_unfit(args.stage, p)
     if mode:
         print(f"run mode {mode.name}: {describe(mode)}")
@@ -170,22 +214,30 @@ def refuse_unfit(stage_name: str, p) -> int:
 
 
 def print_memory(m: dict) -> None:
-    print(f"  memory per GPU  = {m['total_gb']:.2f} GB ({m['strategy']}, {'bf16' if m['bf16'] else 'fp32'}, "
-          f"activation checkpointing {'on' if m['grad_checkpointing'] else 'off'}, micro batch "
-          f"{m['micro_batch_size']} x {m['seq_len']}, {m['world_size']} GPUs)")
-    print(f"                  = {m['weights_gb']:.2f} weights + {m['grads_gb']:.2f} grads + {m['optimizer_gb']:.2f} "
-          f"optimizer + {m['buffers_gb']:.2f} buffers + {m['activations_gb']:.2f} activations + "
-          f"{m['logits_gb']:.2f} logits")
+    print(
+        f"  memory per GPU  = {m['total_gb']:.2f} GB ({m['strategy']}, {'bf16' if m['bf16'] else 'fp32'}, "
+        f"activation checkpointing {'on' if m['grad_checkpointing'] else 'off'}, micro batch "
+        f"{m['micro_batch_size']} x {m['seq_len']}, {m['world_size']} GPUs)"
+    )
+    print(
+        f"                  = {m['weights_gb']:.2f} weights + {m['grads_gb']:.2f} grads + {m['optimizer_gb']:.2f} "
+        f"optimizer + {m['buffers_gb']:.2f} buffers + {m['activations_gb']:.2f} activations + "
+        f"{m['logits_gb']:.2f} logits"
+    )
     if m["fits"] is not None:
-        print(f"  fits {m['gpu'] or 'GPU'}        = {'yes' if m['fits'] else 'NO'} ({m['usable_gb']:.1f} of "
-              f"{m['gpu_memory_gb']:.0f} GB usable)")
+        print(
+            f"  fits {m['gpu'] or 'GPU'}        = {'yes' if m['fits'] else 'NO'} ({m['usable_gb']:.1f} of "
+            f"{m['gpu_memory_gb']:.0f} GB usable)"
+        )
 
 
 def print_plan(args, p, sources: list[dict]) -> None:
     print(f"{args.stage} ({args.preset})")
     print("  tokens_per_step = micro_batch_size x seq_len x world_size x grad_accum_steps")
-    print(f"                  = {p.micro_batch_size} x {p.seq_len} x {p.world_size} x {p.grad_accum_steps}"
-          f" = {p.tokens_per_step:,}")
+    print(
+        f"                  = {p.micro_batch_size} x {p.seq_len} x {p.world_size} x {p.grad_accum_steps}"
+        f" = {p.tokens_per_step:,}"
+    )
     print(f"  steps           = {p.steps:,}")
     print(f"  planned_tokens  = {p.planned_tokens:,}  (steps x tokens_per_step = {p.step_tokens_total:,})")
     print(f"  params          = {p.params_total:,} total, N = {p.params_non_embedding:,} non-embedding")
@@ -205,7 +257,9 @@ def print_plan(args, p, sources: list[dict]) -> None:
             avail = f"{sp['available_tokens']:,}" if sp["available_tokens"] is not None else "not tokenized"
             ep = f"{sp['epochs']:.2f}" if sp["epochs"] is not None else "-"
             need = f"{sp['shards_needed']}/{sp['shards_available']}" if sp["shards_needed"] is not None else "-"
-            print(f"  {sp['source']:<16} {sp['weight']:>6.2f} {sp['needed_tokens']:>16,} {avail:>16} {ep:>7} {need:>13}")
+            print(
+                f"  {sp['source']:<16} {sp['weight']:>6.2f} {sp['needed_tokens']:>16,} {avail:>16} {ep:>7} {need:>13}"
+            )
         print(f"  ({needed_rule(args.stage)})")
 
 
@@ -214,22 +268,43 @@ def print_modes(stage_name: str, as_json: bool) -> int:
     rows = []
     for name, mode in MODES.items():
         p = plan_mode(name, stage_name)
-        rows.append({"mode": name, "states": describe(mode), "preset": mode.preset, "gpu": mode.gpu, "gpus": mode.gpus,
-                     "hours_target": mode.hours, "mfu": mode.mfu, "steps": p.steps, "tokens_per_step": p.tokens_per_step,
-                     "tokens": p.step_tokens_total, "tokens_per_param": round(p.tokens_per_param, 2),
-                     "hours": round(p.hours, 3), "memory_gb": p.memory["total_gb"], "fits": p.memory["fits"],
-                     "compute_optimal_params": int(compute_optimal_params(p))})
+        rows.append(
+            {
+                "mode": name,
+                "states": describe(mode),
+                "preset": mode.preset,
+                "gpu": mode.gpu,
+                "gpus": mode.gpus,
+                "hours_target": mode.hours,
+                "mfu": mode.mfu,
+                "steps": p.steps,
+                "tokens_per_step": p.tokens_per_step,
+                "tokens": p.step_tokens_total,
+                "tokens_per_param": round(p.tokens_per_param, 2),
+                "hours": round(p.hours, 3),
+                "memory_gb": p.memory["total_gb"],
+                "fits": p.memory["fits"],
+                "compute_optimal_params": int(compute_optimal_params(p)),
+            }
+        )
     if as_json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'mode':<12} {'preset':>6} {'steps':>8} {'tokens/step':>11} {'tokens':>16} {'tok/param':>9} {'hours':>6} "
-          f"{'GB/GPU':>7} {'fits':>4} {'20-tok/param N':>14}")
+    print(
+        f"{'mode':<12} {'preset':>6} {'steps':>8} {'tokens/step':>11} {'tokens':>16} {'tok/param':>9} {'hours':>6} "
+        f"{'GB/GPU':>7} {'fits':>4} {'20-tok/param N':>14}"
+    )
     for r in rows:
-        print(f"{r['mode']:<12} {r['preset']:>6} {r['steps']:>8,} {r['tokens_per_step']:>11,} {r['tokens']:>16,} "
-              f"{r['tokens_per_param']:>9.2f} {r['hours']:>6.2f} {r['memory_gb']:>7.1f} {'yes' if r['fits'] else 'NO':>4} "
-              f"{r['compute_optimal_params'] / 1e6:>13,.0f}M")
-    print(f"({stage_name}; steps = the hours at the mode's GPU peak x MFU over model FLOPs per step, from the planner; "
-          "20-tok/param N: the model size the compute would train to 20 tokens per parameter)")
+        print(
+            f"{r['mode']:<12} {r['preset']:>6} {r['steps']:>8,} {r['tokens_per_step']:>11,} {r['tokens']:>16,} "
+            f"{r['tokens_per_param']:>9.2f} {r['hours']:>6.2f} {r['memory_gb']:>7.1f} "
+            f"{'yes' if r['fits'] else 'NO':>4} "
+            f"{r['compute_optimal_params'] / 1e6:>13,.0f}M"
+        )
+    print(
+        f"({stage_name}; steps = the hours at the mode's GPU peak x MFU over model FLOPs per step, from the planner; "
+        "20-tok/param N: the model size the compute would train to 20 tokens per parameter)"
+    )
     return 0
 
 
@@ -251,26 +326,43 @@ def resolve_run(home: Home, ledger: Ledger, name: str) -> str:
     if newest:
         return newest.run_key
     unfinished = run_keys(ledger, name)
-    raise GhostvisError(f"stage {name} has no completed run; materialize the `{name}` asset"
-                        + (f" (or pass one of its unfinished run keys: {', '.join(unfinished)})" if unfinished else ""))
+    raise GhostvisError(
+        f"stage {name} has no completed run; materialize the `{name}` asset"
+        + (f" (or pass one of its unfinished run keys: {', '.join(unfinished)})" if unfinished else "")
+    )
 
 
 def format_run_consumption(c: dict[str, Any]) -> list[str]:
     """`ghostvis ledger --run`: a run's segments, parts, token figures, per-shard and per-range consumption."""
-    lines = [f"{c['stage']} {c['run_key']}" + (f"  (from {c['parent_run_key']})" if c["parent_run_key"] else ""),
-             f"  steps {c['steps']:,}, parts {c['parts']}, tokens_per_step {c['tokens_per_step']:,}, "
-             f"planned {c['planned_tokens']:,}",
-             "  " + ", ".join(f"{k} {c[k]:,}" for k in TokenCounts.names()) + f", overlap_tokens {c['overlap_tokens']:,}",
-             "", f"  {'segment':>7} {'steps':>15} {'world_size':>10} {'real_tokens':>14}"]
-    lines += [f"  {s['segment']:>7} {str(s['first_step']) + '..' + str(s['last_step']):>15} {s['world_size']:>10} "
-              f"{s['real_tokens']:>14,}" for s in c["segments"]]
+    lines = [
+        f"{c['stage']} {c['run_key']}" + (f"  (from {c['parent_run_key']})" if c["parent_run_key"] else ""),
+        f"  steps {c['steps']:,}, parts {c['parts']}, tokens_per_step {c['tokens_per_step']:,}, "
+        f"planned {c['planned_tokens']:,}",
+        "  " + ", ".join(f"{k} {c[k]:,}" for k in TokenCounts.names()) + f", overlap_tokens {c['overlap_tokens']:,}",
+        "",
+        f"  {'segment':>7} {'steps':>15} {'world_size':>10} {'real_tokens':>14}",
+    ]
+    lines += [
+        f"  {s['segment']:>7} {str(s['first_step']) + '..' + str(s['last_step']):>15} {s['world_size']:>10} "
+        f"{s['real_tokens']:>14,}"
+        for s in c["segments"]
+    ]
     lines += ["", f"  {'shard':<26} {'split':<10} {'epochs':>6} {'rows':>13} {'tokens':>14}"]
-    lines += [f"  {r['shard_id']:<26} {r['split']:<10} {r['epochs']:>6} {str(r['row_start']) + '..' + str(r['row_end']):>13} "
-              f"{r['tokens']:>14,}" for r in c["shards"]]
+    lines += [
+        f"  {r['shard_id']:<26} {r['split']:<10} {r['epochs']:>6} {str(r['row_start']) + '..' + str(r['row_end']):>13} "
+        f"{r['tokens']:>14,}"
+        for r in c["shards"]
+    ]
     lines.append(f"  {'consumed (shard tokens)':<58} {c['consumed_tokens']:>14,}")
-    lines += ["", f"  {'shard':<26} {'split':<10} {'epoch':>5} {'token range':>21} {'row range':>13} {'tokens':>12} parts"]
-    lines += [f"  {r['shard_id']:<26} {r['split']:<10} {r['epoch']:>5} {str(r['tok_start']) + '..' + str(r['tok_end']):>21} "
-              f"{str(r['row_start']) + '..' + str(r['row_end']):>13} {r['tokens']:>12,} {r['parts']:>5}" for r in c["ranges"]]
+    lines += [
+        "",
+        f"  {'shard':<26} {'split':<10} {'epoch':>5} {'token range':>21} {'row range':>13} {'tokens':>12} parts",
+    ]
+    lines += [
+        f"  {r['shard_id']:<26} {r['split']:<10} {r['epoch']:>5} {str(r['tok_start']) + '..' + str(r['tok_end']):>21} "
+        f"{str(r['row_start']) + '..' + str(r['row_end']):>13} {r['tokens']:>12,} {r['parts']:>5}"
+        for r in c["ranges"]
+    ]
     lines.append("  (ranges are [start, end): token positions and rows of the shard; touching parts are joined)")
     return lines
 
@@ -287,23 +379,39 @@ def cmd_ledger(args) -> int:
         print(json.dumps(report, indent=2, default=str))
         return 0
     shards, contamination = report["shards"], report["contamination"]
-    print(f"{'shard':<26} {'split':<10} {'tokenizer':<22} {'docs':>7} {'tokens':>12} {'text_bytes':>12} "
-          f"{'eval 13-grams':>13} {'docs sharing':>12} {'contaminated':>12}")
+    print(
+        f"{'shard':<26} {'split':<10} {'tokenizer':<22} {'docs':>7} {'tokens':>12} {'text_bytes':>12} "
+        f"{'eval 13-grams':>13} {'docs sharing':>12} {'contaminated':>12}"
+    )
     for r in shards:
         c = contamination.get(r["shard_id"]) if r["split"] == "train" else None
-        eval_cols = (f"{c['shared_ngrams']:>13,} {c['docs_sharing']:>12,} {c['docs_contaminated']:>12,}" if c
-                     else f"{'-':>13} {'-':>12} {'-':>12}")
-        print(f"{r['shard_id']:<26} {r['split']:<10} {r['tokenizer_id']:<22} {r['docs']:>7,} {r['tokens']:>12,} "
-              f"{r['text_bytes']:>12,} {eval_cols}")
-    print(f"{'total':<60} {sum(r['docs'] for r in shards):>7,} {sum(r['tokens'] for r in shards):>12,} "
-          f"{sum(r['text_bytes'] for r in shards):>12,}")
-    print("(eval 13-grams: a train shard's document fingerprints shared with evaluation data; docs sharing: its "
-          "documents with any; contaminated: over the default contamination.max_overlap; see no_eval_contamination)")
+        eval_cols = (
+            f"{c['shared_ngrams']:>13,} {c['docs_sharing']:>12,} {c['docs_contaminated']:>12,}"
+            if c
+            else f"{'-':>13} {'-':>12} {'-':>12}"
+        )
+        print(
+            f"{r['shard_id']:<26} {r['split']:<10} {r['tokenizer_id']:<22} {r['docs']:>7,} {r['tokens']:>12,} "
+            f"{r['text_bytes']:>12,} {eval_cols}"
+        )
+    print(
+        f"{'total':<60} {sum(r['docs'] for r in shards):>7,} {sum(r['tokens'] for r in shards):>12,} "
+        f"{sum(r['text_bytes'] for r in shards):>12,}"
+    )
+    print(
+        "(eval 13-grams: a train shard's document fingerprints shared with evaluation data; docs sharing: its "
+        "documents with any; contaminated: over the default contamination.max_overlap; see no_eval_contamination)"
+    )
     print()
-    print(f"{'stage':<20} {'run_key':<28} {'steps':>6} {'planned':>11} {'real':>11} {'pad':>9} {'loss':>11} {'cropped':>9} seg")
+    print(
+        f"{'stage':<20} {'run_key':<28} {'steps':>6} {'planned':>11} {'real':>11} {'pad':>9} {'loss':>11} "
+        f"{'cropped':>9} seg"
+    )
     for r in report["runs"]:
-        print(f"{r['stage']:<20} {r['run_key']:<28} {r['steps']:>6} {r['planned_tokens']:>11,} {r['real_tokens']:>11,} "
-              f"{r['pad_tokens']:>9,} {r['loss_tokens']:>11,} {r['cropped_tokens']:>9,} {len(r['segments'])}")
+        print(
+            f"{r['stage']:<20} {r['run_key']:<28} {r['steps']:>6} {r['planned_tokens']:>11,} {r['real_tokens']:>11,} "
+            f"{r['pad_tokens']:>9,} {r['loss_tokens']:>11,} {r['cropped_tokens']:>9,} {len(r['segments'])}"
+        )
     return 0
 
 
@@ -356,9 +464,14 @@ def cmd_chat(args) -> int:
             return 0
         messages.append({"role": "user", "content": line.rstrip("\n")})
         with torch.no_grad():
-            out = ts.model.generate(render_prompt(tok, messages)[-ts.config.model.max_seq_len + args.max_tokens:],
-                                    args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                                    stop_tokens=(tok.eot,), generator=gen)
+            out = ts.model.generate(
+                render_prompt(tok, messages)[-ts.config.model.max_seq_len + args.max_tokens :],
+                args.max_tokens,
+                temperature=args.temperature,
+                top_k=args.top_k,
+                stop_tokens=(tok.eot,),
+                generator=gen,
+            )
         reply = tok.decode([t for t in out if t != tok.eot])
         messages.append({"role": "assistant", "content": reply})
         # piped: one line per reply, so a script can pair prompts and answers
@@ -366,13 +479,18 @@ def cmd_chat(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="ghostvis", description="GhostVis: a training pipeline whose token numbers are checked.")
+    ap = argparse.ArgumentParser(
+        prog="ghostvis", description="GhostVis: a training pipeline whose token numbers are checked."
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     i = sub.add_parser("init", help="create GHOSTVIS_HOME and the Dagster instance folder; print the exports")
-    i.add_argument("--dagster-config", metavar="YAML",
-                   help="instance config to install (default: the project's dagster.yaml, SQLite; "
-                        "a team's PostgreSQL: deploy/dagster-postgres.yaml)")
+    i.add_argument(
+        "--dagster-config",
+        metavar="YAML",
+        help="instance config to install (default: the project's dagster.yaml, SQLite; "
+        "a team's PostgreSQL: deploy/dagster-postgres.yaml)",
+    )
     i.set_defaults(fn=cmd_init)
 
     d = sub.add_parser("demo", help="materialize every asset on the embedded demo data")
@@ -395,13 +513,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     lg = sub.add_parser("ledger", help="the token ledger: shards and per-stage consumption")
     lg.add_argument("--tokenizer", help="only shards tokenized with this tokenizer id")
-    lg.add_argument("--run", metavar="STAGE_OR_RUN_KEY",
-                    help="what one run consumed: segments, token figures, per shard and range "
-                         "(a stage name means its newest completed run)")
+    lg.add_argument(
+        "--run",
+        metavar="STAGE_OR_RUN_KEY",
+        help="what one run consumed: segments, token figures, per shard and range "
+        "(a stage name means its newest completed run)",
+    )
     lg.add_argument("--json", action="store_true")
     lg.set_defaults(fn=cmd_ledger)
-    au = sub.add_parser("audit", help="re-run every data and stage invariant from the store and MLflow (no Dagster "
-                                      "run needed); exit 1 naming each stage and figure that disagrees")
+    au = sub.add_parser(
+        "audit",
+        help="re-run every data and stage invariant from the store and MLflow (no Dagster "
+        "run needed); exit 1 naming each stage and figure that disagrees",
+    )
     au.add_argument("--stage", action="append", choices=stage_names(), help="audit only this stage (repeatable)")
     au.add_argument("--json", action="store_true")
     au.add_argument("--no-dagster", action="store_true", help="do not compare the Dagster instance's metadata")
@@ -423,7 +547,7 @@ PLAN_INT_FLAGS = {
     "steps": "budget: optimizer steps",
     "tokens": "budget: tokens to train on (steps rounded up)",
     "params": "N for 6ND FLOPs and for weight/optimizer memory, instead of the model shape's count "
-              "(activations still follow the shape: the preset's, or --d-model, --n-layers, ...)",
+    "(activations still follow the shape: the preset's, or --d-model, --n-layers, ...)",
     "vocab-size": "model shape: vocabulary (default: the preset's)",
     "d-model": "model shape: hidden size",
     "n-layers": "model shape: transformer blocks",
@@ -435,26 +559,57 @@ PLAN_INT_FLAGS = {
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage", default="pretrain", choices=stage_names(), help="the stage to plan (default pretrain)")
-    p.add_argument("--preset", help=f"model shape and stage defaults: {', '.join(presets.preset_names())} (default: "
-                   "GHOSTVIS_PRESET, else tiny); a run mode's name works too")
-    p.add_argument("--mode", choices=list(MODES), help="a run mode: model preset, GPU, GPUs, hours and MFU; the "
-                   "planner derives steps and tokens and checks the memory (see --modes)")
-    p.add_argument("--modes", action="store_true", help="list the run modes with the steps, tokens and hours the "
-                   "planner derives for each, and whether each fits its GPU")
+    p.add_argument(
+        "--preset",
+        help=f"model shape and stage defaults: {', '.join(presets.preset_names())} (default: "
+        "GHOSTVIS_PRESET, else tiny); a run mode's name works too",
+    )
+    p.add_argument(
+        "--mode",
+        choices=list(MODES),
+        help="a run mode: model preset, GPU, GPUs, hours and MFU; the "
+        "planner derives steps and tokens and checks the memory (see --modes)",
+    )
+    p.add_argument(
+        "--modes",
+        action="store_true",
+        help="list the run modes with the steps, tokens and hours the "
+        "planner derives for each, and whether each fits its GPU",
+    )
     for flag, text in PLAN_INT_FLAGS.items():
         p.add_argument(f"--{flag}", type=int, help=text)
     p.add_argument("--tokens-per-param", type=float, help="budget: tokens per parameter (20 = Chinchilla)")
-    p.add_argument("--hours", type=float, help="budget: the steps that fit in this many hours of wall clock at "
-                   "--step-time, or at --gpu's peak x --mfu (e.g. --world-size 1 --gpu H100 --hours 4)")
-    p.add_argument("--strategy", choices=["ddp", "fsdp"], help="parallel.strategy: ddp replicates the model, "
-                   "fsdp shards weights, grads and optimizer state over the GPUs")
-    p.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=None,
-                   help="runtime.grad_checkpointing: recompute each block's activations in the backward pass")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="any stage config value, e.g. --set parallel.strategy=ddp (repeatable)")
+    p.add_argument(
+        "--hours",
+        type=float,
+        help="budget: the steps that fit in this many hours of wall clock at "
+        "--step-time, or at --gpu's peak x --mfu (e.g. --world-size 1 --gpu H100 --hours 4)",
+    )
+    p.add_argument(
+        "--strategy",
+        choices=["ddp", "fsdp"],
+        help="parallel.strategy: ddp replicates the model, "
+        "fsdp shards weights, grads and optimizer state over the GPUs",
+    )
+    p.add_argument(
+        "--grad-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="runtime.grad_checkpointing: recompute each block's activations in the backward pass",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="any stage config value, e.g. --set parallel.strategy=ddp (repeatable)",
+    )
     p.add_argument("--step-time", type=float, help="seconds per optimizer step (measured)")
-    p.add_argument("--gpu", choices=list(GPUS), help="estimate the step time from this GPU's peak bf16 FLOP/s at "
-                   "--mfu, and check the per-GPU memory against its memory (exit 2 if it does not fit)")
+    p.add_argument(
+        "--gpu",
+        choices=list(GPUS),
+        help="estimate the step time from this GPU's peak bf16 FLOP/s at "
+        "--mfu, and check the per-GPU memory against its memory (exit 2 if it does not fit)",
+    )
     p.add_argument("--mfu", type=float, help=f"model FLOPs utilization assumed with --gpu (default {DEFAULT_MFU})")
     p.add_argument("--price", type=float, help="price per GPU-hour")
     p.add_argument("--recipe", help="mixture source=weight,...: per source tokens, epochs and shards from the ledger")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from ghostvis_core.plan import presets
 from ghostvis_core.home import Home
+from ghostvis_core.plan import presets
 
 
 def cmd_data(args) -> int:
@@ -24,5 +24,7 @@ def cmd_data(args) -> int:
 
 def add_parser(sub) -> None:
     d = sub.add_parser("data", help="backfill every registered shard: download, tokenizer, tokenization, ledger")
-    d.add_argument("--preset", help="the preset whose tokenizer vocabulary to train (default: GHOSTVIS_PRESET, else tiny)")
+    d.add_argument(
+        "--preset", help="the preset whose tokenizer vocabulary to train (default: GHOSTVIS_PRESET, else tiny)"
+    )
     d.set_defaults(fn=cmd_data)

@@ -15,7 +15,10 @@ from ghostvis_pipeline.assets.data import raw_shards, shard_manifest, token_ledg
 from ghostvis_pipeline.assets.evaluation import evaluation, report
 from ghostvis_pipeline.assets.training import stage_asset, variants_asset
 from ghostvis_pipeline.checks import (
-    data_checks, lineage_quality_gate, stage_checks, tokenizer_trained_on_train_shards_only,
+    data_checks,
+    lineage_quality_gate,
+    stage_checks,
+    tokenizer_trained_on_train_shards_only,
 )
 from ghostvis_pipeline.export_job import export_model
 from ghostvis_pipeline.jobs import checks_job, shard_data_job, training_job
@@ -33,8 +36,12 @@ for stage in STAGES:
 
 defs = Definitions(
     assets=[shard_manifest, raw_shards, tokenizer, tokenized_shards, token_ledger, *stage_assets, evaluation, report],
-    asset_checks=[tokenizer_trained_on_train_shards_only, *data_checks(),
-                  *[c for stage in STAGES for c in stage_checks(stage.name)], lineage_quality_gate],
+    asset_checks=[
+        tokenizer_trained_on_train_shards_only,
+        *data_checks(),
+        *[c for stage in STAGES for c in stage_checks(stage.name)],
+        lineage_quality_gate,
+    ],
     jobs=[shard_data_job, training_job, checks_job, export_model],
     resources={"home": GhostvisHome(), "launcher": Launcher()},
     # Every step in the run's own process: the heavy work already runs elsewhere (torchrun, datatrove

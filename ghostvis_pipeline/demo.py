@@ -31,8 +31,14 @@ class RunSummary:
     cached: set[str] = field(default_factory=set)  # assets that returned an earlier result (metadata cached_from)
 
 
-def materialize(defs, instance, assets: list[str], *, partition_range: tuple[str, str] | None = None,
-                run_config: dict[str, Any] | None = None) -> RunSummary:
+def materialize(
+    defs,
+    instance,
+    assets: list[str],
+    *,
+    partition_range: tuple[str, str] | None = None,
+    run_config: dict[str, Any] | None = None,
+) -> RunSummary:
     """One Dagster run of the implicit asset job for `assets` (and their checks), like
     `dagster asset materialize --select ...`, recorded in the instance."""
     from dagster import AssetKey
@@ -42,8 +48,9 @@ def materialize(defs, instance, assets: list[str], *, partition_range: tuple[str
     tags = {"ghostvis/demo": "true"}
     if partition_range:
         tags |= {PARTITION_RANGE_START_TAG: partition_range[0], PARTITION_RANGE_END_TAG: partition_range[1]}
-    result = job.execute_in_process(instance=instance, asset_selection=keys, tags=tags, run_config=run_config or {},
-                                    raise_on_error=True)
+    result = job.execute_in_process(
+        instance=instance, asset_selection=keys, tags=tags, run_config=run_config or {}, raise_on_error=True
+    )
     summary = RunSummary(result.run_id)
     starts: dict[str, float] = {}
     for entry in instance.all_logs(result.run_id):
@@ -69,10 +76,12 @@ def materialize_data(instance, preset: str) -> list[RunSummary]:
     if not keys:
         raise GhostvisError("no shard partitions are registered; materialize shard_manifest with your sources first")
     span = (keys[0], keys[-1])
-    return [materialize(defs, instance, ["raw_shards"], partition_range=span),
-            materialize(defs, instance, ["tokenizer"], run_config={"ops": {"tokenizer": {"config": {"preset": preset}}}}),
-            materialize(defs, instance, ["tokenized_shards"], partition_range=span),
-            materialize(defs, instance, ["token_ledger"])]
+    return [
+        materialize(defs, instance, ["raw_shards"], partition_range=span),
+        materialize(defs, instance, ["tokenizer"], run_config={"ops": {"tokenizer": {"config": {"preset": preset}}}}),
+        materialize(defs, instance, ["tokenized_shards"], partition_range=span),
+        materialize(defs, instance, ["token_ledger"]),
+    ]
 
 
 def run_demo(home: Home, preset: str, stages: list[str]) -> list[RunSummary]:
@@ -102,8 +111,10 @@ def format_summary(runs: list[RunSummary], wall: float) -> str:
     lines.append(f"{'total (wall)':<22} {wall:>8.1f}")
     checks = [c for r in runs for c in r.checks]
     failed = [c for c in checks if not c[2]]
-    lines.append(f"checks: {len(checks) - len(failed)}/{len(checks)} passed"
-                 + ("" if not failed else "; FAILED: " + ", ".join(f"{a}:{n}" for a, n, _ in failed)))
+    lines.append(
+        f"checks: {len(checks) - len(failed)}/{len(checks)} passed"
+        + ("" if not failed else "; FAILED: " + ", ".join(f"{a}:{n}" for a, n, _ in failed))
+    )
     return "\n".join(lines)
 
 

@@ -38,8 +38,10 @@ def prepare_environment(home: Home, dagster_config: Path | None = None) -> Prepa
     different one already in the folder: that would leave the runs in the other storage."""
     source = (dagster_config or PROJECT_DAGSTER_YAML).resolve()
     if dagster_config is not None and not source.is_file():
-        raise GhostvisError(f"Dagster instance config {dagster_config} not found; pass an existing file, "
-                            f"e.g. --dagster-config deploy/dagster-postgres.yaml")
+        raise GhostvisError(
+            f"Dagster instance config {dagster_config} not found; pass an existing file, "
+            f"e.g. --dagster-config deploy/dagster-postgres.yaml"
+        )
     os.environ.setdefault("GHOSTVIS_HOME", str(home.root))
     dagster_home = home.dagster_home
     os.environ["DAGSTER_HOME"] = str(dagster_home)
@@ -48,8 +50,10 @@ def prepare_environment(home: Home, dagster_config: Path | None = None) -> Prepa
     target = dagster_home / "dagster.yaml"
     if target.exists():
         if dagster_config is not None and target.read_bytes() != source.read_bytes():
-            raise GhostvisError(f"{target} exists and differs from {dagster_config}; move it away (its runs stay "
-                                f"in the storage it names) and run `ghostvis init --dagster-config {dagster_config}` again")
+            raise GhostvisError(
+                f"{target} exists and differs from {dagster_config}; move it away (its runs stay "
+                f"in the storage it names) and run `ghostvis init --dagster-config {dagster_config}` again"
+            )
         state = "kept"
     elif source.exists():
         shutil.copyfile(source, target)
@@ -62,6 +66,7 @@ def prepare_environment(home: Home, dagster_config: Path | None = None) -> Prepa
 def env_vars_read(config: Path) -> list[str]:
     """The environment variables an instance config reads (`{env: NAME}` values), in file order, so
     `ghostvis init` can tell the user to export them (the Postgres config's connection)."""
+
     def walk(node) -> list[str]:
         if isinstance(node, dict):
             if set(node) == {"env"}:
@@ -74,17 +79,21 @@ def env_vars_read(config: Path) -> list[str]:
 
 def init_report(p: Prepared) -> str:
     """What `ghostvis init` prints: what it made, the two exports, the next command."""
-    state = {"copied": f"copied {p.source}",
-             "kept": "kept the existing one",
-             "missing": f"none ({p.source} not found: Dagster's defaults apply)"}[p.dagster_yaml]
+    state = {
+        "copied": f"copied {p.source}",
+        "kept": "kept the existing one",
+        "missing": f"none ({p.source} not found: Dagster's defaults apply)",
+    }[p.dagster_yaml]
     needed = env_vars_read(p.dagster_home / "dagster.yaml")
-    return "\n".join([
-        f"GHOSTVIS_HOME: {p.home}",
-        f"DAGSTER_HOME:  {p.dagster_home}  (dagster.yaml: {state})",
-        "",
-        "Set these in your shell (the project's venv active), then materialize the first asset:",
-        f"  export GHOSTVIS_HOME={shlex.quote(str(p.home))}",
-        f"  export DAGSTER_HOME={shlex.quote(str(p.dagster_home))}",
-        *([f"  export {' '.join(f'{name}=...' for name in needed)}   # read by dagster.yaml"] if needed else []),
-        f"  {NEXT_COMMAND}",
-    ])
+    return "\n".join(
+        [
+            f"GHOSTVIS_HOME: {p.home}",
+            f"DAGSTER_HOME:  {p.dagster_home}  (dagster.yaml: {state})",
+            "",
+            "Set these in your shell (the project's venv active), then materialize the first asset:",
+            f"  export GHOSTVIS_HOME={shlex.quote(str(p.home))}",
+            f"  export DAGSTER_HOME={shlex.quote(str(p.dagster_home))}",
+            *([f"  export {' '.join(f'{name}=...' for name in needed)}   # read by dagster.yaml"] if needed else []),
+            f"  {NEXT_COMMAND}",
+        ]
+    )

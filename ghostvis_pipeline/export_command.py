@@ -10,13 +10,15 @@ from ghostvis_core.plan.stages import stage_names
 def cmd_export(args) -> int:
     from ghostvis_core.run.hf.export import export_run
 
-    out = export_run(Home.from_env(), args.stage, args.run_key, args.to)
+    out = export_run(Home.from_env().store, args.stage, args.run_key, args.to)
     print(f"{args.stage}: exported to {out} (load with transformers.AutoModelForCausalLM.from_pretrained('{out}'))")
     return 0
 
 
 def add_parser(sub) -> None:
-    e = sub.add_parser("export", help="write a trained stage as a Hugging Face checkpoint (LlamaForCausalLM + tokenizer)")
+    e = sub.add_parser(
+        "export", help="write a trained stage as a Hugging Face checkpoint (LlamaForCausalLM + tokenizer)"
+    )
     e.add_argument("--stage", required=True, choices=stage_names())
     e.add_argument("--run-key", help="the run to export (default: the stage's newest completed run)")
     e.add_argument("--to", required=True, help="the output folder")

@@ -20,5 +20,5 @@ checks_job = define_asset_job(
     "checks_only",
     selection=AssetSelection.all_asset_checks(),
     description="Re-execute every asset check (data and stages) against the newest materializations, without "
-                "retraining or re-tokenizing: the same invariants `ghostvis audit` runs.",
+    "retraining or re-tokenizing: the same invariants `ghostvis audit` runs.",
 )

@@ -148,8 +148,11 @@ def cmd_status(args) -> int:
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser("status", help="per asset: up to date, stale (which input or code changed) or missing",
-                       description="What the Dagster UI shows as synced / unsynced: an asset is stale when its "
-                                   "code or an input's data version changed since it was materialized.")
+    s = sub.add_parser(
+        "status",
+        help="per asset: up to date, stale (which input or code changed) or missing",
+        description="What the Dagster UI shows as synced / unsynced: an asset is stale when its "
+        "code or an input's data version changed since it was materialized.",
+    )
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_status)

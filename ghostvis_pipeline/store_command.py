@@ -17,7 +17,8 @@ def cmd_store_cat(args) -> int:
 def add_parser(sub) -> None:
     s = sub.add_parser("store", help="read a run's files from the artifact store (a folder or s3://)")
     actions = s.add_subparsers(dest="store_cmd", required=True)
-    cat = actions.add_parser("cat", help="print a run's file by the URI a launcher logged "
-                                         "(<store>/runs/<stage>/<run_key>/<name>)")
+    cat = actions.add_parser(
+        "cat", help="print a run's file by the URI a launcher logged (<store>/runs/<stage>/<run_key>/<name>)"
+    )
     cat.add_argument("uri")
     cat.set_defaults(fn=cmd_store_cat)

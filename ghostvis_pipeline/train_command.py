@@ -5,16 +5,20 @@ from __future__ import annotations
 
 import argparse
 
-from ghostvis_core.plan.config import parse_sets
 from ghostvis_core.home import Home
+from ghostvis_core.plan.config import parse_sets
 from ghostvis_core.plan.presets import parse_recipe
 from ghostvis_core.plan.stages import stage_names
 
 
 def stage_run_config(args) -> dict:
     """The stage asset's run config (StageRunConfig) from the command's flags."""
-    config = {"overrides": parse_sets(args.sets), "recipe": parse_recipe(args.recipe) if args.recipe else {},
-              "val_sources": [s for s in (args.val_sources or "").split(",") if s], "force": args.force}
+    config = {
+        "overrides": parse_sets(args.sets),
+        "recipe": parse_recipe(args.recipe) if args.recipe else {},
+        "val_sources": [s for s in (args.val_sources or "").split(",") if s],
+        "force": args.force,
+    }
     if args.preset:
         config["preset"] = args.preset
     return {"ops": {args.stage: {"config": config}}}
@@ -26,7 +30,6 @@ def cmd_train(args) -> int:
     from ghostvis_pipeline.definitions import defs
     from ghostvis_pipeline.demo import format_summary, materialize
     from ghostvis_pipeline.environment import prepare_environment
-
     from ghostvis_pipeline.metadata import newest_metadata
 
     home = Home.from_env()
@@ -42,18 +45,35 @@ def cmd_train(args) -> int:
 
 
 def add_parser(sub) -> None:
-    t = sub.add_parser("train", help="materialize one training stage (its asset and checks), e.g. on your own sources",
-                       formatter_class=argparse.RawDescriptionHelpFormatter,
-                       description="Runs the stage's Dagster asset in this process, recorded in DAGSTER_HOME like a UI "
-                                   "run. The upstream stage (if any) and the token ledger must be materialized.")
+    t = sub.add_parser(
+        "train",
+        help="materialize one training stage (its asset and checks), e.g. on your own sources",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Runs the stage's Dagster asset in this process, recorded in DAGSTER_HOME like a UI "
+        "run. The upstream stage (if any) and the token ledger must be materialized.",
+    )
     t.add_argument("stage", choices=stage_names())
     t.add_argument("--preset", help="preset name (default: GHOSTVIS_PRESET, else tiny)")
-    t.add_argument("--recipe", help="source=weight,... of registered sources (default: the preset's recipe, or "
-                                    "every registered source of the stage's kind by its tokens)")
-    t.add_argument("--val-sources", help="comma-separated validation sources (default: the recipe's sources that "
-                                         "have validation shards)")
-    t.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                   help="a dotted config override, e.g. --set budget.steps=200 (repeatable)")
-    t.add_argument("--force", action="store_true",
-                   help="train even when a completed run of the same identity passed its checks (a new attempt)")
+    t.add_argument(
+        "--recipe",
+        help="source=weight,... of registered sources (default: the preset's recipe, or "
+        "every registered source of the stage's kind by its tokens)",
+    )
+    t.add_argument(
+        "--val-sources",
+        help="comma-separated validation sources (default: the recipe's sources that have validation shards)",
+    )
+    t.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a dotted config override, e.g. --set budget.steps=200 (repeatable)",
+    )
+    t.add_argument(
+        "--force",
+        action="store_true",
+        help="train even when a completed run of the same identity passed its checks (a new attempt)",
+    )
     t.set_defaults(fn=cmd_train)

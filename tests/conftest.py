@@ -9,9 +9,10 @@ import shutil
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -20,16 +21,27 @@ BIN = Path(sys.executable).parent
 
 def cli_env(home: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_", "MLFLOW_", "GHOSTVIS_"))}
-    env.update(GHOSTVIS_HOME=str(home), DAGSTER_HOME=str(home / "dagster"), GHOSTVIS_PRESET="smoke",
-               PYTHONUNBUFFERED="1", **extra)
+    env.update(
+        GHOSTVIS_HOME=str(home),
+        DAGSTER_HOME=str(home / "dagster"),
+        GHOSTVIS_PRESET="smoke",
+        PYTHONUNBUFFERED="1",
+        **extra,
+    )
     return env
 
 
 def run_cli(args: list[str], home: Path, timeout: float = 600, check: bool = True, **extra: str):
     """Run a console script of this venv (ghostvis, dagster, torchrun, mlflow) against `home`."""
     exe = str(BIN / args[0]) if (BIN / args[0]).exists() else args[0]
-    proc = subprocess.run([exe, *args[1:]], env=cli_env(home, **extra), capture_output=True, text=True,
-                          timeout=timeout, cwd=Path(__file__).resolve().parent.parent)
+    proc = subprocess.run(
+        [exe, *args[1:]],
+        env=cli_env(home, **extra),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
@@ -44,7 +56,8 @@ def copy_home(src: Path, dest: Path) -> Path:
     def link_or_copy(source: str, target: str) -> None:
         parts = Path(source).relative_to(src).parts
         write_once = parts[0] == "mlartifacts" or any(
-            a == "checkpoints" and any(p.startswith("step_") for p in parts[i + 1:]) for i, a in enumerate(parts))
+            a == "checkpoints" and any(p.startswith("step_") for p in parts[i + 1 :]) for i, a in enumerate(parts)
+        )
         if write_once:
             try:
                 os.link(source, target)
@@ -89,8 +102,17 @@ def pretrain_config(**launcher) -> str:
 
 
 def materialize_pretrain(**launcher) -> list[str]:
-    return ["dagster", "asset", "materialize", "--select", "pretrain", "-m", "ghostvis_pipeline.definitions",
-            "--config-json", pretrain_config(**launcher)]
+    return [
+        "dagster",
+        "asset",
+        "materialize",
+        "--select",
+        "pretrain",
+        "-m",
+        "ghostvis_pipeline.definitions",
+        "--config-json",
+        pretrain_config(**launcher),
+    ]
 
 
 def new_run_dirs(home: Path, known: set[str]) -> list[Path]:
@@ -143,16 +165,23 @@ def moto_s3():
 
 def s3_env(endpoint: str, tmp: Path) -> dict[str, str]:
     """Environment for S3 clients of the moto endpoint (the usual AWS variables, as a user sets them)."""
-    return {"AWS_ENDPOINT_URL_S3": endpoint, "AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test",
-            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true",
-            "AWS_CONFIG_FILE": str(tmp / "no-aws-config"), "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "no-aws-credentials")}
+    return {
+        "AWS_ENDPOINT_URL_S3": endpoint,
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_CONFIG_FILE": str(tmp / "no-aws-config"),
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp / "no-aws-credentials"),
+    }
 
 
 def new_bucket(endpoint: str, name: str) -> None:
     import boto3
 
-    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test",
-                 aws_secret_access_key="test").create_bucket(Bucket=name)
+    boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test", aws_secret_access_key="test"
+    ).create_bucket(Bucket=name)
 
 
 @dataclass
@@ -178,5 +207,8 @@ def store_nodes(request, tmp_path, monkeypatch) -> StoreNodes:
         monkeypatch.setenv(var, value)
     bucket = f"b-{uuid.uuid4().hex[:10]}"
     new_bucket(endpoint, bucket)
-    return StoreNodes(S3Store(bucket, "store", tmp_path / "node-a"), S3Store(bucket, "store", tmp_path / "node-b"),
-                      lambda rel: f"s3://{bucket}/store/{rel}")
+    return StoreNodes(
+        S3Store(bucket, "store", tmp_path / "node-a"),
+        S3Store(bucket, "store", tmp_path / "node-b"),
+        lambda rel: f"s3://{bucket}/store/{rel}",
+    )

@@ -10,7 +10,8 @@ node).
     gv2     10.23.2.2       idem
 
 Every node's mount namespace hides the Dagster host's folder (a tmpfs over it): its GHOSTVIS_HOMEs,
-its HOME and its store cache; a node's store cache is its own. A node is entered the way ssh would: `nodesh <host> '<command>'` starts a login
+its HOME and its store cache; a node's store cache is its own. A node is entered the way ssh
+would: `nodesh <host> '<command>'` starts a login
 shell there with only the node's own environment (its profile: PATH, HOME, the S3 endpoint, its own
 ~/.aws/credentials), never the caller's. Namespaces are held by a `sleep` per host, entered with
 nsenter; every process of the test is started and stopped by it.
@@ -49,8 +50,10 @@ DEMO_PREFIX = "demo/store"  # the demo's store as built, never run against: what
 
 def fail_without_namespaces(proc: subprocess.CompletedProcess, what: str) -> None:
     if proc.returncode != 0:
-        pytest.fail(f"cannot make separate hosts: {what} failed ({proc.stderr.strip()}); these tests need "
-                    "CAP_NET_ADMIN and CAP_SYS_ADMIN (root, or a container started with --privileged)")
+        pytest.fail(
+            f"cannot make separate hosts: {what} failed ({proc.stderr.strip()}); these tests need "
+            "CAP_NET_ADMIN and CAP_SYS_ADMIN (root, or a container started with --privileged)"
+        )
 
 
 @dataclass
@@ -69,8 +72,9 @@ class Hosts:
 
     def sh(self, host: str, command: str, check: bool = True) -> subprocess.CompletedProcess:
         """A root shell command in `host`'s namespaces (setting the host up)."""
-        proc = subprocess.run([*self.enter(host), "sh", "-c", command], capture_output=True, text=True, timeout=60,
-                              check=False)
+        proc = subprocess.run(
+            [*self.enter(host), "sh", "-c", command], capture_output=True, text=True, timeout=60, check=False
+        )
         if check and proc.returncode != 0:
             raise AssertionError(f"{host}: `{command}` exited {proc.returncode}: {proc.stderr}")
         return proc
@@ -112,26 +116,42 @@ class Hosts:
         from tests.conftest import cli_env
 
         env = {k: v for k, v in cli_env(home or self.home).items() if not k.startswith("AWS_")}
-        env.update(GHOSTVIS_STORE=self.store_uri, GHOSTVIS_STORE_CACHE=str(self.cache(DAGSTER_HOST)),
-                   MLFLOW_TRACKING_URI=self.mlflow_uri, HOME=str(self.root / DAGSTER_HOST / "home"), LOGLEVEL="INFO",
-                   **s3_client_env(self.s3_endpoint, self.secret))
+        env.update(
+            GHOSTVIS_STORE=self.store_uri,
+            GHOSTVIS_STORE_CACHE=str(self.cache(DAGSTER_HOST)),
+            MLFLOW_TRACKING_URI=self.mlflow_uri,
+            HOME=str(self.root / DAGSTER_HOST / "home"),
+            LOGLEVEL="INFO",
+            **s3_client_env(self.s3_endpoint, self.secret),
+        )
         return {**env, **extra}
 
     def run(self, args: list[str], home: Path | None = None, timeout: float = 900, check: bool = True, **extra: str):
         """A console script of the venv (dagster, ghostvis) on the Dagster host, as its user runs it."""
         exe = str(BIN / args[0]) if (BIN / args[0]).exists() else args[0]
-        proc = subprocess.run([*self.enter(DAGSTER_HOST), exe, *args[1:]], env=self.dagster_env(home, **extra),
-                              capture_output=True, text=True, timeout=timeout, check=False)
+        proc = subprocess.run(
+            [*self.enter(DAGSTER_HOST), exe, *args[1:]],
+            env=self.dagster_env(home, **extra),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
         if check and proc.returncode != 0:
-            raise AssertionError(f"{' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n"
-                                 f"{proc.stderr[-8000:]}")
+            raise AssertionError(
+                f"{' '.join(args)} exited {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+            )
         return proc
 
     def start(self, args: list[str], log: Path, home: Path, **extra: str) -> subprocess.Popen:
         """`run` in the background, its output in `log`: for a test that acts while it runs."""
         with log.open("w") as out:
-            return subprocess.Popen([*self.enter(DAGSTER_HOST), str(BIN / args[0]), *args[1:]],
-                                    env=self.dagster_env(home, **extra), stdout=out, stderr=subprocess.STDOUT)
+            return subprocess.Popen(
+                [*self.enter(DAGSTER_HOST), str(BIN / args[0]), *args[1:]],
+                env=self.dagster_env(home, **extra),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
 
     def keys(self, prefix: str) -> list[str]:
         """The bucket's keys under `prefix`."""
@@ -175,15 +195,23 @@ class Hosts:
 
     def s3(self, action: str, prefix: str, target: str) -> list[str]:
         """This module's S3 client on the Dagster host: what it printed, a line each."""
-        return self.run([str(BIN / "python"), "-m", "tests.hosts", action, self.s3_endpoint, BUCKET, prefix, target]
-                        ).stdout.split()
+        return self.run(
+            [str(BIN / "python"), "-m", "tests.hosts", action, self.s3_endpoint, BUCKET, prefix, target]
+        ).stdout.split()
 
     # -- starting and stopping ---------------------------------------------------------------------
     def service(self, host: str, name: str, argv: list[str], env: dict[str, str], ready_url: str = "") -> None:
         """A long-running process on `host` in its own process group, its output in logs/<name>.out."""
         log = (self.root / "logs" / f"{name}.out").open("w")
-        self.services.append(subprocess.Popen([*self.enter(host, cwd=self.root), *argv], env=env, stdout=log,
-                                              stderr=subprocess.STDOUT, start_new_session=True))
+        self.services.append(
+            subprocess.Popen(
+                [*self.enter(host, cwd=self.root), *argv],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
         if ready_url:
             self.wait_http(host, ready_url, name)
 
@@ -191,8 +219,12 @@ class Hosts:
         probe = f"import urllib.request; urllib.request.urlopen({url!r}, timeout=2)"
         deadline = time.time() + timeout
         while time.time() < deadline:
-            if subprocess.run([*self.enter(host), str(BIN / "python"), "-c", probe], capture_output=True,
-                              check=False).returncode == 0:
+            if (
+                subprocess.run(
+                    [*self.enter(host), str(BIN / "python"), "-c", probe], capture_output=True, check=False
+                ).returncode
+                == 0
+            ):
                 return
             time.sleep(0.5)
         raise AssertionError(f"{name} did not answer {url} on {host} within {timeout} s:\n{self.log(name)}")
@@ -209,18 +241,29 @@ class Hosts:
 
 
 def s3_client_env(endpoint: str, secret: str) -> dict[str, str]:
-    return {"AWS_ENDPOINT_URL_S3": endpoint, "AWS_ACCESS_KEY_ID": "gvtest", "AWS_SECRET_ACCESS_KEY": secret,
-            "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    return {
+        "AWS_ENDPOINT_URL_S3": endpoint,
+        "AWS_ACCESS_KEY_ID": "gvtest",
+        "AWS_SECRET_ACCESS_KEY": secret,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
 
 
 def hold(argv: list[str]) -> subprocess.Popen:
     """A `sleep` holding new namespaces (its pid is what nsenter enters), or the test fails saying why."""
-    proc = subprocess.Popen([*argv, "sleep", "infinity"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            start_new_session=True, text=True)
+    proc = subprocess.Popen(
+        [*argv, "sleep", "infinity"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        text=True,
+    )
     time.sleep(0.3)
     if proc.poll() is not None:
-        fail_without_namespaces(subprocess.CompletedProcess(argv, proc.returncode, "", proc.stderr.read()),
-                                " ".join(argv))
+        fail_without_namespaces(
+            subprocess.CompletedProcess(argv, proc.returncode, "", proc.stderr.read()), " ".join(argv)
+        )
     return proc
 
 
@@ -236,18 +279,30 @@ def make_hosts(root: Path, secret: str) -> Hosts:
     try:
         hosts.holders[DAGSTER_HOST] = hold(unshare)
         etc_hosts = root / "etc-hosts"
-        etc_hosts.write_text("127.0.0.1 localhost\n" + f"{HOST_ADDR} {DAGSTER_HOST}\n"
-                             + "".join(f"{node_addr} {node}\n" for node, (_, node_addr) in NODES.items()))
-        hosts.sh(DAGSTER_HOST, f"hostname {DAGSTER_HOST} && ip link set lo up && mount --bind {etc_hosts} /etc/hosts"
-                 " && sysctl -qw net.ipv4.ip_forward=1")
+        etc_hosts.write_text(
+            "127.0.0.1 localhost\n"
+            + f"{HOST_ADDR} {DAGSTER_HOST}\n"
+            + "".join(f"{node_addr} {node}\n" for node, (_, node_addr) in NODES.items())
+        )
+        hosts.sh(
+            DAGSTER_HOST,
+            f"hostname {DAGSTER_HOST} && ip link set lo up && mount --bind {etc_hosts} /etc/hosts"
+            " && sysctl -qw net.ipv4.ip_forward=1",
+        )
         for node, (host_addr, node_addr) in NODES.items():
             hosts.holders[node] = hold([*hosts.enter(DAGSTER_HOST), *unshare])
             pid = hosts.holders[node].pid
-            hosts.sh(DAGSTER_HOST, f"ip link add v-{node} type veth peer name eth0 netns {pid} && "
-                                   f"ip addr add {host_addr}/24 dev v-{node} && ip link set v-{node} up")
-            hosts.sh(node, f"hostname {node} && ip link set lo up && ip addr add {node_addr}/24 dev eth0 && "
-                           f"ip link set eth0 up && ip route add default via {host_addr} && "
-                           f"mount -t tmpfs -o size=1m hidden {root / DAGSTER_HOST}")
+            hosts.sh(
+                DAGSTER_HOST,
+                f"ip link add v-{node} type veth peer name eth0 netns {pid} && "
+                f"ip addr add {host_addr}/24 dev v-{node} && ip link set v-{node} up",
+            )
+            hosts.sh(
+                node,
+                f"hostname {node} && ip link set lo up && ip addr add {node_addr}/24 dev eth0 && "
+                f"ip link set eth0 up && ip route add default via {host_addr} && "
+                f"mount -t tmpfs -o size=1m hidden {root / DAGSTER_HOST}",
+            )
             write_profile(hosts, node)
         write_nodesh(hosts)
     except BaseException:
@@ -260,19 +315,27 @@ def write_profile(hosts: Hosts, node: str) -> None:
     """The node's login environment, and its own credentials file (nothing comes from the Dagster host)."""
     home = hosts.root / node / "home"
     (home / ".aws" / "credentials").write_text(
-        f"[default]\naws_access_key_id = gvtest\naws_secret_access_key = {hosts.secret}\n")
-    env = {"PATH": f"{BIN}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(home), "LANG": "C.UTF-8",
-           "AWS_ENDPOINT_URL_S3": hosts.s3_endpoint, "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_EC2_METADATA_DISABLED": "true", "GHOSTVIS_STORE_CACHE": str(hosts.cache(node)),
-           "MLFLOW_TRACKING_URI": hosts.mlflow_uri, "PYTHONUNBUFFERED": "1",
-           "LOGLEVEL": "INFO"}  # torchrun's: it logs the rendezvous (which host is the master)
+        f"[default]\naws_access_key_id = gvtest\naws_secret_access_key = {hosts.secret}\n"
+    )
+    env = {
+        "PATH": f"{BIN}:/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
+        "HOME": str(home),
+        "LANG": "C.UTF-8",
+        "AWS_ENDPOINT_URL_S3": hosts.s3_endpoint,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "GHOSTVIS_STORE_CACHE": str(hosts.cache(node)),
+        "MLFLOW_TRACKING_URI": hosts.mlflow_uri,
+        "PYTHONUNBUFFERED": "1",
+        "LOGLEVEL": "INFO",
+    }  # torchrun's: it logs the rendezvous (which host is the master)
     hosts.profile(node).write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()))
 
 
 def write_nodesh(hosts: Hosts) -> None:
     pids = " ".join(f"{node}={hosts.holders[node].pid}" for node in NODES)
     hosts.nodesh.write_text(f"""#!/bin/sh
-# nodesh HOST COMMAND: COMMAND in a login shell on HOST (one of: {' '.join(NODES)}), like `ssh HOST COMMAND`
+# nodesh HOST COMMAND: COMMAND in a login shell on HOST (one of: {" ".join(NODES)}), like `ssh HOST COMMAND`
 host=$1; shift
 for pair in {pids}; do [ "${{pair%%=*}}" = "$host" ] && pid=${{pair#*=}}; done
 [ -n "$pid" ] || {{ echo "nodesh: no host $host" >&2; exit 255; }}
@@ -289,22 +352,48 @@ def slurm_placement(hosts: Hosts):
     from tests.slurm_cluster import Placement
 
     prolog = hosts.root / "bin" / "taskprolog"
-    prolog.write_text(f"#!/bin/sh\n# export lines for the task: its node's profile\ncat {hosts.root}/$(hostname)/profile\n")
+    prolog.write_text(
+        f"#!/bin/sh\n# export lines for the task: its node's profile\ncat {hosts.root}/$(hostname)/profile\n"
+    )
     prolog.chmod(0o755)
-    return Placement(controller=(DAGSTER_HOST, HOST_ADDR), nodes=tuple((node, addr) for node, (_, addr) in NODES.items()),
-                     on_host=hosts.enter, task_prolog=str(prolog))
+    return Placement(
+        controller=(DAGSTER_HOST, HOST_ADDR),
+        nodes=tuple((node, addr) for node, (_, addr) in NODES.items()),
+        on_host=hosts.enter,
+        task_prolog=str(prolog),
+    )
 
 
 def start_servers(hosts: Hosts) -> None:
     """The S3 server and the MLflow tracking server (on the home's tracking store), on the Dagster host."""
     env = hosts.dagster_env()
-    hosts.service(DAGSTER_HOST, "s3", [str(BIN / "moto_server"), "-H", "0.0.0.0", "-p", str(S3_PORT)], env,
-                  f"{hosts.s3_endpoint}/moto-api/")
-    hosts.service(DAGSTER_HOST, "mlflow", [
-        str(BIN / "mlflow"), "server", "--host", "0.0.0.0", "--port", str(MLFLOW_PORT), "--workers", "1",
-        "--backend-store-uri", f"sqlite:///{hosts.home / 'mlflow.db'}",
-        "--artifacts-destination", str(hosts.home / "mlartifacts")],
-        {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, f"{hosts.mlflow_uri}/health")
+    hosts.service(
+        DAGSTER_HOST,
+        "s3",
+        [str(BIN / "moto_server"), "-H", "0.0.0.0", "-p", str(S3_PORT)],
+        env,
+        f"{hosts.s3_endpoint}/moto-api/",
+    )
+    hosts.service(
+        DAGSTER_HOST,
+        "mlflow",
+        [
+            str(BIN / "mlflow"),
+            "server",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(MLFLOW_PORT),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{hosts.home / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(hosts.home / "mlartifacts"),
+        ],
+        {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+        f"{hosts.mlflow_uri}/health",
+    )
 
 
 def move_store_to_bucket(hosts: Hosts) -> None:
@@ -359,7 +448,9 @@ def download(endpoint: str, bucket: str, prefix: str, folder: str) -> None:
 def copy(endpoint: str, bucket: str, prefix: str, new_prefix: str) -> None:
     client = _client(endpoint)
     for key in _keys(client, bucket, f"{prefix}/"):
-        client.copy_object(Bucket=bucket, Key=new_prefix + key[len(prefix):], CopySource={"Bucket": bucket, "Key": key})
+        client.copy_object(
+            Bucket=bucket, Key=new_prefix + key[len(prefix) :], CopySource={"Bucket": bucket, "Key": key}
+        )
 
 
 def keys(endpoint: str, bucket: str, prefix: str, _: str) -> None:
@@ -377,4 +468,5 @@ def grep(endpoint: str, bucket: str, prefix: str, text: str) -> None:
 if __name__ == "__main__":
     action, endpoint, bucket, prefix, target = sys.argv[1:]
     {"upload": upload, "download": download, "copy": copy, "keys": keys, "grep": grep}[action](
-        endpoint, bucket, prefix, target)
+        endpoint, bucket, prefix, target
+    )

@@ -9,80 +9,159 @@ anchor text is no longer in the function fails loudly: update the anchor, not th
 """
 
 from __future__ import annotations
-
 import __future__
+
 import importlib
 import inspect
 import sys
 import textwrap
 
 REDUCED = "s.counts = s.counts + TokenCounts.from_list(reduced[1:])"
-GATHER = "gathered = gather_objects((c.pieces, c.counts, c.rows, run.fed.records(run.ctx.rank)), run.ctx)"
+GATHER = "gathered = gather_objects((c.pieces, c.counts, c.rows, part.fed.records(self.ctx.rank)), self.ctx)"
 
 # the token figures divided by the step, except at the last step: the first step's figures, repeated
-STALE = "s.counts if s.step == run.total_steps else TokenCounts.from_list([x // s.step for x in s.counts.as_list()])"
+STALE = "s.counts if s.step == self.total_steps else TokenCounts.from_list([x // s.step for x in s.counts.as_list()])"
 
 # bug -> [(module, function or Class.method, anchor text, replacement)]
 BUGS: dict[str, list[tuple[str, str, str, str]]] = {
     # the trainer's figures (MLflow, run record, metadata) summed on rank 0 only; the ledger right
-    "rank0_counters": [("ghostvis_core.run.train.loop", "train_step", REDUCED, "s.counts = s.counts + step_counts")],
+    "rank0_counters": [
+        ("ghostvis_core.run.train.trainer", "Trainer.train_step", REDUCED, "s.counts = s.counts + step_counts")
+    ],
     # rank 0 only everywhere: also the ledger part takes rank 0's pieces, counts and rows only
-    "rank0_everywhere": [("ghostvis_core.run.train.loop", "train_step", REDUCED, "s.counts = s.counts + step_counts"),
-                         ("ghostvis_core.run.train.commit", "commit", GATHER, GATHER + "[:1]")],
+    "rank0_everywhere": [
+        ("ghostvis_core.run.train.trainer", "Trainer.train_step", REDUCED, "s.counts = s.counts + step_counts"),
+        ("ghostvis_core.run.train.checkpointing", "CheckpointManager.commit", GATHER, GATHER + "[:1]"),
+    ],
     # only the last micro-batch of a step counted (figures and consumption)
-    "last_micro_batch_only": [("ghostvis_core.run.train.loop", "train_step", "step_counts = TokenCounts.total(b.counts for b in batches)",
-                               "step_counts = batches[-1].counts"),
-                              ("ghostvis_core.run.train.loop", "train_step", "        run.consumption.add(b)\n",
-                               "        run.consumption.add(b) if m == len(batches) - 1 else None\n")],
+    "last_micro_batch_only": [
+        (
+            "ghostvis_core.run.train.trainer",
+            "Trainer.train_step",
+            "step_counts = TokenCounts.total(b.counts for b in batches)",
+            "step_counts = batches[-1].counts",
+        ),
+        (
+            "ghostvis_core.run.train.trainer",
+            "Trainer.train_step",
+            "            self.part.consumption.add(b)\n",
+            "            self.part.consumption.add(b) if m == len(batches) - 1 else None\n",
+        ),
+    ],
     # micro-batch 0 trained and counted twice (in place of micro-batch 1)
-    "micro_batch_0_twice": [("ghostvis_core.run.train.objectives", "Objective.step_batches",
-                             "micro_batch_rows(first_row, m, rank, plan)", "micro_batch_rows(first_row, max(0, m - 1), rank, plan)")],
+    "micro_batch_0_twice": [
+        (
+            "ghostvis_core.run.train.objectives",
+            "Objective.step_batches",
+            "micro_batch_rows(first_row, m, rank, plan)",
+            "micro_batch_rows(first_row, max(0, m - 1), rank, plan)",
+        )
+    ],
     # a resume rewinds the loader to the start of the current shard (row 0: the smoke run is in each
     # source's first shard)
-    "resume_rewinds": [("ghostvis_core.run.train.setup", "setup",
-                        "        state = TrainState.from_dict(ckpt.read_state(resume.path))\n",
-                        "        state = TrainState.from_dict(ckpt.read_state(resume.path))\n        state.rows = 0\n")],
+    "resume_rewinds": [
+        (
+            "ghostvis_core.run.train.setup",
+            "setup",
+            "        state = checkpoints.load_model(resume, model)\n",
+            "        state = checkpoints.load_model(resume, model)\n        state.loader.rows = 0\n",
+        )
+    ],
     # the last ledger part is never published to the store's ledger
-    "last_part_unpublished": [("ghostvis_core.run.train.commit", "save_and_publish", "    publish_parts(run.store, run.run_dir, only=path)\n",
-                               "    if step < run.total_steps:\n        publish_parts(run.store, run.run_dir, only=path)\n")],
+    "last_part_unpublished": [
+        (
+            "ghostvis_core.run.train.checkpointing",
+            "CheckpointManager._save_and_publish",
+            "        self.publish_parts(only=path)\n",
+            "        if step < self.spec.plan.steps:\n            self.publish_parts(only=path)\n",
+        )
+    ],
     # the split filter dropped: validation shards selected for training
-    "split_filter_dropped": [("ghostvis_core.run.launch", "select_shards",
-                              '        if r["split"] != split:\n            continue\n', "")],
+    "split_filter_dropped": [
+        ("ghostvis_core.run.launch", "select_shards", '        if r["split"] != split:\n            continue\n', "")
+    ],
     # the source's validation shards merged into its train stream under a `train` label
-    "validation_merged_into_train": [("ghostvis_core.run.train.objectives", "Objective.__init__",
-                                      "{s.source: spec.train_shards[s.source] for s in recipe}",
-                                      "{s.source: spec.train_shards[s.source] + [dict(r, split='train') for r in "
-                                      "spec.val_shards.get(s.source, [])] for s in recipe}")],
+    "validation_merged_into_train": [
+        (
+            "ghostvis_core.run.train.objectives",
+            "Objective.__init__",
+            "{s.source: spec.train_shards[s.source] for s in recipe}",
+            "{s.source: spec.train_shards[s.source] + [dict(r, split='train') for r in "
+            "spec.val_shards.get(s.source, [])] for s in recipe}",
+        )
+    ],
     # a row recorded as consumed but never trained: every row 2 mod 4 is fed row 3's content in its place
     # (row 3 trained twice); the rows, pieces and counts recorded are the plan's
-    "row_fed_in_place_of_another": [("ghostvis_core.data.loader", "Batcher.batch",
-                                     "inputs=torch.from_numpy(np.stack([r.inputs for r in got])),\n"
-                                     "            targets=torch.from_numpy(np.stack([r.targets for r in got])),",
-                                     "inputs=torch.from_numpy(np.stack([self.row(g + (g % 4 == 2)).inputs for g in rows])),\n"
-                                     "            targets=torch.from_numpy(np.stack([self.row(g + (g % 4 == 2)).targets for g in rows])),")],
+    "row_fed_in_place_of_another": [
+        (
+            "ghostvis_core.data.loader",
+            "Batcher.batch",
+            "inputs=torch.from_numpy(np.stack([r.inputs for r in got])),\n"
+            "            targets=torch.from_numpy(np.stack([r.targets for r in got])),",
+            "inputs=torch.from_numpy(np.stack([self.row(g + (g % 4 == 2)).inputs for g in rows])),\n"
+            "            targets=torch.from_numpy(np.stack([self.row(g + (g % 4 == 2)).targets for g in rows])),",
+        )
+    ],
     # the ranks' row offsets swapped in the shared row arithmetic: each rank reads the other's rows, the
     # totals and ranges are unchanged
-    "ranks_swapped": [("ghostvis_core.data.loader", "micro_batch_rows", "(micro * plan.world_size + rank)",
-                       "(micro * plan.world_size + (plan.world_size - 1 - rank))")],
+    "ranks_swapped": [
+        (
+            "ghostvis_core.data.loader",
+            "micro_batch_rows",
+            "(micro * plan.world_size + rank)",
+            "(micro * plan.world_size + (plan.world_size - 1 - rank))",
+        )
+    ],
     # lm targets equal to the inputs (the model learns to copy, not to predict): every count is unchanged
-    "targets_are_inputs": [("ghostvis_core.data.loader", "LMRows.row", "return Row(t[:-1], t[1:], pieces, real=L, pad=0)",
-                            "return Row(t[:-1], t[:-1].copy(), pieces, real=L, pad=0)")],
+    "targets_are_inputs": [
+        (
+            "ghostvis_core.data.loader",
+            "LMRows.row",
+            "return Row(t[:-1], t[1:], pieces, real=L, pad=0)",
+            "return Row(t[:-1], t[:-1].copy(), pieces, real=L, pad=0)",
+        )
+    ],
     # sft: loss on every token of a chat, not only the assistant's
-    "chat_mask_ignored": [("ghostvis_core.data.loader", "ChatRows.row",
-                           "tgt = np.where(mask[1:n] > 0, ids[1:n], IGNORE_INDEX)", "tgt = ids[1:n]")],
+    "chat_mask_ignored": [
+        (
+            "ghostvis_core.data.loader",
+            "ChatRows.row",
+            "tgt = np.where(mask[1:n] > 0, ids[1:n], IGNORE_INDEX)",
+            "tgt = ids[1:n]",
+        )
+    ],
     # sft: packed chats attend to each other (every position in document 0); every count is unchanged
-    "chat_doc_ids_dropped": [("ghostvis_core.data.loader", "ChatRows.row", "doc_ids[pos : pos + n] = slot",
-                              "doc_ids[pos : pos + n] = 0")],
+    "chat_doc_ids_dropped": [
+        ("ghostvis_core.data.loader", "ChatRows.row", "doc_ids[pos : pos + n] = slot", "doc_ids[pos : pos + n] = 0")
+    ],
     # images fed to the wrong rows: a micro-batch's images rotated by one
-    "images_rotated": [("ghostvis_core.data.loader", "Batcher.batch", "images=[im for r in got for im in r.images],",
-                        "images=[im for r in got for im in r.images][1:] + [im for r in got for im in r.images][:1],")],
+    "images_rotated": [
+        (
+            "ghostvis_core.data.loader",
+            "Batcher.batch",
+            "images=[im for r in got for im in r.images],",
+            "images=[im for r in got for im in r.images][1:] + [im for r in got for im in r.images][:1],",
+        )
+    ],
     # MLflow's token chart stays at the first step's figures until the last point, which is right
     # (a chart reading 512, 512, 512, 2048)
-    "mlflow_history_stale": [("ghostvis_core.run.train.loop", "token_metrics", "**s.counts.as_metrics(),",
-                              f"**({STALE}).as_metrics(),")],
+    "mlflow_history_stale": [
+        (
+            "ghostvis_core.run.train.trainer",
+            "Trainer.token_metrics",
+            "**s.counts.as_metrics(),",
+            f"**({STALE}).as_metrics(),",
+        )
+    ],
     # not a bug: the run stops (every rank) right after its first checkpoint, to be resumed
-    "stop_after_first_checkpoint": [("ghostvis_core.run.train.loop", "maybe_checkpoint", "        commit(run)\n",
-                                     "        commit(run)\n        __import__('os')._exit(3)\n")],
+    "stop_after_first_checkpoint": [
+        (
+            "ghostvis_core.run.train.trainer",
+            "Trainer.checkpoint",
+            "        self.part = self._new_part()\n",
+            "        __import__('os')._exit(3)\n",
+        )
+    ],
 }
 
 
@@ -100,8 +179,13 @@ def mutate(module: str, qualname: str, edits: list[tuple[str, str]], setter=seta
         if source.count(anchor) != 1:
             raise AssertionError(f"planted bug: {anchor!r} is not once in {module}.{qualname}; update tests/planted.py")
         source = source.replace(anchor, replacement)
-    code = compile(textwrap.dedent(source), f"<planted {module}.{qualname}>", "exec",
-                   flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    code = compile(
+        textwrap.dedent(source),
+        f"<planted {module}.{qualname}>",
+        "exec",
+        flags=__future__.annotations.compiler_flag,
+        dont_inherit=True,
+    )
     local: dict = {}
     exec(code, vars(mod), local)
     new = local[name]

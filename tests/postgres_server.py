@@ -59,8 +59,13 @@ class PostgresServer:
 
     def dagster_env(self) -> dict[str, str]:
         """The variables deploy/dagster-postgres.yaml reads, pointing at this server's database."""
-        return {"DAGSTER_PG_HOST": self.host, "DAGSTER_PG_PORT": str(self.port), "DAGSTER_PG_USER": self.user,
-                "DAGSTER_PG_PASSWORD": self.password, "DAGSTER_PG_DB": self.database}
+        return {
+            "DAGSTER_PG_HOST": self.host,
+            "DAGSTER_PG_PORT": str(self.port),
+            "DAGSTER_PG_USER": self.user,
+            "DAGSTER_PG_PASSWORD": self.password,
+            "DAGSTER_PG_DB": self.database,
+        }
 
     def url(self) -> str:
         return f"postgresql://{self.user}:{self.password}@{self.host}:{self.port}/{self.database}"
@@ -68,8 +73,14 @@ class PostgresServer:
     def client(self, tool: str, *args: str) -> subprocess.CompletedProcess:
         """A PostgreSQL client (psql, createdb, pg_isready) against this server, checked."""
         env = {**os.environ, "PGPASSWORD": self.password}
-        return subprocess.run([str(bin_dir() / tool), "-h", self.host, "-p", str(self.port), "-U", self.user, *args],
-                              env=env, capture_output=True, text=True, timeout=60, check=True)
+        return subprocess.run(
+            [str(bin_dir() / tool), "-h", self.host, "-p", str(self.port), "-U", self.user, *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
 
     def log(self) -> str:
         path = self.root / "postgres.log"
@@ -102,9 +113,21 @@ def init_cluster(server: PostgresServer) -> None:
     pwfile.write_text(server.password + "\n")
     if user:
         shutil.chown(pwfile, user=user, group=user)
-    init = as_server_user([str(bin_dir() / "initdb"), "-D", str(server.root / "data"), "-U", server.user,
-                           f"--pwfile={pwfile}", "--auth=scram-sha-256", "-E", "UTF8", "--no-sync"],
-                          log=server.root / "initdb.log")
+    init = as_server_user(
+        [
+            str(bin_dir() / "initdb"),
+            "-D",
+            str(server.root / "data"),
+            "-U",
+            server.user,
+            f"--pwfile={pwfile}",
+            "--auth=scram-sha-256",
+            "-E",
+            "UTF8",
+            "--no-sync",
+        ],
+        log=server.root / "initdb.log",
+    )
     if init.wait(timeout=120) != 0:
         raise AssertionError(f"initdb failed:\n{(server.root / 'initdb.log').read_text()[-4000:]}")
     pwfile.unlink()
@@ -115,8 +138,9 @@ def wait_ready(server: PostgresServer, timeout: float = 60) -> None:
     while time.time() < deadline:
         if server.proc.poll() is not None:
             raise AssertionError(f"postgres exited {server.proc.returncode}:\n{server.log()}")
-        ready = subprocess.run([str(bin_dir() / "pg_isready"), "-h", server.host, "-p", str(server.port)],
-                               capture_output=True)
+        ready = subprocess.run(
+            [str(bin_dir() / "pg_isready"), "-h", server.host, "-p", str(server.port)], capture_output=True
+        )
         if ready.returncode == 0:
             return
         time.sleep(0.2)
@@ -129,9 +153,20 @@ def start_server() -> PostgresServer:
     try:
         init_cluster(server)
         server.proc = as_server_user(
-            [str(bin_dir() / "postgres"), "-D", str(server.root / "data"), "-h", server.host, "-p", str(server.port),
-             "-k", str(server.root)],
-            log=server.root / "postgres.log", start_new_session=True)
+            [
+                str(bin_dir() / "postgres"),
+                "-D",
+                str(server.root / "data"),
+                "-h",
+                server.host,
+                "-p",
+                str(server.port),
+                "-k",
+                str(server.root),
+            ],
+            log=server.root / "postgres.log",
+            start_new_session=True,
+        )
         wait_ready(server)
         server.client("createdb", server.database)
     except BaseException:

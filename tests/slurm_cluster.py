@@ -76,23 +76,43 @@ def slurm_conf(root: Path, munge_socket: Path, slurmd: str, placement: Placement
     placement = placement or this_host()
     (host, addr), prolog = placement.controller, placement.task_prolog
     ctld_port, *node_ports = free_ports(1 + len(NODES))
-    nodes = [f"NodeName={name} NodeHostname={node_host} NodeAddr={node_addr} Port={port} {node_hardware(slurmd)} "
-             "State=UNKNOWN" for name, (node_host, node_addr), port in zip(NODES, placement.nodes, node_ports)]
-    return "\n".join([
-        "ClusterName=ghostvis-test", f"SlurmctldHost={host}({addr})", f"SlurmctldPort={ctld_port}",
-        "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={munge_socket}",
-        "SlurmUser=root", "SlurmdUser=root", "MailProg=/bin/true", "MpiDefault=none",
-        f"StateSaveLocation={root}/state", f"SlurmdSpoolDir={root}/spool/%n",
-        f"SlurmctldPidFile={root}/slurmctld.pid", f"SlurmdPidFile={root}/slurmd-%n.pid",
-        f"SlurmctldLogFile={root}/log/slurmctld.log", f"SlurmdLogFile={root}/log/slurmd-%n.log",
-        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-        "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core", "ReturnToService=2",
-        "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
-        *([f"TaskProlog={prolog}"] if prolog else []),
-        *nodes,
-        f"PartitionName={PARTITION} Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4",
-        "",
-    ])
+    nodes = [
+        f"NodeName={name} NodeHostname={node_host} NodeAddr={node_addr} Port={port} {node_hardware(slurmd)} "
+        "State=UNKNOWN"
+        for name, (node_host, node_addr), port in zip(NODES, placement.nodes, node_ports)
+    ]
+    return "\n".join(
+        [
+            "ClusterName=ghostvis-test",
+            f"SlurmctldHost={host}({addr})",
+            f"SlurmctldPort={ctld_port}",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={munge_socket}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "MailProg=/bin/true",
+            "MpiDefault=none",
+            f"StateSaveLocation={root}/state",
+            f"SlurmdSpoolDir={root}/spool/%n",
+            f"SlurmctldPidFile={root}/slurmctld.pid",
+            f"SlurmdPidFile={root}/slurmd-%n.pid",
+            f"SlurmctldLogFile={root}/log/slurmctld.log",
+            f"SlurmdLogFile={root}/log/slurmd-%n.log",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "ReturnToService=2",
+            "AccountingStorageType=accounting_storage/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            *([f"TaskProlog={prolog}"] if prolog else []),
+            *nodes,
+            f"PartitionName={PARTITION} Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP "
+            "OverSubscribe=FORCE:4",
+            "",
+        ]
+    )
 
 
 @dataclass
@@ -107,16 +127,29 @@ class SlurmCluster:
 
     def run(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         """A Slurm client command against this cluster (on the controller's host)."""
-        return subprocess.run([*self.placement.on_host(self.placement.controller[0]), *args], env=self.env(),
-                              capture_output=True, text=True, timeout=timeout, check=False)
+        return subprocess.run(
+            [*self.placement.on_host(self.placement.controller[0]), *args],
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
 
     def start(self, log_name: str, exe: str, *args: str, host: str = "") -> None:
         """A daemon in the foreground on `host` (default: the controller's), in its own process group,
         its output in log/<log_name>.out."""
         on_host = self.placement.on_host(host or self.placement.controller[0])
         with (self.root / "log" / f"{log_name}.out").open("w") as log:
-            self.procs.append(subprocess.Popen([*on_host, daemon(exe), *args], stdout=log, stderr=subprocess.STDOUT,
-                                               env=self.env(), start_new_session=True))
+            self.procs.append(
+                subprocess.Popen(
+                    [*on_host, daemon(exe), *args],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.env(),
+                    start_new_session=True,
+                )
+            )
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted((self.root / "log").iterdir()))
@@ -167,9 +200,16 @@ def start_cluster(placement: Placement | None = None) -> SlurmCluster:
 
 def boot(cluster: SlurmCluster, sock: Path, key_dir: Path) -> None:
     root, conf = cluster.root, cluster.conf
-    cluster.start("munged", "munged", "-F", f"--socket={sock}", f"--key-file={key_dir / 'munge.key'}",
-                  f"--pid-file={root}/munge/munged.pid", f"--seed-file={key_dir}/munged.seed",
-                  f"--log-file={root}/log/munged.log")
+    cluster.start(
+        "munged",
+        "munged",
+        "-F",
+        f"--socket={sock}",
+        f"--key-file={key_dir / 'munge.key'}",
+        f"--pid-file={root}/munge/munged.pid",
+        f"--seed-file={key_dir}/munged.seed",
+        f"--log-file={root}/log/munged.log",
+    )
     wait_for(lambda: sock.exists(), "munged's socket", cluster)
     cluster.start("slurmctld", "slurmctld", "-D", "-f", str(conf))
     wait_for(lambda: cluster.run("scontrol", "ping").returncode == 0, "slurmctld", cluster)

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ghostvis_core.plan.batch import IGNORE_INDEX
 from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.run.model import gpt
 from ghostvis_core.run.model.gpt import GPT, DocSpans, lm_loss
-from ghostvis_core.plan.batch import IGNORE_INDEX
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=32)
 
@@ -20,8 +20,7 @@ def packed_batch():
     """Two rows of 24 positions, each packing documents of uneven lengths and a padded tail (id -1)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, CFG.vocab_size, (2, 25), generator=g)
-    doc_ids = torch.tensor([[0] * 5 + [1] * 11 + [2] * 6 + [-1] * 2,
-                            [0] * 13 + [1] * 1 + [2] * 10])
+    doc_ids = torch.tensor([[0] * 5 + [1] * 11 + [2] * 6 + [-1] * 2, [0] * 13 + [1] * 1 + [2] * 10])
     targets = x[:, 1:].clone()
     targets[0, -2:] = IGNORE_INDEX
     return x[:, :-1], targets, doc_ids
@@ -40,8 +39,9 @@ def dense_mask_loss(model: GPT, x, targets, doc_ids):
         q = a.wq(n).view(2, t, a.n_heads, a.hd)
         k, v = a.wkv(n).view(2, t, 2, a.n_kv, a.hd).unbind(2)
         q, k = gpt.apply_rope(q, cos[:t], sin[:t]), gpt.apply_rope(k, cos[:t], sin[:t])
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                           enable_gqa=True).transpose(1, 2)
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
+        ).transpose(1, 2)
         h = h + a.wo(y.reshape(2, t, -1))
         h = h + block.ffn(block.ffn_norm(h))
     logits = model.lm_head(model.norm(h)).float()

@@ -18,7 +18,6 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.token_shard import TokenShard, write_token_shard
 from ghostvis_core.errors import GhostvisError
@@ -26,18 +25,42 @@ from ghostvis_core.home import Home
 from ghostvis_core.plan.stages import stage_names
 from ghostvis_core.run.launch import prepare_run
 from ghostvis_core.run.train.runs import completed_runs
+from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS
 from tests.conftest import copy_home, run_cli, run_names
 from tests.planted import plant
 
 pytestmark = pytest.mark.e2e
 
 STEPS, TOKENS_PER_STEP = 4, 2 * 64 * 2 * 2
-SMOKE_ACCUM = ["--stage", "pretrain", "--preset", "smoke", "--set", f"budget.steps={STEPS}",
-               "--set", "batch.grad_accum_steps=2", "--set", "batch.micro_batch_size=2", "--set", "batch.seq_len=64",
-               "--set", "checkpoint.every_steps=2", "--set", "eval.val_tokens=256"]
-TORCHRUN_BUGS = ["rank0_counters", "rank0_everywhere", "last_micro_batch_only", "micro_batch_0_twice",
-                 "last_part_unpublished", "row_fed_in_place_of_another", "ranks_swapped", "targets_are_inputs",
-                 "mlflow_history_stale"]
+SMOKE_ACCUM = [
+    "--stage",
+    "pretrain",
+    "--preset",
+    "smoke",
+    "--set",
+    f"budget.steps={STEPS}",
+    "--set",
+    "batch.grad_accum_steps=2",
+    "--set",
+    "batch.micro_batch_size=2",
+    "--set",
+    "batch.seq_len=64",
+    "--set",
+    "checkpoint.every_steps=2",
+    "--set",
+    "eval.val_tokens=256",
+]
+TORCHRUN_BUGS = [
+    "rank0_counters",
+    "rank0_everywhere",
+    "last_micro_batch_only",
+    "micro_batch_0_twice",
+    "last_part_unpublished",
+    "row_fed_in_place_of_another",
+    "ranks_swapped",
+    "targets_are_inputs",
+    "mlflow_history_stale",
+]
 # sft: 4 steps of the smoke recipe (8 packed chats of 256 positions per rank and step, image chats among them)
 SMOKE_SFT = ["--stage", "sft", "--preset", "smoke", "--set", "budget.steps=4", "--set", "checkpoint.every_steps=2"]
 SFT_BUGS = ["chat_mask_ignored", "chat_doc_ids_dropped", "images_rotated"]
@@ -47,8 +70,12 @@ def launch(home: Path, bugs: str | None, seed: int, check: bool = True, args: li
     """One smoke stage run (2 ranks; pretrain unless `args` say otherwise), with `bugs` planted in its rank
     processes; its run key. A distinct data.seed gives each scenario a run key of its own."""
     module = ["-m", "tests.planted", bugs, "--"] if bugs else ["-m", "ghostvis_core.run"]
-    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", *module, *args,
-                    "--set", f"data.seed={seed}"], home, check=check, OMP_NUM_THREADS="1")
+    proc = run_cli(
+        ["torchrun", "--standalone", "--nproc_per_node=2", *module, *args, "--set", f"data.seed={seed}"],
+        home,
+        check=check,
+        OMP_NUM_THREADS="1",
+    )
     return re.search(r"run (\S+) segment", proc.stdout).group(1)
 
 
@@ -69,7 +96,9 @@ def planted(demo_home, tmp_path_factory) -> tuple[Path, dict[str, str]]:
     return home, keys
 
 
-def checks_of(home: Path, run_key: str, bug: str | None = None, monkeypatch=None, stage: str = "pretrain") -> dict[str, dict]:
+def checks_of(
+    home: Path, run_key: str, bug: str | None = None, monkeypatch=None, stage: str = "pretrain"
+) -> dict[str, dict]:
     """Every stage check of the run, by name, as `ghostvis audit` runs them (no Dagster metadata). With
     `bug`, the same bug is planted in this (the auditing) process too: the audit must not run the code
     it checks, so a bug in shared code must still be caught."""
@@ -106,8 +135,11 @@ def test_a_row_recorded_but_never_trained_is_named_by_the_content_proof_alone(pl
     failures = checks["fed_content_matches_files"]["failures"]
     # rows 2 mod 4 are rows 2 and 6 of step 1 (8 rows a step): rank 1, micro-batches 0 and 1, in every step
     assert len(failures) == STEPS * 2
-    assert re.fullmatch(r"pretrain step 1 rank 1 micro-batch 0: row 2 was recorded but row 3 was fed in its place "
-                        r"\(first differing position \d+: inputs \d+ in the files' row 2, \d+ fed\)", failures[0]), failures[0]
+    assert re.fullmatch(
+        r"pretrain step 1 rank 1 micro-batch 0: row 2 was recorded but row 3 was fed in its place "
+        r"\(first differing position \d+: inputs \d+ in the files' row 2, \d+ fed\)",
+        failures[0],
+    ), failures[0]
 
 
 def test_a_rank_offset_bug_in_shared_row_arithmetic_is_caught_with_the_bug_in_the_audit_too(planted, monkeypatch):
@@ -116,10 +148,14 @@ def test_a_rank_offset_bug_in_shared_row_arithmetic_is_caught_with_the_bug_in_th
     assert {"every_rank_read_its_rows", "fed_content_matches_files"} <= failed(checks)
     assert {"tokens_recounted_from_files", "consumption_matches_plan"}.isdisjoint(failed(checks))  # totals right
     problems = checks["every_rank_read_its_rows"]["tables"]["problems"]["rows"]
-    assert [(row[1], row[2], row[3]) for row in problems[:2]] == [(0, "0..2, 4..6, 8..10, 12..14", "2..4, 6..8, 10..12, 14..16"),
-                                                                  (1, "2..4, 6..8, 10..12, 14..16", "0..2, 4..6, 8..10, 12..14")]
-    assert "pretrain step 1 rank 0 micro-batch 0: recorded rows 2..4, the plan's rows are 0..2" in \
-        checks["fed_content_matches_files"]["failures"]
+    assert [(row[1], row[2], row[3]) for row in problems[:2]] == [
+        (0, "0..2, 4..6, 8..10, 12..14", "2..4, 6..8, 10..12, 14..16"),
+        (1, "2..4, 6..8, 10..12, 14..16", "0..2, 4..6, 8..10, 12..14"),
+    ]
+    assert (
+        "pretrain step 1 rank 0 micro-batch 0: recorded rows 2..4, the plan's rows are 0..2"
+        in checks["fed_content_matches_files"]["failures"]
+    )
 
 
 def test_counters_summed_on_rank_0_only_fail_the_recount(planted):
@@ -127,8 +163,10 @@ def test_counters_summed_on_rank_0_only_fail_the_recount(planted):
     checks = checks_of(home, keys["rank0_counters"])
     assert {"tokens_recounted_from_files", "ledger_mlflow_metadata_agree"} <= failed(checks)
     figures = checks["tokens_recounted_from_files"]["figures"]
-    assert (figures["real_tokens_trainer"], figures["real_tokens_recount"]) == (STEPS * TOKENS_PER_STEP // 2,
-                                                                                 STEPS * TOKENS_PER_STEP)
+    assert (figures["real_tokens_trainer"], figures["real_tokens_recount"]) == (
+        STEPS * TOKENS_PER_STEP // 2,
+        STEPS * TOKENS_PER_STEP,
+    )
 
 
 def test_rank_0_only_everywhere_leaves_a_gap_and_a_missing_rank_share(planted):
@@ -155,7 +193,10 @@ def test_targets_equal_to_the_inputs_are_caught_by_the_content_proof_alone(plant
     assert failed(checks) == {"fed_content_matches_files"}
     failures = checks["fed_content_matches_files"]["failures"]
     assert len(failures) == STEPS * 2 * 2  # every micro-batch of every rank and step
-    assert failures[0] == "pretrain step 1 rank 0 micro-batch 0: row 0 as fed matches no row of the plan within 2 steps of step 1"
+    assert (
+        failures[0]
+        == "pretrain step 1 rank 0 micro-batch 0: row 0 as fed matches no row of the plan within 2 steps of step 1"
+    )
 
 
 def test_a_stale_mlflow_token_chart_with_a_right_last_point_is_named_step_by_step(planted, monkeypatch):
@@ -189,8 +230,10 @@ def test_loss_on_every_chat_token_fails_the_recount_and_the_content_proof(plante
 def test_packed_chats_attending_across_documents_are_caught_by_the_content_proof_alone(planted, monkeypatch):
     checks = sft_checks(planted, "chat_doc_ids_dropped", monkeypatch)
     assert failed(checks) == {"fed_content_matches_files"}
-    assert "sft step 1 rank 0 micro-batch 0: row 0 as fed matches no row of the plan" in \
-        checks["fed_content_matches_files"]["failures"][0]
+    assert (
+        "sft step 1 rank 0 micro-batch 0: row 0 as fed matches no row of the plan"
+        in checks["fed_content_matches_files"]["failures"][0]
+    )
 
 
 def test_images_fed_to_the_wrong_rows_are_caught_by_the_content_proof_alone(planted, monkeypatch):
@@ -202,12 +245,20 @@ def test_images_fed_to_the_wrong_rows_are_caught_by_the_content_proof_alone(plan
 def test_micro_batch_0_trained_twice_fails_the_recount_where_the_old_checks_passed(planted, monkeypatch):
     home, keys = planted
     checks = checks_of(home, keys["micro_batch_0_twice"], "micro_batch_0_twice", monkeypatch)
-    assert {"tokens_recounted_from_files", "consumption_matches_plan", "every_rank_read_its_rows",
-            "fed_content_matches_files"} <= failed(checks)
+    assert {
+        "tokens_recounted_from_files",
+        "consumption_matches_plan",
+        "every_rank_read_its_rows",
+        "fed_content_matches_files",
+    } <= failed(checks)
     assert {"tokens_match_plan", "ledger_mlflow_metadata_agree"}.isdisjoint(failed(checks))  # the old checks miss it
     figures = checks["tokens_recounted_from_files"]["figures"]
     half = STEPS * TOKENS_PER_STEP // 2
-    assert (figures["real_tokens_trainer"], figures["real_tokens_recount"], figures["overlap_tokens"]) == (2 * half, half, half)
+    assert (figures["real_tokens_trainer"], figures["real_tokens_recount"], figures["overlap_tokens"]) == (
+        2 * half,
+        half,
+        half,
+    )
     assert checks["consumption_matches_plan"]["figures"]["gap_tokens"] == half
 
 
@@ -216,8 +267,10 @@ def test_an_unpublished_last_part_fails_the_recount_and_the_expected_consumption
     checks = checks_of(home, keys["last_part_unpublished"])
     assert {"tokens_recounted_from_files", "consumption_matches_plan"} <= failed(checks)
     figures = checks["tokens_recounted_from_files"]["figures"]
-    assert (figures["real_tokens_trainer"], figures["real_tokens_recount"]) == (STEPS * TOKENS_PER_STEP,
-                                                                                 STEPS * TOKENS_PER_STEP // 2)
+    assert (figures["real_tokens_trainer"], figures["real_tokens_recount"]) == (
+        STEPS * TOKENS_PER_STEP,
+        STEPS * TOKENS_PER_STEP // 2,
+    )
     assert any("the chain ends after step 2" in f for f in checks["consumption_matches_plan"]["failures"])
 
 
@@ -242,9 +295,14 @@ def test_a_dropped_split_filter_is_refused_before_launch_and_by_the_stage_check(
     monkeypatch.undo()
     ledger = Ledger.in_store(h.store)
     run = inv.StageRun.load(h.store, ledger, "pretrain", keys["clean"])
-    validation = next(r for r in ledger.shards(tokenizer_id=run.spec.tokenizer_id, sources=["demo_prose"])
-                      if r["split"] == "validation")
-    run.spec.train_shards["demo_prose"].append({k: validation[k] for k in ("shard_id", "source", "split", "content_sha256")})
+    validation = next(
+        r
+        for r in ledger.shards(tokenizer_id=run.spec.tokenizer_id, sources=["demo_prose"])
+        if r["split"] == "validation"
+    )
+    run.spec.train_shards["demo_prose"].append(
+        {k: validation[k] for k in ("shard_id", "source", "split", "content_sha256")}
+    )
     outcome = inv.no_validation_selected(ledger, run)
     assert not outcome.passed and outcome.failures == [f"{validation['shard_id']} selected for training is validation"]
 
@@ -256,36 +314,53 @@ def test_the_real_training_step_delivers_every_micro_batch_once(planted, monkeyp
     planted bug makes the same comparison fail."""
     import torch
 
-    from ghostvis_core.verify.audit.expected import share_problems
-    from ghostvis_core.verify.audit.recount import FileRecount, recount
     from ghostvis_core.data.ledger import pieces_to_rows, row_ranges
     from ghostvis_core.data.loader import merge_pieces
-    from ghostvis_core.run.train import loop
     from ghostvis_core.run.train.dist import DistContext
     from ghostvis_core.run.train.setup import setup
+    from ghostvis_core.verify.audit.expected import share_problems
+    from ghostvis_core.verify.audit.recount import FileRecount, recount
 
     home, _ = planted
-    overrides = {"batch.world_size": 1, "batch.grad_accum_steps": 2, "batch.micro_batch_size": 2,
-                 "batch.seq_len": 64, "budget.steps": 2, "eval.val_tokens": 256, "data.seed": 40}
+    overrides = {
+        "batch.world_size": 1,
+        "batch.grad_accum_steps": 2,
+        "batch.micro_batch_size": 2,
+        "batch.seq_len": 64,
+        "budget.steps": 2,
+        "eval.val_tokens": 256,
+        "data.seed": 40,
+    }
     spec = prepare_run("pretrain", preset="smoke", overrides=overrides, home=Home(home))
     if bug:
         plant(bug, setter=monkeypatch.setattr)
-    run = setup(spec, DistContext(0, 0, 1, torch.device("cpu")))
+    trainer = setup(spec, DistContext(0, 0, 1, torch.device("cpu")))
     try:
-        loop.train_step(run)  # looked up now: a planted bug replaces it
-        loop.train_step(run)
+        trainer.train_step()  # looked up now: a planted bug replaces it
+        trainer.train_step()
     finally:
-        run.tracker.mlflow.finish("FINISHED")
-    c = run.consumption
-    part = {"part_id": "p", "step_first": 1, "step_last": 2, "micro_batch_size": 2, "seq_len": 64, "world_size": 1,
-            "grad_accum_steps": 2, **c.counts.as_dict()}
+        trainer.tracker.mlflow.finish("FINISHED")
+    c = trainer.part.consumption
+    part = {
+        "part_id": "p",
+        "step_first": 1,
+        "step_last": 2,
+        "micro_batch_size": 2,
+        "seq_len": 64,
+        "world_size": 1,
+        "grad_accum_steps": 2,
+        **c.counts.as_dict(),
+    }
     share = {"rank": 0, "row_ranges": row_ranges(c.rows), **c.counts.as_dict()}
     merged, overlap = merge_pieces(c.pieces)
-    counted, _ = recount(FileRecount(Home(home).store, spec, {}), pieces_to_rows(merged, run.objective.rows_of),
-                         2 * run.plan.tokens_per_step)
-    found = (share_problems(part, [share], run.plan.rows_per_step), overlap, counted == run.state.counts)
+    counted, _ = recount(
+        FileRecount(Home(home).store, spec, {}),
+        pieces_to_rows(merged, trainer.objective.rows_of),
+        2 * trainer.plan.tokens_per_step,
+    )
+    found = (share_problems(part, [share], trainer.plan.rows_per_step), overlap, counted == trainer.state.counts)
     if bug is None:
-        assert found == ([], 0, True) and run.state.counts.real_tokens == 2 * run.plan.tokens_per_step
+        assert found == ([], 0, True) and trainer.state.counts.real_tokens == 2 * trainer.plan.tokens_per_step
     else:
         assert found != ([], 0, True), f"{bug} went unnoticed"
 
@@ -307,23 +382,32 @@ def test_audit_of_the_demo_exits_0_with_trainer_figures_next_to_the_recount(demo
             assert trainer == ledger == mlflow == metadata == recount and status == "ok", (s["stage"], figure)
         recount = next(c for c in s["checks"] if c["name"] == "tokens_recounted_from_files")["figures"]
         wall = completed_runs(Home(demo_home).store, s["stage"])[-1].wall_time_s
-        print(f"{s['stage']}: recount {recount['recount_seconds']:.3f} s of a {wall:.1f} s stage "
-              f"({100 * recount['recount_seconds'] / wall:.2f}%)")
+        print(
+            f"{s['stage']}: recount {recount['recount_seconds']:.3f} s of a {wall:.1f} s stage "
+            f"({100 * recount['recount_seconds'] / wall:.2f}%)"
+        )
 
 
 def test_the_checks_only_job_re_executes_every_check_without_retraining(home_copy):
     from dagster import DagsterEventType, DagsterInstance
 
     runs_before = run_names(home_copy)
-    run_cli(["dagster", "job", "execute", "-m", "ghostvis_pipeline.definitions", "-j", "checks_only"], home_copy,
-            timeout=1200)
+    run_cli(
+        ["dagster", "job", "execute", "-m", "ghostvis_pipeline.definitions", "-j", "checks_only"],
+        home_copy,
+        timeout=1200,
+    )
     assert run_names(home_copy) == runs_before
     with DagsterInstance.from_config(str(home_copy / "dagster")) as instance:
         run = instance.get_runs(limit=1)[0]
         events = instance.get_records_for_run(run.run_id, of_type=DagsterEventType.ASSET_CHECK_EVALUATION).records
-        results = {(e.event_log_entry.dagster_event.event_specific_data.asset_key.to_user_string(),
-                    e.event_log_entry.dagster_event.event_specific_data.check_name):
-                   e.event_log_entry.dagster_event.event_specific_data.passed for e in events}
+        results = {
+            (
+                e.event_log_entry.dagster_event.event_specific_data.asset_key.to_user_string(),
+                e.event_log_entry.dagster_event.event_specific_data.check_name,
+            ): e.event_log_entry.dagster_event.event_specific_data.passed
+            for e in events
+        }
     assert run.job_name == "checks_only"
     assert results[("sft", "tokens_recounted_from_files")] and all(results.values()), results
     # 5 data checks, the lineage quality gate on `evaluation`, then every stage check of every stage
@@ -352,8 +436,11 @@ def test_a_deleted_ledger_part_is_named(home_copy):
         f.unlink()
     proc = audit_cli(home_copy, "--stage", "sft")
     assert proc.returncode == 1
-    assert re.search(r"sft: tokens_recounted_from_files: run \(trainer's run record\): real_tokens trainer [\d,]+ "
-                     r"!= recount [\d,]+", proc.stdout)
+    assert re.search(
+        r"sft: tokens_recounted_from_files: run \(trainer's run record\): real_tokens trainer [\d,]+ "
+        r"!= recount [\d,]+",
+        proc.stdout,
+    )
     assert "sft: consumption_matches_plan: the chain ends after step" in proc.stdout
 
 
@@ -365,8 +452,10 @@ def test_an_edited_mlflow_token_metric_is_named(home_copy):
     client.log_metric(record.mlflow_run_id, "tokens/real", record.counts.real_tokens + 7, step=record.steps + 1)
     proc = audit_cli(home_copy, "--stage", "dpo")
     assert proc.returncode == 1
-    assert f"dpo: ledger_mlflow_metadata_agree: real_tokens: ledger {record.counts.real_tokens}, " \
-           f"mlflow {record.counts.real_tokens + 7}" in proc.stdout
+    assert (
+        f"dpo: ledger_mlflow_metadata_agree: real_tokens: ledger {record.counts.real_tokens}, "
+        f"mlflow {record.counts.real_tokens + 7}" in proc.stdout
+    )
 
 
 def test_a_token_shard_replaced_by_other_content_with_the_same_rows_is_named(home_copy):
@@ -378,10 +467,14 @@ def test_a_token_shard_replaced_by_other_content_with_the_same_rows_is_named(hom
     shard = TokenShard.open(path, shard_id)
     reversed_docs = [shard.doc_tokens(d)[::-1] for d in range(shard.num_docs)]  # same rows, same lengths
     offsets = pa.array([0, *[int(x) for x in (shard.offsets[1:] - shard.offsets[0])]], pa.int64())
-    tokens = pa.LargeListArray.from_arrays(offsets, pa.array([t for doc in reversed_docs for t in doc.tolist()],
-                                                             pa.from_numpy_dtype(shard.values.dtype)))
+    tokens = pa.LargeListArray.from_arrays(
+        offsets, pa.array([t for doc in reversed_docs for t in doc.tolist()], pa.from_numpy_dtype(shard.values.dtype))
+    )
     write_token_shard(path, {"row": pa.array(shard.rows), "tokens": tokens})
     proc = audit_cli(home_copy, "--stage", "pretrain")
     assert proc.returncode == 1
-    assert f"pretrain: tokens_recounted_from_files: token file of {shard_id} is not the one the ledger recorded" in proc.stdout
+    assert (
+        f"pretrain: tokens_recounted_from_files: token file of {shard_id} is not the one the ledger recorded"
+        in proc.stdout
+    )
     assert f"data: ledger_matches_token_files: shard {shard_id}" in proc.stdout

@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import pytest
 
-from ghostvis_core.verify.audit import invariants as inv
-from ghostvis_core.verify.audit.expected import rank_rows, share_problems
-from ghostvis_core.verify.audit.outcome import covered_twice, subtract, union
-from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS, CheckInputs
 from ghostvis_core.counts import ROLLOUT_FIGURES, TokenCounts
 from ghostvis_core.data.ledger import Ledger, row_ranges
 from ghostvis_core.data.tokenizer import newest_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan.stages import stage_names
-from ghostvis_core.store import FolderStore
-from ghostvis_core.run.train.runs import completed_runs
 from ghostvis_core.run.launch import select_shards
+from ghostvis_core.run.train.runs import completed_runs
+from ghostvis_core.store import FolderStore
+from ghostvis_core.verify.audit import invariants as inv
+from ghostvis_core.verify.audit.expected import rank_rows, share_problems
+from ghostvis_core.verify.audit.outcome import covered_twice, subtract, union
+from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS, CheckInputs
 from tests.planted import plant
 from tests.test_loader import write_shard
 
@@ -31,9 +31,20 @@ def test_range_arithmetic():
 
 
 def part(step_first=1, step_last=2, world_size=2, **figures) -> dict:
-    return {"part_id": "r.s000.p000000002", "step_first": step_first, "step_last": step_last,
-            "micro_batch_size": 2, "seq_len": 8, "world_size": world_size, "grad_accum_steps": 2,
-            "real_tokens": 0, "pad_tokens": 0, "loss_tokens": 0, "cropped_tokens": 0, **figures}
+    return {
+        "part_id": "r.s000.p000000002",
+        "step_first": step_first,
+        "step_last": step_last,
+        "micro_batch_size": 2,
+        "seq_len": 8,
+        "world_size": world_size,
+        "grad_accum_steps": 2,
+        "real_tokens": 0,
+        "pad_tokens": 0,
+        "loss_tokens": 0,
+        "cropped_tokens": 0,
+        **figures,
+    }
 
 
 def test_each_rank_reads_its_interleaved_micro_batches():
@@ -43,8 +54,14 @@ def test_each_rank_reads_its_interleaved_micro_batches():
 
 
 def share(rank: int, rows: list[int], real: int) -> dict:
-    return {"rank": rank, "row_ranges": row_ranges(rows), "real_tokens": real, "pad_tokens": 0,
-            "loss_tokens": real, "cropped_tokens": 0}
+    return {
+        "rank": rank,
+        "row_ranges": row_ranges(rows),
+        "real_tokens": real,
+        "pad_tokens": 0,
+        "loss_tokens": real,
+        "cropped_tokens": 0,
+    }
 
 
 def test_a_missing_or_wrong_rank_share_is_named():
@@ -53,7 +70,8 @@ def test_a_missing_or_wrong_rank_share_is_named():
     rank1 = [2, 3, 6, 7, 10, 11, 14, 15]
     assert share_problems(p, [share(0, rank0, 64), share(1, rank1, 64)], 8) == []
     assert [r[1:] for r in share_problems(p, [share(0, rank0, 128)], 8)] == [
-        [1, "2..4, 6..8, 10..12, 14..16", "none", "no share recorded"]]
+        [1, "2..4, 6..8, 10..12, 14..16", "none", "no share recorded"]
+    ]
     twice = [0, 1, 0, 1, 8, 9, 8, 9]  # micro-batch 0 read twice, micro-batch 1 never
     problems = share_problems(p, [share(0, twice, 64), share(1, rank1, 32)], 8)
     assert [r[1] for r in problems] == [0, "all"] and problems[0][4] == "other rows"
@@ -63,12 +81,29 @@ def test_the_real_shard_selection_refuses_a_validation_shard(tmp_path, monkeypat
     store = FolderStore(tmp_path / "store")
     ledger = Ledger.in_store(store)
     for shard_id, split in (("prose/train-000", "train"), ("prose/val-000", "validation")):
-        ref = write_shard(store.writable("token_shard", "tok", shard_id).parent.parent, "prose", shard_id.split("/")[1],
-                          [[1, 2, 3], [4, 5]], split=split)
+        ref = write_shard(
+            store.writable("token_shard", "tok", shard_id).parent.parent,
+            "prose",
+            shard_id.split("/")[1],
+            [[1, 2, 3], [4, 5]],
+            split=split,
+        )
         store.publish("token_shard", "tok", shard_id)
-        ledger.write_shard({"shard_id": shard_id, "source": "prose", "split": split, "kind": "text",
-                            "content_sha256": shard_id, "raw_bytes": 1, "tokenizer_id": "tok", "docs": ref.docs,
-                            "tokens": ref.tokens, "text_bytes": 1, "token_path": ref.path})
+        ledger.write_shard(
+            {
+                "shard_id": shard_id,
+                "source": "prose",
+                "split": split,
+                "kind": "text",
+                "content_sha256": shard_id,
+                "raw_bytes": 1,
+                "tokenizer_id": "tok",
+                "docs": ref.docs,
+                "tokens": ref.tokens,
+                "text_bytes": 1,
+                "token_path": ref.path,
+            }
+        )
     selected = select_shards(ledger, store, "tok", ["prose"], "train")
     assert [r["shard_id"] for r in selected["prose"]] == ["prose/train-000"]
     plant("split_filter_dropped", setter=monkeypatch.setattr)
@@ -82,8 +117,12 @@ CHECK_SIDES = {
     "fed_content_matches_files": [("rows_rebuilt", "rows_fed")],
     "rollouts_recounted": [(f"{k}_recount", f"{k}_ledger") for k in ROLLOUT_FIGURES]
     + [("prompt_tokens_recount", "prompt_tokens_ledger")],
-    "consumption_matches_plan": [("expected_shard_tokens", "consumed_shard_tokens"), ("rows_planned", "rows_recorded"),
-                                 ("steps_planned", "steps_trained"), ("steps_x_tokens_per_step", "consumed_positions")],
+    "consumption_matches_plan": [
+        ("expected_shard_tokens", "consumed_shard_tokens"),
+        ("rows_planned", "rows_recorded"),
+        ("steps_planned", "steps_trained"),
+        ("steps_x_tokens_per_step", "consumed_positions"),
+    ],
     "every_rank_read_its_rows": [("rows_expected", "rows_recorded")],
 }
 
@@ -95,17 +134,24 @@ def test_every_check_shows_both_sides_of_its_comparisons_equal_on_the_clean_demo
     assert set(checks) == set(CHECK_SIDES)
     figures = {}  # (stage, check) -> the check's figures
     for stage in stage_names():
-        inputs = CheckInputs(home, ledger, inv.StageRun.load(home.store, ledger, stage,
-                                                             completed_runs(home.store, stage)[-1].run_key))
+        inputs = CheckInputs(
+            home, ledger, inv.StageRun.load(home.store, ledger, stage, completed_runs(home.store, stage)[-1].run_key)
+        )
         figures.update({(stage, name): check(inputs).figures for name, check in checks.items()})
-    shown = {(stage, name): {k: f.get(k) for pair in CHECK_SIDES[name] for k in pair}
-             for (stage, name), f in figures.items() if any(k in f for pair in CHECK_SIDES[name] for k in pair)}
+    shown = {
+        (stage, name): {k: f.get(k) for pair in CHECK_SIDES[name] for k in pair}
+        for (stage, name), f in figures.items()
+        if any(k in f for pair in CHECK_SIDES[name] for k in pair)
+    }
     for (stage, name), sides in shown.items():
         for a, b in CHECK_SIDES[name]:
             assert sides[a] == sides[b] is not None, (stage, name, a, b, figures[stage, name])
     assert {name for _, name in shown} == set(CHECK_SIDES)  # rollouts_recounted: the rl stage only
     assert shown["rl", "rollouts_recounted"]["prompt_tokens_ledger"] > 0
-    assert shown["pretrain", "fed_content_matches_files"]["rows_fed"] == \
-        shown["pretrain", "every_rank_read_its_rows"]["rows_recorded"] > 0
+    assert (
+        shown["pretrain", "fed_content_matches_files"]["rows_fed"]
+        == shown["pretrain", "every_rank_read_its_rows"]["rows_recorded"]
+        > 0
+    )
     data = inv.ledger_matches_token_files(home.store, ledger, newest_tokenizer(home.store)).figures
     assert data["recounted_tokens"] == data["ledger_tokens"] > 0

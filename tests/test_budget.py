@@ -11,14 +11,20 @@ import re
 
 import pytest
 
+from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan import presets
 from ghostvis_core.plan.budget import (
-    GPU_PEAK_FLOPS, LM_NEEDED_RULE, BatchPlan, batch_plan, lm_tokens_for_rows, plan, source_plan,
+    GPU_PEAK_FLOPS,
+    LM_NEEDED_RULE,
+    BatchPlan,
+    batch_plan,
+    lm_tokens_for_rows,
+    plan,
+    source_plan,
 )
 from ghostvis_core.plan.config import BatchConfig, ModelConfig
-from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.plan.model_shape import count_params
+from ghostvis_core.run.model.gpt import GPT
 from ghostvis_pipeline.cli import main as cli_main
 
 # tiny preset model: vocab 4096, d 256, 4 layers, 4 heads (head_dim 64), 2 kv heads, ffn 688.
@@ -86,7 +92,10 @@ def test_grad_accum_contradicting_total_batch_tokens():
     msg = str(exc.value)
     assert "grad_accum_steps=2" in msg and "grad_accum_steps=4" in msg and "524288" in msg
     # the consistent pair is accepted
-    assert batch_plan(BatchConfig(8, 2048, world_size=8, grad_accum_steps=4, total_batch_tokens=524_288)).grad_accum_steps == 4
+    assert (
+        batch_plan(BatchConfig(8, 2048, world_size=8, grad_accum_steps=4, total_batch_tokens=524_288)).grad_accum_steps
+        == 4
+    )
 
 
 @pytest.mark.parametrize("accum", [0, -2])
@@ -162,9 +171,15 @@ def test_gpu_hours_and_cost_from_step_time():
 
 def _seven_b_million_token_steps():
     """7b preset with 125 x 1000 x 8 GPUs and total_batch_tokens 1,000,000 -> grad_accum 1."""
-    return presets.resolve("pretrain", "7b", {
-        "batch.micro_batch_size": 125, "batch.seq_len": 1000, "batch.total_batch_tokens": 1_000_000,
-    })
+    return presets.resolve(
+        "pretrain",
+        "7b",
+        {
+            "batch.micro_batch_size": 125,
+            "batch.seq_len": 1000,
+            "batch.total_batch_tokens": 1_000_000,
+        },
+    )
 
 
 def test_step_time_from_gpu_peak_and_mfu():
@@ -232,8 +247,16 @@ def test_count_params_tiny_matches_built_model():
 
 
 def test_count_params_tied_embeddings_matches_built_model():
-    cfg = ModelConfig(vocab_size=96, d_model=32, n_layers=2, n_heads=4, n_kv_heads=1, ffn_hidden=40,
-                      max_seq_len=16, tie_embeddings=True)
+    cfg = ModelConfig(
+        vocab_size=96,
+        d_model=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=1,
+        ffn_hidden=40,
+        max_seq_len=16,
+        tie_embeddings=True,
+    )
     model = GPT(cfg)
     built = sum(p.numel() for p in model.parameters())  # parameters() yields the shared table once
     # per layer: wq 32*32 + wkv 32*2*1*8 + wo 32*32 = 2560; ffn 3*32*40 = 3840; norms 64 -> 6464
@@ -307,13 +330,37 @@ def _cli_json(capsys, *args):
 
 
 def test_cli_plan_json_matches_plan_tiny(capsys):
-    got = _cli_json(capsys, "--preset", "tiny", "--micro-batch-size", "4", "--seq-len", "128",
-                    "--world-size", "4", "--grad-accum", "3", "--tokens", "1000000",
-                    "--step-time", "0.5", "--price", "3")
-    cfg = presets.resolve("pretrain", "tiny", {
-        "batch.micro_batch_size": 4, "batch.seq_len": 128, "batch.world_size": 4, "batch.grad_accum_steps": 3,
-        "budget.steps": None, "budget.tokens": 1_000_000,
-    })
+    got = _cli_json(
+        capsys,
+        "--preset",
+        "tiny",
+        "--micro-batch-size",
+        "4",
+        "--seq-len",
+        "128",
+        "--world-size",
+        "4",
+        "--grad-accum",
+        "3",
+        "--tokens",
+        "1000000",
+        "--step-time",
+        "0.5",
+        "--price",
+        "3",
+    )
+    cfg = presets.resolve(
+        "pretrain",
+        "tiny",
+        {
+            "batch.micro_batch_size": 4,
+            "batch.seq_len": 128,
+            "batch.world_size": 4,
+            "batch.grad_accum_steps": 3,
+            "budget.steps": None,
+            "budget.tokens": 1_000_000,
+        },
+    )
     expected = plan(cfg, step_time_s=0.5, price_per_gpu_hour=3.0).to_dict()
     assert got == {"stage": "pretrain", "preset": "tiny", **expected}
     # and by hand: 4*128*4*3 = 6144 tokens/step; ceil(1e6 / 6144) = ceil(162.76) = 163 steps
@@ -325,11 +372,28 @@ def test_cli_plan_json_matches_plan_tiny(capsys):
 
 
 def test_cli_plan_json_matches_plan_gpu_estimate(capsys):
-    got = _cli_json(capsys, "--preset", "7b", "--micro-batch-size", "125", "--seq-len", "1000",
-                    "--total-batch-tokens", "1000000", "--params", "208000000", "--gpu", "A100",
-                    "--mfu", "0.5", "--price", "2.25")
-    expected = plan(_seven_b_million_token_steps(), params=208_000_000, gpu="A100", mfu=0.5,
-                    price_per_gpu_hour=2.25).to_dict()
+    got = _cli_json(
+        capsys,
+        "--preset",
+        "7b",
+        "--micro-batch-size",
+        "125",
+        "--seq-len",
+        "1000",
+        "--total-batch-tokens",
+        "1000000",
+        "--params",
+        "208000000",
+        "--gpu",
+        "A100",
+        "--mfu",
+        "0.5",
+        "--price",
+        "2.25",
+    )
+    expected = plan(
+        _seven_b_million_token_steps(), params=208_000_000, gpu="A100", mfu=0.5, price_per_gpu_hour=2.25
+    ).to_dict()
     assert got == {"stage": "pretrain", "preset": "7b", **expected}
     assert got["steps"] == 4160 and got["grad_accum_steps"] == 1
     assert got["cost"] == pytest.approx(4160 * 2.820864e15 / 1.248e15 * 8 / 3600 * 2.25, rel=1e-12)
@@ -364,7 +428,7 @@ def test_cli_plan_text_shows_the_four_factors(capsys):
 
 
 def _preflight_needed(cfg, steps: int, shard_tokens: int) -> dict[str, int]:
-    """The pre-flight's needed tokens per source (`launch.preflight`, the function prepare_run calls),
+    """The pre-flight's needed tokens per source (`launch.preflight`, the function the job's check_run calls),
     over LMRows of real SourceStreams whose shards are never opened (only their sizes are read)."""
     from types import SimpleNamespace
 
@@ -372,23 +436,35 @@ def _preflight_needed(cfg, steps: int, shard_tokens: int) -> dict[str, int]:
     from ghostvis_core.data.stream import ShardRef, SourceStream
     from ghostvis_core.run.launch import preflight
 
-    streams = {s.source: SourceStream(s.source, [ShardRef(f"{s.source}/00000", s.source, "train", "/nonexistent",
-                                                          10, shard_tokens, "sha")], seed=0)
-               for s in cfg.data.recipe}
-    batcher = Batcher([LMRows(streams[s.source], cfg.batch.seq_len) for s in cfg.data.recipe],
-                      [s.weight for s in cfg.data.recipe])
+    streams = {
+        s.source: SourceStream(
+            s.source,
+            [ShardRef(f"{s.source}/00000", s.source, "train", "/nonexistent", 10, shard_tokens, "sha")],
+            seed=0,
+        )
+        for s in cfg.data.recipe
+    }
+    batcher = Batcher(
+        [LMRows(streams[s.source], cfg.batch.seq_len) for s in cfg.data.recipe], [s.weight for s in cfg.data.recipe]
+    )
     report = preflight(cfg, steps, SimpleNamespace(batcher=batcher, train_streams=streams))
     return {src: b.needed_tokens for src, b in report.items()}
 
 
-@pytest.mark.parametrize("recipe, budget", [
-    ({"demo_prose": 0.5, "demo_code": 0.5}, {}),  # smoke: 24 steps
-    ({"demo_prose": 0.6, "demo_code": 0.15, "demo_reasoning": 0.25}, {"budget.steps": 7}),
-    ({"demo_prose": 0.333, "demo_code": 0.667}, {"budget.steps": None, "budget.tokens": 122_880}),
-])
+@pytest.mark.parametrize(
+    "recipe, budget",
+    [
+        ({"demo_prose": 0.5, "demo_code": 0.5}, {}),  # smoke: 24 steps
+        ({"demo_prose": 0.6, "demo_code": 0.15, "demo_reasoning": 0.25}, {"budget.steps": 7}),
+        ({"demo_prose": 0.333, "demo_code": 0.667}, {"budget.steps": None, "budget.tokens": 122_880}),
+    ],
+)
 def test_planner_needed_tokens_equal_the_preflight_for_lm_stages(recipe, budget):
-    cfg = presets.resolve("pretrain", "smoke", {
-        "data.recipe": json.dumps([{"source": s, "weight": w} for s, w in recipe.items()]), **budget})
+    cfg = presets.resolve(
+        "pretrain",
+        "smoke",
+        {"data.recipe": json.dumps([{"source": s, "weight": w} for s, w in recipe.items()]), **budget},
+    )
     p = plan(cfg)
     planned = {sp.source: sp.needed_tokens for sp in source_plan(recipe, p.step_tokens_total, {}, p.seq_len)}
     assert planned == _preflight_needed(cfg, p.steps, shard_tokens=10**9)

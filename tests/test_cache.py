@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ghostvis_core.plan import presets
 from ghostvis_core.home import Home
+from ghostvis_core.plan import presets
 from ghostvis_core.plan.stages import stage_names
 from ghostvis_core.store import open_store
 from tests.conftest import run_cli
@@ -52,8 +52,11 @@ def train(home: Path, *args: str, **env: str) -> tuple[str, bool]:
 
 
 def materialize(home: Path, select: str, *extra: str, **env: str) -> None:
-    run_cli(["dagster", "asset", "materialize", "--select", select, "-m", "ghostvis_pipeline.definitions", *extra],
-            home, **env)
+    run_cli(
+        ["dagster", "asset", "materialize", "--select", select, "-m", "ghostvis_pipeline.definitions", *extra],
+        home,
+        **env,
+    )
 
 
 def test_a_second_demo_trains_nothing_and_the_same_bytes_again_change_nothing(home_copy):
@@ -89,13 +92,18 @@ def test_a_moved_store_a_changed_override_and_a_new_tokenizer(home_copy, tmp_pat
     assert not cached
     st = status(home_copy, **env)
     assert st["dpo"]["state"] == "stale" and any("input sft changed" in r for r in st["dpo"]["reasons"]), st["dpo"]
-    for stage in STAGES[:STAGES.index("sft") + 1]:
+    for stage in STAGES[: STAGES.index("sft") + 1]:
         assert inputs_unchanged(st[stage]), st[stage]
     assert st["evaluation"]["state"] == "stale", st["evaluation"]
 
     vocab = presets.tokenizer_vocab("smoke") + 64
-    materialize(home_copy, "tokenizer", "--config-json",
-                json.dumps({"ops": {"tokenizer": {"config": {"preset": "smoke", "vocab_size": vocab}}}}), **env)
+    materialize(
+        home_copy,
+        "tokenizer",
+        "--config-json",
+        json.dumps({"ops": {"tokenizer": {"config": {"preset": "smoke", "vocab_size": vocab}}}}),
+        **env,
+    )
     st = status(home_copy, **env)
     for asset in ["tokenized_shards", "token_ledger", *STAGES, "evaluation"]:
         assert st[asset]["state"] == "stale" and any("tokenizer changed" in r for r in st[asset]["reasons"]), st[asset]

@@ -3,7 +3,13 @@ every check passed on a materialization that carried it and no execution of a ch
 A real (ephemeral) Dagster instance and a tiny asset whose check passes or fails by run config."""
 
 from dagster import (
-    AssetCheckResult, Config, DagsterInstance, Definitions, MaterializeResult, asset, asset_check,
+    AssetCheckResult,
+    Config,
+    DagsterInstance,
+    Definitions,
+    MaterializeResult,
+    asset,
+    asset_check,
     define_asset_job,
 )
 
@@ -28,13 +34,19 @@ def counts_agree(config: CheckConfig) -> AssetCheckResult:
     return AssetCheckResult(passed=config.passes)
 
 
-JOB = Definitions(assets=[stage], asset_checks=[counts_agree],
-                  jobs=[define_asset_job("j", selection=["stage"])]).resolve_job_def("j")
+JOB = Definitions(
+    assets=[stage], asset_checks=[counts_agree], jobs=[define_asset_job("j", selection=["stage"])]
+).resolve_job_def("j")
 
 
 def materialize(instance, run_key: str, passes: bool) -> str:
-    result = JOB.execute_in_process(instance=instance, raise_on_error=False, run_config={"ops": {
-        "stage": {"config": {"run_key": run_key}}, "stage_counts_agree": {"config": {"passes": passes}}}})
+    result = JOB.execute_in_process(
+        instance=instance,
+        raise_on_error=False,
+        run_config={
+            "ops": {"stage": {"config": {"run_key": run_key}}, "stage_counts_agree": {"config": {"passes": passes}}}
+        },
+    )
     return result.run_id
 
 

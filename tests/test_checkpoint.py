@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.run.train import checkpoint as ckpt
 
@@ -24,8 +24,9 @@ def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     """AdamW with decay / no-decay groups, like the training loop's."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                             lr=1e-2, betas=(0.9, 0.95))
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2, betas=(0.9, 0.95)
+    )
 
 
 def train_step(model, opt, seed: int) -> None:
@@ -45,8 +46,15 @@ def trained(seed=0, cfg=CFG):
 
 
 def save(run_dir: Path, step: int, model, opt, keep_last=10, **state) -> Path:
-    return ckpt.save(run_dir, step, model=model, optimizer=opt, state={"step": step, **state},
-                     config={"model": dataclasses.asdict(CFG)}, keep_last=keep_last)
+    return ckpt.save(
+        run_dir,
+        step,
+        model=model,
+        optimizer=opt,
+        state={"step": step, **state},
+        config={"model": dataclasses.asdict(CFG)},
+        keep_last=keep_last,
+    )
 
 
 # ---------------------------------------------------------------- round trip
@@ -128,8 +136,11 @@ def test_crash_during_save_leaves_no_committed_checkpoint(tmp_path, monkeypatch)
         raise OSError("disk full")
 
     monkeypatch.setattr(ckpt, "optimizer_tensors", boom)
-    with pytest.raises(GhostvisError, match=r"checkpoint step 2 could not be written .*\(disk full\); "
-                                            r"the previous checkpoint step_000000001 is intact"):
+    with pytest.raises(
+        GhostvisError,
+        match=r"checkpoint step 2 could not be written .*\(disk full\); "
+        r"the previous checkpoint step_000000001 is intact",
+    ):
         save(run, 2, model, opt)
     monkeypatch.undo()
     assert [c.step for c in ckpt.list_complete(run)] == [1]
@@ -226,8 +237,14 @@ def test_loading_into_a_model_with_other_layers_names_the_keys(tmp_path):
     assert "blocks.1." in str(exc.value) and "unexpected" in str(exc.value)
 
 
-@pytest.mark.parametrize("change, name", [(dict(ffn_hidden=40), "ffn.w13.weight"), (dict(d_model=64), "attn.wq.weight"),
-                                          (dict(vocab_size=80), "embed.weight")])
+@pytest.mark.parametrize(
+    "change, name",
+    [
+        (dict(ffn_hidden=40), "ffn.w13.weight"),
+        (dict(d_model=64), "attn.wq.weight"),
+        (dict(vocab_size=80), "embed.weight"),
+    ],
+)
 def test_loading_into_a_model_of_another_width_is_a_ghostvis_error(tmp_path, change, name):
     model, opt = trained()
     path = save(tmp_path / "run", 1, model, opt)
@@ -244,7 +261,12 @@ def test_files_are_safetensors_not_pickle(tmp_path):
     model, opt = trained()
     path = save(tmp_path / "run", 1, model, opt)
     assert sorted(p.name for p in path.iterdir()) == [
-        "COMPLETE", "config.json", "model.safetensors", "optimizer.safetensors", "train_state.json"]
+        "COMPLETE",
+        "config.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "train_state.json",
+    ]
     for name in ("model.safetensors", "optimizer.safetensors"):
         raw = (path / name).read_bytes()
         (header_len,) = struct.unpack("<Q", raw[:8])  # safetensors: u64 header size, then JSON

@@ -21,16 +21,43 @@ RUN = "pretrain-abc-r1"
 
 def _part(step_first: int, step_last: int, segment: int, prev: str, real: int) -> dict:
     part_id = f"{RUN}.s{segment:03d}.p{step_last:09d}"
-    return {"part_id": part_id, "prev_part_id": prev, "run_key": RUN, "parent_run_key": "", "stage": "pretrain",
-            "segment": segment, "step_first": step_first, "step_last": step_last, "rows_first": 0, "rows_last": 0,
-            **TokenCounts(real, 0, real, 0).as_dict(), "overlap_tokens": 0, "micro_batch_size": 2, "seq_len": 8,
-            "world_size": 2 if segment == 0 else 1, "grad_accum_steps": 1, "tokens_per_step": 32,
-            "planned_tokens": 128, "allow_repeat": False, "replay_sources": "[]", "mlflow_run_id": ""}
+    return {
+        "part_id": part_id,
+        "prev_part_id": prev,
+        "run_key": RUN,
+        "parent_run_key": "",
+        "stage": "pretrain",
+        "segment": segment,
+        "step_first": step_first,
+        "step_last": step_last,
+        "rows_first": 0,
+        "rows_last": 0,
+        **TokenCounts(real, 0, real, 0).as_dict(),
+        "overlap_tokens": 0,
+        "micro_batch_size": 2,
+        "seq_len": 8,
+        "world_size": 2 if segment == 0 else 1,
+        "grad_accum_steps": 1,
+        "tokens_per_step": 32,
+        "planned_tokens": 128,
+        "allow_repeat": False,
+        "replay_sources": "[]",
+        "mlflow_run_id": "",
+    }
 
 
 def _piece(shard: str, a: int, b: int, rows: tuple[int, int]) -> dict:
-    return {"source": shard.split("/")[0], "shard_id": shard, "split": "train", "epoch": 0, "tok_start": a,
-            "tok_end": b, "tokens": b - a, "row_start": rows[0], "row_end": rows[1]}
+    return {
+        "source": shard.split("/")[0],
+        "shard_id": shard,
+        "split": "train",
+        "epoch": 0,
+        "tok_start": a,
+        "tok_end": b,
+        "tokens": b - a,
+        "row_start": rows[0],
+        "row_end": rows[1],
+    }
 
 
 @pytest.fixture
@@ -40,7 +67,9 @@ def two_segment_home(tmp_path, monkeypatch) -> Path:
     ledger = Ledger.in_store(Home(tmp_path).store)
     first = _part(1, 2, 0, "", 64)
     ledger.write_part(first, [_piece("a/0", 0, 32, (0, 3)), _piece("b/0", 0, 32, (0, 2))])
-    ledger.write_part(_part(3, 4, 1, first["part_id"], 64), [_piece("a/0", 32, 64, (2, 5)), _piece("b/0", 32, 64, (1, 4))])
+    ledger.write_part(
+        _part(3, 4, 1, first["part_id"], 64), [_piece("a/0", 32, 64, (2, 5)), _piece("b/0", 32, 64, (1, 4))]
+    )
     monkeypatch.setenv("GHOSTVIS_HOME", str(tmp_path))
     return tmp_path
 
@@ -48,10 +77,12 @@ def two_segment_home(tmp_path, monkeypatch) -> Path:
 def test_run_consumption_joins_touching_parts_and_keeps_segments(two_segment_home):
     c = run_consumption(Ledger.in_store(Home(two_segment_home).store), RUN)
     assert (c["stage"], c["steps"], c["parts"], c["real_tokens"], c["consumed_tokens"]) == ("pretrain", 4, 2, 128, 128)
-    assert [(s["segment"], s["first_step"], s["last_step"], s["world_size"], s["real_tokens"]) for s in c["segments"]] \
-        == [(0, 1, 2, 2, 64), (1, 3, 4, 1, 64)]
-    assert [(r["shard_id"], r["tok_start"], r["tok_end"], r["row_start"], r["row_end"], r["parts"]) for r in c["ranges"]] \
-        == [("a/0", 0, 64, 0, 5, 2), ("b/0", 0, 64, 0, 4, 2)]
+    assert [
+        (s["segment"], s["first_step"], s["last_step"], s["world_size"], s["real_tokens"]) for s in c["segments"]
+    ] == [(0, 1, 2, 2, 64), (1, 3, 4, 1, 64)]
+    assert [
+        (r["shard_id"], r["tok_start"], r["tok_end"], r["row_start"], r["row_end"], r["parts"]) for r in c["ranges"]
+    ] == [("a/0", 0, 64, 0, 5, 2), ("b/0", 0, 64, 0, 4, 2)]
     assert [(r["shard_id"], r["tokens"]) for r in c["shards"]] == [("a/0", 64), ("b/0", 64)]
 
 
@@ -73,14 +104,18 @@ def test_ledger_run_json_and_text(two_segment_home, capsys):
 def test_ledger_run_unknown_is_a_one_line_error(two_segment_home, capsys):
     assert cli_main(["ledger", "--run", "nope"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("ghostvis: error: unknown stage or run key 'nope'; stages: pretrain,")
+    assert err.count("\n") == 1 and err.startswith(
+        "ghostvis: error: unknown stage or run key 'nope'; stages: pretrain,"
+    )
     assert RUN in err
     assert cli_main(["ledger", "--run", "pretrain-zzz-r9"]) == 2
     assert f"known run keys of pretrain: {RUN}" in capsys.readouterr().err
     # a stage with no completed run (no RUN_COMPLETE record) names the asset and its unfinished run
     assert cli_main(["ledger", "--run", "pretrain"]) == 2
-    assert "materialize the `pretrain` asset (or pass one of its unfinished run keys: pretrain-abc-r1)" \
+    assert (
+        "materialize the `pretrain` asset (or pass one of its unfinished run keys: pretrain-abc-r1)"
         in capsys.readouterr().err
+    )
     with pytest.raises(GhostvisError, match="no run 'pretrain-zzz-r9'"):
         run_consumption(Ledger.in_store(Home(two_segment_home).store), "pretrain-zzz-r9")
 
@@ -122,7 +157,8 @@ def test_init_then_plain_dagster_materialize_on_a_fresh_home(tmp_path):
     home = tmp_path / "fresh"  # does not exist yet: neither does DAGSTER_HOME (home/dagster)
     proc = run_cli(["ghostvis", "init"], home)
     assert (home / "dagster" / "dagster.yaml").is_file() and "export DAGSTER_HOME=" in proc.stdout
-    proc = run_cli(["dagster", "asset", "materialize", "--select", "shard_manifest", "-m",
-                    "ghostvis_pipeline.definitions"], home)
+    proc = run_cli(
+        ["dagster", "asset", "materialize", "--select", "shard_manifest", "-m", "ghostvis_pipeline.definitions"], home
+    )
     assert "BetaWarning" not in proc.stderr and "DeprecationWarning" not in proc.stderr
     assert (home / "sources").is_dir()

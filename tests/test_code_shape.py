@@ -33,16 +33,24 @@ MAX_PARAMS = 8
 # (model/cluster/track, then train, hf, and the launch on top), verify.
 LAYERS = {
     "ghostvis_core": 0,  # the package root: it is imported before any of its modules
-    "ghostvis_core.errors": 0, "ghostvis_core.digest": 0, "ghostvis_core.counts": 0, "ghostvis_core.identity": 0,
-    "ghostvis_core.store.*": 1, "ghostvis_core.home": 1,
+    "ghostvis_core.errors": 0,
+    "ghostvis_core.digest": 0,
+    "ghostvis_core.counts": 0,
+    "ghostvis_core.identity": 0,
+    "ghostvis_core.store.*": 1,
+    "ghostvis_core.home": 1,
     "ghostvis_core.plan.*": 2,
     "ghostvis_core.data.*": 3,
     "ghostvis_core.demo.*": 4,
-    "ghostvis_core.run": 5, "ghostvis_core.run.model.*": 5, "ghostvis_core.run.cluster.*": 5,
+    "ghostvis_core.run": 5,
+    "ghostvis_core.run.model.*": 5,
+    "ghostvis_core.run.cluster.*": 5,
     "ghostvis_core.run.track.*": 5,
     "ghostvis_core.run.train.*": 6,
     "ghostvis_core.run.hf.*": 7,
-    "ghostvis_core.run.launch": 8, "ghostvis_core.run.__main__": 8,
+    "ghostvis_core.run.launch": 8,
+    "ghostvis_core.run.preflight": 8,
+    "ghostvis_core.run.__main__": 8,
     "ghostvis_core.verify.*": 9,
 }
 # (importing module, imported top-level package) pairs allowed despite the no-Dagster rule
@@ -152,8 +160,11 @@ def private_dagster_problems(tree: ast.Module, module: str, where: str) -> list[
             names = [f"{node.module}.{a.name}" for a in node.names]
         else:
             continue
-        out += [f"{where}:{node.lineno} {module}: imports private {name}" for name in names
-                if name.split(".")[0] == "dagster" and any(p.startswith("_") for p in name.split(".")[1:])]
+        out += [
+            f"{where}:{node.lineno} {module}: imports private {name}"
+            for name in names
+            if name.split(".")[0] == "dagster" and any(p.startswith("_") for p in name.split(".")[1:])
+        ]
     return out
 
 
@@ -190,8 +201,12 @@ def environment_problems(tree: ast.Module, module: str, where: str) -> list[str]
             readers |= {a.asname or a.name for a in node.names if a.name in ENV_READERS}
     out = []
     for node in _import_time_nodes(tree):
-        os_attr = (isinstance(node, ast.Attribute) and node.attr in ENV_READERS
-                   and isinstance(node.value, ast.Name) and node.value.id in os_names)
+        os_attr = (
+            isinstance(node, ast.Attribute)
+            and node.attr in ENV_READERS
+            and isinstance(node.value, ast.Name)
+            and node.value.id in os_names
+        )
         if os_attr or (isinstance(node, ast.Name) and node.id in readers):
             out.append(f"{where}:{node.lineno} {module}: reads {ast.unparse(node)} at import time")
     return out
@@ -216,10 +231,18 @@ def store_use_problems(tree: ast.Module, module: str, where: str) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and node.attr in STORE_INTERNALS and _names_a_store(node.value):
             out.append((node.lineno, f"uses {ast.unparse(node)} (go through the Store protocol)"))
-        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance" and len(node.args) == 2
-              and STORE_CLASSES & {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}):
-            out.append((node.lineno, f"asks {ast.unparse(node)} (a store's kind is no caller's business: use the "
-                                     "Store protocol)"))
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", None) == "isinstance"
+            and len(node.args) == 2
+            and STORE_CLASSES & {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+        ):
+            out.append(
+                (
+                    node.lineno,
+                    f"asks {ast.unparse(node)} (a store's kind is no caller's business: use the Store protocol)",
+                )
+            )
     return [f"{where}:{line} {module}: {what}" for line, what in sorted(out)]
 
 
@@ -258,8 +281,7 @@ def offenders() -> list[str]:
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             where = str(path.relative_to(ROOT))
-            out += check_source(path.read_text(encoding="utf-8"), module_name(path), where,
-                                path.name == "__init__.py")
+            out += check_source(path.read_text(encoding="utf-8"), module_name(path), where, path.name == "__init__.py")
     return out
 
 
@@ -269,16 +291,22 @@ def script_store_offenders() -> list[str]:
     for folder in SCRIPTS:
         for path in sorted((ROOT / folder).rglob("*.py")):
             where = str(path.relative_to(ROOT))
-            out += store_use_problems(ast.parse(path.read_text(encoding="utf-8"), filename=where), module_name(path),
-                                      where)
+            out += store_use_problems(
+                ast.parse(path.read_text(encoding="utf-8"), filename=where), module_name(path), where
+            )
     return out
 
 
 # The audit proves what the trainer did, so it must not run the trainer's code: nothing it imports, however
 # indirectly, may be the loader, the objectives, the loop or the model (the launch spec, run record and run
 # folders under train/ are records it reads). A bug planted there is then caught, not repeated.
-AUDIT_MAY_NOT_REACH = ("ghostvis_core.run.train.", "ghostvis_core.data.loader", "ghostvis_core.data.stream",
-                       "ghostvis_core.data.token_shard", "ghostvis_core.run.model")
+AUDIT_MAY_NOT_REACH = (
+    "ghostvis_core.run.train.",
+    "ghostvis_core.data.loader",
+    "ghostvis_core.data.stream",
+    "ghostvis_core.data.token_shard",
+    "ghostvis_core.run.model",
+)
 AUDIT_RECORDS = {"ghostvis_core.run.train.spec", "ghostvis_core.run.train.result", "ghostvis_core.run.train.runs"}
 
 
@@ -372,7 +400,8 @@ def test_tests_and_benchmarks_use_stores_through_the_protocol():
     assert not problems, f"{len(problems)} store use(s) outside the Store protocol:\n" + "\n".join(problems)
 
 
-SYNTHETIC = '''
+SYNTHETIC = (
+    """
 import os
 from ghostvis_core.plan.config import flatten
 from ghostvis_core.plan import presets
@@ -380,10 +409,14 @@ from ghostvis_core.run.train import loop
 
 
 def long_one():
-''' + "    x = 1\n" * 60 + '''
+"""
+    + "    x = 1\n" * 60
+    + """
 
 def just_short_enough():
-''' + "    x = 1\n" * 59 + '''
+"""
+    + "    x = 1\n" * 59
+    + """
 
 class C:
     def many(self, a, b, c, d, e, f, g, h, i):
@@ -391,7 +424,8 @@ class C:
 
     def enough(self, a, b, c, d, e, f, *args, **kwargs):
         return a
-'''
+"""
+)
 
 
 def test_the_checker_reports_exactly_the_planted_problems():
@@ -419,7 +453,8 @@ def f(level=os.getenv("L")):
         "core.py:4 ghostvis_core.run.track.mlflow_run: reads os.environ at import time",
         "core.py:7 ghostvis_core.run.track.mlflow_run: reads os.getenv at import time",
         "core.py:3 ghostvis_core.run.track.mlflow_run: imports dagster_pipes (ghostvis_core must not depend on it)",
-        "core.py:8 ghostvis_core.run.track.mlflow_run: imports ghostvis_pipeline.cli (ghostvis_core must not depend on it)",
+        "core.py:8 ghostvis_core.run.track.mlflow_run: imports ghostvis_pipeline.cli "
+        "(ghostvis_core must not depend on it)",
     ]
     assert check_source(core, "ghostvis_core.run.track.pipes", "pipes.py") == [  # dagster_pipes is allowed here
         "pipes.py:4 ghostvis_core.run.track.pipes: reads os.environ at import time",
@@ -457,9 +492,11 @@ def test_the_circle_finder_finds_a_planted_circle(tmp_path, monkeypatch):
     (pkg / "y.py").write_text("from pkg import z\n")
     (pkg / "z.py").write_text("import pkg.x\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    assert import_circles("pkg") == ["pkg.x imports pkg.y, which imports pkg.x back",
-                                     "pkg.y imports pkg.z, which imports pkg.y back",
-                                     "pkg.z imports pkg.x, which imports pkg.z back"]
+    assert import_circles("pkg") == [
+        "pkg.x imports pkg.y, which imports pkg.x back",
+        "pkg.y imports pkg.z, which imports pkg.y back",
+        "pkg.z imports pkg.x, which imports pkg.z back",
+    ]
 
 
 def test_the_package_circle_finder_finds_a_planted_circle(tmp_path, monkeypatch):
@@ -471,6 +508,8 @@ def test_the_package_circle_finder_finds_a_planted_circle(tmp_path, monkeypatch)
     (tmp_path / "pkg/c/z.py").write_text("from pkg.a.x import f\n")
     (tmp_path / "pkg/c/w.py").write_text("from pkg.c import z\n")  # within a package: no circle
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
-    assert package_circles("pkg") == ["pkg.a imports a package that imports pkg.a back",
-                                      "pkg.b imports a package that imports pkg.b back",
-                                      "pkg.c imports a package that imports pkg.c back"]
+    assert package_circles("pkg") == [
+        "pkg.a imports a package that imports pkg.a back",
+        "pkg.b imports a package that imports pkg.b back",
+        "pkg.c imports a package that imports pkg.c back",
+    ]

@@ -19,21 +19,23 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ghostvis_core.verify.audit.contamination import item_text, no_eval_contamination, shard_contamination
-from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ngrams import NGRAM, WINDOW, fingerprints, ngram_hash, ngram_hashes, normalize, winnow
-from ghostvis_core.store.files import sha256_file
 from ghostvis_core.data.tokenize import TokenizeJob, job_for_shard, run_locally, tokenize_shards
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan.config import ContaminationConfig
 from ghostvis_core.plan.presets import resolve
 from ghostvis_core.store import FolderStore
+from ghostvis_core.store.files import sha256_file
+from ghostvis_core.verify.audit.contamination import item_text, no_eval_contamination, shard_contamination
+from ghostvis_core.verify.audit.stage_checks import stage_check_names
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
 
 
 # ---- normalization, hashing, winnowing ---------------------------------------------------------
+
 
 def test_normalize_lowercases_and_splits_on_everything_but_letters_and_digits():
     assert normalize("Hello, World! It's 3:45.") == ["hello", "world", "it", "s", "3", "45"]
@@ -45,7 +47,7 @@ def test_normalize_lowercases_and_splits_on_everything_but_letters_and_digits():
 def test_an_ngram_hash_is_blake2b_64_of_the_words_joined_by_spaces():
     digest = hashlib.blake2b(b"alpha bravo charlie", digest_size=8).digest()
     assert ngram_hash(["alpha", "bravo", "charlie"]) == int.from_bytes(digest, "little", signed=True)
-    assert -(2 ** 63) <= ngram_hash(WORDS[:NGRAM]) < 2 ** 63
+    assert -(2**63) <= ngram_hash(WORDS[:NGRAM]) < 2**63
 
 
 def test_a_text_has_one_13_gram_per_word_after_the_twelfth_and_punctuation_does_not_matter():
@@ -88,15 +90,22 @@ def test_the_gate_is_in_the_one_registry_of_stage_checks():
 
 # ---- the real tokenization path, a planted contaminated document -----------------------------
 
+
 def words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(VOCAB) for _ in range(n))
 
 
-VOCAB = [f"{a}{b}" for a in ("ka", "lo", "mi", "nu", "pe", "ra", "si", "to", "vu", "ze") for b in
-         ("bar", "cen", "dol", "fim", "gat", "hul", "jor", "kes", "lun", "mop", "nis", "pry")]
-MC_ITEM = {"question": "A farmer plants seven rows of beans with twelve plants in every row and then loses "
-                       "one full row to a storm. How many bean plants are left in the field?",
-           "choices": ["Eighty four", "Seventy two", "Ninety six"], "answer": 1}
+VOCAB = [
+    f"{a}{b}"
+    for a in ("ka", "lo", "mi", "nu", "pe", "ra", "si", "to", "vu", "ze")
+    for b in ("bar", "cen", "dol", "fim", "gat", "hul", "jor", "kes", "lun", "mop", "nis", "pry")
+]
+MC_ITEM = {
+    "question": "A farmer plants seven rows of beans with twelve plants in every row and then loses "
+    "one full row to a storm. How many bean plants are left in the field?",
+    "choices": ["Eighty four", "Seventy two", "Ninety six"],
+    "answer": 1,
+}
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +117,16 @@ def tokenized(tmp_path_factory) -> SimpleNamespace:
     store, rng = FolderStore(root / "store"), random.Random(11)
     val_docs = [words(rng, 50), words(rng, 70)]
     mc_text = f"Question: {MC_ITEM['question']} Answer: {MC_ITEM['choices'][MC_ITEM['answer']]}"
-    texts = {"corp/00000": [words(rng, 60), f"{words(rng, 30)}\n{val_docs[0]}\n{words(rng, 30)}", words(rng, 80),
-                            f"{words(rng, 25)} {mc_text} {words(rng, 25)}"],
-             "corp/00001": [words(rng, 60) for _ in range(4)], "corp/val": val_docs}
+    texts = {
+        "corp/00000": [
+            words(rng, 60),
+            f"{words(rng, 30)}\n{val_docs[0]}\n{words(rng, 30)}",
+            words(rng, 80),
+            f"{words(rng, 25)} {mc_text} {words(rng, 25)}",
+        ],
+        "corp/00001": [words(rng, 60) for _ in range(4)],
+        "corp/val": val_docs,
+    }
     tok = train_tokenizer([t for docs in texts.values() for t in docs], 512)
     save_tokenizer(tok, store)
     jobs = []
@@ -118,23 +134,44 @@ def tokenized(tmp_path_factory) -> SimpleNamespace:
         path = store.writable("raw_shard", shard_id)
         pq.write_table(pa.table({"text": docs}), path)
         store.publish("raw_shard", shard_id)
-        jobs.append(TokenizeJob(shard_id, "corp", "validation" if shard_id.endswith("val") else "train",
-                                sha256_file(path), "text"))
-    tokenize_shards(jobs, store=store, tokenizer_id=tok.tokenizer_id, logging_dir=root / "logs",
-                    run_pipeline=lambda p, tasks, _w, logs: run_locally(p, tasks, 1, logs))
+        jobs.append(
+            TokenizeJob(
+                shard_id, "corp", "validation" if shard_id.endswith("val") else "train", sha256_file(path), "text"
+            )
+        )
+    tokenize_shards(
+        jobs,
+        store=store,
+        tokenizer_id=tok.tokenizer_id,
+        logging_dir=root / "logs",
+        run_pipeline=lambda p, tasks, _w, logs: run_locally(p, tasks, 1, logs),
+    )
     eval_set = root / "my_evals" / "mc.jsonl"
     eval_set.parent.mkdir()
-    eval_set.write_text(json.dumps({"context": "The capital of France is", "choices": ["Paris."], "answer": 0})
-                        + "\n" + json.dumps(MC_ITEM) + "\n")
-    return SimpleNamespace(store=store, ledger=Ledger.in_store(store), tok=tok, texts=texts, jobs={j.shard_id: j for j in jobs},
-                           eval_folder=root / "my_evals")
+    eval_set.write_text(
+        json.dumps({"context": "The capital of France is", "choices": ["Paris."], "answer": 0})
+        + "\n"
+        + json.dumps(MC_ITEM)
+        + "\n"
+    )
+    return SimpleNamespace(
+        store=store,
+        ledger=Ledger.in_store(store),
+        tok=tok,
+        texts=texts,
+        jobs={j.shard_id: j for j in jobs},
+        eval_folder=root / "my_evals",
+    )
 
 
 def spec_of(t: SimpleNamespace, **contamination) -> SimpleNamespace:
     """The launch-spec fields the check reads."""
     refs = [{"shard_id": s, "content_sha256": j.content_sha256} for s, j in t.jobs.items() if j.split == "train"]
-    return SimpleNamespace(tokenizer_id=t.tok.tokenizer_id, train_shards={"corp": refs},
-                           config={"contamination": contamination})
+    return SimpleNamespace(
+        tokenizer_id=t.tok.tokenizer_id,
+        train_shards={"corp": refs},
+        config=SimpleNamespace(contamination=ContaminationConfig(**contamination)),
+    )
 
 
 def consumed(shard_id: str, row_start: int, row_end: int) -> dict:
@@ -207,8 +244,10 @@ def test_a_shard_tokenized_before_the_gate_fails_with_the_fix(tokenized, tmp_pat
     ledger.ngram_record_path("corp/00001", t.jobs["corp/00001"].content_sha256).unlink()
     out = no_eval_contamination(ledger, spec_of(t), [consumed("corp/00001", 0, 4)])
     assert not out.passed and out.figures["shards_without_ngrams"] == 1
-    assert out.failures == ["training shard corp/00001 was consumed but has no n-gram record in the ledger (tokenized "
-                            "before the decontamination gate); re-materialize tokenized_shards partition corp/00001"]
+    assert out.failures == [
+        "training shard corp/00001 was consumed but has no n-gram record in the ledger (tokenized "
+        "before the decontamination gate); re-materialize tokenized_shards partition corp/00001"
+    ]
 
 
 def test_a_registered_eval_set_that_does_not_exist_is_an_error(tokenized, tmp_path):
@@ -217,6 +256,7 @@ def test_a_registered_eval_set_that_does_not_exist_is_an_error(tokenized, tmp_pa
 
 
 # ---- a real stage run on the demo data, then one with a validation document pasted in ----------
+
 
 def fingerprint_every_shard(home: Path, shard_ids: list[str] | None = None) -> None:
     """Tokenize a home's shards again (all, or `shard_ids`): the shared demo home may predate the ngrams table."""
@@ -282,6 +322,7 @@ def test_a_smoke_pretrain_passes_the_gate_and_fails_it_once_a_validation_documen
     gate = checks_of(home, planted)["no_eval_contamination"]
     assert planted != clean and not gate["passed"]
     item = f"{shard_id.split('/')[0]}/val_00000 row {val_row}"
-    assert any(f.startswith(f"training shard {shard_id} row {row} ") and f"validation {item} " in f
-               for f in gate["failures"]), gate["failures"]
+    assert any(
+        f.startswith(f"training shard {shard_id} row {row} ") and f"validation {item} " in f for f in gate["failures"]
+    ), gate["failures"]
     assert [shard_id, row, "validation", item] in [r[:4] for r in gate["tables"]["shared_ngrams"]["rows"]]

@@ -8,15 +8,14 @@ demo, so a difference is a bug in one of them, found here rather than as a faile
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict
 
 import numpy as np
 import pytest
 
 from ghostvis_core import digest
-from ghostvis_core.verify.audit.rebuild import Mixture, PlannedRows, micro_rows
 from ghostvis_core.home import Home
 from ghostvis_core.plan.stages import stage_names
+from ghostvis_core.verify.audit.rebuild import Mixture, PlannedRows, micro_rows
 
 
 def test_the_digest_format_is_blake2b_of_little_endian_int64_as_documented():
@@ -27,8 +26,12 @@ def test_the_digest_format_is_blake2b_of_little_endian_int64_as_documented():
     assert digest.row_digest(inputs, targets, doc_ids) == hashlib.blake2b(with_docs, digest_size=8).hexdigest()
     assert digest.image_hash(b"png") == hashlib.sha256(b"png").hexdigest()[:16]
     a, b = digest.row_digest(inputs, targets), digest.row_digest(targets, inputs)
-    assert digest.micro_digest([a, b], ["00ff00ff00ff00ff"]) == hashlib.blake2b(
-        bytes.fromhex(a) + bytes.fromhex(b) + bytes.fromhex("00ff00ff00ff00ff"), digest_size=8).hexdigest()
+    assert (
+        digest.micro_digest([a, b], ["00ff00ff00ff00ff"])
+        == hashlib.blake2b(
+            bytes.fromhex(a) + bytes.fromhex(b) + bytes.fromhex("00ff00ff00ff00ff"), digest_size=8
+        ).hexdigest()
+    )
     assert digest.step_digest([a, b]) == hashlib.blake2b(bytes.fromhex(a + b), digest_size=8).hexdigest()
     assert digest.row_digest(inputs, targets) != digest.row_digest(inputs, np.array([6, 7, 8]))
 
@@ -56,16 +59,14 @@ def test_micro_batch_rows_tile_a_step_once_across_ranks():
 def test_the_audit_rebuilds_exactly_the_rows_the_loader_builds(demo_home, stage):
     """Every row a smoke run of the stage reads (and a stretch beyond, into later epochs for the small
     chat, preference and caption sources): inputs, targets, document ids, images and spans equal."""
-    from ghostvis_core.plan.config import StageConfig
     from ghostvis_core.run.launch import prepare_run
     from ghostvis_core.run.train.objectives import build_objective
 
     h = Home(demo_home)
     spec = prepare_run(stage, preset="smoke", home=h)
-    loader = build_objective(spec, StageConfig.from_dict(spec.config)).batcher
-    audit = PlannedRows(h.store, asdict(spec))
-    n_rows = int(spec.plan["steps"]) * int(spec.plan["micro_batch_size"]) * int(spec.plan["world_size"]) \
-        * int(spec.plan["grad_accum_steps"])
+    loader = build_objective(spec, spec.config).batcher
+    audit = PlannedRows(h.store, spec.to_dict())
+    n_rows = spec.plan.steps * spec.plan.batch.rows_per_step
     for g in range(0, 3 * n_rows + 7):
         want, got = loader.row(g), audit.row(g)
         assert np.array_equal(want.inputs, got.inputs) and np.array_equal(want.targets, got.targets), (stage, g)

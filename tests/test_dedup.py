@@ -18,41 +18,52 @@ import pyarrow.parquet as pq
 import pytest
 from dagster import DagsterError, DagsterInstance
 
-from ghostvis_core.verify.audit.removed import removed_tokens_reconcile
-from ghostvis_core.verify.audit.token_files import TokenFile
 from ghostvis_core.data.catalog import load_manifest, record_raw_shard, save_manifest
 from ghostvis_core.data.dedup import (
-    Removal, RemovedRows, check_dedup_config, dedup_indexes, removed_rows, survivors_first,
+    Removal,
+    RemovedRows,
+    check_dedup_config,
+    dedup_indexes,
+    removed_rows,
+    survivors_first,
 )
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.sources import ShardEntry
-from ghostvis_core.store.files import sha256_file
 from ghostvis_core.data.tokenize import job_for_shard, run_locally, tokenize_shards
 from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.store import FolderStore
+from ghostvis_core.store.files import sha256_file
+from ghostvis_core.verify.audit.removed import removed_tokens_reconcile
+from ghostvis_core.verify.audit.token_files import TokenFile
 from ghostvis_pipeline.definitions import defs
 from ghostvis_pipeline.demo import materialize
 from tests.conftest import copy_home
 
 pytestmark = pytest.mark.e2e
 
-VOCAB = [f"{a}{b}" for a in ("ka", "lo", "mi", "nu", "pe", "ra", "si", "to", "vu", "ze")
-         for b in ("bar", "cen", "dol", "fim", "gat", "hul", "jor", "kes", "lun", "mop", "nis", "pry")]
+VOCAB = [
+    f"{a}{b}"
+    for a in ("ka", "lo", "mi", "nu", "pe", "ra", "si", "to", "vu", "ze")
+    for b in ("bar", "cen", "dol", "fim", "gat", "hul", "jor", "kes", "lun", "mop", "nis", "pry")
+]
 SHARDS, DOCS = ["web/00000", "web/00001", "web/00002"], 8
 # (shard, row) removed -> (shard, row) kept; "one word" = the same document with one word replaced
-PLANTED = {("web/00001", 2): ("web/00000", 1),  # exact copy
-           ("web/00002", 5): ("web/00000", 4),  # one word changed
-           ("web/00002", 1): ("web/00001", 6)}  # one word changed
+PLANTED = {
+    ("web/00001", 2): ("web/00000", 1),  # exact copy
+    ("web/00002", 5): ("web/00000", 4),  # one word changed
+    ("web/00002", 1): ("web/00001", 6),
+}  # one word changed
 NEAR = {("web/00002", 5), ("web/00002", 1)}
 PARTITIONS = ("web/00000", "web/00002")
 
 
 def corpus_texts(rng: random.Random) -> dict[str, list[str]]:
     """Documents of 70-110 random words (unrelated ones share no 5-word shingle), then the planted copies."""
-    texts = {sid: [" ".join(rng.choice(VOCAB) for _ in range(rng.randint(70, 110))) for _ in range(DOCS)]
-             for sid in SHARDS}
+    texts = {
+        sid: [" ".join(rng.choice(VOCAB) for _ in range(rng.randint(70, 110))) for _ in range(DOCS)] for sid in SHARDS
+    }
     for (sid, row), (kept_sid, kept_row) in PLANTED.items():
         words = texts[kept_sid][kept_row].split()
         if (sid, row) in NEAR:
@@ -71,8 +82,13 @@ def deduped(tmp_path_factory) -> SimpleNamespace:
         (root / "corpus" / "web").mkdir(parents=True, exist_ok=True)
         pq.write_table(pa.table({"text": docs}), root / "corpus" / f"{sid}.parquet")
     home = root / "home"
-    sources = {"ops": {"shard_manifest": {"config": {"sources": [], "remote": [
-        {"name": "web", "listing": (root / "corpus" / "web").as_uri()}]}}}}
+    sources = {
+        "ops": {
+            "shard_manifest": {
+                "config": {"sources": [], "remote": [{"name": "web", "listing": (root / "corpus" / "web").as_uri()}]}
+            }
+        }
+    }
     dedup = {"ops": {"tokenized_shards": {"config": {"dedup": {"web": "minhash"}, "workers": 1}}}}
     with pytest.MonkeyPatch.context() as env:
         for var in [k for k in os.environ if k.startswith(("GHOSTVIS_", "DAGSTER_"))]:
@@ -88,8 +104,9 @@ def deduped(tmp_path_factory) -> SimpleNamespace:
         store = Home(home).store
         ledger = Ledger.in_store(store)
         tok = load_tokenizer(ledger.shards()[0]["tokenizer_id"], store)
-        yield SimpleNamespace(home=home, store=store, ledger=ledger, tok=tok, texts=texts, instance=instance,
-                              checks=checks)
+        yield SimpleNamespace(
+            home=home, store=store, ledger=ledger, tok=tok, texts=texts, instance=instance, checks=checks
+        )
 
 
 def recount(tok, text: str) -> int:
@@ -115,7 +132,8 @@ def test_the_ledger_counts_the_removals_as_minhash_dup_with_their_recounted_toke
         expected = {"minhash_dup": {"docs": len(removed), "tokens": sum(recount(deduped.tok, t) for t in removed)}}
         assert json.loads(records[sid]["drop_reasons"]) == (expected if removed else {}), sid
         assert (records[sid]["docs_dropped"], records[sid]["tokens_dropped"]) == (
-            (len(removed), expected["minhash_dup"]["tokens"]) if removed else (0, 0))
+            (len(removed), expected["minhash_dup"]["tokens"]) if removed else (0, 0)
+        )
         assert records[sid]["docs"] == DOCS - len(removed)
 
 
@@ -140,14 +158,27 @@ def test_a_wrong_removed_count_fails_the_check_in_dagster(deduped, tmp_path, mon
     record = next(r for r in ledger.shards() if r["shard_id"] == "web/00001")
     reasons = json.loads(record["drop_reasons"])
     reasons["minhash_dup"]["tokens"] += 1
-    ledger.write_shard({**record, "tokens_dropped": record["tokens_dropped"] + 1, "drop_reasons": json.dumps(reasons),
-                        "created_at": record["created_at"] + 1, "token_path": record["token_path"]})
+    ledger.write_shard(
+        {
+            **record,
+            "tokens_dropped": record["tokens_dropped"] + 1,
+            "drop_reasons": json.dumps(reasons),
+            "created_at": record["created_at"] + 1,
+            "token_path": record["token_path"],
+        }
+    )
     outcome = removed_tokens_reconcile(Home(home).store, ledger, record["tokenizer_id"])
     tokens = record["tokens_dropped"]
     assert not outcome.passed
-    assert any(f"shard web/00001: ledger removed {tokens + 1} tokens, the raw rows missing from the token file "
-               f"hold {tokens}" in f for f in outcome.failures), outcome.failures
-    assert outcome.figures["tokens_before"] == outcome.figures["tokens_kept"] + outcome.figures["tokens_removed_ledger"] - 1
+    assert any(
+        f"shard web/00001: ledger removed {tokens + 1} tokens, the raw rows missing from the token file "
+        f"hold {tokens}" in f
+        for f in outcome.failures
+    ), outcome.failures
+    assert (
+        outcome.figures["tokens_before"]
+        == outcome.figures["tokens_kept"] + outcome.figures["tokens_removed_ledger"] - 1
+    )
     assert (outcome.figures["shards_checked"], outcome.figures["shards_disagreeing"]) == (len(SHARDS), 1)
     [row] = outcome.tables["disagreeing_shards"][1]
     assert (row[0], row[7], row[8]) == ("web/00001", tokens + 1, tokens)  # tokens removed: ledger, recount
@@ -171,23 +202,33 @@ def test_a_later_shard_is_deduped_against_the_earlier_ones_which_keep_their_toke
     record_raw_shard(store, manifest, "web/00003", sha256_file(path), path.stat().st_size)
     jobs = [job_for_shard(store, manifest, sid) for sid in [*SHARDS, "web/00003"]]
     logs = tmp_path / "logs"
-    (index,) = dedup_indexes(store, {"web": "minhash"}, jobs, tokenizer_id=deduped.tok.tokenizer_id, filters={},
-                             logging_dir=logs, workers=1)
+    (index,) = dedup_indexes(
+        store, {"web": "minhash"}, jobs, tokenizer_id=deduped.tok.tokenizer_id, filters={}, logging_dir=logs, workers=1
+    )
     assert not index.reused and index.shards == [*SHARDS, "web/00003"] and index.removed == len(PLANTED) + 1
     removed = removed_rows(store, [index])
     assert removed == RemovedRows(store.uri, {"web": index.key})  # what each task unpickles: no shard's rows
     assert removed("web/00003") == {0: "minhash_dup"} and removed("web/00000") == {}
     assert removed("web/00002") == {row: "minhash_dup" for s, row in PLANTED if s == "web/00002"}
-    reports = tokenize_shards(jobs, store=store, tokenizer_id=deduped.tok.tokenizer_id, logging_dir=logs,
-                              run_pipeline=lambda p, tasks, _w, d: run_locally(p, tasks, 1, d), removed=removed)
+    reports = tokenize_shards(
+        jobs,
+        store=store,
+        tokenizer_id=deduped.tok.tokenizer_id,
+        logging_dir=logs,
+        run_pipeline=lambda p, tasks, _w, d: run_locally(p, tasks, 1, d),
+        removed=removed,
+    )
     assert [r.shard_id for r in reports if not r.skipped] == ["web/00003"]
     assert json.loads(reports[-1].drop_reasons) == {
-        "minhash_dup": {"docs": 1, "tokens": recount(deduped.tok, deduped.texts["web/00000"][0])}}
-    again = dedup_indexes(store, {"web": "minhash"}, jobs, tokenizer_id=deduped.tok.tokenizer_id,
-                          filters={}, logging_dir=logs, workers=1)
+        "minhash_dup": {"docs": 1, "tokens": recount(deduped.tok, deduped.texts["web/00000"][0])}
+    }
+    again = dedup_indexes(
+        store, {"web": "minhash"}, jobs, tokenizer_id=deduped.tok.tokenizer_id, filters={}, logging_dir=logs, workers=1
+    )
     assert again == []  # every shard is tokenized: no index is needed
-    (reused,) = dedup_indexes(store, {"web": "minhash"}, jobs, tokenizer_id="another-tokenizer", filters={},
-                              logging_dir=logs, workers=1)
+    (reused,) = dedup_indexes(
+        store, {"web": "minhash"}, jobs, tokenizer_id="another-tokenizer", filters={}, logging_dir=logs, workers=1
+    )
     assert reused.reused and (reused.key, reused.shards, reused.removed) == (index.key, index.shards, index.removed)
     assert removed_tokens_reconcile(store, Ledger.in_store(store), deduped.tok.tokenizer_id).passed
 
@@ -206,8 +247,10 @@ def test_a_bad_dedup_config_is_refused_naming_the_fix(deduped):
 def test_the_first_document_in_shard_order_survives_whatever_order_the_cluster_merged_in():
     members = {7: [(1, 4), (2, 0), (0, 9)], 3: [(2, 5), (1, 8)]}
     assert survivors_first(members, SHARDS) == [
-        Removal("web/00001", 4, "web/00000", 9), Removal("web/00002", 0, "web/00000", 9),
-        Removal("web/00002", 5, "web/00001", 8)]
+        Removal("web/00001", 4, "web/00000", 9),
+        Removal("web/00002", 0, "web/00000", 9),
+        Removal("web/00002", 5, "web/00001", 8),
+    ]
 
 
 def test_a_document_the_filters_drop_removes_no_duplicate(deduped, tmp_path):
@@ -215,12 +258,19 @@ def test_a_document_the_filters_drop_removes_no_duplicate(deduped, tmp_path):
     shutil.copytree(deduped.home / "store", tmp_path / "store")  # the home's folder store
     store = FolderStore(tmp_path / "store")
     words = deduped.texts["web/00000"][4].split()
-    middle = " ".join(words[len(words) // 2 - 1: len(words) // 2 + 2])  # the copy has "changed" in the middle
+    middle = " ".join(words[len(words) // 2 - 1 : len(words) // 2 + 2])  # the copy has "changed" in the middle
     assert sum(middle in t for docs in deduped.texts.values() for t in docs) == 1
     manifest = load_manifest(store, "web")
     jobs = [job_for_shard(store, manifest, sid) for sid in SHARDS]
-    (index,) = dedup_indexes(store, {"web": "minhash"}, jobs, tokenizer_id="another-tokenizer",
-                             filters={"web": [f"regex_exclude={middle}"]}, logging_dir=tmp_path / "logs", workers=1)
+    (index,) = dedup_indexes(
+        store,
+        {"web": "minhash"},
+        jobs,
+        tokenizer_id="another-tokenizer",
+        filters={"web": [f"regex_exclude={middle}"]},
+        logging_dir=tmp_path / "logs",
+        workers=1,
+    )
     removed = removed_rows(store, [index])
     assert not index.reused and index.removed == len(PLANTED) - 1
     assert (removed("web/00001"), removed("web/00002")) == ({2: "minhash_dup"}, {1: "minhash_dup"})

@@ -9,6 +9,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from ghostvis_core.data.eval_texts import shipped_texts
+from ghostvis_core.data.ngrams import fingerprints, record_text
+from ghostvis_core.demo import corpus as demo_corpus
 from ghostvis_core.demo.corpus import (
     CODE_MAX_BYTES,
     CODE_MIN_BYTES,
@@ -18,10 +21,7 @@ from ghostvis_core.demo.corpus import (
     TEXT_SOURCES,
     build_text_source,
 )
-from ghostvis_core.demo import corpus as demo_corpus
 from ghostvis_core.demo.tasks import TASK_SOURCES, build_task_source
-from ghostvis_core.data.eval_texts import shipped_texts
-from ghostvis_core.data.ngrams import fingerprints, record_text
 from ghostvis_core.errors import GhostvisError
 
 EXPECTED_SCHEMA = {
@@ -145,9 +145,14 @@ def test_no_training_document_of_the_demo_shares_a_fingerprint_with_its_validati
     a shipped evaluation item."""
     shards = {s: (built[s][0], "text") for s in TEXT_SOURCES}
     shards |= {s: (build_task_source(s, tmp_path / s), kind) for s, kind in TASK_SOURCES.items()}
-    fps = {(s, split): [fingerprints(record_text(kind, r)) for r in _rows(files, split)]
-           for s, (files, kind) in shards.items() for split in ("train", "validation")}
-    held = set().union(*(f for (_, split), docs in fps.items() if split == "validation" for f in docs),
-                       *(fingerprints(t) for t in shipped_texts()))
+    fps = {
+        (s, split): [fingerprints(record_text(kind, r)) for r in _rows(files, split)]
+        for s, (files, kind) in shards.items()
+        for split in ("train", "validation")
+    }
+    held = set().union(
+        *(f for (_, split), docs in fps.items() if split == "validation" for f in docs),
+        *(fingerprints(t) for t in shipped_texts()),
+    )
     assert {s: sum(1 for f in fps[(s, "train")] if f & held) for s in shards} == {s: 0 for s in shards}
     assert all(sum(1 for f in fps[(s, "train")] if f) > 100 for s in shards if s != "demo_images")  # not empty

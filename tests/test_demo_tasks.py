@@ -31,12 +31,24 @@ from ghostvis_core.errors import GhostvisError
 
 MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 EXPECTED_SCHEMAS = {
-    "demo_reasoning": {"text": pa.string(), "question": pa.string(), "solution": pa.string(),
-                       "answer": pa.string(), "id": pa.string()},
+    "demo_reasoning": {
+        "text": pa.string(),
+        "question": pa.string(),
+        "solution": pa.string(),
+        "answer": pa.string(),
+        "id": pa.string(),
+    },
     "demo_chat": {"messages": MESSAGES, "image": pa.binary(), "id": pa.string()},
     "demo_prefs": {"prompt": pa.string(), "chosen": pa.string(), "rejected": pa.string(), "id": pa.string()},
-    "demo_images": {"image": pa.binary(), "caption": pa.string(), "shape": pa.string(), "color": pa.string(),
-                    "count": pa.int64(), "position": pa.string(), "id": pa.string()},
+    "demo_images": {
+        "image": pa.binary(),
+        "caption": pa.string(),
+        "shape": pa.string(),
+        "color": pa.string(),
+        "count": pa.int64(),
+        "position": pa.string(),
+        "id": pa.string(),
+    },
 }
 # Generated training rows dropped for sharing a 13-gram fingerprint with a validation row of any task
 # source. demo_prefs: all 308 pairs whose rejected reply ends in the 24-word "I hope this helps! ..."
@@ -49,8 +61,13 @@ STEP = re.compile(r"^Step (\d+): (\d+) ([-+*]) (\d+) = (\d+)\.$")
 ARITH_REPLY = re.compile(r"^(\d+) ([-+*]) (\d+) = (\d+)\.$")
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 NUMBER_WORDS = {1: "one", 2: "two", 3: "three"}
-PLACES = {"left": "on the left", "right": "on the right", "top": "at the top", "bottom": "at the bottom",
-          "center": "in the center"}
+PLACES = {
+    "left": "on the left",
+    "right": "on the right",
+    "top": "at the top",
+    "bottom": "at the bottom",
+    "center": "in the center",
+}
 
 
 @pytest.fixture(scope="module")
@@ -184,8 +201,10 @@ def test_a_training_row_holding_20_words_of_a_validation_row_is_dropped():
     val = " ".join(f"v{i}" for i in range(40))
     passage = " ".join(f"v{i}" for i in range(10, 30))  # 20 words: a shared fingerprint is guaranteed
     near = " ".join(f"v{i}" for i in range(10, 22))  # 12 words: no 13-gram in common
-    train = [{"text": f"Tom has 3 apples. {passage}. Answer: 3"},
-             {"text": f"Ann has 2 pears. {near} and more words here."}]
+    train = [
+        {"text": f"Tom has 3 apples. {passage}. Answer: 3"},
+        {"text": f"Ann has 2 pears. {near} and more words here."},
+    ]
     held = held_out_fingerprints([val])
     assert drop_shared(train, partial(record_text, "text"), held) == [train[1]]
 
@@ -194,8 +213,10 @@ def test_a_training_row_holding_20_words_of_a_validation_row_is_dropped():
 def test_train_shares_no_fingerprint_with_validation_or_shipped_items(built, source):
     """From the built shards, the way tokenization fingerprints them: the held-out side is every task
     source's validation rows (the gate compares across kinds) and the shipped evaluation items."""
-    held = set().union(*(fingerprints(record_text(k, r)) for s, k in TASK_SOURCES.items()
-                         for r in _rows(built, s, "validation")), *(fingerprints(t) for t in shipped_texts()))
+    held = set().union(
+        *(fingerprints(record_text(k, r)) for s, k in TASK_SOURCES.items() for r in _rows(built, s, "validation")),
+        *(fingerprints(t) for t in shipped_texts()),
+    )
     kind = TASK_SOURCES[source]
     train = [fingerprints(record_text(kind, r)) for r in _rows(built, source, "train")]
     assert sum(1 for fps in train if fps & held) == 0

@@ -5,6 +5,7 @@ own variant."""
 
 from __future__ import annotations
 
+import dataclasses
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -13,14 +14,14 @@ import pyarrow as pa
 import pytest
 import torch
 
-from ghostvis_core.plan.config import DPOConfig, ModelConfig
 from ghostvis_core.data.loader import Batch, Batcher, PreferenceRows
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.token_shard import list_column, write_token_shard
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.plan.batch import IGNORE_INDEX
+from ghostvis_core.plan.config import DPOConfig, ModelConfig
 from ghostvis_core.plan.presets import resolve
+from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.run.train.objectives import DPOObjective
 
@@ -87,9 +88,10 @@ def test_simpo_by_hand_without_a_reference():
     value = float(obj.loss_sum(FixedLogprobs(POLICY), pairs_batch(), "cpu"))
     assert value == pytest.approx(0.4740770 + 0.2014133, abs=1e-6)
     # gamma is the full margin: at gamma 0 the pairs are -log sigmoid(1) and -log sigmoid(2)
-    obj.dpo.gamma = 0.0
+    obj.dpo = dataclasses.replace(obj.dpo, gamma=0.0)
     assert float(obj.loss_sum(FixedLogprobs(POLICY), pairs_batch(), "cpu")) == pytest.approx(
-        0.3132617 + 0.1269280, abs=1e-6)
+        0.3132617 + 0.1269280, abs=1e-6
+    )
 
 
 def test_sft_dpo_adds_the_chosen_responses_mean_nll():
@@ -101,8 +103,9 @@ def test_sft_dpo_adds_the_chosen_responses_mean_nll():
 
 def test_simpo_builds_no_reference_model_and_dpo_does():
     torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=64,
-                            max_seq_len=16))
+    model = GPT(
+        ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=64, max_seq_len=16)
+    )
     obj = objective(None, loss="simpo")
     obj.prepare_model(model)  # would read the upstream checkpoint from the store if it built a reference
     assert obj.ref is None and not obj.uses_reference
@@ -110,25 +113,30 @@ def test_simpo_builds_no_reference_model_and_dpo_does():
 
 
 def test_an_unknown_loss_is_refused_naming_the_choices():
-    cfg = resolve("dpo", "tiny")
-    cfg.dpo.loss = "kto"
-    with pytest.raises(GhostvisError, match=r"dpo.loss='kto'.*sigmoid, ipo, simpo, sft_dpo.*--set dpo.loss="):
-        DPOObjective(None, cfg)  # refused before any shard or tokenizer is read
+    with pytest.raises(
+        GhostvisError, match=r"dpo.loss: 'kto' is not one of sigmoid, ipo, simpo, sft_dpo.*--set dpo.loss="
+    ):
+        resolve("dpo", "tiny", {"dpo.loss": "kto"})  # refused when the config is resolved, before any launch
 
 
 def _prefs_shard(tmp_path: Path) -> SourceStream:
     """Two pairs: prompt [5, 6], chosen [7, 8] / rejected [9]; prompt [4], chosen [10] / rejected [11, 12, 13]."""
     path = tmp_path / "prefs" / "p.arrow"
-    write_token_shard(path, {"row": pa.array([0, 1], pa.int64()),
-                             "tokens": list_column([5, 5], [5, 6, 7, 8, 9, 4, 10, 11, 12, 13], np.uint16),
-                             "prompt_len": pa.array([2, 1], pa.int64()), "chosen_len": pa.array([2, 1], pa.int64())})
+    write_token_shard(
+        path,
+        {
+            "row": pa.array([0, 1], pa.int64()),
+            "tokens": list_column([5, 5], [5, 6, 7, 8, 9, 4, 10, 11, 12, 13], np.uint16),
+            "prompt_len": pa.array([2, 1], pa.int64()),
+            "chosen_len": pa.array([2, 1], pa.int64()),
+        },
+    )
     return SourceStream("prefs", [ShardRef("prefs/00000", "prefs", "validation", str(path), docs=2, tokens=10)], 0)
 
 
 @pytest.mark.parametrize("variant", ["sigmoid", "ipo", "simpo", "sft_dpo"])
 def test_evaluation_reports_the_stages_own_variant(tmp_path, variant):
-    cfg = resolve("dpo", "tiny")
-    cfg.dpo.loss, cfg.batch.micro_batch_size = variant, 4
+    cfg = resolve("dpo", "tiny", {"dpo.loss": variant, "batch.micro_batch_size": 4})
     torch.manual_seed(0)
     mcfg = ModelConfig(vocab_size=16, d_model=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=64, max_seq_len=16)
     policy, reference = GPT(mcfg).eval(), GPT(mcfg).eval()  # two seeds' draws: the margins are not 0

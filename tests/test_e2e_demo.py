@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from ghostvis_core.plan import presets
-from ghostvis_core.plan.budget import flops_per_token, plan
+from ghostvis_core.counts import MLFLOW_METRICS, TokenCounts
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.counts import MLFLOW_METRICS, TokenCounts
 from ghostvis_core.home import Home
-from ghostvis_core.verify.audit.stage_checks import stage_check_names
+from ghostvis_core.plan import presets
+from ghostvis_core.plan.budget import flops_per_token, plan
 from ghostvis_core.plan.stages import stage_names
+from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from tests.conftest import run_cli
 
 pytestmark = pytest.mark.e2e
@@ -50,7 +50,7 @@ def test_demo_materializes_every_asset_and_all_checks_pass(demo_home):
     out = (demo_home / "demo_stdout.txt").read_text()
     for asset in ["shard_manifest", "raw_shards", "tokenizer", "tokenized_shards", "token_ledger", *STAGES]:
         assert f"\n{asset} " in out, f"{asset} missing from the per-asset breakdown:\n{out}"
-    line = next(l for l in out.splitlines() if l.startswith("checks:"))
+    line = next(line for line in out.splitlines() if line.startswith("checks:"))
     passed, total = map(int, line.split()[1].split("/"))
     # 5 data checks (4 ledger, 1 tokenizer), the stages' checks and the evaluation's lineage quality gate
     assert passed == total == 5 + len(stage_check_names()) * len(STAGES) + 1, line
@@ -68,8 +68,9 @@ def test_ledger_mlflow_and_dagster_agree_to_the_token_for_every_stage(demo_home)
         p = plan(cfg)
         assert md["steps"] == totals["steps"] == p.steps
         assert md["real_tokens"] + md["pad_tokens"] == p.steps * p.tokens_per_step == md["planned_tokens"]
-        assert md["tokens_per_step"] == (md["micro_batch_size"] * md["seq_len"] * md["world_size"]
-                                         * md["grad_accum_steps"])
+        assert md["tokens_per_step"] == (
+            md["micro_batch_size"] * md["seq_len"] * md["world_size"] * md["grad_accum_steps"]
+        )
         for key, metric in MLFLOW_METRICS.items():
             assert md[key] == totals[key] == int(metrics[metric]), (stage, key)
         # the pieces read from shards are exactly the tokens trained (+ cropped; DPO reads its prompt once
@@ -113,11 +114,23 @@ def test_rematerializing_one_stage_through_the_dagster_cli(home_copy):
     instance = dagster_instance(home_copy)
     before = latest(instance, "sft")
     vision = latest(instance, "vision_alignment")
-    proc = run_cli(["dagster", "asset", "materialize", "--select", "sft", "-m", "ghostvis_pipeline.definitions",
-                    "--config-json", json.dumps({"ops": {"sft": {"config": {"force": True}}}})], home_copy)
+    proc = run_cli(
+        [
+            "dagster",
+            "asset",
+            "materialize",
+            "--select",
+            "sft",
+            "-m",
+            "ghostvis_pipeline.definitions",
+            "--config-json",
+            json.dumps({"ops": {"sft": {"config": {"force": True}}}}),
+        ],
+        home_copy,
+    )
     assert "RUN_SUCCESS" in proc.stdout + proc.stderr
     after = latest(dagster_instance(home_copy), "sft")
-    assert after["run_key"] == before["run_key"][:-len("-r1")] + "-r2" and "cached_from" not in after
+    assert after["run_key"] == before["run_key"][: -len("-r1")] + "-r2" and "cached_from" not in after
     assert after["mlflow_run_id"] != before["mlflow_run_id"]
     assert after["parent_run_key"] == vision["run_key"]  # from the stored upstream checkpoint
     assert after["real_tokens"] == before["real_tokens"]  # same config, same data, deterministic packing
@@ -139,8 +152,11 @@ def test_ghostvis_ledger_json_shows_the_same_totals(demo_home):
 
 def test_a_stage_whose_upstream_is_missing_says_which_asset_to_materialize_first(home_copy):
     run_cli(["dagster", "asset", "wipe", "sft", "--noprompt"], home_copy)
-    proc = run_cli(["dagster", "asset", "materialize", "--select", "dpo", "-m", "ghostvis_pipeline.definitions"],
-                   home_copy, check=False)
+    proc = run_cli(
+        ["dagster", "asset", "materialize", "--select", "dpo", "-m", "ghostvis_pipeline.definitions"],
+        home_copy,
+        check=False,
+    )
     assert proc.returncode != 0
     assert "asset `sft` has never been materialized; materialize it first" in proc.stdout + proc.stderr
     assert "torch.distributed.run" not in proc.stdout + proc.stderr  # refused before launching torchrun
@@ -149,8 +165,12 @@ def test_a_stage_whose_upstream_is_missing_says_which_asset_to_materialize_first
     from ghostvis_core.run.train.runs import Upstream
 
     with pytest.raises(GhostvisError, match=r"upstream checkpoint .* is missing; materialize the `sft` asset first"):
-        prepare_run("dpo", preset="smoke", home=Home(home_copy),
-                    upstream=Upstream("sft", "sft-x-r1", str(home_copy / "nowhere" / "step_000000008")))
+        prepare_run(
+            "dpo",
+            preset="smoke",
+            home=Home(home_copy),
+            upstream=Upstream("sft", "sft-x-r1", str(home_copy / "nowhere" / "step_000000008")),
+        )
 
 
 def test_a_config_inconsistent_with_the_upstream_checkpoint_fails_before_torchrun(home_copy):
@@ -163,9 +183,23 @@ def test_a_config_inconsistent_with_the_upstream_checkpoint_fails_before_torchru
 
 
 def test_plain_torchrun_runs_a_stage_without_dagster(home_copy):
-    proc = run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "ghostvis_core.run",
-                    "--stage", "pretrain", "--preset", "smoke", "--set", "budget.steps=4"], home_copy,
-                   OMP_NUM_THREADS="1")
+    proc = run_cli(
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "ghostvis_core.run",
+            "--stage",
+            "pretrain",
+            "--preset",
+            "smoke",
+            "--set",
+            "budget.steps=4",
+        ],
+        home_copy,
+        OMP_NUM_THREADS="1",
+    )
     assert "step 4/4" in proc.stdout
     ledger = Ledger.in_store(Home(home_copy).store)
     runs = [p for p in ledger.parts(stage="pretrain") if p["step_last"] == 4 and p["world_size"] == 2]
@@ -226,15 +260,32 @@ SHORT_VARIANTS = json.dumps({"ops": {"pretrain_variants": {"config": {"overrides
 
 def test_variant_backfill_gives_comparable_mlflow_runs_at_equal_tokens(home_copy):
     for variant in presets.VARIANTS["pretrain"]:
-        run_cli(["dagster", "asset", "materialize", "--select", "pretrain_variants", "--partition", variant,
-                 "-m", "ghostvis_pipeline.definitions", "--config-json", SHORT_VARIANTS], home_copy)
+        run_cli(
+            [
+                "dagster",
+                "asset",
+                "materialize",
+                "--select",
+                "pretrain_variants",
+                "--partition",
+                variant,
+                "-m",
+                "ghostvis_pipeline.definitions",
+                "--config-json",
+                SHORT_VARIANTS,
+            ],
+            home_copy,
+        )
     client, runs = mlflow_runs(home_copy)
     by_variant = {r.data.tags["ghostvis.variant"]: r for r in runs if "ghostvis.variant" in r.data.tags}
     assert set(by_variant) == set(presets.VARIANTS["pretrain"])
     lrs = {v: float(r.data.params["optim.lr"]) for v, r in by_variant.items() if v.startswith("lr_")}
     assert lrs == {v: float(o["optim.lr"]) for v, o in presets.VARIANTS["pretrain"].items() if v.startswith("lr_")}
     assert {v: r.data.params["optim.name"] for v, r in by_variant.items()} == {
-        "lr_1e-3": "adamw", "lr_4e-3": "adamw", "muon": "muon"}
+        "lr_1e-3": "adamw",
+        "lr_4e-3": "adamw",
+        "muon": "muon",
+    }
     for r in by_variant.values():
         assert {"train/loss", "val/loss", "tokens/real"} <= set(r.data.metrics)
         assert r.data.tags["ghostvis.stage"] == "pretrain" and r.data.tags["ghostvis.run_key"].startswith("pretrain@")
@@ -252,8 +303,13 @@ def test_chat_answers_piped_prompts_and_exits_cleanly(demo_home):
 
     from tests.conftest import BIN, cli_env
 
-    proc = subprocess.run([str(BIN / "ghostvis"), "chat", "--stage", "sft", "--max-tokens", "24"],
-                          input="What is 2 + 3?\nSay hello to Ada.\n", env=cli_env(demo_home),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [str(BIN / "ghostvis"), "chat", "--stage", "sft", "--max-tokens", "24"],
+        input="What is 2 + 3?\nSay hello to Ada.\n",
+        env=cli_env(demo_home),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.splitlines()) == 2  # one reply line per prompt, then EOF ends the session

@@ -22,8 +22,10 @@ def test_unknown_preset(tmp_path):
 def test_total_batch_that_does_not_divide(tmp_path):
     proc = run_cli(["ghostvis", "plan", "--total-batch-tokens", "10000"], tmp_path, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert ("batch.total_batch_tokens=10000 is not divisible by micro_batch_size x seq_len x world_size = "
-            "8 x 256 x 2 = 4096; choose a total that is a multiple of 4096") in proc.stderr
+    assert (
+        "batch.total_batch_tokens=10000 is not divisible by micro_batch_size x seq_len x world_size = "
+        "8 x 256 x 2 = 4096; choose a total that is a multiple of 4096"
+    ) in proc.stderr
 
 
 @pytest.mark.e2e
@@ -33,8 +35,10 @@ def test_missing_tokenized_shard_stops_the_stage_before_torchrun(home_copy):
     path.unlink()
     proc = run_cli([*MATERIALIZE, "--select", "pretrain"], home_copy, check=False)
     assert proc.returncode != 0
-    assert (f"tokenized shard demo_code/00001 ({path}) is in the ledger but missing on disk; "
-            "re-materialize tokenized_shards partition demo_code/00001") in proc.stdout + proc.stderr
+    assert (
+        f"tokenized shard demo_code/00001 ({path}) is in the ledger but missing on disk; "
+        "re-materialize tokenized_shards partition demo_code/00001"
+    ) in proc.stdout + proc.stderr
     assert "torch.distributed.run" not in proc.stdout + proc.stderr
 
 
@@ -45,35 +49,47 @@ def test_corrupt_parquet_fails_its_partition_and_leaves_the_others_done(home_cop
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # truncated mid-file
     for f in store.fetch("ledger_file", "shards").glob("*.parquet"):  # forget the neighbours: they must be redone
         f.unlink()
-    proc = run_cli([*MATERIALIZE, "--select", "tokenized_shards", "--partition-range",
-                    "demo_prose/00000...demo_prose/00002"], home_copy, check=False)
+    proc = run_cli(
+        [*MATERIALIZE, "--select", "tokenized_shards", "--partition-range", "demo_prose/00000...demo_prose/00002"],
+        home_copy,
+        check=False,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "1 of 3 shards failed to tokenize (2 others are done and recorded; a re-run skips them)" in out
     # the worker checks the file it reads against the hash raw_shards recorded at download
-    assert (f"raw shard demo_prose/00001 ({bad}): content changed since it was recorded (expected sha256 " in out
-            and "re-materialize raw_shards partition demo_prose/00001" in out)
+    assert (
+        f"raw shard demo_prose/00001 ({bad}): content changed since it was recorded (expected sha256 " in out
+        and "re-materialize raw_shards partition demo_prose/00001" in out
+    )
     done = {r["shard_id"] for r in Ledger.in_store(store).shards()}
     assert done == {"demo_prose/00000", "demo_prose/00002"}
     # the fix the message names: re-materialize the raw shard (its checksum no longer matches, so it
     # is downloaded again), then tokenizing the range only does the repaired shard
     run_cli([*MATERIALIZE, "--select", "raw_shards", "--partition", "demo_prose/00001"], home_copy)
-    proc = run_cli([*MATERIALIZE, "--select", "tokenized_shards", "--partition-range",
-                    "demo_prose/00000...demo_prose/00002"], home_copy)
+    proc = run_cli(
+        [*MATERIALIZE, "--select", "tokenized_shards", "--partition-range", "demo_prose/00000...demo_prose/00002"],
+        home_copy,
+    )
     assert "tokenized_shards: 3 shards (1 tokenized, 2 unchanged and skipped)" in proc.stdout + proc.stderr
-    assert {r["shard_id"] for r in Ledger.in_store(store).shards()} == {"demo_prose/00000", "demo_prose/00001",
-                                                                        "demo_prose/00002"}
+    assert {r["shard_id"] for r in Ledger.in_store(store).shards()} == {
+        "demo_prose/00000",
+        "demo_prose/00001",
+        "demo_prose/00002",
+    }
 
 
 @pytest.mark.e2e
 def test_a_budget_beyond_the_data_fails_pre_flight_with_the_numbers(home_copy):
     """The known failure: 100 shards on disk when 178 were needed. The stage must not start, and
-    the message says how many tokens are missing and about how many more shards to tokenize."""
+    the message says how many tokens are missing and about how many more shards to tokenize. The
+    pre-flight is the job's (rank 0 calls check_run before the first step), here called as it does."""
     import math
     import re
 
     from ghostvis_core.errors import GhostvisError
     from ghostvis_core.run.launch import prepare_run
+    from ghostvis_core.run.preflight import check_run
 
     home = Home(home_copy)
     train = [r for r in Ledger.in_store(home.store).shards() if r["source"] == "demo_prose" and r["split"] == "train"]
@@ -82,19 +98,56 @@ def test_a_budget_beyond_the_data_fails_pre_flight_with_the_numbers(home_copy):
     # token (the last target of one is the first input of the next), so n windows read n x 256 + 1
     needed = 5000 * 16 // 2 * 256 + 1
     with pytest.raises(GhostvisError) as err:
-        prepare_run("pretrain", preset="smoke", home=home, overrides={"budget.steps": "5000"})
+        check_run(prepare_run("pretrain", preset="smoke", home=home, overrides={"budget.steps": "5000"}), home.store)
     msg = str(err.value)
     assert msg.startswith("pre-flight failed: ")
     epochs = needed / available
     more = math.ceil((needed - available) / (available / len(train)))
-    assert (f"source demo_prose: the budget needs {needed:,} tokens but {available:,} are available in "
-            f"{len(train)} tokenized shards ({epochs:.2f} epochs); tokenize about {more} more shards") in msg
+    assert (
+        f"source demo_prose: the budget needs {needed:,} tokens but {available:,} are available in "
+        f"{len(train)} tokenized shards ({epochs:.2f} epochs); tokenize about {more} more shards"
+    ) in msg
     assert f"or set data.allow_repeat=true to repeat the data {epochs:.2f} times" in msg
     assert re.search(r"source demo_code: the budget needs 10,240,001 tokens", msg)
 
     # declared repetition starts, and the epochs it will take are recorded with the run
-    spec = prepare_run("pretrain", preset="smoke", home=home,
-                       overrides={"budget.steps": "5000", "data.allow_repeat": "true"})
+    spec = check_run(
+        prepare_run(
+            "pretrain", preset="smoke", home=home, overrides={"budget.steps": "5000", "data.allow_repeat": "true"}
+        ),
+        home.store,
+    )
     budget = spec.inputs.source_budget["demo_prose"]
     assert (budget.needed_tokens, budget.available_tokens) == (needed, available)
     assert budget.epochs == round(epochs, 3) > 1
+    saved = home.store.read_json("run_spec", "pretrain", spec.run_key)["inputs"]["source_budget"]
+    assert saved["demo_prose"]["needed_tokens"] == needed  # what the materialization shows, from the store
+
+
+@pytest.mark.e2e
+def test_the_jobs_pre_flight_refusal_fails_the_materialization_once_with_its_message(home_copy):
+    """Through Dagster: the launch spec is written, the job's rank 0 refuses before the first step (the
+    Dagster process never builds the objective), and the materialization fails with the pre-flight's
+    message and the fix, without a retry (the same inputs would be refused again)."""
+    import json
+
+    from tests.conftest import materialize_pretrain
+
+    argv = materialize_pretrain()
+    argv[argv.index("--config-json") + 1] = json.dumps(
+        {"ops": {"pretrain": {"config": {"preset": "smoke", "overrides": {"budget.steps": "5000"}}}}}
+    )
+    proc = run_cli(argv, home_copy, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    store = Home(home_copy).store
+    records = [
+        store.read_json("run_file", *key) for key in store.keys("run_file", "pretrain") if key[-1] == "preflight.json"
+    ]
+    (refused,) = [r["refused"] for r in records if "refused" in r]
+    assert refused.startswith("pre-flight failed: source demo_prose: the budget needs 10,240,001 tokens")
+    assert "; source demo_code: the budget needs 10,240,001 tokens" in refused
+    assert "tokenize about" in refused and "or set data.allow_repeat=true to repeat the data" in refused
+    host = next(r["host"] for r in records if "refused" in r)
+    assert f"rank 0 on {host}" in out and refused in out
+    assert "STEP_UP_FOR_RETRY" not in out

@@ -11,14 +11,13 @@ import numpy as np
 import torch
 
 from ghostvis_core.plan.config import ModelConfig
-from ghostvis_core.verify.eval.benchmark import Choice, multiple_choice
 from ghostvis_core.run.model.gpt import GPT
+from ghostvis_core.verify.eval.benchmark import Choice, multiple_choice
 
 
 def _model() -> GPT:
     torch.manual_seed(0)
-    m = GPT(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
-                        max_seq_len=64))
+    m = GPT(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=64))
     return m.eval()
 
 
@@ -26,7 +25,7 @@ def _alone(model: GPT, context: list[int], option: list[int]) -> float:
     """Mean loss of the option's tokens, one unpadded sequence."""
     ids = torch.tensor([context + option])
     y = torch.full_like(ids, -1)
-    y[0, len(context) - 1 : -1] = ids[0, len(context):]
+    y[0, len(context) - 1 : -1] = ids[0, len(context) :]
     return float(model(ids, y, reduction="mean"))
 
 

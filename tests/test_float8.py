@@ -8,10 +8,10 @@ import pytest
 import torch
 from torchao.float8.float8_linear import Float8Linear  # torchao is in the dev extra as well as the gpu one
 
-from ghostvis_core.plan.config import ModelConfig, StageConfig, VisionConfig, apply_overrides
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.model.gpt import GPT
+from ghostvis_core.plan.config import ModelConfig, StageConfig, VisionConfig, apply_overrides
 from ghostvis_core.plan.presets import resolve
+from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train import float8
 from ghostvis_core.run.train.dist import DistContext
@@ -27,8 +27,11 @@ def gpt(seed: int = 0, vision: bool = False) -> GPT:
     torch.manual_seed(seed)
     model = GPT(CFG)
     if vision:
-        model.attach_vision(VisionConfig(image_size=32, patch_size=4, d_vision=32, n_layers=1, n_heads=4,
-                                         n_latents=4, resampler_layers=1))
+        model.attach_vision(
+            VisionConfig(
+                image_size=32, patch_size=4, d_vision=32, n_layers=1, n_heads=4, n_latents=4, resampler_layers=1
+            )
+        )
     return model
 
 
@@ -85,8 +88,9 @@ def test_the_converted_gpt_trains_in_emulated_float8_on_cpu():
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     plain, converted = gpt(seed=5), gpt(seed=5)
-    convert_to_float8_training(converted, config=Float8LinearConfig(emulate=True),
-                               module_filter_fn=float8.float8_filter)
+    convert_to_float8_training(
+        converted, config=Float8LinearConfig(emulate=True), module_filter_fn=float8.float8_filter
+    )
     x = torch.randint(0, CFG.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     want, got = plain(x[:, :-1], x[:, 1:]), converted(x[:, :-1], x[:, 1:])
     w, g = float(want.detach()), float(got.detach())

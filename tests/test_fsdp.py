@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch._dynamo  # noqa: F401  (imported before forking: FSDP and DCP load these lazily, seconds per rank)
+import torch.distributed as dist
 import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.fsdp  # noqa: F401
 import torch.multiprocessing as mp
 
-from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.run.model.vision import frozen_fingerprint
 from ghostvis_core.run.train import checkpoint as ckpt
@@ -61,7 +61,7 @@ def train_steps(par, opt, steps: range, rank: int, world: int) -> list[float]:
         total = torch.zeros(())
         for m in range(accum):
             start = (m * world + rank) * MICRO
-            x = rows[start:start + MICRO]
+            x = rows[start : start + MICRO]
             with par.accumulating(last_micro_step=m == accum - 1):
                 loss = par.forward_module(x[:, :-1], x[:, 1:], reduction="sum")
                 (loss * world / (ROWS_PER_STEP * 8)).backward()
@@ -98,8 +98,11 @@ def spawn(fn, *args, world: int = 2) -> list:
     """Run fn(rank, world, *args) on `world` gloo ranks; the results by rank."""
     ctx = mp.get_context("fork")  # no re-import per rank: seconds, not tens of seconds
     queue = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, world, _free_port() if r < 0 else port, fn, queue, args))
-             for port in [_free_port()] for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, _free_port() if r < 0 else port, fn, queue, args))
+        for port in [_free_port()]
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -128,8 +131,16 @@ def _write_then_continue(rank, world, run_dir, strategy="fsdp"):
     train_steps(par, opt, range(3), rank, world)
     shards = ckpt.save_shards(Path(run_dir), 3, par.model, opt)
     if rank == 0:
-        ckpt.save(Path(run_dir), 3, model=par.model, optimizer=opt, state={"step": 3, "rows": 3 * ROWS_PER_STEP},
-                  config={}, keep_last=2, extra_dirs=shards)
+        ckpt.save(
+            Path(run_dir),
+            3,
+            model=par.model,
+            optimizer=opt,
+            state={"step": 3, "rows": 3 * ROWS_PER_STEP},
+            config={},
+            keep_last=2,
+            extra_dirs=shards,
+        )
     dist.barrier()
     return train_steps(par, opt, range(3, 6), rank, world)
 
@@ -195,8 +206,16 @@ def _write_async_then_continue(rank, world, run_dir, strategy):
     if rank == 0:
         written = sorted(f.name for f in extra[ckpt.DCP_DIR].iterdir())  # on disk when rank 0's wait returns
         assert ckpt.latest_complete(Path(run_dir)) is None  # no marker before the shards were waited for
-        ckpt.save(Path(run_dir), 3, model=par.model, optimizer=opt, state={"step": 3, "rows": 3 * ROWS_PER_STEP},
-                  config={}, keep_last=2, extra_dirs=extra)
+        ckpt.save(
+            Path(run_dir),
+            3,
+            model=par.model,
+            optimizer=opt,
+            state={"step": 3, "rows": 3 * ROWS_PER_STEP},
+            config={},
+            keep_last=2,
+            extra_dirs=extra,
+        )
     dist.barrier()
     return losses, written, not_done_during_training
 
@@ -239,7 +258,11 @@ def _frozen(rank, world):
     before = frozen_fingerprint(par.model)
     trained_before = par.model.blocks[1].ffn.w2.weight.full_tensor().clone()
     train_steps(par, opt, range(3), rank, world)
-    return before, frozen_fingerprint(par.model), bool(torch.equal(trained_before, par.model.blocks[1].ffn.w2.weight.full_tensor()))
+    return (
+        before,
+        frozen_fingerprint(par.model),
+        bool(torch.equal(trained_before, par.model.blocks[1].ffn.w2.weight.full_tensor())),
+    )
 
 
 def test_a_frozen_block_stays_bit_identical_under_fsdp():
@@ -277,8 +300,9 @@ def test_a_tampered_dcp_metadata_file_is_refused_without_running_it(tmp_path, mo
     model = GPT(CFG)
     opt = _optimizer(model)
     shards = ckpt.save_shards(tmp_path, 1, model, opt)  # one process, no process group
-    path = ckpt.save(tmp_path, 1, model=model, optimizer=opt, state={"step": 1}, config={}, keep_last=1,
-                     extra_dirs=shards)
+    path = ckpt.save(
+        tmp_path, 1, model=model, optimizer=opt, state={"step": 1}, config={}, keep_last=1, extra_dirs=shards
+    )
     ckpt.load_model(path, GPT(CFG))  # the untampered one loads
     flag = tmp_path / "payload-ran"
     monkeypatch.setenv("GHOSTVIS_PAYLOAD", str(flag))
@@ -302,8 +326,23 @@ def test_the_trainer_with_async_checkpoints_trains_and_commits_like_the_sync_one
     from tests.conftest import run_cli
 
     for extra in ([], ["--set", "checkpoint.async_save=true"]):
-        run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "ghostvis_core.run", "--stage", "pretrain",
-                 "--preset", "smoke", *ASYNC_RUN, *extra], home_copy, OMP_NUM_THREADS="1")
+        run_cli(
+            [
+                "torchrun",
+                "--standalone",
+                "--nproc_per_node=2",
+                "-m",
+                "ghostvis_core.run",
+                "--stage",
+                "pretrain",
+                "--preset",
+                "smoke",
+                *ASYNC_RUN,
+                *extra,
+            ],
+            home_copy,
+            OMP_NUM_THREADS="1",
+        )
     store = Home(home_copy).store
     ledger = Ledger.in_store(store)
     keys = sorted({p["run_key"] for p in ledger.parts(stage="pretrain") if p["step_last"] == 6})
@@ -312,7 +351,11 @@ def test_the_trainer_with_async_checkpoints_trains_and_commits_like_the_sync_one
     refs = ckpt.list_complete(async_dir)
     assert [r.step for r in refs] == [4, 6] and not list(async_dir.glob(".dcp-*"))
     for r in refs:
-        assert sorted(f.name for f in (r.path / ckpt.DCP_DIR).iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+        assert sorted(f.name for f in (r.path / ckpt.DCP_DIR).iterdir()) == [
+            ".metadata",
+            "__0_0.distcp",
+            "__1_0.distcp",
+        ]
         assert (r.path / "ledger").is_dir() and (r.path / ckpt.MARKER).read_text() == str(r.step)
     assert ledger.run_totals(keys[1]) == ledger.run_totals(keys[0])
     assert ledger.run_totals(keys[1])["real_tokens"] == 6 * 8 * 256 * 2 and ledger.run_totals(keys[1])["parts"] == 3
@@ -341,26 +384,36 @@ def _objects(store, step_dir: str) -> list[str]:
     uri = store.uri_of("checkpoint", "pretrain", "run-r1", step_dir)
     bucket, _, prefix = uri.removeprefix("s3://").partition("/")
     listing = boto3.client("s3").list_objects_v2(Bucket=bucket, Prefix=prefix + "/")
-    return sorted(o["Key"][len(prefix) + 1:] for o in listing.get("Contents", []))
+    return sorted(o["Key"][len(prefix) + 1 :] for o in listing.get("Contents", []))
 
 
 def _write_through_s3(rank, world, env, tmp):
     """fsdp on 2 'nodes': each rank writes its shard into its own cache; `share_shard` uploads it,
     then rank 0 commits and publishes the rest, marker last."""
-    from ghostvis_core.run.train.commit import share_shard
+    from ghostvis_core.run.train.checkpointing import share_shard
 
     store = _s3_node(rank, env, f"{tmp}/node{rank}")
     par, opt = _fresh("fsdp", rank, world)
     train_steps(par, opt, range(3), rank, world)
     run_dir = store.writable("checkpoints", "pretrain", "run-r1")
     shards = ckpt.save_shards(run_dir, 3, par.model, opt)
-    share_shard(store, DistContext(rank, rank, world, torch.device("cpu")), "pretrain", "run-r1", 3, shards[ckpt.DCP_DIR])
+    share_shard(
+        store, DistContext(rank, rank, world, torch.device("cpu")), "pretrain", "run-r1", 3, shards[ckpt.DCP_DIR]
+    )
     before_marker = []
     if rank == 0:
         assert not (run_dir / ".dcp-step_000000003" / "__1_0.distcp").exists()  # rank 1 wrote in another cache
         before_marker = _objects(store, "step_000000003")
-        ckpt.save(run_dir, 3, model=par.model, optimizer=opt, state={"step": 3, "rows": 3 * ROWS_PER_STEP},
-                  config={}, keep_last=2, extra_dirs=shards)
+        ckpt.save(
+            run_dir,
+            3,
+            model=par.model,
+            optimizer=opt,
+            state={"step": 3, "rows": 3 * ROWS_PER_STEP},
+            config={},
+            keep_last=2,
+            extra_dirs=shards,
+        )
         store.publish("checkpoint", "pretrain", "run-r1", "step_000000003")
     dist.barrier()
     return train_steps(par, opt, range(3, 6), rank, world), before_marker
@@ -377,8 +430,14 @@ def test_fsdp_shards_from_ranks_with_their_own_caches_commit_through_s3(moto_s3,
         # every shard and the metadata reached the bucket before rank 0 published the rest
         assert before_marker == ["dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"]
         reader = _s3_node(0, env, str(tmp_path / "node3"))  # a third node: nothing in its cache
-        assert _objects(reader, "step_000000003") == ["COMPLETE", "config.json", "dcp/.metadata", "dcp/__0_0.distcp",
-                                                     "dcp/__1_0.distcp", "train_state.json"]
+        assert _objects(reader, "step_000000003") == [
+            "COMPLETE",
+            "config.json",
+            "dcp/.metadata",
+            "dcp/__0_0.distcp",
+            "dcp/__1_0.distcp",
+            "train_state.json",
+        ]
         path = reader.fetch("checkpoint", "pretrain", "run-r1", "step_000000003")
         (state, on_two), _ = spawn(_resume, str(path))
         state1, on_one = _resume_single(str(path))
@@ -391,7 +450,7 @@ def test_fsdp_shards_from_ranks_with_their_own_caches_commit_through_s3(moto_s3,
 
 
 def test_a_rank_drops_only_its_own_leftover_shards_and_the_emptied_staging_folder(tmp_path):
-    from ghostvis_core.run.train.commit import drop_stale_shards
+    from ghostvis_core.run.train.checkpointing import drop_stale_shards
 
     staging = tmp_path / ".dcp-step_000000002"
     staging.mkdir()

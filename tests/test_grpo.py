@@ -12,23 +12,31 @@ import pyarrow as pa
 import pytest
 import torch
 
-from ghostvis_core.verify.audit.rebuild import PromptGroupRows, SourceFiles, rl_prompt_length
-from ghostvis_core.verify.audit.rollouts import recomputed_reward
-from ghostvis_core.verify.audit.token_files import TokenFile
-from ghostvis_core.plan.config import GRPOConfig
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.token_shard import list_column, write_token_shard
 from ghostvis_core.data.tokenizer import train_tokenizer
 from ghostvis_core.plan.batch import IGNORE_INDEX
+from ghostvis_core.plan.config import GRPOConfig
 from ghostvis_core.run.train.grpo import (
-    FORMAT_REWARD, GroupRows, RolloutLog, group_advantages, grpo_loss_sum, parse_answer, prompt_length, reward,
+    FORMAT_REWARD,
+    GroupRows,
+    RolloutLog,
+    group_advantages,
+    grpo_loss_sum,
+    parse_answer,
+    prompt_length,
+    reward,
 )
-
+from ghostvis_core.verify.audit.rebuild import PromptGroupRows, SourceFiles, rl_prompt_length
+from ghostvis_core.verify.audit.rollouts import recomputed_reward
+from ghostvis_core.verify.audit.token_files import TokenFile
 from tests.conftest import run_cli
 
-PROBLEMS = ["Tom has 3 apples. He gets 4 more. How many apples does Tom have?\nStep 1: 3 + 4 = 7.\nAnswer: 7",
-            "What is 12 - 5?\nStep 1: 12 - 5 = 7.\nAnswer: 7",
-            "Compute 6 * 3.\nStep 1: 6 * 3 = 18.\nAnswer: 18"]
+PROBLEMS = [
+    "Tom has 3 apples. He gets 4 more. How many apples does Tom have?\nStep 1: 3 + 4 = 7.\nAnswer: 7",
+    "What is 12 - 5?\nStep 1: 12 - 5 = 7.\nAnswer: 7",
+    "Compute 6 * 3.\nStep 1: 6 * 3 = 18.\nAnswer: 18",
+]
 
 
 # ---------------------------------------------------------------- by hand
@@ -37,10 +45,11 @@ PROBLEMS = ["Tom has 3 apples. He gets 4 more. How many apples does Tom have?\nS
 def test_advantages_are_the_reward_minus_the_group_mean_over_the_unbiased_group_std():
     adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]]))
     std1 = math.sqrt(4 * 0.25 / 3)  # mean 0.5, each deviation 0.5, n - 1 = 3
-    assert adv[0].tolist() == pytest.approx([0.5 / (std1 + 1e-4), -0.5 / (std1 + 1e-4), -0.5 / (std1 + 1e-4),
-                                             0.5 / (std1 + 1e-4)])
+    assert adv[0].tolist() == pytest.approx(
+        [0.5 / (std1 + 1e-4), -0.5 / (std1 + 1e-4), -0.5 / (std1 + 1e-4), 0.5 / (std1 + 1e-4)]
+    )
     assert adv[1].tolist() == [0.0, 0.0, 0.0, 0.0]  # no signal in a group of equal rewards
-    std3 = math.sqrt((0.75 ** 2 + 3 * 0.25 ** 2) / 3)
+    std3 = math.sqrt((0.75**2 + 3 * 0.25**2) / 3)
     assert adv[2, 0].item() == pytest.approx(0.75 / (std3 + 1e-4))
     assert adv[2, 1].item() == pytest.approx(-0.25 / (std3 + 1e-4))
 
@@ -93,8 +102,13 @@ def shard(tmp_path_factory):
     tok = train_tokenizer(PROBLEMS * 30, vocab_size=320)
     docs = [[tok.bos, *tok.encode(p)] for p in PROBLEMS]
     path = tmp_path_factory.mktemp("rl") / "reasoning-000.arrow"
-    write_token_shard(path, {"row": pa.array(range(len(docs)), pa.int64()),
-                             "tokens": list_column([len(d) for d in docs], [t for d in docs for t in d], np.uint16)})
+    write_token_shard(
+        path,
+        {
+            "row": pa.array(range(len(docs)), pa.int64()),
+            "tokens": list_column([len(d) for d in docs], [t for d in docs for t in d], np.uint16),
+        },
+    )
     ref = ShardRef("reasoning/00000", "reasoning", "train", str(path), docs=len(docs), tokens=sum(map(len, docs)))
     return tok, docs, ref
 
@@ -112,16 +126,20 @@ def test_the_trainers_rows_equal_the_audits_rebuilt_rows(shard):
     tok, docs, ref = shard
     cfg = GRPOConfig(group_size=2, max_new_tokens=8)
     rows = GroupRows(SourceStream("reasoning", [ref], seed=7), 48, 7, tok, cfg)
-    audit = PromptGroupRows(SourceFiles("reasoning", [TokenFile(Path(ref.path), ref.shard_id)], 7), 48, tok,
-                            {"group_size": 2, "max_new_tokens": 8})
+    audit = PromptGroupRows(
+        SourceFiles("reasoning", [TokenFile(Path(ref.path), ref.shard_id)], 7),
+        48,
+        tok,
+        {"group_size": 2, "max_new_tokens": 8},
+    )
     for j in range(2 * len(docs)):
         completion = tok.encode(f"Answer: {j}") + [tok.eot]
         mine, theirs = rows.row(j, completion), audit.row(j, completion)
         assert (mine.inputs == theirs.inputs).all() and (mine.targets == theirs.targets).all()
         prompt = rows.problem_of_row(j).prompt
         assert mine.real == len(prompt) + len(completion) and mine.loss == len(completion)
-        assert mine.targets[len(prompt) - 1:len(prompt) - 1 + len(completion)].tolist() == completion
-        assert (mine.targets[len(prompt) - 1 + len(completion):] == IGNORE_INDEX).all()
+        assert mine.targets[len(prompt) - 1 : len(prompt) - 1 + len(completion)].tolist() == completion
+        assert (mine.targets[len(prompt) - 1 + len(completion) :] == IGNORE_INDEX).all()
         assert len(mine.pieces) == (j % 2 == 0)  # the document's piece rides on the group's first row
         assert rows.problem_of_row(j).answer == audit.answer(j)
     assert sorted(rows.problem(k).answer for k in range(3)) == ["18", "7", "7"]
@@ -138,15 +156,19 @@ def stale_home(check: str, failure: str) -> bool:
 
 @pytest.mark.e2e
 def test_the_rl_stage_runs_through_the_cli_and_its_audit_recounts_the_generated_tokens(home_copy):
-    from ghostvis_core.verify.audit.report import audit_stage
     from ghostvis_core.counts import ROLLOUT_METRICS
     from ghostvis_core.data.ledger import Ledger
     from ghostvis_core.home import Home
     from ghostvis_core.run.track.mlflow_records import latest_metrics
     from ghostvis_core.run.train.runs import completed_runs
+    from ghostvis_core.verify.audit.report import audit_stage
 
-    proc = run_cli(["dagster", "asset", "materialize", "--select", "rl", "-m", "ghostvis_pipeline.definitions"],
-                   home_copy, timeout=900, check=False)
+    proc = run_cli(
+        ["dagster", "asset", "materialize", "--select", "rl", "-m", "ghostvis_pipeline.definitions"],
+        home_copy,
+        timeout=900,
+        check=False,
+    )
     h = Home(home_copy)
     ledger = Ledger.in_store(h.store)
     runs = completed_runs(h.store, "rl")
@@ -162,10 +184,14 @@ def test_the_rl_stage_runs_through_the_cli_and_its_audit_recounts_the_generated_
     recount = sum(len(c) for r in rollouts for c in r["completion_ids"])
     ledger_generated = sum(r["generated_tokens"] for r in rollouts)
     figures = checks["rollouts_recounted"]["figures"]
-    print(f"generated tokens: ledger {ledger_generated}, recount from rollouts {recount}; "
-          f"rewarded {figures['rewarded_tokens_ledger']}; reward {record.evidence['reward'].before} -> "
-          f"{record.evidence['reward'].after}")
-    assert recount == ledger_generated == figures["generated_tokens_recount"] == record.generated["generated_tokens"] > 0
+    print(
+        f"generated tokens: ledger {ledger_generated}, recount from rollouts {recount}; "
+        f"rewarded {figures['rewarded_tokens_ledger']}; reward {record.evidence['reward'].before} -> "
+        f"{record.evidence['reward'].after}"
+    )
+    assert (
+        recount == ledger_generated == figures["generated_tokens_recount"] == record.generated["generated_tokens"] > 0
+    )
     # smoke: 4 steps x 2 ranks x 4 rows, one completion per row, each at most 24 tokens
     assert len({(r["step"], r["rank"]) for r in rollouts}) == 8 and record.generated["completions"] == 32
     assert ledger_generated <= 32 * 24

@@ -18,17 +18,19 @@ from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
-from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.data.tokenizer import train_tokenizer
-from ghostvis_core.verify.eval.harness import (CLOZE_FILE, TASKS_DIR, GhostvisLM, cloze_jsonl, run_tasks, task_metrics)
 from ghostvis_core.home import Home
+from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.run.model.gpt import GPT
+from ghostvis_core.verify.eval.harness import CLOZE_FILE, TASKS_DIR, GhostvisLM, cloze_jsonl, run_tasks, task_metrics
 from tests.conftest import run_cli
 
 SEQ = 32
-TEXTS = ["The capital of France is Paris. The capital of Spain is Madrid. The capital of Peru is Lima.",
-         "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",
-         "Step 1: 12 + 7 = 19. Step 2: 19 + 3 = 22. The answer is 22."] * 20
+TEXTS = [
+    "The capital of France is Paris. The capital of Spain is Madrid. The capital of Peru is Lima.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",
+    "Step 1: 12 + 7 = 19. Step 2: 19 + 3 = 22. The answer is 22.",
+] * 20
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +38,9 @@ def tiny():
     """A TrainedStage-shaped record: a random 2-layer model of context SEQ and a trained tokenizer."""
     tok = train_tokenizer(TEXTS, 400)
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
-                      max_seq_len=SEQ)
+    cfg = ModelConfig(
+        vocab_size=tok.vocab_size, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=SEQ
+    )
     return SimpleNamespace(stage="tiny", model=GPT(cfg).eval(), tok=tok, config=SimpleNamespace(model=cfg))
 
 
@@ -50,7 +53,7 @@ def own_loglikelihood(ts, context: str, continuation: str) -> tuple[float, bool]
     each is the argmax, over the last SEQ positions of <|bos|> + context + continuation."""
     ids = [ts.tok.bos, *ts.tok.encode(context + continuation)]
     n_cont = len(ids) - 1 - len(ts.tok.encode(context)) if context else len(ids) - 1
-    window = torch.tensor(ids[-(SEQ + 1):])
+    window = torch.tensor(ids[-(SEQ + 1) :])
     x, y = window[None, :-1], window[None, 1:].clone()
     y[0, : y.shape[1] - n_cont] = -1
     with torch.no_grad():
@@ -62,8 +65,13 @@ def own_loglikelihood(ts, context: str, continuation: str) -> tuple[float, bool]
 def test_loglikelihood_equals_ghostvis_log_prob_sums_with_spaces_empty_and_long_contexts(tiny):
     long_context = " ".join(["The capital of Spain is Madrid."] * 20)  # far more than SEQ tokens
     assert len(tiny.tok.encode(long_context)) > 3 * SEQ
-    pairs = [("The capital of France is", " Paris"), ("Step 1: 12 + 7 =", " 19."), ("", "def add(a, b):"),
-             (long_context + " The capital of France is", " Paris."), ("print(add", "(2, 3))")]
+    pairs = [
+        ("The capital of France is", " Paris"),
+        ("Step 1: 12 + 7 =", " 19."),
+        ("", "def add(a, b):"),
+        (long_context + " The capital of France is", " Paris."),
+        ("print(add", "(2, 3))"),
+    ]
     got = GhostvisLM(tiny, batch_size=2).loglikelihood([req("loglikelihood", c, x) for c, x in pairs])
     for (context, continuation), (ll, greedy) in zip(pairs, got):
         want_ll, want_greedy = own_loglikelihood(tiny, context, continuation)
@@ -86,8 +94,8 @@ def test_loglikelihood_rolling_is_the_models_summed_nll_in_disjoint_windows(tiny
         full, want_long, done = [tiny.tok.bos, *ids_long], 0.0, 0
         while done < len(ids_long):  # each token once, after the SEQ tokens before it (or all there are)
             end = min(done + SEQ, len(ids_long))
-            x = torch.tensor([full[max(0, end - SEQ): end]])
-            y = torch.tensor([full[max(0, end - SEQ) + 1: end + 1]])
+            x = torch.tensor([full[max(0, end - SEQ) : end]])
+            y = torch.tensor([full[max(0, end - SEQ) + 1 : end + 1]])
             y[0, : y.shape[1] - (end - done)] = -1
             want_long -= float(tiny.model(x, y, reduction="sum"))
             done = end
@@ -103,8 +111,12 @@ def test_generate_until_stops_at_the_first_stop_string(tiny):
     text = lm.tok_decode(free)
     stop = lm.tok_decode(free[5:6])
     assert stop and text.index(stop) > 0
-    got = lm.generate_until([req("generate_until", "The capital of France is", {"until": [stop], "max_gen_toks": 12}),
-                             req("generate_until", "The capital of France is", {"until": ["\x00"], "max_gen_toks": 12})])
+    got = lm.generate_until(
+        [
+            req("generate_until", "The capital of France is", {"until": [stop], "max_gen_toks": 12}),
+            req("generate_until", "The capital of France is", {"until": ["\x00"], "max_gen_toks": 12}),
+        ]
+    )
     assert got == [text[: text.index(stop)], text]
 
 
@@ -116,21 +128,31 @@ def recount(samples: list[dict]) -> float:
 
 def test_a_shipped_task_through_simple_evaluate_gives_the_accuracy_of_its_samples(tiny):
     lm = GhostvisLM(tiny)
-    out = simple_evaluate(model=lm, tasks=["ghostvis_capitals"], bootstrap_iters=0, log_samples=True,
-                          task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False))
+    out = simple_evaluate(
+        model=lm,
+        tasks=["ghostvis_capitals"],
+        bootstrap_iters=0,
+        log_samples=True,
+        task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False),
+    )
     samples = out["samples"]["ghostvis_capitals"]
     assert len(samples) == 36
     assert out["results"]["ghostvis_capitals"]["acc,none"] == recount(samples)
     first = samples[0]  # the records hold the wrapper's own scores of "<context>" + " <choice>"
-    assert first["resps"][0][0][0] == pytest.approx(own_loglikelihood(tiny, first["doc"]["context"],
-                                                                      " " + first["doc"]["choices"][0])[0], abs=1e-5)
+    assert first["resps"][0][0][0] == pytest.approx(
+        own_loglikelihood(tiny, first["doc"]["context"], " " + first["doc"]["choices"][0])[0], abs=1e-5
+    )
     # run_tasks (the evaluator, as the evaluation asset calls it) gives the same figures
     assert run_tasks(lm, ["ghostvis_capitals"]).metrics == {"ghostvis_capitals": task_metrics(out)["ghostvis_capitals"]}
 
 
 def test_the_held_out_cloze_scores_greedy_last_words_and_perplexity(tiny, tmp_path):
-    texts = {"prose": ["A river runs to the sea. " * 3 + "\n\nThe sea is wide and deep and the river is long and "
-                       "slow and cold and the river meets the sea at last, where every river ends."]}
+    texts = {
+        "prose": [
+            "A river runs to the sea. " * 3 + "\n\nThe sea is wide and deep and the river is long and "
+            "slow and cold and the river meets the sea at last, where every river ends."
+        ]
+    }
     (tmp_path / CLOZE_FILE).write_text(cloze_jsonl(texts))
     item = json.loads((tmp_path / CLOZE_FILE).read_text().splitlines()[0])
     assert item["target"] == " river" and item["context"].endswith("where every")
@@ -146,8 +168,10 @@ def test_sft_harness_figures_in_dagster_mlflow_and_the_report_equal_the_saved_ha
     from dagster import AssetKey, DagsterInstance
     from mlflow.tracking import MlflowClient
 
-    run_cli(["dagster", "asset", "materialize", "--select", "evaluation,report", "-m", "ghostvis_pipeline.definitions"],
-            home_copy)
+    run_cli(
+        ["dagster", "asset", "materialize", "--select", "evaluation,report", "-m", "ghostvis_pipeline.definitions"],
+        home_copy,
+    )
     os.environ["DAGSTER_HOME"] = str(home_copy / "dagster")
     instance = DagsterInstance.get()
 
@@ -166,8 +190,9 @@ def test_sft_harness_figures_in_dagster_mlflow_and_the_report_equal_the_saved_ha
 
     client = MlflowClient(Home(home_copy).mlflow_tracking_uri)
     sft_run = store.read_json("report", f"evaluation/{evaluation['identity']}.json")["sft"]
-    row = next(r for r in json.loads(Path(report["report_html"]).with_name("report.json").read_text())
-               if r["stage"] == "sft")
+    row = next(
+        r for r in json.loads(Path(report["report_html"]).with_name("report.json").read_text()) if r["stage"] == "sft"
+    )
     assert row["run_key"] == sft_run["run_key"]
     metrics = client.get_run(row["mlflow_run_id"]).data.metrics
     for task, values in task_metrics(saved).items():
@@ -175,5 +200,7 @@ def test_sft_harness_figures_in_dagster_mlflow_and_the_report_equal_the_saved_ha
             assert metrics[f"harness/{task}/{name}"] == value
     assert row["evaluation"]["harness"] == task_metrics(saved)
     html = Path(report["report_html"]).read_text()
-    assert (f"<tr data-stage='sft'><td data-col='stage'>sft</td><td data-col='task'>ghostvis_capitals</td>"
-            f"<td data-col='metric'>acc</td><td data-col='value'>{acc:,.4g}</td></tr>") in html
+    assert (
+        f"<tr data-stage='sft'><td data-col='stage'>sft</td><td data-col='task'>ghostvis_capitals</td>"
+        f"<td data-col='metric'>acc</td><td data-col='value'>{acc:,.4g}</td></tr>"
+    ) in html

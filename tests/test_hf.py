@@ -12,25 +12,32 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import new_bucket, run_cli, s3_env
-from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.data.chat import render_chat, render_prompt
 from ghostvis_core.data.tokenizer import train_tokenizer
-from ghostvis_core.store import FolderStore
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.run.hf.export import export_model
 from ghostvis_core.run.hf.imports import IMPORT_STAGE, import_checkpoint, load_hf_model
 from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.runs import checkpoint_of
+from ghostvis_core.store import FolderStore
+from tests.conftest import new_bucket, run_cli, s3_env
 
 transformers = pytest.importorskip("transformers")
 
-TEXTS = ["The quick brown fox jumps over the lazy dog. 1234 5678!", "def f(x):\n    return x * 2\n",
-         "Hello, world! It's a naive cafe, isn't it? Numbers: 3.14159 and 2718."] * 10
+TEXTS = [
+    "The quick brown fox jumps over the lazy dog. 1234 5678!",
+    "def f(x):\n    return x * 2\n",
+    "Hello, world! It's a naive cafe, isn't it? Numbers: 3.14159 and 2718.",
+] * 10
 HELD_OUT = "Held-out: the lazy fox's 98765 naps.\n\n  <|user|>hi<|eot|> tabs\there <|bos|>end"
-CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what's 2+2? <|image|>"},
-        {"role": "assistant", "content": "4."}, {"role": "user", "content": "and 3+3?"}]
+CHAT = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "what's 2+2? <|image|>"},
+    {"role": "assistant", "content": "4."},
+    {"role": "user", "content": "and 3+3?"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +47,9 @@ def tok():
 
 def tiny(tok, **kw) -> GPT:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=448, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96,
-                      max_seq_len=128, **kw)
+    cfg = ModelConfig(
+        vocab_size=448, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, max_seq_len=128, **kw
+    )
     return GPT(cfg).eval()
 
 
@@ -53,8 +61,11 @@ def hf_load(folder: Path):
     return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize("kw", [{}, {"tie_embeddings": True}, {"rope_scaling": 4.0}, {"qkv_bias": True}],
-                         ids=["untied", "tied", "rope-linear", "qkv-bias"])
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"tie_embeddings": True}, {"rope_scaling": 4.0}, {"qkv_bias": True}],
+    ids=["untied", "tied", "rope-linear", "qkv-bias"],
+)
 def test_export_logits_and_greedy_generation_match(tok, tmp_path, kw):
     model = tiny(tok, **kw)
     if kw.get("qkv_bias"):  # non-zero biases, so the test sees them
@@ -73,8 +84,13 @@ def test_export_logits_and_greedy_generation_match(tok, tmp_path, kw):
     assert diff <= 1e-4
     prompt = x[0, :8].tolist()
     ours = model.generate(prompt, 32)
-    theirs = hf.generate(x[:1, :8], max_new_tokens=32, do_sample=False, eos_token_id=None,
-                         attention_mask=torch.ones(1, 8, dtype=torch.long))[0, 8:].tolist()
+    theirs = hf.generate(
+        x[:1, :8],
+        max_new_tokens=32,
+        do_sample=False,
+        eos_token_id=None,
+        attention_mask=torch.ones(1, 8, dtype=torch.long),
+    )[0, 8:].tolist()
     assert ours == theirs and len(ours) == 32
     if kw.get("rope_scaling"):  # the scaling is read by transformers: without it the logits differ
         assert config["rope_scaling"]["factor"] == 4.0 and config["rope_parameters"]["rope_type"] == "linear"
@@ -111,12 +127,23 @@ def test_tokenizer_and_chat_template_give_ghostvis_ids(tok, tmp_path):
 def hf_reference(arch: str, tmp_path: Path, tok, **extra) -> tuple[Path, torch.nn.Module]:
     """A randomly initialised transformers model (Llama or Qwen2) saved with save_pretrained, with
     GhostVis's tokenizer beside it (its tokenizer.json, as an import needs one)."""
-    cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-           "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[arch]
+    cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
     torch.manual_seed(3)
-    config = cls[0](vocab_size=448, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                    intermediate_size=96, max_position_embeddings=128, rms_norm_eps=1e-6,
-                    rope_parameters={"rope_type": "default", "rope_theta": 50000.0}, **extra)
+    config = cls[0](
+        vocab_size=448,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        **extra,
+    )
     model = cls[1](config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -185,6 +212,7 @@ def _break(folder: Path, how: str) -> str:
         t = load_file(weights)
         del t["model.layers.1.mlp.up_proj.weight"]
         from safetensors.torch import save_file
+
         save_file(t, weights)
         return "missing tensors model.layers.1.mlp.up_proj.weight"
     if how == "shape":
@@ -205,7 +233,9 @@ def test_broken_imports_fail_naming_the_tensors(how, tok, tmp_path):
     folder, _ = hf_reference("llama", tmp_path, tok)
     expected = _break(folder, how)
     store = FolderStore(tmp_path / "store")
-    with pytest.raises(GhostvisError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(
+        GhostvisError, match=expected.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[").replace("]", r"\]")
+    ):
         import_checkpoint(store, str(folder))
     assert not store.keys("checkpoints", IMPORT_STAGE)  # nothing half-imported
 
@@ -214,8 +244,8 @@ def test_broken_imports_fail_naming_the_tensors(how, tok, tmp_path):
 def test_export_command_on_the_demo_sft(home_copy, tmp_path):
     out = tmp_path / "sft-hf"
     run_cli(["ghostvis", "export", "--stage", "sft", "--to", str(out)], home_copy)
-    from ghostvis_core.run.train.trained import load_stage
     from ghostvis_core.home import Home
+    from ghostvis_core.run.train.trained import load_stage
 
     trained = load_stage(Home(home_copy), "sft")
     hf = hf_load(out)
@@ -243,35 +273,61 @@ def test_a_stage_trains_from_an_imported_hf_folder(home_copy, tmp_path):
     on that step's batch (not ~ln(vocab) of a random init)."""
     from mlflow.tracking import MlflowClient
 
-    from ghostvis_core.plan.budget import batch_plan
-    from ghostvis_core.plan.config import StageConfig
-    from ghostvis_core.run.hf.export import export_run
     from ghostvis_core.home import Home
+    from ghostvis_core.plan.budget import batch_plan
+    from ghostvis_core.run.hf.export import export_run
     from ghostvis_core.run.train.objectives import build_objective
     from ghostvis_core.run.train.result import RunResult
     from ghostvis_core.run.train.setup import localize_shards
     from ghostvis_core.run.train.spec import LaunchSpec
 
     home = Home(home_copy)
-    folder = export_run(home, "pretrain", None, tmp_path / "pretrain-hf")
-    sets = [f"init_from={folder}", "budget.steps=1", "checkpoint.every_steps=1", "eval.every_steps=1",
-            "runtime.precision=fp32", "batch.world_size=1", "eval.evidence=[]", "eval.val_tokens=512"]
-    run_cli(["python", "-m", "ghostvis_core.run", "--stage", "continued_pretrain", "--preset", "smoke",
-             *[a for s in sets for a in ("--set", s)]], home_copy)
+    folder = export_run(home.store, "pretrain", None, tmp_path / "pretrain-hf")
+    sets = [
+        f"init_from={folder}",
+        "budget.steps=1",
+        "checkpoint.every_steps=1",
+        "eval.every_steps=1",
+        "runtime.precision=fp32",
+        "batch.world_size=1",
+        "eval.evidence=[]",
+        "eval.val_tokens=512",
+    ]
+    run_cli(
+        [
+            "python",
+            "-m",
+            "ghostvis_core.run",
+            "--stage",
+            "continued_pretrain",
+            "--preset",
+            "smoke",
+            *[a for s in sets for a in ("--set", s)],
+        ],
+        home_copy,
+    )
     store = home.store
-    (key,) = [k for _, k in store.keys("run_spec", "continued_pretrain")
-              if IMPORT_STAGE in (store.read_json("run_spec", "continued_pretrain", k)["init_checkpoint"] or "")]
+    (key,) = [
+        k
+        for _, k in store.keys("run_spec", "continued_pretrain")
+        if IMPORT_STAGE in (store.read_json("run_spec", "continued_pretrain", k)["init_checkpoint"] or "")
+    ]
     spec = LaunchSpec.from_dict(store.read_json("run_spec", "continued_pretrain", key))
     result = RunResult.from_dict(store.read_json("run_record", "continued_pretrain", key))
-    (first,) = [m.value for m in MlflowClient(home.mlflow_tracking_uri).get_metric_history(result.mlflow_run_id, "train/loss")
-                if m.step == 1]
-    cfg = StageConfig.from_dict(spec.config)
+    (first,) = [
+        m.value
+        for m in MlflowClient(home.mlflow_tracking_uri).get_metric_history(result.mlflow_run_id, "train/loss")
+        if m.step == 1
+    ]
+    cfg = spec.config
     localize_shards(spec, store)
     objective = build_objective(spec, cfg)
     batches = objective.step_batches(0, batch_plan(cfg.batch, 1), 0)
     model = load_hf_model(folder)
     with torch.no_grad():
-        expected = sum(float(objective.loss_sum(model, b, torch.device("cpu"))) for b in batches) / sum(b.units for b in batches)
+        expected = sum(float(objective.loss_sum(model, b, torch.device("cpu"))) for b in batches) / sum(
+            b.units for b in batches
+        )
     print(f"first-step loss {first:.6f}, imported model on that batch {expected:.6f}")
     assert abs(first - expected) <= 1e-4, (first, expected)
     assert expected < 0.95 * torch.log(torch.tensor(float(model.cfg.vocab_size))).item()
@@ -308,15 +364,21 @@ class _HubHandler:
                     body = {"id": repo, "sha": sha, "siblings": [{"rfilename": f} for f in files]}
                     return self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"}, head)
                 if path.startswith(f"/api/models/{repo}/tree/{sha}"):
-                    body = [{"type": "file", "path": f, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
-                            for f, b in files.items()]
+                    body = [
+                        {"type": "file", "path": f, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                        for f, b in files.items()
+                    ]
                     return self._send(200, json.dumps(body).encode(), {"Content-Type": "application/json"}, head)
                 prefix = f"/{repo}/resolve/"
                 if path.startswith(prefix):
-                    rev, _, name = path[len(prefix):].partition("/")
+                    rev, _, name = path[len(prefix) :].partition("/")
                     if rev in ("main", sha) and name in files:
-                        return self._send(200, files[name], {"X-Repo-Commit": sha,
-                                                             "ETag": f'"{hashlib.sha256(files[name]).hexdigest()}"'}, head)
+                        return self._send(
+                            200,
+                            files[name],
+                            {"X-Repo-Commit": sha, "ETag": f'"{hashlib.sha256(files[name]).hexdigest()}"'},
+                            head,
+                        )
                 return self._send(404, b'{"error": "not found"}', {"X-Error-Code": "EntryNotFound"}, head)
 
             def do_GET(self):
@@ -350,8 +412,10 @@ def test_import_from_the_hub_through_huggingface_hub(tok, tmp_path, monkeypatch)
             import_checkpoint(store, "hf://open-org/missing")
     finally:
         server.shutdown()
-    assert seen[:2] == ["GET /api/models/open-org/llama-tiny/revision/main",
-                        f"GET /api/models/open-org/llama-tiny/tree/{imported_commit(seen)}"]
+    assert seen[:2] == [
+        "GET /api/models/open-org/llama-tiny/revision/main",
+        f"GET /api/models/open-org/llama-tiny/tree/{imported_commit(seen)}",
+    ]
     files = {s.split(" ")[0] + " " + s.rsplit("/", 1)[-1] for s in seen if "/resolve/" in s}
     assert {"HEAD model.safetensors", "GET model.safetensors", "GET tokenizer.json"} <= files
     model = load_hf_model(folder)
@@ -386,17 +450,40 @@ def test_a_foreign_models_tokenizer_tokenizes_the_data_a_stage_starts_from_it(to
     from tests.test_e2e_demo import dagster_instance, latest
 
     folder, _ = hf_reference("qwen2", tmp_path, tok)
-    sets = [f"init_from={folder}", "budget.steps=2", "checkpoint.every_steps=2", "batch.seq_len=64",
-            "batch.world_size=1", "eval.evidence=[]", "eval.val_tokens=128", "runtime.precision=fp32"]
-    train = ["python", "-m", "ghostvis_core.run", "--stage", "pretrain", "--preset", "smoke",
-             *[a for s in sets for a in ("--set", s)]]
+    sets = [
+        f"init_from={folder}",
+        "budget.steps=2",
+        "checkpoint.every_steps=2",
+        "batch.seq_len=64",
+        "batch.world_size=1",
+        "eval.evidence=[]",
+        "eval.val_tokens=128",
+        "runtime.precision=fp32",
+    ]
+    train = [
+        "python",
+        "-m",
+        "ghostvis_core.run",
+        "--stage",
+        "pretrain",
+        "--preset",
+        "smoke",
+        *[a for s in sets for a in ("--set", s)],
+    ]
     refused = run_cli(train, home_copy, check=False)
     assert refused.returncode != 0
     assert f"materialize tokenizer with from_model: {folder}, then tokenized_shards" in refused.stdout + refused.stderr
 
     dagster = ["dagster", "asset", "materialize", "-m", "ghostvis_pipeline.definitions", "--select"]
-    run_cli([*dagster, "tokenizer", "--config-json",
-             json.dumps({"ops": {"tokenizer": {"config": {"from_model": str(folder)}}}})], home_copy)
+    run_cli(
+        [
+            *dagster,
+            "tokenizer",
+            "--config-json",
+            json.dumps({"ops": {"tokenizer": {"config": {"from_model": str(folder)}}}}),
+        ],
+        home_copy,
+    )
     instance = dagster_instance(home_copy)
     md = latest(instance, "tokenizer")
     assert (md["tokenizer_id"], md["from_model"], md["train_shards"]) == (tok.tokenizer_id, str(folder), 0)

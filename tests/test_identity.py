@@ -25,10 +25,12 @@ def _write(path: Path, text: str) -> Path:
 
 
 def test_normalized_source_ignores_docstrings_comments_and_layout_not_code(tmp_path):
-    base = _write(tmp_path / "a.py", 'def f(x):\n    return x + 1\n')
-    cosmetic = _write(tmp_path / "b.py", '"""Module doc."""\n\n# a comment\ndef f(x):  # why\n    """Doc."""\n\n'
-                                         '    return (x +\n            1)\n')
-    changed = _write(tmp_path / "c.py", 'def f(x):\n    return x + 2\n')
+    base = _write(tmp_path / "a.py", "def f(x):\n    return x + 1\n")
+    cosmetic = _write(
+        tmp_path / "b.py",
+        '"""Module doc."""\n\n# a comment\ndef f(x):  # why\n    """Doc."""\n\n    return (x +\n            1)\n',
+    )
+    changed = _write(tmp_path / "c.py", "def f(x):\n    return x + 2\n")
     assert identity._normalized(base) == identity._normalized(cosmetic)
     assert identity._normalized(base) != identity._normalized(changed)
 

@@ -16,11 +16,19 @@ from dagster import DagsterInstance, Failure, MaterializeResult, asset, build_re
 from dagster_k8s.pipes import build_pod_body
 from dagster_pipes import decode_env_var
 
-from ghostvis_core.run.cluster.kubernetes import (
-    CONTAINER, INDEX_ANNOTATION, JOB_LABEL, NAME_MAX, QUEUE_LABEL, render_indexed_job, render_pod,
-    resource_name)
-from ghostvis_core.run.cluster.run_files import read_run_file
 from ghostvis_core.home import Home
+from ghostvis_core.plan.presets import resolve
+from ghostvis_core.run.cluster.kubernetes import (
+    CONTAINER,
+    INDEX_ANNOTATION,
+    JOB_LABEL,
+    NAME_MAX,
+    QUEUE_LABEL,
+    render_indexed_job,
+    render_pod,
+    resource_name,
+)
+from ghostvis_core.run.cluster.run_files import read_run_file
 from ghostvis_core.run.track.pipes import StoreMessageWriterChannel
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_pipeline.launchers import Launcher
@@ -48,16 +56,28 @@ CLUSTER = {
 def launcher(**kubernetes_config) -> Launcher:
     """The launcher resource built by Dagster from run config, as a materialization gets it."""
     config = {"kind": "kubernetes", "profile": "no-infiniband", "kubernetes": kubernetes_config}
-    with build_resources({"launcher": Launcher.configure_at_launch()},
-                         resource_config={"launcher": {"config": config}}) as resources:
+    with build_resources(
+        {"launcher": Launcher.configure_at_launch()}, resource_config={"launcher": {"config": config}}
+    ) as resources:
         return resources.launcher
 
 
-def launch_spec(world_size: int, run_key: str = "pretrain-3f9c2a1b7d-r1",
-                mlflow: str = "http://mlflow.ml-training.svc:5000") -> LaunchSpec:
-    return LaunchSpec(stage="pretrain", run_key=run_key, config={"batch": {"world_size": world_size}}, plan={},
-                      store="", tokenizer_id="tok", train_shards={}, val_shards={}, mlflow_tracking_uri=mlflow,
-                      mlflow_experiment="ghostvis", mlflow_artifact_location="")
+def launch_spec(
+    world_size: int, run_key: str = "pretrain-3f9c2a1b7d-r1", mlflow: str = "http://mlflow.ml-training.svc:5000"
+) -> LaunchSpec:
+    return LaunchSpec(
+        stage="pretrain",
+        run_key=run_key,
+        config=resolve("pretrain", "smoke", {"batch.world_size": world_size}),
+        plan=None,
+        store="",
+        tokenizer_id="tok",
+        train_shards={},
+        val_shards={},
+        mlflow_tracking_uri=mlflow,
+        mlflow_experiment="ghostvis",
+        mlflow_artifact_location="",
+    )
 
 
 @pytest.fixture
@@ -87,8 +107,17 @@ def test_one_node_is_one_pod_with_all_its_gpus(home):
     meta, spec = render_pod(job, run)
     validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "trainer-0", **meta}, "spec": spec})
     c = container(spec)
-    assert c["command"] == ["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
-                            "-m", "ghostvis_core.run", "--spec", home.store.uri_of("run_spec", "pretrain", run.run_key)]
+    assert c["command"] == [
+        "python",
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=8",
+        "-m",
+        "ghostvis_core.run",
+        "--spec",
+        home.store.uri_of("run_spec", "pretrain", run.run_key),
+    ]
     assert c["resources"]["limits"] == {"cpu": "64", "memory": "900Gi", "nvidia.com/gpu": "8"}
     assert c["resources"]["requests"] == c["resources"]["limits"]
     assert meta["labels"][QUEUE_LABEL] == "h100"
@@ -108,8 +137,14 @@ def test_one_node_pod_is_what_dagster_k8s_pipes_submits(home):
     job, run = plan(launcher(**CLUSTER), launch_spec(world_size=8), home)
     meta, spec = render_pod(job, run)
     pipes_env = {"DAGSTER_PIPES_CONTEXT": "e30=", "DAGSTER_PIPES_MESSAGES": "e30="}
-    body = build_pod_body(pod_name="dagster-run-pretrain-0123456789", image=None, command=None,
-                          env_vars=pipes_env, base_pod_meta=meta, base_pod_spec=spec)
+    body = build_pod_body(
+        pod_name="dagster-run-pretrain-0123456789",
+        image=None,
+        command=None,
+        env_vars=pipes_env,
+        base_pod_meta=meta,
+        base_pod_spec=spec,
+    )
     pod = {"apiVersion": "v1", "kind": "Pod", **kubernetes.client.ApiClient().sanitize_for_serialization(body)}
     validate(pod)
     c = container(pod["spec"])
@@ -158,15 +193,21 @@ def test_with_an_s3_store_the_pods_need_no_claim(home, tmp_path, monkeypatch):
     validate(manifest)
     pod = manifest["spec"]["template"]["spec"]
     assert [v["name"] for v in pod["volumes"]] == ["shm"]
-    assert container(pod)["command"][-2:] == ["--spec", f"s3://ghostvis-runs/store/runs/pretrain/{run.run_key}/spec.json"]
+    assert container(pod)["command"][-2:] == [
+        "--spec",
+        f"s3://ghostvis-runs/store/runs/pretrain/{run.run_key}/spec.json",
+    ]
     assert SECRET_VALUE not in json.dumps([service, manifest])
 
 
-@pytest.mark.parametrize("break_it", [
-    lambda m: m["spec"]["template"]["spec"].update(nodeSelecter={"a": "b"}),  # misspelled key
-    lambda m: m["spec"].update(completions="4"),  # wrong type
-    lambda m: m["spec"]["template"]["spec"]["containers"][0].update(envFrom=[{"secretRef": "ghostvis-s3"}]),
-])
+@pytest.mark.parametrize(
+    "break_it",
+    [
+        lambda m: m["spec"]["template"]["spec"].update(nodeSelecter={"a": "b"}),  # misspelled key
+        lambda m: m["spec"].update(completions="4"),  # wrong type
+        lambda m: m["spec"]["template"]["spec"]["containers"][0].update(envFrom=[{"secretRef": "ghostvis-s3"}]),
+    ],
+)
 def test_schema_catches_a_wrong_field(home, break_it):
     job, run = plan(launcher(**{**CLUSTER, "nodes": 4}), launch_spec(world_size=32), home)
     _, manifest = render_indexed_job(job, run)
@@ -183,15 +224,18 @@ def test_names_are_dns_labels_and_distinct(run_key):
     assert resource_name("pretrain", "pretrain-3f9c2a1b7d-r1") == "gv-pretrain-pretrain-3f9c2a1b7d-r1"
 
 
-@pytest.mark.parametrize("config, spec, fix", [
-    ({**CLUSTER, "image": ""}, launch_spec(8), "kubernetes.image"),
-    ({**CLUSTER, "nodes": 0}, launch_spec(8), "kubernetes.nodes=0"),
-    ({**CLUSTER, "store_claim": ""}, launch_spec(8), "store_claim"),
-    ({**CLUSTER, "gpus_per_node": 4}, launch_spec(8), "gpus_per_node"),
-    ({**CLUSTER, "nodes": 4}, launch_spec(8), "batch.world_size=32"),  # 2 ranks on 8 GPUs a node
-    ({**CLUSTER, "nodes": 3}, launch_spec(32), "batch.world_size"),  # 32 ranks do not split in 3
-    (CLUSTER, launch_spec(8, mlflow="sqlite:///home/mlflow.db"), "MLFLOW_TRACKING_URI"),
-])
+@pytest.mark.parametrize(
+    "config, spec, fix",
+    [
+        ({**CLUSTER, "image": ""}, launch_spec(8), "kubernetes.image"),
+        ({**CLUSTER, "nodes": 0}, launch_spec(8), "kubernetes.nodes=0"),
+        ({**CLUSTER, "store_claim": ""}, launch_spec(8), "store_claim"),
+        ({**CLUSTER, "gpus_per_node": 4}, launch_spec(8), "gpus_per_node"),
+        ({**CLUSTER, "nodes": 4}, launch_spec(8), "batch.world_size=32"),  # 2 ranks on 8 GPUs a node
+        ({**CLUSTER, "nodes": 3}, launch_spec(32), "batch.world_size"),  # 32 ranks do not split in 3
+        (CLUSTER, launch_spec(8, mlflow="sqlite:///home/mlflow.db"), "MLFLOW_TRACKING_URI"),
+    ],
+)
 def test_a_config_the_run_cannot_use_fails_before_the_cluster(home, config, spec, fix):
     with pytest.raises(Failure, match=re.escape(fix)):
         plan(launcher(**config), spec, home)
@@ -222,9 +266,18 @@ class FakeCluster:
         self._create("Job", body)
         env = {e["name"]: e.get("value") for e in body["spec"]["template"]["spec"]["containers"][0]["env"]}
         channel = StoreMessageWriterChannel(decode_env_var(env["DAGSTER_PIPES_MESSAGES"]), interval=1)
-        channel.upload_messages_chunk(StringIO(json.dumps({  # rank 0's first chunk, through the store
-            "__dagster_pipes_version": "0.1", "method": "log",
-            "params": {"message": "rank 0 reporting", "level": "INFO"}})), 1)
+        channel.upload_messages_chunk(
+            StringIO(
+                json.dumps(
+                    {  # rank 0's first chunk, through the store
+                        "__dagster_pipes_version": "0.1",
+                        "method": "log",
+                        "params": {"message": "rank 0 reporting", "level": "INFO"},
+                    }
+                )
+            ),
+            1,
+        )
         if self.outcome == "Complete":
             self.home.store.write_json("run_record", self.spec.stage, self.spec.run_key, data={})
 
@@ -233,14 +286,18 @@ class FakeCluster:
             raise kubernetes.client.ApiException(status=404, reason="NotFound")
         self.polls += 1
         done = [SimpleNamespace(type=self.outcome, status="True", message="pod 2 exited 1", reason="")]
-        status = SimpleNamespace(conditions=done if self.polls > 2 else [], active=4, ready=4, succeeded=0,
-                                 failed=0)
+        status = SimpleNamespace(conditions=done if self.polls > 2 else [], active=4, ready=4, succeeded=0, failed=0)
         return SimpleNamespace(spec=SimpleNamespace(suspend=self.polls == 1, completions=4), status=status)
 
     def list_namespaced_pod(self, namespace, label_selector):
         name = label_selector.split("=")[1]
-        pods = [SimpleNamespace(metadata=SimpleNamespace(name=f"{name}-{i}-x7k2p", annotations={INDEX_ANNOTATION: str(i)}),
-                                status=SimpleNamespace(phase="Running")) for i in range(4)]
+        pods = [
+            SimpleNamespace(
+                metadata=SimpleNamespace(name=f"{name}-{i}-x7k2p", annotations={INDEX_ANNOTATION: str(i)}),
+                status=SimpleNamespace(phase="Running"),
+            )
+            for i in range(4)
+        ]
         return SimpleNamespace(items=pods)
 
     def read_namespaced_pod_log(self, pod, namespace, **kwargs):

@@ -11,12 +11,12 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.data.ledger import PART_TABLES, Ledger, pieces_to_rows, run_summaries
 from ghostvis_core.data.loader import Batcher, Consumption, LMRows, merge_pieces, micro_batch_rows
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.token_shard import TokenShard, list_column, write_token_shard
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.store import S3Store
 from tests.conftest import new_bucket, s3_env
 
@@ -26,27 +26,94 @@ def ledger(tmp_path) -> Ledger:
     return Ledger(tmp_path / "ledger")
 
 
-def shard_record(shard_id, *, source="prose", split="train", tokenizer_id="tok-a", tokens=100, docs=10,
-                 sha="sha-1", created_at=1.0, token_path="") -> dict:
-    return {"shard_id": shard_id, "source": source, "split": split, "kind": "text", "content_sha256": sha,
-            "raw_bytes": 1000, "tokenizer_id": tokenizer_id, "docs": docs, "tokens": tokens,
-            "text_bytes": 4 * tokens, "token_path": token_path, "created_at": created_at}
+def shard_record(
+    shard_id,
+    *,
+    source="prose",
+    split="train",
+    tokenizer_id="tok-a",
+    tokens=100,
+    docs=10,
+    sha="sha-1",
+    created_at=1.0,
+    token_path="",
+) -> dict:
+    return {
+        "shard_id": shard_id,
+        "source": source,
+        "split": split,
+        "kind": "text",
+        "content_sha256": sha,
+        "raw_bytes": 1000,
+        "tokenizer_id": tokenizer_id,
+        "docs": docs,
+        "tokens": tokens,
+        "text_bytes": 4 * tokens,
+        "token_path": token_path,
+        "created_at": created_at,
+    }
 
 
-def part(part_id, run_key, *, segment=0, steps=(1, 10), rows=(0, 80), prev="", parent="", stage="pretrain",
-         real=0, pad=0, loss=0, cropped=0, overlap=0, created_at=1.0, allow_repeat=False, replay="[]") -> dict:
-    return {"part_id": part_id, "prev_part_id": prev, "run_key": run_key, "parent_run_key": parent,
-            "stage": stage, "segment": segment, "step_first": steps[0], "step_last": steps[1],
-            "rows_first": rows[0], "rows_last": rows[1], "real_tokens": real, "pad_tokens": pad,
-            "loss_tokens": loss, "cropped_tokens": cropped, "overlap_tokens": overlap,
-            "micro_batch_size": 2, "seq_len": 4, "world_size": 2, "grad_accum_steps": 2, "tokens_per_step": 32,
-            "planned_tokens": 960, "allow_repeat": allow_repeat, "replay_sources": replay,
-            "mlflow_run_id": "", "created_at": created_at}
+def part(
+    part_id,
+    run_key,
+    *,
+    segment=0,
+    steps=(1, 10),
+    rows=(0, 80),
+    prev="",
+    parent="",
+    stage="pretrain",
+    real=0,
+    pad=0,
+    loss=0,
+    cropped=0,
+    overlap=0,
+    created_at=1.0,
+    allow_repeat=False,
+    replay="[]",
+) -> dict:
+    return {
+        "part_id": part_id,
+        "prev_part_id": prev,
+        "run_key": run_key,
+        "parent_run_key": parent,
+        "stage": stage,
+        "segment": segment,
+        "step_first": steps[0],
+        "step_last": steps[1],
+        "rows_first": rows[0],
+        "rows_last": rows[1],
+        "real_tokens": real,
+        "pad_tokens": pad,
+        "loss_tokens": loss,
+        "cropped_tokens": cropped,
+        "overlap_tokens": overlap,
+        "micro_batch_size": 2,
+        "seq_len": 4,
+        "world_size": 2,
+        "grad_accum_steps": 2,
+        "tokens_per_step": 32,
+        "planned_tokens": 960,
+        "allow_repeat": allow_repeat,
+        "replay_sources": replay,
+        "mlflow_run_id": "",
+        "created_at": created_at,
+    }
 
 
 def piece(shard_id, tok, rows, *, source="prose", split="train", epoch=0) -> dict:
-    return {"source": source, "shard_id": shard_id, "split": split, "epoch": epoch, "tok_start": tok[0],
-            "tok_end": tok[1], "tokens": tok[1] - tok[0], "row_start": rows[0], "row_end": rows[1]}
+    return {
+        "source": source,
+        "shard_id": shard_id,
+        "split": split,
+        "epoch": epoch,
+        "tok_start": tok[0],
+        "tok_end": tok[1],
+        "tokens": tok[1] - tok[0],
+        "row_start": rows[0],
+        "row_end": rows[1],
+    }
 
 
 # ---------------------------------------------------------------- shards
@@ -68,11 +135,16 @@ def test_shards_filters(ledger):
     ledger.write_shard(shard_record("code-000", source="code", tokens=30))
     ledger.write_shard(shard_record("web-000", source="web", tokens=5))
     assert sorted((r["shard_id"], r["tokens"]) for r in ledger.shards(tokenizer_id="tok-a")) == [
-        ("code-000", 30), ("prose-000", 60), ("web-000", 5)]
+        ("code-000", 30),
+        ("prose-000", 60),
+        ("web-000", 5),
+    ]
     assert [(r["shard_id"], r["tokens"]) for r in ledger.shards(tokenizer_id="tok-b")] == [("prose-000", 70)]
     assert [r["shard_id"] for r in ledger.shards(sources=["code"])] == ["code-000"]
     assert sorted(r["shard_id"] for r in ledger.shards(tokenizer_id="tok-a", sources=["code", "web"])) == [
-        "code-000", "web-000"]
+        "code-000",
+        "web-000",
+    ]
     assert ledger.shards(tokenizer_id="tok-zzz") == []
 
 
@@ -98,17 +170,33 @@ def test_empty_ledger(ledger):
 def resumed_run(ledger) -> Ledger:
     """Run 'r': segment 0 wrote p0 (steps 1-10) and p1 (11-20); p1's checkpoint was lost and segment 1
     resumed from p0's, writing p2 (11-20, prev p0) and p3 (21-30, prev p2). p1 is orphaned."""
-    ledger.write_part(part("r.p0", "r", steps=(1, 10), real=100, pad=1, loss=90, cropped=2, created_at=1.0),
-                      [piece("s0", (0, 40), (0, 4))])
-    ledger.write_part(part("r.p1", "r", steps=(11, 20), prev="r.p0", real=1000, pad=100, loss=900, cropped=200,
-                           overlap=7, created_at=2.0),
-                      [piece("s0", (40, 80), (4, 8)), piece("v0", (0, 10), (0, 1), split="validation")])
-    ledger.write_part(part("r.p2", "r", segment=1, steps=(11, 20), prev="r.p0", real=200, pad=3, loss=180, cropped=4,
-                           created_at=3.0),
-                      [piece("s0", (50, 90), (5, 9))])
-    ledger.write_part(part("r.p3", "r", segment=1, steps=(21, 30), prev="r.p2", real=300, pad=5, loss=270, cropped=6,
-                           created_at=4.0),
-                      [piece("s0", (90, 130), (9, 13))])
+    ledger.write_part(
+        part("r.p0", "r", steps=(1, 10), real=100, pad=1, loss=90, cropped=2, created_at=1.0),
+        [piece("s0", (0, 40), (0, 4))],
+    )
+    ledger.write_part(
+        part(
+            "r.p1",
+            "r",
+            steps=(11, 20),
+            prev="r.p0",
+            real=1000,
+            pad=100,
+            loss=900,
+            cropped=200,
+            overlap=7,
+            created_at=2.0,
+        ),
+        [piece("s0", (40, 80), (4, 8)), piece("v0", (0, 10), (0, 1), split="validation")],
+    )
+    ledger.write_part(
+        part("r.p2", "r", segment=1, steps=(11, 20), prev="r.p0", real=200, pad=3, loss=180, cropped=4, created_at=3.0),
+        [piece("s0", (50, 90), (5, 9))],
+    )
+    ledger.write_part(
+        part("r.p3", "r", segment=1, steps=(21, 30), prev="r.p2", real=300, pad=5, loss=270, cropped=6, created_at=4.0),
+        [piece("s0", (90, 130), (9, 13))],
+    )
     return ledger
 
 
@@ -143,10 +231,13 @@ def test_reuse_same_run_same_epoch(resumed_run):
 
 @pytest.mark.parametrize("allow_repeat, kind", [(True, "repeat"), (False, "undeclared_repeat")])
 def test_repeat_in_another_epoch(ledger, allow_repeat, kind):
-    ledger.write_part(part("e.p0", "e", steps=(1, 10), allow_repeat=allow_repeat, created_at=1.0),
-                      [piece("s0", (0, 100), (0, 10))])
-    ledger.write_part(part("e.p1", "e", steps=(11, 20), prev="e.p0", allow_repeat=allow_repeat, created_at=2.0),
-                      [piece("s0", (0, 30), (0, 3), epoch=1)])
+    ledger.write_part(
+        part("e.p0", "e", steps=(1, 10), allow_repeat=allow_repeat, created_at=1.0), [piece("s0", (0, 100), (0, 10))]
+    )
+    ledger.write_part(
+        part("e.p1", "e", steps=(11, 20), prev="e.p0", allow_repeat=allow_repeat, created_at=2.0),
+        [piece("s0", (0, 30), (0, 3), epoch=1)],
+    )
     (r,) = ledger.reuse("e")
     assert r["kind"] == kind
     assert (r["tok_start"], r["tok_end"], r["tokens"], r["row_start"], r["row_end"]) == (0, 30, 30, 0, 3)
@@ -155,8 +246,10 @@ def test_repeat_in_another_epoch(ledger, allow_repeat, kind):
 
 @pytest.mark.parametrize("allow_repeat, kind", [(True, "repeat"), (False, "undeclared_repeat")])
 def test_repeat_within_one_part(ledger, allow_repeat, kind):
-    ledger.write_part(part("w.p0", "w", allow_repeat=allow_repeat),
-                      [piece("s0", (0, 100), (0, 10)), piece("s0", (0, 25), (0, 3), epoch=1)])
+    ledger.write_part(
+        part("w.p0", "w", allow_repeat=allow_repeat),
+        [piece("s0", (0, 100), (0, 10)), piece("s0", (0, 25), (0, 3), epoch=1)],
+    )
     (r,) = ledger.reuse("w")
     assert r["kind"] == kind and r["part_a"] == r["part_b"] == "w.p0"
     assert (r["tok_start"], r["tok_end"], r["tokens"], r["row_start"], r["row_end"]) == (0, 25, 25, 0, 3)
@@ -164,17 +257,21 @@ def test_repeat_within_one_part(ledger, allow_repeat, kind):
 
 @pytest.fixture
 def parent_run(ledger) -> Ledger:
-    ledger.write_part(part("pre.p0", "pre", created_at=1.0),
-                      [piece("s0", (0, 100), (0, 10)), piece("c0", (0, 50), (0, 5), source="code")])
+    ledger.write_part(
+        part("pre.p0", "pre", created_at=1.0),
+        [piece("s0", (0, 100), (0, 10)), piece("c0", (0, 50), (0, 5), source="code")],
+    )
     return ledger
 
 
-@pytest.mark.parametrize("replay, kind", [("[]", "undeclared_cross_stage"), ('["code"]', "undeclared_cross_stage"),
-                                          ('["prose"]', "replay")])
+@pytest.mark.parametrize(
+    "replay, kind", [("[]", "undeclared_cross_stage"), ('["code"]', "undeclared_cross_stage"), ('["prose"]', "replay")]
+)
 def test_child_run_overlapping_its_parent(parent_run, replay, kind):
-    parent_run.write_part(part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", replay=replay,
-                               created_at=2.0),
-                          [piece("s0", (60, 120), (6, 12))])
+    parent_run.write_part(
+        part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", replay=replay, created_at=2.0),
+        [piece("s0", (60, 120), (6, 12))],
+    )
     assert parent_run.lineage("cpt") == ["cpt", "pre"]
     (r,) = parent_run.reuse("cpt")
     assert r["kind"] == kind
@@ -185,23 +282,32 @@ def test_child_run_overlapping_its_parent(parent_run, replay, kind):
 
 
 def test_grandchild_sees_the_grandparent(parent_run):
-    parent_run.write_part(part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", created_at=2.0),
-                          [piece("s0", (100, 150), (10, 15))])
-    parent_run.write_part(part("ctx.p0", "ctx", parent="cpt", stage="context_expansion", created_at=3.0),
-                          [piece("c0", (40, 60), (4, 6), source="code")])
+    parent_run.write_part(
+        part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", created_at=2.0),
+        [piece("s0", (100, 150), (10, 15))],
+    )
+    parent_run.write_part(
+        part("ctx.p0", "ctx", parent="cpt", stage="context_expansion", created_at=3.0),
+        [piece("c0", (40, 60), (4, 6), source="code")],
+    )
     assert parent_run.lineage("ctx") == ["ctx", "cpt", "pre"]
     (r,) = parent_run.reuse("ctx")
     assert (r["kind"], r["shard_id"], r["tok_start"], r["tok_end"]) == ("undeclared_cross_stage", "c0", 40, 50)
 
 
 def test_disjoint_or_touching_ranges_are_not_reuse(parent_run):
-    parent_run.write_part(part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", created_at=2.0),
-                          [piece("s0", (100, 150), (10, 15)),  # touches the parent's [0,100), no overlap
-                           piece("s1", (0, 100), (0, 10)),  # another shard
-                           piece("c0", (50, 80), (5, 8), source="code")])
-    parent_run.write_part(part("cpt.p1", "cpt", parent="pre", stage="continued_pretrain", steps=(11, 20),
-                               prev="cpt.p0", created_at=3.0),
-                          [piece("s0", (150, 200), (15, 20))])
+    parent_run.write_part(
+        part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", created_at=2.0),
+        [
+            piece("s0", (100, 150), (10, 15)),  # touches the parent's [0,100), no overlap
+            piece("s1", (0, 100), (0, 10)),  # another shard
+            piece("c0", (50, 80), (5, 8), source="code"),
+        ],
+    )
+    parent_run.write_part(
+        part("cpt.p1", "cpt", parent="pre", stage="continued_pretrain", steps=(11, 20), prev="cpt.p0", created_at=3.0),
+        [piece("s0", (150, 200), (15, 20))],
+    )
     assert parent_run.reuse("cpt") == []
 
 
@@ -216,13 +322,22 @@ def test_unrelated_runs_are_not_compared(parent_run):
 def test_leakage_lists_validation_shards_trained_on(ledger):
     ledger.write_shard(shard_record("s0"))
     ledger.write_shard(shard_record("v0", split="validation"))
-    ledger.write_part(part("l.p0", "l", created_at=1.0),
-                      [piece("s0", (0, 100), (0, 10)), piece("v0", (0, 30), (0, 3), split="validation")])
-    ledger.write_part(part("l.p1", "l", steps=(11, 20), prev="l.p0", created_at=2.0),
-                      [piece("v0", (30, 50), (3, 5), split="validation")])
+    ledger.write_part(
+        part("l.p0", "l", created_at=1.0),
+        [piece("s0", (0, 100), (0, 10)), piece("v0", (0, 30), (0, 3), split="validation")],
+    )
+    ledger.write_part(
+        part("l.p1", "l", steps=(11, 20), prev="l.p0", created_at=2.0),
+        [piece("v0", (30, 50), (3, 5), split="validation")],
+    )
     (leak,) = ledger.leakage("l")
     assert (leak["shard_id"], leak["split"], leak["tokens"], leak["row_start"], leak["row_end"]) == (
-        "v0", "validation", 50, 0, 5)
+        "v0",
+        "validation",
+        50,
+        0,
+        5,
+    )
 
 
 def test_no_leakage_when_only_train_shards(ledger):
@@ -249,11 +364,16 @@ def test_ledger_totals_equal_the_files_and_the_loader(tmp_path, ledger):
         lengths = [int(x) for x in rng.integers(3, 60, size=int(rng.integers(2, 8)))]
         flat = rng.integers(0, 4000, size=sum(lengths)).tolist()
         path = tmp_path / "tokens" / f"prose-{k:03d}.arrow"
-        write_token_shard(path, {"row": pa.array(np.arange(len(lengths)), pa.int64()),
-                                 "tokens": list_column(lengths, flat, np.uint16)})
+        write_token_shard(
+            path,
+            {"row": pa.array(np.arange(len(lengths)), pa.int64()), "tokens": list_column(lengths, flat, np.uint16)},
+        )
         expected_tokens[f"prose-{k:03d}"] = sum(lengths)
-        ledger.write_shard(shard_record(f"prose-{k:03d}", tokens=sum(lengths), docs=len(lengths),
-                                        token_path=str(path), created_at=float(k)))
+        ledger.write_shard(
+            shard_record(
+                f"prose-{k:03d}", tokens=sum(lengths), docs=len(lengths), token_path=str(path), created_at=float(k)
+            )
+        )
     records = ledger.shards()
     on_disk = {r["shard_id"]: TokenShard.open(Path(r["token_path"])).num_tokens for r in records}
     assert on_disk == expected_tokens
@@ -277,9 +397,21 @@ def test_ledger_totals_equal_the_files_and_the_loader(tmp_path, ledger):
         merged, overlap = merge_pieces(cons.pieces)
         pid = f"t.p{pi}"
         c = cons.counts
-        ledger.write_part(part(pid, "t", steps=steps, prev=prev, real=c.real_tokens, pad=c.pad_tokens,
-                               loss=c.loss_tokens, cropped=c.cropped_tokens, overlap=overlap, created_at=10.0 + pi),
-                          pieces_to_rows(merged, lambda p: shard_by_id[p.shard_id].rows_of(p.tok_start, p.tok_end)))
+        ledger.write_part(
+            part(
+                pid,
+                "t",
+                steps=steps,
+                prev=prev,
+                real=c.real_tokens,
+                pad=c.pad_tokens,
+                loss=c.loss_tokens,
+                cropped=c.cropped_tokens,
+                overlap=overlap,
+                created_at=10.0 + pi,
+            ),
+            pieces_to_rows(merged, lambda p: shard_by_id[p.shard_id].rows_of(p.tok_start, p.tok_end)),
+        )
         prev = pid
     totals = ledger.run_totals("t")
     assert totals["real_tokens"] == 3 * 64 == 192 and totals["steps"] == 3 and totals["overlap_tokens"] == 0
@@ -307,14 +439,26 @@ def garble_run(ledger: Ledger, stage: str, run_key: str) -> int:
 
 
 def test_a_query_about_one_run_opens_only_that_runs_files(parent_run):
-    parent_run.write_part(part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", real=50, created_at=2.0),
-                          [piece("s0", (60, 120), (6, 12))], shares=[{"rank": 0, "world_size": 1, "row_count": 6,
-                                                                      "row_ranges": "[[6, 12]]", "real_tokens": 50,
-                                                                      "pad_tokens": 0, "loss_tokens": 0,
-                                                                      "cropped_tokens": 0}])
+    parent_run.write_part(
+        part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", real=50, created_at=2.0),
+        [piece("s0", (60, 120), (6, 12))],
+        shares=[
+            {
+                "rank": 0,
+                "world_size": 1,
+                "row_count": 6,
+                "row_ranges": "[[6, 12]]",
+                "real_tokens": 50,
+                "pad_tokens": 0,
+                "loss_tokens": 0,
+                "cropped_tokens": 0,
+            }
+        ],
+    )
     parent_run.write_part(part("other.p0", "other", real=7, created_at=3.0), [piece("s9", (0, 10), (0, 1))])
     assert parent_run.part_file("shares", parent_run.chain("cpt")[0]) == (
-        parent_run.root / "shares" / "stage=continued_pretrain" / "run=cpt" / "s000.p000000010.parquet")
+        parent_run.root / "shares" / "stage=continued_pretrain" / "run=cpt" / "s000.p000000010.parquet"
+    )
     assert garble_run(parent_run, "pretrain", "other") == 2  # its part row and its consumption
     with pytest.raises(duckdb.Error):  # the garbled files are really unreadable: a query that opened them fails
         parent_run.parts()
@@ -367,8 +511,9 @@ def test_on_a_bucket_a_query_about_one_run_lists_only_that_runs_folder(moto_s3, 
         writer.write_part(part(f"{key}.p0", key, real=5), [piece("s0", (0, 5), (0, 1))])
     reader = S3Store(bucket, "store", tmp_path / "b")
     listed = []
-    reader.s3.meta.events.register("provide-client-params.s3.ListObjectsV2",
-                                   lambda params, **_: listed.append(params["Prefix"]))
+    reader.s3.meta.events.register(
+        "provide-client-params.s3.ListObjectsV2", lambda params, **_: listed.append(params["Prefix"])
+    )
     assert [p["part_id"] for p in Ledger.in_store(reader).parts(["k1"], stage="pretrain")] == ["k1.p0"]
     assert listed and all(p.startswith("store/ledger/parts/stage=pretrain/run=k1") for p in listed), listed
     assert not (tmp_path / "b" / "ledger" / "parts" / "stage=pretrain" / "run=k2").exists()

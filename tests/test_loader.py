@@ -14,25 +14,36 @@ import pyarrow as pa
 import pytest
 import torch
 
-from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.data.loader import Batcher, ChatRows, Consumption, LMRows, merge_pieces, micro_batch_rows
 from ghostvis_core.data.stream import Piece, ShardRef, SourceStream
-from ghostvis_core.plan.mixture import MixtureSchedule
 from ghostvis_core.data.token_shard import TokenShard, list_column, write_token_shard
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.plan.batch import IGNORE_INDEX
-
+from ghostvis_core.plan.batch import IGNORE_INDEX, BatchPlan
+from ghostvis_core.plan.mixture import MixtureSchedule
 
 # ---------------------------------------------------------------- helpers
 
 
-def write_shard(root: Path, source: str, shard_id: str, docs: list[list[int]], rows: list[int] | None = None,
-                split: str = "train", extra: dict[str, pa.Array] | None = None) -> ShardRef:
+def write_shard(
+    root: Path,
+    source: str,
+    shard_id: str,
+    docs: list[list[int]],
+    rows: list[int] | None = None,
+    split: str = "train",
+    extra: dict[str, pa.Array] | None = None,
+) -> ShardRef:
     rows = list(range(len(docs))) if rows is None else rows
     path = root / source / f"{shard_id}.arrow"
     flat = [t for d in docs for t in d]
-    write_token_shard(path, {"row": pa.array(rows, pa.int64()),
-                             "tokens": list_column([len(d) for d in docs], flat, np.uint16), **(extra or {})})
+    write_token_shard(
+        path,
+        {
+            "row": pa.array(rows, pa.int64()),
+            "tokens": list_column([len(d) for d in docs], flat, np.uint16),
+            **(extra or {}),
+        },
+    )
     return ShardRef(shard_id=shard_id, source=source, split=split, path=str(path), docs=len(docs), tokens=len(flat))
 
 
@@ -89,7 +100,10 @@ def test_pieces_cover_exactly_the_input_tokens(prose):
     # row 0 reads [0,5) -> inputs [0,4); row 1 [4,8); row 2 [8,12) of prose-000 (its 13th token,
     # prose-001's first, is only a target and is dropped from the pieces); row 3 prose-001 [0,4)
     assert [(p.shard_id, p.epoch, p.tok_start, p.tok_end) for p in batch.pieces] == [
-        ("prose-000", 0, 0, 4), ("prose-000", 0, 4, 8), ("prose-000", 0, 8, 12), ("prose-001", 0, 0, 4),
+        ("prose-000", 0, 0, 4),
+        ("prose-000", 0, 4, 8),
+        ("prose-000", 0, 8, 12),
+        ("prose-001", 0, 0, 4),
     ]
     assert sum(p.tokens for p in batch.pieces) == batch.counts.real_tokens == 16
     # the pieces, read back from disk, are the input tokens in order
@@ -133,7 +147,11 @@ def test_epoch_wrap_single_shard(code):
     assert batch.inputs[3].tolist() == [500, 501, 502, 503]  # epoch 1, one shard: same order
     assert batch.inputs[4].tolist() == [504, 505, 506, 507]
     assert [(p.epoch, p.tok_start, p.tok_end) for p in batch.pieces] == [
-        (0, 0, 4), (0, 4, 8), (0, 8, 12), (1, 0, 4), (1, 4, 8),
+        (0, 0, 4),
+        (0, 4, 8),
+        (0, 8, 12),
+        (1, 0, 4),
+        (1, 4, 8),
     ]
     assert sum(p.tokens for p in batch.pieces) == batch.counts.real_tokens == 20
 
@@ -213,7 +231,10 @@ def test_merge_keeps_gaps_shards_and_epochs_apart():
     merged, overlap = merge_pieces([P(0, 4), P(6, 9), P(0, 4, shard="s1"), P(0, 4, epoch=1)])
     assert overlap == 0
     assert sorted(merged, key=lambda p: (p.shard_id, p.epoch, p.tok_start)) == [
-        P(0, 4), P(6, 9), P(0, 4, epoch=1), P(0, 4, shard="s1"),
+        P(0, 4),
+        P(6, 9),
+        P(0, 4, epoch=1),
+        P(0, 4, shard="s1"),
     ]
 
 
@@ -320,8 +341,10 @@ def mixture_refs(tmp_path):
 
 def _run_steps(refs, steps: range, first_row: int, plan: BatchPlan):
     """A fresh process: new streams and batcher; returns per global row (inputs, targets) and consumption."""
-    b = Batcher([LMRows(SourceStream("prose", refs["prose"], 11), 8), LMRows(SourceStream("code", refs["code"], 11), 8)],
-                [0.7, 0.3])
+    b = Batcher(
+        [LMRows(SourceStream("prose", refs["prose"], 11), 8), LMRows(SourceStream("code", refs["code"], 11), 8)],
+        [0.7, 0.3],
+    )
     out, cons = {}, Consumption()
     rows = first_row
     for _ in steps:
@@ -376,7 +399,9 @@ def test_seek_to_a_late_row_opens_only_the_needed_shard(tmp_path):
 
 
 def test_seek_into_a_late_epoch_opens_one_shard_and_one_epoch_order(tmp_path):
-    refs = [write_shard(tmp_path, "web", f"web-{k:03d}", [list(range(1000 + 10 * k, 1010 + 10 * k))]) for k in range(40)]
+    refs = [
+        write_shard(tmp_path, "web", f"web-{k:03d}", [list(range(1000 + 10 * k, 1010 + 10 * k))]) for k in range(40)
+    ]
     stream = SourceStream("web", refs, seed=0)
     b = Batcher([LMRows(stream, 4)], [1.0])
     g = 5 * 100 + 93  # 100 rows per 400-token epoch: epoch 5, offset 372

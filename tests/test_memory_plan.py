@@ -10,7 +10,8 @@ import pytest
 
 from ghostvis_core.plan import presets
 from ghostvis_core.plan.budget import GB, GPUS, flops_per_token, gpu_of, memory_plan
-from ghostvis_pipeline.cli import build_parser, main as cli_main
+from ghostvis_pipeline.cli import build_parser
+from ghostvis_pipeline.cli import main as cli_main
 
 
 def test_500m_ddp_on_an_h100_by_hand():
@@ -52,7 +53,9 @@ def test_7b_fsdp_with_activation_checkpointing_by_hand():
 def test_7b_under_ddp_does_not_fit_and_fsdp_is_named_with_its_total():
     m = memory_plan(presets.resolve("pretrain", "7b", {"parallel.strategy": "ddp"}), gpu="H100")
     assert not m.fits and m.total_gb > 150
-    assert m.fixes == [f"parallel.strategy=fsdp: {memory_plan(presets.resolve('pretrain', '7b'), gpu='H100').total_gb:.1f} GB"]
+    assert m.fixes == [
+        f"parallel.strategy=fsdp: {memory_plan(presets.resolve('pretrain', '7b'), gpu='H100').total_gb:.1f} GB"
+    ]
 
 
 def test_without_activation_checkpointing_7b_names_each_fix_that_fits_alone():
@@ -60,8 +63,10 @@ def test_without_activation_checkpointing_7b_names_each_fix_that_fits_alone():
     m = memory_plan(cfg, gpu="H100")
     assert not m.fits and m.total_gb == pytest.approx(110.86, abs=0.01)
     # micro batch 4: 32 blocks x 88,064 elements x 8,192 tokens x 2 bytes = 46.2 GB of activations
-    assert m.fixes == ["runtime.grad_checkpointing=true: 25.7 GB",
-                       "batch.micro_batch_size=4 with batch.grad_accum_steps=8 (same tokens_per_step): 64.7 GB"]
+    assert m.fixes == [
+        "runtime.grad_checkpointing=true: 25.7 GB",
+        "batch.micro_batch_size=4 with batch.grad_accum_steps=8 (same tokens_per_step): 64.7 GB",
+    ]
     assert memory_plan(cfg, gpu="A100-40GB").fixes == ["runtime.grad_checkpointing=true: 25.7 GB"]
 
 
@@ -104,14 +109,28 @@ def test_cli_7b_under_ddp_is_refused_with_the_numbers_and_the_fix(capsys, flag):
     rc, out, err = _plan_cli(capsys, "--preset", "7b", "--gpu", "H100", "--json", *flag)
     assert rc == 2
     assert json.loads(out)["memory"]["fits"] is False  # --json carries the same
-    assert err.startswith("ghostvis: error: stage pretrain: 173.2 GB per GPU (30.1 weights + 30.1 grads + 60.1 optimizer")
+    assert err.startswith(
+        "ghostvis: error: stage pretrain: 173.2 GB per GPU (30.1 weights + 30.1 grads + 60.1 optimizer"
+    )
     assert "does not fit H100 (72.0 of 80 GB usable) on 8 GPUs; fix: parallel.strategy=fsdp: 25.7 GB" in err
 
 
 @pytest.mark.parametrize("extra", [[], ["--params", "1000000000"]])
 def test_a_new_users_plan_with_a_longer_context_is_planned_with_a_note(capsys, extra):
-    rc, out, err = _plan_cli(capsys, "--micro-batch-size", "16", "--seq-len", "4096", "--world-size", "8",
-                             "--grad-accum", "4", "--steps", "1000", *extra)
+    rc, out, err = _plan_cli(
+        capsys,
+        "--micro-batch-size",
+        "16",
+        "--seq-len",
+        "4096",
+        "--world-size",
+        "8",
+        "--grad-accum",
+        "4",
+        "--steps",
+        "1000",
+        *extra,
+    )
     assert rc == 0, err
     assert "= 16 x 4096 x 8 x 4 = 2,097,152" in out
     assert "note: seq_len 4096 is beyond the tiny model's context (256)" in out
@@ -131,8 +150,9 @@ def test_the_gpu_table_has_memory_and_peak_for_each():
 
 
 def test_a_run_mode_in_hours_gets_its_steps_from_the_planner(capsys):
-    rc, out, _ = _plan_cli(capsys, "--preset", "500m", "--world-size", "1", "--gpu", "H100", "--mfu", "0.4",
-                           "--hours", "4", "--json")
+    rc, out, _ = _plan_cli(
+        capsys, "--preset", "500m", "--world-size", "1", "--gpu", "H100", "--mfu", "0.4", "--hours", "4", "--json"
+    )
     got = json.loads(out)
     # (6 x N 520,418,560 + attention 12 x 24 layers x 1280 x 2048) x 524,288 tokens per step / (989e12 x 0.4)
     # = 5.139 s per step; 14,400 s / 5.139 = 2,802.2

@@ -19,9 +19,9 @@ import torch
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.plan.stages import stage, stage_names
-from ghostvis_core.store.layout import fill
 from ghostvis_core.run.train.runs import run_result
 from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.store.layout import fill
 from tests.conftest import copy_home, run_cli
 from tests.test_e2e_demo import dagster_instance, latest
 from tests.test_mlflow_outage import free_port, start_server, stop_server
@@ -34,8 +34,21 @@ def own_artifacts(home: Path) -> None:
     """MLflow stores the experiment's artifact folder as an absolute URI, so a copied home still names
     the home it was copied from: point the copy at its own, so the test writes nothing into that one."""
     with sqlite3.connect(home / "mlflow.db") as db:
-        db.execute("UPDATE experiments SET artifact_location = ? WHERE name = 'ghostvis'",
-                   ((home / "mlartifacts").as_uri(),))
+        db.execute(
+            "UPDATE experiments SET artifact_location = ? WHERE name = 'ghostvis'", ((home / "mlartifacts").as_uri(),)
+        )
+
+
+# `ghostvis train dpo --force` (the stage asset in this Python process, Dagster's in-process executor), then
+# what that Dagster process imported and its pid, for test_the_dagster_process_plans_and_the_job_does_the_heavy_work
+TRAIN_DPO_IN_DAGSTER = """
+import json, os, sys
+from ghostvis_pipeline.cli import main
+rc = main(["train", "dpo", "--force"])
+heavy = [m for m in ("transformers", "mlflow.transformers") if m in sys.modules]
+print("DAGSTER_PROCESS " + json.dumps({"pid": os.getpid(), "heavy_imports": heavy}))
+sys.exit(rc)
+"""
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +56,8 @@ def registry(demo_home, tmp_path_factory):
     """A copy of the demo home (whose stage materializations registered every stage's model) with its
     MLflow store served by `mlflow server`, in which dpo was trained again (--force: a second version,
     the alias moved to it) and then materialized through Dagster (a cache hit: no third version):
-    (home, tracking URI)."""
+    (home, tracking URI). What the training's Dagster process said of itself is in
+    <home>/../dagster_process.json."""
     home = tmp_path_factory.mktemp("registry") / "home"
     copy_home(demo_home, home)
     own_artifacts(home)
@@ -51,9 +65,14 @@ def registry(demo_home, tmp_path_factory):
     server = start_server(port, home)  # its backend: the home's own sqlite store
     uri = f"http://127.0.0.1:{port}"
     try:
-        run_cli(["ghostvis", "train", "dpo", "--force"], home, MLFLOW_TRACKING_URI=uri)
-        run_cli(["dagster", "asset", "materialize", "--select", "dpo", "-m", "ghostvis_pipeline.definitions"],
-                home, MLFLOW_TRACKING_URI=uri)
+        proc = run_cli(["python", "-c", TRAIN_DPO_IN_DAGSTER], home, MLFLOW_TRACKING_URI=uri)
+        said = next(line for line in proc.stdout.splitlines() if line.startswith("DAGSTER_PROCESS "))
+        (home.parent / "dagster_process.json").write_text(said.removeprefix("DAGSTER_PROCESS "))
+        run_cli(
+            ["dagster", "asset", "materialize", "--select", "dpo", "-m", "ghostvis_pipeline.definitions"],
+            home,
+            MLFLOW_TRACKING_URI=uri,
+        )
         yield home, uri
     finally:
         stop_server(server)
@@ -87,6 +106,31 @@ def test_runs_list_their_shards_and_system_metrics_in_a_model_training_experimen
         assert md["mlflow_url"].endswith(f"/runs/{md['mlflow_run_id']}?workflowType=machine_learning")
 
 
+@pytest.mark.e2e
+def test_the_dagster_process_plans_and_the_job_does_the_heavy_work(registry):
+    """`ghostvis train dpo --force` ran the stage asset in its own Python process (Dagster's in-process
+    executor), which never imported transformers or MLflow's model logging: the pre-flight (it builds the
+    objective) and the export and registration ran in the job's rank 0, another process, named by the
+    run's preflight.json and the materialization's `mlflow_model_registered_by`."""
+    from dagster import AssetKey
+
+    home, _ = registry
+    dagster = json.loads((home.parent / "dagster_process.json").read_text())
+    assert dagster["heavy_imports"] == []
+    records = dagster_instance(home).fetch_materializations(AssetKey("dpo"), limit=2).records
+    hit, trained = [{k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()} for r in records]
+    assert "cached_from" in hit and "cached_from" not in trained and hit["run_key"] == trained["run_key"]
+    store = Home(home).store
+    pre = store.read_json("run_file", "dpo", trained["run_key"], "preflight.json")
+    assert pre["pid"] != dagster["pid"] and "refused" not in pre
+    assert trained["mlflow_model_registered_by"] == f"pid {pre['pid']} on {pre['host']}"  # the same rank 0
+    assert hit["mlflow_model_version"] == trained["mlflow_model_version"]
+    saved = LaunchSpec.from_dict(store.read_json("run_spec", "dpo", trained["run_key"])).inputs.source_budget
+    assert saved and {s: b.__dict__ for s, b in saved.items()} == pre["source_budget"]
+    for source, b in saved.items():  # the materialization's budget table is the job's
+        assert f"| {source} | {b.needed_tokens:,} | {b.available_tokens:,} |" in trained["source_budget"]
+
+
 def assert_registered(client, instance, home: Path, name: str) -> None:
     """The stage's current materialization: its MLflow run has exactly one version, the stage's alias
     points at it, its tags carry the run key, stage, tokenizer and parent run (key and MLflow run)."""
@@ -98,13 +142,16 @@ def assert_registered(client, instance, home: Path, name: str) -> None:
     assert (md["mlflow_model"], md["mlflow_model_version"]) == (f"models:/{MODEL}@{name}", int(v.version))
     tags = v.tags
     assert (tags["ghostvis.stage"], tags["ghostvis.run_key"], tags["ghostvis.tokenizer_id"]) == (
-        name, md["run_key"], md["tokenizer_id"])
+        name,
+        md["run_key"],
+        md["tokenizer_id"],
+    )
     up = stage(name).upstream
     if up:  # the run it started from: the upstream's newest, except below a stage the fixture retrained (rl)
         parent = run_result(Home(home).store, up, md["parent_run_key"])
         assert tags["ghostvis.parent_run_key"] == md["parent_run_key"] == parent.run_key
         assert tags["ghostvis.parent_mlflow_run_id"] == parent.mlflow_run_id
-        if name not in STAGES[STAGES.index("dpo") + 1:]:  # above the retrained dpo: the upstream's newest
+        if name not in STAGES[STAGES.index("dpo") + 1 :]:  # above the retrained dpo: the upstream's newest
             assert parent.run_key == latest(instance, up)["run_key"]
     else:
         assert "ghostvis.parent_run_key" not in tags
@@ -162,29 +209,30 @@ def test_the_registered_dpo_model_loads_and_gives_ghostvis_logits_and_tokens(reg
     ids = torch.tensor([ours.tok.encode("What is 12 plus 7? The answer is")])
     with torch.no_grad():
         assert (hf(ids).logits - ours.model(ids).float()).abs().max().item() <= 1e-4
-        greedy = hf.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:].tolist()
+        greedy = hf.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1] :].tolist()
         theirs, x = [], ids
         for _ in range(16):
             nxt = ours.model(x)[0, -1].argmax().item()
             theirs.append(nxt)
             x = torch.cat([x, torch.tensor([[nxt]])], dim=1)
-    assert greedy and greedy == theirs[:len(greedy)]  # generate() may stop at the end-of-text token
+    assert greedy and greedy == theirs[: len(greedy)]  # generate() may stop at the end-of-text token
     out = mlflow.pyfunc.load_model(f"models:/{MODEL}@dpo").predict(["What is 12 plus 7?"])
     assert isinstance(out[0], str) and out[0]
 
 
 @pytest.mark.e2e
-def test_an_unreachable_registry_leaves_the_run_and_says_so(demo_home, monkeypatch):
+def test_an_unreachable_registry_leaves_the_run_and_says_so(home_copy, monkeypatch):
+    """As on a cache hit: the registration runs in a subprocess, which records MLflow's refusal."""
     from dagster import build_asset_context
 
     from ghostvis_pipeline.assets.training import model_metadata
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    home = Home(demo_home)
-    run_key = latest(dagster_instance(demo_home), "sft")["run_key"]
+    home = Home(home_copy)
+    run_key = latest(dagster_instance(home_copy), "sft")["run_key"]
     spec = LaunchSpec.from_dict(home.store.read_json("run_spec", "sft", run_key))
-    md = model_metadata(build_asset_context(), stage("sft"), spec, run_result(home.store, "sft", run_key), home)
+    md = model_metadata(build_asset_context(), stage("sft"), spec, home, registered_by_job=False)
     assert list(md) == ["mlflow_model"]
     assert md["mlflow_model"].startswith(f"sft: the model of run {run_key} is not registered in MLflow")
     assert md["mlflow_model"].endswith("materialize sft again (a cache hit) to register it")
@@ -199,8 +247,9 @@ def sampled(monkeypatch, interval: str, run_for: float) -> list[tuple[dict[str, 
 
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", interval)
     points: list = []
-    monitor = OutboxSystemMetrics("run", f"http://127.0.0.1:{free_port()}", lambda m, step: points.append((m, step)),
-                                  resume=False)
+    monitor = OutboxSystemMetrics(
+        "run", f"http://127.0.0.1:{free_port()}", lambda m, step: points.append((m, step)), resume=False
+    )
     monitor.start()
     time.sleep(run_for)
     monitor.finish()
@@ -225,9 +274,11 @@ def test_a_run_shorter_than_one_interval_gets_one_sample(monkeypatch):
 
 def test_registering_leaves_the_callers_mlflow_environment_as_it_was(tmp_path, monkeypatch):
     """MLflow's fluent API writes MLFLOW_TRACKING_URI into the process's environment; a Dagster
-    process that registered a model must not keep that server as its tracking URI."""
+    process that registered a model must not keep that server as its tracking URI. Inside, MLflow's
+    requirements check (a pip dry run) is off; outside, the caller's setting is back."""
     import mlflow
     from mlflow import MlflowClient
+    from mlflow.environment_variables import MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK
 
     from ghostvis_core.run.track.mlflow_models import fluent_scope
 
@@ -235,9 +286,12 @@ def test_registering_leaves_the_callers_mlflow_environment_as_it_was(tmp_path, m
     experiment_id = MlflowClient(uri).create_experiment("scoped")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", "0")
+    monkeypatch.delenv(MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK.name, raising=False)
     with fluent_scope(uri, experiment_id):
         assert mlflow.get_tracking_uri() == uri
+        assert MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK.get() is True
         with mlflow.start_run() as run:
             assert run.info.experiment_id == experiment_id
     assert "MLFLOW_TRACKING_URI" not in os.environ and os.environ["MLFLOW_EXPERIMENT_ID"] == "0"
+    assert MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK.name not in os.environ
     assert mlflow.get_tracking_uri() != uri

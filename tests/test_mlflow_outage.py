@@ -27,9 +27,24 @@ def free_port() -> int:
 
 def start_server(port: int, store: Path) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{store / 'mlflow.db'}", "--default-artifact-root", str(store / "art")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        [
+            str(BIN / "mlflow"),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{store / 'mlflow.db'}",
+            "--default-artifact-root",
+            str(store / "art"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     deadline = time.time() + 120
     while time.time() < deadline:
         try:
@@ -58,11 +73,28 @@ def test_training_survives_an_mlflow_outage_and_the_metrics_arrive_complete(home
     server = start_server(port, store)
     steps = 20
     train = subprocess.Popen(
-        [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "-m", "ghostvis_core.run",
-         "--stage", "pretrain", "--preset", "smoke", "--set", f"budget.steps={steps}",
-         "--set", "runtime.log_every_steps=1", "--set", "checkpoint.every_steps=10"],
-        env=cli_env(home_copy, MLFLOW_TRACKING_URI=uri, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+        [
+            str(BIN / "torchrun"),
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "ghostvis_core.run",
+            "--stage",
+            "pretrain",
+            "--preset",
+            "smoke",
+            "--set",
+            f"budget.steps={steps}",
+            "--set",
+            "runtime.log_every_steps=1",
+            "--set",
+            "checkpoint.every_steps=10",
+        ],
+        env=cli_env(home_copy, MLFLOW_TRACKING_URI=uri, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     client = MlflowClient(uri)
     run_id = None
     deadline = time.time() + 120

@@ -30,7 +30,7 @@ def greedy_without_cache(model: GPT, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_generate_restores_training_mode():

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as tdist
 import torch.multiprocessing as mp
 
-from ghostvis_core.run.cluster.torchrun import RDZV_PORT, MultiNode, node_line, torchrun_command
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
+from ghostvis_core.run.cluster.torchrun import RDZV_PORT, MultiNode, node_line, torchrun_command
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.dist import DistContext, agree
 from ghostvis_core.run.train.runs import run_result
@@ -38,43 +38,66 @@ def free_port() -> int:
 
 
 def test_each_node_gets_the_same_rendezvous_command_through_node_shell():
-    multi = MultiNode(nnodes=3, rdzv_endpoint="10.0.0.1:29500", hosts=["10.0.0.2", "gpu-3"],
-                      node_shell="ssh -p 2222 {host}")
+    multi = MultiNode(
+        nnodes=3, rdzv_endpoint="10.0.0.1:29500", hosts=["10.0.0.2", "gpu-3"], node_shell="ssh -p 2222 {host}"
+    )
     multi.check()
     rdzv = multi.rendezvous("pretrain-3f2a-r2", "1a2b3c4d-0")
-    cmd = torchrun_command("/shared/store/runs/pretrain/pretrain-3f2a-r2/spec.json", 4, rdzv, python="/opt/venv/bin/python")
+    cmd = torchrun_command(
+        "/shared/store/runs/pretrain/pretrain-3f2a-r2/spec.json", 4, rdzv, python="/opt/venv/bin/python"
+    )
     env = {"OMP_NUM_THREADS": "8", "DAGSTER_PIPES_CONTEXT": "eJyrVkrLz1eyUkpKLFKqBQA="}
     line = node_line(cmd, env)
     for host in multi.hosts:
         argv = multi.node_argv(host, line)
         assert argv[:4] == ["ssh", "-p", "2222", host] and len(argv) == 5
         assert shlex.split(argv[4]) == [
-            "exec", "env", "DAGSTER_PIPES_CONTEXT=eJyrVkrLz1eyUkpKLFKqBQA=", "OMP_NUM_THREADS=8",
-            "/opt/venv/bin/python", "-m", "torch.distributed.run", "--nnodes=3", "--rdzv-backend=c10d",
-            "--rdzv-endpoint=10.0.0.1:29500", "--rdzv-id=pretrain-3f2a-r2-1a2b3c4d-0", "--nproc_per_node=4",
-            "-m", "ghostvis_core.run", "--spec", "/shared/store/runs/pretrain/pretrain-3f2a-r2/spec.json"]
+            "exec",
+            "env",
+            "DAGSTER_PIPES_CONTEXT=eJyrVkrLz1eyUkpKLFKqBQA=",
+            "OMP_NUM_THREADS=8",
+            "/opt/venv/bin/python",
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=3",
+            "--rdzv-backend=c10d",
+            "--rdzv-endpoint=10.0.0.1:29500",
+            "--rdzv-id=pretrain-3f2a-r2-1a2b3c4d-0",
+            "--nproc_per_node=4",
+            "-m",
+            "ghostvis_core.run",
+            "--spec",
+            "/shared/store/runs/pretrain/pretrain-3f2a-r2/spec.json",
+        ]
     # no --node-rank: torchrun ranks the nodes as they arrive, so rank 0 may run on any node
     assert not any(a.startswith("--node-rank") for a in cmd)
     # defaults: this host's name on the usual port; every launch attempt its own rendezvous
     default = MultiNode(nnodes=2)
     assert default.rendezvous("pretrain-3f2a-r2", "a-0").endpoint == f"{socket.gethostname()}:{RDZV_PORT}"
-    assert default.rendezvous("pretrain-3f2a-r2", "a-0").rdzv_id != default.rendezvous("pretrain-3f2a-r2", "b-0").rdzv_id
+    assert (
+        default.rendezvous("pretrain-3f2a-r2", "a-0").rdzv_id != default.rendezvous("pretrain-3f2a-r2", "b-0").rdzv_id
+    )
 
 
 def test_the_node_line_survives_the_node_shell_with_its_environment():
     value = "a b'c\"$HOME;"
-    line = node_line([sys.executable, "-c", "import os; print(os.environ['PROBE'], os.environ['GHOSTVIS_TEST_NODE'])"],
-                     {"PROBE": value})
+    line = node_line(
+        [sys.executable, "-c", "import os; print(os.environ['PROBE'], os.environ['GHOSTVIS_TEST_NODE'])"],
+        {"PROBE": value},
+    )
     argv = MultiNode(node_shell=LOCAL_NODE_SHELL).node_argv("node-7", line)
     out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
     assert out == f"{value} node-7\n"
 
 
-@pytest.mark.parametrize("multi, names", [
-    (MultiNode(nnodes=3, hosts=["b"]), ["hosts lists 1 node(s)", "nnodes=3", "2 other node(s)"]),
-    (MultiNode(nnodes=1), ["nnodes=1", "kind 'local'"]),
-    (MultiNode(node_shell="ssh {node}"), ["node_shell 'ssh {node}'", "{host}"]),
-])
+@pytest.mark.parametrize(
+    "multi, names",
+    [
+        (MultiNode(nnodes=3, hosts=["b"]), ["hosts lists 1 node(s)", "nnodes=3", "2 other node(s)"]),
+        (MultiNode(nnodes=1), ["nnodes=1", "kind 'local'"]),
+        (MultiNode(node_shell="ssh {node}"), ["node_shell 'ssh {node}'", "{host}"]),
+    ],
+)
 def test_a_launch_that_could_only_hang_is_refused(multi, names):
     with pytest.raises(GhostvisError) as err:
         multi.check()
@@ -99,8 +122,10 @@ def test_ranks_that_see_different_checkpoints_stop_naming_both(tmp_path):
     messages = {(tmp_path / f"rank{r}.txt").read_text() for r in (0, 1)}
     assert len(messages) == 1  # every rank stops, with the same reason
     message = messages.pop()
-    assert message.startswith("ranks disagree on the checkpoint step to resume from in /store/checkpoints/pretrain/r1: "
-                              "rank 0 sees 12; rank 1 sees 8; every node must read the same store")
+    assert message.startswith(
+        "ranks disagree on the checkpoint step to resume from in /store/checkpoints/pretrain/r1: "
+        "rank 0 sees 12; rank 1 sees 8; every node must read the same store"
+    )
     assert "GHOSTVIS_STORE=s3://" in message
 
 
@@ -108,9 +133,19 @@ def test_pretraining_on_two_nodes_ends_where_one_node_with_two_ranks_does(home_c
     ref_home, ref_dir = pretrain_reference
     port = free_port()
     known = run_names(home_copy)
-    run_cli(materialize_pretrain(kind="torchrun", torchrun={
-        "nnodes": 2, "rdzv_endpoint": f"127.0.0.1:{port}", "hosts": ["127.0.0.1"],
-        "node_shell": LOCAL_NODE_SHELL, "cpus_per_node": 1}), home_copy)
+    run_cli(
+        materialize_pretrain(
+            kind="torchrun",
+            torchrun={
+                "nnodes": 2,
+                "rdzv_endpoint": f"127.0.0.1:{port}",
+                "hosts": ["127.0.0.1"],
+                "node_shell": LOCAL_NODE_SHELL,
+                "cpus_per_node": 1,
+            },
+        ),
+        home_copy,
+    )
     run_dir = new_run_dirs(home_copy, known)[-1]
     assert run_dir.name == ref_dir.name  # same config and data -> same run key
 
@@ -123,8 +158,9 @@ def test_pretraining_on_two_nodes_ends_where_one_node_with_two_ranks_does(home_c
     assert done.train_loss == ref.train_loss and done.val_loss == ref.val_loss
     final = ckpt.latest_complete(run_dir)
     assert final.step == 12
-    assert (final.path / "model.safetensors").read_bytes() == \
-        (ckpt.latest_complete(ref_dir).path / "model.safetensors").read_bytes()
+    assert (final.path / "model.safetensors").read_bytes() == (
+        ckpt.latest_complete(ref_dir).path / "model.safetensors"
+    ).read_bytes()
 
     nodes_sh = store.read_text("run_file", "pretrain", run_dir.name, "torchrun/nodes.sh")
     assert f"--rdzv-endpoint=127.0.0.1:{port}" in nodes_sh and "--nnodes=2" in nodes_sh

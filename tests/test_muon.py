@@ -48,8 +48,11 @@ def test_muon_takes_the_hidden_matrices_of_the_gpt_and_adamw_the_rest(tied):
     model = GPT(cfg)
     opt = make_muon(model, OPTIM)
     adam_matrices, adam_vectors, muon = opt.param_groups
-    hidden = {f"blocks.{i}.{w}.weight" for i in range(cfg.n_layers)
-              for w in ("attn.wq", "attn.wkv", "attn.wo", "ffn.w13", "ffn.w2")}
+    hidden = {
+        f"blocks.{i}.{w}.weight"
+        for i in range(cfg.n_layers)
+        for w in ("attn.wq", "attn.wkv", "attn.wo", "ffn.w13", "ffn.w2")
+    }
     assert _names(model, muon["params"]) == hidden
     assert _names(model, adam_matrices["params"]) == ({"embed.weight"} if tied else {"embed.weight", "lm_head.weight"})
     vectors = _names(model, adam_vectors["params"])
@@ -62,8 +65,10 @@ def test_muon_takes_the_hidden_matrices_of_the_gpt_and_adamw_the_rest(tied):
 
 
 def _decay_groups(model: torch.nn.Module) -> list[dict]:
-    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def test_the_adamw_groups_step_like_torch_adamw():
@@ -71,8 +76,10 @@ def test_the_adamw_groups_step_like_torch_adamw():
     mine, ref = GPT(CFG), GPT(CFG)
     ref.load_state_dict(mine.state_dict())
     start = {n: p.detach().clone() for n, p in mine.named_parameters()}
-    opts = [Muon(_decay_groups(mine), lr=1e-2, momentum=0.95, betas=(0.9, 0.95)),
-            torch.optim.AdamW(_decay_groups(ref), lr=1e-2, betas=(0.9, 0.95))]
+    opts = [
+        Muon(_decay_groups(mine), lr=1e-2, momentum=0.95, betas=(0.9, 0.95)),
+        torch.optim.AdamW(_decay_groups(ref), lr=1e-2, betas=(0.9, 0.95)),
+    ]
     x = torch.randint(0, CFG.vocab_size, (4, 9), generator=torch.Generator().manual_seed(1))
     for _ in range(5):
         for model, opt in zip((mine, ref), opts):
@@ -127,8 +134,16 @@ def _write_then_continue(rank, world, run_dir, strategy):
     train_steps(par, opt, range(3), rank, world)
     shards = ckpt.save_shards(Path(run_dir), 3, par.model, opt) if strategy == "fsdp" else {}
     if rank == 0:
-        ckpt.save(Path(run_dir), 3, model=par.model, optimizer=opt, state={"step": 3, "rows": 3 * ROWS_PER_STEP},
-                  config={}, keep_last=2, extra_dirs=shards)
+        ckpt.save(
+            Path(run_dir),
+            3,
+            model=par.model,
+            optimizer=opt,
+            state={"step": 3, "rows": 3 * ROWS_PER_STEP},
+            config={},
+            keep_last=2,
+            extra_dirs=shards,
+        )
     dist.barrier()
     return train_steps(par, opt, range(3, 6), rank, world)
 
@@ -167,11 +182,23 @@ def test_the_trainer_runs_muon_under_fsdp_through_torchrun(home_copy):
     from ghostvis_core.home import Home
 
     sets = ["optim.name=muon", "budget.steps=8", "parallel.strategy=fsdp", "checkpoint.every_steps=4"]
-    run_cli(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "ghostvis_core.run", "--stage", "pretrain",
-             "--preset", "smoke", *[a for s in sets for a in ("--set", s)]], home_copy)
+    run_cli(
+        [
+            "torchrun",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "ghostvis_core.run",
+            "--stage",
+            "pretrain",
+            "--preset",
+            "smoke",
+            *[a for s in sets for a in ("--set", s)],
+        ],
+        home_copy,
+    )
     client = MlflowClient(Home(home_copy).mlflow_tracking_uri)
-    runs = client.search_runs([client.get_experiment_by_name("ghostvis").experiment_id],
-                              "params.`optim.name` = 'muon'")
+    runs = client.search_runs([client.get_experiment_by_name("ghostvis").experiment_id], "params.`optim.name` = 'muon'")
     assert len(runs) == 1 and runs[0].data.params["parallel.strategy"] == "fsdp"
     losses = [m.value for m in client.get_metric_history(runs[0].info.run_id, "train/loss")]
     assert len(losses) >= 3 and losses[-1] < losses[0] - 0.3  # it learns (measured 8.35 -> 7.74 under DDP)

@@ -12,17 +12,17 @@ import pyarrow as pa
 import pytest
 import torch
 
-from ghostvis_core.plan.config import DPOConfig, ModelConfig, VisionConfig
 from ghostvis_core.data.chat import render_chat
 from ghostvis_core.data.loader import Batch, Batcher, ChatRows, PreferenceRows
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.token_shard import list_column, write_token_shard
 from ghostvis_core.data.tokenizer import train_tokenizer
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.model.gpt import GPT, apply_rope, rope_tables
 from ghostvis_core.plan.batch import IGNORE_INDEX
-from ghostvis_core.run.model.vision import VisionStack, frozen_fingerprint, splice_images
+from ghostvis_core.plan.config import DPOConfig, ModelConfig, VisionConfig
 from ghostvis_core.plan.presets import resolve
+from ghostvis_core.run.model.gpt import GPT, apply_rope, rope_tables
+from ghostvis_core.run.model.vision import VisionStack, frozen_fingerprint, splice_images
 from ghostvis_core.run.train.objectives import DPOObjective, VisionAlignObjective
 
 SMALL = dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=128, max_seq_len=64)
@@ -42,11 +42,14 @@ def tok():
 def write_chat_shard(root: Path, convs: list[tuple[list[int], list[int]]]) -> ShardRef:
     path = root / "chat" / "chat-000.arrow"
     lens = [len(ids) for ids, _ in convs]
-    write_token_shard(path, {
-        "row": pa.array(range(len(convs)), pa.int64()),
-        "tokens": list_column(lens, [t for ids, _ in convs for t in ids], np.uint16),
-        "mask": list_column(lens, [m for _, mask in convs for m in mask], np.uint8),
-    })
+    write_token_shard(
+        path,
+        {
+            "row": pa.array(range(len(convs)), pa.int64()),
+            "tokens": list_column(lens, [t for ids, _ in convs for t in ids], np.uint16),
+            "mask": list_column(lens, [m for _, mask in convs for m in mask], np.uint8),
+        },
+    )
     return ShardRef("chat/00000", "chat", "train", str(path), docs=len(convs), tokens=sum(lens))
 
 
@@ -54,13 +57,25 @@ def write_chat_shard(root: Path, convs: list[tuple[list[int], list[int]]]) -> Sh
 
 
 def test_render_chat_trains_assistant_content_and_its_eot_only(tok):
-    msgs = [{"role": "system", "content": "Say hello."}, {"role": "user", "content": "What is two plus two?"},
-            {"role": "assistant", "content": "It is four."}]
+    msgs = [
+        {"role": "system", "content": "Say hello."},
+        {"role": "user", "content": "What is two plus two?"},
+        {"role": "assistant", "content": "It is four."},
+    ]
     ids, mask = render_chat(tok, msgs)
     reply = tok.encode("It is four.")
-    assert ids == [tok.bos, tok.special("<|system|>"), *tok.encode("Say hello."), tok.eot,
-                   tok.special("<|user|>"), *tok.encode("What is two plus two?"), tok.eot,
-                   tok.special("<|assistant|>"), *reply, tok.eot]
+    assert ids == [
+        tok.bos,
+        tok.special("<|system|>"),
+        *tok.encode("Say hello."),
+        tok.eot,
+        tok.special("<|user|>"),
+        *tok.encode("What is two plus two?"),
+        tok.eot,
+        tok.special("<|assistant|>"),
+        *reply,
+        tok.eot,
+    ]
     assert mask == [0] * (len(ids) - len(reply) - 1) + [1] * (len(reply) + 1)
 
 
@@ -88,8 +103,11 @@ def test_changing_a_user_token_leaves_the_loss_unchanged(tmp_path, tok):
     """A user token is never a target, and a packed neighbour never sees it; only the reply of its
     own conversation reads it (causal attention), which is how a prompt should work."""
     first = [{"role": "user", "content": "What is two plus two?"}, {"role": "assistant", "content": "It is four."}]
-    second = [{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hello there!"},
-              {"role": "user", "content": "The cat sat on the mat."}]  # a trailing user turn, no reply
+    second = [
+        {"role": "user", "content": "Say hello."},
+        {"role": "assistant", "content": "Hello there!"},
+        {"role": "user", "content": "The cat sat on the mat."},
+    ]  # a trailing user turn, no reply
     base = _packed_batch(tmp_path / "a", tok, [first, second])
     reply_tokens = len(tok.encode("It is four.")) + len(tok.encode("Hello there!")) + 2  # + their <|eot|>
     assert base.counts.loss_tokens == reply_tokens
@@ -104,7 +122,10 @@ def test_changing_a_user_token_leaves_the_loss_unchanged(tmp_path, tok):
     # the trailing user turn of the second conversation: no reply's loss moves (the packing may put
     # the second conversation first, so the other one shifts: equal up to float rounding of RoPE)
     trailing = _packed_batch(tmp_path / "b", tok, [first, changed(second, 2)])
-    assert trailing.counts.real_tokens != base.counts.real_tokens and trailing.counts.loss_tokens == base.counts.loss_tokens
+    assert (
+        trailing.counts.real_tokens != base.counts.real_tokens
+        and trailing.counts.loss_tokens == base.counts.loss_tokens
+    )
     for new, old in zip(_reply_losses(model, trailing), loss):
         torch.testing.assert_close(new, old, rtol=0, atol=1e-5)
 
@@ -168,9 +189,15 @@ def test_dpo_loss_against_a_hand_computed_value():
 def test_dpo_reads_the_response_only_and_starts_at_log_2(tmp_path):
     # one pair: prompt [5, 6, 7], chosen [8, 9], rejected [10, 11, 12]
     path = tmp_path / "prefs" / "p.arrow"
-    write_token_shard(path, {"row": pa.array([0], pa.int64()),
-                             "tokens": list_column([8], [5, 6, 7, 8, 9, 10, 11, 12], np.uint16),
-                             "prompt_len": pa.array([3], pa.int64()), "chosen_len": pa.array([2], pa.int64())})
+    write_token_shard(
+        path,
+        {
+            "row": pa.array([0], pa.int64()),
+            "tokens": list_column([8], [5, 6, 7, 8, 9, 10, 11, 12], np.uint16),
+            "prompt_len": pa.array([3], pa.int64()),
+            "chosen_len": pa.array([2], pa.int64()),
+        },
+    )
     ref = ShardRef("prefs/00000", "prefs", "train", str(path), docs=1, tokens=8)
     batch = Batcher([PreferenceRows(SourceStream("prefs", [ref], 0), seq_len=8, seed=0, pad_id=0)], [1.0]).batch([0, 1])
     assert batch.inputs.tolist() == [[5, 6, 7, 8, 9, 0, 0, 0], [5, 6, 7, 10, 11, 12, 0, 0]]
@@ -265,7 +292,9 @@ def test_rope_scores_depend_only_on_relative_position():
     q, k = torch.randn(1, 1, 1, cfg.head_dim), torch.randn(1, 1, 1, cfg.head_dim)
 
     def score(m: int, n: int) -> float:
-        return float((apply_rope(q, cos[m : m + 1], sin[m : m + 1]) * apply_rope(k, cos[n : n + 1], sin[n : n + 1])).sum())
+        return float(
+            (apply_rope(q, cos[m : m + 1], sin[m : m + 1]) * apply_rope(k, cos[n : n + 1], sin[n : n + 1])).sum()
+        )
 
     assert score(900, 890) == pytest.approx(score(10, 0), abs=1e-4)
     assert score(1000, 3) == pytest.approx(score(997, 0), abs=1e-4)
@@ -302,10 +331,16 @@ def test_context_expansion_raises_the_context_and_keeps_the_shape():
     for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden"):
         assert getattr(cfg.model, k) == upstream["model"][k]
     # the upstream weights load into the expanded model unchanged: RoPE has no parameters
-    small_up = GPT(ModelConfig(**{**upstream["model"], "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128,
-                                  "n_layers": 1}))
-    grown = GPT(ModelConfig(**{**cfg.model.__dict__, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128,
-                               "n_layers": 1}))
+    small_up = GPT(
+        ModelConfig(
+            **{**upstream["model"], "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128, "n_layers": 1}
+        )
+    )
+    grown = GPT(
+        ModelConfig(
+            **{**cfg.model.__dict__, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128, "n_layers": 1}
+        )
+    )
     grown.load_state_dict(small_up.state_dict(), strict=True)
     x = torch.randint(0, 100, (1, 1024))
     assert torch.isfinite(grown(x[:, :-1], x[:, 1:])).all()

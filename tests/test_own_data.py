@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ghostvis_core.demo.corpus import build_text_source
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.token_shard import TokenShard
+from ghostvis_core.demo.corpus import build_text_source
 from ghostvis_core.home import Home
 from ghostvis_core.run.train.runs import completed_runs
 from tests.conftest import BIN, cli_env
@@ -67,8 +67,9 @@ def s3_endpoint(corpus):
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
     server.start()
     endpoint = f"http://127.0.0.1:{server._server.server_port}"
-    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test",
-                          aws_secret_access_key="test")
+    client = boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test", aws_secret_access_key="test"
+    )
     client.create_bucket(Bucket="my-bucket")
     for p in sorted((corpus / "web").glob("*.parquet")):
         client.upload_file(str(p), "my-bucket", f"web/{p.name}")
@@ -80,8 +81,14 @@ def walk(workdir: Path, sources_yaml: str, commands: str, endpoint: str, stop_be
     """Run the README's commands in `workdir` with bash, one line at a time so a failure names it."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "sources.yaml").write_text(sources_yaml)
-    env = cli_env(workdir / "unused", AWS_ENDPOINT_URL_S3=endpoint, AWS_ACCESS_KEY_ID="test",
-                  AWS_SECRET_ACCESS_KEY="test", AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
+    env = cli_env(
+        workdir / "unused",
+        AWS_ENDPOINT_URL_S3=endpoint,
+        AWS_ACCESS_KEY_ID="test",
+        AWS_SECRET_ACCESS_KEY="test",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_EC2_METADATA_DISABLED="true",
+    )
     for var in ("GHOSTVIS_HOME", "DAGSTER_HOME", "GHOSTVIS_PRESET"):
         env.pop(var)
     env["PATH"] = f"{BIN}:{env['PATH']}"
@@ -98,8 +105,7 @@ def shards_of(home: Home) -> dict[str, dict]:
     return {r["shard_id"]: r for r in Ledger.in_store(home.store).shards()}
 
 
-def test_the_readme_walk_over_s3_and_http_gives_the_same_shards_and_a_checkpoint(tmp_path, s3_endpoint,
-                                                                                 http_server):
+def test_the_readme_walk_over_s3_and_http_gives_the_same_shards_and_a_checkpoint(tmp_path, s3_endpoint, http_server):
     s3_yaml, http_yaml, commands = readme_walk()
     s3_home, out = walk(tmp_path / "s3", s3_yaml, commands, s3_endpoint)
     http_yaml = http_yaml.replace("127.0.0.1:8000", http_server)
@@ -109,8 +115,12 @@ def test_the_readme_walk_over_s3_and_http_gives_the_same_shards_and_a_checkpoint
     assert sorted(s3_shards) == sorted(http_shards) == [f"web/{i:05d}" for i in range(SHARDS)]
     for key, row in s3_shards.items():
         other = http_shards[key]
-        assert (row["content_sha256"], row["split"], row["docs"], row["tokens"]) == \
-               (other["content_sha256"], other["split"], other["docs"], other["tokens"]), key
+        assert (row["content_sha256"], row["split"], row["docs"], row["tokens"]) == (
+            other["content_sha256"],
+            other["split"],
+            other["docs"],
+            other["tokens"],
+        ), key
     assert [k for k, r in s3_shards.items() if r["split"] == "validation"] == ["web/00006"]
     # the ledger's figures are those of the token files
     for key, row in s3_shards.items():

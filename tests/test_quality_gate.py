@@ -11,13 +11,12 @@ import pytest
 
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan.stages import BPB_TOLERANCE, stage_names
 from ghostvis_core.verify.eval.gate import lineage_gate, tolerances
 from ghostvis_core.verify.eval.report import StageReport, tables
-from ghostvis_core.plan.stages import BPB_TOLERANCE, stage_names
 
 # pretrain -> continued_pretrain: prose 12% worse (flagged), code 9% worse (within 10%)
-BPB = {"pretrain": {"demo_prose": 2.5, "demo_code": 3.0},
-       "continued_pretrain": {"demo_prose": 2.8, "demo_code": 3.27}}
+BPB = {"pretrain": {"demo_prose": 2.5, "demo_code": 3.0}, "continued_pretrain": {"demo_prose": 2.8, "demo_code": 3.27}}
 
 
 def test_a_stage_12_percent_worse_is_flagged_and_9_percent_passes_with_both_sides_shown():
@@ -25,14 +24,28 @@ def test_a_stage_12_percent_worse_is_flagged_and_9_percent_passes_with_both_side
     assert not out.passed
     header, rows = out.table()
     by_source = {r[2]: dict(zip(header, r)) for r in rows}
-    assert by_source["demo_prose"] == {"stage": "continued_pretrain", "upstream": "pretrain", "source": "demo_prose",
-                                       "upstream bpb": 2.5, "stage bpb": 2.8, "ratio": 1.12, "tolerance": 0.1,
-                                       "status": "FLAGGED: +12.0% > 10%"}
+    assert by_source["demo_prose"] == {
+        "stage": "continued_pretrain",
+        "upstream": "pretrain",
+        "source": "demo_prose",
+        "upstream bpb": 2.5,
+        "stage bpb": 2.8,
+        "ratio": 1.12,
+        "tolerance": 0.1,
+        "status": "FLAGGED: +12.0% > 10%",
+    }
     assert by_source["demo_code"]["ratio"] == 1.09 and by_source["demo_code"]["status"] == "ok"
-    assert out.figures == {"compared": 2, "flagged": 1, "stages_flagged": "continued_pretrain",
-                           "worst": "continued_pretrain on demo_prose", "worst_ratio": 1.12, "worst_tolerance": 0.1}
+    assert out.figures == {
+        "compared": 2,
+        "flagged": 1,
+        "stages_flagged": "continued_pretrain",
+        "worst": "continued_pretrain on demo_prose",
+        "worst_ratio": 1.12,
+        "worst_tolerance": 0.1,
+    }
     assert len(out.failures) == 1 and out.failures[0].startswith(
-        "continued_pretrain: demo_prose bpb 2.800 is +12.0% against pretrain's 2.500, beyond its tolerance of 10%")
+        "continued_pretrain: demo_prose bpb 2.800 is +12.0% against pretrain's 2.500, beyond its tolerance of 10%"
+    )
 
 
 def test_a_raised_tolerance_passes_the_same_figures_and_pretrain_has_nothing_to_compare():
@@ -53,15 +66,34 @@ def test_tolerances_default_from_the_stage_table_and_refuse_unknown_stages_and_n
 
 def test_the_report_card_lists_the_gate_row_per_stage_and_source_and_flags_the_regression():
     def report(stage: str) -> StageReport:
-        return StageReport(stage=stage, run_key=f"{stage}-r1", mlflow_run_id="x", totals={"steps": 1, **dict.fromkeys(TokenCounts.names(), 0)}, planned_tokens=0,
-                           shards_used=0, shard_rows=[], reuse="none", leakage="none", wall_time_s=1.0,
-                           tokens_per_sec=1.0, mfu=None, val_loss_start=None, val_loss=None, evidence=[], costs=[],
-                           evaluation={"bpb": BPB[stage]}, bpb_tolerance=0.10)
+        return StageReport(
+            stage=stage,
+            run_key=f"{stage}-r1",
+            mlflow_run_id="x",
+            totals={"steps": 1, **dict.fromkeys(TokenCounts.names(), 0)},
+            planned_tokens=0,
+            shards_used=0,
+            shard_rows=[],
+            reuse="none",
+            leakage="none",
+            wall_time_s=1.0,
+            tokens_per_sec=1.0,
+            mfu=None,
+            val_loss_start=None,
+            val_loss=None,
+            evidence=[],
+            costs=[],
+            evaluation={"bpb": BPB[stage]},
+            bpb_tolerance=0.10,
+        )
 
     header, rows = tables([report("pretrain"), report("continued_pretrain")])[
-        "Lineage quality gate (held-out bits/byte vs the upstream stage)"]
-    assert [(r[2], r[3], r[4], r[7]) for r in rows] == [("demo_code", 3.0, 3.27, "ok"),
-                                                        ("demo_prose", 2.5, 2.8, "FLAGGED: +12.0% > 10%")]
+        "Lineage quality gate (held-out bits/byte vs the upstream stage)"
+    ]
+    assert [(r[2], r[3], r[4], r[7]) for r in rows] == [
+        ("demo_code", 3.0, 3.27, "ok"),
+        ("demo_prose", 2.5, 2.8, "FLAGGED: +12.0% > 10%"),
+    ]
 
 
 @pytest.mark.e2e
@@ -79,7 +111,8 @@ def test_the_smoke_demo_passes_its_own_gate(demo_home):
     assert out.figures["compared"] == 2 * (len(stage_names()) - 1)  # every stage but pretrain, prose and code
     assert 0.9 < out.figures["worst_ratio"] <= 1.10
     check = instance.event_log_storage.get_asset_check_execution_history(
-        AssetCheckKey(AssetKey("evaluation"), "lineage_quality_gate"), limit=1)[0]
+        AssetCheckKey(AssetKey("evaluation"), "lineage_quality_gate"), limit=1
+    )[0]
     assert check.status.value == "SUCCEEDED"
     evaluated = check.event.dagster_event.event_specific_data
     assert evaluated.passed and evaluated.metadata["worst_ratio"].value == out.figures["worst_ratio"]

@@ -10,18 +10,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
-from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS
-from ghostvis_core.plan.batch import BatchPlan
-from ghostvis_core.plan.budget import batch_plan
-from ghostvis_core.plan.config import BatchConfig
 from ghostvis_core.data.loader import LMRows, blank_row, padded_row, rank_batches, rank_share
 from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.home import Home
-from ghostvis_core.plan.batch import IGNORE_INDEX
+from ghostvis_core.plan.batch import IGNORE_INDEX, BatchPlan
+from ghostvis_core.plan.budget import batch_plan
+from ghostvis_core.plan.config import BatchConfig
 from ghostvis_core.plan.stages import STAGES
 from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.runs import completed_runs, find_upstream, newest_completed_run
+from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
+from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS
 from tests.test_loader import write_shard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,8 +54,8 @@ def test_dagster_checks_and_the_checks_only_job_are_the_one_check_tables():
 
 
 def test_the_audit_runs_the_data_check_table_in_order(demo_home):
-    from ghostvis_core.verify.audit.report import data_checks
     from ghostvis_core.data.ledger import Ledger
+    from ghostvis_core.verify.audit.report import data_checks
 
     home = Home(demo_home)
     outcomes = data_checks(home, Ledger.in_store(home.store))
@@ -68,8 +67,8 @@ def test_the_audit_runs_the_data_check_table_in_order(demo_home):
 
 
 def test_every_reader_of_a_stage_means_its_newest_completed_run(demo_home):
-    from ghostvis_core.verify.audit.report import newest_run_key
     from ghostvis_core.data.ledger import Ledger
+    from ghostvis_core.verify.audit.report import newest_run_key
     from ghostvis_pipeline.cli import resolve_run
 
     home = Home(demo_home)
@@ -142,8 +141,14 @@ def test_padded_row_cuts_pads_and_counts():
 def test_one_batch_factor_type_from_planner_to_run_record_and_audit():
     plan = batch_plan(BatchConfig(4, 128, world_size=2, total_batch_tokens=4096))
     assert plan == BatchPlan(4, 128, 2, 4) and (plan.tokens_per_step, plan.rows_per_step) == (4096, 32)
-    spec_plan = {"micro_batch_size": 4, "seq_len": 128, "world_size": 2, "grad_accum_steps": 4,
-                 "tokens_per_step": 4096, "steps": 3}
+    spec_plan = {
+        "micro_batch_size": 4,
+        "seq_len": 128,
+        "world_size": 2,
+        "grad_accum_steps": 4,
+        "tokens_per_step": 4096,
+        "steps": 3,
+    }
     assert BatchPlan.of(spec_plan) == plan and plan.to_dict() == {k: v for k, v in spec_plan.items() if k != "steps"}
     assert RunResult.__dataclass_fields__["batch"].type == "BatchPlan"
     assert files_matching(r"class (BatchPlan|BatchShape)\b") == ["ghostvis_core/plan/batch.py"]

@@ -17,8 +17,8 @@ import pytest
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
-from ghostvis_core.run.train.runs import run_result
 from ghostvis_core.run.train import checkpoint as ckpt
+from ghostvis_core.run.train.runs import run_result
 from tests.conftest import BIN, cli_env, materialize_pretrain, new_run_dirs, run_cli, run_names
 
 pytestmark = pytest.mark.e2e
@@ -35,9 +35,14 @@ def start_and_kill_after(home: Path, step: int) -> Path:
     """Start the materialization, SIGKILL the whole process group once checkpoint `step` is
     committed (the run is then between checkpoints), and return the run's checkpoint folder."""
     known = run_names(home)
-    proc = subprocess.Popen([str(BIN / MATERIALIZE[0]), *MATERIALIZE[1:]], env=cli_env(home),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            cwd=Path(__file__).resolve().parent.parent)
+    proc = subprocess.Popen(
+        [str(BIN / MATERIALIZE[0]), *MATERIALIZE[1:]],
+        env=cli_env(home),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     deadline = time.time() + 300
     run_dir = None
     while time.time() < deadline:
@@ -59,7 +64,8 @@ def latest_check(home: Path, asset: str, check: str):
 
     os.environ["DAGSTER_HOME"] = str(home / "dagster")
     records = DagsterInstance.get().event_log_storage.get_asset_check_execution_history(
-        AssetCheckKey(AssetKey(asset), check), limit=1)
+        AssetCheckKey(AssetKey(asset), check), limit=1
+    )
     return records[0].event.dagster_event.event_specific_data
 
 

@@ -13,9 +13,10 @@ import math
 
 import pytest
 
+from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan import presets
 from ghostvis_core.plan.budget import GPUS, memory_plan, plan
-from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan.config import BudgetConfig
 from ghostvis_core.plan.run_modes import MODES, expand, mode_overrides, model_preset, plan_mode
 from ghostvis_pipeline.cli import main as cli_main
 
@@ -71,8 +72,11 @@ def test_overrides_apply_before_the_planner_derives_the_steps():
 
 
 def test_a_budget_or_world_size_override_contradicts_the_mode():
-    with pytest.raises(GhostvisError, match=r"run mode 1xh100-4h: budget.steps is derived from the mode "
-                                            r"\(1 x H100, 4 h at MFU 0.4\); drop it, or use the model preset 500m"):
+    with pytest.raises(
+        GhostvisError,
+        match=r"run mode 1xh100-4h: budget.steps is derived from the mode "
+        r"\(1 x H100, 4 h at MFU 0.4\); drop it, or use the model preset 500m",
+    ):
         mode_overrides("pretrain", MODES["1xh100-4h"], {"budget.steps": "10"})
     with pytest.raises(GhostvisError, match="batch.world_size is derived from the mode"):
         expand("pretrain", "8xh100-4h", {"batch.world_size": 4})
@@ -118,8 +122,10 @@ def test_cli_plan_modes_lists_every_mode_with_the_derived_figures(capsys):
 def test_cli_plan_mode_refuses_hardware_flags_it_states(capsys):
     assert cli_main(["plan", "--mode", "1xh100-4h", "--gpu", "A100", "--mfu", "0.5"]) == 2
     err = capsys.readouterr().err
-    assert "run mode 1xh100-4h states the hardware and hours (500m on 1 x H100 (989 TFLOP/s bf16) for 4 h at MFU " \
-           "0.4); drop --gpu, --mfu, or plan --preset 500m with them" in err
+    assert (
+        "run mode 1xh100-4h states the hardware and hours (500m on 1 x H100 (989 TFLOP/s bf16) for 4 h at MFU "
+        "0.4); drop --gpu, --mfu, or plan --preset 500m with them" in err
+    )
 
 
 def test_a_stage_launched_with_a_mode_trains_the_planners_steps(demo_home, monkeypatch):
@@ -130,10 +136,9 @@ def test_a_stage_launched_with_a_mode_trains_the_planners_steps(demo_home, monke
 
     monkeypatch.setenv("GHOSTVIS_HOME", str(demo_home))
     monkeypatch.delenv("GHOSTVIS_STORE", raising=False)
-    planned = plan_run("pretrain", preset="1xh100-1h", overrides={"checkpoint.every_steps": "50"},
-                       home=Home.from_env())
+    planned = plan_run("pretrain", preset="1xh100-1h", overrides={"checkpoint.every_steps": "50"}, home=Home.from_env())
     cfg = planned.spec.config
-    assert cfg["preset"] == "500m" and cfg["batch"]["world_size"] == 1
-    assert cfg["budget"] == {"steps": plan_mode("1xh100-1h").steps, "tokens": None, "tokens_per_param": None}
-    assert cfg["checkpoint"]["every_steps"] == 50 and planned.preset == "1xh100-1h"  # the MLflow tag's preset
+    assert cfg.preset == "500m" and cfg.batch.world_size == 1
+    assert cfg.budget == BudgetConfig(steps=plan_mode("1xh100-1h").steps)
+    assert cfg.checkpoint.every_steps == 50 and planned.preset == "1xh100-1h"  # the MLflow tag's preset
     assert planned.plan.steps == 700

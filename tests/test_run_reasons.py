@@ -7,11 +7,11 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from ghostvis_core.run.cluster.ship_output import chunk_name
 from ghostvis_core.home import Home
-from ghostvis_core.store import open_store
+from ghostvis_core.run.cluster.ship_output import chunk_name
 from ghostvis_core.run.train.reasons import clear_reasons, record_reason, run_reason
 from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.store import open_store
 from ghostvis_pipeline.launchers.common import failure, host_environment
 from tests.conftest import BIN
 
@@ -20,13 +20,34 @@ STAGE, RUN = "pretrain", "pretrain-abc-r1"
 
 def test_the_run_reason_is_the_first_failure_in_time_then_the_others(tmp_path):
     store = open_store(str(tmp_path / "store"))
-    store.write_json("run_error", STAGE, RUN, "1", data={
-        "rank": 1, "host": "gv2", "time": "2026-11-26T10:00:05.000001+00:00", "reason": "Connection closed by peer"})
-    store.write_json("run_error", STAGE, RUN, "0", data={
-        "rank": 0, "host": "gv1", "time": "2026-11-26T10:00:04.900000+00:00", "reason": "No space left on device"})
+    store.write_json(
+        "run_error",
+        STAGE,
+        RUN,
+        "1",
+        data={
+            "rank": 1,
+            "host": "gv2",
+            "time": "2026-11-26T10:00:05.000001+00:00",
+            "reason": "Connection closed by peer",
+        },
+    )
+    store.write_json(
+        "run_error",
+        STAGE,
+        RUN,
+        "0",
+        data={
+            "rank": 0,
+            "host": "gv1",
+            "time": "2026-11-26T10:00:04.900000+00:00",
+            "reason": "No space left on device",
+        },
+    )
     assert run_reason(store, STAGE, RUN) == (
         "rank 0 on gv1 at 2026-11-26T10:00:04.900000+00:00: No space left on device\n"
-        "then rank 1 on gv2 at 2026-11-26T10:00:05.000001+00:00: Connection closed by peer")
+        "then rank 1 on gv2 at 2026-11-26T10:00:05.000001+00:00: Connection closed by peer"
+    )
 
 
 def test_a_rank_keeps_its_first_reason_and_a_new_attempt_starts_with_none(tmp_path):
@@ -43,23 +64,52 @@ def test_a_rank_keeps_its_first_reason_and_a_new_attempt_starts_with_none(tmp_pa
 def test_the_launcher_failure_names_the_ranks_reason_and_its_own(tmp_path, monkeypatch):
     monkeypatch.delenv("GHOSTVIS_STORE", raising=False)
     home = Home(tmp_path)
-    spec = LaunchSpec(stage=STAGE, run_key=RUN, config={}, plan={}, store=home.store.uri, tokenizer_id="t",
-                      train_shards={}, val_shards={}, mlflow_tracking_uri="", mlflow_experiment="",
-                      mlflow_artifact_location="")
-    assert failure(home, spec, "Slurm job 7 ended FAILED").description == \
-        f"{STAGE} run {RUN} failed: Slurm job 7 ended FAILED"
+    spec = LaunchSpec(
+        stage=STAGE,
+        run_key=RUN,
+        config={},
+        plan={},
+        store=home.store.uri,
+        tokenizer_id="t",
+        train_shards={},
+        val_shards={},
+        mlflow_tracking_uri="",
+        mlflow_experiment="",
+        mlflow_artifact_location="",
+    )
+    assert (
+        failure(home, spec, "Slurm job 7 ended FAILED").description
+        == f"{STAGE} run {RUN} failed: Slurm job 7 ended FAILED"
+    )
     record_reason(home.store, STAGE, RUN, 1, "KeyboardInterrupt: ")
     told = failure(home, spec, "Slurm job 7 ended FAILED").description
     assert told.startswith(f"{STAGE} run {RUN} failed: rank 1 on ") and told.endswith(
-        ": KeyboardInterrupt: \n(Slurm job 7 ended FAILED)")
+        ": KeyboardInterrupt: \n(Slurm job 7 ended FAILED)"
+    )
 
 
 def test_the_job_output_is_shipped_in_numbered_chunks_and_passed_on(tmp_path):
     store_dir = tmp_path / "store"
     lines = "".join(f"line {i}\n" for i in range(3))
-    proc = subprocess.run([sys.executable, "-m", "ghostvis_core.run.cluster.ship_output", "--store", str(store_dir),
-                           "--stage", STAGE, "--run-key", RUN, "--name", "slurm/a1/out"],
-                          input=lines, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ghostvis_core.run.cluster.ship_output",
+            "--store",
+            str(store_dir),
+            "--stage",
+            STAGE,
+            "--run-key",
+            RUN,
+            "--name",
+            "slurm/a1/out",
+        ],
+        input=lines,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0 and proc.stdout == lines  # the node-local --output file gets it too
     store = open_store(str(store_dir))
     assert store.read_text("run_file", STAGE, RUN, chunk_name("slurm/a1/out", 1)) == lines
@@ -71,8 +121,9 @@ def test_store_cat_prints_a_run_file_by_the_uri_a_launcher_logged(tmp_path):
     uri = store.write_text("run_file", STAGE, RUN, "torchrun/nodes.sh", text="#!/bin/sh\necho node\n")
     proc = subprocess.run([str(BIN / "ghostvis"), "store", "cat", uri], capture_output=True, text=True, timeout=120)
     assert (proc.returncode, proc.stdout) == (0, "#!/bin/sh\necho node\n")
-    bad = subprocess.run([str(BIN / "ghostvis"), "store", "cat", str(tmp_path / "nodes.sh")], capture_output=True,
-                         text=True, timeout=120)
+    bad = subprocess.run(
+        [str(BIN / "ghostvis"), "store", "cat", str(tmp_path / "nodes.sh")], capture_output=True, text=True, timeout=120
+    )
     assert bad.returncode == 2 and "expected a run's file, <store>/runs/<stage>/<run_key>/<name>" in bad.stderr
 
 

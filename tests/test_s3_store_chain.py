@@ -14,14 +14,14 @@ import boto3
 import pytest
 from mlflow.tracking import MlflowClient
 
-from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_core.counts import MLFLOW_METRICS
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.plan.presets import resolve
 from ghostvis_core.plan.stages import stage_names
-from ghostvis_core.store import open_store
 from ghostvis_core.run.train.runs import completed_runs
+from ghostvis_core.store import open_store
+from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from tests.conftest import new_bucket, run_cli, s3_env
 
 # the first test waits for the whole chain (its module fixture), longer than the suite's 900 s per test
@@ -67,17 +67,30 @@ def reader(chain, tmp_path_factory):
 
 
 def bucket_objects(chain: Chain) -> list[str]:
-    s3 = boto3.client("s3", endpoint_url=chain.env["AWS_ENDPOINT_URL_S3"], region_name="us-east-1",
-                      aws_access_key_id="test", aws_secret_access_key="test")
+    s3 = boto3.client(
+        "s3",
+        endpoint_url=chain.env["AWS_ENDPOINT_URL_S3"],
+        region_name="us-east-1",
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+    )
     pages = s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=f"{PREFIX}/")
     return [o["Key"] for page in pages for o in page.get("Contents", [])]
 
 
 def test_every_asset_is_materialized_and_every_check_passes(chain):
-    for asset in ["shard_manifest", "raw_shards", "tokenizer", "tokenized_shards", "token_ledger", *STAGES,
-                  "evaluation", "report"]:
+    for asset in [
+        "shard_manifest",
+        "raw_shards",
+        "tokenizer",
+        "tokenized_shards",
+        "token_ledger",
+        *STAGES,
+        "evaluation",
+        "report",
+    ]:
         assert f"\n{asset} " in chain.demo_stdout, f"{asset} missing from the per-asset breakdown:\n{chain.demo_stdout}"
-    line = next(l for l in chain.demo_stdout.splitlines() if l.startswith("checks:"))
+    line = next(line for line in chain.demo_stdout.splitlines() if line.startswith("checks:"))
     passed, total = map(int, line.split()[1].split("/"))
     # 5 data checks (4 ledger, 1 tokenizer), the stages' checks and the evaluation's lineage quality gate
     assert passed == total == 5 + len(stage_check_names()) * len(STAGES) + 1, line
@@ -104,8 +117,11 @@ def test_the_bucket_holds_every_stages_run_record_checkpoint_and_lineage(chain, 
         parent = resolve(stage, "smoke").init_from
         if parent:
             assert run.parent_run_key == completed_runs(store, parent)[0].run_key, stage
-    report_files = {k.rsplit("/", 1)[1] for k in objects if k.startswith(f"{PREFIX}/reports/")
-                    and not k.startswith(f"{PREFIX}/reports/evaluation/")}
+    report_files = {
+        k.rsplit("/", 1)[1]
+        for k in objects
+        if k.startswith(f"{PREFIX}/reports/") and not k.startswith(f"{PREFIX}/reports/evaluation/")
+    }
     assert {"report.html", "report.md", "report.json", "loss_curves.png"} <= report_files, report_files
 
 

@@ -2,7 +2,8 @@
 
 Each partition's observation carries that shard's figures only and its materialization no metadata
 (the run's counts are the run's one log line), so an event is as large with 6 shards as with 2 (a
-table of every shard in each of N events grew the event log as N^2); recording a shard's figures queries the instance's partition keys no more
+table of every shard in each of N events grew the event log as N^2); recording a shard's figures queries the
+instance's partition keys no more
 often with 6 shards than with 2 (add_asset_metadata(partition_key=...) reloads them per call); a
 backfill logs one summary line, not one per shard, and with the team's DAGSTER_EMIT_PARTITION_SUBSET_IN_PLANNED_EVENTS
 each shard adds two events (Dagster's materialization, our observation); the datatrove pipeline the executor pickles for
@@ -34,8 +35,9 @@ VALIDATION = "00001"
 
 def write_shard(path: Path, i: int, version: str = "") -> None:
     """A small FineWeb-schema shard; every shard has the same number of digits in its figures."""
-    texts = [f"shard {i:05d}{version} paragraph {d}: the ledger counts every token of every shard {d * 7}"
-             for d in range(12)]
+    texts = [
+        f"shard {i:05d}{version} paragraph {d}: the ledger counts every token of every shard {d * 7}" for d in range(12)
+    ]
     pq.write_table(pa.table({"text": texts}), path)
 
 
@@ -51,8 +53,12 @@ class Backfill:
         self.published.mkdir(parents=True)
         for i in range(n):
             write_shard(self.published / f"{i:05d}.parquet", i)
-        self.remote = {"name": "web", "url_pattern": self.published.as_uri() + "/{shard:05d}.parquet",
-                       "num_shards": n, "validation": [VALIDATION]}
+        self.remote = {
+            "name": "web",
+            "url_pattern": self.published.as_uri() + "/{shard:05d}.parquet",
+            "num_shards": n,
+            "validation": [VALIDATION],
+        }
         self.instance = DagsterInstance.ephemeral()
         self.pickled_pipeline: list[int] = []
         self.statements: dict[str, list[str]] = {}  # asset -> the SQL its backfill run sent to the instance
@@ -63,9 +69,15 @@ class Backfill:
         from ghostvis_pipeline.launchers import Launcher
         from ghostvis_pipeline.resources import GhostvisHome
 
-        result = materialize(assets, instance=self.instance, run_config=run_config or {}, tags=tags,
-                             selection=selection, raise_on_error=False,
-                             resources={"home": GhostvisHome(root=str(self.home)), "launcher": Launcher()})
+        result = materialize(
+            assets,
+            instance=self.instance,
+            run_config=run_config or {},
+            tags=tags,
+            selection=selection,
+            raise_on_error=False,
+            resources={"home": GhostvisHome(root=str(self.home)), "launcher": Launcher()},
+        )
         assert result.success, error_of(result)
         return result
 
@@ -75,23 +87,30 @@ class Backfill:
 
         tags = {PARTITION_RANGE_START_TAG: keys[0], PARTITION_RANGE_END_TAG: keys[-1]}
         with sql_statements() as sent:
-            result = self.run([shard_manifest, raw_shards, tokenizer, tokenized_shards], tags=tags, selection=[asset],
-                              **kw)
+            result = self.run(
+                [shard_manifest, raw_shards, tokenizer, tokenized_shards], tags=tags, selection=[asset], **kw
+            )
         self.statements.setdefault(asset.key.to_user_string(), sent)  # the first backfill of the asset
         return result
 
-    def materialize(self) -> "Backfill":
+    def materialize(self) -> Backfill:
         from ghostvis_pipeline.assets.data import raw_shards, shard_manifest, tokenized_shards, tokenizer
 
-        self.run([shard_manifest], run_config={"ops": {"shard_manifest": {"config": {"sources": [],
-                                                                                      "remote": [self.remote]}}}})
+        self.run(
+            [shard_manifest],
+            run_config={"ops": {"shard_manifest": {"config": {"sources": [], "remote": [self.remote]}}}},
+        )
         self.keys = self.instance.get_dynamic_partitions("shards")
         self.raw_run = self.backfill(raw_shards, self.keys)
-        self.run([raw_shards, tokenizer], selection=[tokenizer],
-                 run_config={"ops": {"tokenizer": {"config": {"vocab_size": 300}}}})
+        self.run(
+            [raw_shards, tokenizer],
+            selection=[tokenizer],
+            run_config={"ops": {"tokenizer": {"config": {"vocab_size": 300}}}},
+        )
         self.tokenize_in_core()
-        self.tokenized_run = self.backfill(tokenized_shards, self.keys,
-                                           run_config={"ops": {"tokenized_shards": {"config": {"workers": 1}}}})
+        self.tokenized_run = self.backfill(
+            tokenized_shards, self.keys, run_config={"ops": {"tokenized_shards": {"config": {"workers": 1}}}}
+        )
         return self
 
     def tokenize_in_core(self) -> None:
@@ -104,8 +123,14 @@ class Backfill:
             self.pickled_pipeline.append(len(pickle.dumps(pipeline)))
             run_locally(pipeline, tasks, workers, logging_dir)
 
-        tokenize_shards(jobs, store=store, tokenizer_id=latest(self.instance, "tokenizer")["tokenizer_id"],
-                        logging_dir=self.root / "logs", workers=1, run_pipeline=measured)
+        tokenize_shards(
+            jobs,
+            store=store,
+            tokenizer_id=latest(self.instance, "tokenizer")["tokenizer_id"],
+            logging_dir=self.root / "logs",
+            workers=1,
+            run_pipeline=measured,
+        )
 
     def event_bytes(self, asset: str, fetch: str = "fetch_materializations") -> list[int]:
         """The serialized size of each partition's newest materialization (or observation) event."""
@@ -121,8 +146,9 @@ class Backfill:
         return [e.user_message for e in self.instance.all_logs(run.run_id) if e.dagster_event is None]
 
     def event_types(self, run) -> Counter:
-        return Counter(e.dagster_event_type.value if e.dagster_event else "log line"
-                       for e in self.instance.all_logs(run.run_id))
+        return Counter(
+            e.dagster_event_type.value if e.dagster_event else "log line" for e in self.instance.all_logs(run.run_id)
+        )
 
 
 @contextmanager
@@ -157,13 +183,20 @@ def test_each_partition_event_carries_its_own_shards_figures(backfills):
     for key in b.keys:
         data = (b.published / f"{key.split('/')[1]}.parquet").read_bytes()
         raw = observed(b.instance, "raw_shards", key)
-        assert raw == {"split": "validation" if key == f"web/{VALIDATION}" else "train", "bytes": len(data),
-                       "sha256": hashlib.sha256(data).hexdigest(), "status": "downloaded",
-                       "path": store.uri_of("raw_shard", key)}, key
+        assert raw == {
+            "split": "validation" if key == f"web/{VALIDATION}" else "train",
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "status": "downloaded",
+            "path": store.uri_of("raw_shard", key),
+        }, key
         tok = observed(b.instance, "tokenized_shards", key)
         row = ledger[key]
-        assert (tok["docs"], tok["tokens"], tok["docs_dropped"]) == (row["docs"], row["tokens"], row["docs_dropped"]) \
-               == (12, row["tokens"], 0), key
+        assert (
+            (tok["docs"], tok["tokens"], tok["docs_dropped"])
+            == (row["docs"], row["tokens"], row["docs_dropped"])
+            == (12, row["tokens"], 0)
+        ), key
         assert tok["status"] == "skipped (unchanged)"  # tokenized by tokenize_in_core, same content and tokenizer
         assert latest(b.instance, "raw_shards", key) == latest(b.instance, "tokenized_shards", key) == {}
     manifest = latest(b.instance, "shard_manifest")
@@ -191,14 +224,17 @@ def test_each_shard_of_a_backfill_adds_one_materialization_and_one_observation(b
     for run in ("raw_run", "tokenized_run"):
         extra = big.event_types(getattr(big, run))
         extra.subtract(small.event_types(getattr(small, run)))
-        assert {kind: n for kind, n in extra.items() if n} == \
-               {"ASSET_MATERIALIZATION": 4, "ASSET_OBSERVATION": 4}, (run, extra)
+        assert {kind: n for kind, n in extra.items() if n} == {"ASSET_MATERIALIZATION": 4, "ASSET_OBSERVATION": 4}, (
+            run,
+            extra,
+        )
         assert big.event_types(getattr(big, run))["ASSET_MATERIALIZATION_PLANNED"] == 1, run
 
 
 def test_recording_a_shards_figures_does_not_reload_the_partition_keys_per_shard(backfills):
     """The instance's dynamic partition keys are read as often in a backfill of 6 shards as of 2 (Dagster's
     own fixed reads); add_asset_metadata(partition_key=...) read them once more per shard: N^2 at scale."""
+
     def key_reads(b: Backfill, asset: str) -> int:
         return sum("FROM dynamic_partitions" in s for s in b.statements[asset])
 
@@ -235,9 +271,16 @@ def test_a_checks_table_shows_its_first_rows_and_counts_the_rest():
     from ghostvis_pipeline.checks import TABLE_ROWS, to_result
 
     rows = [[f"web/{i:05d}", i] for i in range(TABLE_ROWS + 5)]
-    table = to_result(CheckOutcome("c", False, {"shards_disagreeing": len(rows)}, {"disagreeing": (["shard", "n"], rows)},
-                                   ["x"])).metadata["disagreeing"].value
+    table = (
+        to_result(
+            CheckOutcome("c", False, {"shards_disagreeing": len(rows)}, {"disagreeing": (["shard", "n"], rows)}, ["x"])
+        )
+        .metadata["disagreeing"]
+        .value
+    )
     assert f"| web/{TABLE_ROWS - 1:05d} | {TABLE_ROWS - 1} |" in table and f"web/{TABLE_ROWS:05d}" not in table
     assert table.endswith("... and 5 more rows (every row: `ghostvis audit --json`)")
-    assert to_result(CheckOutcome("c", True, tables={"t": (["shard"], [["web/00000"]])})).metadata["t"].value == \
-           "| shard |\n|---|\n| web/00000 |"
+    assert (
+        to_result(CheckOutcome("c", True, tables={"t": (["shard"], [["web/00000"]])})).metadata["t"].value
+        == "| shard |\n|---|\n| web/00000 |"
+    )

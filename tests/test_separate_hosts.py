@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ghostvis_core.store import open_store
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.runs import run_result
+from ghostvis_core.store import open_store
 from tests.conftest import BIN, copy_home, materialize_pretrain
 from tests.hosts import (
     HOST_ADDR,
@@ -60,8 +60,10 @@ def assert_same_run(store_dir: Path, run_dir: Path, reference: tuple[Path, Path]
     """The run ended exactly where the local 2-rank run did: same key, figures and weights."""
     ref_home, ref_dir = reference
     assert run_dir.name == ref_dir.name  # same config and data -> same run key
-    done, ref = run_result(open_store(str(store_dir)), "pretrain", run_dir.name), \
-        run_result(open_store(str(ref_home / "store")), "pretrain", ref_dir.name)
+    done, ref = (
+        run_result(open_store(str(store_dir)), "pretrain", run_dir.name),
+        run_result(open_store(str(ref_home / "store")), "pretrain", ref_dir.name),
+    )
     assert done.steps == ref.steps == 12 and done.counts == ref.counts
     assert done.train_loss == ref.train_loss and done.val_loss == ref.val_loss
     assert weights(run_dir) == weights(ref_dir)
@@ -94,8 +96,16 @@ def test_torchrun_on_two_nodes_with_rank_0_away_from_the_dagster_host(hosts, dem
 
 def torchrun_on_gv1(hosts) -> dict:
     """The torchrun launcher: the Dagster host and gv1, 1 rank each (gv1 gets rank 0: see tests/hosts.py)."""
-    return {"kind": "torchrun", "torchrun": {"nnodes": 2, "rdzv_endpoint": f"{HOST_ADDR}:29400", "hosts": ["gv1"],
-                                             "node_shell": f"{hosts.nodesh} {{host}}", "cpus_per_node": 1}}
+    return {
+        "kind": "torchrun",
+        "torchrun": {
+            "nnodes": 2,
+            "rdzv_endpoint": f"{HOST_ADDR}:29400",
+            "hosts": ["gv1"],
+            "node_shell": f"{hosts.nodesh} {{host}}",
+            "cpus_per_node": 1,
+        },
+    }
 
 
 def wait_for_key(hosts, key: str, proc, log: Path, timeout: float = 600) -> None:
@@ -107,7 +117,8 @@ def wait_for_key(hosts, key: str, proc, log: Path, timeout: float = 600) -> None
 
 
 def test_a_node_killed_after_the_first_checkpoint_is_retried_and_resumes_exactly(
-        hosts, demo_home, pretrain_reference, tmp_path):
+    hosts, demo_home, pretrain_reference, tmp_path
+):
     home, store = another_home(hosts, demo_home, "killed")
     run_key, log = pretrain_reference[1].name, tmp_path / "materialize.log"
     proc = hosts.start(materialize_pretrain(**torchrun_on_gv1(hosts)), log, home, GHOSTVIS_STORE=store)
@@ -137,13 +148,26 @@ def slurm_on_hosts(hosts):
 
 
 def test_slurm_on_two_nodes_with_the_batch_step_away_from_the_dagster_host(
-        hosts, slurm_on_hosts, demo_home, pretrain_reference, tmp_path):
+    hosts, slurm_on_hosts, demo_home, pretrain_reference, tmp_path
+):
     home, store = another_home(hosts, demo_home, "slurm")
     (hosts.root / "job-output").mkdir()  # the batch node's own copy of the job's output (looked at for secrets)
-    proc = hosts.run(materialize_pretrain(kind="slurm", send_credentials=False, slurm={
-        "nodes": 2, "cpus_per_task": 1, "poll_seconds": 1, "python": str(BIN / "python"),
-        "output": f"{hosts.root}/job-output/%j.out"}),
-        home, GHOSTVIS_STORE=store, SLURM_CONF=str(slurm_on_hosts.conf))
+    proc = hosts.run(
+        materialize_pretrain(
+            kind="slurm",
+            send_credentials=False,
+            slurm={
+                "nodes": 2,
+                "cpus_per_task": 1,
+                "poll_seconds": 1,
+                "python": str(BIN / "python"),
+                "output": f"{hosts.root}/job-output/%j.out",
+            },
+        ),
+        home,
+        GHOSTVIS_STORE=store,
+        SLURM_CONF=str(slurm_on_hosts.conf),
+    )
     store_dir, run_dir = new_run(hosts, store, demo_home, tmp_path / "bucket")
     assert_same_run(store_dir, run_dir, pretrain_reference)
     # the job's output, written on the batch node gv1, reached the Dagster log through the store:

@@ -22,13 +22,13 @@ import boto3
 import psutil
 import pytest
 
-from ghostvis_core.run.cluster.slurm import JOB_OUTCOMES, SlurmJob, job_outcome, redact, render_sbatch, ship_command
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.store import open_store
+from ghostvis_core.run.cluster.slurm import JOB_OUTCOMES, SlurmJob, job_outcome, redact, render_sbatch, ship_command
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.runs import run_result
+from ghostvis_core.store import open_store
 from tests.conftest import BIN, cli_env, materialize_pretrain, new_run_dirs, run_cli, run_names, s3_env
 from tests.hosts import upload
 from tests.slurm_cluster import free_ports, slurm_cluster  # noqa: F401 (a fixture)
@@ -45,37 +45,79 @@ def script_lines(job: SlurmJob, env: dict[str, str] | None = None, nproc: int = 
 
 
 def test_sbatch_script_asks_for_the_job_and_starts_torchrun_once_per_node():
-    job = SlurmJob(nodes=4, gpus_per_node=8, cpus_per_task=64, mem="480G", time="12:00:00", partition="gpu",
-                   account="llm", qos="high", rdzv_port=29555, python="/opt/venv/bin/python")
+    job = SlurmJob(
+        nodes=4,
+        gpus_per_node=8,
+        cpus_per_task=64,
+        mem="480G",
+        time="12:00:00",
+        partition="gpu",
+        account="llm",
+        qos="high",
+        rdzv_port=29555,
+        python="/opt/venv/bin/python",
+    )
     lines = script_lines(job, nproc=8)
     assert lines[0] == "#!/bin/bash"
     assert [line for line in lines if line.startswith("#SBATCH")] == [
-        "#SBATCH --job-name=ghostvis", "#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1",
-        "#SBATCH --output=/tmp/ghostvis-slurm-%j.out", "#SBATCH --export=ALL", "#SBATCH --no-requeue",
-        "#SBATCH --cpus-per-task=64", "#SBATCH --gpus-per-node=8", "#SBATCH --mem=480G",
-        "#SBATCH --time=12:00:00", "#SBATCH --partition=gpu", "#SBATCH --account=llm", "#SBATCH --qos=high"]
+        "#SBATCH --job-name=ghostvis",
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --output=/tmp/ghostvis-slurm-%j.out",
+        "#SBATCH --export=ALL",
+        "#SBATCH --no-requeue",
+        "#SBATCH --cpus-per-task=64",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --mem=480G",
+        "#SBATCH --time=12:00:00",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=llm",
+        "#SBATCH --qos=high",
+    ]
     srun = [line for line in lines if line.startswith("srun ")]
-    assert srun == ['srun --kill-on-bad-exit=1 /opt/venv/bin/python -m torch.distributed.run --nnodes="$SLURM_NNODES" '
-                    '--rdzv-backend=c10d --rdzv-endpoint="$rdzv_host":29555 --rdzv-id="$SLURM_JOB_ID" '
-                    f'--nproc_per_node=8 -m ghostvis_core.run --spec {SPEC}']
+    assert srun == [
+        'srun --kill-on-bad-exit=1 /opt/venv/bin/python -m torch.distributed.run --nnodes="$SLURM_NNODES" '
+        '--rdzv-backend=c10d --rdzv-endpoint="$rdzv_host":29555 --rdzv-id="$SLURM_JOB_ID" '
+        f"--nproc_per_node=8 -m ghostvis_core.run --spec {SPEC}"
+    ]
     assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in lines
     assert lines.index("export OMP_NUM_THREADS=4") < lines.index(srun[0])
     # everything from the rendezvous lookup to srun's end goes through the shipper, to the store
-    assert lines.index("{") < lines.index(srun[0]) < lines.index(
-        "} 2>&1 | python -m ghostvis_core.run.cluster.ship_output --store s3://team/store --stage pretrain "
-        "--run-key pretrain-abc-r1 --name slurm/a1/out")
+    assert (
+        lines.index("{")
+        < lines.index(srun[0])
+        < lines.index(
+            "} 2>&1 | python -m ghostvis_core.run.cluster.ship_output --store s3://team/store --stage pretrain "
+            "--run-key pretrain-abc-r1 --name slurm/a1/out"
+        )
+    )
 
 
 def test_defaults_leave_the_cluster_defaults_and_ask_for_one_cpu_node():
     sbatch = [line for line in script_lines(SlurmJob()) if line.startswith("#SBATCH")]
     assert "#SBATCH --nodes=1" in sbatch and "#SBATCH --cpus-per-task=8" in sbatch
-    assert not [line for line in sbatch if line.startswith(("#SBATCH --gpus", "#SBATCH --mem", "#SBATCH --time",
-                                                             "#SBATCH --partition", "#SBATCH --account", "#SBATCH --qos"))]
+    assert not [
+        line
+        for line in sbatch
+        if line.startswith(
+            (
+                "#SBATCH --gpus",
+                "#SBATCH --mem",
+                "#SBATCH --time",
+                "#SBATCH --partition",
+                "#SBATCH --account",
+                "#SBATCH --qos",
+            )
+        )
+    ]
 
 
 def test_extra_sbatch_options_and_setup_lines_come_in_order_before_srun():
-    job = SlurmJob(nodes=2, extra_sbatch=["--exclusive", "--constraint=a100"],
-                   setup=["module load cuda/12.4", "source /opt/venv/bin/activate"])
+    job = SlurmJob(
+        nodes=2,
+        extra_sbatch=["--exclusive", "--constraint=a100"],
+        setup=["module load cuda/12.4", "source /opt/venv/bin/activate"],
+    )
     lines = script_lines(job)
     sbatch = [line for line in lines if line.startswith("#SBATCH")]
     assert sbatch[-2:] == ["#SBATCH --exclusive", "#SBATCH --constraint=a100"]
@@ -91,16 +133,22 @@ def test_an_extra_line_that_is_not_an_sbatch_option_is_refused_with_the_fix():
 
 
 def test_paths_with_spaces_are_quoted_for_bash():
-    lines = render_sbatch(SlurmJob(output="/data/my runs/a.out"), "/data/my runs/spec.json", 1, {"X": "a b"},
-                          SHIP).splitlines()
+    lines = render_sbatch(
+        SlurmJob(output="/data/my runs/a.out"), "/data/my runs/spec.json", 1, {"X": "a b"}, SHIP
+    ).splitlines()
     assert "#SBATCH '--output=/data/my runs/a.out'" in lines and "export X='a b'" in lines
     srun = next(line for line in lines if line.startswith("srun "))
     assert shlex.split(srun)[-2:] == ["--spec", "/data/my runs/spec.json"]
 
 
 def test_secrets_never_enter_the_script_and_are_redacted_in_logs():
-    env = {"OMP_NUM_THREADS": "1", "AWS_ACCESS_KEY_ID": "AKIAEXAMPLE", "AWS_SECRET_ACCESS_KEY": "s3cr3t/value",
-           "MLFLOW_TRACKING_TOKEN": "tok-123", "DAGSTER_PIPES_MESSAGES": "eyJwYXRoIjogIi9zIn0="}
+    env = {
+        "OMP_NUM_THREADS": "1",
+        "AWS_ACCESS_KEY_ID": "AKIAEXAMPLE",
+        "AWS_SECRET_ACCESS_KEY": "s3cr3t/value",
+        "MLFLOW_TRACKING_TOKEN": "tok-123",
+        "DAGSTER_PIPES_MESSAGES": "eyJwYXRoIjogIi9zIn0=",
+    }
     script = "\n".join(script_lines(SlurmJob(setup=["export HF_TOKEN=hf_abc"]), env))
     assert "s3cr3t/value" not in script and "tok-123" not in script and "AKIAEXAMPLE" not in script
     assert "export DAGSTER_PIPES_MESSAGES=eyJwYXRoIjogIi9zIn0=" in script  # Pipes bootstrap: not a secret
@@ -135,8 +183,15 @@ def slurm_launcher(**extra) -> dict:
     """The launcher config of the e2e runs: 2 nodes x 1 rank (the smoke preset's world size is 2), one
     core per node's ranks like the reference's one thread per rank, the venv activated by `setup`, no
     output file on the batch node (the output travels through the store)."""
-    slurm = {"nodes": 2, "cpus_per_task": 1, "setup": [f"source {BIN / 'activate'}"], "output": "/dev/null",
-             "rdzv_port": free_ports(1)[0], "poll_seconds": 1.0, **extra}
+    slurm = {
+        "nodes": 2,
+        "cpus_per_task": 1,
+        "setup": [f"source {BIN / 'activate'}"],
+        "output": "/dev/null",
+        "rdzv_port": free_ports(1)[0],
+        "poll_seconds": 1.0,
+        **extra,
+    }
     return {"kind": "slurm", "slurm": slurm}
 
 
@@ -158,13 +213,19 @@ def assert_same_run(home: Path, run_dir: Path, reference: tuple[Path, Path]) -> 
 
 @pytest.mark.e2e
 def test_a_cancelled_two_node_slurm_job_fails_and_rematerializing_resumes_to_the_local_run(
-        slurm_cluster, home_copy, pretrain_reference):
+    slurm_cluster, home_copy, pretrain_reference
+):
     launcher = slurm_launcher()
     known = run_names(home_copy)
     log_path = home_copy.parent / "materialize.log"
     with log_path.open("w") as log_file:
-        proc = subprocess.Popen([str(BIN / "dagster"), *materialize_pretrain(**launcher)[1:]], env=cli_env(home_copy),
-                                stdout=log_file, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent)
+        proc = subprocess.Popen(
+            [str(BIN / "dagster"), *materialize_pretrain(**launcher)[1:]],
+            env=cli_env(home_copy),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
     run_dir = wait_for_checkpoint(home_copy, known, 4, proc, log_path)
     [job_id] = slurm_cluster.run("squeue", "-h", "-o", "%i").stdout.split()
     assert slurm_cluster.run("scancel", job_id).returncode == 0
@@ -207,7 +268,8 @@ FAKE_KEY_ID, FAKE_SECRET = "AKIAFAKE7Q2WZ", "fake-secret-9c1e4b7d"  # the Dagste
 
 @pytest.mark.e2e
 def test_slurm_with_an_s3_store_a_cache_per_node_and_no_credentials_sent(
-        slurm_cluster, home_copy, pretrain_reference, moto_s3, tmp_path, monkeypatch):
+    slurm_cluster, home_copy, pretrain_reference, moto_s3, tmp_path, monkeypatch
+):
     """The store is a bucket and nothing else is shared: the job's store cache is not the Dagster
     process's, the node reads its own credentials file (send_credentials: false), its output reaches the
     Dagster log through the store. Rank 1, interrupted after the first checkpoint, gives the run's
@@ -222,24 +284,44 @@ def test_slurm_with_an_s3_store_a_cache_per_node_and_no_credentials_sent(
     shutil.rmtree(home_copy / "store")  # nothing can come from a folder any more
     creds = tmp_path / "node-credentials"
     creds.write_text("[default]\naws_access_key_id = test\naws_secret_access_key = test\n")
-    env = {**s3_env(moto_s3, tmp_path), "AWS_ACCESS_KEY_ID": FAKE_KEY_ID, "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
-           "GHOSTVIS_STORE": store_uri, "GHOSTVIS_STORE_CACHE": str(dagster_cache)}
-    launcher = {**slurm_launcher(output=str(tmp_path / "node-%j.out"), setup=[
-        f"source {BIN / 'activate'}", f"export GHOSTVIS_STORE_CACHE={job_cache}",
-        f"export AWS_SHARED_CREDENTIALS_FILE={creds}"]), "send_credentials": False}
+    env = {
+        **s3_env(moto_s3, tmp_path),
+        "AWS_ACCESS_KEY_ID": FAKE_KEY_ID,
+        "AWS_SECRET_ACCESS_KEY": FAKE_SECRET,
+        "GHOSTVIS_STORE": store_uri,
+        "GHOSTVIS_STORE_CACHE": str(dagster_cache),
+    }
+    launcher = {
+        **slurm_launcher(
+            output=str(tmp_path / "node-%j.out"),
+            setup=[
+                f"source {BIN / 'activate'}",
+                f"export GHOSTVIS_STORE_CACHE={job_cache}",
+                f"export AWS_SHARED_CREDENTIALS_FILE={creds}",
+            ],
+        ),
+        "send_credentials": False,
+    }
     store = open_store(store_uri)
     known = set(store.keys("checkpoint_marker", "pretrain"))
     log_path = tmp_path / "materialize.log"
     with log_path.open("w") as log_file:
-        proc = subprocess.Popen([str(BIN / "dagster"), *materialize_pretrain(**launcher)[1:]],
-                                env=cli_env(home_copy, **env), stdout=log_file, stderr=subprocess.STDOUT,
-                                cwd=Path(__file__).resolve().parent.parent)
+        proc = subprocess.Popen(
+            [str(BIN / "dagster"), *materialize_pretrain(**launcher)[1:]],
+            env=cli_env(home_copy, **env),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
     run_key = wait_for_marker(store, known, proc, log_path)
     interrupt_rank(1, store_uri)
     assert proc.wait(timeout=MATERIALIZE_TIMEOUT) != 0
     log = log_path.read_text()
-    assert re.search(rf"pretrain run {run_key} failed: rank 1 on {re.escape(socket.gethostname())} at \S+: "
-                     "KeyboardInterrupt", log), log[-4000:]
+    assert re.search(
+        rf"pretrain run {run_key} failed: rank 1 on {re.escape(socket.gethostname())} at \S+: "
+        "KeyboardInterrupt",
+        log,
+    ), log[-4000:]
     assert f"its output is in the store at {store_uri}/runs/pretrain/{run_key}/slurm/" in log
     [script] = slurm_scripts(store, run_key)
     shipped = shipped_output(store, run_key, script)
@@ -254,8 +336,9 @@ def test_slurm_with_an_s3_store_a_cache_per_node_and_no_credentials_sent(
     done, ref = run_result(store, "pretrain", run_key), run_result(Home(ref_home).store, "pretrain", run_key)
     assert (done.counts, done.train_loss, done.val_loss) == (ref.counts, ref.train_loss, ref.val_loss)
     last = ckpt.latest_complete(ref_dir).path
-    assert (store.fetch("checkpoint", "pretrain", run_key, last.name) / "model.safetensors").read_bytes() == \
-           (last / "model.safetensors").read_bytes()
+    assert (store.fetch("checkpoint", "pretrain", run_key, last.name) / "model.safetensors").read_bytes() == (
+        last / "model.safetensors"
+    ).read_bytes()
 
     kept = [f for f in (slurm_cluster.root / "state").rglob("*") if f.is_file()]  # what slurmctld keeps of jobs
     assert any(f.name == "environment" and b"GHOSTVIS_STORE_CACHE=" in f.read_bytes() for f in kept)
@@ -263,8 +346,11 @@ def test_slurm_with_an_s3_store_a_cache_per_node_and_no_credentials_sent(
     leaks = [str(p) for p in places if FAKE_SECRET.encode() in p.read_bytes() or FAKE_KEY_ID.encode() in p.read_bytes()]
     bucket = boto3.client("s3", endpoint_url=moto_s3)
     for page in bucket.get_paginator("list_objects_v2").paginate(Bucket="slurm-store", Prefix="team/store/runs/"):
-        leaks += [o["Key"] for o in page.get("Contents", [])
-                  if FAKE_SECRET.encode() in bucket.get_object(Bucket="slurm-store", Key=o["Key"])["Body"].read()]
+        leaks += [
+            o["Key"]
+            for o in page.get("Contents", [])
+            if FAKE_SECRET.encode() in bucket.get_object(Bucket="slurm-store", Key=o["Key"])["Body"].read()
+        ]
     assert leaks == [] and FAKE_SECRET not in log + proc.stdout + proc.stderr
 
 
@@ -276,8 +362,9 @@ def wait_for_marker(store, known: set, proc: subprocess.Popen, log: Path) -> str
         if new:
             return sorted(new)[0][1]
         if proc.poll() is not None:
-            raise AssertionError(f"materialization ended (exit {proc.returncode}) before a checkpoint:\n"
-                                 f"{log.read_text()[-4000:]}")
+            raise AssertionError(
+                f"materialization ended (exit {proc.returncode}) before a checkpoint:\n{log.read_text()[-4000:]}"
+            )
         time.sleep(0.5)
     proc.kill()
     raise AssertionError(f"no checkpoint within {MATERIALIZE_TIMEOUT} s")
@@ -288,8 +375,11 @@ def interrupt_rank(rank: int, store_uri: str) -> None:
     found = []
     for p in psutil.process_iter(["cmdline"]):
         try:
-            if "ghostvis_core.run" in (p.info["cmdline"] or []) and any(store_uri in a for a in p.info["cmdline"]) \
-                    and p.environ().get("RANK") == str(rank):
+            if (
+                "ghostvis_core.run" in (p.info["cmdline"] or [])
+                and any(store_uri in a for a in p.info["cmdline"])
+                and p.environ().get("RANK") == str(rank)
+            ):
                 found.append(p)
         except psutil.Error:
             continue
@@ -305,8 +395,9 @@ def wait_for_checkpoint(home: Path, known: set[str], step: int, proc: subprocess
         if new and any(c.step >= step for c in ckpt.list_complete(new[-1])):
             return new[-1]
         if proc.poll() is not None:
-            raise AssertionError(f"materialization ended (exit {proc.returncode}) before checkpoint {step}:\n"
-                                 f"{log.read_text()[-4000:]}")
+            raise AssertionError(
+                f"materialization ended (exit {proc.returncode}) before checkpoint {step}:\n{log.read_text()[-4000:]}"
+            )
         time.sleep(0.2)
     proc.kill()
     raise AssertionError(f"no checkpoint {step} within {MATERIALIZE_TIMEOUT} s")
@@ -329,13 +420,28 @@ def test_tokenization_runs_as_a_slurm_job_array_and_gives_the_same_ledger(slurm_
         if set(pq_shard_ids(f)) & set(shards):
             f.unlink()
     config = {"resources": {"launcher": {"config": slurm_launcher()}}}
-    run_cli(["dagster", "asset", "materialize", "--select", "tokenized_shards", "--partition-range",
-             "...".join(shards), "-m", "ghostvis_pipeline.definitions", "--config-json", json.dumps(config)],
-            home_copy, timeout=MATERIALIZE_TIMEOUT)
+    run_cli(
+        [
+            "dagster",
+            "asset",
+            "materialize",
+            "--select",
+            "tokenized_shards",
+            "--partition-range",
+            "...".join(shards),
+            "-m",
+            "ghostvis_pipeline.definitions",
+            "--config-json",
+            json.dumps(config),
+        ],
+        home_copy,
+        timeout=MATERIALIZE_TIMEOUT,
+    )
     after = {r["shard_id"]: r for r in Ledger.in_store(store).shards() if r["shard_id"] in shards}
     for shard in shards:
-        assert {k: after[shard][k] for k in ("docs", "tokens", "text_bytes", "content_sha256", "split")} == \
-               {k: before[shard][k] for k in ("docs", "tokens", "text_bytes", "content_sha256", "split")}
+        assert {k: after[shard][k] for k in ("docs", "tokens", "text_bytes", "content_sha256", "split")} == {
+            k: before[shard][k] for k in ("docs", "tokens", "text_bytes", "content_sha256", "split")
+        }
     [job_dir] = (home_copy / "logs" / "datatrove").glob("*/slurm-*")
     # the array (one task per shard), and datatrove's stats merge: a job of its own that Slurm starts once
     # the array is done, so it may still be pending when the materialization (which waits for the array) ends

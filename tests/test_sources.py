@@ -363,7 +363,9 @@ def test_file_fetch_and_skip(tmp_path):
 
 def test_file_missing_and_bad_scheme(tmp_path, count_attempts):
     url = (tmp_path / "nope.parquet").as_uri()
-    with pytest.raises(GhostvisError, match=r"^shard demo/nope: file://.*nope\.parquet does not exist; check the source's manifest"):
+    with pytest.raises(
+        GhostvisError, match=r"^shard demo/nope: file://.*nope\.parquet does not exist; check the source's manifest"
+    ):
         fetch_shard("demo/nope", ShardEntry("nope", url), tmp_path / "out" / "nope.parquet")
     assert len(count_attempts) == 1
     with pytest.raises(GhostvisError, match=r"unsupported URL scheme 'ftp'"):
@@ -438,7 +440,9 @@ def test_s3_fetch_verifies_and_skips(s3, tmp_path):
 def test_s3_checksum_mismatch(s3, tmp_path):
     client, bucket = s3
     client.put_object(Bucket=bucket, Key="k.parquet", Body=b"abc")
-    with pytest.raises(GhostvisError, match=rf"s3://{bucket}/k.parquet: checksum mismatch \(expected sha256 0+, got {sha(b'abc')}\)"):
+    with pytest.raises(
+        GhostvisError, match=rf"s3://{bucket}/k.parquet: checksum mismatch \(expected sha256 0+, got {sha(b'abc')}\)"
+    ):
         fetch_shard(SHARD, entry_for(f"s3://{bucket}/k.parquet", sha256="0" * 64), tmp_path / "k.parquet")
     assert files_in(tmp_path) == []
 
@@ -446,7 +450,10 @@ def test_s3_checksum_mismatch(s3, tmp_path):
 def test_s3_missing_object_or_bucket_is_not_retried(s3, tmp_path, monkeypatch, count_attempts):
     _, bucket = s3
     monkeypatch.setattr(sources, "RETRY_BASE_DELAY_S", 5.0)  # a retry would show in the elapsed time
-    for url, code in [(f"s3://{bucket}/raw/00099.parquet", "NoSuchKey"), (f"s3://no-such-bucket-{os.getpid()}/x.parquet", "NoSuchBucket")]:
+    for url, code in [
+        (f"s3://{bucket}/raw/00099.parquet", "NoSuchKey"),
+        (f"s3://no-such-bucket-{os.getpid()}/x.parquet", "NoSuchBucket"),
+    ]:
         count_attempts.clear()
         t0 = time.monotonic()
         with pytest.raises(GhostvisError) as exc:
@@ -463,7 +470,10 @@ def test_s3_unreachable_endpoint_is_retried_and_hides_credentials(aws_env, tmp_p
     monkeypatch.setenv(sources.S3_ENDPOINT_ENV, f"http://127.0.0.1:{free_port()}")
     with pytest.raises(GhostvisError) as exc:
         fetch_shard(SHARD, entry_for("s3://bucket/raw/00001.parquet"), tmp_path / "x.parquet")
-    assert "s3://bucket/raw/00001.parquet failed after 4 attempts (last error: S3 transfer error (EndpointConnectionError))" in str(exc.value)
+    assert (
+        "s3://bucket/raw/00001.parquet failed after 4 attempts "
+        "(last error: S3 transfer error (EndpointConnectionError))" in str(exc.value)
+    )
     assert len(count_attempts) == 4
     assert_no_credentials(exc.value)
     assert files_in(tmp_path) == []
@@ -507,8 +517,11 @@ def stubbed_s3(aws_env, monkeypatch):
 
 
 def _get_object(stub: Stubber, body: bytes, length: int):
-    stub.add_response("get_object", {"Body": StreamingBody(io.BytesIO(body), length), "ContentLength": length},
-                      {"Bucket": "bucket", "Key": "k.parquet"})
+    stub.add_response(
+        "get_object",
+        {"Body": StreamingBody(io.BytesIO(body), length), "ContentLength": length},
+        {"Bucket": "bucket", "Key": "k.parquet"},
+    )
 
 
 def test_s3_throttling_and_cut_bodies_are_retried(stubbed_s3, tmp_path):
@@ -523,15 +536,20 @@ def test_s3_throttling_and_cut_bodies_are_retried(stubbed_s3, tmp_path):
 
     for _ in range(4):
         _get_object(stubbed_s3, data[:1_000], len(data))
-    with pytest.raises(GhostvisError, match=r"failed after 4 attempts \(last error: S3 transfer error \(IncompleteReadError\) after 1,000 of 3,000 bytes\)"):
+    with pytest.raises(
+        GhostvisError,
+        match=r"failed after 4 attempts \(last error: S3 transfer error \(IncompleteReadError\) "
+        r"after 1,000 of 3,000 bytes\)",
+    ):
         fetch_shard(SHARD, entry_for("s3://bucket/k.parquet", data), tmp_path / "again.parquet")
     stubbed_s3.assert_no_pending_responses()
     assert files_in(tmp_path) == ["k.parquet"]  # only the earlier, verified download
 
 
 def test_s3_access_denied_is_permanent(stubbed_s3, tmp_path, count_attempts):
-    stubbed_s3.add_client_error("get_object", service_error_code="AccessDenied", http_status_code=403,
-                                service_message=f"denied for {KEY_ID}")
+    stubbed_s3.add_client_error(
+        "get_object", service_error_code="AccessDenied", http_status_code=403, service_message=f"denied for {KEY_ID}"
+    )
     with pytest.raises(GhostvisError) as exc:
         fetch_shard(SHARD, entry_for("s3://bucket/k.parquet"), tmp_path / "k.parquet")
     assert "s3://bucket/k.parquet failed (S3 AccessDenied, HTTP 403); check the AWS credentials" in str(exc.value)
@@ -559,9 +577,21 @@ def test_list_file_directory(tmp_path):
 
 
 def test_list_http_json_listing(http):
-    http.add("/ds/listing.json", json.dumps(["data/00001.parquet", "README.md", {"path": "data/00000.parquet", "size": 12},
-                                              {"url": "https://cdn.example/x.parquet", "bytes": 5}]).encode())
-    http.add("/ds/manifest.json", json.dumps({"source": "s", "shards": [{"name": "a", "url": "a.parquet", "bytes": 3}]}).encode())
+    http.add(
+        "/ds/listing.json",
+        json.dumps(
+            [
+                "data/00001.parquet",
+                "README.md",
+                {"path": "data/00000.parquet", "size": 12},
+                {"url": "https://cdn.example/x.parquet", "bytes": 5},
+            ]
+        ).encode(),
+    )
+    http.add(
+        "/ds/manifest.json",
+        json.dumps({"source": "s", "shards": [{"name": "a", "url": "a.parquet", "bytes": 3}]}).encode(),
+    )
     assert list_remote(http.url("/ds/listing.json")) == [
         (http.url("/ds/data/00000.parquet"), 12),
         (http.url("/ds/data/00001.parquet"), None),
@@ -584,14 +614,20 @@ def test_manifest_from_pattern(http, tmp_path):
     m = manifest_from_pattern("web", pattern, range(3), validation=["00002"], sha256={"00001": sha(data)})
     assert (m.source, m.kind) == ("web", "text")
     assert [(e.name, e.split, e.sha256) for e in m.shards] == [
-        ("00000", "train", None), ("00001", "train", sha(data)), ("00002", "validation", None)]
+        ("00000", "train", None),
+        ("00001", "train", sha(data)),
+        ("00002", "validation", None),
+    ]
     assert m.shards[1].url == http.url("/data/00001.parquet")
     assert Manifest.load(m.save(tmp_path / "web.json")) == m
 
     entry = m.entry("web/00001")
     assert fetch_shard("web/00001", entry, tmp_path / "raw" / "00001.parquet").sha256 == sha(data)
 
-    with pytest.raises(GhostvisError, match=r"pinned shards \['12'\] .*match no shard of .* over range\(0, 3\); pins name shards by file stem"):
+    with pytest.raises(
+        GhostvisError,
+        match=r"pinned shards \['12'\] .*match no shard of .* over range\(0, 3\); pins name shards by file stem",
+    ):
         manifest_from_pattern("web", pattern, range(3), validation=["12"])
     with pytest.raises(GhostvisError, match=r"must contain \{shard\} and no other field"):
         manifest_from_pattern("web", "https://host/data/shard.parquet", range(3))

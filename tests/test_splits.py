@@ -19,8 +19,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from ghostvis_core.data.catalog import (
-    RemoteSource, check_sha256_pins, record_raw_shard, remote_manifest, save_manifest, shard_split,
-    shard_split_shown, tokenizer_corpus,
+    RemoteSource,
+    check_sha256_pins,
+    record_raw_shard,
+    remote_manifest,
+    save_manifest,
+    shard_split,
+    shard_split_shown,
+    tokenizer_corpus,
 )
 from ghostvis_core.data.sources import Manifest, fetch_shard
 from ghostvis_core.data.tokenize import job_for_shard
@@ -103,15 +109,22 @@ def test_held_out_shard_is_validation_and_never_reaches_the_tokenizer(transport,
         assert before == expected
     else:  # a content pin needs the content: nothing is called train before it is known
         assert set(before.values()) == {"pending download (sha256 pins)"}
-        with pytest.raises(GhostvisError, match=rf"^shard web/{HELD_OUT} is not downloaded; materialize raw_shards "
-                                                rf"partition web/{HELD_OUT} first$"):
+        with pytest.raises(
+            GhostvisError,
+            match=rf"^shard web/{HELD_OUT} is not downloaded; materialize raw_shards "
+            rf"partition web/{HELD_OUT} first$",
+        ):
             shard_split(store, manifest, f"web/{HELD_OUT}")
 
     assert download_all(store, manifest) == expected
     assert {k: shard_split(store, manifest, k) for k in KEYS} == expected
     assert {k: shard_split_shown(store, manifest, k) for k in KEYS} == expected
     assert store.read_json("raw_shard_meta", f"web/{HELD_OUT}") == {
-        "shard_id": f"web/{HELD_OUT}", "sha256": HELD_OUT_SHA, "bytes": len(DATA[HELD_OUT]), "split": "validation"}
+        "shard_id": f"web/{HELD_OUT}",
+        "sha256": HELD_OUT_SHA,
+        "bytes": len(DATA[HELD_OUT]),
+        "split": "validation",
+    }
     assert job_for_shard(store, manifest, f"web/{HELD_OUT}").split == "validation"
     assert job_for_shard(store, manifest, "web/013_00001").split == "train"
 
@@ -138,8 +151,9 @@ def test_a_name_pin_that_matches_nothing_fails_on_every_source_kind(transport, r
 def test_a_sha256_pin_that_matches_no_content_fails_once_all_shards_are_downloaded(transport, request, tmp_path):
     store = FolderStore(tmp_path / "store")
     wrong = hashlib.sha256(b"not a shard of this source").hexdigest()
-    manifest = remote_manifest(RemoteSource(name="web", validation_sha256=[wrong.upper()],
-                                            **serve(transport, request, tmp_path)))
+    manifest = remote_manifest(
+        RemoteSource(name="web", validation_sha256=[wrong.upper()], **serve(transport, request, tmp_path))
+    )
     assert manifest.validation_sha256 == [wrong]  # pins are compared as lowercase hex
     first = manifest.shards[0]
     r = fetch_shard(KEYS[0], first, store.writable("raw_shard", KEYS[0]))
@@ -151,7 +165,8 @@ def test_a_sha256_pin_that_matches_no_content_fails_once_all_shards_are_download
     assert str(exc.value) == (
         f"source web: validation_sha256 pin(s) ['{wrong}'] match none of its 4 shards' content (checked in "
         f"raw_shards); a pin must be the sha256 of one of the source's files (each raw_shards partition's metadata "
-        f"shows its sha256): fix or remove the pin and re-materialize shard_manifest")
+        f"shows its sha256): fix or remove the pin and re-materialize shard_manifest"
+    )
     save_manifest(store, manifest)
     with pytest.raises(GhostvisError, match=r"validation_sha256 pin\(s\) .* \(checked in the tokenizer asset\)"):
         tokenizer_corpus(store, max_train_bytes=10**9)
@@ -163,12 +178,17 @@ def test_sha256_pins_are_checked_at_shard_manifest_when_the_contents_are_known(r
     known = {n: hashlib.sha256(d).hexdigest() for n, d in DATA.items()}
     wrong = "ab" * 32
     manifest = remote_manifest(RemoteSource(name="web", sha256=known, validation_sha256=[wrong], **served))
-    with pytest.raises(GhostvisError, match=rf"pin\(s\) \['{wrong}'\] match none of its 4 shards' content \(checked in shard_manifest\)"):
+    with pytest.raises(
+        GhostvisError,
+        match=rf"pin\(s\) \['{wrong}'\] match none of its 4 shards' content \(checked in shard_manifest\)",
+    ):
         check_sha256_pins(store, manifest, "shard_manifest")
     manifest.validation_sha256 = [HELD_OUT_SHA]
     check_sha256_pins(store, manifest, "shard_manifest")
     assert shard_split_shown(store, manifest, f"web/{HELD_OUT}") == "validation"  # from the expected digest
-    with pytest.raises(GhostvisError, match=r"validation_sha256 pin 'abc' is not a sha256 digest; give the 64 hex digits"):
+    with pytest.raises(
+        GhostvisError, match=r"validation_sha256 pin 'abc' is not a sha256 digest; give the 64 hex digits"
+    ):
         remote_manifest(RemoteSource(name="web", validation_sha256=["abc"], **served))
 
 
@@ -180,11 +200,16 @@ def test_partition_keys_are_file_stems_for_patterns_and_listings(tmp_path):
     assert [e.split for e in m.shards] == ["train", "validation", "train"]
     with pytest.raises(GhostvisError) as exc:
         manifest_from_pattern("hub", "https://host/x/013_{shard:05d}.parquet", range(3), validation=["00001"])
-    assert "pinned shards ['00001'] (in validation/sha256) match no shard of https://host/x/013_{shard:05d}.parquet " \
-           "over range(0, 3)" in str(exc.value)
+    assert (
+        "pinned shards ['00001'] (in validation/sha256) match no shard of https://host/x/013_{shard:05d}.parquet "
+        "over range(0, 3)" in str(exc.value)
+    )
     assert "available: '013_00000', '013_00001', '013_00002'" in str(exc.value)
-    with pytest.raises(GhostvisError, match=r"several shards .* have the file stem\(s\) \['data'\]; a shard's key is "
-                                            r"<source>/<file stem>"):
+    with pytest.raises(
+        GhostvisError,
+        match=r"several shards .* have the file stem\(s\) \['data'\]; a shard's key is "
+        r"<source>/<file stem>",
+    ):
         manifest_from_pattern("hub", "https://host/{shard:03d}/data.parquet", range(3))
 
 
@@ -196,8 +221,15 @@ def dagster_run(assets, instance, home, *, run_config=None, tags=None, selection
 
     from ghostvis_pipeline.resources import GhostvisHome
 
-    return materialize(assets, instance=instance, resources={"home": GhostvisHome(root=str(home))},
-                       run_config=run_config or {}, tags=tags, selection=selection, raise_on_error=False)
+    return materialize(
+        assets,
+        instance=instance,
+        resources={"home": GhostvisHome(root=str(home))},
+        run_config=run_config or {},
+        tags=tags,
+        selection=selection,
+        raise_on_error=False,
+    )
 
 
 def latest(instance, asset: str, partition: str | None = None) -> dict:
@@ -207,8 +239,13 @@ def latest(instance, asset: str, partition: str | None = None) -> dict:
     if partition is None:
         ev = instance.get_latest_materialization_event(AssetKey(asset))
     else:
-        ev = instance.fetch_materializations(AssetRecordsFilter(asset_key=AssetKey(asset), asset_partitions=[partition]),
-                                             limit=1).records[0].event_log_entry
+        ev = (
+            instance.fetch_materializations(
+                AssetRecordsFilter(asset_key=AssetKey(asset), asset_partitions=[partition]), limit=1
+            )
+            .records[0]
+            .event_log_entry
+        )
     return {k: getattr(v, "value", v) for k, v in ev.asset_materialization.metadata.items()}
 
 
@@ -216,8 +253,9 @@ def observed(instance, asset: str, partition: str) -> dict:
     """The metadata of the partition's newest observation: a shard's own figures (assets/data.py shard_observation)."""
     from dagster import AssetKey, AssetRecordsFilter
 
-    [record] = instance.fetch_observations(AssetRecordsFilter(asset_key=AssetKey(asset), asset_partitions=[partition]),
-                                           limit=1).records
+    [record] = instance.fetch_observations(
+        AssetRecordsFilter(asset_key=AssetKey(asset), asset_partitions=[partition]), limit=1
+    ).records
     return {k: getattr(v, "value", v) for k, v in record.event_log_entry.asset_observation.metadata.items()}
 
 
@@ -256,11 +294,19 @@ def test_dagster_tokenizer_trains_on_train_shards_only(transport, pin, request, 
         shown = "3 | 1 | 0" if pin == "name" else "0 | 0 | 4"
         assert f"| web | text | 4 | {shown} |" in table
         held_out = observed(instance, "raw_shards", f"web/{HELD_OUT}")
-        assert {k: held_out[k] for k in ("split", "bytes", "sha256", "status")} == \
-               {"split": "validation", "bytes": len(DATA[HELD_OUT]), "sha256": HELD_OUT_SHA, "status": "downloaded"}
+        assert {k: held_out[k] for k in ("split", "bytes", "sha256", "status")} == {
+            "split": "validation",
+            "bytes": len(DATA[HELD_OUT]),
+            "sha256": HELD_OUT_SHA,
+            "status": "downloaded",
+        }
 
-        result = dagster_run([tokenizer, tokenizer_trained_on_train_shards_only], instance, home,
-                             run_config={"ops": {"tokenizer": {"config": {"vocab_size": 300}}}})
+        result = dagster_run(
+            [tokenizer, tokenizer_trained_on_train_shards_only],
+            instance,
+            home,
+            run_config={"ops": {"tokenizer": {"config": {"vocab_size": 300}}}},
+        )
         assert result.success, error_of(result)
         md = latest(instance, "tokenizer")
         assert (md["train_shards"], md["validation_shards_excluded"]) == (3, 1)
@@ -278,8 +324,12 @@ def test_dagster_tokenizer_trains_on_train_shards_only(transport, pin, request, 
         assert cmd["validation_shard_ids"] == f"web/{HELD_OUT}"
 
         # shard_manifest now shows the resolved split of the downloaded shard, however it was pinned
-        again = dagster_run([shard_manifest], instance, home,
-                            run_config={"ops": {"shard_manifest": {"config": {"sources": [], "remote": [remote]}}}})
+        again = dagster_run(
+            [shard_manifest],
+            instance,
+            home,
+            run_config={"ops": {"shard_manifest": {"config": {"sources": [], "remote": [remote]}}}},
+        )
         assert again.success and "| web | text | 4 | 3 | 1 | 0 |" in latest(instance, "shard_manifest")["by_source"]
 
 
@@ -295,10 +345,12 @@ def test_dagster_check_fails_on_a_validation_shard_in_the_training_set(request, 
         _, raw = materialize_sources(instance, home, remote)
         assert raw.success, error_of(raw)
         # a tokenizer trained before the fix: the sha256-pinned shard among its training shards
-        Home(home).store.write_json("identity", "tokenizer", "old-identity",
-                                    data={"metadata": {"tokenizer_id": "old", "train_shard_ids": KEYS}})
-        instance.report_runless_asset_event(AssetMaterialization("tokenizer", metadata={
-            "tokenizer_id": "old", "identity": "old-identity"}))
+        Home(home).store.write_json(
+            "identity", "tokenizer", "old-identity", data={"metadata": {"tokenizer_id": "old", "train_shard_ids": KEYS}}
+        )
+        instance.report_runless_asset_event(
+            AssetMaterialization("tokenizer", metadata={"tokenizer_id": "old", "identity": "old-identity"})
+        )
         ctx = build_asset_check_context(instance=instance, resources={"home": GhostvisHome(root=str(home))})
         res = tokenizer_trained_on_train_shards_only(ctx)
     md = {k: getattr(v, "value", v) for k, v in res.metadata.items()}
@@ -315,8 +367,10 @@ def test_dagster_raw_shards_fails_on_an_unmatched_sha256_pin(request, tmp_path):
     with DagsterInstance.ephemeral() as instance:
         _, raw = materialize_sources(instance, tmp_path / "home", remote)
     assert not raw.success
-    assert f"source web: validation_sha256 pin(s) ['{wrong}'] match none of its 4 shards' content (checked in raw_shards)" \
-           in error_of(raw)
+    assert (
+        f"source web: validation_sha256 pin(s) ['{wrong}'] match none of its 4 shards' content (checked in raw_shards)"
+        in error_of(raw)
+    )
 
 
 def test_dagster_shard_manifest_fails_on_an_unmatched_name_pin(request, tmp_path):
@@ -326,11 +380,17 @@ def test_dagster_shard_manifest_fails_on_an_unmatched_name_pin(request, tmp_path
 
     remote = {"name": "web", **serve("s3_listing", request, tmp_path), "validation": ["00006"]}
     with DagsterInstance.ephemeral() as instance:
-        result = dagster_run([shard_manifest], instance, tmp_path / "home",
-                             run_config={"ops": {"shard_manifest": {"config": {"sources": [], "remote": [remote]}}}})
+        result = dagster_run(
+            [shard_manifest],
+            instance,
+            tmp_path / "home",
+            run_config={"ops": {"shard_manifest": {"config": {"sources": [], "remote": [remote]}}}},
+        )
         assert not result.success
         assert instance.get_dynamic_partitions("shards") == []
-    assert "source web: pinned shards ['00006'] (in validation/sha256) match no shard listed at s3://" in error_of(result)
+    assert "source web: pinned shards ['00006'] (in validation/sha256) match no shard listed at s3://" in error_of(
+        result
+    )
 
 
 def test_the_same_tokenizer_whether_the_shard_is_pinned_by_name_or_by_sha256(request, tmp_path):

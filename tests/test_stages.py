@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from ghostvis_core.plan import config, presets
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan import config, presets
 from ghostvis_core.plan.stages import STAGES, markdown_table, stage, stage_names
 
 README = Path(__file__).resolve().parent.parent / "README.md"
@@ -26,8 +26,16 @@ def test_the_readme_stage_table_is_the_generated_one():
 
 def test_the_chain_is_ordered_and_every_upstream_is_a_stage():
     names = stage_names()
-    assert names == ["pretrain", "continued_pretrain", "context_expansion", "reasoning_mix", "vision_alignment",
-                     "sft", "dpo", "rl"]
+    assert names == [
+        "pretrain",
+        "continued_pretrain",
+        "context_expansion",
+        "reasoning_mix",
+        "vision_alignment",
+        "sft",
+        "dpo",
+        "rl",
+    ]
     for i, s in enumerate(STAGES):
         assert s.upstream is None if i == 0 else names.index(s.upstream) < i
 
@@ -36,7 +44,7 @@ def test_resolved_configs_take_objective_upstream_and_evidence_from_the_table():
     for s in STAGES:
         cfg = presets.resolve(s.name, "tiny")
         assert (cfg.objective, cfg.init_from, tuple(cfg.eval.evidence)) == (s.objective, s.upstream, s.evidence)
-    assert presets.resolve("continued_pretrain", "tiny").eval.evidence == ["domain_loss"]
+    assert presets.resolve("continued_pretrain", "tiny").eval.evidence == ("domain_loss",)
 
 
 def test_an_unknown_stage_names_the_stages():
@@ -53,7 +61,7 @@ def test_the_dagster_chain_and_descriptions_come_from_the_table():
     for s in STAGES:
         node = graph.get(AssetKey(s.name))
         deps = {k.to_user_string() for k in node.parent_keys}
-        below = STAGES[:[t.name for t in STAGES].index(s.name)]  # the chain is linear: every stage below
+        below = STAGES[: [t.name for t in STAGES].index(s.name)]  # the chain is linear: every stage below
         assert deps == {"token_ledger", "tokenizer", *(t.name for t in below)}
         assert node.description == s.description
 
@@ -69,10 +77,20 @@ def _defaults(tp) -> dict[str, typing.Any]:
     return out
 
 
-SECTIONS = {"batch": config.BatchConfig, "optim": config.OptimConfig, "budget": config.BudgetConfig,
-            "data": config.DataConfig, "eval": config.EvalConfig, "checkpoint": config.CheckpointConfig,
-            "runtime": config.RuntimeConfig, "vision": config.VisionConfig, "dpo": config.DPOConfig,
-            "model": config.ModelConfig, "parallel": config.ParallelConfig, "grpo": config.GRPOConfig}
+SECTIONS = {
+    "batch": config.BatchConfig,
+    "optim": config.OptimConfig,
+    "budget": config.BudgetConfig,
+    "data": config.DataConfig,
+    "eval": config.EvalConfig,
+    "checkpoint": config.CheckpointConfig,
+    "runtime": config.RuntimeConfig,
+    "vision": config.VisionConfig,
+    "dpo": config.DPOConfig,
+    "model": config.ModelConfig,
+    "parallel": config.ParallelConfig,
+    "grpo": config.GRPOConfig,
+}
 
 
 @pytest.mark.parametrize("preset", presets.preset_names())
@@ -89,28 +107,32 @@ def test_presets_state_only_values_that_differ_from_the_dataclass_defaults(prese
     assert not restated, f"preset {preset} restates dataclass defaults: {restated}"
 
 
-SHARDS = [{"source": "web", "kind": "text", "split": "train", "tokens": 300},
-          {"source": "web", "kind": "text", "split": "validation", "tokens": 50},
-          {"source": "books", "kind": "text", "split": "train", "tokens": 100},
-          {"source": "chats", "kind": "chat", "split": "train", "tokens": 900}]
+SHARDS = (
+    {"source": "web", "kind": "text", "split": "train", "tokens": 300},
+    {"source": "web", "kind": "text", "split": "validation", "tokens": 50},
+    {"source": "books", "kind": "text", "split": "train", "tokens": 100},
+    {"source": "chats", "kind": "chat", "split": "train", "tokens": 900},
+)
 
 
 def test_a_stage_follows_the_registered_sources_of_its_kind_when_its_preset_names_others():
-    from ghostvis_core.run.launch import follow_registered_sources
-
-    cfg = presets.resolve("pretrain", "tiny")  # the demo recipe: demo_prose, demo_code (not registered here)
-    follow_registered_sources(cfg, SHARDS, "tok", preset_recipe=True)
+    # the demo recipe (demo_prose, demo_code) names no registered source: the registered text ones, by tokens
+    cfg = presets.resolve("pretrain", "tiny", sources=presets.RegisteredSources("tok", SHARDS))
     assert [(s.source, s.weight) for s in cfg.data.recipe] == [("books", 0.25), ("web", 0.75)]
-    assert cfg.data.val_sources == ["web"]
+    assert cfg.data.val_sources == ("web",)
 
 
 def test_a_recipe_of_the_users_naming_unregistered_sources_names_the_registered_ones():
-    from ghostvis_core.run.launch import follow_registered_sources
-
-    cfg = presets.resolve("pretrain", "tiny", presets.data_overrides({"webb": 1.0}, []))
-    with pytest.raises(GhostvisError, match=r"the recipe names source\(s\) webb, which are not registered "
-                                            r"\(sources tokenized with tok: books, chats, web\); set the stage's recipe"):
-        follow_registered_sources(cfg, SHARDS, "tok", preset_recipe=False)
-    sft = presets.resolve("sft", "tiny")
-    follow_registered_sources(sft, SHARDS, "tok", preset_recipe=True)
-    assert [(s.source, s.weight) for s in sft.data.recipe] == [("chats", 1.0)] and sft.data.val_sources == []
+    with pytest.raises(
+        GhostvisError,
+        match=r"the recipe names source\(s\) webb, which are not registered "
+        r"\(sources tokenized with tok: books, chats, web\); set the stage's recipe",
+    ):
+        presets.resolve(
+            "pretrain",
+            "tiny",
+            presets.data_overrides({"webb": 1.0}, []),
+            sources=presets.RegisteredSources("tok", SHARDS),
+        )
+    sft = presets.resolve("sft", "tiny", sources=presets.RegisteredSources("tok", SHARDS))
+    assert [(s.source, s.weight) for s in sft.data.recipe] == [("chats", 1.0)] and sft.data.val_sources == ()

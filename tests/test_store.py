@@ -9,13 +9,15 @@ import uuid
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
+from ghostvis_core.run.train.checkpointing import CheckpointManager
+from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.store import LAYOUT, S3Store, open_store
 from ghostvis_core.store.files import atomic_write, sha256_file
 from ghostvis_core.store.layout import fill, listing_prefix
-from ghostvis_core.run.train.setup import newest_checkpoint
 from tests.conftest import new_bucket, s3_env
 
 # --- both implementations -----------------------------------------------------------------------------
@@ -24,9 +26,11 @@ from tests.conftest import new_bucket, s3_env
 def test_writes_return_the_artifacts_uri_and_the_other_node_reads_them(store_nodes):
     a, b, located = store_nodes.writer, store_nodes.reader, store_nodes.located
     assert a.write_json("run_record", "sft", "sft-x-r1", data={"steps": 8}) == located(
-        "checkpoints/sft/sft-x-r1/RUN_COMPLETE.json")
+        "checkpoints/sft/sft-x-r1/RUN_COMPLETE.json"
+    )
     assert a.write_text("run_file", "sft", "sft-x-r1", "slurm/1.sbatch", text="#!/bin/sh\n") == located(
-        "runs/sft/sft-x-r1/slurm/1.sbatch")
+        "runs/sft/sft-x-r1/slurm/1.sbatch"
+    )
     assert b.read_json("run_record", "sft", "sft-x-r1") == {"steps": 8}
     assert b.read_text("run_file", "sft", "sft-x-r1", "slurm/1.sbatch") == "#!/bin/sh\n"
     assert b.exists("run_record", "sft", "sft-x-r1") and not b.exists("run_record", "sft", "sft-y-r1")
@@ -48,8 +52,10 @@ def test_keys_list_by_key_prefix(store_nodes):
 def test_fetch_or_read_of_a_missing_artifact_names_it_and_the_fix(store_nodes):
     b, located = store_nodes.reader, store_nodes.located
     where = located("shards/raw/web/00009.parquet")
-    with pytest.raises(GhostvisError, match=f"raw_shard web/00009 is not in the store \\({where}\\); "
-                                            "materialize the asset that writes it first"):
+    with pytest.raises(
+        GhostvisError,
+        match=f"raw_shard web/00009 is not in the store \\({where}\\); materialize the asset that writes it first",
+    ):
         b.fetch("raw_shard", "web/00009")
     with pytest.raises(GhostvisError, match="run_spec sft/k is not in the store .*; materialize the asset"):
         b.read_json("run_spec", "sft", "k")
@@ -103,8 +109,18 @@ def test_locations_follow_the_layout_and_bad_kinds_and_keys_are_named():
     assert fill("run_error", ("sft", "k", "3")) == "runs/sft/k/errors/3.json"
     assert listing_prefix("run_error", ("sft", "k")) == "runs/sft/k/errors"
     assert listing_prefix("checkpoints", ()) == "checkpoints"
-    assert set(LAYOUT) >= {"manifest", "raw_shard", "tokenizer", "token_shard", "ledger", "checkpoints", "run_record",
-                           "run_spec", "run_error", "report"}
+    assert set(LAYOUT) >= {
+        "manifest",
+        "raw_shard",
+        "tokenizer",
+        "token_shard",
+        "ledger",
+        "checkpoints",
+        "run_record",
+        "run_spec",
+        "run_error",
+        "report",
+    }
     with pytest.raises(GhostvisError, match="unknown artifact kind 'shard'; kinds: manifest"):
         fill("shard", ("x",))
     with pytest.raises(GhostvisError, match="'token_shard' takes 2 key part"):
@@ -157,11 +173,21 @@ def test_a_checkpoint_upload_cut_before_its_marker_is_not_resumed(s3, tmp_path):
         (folder / "COMPLETE").write_text(step)
     writer.publish("checkpoint", "pretrain", "k-r1", "step_000000004")
     uploads = []
-    writer.s3.meta.events.register("provide-client-params.s3.PutObject", lambda params, **_: uploads.append(params["Key"]))
+    writer.s3.meta.events.register(
+        "provide-client-params.s3.PutObject", lambda params, **_: uploads.append(params["Key"])
+    )
     writer.publish("checkpoint", "pretrain", "k-r1", "step_000000008")
     assert [k.rsplit("/", 1)[1] for k in uploads] == ["model.safetensors", "COMPLETE"]  # marker last
     writer.s3.delete_object(Bucket=s3, Key=writer.object_key("checkpoint_marker", "pretrain", "k-r1", "step_000000008"))
-    resumed = newest_checkpoint(reader, SimpleNamespace(stage="pretrain", run_key="k-r1"))
+    checkpoints = CheckpointManager(
+        reader,
+        SimpleNamespace(stage="pretrain", run_key="k-r1"),
+        DistContext(0, 0, 1, torch.device("cpu")),
+        keep_last=2,
+        async_save=False,
+        sharded=False,
+    )
+    resumed = checkpoints.newest()
     assert resumed.step == 4 and (resumed.path / "model.safetensors").read_bytes() == b"step_000000004" * 100
 
 
@@ -173,6 +199,8 @@ def test_a_corrupted_download_is_refused_by_name(s3, tmp_path):
     name = a.object_key("raw_shard", "web/00001")
     sha = a.s3.head_object(Bucket=s3, Key=name)["Metadata"]["sha256"]
     a.s3.put_object(Bucket=s3, Key=name, Body=b"bad bytes!", Metadata={"sha256": sha})
-    with pytest.raises(GhostvisError, match=f"shards/raw/web/00001.parquet: checksum mismatch after download \\(expected {sha}"):
+    with pytest.raises(
+        GhostvisError, match=f"shards/raw/web/00001.parquet: checksum mismatch after download \\(expected {sha}"
+    ):
         b.fetch("raw_shard", "web/00001")
     assert [p for p in (tmp_path / "b").rglob("*") if p.is_file()] == []  # neither the file nor its temporary

@@ -12,13 +12,13 @@ import pytest
 import tiktoken
 import tiktoken.load
 
-from ghostvis_core.demo.corpus import TEXT_SOURCES, build_text_source
 from ghostvis_core.data.tokenizer import (
     SPECIAL_TOKENS,
     load_tokenizer,
     save_tokenizer,
     train_tokenizer,
 )
+from ghostvis_core.demo.corpus import TEXT_SOURCES, build_text_source
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import FolderStore
 

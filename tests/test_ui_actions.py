@@ -22,13 +22,20 @@ import pytest
 import yaml
 from playwright.sync_api import expect
 
-from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_core.home import Home
 from ghostvis_core.plan.presets import VARIANTS
 from ghostvis_core.run.train import checkpoint as ckpt
+from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from tests.conftest import copy_home, new_run_dirs, run_cli, run_names
 from tests.ui_servers import (
-    UI_TIMEOUT_MS, as_int, captured_page, clear_run_outputs, dagster_ui, eventually, mlflow_server, shot,
+    UI_TIMEOUT_MS,
+    as_int,
+    captured_page,
+    clear_run_outputs,
+    dagster_ui,
+    eventually,
+    mlflow_server,
+    shot,
 )
 
 pytestmark = pytest.mark.e2e
@@ -45,20 +52,31 @@ FINISHED = {"SUCCESS", "FAILURE", "CANCELED"}
 RUN_PAGE = re.compile(r"/runs/([0-9a-f-]{36})")
 BACKFILL_ENDED = {"COMPLETED", "COMPLETED_SUCCESS", "COMPLETED_FAILED", "FAILED", "CANCELED"}
 # Dagster's words for a stale cause (dagster/_core/definitions/data_version.py) and `ghostvis status`'s
-UI_CAUSES = {"has a new code version": "code", "has a new dependency on": "new input",
-             "has a new data version": "input changed", "has a new materialization": "input changed"}
-STATUS_CAUSES = [(re.compile(r"^its code changed"), "code"), (re.compile(r"^new input (\S+)$"), "new input"),
-                 (re.compile(r"^input (\S+) changed"), "input changed")]
+UI_CAUSES = {
+    "has a new code version": "code",
+    "has a new dependency on": "new input",
+    "has a new data version": "input changed",
+    "has a new materialization": "input changed",
+}
+STATUS_CAUSES = [
+    (re.compile(r"^its code changed"), "code"),
+    (re.compile(r"^new input (\S+)$"), "new input"),
+    (re.compile(r"^input (\S+) changed"), "input changed"),
+]
 # Each check's comparisons as pairs of metadata entries: both sides are shown, and equal when it passed.
 CHECK_SIDES = {
     "tokens_recounted_from_files": [(f"{f}_trainer", f"{f}_recount") for f in TOKEN_FIGURES],
     "tokens_match_plan": [("planned_tokens", "consumed_tokens")],
-    "consumption_matches_plan": [("steps_planned", "steps_trained"), ("rows_planned", "rows_recorded"),
-                                 ("planned_tokens", "consumed_positions")],
+    "consumption_matches_plan": [
+        ("steps_planned", "steps_trained"),
+        ("rows_planned", "rows_recorded"),
+        ("planned_tokens", "consumed_positions"),
+    ],
 }
 
 
 # --------------------------------------------------------------------------------------- services
+
 
 @pytest.fixture(scope="module", autouse=True)
 def fresh_artifacts():
@@ -114,6 +132,7 @@ def step(name: str, pg) -> None:
 
 
 # ------------------------------------------------------------------------------- Dagster actions
+
 
 def open_launchpad(pg, dagster_url: str, asset: str):
     """The asset's Launchpad: shift-click on its Materialize button."""
@@ -202,6 +221,7 @@ def cli_json(home: Path, *args: str):
 
 # ------------------------------------------------------------------- 1. materialize with a config
 
+
 @pytest.fixture(scope="module")
 def sft_launch(home, dagster_url, browser, instance, mlflow, request):
     """sft launched from its Launchpad with `budget.steps: 12` typed in: (run id, config as typed,
@@ -219,8 +239,9 @@ def sft_launch(home, dagster_url, browser, instance, mlflow, request):
     return run_id, config, before
 
 
-def test_launchpad_override_typed_as_yaml_trains_sft_and_its_figures_show(page, home, dagster_url, instance,
-                                                                          mlflow, sft_launch):
+def test_launchpad_override_typed_as_yaml_trains_sft_and_its_figures_show(
+    page, home, dagster_url, instance, mlflow, sft_launch
+):
     run_id, config, mlflow_before = sft_launch
     assert config["overrides"] == {"budget.steps": SFT_STEPS}  # an int, as typed
     run = instance.get_run_by_id(run_id)
@@ -255,6 +276,7 @@ def test_launchpad_override_typed_as_yaml_trains_sft_and_its_figures_show(page, 
 
 
 # ------------------------------------------------------------------ 4. stale where people look
+
 
 def status_causes(reasons: list[str], asset: str) -> set[tuple[str, str]]:
     """`ghostvis status` reasons as (kind, asset) pairs."""
@@ -325,8 +347,9 @@ def graph_marks(pg, dagster_url: str, asset: str) -> dict[str, int]:
     return marks
 
 
-def test_asset_graph_marks_everything_down_the_chain_unsynced_with_the_status_reasons(page, home, dagster_url,
-                                                                                     sft_launch):
+def test_asset_graph_marks_everything_down_the_chain_unsynced_with_the_status_reasons(
+    page, home, dagster_url, sft_launch
+):
     below = descendants("sft")
     assert {"dpo", "rl", "evaluation", "report"} <= set(below)
     status = {s["asset"]: s for s in cli_json(home, "status")}
@@ -336,8 +359,10 @@ def test_asset_graph_marks_everything_down_the_chain_unsynced_with_the_status_re
 
     marks = graph_marks(page, dagster_url, "sft")
     step("04-unsynced-down-the-chain", page)
-    assert marks == {"sft": len(status_causes(status["sft"]["reasons"], "sft")),
-                     **{a: len(expected[a]) for a in below}}, (marks, status)
+    assert marks == {
+        "sft": len(status_causes(status["sft"]["reasons"], "sft")),
+        **{a: len(expected[a]) for a in below},
+    }, (marks, status)
     for asset in below:
         count, causes = ui_causes(page, dagster_url, asset)
         if asset == "dpo":  # the popover scrolled to sft's entry
@@ -347,6 +372,7 @@ def test_asset_graph_marks_everything_down_the_chain_unsynced_with_the_status_re
 
 
 # ------------------------------------------------------------------------------ 5. checks readable
+
 
 def test_sft_checks_show_both_sides_of_every_comparison(page, dagster_url, instance, sft_launch):
     from dagster import AssetCheckKey, AssetKey
@@ -360,7 +386,8 @@ def test_sft_checks_show_both_sides_of_every_comparison(page, dagster_url, insta
 
     for check, pairs in CHECK_SIDES.items():
         (record,) = instance.event_log_storage.get_asset_check_execution_history(
-            AssetCheckKey(AssetKey("sft"), check), limit=1)
+            AssetCheckKey(AssetKey("sft"), check), limit=1
+        )
         assert record.run_id == run_id
         evaluation = record.event.dagster_event.event_specific_data
         recorded = {k: getattr(v, "value", v) for k, v in evaluation.metadata.items()}
@@ -377,6 +404,7 @@ def test_sft_checks_show_both_sides_of_every_comparison(page, dagster_url, insta
 
 
 # --------------------------------------------------------------------------------- 3. terminate
+
 
 def torchrun_of(home: Path):
     """The torchrun process training a stage of `home` (its spec is in the home's store), or None."""
@@ -397,6 +425,7 @@ def gone(pid: int) -> bool:
 def training_pids(home: Path, known: set[str]) -> list[int]:
     """Once the run started in `home` (a run folder not in `known`) has committed its first checkpoint:
     the pids of its torchrun and of the ranks under it."""
+
     def committed() -> int:
         dirs = new_run_dirs(home, known)
         return max((c.step for c in ckpt.list_complete(dirs[-1])), default=0) if dirs else 0
@@ -458,12 +487,14 @@ def test_terminate_stops_training_without_retry_and_materializing_again_resumes(
 
 # ------------------------------------------------------------------------------ 6. MLflow compare
 
+
 def close_assistant(pg) -> None:
     """Close MLflow's assistant side panel where the loaded page shows it (MLflow 3.17 opens it on a
     new browser), as a person does to see the page."""
     close = pg.locator("[data-component-id='mlflow.assistant.chat_panel.close']")
     if close.is_visible():
         close.click()
+
 
 @pytest.fixture(scope="module")
 def variant_runs(home, instance, mlflow) -> dict[str, object]:
@@ -474,8 +505,22 @@ def variant_runs(home, instance, mlflow) -> dict[str, object]:
     done = instance.get_materialized_partitions(AssetKey("pretrain_variants"))
     run_config = {"ops": {"pretrain_variants": {"config": {"overrides": {"budget.steps": str(VARIANT_STEPS)}}}}}
     for variant in [v for v in COMPARED if v not in done]:
-        run_cli(["dagster", "asset", "materialize", "--select", "pretrain_variants", "--partition", variant,
-                 "-m", "ghostvis_pipeline.definitions", "--config-json", json.dumps(run_config)], home)
+        run_cli(
+            [
+                "dagster",
+                "asset",
+                "materialize",
+                "--select",
+                "pretrain_variants",
+                "--partition",
+                variant,
+                "-m",
+                "ghostvis_pipeline.definitions",
+                "--config-json",
+                json.dumps(run_config),
+            ],
+            home,
+        )
     client, exp = mlflow
     runs = {}
     for variant in COMPARED:
@@ -504,7 +549,7 @@ def test_mlflow_compares_the_two_pretrain_variants(page, mlflow_url, mlflow, var
     run_row = page.locator("tr", has=page.locator("th", has_text=re.compile(r"^Run Name:?$"))).first
     columns = [c.strip() for c in run_row.locator("td").all_inner_texts()]
     lr_row = page.locator("tr", has=page.locator("th, td", has_text=re.compile(r"^optim\.lr$"))).first
-    lr_shown = [c.strip() for c in lr_row.locator("td").all_inner_texts()][-len(columns):]
+    lr_shown = [c.strip() for c in lr_row.locator("td").all_inner_texts()][-len(columns) :]
     lr_row.scroll_into_view_if_needed()
     step("11-mlflow-compare-params", page)
     by_name = {r.info.run_name: r for r in runs}
@@ -513,28 +558,36 @@ def test_mlflow_compares_the_two_pretrain_variants(page, mlflow_url, mlflow, var
 
     # their loss curves on one chart: each curve is the run's logged train/loss
     ids = [r.info.run_id for r in runs]
-    params = (f"?runs={json.dumps(ids)}&metric={urllib.parse.quote(json.dumps('train/loss'))}"
-              f"&experiments={json.dumps([exp])}&plot_metric_keys={urllib.parse.quote(json.dumps(['train/loss']))}"
-              "&plot_layout={}&x_axis=step&y_axis_scale=linear&line_smoothness=1&show_point=true"
-              "&deselected_curves=[]&last_linear_y_axis_range=[]")
+    params = (
+        f"?runs={json.dumps(ids)}&metric={urllib.parse.quote(json.dumps('train/loss'))}"
+        f"&experiments={json.dumps([exp])}&plot_metric_keys={urllib.parse.quote(json.dumps(['train/loss']))}"
+        "&plot_layout={}&x_axis=step&y_axis_scale=linear&line_smoothness=1&show_point=true"
+        "&deselected_curves=[]&last_linear_y_axis_range=[]"
+    )
     page.goto(f"{mlflow_url}/#/metric{params}")
     page.get_by_text("2/2", exact=True).wait_for()  # "Completed Runs 2/2": both histories loaded
     chart = page.locator(".js-plotly-plot").first
     chart.wait_for()
-    curves = eventually(lambda: chart.evaluate("e => (e.data || []).map(t => ({name: t.name, x: Array.from(t.x),"
-                                               " y: Array.from(t.y)}))"), lambda c: {t["name"] for t in c} == set(names))
+    curves = eventually(
+        lambda: chart.evaluate(
+            "e => (e.data || []).map(t => ({name: t.name, x: Array.from(t.x), y: Array.from(t.y)}))"
+        ),
+        lambda c: {t["name"] for t in c} == set(names),
+    )
     close_assistant(page)
     step("12-mlflow-loss-curves", page)
     assert {c["name"] for c in curves} == set(names), curves
     for curve in curves:  # (plotly draws a run's line and its points as two traces)
-        history = sorted((m.step, m.value) for m in client.get_metric_history(by_name[curve["name"]].info.run_id,
-                                                                             "train/loss"))
+        history = sorted(
+            (m.step, m.value) for m in client.get_metric_history(by_name[curve["name"]].info.run_id, "train/loss")
+        )
         assert len(history) >= 2 and curve["x"] == [s for s, _ in history], (curve, history)
         assert curve["y"] == pytest.approx([v for _, v in history]), (curve, history)
 
 
-def test_mlflow_experiment_opens_on_the_training_runs(page, browser, mlflow_url, mlflow, variant_runs, monkeypatch,
-                                                      request):
+def test_mlflow_experiment_opens_on_the_training_runs(
+    page, browser, mlflow_url, mlflow, variant_runs, monkeypatch, request
+):
     """A fresh browser (no stored view choice) following the link GhostVis gives lands on the training
     runs, not on GenAI traces. MLflow 3.17's UI ignores the experiment's `mlflow.experimentKind` tag: it
     takes the view from the URL's `workflowType` parameter, else from the browser's last choice
@@ -567,6 +620,7 @@ def test_mlflow_experiment_opens_on_the_training_runs(page, browser, mlflow_url,
 
 # ---------------------------------------------------------------------------------- 2. backfill
 
+
 def write_source(folder: Path, shards: int = 2, docs: int = 60) -> None:
     """A text source of the FineWeb-Edu schema (a `text` column): generated word sequences, so no
     document repeats one of the demo's."""
@@ -575,8 +629,10 @@ def write_source(folder: Path, shards: int = 2, docs: int = 60) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    words = ("lantern river copper meadow signal harbor orbit pencil canyon velvet quartz ember willow compass "
-             "glacier thistle beacon marble falcon saddle prism cobalt tundra").split()
+    words = (
+        "lantern river copper meadow signal harbor orbit pencil canyon velvet quartz ember willow compass "
+        "glacier thistle beacon marble falcon saddle prism cobalt tundra"
+    ).split()
     rng = random.Random(27)
     folder.mkdir(parents=True)
     for shard in range(shards):
@@ -604,11 +660,18 @@ def add_source(home: Path, instance, folder: Path) -> tuple[list[str], list[str]
     write_source(folder)
     source = {"name": NEW_SOURCE, "listing": folder.as_uri()}
     materialize = ["dagster", "asset", "materialize", "-m", "ghostvis_pipeline.definitions", "--select"]
-    run_cli([*materialize, "shard_manifest", "--config-json",
-             json.dumps({"ops": {"shard_manifest": {"config": {"remote": [source]}}}})], home)
+    run_cli(
+        [
+            *materialize,
+            "shard_manifest",
+            "--config-json",
+            json.dumps({"ops": {"shard_manifest": {"config": {"remote": [source]}}}}),
+        ],
+        home,
+    )
     keys = instance.get_dynamic_partitions(shard_partitions.name)
-    new = keys[len(registered):]
-    assert keys[:len(registered)] == registered and new == [f"{NEW_SOURCE}/00000", f"{NEW_SOURCE}/00001"], keys
+    new = keys[len(registered) :]
+    assert keys[: len(registered)] == registered and new == [f"{NEW_SOURCE}/00000", f"{NEW_SOURCE}/00001"], keys
     run_cli([*materialize, "raw_shards", "--partition-range", f"{new[0]}...{new[-1]}"], home)
     return registered, new
 
@@ -628,8 +691,9 @@ def launch_backfill(pg, dagster_url: str, partitions: list[str]) -> str:
     return pg.url.split("/runs/b/", 1)[1].split("?", 1)[0]
 
 
-def test_backfill_from_the_partitions_dialog_tokenizes_a_new_sources_shards(page, home, dagster_url, instance,
-                                                                           tmp_path):
+def test_backfill_from_the_partitions_dialog_tokenizes_a_new_sources_shards(
+    page, home, dagster_url, instance, tmp_path
+):
     from dagster import AssetKey, RunsFilter
 
     registered, new = add_source(home, instance, tmp_path / NEW_SOURCE)
@@ -637,8 +701,9 @@ def test_backfill_from_the_partitions_dialog_tokenizes_a_new_sources_shards(page
     ledger_before = {r["shard_id"] for r in cli_json(home, "ledger")["shards"]}
     chosen = [registered[-1], *new]  # the range from the last shard already tokenized through the new ones
     backfill_id = launch_backfill(page, dagster_url, chosen)
-    backfill = eventually(lambda: instance.get_backfill(backfill_id),
-                          lambda b: b.status.value in BACKFILL_ENDED, RUN_TIMEOUT_S, 2)
+    backfill = eventually(
+        lambda: instance.get_backfill(backfill_id), lambda b: b.status.value in BACKFILL_ENDED, RUN_TIMEOUT_S, 2
+    )
     assert backfill.status.value in ("COMPLETED", "COMPLETED_SUCCESS"), backfill.status
     (run,) = instance.get_runs(filters=RunsFilter.for_backfill(backfill_id))
     assert run.status.value == "SUCCESS"
@@ -653,8 +718,9 @@ def test_backfill_from_the_partitions_dialog_tokenizes_a_new_sources_shards(page
     page.goto(f"{dagster_url}/runs/b/{backfill_id}")
     page.get_by_text("100% completed", exact=True).wait_for()
     n = len(chosen)
-    assert re.search(rf"Status\nSucceeded\n.*\ntokenized_shards\n100% completed\n{n}\n0\n{n}\n0(\n|$)",
-                     page.inner_text("body"), re.S), page.inner_text("body")
+    assert re.search(
+        rf"Status\nSucceeded\n.*\ntokenized_shards\n100% completed\n{n}\n0\n{n}\n0(\n|$)", page.inner_text("body"), re.S
+    ), page.inner_text("body")
     page.goto(f"{dagster_url}/assets/tokenized_shards?view=partitions")
     page.get_by_text(f"Materialized ({len(keys)})", exact=True).wait_for()
     page.get_by_text("Missing (0)", exact=True).wait_for()

@@ -14,27 +14,49 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import expect
 
-from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.plan.stages import stage_names
+from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from tests.ui_servers import (
-    UI_TIMEOUT_MS, as_int, captured_page, clear_run_outputs, dagster_ui, eventually, mlflow_server, shot,
+    UI_TIMEOUT_MS,
+    as_int,
+    captured_page,
+    clear_run_outputs,
+    dagster_ui,
+    eventually,
+    mlflow_server,
+    shot,
 )
 
 pytestmark = pytest.mark.e2e
 
 STAGES = stage_names()
 # The asset graph as the issue lists it (the UI must show at least these; exactly the code location's).
-ASSETS = ["shard_manifest", "raw_shards", "tokenizer", "tokenized_shards", "token_ledger", "pretrain",
-          "continued_pretrain", "context_expansion", "reasoning_mix", "vision_alignment", "sft", "dpo",
-          "pretrain_variants", "evaluation", "report"]
+ASSETS = [
+    "shard_manifest",
+    "raw_shards",
+    "tokenizer",
+    "tokenized_shards",
+    "token_ledger",
+    "pretrain",
+    "continued_pretrain",
+    "context_expansion",
+    "reasoning_mix",
+    "vision_alignment",
+    "sft",
+    "dpo",
+    "pretrain_variants",
+    "evaluation",
+    "report",
+]
 STAGE_CHECKS = stage_check_names()  # the one registry (ghostvis_core/verify/audit/stage_checks.py)
 TOKEN_COLS = {"real": "real_tokens", "pad": "pad_tokens", "loss": "loss_tokens", "cropped": "cropped_tokens"}
 expect.set_options(timeout=UI_TIMEOUT_MS)
 
 
 # --------------------------------------------------------------------------------------- services
+
 
 @pytest.fixture(scope="module", autouse=True)
 def fresh_artifacts():
@@ -62,6 +84,7 @@ def page(browser, request):
 
 # ----------------------------------------------------------------------------- expected numbers
 
+
 @pytest.fixture(scope="module")
 def instance(demo_home):
     from dagster import DagsterInstance
@@ -85,6 +108,7 @@ def ledger_totals(demo_home, run_key: str) -> dict:
 
 # ---------------------------------------------------------------------------------------- Dagster
 
+
 def test_dagster_catalog_and_lineage_list_every_asset(page, dagster_url):
     from ghostvis_pipeline.definitions import defs
 
@@ -98,8 +122,9 @@ def test_dagster_catalog_and_lineage_list_every_asset(page, dagster_url):
 
     def listed() -> set[str]:
         hrefs = page.eval_on_selector_all(
-            "a[href^='/assets/']", "els => els.filter(e => e.offsetParent !== null).map(e => e.getAttribute('href'))")
-        return {urllib.parse.unquote(h[len("/assets/"):]) for h in hrefs if "?" not in h and h.count("/") == 2}
+            "a[href^='/assets/']", "els => els.filter(e => e.offsetParent !== null).map(e => e.getAttribute('href'))"
+        )
+        return {urllib.parse.unquote(h[len("/assets/") :]) for h in hrefs if "?" not in h and h.count("/") == 2}
 
     names = eventually(listed, lambda n: n == defined)
     assert names == defined, f"catalog lists {sorted(names)}; defined: {sorted(defined)}"
@@ -174,8 +199,8 @@ def test_dagster_sft_page_shows_ledger_token_metadata_and_passed_checks(page, da
 
 # ----------------------------------------------------------------------------------------- MLflow
 
-def test_mlflow_lists_one_run_per_stage_materialization_with_tokens_real_charted(page, mlflow_url, demo_home,
-                                                                                instance):
+
+def test_mlflow_lists_one_run_per_stage_materialization_with_tokens_real_charted(page, mlflow_url, demo_home, instance):
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(Home(demo_home).mlflow_tracking_uri)
@@ -202,7 +227,7 @@ def test_mlflow_lists_one_run_per_stage_materialization_with_tokens_real_charted
     stage_row = page.locator("tr", has=page.locator("th, td", has_text=re.compile(r"^ghostvis\.stage$"))).first
     names = [c.strip() for c in name_row.locator("td").all_inner_texts()]
     stages = [c.strip() for c in stage_row.locator("td").all_inner_texts()]
-    stages = stages[-len(names):]  # the tag table's first cell is the tag name
+    stages = stages[-len(names) :]  # the tag table's first cell is the tag name
     shot(page, "mlflow-compare-runs")
     seen: dict[str, set[str]] = {}
     for name, stage in zip(names, stages):
@@ -210,11 +235,13 @@ def test_mlflow_lists_one_run_per_stage_materialization_with_tokens_real_charted
     assert seen == expected, f"UI shows {seen}; Dagster materialized {expected}"
 
     # tokens/real of every stage run on one chart, and its table of latest values
-    params = (f"?runs={json.dumps(ids)}&metric={urllib.parse.quote(json.dumps('tokens/real'))}"
-              f"&experiments={json.dumps([exp.experiment_id])}"
-              f"&plot_metric_keys={urllib.parse.quote(json.dumps(['tokens/real']))}"
-              "&plot_layout={}&x_axis=step&y_axis_scale=linear&line_smoothness=1&show_point=true"
-              "&deselected_curves=[]&last_linear_y_axis_range=[]")
+    params = (
+        f"?runs={json.dumps(ids)}&metric={urllib.parse.quote(json.dumps('tokens/real'))}"
+        f"&experiments={json.dumps([exp.experiment_id])}"
+        f"&plot_metric_keys={urllib.parse.quote(json.dumps(['tokens/real']))}"
+        "&plot_layout={}&x_axis=step&y_axis_scale=linear&line_smoothness=1&show_point=true"
+        "&deselected_curves=[]&last_linear_y_axis_range=[]"
+    )
     page.goto(f"{mlflow_url}/#/metric{params}")
     page.get_by_text(f"{len(runs)}/{len(runs)}", exact=True).wait_for()  # "Completed Runs n/n": every history loaded
     chart = page.locator(".js-plotly-plot").first
@@ -254,6 +281,7 @@ def test_mlflow_lists_one_run_per_stage_materialization_with_tokens_real_charted
 
 # ----------------------------------------------------------------------------------------- report
 
+
 def test_report_renders_with_images_and_the_ledgers_token_figures(page, demo_home, instance):
     md = materializations(instance, "report")[0]
     report = Path(md["report_html"])
@@ -263,8 +291,10 @@ def test_report_renders_with_images_and_the_ledgers_token_figures(page, demo_hom
     page.goto(report.as_uri())
     page.wait_for_load_state("load")
     images = page.eval_on_selector_all(
-        "img", "els => els.map(e => ({src: e.getAttribute('src'), done: e.complete, w: e.naturalWidth,"
-               " h: e.naturalHeight, shown: e.getBoundingClientRect().width}))")
+        "img",
+        "els => els.map(e => ({src: e.getAttribute('src'), done: e.complete, w: e.naturalWidth,"
+        " h: e.naturalHeight, shown: e.getBoundingClientRect().width}))",
+    )
     shot(page, "report")
     assert images, "the report has no image"
     for img in images:

@@ -19,6 +19,7 @@ STAGES = stage_names()
 
 # --------------------------------------------------------------------------------- metadata tables
 
+
 def rendered_cells(markdown: str) -> list[list[str]]:
     """The table as a GFM renderer sees it (markdown-it's table rule, as Dagster's UI renders metadata)."""
     from markdown_it import MarkdownIt
@@ -30,11 +31,16 @@ def rendered_cells(markdown: str) -> list[list[str]]:
 def test_a_cell_with_pipes_and_line_breaks_stays_in_its_row():
     completion = "Answer: 7\n\n| x | y |\nthen more"  # what a sampled completion holds
     table = md_table(["stage", "'Q | A'"], [["pretrain", completion], ["sft", 1234567], ["dpo", ""]])
-    assert rendered_cells(table) == [["stage", "'Q | A'"], ["pretrain", "Answer: 7 | x | y | then more"],
-                                     ["sft", "1,234,567"], ["dpo", ""]]
+    assert rendered_cells(table) == [
+        ["stage", "'Q | A'"],
+        ["pretrain", "Answer: 7 | x | y | then more"],
+        ["sft", "1,234,567"],
+        ["dpo", ""],
+    ]
 
 
 # ----------------------------------------------------------------------------------- typed overrides
+
 
 def test_launchpad_overrides_typed_as_yaml_scalars_resolve_like_set_flags():
     """`overrides: {budget.steps: 30, ...}` as a person types it in the Launchpad passes Dagster's
@@ -45,8 +51,7 @@ def test_launchpad_overrides_typed_as_yaml_scalars_resolve_like_set_flags():
 
     typed = {"budget.steps": 30, "optim.lr": 0.002, "data.allow_repeat": True, "optim.name": "muon"}
     flags = ["budget.steps=30", "optim.lr=0.002", "data.allow_repeat=true", "optim.name=muon"]
-    checked = validate_run_config(defs.resolve_job_def("training"),
-                                  {"ops": {"sft": {"config": {"overrides": typed}}}})
+    checked = validate_run_config(defs.resolve_job_def("training"), {"ops": {"sft": {"config": {"overrides": typed}}}})
     assert checked["ops"]["sft"]["config"]["overrides"] == typed
     from_launchpad = presets.resolve("sft", "smoke", checked["ops"]["sft"]["config"]["overrides"])
     from_flags = presets.resolve("sft", "smoke", parse_sets(flags))
@@ -55,6 +60,7 @@ def test_launchpad_overrides_typed_as_yaml_scalars_resolve_like_set_flags():
 
 
 # ----------------------------------------------------------------------------------- MLflow
+
 
 def test_runs_create_their_experiment_tagged_as_model_training(tmp_path):
     """A run logged to a fresh SQLite store creates its experiment with MLflow 3's experiment kind for
@@ -75,6 +81,7 @@ def test_runs_create_their_experiment_tagged_as_model_training(tmp_path):
 
 
 # ------------------------------------------------------------------------------------- staleness
+
 
 @pytest.fixture
 def copied_instance(home_copy):
@@ -104,8 +111,11 @@ def unsynced_by(instance, changed: str) -> dict[str, list[str]]:
     resolver = CachingStaleStatusResolver(instance, defs.resolve_asset_graph(), LoadingContextForTest(instance))
     out = {}
     for asset in [*STAGES, "evaluation", "report"]:
-        causes = [c for c in resolver.get_stale_causes(AssetKey(asset)) if c.dependency
-                  and c.dependency.asset_key == AssetKey(changed)]
+        causes = [
+            c
+            for c in resolver.get_stale_causes(AssetKey(asset))
+            if c.dependency and c.dependency.asset_key == AssetKey(changed)
+        ]
         if causes:
             out[asset] = [c.reason for c in causes]
     return out
@@ -119,11 +129,14 @@ def status_reasons(instance) -> dict[str, list[str]]:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("changed, above", [
-    ("sft", ["dpo", "rl", "evaluation", "report"]),  # sft re-trained with a changed override
-    ("pretrain", [*STAGES[1:], "evaluation", "report"]),
-    ("tokenizer", [*STAGES, "evaluation", "report"]),  # a new vocabulary
-])
+@pytest.mark.parametrize(
+    "changed, above",
+    [
+        ("sft", ["dpo", "rl", "evaluation", "report"]),  # sft re-trained with a changed override
+        ("pretrain", [*STAGES[1:], "evaluation", "report"]),
+        ("tokenizer", [*STAGES, "evaluation", "report"]),  # a new vocabulary
+    ],
+)
 def test_a_changed_stage_leaves_every_asset_above_it_unsynced(copied_instance, changed, above):
     """Not only the direct dependents: every asset made from the changed one is unsynced in the asset
     graph, each naming it, and `ghostvis status` says the same; the stages below stay synced."""

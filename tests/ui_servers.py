@@ -26,8 +26,16 @@ WALKTHROUGH = re.compile(r"\d\d-[a-z0-9-]+\.png")
 # Debian's chromium under Playwright (Playwright's own browser download is not used). Without the
 # background-networking flags chromium dials out at start-up, which a closed network refuses.
 CHROMIUM = os.environ.get("GHOSTVIS_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 SERVICE_START_S = 180  # a loaded 2-core CI machine imports dagster/mlflow slowly
 UI_TIMEOUT_MS = 60_000
 
@@ -52,14 +60,23 @@ def service(name: str, cmd: list[str], env: dict[str, str], ready_url: str, cwd:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     log_path = ARTIFACTS / f"{name}.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            cwd=cwd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             deadline = time.monotonic() + SERVICE_START_S
             while _get(ready_url) != 200:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    raise AssertionError(f"{name} did not come up at {ready_url} (exit code {proc.poll()}):\n"
-                                         + log_path.read_text()[-4000:])
+                    raise AssertionError(
+                        f"{name} did not come up at {ready_url} (exit code {proc.poll()}):\n"
+                        + log_path.read_text()[-4000:]
+                    )
                 time.sleep(0.5)
             yield proc
         finally:
@@ -95,8 +112,18 @@ def mlflow_server(home: Path, log_name: str, cwd: Path):
     port = free_port()
     # no job runner: its worker pool (GenAI jobs) costs memory and start-up time and serves nothing here
     env = cli_env(home, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
-    cmd = [str(BIN / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-           "--backend-store-uri", Home(home).mlflow_tracking_uri, "--workers", "1"]
+    cmd = [
+        str(BIN / "mlflow"),
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--backend-store-uri",
+        Home(home).mlflow_tracking_uri,
+        "--workers",
+        "1",
+    ]
     url = f"http://127.0.0.1:{port}"
     with service(log_name, cmd, env, f"{url}/health", cwd=cwd):
         yield url
@@ -108,8 +135,10 @@ def chromium():
     from playwright.sync_api import sync_playwright
 
     if not Path(CHROMIUM).exists():
-        raise AssertionError(f"chromium not found at {CHROMIUM}: `apt-get install -y chromium` (make test does "
-                             "it), or point GHOSTVIS_CHROMIUM at a Chromium binary")
+        raise AssertionError(
+            f"chromium not found at {CHROMIUM}: `apt-get install -y chromium` (make test does "
+            "it), or point GHOSTVIS_CHROMIUM at a Chromium binary"
+        )
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:

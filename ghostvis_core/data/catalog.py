@@ -15,7 +15,12 @@ from dataclasses import dataclass, field
 import pyarrow.parquet as pq
 
 from ghostvis_core.data.sources import (
-    Manifest, ShardEntry, check_pins, list_remote, manifest_from_pattern, shard_name,
+    Manifest,
+    ShardEntry,
+    check_pins,
+    list_remote,
+    manifest_from_pattern,
+    shard_name,
 )
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import Store
@@ -44,8 +49,14 @@ def remote_manifest(src: RemoteSource) -> Manifest:
     if src.url_pattern:
         if src.num_shards <= 0:
             raise GhostvisError(f"source {src.name}: num_shards must be positive with a url_pattern")
-        m = manifest_from_pattern(src.name, src.url_pattern, range(src.first_shard, src.first_shard + src.num_shards),
-                                  src.validation, src.sha256, src.kind)
+        m = manifest_from_pattern(
+            src.name,
+            src.url_pattern,
+            range(src.first_shard, src.first_shard + src.num_shards),
+            src.validation,
+            src.sha256,
+            src.kind,
+        )
     else:
         listed = list_remote(src.listing)
         listed = listed[src.first_shard : src.first_shard + src.num_shards if src.num_shards else None]
@@ -53,9 +64,14 @@ def remote_manifest(src: RemoteSource) -> Manifest:
             raise GhostvisError(f"source {src.name}: no .parquet shards found at {src.listing}")
         names = [shard_name(url) for url, _ in listed]
         check_pins(src.name, names, set(src.validation) | src.sha256.keys(), f"listed at {src.listing}")
-        m = Manifest(src.name, src.kind, [
-            ShardEntry(name, url, "validation" if name in src.validation else "train", size, src.sha256.get(name))
-            for name, (url, size) in zip(names, listed)])
+        m = Manifest(
+            src.name,
+            src.kind,
+            [
+                ShardEntry(name, url, "validation" if name in src.validation else "train", size, src.sha256.get(name))
+                for name, (url, size) in zip(names, listed)
+            ],
+        )
     m.validation_sha256 = [_sha256_pin(src.name, d) for d in src.validation_sha256]
     return m
 
@@ -63,8 +79,10 @@ def remote_manifest(src: RemoteSource) -> Manifest:
 def _sha256_pin(source: str, digest: str) -> str:
     d = digest.strip().lower()
     if not re.fullmatch(r"[0-9a-f]{64}", d):
-        raise GhostvisError(f"source {source}: validation_sha256 pin {digest!r} is not a sha256 digest; "
-                            f"give the 64 hex digits of the shard file's sha256 (e.g. from `sha256sum`)")
+        raise GhostvisError(
+            f"source {source}: validation_sha256 pin {digest!r} is not a sha256 digest; "
+            f"give the 64 hex digits of the shard file's sha256 (e.g. from `sha256sum`)"
+        )
     return d
 
 
@@ -109,8 +127,9 @@ def record_raw_shard(store: Store, manifest: Manifest, shard_id: str, sha256: st
     """What raw_shards learned downloading and verifying a shard: its content hash, size, and the split
     the rule gives it. Returns that split."""
     split = manifest.split_of(manifest.entry(shard_id), sha256)
-    store.write_json("raw_shard_meta", shard_id, data={"shard_id": shard_id, "sha256": sha256, "bytes": size,
-                                                       "split": split})
+    store.write_json(
+        "raw_shard_meta", shard_id, data={"shard_id": shard_id, "sha256": sha256, "bytes": size, "split": split}
+    )
     return split
 
 
@@ -120,7 +139,7 @@ def recorded_sha256(store: Store, shard_id: str) -> str | None:
 
 
 def shard_split(store: Store, manifest: Manifest, shard_id: str, content_sha256: str | None = None) -> str:
-    """"train" or "validation": the split rule (Manifest.split_of) applied to the shard's content hash,
+    """ "train" or "validation": the split rule (Manifest.split_of) applied to the shard's content hash,
     the one raw_shards recorded and, when the caller hashed the raw file it is about to read, that one
     too: if the file changed since its download, validation under either hash wins."""
     entry = manifest.entry(shard_id)

@@ -28,7 +28,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from datatrove.pipeline.base import PipelineStep
 from datatrove.pipeline.dedup.minhash import (
-    MinhashConfig, MinhashDedupBuckets, MinhashDedupCluster, MinhashDedupSignature,
+    MinhashConfig,
+    MinhashDedupBuckets,
+    MinhashDedupCluster,
+    MinhashDedupSignature,
 )
 from datatrove.utils.hashing import HashConfig
 from datatrove.utils.word_tokenizers import WordTokenizer
@@ -37,7 +40,14 @@ from ghostvis_core.data.catalog import recorded_sha256, registered_manifests
 from ghostvis_core.data.ledger import Ledger, write_parquet
 from ghostvis_core.data.sources import Manifest
 from ghostvis_core.data.tokenize import (
-    CountedFilters, JobsFile, RawShardReader, TokenizeJob, build_filter, is_done, job_for_shard, run_locally,
+    CountedFilters,
+    JobsFile,
+    RawShardReader,
+    TokenizeJob,
+    build_filter,
+    is_done,
+    job_for_shard,
+    run_locally,
 )
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.identity import code_version, digest
@@ -46,11 +56,19 @@ from ghostvis_core.store import Store, open_store
 REASON = {"minhash": "minhash_dup"}  # method -> the drop reason its removals are counted under
 # datatrove's defaults: 5-word shingles, 14 bands of 8 hashes (a pair at Jaccard 0.8 is found with p = 0.92);
 # shingles hashed with sha1 (datatrove's xxhash path hands xxhash a str, which xxhash 4 refuses)
-MINHASH = MinhashConfig(n_grams=5, num_buckets=14, hashes_per_bucket=8, seed=1,
-                        hash_config=HashConfig(precision=64, hash_fc="sha1"))
+MINHASH = MinhashConfig(
+    n_grams=5, num_buckets=14, hashes_per_bucket=8, seed=1, hash_config=HashConfig(precision=64, hash_fc="sha1")
+)
 # One row per removed document, in shard order; the file's metadata holds the index's identity and shards.
-INDEX_SCHEMA = pa.schema([("shard_id", pa.string()), ("row", pa.int64()), ("kept_shard", pa.string()),
-                          ("kept_row", pa.int64()), ("reason", pa.string())])
+INDEX_SCHEMA = pa.schema(
+    [
+        ("shard_id", pa.string()),
+        ("row", pa.int64()),
+        ("kept_shard", pa.string()),
+        ("kept_row", pa.int64()),
+        ("reason", pa.string()),
+    ]
+)
 
 
 @dataclass(frozen=True)
@@ -131,8 +149,16 @@ class BlankDropped(PipelineStep):
             yield doc
 
 
-def dedup_indexes(store: Store, dedup: dict[str, str], jobs: list[TokenizeJob], *, tokenizer_id: str,
-                  filters: dict[str, list[str]], logging_dir: Path, workers: int = 2) -> list[DedupIndex]:
+def dedup_indexes(
+    store: Store,
+    dedup: dict[str, str],
+    jobs: list[TokenizeJob],
+    *,
+    tokenizer_id: str,
+    filters: dict[str, list[str]],
+    logging_dir: Path,
+    workers: int = 2,
+) -> list[DedupIndex]:
     """The index of each source in `dedup` (source -> method) with a shard among `jobs` still to
     tokenize, built over every downloaded shard of that source (or reused from the store)."""
     manifests = registered_manifests(store)
@@ -142,8 +168,10 @@ def dedup_indexes(store: Store, dedup: dict[str, str], jobs: list[TokenizeJob], 
             build_filter(spec)  # the index applies the source's filters first: a bad spec fails before any work
     ledger = Ledger.in_store(store)
     pending = {j.source for j in jobs if j.source in dedup and not is_done(j, ledger, store, tokenizer_id)}
-    return [source_index(store, manifests[source], dedup[source], filters.get(source, []), logging_dir, workers)
-            for source in sorted(pending)]
+    return [
+        source_index(store, manifests[source], dedup[source], filters.get(source, []), logging_dir, workers)
+        for source in sorted(pending)
+    ]
 
 
 def check_dedup_config(dedup: dict[str, str], manifests: dict[str, Manifest]) -> None:
@@ -152,22 +180,34 @@ def check_dedup_config(dedup: dict[str, str], manifests: dict[str, Manifest]) ->
         if method not in REASON:
             raise GhostvisError(f"dedup: source {source}: unknown method '{method}'; use one of {', '.join(REASON)}")
         if source not in manifests:
-            raise GhostvisError(f"dedup: source {source} is not registered (sources: {', '.join(manifests) or 'none'}); "
-                                "fix the name or materialize shard_manifest with it")
+            raise GhostvisError(
+                f"dedup: source {source} is not registered (sources: {', '.join(manifests) or 'none'}); "
+                "fix the name or materialize shard_manifest with it"
+            )
         if manifests[source].kind != "text":
-            raise GhostvisError(f"dedup: source {source} is a {manifests[source].kind} source; MinHash dedup "
-                                "compares plain text, so list only text sources under dedup")
+            raise GhostvisError(
+                f"dedup: source {source} is a {manifests[source].kind} source; MinHash dedup "
+                "compares plain text, so list only text sources under dedup"
+            )
 
 
-def source_index(store: Store, manifest: Manifest, method: str, filters: list[str], logging_dir: Path,
-                 workers: int) -> DedupIndex:
+def source_index(
+    store: Store, manifest: Manifest, method: str, filters: list[str], logging_dir: Path, workers: int
+) -> DedupIndex:
     """The source's index over its downloaded shards: read from the store if one with the same identity
     was built, else built with datatrove and saved."""
     source = manifest.source
     shard_ids = [manifest.shard_id(e) for e in manifest.shards]
     jobs = [job_for_shard(store, manifest, sid) for sid in shard_ids if recorded_sha256(store, sid) is not None]
-    identity = {"source": source, "method": method, "minhash": str(MINHASH), "seed": MINHASH.seed, "filters": filters,
-                "shards": [[j.shard_id, j.content_sha256] for j in jobs], "code": code_version("ghostvis_core.data.dedup")}
+    identity = {
+        "source": source,
+        "method": method,
+        "minhash": str(MINHASH),
+        "seed": MINHASH.seed,
+        "filters": filters,
+        "shards": [[j.shard_id, j.content_sha256] for j in jobs],
+        "code": code_version("ghostvis_core.data.dedup"),
+    }
     key = digest(identity)
     if store.exists("ledger_file", index_file(key)):
         path = store.fetch("ledger_file", index_file(key))
@@ -178,21 +218,31 @@ def source_index(store: Store, manifest: Manifest, method: str, filters: list[st
     return DedupIndex(source, method, key, [j.shard_id for j in jobs], len(removals), False)
 
 
-def write_index(store: Store, key: str, identity: dict, shards: list[str], removals: list[Removal],
-                reason: str) -> None:
+def write_index(
+    store: Store, key: str, identity: dict, shards: list[str], removals: list[Removal], reason: str
+) -> None:
     """The index as one Parquet file (temporary name, then rename; then published), its identity and
     shards in the file's metadata: a half-written index is never taken for one."""
-    schema = INDEX_SCHEMA.with_metadata({"ghostvis.identity": json.dumps(identity, sort_keys=True),
-                                         "ghostvis.shards": json.dumps(shards)})
-    table = pa.table({"shard_id": [r.shard_id for r in removals], "row": [r.row for r in removals],
-                      "kept_shard": [r.kept_shard for r in removals], "kept_row": [r.kept_row for r in removals],
-                      "reason": [reason] * len(removals)}, schema=schema)
+    schema = INDEX_SCHEMA.with_metadata(
+        {"ghostvis.identity": json.dumps(identity, sort_keys=True), "ghostvis.shards": json.dumps(shards)}
+    )
+    table = pa.table(
+        {
+            "shard_id": [r.shard_id for r in removals],
+            "row": [r.row for r in removals],
+            "kept_shard": [r.kept_shard for r in removals],
+            "kept_row": [r.kept_row for r in removals],
+            "reason": [reason] * len(removals),
+        },
+        schema=schema,
+    )
     write_parquet(store.writable("ledger_file", index_file(key)), table, schema)
     store.publish("ledger_file", index_file(key))
 
 
-def minhash_removals(store: Store, jobs: list[TokenizeJob], filters: list[str], logging_dir: Path,
-                     workers: int) -> list[Removal]:
+def minhash_removals(
+    store: Store, jobs: list[TokenizeJob], filters: list[str], logging_dir: Path, workers: int
+) -> list[Removal]:
     """datatrove's three MinHash stages over the shards (one signature task per shard, so a signature
     file's number is the shard's position in `jobs`), then the first-in-shard-order survivor per cluster.
     The signatures and buckets are scratch files beside the logs on this host, deleted afterwards."""
@@ -200,8 +250,12 @@ def minhash_removals(store: Store, jobs: list[TokenizeJob], filters: list[str], 
     shutil.rmtree(work, ignore_errors=True)  # an interrupted build's
     try:
         tasks = JobsFile.write(jobs, work / "jobs.arrow")  # each task reads its own job, as in tokenize_shards
-        signatures = [RawShardReader(tasks, store.uri), CountedFilters({jobs[0].source: filters}, tasks),
-                      BlankDropped(), MinhashDedupSignature(str(work / "signatures"), MINHASH, language=SplitWords())]
+        signatures = [
+            RawShardReader(tasks, store.uri),
+            CountedFilters({jobs[0].source: filters}, tasks),
+            BlankDropped(),
+            MinhashDedupSignature(str(work / "signatures"), MINHASH, language=SplitWords()),
+        ]
         run_locally(signatures, len(jobs), max(1, min(workers, len(jobs))), logging_dir / "signatures")
         buckets = [MinhashDedupBuckets(str(work / "signatures"), str(work / "buckets"), config=MINHASH)]
         run_locally(buckets, MINHASH.num_buckets, max(1, min(workers, MINHASH.num_buckets)), logging_dir / "buckets")
@@ -229,7 +283,10 @@ def survivors_first(members: dict[int, list[tuple[int, int]]], shard_ids: list[s
     removals = []
     for docs in members.values():
         kept_position, kept_row = min(docs)
-        removals += [Removal(shard_ids[p], row, shard_ids[kept_position], kept_row)
-                     for p, row in docs if (p, row) != (kept_position, kept_row)]
+        removals += [
+            Removal(shard_ids[p], row, shard_ids[kept_position], kept_row)
+            for p, row in docs
+            if (p, row) != (kept_position, kept_row)
+        ]
     order = {sid: i for i, sid in enumerate(shard_ids)}
     return sorted(removals, key=lambda r: (order[r.shard_id], r.row))

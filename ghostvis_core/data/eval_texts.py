@@ -22,7 +22,10 @@ PROMPTS = (
 )
 
 LM_EVAL_TASKS_DIR = Path(__file__).resolve().parents[1] / "resources" / "lm_eval_tasks"
-BENCHMARK_SEED, BENCHMARK_PER_TASK = 7, 40  # the benchmark's defaults (ghostvis_core/verify/eval/benchmark.py build_items)
+BENCHMARK_SEED, BENCHMARK_PER_TASK = (
+    7,
+    40,
+)  # the benchmark's defaults (ghostvis_core/verify/eval/benchmark.py build_items)
 
 
 def template_choices(rng: random.Random, per_task: int) -> list[tuple[str, str, list[str], int]]:

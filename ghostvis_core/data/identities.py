@@ -15,14 +15,23 @@ from ghostvis_core.store import Store
 
 def manifest_identity(manifests: list[Manifest]) -> dict[str, Any]:
     """What each source's shard list says a shard is (name, pin, size, content hash), not where it is."""
-    return {m.source: {"kind": m.kind, "validation_sha256": sorted(m.validation_sha256),
-                       "shards": [[e.name, e.split, e.bytes, e.sha256] for e in m.shards]} for m in manifests}
+    return {
+        m.source: {
+            "kind": m.kind,
+            "validation_sha256": sorted(m.validation_sha256),
+            "shards": [[e.name, e.split, e.bytes, e.sha256] for e in m.shards],
+        }
+        for m in manifests
+    }
 
 
 def shard_contents(store: Store) -> dict[str, str | None]:
     """Every registered shard's content hash as raw_shards recorded it (None: not downloaded yet)."""
-    return {m.shard_id(e): recorded_sha256(store, m.shard_id(e))
-            for m in registered_manifests(store).values() for e in m.shards}
+    return {
+        m.shard_id(e): recorded_sha256(store, m.shard_id(e))
+        for m in registered_manifests(store).values()
+        for e in m.shards
+    }
 
 
 def tokenizer_identity(store: Store, vocab_size: int, max_train_bytes: int) -> dict[str, Any]:

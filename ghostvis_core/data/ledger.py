@@ -249,7 +249,7 @@ def _parquet_list(files: list[Path]) -> str:
 def _with_table(table: str, source: str, sql: str) -> str:
     """`sql` with `table` defined as a common table expression over `source`, ahead of its own ones."""
     head = f"WITH {table} AS (SELECT * FROM {source})"
-    return f"{head}, {sql[len('WITH '):]}" if sql.lstrip().upper().startswith("WITH ") else f"{head} {sql}"
+    return f"{head}, {sql[len('WITH ') :]}" if sql.lstrip().upper().startswith("WITH ") else f"{head} {sql}"
 
 
 @dataclass
@@ -260,7 +260,7 @@ class Ledger:
     store: Store | None = None
 
     @classmethod
-    def in_store(cls, store: Store) -> "Ledger":
+    def in_store(cls, store: Store) -> Ledger:
         """The ledger of an artifact store (artifact kind "ledger"); nothing is fetched until a query needs it."""
         return cls(store.writable("ledger"), store)
 
@@ -304,58 +304,94 @@ class Ledger:
         name = _shard_record_name(record["shard_id"], record["tokenizer_id"], record["content_sha256"])
         return self._write(self.root / name, [record], SHARD_SCHEMA)
 
-    def write_doc_hashes(self, shard_id: str, source: str, split: str, content_sha256: str,
-                         rows: list[int], hashes: list[str]) -> Path:
+    def write_doc_hashes(
+        self, shard_id: str, source: str, split: str, content_sha256: str, rows: list[int], hashes: list[str]
+    ) -> Path:
         """Per document, its hash (text, plus image bytes): finds the same document in train and validation."""
         n = len(rows)
-        table = pa.table({"shard_id": [shard_id] * n, "source": [source] * n, "split": [split] * n,
-                          "content_sha256": [content_sha256] * n, "row": rows, "doc_hash": hashes}, schema=DOC_SCHEMA)
+        table = pa.table(
+            {
+                "shard_id": [shard_id] * n,
+                "source": [source] * n,
+                "split": [split] * n,
+                "content_sha256": [content_sha256] * n,
+                "row": rows,
+                "doc_hash": hashes,
+            },
+            schema=DOC_SCHEMA,
+        )
         return self._write(self.root / "docs" / f"{_key(shard_id, content_sha256)}.parquet", table, DOC_SCHEMA)
 
     def ngram_record_path(self, shard_id: str, content_sha256: str) -> Path:
         """The local file of a shard's n-gram fingerprints, fetched from the store when it is there."""
         return self._fetched_file(_ngram_name(shard_id, content_sha256))
 
-    def write_ngrams(self, shard_id: str, source: str, split: str, content_sha256: str,
-                     rows: list[int], hashes: list[int]) -> Path:
+    def write_ngrams(
+        self, shard_id: str, source: str, split: str, content_sha256: str, rows: list[int], hashes: list[int]
+    ) -> Path:
         """Per document (raw row, repeated per fingerprint), its winnowed 13-gram hashes: what the
         decontamination gate compares with the evaluation sets. Keyed like the doc hashes (text only)."""
         n = len(rows)
-        table = pa.table({"shard_id": [shard_id] * n, "source": [source] * n, "split": [split] * n,
-                          "content_sha256": [content_sha256] * n, "row": pa.array(rows, pa.int64()),
-                          "ngram_hash": pa.array(hashes, pa.int64())}, schema=NGRAM_SCHEMA)
+        table = pa.table(
+            {
+                "shard_id": [shard_id] * n,
+                "source": [source] * n,
+                "split": [split] * n,
+                "content_sha256": [content_sha256] * n,
+                "row": pa.array(rows, pa.int64()),
+                "ngram_hash": pa.array(hashes, pa.int64()),
+            },
+            schema=NGRAM_SCHEMA,
+        )
         return self._write(self.root / _ngram_name(shard_id, content_sha256), table, NGRAM_SCHEMA)
 
     def part_file(self, table: str, part: dict[str, Any]) -> Path:
         """Where `table` (one of PART_TABLES) keeps `part`'s rows: the run's folder, one file per part."""
-        return (self.root / table / f"stage={part['stage']}" / f"run={part['run_key']}"
-                / f"s{part['segment']:03d}.p{part['step_last']:09d}.parquet")
+        return (
+            self.root
+            / table
+            / f"stage={part['stage']}"
+            / f"run={part['run_key']}"
+            / f"s{part['segment']:03d}.p{part['step_last']:09d}.parquet"
+        )
 
-    def write_part(self, part: dict[str, Any], pieces: list[dict[str, Any]],
-                   shares: list[dict[str, Any]] | None = None, feeds: list[dict[str, Any]] | None = None,
-                   rollouts: list[dict[str, Any]] | None = None) -> None:
+    def write_part(
+        self,
+        part: dict[str, Any],
+        pieces: list[dict[str, Any]],
+        shares: list[dict[str, Any]] | None = None,
+        feeds: list[dict[str, Any]] | None = None,
+        rollouts: list[dict[str, Any]] | None = None,
+    ) -> None:
         """Consumption, per-rank shares, content digests (when given: the trainer always gives them) and
         an rl run's rollouts first, then the part row: a part row is only visible once what it sums is.
         A fixed number of files in the run's folders, whatever the ledger already holds."""
         part = {"created_at": time.time(), **part}
         for k in ("stage", "run_key"):
             if not part[k] or any(c in part[k] for c in "/\\=*?["):
-                raise GhostvisError(f"ledger part {part['part_id']}: {k} {part[k]!r} cannot name a folder of the "
-                                    "ledger (empty, or holds one of / \\ = * ? [); give the run another key")
+                raise GhostvisError(
+                    f"ledger part {part['part_id']}: {k} {part[k]!r} cannot name a folder of the "
+                    "ledger (empty, or holds one of / \\ = * ? [); give the run another key"
+                )
         ids = {"part_id": part["part_id"], "run_key": part["run_key"]}
         rows = [{**ids, "stage": part["stage"], "segment": part["segment"], **p} for p in pieces]
         self._write(self.part_file("consumption", part), rows, CONSUMPTION_SCHEMA)
-        for table, given, schema in (("shares", shares, SHARE_SCHEMA), ("feeds", feeds, FEED_SCHEMA),
-                                     ("rollouts", rollouts, ROLLOUT_SCHEMA)):
+        for table, given, schema in (
+            ("shares", shares, SHARE_SCHEMA),
+            ("feeds", feeds, FEED_SCHEMA),
+            ("rollouts", rollouts, ROLLOUT_SCHEMA),
+        ):
             if given is not None:
                 self._write(self.part_file(table, part), [{**ids, **r} for r in given], schema)
         self._write(self.part_file("parts", part), [part], PART_SCHEMA)
 
     # ---- reading ----
-    def _query(self, table: str, sql: str, params: list | None = None,
-               files: list[Path] | None = None) -> list[dict[str, Any]]:
+    def _query(
+        self, table: str, sql: str, params: list | None = None, files: list[Path] | None = None
+    ) -> list[dict[str, Any]]:
         """Rows of `sql`, which reads `table` by its name: a per-shard table's every file (by name, so
-        columns added later read as NULL in older files), or a per-part table's `files` (`run_files`: files or glob patterns)."""
+        columns added later read as NULL in older files), or a per-part table's `files`
+        (`run_files`: files or glob patterns)."""
         if files is None:
             self._fetched(table)
             folder = self.root / table
@@ -382,8 +418,9 @@ class Ledger:
         folder = self.root / table
         self._fetch_runs(table, run_keys, stage)
         if run_keys is not None:
-            return sorted(f for key in dict.fromkeys(run_keys)
-                          for f in folder.glob(f"stage={stage or '*'}/run={key}/*.parquet"))
+            return sorted(
+                f for key in dict.fromkeys(run_keys) for f in folder.glob(f"stage={stage or '*'}/run={key}/*.parquet")
+            )
         pattern = f"stage={stage or '*'}/run=*/*.parquet"
         return [folder / pattern] if next(folder.glob(pattern), None) else []
 
@@ -404,8 +441,12 @@ class Ledger:
             return []
         ids = sorted({p["part_id"] for p in parts})
         marks = ",".join("?" * len(ids))
-        return self._query(table, f"SELECT * FROM {table} WHERE part_id IN ({marks}) ORDER BY {order}", ids,
-                           self.run_files(table, [p["run_key"] for p in parts]))
+        return self._query(
+            table,
+            f"SELECT * FROM {table} WHERE part_id IN ({marks}) ORDER BY {order}",
+            ids,
+            self.run_files(table, [p["run_key"] for p in parts]),
+        )
 
     def shards(self, tokenizer_id: str | None = None, sources: list[str] | None = None) -> list[dict[str, Any]]:
         """Newest record per (shard_id, tokenizer_id)."""
@@ -420,7 +461,7 @@ class Ledger:
             "shards",
             f"""SELECT * EXCLUDE (rn) FROM (
                   SELECT *, row_number() OVER (PARTITION BY shard_id, tokenizer_id ORDER BY created_at DESC) rn
-                  FROM shards WHERE {' AND '.join(where)}) WHERE rn = 1 ORDER BY shard_id""",
+                  FROM shards WHERE {" AND ".join(where)}) WHERE rn = 1 ORDER BY shard_id""",
             params,
         )
         for r in rows:
@@ -429,8 +470,9 @@ class Ledger:
 
     def parts(self, run_keys: list[str] | None = None, stage: str | None = None) -> list[dict[str, Any]]:
         """Part rows of these runs, or of a stage's runs, or of every run, oldest first."""
-        return self._query("parts", "SELECT * FROM parts ORDER BY created_at",
-                           files=self.run_files("parts", run_keys, stage))
+        return self._query(
+            "parts", "SELECT * FROM parts ORDER BY created_at", files=self.run_files("parts", run_keys, stage)
+        )
 
     def consumption(self, parts: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The pieces the loader delivered in `parts` (part rows, or any rows naming part_id and run_key)."""
@@ -463,9 +505,13 @@ class Ledger:
         """The fingerprint rows (shard_id, split, content_sha256, row, ngram_hash) of these shard contents."""
         if not content_sha256s:
             return []
-        return self._query("ngrams", f"SELECT DISTINCT shard_id, split, content_sha256, row, ngram_hash FROM ngrams "
-                                     f"WHERE content_sha256 IN ({','.join('?' * len(content_sha256s))}) "
-                                     "ORDER BY shard_id, row", list(content_sha256s))
+        return self._query(
+            "ngrams",
+            f"SELECT DISTINCT shard_id, split, content_sha256, row, ngram_hash FROM ngrams "
+            f"WHERE content_sha256 IN ({','.join('?' * len(content_sha256s))}) "
+            "ORDER BY shard_id, row",
+            list(content_sha256s),
+        )
 
     def chain(self, run_key: str) -> list[dict[str, Any]]:
         """The parts that lead to the run's newest checkpoint, oldest first."""
@@ -484,8 +530,15 @@ class Ledger:
         """Per segment (launch) of the run: its step range, world size and real tokens."""
         segs: dict[int, dict[str, Any]] = {}
         for part in self.chain(run_key):
-            seg = segs.setdefault(part["segment"], {"segment": part["segment"], "first_step": part["step_first"],
-                                                    "world_size": part["world_size"], "real_tokens": 0})
+            seg = segs.setdefault(
+                part["segment"],
+                {
+                    "segment": part["segment"],
+                    "first_step": part["step_first"],
+                    "world_size": part["world_size"],
+                    "real_tokens": 0,
+                },
+            )
             seg["last_step"] = part["step_last"]
             seg["real_tokens"] += part["real_tokens"]
         return list(segs.values())
@@ -510,9 +563,10 @@ class Ledger:
             "consumption",
             f"""SELECT source, shard_id, split, sum(tokens) AS tokens, min(row_start) AS row_start,
                        max(row_end) AS row_end, count(DISTINCT epoch) AS epochs
-                FROM consumption WHERE part_id IN ({','.join('?' * len(ids))})
+                FROM consumption WHERE part_id IN ({",".join("?" * len(ids))})
                 GROUP BY ALL ORDER BY shard_id""",
-            ids, self.run_files("consumption", [run_key]),
+            ids,
+            self.run_files("consumption", [run_key]),
         )
 
     def reuse(self, run_key: str) -> list[dict[str, Any]]:
@@ -531,7 +585,7 @@ class Ledger:
         ids = list(parts)
         rows = self._query(
             "consumption",
-            f"""WITH c AS (SELECT * FROM consumption WHERE part_id IN ({','.join('?' * len(ids))}))
+            f"""WITH c AS (SELECT * FROM consumption WHERE part_id IN ({",".join("?" * len(ids))}))
                 SELECT a.part_id AS part_a, b.part_id AS part_b, a.run_key AS run_a, b.run_key AS run_b,
                        a.shard_id, a.source, a.epoch AS epoch_a, b.epoch AS epoch_b,
                        greatest(a.tok_start, b.tok_start) AS tok_start, least(a.tok_end, b.tok_end) AS tok_end,
@@ -541,7 +595,8 @@ class Ledger:
                   AND a.tok_start < b.tok_end AND b.tok_start < a.tok_end
                 WHERE a.run_key = ? OR b.run_key = ?
                 ORDER BY a.shard_id, tok_start""",
-            ids + [run_key, run_key], self.run_files("consumption", runs),
+            ids + [run_key, run_key],
+            self.run_files("consumption", runs),
         )
         out = []
         for r in rows:
@@ -555,16 +610,26 @@ class Ledger:
             else:
                 declared = json.loads(later["replay_sources"] or "[]")
                 kind = "replay" if r["source"] in declared else "undeclared_cross_stage"
-            out.append({**r, "tokens": r["tok_end"] - r["tok_start"], "kind": kind,
-                        "segment_a": pa_["segment"], "steps_a": f"{pa_['step_first']}..{pa_['step_last']}",
-                        "segment_b": pb["segment"], "steps_b": f"{pb['step_first']}..{pb['step_last']}"})
+            out.append(
+                {
+                    **r,
+                    "tokens": r["tok_end"] - r["tok_start"],
+                    "kind": kind,
+                    "segment_a": pa_["segment"],
+                    "steps_a": f"{pa_['step_first']}..{pa_['step_last']}",
+                    "segment_b": pb["segment"],
+                    "steps_b": f"{pb['step_first']}..{pb['step_last']}",
+                }
+            )
         return out
 
     def shard_splits(self, tokenizer_id: str | None = None) -> dict[str, str]:
         """shard_id -> its split in the shard table (the newest record per shard, of `tokenizer_id` when
         given): the one authority on splits, since a label a trainer wrote can be wrong."""
-        return {r["shard_id"]: r["split"] for r in sorted(self.shards(tokenizer_id=tokenizer_id),
-                                                          key=lambda r: r["created_at"])}
+        return {
+            r["shard_id"]: r["split"]
+            for r in sorted(self.shards(tokenizer_id=tokenizer_id), key=lambda r: r["created_at"])
+        }
 
     def leakage(self, run_key: str, tokenizer_id: str | None = None) -> list[dict[str, Any]]:
         """Shards consumed along the run's chain that the shard table does not call train, or does not
@@ -584,8 +649,10 @@ def source_split_totals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (source, split) of ledger shard records, sorted: shards, docs, tokens and text_bytes."""
     by: dict[tuple[str, str], dict[str, Any]] = {}
     for r in rows:
-        agg = by.setdefault((r["source"], r["split"]), {"source": r["source"], "split": r["split"], "shards": 0,
-                                                        "docs": 0, "tokens": 0, "text_bytes": 0})
+        agg = by.setdefault(
+            (r["source"], r["split"]),
+            {"source": r["source"], "split": r["split"], "shards": 0, "docs": 0, "tokens": 0, "text_bytes": 0},
+        )
         agg["shards"] += 1
         for k in ("docs", "tokens", "text_bytes"):
             agg[k] += r[k]
@@ -626,9 +693,16 @@ def run_summaries(ledger: Ledger) -> list[dict[str, Any]]:
     runs = []
     for key, parts in by_run.items():
         first = parts[0]
-        runs.append({"stage": first["stage"], "run_key": key, "parent_run_key": first["parent_run_key"] or None,
-                     "planned_tokens": first["planned_tokens"], "tokens_per_step": first["tokens_per_step"],
-                     **chain_totals(chain_of(parts))})
+        runs.append(
+            {
+                "stage": first["stage"],
+                "run_key": key,
+                "parent_run_key": first["parent_run_key"] or None,
+                "planned_tokens": first["planned_tokens"],
+                "tokens_per_step": first["tokens_per_step"],
+                **chain_totals(chain_of(parts)),
+            }
+        )
     return runs
 
 
@@ -643,11 +717,15 @@ def unknown_run_message(ledger: Ledger, run_key: str, stages: list[str]) -> str:
     stage = run_key.split("@")[0].split("-")[0]
     if stage in stages:
         known = run_keys(ledger, stage)
-        return (f"stage {stage} has no run {run_key!r} in the ledger; known run keys of {stage}: "
-                f"{', '.join(known) or 'none (materialize the `' + stage + '` asset)'}")
+        return (
+            f"stage {stage} has no run {run_key!r} in the ledger; known run keys of {stage}: "
+            f"{', '.join(known) or 'none (materialize the `' + stage + '` asset)'}"
+        )
     known = run_keys(ledger)
-    return (f"unknown stage or run key {run_key!r}; stages: {', '.join(stages)}; "
-            f"run keys in the ledger: {', '.join(known) or 'none (no stage has trained yet)'}")
+    return (
+        f"unknown stage or run key {run_key!r}; stages: {', '.join(stages)}; "
+        f"run keys in the ledger: {', '.join(known) or 'none (no stage has trained yet)'}"
+    )
 
 
 def merge_ranges(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -659,11 +737,25 @@ def merge_ranges(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for r in sorted(rows, key=lambda r: (*(r[k] for k in key), r["tok_start"], r["tok_end"])):
         cur = out[-1] if out else None
         if cur is not None and all(cur[k] == r[k] for k in key) and cur["tok_end"] == r["tok_start"]:
-            cur.update(tok_end=r["tok_end"], tokens=cur["tokens"] + r["tokens"], parts=cur["parts"] + 1,
-                       row_start=min(cur["row_start"], r["row_start"]), row_end=max(cur["row_end"], r["row_end"]))
+            cur.update(
+                tok_end=r["tok_end"],
+                tokens=cur["tokens"] + r["tokens"],
+                parts=cur["parts"] + 1,
+                row_start=min(cur["row_start"], r["row_start"]),
+                row_end=max(cur["row_end"], r["row_end"]),
+            )
             continue
-        out.append({**{k: r[k] for k in key}, "tok_start": r["tok_start"], "tok_end": r["tok_end"],
-                    "row_start": r["row_start"], "row_end": r["row_end"], "tokens": r["tokens"], "parts": 1})
+        out.append(
+            {
+                **{k: r[k] for k in key},
+                "tok_start": r["tok_start"],
+                "tok_end": r["tok_end"],
+                "row_start": r["row_start"],
+                "row_end": r["row_end"],
+                "tokens": r["tokens"],
+                "parts": 1,
+            }
+        )
     return out
 
 
@@ -678,8 +770,12 @@ def run_consumption(ledger: Ledger, run_key: str) -> dict[str, Any]:
     head = chain[-1]
     ranges = merge_ranges(ledger.consumption(chain))
     return {
-        "run_key": run_key, "stage": head["stage"], "parent_run_key": head["parent_run_key"] or None,
-        "steps": head["step_last"], "parts": len(chain), "planned_tokens": head["planned_tokens"],
+        "run_key": run_key,
+        "stage": head["stage"],
+        "parent_run_key": head["parent_run_key"] or None,
+        "steps": head["step_last"],
+        "parts": len(chain),
+        "planned_tokens": head["planned_tokens"],
         "tokens_per_step": head["tokens_per_step"],
         **ledger.run_counts(run_key).as_dict(),
         "overlap_tokens": sum(p["overlap_tokens"] for p in chain),
@@ -726,7 +822,9 @@ def train_validation_overlap(ledger: Ledger, shards: list[dict[str, Any]]) -> li
     )
 
 
-def validation_selected(ledger: Ledger, tokenizer_id: str, train_shards: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+def validation_selected(
+    ledger: Ledger, tokenizer_id: str, train_shards: dict[str, list[dict[str, Any]]]
+) -> list[dict[str, Any]]:
     """Shards selected for training (a launch spec's train_shards) whose ledger split is not train, or
     that the ledger does not know: checked before launch and again by the stage checks, because what
     is selected is what the run may read, whatever it happened to consume."""
@@ -736,8 +834,9 @@ def validation_selected(ledger: Ledger, tokenizer_id: str, train_shards: dict[st
         for ref in refs:
             split = known.get((ref["shard_id"], ref.get("content_sha256", "")), "not in the ledger")
             if split != "train":  # the ledger's split; the spec's label is shown, never trusted
-                out.append({"source": source, "shard_id": ref["shard_id"], "split": split,
-                            "spec_split": ref.get("split")})
+                out.append(
+                    {"source": source, "shard_id": ref["shard_id"], "split": split, "spec_split": ref.get("split")}
+                )
     return out
 
 
@@ -746,7 +845,17 @@ def pieces_to_rows(pieces: list[Piece], rows_of) -> list[dict[str, Any]]:
     out = []
     for p in pieces:
         r0, r1 = rows_of(p)
-        out.append({"source": p.source, "shard_id": p.shard_id, "split": p.split, "epoch": p.epoch,
-                    "tok_start": p.tok_start, "tok_end": p.tok_end, "tokens": p.tokens,
-                    "row_start": r0, "row_end": r1})
+        out.append(
+            {
+                "source": p.source,
+                "shard_id": p.shard_id,
+                "split": p.split,
+                "epoch": p.epoch,
+                "tok_start": p.tok_start,
+                "tok_end": p.tok_end,
+                "tokens": p.tokens,
+                "row_start": r0,
+                "row_end": r1,
+            }
+        )
     return out

@@ -27,11 +27,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.stream import Piece, SourceStream
+from ghostvis_core.plan.batch import IGNORE_INDEX, BatchPlan
 from ghostvis_core.plan.mixture import MixtureSchedule
-from ghostvis_core.plan.batch import IGNORE_INDEX
 
 
 @dataclass
@@ -139,8 +138,15 @@ class ChatRows:
     """SFT rows: conversations packed greedily (in a seeded order per epoch) and padded. With a
     vision stack (n_latents set), an image chat's <|image|> expands and its image comes along."""
 
-    def __init__(self, stream: SourceStream, seq_len: int, seed: int, pad_id: int,
-                 image_id: int | None = None, n_latents: int | None = None):
+    def __init__(
+        self,
+        stream: SourceStream,
+        seq_len: int,
+        seed: int,
+        pad_id: int,
+        image_id: int | None = None,
+        n_latents: int | None = None,
+    ):
         self.index = DocIndex(stream, seed)
         self.source, self.seq_len, self.pad_id = stream.source, seq_len, pad_id
         self.image_id, self.n_latents = image_id, n_latents
@@ -269,8 +275,14 @@ class CaptionRows:
         ref, shard, d = self.index.doc(k)
         seq = expand_images(shard.doc_tokens(d).astype(np.int64), self.image_id, self.n_latents)
         caption_start = int(np.nonzero(seq == self.image_id)[0][-1]) + 1
-        return padded_row(seq, caption_start, self.seq_len, self.pad_id, [self.index.piece(k, epoch)],
-                          images=[shard.doc_value("image", d)])
+        return padded_row(
+            seq,
+            caption_start,
+            self.seq_len,
+            self.pad_id,
+            [self.index.piece(k, epoch)],
+            images=[shard.doc_value("image", d)],
+        )
 
     def tokens_for_rows(self, n_rows: int) -> int:
         return int(n_rows / len(self.index.docs) * self.index.stream.total)
@@ -285,8 +297,9 @@ def blank_row(seq_len: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     return np.full(seq_len, pad_id, dtype=np.int64), np.full(seq_len, IGNORE_INDEX, dtype=np.int64)
 
 
-def padded_row(seq: np.ndarray, loss_start: int, seq_len: int, pad_id: int, pieces: list[Piece],
-               images: list[bytes] | None = None) -> Row:
+def padded_row(
+    seq: np.ndarray, loss_start: int, seq_len: int, pad_id: int, pieces: list[Piece], images: list[bytes] | None = None
+) -> Row:
     """One sequence alone in a row: cut at seq_len (the rest counted as cropped, never trained), padded
     after it, loss on the tokens from `loss_start` on. The one rule of every single-sequence row."""
     n = min(len(seq), seq_len)
@@ -316,13 +329,16 @@ class Batcher:
         got = [self.row(g) for g in rows]
         doc_ids = None
         if any(r.doc_ids is not None for r in got):
-            doc_ids = torch.from_numpy(np.stack([r.doc_ids if r.doc_ids is not None else np.zeros(len(r.inputs), np.int64) for r in got]))
+            doc_ids = torch.from_numpy(
+                np.stack([r.doc_ids if r.doc_ids is not None else np.zeros(len(r.inputs), np.int64) for r in got])
+            )
         return Batch(
             inputs=torch.from_numpy(np.stack([r.inputs for r in got])),
             targets=torch.from_numpy(np.stack([r.targets for r in got])),
             pieces=[p for r in got for p in r.pieces],
-            counts=TokenCounts(sum(r.real for r in got), sum(r.pad for r in got), sum(r.loss for r in got),
-                               sum(r.cropped for r in got)),
+            counts=TokenCounts(
+                sum(r.real for r in got), sum(r.pad for r in got), sum(r.loss for r in got), sum(r.cropped for r in got)
+            ),
             doc_ids=doc_ids,
             images=[im for r in got for im in r.images],
             rows=list(rows),
@@ -338,8 +354,7 @@ def rank_share(n: int, rank: int, world_size: int) -> range:
     return range(rank, n, world_size)
 
 
-def rank_batches(rs, n_rows: int, rank: int, world_size: int, rows_per_batch: int, group: int = 1,
-                 min_rows: int = 1):
+def rank_batches(rs, n_rows: int, rank: int, world_size: int, rows_per_batch: int, group: int = 1, min_rows: int = 1):
     """This rank's share of the first n_rows rows of one row source, in batches of up to rows_per_batch
     rows: the held-out evaluation loop. Rows are dealt in groups of `group` consecutive rows (a
     preference pair stays together); a last batch of fewer than `min_rows` rows is left out."""
@@ -350,6 +365,24 @@ def rank_batches(rs, n_rows: int, rank: int, world_size: int, rows_per_batch: in
         rows = [u * group + j for u in mine[i : i + per] for j in range(group)]
         if len(rows) >= min_rows:
             yield batcher.batch(rows)
+
+
+@dataclass
+class LoaderPosition:
+    """Where the training loader is in the run's global row order: the rows consumed so far. Independent
+    of world size, so a resume is a seek. Saved and restored like torchdata's StatefulDataLoader:
+    `state_dict()` into the checkpoint's TrainState, `load_state_dict()` on resume."""
+
+    rows: int = 0
+
+    def advance(self, rows: int) -> None:
+        self.rows += rows
+
+    def state_dict(self) -> dict[str, int]:
+        return {"rows": self.rows}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.rows = int(state["rows"])
 
 
 @dataclass

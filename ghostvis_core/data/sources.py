@@ -18,11 +18,11 @@ import string
 import time
 import urllib.parse
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Iterator
 
 import requests
 
@@ -82,23 +82,28 @@ class Manifest:
 
     def entry(self, shard_id: str) -> ShardEntry:
         if shard_id not in self.entries_by_id:
-            raise GhostvisError(f"shard {shard_id} is not in the manifest of source {self.source}; "
-                                "re-materialize shard_manifest")
+            raise GhostvisError(
+                f"shard {shard_id} is not in the manifest of source {self.source}; re-materialize shard_manifest"
+            )
         return self.entries_by_id[shard_id]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "Manifest":
-        return cls(data["source"], data.get("kind", "text"), [ShardEntry(**e) for e in data["shards"]],
-                   data.get("validation_sha256", []))
+    def from_dict(cls, data: dict) -> Manifest:
+        return cls(
+            data["source"],
+            data.get("kind", "text"),
+            [ShardEntry(**e) for e in data["shards"]],
+            data.get("validation_sha256", []),
+        )
 
     def save(self, path: Path) -> Path:
         return atomic_write(path, self.to_json())
 
     @classmethod
-    def load(cls, path: Path) -> "Manifest":
+    def load(cls, path: Path) -> Manifest:
         if not path.exists():
             raise GhostvisError(f"manifest {path} is missing; materialize the shard_manifest asset first")
         return cls.from_dict(json.loads(path.read_text()))
@@ -133,9 +138,9 @@ def manifest_for_files(source: str, kind: str, files: list[tuple[Path, str]]) ->
     """A manifest of local files (file:// URLs) with their sizes and checksums."""
     uris = [(p.resolve().as_uri(), p, split) for p, split in files]
     check_pins(source, [shard_name(u) for u, _, _ in uris], set(), "among the files")
-    return Manifest(source, kind, [
-        ShardEntry(shard_name(u), u, split, p.stat().st_size, sha256_file(p)) for u, p, split in uris
-    ])
+    return Manifest(
+        source, kind, [ShardEntry(shard_name(u), u, split, p.stat().st_size, sha256_file(p)) for u, p, split in uris]
+    )
 
 
 def manifest_from_pattern(
@@ -166,10 +171,14 @@ def manifest_from_pattern(
         ) from None
     val, sums = set(validation or []), sha256 or {}
     check_pins(source, [shard_name(u) for u in urls], val | sums.keys(), f"of {url_pattern} over {shard_range}")
-    return Manifest(source, kind, [
-        ShardEntry(name, url, "validation" if name in val else "train", None, sums.get(name))
-        for name, url in ((shard_name(u), u) for u in urls)
-    ])
+    return Manifest(
+        source,
+        kind,
+        [
+            ShardEntry(name, url, "validation" if name in val else "train", None, sums.get(name))
+            for name, url in ((shard_name(u), u) for u in urls)
+        ],
+    )
 
 
 @dataclass(frozen=True)
@@ -323,7 +332,9 @@ def _open_http(what: str, url: str):
     with resp:
         code = resp.status_code
         if code in (404, 410):
-            raise GhostvisError(f"{what} not found (HTTP {code}); check the source's URL pattern and shard range in the manifest")
+            raise GhostvisError(
+                f"{what} not found (HTTP {code}); check the source's URL pattern and shard range in the manifest"
+            )
         if code in (401, 403):
             raise GhostvisError(
                 f"{what} refused (HTTP {code}); for a gated or private Hugging Face dataset set HF_TOKEN "
@@ -348,7 +359,14 @@ def _http_chunks(resp) -> Iterator[bytes]:
 # --- s3:// (boto3, imported lazily: file:// and http users do not pay for it) -----------------------
 
 _S3_MISSING = {"NoSuchKey", "NoSuchBucket", "NotFound", "404"}
-_S3_TRANSIENT = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError", "ServiceUnavailable"}
+_S3_TRANSIENT = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "InternalError",
+    "ServiceUnavailable",
+}
 
 
 def _s3_client():
@@ -387,7 +405,9 @@ def _s3_errors(what: str):
         code = str(e.response.get("Error", {}).get("Code", ""))
         status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         if code in _S3_MISSING:
-            raise GhostvisError(f"{what} not found (S3 {code}); check the bucket, the key and the shard range in the manifest") from None
+            raise GhostvisError(
+                f"{what} not found (S3 {code}); check the bucket, the key and the shard range in the manifest"
+            ) from None
         if code in _S3_TRANSIENT or status == 429 or status >= 500:
             raise _Transient(f"S3 {code or 'error'} (HTTP {status})") from None
         raise GhostvisError(
@@ -457,7 +477,9 @@ def _list_s3(what: str, url: str, suffix: str, page_size: int) -> list[tuple[str
     with _s3_errors(what):
         paginator = _s3_client().get_paginator("list_objects_v2")
         for page in paginator.paginate(Bucket=bucket, Prefix=prefix, PaginationConfig={"PageSize": page_size}):
-            out += [(f"s3://{bucket}/{o['Key']}", o["Size"]) for o in page.get("Contents", []) if o["Key"].endswith(suffix)]
+            out += [
+                (f"s3://{bucket}/{o['Key']}", o["Size"]) for o in page.get("Contents", []) if o["Key"].endswith(suffix)
+            ]
     return sorted(out)
 
 

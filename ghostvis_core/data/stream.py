@@ -30,7 +30,7 @@ class ShardRef:
     content_sha256: str = ""
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ShardRef":
+    def from_dict(cls, d: dict) -> ShardRef:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
@@ -55,9 +55,7 @@ class SourceStream:
 
     def __init__(self, source: str, refs: list[ShardRef], seed: int):
         if not refs:
-            raise GhostvisError(
-                f"source '{source}': no tokenized shards selected; materialize tokenized_shards for it"
-            )
+            raise GhostvisError(f"source '{source}': no tokenized shards selected; materialize tokenized_shards for it")
         self.source = source
         self.refs = sorted(refs, key=lambda r: r.shard_id)
         self.seed = seed

@@ -1,19 +1,20 @@
 """Tokenize raw Parquet shards into token shards and ledger rows, as a datatrove pipeline.
 
-One datatrove task per shard; LocalPipelineExecutor fans the tasks out over worker processes
-(the Slurm executor takes the same pipeline on a cluster). The reader keeps each document's raw
-row index, so every token can be traced back to (shard, row).
+One datatrove task per shard; LocalPipelineExecutor fans the tasks out over worker processes (run_locally),
+each loading the run's tokenizer once (the Slurm executor takes the same pipeline on a cluster). The reader
+keeps each document's raw row index, so every token can be traced back to (shard, row).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -55,10 +56,13 @@ def job_for_shard(store: Store, manifest: Manifest, shard_id: str) -> TokenizeJo
     content_sha256 = recorded_sha256(store, shard_id)
     if content_sha256 is None:
         if not store.exists("raw_shard", shard_id):
-            raise GhostvisError(f"raw shard {shard_id} is not downloaded; materialize raw_shards partition {shard_id} first")
+            raise GhostvisError(
+                f"raw shard {shard_id} is not downloaded; materialize raw_shards partition {shard_id} first"
+            )
         content_sha256 = sha256_file(store.fetch("raw_shard", shard_id))
-    return TokenizeJob(shard_id, manifest.source, shard_split(store, manifest, shard_id, content_sha256),
-                       content_sha256, manifest.kind)
+    return TokenizeJob(
+        shard_id, manifest.source, shard_split(store, manifest, shard_id, content_sha256), content_sha256, manifest.kind
+    )
 
 
 @dataclass(frozen=True)
@@ -71,7 +75,7 @@ class JobsFile:
     count: int
 
     @classmethod
-    def write(cls, jobs: list[TokenizeJob], path: Path) -> "JobsFile":
+    def write(cls, jobs: list[TokenizeJob], path: Path) -> JobsFile:
         table = pa.Table.from_pylist([asdict(j) for j in jobs])
         path.parent.mkdir(parents=True, exist_ok=True)
         with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
@@ -85,21 +89,27 @@ class JobsFile:
         with pa.memory_map(self.path) as source:
             row = pa.ipc.open_file(source).read_all().slice(rank, 1).to_pylist()
         if not row:
-            raise GhostvisError(f"tokenization task {rank}: no such job in {self.path} ({self.count} jobs); "
-                                "re-materialize the partitions")
+            raise GhostvisError(
+                f"tokenization task {rank}: no such job in {self.path} ({self.count} jobs); "
+                "re-materialize the partitions"
+            )
         return TokenizeJob(**row[0])
 
 
 def raw_file(store: Store, job: TokenizeJob) -> Path:
     """The raw shard a worker reads (fetched to its node), refused if its content is not the job's."""
     if not store.exists("raw_shard", job.shard_id):
-        raise GhostvisError(f"raw shard {job.shard_id} is not in the store ({store.uri_of('raw_shard', job.shard_id)}); "
-                            f"materialize raw_shards partition {job.shard_id}")
+        raise GhostvisError(
+            f"raw shard {job.shard_id} is not in the store ({store.uri_of('raw_shard', job.shard_id)}); "
+            f"materialize raw_shards partition {job.shard_id}"
+        )
     path = store.fetch("raw_shard", job.shard_id)
     got = sha256_file(path)
     if got != job.content_sha256:
-        raise GhostvisError(f"raw shard {job.shard_id} ({path}): content changed since it was recorded (expected "
-                            f"sha256 {job.content_sha256}, got {got}); re-materialize raw_shards partition {job.shard_id}")
+        raise GhostvisError(
+            f"raw shard {job.shard_id} ({path}): content changed since it was recorded (expected "
+            f"sha256 {job.content_sha256}, got {got}); re-materialize raw_shards partition {job.shard_id}"
+        )
     return path
 
 
@@ -144,8 +154,11 @@ class RawShardReader(ParquetReader):
                         row += 1
                     continue
                 for record in batch.to_pylist():
-                    yield Document(text=_record_text(job.kind, record), id=f"{job.shard_id}#{row}",
-                                   metadata={"row": row, "record": record})
+                    yield Document(
+                        text=_record_text(job.kind, record),
+                        id=f"{job.shard_id}#{row}",
+                        metadata={"row": row, "record": record},
+                    )
                     row += 1
         except GhostvisError:
             raise
@@ -200,22 +213,22 @@ class TokenShardWriter(PipelineStep):
         try:
             self.tokenize(job, data)
         except Exception as exc:
-            reason = str(exc) if isinstance(exc, GhostvisError) else f"shard {job.shard_id}: {type(exc).__name__}: {exc}"
+            reason = (
+                str(exc) if isinstance(exc, GhostvisError) else f"shard {job.shard_id}: {type(exc).__name__}: {exc}"
+            )
             atomic_write(error_file(Path(self.errors_dir), job.shard_id), reason)
         return
         yield  # a datatrove step is a generator; this one consumes and writes, yielding nothing
 
     def tokenize(self, job: TokenizeJob, data) -> None:
         store = open_store(self.store_uri)
-        tok = load_tokenizer(self.tokenizer_id, store)
+        tok = run_tokenizer(self.store_uri, self.tokenizer_id)
         dtype = token_dtype(tok.vocab_size)
-        rows: list[int] = []
         lists: dict[str, tuple[list[int], list]] = {}  # column -> (lengths, chunks of values)
         scalars: dict[str, list] = {}
-        text_bytes = 0
         dropped: dict[str, dict[str, int]] = {}
-        doc_hashes, doc_ngrams = [], []  # per kept document: its doc_hash, its winnowed 13-gram hashes
-        seen: set[str] = set()
+        rows, doc_hashes, doc_ngrams = [], [], []  # per kept document: its row, doc_hash, winnowed 13-gram hashes
+        text_bytes, seen = 0, set()  # the kept documents' UTF-8 bytes; their doc_hashes
         for doc in data:
             reason = doc.metadata.get("dropped")
             raw = doc.text.encode("utf-8")
@@ -225,9 +238,9 @@ class TokenShardWriter(PipelineStep):
             elif reason is None and digest in seen:
                 reason = "exact_duplicate"
             if reason is not None:  # counted with its tokens, so the ledger explains raw vs trained
+                tokens = len(encode_document(tok, job.kind, doc)["tokens"]) if raw else 0
                 d = dropped.setdefault(reason, {"docs": 0, "tokens": 0})
-                d["docs"] += 1
-                d["tokens"] += len(encode_document(tok, job.kind, doc)["tokens"]) if raw else 0
+                d["docs"], d["tokens"] = d["docs"] + 1, d["tokens"] + tokens
                 continue
             seen.add(digest)
             for col, value in encode_document(tok, job.kind, doc).items():
@@ -241,14 +254,7 @@ class TokenShardWriter(PipelineStep):
             doc_hashes.append(digest)
             doc_ngrams.append(sorted(fingerprints(ngram_text(job.kind, doc))))
             text_bytes += len(raw)
-        columns = {"row": pa.array(rows, pa.int64())}
-        for col, (lengths, chunks) in lists.items():
-            flat = np.concatenate(chunks) if chunks else np.zeros(0, np.uint32)
-            columns[col] = list_column(lengths, flat, np.uint8 if col == "mask" else dtype)
-        for col, values in scalars.items():
-            columns[col] = pa.array(values, pa.binary() if col == "image" else pa.int64())
-        if "tokens" not in columns:
-            columns["tokens"] = list_column([], [], dtype)
+        columns = token_columns(rows, lists, scalars, dtype)
         n_tokens = sum(lists.get("tokens", ([], []))[0])
         token_file = store.writable("token_shard", tok.tokenizer_id, job.shard_id)
         write_token_shard(token_file, columns)
@@ -256,15 +262,38 @@ class TokenShardWriter(PipelineStep):
         self.stat_update("tokens", value=n_tokens, unit="shard")
         ledger = Ledger.in_store(store)
         write_documents(ledger, job, rows, doc_hashes, doc_ngrams)
-        ledger.write_shard({
-            "shard_id": job.shard_id, "source": job.source, "split": job.split, "kind": job.kind,
-            "content_sha256": job.content_sha256, "raw_bytes": store.fetch("raw_shard", job.shard_id).stat().st_size,
-            "tokenizer_id": tok.tokenizer_id, "docs": len(rows), "tokens": n_tokens,
-            "text_bytes": text_bytes, "docs_dropped": sum(d["docs"] for d in dropped.values()),
-            "tokens_dropped": sum(d["tokens"] for d in dropped.values()),
-            "drop_reasons": json.dumps(dropped, sort_keys=True),
-            "token_path": str(token_file),
-        })
+        ledger.write_shard(
+            {
+                "shard_id": job.shard_id,
+                "source": job.source,
+                "split": job.split,
+                "kind": job.kind,
+                "content_sha256": job.content_sha256,
+                "raw_bytes": store.fetch("raw_shard", job.shard_id).stat().st_size,
+                "tokenizer_id": tok.tokenizer_id,
+                "docs": len(rows),
+                "tokens": n_tokens,
+                "text_bytes": text_bytes,
+                "docs_dropped": sum(d["docs"] for d in dropped.values()),
+                "tokens_dropped": sum(d["tokens"] for d in dropped.values()),
+                "drop_reasons": json.dumps(dropped, sort_keys=True),
+                "token_path": str(token_file),
+            }
+        )
+
+
+def token_columns(rows: list[int], lists: dict[str, tuple[list[int], list]], scalars: dict[str, list], dtype) -> dict:
+    """A token file's Arrow columns: the row numbers, each list column (tokens, mask, ...) flattened with
+    its lengths, each scalar column; an empty shard still has its tokens column."""
+    columns = {"row": pa.array(rows, pa.int64())}
+    for col, (lengths, chunks) in lists.items():
+        flat = np.concatenate(chunks) if chunks else np.zeros(0, np.uint32)
+        columns[col] = list_column(lengths, flat, np.uint8 if col == "mask" else dtype)
+    for col, values in scalars.items():
+        columns[col] = pa.array(values, pa.binary() if col == "image" else pa.int64())
+    if "tokens" not in columns:
+        columns["tokens"] = list_column([], [], dtype)
+    return columns
 
 
 def doc_hash(kind: str, text_utf8: bytes, doc: Document) -> str:
@@ -276,13 +305,20 @@ def doc_hash(kind: str, text_utf8: bytes, doc: Document) -> str:
     return h.hexdigest()
 
 
-def write_documents(ledger: Ledger, job: TokenizeJob, rows: list[int], hashes: list[str],
-                    ngrams: list[list[int]]) -> None:
+def write_documents(
+    ledger: Ledger, job: TokenizeJob, rows: list[int], hashes: list[str], ngrams: list[list[int]]
+) -> None:
     """The shard's per-document ledger tables: doc hashes (exact duplicates, train/validation overlap)
     and 13-gram fingerprints (the decontamination gate), both keyed by the raw row."""
     ledger.write_doc_hashes(job.shard_id, job.source, job.split, job.content_sha256, rows, hashes)
-    ledger.write_ngrams(job.shard_id, job.source, job.split, job.content_sha256,
-                        [row for row, kept in zip(rows, ngrams) for _ in kept], [h for kept in ngrams for h in kept])
+    ledger.write_ngrams(
+        job.shard_id,
+        job.source,
+        job.split,
+        job.content_sha256,
+        [row for row, kept in zip(rows, ngrams) for _ in kept],
+        [h for kept in ngrams for h in kept],
+    )
 
 
 def ngram_text(kind: str, doc: Document) -> str:
@@ -300,8 +336,12 @@ class CountedFilters(PipelineStep):
     name = "🔻 GhostVis filters"
     type = "🔻 - FILTER"
 
-    def __init__(self, filters: dict[str, list[str]], jobs: Sequence[TokenizeJob],
-                 removed: Callable[[str], dict[int, str]] | None = None):
+    def __init__(
+        self,
+        filters: dict[str, list[str]],
+        jobs: Sequence[TokenizeJob],
+        removed: Callable[[str], dict[int, str]] | None = None,
+    ):
         super().__init__()
         self.specs = filters
         self.jobs = jobs
@@ -332,7 +372,9 @@ def build_filter(spec: str) -> BaseFilter:
         return RegexFilter(arg)
     if name == "fineweb_quality":
         return FineWebQualityFilter()
-    raise GhostvisError(f"unknown filter '{spec}'; use min_chars=N, max_chars=N, regex_exclude=PATTERN or fineweb_quality")
+    raise GhostvisError(
+        f"unknown filter '{spec}'; use min_chars=N, max_chars=N, regex_exclude=PATTERN or fineweb_quality"
+    )
 
 
 def error_file(errors_dir: Path, shard_id: str) -> Path:
@@ -367,10 +409,38 @@ class TokenizeReport:
     drop_reasons: str = "{}"
 
 
+@functools.cache
+def run_tokenizer(store_uri: str, tokenizer_id: str) -> Tokenizer:
+    """The tokenizer of a run, loaded once per process: a worker parses its ranks for its first shard only."""
+    return load_tokenizer(tokenizer_id, open_store(store_uri))
+
+
 def run_locally(pipeline: list, tasks: int, workers: int, logging_dir: Path) -> None:
-    """datatrove worker processes on this machine."""
-    LocalPipelineExecutor(pipeline=pipeline, tasks=tasks, workers=workers, logging_dir=str(logging_dir),
-                          skip_completed=False).run()
+    """datatrove worker processes on this machine, started by datatrove's default method (forkserver): each
+    re-imports its modules (~1,000) before its first task. Forking them from the caller would save that, but
+    the caller is often a Dagster step, and a forked worker inherits Dagster's signal handlers: when the pool
+    stops its workers, a handler raises inside the worker's exit and the pool never joins (seen in the demo)."""
+    LocalPipelineExecutor(
+        pipeline=pipeline,
+        tasks=tasks,
+        workers=workers,
+        logging_dir=str(logging_dir),
+        skip_completed=False,
+    ).run()
+
+
+def raise_failures(todo: list[TokenizeJob], n_jobs: int, errors_dir: Path) -> None:
+    """Every shard whose worker left an error file, in one error: the others are done and recorded."""
+    failed = {
+        j.shard_id: error_file(errors_dir, j.shard_id).read_text()
+        for j in todo
+        if error_file(errors_dir, j.shard_id).exists()
+    }
+    if failed:
+        raise GhostvisError(
+            f"{len(failed)} of {n_jobs} shards failed to tokenize ({n_jobs - len(failed)} others are done and "
+            "recorded; a re-run skips them): " + " | ".join(failed.values())
+        )
 
 
 def tokenize_shards(
@@ -393,7 +463,7 @@ def tokenize_shards(
     for specs in (filters or {}).values():
         for spec in specs:
             build_filter(spec)  # fail on a bad spec before any work
-    tok = load_tokenizer(tokenizer_id, store)
+    tok = run_tokenizer(store.uri, tokenizer_id)
     ledger = Ledger.in_store(store)
     todo = [j for j in jobs if not is_done(j, ledger, store, tok.tokenizer_id)]
     t0 = time.time()
@@ -401,22 +471,30 @@ def tokenize_shards(
     errors_dir = logging_dir / "errors" / run_id
     if todo:
         todo_file = JobsFile.write(todo, logging_dir / "jobs" / f"{run_id}.arrow")  # beside datatrove's own files
-        pipeline = [RawShardReader(todo_file, store.uri), CountedFilters(filters or {}, todo_file, removed),
-                    TokenShardWriter(todo_file, store.uri, tok.tokenizer_id, str(errors_dir))]
+        pipeline = [
+            RawShardReader(todo_file, store.uri),
+            CountedFilters(filters or {}, todo_file, removed),
+            TokenShardWriter(todo_file, store.uri, tok.tokenizer_id, str(errors_dir)),
+        ]
         (run_pipeline or run_locally)(pipeline, len(todo), max(1, min(workers, len(todo))), logging_dir)
         ledger = Ledger.in_store(store)  # the workers' rows (fetched again when the store is remote)
     seconds = time.time() - t0
-    failed = {j.shard_id: error_file(errors_dir, j.shard_id).read_text() for j in todo
-              if error_file(errors_dir, j.shard_id).exists()}
-    if failed:
-        done = len(jobs) - len(failed)
-        raise GhostvisError(f"{len(failed)} of {len(jobs)} shards failed to tokenize ({done} others are done and "
-                            "recorded; a re-run skips them): " + " | ".join(failed.values()))
+    raise_failures(todo, len(jobs), errors_dir)
     reports = []
     todo_ids = {j.shard_id for j in todo}
     for j in jobs:
         rec = pq.read_table(ledger.shard_record_path(j.shard_id, tok.tokenizer_id, j.content_sha256)).to_pylist()[0]
-        reports.append(TokenizeReport(j.shard_id, j.shard_id not in todo_ids, rec["docs"], rec["tokens"],
-                                      rec["text_bytes"], round(seconds, 3), rec["docs_dropped"], rec["tokens_dropped"],
-                                      rec["drop_reasons"]))
+        reports.append(
+            TokenizeReport(
+                j.shard_id,
+                j.shard_id not in todo_ids,
+                rec["docs"],
+                rec["tokens"],
+                rec["text_bytes"],
+                round(seconds, 3),
+                rec["docs_dropped"],
+                rec["tokens_dropped"],
+                rec["drop_reasons"],
+            )
+        )
     return reports

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import tiktoken
-from tokenizers import Regex, Tokenizer as HFTokenizer, models, pre_tokenizers, trainers
+from tokenizers import Regex, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import Store
@@ -40,7 +41,10 @@ _BLOB = "https://openaipublic.blob.core.windows.net"
 _STANDARD_FILES = {
     "gpt2": [
         (f"{_BLOB}/gpt-2/encodings/main/vocab.bpe", "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"),
-        (f"{_BLOB}/gpt-2/encodings/main/encoder.json", "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"),
+        (
+            f"{_BLOB}/gpt-2/encodings/main/encoder.json",
+            "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783",
+        ),
     ],
     "cl100k_base": [
         (f"{_BLOB}/encodings/cl100k_base.tiktoken", "223921b76ee99bde995b7ff738513eef100fb51d18c93597a113bcffe865b2a7"),
@@ -154,8 +158,9 @@ def newest_tokenizer(store: Store) -> str:
     """The id of the tokenizer added to the store last."""
     found = store.keys("tokenizer")
     if not found:
-        raise GhostvisError(f"no tokenizer in the store {store.uri}; materialize the `tokenizer` asset first "
-                            "(or run `ghostvis demo`)")
+        raise GhostvisError(
+            f"no tokenizer in the store {store.uri}; materialize the `tokenizer` asset first (or run `ghostvis demo`)"
+        )
     return found[-1][0]
 
 

@@ -11,7 +11,7 @@ Each source holds out 8% of its documents as validation, independently, yet the 
 module's docstrings are both a prose document and part of its code. So after the split, a training
 document of either source that shares any 13-gram fingerprint with a validation document of either
 source, or with a shipped evaluation item, is dropped (ghostvis_core/data/decontaminate.py; stricter
-than the gate's `contamination.max_overlap`). The generated task data (demo_tasks.py) shares no
+than the gate's `contamination.max_overlap`). The generated task data (demo/tasks.py) shares no
 13-word run with stdlib text (tests/test_demo_corpus.py checks both directions).
 
 The build is deterministic (sorted directory walks, a fixed seed, no timestamps), so the same

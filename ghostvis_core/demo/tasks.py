@@ -29,7 +29,7 @@ split, a training row that shares any 13-gram fingerprint (the text the tokeniza
 evaluation item, is dropped (ghostvis_core/data/decontaminate.py; stricter than the gate's
 `contamination.max_overlap`). A source therefore has somewhat fewer training rows than SPLIT_SIZES
 generates; rows shorter than 13 words (every caption) have no fingerprint and are kept. The stdlib
-text sources (demo_corpus.py) share no 13-word run with these rows (tests/test_demo_corpus.py).
+text sources (demo/corpus.py) share no 13-word run with these rows (tests/test_demo_corpus.py).
 
 The build is deterministic (one seeded `random.Random` per source, no timestamps, no set
 iteration), so the same installation always yields byte-identical shards.
@@ -79,16 +79,28 @@ IMAGE_PLACEHOLDER = "<|image|>"  # the same literal as ghostvis_core.data.chat.I
 MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
 SCHEMAS: dict[str, pa.Schema] = {
     "demo_reasoning": pa.schema(
-        [("text", pa.string()), ("question", pa.string()), ("solution", pa.string()),
-         ("answer", pa.string()), ("id", pa.string())]
+        [
+            ("text", pa.string()),
+            ("question", pa.string()),
+            ("solution", pa.string()),
+            ("answer", pa.string()),
+            ("id", pa.string()),
+        ]
     ),
     "demo_chat": pa.schema([("messages", pa.list_(MESSAGE_TYPE)), ("image", pa.binary()), ("id", pa.string())]),
     "demo_prefs": pa.schema(
         [("prompt", pa.string()), ("chosen", pa.string()), ("rejected", pa.string()), ("id", pa.string())]
     ),
     "demo_images": pa.schema(
-        [("image", pa.binary()), ("caption", pa.string()), ("shape", pa.string()), ("color", pa.string()),
-         ("count", pa.int64()), ("position", pa.string()), ("id", pa.string())]
+        [
+            ("image", pa.binary()),
+            ("caption", pa.string()),
+            ("shape", pa.string()),
+            ("color", pa.string()),
+            ("count", pa.int64()),
+            ("position", pa.string()),
+            ("id", pa.string()),
+        ]
     ),
 }
 
@@ -220,8 +232,9 @@ def _held_out() -> frozenset[int]:
     """What no training row may share a fingerprint with: the validation rows of every task source,
     whatever its kind (the gate compares across kinds, and chats and preference pairs come from the
     same Q&A templates), and the shipped evaluation items. Cached: every source's build needs all of it."""
-    return held_out_fingerprints(record_text(kind, row) for source, kind in TASK_SOURCES.items()
-                                 for row in _generate(source)[1])
+    return held_out_fingerprints(
+        record_text(kind, row) for source, kind in TASK_SOURCES.items() for row in _generate(source)[1]
+    )
 
 
 # --- shared helpers ---------------------------------------------------------------------------
@@ -242,8 +255,9 @@ def _content_key(source: str, row: dict) -> tuple[bytes, ...]:
     return (row["image"], row["caption"].encode())
 
 
-def _unique(rng: random.Random, make: Callable[[random.Random], dict], key: Callable[[dict], object],
-            n: int, what: str) -> list[dict]:
+def _unique(
+    rng: random.Random, make: Callable[[random.Random], dict], key: Callable[[dict], object], n: int, what: str
+) -> list[dict]:
     """n rows from `make` whose keys are pairwise different (duplicates are drawn again)."""
     rows: list[dict] = []
     seen: set = set()  # membership only; never iterated, so the order stays seeded
@@ -282,33 +296,97 @@ def _split(rng: random.Random, rows: list[dict], n_val: int) -> tuple[list[dict]
 # --- shared vocabulary ------------------------------------------------------------------------
 
 _NAMES = (
-    ("Tom", "He", "his"), ("Anna", "She", "her"), ("Ben", "He", "his"), ("Lily", "She", "her"),
-    ("Sam", "He", "his"), ("Maya", "She", "her"), ("Leo", "He", "his"), ("Emma", "She", "her"),
-    ("Omar", "He", "his"), ("Sofia", "She", "her"), ("Max", "He", "his"), ("Nora", "She", "her"),
-    ("Jack", "He", "his"), ("Zoe", "She", "her"), ("Ravi", "He", "his"), ("Mia", "She", "her"),
-    ("Carlos", "He", "his"), ("Hana", "She", "her"), ("Owen", "He", "his"), ("Lucy", "She", "her"),
-    ("Ali", "He", "his"), ("Ella", "She", "her"), ("Finn", "He", "his"), ("Grace", "She", "her"),
-    ("Noah", "He", "his"), ("Ivy", "She", "her"), ("Kai", "He", "his"), ("Ruby", "She", "her"),
-    ("Luis", "He", "his"), ("Aisha", "She", "her"), ("Hugo", "He", "his"), ("Chloe", "She", "her"),
-    ("Eli", "He", "his"), ("Nina", "She", "her"), ("Theo", "He", "his"), ("Julia", "She", "her"),
-    ("Adam", "He", "his"), ("Rosa", "She", "her"), ("Kenji", "He", "his"), ("Priya", "She", "her"),
+    ("Tom", "He", "his"),
+    ("Anna", "She", "her"),
+    ("Ben", "He", "his"),
+    ("Lily", "She", "her"),
+    ("Sam", "He", "his"),
+    ("Maya", "She", "her"),
+    ("Leo", "He", "his"),
+    ("Emma", "She", "her"),
+    ("Omar", "He", "his"),
+    ("Sofia", "She", "her"),
+    ("Max", "He", "his"),
+    ("Nora", "She", "her"),
+    ("Jack", "He", "his"),
+    ("Zoe", "She", "her"),
+    ("Ravi", "He", "his"),
+    ("Mia", "She", "her"),
+    ("Carlos", "He", "his"),
+    ("Hana", "She", "her"),
+    ("Owen", "He", "his"),
+    ("Lucy", "She", "her"),
+    ("Ali", "He", "his"),
+    ("Ella", "She", "her"),
+    ("Finn", "He", "his"),
+    ("Grace", "She", "her"),
+    ("Noah", "He", "his"),
+    ("Ivy", "She", "her"),
+    ("Kai", "He", "his"),
+    ("Ruby", "She", "her"),
+    ("Luis", "He", "his"),
+    ("Aisha", "She", "her"),
+    ("Hugo", "He", "his"),
+    ("Chloe", "She", "her"),
+    ("Eli", "He", "his"),
+    ("Nina", "She", "her"),
+    ("Theo", "He", "his"),
+    ("Julia", "She", "her"),
+    ("Adam", "He", "his"),
+    ("Rosa", "She", "her"),
+    ("Kenji", "He", "his"),
+    ("Priya", "She", "her"),
 )
 _OBJECTS = (
-    ("apple", "apples"), ("pencil", "pencils"), ("marble", "marbles"), ("sticker", "stickers"),
-    ("book", "books"), ("cookie", "cookies"), ("coin", "coins"), ("card", "cards"), ("shell", "shells"),
-    ("stamp", "stamps"), ("balloon", "balloons"), ("crayon", "crayons"), ("egg", "eggs"),
-    ("flower", "flowers"), ("toy car", "toy cars"), ("ribbon", "ribbons"), ("button", "buttons"),
-    ("candy", "candies"), ("cupcake", "cupcakes"), ("banana", "bananas"), ("rock", "rocks"),
-    ("feather", "feathers"), ("bead", "beads"), ("cherry", "cherries"), ("peach", "peaches"),
-    ("lemon", "lemons"), ("kite", "kites"), ("sock", "socks"),
+    ("apple", "apples"),
+    ("pencil", "pencils"),
+    ("marble", "marbles"),
+    ("sticker", "stickers"),
+    ("book", "books"),
+    ("cookie", "cookies"),
+    ("coin", "coins"),
+    ("card", "cards"),
+    ("shell", "shells"),
+    ("stamp", "stamps"),
+    ("balloon", "balloons"),
+    ("crayon", "crayons"),
+    ("egg", "eggs"),
+    ("flower", "flowers"),
+    ("toy car", "toy cars"),
+    ("ribbon", "ribbons"),
+    ("button", "buttons"),
+    ("candy", "candies"),
+    ("cupcake", "cupcakes"),
+    ("banana", "bananas"),
+    ("rock", "rocks"),
+    ("feather", "feathers"),
+    ("bead", "beads"),
+    ("cherry", "cherries"),
+    ("peach", "peaches"),
+    ("lemon", "lemons"),
+    ("kite", "kites"),
+    ("sock", "socks"),
 )
 _CONTAINERS = (
-    ("box", "boxes"), ("bag", "bags"), ("jar", "jars"), ("basket", "baskets"), ("pack", "packs"),
-    ("tray", "trays"), ("bowl", "bowls"), ("crate", "crates"),
+    ("box", "boxes"),
+    ("bag", "bags"),
+    ("jar", "jars"),
+    ("basket", "baskets"),
+    ("pack", "packs"),
+    ("tray", "trays"),
+    ("bowl", "bowls"),
+    ("crate", "crates"),
 )
 _PRICED = (
-    ("pen", "pens"), ("notebook", "notebooks"), ("ticket", "tickets"), ("sandwich", "sandwiches"),
-    ("toy", "toys"), ("comic", "comics"), ("plant", "plants"), ("mug", "mugs"), ("ball", "balls"),
+    ("pen", "pens"),
+    ("notebook", "notebooks"),
+    ("ticket", "tickets"),
+    ("sandwich", "sandwiches"),
+    ("toy", "toys"),
+    ("comic", "comics"),
+    ("plant", "plants"),
+    ("mug", "mugs"),
+    ("ball", "balls"),
 )
 _GAIN = ("buys", "finds", "gets", "picks up", "is given", "receives", "wins")
 _GAIN_PAST = ("bought", "found", "got", "picked up", "was given", "received", "won")
@@ -329,11 +407,14 @@ def _apply(a: int, op: str, b: int) -> int:
 def _r_add(rng):
     (n, p, _), (_, objs) = _people(rng, 1)[0], _pick(rng, _OBJECTS)
     a, b = rng.randint(2, 40), rng.randint(1, 30)
-    q = _pick(rng, (
-        f"{n} has {a} {objs}. {p} {_pick(rng, _GAIN)} {b} more. How many {objs} does {n} have now?",
-        f"There are {a} {objs} on a table. {n} puts {b} more on it. How many {objs} are on the table?",
-        f"{n} had {a} {objs} and then {_pick(rng, _GAIN_PAST)} {b} more. How many {objs} does {n} have?",
-    ))
+    q = _pick(
+        rng,
+        (
+            f"{n} has {a} {objs}. {p} {_pick(rng, _GAIN)} {b} more. How many {objs} does {n} have now?",
+            f"There are {a} {objs} on a table. {n} puts {b} more on it. How many {objs} are on the table?",
+            f"{n} had {a} {objs} and then {_pick(rng, _GAIN_PAST)} {b} more. How many {objs} does {n} have?",
+        ),
+    )
     return q, [(a, "+", b)]
 
 
@@ -341,11 +422,14 @@ def _r_sub(rng):
     (n, p, _), (_, objs) = _people(rng, 1)[0], _pick(rng, _OBJECTS)
     a = rng.randint(5, 50)
     b = rng.randint(1, a - 1)
-    q = _pick(rng, (
-        f"{n} has {a} {objs}. {p} {_pick(rng, _LOSS)} {b} of them. How many {objs} are left?",
-        f"A shop has {a} {objs}. It sells {b}. How many {objs} does the shop have left?",
-        f"{n} has {a} {objs} and {_pick(rng, _LOSS)} {b}. How many {objs} does {n} have left?",
-    ))
+    q = _pick(
+        rng,
+        (
+            f"{n} has {a} {objs}. {p} {_pick(rng, _LOSS)} {b} of them. How many {objs} are left?",
+            f"A shop has {a} {objs}. It sells {b}. How many {objs} does the shop have left?",
+            f"{n} has {a} {objs} and {_pick(rng, _LOSS)} {b}. How many {objs} does {n} have left?",
+        ),
+    )
     return q, [(a, "-", b)]
 
 
@@ -355,7 +439,10 @@ def _r_add_sub(rng):
     a, b = rng.randint(2, 30), rng.randint(1, 20)
     c = rng.randint(1, a + b - 1)
     loss = _pick(rng, (f"gives {c} away", f"loses {c}", f"sells {c}", f"gives {c} to {n2}"))
-    q = f"{n} has {a} {objs}. {p} {_pick(rng, ('buys', 'finds', 'gets'))} {b} more and {loss}. How many {objs} does {n} have?"
+    q = (
+        f"{n} has {a} {objs}. {p} {_pick(rng, ('buys', 'finds', 'gets'))} {b} more and {loss}. "
+        f"How many {objs} does {n} have?"
+    )
     return q, [(a, "+", b), (a + b, "-", c)]
 
 
@@ -365,26 +452,33 @@ def _r_sub_add(rng):
     a = rng.randint(5, 40)
     b = rng.randint(1, a - 1)
     c = rng.randint(1, 20)
-    q = (f"{n} has {a} {objs}. {p} {_pick(rng, _LOSS)} {b}, and then {n2} gives {n} {c} more. "
-         f"How many {objs} does {n} have now?")
+    q = (
+        f"{n} has {a} {objs}. {p} {_pick(rng, _LOSS)} {b}, and then {n2} gives {n} {c} more. "
+        f"How many {objs} does {n} have now?"
+    )
     return q, [(a, "-", b), (a - b, "+", c)]
 
 
 def _r_mul(rng):
     (n, _, _), (cont, conts), (_, objs) = _people(rng, 1)[0], _pick(rng, _CONTAINERS), _pick(rng, _OBJECTS)
     a, b = rng.randint(2, 9), rng.randint(2, 11)
-    q = _pick(rng, (
-        f"{n} has {a} {conts}. Each {cont} holds {b} {objs}. How many {objs} does {n} have in total?",
-        f"There are {a} {conts} with {b} {objs} in each. How many {objs} are there altogether?",
-    ))
+    q = _pick(
+        rng,
+        (
+            f"{n} has {a} {conts}. Each {cont} holds {b} {objs}. How many {objs} does {n} have in total?",
+            f"There are {a} {conts} with {b} {objs} in each. How many {objs} are there altogether?",
+        ),
+    )
     return q, [(a, "*", b)]
 
 
 def _r_mul_add(rng):
     (n, p, _), (_, conts), (_, objs) = _people(rng, 1)[0], _pick(rng, _CONTAINERS), _pick(rng, _OBJECTS)
     a, b, c = rng.randint(2, 9), rng.randint(2, 10), rng.randint(1, 20)
-    q = (f"{n} buys {a} {conts} of {objs} with {b} {objs} in each. {p} already had {c} {objs}. "
-         f"How many {objs} does {n} have now?")
+    q = (
+        f"{n} buys {a} {conts} of {objs} with {b} {objs} in each. {p} already had {c} {objs}. "
+        f"How many {objs} does {n} have now?"
+    )
     return q, [(a, "*", b), (a * b, "+", c)]
 
 
@@ -392,10 +486,13 @@ def _r_mul_sub(rng):
     (n, _, _), (_, conts), (_, objs) = _people(rng, 1)[0], _pick(rng, _CONTAINERS), _pick(rng, _OBJECTS)
     a, b = rng.randint(2, 9), rng.randint(2, 10)
     c = rng.randint(1, a * b - 1)
-    q = _pick(rng, (
-        f"There are {a} {conts} with {b} {objs} each. {n} takes {c} {objs}. How many {objs} are left?",
-        f"{n} fills {a} {conts} with {b} {objs} each and then eats {c} of them. How many {objs} are left?",
-    ))
+    q = _pick(
+        rng,
+        (
+            f"There are {a} {conts} with {b} {objs} each. {n} takes {c} {objs}. How many {objs} are left?",
+            f"{n} fills {a} {conts} with {b} {objs} each and then eats {c} of them. How many {objs} are left?",
+        ),
+    )
     return q, [(a, "*", b), (a * b, "-", c)]
 
 
@@ -418,8 +515,10 @@ def _r_three(rng):
     a, b = rng.randint(2, 30), rng.randint(1, 20)
     c = rng.randint(1, a + b - 1)
     d = rng.randint(1, 15)
-    q = (f"{n} has {a} {objs}. {p} buys {b} more, gives {c} to {n2}, and then finds {d} more. "
-         f"How many {objs} does {n} have now?")
+    q = (
+        f"{n} has {a} {objs}. {p} buys {b} more, gives {c} to {n2}, and then finds {d} more. "
+        f"How many {objs} does {n} have now?"
+    )
     return q, [(a, "+", b), (a + b, "-", c), (a + b - c, "+", d)]
 
 
@@ -469,8 +568,20 @@ def _r_expr(rng):
     return q, steps
 
 
-_REASONING_FAMILIES = (_r_add, _r_sub, _r_add_sub, _r_sub_add, _r_mul, _r_mul_add, _r_mul_sub, _r_compare,
-                       _r_three, _r_double, _r_money, _r_expr)
+_REASONING_FAMILIES = (
+    _r_add,
+    _r_sub,
+    _r_add_sub,
+    _r_sub_add,
+    _r_mul,
+    _r_mul_add,
+    _r_mul_sub,
+    _r_compare,
+    _r_three,
+    _r_double,
+    _r_money,
+    _r_expr,
+)
 
 
 def _reasoning_doc(rng: random.Random) -> dict:
@@ -482,8 +593,12 @@ def _reasoning_doc(rng: random.Random) -> dict:
         lines.append(f"Step {i}: {a} {op} {b} = {result}.")
     solution = "\n".join(lines)
     answer = str(result)
-    return {"text": f"{question}\n{solution}\nAnswer: {answer}", "question": question,
-            "solution": solution, "answer": answer}
+    return {
+        "text": f"{question}\n{solution}\nAnswer: {answer}",
+        "question": question,
+        "solution": solution,
+        "answer": answer,
+    }
 
 
 def _reasoning_rows(rng, n_train, n_val):
@@ -495,24 +610,124 @@ def _reasoning_rows(rng, n_train, n_val):
 # Each family returns (user prompt, correct concise reply, a plausible wrong reply).
 
 _WORDS = (
-    "cat", "dog", "sun", "tree", "book", "fish", "bird", "milk", "rain", "star", "moon", "ship", "door", "lamp",
-    "cake", "frog", "hand", "leaf", "ring", "bell", "desk", "road", "king", "note", "rose", "sand", "wolf",
-    "bear", "gold", "salt", "snow", "wind", "apple", "house", "water", "bread", "chair", "table", "light",
-    "green", "plant", "river", "stone", "cloud", "smile", "train", "horse", "mouse", "paper", "music", "happy",
-    "dream", "ocean", "tiger", "lemon", "grape", "pencil", "garden", "window", "candle", "rabbit", "planet",
-    "yellow", "orange", "silver", "winter", "summer", "forest", "basket", "button", "castle", "dragon",
-    "flower", "jacket", "ladder", "monkey", "pepper", "rocket", "school", "spring",
+    "cat",
+    "dog",
+    "sun",
+    "tree",
+    "book",
+    "fish",
+    "bird",
+    "milk",
+    "rain",
+    "star",
+    "moon",
+    "ship",
+    "door",
+    "lamp",
+    "cake",
+    "frog",
+    "hand",
+    "leaf",
+    "ring",
+    "bell",
+    "desk",
+    "road",
+    "king",
+    "note",
+    "rose",
+    "sand",
+    "wolf",
+    "bear",
+    "gold",
+    "salt",
+    "snow",
+    "wind",
+    "apple",
+    "house",
+    "water",
+    "bread",
+    "chair",
+    "table",
+    "light",
+    "green",
+    "plant",
+    "river",
+    "stone",
+    "cloud",
+    "smile",
+    "train",
+    "horse",
+    "mouse",
+    "paper",
+    "music",
+    "happy",
+    "dream",
+    "ocean",
+    "tiger",
+    "lemon",
+    "grape",
+    "pencil",
+    "garden",
+    "window",
+    "candle",
+    "rabbit",
+    "planet",
+    "yellow",
+    "orange",
+    "silver",
+    "winter",
+    "summer",
+    "forest",
+    "basket",
+    "button",
+    "castle",
+    "dragon",
+    "flower",
+    "jacket",
+    "ladder",
+    "monkey",
+    "pepper",
+    "rocket",
+    "school",
+    "spring",
 )
 _SOUNDS = (
-    ("cow", "moo"), ("dog", "woof"), ("cat", "meow"), ("duck", "quack"), ("sheep", "baa"), ("pig", "oink"),
-    ("horse", "neigh"), ("owl", "hoot"), ("lion", "roar"), ("frog", "ribbit"), ("mouse", "squeak"),
-    ("bee", "buzz"), ("snake", "hiss"), ("crow", "caw"),
+    ("cow", "moo"),
+    ("dog", "woof"),
+    ("cat", "meow"),
+    ("duck", "quack"),
+    ("sheep", "baa"),
+    ("pig", "oink"),
+    ("horse", "neigh"),
+    ("owl", "hoot"),
+    ("lion", "roar"),
+    ("frog", "ribbit"),
+    ("mouse", "squeak"),
+    ("bee", "buzz"),
+    ("snake", "hiss"),
+    ("crow", "caw"),
 )
 _OPPOSITES = (
-    ("hot", "cold"), ("big", "small"), ("up", "down"), ("fast", "slow"), ("happy", "sad"), ("light", "dark"),
-    ("open", "closed"), ("early", "late"), ("full", "empty"), ("hard", "soft"), ("high", "low"),
-    ("long", "short"), ("loud", "quiet"), ("strong", "weak"), ("wet", "dry"), ("young", "old"),
-    ("day", "night"), ("in", "out"), ("yes", "no"), ("push", "pull"),
+    ("hot", "cold"),
+    ("big", "small"),
+    ("up", "down"),
+    ("fast", "slow"),
+    ("happy", "sad"),
+    ("light", "dark"),
+    ("open", "closed"),
+    ("early", "late"),
+    ("full", "empty"),
+    ("hard", "soft"),
+    ("high", "low"),
+    ("long", "short"),
+    ("loud", "quiet"),
+    ("strong", "weak"),
+    ("wet", "dry"),
+    ("young", "old"),
+    ("day", "night"),
+    ("in", "out"),
+    ("yes", "no"),
+    ("push", "pull"),
 )
 _SYSTEM_PROMPTS = (
     "You are a helpful assistant.",
@@ -532,16 +747,16 @@ def _qa_arith(rng):
     kind = rng.randrange(3)
     if kind == 0:
         a, b = rng.randint(1, 50), rng.randint(1, 50)
-        op, word, c = "+", "plus", a + b
+        op, c = "+", a + b
         prompt = _pick(rng, (f"What is {a} + {b}?", f"What is {a} plus {b}?", f"Add {a} and {b}."))
     elif kind == 1:
         a = rng.randint(2, 60)
         b = rng.randint(1, a)
-        op, word, c = "-", "minus", a - b
+        op, c = "-", a - b
         prompt = _pick(rng, (f"What is {a} - {b}?", f"What is {a} minus {b}?", f"Subtract {b} from {a}."))
     else:
         a, b = rng.randint(2, 12), rng.randint(2, 9)
-        op, word, c = "*", "times", a * b
+        op, c = "*", a * b
         prompt = _pick(rng, (f"What is {a} * {b}?", f"What is {a} times {b}?", f"Multiply {a} by {b}."))
     wrong = c + _pick(rng, (-3, -2, -1, 1, 2, 3, 10))
     if wrong < 0:
@@ -551,8 +766,15 @@ def _qa_arith(rng):
 
 def _qa_capital(rng):
     country, city = _pick(rng, capitals())
-    prompt = _pick(rng, (f"What is the capital of {country}?", f"Which city is the capital of {country}?",
-                         f"Name the capital of {country}.", f"What's the capital city of {country}?"))
+    prompt = _pick(
+        rng,
+        (
+            f"What is the capital of {country}?",
+            f"Which city is the capital of {country}?",
+            f"Name the capital of {country}.",
+            f"What's the capital city of {country}?",
+        ),
+    )
     wrong = _other(rng, capitals(), (country, city))[1]
     return prompt, f"The capital of {country} is {city}.", f"The capital of {country} is {wrong}."
 
@@ -561,7 +783,7 @@ def _qa_spell(rng):
     w = _pick(rng, _WORDS)
     prompt = _pick(rng, (f"Spell the word {w}.", f"How do you spell {w}?", f"Spell {w} letter by letter."))
     i = rng.randrange(len(w))
-    bad = w[:i] + w[i + 1:]  # a letter left out
+    bad = w[:i] + w[i + 1 :]  # a letter left out
     return prompt, f"The word {w} is spelled {'-'.join(w)}.", f"The word {w} is spelled {'-'.join(bad)}."
 
 
@@ -580,12 +802,16 @@ def _qa_greet(rng):
     name, wrong_name = person[0], _other(rng, _NAMES, person)[0]
     if rng.random() < 0.6:
         prompt = _pick(rng, (f"Say hello to {name}.", f"Greet {name}.", f"Please say hi to {name}."))
-        good, bad = f"Hello, {name}! Nice to meet you.", _pick(rng, (
-            f"Hello, {wrong_name}! Nice to meet you.", f"Goodbye, {name}! See you soon."))
+        good, bad = (
+            f"Hello, {name}! Nice to meet you.",
+            _pick(rng, (f"Hello, {wrong_name}! Nice to meet you.", f"Goodbye, {name}! See you soon.")),
+        )
     else:
         prompt = _pick(rng, (f"Say goodbye to {name}.", f"Please say bye to {name}."))
-        good, bad = f"Goodbye, {name}! See you soon.", _pick(rng, (
-            f"Goodbye, {wrong_name}! See you soon.", f"Hello, {name}! Nice to meet you."))
+        good, bad = (
+            f"Goodbye, {name}! See you soon.",
+            _pick(rng, (f"Goodbye, {wrong_name}! See you soon.", f"Hello, {name}! Nice to meet you.")),
+        )
     return prompt, good, bad
 
 
@@ -595,7 +821,7 @@ def _qa_count(rng):
     prompt = _pick(rng, (f"Count from {a} to {b}.", f"List the numbers from {a} to {b}."))
     nums = [str(i) for i in range(a, b + 1)]
     skip = rng.randrange(1, len(nums) - 1)
-    return prompt, ", ".join(nums) + ".", ", ".join(nums[:skip] + nums[skip + 1:]) + "."
+    return prompt, ", ".join(nums) + ".", ", ".join(nums[:skip] + nums[skip + 1 :]) + "."
 
 
 def _qa_compare(rng):
@@ -637,8 +863,17 @@ def _qa_upper(rng):
 
 # (family, weight): arithmetic is the biggest and the only one with thousands of distinct prompts
 _QA_FAMILIES = (
-    (_qa_arith, 5), (_qa_capital, 2), (_qa_spell, 1), (_qa_reverse, 1), (_qa_greet, 1), (_qa_count, 1),
-    (_qa_compare, 1), (_qa_next, 1), (_qa_sound, 1), (_qa_opposite, 1), (_qa_upper, 1),
+    (_qa_arith, 5),
+    (_qa_capital, 2),
+    (_qa_spell, 1),
+    (_qa_reverse, 1),
+    (_qa_greet, 1),
+    (_qa_count, 1),
+    (_qa_compare, 1),
+    (_qa_next, 1),
+    (_qa_sound, 1),
+    (_qa_opposite, 1),
+    (_qa_upper, 1),
 )
 _QA_TABLE = tuple(f for f, w in _QA_FAMILIES for _ in range(w))
 
@@ -650,25 +885,36 @@ def _qa(rng: random.Random) -> tuple[str, str, str]:
 # --- demo_chat --------------------------------------------------------------------------------
 
 
-def _image_qa(rng: random.Random, attr: str, shape: str, color: str, count: int, position: str,
-              first: bool) -> tuple[str, str]:
+def _image_qa(
+    rng: random.Random, attr: str, shape: str, color: str, count: int, position: str, first: bool
+) -> tuple[str, str]:
     one = count == 1
     noun = shape if one else shape + "s"
     where = POSITION_PHRASES[position]
     if attr == "color":
-        q = _pick(rng, ("What colour are the shapes?", "What color is the shape?", "Which colour do you see?",
-                        "What color are the objects in the picture?"))
+        q = _pick(
+            rng,
+            (
+                "What colour are the shapes?",
+                "What color is the shape?",
+                "Which colour do you see?",
+                "What color are the objects in the picture?",
+            ),
+        )
         a = f"The {noun} {'is' if one else 'are'} {color}."
     elif attr == "shape":
         q = _pick(rng, ("What shape is in the image?", "Which shape do you see?", "What kind of shape is shown?"))
         a = f"It is a {shape}." if one else f"They are {noun}."
     elif attr == "count":
-        q = _pick(rng, ("How many shapes are there?", "How many objects are in the picture?",
-                        "How many shapes can you see?"))
+        q = _pick(
+            rng, ("How many shapes are there?", "How many objects are in the picture?", "How many shapes can you see?")
+        )
         a = f"There is one {shape}." if one else f"There are {NUMBER_WORDS[count]} {noun}."
     elif attr == "position":
-        q = _pick(rng, ("Where is the shape?", "Where are the shapes in the image?",
-                        "In which part of the image are the shapes?"))
+        q = _pick(
+            rng,
+            ("Where is the shape?", "Where are the shapes in the image?", "In which part of the image are the shapes?"),
+        )
         a = f"{'It is' if one else 'They are'} {where}."
     else:
         q = _pick(rng, ("Describe the image.", "What do you see?", "Write a caption for this image."))
@@ -691,8 +937,10 @@ def _chat_row(rng: random.Random) -> dict:
         attrs = rng.sample(("color", "shape", "count", "position", "describe"), n_exchanges)
         for i, attr in enumerate(attrs):
             q, a = _image_qa(rng, attr, shape, color, count, position, first=i == 0)
-            messages += [{"role": "user", "content": f"{IMAGE_PLACEHOLDER}\n{q}" if i == 0 else q},
-                         {"role": "assistant", "content": a}]
+            messages += [
+                {"role": "user", "content": f"{IMAGE_PLACEHOLDER}\n{q}" if i == 0 else q},
+                {"role": "assistant", "content": a},
+            ]
     else:
         for i in range(n_exchanges):
             if i and i == n_exchanges - 1 and rng.random() < 0.2:
@@ -718,13 +966,16 @@ def _pref_row(rng: random.Random) -> dict:
         rejected = wrong
     else:  # does not stop: imitates the next user turn, sometimes answers it too, or rambles on
         p2, a2, _ = _qa(rng)
-        rejected = _pick(rng, (
-            f"{chosen}\nUser: {p2}",
-            f"{chosen}\nUser: {p2}\nAssistant: {a2}",
-            f"{chosen} {chosen} {chosen}",
-            f"{chosen} I hope this helps! Let me know if you have any other questions, "
-            f"I am always happy to help with anything else you need.",
-        ))
+        rejected = _pick(
+            rng,
+            (
+                f"{chosen}\nUser: {p2}",
+                f"{chosen}\nUser: {p2}\nAssistant: {a2}",
+                f"{chosen} {chosen} {chosen}",
+                f"{chosen} I hope this helps! Let me know if you have any other questions, "
+                f"I am always happy to help with anything else you need.",
+            ),
+        )
     return {"prompt": prompt, "chosen": chosen, "rejected": rejected}
 
 
@@ -751,8 +1002,16 @@ def _image_rows(rng, n_train, n_val):
         while (png := render_shape_image(shape, color, count, position, rng)) in seen:
             pass  # the same pixels again: jitter once more
         seen.add(png)
-        rows.append({"image": png, "caption": caption_for(shape, color, count, position), "shape": shape,
-                     "color": color, "count": count, "position": position})
+        rows.append(
+            {
+                "image": png,
+                "caption": caption_for(shape, color, count, position),
+                "shape": shape,
+                "color": color,
+                "count": count,
+                "position": position,
+            }
+        )
     val = rows[:n_val]  # first pass over the combinations: n_val distinct ones, all repeated later
     train = rows[n_val:]
     rng.shuffle(train)

@@ -7,8 +7,9 @@ It imports nothing of the project, so the audit can read it without reaching the
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import Any
 
 # The label of a position no loss is computed on (padding, prompts, images): the loader writes it, the losses skip it.
 IGNORE_INDEX = -1
@@ -31,11 +32,15 @@ class BatchPlan:
         return self.micro_batch_size * self.world_size * self.grad_accum_steps
 
     @classmethod
-    def of(cls, record: Mapping[str, Any]) -> "BatchPlan":
+    def of(cls, record: Mapping[str, Any]) -> BatchPlan:
         """The four factors of a record that holds them by name (a launch spec's plan, a run record's
         batch, a ledger part); the figures derived from them there are derived again, not read."""
-        return cls(int(record["micro_batch_size"]), int(record["seq_len"]), int(record["world_size"]),
-                   int(record["grad_accum_steps"]))
+        return cls(
+            int(record["micro_batch_size"]),
+            int(record["seq_len"]),
+            int(record["world_size"]),
+            int(record["grad_accum_steps"]),
+        )
 
     def to_dict(self) -> dict[str, int]:
         """The four factors and tokens_per_step, as a run record keeps them (readable without the code)."""

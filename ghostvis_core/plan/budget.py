@@ -13,9 +13,9 @@ import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 
+from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.plan.config import BatchConfig, BudgetConfig, ModelConfig, StageConfig
-from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.model_shape import LOSS_CHUNK_ELEMENTS, count_params
 
 
@@ -91,6 +91,15 @@ class Plan:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Plan:
+        return cls(**data)
+
+    @property
+    def batch(self) -> BatchPlan:
+        """The four factors of a step (what the audit rebuilds its rows from)."""
+        return BatchPlan(self.micro_batch_size, self.seq_len, self.world_size, self.grad_accum_steps)
 
 
 def plan(
@@ -205,8 +214,14 @@ class MemoryPlan:
         return asdict(self)
 
 
-def memory_plan(cfg: StageConfig, *, world_size: int | None = None, gpu: str | None = None,
-                gpu_memory_gb: float | None = None, params: int | None = None) -> MemoryPlan:
+def memory_plan(
+    cfg: StageConfig,
+    *,
+    world_size: int | None = None,
+    gpu: str | None = None,
+    gpu_memory_gb: float | None = None,
+    params: int | None = None,
+) -> MemoryPlan:
     """The per-GPU memory of a stage config (see MemoryPlan); with a GPU, whether it fits and, if
     not, the fixes that would make it fit."""
     ws = world_size if world_size is not None else cfg.batch.world_size
@@ -219,8 +234,16 @@ def memory_plan(cfg: StageConfig, *, world_size: int | None = None, gpu: str | N
     usable = mem * USABLE_MEMORY
     fits = base.total_gb <= usable
     fixes = [] if fits else memory_fixes(cfg, ws, params, usable)
-    return MemoryPlan(**{**base.to_dict(), "gpu": gpu, "gpu_memory_gb": mem, "usable_gb": round(usable, 2),
-                         "fits": fits, "fixes": fixes})
+    return MemoryPlan(
+        **{
+            **base.to_dict(),
+            "gpu": gpu,
+            "gpu_memory_gb": mem,
+            "usable_gb": round(usable, 2),
+            "fits": fits,
+            "fixes": fixes,
+        }
+    )
 
 
 def _memory(cfg: StageConfig, ws: int, params: int | None) -> MemoryPlan:
@@ -249,14 +272,20 @@ def _memory(cfg: StageConfig, ws: int, params: int | None) -> MemoryPlan:
     logits = rows * m.vocab_size * (cb + 8)  # compute-precision logits, their fp32 copy and its gradient
     parts = [4 * n / shard, 4 * n / shard, 8 * n / shard, buffers, activations, logits]
     gb = [round(x / GB, 3) for x in parts]
-    return MemoryPlan(cfg.parallel.strategy, bf16, rt.grad_checkpointing, b.micro_batch_size, b.seq_len, ws,
-                      *gb, total_gb=round(sum(parts) / GB, 3))
+    return MemoryPlan(
+        cfg.parallel.strategy,
+        bf16,
+        rt.grad_checkpointing,
+        b.micro_batch_size,
+        b.seq_len,
+        ws,
+        *gb,
+        total_gb=round(sum(parts) / GB, 3),
+    )
 
 
 def memory_fixes(cfg: StageConfig, ws: int, params: int | None, usable_gb: float) -> list[str]:
     """Each change that alone would fit (or, if none does, all of them together), with its total."""
-    from ghostvis_core.plan.config import apply_overrides
-
     b = cfg.batch
     accum = batch_plan(b, ws).grad_accum_steps
     options = []
@@ -266,32 +295,53 @@ def memory_fixes(cfg: StageConfig, ws: int, params: int | None, usable_gb: float
         options.append(("runtime.grad_checkpointing=true", {"runtime.grad_checkpointing": True}, ws))
     if b.micro_batch_size > 1:
         smaller = max(1, b.micro_batch_size // 2)
-        options.append((f"batch.micro_batch_size={smaller} with batch.grad_accum_steps="
-                        f"{accum * b.micro_batch_size // smaller} (same tokens_per_step)",
-                        {"batch.micro_batch_size": smaller}, ws))
+        options.append(
+            (
+                f"batch.micro_batch_size={smaller} with batch.grad_accum_steps="
+                f"{accum * b.micro_batch_size // smaller} (same tokens_per_step)",
+                {"batch.micro_batch_size": smaller},
+                ws,
+            )
+        )
     if cfg.parallel.strategy == "fsdp":
         options.append((f"shard over {2 * ws} GPUs (batch.world_size={2 * ws}, grad_accum halved)", {}, 2 * ws))
     found = []
     for text, o, w in options:
-        total = _memory(StageConfig.from_dict(apply_overrides(cfg.to_dict(), o)), w, params).total_gb
+        total = _memory(_changed(cfg, o), w, params).total_gb
         if total <= usable_gb:
             found.append(f"{text}: {total:.1f} GB")
     if found:
         return found
     together = {k: v for _, o, _ in options for k, v in o.items()}
-    total = _memory(StageConfig.from_dict(apply_overrides(cfg.to_dict(), together)), ws, params).total_gb
-    return [f"{', '.join(together) or 'more GPUs'} together: {total:.1f} GB"
-            + ("" if total <= usable_gb else f", still above {usable_gb:.1f} GB: more GPUs, a shorter seq_len "
-               "or a GPU with more memory")]
+    total = _memory(_changed(cfg, together), ws, params).total_gb
+    return [
+        f"{', '.join(together) or 'more GPUs'} together: {total:.1f} GB"
+        + (
+            ""
+            if total <= usable_gb
+            else f", still above {usable_gb:.1f} GB: more GPUs, a shorter seq_len or a GPU with more memory"
+        )
+    ]
+
+
+def _changed(cfg: StageConfig, changes: dict[str, object]) -> StageConfig:
+    """A what-if copy of a resolved config with `changes` (section.field -> value): a fix the plan prices."""
+    sections: dict[str, dict[str, object]] = {}
+    for dotted, value in changes.items():
+        section, name = dotted.split(".")
+        sections.setdefault(section, {})[name] = value
+    return dataclasses.replace(cfg, **{s: dataclasses.replace(getattr(cfg, s), **v) for s, v in sections.items()})
 
 
 def memory_refusal(stage: str, mp: MemoryPlan) -> str:
     """Why a memory plan does not fit, with its numbers and the fixes."""
-    return (f"stage {stage}: {mp.total_gb:.1f} GB per GPU ({mp.weights_gb:.1f} weights + {mp.grads_gb:.1f} grads + "
-            f"{mp.optimizer_gb:.1f} optimizer + {mp.buffers_gb:.1f} {mp.strategy} buffers + {mp.activations_gb:.1f} "
-            f"activations at micro batch {mp.micro_batch_size} x {mp.seq_len} + {mp.logits_gb:.1f} logits) does not fit "
-            f"{mp.gpu or 'the GPU'} ({mp.usable_gb:.1f} of {mp.gpu_memory_gb:.0f} GB usable) on {mp.world_size} GPUs; "
-            f"fix: {'; or '.join(mp.fixes)}")
+    return (
+        f"stage {stage}: {mp.total_gb:.1f} GB per GPU ({mp.weights_gb:.1f} weights + {mp.grads_gb:.1f} grads + "
+        f"{mp.optimizer_gb:.1f} optimizer + {mp.buffers_gb:.1f} {mp.strategy} buffers + {mp.activations_gb:.1f} "
+        f"activations at micro batch {mp.micro_batch_size} x {mp.seq_len} + {mp.logits_gb:.1f} logits) does not fit "
+        f"{mp.gpu or 'the GPU'} ({mp.usable_gb:.1f} of {mp.gpu_memory_gb:.0f} GB usable) on {mp.world_size} GPUs; "
+        f"fix: {'; or '.join(mp.fixes)}"
+    )
 
 
 def detected_gpu() -> tuple[str | None, float] | None:
@@ -313,8 +363,15 @@ def gpu_of(device_name: str) -> str | None:
     return None
 
 
-def budget_for_hours(cfg: StageConfig, hours: float, *, step_time_s: float | None = None, gpu: str | None = None,
-                     mfu: float = DEFAULT_MFU, params: int | None = None) -> StageConfig:
+def budget_for_hours(
+    cfg: StageConfig,
+    hours: float,
+    *,
+    step_time_s: float | None = None,
+    gpu: str | None = None,
+    mfu: float = DEFAULT_MFU,
+    params: int | None = None,
+) -> StageConfig:
     """The config with budget.steps = the optimizer steps that fit in `hours` of wall clock, at a
     measured step time or at a GPU's peak x mfu (a run mode: "4 hours on one H100")."""
     step = plan(cfg, step_time_s=step_time_s, gpu=gpu, mfu=mfu, params=params).step_time_s
@@ -358,8 +415,9 @@ def mixture_rows(weights: dict[str, float], n_rows: int) -> dict[str, int]:
     return dict(zip(weights, MixtureSchedule(list(weights.values())).rows_before(n_rows)))
 
 
-def source_plan(weights: dict[str, float], planned_tokens: int, shards: dict[str, list[tuple[str, int]]],
-                seq_len: int | None = None) -> list[SourcePlan]:
+def source_plan(
+    weights: dict[str, float], planned_tokens: int, shards: dict[str, list[tuple[str, int]]], seq_len: int | None = None
+) -> list[SourcePlan]:
     """Per source of a mixture: tokens the budget takes, epochs over what is tokenized, and which
     shards are needed (`shards`: source -> [(shard_id, tokens)] from the ledger).
 
@@ -388,5 +446,13 @@ def _source_shards(source: str, weight: float, needed: int, have: list[tuple[str
             break
         chosen.append(sid)
         acc += t
-    return SourcePlan(source, weight, needed, available, needed / available, len(have),
-                      math.ceil(needed / (available / len(have))), chosen)
+    return SourcePlan(
+        source,
+        weight,
+        needed,
+        available,
+        needed / available,
+        len(have),
+        math.ceil(needed / (available / len(have))),
+        chosen,
+    )

@@ -1,7 +1,9 @@
-"""Typed configuration: one dataclass per component, one tree per stage run.
+"""Typed configuration: one frozen dataclass per component, one tree per stage run.
 
-A `StageConfig` is resolved from these defaults, the stage table (stages.py), a preset (presets.py, deltas only) and dotted
-overrides (`batch.micro_batch_size=8`), validated, and saved as JSON next to every checkpoint.
+A `StageConfig` is made only by `presets.resolve` (defaults here, the stage table, a preset's deltas, the upstream
+checkpoint's model, dotted overrides such as `batch.micro_batch_size=8`, the tokenizer's vocabulary and the registered
+sources), validated there, and never changed afterwards (`dataclasses.replace` makes a new one). Enum-like fields are
+`Literal`s, checked when the tree is built. It is saved as JSON next to every checkpoint and in the launch spec.
 """
 
 from __future__ import annotations
@@ -10,12 +12,15 @@ import dataclasses
 import json
 import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from ghostvis_core.errors import GhostvisError
 
+# What a stage trains for: a key of ghostvis_core.run.train.objectives.OBJECTIVES.
+Objective = Literal["lm", "vision_align", "sft", "dpo", "grpo"]
 
-@dataclass
+
+@dataclass(frozen=True)
 class ModelConfig:
     vocab_size: int
     d_model: int
@@ -37,7 +42,7 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
 
-@dataclass
+@dataclass(frozen=True)
 class VisionConfig:
     """Vision encoder (frozen) + perceiver resampler + MLP projector (trained in vision_alignment)."""
 
@@ -52,7 +57,7 @@ class VisionConfig:
     encoder_path: str | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class BatchConfig:
     micro_batch_size: int
     seq_len: int
@@ -62,7 +67,7 @@ class BatchConfig:
     total_batch_tokens: int | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class OptimConfig:
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
@@ -74,12 +79,12 @@ class OptimConfig:
     # adamw, or muon: Muon (Nesterov momentum, update orthogonalized by Newton-Schulz) for the hidden
     # weight matrices at peak muon_lr, AdamW (the settings above) for embeddings, head, norms and biases;
     # the schedule scales both lrs alike (ghostvis_core/run/train/muon.py).
-    name: str = "adamw"
+    name: Literal["adamw", "muon"] = "adamw"
     muon_lr: float = 0.02
     muon_momentum: float = 0.95
 
 
-@dataclass
+@dataclass(frozen=True)
 class BudgetConfig:
     """Exactly one of steps, tokens, tokens_per_param decides planned_tokens."""
 
@@ -88,41 +93,41 @@ class BudgetConfig:
     tokens_per_param: float | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class SourceWeight:
     source: str
     weight: float = 1.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     # Empty recipe: every registered source of the stage's kind (stages.py `reads`), weighted by its
     # train tokens; empty val_sources: those of the recipe's sources that have validation shards.
-    recipe: list[SourceWeight] = field(default_factory=list)
-    val_sources: list[str] = field(default_factory=list)
+    recipe: tuple[SourceWeight, ...] = ()
+    val_sources: tuple[str, ...] = ()
     # Sources a stage replays from its lineage on purpose (shown as declared replay, not reuse).
-    replay_sources: list[str] = field(default_factory=list)
+    replay_sources: tuple[str, ...] = ()
     allow_repeat: bool = False
     seed: int = 1337
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig:
     every_steps: int = 50
     val_tokens: int = 16384
     # Evidence this stage must show, measured before (step 0) and after training on held-out data;
     # names from ghostvis_core.run.train.evidence.EVIDENCE; the stage table (stages.py) gives the default.
-    evidence: list[str] = field(default_factory=list)
+    evidence: tuple[str, ...] = ()
     samples: int = 16  # held-out prompts sampled for generation-based evidence
     sample_max_tokens: int = 48
 
 
-@dataclass
+@dataclass(frozen=True)
 class DPOConfig:
     # The preference loss (TRL's definitions; formulas in train/objectives.py DPOObjective): sigmoid (DPO),
     # ipo, simpo (reference-free: length-averaged log-probs and a target margin) or sft_dpo (DPO plus an
     # NLL term on the chosen response).
-    loss: str = "sigmoid"
+    loss: Literal["sigmoid", "ipo", "simpo", "sft_dpo"] = "sigmoid"
     # The strength of the implicit reward (every loss; for ipo 1/(2 beta) is the margin it regresses to).
     beta: float = 0.1
     # simpo: the target reward margin (TRL's simpo_gamma; gamma / beta is SimPO's gamma_beta_ratio).
@@ -131,7 +136,7 @@ class DPOConfig:
     alpha: float = 1.0
 
 
-@dataclass
+@dataclass(frozen=True)
 class GRPOConfig:
     """The rl stage's group-relative policy optimisation (ghostvis_core/run/train/grpo.py)."""
 
@@ -141,7 +146,7 @@ class GRPOConfig:
     kl_beta: float = 0.0  # weight of the KL term to the frozen upstream model (0: no reference loaded)
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     every_steps: int = 100
     keep_last: int = 2
@@ -151,14 +156,14 @@ class CheckpointConfig:
     async_save: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class RuntimeConfig:
     # auto: bf16 autocast on CUDA and on CPUs with bf16 matrix instructions (AMX / AVX512-BF16).
-    precision: str = "auto"
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
     # Recompute each transformer block in the backward pass instead of keeping its activations.
     grad_checkpointing: bool = False
     # torch.compile each block: auto = on CUDA, off on CPU (compilation costs more than it saves there).
-    compile: str = "auto"
+    compile: Literal["auto", "on", "off"] = "auto"
     # float8 matmuls in the decoder's Linear layers (torchao, train/float8.py): ~+20% tokens/s on H100-class
     # GPUs (compute capability >= 8.9); the trainer refuses it elsewhere. Weights, optimizer state and
     # checkpoints stay in high precision.
@@ -166,15 +171,15 @@ class RuntimeConfig:
     log_every_steps: int = 5
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     # ddp: every rank holds the whole model, gradients all-reduced; safetensors checkpoints by rank 0.
     # fsdp: FSDP2 shards weights, gradients and optimizer state over the ranks (per block and root);
     # each rank writes its shard of a torch.distributed.checkpoint (DCP) checkpoint.
-    strategy: str = "ddp"
+    strategy: Literal["ddp", "fsdp"] = "ddp"
 
 
-@dataclass
+@dataclass(frozen=True)
 class ContaminationConfig:
     # The decontamination gate (check no_eval_contamination, ghostvis_core/verify/audit/contamination.py): a
     # consumed training document and an evaluation item are contaminated when the 13-gram fingerprints
@@ -184,14 +189,14 @@ class ContaminationConfig:
     # Evaluation sets checked besides the known ones (validation shards, the shipped lm-eval tasks, the
     # benchmark and demo prompts): JSON Lines files or folders of them (e.g. a harness_include folder);
     # one item per line: its string fields, plus choices[answer] for a multiple-choice item.
-    eval_sets: list[str] = field(default_factory=list)
+    eval_sets: tuple[str, ...] = ()
 
 
-@dataclass
+@dataclass(frozen=True)
 class StageConfig:
     stage: str
     preset: str
-    objective: str
+    objective: Objective
     model: ModelConfig
     batch: BatchConfig
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -211,13 +216,14 @@ class StageConfig:
     init_from: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The JSON shape (lists, not tuples): what config.json, the launch spec and the run identity hold."""
+        return json.loads(self.to_json())
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "StageConfig":
+    def from_dict(cls, data: dict[str, Any]) -> StageConfig:
         return _build(cls, data, "config")
 
 
@@ -229,9 +235,7 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         if isinstance(value, dict):
             out.update(flatten(value, f"{name}."))
         elif isinstance(value, list) and value and isinstance(value[0], dict):
-            out[name] = ",".join(
-                ":".join(str(v) for v in item.values()) for item in value
-            )
+            out[name] = ",".join(":".join(str(v) for v in item.values()) for item in value)
         else:
             out[name] = value
     return out
@@ -248,8 +252,7 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
                 where = ".".join(parts[:i]) or "config"
                 valid = sorted(node) if isinstance(node, dict) else []
                 raise GhostvisError(
-                    f"unknown config key '{dotted}': '{part}' is not in {where} "
-                    f"(valid keys there: {', '.join(valid)})"
+                    f"unknown config key '{dotted}': '{part}' is not in {where} (valid keys there: {', '.join(valid)})"
                 )
             if i == len(parts) - 1:
                 node[part] = _parse_value(value)
@@ -303,10 +306,17 @@ def _build(tp: Any, data: Any, path: str) -> Any:
             return None
         inner = [a for a in args if a is not type(None)]
         return _build(inner[0], data, path)
-    if origin is list:
-        if not isinstance(data, list):
+    if origin is tuple:
+        if not isinstance(data, (list, tuple)):
             raise GhostvisError(f"config {path}: expected a list, got {data!r}")
-        return [_build(args[0], item, f"{path}[{i}]") for i, item in enumerate(data)]
+        return tuple(_build(args[0], item, f"{path}[{i}]") for i, item in enumerate(data))
+    if origin is Literal:
+        if data not in args:
+            raise GhostvisError(
+                f"config {path}: {data!r} is not one of {', '.join(map(str, args))}; set one of them "
+                f"(e.g. --set {path.removeprefix('config.')}={args[0]})"
+            )
+        return data
     if tp is float and isinstance(data, (int, float)) and not isinstance(data, bool):
         return float(data)
     if tp in (int, str, bool) and not isinstance(data, tp) or (tp is int and isinstance(data, bool)):

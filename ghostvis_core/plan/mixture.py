@@ -50,7 +50,10 @@ class MixtureSchedule:
 
 
 def _apportion(weights: list[float], period: int) -> list[int]:
-    exact = [Fraction(w).limit_denominator(10**9) * period / sum(Fraction(x).limit_denominator(10**9) for x in weights) for w in weights]
+    exact = [
+        Fraction(w).limit_denominator(10**9) * period / sum(Fraction(x).limit_denominator(10**9) for x in weights)
+        for w in weights
+    ]
     counts = [int(e) for e in exact]
     for i in sorted(range(len(weights)), key=lambda i: exact[i] - counts[i], reverse=True)[: period - sum(counts)]:
         counts[i] += 1

@@ -17,9 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan import presets
 from ghostvis_core.plan.budget import DEFAULT_MFU, GPUS, Plan, budget_for_hours, memory_plan, memory_refusal, plan
-from ghostvis_core.errors import GhostvisError
 
 
 @dataclass(frozen=True)
@@ -75,9 +75,11 @@ def mode_overrides(stage: str, mode: RunMode, overrides: dict[str, Any] | None =
     user = dict(overrides or {})
     clash = sorted(k for k in user if k in MODE_KEYS)
     if clash:
-        raise GhostvisError(f"run mode {mode.name}: {', '.join(clash)} is derived from the mode ({mode.gpus} x "
-                            f"{mode.gpu}, {mode.hours:g} h at MFU {mode.mfu}); drop it, or use the model preset "
-                            f"{mode.preset} with your own values")
+        raise GhostvisError(
+            f"run mode {mode.name}: {', '.join(clash)} is derived from the mode ({mode.gpus} x "
+            f"{mode.gpu}, {mode.hours:g} h at MFU {mode.mfu}); drop it, or use the model preset "
+            f"{mode.preset} with your own values"
+        )
     base = {**user, "batch.world_size": mode.gpus}
     cfg = presets.resolve(stage, mode.preset, base)
     mp = memory_plan(cfg, gpu=mode.gpu)
@@ -99,8 +101,9 @@ def plan_mode(name: str, stage: str = "pretrain", overrides: dict[str, Any] | No
 def describe(mode: RunMode) -> str:
     """One line: what the mode states (the planner derives the rest)."""
     peak = GPUS[mode.gpu].bf16_flops / 1e12
-    return (f"{mode.preset} on {mode.gpus} x {mode.gpu} ({peak:,.0f} TFLOP/s bf16) for {mode.hours:g} h at MFU "
-            f"{mode.mfu:g}")
+    return (
+        f"{mode.preset} on {mode.gpus} x {mode.gpu} ({peak:,.0f} TFLOP/s bf16) for {mode.hours:g} h at MFU {mode.mfu:g}"
+    )
 
 
 def compute_optimal_params(p: Plan) -> float:

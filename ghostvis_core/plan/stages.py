@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan.config import Objective
 
 # The lineage quality gate's default (ghostvis_core/verify/eval/gate.py): a stage may score at most 10% more
 # bits per byte than the stage it starts from on any held-out text source.
@@ -20,7 +21,7 @@ BPB_TOLERANCE = 0.10
 class Stage:
     name: str
     upstream: str | None  # the stage whose final checkpoint initialises this one (None: random init)
-    objective: str  # a key of ghostvis_core.run.train.objectives.OBJECTIVES
+    objective: Objective  # a key of ghostvis_core.run.train.objectives.OBJECTIVES
     reads: str  # the source kind it trains on; an empty data.recipe means every registered source of it
     description: str
     evidence: tuple[str, ...] = ()  # default eval.evidence: measured before and after training
@@ -28,38 +29,72 @@ class Stage:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("pretrain", None, "lm", "text",
-          "Pretrains the decoder LM from scratch on the token ledger's train shards."),
-    Stage("continued_pretrain", "pretrain", "lm", "text",
-          "Continues pretraining on a declared domain mixture (code-heavy), where pretraining stopped "
-          "reading each source. Evidence: mixture fractions vs recipe, held-out domain loss.",
-          ("domain_loss",)),
-    Stage("context_expansion", "continued_pretrain", "lm", "text",
-          "Raises the context (256 -> 1024 in the demo) with a 16x larger RoPE base (ABF) on long documents. "
-          "Evidence: held-out loss beyond the old context, before vs after.",
-          ("beyond_context_loss",)),
-    Stage("reasoning_mix", "context_expansion", "lm", "text",
-          "Trains on step-by-step arithmetic problems plus declared replay of earlier prose. "
-          "Evidence: answer-token loss and answer accuracy, before vs after.",
-          ("reasoning",)),
-    Stage("vision_alignment", "reasoning_mix", "vision_align", "image_caption",
-          "Trains a perceiver resampler + MLP projector between a frozen vision encoder and the frozen LM "
-          "on image-caption pairs. Evidence: caption loss, true vs shuffled image.",
-          ("caption_image_gap",)),
-    Stage("sft", "vision_alignment", "sft", "chat",
-          "Supervised fine-tuning on packed chats, loss on assistant tokens only. Evidence: assistant loss "
-          "and how many sampled replies end with <|eot|>.",
-          ("reply_endings",)),
-    Stage("dpo", "sft", "dpo", "preference",
-          "Preference optimisation on chosen/rejected pairs (dpo.loss: sigmoid DPO, ipo or sft_dpo against the "
-          "frozen SFT model, or reference-free simpo). Evidence: preference accuracy and "
-          "reward margin on held-out pairs (computed by the DPO objective)."),
-    Stage("rl", "dpo", "grpo", "text",
-          "Group-relative policy optimisation (GRPO) on the arithmetic problems: G sampled solutions per "
-          "prompt, reward 1 for the exact final answer plus 0.1 for a well-formed final `Answer: <integer>` "
-          "line; every generated token is accounted. Evidence: reward, exact-answer accuracy and well-formed "
-          "answer rate on held-out problems, before vs after.",
-          ("reward",)),
+    Stage("pretrain", None, "lm", "text", "Pretrains the decoder LM from scratch on the token ledger's train shards."),
+    Stage(
+        "continued_pretrain",
+        "pretrain",
+        "lm",
+        "text",
+        "Continues pretraining on a declared domain mixture (code-heavy), where pretraining stopped "
+        "reading each source. Evidence: mixture fractions vs recipe, held-out domain loss.",
+        ("domain_loss",),
+    ),
+    Stage(
+        "context_expansion",
+        "continued_pretrain",
+        "lm",
+        "text",
+        "Raises the context (256 -> 1024 in the demo) with a 16x larger RoPE base (ABF) on long documents. "
+        "Evidence: held-out loss beyond the old context, before vs after.",
+        ("beyond_context_loss",),
+    ),
+    Stage(
+        "reasoning_mix",
+        "context_expansion",
+        "lm",
+        "text",
+        "Trains on step-by-step arithmetic problems plus declared replay of earlier prose. "
+        "Evidence: answer-token loss and answer accuracy, before vs after.",
+        ("reasoning",),
+    ),
+    Stage(
+        "vision_alignment",
+        "reasoning_mix",
+        "vision_align",
+        "image_caption",
+        "Trains a perceiver resampler + MLP projector between a frozen vision encoder and the frozen LM "
+        "on image-caption pairs. Evidence: caption loss, true vs shuffled image.",
+        ("caption_image_gap",),
+    ),
+    Stage(
+        "sft",
+        "vision_alignment",
+        "sft",
+        "chat",
+        "Supervised fine-tuning on packed chats, loss on assistant tokens only. Evidence: assistant loss "
+        "and how many sampled replies end with <|eot|>.",
+        ("reply_endings",),
+    ),
+    Stage(
+        "dpo",
+        "sft",
+        "dpo",
+        "preference",
+        "Preference optimisation on chosen/rejected pairs (dpo.loss: sigmoid DPO, ipo or sft_dpo against the "
+        "frozen SFT model, or reference-free simpo). Evidence: preference accuracy and "
+        "reward margin on held-out pairs (computed by the DPO objective).",
+    ),
+    Stage(
+        "rl",
+        "dpo",
+        "grpo",
+        "text",
+        "Group-relative policy optimisation (GRPO) on the arithmetic problems: G sampled solutions per "
+        "prompt, reward 1 for the exact final answer plus 0.1 for a well-formed final `Answer: <integer>` "
+        "line; every generated token is accounted. Evidence: reward, exact-answer accuracy and well-formed "
+        "answer rate on held-out problems, before vs after.",
+        ("reward",),
+    ),
 )
 
 
@@ -80,6 +115,8 @@ def markdown_table() -> str:
     lines = ["| stage | starts from | objective | reads | what it trains | evidence |", "|---|---|---|---|---|---|"]
     for s in STAGES:
         what = s.description.split(" Evidence:")[0]
-        lines.append(f"| {s.name} | {s.upstream or 'random init'} | {s.objective} | {s.reads} | {what} | "
-                     f"{', '.join(s.evidence) or '-'} |")
+        lines.append(
+            f"| {s.name} | {s.upstream or 'random init'} | {s.objective} | {s.reads} | {what} | "
+            f"{', '.join(s.evidence) or '-'} |"
+        )
     return "\n".join(lines)

@@ -3,28 +3,61 @@
     torchrun --standalone --nproc_per_node=2 -m ghostvis_core.run --spec <store>/runs/<stage>/<run_key>/spec.json
     torchrun --standalone --nproc_per_node=2 -m ghostvis_core.run --stage pretrain --preset tiny \
         --set budget.steps=50
+
+Rank 0 runs the pre-flight before the first step (ghostvis_core/run/preflight.py) and, once training
+returned, registers the stage's model in MLflow (ghostvis_core/run/hf/register.py): the heavy parts of
+a stage run happen here, wherever the job runs (torchrun, Slurm, Kubernetes, Pipes), never on the host
+that launched it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 
-from ghostvis_core.run.cluster.run_files import split_run_uri
-from ghostvis_core.plan.config import parse_sets
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.store import open_store
+from ghostvis_core.plan.config import parse_sets
+from ghostvis_core.run.cluster.run_files import split_run_uri
+from ghostvis_core.run.preflight import check_run
 from ghostvis_core.run.train import dist
 from ghostvis_core.run.train.loop import train
 from ghostvis_core.run.train.reasons import record_reason
 from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.store import open_store
 
 
 def _leave_reason(spec, rank: int, reason: str) -> None:
     """This rank's reason, for the launcher (artifact run_error of this run and rank)."""
     if isinstance(spec, LaunchSpec):
         record_reason(open_store(spec.store), spec.stage, spec.run_key, rank, reason)
+
+
+def checked_spec(spec: LaunchSpec, ctx: dist.DistContext) -> LaunchSpec:
+    """The spec once rank 0's pre-flight passed (every rank waits for it, or for its refusal)."""
+    verdict = None
+    if ctx.is_main:
+        try:
+            spec = check_run(spec, open_store(spec.store))
+            print(f"pre-flight of run {spec.run_key} passed (pid {os.getpid()} on {socket.gethostname()})", flush=True)
+        except GhostvisError as exc:
+            verdict = exc
+    verdict = dist.broadcast_object(verdict, ctx)
+    if verdict is not None:
+        raise verdict
+    return spec
+
+
+def register_model(spec: LaunchSpec) -> None:
+    """The run's model in MLflow's registry, from rank 0 (not for a variant: it is compared, not promoted)."""
+    if "ghostvis.variant" in spec.tags:
+        return
+    from ghostvis_core.run.hf.register import register_run  # after training: its imports are not paid before step 1
+
+    record = register_run(spec, open_store(spec.store), spec.mlflow_tracking_uri)
+    told = record.get("error") or f"{record['model_uri']} -> version {record['version']}"
+    print(f"model of run {spec.run_key} (pid {record['pid']} on {record['host']}): {told}", flush=True)
 
 
 def read_spec(uri: str) -> LaunchSpec:
@@ -36,8 +69,9 @@ def read_spec(uri: str) -> LaunchSpec:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ghostvis_core.run", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m ghostvis_core.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--spec", help="launch spec written by the pipeline or `ghostvis`: its path or URI in the store")
     ap.add_argument("--stage", help="prepare the run here instead (rank 0 resolves, all ranks train)")
     ap.add_argument("--preset", default="tiny")
@@ -66,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise spec
         else:
             ap.error("give --spec or --stage")
+        spec = checked_spec(spec, ctx)
         train(spec, ctx)
     except GhostvisError as exc:
         if ctx.is_main:
@@ -77,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         dist.teardown()
+    if ctx.is_main:
+        register_model(spec)
     return 0
 
 

@@ -1,7 +1,8 @@
 """Prepare a stage run before any process starts: config, data selection, pre-flight, run key.
 
 Everything that can be wrong with the inputs is found here, before torchrun: an unknown preset, a
-batch that does not divide, a missing tokenized shard, a budget larger than the data.
+batch that does not divide, a missing tokenized shard. The pre-flight's functions are here too; the job
+runs them (a budget larger than the data, streams that mix splits, a GPU too small).
 """
 
 from __future__ import annotations
@@ -12,29 +13,31 @@ from dataclasses import dataclass
 from typing import Any
 
 from ghostvis_core import identity
-from ghostvis_core.plan import presets, stages
-from ghostvis_core.plan.budget import Plan, batch_plan, detected_gpu, memory_plan, memory_refusal, plan as make_plan
-from ghostvis_core.plan.config import SourceWeight, StageConfig
 from ghostvis_core.data.ledger import Ledger, validation_selected
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer, newest_tokenizer
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.train.evidence import EVIDENCE
+from ghostvis_core.home import Home
+from ghostvis_core.plan import presets, stages
+from ghostvis_core.plan.budget import Plan, batch_plan, detected_gpu, memory_plan, memory_refusal
+from ghostvis_core.plan.budget import plan as make_plan
+from ghostvis_core.plan.config import StageConfig
+from ghostvis_core.plan.presets import RegisteredSources, TokenizerVocab
+from ghostvis_core.plan.run_modes import expand as expand_run_mode
 from ghostvis_core.run.hf.imports import import_checkpoint
 from ghostvis_core.run.hf.sources import is_hf_source
-from ghostvis_core.home import Home
-from ghostvis_core.plan.run_modes import expand as expand_run_mode
-from ghostvis_core.store import Store
-from ghostvis_core.run.train.objectives import build_objective
+from ghostvis_core.run.train.evidence import EVIDENCE
 from ghostvis_core.run.train.runs import Upstream, checkpoint_key, checkpoint_of, find_upstream, next_run_key
 from ghostvis_core.run.train.setup import localize_shards
 from ghostvis_core.run.train.spec import LaunchSpec, SourceBudget, StageInputs
+from ghostvis_core.store import Store
 
 MLFLOW_EXPERIMENT = "ghostvis"
 
 
-def select_shards(ledger: Ledger, store: Store, tokenizer_id: str, sources: list[str],
-                  split: str) -> dict[str, list[dict]]:
+def select_shards(
+    ledger: Ledger, store: Store, tokenizer_id: str, sources: list[str], split: str
+) -> dict[str, list[dict]]:
     """Ledger shards of the given sources and split; every token file must be in the store."""
     out: dict[str, list[dict]] = {s: [] for s in sources}
     for r in ledger.shards(tokenizer_id=tokenizer_id, sources=sources):
@@ -46,8 +49,9 @@ def select_shards(ledger: Ledger, store: Store, tokenizer_id: str, sources: list
                 f"the ledger but missing on disk; re-materialize tokenized_shards partition {r['shard_id']}"
             )
         path = store.uri_of("token_shard", tokenizer_id, r["shard_id"])  # each rank fetches it (setup.localize)
-        out[r["source"]].append(ShardRef(r["shard_id"], r["source"], r["split"], path, r["docs"], r["tokens"],
-                                         r["content_sha256"]).__dict__)
+        out[r["source"]].append(
+            ShardRef(r["shard_id"], r["source"], r["split"], path, r["docs"], r["tokens"], r["content_sha256"]).__dict__
+        )
     empty = [s for s, refs in out.items() if not refs]
     if empty:
         raise GhostvisError(
@@ -57,9 +61,11 @@ def select_shards(ledger: Ledger, store: Store, tokenizer_id: str, sources: list
     leaked = validation_selected(ledger, tokenizer_id, out) if split == "train" else []
     if leaked:
         names = ", ".join(f"{r['shard_id']} ({r['split']})" for r in leaked)
-        raise GhostvisError(f"shard(s) {names} selected for training are not train shards in the ledger; "
-                            "training must never read them: fix the shard selection (select_shards filters by "
-                            "split) or the shard's split pin in its manifest, then re-launch")
+        raise GhostvisError(
+            f"shard(s) {names} selected for training are not train shards in the ledger; "
+            "training must never read them: fix the shard selection (select_shards filters by "
+            "split) or the shard's split pin in its manifest, then re-launch"
+        )
     return out
 
 
@@ -81,12 +87,15 @@ def stream_split_problems(splits: dict[str, str], streams: dict[str, dict[str, S
 def check_stream_splits(ledger: Ledger, tokenizer_id: str, objective) -> None:
     """Before launch: the objective's train streams hold only train shards and its validation streams
     only validation shards, by the ledger's shard table (what the ranks will read, not what was selected)."""
-    problems = stream_split_problems(ledger.shard_splits(tokenizer_id), {"train": objective.train_streams,
-                                                                          "validation": objective.val_streams})
+    problems = stream_split_problems(
+        ledger.shard_splits(tokenizer_id), {"train": objective.train_streams, "validation": objective.val_streams}
+    )
     if problems:
-        raise GhostvisError("stream composition: " + "; ".join(problems) + "; a stream must hold only shards of "
-                            "its split: fix the objective's streams (built from the launch spec's train_shards and "
-                            "val_shards) or the shard's split pin in its manifest, then re-launch")
+        raise GhostvisError(
+            "stream composition: " + "; ".join(problems) + "; a stream must hold only shards of "
+            "its split: fix the objective's streams (built from the launch spec's train_shards and "
+            "val_shards) or the shard's split pin in its manifest, then re-launch"
+        )
 
 
 def preflight(cfg: StageConfig, plan_steps: int, objective) -> dict[str, SourceBudget]:
@@ -118,8 +127,9 @@ def preflight(cfg: StageConfig, plan_steps: int, objective) -> dict[str, SourceB
     return report
 
 
-def lineage_offsets(ledger: Ledger, parent_run_key: str, train_shards: dict[str, list[dict]],
-                    sources: list[str]) -> dict[str, int]:
+def lineage_offsets(
+    ledger: Ledger, parent_run_key: str, train_shards: dict[str, list[dict]], sources: list[str]
+) -> dict[str, int]:
     """Where the lineage stopped reading each source's token stream, so this stage continues
     there instead of re-reading it (stream coordinates: epoch x total + shard start + token)."""
     offsets: dict[str, int] = {}
@@ -148,97 +158,59 @@ class Resolved:
     tok: Tokenizer
 
 
-def resolve_stage(stage: str, preset: str, overrides: dict[str, Any], home: Home, tokenizer_id: str | None,
-                  upstream: Upstream | None) -> Resolved:
+def resolve_stage(
+    stage: str, preset: str, overrides: dict[str, Any], home: Home, tokenizer_id: str | None, upstream: Upstream | None
+) -> Resolved:
+    """Gather what resolution needs (the upstream checkpoint's config, the tokenizer, the registered sources) and
+    resolve the stage's config once, with all of them as inputs."""
     preset, overrides = expand_run_mode(stage, preset, overrides)  # a run mode: its preset and derived steps
-    declared = presets.resolve(stage, preset, overrides)
+    init_from = presets.init_source(stage, overrides)
     imported = None
-    if declared.init_from and is_hf_source(declared.init_from):  # over the upstream stage a caller passes
-        imported = import_checkpoint(home.store, declared.init_from)
+    if init_from and is_hf_source(init_from):  # over the upstream stage a caller passes
+        imported = import_checkpoint(home.store, init_from)
         upstream, tokenizer_id = imported.upstream, imported.tokenizer.tokenizer_id
-    elif declared.init_from and upstream is None:
-        if declared.init_from not in stages.stage_names():
+    elif init_from and upstream is None:
+        if init_from not in stages.stage_names():
             raise GhostvisError(
-                f"stage {stage}: init_from '{declared.init_from}' is neither a stage ({', '.join(stages.stage_names())}) "
-                "nor a Hugging Face checkpoint (a folder path, s3://bucket/prefix or hf://org/name[@revision])")
-        upstream = find_upstream(home.store, declared.init_from)
+                f"stage {stage}: init_from '{init_from}' is neither a stage ({', '.join(stages.stage_names())}) "
+                "nor a Hugging Face checkpoint (a folder path, s3://bucket/prefix or hf://org/name[@revision])"
+            )
+        upstream = find_upstream(home.store, init_from)
     up_cfg = None
     if upstream:
         if not home.store.exists("checkpoint", *checkpoint_key(upstream.checkpoint)):
-            raise GhostvisError(f"stage {stage}: upstream checkpoint {upstream.checkpoint} is missing; "
-                                f"materialize the `{upstream.stage}` asset first")
+            raise GhostvisError(
+                f"stage {stage}: upstream checkpoint {upstream.checkpoint} is missing; "
+                f"materialize the `{upstream.stage}` asset first"
+            )
         up_cfg = json.loads((checkpoint_of(home.store, upstream.checkpoint) / "config.json").read_text())
-    cfg = presets.resolve(stage, preset, overrides, upstream=up_cfg)
+    tokenizer_id = tokenizer_id or newest_tokenizer(home.store)
+    tok = load_tokenizer(tokenizer_id, home.store)
+    shards = tuple(Ledger.in_store(home.store).shards(tokenizer_id=tokenizer_id))
+    if imported:  # before the sources are looked up with its tokenizer: the fix is to tokenize with it
+        check_imported_data(stage, init_from, tok, shards)
+    cfg = presets.resolve(
+        stage,
+        preset,
+        overrides,
+        upstream=up_cfg,
+        sources=RegisteredSources(tokenizer_id, shards),
+        vocab=None if imported else TokenizerVocab(tok.tokenizer_id, tok.vocab_size),
+    )
     unknown = [e for e in cfg.eval.evidence if e not in EVIDENCE]
     if unknown:
         raise GhostvisError(f"eval.evidence: unknown {unknown}; known: {', '.join(EVIDENCE)}")
-    tokenizer_id = tokenizer_id or newest_tokenizer(home.store)
-    tok = load_tokenizer(tokenizer_id, home.store)
-    if imported:  # before the sources are looked up with its tokenizer: the fix is to tokenize with it
-        check_imported_data(cfg, tok, home.store)
-    follow_registered_sources(cfg, Ledger.in_store(home.store).shards(tokenizer_id=tokenizer_id), tokenizer_id,
-                              preset_recipe="data.recipe" not in overrides)
-    if not imported:
-        fit_vocab(cfg, tok, overrides, upstream, up_cfg is None)
     return Resolved(cfg, upstream, up_cfg, tok)
 
 
-def check_imported_data(cfg: StageConfig, tok: Tokenizer, store: Store) -> None:
+def check_imported_data(stage: str, init_from: str, tok: Tokenizer, shards: tuple[dict[str, Any], ...]) -> None:
     """An imported model trains on shards tokenized with its own tokenizer (its vocab_size, from its
     config.json, already covers the tokenizer's ids: from_hf_tokenizer checked it)."""
-    if not Ledger.in_store(store).shards(tokenizer_id=tok.tokenizer_id):
+    if not shards:
         raise GhostvisError(
-            f"stage {cfg.stage}: init_from {cfg.init_from} brings tokenizer {tok.tokenizer_id} (saved in the store), but "
-            f"no shard is tokenized with it; materialize tokenizer with from_model: {cfg.init_from}, then tokenized_shards, "
-            "before training from this checkpoint")
-
-
-def follow_registered_sources(cfg: StageConfig, shards: list[dict[str, Any]], tokenizer_id: str,
-                              preset_recipe: bool) -> None:
-    """Fill an empty recipe / val_sources from the registered sources of the stage's kind (also when
-    none of a preset's recipe sources is registered: the preset's recipe is for its own data); refuse
-    a recipe of the user's that names sources nobody registered, and say which ones are."""
-    kind = stages.stage(cfg.stage).reads
-    registered = {r["source"] for r in shards}
-    if preset_recipe and not registered & {s.source for s in cfg.data.recipe}:
-        cfg.data.recipe, cfg.data.val_sources = [], []
-    train: dict[str, int] = {}
-    for r in shards:
-        if r["kind"] == kind and r["split"] == "train":
-            train[r["source"]] = train.get(r["source"], 0) + r["tokens"]
-    if not cfg.data.recipe and train:
-        total = sum(train.values())
-        cfg.data.recipe = [SourceWeight(s, t / total) for s, t in sorted(train.items())]
-    if not cfg.data.val_sources:
-        chosen = {s.source for s in cfg.data.recipe}
-        cfg.data.val_sources = sorted({r["source"] for r in shards if r["split"] == "validation" and r["source"] in chosen})
-    known = sorted(registered)
-    named = [s.source for s in cfg.data.recipe] + cfg.data.val_sources
-    missing = sorted({s for s in named if s not in known})
-    if missing or not cfg.data.recipe:
-        example = next(iter(sorted(train)), "my_source")
-        raise GhostvisError(
-            f"stage {cfg.stage}: " + (f"the recipe names source(s) {', '.join(missing)}, which are not registered"
-                                      if missing else f"no {kind} source is registered")
-            + f" (sources tokenized with {tokenizer_id}: {', '.join(known) or 'none'}); set the stage's recipe to your "
-            f"sources (run config `recipe: {{{example}: 1.0}}` or `ghostvis train {cfg.stage} --recipe {example}=1.0`), "
-            "or register them in shard_manifest and backfill raw_shards and tokenized_shards")
-
-
-def fit_vocab(cfg: StageConfig, tok: Tokenizer, overrides: dict[str, Any], upstream: Upstream | None,
-              fresh: bool) -> None:
-    """A fresh model takes the tokenizer's vocabulary (padded to 64); a continued one must match it."""
-    vocab = 64 * math.ceil(tok.vocab_size / 64)
-    if fresh:
-        if "model.vocab_size" in overrides and cfg.model.vocab_size != vocab:
-            raise GhostvisError(f"model.vocab_size={cfg.model.vocab_size} does not fit tokenizer {tok.tokenizer_id} "
-                                f"({tok.vocab_size} tokens, padded to {vocab}); drop the override")
-        cfg.model.vocab_size = vocab
-    elif cfg.model.vocab_size != vocab:
-        raise GhostvisError(
-            f"stage {cfg.stage}: tokenizer {tok.tokenizer_id} has {tok.vocab_size} tokens (padded {vocab}) but the "
-            f"upstream {upstream.stage} model has vocab_size {cfg.model.vocab_size}; the tokenizer changed since that "
-            f"run — re-run the chain from pretrain with this tokenizer"
+            f"stage {stage}: init_from {init_from} brings tokenizer {tok.tokenizer_id} (saved in the store), but "
+            f"no shard is tokenized with it; materialize tokenizer with from_model: {init_from}, then "
+            "tokenized_shards, before training from this checkpoint"
         )
 
 
@@ -273,9 +245,14 @@ def run_identity(r: Resolved, p: Plan, spec: LaunchSpec) -> dict[str, Any]:
     def contents(shards: dict[str, list[dict]]) -> dict[str, list[str]]:
         return {s: [x["content_sha256"] for x in refs] for s, refs in shards.items()}
 
-    return {"config": ident_cfg, "tokenizer": r.tok.tokenizer_id, "train": contents(spec.train_shards),
-            "validation": contents(spec.val_shards), "upstream": r.upstream.run_key if r.upstream else None,
-            "inputs": {k: v for k, v in spec.inputs.__dict__.items() if k != "source_budget"}}
+    return {
+        "config": ident_cfg,
+        "tokenizer": r.tok.tokenizer_id,
+        "train": contents(spec.train_shards),
+        "validation": contents(spec.val_shards),
+        "upstream": r.upstream.run_key if r.upstream else None,
+        "inputs": {k: v for k, v in spec.inputs.__dict__.items() if k != "source_budget"},
+    }
 
 
 # The modules that make a stage's checkpoint: the torchrun entry point and the launch preparation (and,
@@ -296,22 +273,39 @@ class PlannedRun:
     variant: str | None
 
 
-def plan_run(stage: str, *, preset: str = presets.DEFAULT_PRESET, overrides: dict[str, Any] | None = None,
-             home: Home | None = None, tokenizer_id: str | None = None, upstream: Upstream | None = None,
-             variant: str | None = None) -> PlannedRun:
+def plan_run(
+    stage: str,
+    *,
+    preset: str = presets.DEFAULT_PRESET,
+    overrides: dict[str, Any] | None = None,
+    home: Home | None = None,
+    tokenizer_id: str | None = None,
+    upstream: Upstream | None = None,
+    variant: str | None = None,
+) -> PlannedRun:
     """Resolve a stage run and derive its identity; reads the ledger and the manifests, no shard file."""
     home = home or Home.from_env()
     r = resolve_stage(stage, preset, overrides or {}, home, tokenizer_id, upstream)
     ledger = Ledger.in_store(home.store)
     recipe_sources = [s.source for s in r.cfg.data.recipe]
     train_shards = select_shards(ledger, home.store, r.tok.tokenizer_id, recipe_sources, "train")
-    val_shards = (select_shards(ledger, home.store, r.tok.tokenizer_id, r.cfg.data.val_sources, "validation")
-                  if r.cfg.data.val_sources else {})
+    val_shards = (
+        select_shards(ledger, home.store, r.tok.tokenizer_id, r.cfg.data.val_sources, "validation")
+        if r.cfg.data.val_sources
+        else {}
+    )
     p = make_plan(r.cfg)
     spec = LaunchSpec(
-        stage=stage, run_key="", config=r.cfg.to_dict(), plan=p.to_dict(), store=home.store.uri,
-        tokenizer_id=r.tok.tokenizer_id, train_shards=train_shards, val_shards=val_shards,
-        mlflow_tracking_uri=home.mlflow_tracking_uri, mlflow_experiment=MLFLOW_EXPERIMENT,
+        stage=stage,
+        run_key="",
+        config=r.cfg,
+        plan=p,
+        store=home.store.uri,
+        tokenizer_id=r.tok.tokenizer_id,
+        train_shards=train_shards,
+        val_shards=val_shards,
+        mlflow_tracking_uri=home.mlflow_tracking_uri,
+        mlflow_experiment=MLFLOW_EXPERIMENT,
         mlflow_artifact_location=home.mlflow_artifacts.as_uri(),
         parent_run_key=r.upstream.run_key if r.upstream else None,
         init_checkpoint=r.upstream.checkpoint if r.upstream else None,
@@ -323,16 +317,18 @@ def plan_run(stage: str, *, preset: str = presets.DEFAULT_PRESET, overrides: dic
 
 
 def start_run(planned: PlannedRun, home: Home) -> LaunchSpec:
-    """The pre-flight, then the attempt (the newest unfinished one is resumed, else a new one starts);
-    saves the launch spec and, beside it, the identity and the code version that make the run."""
+    """The attempt (the newest unfinished one is resumed, else a new one starts); saves the launch spec and,
+    beside it, the identity and the code version that make the run. The pre-flight (`preflight`, which
+    builds the objective) runs in the job, on rank 0 (ghostvis_core/run/preflight.py)."""
     spec, r = planned.spec, planned.resolved
-    objective = build_objective(with_local_shards(spec, home.store), r.cfg)
-    check_stream_splits(Ledger.in_store(home.store), spec.tokenizer_id, objective)
-    spec.inputs.source_budget = preflight(r.cfg, planned.plan.steps, objective)
     spec.run_key = next_run_key(home.store, spec.stage, planned.base_key)
     spec.tags = run_tags(spec, planned.preset, r.upstream, planned.variant)
-    home.store.write_json("identity", spec.stage, spec.run_key, data={
-        "identity": planned.identity, "code_version": identity.code_version(*TRAINING_MODULES)})
+    home.store.write_json(
+        "identity",
+        spec.stage,
+        spec.run_key,
+        data={"identity": planned.identity, "code_version": identity.code_version(*TRAINING_MODULES)},
+    )
     home.store.write_text("run_spec", spec.stage, spec.run_key, text=spec.to_json())
     return spec
 
@@ -345,23 +341,47 @@ def with_local_shards(spec: LaunchSpec, store: Store) -> LaunchSpec:
     return local
 
 
-def prepare_run(stage: str, *, preset: str = presets.DEFAULT_PRESET, overrides: dict[str, Any] | None = None,
-                home: Home | None = None, tokenizer_id: str | None = None, upstream: Upstream | None = None,
-                variant: str | None = None) -> LaunchSpec:
+def prepare_run(
+    stage: str,
+    *,
+    preset: str = presets.DEFAULT_PRESET,
+    overrides: dict[str, Any] | None = None,
+    home: Home | None = None,
+    tokenizer_id: str | None = None,
+    upstream: Upstream | None = None,
+    variant: str | None = None,
+) -> LaunchSpec:
     """Resolve a stage run and save its spec. A `variant` (a named set of overrides) gets run keys of its
     own, <stage>@<variant>-..., so it never becomes another stage's upstream by accident."""
     home = home or Home.from_env()
-    return start_run(plan_run(stage, preset=preset, overrides=overrides, home=home, tokenizer_id=tokenizer_id,
-                              upstream=upstream, variant=variant), home)
+    return start_run(
+        plan_run(
+            stage,
+            preset=preset,
+            overrides=overrides,
+            home=home,
+            tokenizer_id=tokenizer_id,
+            upstream=upstream,
+            variant=variant,
+        ),
+        home,
+    )
 
 
 def run_tags(spec: LaunchSpec, preset: str, upstream: Upstream | None, variant: str | None) -> dict[str, str]:
     """MLflow tags: the run's stage, key, preset, tokenizer and lineage."""
-    tags = {"ghostvis.stage": spec.stage, "ghostvis.run_key": spec.run_key, "ghostvis.preset": preset,
-            "ghostvis.tokenizer_id": spec.tokenizer_id}
+    tags = {
+        "ghostvis.stage": spec.stage,
+        "ghostvis.run_key": spec.run_key,
+        "ghostvis.preset": preset,
+        "ghostvis.tokenizer_id": spec.tokenizer_id,
+    }
     if upstream:
-        tags |= {"ghostvis.parent_run_key": upstream.run_key, "ghostvis.init_checkpoint": upstream.checkpoint,
-                 "ghostvis.upstream_stage": upstream.stage}
+        tags |= {
+            "ghostvis.parent_run_key": upstream.run_key,
+            "ghostvis.init_checkpoint": upstream.checkpoint,
+            "ghostvis.upstream_stage": upstream.stage,
+        }
     if variant:
         tags["ghostvis.variant"] = variant
     return tags

@@ -45,6 +45,8 @@ def store_identity(uri: str) -> tuple[str, ...]:
     if uri.startswith("file://"):
         return ("folder", str(Path(urllib.parse.unquote(urllib.parse.urlparse(uri).path)).expanduser().resolve()))
     if "://" in uri:
-        raise GhostvisError(f"artifact store {uri}: give a folder (local, or a shared filesystem mounted on every "
-                            "node) or s3://bucket/prefix")
+        raise GhostvisError(
+            f"artifact store {uri}: give a folder (local, or a shared filesystem mounted on every "
+            "node) or s3://bucket/prefix"
+        )
     return ("folder", str(Path(uri).expanduser().resolve()))

@@ -99,5 +99,6 @@ class FolderStore:
 
 def missing(kind: str, key: tuple[str, ...], where: str) -> GhostvisError:
     """The error for an artifact that is not in the store: what it is, where it was looked for, and the fix."""
-    return GhostvisError(f"{kind} {'/'.join(key)} is not in the store ({where}); materialize the asset that "
-                         "writes it first")
+    return GhostvisError(
+        f"{kind} {'/'.join(key)} is not in the store ({where}); materialize the asset that writes it first"
+    )

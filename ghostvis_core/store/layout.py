@@ -22,7 +22,8 @@ LAYOUT: dict[str, str] = {
     "checkpoint_marker": "checkpoints/{}/{}/{}/COMPLETE",  # stage, run_key, step_*: written last, when committed
     "run_record": "checkpoints/{}/{}/RUN_COMPLETE.json",  # stage, run_key: the finished run's RunResult
     "run_spec": "runs/{}/{}/spec.json",  # stage, run_key: the LaunchSpec the ranks read
-    "run_error": "runs/{}/{}/errors/{}.json",  # stage, run_key, rank: one failing rank's reason, time and host (never overwritten)
+    # stage, run_key, rank: one failing rank's reason, time and host (never overwritten)
+    "run_error": "runs/{}/{}/errors/{}.json",
     "run_file": "runs/{}/{}/{path}",  # stage, run_key, name: a launcher's file (job script, job output, Pipes messages)
     "report": "reports/{path}",  # file name under reports/
     "identity": "identities/{}/{path}.json",  # asset, key: what an artifact is made of (ghostvis_core/identity.py)

@@ -17,9 +17,6 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-import boto3
-from botocore.exceptions import ClientError
-
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store.files import replacing, sha256_file
 from ghostvis_core.store.folder import missing
@@ -40,11 +37,13 @@ class S3Store:
     """The store's objects live in `bucket` under `prefix`; `cache` is this node's local copy of those it opened."""
 
     def __init__(self, bucket: str, prefix: str, cache: Path):
+        import boto3  # here, not at module level: ~0.5 s every process paid, S3 store or not (the training entry point)
+
         self.bucket, self.prefix, self.cache = bucket, prefix.strip("/"), cache
         self.s3 = boto3.client("s3")
 
     @classmethod
-    def from_uri(cls, uri: str) -> "S3Store":
+    def from_uri(cls, uri: str) -> S3Store:
         parsed = urllib.parse.urlparse(uri)
         if not parsed.netloc:
             raise GhostvisError(f"artifact store {uri}: give the bucket, s3://bucket/prefix")
@@ -90,6 +89,8 @@ class S3Store:
             local.unlink(missing_ok=True)
 
     def read_text(self, kind: str, *key: str) -> str:
+        from botocore.exceptions import ClientError  # loaded with boto3 by __init__
+
         try:
             return self.s3.get_object(Bucket=self.bucket, Key=self.object_key(kind, *key))["Body"].read().decode()
         except ClientError as exc:
@@ -133,8 +134,9 @@ class S3Store:
         """Upload what this node wrote at writable(kind, key) that the bucket lacks; markers last."""
         local = self.cache / fill(kind, key)
         if not local.exists():
-            raise GhostvisError(f"publish {kind} {'/'.join(key)}: nothing was written at {local}; write it at "
-                                "store.writable(...) first")
+            raise GhostvisError(
+                f"publish {kind} {'/'.join(key)}: nothing was written at {local}; write it at store.writable(...) first"
+            )
         files = [local] if local.is_file() else [f for f in sorted(local.rglob("*")) if f.is_file()]
         files = [f for f in files if not _staging(f.relative_to(self.cache))]
         remote = {o["Key"]: o["Size"] for o in self._objects(kind, *key)}
@@ -149,7 +151,7 @@ class S3Store:
         return f"{self.prefix}/{relative}" if self.prefix else relative
 
     def _relative(self, object_key: str) -> str:
-        return object_key[len(self.prefix) + 1:] if self.prefix else object_key
+        return object_key[len(self.prefix) + 1 :] if self.prefix else object_key
 
     def _list(self, object_prefix: str) -> list[dict[str, Any]]:
         """Objects under a key prefix (every page)."""
@@ -171,9 +173,11 @@ class S3Store:
             expected = self.s3.head_object(Bucket=self.bucket, Key=name).get("Metadata", {}).get("sha256")
             got = sha256_file(tmp)
             if expected and got != expected:
-                raise GhostvisError(f"s3://{self.bucket}/{name}: checksum mismatch after download (expected "
-                                    f"{expected}, got {got}); the object changed or the transfer was corrupted: "
-                                    "fetch it again, or re-materialize the asset that writes it")
+                raise GhostvisError(
+                    f"s3://{self.bucket}/{name}: checksum mismatch after download (expected "
+                    f"{expected}, got {got}); the object changed or the transfer was corrupted: "
+                    "fetch it again, or re-materialize the asset that writes it"
+                )
 
 
 def _staging(rel: Path) -> bool:

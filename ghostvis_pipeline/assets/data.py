@@ -1,6 +1,5 @@
 """Data assets: shard manifest -> raw shards -> tokenizer -> tokenized shards -> token ledger."""
 
-
 import time
 from collections import Counter
 
@@ -15,29 +14,34 @@ from dagster import (
     asset,
 )
 
-from ghostvis_core.plan import presets, run_modes
-from ghostvis_core.run.cluster.slurm import SlurmJob
-from ghostvis_core.run.cluster.slurm_pipeline import SlurmPipeline
 from ghostvis_core.data.catalog import (
-    RemoteSource, check_sha256_pins, manifests_of_shards, record_raw_shard, remote_manifest, save_manifest,
-    shard_split_shown, tokenizer_corpus,
+    RemoteSource,
+    check_sha256_pins,
+    manifests_of_shards,
+    record_raw_shard,
+    remote_manifest,
+    save_manifest,
+    shard_split_shown,
+    tokenizer_corpus,
 )
-from ghostvis_core.demo.sources import DEMO_SOURCES, publish_demo_source
-from ghostvis_core.data.identities import ledger_identity, manifest_identity, shard_contents, tokenizer_identity
 from ghostvis_core.data.dedup import dedup_indexes, removed_rows
+from ghostvis_core.data.identities import ledger_identity, manifest_identity, shard_contents, tokenizer_identity
 from ghostvis_core.data.ledger import Ledger, source_split_totals
 from ghostvis_core.data.sources import fetch_shard
 from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
+from ghostvis_core.demo.sources import DEMO_SOURCES, publish_demo_source
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.hf.imports import import_tokenizer
 from ghostvis_core.identity import code_version, digest
+from ghostvis_core.plan import presets, run_modes
+from ghostvis_core.run.cluster.slurm import SlurmJob
+from ghostvis_core.run.cluster.slurm_pipeline import SlurmPipeline
+from ghostvis_core.run.hf.imports import import_tokenizer
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.partitions import shard_partitions
 from ghostvis_pipeline.resources import GhostvisHome
-
 
 # A source of your own: the fields and defaults of ghostvis_core.data.catalog.RemoteSource, declared there once.
 RemoteSourceConfig = config_from_dataclass(RemoteSource)
@@ -47,7 +51,9 @@ RemoteSourceConfig = config_from_dataclass(RemoteSource)
 # (ghostvis_core/identity.py). Each asset's data version is its identity: see the assets' docstrings.
 MANIFEST_CODE = code_version("ghostvis_core.data.catalog")
 RAW_SHARDS_CODE = code_version("ghostvis_core.data.sources", "ghostvis_core.data.catalog")
-TOKENIZER_CODE = code_version("ghostvis_core.data.tokenizer", "ghostvis_core.data.catalog", "ghostvis_core.run.hf.tokenizer_json")
+TOKENIZER_CODE = code_version(
+    "ghostvis_core.data.tokenizer", "ghostvis_core.data.catalog", "ghostvis_core.run.hf.tokenizer_json"
+)
 TOKENIZE_CODE = code_version("ghostvis_core.data.tokenize", "ghostvis_core.data.dedup")
 LEDGER_CODE = code_version("ghostvis_core.data.ledger")
 
@@ -76,14 +82,20 @@ def shard_manifest(context: AssetExecutionContext, config: ManifestConfig, home:
     new = [k for k in keys if k not in known]
     if new:
         context.instance.add_dynamic_partitions(shard_partitions.name, new)
-    return MaterializeResult(data_version=DataVersion(digest(manifest_identity(manifests))), metadata={
-        "shards": len(keys),
-        "new_partitions": len(new),
-        "sources": ", ".join(m.source for m in manifests),
-        "by_source": MetadataValue.md(md_table(
-            ["source", "kind", "shards", "train", "validation", "pending download (sha256 pins)", "manifest"],
-            [source_split_counts(h.store, m) for m in manifests])),
-    })
+    return MaterializeResult(
+        data_version=DataVersion(digest(manifest_identity(manifests))),
+        metadata={
+            "shards": len(keys),
+            "new_partitions": len(new),
+            "sources": ", ".join(m.source for m in manifests),
+            "by_source": MetadataValue.md(
+                md_table(
+                    ["source", "kind", "shards", "train", "validation", "pending download (sha256 pins)", "manifest"],
+                    [source_split_counts(h.store, m) for m in manifests],
+                )
+            ),
+        },
+    )
 
 
 def source_split_counts(store, manifest) -> list:
@@ -92,8 +104,15 @@ def source_split_counts(store, manifest) -> list:
     with the number of shards."""
     shown = Counter(shard_split_shown(store, manifest, sid) for sid in manifest.entries_by_id)
     pending = sum(n for split, n in shown.items() if split not in ("train", "validation"))
-    return [manifest.source, manifest.kind, len(manifest.shards), shown["train"], shown["validation"], pending,
-            store.uri_of("manifest", manifest.source)]
+    return [
+        manifest.source,
+        manifest.kind,
+        len(manifest.shards),
+        shown["train"],
+        shown["validation"],
+        pending,
+        store.uri_of("manifest", manifest.source),
+    ]
 
 
 # A backfill of raw_shards or tokenized_shards is one Dagster run (the CLI's --partition-range needs
@@ -132,14 +151,24 @@ def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> Materializ
         split = record_raw_shard(store, manifest, key, r.sha256, r.bytes)
         total += r.bytes
         fetched += r.downloaded
-        shard_observation(context, key, {
-            "split": split, "bytes": r.bytes, "sha256": r.sha256, "status": "downloaded" if r.downloaded else "present",
-            "path": MetadataValue.path(store.uri_of("raw_shard", key))})
+        shard_observation(
+            context,
+            key,
+            {
+                "split": split,
+                "bytes": r.bytes,
+                "sha256": r.sha256,
+                "status": "downloaded" if r.downloaded else "present",
+                "path": MetadataValue.path(store.uri_of("raw_shard", key)),
+            },
+        )
     for manifest in {m.source: m for m in manifests.values()}.values():
         check_sha256_pins(store, manifest, "raw_shards")
     secs = time.time() - t0
-    context.log.info(f"raw_shards: {len(keys):,} shards, {fetched:,} downloaded, {len(keys) - fetched:,} already "
-                     f"present, {total:,} bytes, {total / 1e6 / max(secs, 1e-6):.1f} MB/s")
+    context.log.info(
+        f"raw_shards: {len(keys):,} shards, {fetched:,} downloaded, {len(keys) - fetched:,} already "
+        f"present, {total:,} bytes, {total / 1e6 / max(secs, 1e-6):.1f} MB/s"
+    )
     return MaterializeResult(data_version=DataVersion(digest(shard_contents(store))))
 
 
@@ -173,32 +202,53 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, home: Gho
     if config.from_model:
         tok = import_tokenizer(store, config.from_model)
         context.log.info(f"tokenizer: {tok.tokenizer_id} is the tokenizer of {config.from_model} (not trained)")
-        return _tokenizer_result(store, {"tokenizer_id": tok.tokenizer_id, "vocab_size": tok.vocab_size,
-                                         "from_model": config.from_model, "train_shards": 0}, None, None)
-    vocab = config.vocab_size or presets.tokenizer_vocab(run_modes.model_preset(config.preset or presets.default_preset()))
+        return _tokenizer_result(
+            store,
+            {
+                "tokenizer_id": tok.tokenizer_id,
+                "vocab_size": tok.vocab_size,
+                "from_model": config.from_model,
+                "train_shards": 0,
+            },
+            None,
+            None,
+        )
+    vocab = config.vocab_size or presets.tokenizer_vocab(
+        run_modes.model_preset(config.preset or presets.default_preset())
+    )
     ident = tokenizer_identity(store, vocab, config.max_train_bytes)
     key = digest(ident)
     record = store.read_json("identity", "tokenizer", key) if store.exists("identity", "tokenizer", key) else None
     if record and not config.force and store.exists("tokenizer", record["metadata"]["tokenizer_id"]):
-        why = (f"identity {key} (vocab {vocab}, max_train_bytes {config.max_train_bytes}, the text shards by content "
-               f"and split) equals that of tokenizer {record['metadata']['tokenizer_id']}, trained before")
+        why = (
+            f"identity {key} (vocab {vocab}, max_train_bytes {config.max_train_bytes}, the text shards by content "
+            f"and split) equals that of tokenizer {record['metadata']['tokenizer_id']}, trained before"
+        )
         context.log.info(f"tokenizer: cache hit, {why}")
         return _tokenizer_result(store, record["metadata"], key, {"identity": key, "why": why})
     corpus = tokenizer_corpus(store, config.max_train_bytes)
     if not corpus.texts:
         raise GhostvisError("no downloaded text train shards to train the tokenizer on; materialize raw_shards first")
-    context.log.info(f"tokenizer: {len(corpus.train_shard_ids)} train shards, "
-                     f"{len(corpus.validation_shard_ids)} validation shards left out")
+    context.log.info(
+        f"tokenizer: {len(corpus.train_shard_ids)} train shards, "
+        f"{len(corpus.validation_shard_ids)} validation shards left out"
+    )
     t0 = time.time()
     tok = train_tokenizer(corpus.texts, vocab)
     save_tokenizer(tok, store)
-    md = {"tokenizer_id": tok.tokenizer_id, "vocab_size": tok.vocab_size,
-          "train_shards": len(corpus.train_shard_ids), "train_shard_ids": corpus.train_shard_ids,
-          "validation_shards_excluded": len(corpus.validation_shard_ids),
-          "validation_shard_ids_excluded": corpus.validation_shard_ids,
-          "train_bytes": corpus.train_bytes, "train_seconds": round(time.time() - t0, 2)}
-    store.write_json("identity", "tokenizer", key, data={
-        "identity": ident, "code_version": TOKENIZER_CODE, "metadata": md})
+    md = {
+        "tokenizer_id": tok.tokenizer_id,
+        "vocab_size": tok.vocab_size,
+        "train_shards": len(corpus.train_shard_ids),
+        "train_shard_ids": corpus.train_shard_ids,
+        "validation_shards_excluded": len(corpus.validation_shard_ids),
+        "validation_shard_ids_excluded": corpus.validation_shard_ids,
+        "train_bytes": corpus.train_bytes,
+        "train_seconds": round(time.time() - t0, 2),
+    }
+    store.write_json(
+        "identity", "tokenizer", key, data={"identity": ident, "code_version": TOKENIZER_CODE, "metadata": md}
+    )
     return _tokenizer_result(store, md, key, None)
 
 
@@ -247,11 +297,13 @@ def data_runner(launcher: Launcher):
     deps=[raw_shards, tokenizer],
     code_version=TOKENIZE_CODE,
 )
-def tokenized_shards(context: AssetExecutionContext, config: TokenizeConfig, home: GhostvisHome,
-                     launcher: Launcher) -> MaterializeResult:
+def tokenized_shards(
+    context: AssetExecutionContext, config: TokenizeConfig, home: GhostvisHome, launcher: Launcher
+) -> MaterializeResult:
     """Tokenizes shards with datatrove workers into token shards and writes their ledger rows.
     A shard already tokenized with the same content and tokenizer is not redone. Each shard's figures
-    are an observation of its partition (`shard_observation`), the run's counts its summary log line. Data version: the tokenizer, the
+    are an observation of its partition (`shard_observation`), the run's counts its summary log line.
+    Data version: the tokenizer, the
     filters, the dedup settings and the recorded content of every registered shard."""
     h = home.home()
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
@@ -259,15 +311,30 @@ def tokenized_shards(context: AssetExecutionContext, config: TokenizeConfig, hom
     manifests = manifests_of_shards(h.store, keys)
     jobs = [job_for_shard(h.store, manifests[key], key) for key in keys]
     t0 = time.time()
-    indexes = dedup_indexes(h.store, dict(config.dedup), jobs, tokenizer_id=tokenizer_id, filters=dict(config.filters),
-                            logging_dir=h.root / "logs" / "datatrove" / "dedup", workers=config.workers)
+    indexes = dedup_indexes(
+        h.store,
+        dict(config.dedup),
+        jobs,
+        tokenizer_id=tokenizer_id,
+        filters=dict(config.filters),
+        logging_dir=h.root / "logs" / "datatrove" / "dedup",
+        workers=config.workers,
+    )
     for ix in indexes:
-        context.log.info(f"dedup {ix.source} ({ix.method}, index {ix.key}{', reused' if ix.reused else ''}): "
-                         f"{ix.removed:,} near duplicates over {len(ix.shards):,} shards")
-    reports = tokenize_shards(jobs, store=h.store, tokenizer_id=tokenizer_id,
-                              logging_dir=h.root / "logs" / "datatrove" / tokenizer_id, workers=config.workers,
-                              filters=dict(config.filters), run_pipeline=data_runner(launcher),
-                              removed=removed_rows(h.store, indexes))
+        context.log.info(
+            f"dedup {ix.source} ({ix.method}, index {ix.key}{', reused' if ix.reused else ''}): "
+            f"{ix.removed:,} near duplicates over {len(ix.shards):,} shards"
+        )
+    reports = tokenize_shards(
+        jobs,
+        store=h.store,
+        tokenizer_id=tokenizer_id,
+        logging_dir=h.root / "logs" / "datatrove" / tokenizer_id,
+        workers=config.workers,
+        filters=dict(config.filters),
+        run_pipeline=data_runner(launcher),
+        removed=removed_rows(h.store, indexes),
+    )
     secs = time.time() - t0
     for r in reports:
         shard_observation(context, r.shard_id, shard_figures(h.store, tokenizer_id, r))
@@ -275,23 +342,41 @@ def tokenized_shards(context: AssetExecutionContext, config: TokenizeConfig, hom
     context.log.info(
         f"tokenized_shards: {len(reports):,} shards ({len(done):,} tokenized, {len(reports) - len(done):,} unchanged "
         f"and skipped), {sum(r.docs for r in reports):,} docs, {sum(r.tokens for r in reports):,} tokens, "
-        f"{sum(r.text_bytes for r in done) / 1e6 / max(secs, 1e-6):.2f} MB/s of text; every shard: `ghostvis ledger`")
-    version = digest({"tokenizer": tokenizer_id, "filters": dict(config.filters), "dedup": dict(config.dedup),
-                      "shards": shard_contents(h.store)})
+        f"{sum(r.text_bytes for r in done) / 1e6 / max(secs, 1e-6):.2f} MB/s of text; every shard: `ghostvis ledger`"
+    )
+    version = digest(
+        {
+            "tokenizer": tokenizer_id,
+            "filters": dict(config.filters),
+            "dedup": dict(config.dedup),
+            "shards": shard_contents(h.store),
+        }
+    )
     return MaterializeResult(data_version=DataVersion(version))
 
 
 def shard_figures(store, tokenizer_id: str, report) -> dict:
     """One partition's observation: that shard's figures from its ledger row (never a table of every shard,
     which would be stored with each of the N partitions' events: N^2; the ledger holds that table)."""
-    return {"tokenizer_id": tokenizer_id, "docs": report.docs, "tokens": report.tokens,
-            "docs_dropped": report.docs_dropped, "tokens_dropped": report.tokens_dropped,
-            "drop_reasons": report.drop_reasons, "status": "skipped (unchanged)" if report.skipped else "tokenized",
-            "token_file": MetadataValue.path(store.uri_of("token_shard", tokenizer_id, report.shard_id))}
+    return {
+        "tokenizer_id": tokenizer_id,
+        "docs": report.docs,
+        "tokens": report.tokens,
+        "docs_dropped": report.docs_dropped,
+        "tokens_dropped": report.tokens_dropped,
+        "drop_reasons": report.drop_reasons,
+        "status": "skipped (unchanged)" if report.skipped else "tokenized",
+        "token_file": MetadataValue.path(store.uri_of("token_shard", tokenizer_id, report.shard_id)),
+    }
 
 
-@asset(group_name="data", kinds={"duckdb", "parquet"}, owners=["team:data"], deps=[tokenized_shards, tokenizer],
-       code_version=LEDGER_CODE)
+@asset(
+    group_name="data",
+    kinds={"duckdb", "parquet"},
+    owners=["team:data"],
+    deps=[tokenized_shards, tokenizer],
+    code_version=LEDGER_CODE,
+)
 def token_ledger(context: AssetExecutionContext, home: GhostvisHome) -> MaterializeResult:
     """The token ledger's shard table for the current tokenizer: what each source and split holds.
     Data version: that table (each shard's content hash, split, docs and tokens)."""
@@ -303,13 +388,18 @@ def token_ledger(context: AssetExecutionContext, home: GhostvisHome) -> Material
     by = source_split_totals(rows)
     table = [[t["source"], t["split"], t["shards"], t["docs"], t["tokens"], t["text_bytes"]] for t in by]
     version = digest({"tokenizer": tokenizer_id, "shards": ledger_identity(rows)})
-    return MaterializeResult(data_version=DataVersion(version), metadata={
-        "tokenizer_id": tokenizer_id,
-        "shards": len(rows),
-        "docs": sum(t["docs"] for t in by),
-        "tokens": sum(t["tokens"] for t in by),
-        "train_tokens": sum(t["tokens"] for t in by if t["split"] == "train"),
-        "validation_tokens": sum(t["tokens"] for t in by if t["split"] == "validation"),
-        "ledger_dir": MetadataValue.path(store.uri_of("ledger")),
-        "by_source": MetadataValue.md(md_table(["source", "split", "shards", "docs", "tokens", "text_bytes"], table)),
-    })
+    return MaterializeResult(
+        data_version=DataVersion(version),
+        metadata={
+            "tokenizer_id": tokenizer_id,
+            "shards": len(rows),
+            "docs": sum(t["docs"] for t in by),
+            "tokens": sum(t["tokens"] for t in by),
+            "train_tokens": sum(t["tokens"] for t in by if t["split"] == "train"),
+            "validation_tokens": sum(t["tokens"] for t in by if t["split"] == "validation"),
+            "ledger_dir": MetadataValue.path(store.uri_of("ledger")),
+            "by_source": MetadataValue.md(
+                md_table(["source", "split", "shards", "docs", "tokens", "text_bytes"], table)
+            ),
+        },
+    )

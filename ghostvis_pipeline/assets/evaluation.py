@@ -9,21 +9,34 @@ from pathlib import Path
 
 from dagster import AssetExecutionContext, Config, DataVersion, MaterializeResult, MetadataValue, asset
 
-from ghostvis_core.plan.budget import DEFAULT_GPU_PRICES
 from ghostvis_core.data.ledger import Ledger, held_out_text_shards
 from ghostvis_core.data.tokenizer import load_tokenizer
-from ghostvis_core.verify.eval.benchmark import (PROMPTS, bits_per_byte, build_items, held_out_texts, multiple_choice,
-                                          samples)
-from ghostvis_core.run.train.trained import load_stage, stage_config
-from ghostvis_core.verify.eval.gate import tolerances
-from ghostvis_core.verify.eval.harness import (CLOZE_FILE, CLOZE_TASK, DEFAULT_TASKS, GhostvisLM, cloze_jsonl, run_tasks,
-                                        task_files_digest)
-from ghostvis_core.verify.eval.report import stage_report, write_report
 from ghostvis_core.identity import code_version, digest
+from ghostvis_core.plan.budget import DEFAULT_GPU_PRICES
 from ghostvis_core.plan.stages import stage_names
-from ghostvis_core.store import Store
 from ghostvis_core.run.track.mlflow_records import add_files, add_to_run, metric_histories
 from ghostvis_core.run.train.runs import run_result
+from ghostvis_core.run.train.trained import load_stage, stage_config
+from ghostvis_core.store import Store
+from ghostvis_core.verify.eval.benchmark import (
+    PROMPTS,
+    bits_per_byte,
+    build_items,
+    held_out_texts,
+    multiple_choice,
+    samples,
+)
+from ghostvis_core.verify.eval.gate import tolerances
+from ghostvis_core.verify.eval.harness import (
+    CLOZE_FILE,
+    CLOZE_TASK,
+    DEFAULT_TASKS,
+    GhostvisLM,
+    cloze_jsonl,
+    run_tasks,
+    task_files_digest,
+)
+from ghostvis_core.verify.eval.report import stage_report, write_report
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
 
@@ -42,13 +55,16 @@ def eval_shards(store: Store, tokenizer_id: str, lineage: dict[str, str]) -> dic
     first = next(iter(lineage))
     sources = stage_config(store, run_result(store, first, lineage[first])).data.val_sources
     held_out = held_out_text_shards(Ledger.in_store(store), tokenizer_id, sources)
-    return {source: [{**ref, "path": str(store.fetch("token_shard", tokenizer_id, ref["shard_id"]))} for ref in refs]
-            for source, refs in held_out.items()}
+    return {
+        source: [{**ref, "path": str(store.fetch("token_shard", tokenizer_id, ref["shard_id"]))} for ref in refs]
+        for source, refs in held_out.items()
+    }
 
 
 # The modules that make each eval asset (their code_version, ghostvis_core/identity.py).
-EVALUATION_CODE = code_version("ghostvis_core.verify.eval.benchmark", "ghostvis_core.run.train.trained",
-                               "ghostvis_core.verify.eval.harness")
+EVALUATION_CODE = code_version(
+    "ghostvis_core.verify.eval.benchmark", "ghostvis_core.run.train.trained", "ghostvis_core.verify.eval.harness"
+)
 REPORT_CODE = code_version("ghostvis_core.verify.eval.report", "ghostvis_core.run.track.mlflow_records")
 MAX_BPB_TOKENS, MC_PER_TASK = 8192, 25
 
@@ -63,22 +79,33 @@ class EvaluationConfig(Config):
     bpb_tolerance: dict[str, float] = {}
 
 
-def evaluation_identity(store: Store, tokenizer_id: str, lineage: dict[str, str], val: dict,
-                        config: EvaluationConfig) -> dict:
+def evaluation_identity(
+    store: Store, tokenizer_id: str, lineage: dict[str, str], val: dict, config: EvaluationConfig
+) -> dict:
     """What the scores depend on: each stage's run (its data version), the held-out shards by content,
     the tokenizer, the benchmark's settings and the harness tasks (their files by content)."""
     content = {r["shard_id"]: r["content_sha256"] for r in Ledger.in_store(store).shards(tokenizer_id=tokenizer_id)}
-    return {"lineage": lineage, "tokenizer": tokenizer_id, "prompts": list(PROMPTS),
-            "held_out": {s: [[x["shard_id"], content.get(x["shard_id"])] for x in shards] for s, shards in val.items()},
-            "max_bpb_tokens": MAX_BPB_TOKENS, "mc_per_task": MC_PER_TASK, "harness_tasks": list(config.harness_tasks),
-            "harness_files": task_files_digest(config.harness_include)}
+    return {
+        "lineage": lineage,
+        "tokenizer": tokenizer_id,
+        "prompts": list(PROMPTS),
+        "held_out": {s: [[x["shard_id"], content.get(x["shard_id"])] for x in shards] for s, shards in val.items()},
+        "max_bpb_tokens": MAX_BPB_TOKENS,
+        "mc_per_task": MC_PER_TASK,
+        "harness_tasks": list(config.harness_tasks),
+        "harness_files": task_files_digest(config.harness_include),
+    }
 
 
 # Evaluation and report depend on everything their scores are made of, directly: Dagster marks an asset
 # unsynced only when a direct dependency changed (a new tokenizer or ledger, any stage re-trained).
-@asset(group_name="eval", kinds={"torch", "mlflow"}, owners=["team:training"],
-       deps=["tokenizer", "token_ledger", *STAGES],
-       code_version=EVALUATION_CODE)
+@asset(
+    group_name="eval",
+    kinds={"torch", "mlflow"},
+    owners=["team:training"],
+    deps=["tokenizer", "token_ledger", *STAGES],
+    code_version=EVALUATION_CODE,
+)
 def evaluation(context: AssetExecutionContext, config: EvaluationConfig, home: GhostvisHome) -> MaterializeResult:
     """Validation bits per byte, a multiple-choice benchmark (lowest answer loss wins), sampled
     completions for fixed prompts and lm-evaluation-harness tasks, for every stage's newest
@@ -99,19 +126,36 @@ def evaluation(context: AssetExecutionContext, config: EvaluationConfig, home: G
         harness = HarnessSetup(key, config.harness_tasks, config.harness_include, held_out)
         results = {stage: score_stage(context, h, stage, run_key, val, harness) for stage, run_key in lineage.items()}
         h.store.write_text("report", f"evaluation/{key}.json", text=json.dumps(results, indent=2))
-    rows = [[stage, r["run_key"], *[f"{r['bpb'].get(s, float('nan')):.3f}" for s in val], f"{r['mc']['overall']:.2f}",
-             r["samples"][0]["completion"].strip()[:60]] for stage, r in results.items()]
-    md = {"evaluation": MetadataValue.md(md_table(
-              ["stage", "run", *[f"bpb {s}" for s in val], "mc accuracy", f"'{PROMPTS[0]}'"], rows)),
-          "harness": MetadataValue.json({stage: r["harness"] for stage, r in results.items()}),
-          "harness_table": MetadataValue.md(harness_table(results)),
-          "harness_results": MetadataValue.path(h.store.uri_of("report", f"evaluation/{key}/harness")),
-          "mc_chance": 0.25, "identity": key,
-          "bpb_tolerance": MetadataValue.json(tolerance),
-          "results": MetadataValue.path(h.store.uri_of("report", f"evaluation/{key}.json"))}
+    rows = [
+        [
+            stage,
+            r["run_key"],
+            *[f"{r['bpb'].get(s, float('nan')):.3f}" for s in val],
+            f"{r['mc']['overall']:.2f}",
+            r["samples"][0]["completion"].strip()[:60],
+        ]
+        for stage, r in results.items()
+    ]
+    md = {
+        "evaluation": MetadataValue.md(
+            md_table(["stage", "run", *[f"bpb {s}" for s in val], "mc accuracy", f"'{PROMPTS[0]}'"], rows)
+        ),
+        "harness": MetadataValue.json({stage: r["harness"] for stage, r in results.items()}),
+        "harness_table": MetadataValue.md(harness_table(results)),
+        "harness_results": MetadataValue.path(h.store.uri_of("report", f"evaluation/{key}/harness")),
+        "mc_chance": 0.25,
+        "identity": key,
+        "bpb_tolerance": MetadataValue.json(tolerance),
+        "results": MetadataValue.path(h.store.uri_of("report", f"evaluation/{key}.json")),
+    }
     if cached:
-        md["cached_from"] = MetadataValue.json({"identity": key, "why": "the same stage runs, held-out shards by "
-                                                "content, tokenizer and benchmark settings were scored before"})
+        md["cached_from"] = MetadataValue.json(
+            {
+                "identity": key,
+                "why": "the same stage runs, held-out shards by "
+                "content, tokenizer and benchmark settings were scored before",
+            }
+        )
     return MaterializeResult(metadata=md, data_version=DataVersion(key))
 
 
@@ -150,20 +194,32 @@ def score_stage(context, h, stage: str, run_key: str, val: dict, harness: Harnes
     run = run_tasks(GhostvisLM(ts), harness.tasks, harness.include, harness.held_out_dir)
     saved = f"evaluation/{harness.key}/harness/{stage}.json"
     h.store.write_text("report", saved, text=json.dumps(run.results, indent=2))
-    metrics = ({f"eval/bpb/{k}": v for k, v in bpb.items()} | {f"eval/mc/{k}": v for k, v in mc.items()}
-               | {f"harness/{task}/{m}": v for task, ms in run.metrics.items() for m, v in ms.items()})
-    add_to_run(h.mlflow_tracking_uri, ts.result.mlflow_run_id, metrics, ts.result.steps,
-               texts={"eval/samples.json": json.dumps(smp, indent=2)})
-    context.log.info(f"{stage}: bpb {bpb}, mc {mc['overall']:.2f}, harness {run.metrics} "
-                     f"({time.time() - t0:.1f}s, harness {time.time() - t1:.1f}s)")
-    return {"run_key": run_key, "bpb": bpb, "mc": mc, "samples": smp, "harness": run.metrics,
-            "harness_results": saved}
+    metrics = (
+        {f"eval/bpb/{k}": v for k, v in bpb.items()}
+        | {f"eval/mc/{k}": v for k, v in mc.items()}
+        | {f"harness/{task}/{m}": v for task, ms in run.metrics.items() for m, v in ms.items()}
+    )
+    add_to_run(
+        h.mlflow_tracking_uri,
+        ts.result.mlflow_run_id,
+        metrics,
+        ts.result.steps,
+        texts={"eval/samples.json": json.dumps(smp, indent=2)},
+    )
+    context.log.info(
+        f"{stage}: bpb {bpb}, mc {mc['overall']:.2f}, harness {run.metrics} "
+        f"({time.time() - t0:.1f}s, harness {time.time() - t1:.1f}s)"
+    )
+    return {"run_key": run_key, "bpb": bpb, "mc": mc, "samples": smp, "harness": run.metrics, "harness_results": saved}
 
 
 def harness_table(results: dict) -> str:
     """One row per stage and harness task: its metrics as the harness reported them."""
-    rows = [[stage, task, ", ".join(f"{m} {v:.4g}" for m, v in ms.items())]
-            for stage, r in results.items() for task, ms in r["harness"].items()]
+    rows = [
+        [stage, task, ", ".join(f"{m} {v:.4g}" for m, v in ms.items())]
+        for stage, r in results.items()
+        for task, ms in r["harness"].items()
+    ]
     return md_table(["stage", "task", "metrics (lm-evaluation-harness)"], rows)
 
 
@@ -171,9 +227,13 @@ class ReportConfig(Config):
     gpu_prices: dict[str, float] = dict(DEFAULT_GPU_PRICES)  # assumed $/GPU-hour; set your own
 
 
-@asset(group_name="eval", kinds={"mlflow", "html"}, owners=["team:training"],
-       deps=["evaluation", "tokenizer", "token_ledger", *STAGES],
-       code_version=REPORT_CODE)
+@asset(
+    group_name="eval",
+    kinds={"mlflow", "html"},
+    owners=["team:training"],
+    deps=["evaluation", "tokenizer", "token_ledger", *STAGES],
+    code_version=REPORT_CODE,
+)
 def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisHome) -> MaterializeResult:
     """The lineage's report card: tokens from the ledger, evidence, evaluation, loss curves, cost. The
     card of the same lineage, evaluation and prices is not written again; data version: that identity."""
@@ -181,8 +241,14 @@ def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisH
     lineage = lineage_run_keys(context)
     evaluated = latest_metadata(context, "evaluation")
     evaluation_key, tolerance = evaluated["identity"], dict(evaluated["bpb_tolerance"])
-    key = digest({"lineage": lineage, "evaluation": evaluation_key, "gpu_prices": dict(config.gpu_prices),
-                  "bpb_tolerance": tolerance})
+    key = digest(
+        {
+            "lineage": lineage,
+            "evaluation": evaluation_key,
+            "gpu_prices": dict(config.gpu_prices),
+            "bpb_tolerance": tolerance,
+        }
+    )
     name = list(lineage.values())[-1]
     done = store.read_json("identity", "report", name) if store.exists("identity", "report", name) else {}
     if done.get("digest") == key:
@@ -195,22 +261,31 @@ def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisH
         result = run_result(store, stage, run_key)
         curves = metric_histories(tracking_uri, result.mlflow_run_id, ("train/loss", "val/loss"))
         ev = evaluation_results.get(stage, {})
-        stages.append(stage_report(ledger, result, stage_config(store, result), curves, ev, dict(config.gpu_prices),
-                                   tolerance[stage]))
+        stages.append(
+            stage_report(
+                ledger, result, stage_config(store, result), curves, ev, dict(config.gpu_prices), tolerance[stage]
+            )
+        )
         smp[stage] = ev.get("samples", [])
     title = f"GhostVis report card: {' -> '.join(s.stage for s in stages)}"
     files = write_report(store, name, title, stages, smp)
     add_files(tracking_uri, stages[-1].mlflow_run_id, list(files.values()), "report")
-    md = {"mlflow_run_id": stages[-1].mlflow_run_id, "stages": len(stages),
-          "real_tokens_total": sum(s.totals["real_tokens"] for s in stages)}
+    md = {
+        "mlflow_run_id": stages[-1].mlflow_run_id,
+        "stages": len(stages),
+        "real_tokens_total": sum(s.totals["real_tokens"] for s in stages),
+    }
     store.write_json("identity", "report", name, data={"digest": key, "metadata": md, "code_version": REPORT_CODE})
     return _report_result(store, name, md, key, cached=False)
 
 
 def _report_result(store: Store, name: str, md: dict, key: str, cached: bool) -> MaterializeResult:
     """The card's metadata (its files where the store is now); data version = the card's identity."""
-    out = {**md, "report_html": MetadataValue.path(store.uri_of("report", f"{name}/report.html")),
-           "report_md": MetadataValue.md(store.read_text("report", f"{name}/report.md"))}
+    out = {
+        **md,
+        "report_html": MetadataValue.path(store.uri_of("report", f"{name}/report.html")),
+        "report_md": MetadataValue.md(store.read_text("report", f"{name}/report.md")),
+    }
     if cached:
         out["cached_from"] = MetadataValue.json({"identity": key, "why": "the same lineage, evaluation and prices"})
     return MaterializeResult(metadata=out, data_version=DataVersion(key))

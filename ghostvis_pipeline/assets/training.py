@@ -1,31 +1,43 @@
-"""Training stage assets, one per entry of the stage table: each materialization prepares a run,
-launches torchrun through Pipes, registers the run's model in MLflow and maps the run's RunResult to
-metadata."""
-
+"""Training stage assets, one per entry of the stage table: each materialization plans a run, writes its
+launch spec, launches the job and maps what the job left in the store (its RunResult, its pre-flight's
+budget, its registered model) to metadata. The heavy parts run in the job: the pre-flight (it builds
+the objective) and the model's export and registration in MLflow; this process only plans, launches
+and checks."""
 
 import os
-import time
+import subprocess
+import sys
 from typing import Any
 
 from dagster import (
-    AssetExecutionContext, Backoff, Config, DagsterExecutionInterruptedError, DataVersion, Failure, MaterializeResult,
-    MetadataValue, RetryPolicy, StaticPartitionsDefinition, asset,
+    AssetExecutionContext,
+    Backoff,
+    Config,
+    DagsterExecutionInterruptedError,
+    DataVersion,
+    Failure,
+    MaterializeResult,
+    MetadataValue,
+    RetryPolicy,
+    StaticPartitionsDefinition,
+    asset,
 )
 
-from ghostvis_core.plan import presets
-from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.hf.export import export_run
 from ghostvis_core.home import Home
-from ghostvis_core.plan.stages import Stage, stage as stage_of
 from ghostvis_core.identity import code_version
-from ghostvis_core.store import Store
-from ghostvis_core.run.track.mlflow_models import StageModel, register_stage_model
+from ghostvis_core.plan import presets
+from ghostvis_core.plan.stages import Stage
+from ghostvis_core.plan.stages import stage as stage_of
+from ghostvis_core.run.hf.register import model_record, register_run
 from ghostvis_core.run.launch import TRAINING_MODULES, PlannedRun, plan_run, start_run
+from ghostvis_core.run.preflight import preflight_record
 from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.runs import Upstream, run_result
 from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.store import Store
+from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_pipeline.cache import cached_stage_run, changed_since
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.metadata import latest_metadata, md_table
@@ -59,13 +71,24 @@ def mlflow_url(experiment_id: str, run_id: str) -> str:
 def result_metadata(r: RunResult) -> dict:
     """The run's figures: the four token counts, the batch factors, losses, evidence, mixture."""
     md: dict = {k: MetadataValue.int(v) for k, v in {**r.counts.as_dict(), **r.batch.to_dict()}.items()}
-    md |= {"planned_tokens": MetadataValue.int(r.planned_tokens), "steps": MetadataValue.int(r.steps),
-           "segment": MetadataValue.int(r.segment)}
+    md |= {
+        "planned_tokens": MetadataValue.int(r.planned_tokens),
+        "steps": MetadataValue.int(r.steps),
+        "segment": MetadataValue.int(r.segment),
+    }
     md |= {k: MetadataValue.int(v) for k, v in r.generated.items()}  # rl: generated/rewarded tokens, completions
-    floats = {"train_loss": r.train_loss, "val_loss": r.val_loss, "val_loss_start": r.val_loss_start,
-              "tokens_per_sec": r.tokens_per_sec, "first_step_s": r.first_step_s, "wall_time_s": r.wall_time_s,
-              "mfu": r.mfu, "flops_per_token": r.flops_per_token, "peak_flops": r.peak_flops,
-              "cuda_peak_memory_gb": r.cuda_peak_memory_gb}
+    floats = {
+        "train_loss": r.train_loss,
+        "val_loss": r.val_loss,
+        "val_loss_start": r.val_loss_start,
+        "tokens_per_sec": r.tokens_per_sec,
+        "first_step_s": r.first_step_s,
+        "wall_time_s": r.wall_time_s,
+        "mfu": r.mfu,
+        "flops_per_token": r.flops_per_token,
+        "peak_flops": r.peak_flops,
+        "cuda_peak_memory_gb": r.cuda_peak_memory_gb,
+    }
     md |= {k: MetadataValue.float(float(v)) for k, v in floats.items() if v is not None}
     if r.peak_source:
         md["peak_flops_source"] = r.peak_source
@@ -74,13 +97,17 @@ def result_metadata(r: RunResult) -> dict:
         if e.before is not None:
             md[f"{name}_before"] = MetadataValue.float(e.before)
     for source, m in r.mixture.items():
-        md |= {f"mixture/{source}/fraction": MetadataValue.float(m.fraction),
-               f"mixture/{source}/weight": MetadataValue.float(m.weight),
-               f"mixture/{source}/tokens": MetadataValue.float(float(m.tokens))}
+        md |= {
+            f"mixture/{source}/fraction": MetadataValue.float(m.fraction),
+            f"mixture/{source}/weight": MetadataValue.float(m.weight),
+            f"mixture/{source}/tokens": MetadataValue.float(float(m.tokens)),
+        }
     if r.frozen is not None:
-        md |= {"frozen_params_sha256_before": r.frozen.sha256_before,
-               "frozen_params_sha256_after": r.frozen.sha256_after,
-               "frozen_params_unchanged": MetadataValue.float(float(r.frozen.unchanged))}
+        md |= {
+            "frozen_params_sha256_before": r.frozen.sha256_before,
+            "frozen_params_sha256_after": r.frozen.sha256_after,
+            "frozen_params_unchanged": MetadataValue.float(float(r.frozen.unchanged)),
+        }
     return md
 
 
@@ -88,15 +115,22 @@ def lineage_metadata(r: RunResult, spec: LaunchSpec, store: Store) -> dict:
     """Where the run lives and what it came from: run key, MLflow run, checkpoint (where the store is
     now, also for a run made before the store moved), tokenizer, upstream."""
     checkpoint = store.uri_of("checkpoint", r.stage, r.run_key, r.checkpoint_uri.rstrip("/").rsplit("/", 1)[-1])
-    md = {"run_key": spec.run_key, "mlflow_run_id": r.mlflow_run_id,
-          "mlflow_url": MetadataValue.url(mlflow_url(r.mlflow_experiment_id, r.mlflow_run_id)),
-          "checkpoint_uri": MetadataValue.path(checkpoint), "tokenizer_id": spec.tokenizer_id}
+    md = {
+        "run_key": spec.run_key,
+        "mlflow_run_id": r.mlflow_run_id,
+        "mlflow_url": MetadataValue.url(mlflow_url(r.mlflow_experiment_id, r.mlflow_run_id)),
+        "checkpoint_uri": MetadataValue.path(checkpoint),
+        "tokenizer_id": spec.tokenizer_id,
+    }
     if spec.parent_run_key:
         md |= {"parent_run_key": spec.parent_run_key, "init_checkpoint": MetadataValue.path(spec.init_checkpoint or "")}
     budget = spec.inputs.source_budget
-    md["source_budget"] = MetadataValue.md(md_table(
-        ["source", "needed_tokens", "available_tokens", "shards", "epochs"],
-        [[s, b.needed_tokens, b.available_tokens, b.shards, b.epochs] for s, b in budget.items()]))
+    md["source_budget"] = MetadataValue.md(
+        md_table(
+            ["source", "needed_tokens", "available_tokens", "shards", "epochs"],
+            [[s, b.needed_tokens, b.available_tokens, b.shards, b.epochs] for s, b in budget.items()],
+        )
+    )
     return md
 
 
@@ -105,19 +139,37 @@ def ledger_metadata(ledger: Ledger, run_key: str) -> dict:
     segs = ledger.segments(run_key)
     consumed = ledger.consumed_by_shard(run_key)
     return {
-        "segments": MetadataValue.md(md_table(
-            ["segment", "steps", "world_size", "real_tokens"],
-            [[g["segment"], f"{g['first_step']}..{g['last_step']}", g["world_size"], g["real_tokens"]] for g in segs])),
+        "segments": MetadataValue.md(
+            md_table(
+                ["segment", "steps", "world_size", "real_tokens"],
+                [
+                    [g["segment"], f"{g['first_step']}..{g['last_step']}", g["world_size"], g["real_tokens"]]
+                    for g in segs
+                ],
+            )
+        ),
         "segment_count": len(segs),
-        "shards_consumed": MetadataValue.md(md_table(
-            ["shard", "split", "tokens", "rows", "epochs"],
-            [[r["shard_id"], r["split"], r["tokens"], f"{r['row_start']}..{r['row_end']}", r["epochs"]]
-             for r in consumed])),
+        "shards_consumed": MetadataValue.md(
+            md_table(
+                ["shard", "split", "tokens", "rows", "epochs"],
+                [
+                    [r["shard_id"], r["split"], r["tokens"], f"{r['row_start']}..{r['row_end']}", r["epochs"]]
+                    for r in consumed
+                ],
+            )
+        ),
     }
 
 
-def _launch(context, stage: Stage, config: StageRunConfig, home: GhostvisHome, launcher: Launcher,
-            overrides: dict[str, Any], variant: str | None = None) -> MaterializeResult:
+def _launch(
+    context,
+    stage: Stage,
+    config: StageRunConfig,
+    home: GhostvisHome,
+    launcher: Launcher,
+    overrides: dict[str, Any],
+    variant: str | None = None,
+) -> MaterializeResult:
     """_materialize, ended by a terminated Dagster run without a retry. Dagster raises
     DagsterExecutionInterruptedError in the step; the launcher stops the job and lets it go on up,
     and here it becomes a Failure that is not retried: the RetryPolicy would retry the interrupt itself
@@ -126,30 +178,47 @@ def _launch(context, stage: Stage, config: StageRunConfig, home: GhostvisHome, l
     try:
         return _materialize(context, stage, config, home, launcher, overrides, variant)
     except DagsterExecutionInterruptedError:
-        raise Failure(description=f"{stage.name}: terminated from Dagster (run {context.run_id}): the training "
-                                  f"job is stopped and not retried; materialize {stage.name} again to resume "
-                                  "from its newest checkpoint", allow_retries=False) from None
+        raise Failure(
+            description=f"{stage.name}: terminated from Dagster (run {context.run_id}): the training "
+            f"job is stopped and not retried; materialize {stage.name} again to resume "
+            "from its newest checkpoint",
+            allow_retries=False,
+        ) from None
 
 
-def _materialize(context, stage: Stage, config: StageRunConfig, home: GhostvisHome, launcher: Launcher,
-                 overrides: dict[str, Any], variant: str | None) -> MaterializeResult:
+def _materialize(
+    context,
+    stage: Stage,
+    config: StageRunConfig,
+    home: GhostvisHome,
+    launcher: Launcher,
+    overrides: dict[str, Any],
+    variant: str | None,
+) -> MaterializeResult:
     """Train the stage, or return the completed run of the same identity whose checks passed (a cache
     hit: same checkpoint, same MLflow run, metadata `cached_from`). The data version is the run key."""
     h = home.home()
     planned = _user_error(_prepare, context, stage, config, overrides, h, variant)
     checks = [] if variant else stage_check_names()
-    hit = None if config.force else cached_stage_run(context.instance, h.store, context.asset_key.path[-1], planned,
-                                                     checks)
+    hit = (
+        None
+        if config.force
+        else cached_stage_run(context.instance, h.store, context.asset_key.path[-1], planned, checks)
+    )
     if hit:
         context.log.info(f"{stage.name}: cache hit, {hit.why}")
         spec = LaunchSpec.from_dict(h.store.read_json("run_spec", stage.name, hit.run_key))
     else:
         changed = changed_since(h.store, stage.name, planned)
         spec = _user_error(start_run, planned, h)
-        launcher.run(context, spec, h)
+        run_job(context, launcher, spec, h)
+        spec = LaunchSpec.from_dict(h.store.read_json("run_spec", stage.name, spec.run_key))  # with its budget
     result = run_result(h.store, spec.stage, spec.run_key)
-    md = {**result_metadata(result), **lineage_metadata(result, spec, h.store),
-          **ledger_metadata(Ledger.in_store(h.store), spec.run_key)}
+    md = {
+        **result_metadata(result),
+        **lineage_metadata(result, spec, h.store),
+        **ledger_metadata(Ledger.in_store(h.store), spec.run_key),
+    }
     if hit:
         md["cached_from"] = MetadataValue.json({"run_key": hit.run_key, "why": hit.why})
     elif changed:
@@ -157,40 +226,71 @@ def _materialize(context, stage: Stage, config: StageRunConfig, home: GhostvisHo
     if variant:
         md["variant"] = variant
     else:
-        md |= model_metadata(context, stage, spec, result, h)
+        md |= model_metadata(context, stage, spec, h, registered_by_job=hit is None)
     return MaterializeResult(metadata=md, data_version=DataVersion(spec.run_key))
 
 
-def stage_model(stage: Stage, spec: LaunchSpec, result: RunResult, store: Store) -> StageModel:
-    """The run's model as the registry sees it: the stage's alias, the lineage as version tags."""
-    tags = {**spec.tags, "ghostvis.checkpoint_uri": result.checkpoint_uri}
-    if spec.parent_run_key and spec.tags.get("ghostvis.upstream_stage") == stage.upstream:  # not an HF import
-        tags["ghostvis.parent_mlflow_run_id"] = run_result(store, stage.upstream, spec.parent_run_key).mlflow_run_id
-    return StageModel(spec.mlflow_experiment, stage.name, result.mlflow_run_id, result.mlflow_experiment_id,
-                      result.steps, tags)
-
-
-def model_metadata(context, stage: Stage, spec: LaunchSpec, result: RunResult, h: Home) -> dict:
-    """Register the run's model (once per MLflow run: a cache hit's run already has its version) and
-    point the stage's alias at it. If MLflow cannot, the run stands: a warning and an `mlflow_model`
-    entry say so, and the next materialization of the stage (a cache hit) registers it."""
-    started = time.time()
+def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home) -> None:
+    """Launch the job; a pre-flight refusal (the job's rank 0 left it) fails the step without a retry:
+    the same inputs would be refused again."""
     try:
-        model = stage_model(stage, spec, result, h.store)
-        version, created = register_stage_model(h.mlflow_tracking_uri, model,
-                                                lambda out: export_run(h, spec.stage, spec.run_key, out))
-    except Exception as exc:  # the registry is an add-on to a completed run: never lose the run for it
-        why = (f"{stage.name}: the model of run {spec.run_key} is not registered in MLflow "
-               f"({h.mlflow_tracking_uri}): {type(exc).__name__}: {exc}; the run is complete: once MLflow is "
-               f"reachable, materialize {stage.name} again (a cache hit) to register it")
+        launcher.run(context, spec, h)
+    except Failure as failure:
+        refused = (preflight_record(h.store, spec) or {}).get("refused")
+        if not refused or not failure.allow_retries:
+            raise
+        raise Failure(description=failure.description, allow_retries=False) from None
+
+
+def register_in_subprocess(spec: LaunchSpec, h: Home) -> dict:
+    """Register the run's model from a process of its own (`python -m ghostvis_core.run.hf.register`), for a
+    run whose job did not (a cache hit: its alias is pointed back at its version; MLflow was down)."""
+    argv = [
+        sys.executable,
+        "-m",
+        "ghostvis_core.run.hf.register",
+        "--spec",
+        h.store.uri_of("run_spec", spec.stage, spec.run_key),
+        "--tracking-uri",
+        h.mlflow_tracking_uri,
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True)
+    record = model_record(h.store, spec.stage, spec.run_key) if proc.returncode == 0 else None
+    return record or {
+        "error": f"{' '.join(argv[1:4])} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}",
+        "tracking_uri": h.mlflow_tracking_uri,
+    }
+
+
+def model_metadata(context, stage: Stage, spec: LaunchSpec, h: Home, registered_by_job: bool) -> dict:
+    """The run's model in MLflow's registry, as the job registered it (or, when it did not, a subprocess; a
+    cache hit of a run registered in this MLflow only points the stage's alias back at its version, in-process).
+    If MLflow could not take it, the run stands: a warning and an `mlflow_model` entry say so, and the next
+    materialization of the stage (a cache hit) registers it."""
+    record = model_record(h.store, spec.stage, spec.run_key)
+    registered = record is not None and "error" not in record and record["tracking_uri"] == h.mlflow_tracking_uri
+    if registered and not registered_by_job:  # a cache hit of a registered run: only its alias moves, here
+        record = register_run(spec, h.store, h.mlflow_tracking_uri)
+    elif not registered:
+        record = register_in_subprocess(spec, h)
+    if "error" in record:
+        why = (
+            f"{stage.name}: the model of run {spec.run_key} is not registered in MLflow "
+            f"({record['tracking_uri']}): {record['error']}; the run is complete: once MLflow is "
+            f"reachable, materialize {stage.name} again (a cache hit) to register it"
+        )
         context.log.warning(why)
         return {"mlflow_model": why}
-    uri = f"models:/{model.registered_name}@{stage.name}"
-    context.log.info(f"{stage.name}: {uri} -> version {version.version} "
-                     + (f"(logged and registered in {time.time() - started:.1f} s)" if created else "(already registered)"))
-    return {"mlflow_model": uri, "mlflow_model_version": MetadataValue.int(int(version.version)),
-            "mlflow_model_url": MetadataValue.url(
-                f"{mlflow_ui()}/#/models/{model.registered_name}/versions/{version.version}")}
+    done = f"logged and registered in {record['seconds']:.1f} s" if record["created"] else "already registered"
+    by = f"pid {record['pid']} on {record['host']}"
+    context.log.info(f"{stage.name}: {record['model_uri']} -> version {record['version']} ({done} by {by})")
+    name = record["model_uri"].removeprefix("models:/").split("@")[0]
+    return {
+        "mlflow_model": record["model_uri"],
+        "mlflow_model_version": MetadataValue.int(record["version"]),
+        "mlflow_model_url": MetadataValue.url(f"{mlflow_ui()}/#/models/{name}/versions/{record['version']}"),
+        "mlflow_model_registered_by": by,
+    }
 
 
 def _user_error(fn, *args, **kwargs):
@@ -201,8 +301,9 @@ def _user_error(fn, *args, **kwargs):
         raise Failure(description=str(exc), allow_retries=False) from None
 
 
-def _prepare(context, stage: Stage, config: StageRunConfig, overrides: dict, h: Home,
-             variant: str | None) -> PlannedRun:
+def _prepare(
+    context, stage: Stage, config: StageRunConfig, overrides: dict, h: Home, variant: str | None
+) -> PlannedRun:
     """The run's identity, from the run config and the tokenizer and upstream materializations Dagster knows about."""
     preset = config.preset or presets.default_preset()
     overrides = {**presets.data_overrides(config.recipe, config.val_sources), **overrides}
@@ -211,8 +312,9 @@ def _prepare(context, stage: Stage, config: StageRunConfig, overrides: dict, h: 
     if stage.upstream:
         md = latest_metadata(context, stage.upstream)
         up = Upstream(stage.upstream, md["run_key"], md["checkpoint_uri"])
-    return plan_run(stage.name, preset=preset, overrides=overrides, home=h, tokenizer_id=tokenizer_id,
-                    upstream=up, variant=variant)
+    return plan_run(
+        stage.name, preset=preset, overrides=overrides, home=h, tokenizer_id=tokenizer_id, upstream=up, variant=variant
+    )
 
 
 # Every stage asset claims a slot of this Dagster concurrency pool while its job runs: set its limit to
@@ -235,10 +337,11 @@ def variants_asset(stage: Stage, deps: list):
         pool=GPU_POOL,
         code_version=code_version(*TRAINING_MODULES),
         description=f"{stage.description} One partition per variant: "
-                    + "; ".join(f"{k}: {v}" for k, v in variants.items()),
+        + "; ".join(f"{k}: {v}" for k, v in variants.items()),
     )
-    def _variants(context: AssetExecutionContext, config: StageRunConfig, home: GhostvisHome,
-                  launcher: Launcher) -> MaterializeResult:
+    def _variants(
+        context: AssetExecutionContext, config: StageRunConfig, home: GhostvisHome, launcher: Launcher
+    ) -> MaterializeResult:
         name = context.partition_key
         return _launch(context, stage, config, home, launcher, {**variants[name], **config.overrides}, variant=name)
 
@@ -259,6 +362,7 @@ def stage_asset(stage: Stage, deps: list):
     Dagster marks an asset unsynced only when a direct dependency's data version changed (its
     CachingStaleStatusResolver does not carry a parent's stale causes down). So a re-trained pretrain
     leaves every stage above it unsynced, each naming pretrain, in the UI and in `ghostvis status`."""
+
     @asset(
         name=stage.name,
         group_name="training",
@@ -272,8 +376,9 @@ def stage_asset(stage: Stage, deps: list):
         # faults only: a terminated run is not retried (_launch).
         retry_policy=RetryPolicy(max_retries=1, delay=2, backoff=Backoff.LINEAR),
     )
-    def _stage(context: AssetExecutionContext, config: StageRunConfig, home: GhostvisHome,
-               launcher: Launcher) -> MaterializeResult:
+    def _stage(
+        context: AssetExecutionContext, config: StageRunConfig, home: GhostvisHome, launcher: Launcher
+    ) -> MaterializeResult:
         return _launch(context, stage, config, home, launcher, dict(config.overrides))
 
     return _stage

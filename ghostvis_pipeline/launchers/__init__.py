@@ -30,10 +30,13 @@ class Launcher(ConfigurableResource):
     kind: str = Field("local", description="local | torchrun | slurm | kubernetes")
     nproc_per_node: int = Field(0, description="ranks per node; 0: the stage's batch.world_size / nodes")
     profile: str = Field("local", description="named environment settings: local, no-nvlink, no-infiniband, pcie-cloud")
-    send_credentials: bool = Field(True, description="false: no credential of the Dagster host's environment "
-                                   "(AWS_*, MLFLOW_TRACKING_PASSWORD/TOKEN, any *SECRET*/*TOKEN*/*KEY*) goes to "
-                                   "sbatch (slurm) or a node shell (torchrun); the nodes use their own (environment, "
-                                   "credentials file, instance role). kubernetes sends only the Secrets it lists")
+    send_credentials: bool = Field(
+        True,
+        description="false: no credential of the Dagster host's environment "
+        "(AWS_*, MLFLOW_TRACKING_PASSWORD/TOKEN, any *SECRET*/*TOKEN*/*KEY*) goes to "
+        "sbatch (slurm) or a node shell (torchrun); the nodes use their own (environment, "
+        "credentials file, instance role). kubernetes sends only the Secrets it lists",
+    )
     torchrun: MultiNodeConfig = MultiNodeConfig()
     slurm: SlurmConfig = SlurmConfig()
     kubernetes: KubernetesConfig = KubernetesConfig()
@@ -49,17 +52,21 @@ class Launcher(ConfigurableResource):
 
     def ranks_per_node(self, spec: LaunchSpec) -> int:
         """Ranks on each node; the stage's world size must be nodes x ranks per node."""
-        world, nodes = int(spec.config["batch"]["world_size"]), self.nodes()
+        world, nodes = spec.config.batch.world_size, self.nodes()
         per_node = self.nproc_per_node or world // nodes
         if per_node * nodes != world:
-            raise Failure(f"{spec.stage}: batch.world_size={world} is not {nodes} node(s) x {per_node} rank(s); "
-                          f"set launcher nproc_per_node and nodes so that they multiply to {world}, or set "
-                          f"batch.world_size", allow_retries=False)
+            raise Failure(
+                f"{spec.stage}: batch.world_size={world} is not {nodes} node(s) x {per_node} rank(s); "
+                f"set launcher nproc_per_node and nodes so that they multiply to {world}, or set "
+                f"batch.world_size",
+                allow_retries=False,
+            )
         return per_node
 
     def run(self, context: AssetExecutionContext, spec: LaunchSpec, home: Home) -> None:
         """Train the run to completion; its RunResult is then in the store (kind run_record)."""
         if self.kind not in LAUNCHERS:
-            raise Failure(f"launcher kind '{self.kind}' is unknown; choose one of {', '.join(LAUNCHERS)}",
-                          allow_retries=False)
+            raise Failure(
+                f"launcher kind '{self.kind}' is unknown; choose one of {', '.join(LAUNCHERS)}", allow_retries=False
+            )
         LAUNCHERS[self.kind](context, spec, home, self)

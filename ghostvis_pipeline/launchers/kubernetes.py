@@ -11,17 +11,25 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import urllib.parse
 import threading
 import time
+import urllib.parse
 
 from dagster import AssetExecutionContext, Failure
 
-from ghostvis_core.run.cluster.kubernetes import (
-    CONTAINER, INDEX_ANNOTATION, JOB_LABEL, KubernetesJob, RunTarget, check_config, check_job, render_indexed_job,
-    render_pod)
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
+from ghostvis_core.run.cluster.kubernetes import (
+    CONTAINER,
+    INDEX_ANNOTATION,
+    JOB_LABEL,
+    KubernetesJob,
+    RunTarget,
+    check_config,
+    check_job,
+    render_indexed_job,
+    render_pod,
+)
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers.common import clear_reason, failure, job_env, require_result, spec_uri
@@ -38,20 +46,31 @@ def plan(launcher, spec: LaunchSpec, home: Home) -> tuple[KubernetesJob, RunTarg
     try:
         check_config(job)
         nproc = launcher.ranks_per_node(spec)
-        run = RunTarget(stage=spec.stage, run_key=spec.run_key, spec_uri=spec_uri(home, spec),
-                        store_path=store_folder(home), nproc_per_node=nproc,
-                        env=job_env(launcher.profile, nproc, job.cpu))
+        run = RunTarget(
+            stage=spec.stage,
+            run_key=spec.run_key,
+            spec_uri=spec_uri(home, spec),
+            store_path=store_folder(home),
+            nproc_per_node=nproc,
+            env=job_env(launcher.profile, nproc, job.cpu),
+        )
         check_job(job, run)
     except GhostvisError as exc:
         raise Failure(str(exc), allow_retries=False) from None
     if not job.store_claim and run.store_path:
-        raise Failure(f"launcher kubernetes.store_claim is empty: pods cannot see the store folder "
-                      f"{run.store_path}; set store_claim to a ReadWriteMany PVC that the Dagster host mounts "
-                      "there, or use an S3 store (docs/launch-kubernetes.md)", allow_retries=False)
+        raise Failure(
+            f"launcher kubernetes.store_claim is empty: pods cannot see the store folder "
+            f"{run.store_path}; set store_claim to a ReadWriteMany PVC that the Dagster host mounts "
+            "there, or use an S3 store (docs/launch-kubernetes.md)",
+            allow_retries=False,
+        )
     if spec.mlflow_tracking_uri.startswith(("sqlite:", "file:", "/", ".")):
-        raise Failure(f"MLflow tracking URI {spec.mlflow_tracking_uri} is a file on the Dagster host that pods "
-                      "cannot reach: run a tracking server and set MLFLOW_TRACKING_URI=http(s)://... where "
-                      "Dagster runs", allow_retries=False)
+        raise Failure(
+            f"MLflow tracking URI {spec.mlflow_tracking_uri} is a file on the Dagster host that pods "
+            "cannot reach: run a tracking server and set MLFLOW_TRACKING_URI=http(s)://... where "
+            "Dagster runs",
+            allow_retries=False,
+        )
     return job, run
 
 
@@ -72,8 +91,7 @@ def run_kubernetes(context: AssetExecutionContext, spec: LaunchSpec, home: Home,
     require_result(home, spec)
 
 
-def _run_pod(context: AssetExecutionContext, spec: LaunchSpec, home: Home, job: KubernetesJob,
-             run: RunTarget) -> None:
+def _run_pod(context: AssetExecutionContext, spec: LaunchSpec, home: Home, job: KubernetesJob, run: RunTarget) -> None:
     """One pod through dagster-k8s Pipes; it deletes the pod when the run ends, however it ends."""
     meta, pod = render_pod(job, run)
     context.log.info(f"launching a pod in namespace {job.namespace}: {' '.join(pod['containers'][0]['command'])}")
@@ -81,15 +99,17 @@ def _run_pod(context: AssetExecutionContext, spec: LaunchSpec, home: Home, job: 
 
     try:
         # pod_wait_timeout=0: no limit on a training run's length (dagster-k8s would stop at 24 hours)
-        PipesK8sClient().run(context=context, namespace=job.namespace, base_pod_meta=meta, base_pod_spec=pod,
-                             pod_wait_timeout=0)
+        PipesK8sClient().run(
+            context=context, namespace=job.namespace, base_pod_meta=meta, base_pod_spec=pod, pod_wait_timeout=0
+        )
     except Exception as exc:
         first_line = (str(exc).splitlines() or [type(exc).__name__])[0]  # dagster-k8s appends the whole pod
         raise failure(home, spec, f"pod in namespace {job.namespace}: {first_line}") from None
 
 
-def _run_indexed_job(context: AssetExecutionContext, spec: LaunchSpec, home: Home, job: KubernetesJob,
-                     run: RunTarget) -> None:
+def _run_indexed_job(
+    context: AssetExecutionContext, spec: LaunchSpec, home: Home, job: KubernetesJob, run: RunTarget
+) -> None:
     core, batch = _clients()
     created: list[str] = []
     with store_pipes_session(context, home, spec, context.run.run_id) as session:
@@ -97,10 +117,17 @@ def _run_indexed_job(context: AssetExecutionContext, spec: LaunchSpec, home: Hom
         service, manifest = render_indexed_job(job, run)
         name = manifest["metadata"]["name"]
         command = " ".join(manifest["spec"]["template"]["spec"]["containers"][0]["command"])
-        uri = home.store.write_json("run_file", spec.stage, spec.run_key, f"kubernetes/{context.run.run_id}.json",
-                                    data={"apiVersion": "v1", "kind": "List", "items": [service, manifest]})
-        context.log.info(f"launching Indexed Job {job.namespace}/{name}, {job.nodes} pods: {command}; its "
-                         f"Service and Job: {uri} (`ghostvis store cat {uri} | kubectl apply -f -`)")
+        uri = home.store.write_json(
+            "run_file",
+            spec.stage,
+            spec.run_key,
+            f"kubernetes/{context.run.run_id}.json",
+            data={"apiVersion": "v1", "kind": "List", "items": [service, manifest]},
+        )
+        context.log.info(
+            f"launching Indexed Job {job.namespace}/{name}, {job.nodes} pods: {command}; its "
+            f"Service and Job: {uri} (`ghostvis store cat {uri} | kubectl apply -f -`)"
+        )
         try:
             _create(core.create_namespaced_service, job.namespace, service, created)
             _create(batch.create_namespaced_job, job.namespace, manifest, created)
@@ -121,8 +148,11 @@ def _clients() -> tuple:
         else:
             kubernetes.config.load_kube_config()
     except kubernetes.config.ConfigException as exc:
-        raise Failure(f"no Kubernetes credentials ({exc}): run Dagster in the cluster under a service account, "
-                      "or give it a kubeconfig (KUBECONFIG)", allow_retries=False) from None
+        raise Failure(
+            f"no Kubernetes credentials ({exc}): run Dagster in the cluster under a service account, "
+            "or give it a kubeconfig (KUBECONFIG)",
+            allow_retries=False,
+        ) from None
     return kubernetes.client.CoreV1Api(), kubernetes.client.BatchV1Api()
 
 
@@ -134,12 +164,15 @@ def _create(create, namespace: str, manifest: dict, created: list[str]) -> None:
     try:
         create(namespace, manifest)
     except ApiException as exc:
-        fix = {409: f"an earlier launch of this run left it behind or still runs it: inspect it with `kubectl "
-                    f"-n {namespace} get {kind.lower()} {name}` and delete it before retrying",
-               403: f"the Dagster process's account may not create {kind}s in namespace {namespace}: grant it "
-                    "the Role in docs/launch-kubernetes.md"}.get(exc.status, _api_message(exc))
-        raise Failure(f"Kubernetes {kind} {namespace}/{name}: {exc.status}: {fix}",
-                      allow_retries=exc.status not in (403, 409)) from None
+        fix = {
+            409: f"an earlier launch of this run left it behind or still runs it: inspect it with `kubectl "
+            f"-n {namespace} get {kind.lower()} {name}` and delete it before retrying",
+            403: f"the Dagster process's account may not create {kind}s in namespace {namespace}: grant it "
+            "the Role in docs/launch-kubernetes.md",
+        }.get(exc.status, _api_message(exc))
+        raise Failure(
+            f"Kubernetes {kind} {namespace}/{name}: {exc.status}: {fix}", allow_retries=exc.status not in (403, 409)
+        ) from None
     created.append(kind)
 
 
@@ -164,9 +197,12 @@ def _follow(context: AssetExecutionContext, core, batch, namespace: str, name: s
                     thread.join(timeout=30)
                 return cond.type, cond.message or cond.reason or ""
         status = found.status
-        now = ("suspended: waiting in Kueue queue for admission" if found.spec.suspend else
-               f"{status.active or 0} active ({status.ready or 0} ready), {status.succeeded or 0} succeeded, "
-               f"{status.failed or 0} failed of {found.spec.completions}")
+        now = (
+            "suspended: waiting in Kueue queue for admission"
+            if found.spec.suspend
+            else f"{status.active or 0} active ({status.ready or 0} ready), {status.succeeded or 0} succeeded, "
+            f"{status.failed or 0} failed of {found.spec.completions}"
+        )
         if now != said:
             context.log.info(f"Kubernetes Job {namespace}/{name}: {now}")
             said = now
@@ -174,24 +210,26 @@ def _follow(context: AssetExecutionContext, core, batch, namespace: str, name: s
         time.sleep(POLL_SECONDS)
 
 
-def _stream_pod0(context: AssetExecutionContext, core, namespace: str, name: str,
-                 streams: dict[str, threading.Thread]) -> None:
+def _stream_pod0(
+    context: AssetExecutionContext, core, namespace: str, name: str, streams: dict[str, threading.Thread]
+) -> None:
     """Follow the logs of node 0's pod once it has started (and of its replacement, if it had one)."""
     pods = core.list_namespaced_pod(namespace, label_selector=f"{JOB_LABEL}={name}").items
     for pod in pods:
         started = pod.status.phase in ("Running", "Succeeded", "Failed")
-        if started and (pod.metadata.annotations or {}).get(INDEX_ANNOTATION) == "0" \
-                and pod.metadata.name not in streams:
-            thread = threading.Thread(target=_pod_logs, args=(context, core, namespace, pod.metadata.name),
-                                      daemon=True)
+        if (
+            started
+            and (pod.metadata.annotations or {}).get(INDEX_ANNOTATION) == "0"
+            and pod.metadata.name not in streams
+        ):
+            thread = threading.Thread(target=_pod_logs, args=(context, core, namespace, pod.metadata.name), daemon=True)
             thread.start()
             streams[pod.metadata.name] = thread
 
 
 def _pod_logs(context: AssetExecutionContext, core, namespace: str, pod: str) -> None:
     try:
-        stream = core.read_namespaced_pod_log(pod, namespace, container=CONTAINER, follow=True,
-                                              _preload_content=False)
+        stream = core.read_namespaced_pod_log(pod, namespace, container=CONTAINER, follow=True, _preload_content=False)
         for line in stream:
             context.log.info(f"[{pod}] {line.decode(errors='replace').rstrip()}")
     except Exception as exc:  # the logs are a convenience: the run's outcome is read from the Job
@@ -210,8 +248,10 @@ def _delete(context: AssetExecutionContext, core, batch, namespace: str, name: s
             delete[kind](name, namespace, body=body)
         except ApiException as exc:
             if exc.status != 404:
-                context.log.warning(f"could not delete Kubernetes {kind} {namespace}/{name} ({exc.status} "
-                                    f"{exc.reason}): delete it with `kubectl -n {namespace} delete {kind.lower()} {name}`")
+                context.log.warning(
+                    f"could not delete Kubernetes {kind} {namespace}/{name} ({exc.status} "
+                    f"{exc.reason}): delete it with `kubectl -n {namespace} delete {kind.lower()} {name}`"
+                )
     deadline = time.monotonic() + DELETE_WAIT_SECONDS
     while "Job" in created and time.monotonic() < deadline:
         try:

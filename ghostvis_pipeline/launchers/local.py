@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dagster import AssetExecutionContext
 
-from ghostvis_core.run.cluster.torchrun import torchrun_command
 from ghostvis_core.home import Home
+from ghostvis_core.run.cluster.torchrun import torchrun_command
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_pipeline.launchers.common import clear_reason, failure, job_env, require_result, spec_uri
 from ghostvis_pipeline.launchers.pipes import store_pipes_session

@@ -10,12 +10,17 @@ from contextlib import contextmanager
 
 from dagster import AssetExecutionContext, PipesBlobStoreMessageReader, PipesEnvContextInjector, open_pipes_session
 
-from ghostvis_core.store import Store
 from ghostvis_core.home import Home
 from ghostvis_core.run.track.pipes import (
-    ATTEMPT_PARAM, CHUNK_INTERVAL_S, RUN_KEY_PARAM, STAGE_PARAM, STORE_PARAM, chunk_name,
+    ATTEMPT_PARAM,
+    CHUNK_INTERVAL_S,
+    RUN_KEY_PARAM,
+    STAGE_PARAM,
+    STORE_PARAM,
+    chunk_name,
 )
 from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.store import Store
 
 
 class StoreMessageReader(PipesBlobStoreMessageReader):
@@ -27,8 +32,12 @@ class StoreMessageReader(PipesBlobStoreMessageReader):
 
     @contextmanager
     def get_params(self) -> Iterator[dict]:
-        yield {STORE_PARAM: self.store.uri, STAGE_PARAM: self.stage, RUN_KEY_PARAM: self.run_key,
-               ATTEMPT_PARAM: self.attempt}
+        yield {
+            STORE_PARAM: self.store.uri,
+            STAGE_PARAM: self.stage,
+            RUN_KEY_PARAM: self.run_key,
+            ATTEMPT_PARAM: self.attempt,
+        }
 
     def messages_are_readable(self, params: dict) -> bool:
         return self.store.exists("run_file", self.stage, self.run_key, chunk_name(self.attempt, 1))

@@ -13,15 +13,20 @@ import time
 
 from dagster import AssetExecutionContext, DagsterRunStatus, Failure
 
-from ghostvis_core.run.cluster.ship_output import chunk_name
-from ghostvis_core.run.cluster.slurm import SlurmJob, job_outcome, redact, render_sbatch, ship_command
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.store import Store
+from ghostvis_core.run.cluster.ship_output import chunk_name
+from ghostvis_core.run.cluster.slurm import SlurmJob, job_outcome, redact, render_sbatch, ship_command
 from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.store import Store
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers.common import (
-    clear_reason, failure, host_environment, job_env, require_result, spec_uri,
+    clear_reason,
+    failure,
+    host_environment,
+    job_env,
+    require_result,
+    spec_uri,
 )
 from ghostvis_pipeline.launchers.pipes import store_pipes_session
 
@@ -60,8 +65,9 @@ def run_slurm(context: AssetExecutionContext, spec: LaunchSpec, home: Home, laun
         env = {**job_env(launcher.profile, nproc, job.cpus_per_task), **session.get_bootstrap_env_vars()}
         script = job_script(home, spec, job, nproc, env, output.name)
         uri = home.store.write_text("run_file", spec.stage, spec.run_key, f"slurm/{attempt}.sbatch", text=script)
-        context.log.info(f"sbatch script {uri} (submit it by hand: `ghostvis store cat {uri} | sbatch`):\n"
-                         f"{redact(script)}")
+        context.log.info(
+            f"sbatch script {uri} (submit it by hand: `ghostvis store cat {uri} | sbatch`):\n{redact(script)}"
+        )
         job_id = submit(script, {**host_environment(launcher.send_credentials), **env})  # --export=ALL
         context.log.info(f"{spec.stage} run {spec.run_key}: Slurm job {job_id}, its output arriving at {output.uri}")
         state = follow_or_cancel(context, job_id, output, job.poll_seconds)
@@ -78,14 +84,18 @@ def job_script(home: Home, spec: LaunchSpec, job: SlurmJob, nproc: int, env: dic
         raise Failure(str(exc), allow_retries=False) from None
 
 
-def slurm_cli(args: list[str], env: dict[str, str] | None = None,
-              stdin: str | None = None) -> subprocess.CompletedProcess:
+def slurm_cli(
+    args: list[str], env: dict[str, str] | None = None, stdin: str | None = None
+) -> subprocess.CompletedProcess:
     """A Slurm client command (sbatch, scontrol, sacct, scancel) on the Dagster host."""
     try:
         return subprocess.run(args, env=env, input=stdin, capture_output=True, text=True, timeout=120)
     except FileNotFoundError:
-        raise Failure(f"slurm launcher: '{args[0]}' is not on this host's PATH; install the Slurm client "
-                      "(`make slurm`) or run Dagster on a login node of the cluster", allow_retries=False) from None
+        raise Failure(
+            f"slurm launcher: '{args[0]}' is not on this host's PATH; install the Slurm client "
+            "(`make slurm`) or run Dagster on a login node of the cluster",
+            allow_retries=False,
+        ) from None
 
 
 def submit(script: str, env: dict[str, str]) -> str:
@@ -93,8 +103,11 @@ def submit(script: str, env: dict[str, str]) -> str:
     reach the job, if at all, through sbatch's environment, never the script."""
     proc = slurm_cli(["sbatch", "--parsable"], env=env, stdin=script)
     if proc.returncode != 0:
-        raise Failure(f"sbatch refused the job script: {proc.stderr.strip()}; fix the launcher's slurm config "
-                      "(partition, account, qos, extra_sbatch) or the cluster", allow_retries=False)
+        raise Failure(
+            f"sbatch refused the job script: {proc.stderr.strip()}; fix the launcher's slurm config "
+            "(partition, account, qos, extra_sbatch) or the cluster",
+            allow_retries=False,
+        )
     return proc.stdout.strip().split(";")[0]
 
 
@@ -108,9 +121,11 @@ def job_state(job_id: str) -> str:
     acct = slurm_cli(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State"])
     if acct.returncode == 0 and acct.stdout.strip():
         return acct.stdout.strip().splitlines()[0]
-    raise Failure(f"Slurm job {job_id}: scontrol does not know it ({proc.stderr.strip()}) and sacct has no record "
-                  f"({acct.stderr.strip()}); enable accounting or raise MinJobAge in slurm.conf so that the "
-                  "launcher can read how jobs end")
+    raise Failure(
+        f"Slurm job {job_id}: scontrol does not know it ({proc.stderr.strip()}) and sacct has no record "
+        f"({acct.stderr.strip()}); enable accounting or raise MinJobAge in slurm.conf so that the "
+        "launcher can read how jobs end"
+    )
 
 
 def follow(context: AssetExecutionContext, job_id: str, output: JobOutput, poll_seconds: float) -> str:
@@ -123,9 +138,11 @@ def follow(context: AssetExecutionContext, job_id: str, output: JobOutput, poll_
             return state
         run = context.instance.get_run_by_id(context.run_id)
         if run is not None and run.status in (DagsterRunStatus.CANCELING, DagsterRunStatus.CANCELED):
-            raise Failure(f"Dagster run {context.run_id} was terminated; Slurm job {job_id} is cancelled and not "
-                          "retried; materialize the stage again to resume from its newest checkpoint",
-                          allow_retries=False)
+            raise Failure(
+                f"Dagster run {context.run_id} was terminated; Slurm job {job_id} is cancelled and not "
+                "retried; materialize the stage again to resume from its newest checkpoint",
+                allow_retries=False,
+            )
         time.sleep(poll_seconds)
 
 
@@ -145,10 +162,16 @@ def end(home: Home, spec: LaunchSpec, job_id: str, state: str, output_uri: str) 
     one does not (a bug or OOM would recur, a cancel was meant): re-materialize once it is fixed."""
     outcome = job_outcome(state)
     if outcome == "resumable":
-        raise Failure(f"{spec.stage} run {spec.run_key}: Slurm job {job_id} ended {state}; a retry or "
-                      "re-materialization with the same config resumes the run from its newest checkpoint",
-                      allow_retries=True)
+        raise Failure(
+            f"{spec.stage} run {spec.run_key}: Slurm job {job_id} ended {state}; a retry or "
+            "re-materialization with the same config resumes the run from its newest checkpoint",
+            allow_retries=True,
+        )
     if outcome == "failed":
-        raise failure(home, spec, f"Slurm job {job_id} ended {state}; its output is in the store at {output_uri}",
-                      allow_retries=False)
+        raise failure(
+            home,
+            spec,
+            f"Slurm job {job_id} ended {state}; its output is in the store at {output_uri}",
+            allow_retries=False,
+        )
     require_result(home, spec)

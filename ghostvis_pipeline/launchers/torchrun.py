@@ -12,13 +12,18 @@ import subprocess
 
 from dagster import AssetExecutionContext, Failure
 
-from ghostvis_core.run.cluster.torchrun import MultiNode, node_line, torchrun_command
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
+from ghostvis_core.run.cluster.torchrun import MultiNode, node_line, torchrun_command
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers.common import (
-    clear_reason, failure, host_environment, job_env, require_result, spec_uri,
+    clear_reason,
+    failure,
+    host_environment,
+    job_env,
+    require_result,
+    spec_uri,
 )
 from ghostvis_pipeline.launchers.pipes import store_pipes_session
 from ghostvis_pipeline.launchers.processes import start, stop, wait
@@ -40,11 +45,18 @@ def run_torchrun(context: AssetExecutionContext, spec: LaunchSpec, home: Home, l
     with store_pipes_session(context, home, spec, attempt) as session:
         env = {**job_env(launcher.profile, nproc, multi.cpus_per_node or None), **session.get_bootstrap_env_vars()}
         line = node_line(cmd, env)
-        script_uri = home.store.write_text("run_file", spec.stage, spec.run_key, "torchrun/nodes.sh", text=(
-            f"#!/bin/sh\n# {spec.run_key}: run on each of the {multi.nnodes - 1} other node(s)\n{line}\n"))
-        context.log.info(f"rendezvous {rdzv.endpoint} id {rdzv.rdzv_id}, {multi.nnodes} nodes x {nproc} rank(s); "
-                         f"this node: {' '.join(cmd)}; the other nodes' command: {script_uri} (run it on a node "
-                         f"with `ghostvis store cat {script_uri} | sh`)")
+        script_uri = home.store.write_text(
+            "run_file",
+            spec.stage,
+            spec.run_key,
+            "torchrun/nodes.sh",
+            text=(f"#!/bin/sh\n# {spec.run_key}: run on each of the {multi.nnodes - 1} other node(s)\n{line}\n"),
+        )
+        context.log.info(
+            f"rendezvous {rdzv.endpoint} id {rdzv.rdzv_id}, {multi.nnodes} nodes x {nproc} rank(s); "
+            f"this node: {' '.join(cmd)}; the other nodes' command: {script_uri} (run it on a node "
+            f"with `ghostvis store cat {script_uri} | sh`)"
+        )
         nodes = {"this node": start(cmd, env)}
         try:
             _start_others(context, multi, line, script_uri, nodes, host_environment(launcher.send_credentials))
@@ -56,20 +68,29 @@ def run_torchrun(context: AssetExecutionContext, spec: LaunchSpec, home: Home, l
     require_result(home, spec)
 
 
-def _start_others(context: AssetExecutionContext, multi: MultiNode, line: str, script: str,
-                  nodes: dict[str, subprocess.Popen], shell_env: dict[str, str]) -> None:
+def _start_others(
+    context: AssetExecutionContext,
+    multi: MultiNode,
+    line: str,
+    script: str,
+    nodes: dict[str, subprocess.Popen],
+    shell_env: dict[str, str],
+) -> None:
     """Start the other nodes through node_shell (into `nodes`) with `shell_env` (a node shell such as
     `srun` may pass it on), or tell the user how to start them (`script`: the URI of nodes.sh in the store)."""
     if not multi.hosts:
-        context.log.info(f"start the {multi.nnodes - 1} other node(s) now, each with "
-                         f"`ghostvis store cat {script} | sh` or this command:\n{line}")
+        context.log.info(
+            f"start the {multi.nnodes - 1} other node(s) now, each with "
+            f"`ghostvis store cat {script} | sh` or this command:\n{line}"
+        )
     for i, host in enumerate(multi.hosts):
         argv = multi.node_argv(host, line)
         context.log.info(f"node {host}: {shlex.join(argv[:-1])} '<the command in {script}>'")
         try:
             nodes[f"hosts[{i}] {host}"] = start(argv, {}, shell_env)  # a host may be listed twice
         except OSError as exc:
-            raise Failure(f"torchrun launcher: node_shell '{multi.node_shell}' could not start on {host} ({exc}); "
-                          "install its program on the Dagster host or fix launcher torchrun.node_shell",
-                          allow_retries=False) from None
-
+            raise Failure(
+                f"torchrun launcher: node_shell '{multi.node_shell}' could not start on {host} ({exc}); "
+                "install its program on the Dagster host or fix launcher torchrun.node_shell",
+                allow_retries=False,
+            ) from None

@@ -16,8 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from ghostvis_core.run.cluster.torchrun import Rendezvous, torchrun_command
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.run.cluster.torchrun import Rendezvous, torchrun_command
 
 CONTAINER = "trainer"
 JOB_LABEL = "ghostvis.io/job"  # on every pod of one launch: the headless Service selects by it
@@ -77,14 +77,16 @@ def resource_name(stage: str, run_key: str) -> str:
     if clean == raw and len(clean) <= NAME_MAX:
         return clean
     digest = hashlib.sha256(raw.encode()).hexdigest()[:8]
-    return f"{clean[:NAME_MAX - len(digest) - 1].rstrip('-')}-{digest}"
+    return f"{clean[: NAME_MAX - len(digest) - 1].rstrip('-')}-{digest}"
 
 
 def check_config(job: KubernetesJob) -> None:
     """Refuse a config that names no image or no node, before anything is derived from it."""
     if not job.image:
-        raise GhostvisError("launcher kubernetes.image is empty: build and push the training image "
-                            "(docs/launch-kubernetes.md) and set kubernetes.image to its reference")
+        raise GhostvisError(
+            "launcher kubernetes.image is empty: build and push the training image "
+            "(docs/launch-kubernetes.md) and set kubernetes.image to its reference"
+        )
     if job.nodes < 1:
         raise GhostvisError(f"launcher kubernetes.nodes={job.nodes}: give 1 or more")
 
@@ -93,19 +95,27 @@ def check_job(job: KubernetesJob, run: RunTarget) -> None:
     """Refuse a config the cluster would accept but the run cannot use, naming the field to fix."""
     check_config(job)
     if job.gpus_per_node and run.nproc_per_node != job.gpus_per_node:
-        raise GhostvisError(f"{run.stage}: {run.nproc_per_node} rank(s) per node but kubernetes.gpus_per_node="
-                            f"{job.gpus_per_node}; each rank drives one GPU: set gpus_per_node="
-                            f"{run.nproc_per_node}, or batch.world_size={job.nodes * job.gpus_per_node}")
+        raise GhostvisError(
+            f"{run.stage}: {run.nproc_per_node} rank(s) per node but kubernetes.gpus_per_node="
+            f"{job.gpus_per_node}; each rank drives one GPU: set gpus_per_node="
+            f"{run.nproc_per_node}, or batch.world_size={job.nodes * job.gpus_per_node}"
+        )
     if job.store_claim and not run.store_path.startswith("/"):
-        raise GhostvisError(f"launcher kubernetes.store_claim={job.store_claim} needs an absolute store folder "
-                            f"to mount it at, got '{run.store_path}'")
+        raise GhostvisError(
+            f"launcher kubernetes.store_claim={job.store_claim} needs an absolute store folder "
+            f"to mount it at, got '{run.store_path}'"
+        )
 
 
 def meta(job: KubernetesJob, run: RunTarget, queued: bool) -> dict[str, Any]:
     """Labels and the run key of the object Kueue queues (`queued`: the one pod, or the Job, never
     the Job's pods); names are the submitter's."""
-    labels = {"app.kubernetes.io/name": "ghostvis", "app.kubernetes.io/component": "training",
-              JOB_LABEL: resource_name(run.stage, run.run_key), STAGE_LABEL: run.stage}
+    labels = {
+        "app.kubernetes.io/name": "ghostvis",
+        "app.kubernetes.io/component": "training",
+        JOB_LABEL: resource_name(run.stage, run.run_key),
+        STAGE_LABEL: run.stage,
+    }
     if queued and job.queue:
         labels[QUEUE_LABEL] = job.queue
     return {"labels": labels, "annotations": {RUN_KEY_ANNOTATION: run.run_key}}
@@ -132,8 +142,15 @@ def _volumes(job: KubernetesJob, run: RunTarget) -> tuple[list[dict], list[dict]
 
 def _container(job: KubernetesJob, run: RunTarget, command: list[str], mounts: list[dict]) -> dict[str, Any]:
     env = [{"name": k, "value": v} for k, v in {**run.env, **job.env}.items()]
-    container = {"name": CONTAINER, "image": job.image, "imagePullPolicy": job.image_pull_policy,
-                 "command": command, "env": env, "resources": _resources(job), "volumeMounts": mounts}
+    container = {
+        "name": CONTAINER,
+        "image": job.image,
+        "imagePullPolicy": job.image_pull_policy,
+        "command": command,
+        "env": env,
+        "resources": _resources(job),
+        "volumeMounts": mounts,
+    }
     if job.secrets:
         container["envFrom"] = [{"secretRef": {"name": name}} for name in job.secrets]
     return container
@@ -142,11 +159,18 @@ def _container(job: KubernetesJob, run: RunTarget, command: list[str], mounts: l
 def pod_spec(job: KubernetesJob, run: RunTarget, command: list[str], subdomain: str = "") -> dict[str, Any]:
     """The PodSpec of one node: one container with all its ranks (torchrun starts them)."""
     volumes, mounts = _volumes(job, run)
-    spec: dict[str, Any] = {"restartPolicy": "Never", "volumes": volumes,
-                            "containers": [_container(job, run, command, mounts)]}
-    optional = {"subdomain": subdomain, "nodeSelector": job.node_selector, "tolerations": job.tolerations,
-                "serviceAccountName": job.service_account,
-                "imagePullSecrets": [{"name": name} for name in job.image_pull_secrets]}
+    spec: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "volumes": volumes,
+        "containers": [_container(job, run, command, mounts)],
+    }
+    optional = {
+        "subdomain": subdomain,
+        "nodeSelector": job.node_selector,
+        "tolerations": job.tolerations,
+        "serviceAccountName": job.service_account,
+        "imagePullSecrets": [{"name": name} for name in job.image_pull_secrets],
+    }
     spec.update({k: v for k, v in optional.items() if v})
     return spec
 
@@ -163,10 +187,17 @@ def render_service(job: KubernetesJob, run: RunTarget) -> dict[str, Any]:
     """A headless Service over the Job's pods: `<job>-<i>.<service>` resolves to pod i, published
     before the pod is ready, because the rendezvous happens before anything would be ready."""
     name = resource_name(run.stage, run.run_key)
-    return {"apiVersion": "v1", "kind": "Service",
-            "metadata": {"name": name, "namespace": job.namespace, "labels": meta(job, run, False)["labels"]},
-            "spec": {"clusterIP": "None", "selector": {JOB_LABEL: name}, "publishNotReadyAddresses": True,
-                     "ports": [{"name": "rdzv", "port": job.rdzv_port, "targetPort": job.rdzv_port}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "namespace": job.namespace, "labels": meta(job, run, False)["labels"]},
+        "spec": {
+            "clusterIP": "None",
+            "selector": {JOB_LABEL: name},
+            "publishNotReadyAddresses": True,
+            "ports": [{"name": "rdzv", "port": job.rdzv_port, "targetPort": job.rdzv_port}],
+        },
+    }
 
 
 def rendezvous(job: KubernetesJob, run: RunTarget) -> Rendezvous:
@@ -177,10 +208,12 @@ def rendezvous(job: KubernetesJob, run: RunTarget) -> Rendezvous:
 
 # The Job fails at the first failed pod (a rank's error is the run's error: retrying is Dagster's
 # decision, through a resume), except when the cluster took the pod away (preemption, drain).
-POD_FAILURE_POLICY = {"rules": [
-    {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
-    {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn", "values": [0]}},
-]}
+POD_FAILURE_POLICY = {
+    "rules": [
+        {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn", "values": [0]}},
+    ]
+}
 
 
 def render_job(job: KubernetesJob, run: RunTarget) -> dict[str, Any]:
@@ -190,12 +223,20 @@ def render_job(job: KubernetesJob, run: RunTarget) -> dict[str, Any]:
     command = torchrun_command(run.spec_uri, run.nproc_per_node, rendezvous(job, run), python="python")
     spec = pod_spec(job, run, command, subdomain=name)
     spec["containers"][0]["ports"] = [{"name": "rdzv", "containerPort": job.rdzv_port}]
-    return {"apiVersion": "batch/v1", "kind": "Job",
-            "metadata": {"name": name, "namespace": job.namespace, **meta(job, run, queued=True)},
-            "spec": {"completionMode": "Indexed", "completions": job.nodes, "parallelism": job.nodes,
-                     "backoffLimit": 0, "podFailurePolicy": POD_FAILURE_POLICY,
-                     "suspend": bool(job.queue),  # Kueue admits (unsuspends) it when the GPUs are free
-                     "template": {"metadata": meta(job, run, queued=False), "spec": spec}}}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": name, "namespace": job.namespace, **meta(job, run, queued=True)},
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": job.nodes,
+            "parallelism": job.nodes,
+            "backoffLimit": 0,
+            "podFailurePolicy": POD_FAILURE_POLICY,
+            "suspend": bool(job.queue),  # Kueue admits (unsuspends) it when the GPUs are free
+            "template": {"metadata": meta(job, run, queued=False), "spec": spec},
+        },
+    }
 
 
 def render_indexed_job(job: KubernetesJob, run: RunTarget) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -13,8 +13,10 @@ def split_run_uri(uri: str) -> tuple[str, str, str, str]:
     store_uri, _, rest = uri.rpartition("/runs/")
     parts = rest.split("/", 2)
     if not store_uri or len(parts) != 3 or not all(parts):
-        raise GhostvisError(f"{uri}: expected a run's file, <store>/runs/<stage>/<run_key>/<name> (a folder or "
-                            "s3://bucket/prefix store), as a launcher logs it")
+        raise GhostvisError(
+            f"{uri}: expected a run's file, <store>/runs/<stage>/<run_key>/<name> (a folder or "
+            "s3://bucket/prefix store), as a launcher logs it"
+        )
     return store_uri, parts[0], parts[1], parts[2]
 
 

@@ -46,13 +46,17 @@ class Shipper:
             data, self.pending = b"".join(self.pending), []
         if data:
             self.seq += 1
-            self.store.write_text("run_file", *self.key, chunk_name(self.name, self.seq),
-                                  text=data.decode(errors="replace"))
+            self.store.write_text(
+                "run_file", *self.key, chunk_name(self.name, self.seq), text=data.decode(errors="replace")
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ghostvis_core.run.cluster.ship_output", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m ghostvis_core.run.cluster.ship_output",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--store", required=True)
     ap.add_argument("--stage", required=True)
     ap.add_argument("--run-key", required=True)

@@ -12,8 +12,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Literal
 
-from ghostvis_core.run.cluster.torchrun import Rendezvous, torchrun_command
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.run.cluster.torchrun import Rendezvous, torchrun_command
 
 
 @dataclass
@@ -43,12 +43,30 @@ class SlurmJob:
 Outcome = Literal["ok", "resumable", "failed"]
 JOB_OUTCOMES: dict[str, Outcome] = {
     "COMPLETED": "ok",
-    "TIMEOUT": "resumable", "PREEMPTED": "resumable", "NODE_FAIL": "resumable",
-    "FAILED": "failed", "CANCELLED": "failed", "OUT_OF_MEMORY": "failed", "BOOT_FAIL": "failed",
+    "TIMEOUT": "resumable",
+    "PREEMPTED": "resumable",
+    "NODE_FAIL": "resumable",
+    "FAILED": "failed",
+    "CANCELLED": "failed",
+    "OUT_OF_MEMORY": "failed",
+    "BOOT_FAIL": "failed",
     "DEADLINE": "failed",
 }
-ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_FED",
-                 "REQUEUE_HOLD", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"}
+ACTIVE_STATES = {
+    "PENDING",
+    "CONFIGURING",
+    "RUNNING",
+    "COMPLETING",
+    "SUSPENDED",
+    "REQUEUED",
+    "REQUEUE_FED",
+    "REQUEUE_HOLD",
+    "RESIZING",
+    "SIGNALING",
+    "STAGE_OUT",
+    "STOPPED",
+    "RESV_DEL_HOLD",
+}
 
 # Variables whose values must never be written into a script or a log; they reach the job through
 # sbatch's own environment (--export=ALL) instead, or not at all (launcher send_credentials: false).
@@ -71,61 +89,88 @@ def is_secret(name: str) -> bool:
 def redact(text: str) -> str:
     """`NAME=value` with a secret-looking variable NAME (upper case, as environment variables are) shown as
     `NAME=***`, for logging scripts, environments and job output (where `tokens_per_step=4096` stays)."""
-    return re.sub(r"\b([A-Z_][A-Z0-9_]*)=(\"[^\"]*\"|'[^']*'|\S+)",
-                  lambda m: f"{m[1]}=***" if is_secret(m[1]) else m[0], text)
+    return re.sub(
+        r"\b([A-Z_][A-Z0-9_]*)=(\"[^\"]*\"|'[^']*'|\S+)", lambda m: f"{m[1]}=***" if is_secret(m[1]) else m[0], text
+    )
 
 
 def shell_word(arg: str) -> str:
     """`arg` quoted for bash, except its `$VAR` references, which the node expands."""
-    return "".join(f'"{part}"' if SHELL_VAR.fullmatch(part) else shlex.quote(part) if part else ""
-                   for part in SHELL_VAR.split(arg))
+    return "".join(
+        f'"{part}"' if SHELL_VAR.fullmatch(part) else shlex.quote(part) if part else "" for part in SHELL_VAR.split(arg)
+    )
 
 
 def sbatch_options(job: SlurmJob) -> list[str]:
     """The `#SBATCH` lines: one srun task per node, which runs torchrun for that node's ranks."""
     if job.nodes < 1:
         raise GhostvisError(f"slurm nodes={job.nodes}: a job needs at least 1 node; set launcher slurm.nodes")
-    opts = [f"--job-name={job.job_name}", f"--nodes={job.nodes}", "--ntasks-per-node=1",
-            f"--output={job.output}", "--export=ALL",
-            "--no-requeue"]  # the launcher follows one job to its end; a Dagster retry resumes the run
-    named = {"--cpus-per-task": job.cpus_per_task, "--gpus-per-node": job.gpus_per_node, "--mem": job.mem,
-             "--time": job.time, "--partition": job.partition, "--account": job.account, "--qos": job.qos}
+    opts = [
+        f"--job-name={job.job_name}",
+        f"--nodes={job.nodes}",
+        "--ntasks-per-node=1",
+        f"--output={job.output}",
+        "--export=ALL",
+        "--no-requeue",
+    ]  # the launcher follows one job to its end; a Dagster retry resumes the run
+    named = {
+        "--cpus-per-task": job.cpus_per_task,
+        "--gpus-per-node": job.gpus_per_node,
+        "--mem": job.mem,
+        "--time": job.time,
+        "--partition": job.partition,
+        "--account": job.account,
+        "--qos": job.qos,
+    }
     opts += [f"{name}={value}" for name, value in named.items() if value]
     for extra in job.extra_sbatch:
         if not extra.startswith("-"):
-            raise GhostvisError(f"slurm extra_sbatch entry {extra!r} is not an sbatch option; write it as "
-                                f"'--constraint=a100' (without '#SBATCH')")
+            raise GhostvisError(
+                f"slurm extra_sbatch entry {extra!r} is not an sbatch option; write it as "
+                f"'--constraint=a100' (without '#SBATCH')"
+            )
         opts.append(extra)
     return [f"#SBATCH {shlex.quote(opt)}" for opt in opts]
 
 
 def ship_command(job: SlurmJob, store_uri: str, stage: str, run_key: str, name: str) -> list[str]:
     """The batch node's pipe that ships the job's output to the store (ghostvis_core/run/cluster/ship_output.py)."""
-    return [job.python, "-m", "ghostvis_core.run.cluster.ship_output", "--store", store_uri, "--stage", stage,
-            "--run-key", run_key, "--name", name]
+    return [
+        job.python,
+        "-m",
+        "ghostvis_core.run.cluster.ship_output",
+        "--store",
+        store_uri,
+        "--stage",
+        stage,
+        "--run-key",
+        run_key,
+        "--name",
+        name,
+    ]
 
 
-def render_sbatch(job: SlurmJob, spec_uri: str, nproc_per_node: int, env: dict[str, str],
-                  ship: list[str]) -> str:
+def render_sbatch(job: SlurmJob, spec_uri: str, nproc_per_node: int, env: dict[str, str], ship: list[str]) -> str:
     """The job script: options, exported (non-secret) environment, setup lines, then one
     `srun torchrun` whose rendezvous is on the first node of the allocation, its output piped
     through `ship` (to the store, where the launcher reads it, and on to the `--output` file)."""
-    rendezvous = Rendezvous(nnodes="$SLURM_NNODES", endpoint=f"$rdzv_host:{job.rdzv_port}",
-                            rdzv_id="$SLURM_JOB_ID")
+    rendezvous = Rendezvous(nnodes="$SLURM_NNODES", endpoint=f"$rdzv_host:{job.rdzv_port}", rdzv_id="$SLURM_JOB_ID")
     torchrun = torchrun_command(spec_uri, nproc_per_node, rendezvous, python=job.python)
     exports = [f"export {name}={shlex.quote(value)}" for name, value in sorted(env.items()) if not is_secret(name)]
-    return "\n".join([
-        "#!/bin/bash",
-        *sbatch_options(job),
-        "set -eo pipefail",
-        *exports,
-        *job.setup,
-        "{",
-        '# the first node hosts the rendezvous; its NodeAddr is how the other nodes reach it',
-        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
-        'head_addr=$(scontrol -o show node "$head_node" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)',
-        'rdzv_host="${head_addr:-$head_node}"',
-        "srun --kill-on-bad-exit=1 " + " ".join(shell_word(arg) for arg in torchrun),
-        "} 2>&1 | " + shlex.join(ship),
-        "",
-    ])
+    return "\n".join(
+        [
+            "#!/bin/bash",
+            *sbatch_options(job),
+            "set -eo pipefail",
+            *exports,
+            *job.setup,
+            "{",
+            "# the first node hosts the rendezvous; its NodeAddr is how the other nodes reach it",
+            'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+            'head_addr=$(scontrol -o show node "$head_node" | grep -o "NodeAddr=[^ ]*" | cut -d= -f2)',
+            'rdzv_host="${head_addr:-$head_node}"',
+            "srun --kill-on-bad-exit=1 " + " ".join(shell_word(arg) for arg in torchrun),
+            "} 2>&1 | " + shlex.join(ship),
+            "",
+        ]
+    )

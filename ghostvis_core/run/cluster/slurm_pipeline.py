@@ -16,8 +16,8 @@ from pathlib import Path
 
 from datatrove.executor import SlurmPipelineExecutor
 
-from ghostvis_core.run.cluster.slurm import SlurmJob
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.run.cluster.slurm import SlurmJob
 
 
 @dataclass
@@ -30,18 +30,29 @@ class SlurmPipeline:
     def __call__(self, pipeline: list, tasks: int, workers: int, logging_dir: Path) -> None:
         logging_dir = logging_dir / f"slurm-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"  # this job's
         executor = SlurmPipelineExecutor(
-            pipeline=pipeline, tasks=tasks, workers=workers, time=self.job.time or "24:00:00",
-            partition=self.job.partition or default_partition(), cpus_per_task=1, qos=self.job.qos,
-            job_name=f"{self.job.job_name}-tokenize", logging_dir=str(logging_dir), skip_completed=False,
-            sbatch_args={"account": self.job.account} if self.job.account else None, requeue=False,
-            **node_environment(self.job))
+            pipeline=pipeline,
+            tasks=tasks,
+            workers=workers,
+            time=self.job.time or "24:00:00",
+            partition=self.job.partition or default_partition(),
+            cpus_per_task=1,
+            qos=self.job.qos,
+            job_name=f"{self.job.job_name}-tokenize",
+            logging_dir=str(logging_dir),
+            skip_completed=False,
+            sbatch_args={"account": self.job.account} if self.job.account else None,
+            requeue=False,
+            **node_environment(self.job),
+        )
         executor.run()
         wait_until_gone(str(executor.job_id), self.job.poll_seconds)
         missing = [r for r in range(tasks) if not (logging_dir / "completions" / f"{r:05d}").exists()]
         if missing:
-            raise GhostvisError(f"Slurm job {executor.job_id}: tasks {missing} did not complete; see their logs in "
-                                f"{logging_dir / 'slurm_logs'}, then re-materialize the partitions (finished "
-                                "shards are skipped)")
+            raise GhostvisError(
+                f"Slurm job {executor.job_id}: tasks {missing} did not complete; see their logs in "
+                f"{logging_dir / 'slurm_logs'}, then re-materialize the partitions (finished "
+                "shards are skipped)"
+            )
 
 
 def node_environment(job: SlurmJob) -> dict[str, str]:
@@ -51,8 +62,10 @@ def node_environment(job: SlurmJob) -> dict[str, str]:
         return {"env_command": "\n".join(job.setup)}
     activate = Path(sys.prefix) / "bin" / "activate"
     if not activate.exists():
-        raise GhostvisError("slurm launcher: no `setup` lines and no virtualenv to activate on the nodes; give "
-                            "slurm.setup (e.g. `source /shared/ghostvis/.venv/bin/activate`)")
+        raise GhostvisError(
+            "slurm launcher: no `setup` lines and no virtualenv to activate on the nodes; give "
+            "slurm.setup (e.g. `source /shared/ghostvis/.venv/bin/activate`)"
+        )
     return {"venv_path": str(activate)}
 
 

@@ -22,17 +22,31 @@ class Rendezvous:
     # (host name, then process id; torch/distributed/elastic/rendezvous/dynamic_rendezvous.py).
 
 
-def torchrun_command(spec_uri: str, nproc_per_node: int, rendezvous: Rendezvous | None = None,
-                     python: str | None = None) -> list[str]:
+def torchrun_command(
+    spec_uri: str, nproc_per_node: int, rendezvous: Rendezvous | None = None, python: str | None = None
+) -> list[str]:
     """`python -m torch.distributed.run ... -m ghostvis_core.run --spec <spec_uri>`; without a
     rendezvous: one node, rendezvous on a free local port."""
     if rendezvous is None:
         nodes = ["--standalone"]
     else:
-        nodes = [f"--nnodes={rendezvous.nnodes}", "--rdzv-backend=c10d",
-                 f"--rdzv-endpoint={rendezvous.endpoint}", f"--rdzv-id={rendezvous.rdzv_id}"]
-    return [python or sys.executable, "-m", "torch.distributed.run", *nodes,
-            f"--nproc_per_node={nproc_per_node}", "-m", "ghostvis_core.run", "--spec", spec_uri]
+        nodes = [
+            f"--nnodes={rendezvous.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={rendezvous.endpoint}",
+            f"--rdzv-id={rendezvous.rdzv_id}",
+        ]
+    return [
+        python or sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *nodes,
+        f"--nproc_per_node={nproc_per_node}",
+        "-m",
+        "ghostvis_core.run",
+        "--spec",
+        spec_uri,
+    ]
 
 
 def worker_env(nproc_per_node: int, cpus: int | None = None) -> dict[str, str]:
@@ -59,17 +73,23 @@ class MultiNode:
     def check(self) -> None:
         """Refuse a launch that could only hang at the rendezvous."""
         if self.nnodes < 2:
-            raise GhostvisError(f"torchrun launcher: nnodes={self.nnodes}; a multi-node run needs nnodes >= 2 "
-                                "(use launcher kind 'local' for one node)")
+            raise GhostvisError(
+                f"torchrun launcher: nnodes={self.nnodes}; a multi-node run needs nnodes >= 2 "
+                "(use launcher kind 'local' for one node)"
+            )
         if self.hosts and len(self.hosts) != self.nnodes - 1:
-            raise GhostvisError(f"torchrun launcher: hosts lists {len(self.hosts)} node(s) but nnodes={self.nnodes} "
-                                f"needs the {self.nnodes - 1} other node(s) (this host is one); list them all, or "
-                                "none to start them by hand")
+            raise GhostvisError(
+                f"torchrun launcher: hosts lists {len(self.hosts)} node(s) but nnodes={self.nnodes} "
+                f"needs the {self.nnodes - 1} other node(s) (this host is one); list them all, or "
+                "none to start them by hand"
+            )
         try:
             self.node_argv("host", "true")
         except (KeyError, IndexError, ValueError) as exc:
-            raise GhostvisError(f"torchrun launcher: node_shell '{self.node_shell}' is not a command template "
-                                f"({exc!r}); write e.g. 'ssh {{host}}', with {{host}} as the only placeholder") from None
+            raise GhostvisError(
+                f"torchrun launcher: node_shell '{self.node_shell}' is not a command template "
+                f"({exc!r}); write e.g. 'ssh {{host}}', with {{host}} as the only placeholder"
+            ) from None
 
     def rendezvous(self, run_key: str, attempt: str) -> Rendezvous:
         endpoint = self.rdzv_endpoint or f"{socket.gethostname()}:{RDZV_PORT}"
@@ -85,4 +105,3 @@ def node_line(command: list[str], env: dict[str, str]) -> str:
     the node shell (e.g. the ssh session) stops torchrun itself."""
     assigns = [f"{k}={v}" for k, v in sorted(env.items())]
     return shlex.join(["exec", "env", *assigns, *command])
-

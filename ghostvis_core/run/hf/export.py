@@ -1,23 +1,30 @@
 """Export a trained stage as a Hugging Face checkpoint: config.json, safetensors (sharded when large,
 with model.safetensors.index.json), generation_config.json, tokenizer.json + tokenizer_config.json
-(chat template) and, for a vision stage, vision/ beside it."""
+(chat template) and, for a vision stage, vision/ beside it.
+
+`python -m ghostvis_core.run.hf.export --store URI --stage sft --to DIR` does it in a process of its own:
+what Dagster starts (the `export_model` job), so the Dagster process never loads a checkpoint.
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
 from huggingface_hub import save_torch_state_dict
 
-from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.data.tokenizer import Tokenizer
-from ghostvis_core.run.train.trained import load_stage
-from ghostvis_core.home import Home
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.run.hf.names import hf_config, to_hf
 from ghostvis_core.run.hf.tokenizer_json import save_hf_tokenizer
 from ghostvis_core.run.hf.vision import save_vision
 from ghostvis_core.run.model.gpt import GPT
+from ghostvis_core.run.train.trained import load_from_store
+from ghostvis_core.store import Store, open_store
 
 MAX_SHARD_SIZE = "5GB"  # the Hub's convention; safetensors shards of at most this size
 
@@ -44,12 +51,34 @@ def export_model(model: GPT, tok: Tokenizer, out_dir: Path, *, max_shard_size: s
 def _save_generation_config(out_dir: Path, *, bos: int, eos: int, pad: int | None) -> None:
     from transformers import GenerationConfig
 
-    GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad if pad is not None else eos,
-                     do_sample=False).save_pretrained(str(out_dir))
+    GenerationConfig(
+        bos_token_id=bos, eos_token_id=eos, pad_token_id=pad if pad is not None else eos, do_sample=False
+    ).save_pretrained(str(out_dir))
 
 
-def export_run(home: Home, stage: str, run_key: str | None, out_dir: str | Path) -> Path:
-    """Export a completed run of `stage` (run_key None: the newest completed run) to `out_dir`."""
-    trained = load_stage(home, stage, run_key)
+def export_run(store: Store, stage: str, run_key: str | None, out_dir: str | Path) -> Path:
+    """Export a completed run of `stage` in `store` (run_key None: the newest completed run) to `out_dir`."""
+    trained = load_from_store(store, stage, run_key)
     with torch.no_grad():
         return export_model(trained.model, trained.tok, Path(out_dir))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Export in this process; the folder's path on stdout's last line, a refusal on stderr (exit 2)."""
+    ap = argparse.ArgumentParser(prog="python -m ghostvis_core.run.hf.export", description=__doc__)
+    ap.add_argument("--store", required=True, help="the artifact store's URI (a folder or s3://bucket/prefix)")
+    ap.add_argument("--stage", required=True)
+    ap.add_argument("--run-key", help="the run to export (default: the stage's newest completed run)")
+    ap.add_argument("--to", required=True, help="the destination folder")
+    args = ap.parse_args(argv)
+    try:
+        out = export_run(open_store(args.store), args.stage, args.run_key, args.to)
+    except GhostvisError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,16 +21,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.data.tokenizer import Tokenizer, save_tokenizer
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.run.hf.names import expected_shapes, from_hf, model_config
 from ghostvis_core.run.hf.sources import local_copy
 from ghostvis_core.run.hf.tokenizer_json import from_hf_tokenizer
 from ghostvis_core.run.model.gpt import GPT
-from ghostvis_core.store import Store
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.runs import Upstream
+from ghostvis_core.store import Store
 
 IMPORT_STAGE = "hf_import"  # the "stage" of imported checkpoints in the store
 INDEX_FILE = "model.safetensors.index.json"
@@ -62,18 +62,36 @@ def inspect_checkpoint(folder: Path, where: str) -> HFCheckpoint:
                 for name in f.keys():
                     found[name], files[name] = tuple(f.get_slice(name).get_shape()), path
         except (SafetensorError, OSError) as exc:
-            raise GhostvisError(f"{where}: {path.name} is not a readable safetensors file ({exc}); it is corrupt or "
-                                "truncated: download it again") from None
+            raise GhostvisError(
+                f"{where}: {path.name} is not a readable safetensors file ({exc}); it is corrupt or "
+                "truncated: download it again"
+            ) from None
     found = {k: v for k, v in found.items() if not k.endswith(IGNORED_SUFFIXES)}
     missing = sorted(set(expected) - set(found))
     unexpected = sorted(set(found) - set(expected))
-    wrong = [f"{k} has shape {found[k]}, expected {expected[k]}" for k in sorted(expected) if k in found and found[k] != expected[k]]
+    wrong = [
+        f"{k} has shape {found[k]}, expected {expected[k]}"
+        for k in sorted(expected)
+        if k in found and found[k] != expected[k]
+    ]
     if missing or unexpected or wrong:
-        parts = ([f"missing tensors {', '.join(missing[:8])}" + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")]
-                 if missing else []) + ([f"unexpected tensors {', '.join(unexpected[:8])}"] if unexpected else []) + wrong[:8]
-        raise GhostvisError(f"{where}: the weights do not fit its config.json ({hf['architectures'][0]}, "
-                            f"{cfg.n_layers} layers, hidden {cfg.d_model}): {'; '.join(parts)}; the checkpoint is "
-                            "incomplete or its config.json belongs to another model: fix or re-download it")
+        parts = (
+            (
+                [
+                    f"missing tensors {', '.join(missing[:8])}"
+                    + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+                ]
+                if missing
+                else []
+            )
+            + ([f"unexpected tensors {', '.join(unexpected[:8])}"] if unexpected else [])
+            + wrong[:8]
+        )
+        raise GhostvisError(
+            f"{where}: the weights do not fit its config.json ({hf['architectures'][0]}, "
+            f"{cfg.n_layers} layers, hidden {cfg.d_model}): {'; '.join(parts)}; the checkpoint is "
+            "incomplete or its config.json belongs to another model: fix or re-download it"
+        )
     return HFCheckpoint(folder, cfg, {k: files[k] for k in expected})
 
 
@@ -84,8 +102,10 @@ def _weight_files(folder: Path, where: str) -> list[Path]:
         names = sorted(p.name for p in folder.glob("*.safetensors"))
     absent = [n for n in names if not (folder / n).is_file()]
     if absent or not names:
-        raise GhostvisError(f"{where}: weight file(s) {', '.join(absent) or '*.safetensors'} missing; a checkpoint "
-                            "needs its safetensors weights (PyTorch .bin files are not read: convert them)")
+        raise GhostvisError(
+            f"{where}: weight file(s) {', '.join(absent) or '*.safetensors'} missing; a checkpoint "
+            "needs its safetensors weights (PyTorch .bin files are not read: convert them)"
+        )
     return [folder / n for n in names]
 
 
@@ -96,8 +116,10 @@ def load_tensors(hc: HFCheckpoint) -> dict[str, torch.Tensor]:
         with safe_open(str(path), framework="pt") as f:
             hf |= {k: f.get_tensor(k) for k in f.keys() if hc.files.get(k) == path}
     if len(hf) != len(expected_shapes(hc.model)):
-        raise GhostvisError(f"checkpoint {hc.folder}: loaded {len(hf)} tensors, the model needs "
-                            f"{len(expected_shapes(hc.model))}; re-download it")
+        raise GhostvisError(
+            f"checkpoint {hc.folder}: loaded {len(hf)} tensors, the model needs "
+            f"{len(expected_shapes(hc.model))}; re-download it"
+        )
     return from_hf(hf, hc.model)
 
 
@@ -149,10 +171,16 @@ def _write_checkpoint(store: Store, hc: HFCheckpoint, key: str, step: str, uri: 
     tmp.mkdir()
     try:
         tensors = load_tensors(hc)  # tied: embed and lm_head are one tensor, which safetensors stores twice
-        save_file({k: v.clone() if k == "lm_head.weight" and hc.model.tie_embeddings else v.contiguous()
-                   for k, v in tensors.items()}, str(tmp / "model.safetensors"))
-        (tmp / "config.json").write_text(json.dumps({"stage": IMPORT_STAGE, "source": uri, "model": asdict(hc.model)},
-                                                    indent=2, sort_keys=True))
+        save_file(
+            {
+                k: v.clone() if k == "lm_head.weight" and hc.model.tie_embeddings else v.contiguous()
+                for k, v in tensors.items()
+            },
+            str(tmp / "model.safetensors"),
+        )
+        (tmp / "config.json").write_text(
+            json.dumps({"stage": IMPORT_STAGE, "source": uri, "model": asdict(hc.model)}, indent=2, sort_keys=True)
+        )
         (tmp / ckpt.MARKER).write_text("0")
         if final.exists():
             shutil.rmtree(final)

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan.config import ModelConfig
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
@@ -29,12 +29,24 @@ def hf_config(cfg: ModelConfig, *, bos: int, eos: int, pad: int | None, dtype: t
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_base}
     if cfg.rope_scaling != 1.0:
         rope = {"rope_type": "linear", "rope_theta": cfg.rope_base, "factor": cfg.rope_scaling}
-    kwargs = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers,
-                  num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads,
-                  intermediate_size=cfg.ffn_hidden, max_position_embeddings=cfg.max_seq_len,
-                  rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings, rope_parameters=rope,
-                  hidden_act="silu", bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
-                  dtype=str(dtype).removeprefix("torch."), architectures=[arch])
+    kwargs = dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads,
+        intermediate_size=cfg.ffn_hidden,
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        tie_word_embeddings=cfg.tie_embeddings,
+        rope_parameters=rope,
+        hidden_act="silu",
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        dtype=str(dtype).removeprefix("torch."),
+        architectures=[arch],
+    )
     hf = (Qwen2Config if arch == "Qwen2ForCausalLM" else LlamaConfig)(**kwargs).to_dict()
     hf["rope_theta"] = cfg.rope_base
     if cfg.rope_scaling != 1.0:
@@ -47,8 +59,10 @@ def model_config(hf: dict[str, Any], where: str) -> ModelConfig:
     """A GhostVis ModelConfig from an HF config.json; anything GhostVis's model cannot compute exactly is refused."""
     archs = hf.get("architectures") or []
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
-        raise GhostvisError(f"{where}: architecture {archs or 'missing'} is not supported; GhostVis imports "
-                            f"{' or '.join(ARCHITECTURES)} checkpoints (convert the model to one of them first)")
+        raise GhostvisError(
+            f"{where}: architecture {archs or 'missing'} is not supported; GhostVis imports "
+            f"{' or '.join(ARCHITECTURES)} checkpoints (convert the model to one of them first)"
+        )
     arch = archs[0]
     heads = hf["num_attention_heads"]
     problems = []
@@ -65,15 +79,24 @@ def model_config(hf: dict[str, Any], where: str) -> ModelConfig:
     if kind not in ("default", "linear"):
         problems.append(f"rope_type={kind} (GhostVis supports default and linear RoPE scaling)")
     if problems:
-        raise GhostvisError(f"{where}: {arch} with {'; '.join(problems)} cannot be imported exactly; "
-                            "use a checkpoint without these settings")
+        raise GhostvisError(
+            f"{where}: {arch} with {'; '.join(problems)} cannot be imported exactly; "
+            "use a checkpoint without these settings"
+        )
     return ModelConfig(
-        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_hidden=hf["intermediate_size"],
-        max_seq_len=hf["max_position_embeddings"], rope_base=float(rope.get("rope_theta", 10000.0)),
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=hf.get("num_key_value_heads") or heads,
+        ffn_hidden=hf["intermediate_size"],
+        max_seq_len=hf["max_position_embeddings"],
+        rope_base=float(rope.get("rope_theta", 10000.0)),
         rope_scaling=float(rope.get("factor", 1.0)) if kind == "linear" else 1.0,
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)), tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "Qwen2ForCausalLM")
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "Qwen2ForCausalLM",
+    )
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -84,14 +107,23 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         out["lm_head.weight"] = (cfg.vocab_size, d)
     for i in range(cfg.n_layers):
         p = f"model.layers.{i}."
-        out |= {p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
-                p + "self_attn.q_proj.weight": (cfg.n_heads * hd, d), p + "self_attn.k_proj.weight": (kv, d),
-                p + "self_attn.v_proj.weight": (kv, d), p + "self_attn.o_proj.weight": (d, cfg.n_heads * hd),
-                p + "mlp.gate_proj.weight": (cfg.ffn_hidden, d), p + "mlp.up_proj.weight": (cfg.ffn_hidden, d),
-                p + "mlp.down_proj.weight": (d, cfg.ffn_hidden)}
+        out |= {
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (cfg.n_heads * hd, d),
+            p + "self_attn.k_proj.weight": (kv, d),
+            p + "self_attn.v_proj.weight": (kv, d),
+            p + "self_attn.o_proj.weight": (d, cfg.n_heads * hd),
+            p + "mlp.gate_proj.weight": (cfg.ffn_hidden, d),
+            p + "mlp.up_proj.weight": (cfg.ffn_hidden, d),
+            p + "mlp.down_proj.weight": (d, cfg.ffn_hidden),
+        }
         if cfg.qkv_bias:
-            out |= {p + "self_attn.q_proj.bias": (cfg.n_heads * hd,), p + "self_attn.k_proj.bias": (kv,),
-                    p + "self_attn.v_proj.bias": (kv,)}
+            out |= {
+                p + "self_attn.q_proj.bias": (cfg.n_heads * hd,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            }
     return out
 
 
@@ -104,33 +136,48 @@ def to_hf(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.T
         g, p = f"blocks.{i}.", f"model.layers.{i}."
         k, v = state[g + "attn.wkv.weight"].chunk(2, dim=0)
         gate, up = state[g + "ffn.w13.weight"].chunk(2, dim=0)
-        out |= {p + "input_layernorm.weight": state[g + "attn_norm.weight"],
-                p + "post_attention_layernorm.weight": state[g + "ffn_norm.weight"],
-                p + "self_attn.q_proj.weight": state[g + "attn.wq.weight"], p + "self_attn.k_proj.weight": k,
-                p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": state[g + "attn.wo.weight"],
-                p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-                p + "mlp.down_proj.weight": state[g + "ffn.w2.weight"]}
+        out |= {
+            p + "input_layernorm.weight": state[g + "attn_norm.weight"],
+            p + "post_attention_layernorm.weight": state[g + "ffn_norm.weight"],
+            p + "self_attn.q_proj.weight": state[g + "attn.wq.weight"],
+            p + "self_attn.k_proj.weight": k,
+            p + "self_attn.v_proj.weight": v,
+            p + "self_attn.o_proj.weight": state[g + "attn.wo.weight"],
+            p + "mlp.gate_proj.weight": gate,
+            p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": state[g + "ffn.w2.weight"],
+        }
         if cfg.qkv_bias:
             kb, vb = state[g + "attn.wkv.bias"].chunk(2, dim=0)
-            out |= {p + "self_attn.q_proj.bias": state[g + "attn.wq.bias"], p + "self_attn.k_proj.bias": kb,
-                    p + "self_attn.v_proj.bias": vb}
+            out |= {
+                p + "self_attn.q_proj.bias": state[g + "attn.wq.bias"],
+                p + "self_attn.k_proj.bias": kb,
+                p + "self_attn.v_proj.bias": vb,
+            }
     return {k: v.detach().cpu().clone() for k, v in out.items()}  # own storage: chunks are views of one tensor
 
 
 def from_hf(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """HF tensors (already checked against expected_shapes) -> GhostVis's state dict."""
-    out = {"embed.weight": hf["model.embed_tokens.weight"], "norm.weight": hf["model.norm.weight"],
-           "lm_head.weight": hf["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"]}
+    out = {
+        "embed.weight": hf["model.embed_tokens.weight"],
+        "norm.weight": hf["model.norm.weight"],
+        "lm_head.weight": hf["model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"],
+    }
     for i in range(cfg.n_layers):
         g, p = f"blocks.{i}.", f"model.layers.{i}."
-        out |= {g + "attn_norm.weight": hf[p + "input_layernorm.weight"],
-                g + "ffn_norm.weight": hf[p + "post_attention_layernorm.weight"],
-                g + "attn.wq.weight": hf[p + "self_attn.q_proj.weight"],
-                g + "attn.wkv.weight": torch.cat([hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"]]),
-                g + "attn.wo.weight": hf[p + "self_attn.o_proj.weight"],
-                g + "ffn.w13.weight": torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]),
-                g + "ffn.w2.weight": hf[p + "mlp.down_proj.weight"]}
+        out |= {
+            g + "attn_norm.weight": hf[p + "input_layernorm.weight"],
+            g + "ffn_norm.weight": hf[p + "post_attention_layernorm.weight"],
+            g + "attn.wq.weight": hf[p + "self_attn.q_proj.weight"],
+            g + "attn.wkv.weight": torch.cat([hf[p + "self_attn.k_proj.weight"], hf[p + "self_attn.v_proj.weight"]]),
+            g + "attn.wo.weight": hf[p + "self_attn.o_proj.weight"],
+            g + "ffn.w13.weight": torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]]),
+            g + "ffn.w2.weight": hf[p + "mlp.down_proj.weight"],
+        }
         if cfg.qkv_bias:
-            out |= {g + "attn.wq.bias": hf[p + "self_attn.q_proj.bias"],
-                    g + "attn.wkv.bias": torch.cat([hf[p + "self_attn.k_proj.bias"], hf[p + "self_attn.v_proj.bias"]])}
+            out |= {
+                g + "attn.wq.bias": hf[p + "self_attn.q_proj.bias"],
+                g + "attn.wkv.bias": torch.cat([hf[p + "self_attn.k_proj.bias"], hf[p + "self_attn.v_proj.bias"]]),
+            }
     return out

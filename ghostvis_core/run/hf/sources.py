@@ -40,8 +40,10 @@ def local_copy(uri: str) -> Iterator[Path]:
 def _local(uri: str) -> Path:
     folder = Path(uri).expanduser()
     if not (folder / "config.json").is_file():
-        raise GhostvisError(f"init_from {uri}: no config.json in that folder; give a Hugging Face checkpoint folder "
-                            "(config.json, *.safetensors, tokenizer.json), an s3:// or hf:// URI, or a stage name")
+        raise GhostvisError(
+            f"init_from {uri}: no config.json in that folder; give a Hugging Face checkpoint folder "
+            "(config.json, *.safetensors, tokenizer.json), an s3:// or hf:// URI, or a stage name"
+        )
     return folder
 
 
@@ -53,11 +55,16 @@ def _from_hub(uri: str) -> Path:
     # Read now: huggingface_hub reads HF_ENDPOINT and HF_HUB_CACHE once, when it is imported.
     endpoint, cache = os.environ.get("HF_ENDPOINT"), os.environ.get("HF_HUB_CACHE")
     try:
-        return Path(snapshot_download(repo, revision=revision or None, allow_patterns=list(WANTED), endpoint=endpoint,
-                                      cache_dir=cache))
+        return Path(
+            snapshot_download(
+                repo, revision=revision or None, allow_patterns=list(WANTED), endpoint=endpoint, cache_dir=cache
+            )
+        )
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError, ValueError) as exc:
-        raise GhostvisError(f"init_from {uri}: download from {endpoint or 'the Hugging Face Hub'} failed ({exc}); "
-                            "check the repository name and revision, HF_ENDPOINT and HF_TOKEN") from None
+        raise GhostvisError(
+            f"init_from {uri}: download from {endpoint or 'the Hugging Face Hub'} failed ({exc}); "
+            "check the repository name and revision, HF_ENDPOINT and HF_TOKEN"
+        ) from None
 
 
 def _from_s3(uri: str) -> Path:
@@ -71,13 +78,15 @@ def _from_s3(uri: str) -> Path:
     try:
         for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
             for obj in page.get("Contents", []):
-                name = obj["Key"][len(prefix):]
+                name = obj["Key"][len(prefix) :]
                 if "/" not in name and any(Path(name).match(p) for p in WANTED):
                     s3.download_file(bucket, obj["Key"], str(dest / name))
     except (BotoCoreError, ClientError) as exc:
         shutil.rmtree(dest, ignore_errors=True)
-        raise GhostvisError(f"init_from {uri}: cannot read it from S3 ({exc}); check the bucket, prefix and the "
-                            "AWS credentials / AWS_ENDPOINT_URL_S3") from None
+        raise GhostvisError(
+            f"init_from {uri}: cannot read it from S3 ({exc}); check the bucket, prefix and the "
+            "AWS credentials / AWS_ENDPOINT_URL_S3"
+        ) from None
     if not (dest / "config.json").is_file():
         shutil.rmtree(dest, ignore_errors=True)
         raise GhostvisError(f"init_from {uri}: no config.json under that prefix; upload the whole checkpoint folder")

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ghostvis_core.plan.config import VisionConfig
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan.config import VisionConfig
 from ghostvis_core.run.model.vision import VisionStack
 
 VISION_DIR = "vision"
@@ -21,11 +21,19 @@ def save_vision(stack: VisionStack, d_model: int, image_token_id: int, out_dir: 
     """vision/config.json (VisionConfig, the LM width it projects to, the <|image|> id) + model.safetensors."""
     target = out_dir / VISION_DIR
     target.mkdir(parents=True, exist_ok=True)
-    config = {"vision": dataclasses.asdict(stack.cfg), "d_model": d_model, "image_token": "<|image|>",
-              "image_token_id": image_token_id, "n_image_tokens": stack.cfg.n_latents}
+    config = {
+        "vision": dataclasses.asdict(stack.cfg),
+        "d_model": d_model,
+        "image_token": "<|image|>",
+        "image_token_id": image_token_id,
+        "n_image_tokens": stack.cfg.n_latents,
+    }
     (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    save_file({k: v.detach().cpu().contiguous() for k, v in stack.state_dict().items()}, str(target / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in stack.state_dict().items()},
+        str(target / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
     return target
 
 
@@ -39,15 +47,18 @@ def load_vision(folder: str | Path) -> VisionStack:
         config = json.loads((folder / "config.json").read_text())
         state = load_file(str(folder / "model.safetensors"))
     except (OSError, ValueError) as exc:
-        raise GhostvisError(f"vision stack {folder}: cannot read config.json / model.safetensors ({exc}); "
-                            "re-run `ghostvis export` for a vision stage") from None
+        raise GhostvisError(
+            f"vision stack {folder}: cannot read config.json / model.safetensors ({exc}); "
+            "re-run `ghostvis export` for a vision stage"
+        ) from None
     stack = VisionStack(VisionConfig(**config["vision"]), config["d_model"])
     stack.load_state_dict(state, strict=True)
     return stack.eval().to(torch.float32)
 
 
-def image_embeds(lm, vision: VisionStack, input_ids: torch.Tensor, images: torch.Tensor,
-                 image_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def image_embeds(
+    lm, vision: VisionStack, input_ids: torch.Tensor, images: torch.Tensor, image_token_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, inputs_embeds) for a transformers LM with images: each <|image|> of the (1, T) prompt
     (as apply_chat_template renders it) expanded to n_latents positions, which take the image's
     embeddings, in order, as GhostVis's model does; pass both to lm(...) or lm.generate(...)."""

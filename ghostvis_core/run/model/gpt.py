@@ -29,7 +29,6 @@ except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_func = flash_attn_varlen_func = None
 
 
-
 @dataclass(frozen=True)
 class DocSpans:
     """Packed documents as variable-length sequences: offsets into the flattened (B*T) positions."""
@@ -39,15 +38,16 @@ class DocSpans:
     max_len: int
 
     @classmethod
-    def from_doc_ids(cls, doc_ids: torch.Tensor) -> "DocSpans":
+    def from_doc_ids(cls, doc_ids: torch.Tensor) -> DocSpans:
         """A document is a run of equal ids within a row; rows never share a document."""
         b, t = doc_ids.shape
         starts = torch.ones_like(doc_ids, dtype=torch.bool)
         starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
         offsets = [*starts.flatten().nonzero().flatten().tolist(), b * t]
         bounds = tuple(zip(offsets[:-1], offsets[1:]))
-        return cls(torch.tensor(offsets, dtype=torch.int32, device=doc_ids.device), bounds,
-                   max(e - s for s, e in bounds))
+        return cls(
+            torch.tensor(offsets, dtype=torch.int32, device=doc_ids.device), bounds, max(e - s for s, e in bounds)
+        )
 
 
 def _half(t: torch.Tensor) -> bool:
@@ -59,11 +59,22 @@ def varlen_attention(q, k, v, docs: DocSpans, gqa: bool) -> torch.Tensor:
     b, t = q.shape[:2]
     qf, kf, vf = (x.reshape(b * t, *x.shape[2:]) for x in (q, k, v))
     if flash_attn_varlen_func is not None and _half(qf):
-        y = flash_attn_varlen_func(qf, kf, vf, docs.cu_seqlens, docs.cu_seqlens, docs.max_len, docs.max_len, causal=True)
+        y = flash_attn_varlen_func(
+            qf, kf, vf, docs.cu_seqlens, docs.cu_seqlens, docs.max_len, docs.max_len, causal=True
+        )
     else:  # PyTorch's own: one SDPA call per document, no T x T mask
-        y = torch.cat([F.scaled_dot_product_attention(
-            qf[s:e].transpose(0, 1), kf[s:e].transpose(0, 1), vf[s:e].transpose(0, 1), is_causal=True, enable_gqa=gqa,
-        ).transpose(0, 1) for s, e in docs.bounds])
+        y = torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    qf[s:e].transpose(0, 1),
+                    kf[s:e].transpose(0, 1),
+                    vf[s:e].transpose(0, 1),
+                    is_causal=True,
+                    enable_gqa=gqa,
+                ).transpose(0, 1)
+                for s, e in docs.bounds
+            ]
+        )
     return y.view(b, t, *y.shape[1:])
 
 
@@ -249,9 +260,18 @@ class GPT(nn.Module):
         return lm_loss(h, self.lm_head.weight, targets, reduction)
 
     @torch.no_grad()
-    def generate(self, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0,
-                 top_k: int | None = None, stop_tokens: tuple[int, ...] = (), generator=None,
-                 images=None, image_token: int | None = None) -> list[int]:
+    def generate(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        stop_tokens: tuple[int, ...] = (),
+        generator=None,
+        images=None,
+        image_token: int | None = None,
+    ) -> list[int]:
         """KV-cached sampling; greedy at temperature 0. Stops after any stop token.
         `images` fill the prompt's (already expanded) image_token positions. Runs in eval mode, then
         restores the caller's mode: a training loop that samples mid-run must stay in training mode."""
@@ -284,8 +304,13 @@ def _target_nll(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) ->
     return torch.logsumexp(logits, -1) - logits.gather(-1, targets.clamp_min(0)[:, None]).squeeze(-1)
 
 
-def lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduction: str = "mean",
-            chunk_elements: int = LOSS_CHUNK_ELEMENTS) -> torch.Tensor:
+def lm_loss(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    reduction: str = "mean",
+    chunk_elements: int = LOSS_CHUNK_ELEMENTS,
+) -> torch.Tensor:
     """Cross-entropy of the lm_head over targets != IGNORE_INDEX (reduction mean, sum, none) or
     reduction="logprobs" (log p(target) per position, 0 where ignored), chunk by chunk of positions:
     a chunk's logits are recomputed in the backward pass, so only one chunk's exist at a time."""
@@ -294,8 +319,12 @@ def lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, reduct
     if flat_h.shape[0] <= rows:
         nll = _target_nll(flat_h, weight, flat_t)
     else:
-        nll = torch.cat([checkpoint(_target_nll, flat_h[i:i + rows], weight, flat_t[i:i + rows], use_reentrant=False)
-                         for i in range(0, flat_h.shape[0], rows)])
+        nll = torch.cat(
+            [
+                checkpoint(_target_nll, flat_h[i : i + rows], weight, flat_t[i : i + rows], use_reentrant=False)
+                for i in range(0, flat_h.shape[0], rows)
+            ]
+        )
     keep = flat_t != IGNORE_INDEX
     nll = nll * keep
     if reduction == "logprobs":

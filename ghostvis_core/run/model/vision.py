@@ -15,8 +15,8 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ghostvis_core.plan.config import VisionConfig
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan.config import VisionConfig
 
 
 class ViTBlock(nn.Module):
@@ -39,7 +39,9 @@ class TinyViT(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         if cfg.image_size % cfg.patch_size:
-            raise GhostvisError(f"vision.image_size={cfg.image_size} must be a multiple of vision.patch_size={cfg.patch_size}")
+            raise GhostvisError(
+                f"vision.image_size={cfg.image_size} must be a multiple of vision.patch_size={cfg.patch_size}"
+            )
         n_patches = (cfg.image_size // cfg.patch_size) ** 2
         self.patch = nn.Conv2d(3, cfg.d_vision, kernel_size=cfg.patch_size, stride=cfg.patch_size)
         self.pos = nn.Parameter(torch.randn(1, n_patches, cfg.d_vision) * 0.02)
@@ -164,4 +166,3 @@ def frozen_fingerprint(module: nn.Module) -> str:
             full = p.full_tensor() if hasattr(p, "full_tensor") else p  # a sharded (FSDP) parameter: all ranks call
             h.update(full.detach().to(torch.float32).cpu().numpy().tobytes())
     return h.hexdigest()
-

@@ -36,7 +36,13 @@ def dataset_input(shard: ShardInput) -> DatasetInput:
         source = resolve_dataset_source(shard.uri)
     meta = MetaDataset(source, name=shard.shard_id, digest=digest(shard.content_sha256)).to_dict()
     profile = {"content_sha256": shard.content_sha256, "source": shard.source, "split": shard.split}
-    dataset = Dataset(name=meta["name"], digest=meta["digest"], source_type=meta["source_type"],
-                      source=meta["source"], profile=json.dumps(profile))
-    return DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, shard.split),
-                                       InputTag(TOKEN_FILE_TAG, shard.token_file)])
+    dataset = Dataset(
+        name=meta["name"],
+        digest=meta["digest"],
+        source_type=meta["source_type"],
+        source=meta["source"],
+        profile=json.dumps(profile),
+    )
+    return DatasetInput(
+        dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, shard.split), InputTag(TOKEN_FILE_TAG, shard.token_file)]
+    )

@@ -22,16 +22,17 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import version as installed
 from pathlib import Path
-from typing import Callable, Iterator
 
 from packaging.version import Version
 
 # What loading the logged model needs (besides mlflow, which MLflow adds itself).
 REQUIREMENTS = ("transformers", "torch", "safetensors")
+SKIP_PIP_CHECK = "MLFLOW_SKIP_PIP_REQUIREMENTS_CHECK"  # mlflow.environment_variables
 
 
 @dataclass(frozen=True)
@@ -78,11 +79,14 @@ def register_stage_model(tracking_uri: str, model: StageModel, export: Callable[
 def fluent_scope(tracking_uri: str, experiment_id: str) -> Iterator[None]:
     """MLflow's fluent API (which `log_model` uses) keeps the tracking URI and active experiment in
     process globals it also writes to `MLFLOW_TRACKING_URI` / `MLFLOW_EXPERIMENT_ID`; set them for one
-    call and put the caller's environment back, so a long-lived process (Dagster's, a test's) does
-    not keep talking to this server afterwards."""
+    call and put the caller's environment back, so a process that goes on (a test's, a training job's) does
+    not keep talking to this server afterwards. For that call MLflow also skips its requirements check (a
+    `pip install --dry-run` of the requirements, ~2 s): they are pinned to what is installed here
+    (`pinned_requirements`), so pip could only agree."""
     import mlflow
 
-    saved = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID")}
+    saved = {name: os.environ.get(name) for name in ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_ID", SKIP_PIP_CHECK)}
+    os.environ[SKIP_PIP_CHECK] = "true"
     mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_experiment(experiment_id=experiment_id)
     try:
@@ -102,13 +106,24 @@ def log_and_register(tracking_uri: str, model: StageModel, hf_dir: Path) -> str:
     from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    components = {"model": AutoModelForCausalLM.from_pretrained(hf_dir),
-                  "tokenizer": AutoTokenizer.from_pretrained(hf_dir)}
-    card = ModelCard(f"# {model.registered_name}@{model.stage}\n\nGhostVis stage `{model.stage}`, run "
-                     f"`{model.tags.get('ghostvis.run_key', '')}`; the lineage is in the model version's tags.\n")
+    components = {
+        "model": AutoModelForCausalLM.from_pretrained(hf_dir),
+        "tokenizer": AutoTokenizer.from_pretrained(hf_dir),
+    }
+    card = ModelCard(
+        f"# {model.registered_name}@{model.stage}\n\nGhostVis stage `{model.stage}`, run "
+        f"`{model.tags.get('ghostvis.run_key', '')}`; the lineage is in the model version's tags.\n"
+    )
     with fluent_scope(tracking_uri, model.experiment_id):
         info = mlflow.transformers.log_model(
-            components, task="text-generation", name=model.stage, registered_model_name=model.registered_name,
-            run_id=model.run_id, step=model.step, tags=model.tags, pip_requirements=pinned_requirements(),
-            model_card=card)
+            components,
+            task="text-generation",
+            name=model.stage,
+            registered_model_name=model.registered_name,
+            run_id=model.run_id,
+            step=model.step,
+            tags=model.tags,
+            pip_requirements=pinned_requirements(),
+            model_card=card,
+        )
     return str(info.registered_model_version)

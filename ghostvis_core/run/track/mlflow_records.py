@@ -14,8 +14,9 @@ def _client(tracking_uri: str):
     return MlflowClient(tracking_uri)
 
 
-def add_to_run(tracking_uri: str, run_id: str, metrics: dict[str, float], step: int,
-               texts: dict[str, str] | None = None) -> None:
+def add_to_run(
+    tracking_uri: str, run_id: str, metrics: dict[str, float], step: int, texts: dict[str, str] | None = None
+) -> None:
     """Metrics at `step` (one batch, one timestamp) and text artifacts (artifact path -> text)."""
     from mlflow.entities import Metric
 

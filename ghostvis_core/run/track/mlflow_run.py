@@ -96,8 +96,11 @@ class MlflowRun:
             self._system.finish()  # its last sample is queued before the finish item
         self._q.put(("finish", status, timeout, 0))
         self._thread.join(timeout + 30)
-        return {"failed_flushes": self.failed_flushes, "gap_seconds": round(self.gap_seconds, 1),
-                "unsent_metrics": self.unsent}
+        return {
+            "failed_flushes": self.failed_flushes,
+            "gap_seconds": round(self.gap_seconds, 1),
+            "unsent_metrics": self.unsent,
+        }
 
     # ---- background thread ----
     def _worker(self) -> None:
@@ -127,8 +130,9 @@ class MlflowRun:
         """Sample CPU, memory (and GPU) into this run until finish(); a resumed run continues its steps."""
         from ghostvis_core.run.track.mlflow_system import OutboxSystemMetrics
 
-        self._system = OutboxSystemMetrics(self.run_id, self.target.tracking_uri, self.log_metrics,
-                                           resume=bool(self.target.run_id))
+        self._system = OutboxSystemMetrics(
+            self.run_id, self.target.tracking_uri, self.log_metrics, resume=bool(self.target.run_id)
+        )
         self._system.start()
 
     def _deliver(self) -> None:
@@ -231,8 +235,9 @@ class MlflowRun:
         exp = client.get_experiment_by_name(t.experiment)
         if exp is None:
             try:
-                return client.create_experiment(t.experiment, artifact_location=t.artifact_location,
-                                                 tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND})
+                return client.create_experiment(
+                    t.experiment, artifact_location=t.artifact_location, tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND}
+                )
             except Exception:  # created concurrently by another run
                 exp = client.get_experiment_by_name(t.experiment)
         if EXPERIMENT_KIND_TAG not in exp.tags:

@@ -10,7 +10,7 @@ over its whole length). Imported by the logging thread only.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import psutil
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor

@@ -12,7 +12,10 @@ from __future__ import annotations
 from typing import IO, Any
 
 from dagster_pipes import (
-    PipesBlobStoreMessageWriter, PipesBlobStoreMessageWriterChannel, PipesEnvVarParamsLoader, open_dagster_pipes,
+    PipesBlobStoreMessageWriter,
+    PipesBlobStoreMessageWriterChannel,
+    PipesEnvVarParamsLoader,
+    open_dagster_pipes,
 )
 
 from ghostvis_core.store import open_store

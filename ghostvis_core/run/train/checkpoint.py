@@ -143,8 +143,9 @@ def prune(run_dir: Path, keep_last: int) -> None:
         shutil.rmtree(p, ignore_errors=True)
 
 
-def _shard_state(run_dir: Path, step: int, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer) -> tuple[Path, dict[str, Any]]:
+def _shard_state(
+    run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[Path, dict[str, Any]]:
     """The DCP staging folder of a step and what goes in it: this rank's part of weights and optimizer."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -153,8 +154,10 @@ def _shard_state(run_dir: Path, step: int, model: torch.nn.Module,
 
 
 def _shard_error(step: int, staging: Path, exc: BaseException) -> GhostvisError:
-    return GhostvisError(f"checkpoint step {step}: this rank could not write its shard to {staging} "
-                         f"({getattr(exc, 'strerror', None) or exc}); free space or fix the storage, then re-materialize")
+    return GhostvisError(
+        f"checkpoint step {step}: this rank could not write its shard to {staging} "
+        f"({getattr(exc, 'strerror', None) or exc}); free space or fix the storage, then re-materialize"
+    )
 
 
 def save_shards(run_dir: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Path]:
@@ -223,8 +226,11 @@ def load_model(path: Path, model: torch.nn.Module, *, allow_missing: tuple[str, 
         return _load_model_dcp(path, model, allow_missing)
     state = load_file(str(_require(path, "model.safetensors")))
     own = model.state_dict()
-    wrong = [f"{k} {tuple(v.shape)} vs model {tuple(own[k].shape)}" for k, v in state.items()
-             if k in own and own[k].shape != v.shape]
+    wrong = [
+        f"{k} {tuple(v.shape)} vs model {tuple(own[k].shape)}"
+        for k, v in state.items()
+        if k in own and own[k].shape != v.shape
+    ]
     if wrong:
         raise GhostvisError(
             f"checkpoint {path}: tensor shapes do not fit the model ({'; '.join(wrong[:3])}); the stage config's "
@@ -242,8 +248,12 @@ def load_model(path: Path, model: torch.nn.Module, *, allow_missing: tuple[str, 
 # What a DCP checkpoint's .metadata file (a pickle) may name: DCP's metadata records, torch.Size,
 # dtypes, the layout helper and paths. Anything else (os.system, a class with a malicious reduce) is
 # refused before the file is unpickled, so loading a DCP checkpoint runs no code from it either.
-_DCP_GLOBALS = {("pathlib", "PosixPath"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-                ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+_DCP_GLOBALS = {
+    ("pathlib", "PosixPath"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+}
 
 
 class _MetadataCheck(pickle.Unpickler):
@@ -264,8 +274,10 @@ def _reader(path: Path):
                 with open(path / DCP_DIR / ".metadata", "rb") as f:
                     _MetadataCheck(f).load()
             except (pickle.UnpicklingError, OSError, EOFError) as exc:
-                raise GhostvisError(f"checkpoint {path}: {DCP_DIR}/.metadata is not a DCP checkpoint's metadata ({exc}); "
-                                    f"it was not loaded; delete {path}") from None
+                raise GhostvisError(
+                    f"checkpoint {path}: {DCP_DIR}/.metadata is not a DCP checkpoint's metadata ({exc}); "
+                    f"it was not loaded; delete {path}"
+                ) from None
             return super().read_metadata(*args, **kwargs)
 
     return CheckedReader(str(path / DCP_DIR))
@@ -285,12 +297,16 @@ def _load_model_dcp(path: Path, model: torch.nn.Module, allow_missing: tuple[str
     own = get_model_state_dict(model)
     missing = [k for k in own if k not in saved and not k.startswith(allow_missing)]
     unexpected = [k for k in saved if k not in own]
-    wrong = [f"{k} {tuple(saved[k].size)} vs model {tuple(own[k].shape)}" for k in own
-             if k in saved and tuple(saved[k].size) != tuple(own[k].shape)]
+    wrong = [
+        f"{k} {tuple(saved[k].size)} vs model {tuple(own[k].shape)}"
+        for k in own
+        if k in saved and tuple(saved[k].size) != tuple(own[k].shape)
+    ]
     if missing or unexpected or wrong:
         raise GhostvisError(
             f"checkpoint {path}: does not fit the model (missing {missing[:5]}, unexpected {unexpected[:5]}, "
-            f"shapes {wrong[:3]}); the stage config's model shape must match the checkpoint's config.json")
+            f"shapes {wrong[:3]}); the stage config's model shape must match the checkpoint's config.json"
+        )
     wanted = {k: v for k, v in own.items() if k in saved}
     dcp.load({"model": wanted}, storage_reader=_reader(path))
     set_model_state_dict(model, wanted, options=StateDictOptions(strict=False))

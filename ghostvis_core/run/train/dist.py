@@ -82,8 +82,10 @@ def gather_objects(obj, ctx: DistContext) -> list:
     return out
 
 
-SAME_STORE = ("every node must read the same store: mount the shared filesystem at the same path on every "
-              "node, or use GHOSTVIS_STORE=s3://bucket/prefix")
+SAME_STORE = (
+    "every node must read the same store: mount the shared filesystem at the same path on every "
+    "node, or use GHOSTVIS_STORE=s3://bucket/prefix"
+)
 
 
 def agree(value, ctx: DistContext, what: str, fix: str = SAME_STORE):
@@ -96,8 +98,10 @@ def agree(value, ctx: DistContext, what: str, fix: str = SAME_STORE):
     seen: dict[str, list[int]] = {}
     for rank, v in enumerate(values):
         seen.setdefault("none" if v is None else str(v), []).append(rank)
-    parts = [f"{'rank' if len(r) == 1 else 'ranks'} {_ranges(r)} {'sees' if len(r) == 1 else 'see'} {v}"
-             for v, r in sorted(seen.items(), key=lambda kv: kv[1][0])]
+    parts = [
+        f"{'rank' if len(r) == 1 else 'ranks'} {_ranges(r)} {'sees' if len(r) == 1 else 'see'} {v}"
+        for v, r in sorted(seen.items(), key=lambda kv: kv[1][0])
+    ]
     raise GhostvisError(f"ranks disagree on {what}: {'; '.join(parts)}; {fix}")
 
 

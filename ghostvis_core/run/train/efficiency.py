@@ -34,8 +34,10 @@ class Efficiency:
         """The per-step efficiency metrics (MLflow)."""
         out = {"throughput/mfu": self.mfu(tokens_per_sec), "throughput/flops_per_token": self.flops_per_token}
         if device.type == "cuda":
-            out |= {"memory/cuda_allocated_gb": torch.cuda.memory_allocated(device) / GB,
-                    "memory/cuda_peak_gb": torch.cuda.max_memory_allocated(device) / GB}
+            out |= {
+                "memory/cuda_allocated_gb": torch.cuda.memory_allocated(device) / GB,
+                "memory/cuda_peak_gb": torch.cuda.max_memory_allocated(device) / GB,
+            }
         return out
 
 
@@ -53,8 +55,9 @@ def device_peak_flops(device: torch.device, bf16: bool) -> tuple[float, str]:
     return measured_matmul_flops(device, torch.bfloat16 if bf16 else torch.float32), f"measured:{device.type}"
 
 
-def measured_matmul_flops(device: torch.device, dtype: torch.dtype, n: int = MATMUL_SIZE,
-                          repeats: int = MATMUL_REPEATS) -> float:
+def measured_matmul_flops(
+    device: torch.device, dtype: torch.dtype, n: int = MATMUL_SIZE, repeats: int = MATMUL_REPEATS
+) -> float:
     """Best FLOP/s of an n x n x n matmul (2 n^3 FLOPs) over a few repeats, after one warm-up."""
     g = torch.Generator(device=device).manual_seed(0)  # its own generator: the run's RNG stream is untouched
     a, b = (torch.randn(n, n, device=device, generator=g).to(dtype) for _ in range(2))

@@ -5,6 +5,7 @@ each function returns `evidence/...` metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -26,8 +27,11 @@ def domain_loss(obj, model, ctx, autocast, metrics) -> dict[str, float]:
 def reward(obj, model, ctx, autocast, metrics) -> dict[str, float]:
     """rl: mean reward of greedy completions to held-out problems, and its two parts (exact-answer accuracy,
     well-formed answer rate), from the objective's held-out figures."""
-    names = {"val/reward": "evidence/reward", "val/exact_accuracy": "evidence/exact_accuracy",
-             "val/format_rate": "evidence/format_rate"}
+    names = {
+        "val/reward": "evidence/reward",
+        "val/exact_accuracy": "evidence/exact_accuracy",
+        "val/format_rate": "evidence/format_rate",
+    }
     return {e: metrics[v] for v, e in names.items() if v in metrics}
 
 
@@ -35,13 +39,13 @@ def beyond_context_loss(obj, model, ctx, autocast, metrics) -> dict[str, float]:
     """Held-out loss at positions beyond the upstream model's context vs within it, with this
     stage's RoPE settings and with the upstream's (the model as it was before the stage)."""
     out = _context_losses(obj, model, ctx, autocast, "")
-    saved = (model.cfg.rope_base, model.cfg.rope_scaling)
-    up = obj.spec.inputs
-    model.cfg.rope_base, model.cfg.rope_scaling, model._rope_len = up.upstream_rope_base, up.upstream_rope_scaling, 0
+    saved, up = model.cfg, obj.spec.inputs
+    model.cfg = dataclasses.replace(saved, rope_base=up.upstream_rope_base, rope_scaling=up.upstream_rope_scaling)
+    model._rope_len = 0
     try:
         out.update(_context_losses(obj, model, ctx, autocast, "_upstream_rope"))
     finally:
-        model.cfg.rope_base, model.cfg.rope_scaling, model._rope_len = *saved, 0
+        model.cfg, model._rope_len = saved, 0
     return out
 
 
@@ -59,8 +63,10 @@ def _context_losses(obj, model, ctx, autocast, suffix: str) -> dict[str, float]:
             sums[2] += float(per[:, :old][valid[:, :old]].sum())
             sums[3] += float(valid[:, :old].sum())
     s = all_reduce_sum(sums, ctx)
-    return {f"evidence/loss_beyond_context{suffix}": s[0] / max(1, s[1]),
-            f"evidence/loss_within_context{suffix}": s[2] / max(1, s[3])}
+    return {
+        f"evidence/loss_beyond_context{suffix}": s[0] / max(1, s[1]),
+        f"evidence/loss_within_context{suffix}": s[2] / max(1, s[3]),
+    }
 
 
 def _val_docs(obj, source: str, limit: int):
@@ -90,14 +96,15 @@ def reasoning(obj, model, ctx, autocast, metrics) -> dict[str, float]:
         ans = tok.encode(answer.rstrip())
         ids = torch.tensor([prefix + ans], device=ctx.device)
         targets = torch.full_like(ids, IGNORE_INDEX)
-        targets[0, len(prefix) - 1 : -1] = ids[0, len(prefix):]
+        targets[0, len(prefix) - 1 : -1] = ids[0, len(prefix) :]
         with autocast():
             sums[0] += float(model(ids, targets, reduction="sum"))
         sums[1] += len(ans)
         if k < obj.cfg.eval.samples:
             question = text.split("\n", 1)[0] + "\n"
-            out = model.generate([tok.bos, *tok.encode(question)], obj.cfg.eval.sample_max_tokens,
-                                 stop_tokens=(tok.bos, tok.eot))
+            out = model.generate(
+                [tok.bos, *tok.encode(question)], obj.cfg.eval.sample_max_tokens, stop_tokens=(tok.bos, tok.eot)
+            )
             m = ANSWER.search(tok.decode([t for t in out if t < tok.bos]))
             sums[2] += float(m is not None and m.group(1) == answer.strip())
             sums[3] += 1
@@ -111,8 +118,9 @@ def caption_image_gap(obj, model, ctx, autocast, metrics) -> dict[str, float]:
     for src in sorted(obj.val_streams):
         rs, rows = obj.val_rows(src)
         # a batch of one cannot give a caption another sample's image
-        for batch in rank_batches(rs, rows, ctx.rank, ctx.world_size, max(2, obj.cfg.batch.micro_batch_size),
-                                  min_rows=2):
+        for batch in rank_batches(
+            rs, rows, ctx.rank, ctx.world_size, max(2, obj.cfg.batch.micro_batch_size), min_rows=2
+        ):
             inputs = obj.image_inputs(batch, ctx.device)
             with autocast():
                 true = model(batch.inputs.to(ctx.device), batch.targets.to(ctx.device), reduction="sum", **inputs)
@@ -123,8 +131,11 @@ def caption_image_gap(obj, model, ctx, autocast, metrics) -> dict[str, float]:
             sums[2] += batch.counts.loss_tokens
     s = all_reduce_sum(sums, ctx)
     t, w = s[0] / max(1, s[2]), s[1] / max(1, s[2])
-    return {"evidence/caption_loss_true_image": t, "evidence/caption_loss_shuffled_image": w,
-            "evidence/caption_image_gap": w - t}
+    return {
+        "evidence/caption_loss_true_image": t,
+        "evidence/caption_loss_shuffled_image": w,
+        "evidence/caption_image_gap": w - t,
+    }
 
 
 def reply_endings(obj, model, ctx, autocast, metrics) -> dict[str, float]:

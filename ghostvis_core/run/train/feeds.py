@@ -24,8 +24,10 @@ class FedLog:
         """Digest the tensors exactly as they go to the model (the CPU batch, before any copy)."""
         inputs, targets = batch.inputs.numpy(), batch.targets.numpy()
         doc_ids = None if batch.doc_ids is None else batch.doc_ids.numpy()
-        rows = [digest.row_digest(inputs[i], targets[i], None if doc_ids is None else doc_ids[i])
-                for i in range(inputs.shape[0])]
+        rows = [
+            digest.row_digest(inputs[i], targets[i], None if doc_ids is None else doc_ids[i])
+            for i in range(inputs.shape[0])
+        ]
         images = [digest.image_hash(im) for im in batch.images]
         s = self.steps.setdefault(step, {"micro_rows": [], "row_digests": [], "image_hashes": [], "micro_digests": []})
         s["micro_rows"].append(list(batch.rows))
@@ -35,5 +37,12 @@ class FedLog:
 
     def records(self, rank: int) -> list[dict[str, Any]]:
         """The ledger's `feeds` rows of this rank: one per step."""
-        return [{"rank": rank, "step": step, "step_digest": digest.step_digest(s["micro_digests"]),
-                 **{k: json.dumps(v) for k, v in s.items()}} for step, s in sorted(self.steps.items())]
+        return [
+            {
+                "rank": rank,
+                "step": step,
+                "step_digest": digest.step_digest(s["micro_digests"]),
+                **{k: json.dumps(v) for k, v in s.items()},
+            }
+            for step, s in sorted(self.steps.items())
+        ]

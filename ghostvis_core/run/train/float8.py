@@ -41,15 +41,20 @@ def require_float8(device: torch.device) -> None:
     torchao. Raised in the trainer on the device it will train on, before any weight is loaded."""
     fix = "set runtime.float8=false (e.g. --set runtime.float8=false) to train in bf16"
     if device.type != "cuda":
-        raise GhostvisError(f"runtime.float8=true needs an NVIDIA GPU with float8 tensor cores (compute capability "
-                            f">= 8.9: H100, H200, L4, L40S, RTX 4090); this rank trains on {device.type}; {fix}")
+        raise GhostvisError(
+            f"runtime.float8=true needs an NVIDIA GPU with float8 tensor cores (compute capability "
+            f">= 8.9: H100, H200, L4, L40S, RTX 4090); this rank trains on {device.type}; {fix}"
+        )
     cap = torch.cuda.get_device_capability(device)
     if cap < MIN_CAPABILITY:
-        raise GhostvisError(f"runtime.float8=true needs compute capability >= 8.9 (H100-class); "
-                            f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}; {fix}")
+        raise GhostvisError(
+            f"runtime.float8=true needs compute capability >= 8.9 (H100-class); "
+            f"{torch.cuda.get_device_name(device)} has {cap[0]}.{cap[1]}; {fix}"
+        )
     if importlib.util.find_spec("torchao") is None:
-        raise GhostvisError("runtime.float8=true needs torchao: install the GPU extra "
-                            f"(.venv/bin/pip install -e '.[gpu]'), or {fix}")
+        raise GhostvisError(
+            f"runtime.float8=true needs torchao: install the GPU extra (.venv/bin/pip install -e '.[gpu]'), or {fix}"
+        )
 
 
 def convert(model: nn.Module) -> list[str]:
@@ -58,6 +63,7 @@ def convert(model: nn.Module) -> list[str]:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     names = float8_layers(model)
-    convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
-                               module_filter_fn=float8_filter)
+    convert_to_float8_training(
+        model, config=Float8LinearConfig.from_recipe_name("tensorwise"), module_filter_fn=float8_filter
+    )
     return names

@@ -25,18 +25,19 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from ghostvis_core.plan.config import GRPOConfig
 from ghostvis_core.counts import ROLLOUT_FIGURES, TokenCounts
 from ghostvis_core.data.loader import Batch, DocIndex, Row, rank_share
 from ghostvis_core.data.stream import Piece, SourceStream
 from ghostvis_core.data.tokenizer import Tokenizer
 from ghostvis_core.plan.batch import IGNORE_INDEX
+from ghostvis_core.plan.config import GRPOConfig
 from ghostvis_core.run.train.dist import DistContext, all_reduce_sum
 
 ANSWER = re.compile(r"Answer:\s*(-?\d+)")
@@ -73,9 +74,11 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards - mean) / (std + ADV_EPS)
 
 
-def grpo_loss_sum(logps: torch.Tensor, ref_logps: torch.Tensor | None, advantages: torch.Tensor,
-                  mask: torch.Tensor, kl_beta: float) -> torch.Tensor:
-    """Summed over generated tokens (mask): -A x exp(logp - sg(logp)) + kl_beta x (exp(ref - logp) - (ref - logp) - 1)."""
+def grpo_loss_sum(
+    logps: torch.Tensor, ref_logps: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor, kl_beta: float
+) -> torch.Tensor:
+    """Summed over generated tokens (mask):
+    -A x exp(logp - sg(logp)) + kl_beta x (exp(ref - logp) - (ref - logp) - 1)."""
     ratio = torch.exp(logps - logps.detach())
     per_token = -advantages[:, None] * ratio
     if ref_logps is not None and kl_beta:
@@ -129,11 +132,17 @@ class GroupRows:
         seq = np.concatenate([pr.prompt, np.asarray(completion, np.int64)])
         inputs = np.full(self.seq_len, self.pad_id, dtype=np.int64)
         targets = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
-        inputs[:len(seq)] = seq
-        targets[len(pr.prompt) - 1:len(seq) - 1] = completion
+        inputs[: len(seq)] = seq
+        targets[len(pr.prompt) - 1 : len(seq) - 1] = completion
         first = j % self.group_size == 0
-        return Row(inputs, targets, [pr.piece] if first else [], real=len(seq), pad=self.seq_len - len(seq),
-                   cropped=pr.cropped if first else 0)
+        return Row(
+            inputs,
+            targets,
+            [pr.piece] if first else [],
+            real=len(seq),
+            pad=self.seq_len - len(seq),
+            cropped=pr.cropped if first else 0,
+        )
 
     def tokens_for_rows(self, n_rows: int) -> int:
         return int(n_rows / self.group_size / len(self.index.docs) * self.index.stream.total)
@@ -158,8 +167,9 @@ def sample(policy, prompt: np.ndarray, cfg: GRPOConfig, stops: tuple[int, ...], 
     device = policy.embed.weight.device
     gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + g)
     with torch.no_grad():
-        return policy.generate(prompt.tolist(), cfg.max_new_tokens, temperature=cfg.temperature,
-                               stop_tokens=stops, generator=gen)
+        return policy.generate(
+            prompt.tolist(), cfg.max_new_tokens, temperature=cfg.temperature, stop_tokens=stops, generator=gen
+        )
 
 
 def rollout_batch(src: GroupRows, rows: list[int], policy, seed: int) -> GRPOBatch:
@@ -177,9 +187,17 @@ def rollout_batch(src: GroupRows, rows: list[int], policy, seed: int) -> GRPOBat
         inputs=torch.from_numpy(np.stack([r.inputs for r in built])),
         targets=torch.from_numpy(np.stack([r.targets for r in built])),
         pieces=[p for r in built for p in r.pieces],
-        counts=TokenCounts(sum(r.real for r in built), sum(r.pad for r in built), sum(r.loss for r in built),
-                           sum(r.cropped for r in built)),
-        rows=list(rows), completions=completions, rewards=rewards, advantages=adv)
+        counts=TokenCounts(
+            sum(r.real for r in built),
+            sum(r.pad for r in built),
+            sum(r.loss for r in built),
+            sum(r.cropped for r in built),
+        ),
+        rows=list(rows),
+        completions=completions,
+        rewards=rewards,
+        advantages=adv,
+    )
 
 
 @dataclass
@@ -200,12 +218,23 @@ class RolloutLog:
         """generated tokens, rewarded tokens (of exact-answer completions), completions, exact-answer ones."""
         s = self.steps.get(step, {"completion_ids": [], "rewards": []})
         ids = s["completion_ids"]
-        return [sum(len(c) for c in ids), sum(len(c) for c, r in zip(ids, s["rewards"]) if is_exact(r)),
-                len(ids), sum(1 for r in s["rewards"] if is_exact(r))]
+        return [
+            sum(len(c) for c in ids),
+            sum(len(c) for c, r in zip(ids, s["rewards"]) if is_exact(r)),
+            len(ids),
+            sum(1 for r in s["rewards"] if is_exact(r)),
+        ]
 
     def records(self, rank: int) -> list[dict[str, Any]]:
-        return [{"rank": rank, "step": step, **dict(zip(ROLLOUT_FIGURES, self.figures(step))),
-                 **{k: json.dumps(v) for k, v in s.items()}} for step, s in sorted(self.steps.items())]
+        return [
+            {
+                "rank": rank,
+                "step": step,
+                **dict(zip(ROLLOUT_FIGURES, self.figures(step))),
+                **{k: json.dumps(v) for k, v in s.items()},
+            }
+            for step, s in sorted(self.steps.items())
+        ]
 
 
 def count_step(log: RolloutLog, step: int, generated: dict[str, int], ctx: DistContext) -> tuple[dict[str, int], float]:
@@ -233,5 +262,9 @@ def held_out_reward(src: GroupRows, policy, n_problems: int, ctx: DistContext) -
         sums = [sums[0] + r, sums[1] + is_exact(r), sums[2] + well_formed(text), sums[3] + 1]
     s = all_reduce_sum(sums, ctx)
     per = max(1.0, s[3])
-    return {"val/reward": s[0] / per, "val/exact_accuracy": s[1] / per, "val/format_rate": s[2] / per,
-            "val/reward_problems": s[3]}
+    return {
+        "val/reward": s[0] / per,
+        "val/exact_accuracy": s[1] / per,
+        "val/format_rate": s[2] / per,
+        "val/reward_problems": s[3],
+    }

@@ -75,8 +75,9 @@ class Muon(torch.optim.Optimizer):
         for g in groups:
             if g.get("use_muon") and any(p.dim() != 2 for p in g["params"]):
                 raise ValueError("Muon groups take 2-D weight matrices only; put vectors and tables in an AdamW group")
-        super().__init__(groups, dict(lr=lr, weight_decay=0.0, momentum=momentum, betas=betas,
-                                      use_muon=False, lr_scale=1.0))
+        super().__init__(
+            groups, dict(lr=lr, weight_decay=0.0, momentum=momentum, betas=betas, use_muon=False, lr_scale=1.0)
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -116,8 +117,8 @@ class Muon(torch.optim.Optimizer):
         t = state["step"].item()
         state["exp_avg"].lerp_(p.grad, 1 - beta1)
         state["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
-        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2 ** t)).add_(ADAM_EPS)
-        return state["exp_avg"] / (1 - beta1 ** t) / denom
+        denom = (state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**t)).add_(ADAM_EPS)
+        return state["exp_avg"] / (1 - beta1**t) / denom
 
 
 def muon_params(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
@@ -136,8 +137,15 @@ def make_muon(model: torch.nn.Module, o: OptimConfig) -> Muon:
     lr the trainer logs); the Muon group's lr_scale makes the schedule (warmup, cosine) move muon_lr
     by the same factor as lr."""
     hidden, rest = muon_params(model)
-    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": o.weight_decay},
-              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
-              {"params": hidden, "lr": o.muon_lr, "weight_decay": o.weight_decay, "use_muon": True,
-               "lr_scale": o.muon_lr / o.lr}]
+    groups = [
+        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": o.weight_decay},
+        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+        {
+            "params": hidden,
+            "lr": o.muon_lr,
+            "weight_decay": o.weight_decay,
+            "use_muon": True,
+            "lr_scale": o.muon_lr / o.lr,
+        },
+    ]
     return Muon([g for g in groups if g["params"]], lr=o.lr, momentum=o.muon_momentum, betas=(o.beta1, o.beta2))

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ghostvis_core.run.train.dist import DistContext
 
+
 class SingleProcess:
     sharded = False
 

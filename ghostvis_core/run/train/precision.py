@@ -7,16 +7,13 @@ from pathlib import Path
 
 import torch
 
-from ghostvis_core.errors import GhostvisError
-
 
 def use_bf16(precision: str, device: torch.device) -> bool:
+    """`runtime.precision` (auto, bf16 or fp32: the resolved config holds no other value) on this device."""
     if precision == "bf16":
         return True
     if precision == "fp32":
         return False
-    if precision != "auto":
-        raise GhostvisError(f"runtime.precision must be auto, bf16 or fp32, got '{precision}'")
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     return cpu_has_bf16_matmul()

@@ -15,9 +15,18 @@ def record_reason(store: Store, stage: str, run_key: str, rank: int, reason: str
     """Rank `rank`'s reason with its host and time (UTC, ISO 8601); a rank's first reason is kept."""
     if store.exists("run_error", stage, run_key, str(rank)):
         return
-    store.write_json("run_error", stage, run_key, str(rank), data={
-        "rank": rank, "host": socket.gethostname(), "time": datetime.now(timezone.utc).isoformat(),
-        "reason": reason})
+    store.write_json(
+        "run_error",
+        stage,
+        run_key,
+        str(rank),
+        data={
+            "rank": rank,
+            "host": socket.gethostname(),
+            "time": datetime.now(timezone.utc).isoformat(),
+            "reason": reason,
+        },
+    )
 
 
 def rank_reasons(store: Store, stage: str, run_key: str) -> list[dict]:

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.counts import TokenCounts
+from ghostvis_core.plan.batch import BatchPlan
 
 
 @dataclass
@@ -78,12 +78,14 @@ class RunResult:
         return {**asdict(self), "batch": self.batch.to_dict()}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "RunResult":
-        return cls(**{
-            **data,
-            "counts": TokenCounts(**data["counts"]),
-            "batch": BatchPlan.of(data["batch"]),
-            "evidence": {k: BeforeAfter(**v) for k, v in data["evidence"].items()},
-            "mixture": {k: MixtureShare(**v) for k, v in data["mixture"].items()},
-            "frozen": FrozenCheck(**data["frozen"]) if data.get("frozen") else None,
-        })
+    def from_dict(cls, data: dict[str, Any]) -> RunResult:
+        return cls(
+            **{
+                **data,
+                "counts": TokenCounts(**data["counts"]),
+                "batch": BatchPlan.of(data["batch"]),
+                "evidence": {k: BeforeAfter(**v) for k, v in data["evidence"].items()},
+                "mixture": {k: MixtureShare(**v) for k, v in data["mixture"].items()},
+                "frozen": FrozenCheck(**data["frozen"]) if data.get("frozen") else None,
+            }
+        )

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.store import Store
 from ghostvis_core.run.train.result import RunResult
+from ghostvis_core.store import Store
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,8 @@ class Upstream:
 
 
 def checkpoint_key(uri: str) -> tuple[str, str, str]:
-    """The store key (stage, run_key, step folder) of the checkpoint at `uri` (.../checkpoints/<stage>/<run_key>/<step>):
+    """The store key (stage, run_key, step folder) of the checkpoint at `uri`
+    (.../checkpoints/<stage>/<run_key>/<step>):
     the key, not the place, names a checkpoint, so a moved store or another node finds it too."""
     stage, run_key, step = uri.rstrip("/").split("/")[-3:]
     return stage, run_key, step

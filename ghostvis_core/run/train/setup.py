@@ -1,52 +1,53 @@
-"""Build a Run: the model (fresh, from the upstream checkpoint, or resumed), the objective, the
-optimizer, the parallel wrapper, the TrainState and the tracker. The order of these steps is part
+"""Build a Trainer: the model (fresh, from the upstream checkpoint, or resumed by its CheckpointManager),
+the objective, the optimizer, the parallel wrapper, the TrainState and the tracker. The order of these steps is part
 of exact resume: the RNG state is restored after everything that draws from it is built."""
 
 from __future__ import annotations
 
 import torch
 
-from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan.batch import BatchPlan
+from ghostvis_core.plan.budget import batch_plan
+from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.run.model.vision import frozen_fingerprint
-from ghostvis_core.store import Store, open_store
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train import float8
-from ghostvis_core.run.train.commit import publish_parts
-from ghostvis_core.run.train.dist import DistContext, agree
+from ghostvis_core.run.train.checkpointing import CheckpointManager
+from ghostvis_core.run.train.clock import Clock
+from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.run.train.efficiency import efficiency
 from ghostvis_core.run.train.muon import make_muon
 from ghostvis_core.run.train.objectives import build_objective
 from ghostvis_core.run.train.parallel import wrap
 from ghostvis_core.run.train.precision import use_bf16, use_compile
-from ghostvis_core.run.train.run import Clock, Run, run_batch_plan
 from ghostvis_core.run.train.runs import checkpoint_of
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.run.train.state import TrainState
 from ghostvis_core.run.train.tracking import Tracker
+from ghostvis_core.run.train.trainer import Trainer
+from ghostvis_core.store import Store, open_store
 
 
-def setup(spec: LaunchSpec, ctx: DistContext) -> Run:
+def setup(spec: LaunchSpec, ctx: DistContext) -> Trainer:
     clock = Clock()
-    cfg = StageConfig.from_dict(spec.config)
+    cfg = spec.config
     plan = run_batch_plan(cfg, ctx)
     store = open_store(spec.store)
     localize_shards(spec, store)
     torch.manual_seed(cfg.data.seed)
     model = build_model(cfg, ctx)
-    resume = newest_checkpoint(store, spec)
-    run_dir = store.writable("checkpoints", spec.stage, spec.run_key)
-    agree(resume.step if resume else None, ctx, f"the checkpoint step to resume from in {run_dir}")
-    if resume is not None:
-        ckpt.load_model(resume.path, model)
-        state = TrainState.from_dict(ckpt.read_state(resume.path))
-        publish_parts(store, run_dir)
-    else:
-        state = TrainState(spec.run_key, plan.tokens_per_step, plan.world_size, segment=-1)
-        if spec.init_checkpoint:  # the stage that introduces the vision stack starts it fresh
-            ckpt.load_model(checkpoint_of(store, spec.init_checkpoint), model,
-                            allow_missing=("vision.",) if spec.inputs.new_vision else ())
+    checkpoints = CheckpointManager(
+        store,
+        spec,
+        ctx,
+        keep_last=cfg.checkpoint.keep_last,
+        async_save=cfg.checkpoint.async_save,
+        sharded=cfg.parallel.strategy == "fsdp",
+    )
+    resume = checkpoints.newest()
+    state = _starting_state(spec, plan, checkpoints, resume, model)
     objective = build_objective(spec, cfg)
     objective.prepare_model(model)
     frozen_before = frozen_fingerprint(model) if any(not p.requires_grad for p in model.parameters()) else None
@@ -54,17 +55,61 @@ def setup(spec: LaunchSpec, ctx: DistContext) -> Run:
     parallel = wrap(model, ctx, cfg.parallel.strategy, bf16)  # before the optimizer: FSDP replaces the params
     optimizer = make_optimizer(parallel.model, cfg, ctx.device)
     if resume is not None:
-        ckpt.load_optimizer(resume.path, parallel.model, optimizer)
+        checkpoints.load_optimizer(resume, parallel.model, optimizer)
         state.restore_rng()
     _check_resumable(spec, state, plan.tokens_per_step)
     state.segment += 1
     state.world_size = plan.world_size
-    tracker = Tracker(spec, ctx, {**cfg.to_dict(), "plan": spec.plan, "run_key": spec.run_key},
-                      run_id=state.mlflow_run_id, segment=state.segment)
-    return Run(spec=spec, cfg=cfg, ctx=ctx, plan=plan, total_steps=int(spec.plan["steps"]), store=store,
-               parallel=parallel, optimizer=optimizer, objective=objective, bf16=bf16, tracker=tracker, state=state, clock=clock,
-               resumed=resume is not None, frozen_before=frozen_before,
-               efficiency=efficiency(cfg, ctx.device, bf16, plan.world_size))
+    tracker = Tracker(
+        spec,
+        ctx,
+        {**cfg.to_dict(), "plan": spec.plan.to_dict(), "run_key": spec.run_key},
+        run_id=state.mlflow_run_id,
+        segment=state.segment,
+    )
+    return Trainer(
+        spec=spec,
+        cfg=cfg,
+        ctx=ctx,
+        plan=plan,
+        store=store,
+        parallel=parallel,
+        optimizer=optimizer,
+        objective=objective,
+        bf16=bf16,
+        tracker=tracker,
+        checkpoints=checkpoints,
+        state=state,
+        clock=clock,
+        resumed=resume is not None,
+        frozen_before=frozen_before,
+        efficiency=efficiency(cfg, ctx.device, bf16, plan.world_size),
+    )
+
+
+def _starting_state(spec: LaunchSpec, plan: BatchPlan, checkpoints: CheckpointManager, resume, model) -> TrainState:
+    """The resumed checkpoint's state (its weights loaded), or a fresh state with the weights of the stage's
+    initial checkpoint (the upstream's, or an HF import's) when it has one."""
+    if resume is not None:
+        return checkpoints.load_model(resume, model)
+    state = TrainState(spec.run_key, plan.tokens_per_step, plan.world_size, segment=-1)
+    if spec.init_checkpoint:  # the stage that introduces the vision stack starts it fresh
+        ckpt.load_model(
+            checkpoint_of(checkpoints.store, spec.init_checkpoint),
+            model,
+            allow_missing=("vision.",) if spec.inputs.new_vision else (),
+        )
+    return state
+
+
+def run_batch_plan(cfg: StageConfig, ctx: DistContext) -> BatchPlan:
+    """The batch plan for the ranks actually started (a world size the config did not plan is refused)."""
+    if cfg.batch.total_batch_tokens is None and cfg.batch.world_size != ctx.world_size:
+        raise GhostvisError(
+            f"config batch.world_size={cfg.batch.world_size} but {ctx.world_size} ranks were started; "
+            f"set batch.world_size={ctx.world_size} (or set batch.total_batch_tokens to derive grad_accum)"
+        )
+    return batch_plan(cfg.batch, ctx.world_size)
 
 
 def localize_shards(spec: LaunchSpec, store: Store) -> None:
@@ -72,14 +117,6 @@ def localize_shards(spec: LaunchSpec, store: Store) -> None:
     for refs in (*spec.train_shards.values(), *spec.val_shards.values()):
         for ref in refs:
             ref["path"] = str(store.fetch("token_shard", spec.tokenizer_id, ref["shard_id"]))
-
-
-def newest_checkpoint(store: Store, spec: LaunchSpec) -> ckpt.CheckpointRef | None:
-    """The run's newest committed checkpoint in the store (fetched to this node), or None."""
-    steps = sorted(k[2] for k in store.keys("checkpoint_marker", spec.stage, spec.run_key) if ckpt.is_step_dir(k[2]))
-    if steps:
-        store.fetch("checkpoint", spec.stage, spec.run_key, steps[-1])
-    return ckpt.latest_complete(store.writable("checkpoints", spec.stage, spec.run_key))
 
 
 def build_model(cfg: StageConfig, ctx: DistContext) -> GPT:
@@ -106,8 +143,9 @@ def make_optimizer(model: torch.nn.Module, cfg: StageConfig, device) -> torch.op
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2),
-                             fused=device.type == "cuda")
+    return torch.optim.AdamW(
+        groups, lr=cfg.optim.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), fused=device.type == "cuda"
+    )
 
 
 def _check_resumable(spec: LaunchSpec, state: TrainState, tokens_per_step: int) -> None:

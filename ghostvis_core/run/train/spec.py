@@ -1,8 +1,9 @@
 """LaunchSpec: everything one stage run needs, resolved before torchrun starts.
 
 The spec is a JSON artifact in the store (kind run_spec); every rank reads it and nothing else (it
-does not query the ledger or know who started it). `StageInputs` holds what the launcher worked out
-for this stage from its lineage; the trainer, the objectives and the evidence read typed fields.
+does not query the ledger or know who started it). It carries the resolved config and the plan typed
+(`from_dict(to_dict(spec)) == spec`); `StageInputs` holds what the launcher worked out for this stage from its
+lineage; the trainer, the objectives and the evidence read typed fields.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from ghostvis_core.plan.budget import Plan
+from ghostvis_core.plan.config import StageConfig
 
 
 @dataclass
@@ -37,7 +41,7 @@ class StageInputs:
     source_budget: dict[str, SourceBudget] = field(default_factory=dict)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "StageInputs":
+    def from_dict(cls, data: dict[str, Any]) -> StageInputs:
         budget = {s: SourceBudget(**b) for s, b in data.get("source_budget", {}).items()}
         return cls(**{**data, "source_budget": budget})
 
@@ -46,8 +50,8 @@ class StageInputs:
 class LaunchSpec:
     stage: str
     run_key: str
-    config: dict[str, Any]  # the resolved StageConfig
-    plan: dict[str, Any]  # budget.Plan
+    config: StageConfig  # the resolved config (presets.resolve)
+    plan: Plan
     store: str  # the artifact store's URI (ghostvis_core.store.open_store)
     tokenizer_id: str
     train_shards: dict[str, list[dict[str, Any]]]  # source -> ShardRef dicts
@@ -63,6 +67,17 @@ class LaunchSpec:
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON shape the store holds (kind run_spec)."""
+        return json.loads(self.to_json())
+
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "LaunchSpec":
-        return cls(**{**data, "inputs": StageInputs.from_dict(data.get("inputs", {}))})
+    def from_dict(cls, data: dict[str, Any]) -> LaunchSpec:
+        return cls(
+            **{
+                **data,
+                "config": StageConfig.from_dict(data["config"]),
+                "plan": Plan.from_dict(data["plan"]),
+                "inputs": StageInputs.from_dict(data.get("inputs", {})),
+            }
+        )

@@ -1,8 +1,9 @@
 """TrainState: where a run is, saved with every checkpoint as one file (train_state.json).
 
 Step, loader position (global rows consumed), token counts along the run's chain, the head of the
-ledger-part chain, the MLflow run, the evaluation history and the RNG states: everything a resume
-needs besides the weights and the optimizer.
+ledger-part chain, the MLflow run, the evaluations at step 0 and at the newest checkpoint and the RNG
+states: everything a resume needs besides the weights and the optimizer. The file keeps the loader's
+`rows` and a `history` object of the two evaluations at its top level.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 import torch
 
 from ghostvis_core.counts import TokenCounts
+from ghostvis_core.data.loader import LoaderPosition
 
 STATE_FILE = "train_state.json"
 
@@ -24,21 +26,34 @@ class TrainState:
     tokens_per_step: int
     world_size: int
     step: int = 0
-    rows: int = 0  # the loader position: global rows consumed (independent of world size)
+    loader: LoaderPosition = field(default_factory=LoaderPosition)
     segment: int = 0  # launches of this run: 0 for the first, +1 per resume
     head_part_id: str | None = None  # the newest ledger part of this run's chain
     counts: TokenCounts = field(default_factory=TokenCounts)
     mlflow_run_id: str | None = None
-    history: dict[str, dict[str, float]] = field(default_factory=dict)  # val_start, val_last
+    val_start: dict[str, float] = field(default_factory=dict)  # the evaluation at step 0
+    val_last: dict[str, float] = field(default_factory=dict)  # the evaluation last logged before the newest checkpoint
     generated: dict[str, int] = field(default_factory=dict)  # rl: running ROLLOUT_FIGURES along the chain
     rng: dict[str, str] = field(default_factory=dict)  # device -> base64 of torch's RNG state
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        history = {"val_start": data.pop("val_start"), "val_last": data.pop("val_last")}
+        del data["loader"]
+        return {**data, **self.loader.state_dict(), "history": history}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "TrainState":
-        return cls(**{**data, "counts": TokenCounts(**data["counts"])})
+    def from_dict(cls, data: dict[str, Any]) -> TrainState:
+        fields = {k: v for k, v in data.items() if k not in ("rows", "history", "counts")}
+        history = data["history"]
+        state = cls(
+            **fields,
+            counts=TokenCounts(**data["counts"]),
+            val_start=history.get("val_start", {}),
+            val_last=history.get("val_last", {}),
+        )
+        state.loader.load_state_dict(data)
+        return state
 
     def capture_rng(self) -> None:
         self.rng = {"cpu": _b64(torch.get_rng_state())}

@@ -7,22 +7,26 @@ from __future__ import annotations
 from typing import Any
 
 from ghostvis_core.run.track.mlflow_run import MlflowRun, MlflowTarget
-from ghostvis_core.run.track.shard_input import ShardInput
 from ghostvis_core.run.track.pipes import PipesReporter
+from ghostvis_core.run.track.shard_input import ShardInput
 from ghostvis_core.run.train.dist import DistContext, print0
 from ghostvis_core.run.train.spec import LaunchSpec
 
 
 class Tracker:
-    def __init__(self, spec: LaunchSpec, ctx: DistContext, params: dict[str, Any], *, run_id: str | None,
-                 segment: int):
+    def __init__(self, spec: LaunchSpec, ctx: DistContext, params: dict[str, Any], *, run_id: str | None, segment: int):
         self.ctx = ctx
         self.mlflow = self.pipes = None
         if ctx.is_main:
             self.mlflow = MlflowRun(
-                MlflowTarget(spec.mlflow_tracking_uri, spec.mlflow_experiment, spec.mlflow_artifact_location,
-                             run_name=spec.run_key, run_id=run_id,
-                             tags={**spec.tags, "ghostvis.segment": str(segment)}),
+                MlflowTarget(
+                    spec.mlflow_tracking_uri,
+                    spec.mlflow_experiment,
+                    spec.mlflow_artifact_location,
+                    run_name=spec.run_key,
+                    run_id=run_id,
+                    tags={**spec.tags, "ghostvis.segment": str(segment)},
+                ),
                 params=params,
             )
             self.pipes = PipesReporter(True)

@@ -6,16 +6,16 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
+from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.run.model.gpt import GPT
-from ghostvis_core.store import Store
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.runs import completed_runs, newest_completed_run
 from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.store import Store
 
 
 @dataclass
@@ -40,21 +40,29 @@ def stage_config(store: Store, result: RunResult) -> StageConfig:
     """The resolved config the trainer saved with the run's final checkpoint."""
     path = checkpoint_dir(store, result) / "config.json"
     if not path.is_file():
-        raise GhostvisError(f"stage {result.stage} run {result.run_key}: checkpoint config {path} is missing; "
-                            f"re-materialize the `{result.stage}` asset")
+        raise GhostvisError(
+            f"stage {result.stage} run {result.run_key}: checkpoint config {path} is missing; "
+            f"re-materialize the `{result.stage}` asset"
+        )
     return StageConfig.from_dict(json.loads(path.read_text()))
 
 
 def load_stage(home: Home, stage: str, run_key: str | None = None) -> TrainedStage:
-    """The newest completed run of `stage` (or the named run), ready for inference on the CPU."""
-    store = home.store
+    """The newest completed run of `stage` (or the named run) in the home's store, ready for inference on the CPU."""
+    return load_from_store(home.store, stage, run_key)
+
+
+def load_from_store(store: Store, stage: str, run_key: str | None = None) -> TrainedStage:
+    """load_stage for a process that knows the store and not the home (a training job: its spec's store)."""
     if run_key:
         result = next((r for r in completed_runs(store, stage) if r.run_key == run_key), None)
     else:
         result = newest_completed_run(store, stage)
     if result is None:
-        raise GhostvisError(f"stage {stage} has no completed run{' ' + run_key if run_key else ''}; "
-                            f"materialize the `{stage}` asset first (or run `ghostvis demo`)")
+        raise GhostvisError(
+            f"stage {stage} has no completed run{' ' + run_key if run_key else ''}; "
+            f"materialize the `{stage}` asset first (or run `ghostvis demo`)"
+        )
     path = checkpoint_dir(store, result)
     cfg = stage_config(store, result)
     spec = LaunchSpec.from_dict(store.read_json("run_spec", stage, result.run_key))

@@ -20,18 +20,24 @@ import json
 import random
 from bisect import bisect_right
 from collections import defaultdict
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
-from ghostvis_core.verify.audit.outcome import CheckOutcome, union
-from ghostvis_core.plan.config import ContaminationConfig
+from ghostvis_core.data.eval_texts import (
+    BENCHMARK_PER_TASK,
+    BENCHMARK_SEED,
+    LM_EVAL_TASKS_DIR,
+    PROMPTS,
+    item_text,
+    template_choices,
+)
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ngrams import fingerprints
-from ghostvis_core.data.eval_texts import (
-    BENCHMARK_PER_TASK, BENCHMARK_SEED, LM_EVAL_TASKS_DIR, PROMPTS, item_text, template_choices,
-)
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan.config import ContaminationConfig
+from ghostvis_core.verify.audit.outcome import CheckOutcome, union
 
 NAMED = 20  # contaminated pairs named one by one in a check's failures and tables
 
@@ -61,8 +67,16 @@ class Match:
         return self.shared / max(1, min(self.doc_fps, self.item_fps))
 
     def row_of(self) -> list[Any]:
-        return [self.shard_id, self.row, self.eval_set, self.item, self.shared, self.doc_fps, self.item_fps,
-                round(self.overlap, 3)]
+        return [
+            self.shard_id,
+            self.row,
+            self.eval_set,
+            self.item,
+            self.shared,
+            self.doc_fps,
+            self.item_fps,
+            round(self.overlap, 3),
+        ]
 
 
 MATCH_HEADER = ["shard", "row", "eval set", "item", "shared", "doc fingerprints", "item fingerprints", "overlap"]
@@ -75,8 +89,10 @@ def jsonl_items(path: Path, eval_set: str) -> Iterator[EvalItem]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise GhostvisError(f"evaluation set {path}, line {n}: not JSON ({exc}); fix the file or remove it "
-                                "from contamination.eval_sets") from None
+            raise GhostvisError(
+                f"evaluation set {path}, line {n}: not JSON ({exc}); fix the file or remove it "
+                "from contamination.eval_sets"
+            ) from None
         text = item_text(record) if isinstance(record, dict) else str(record)
         yield EvalItem(eval_set, f"line {n}", frozenset(fingerprints(text)))
 
@@ -86,8 +102,10 @@ def file_sets(paths: list[str], prefix: str) -> Iterator[EvalItem]:
     for entry in paths:
         root = Path(entry).expanduser()
         if not root.exists():
-            raise GhostvisError(f"evaluation set {entry} does not exist; fix contamination.eval_sets "
-                                "(JSON Lines files or folders of them)")
+            raise GhostvisError(
+                f"evaluation set {entry} does not exist; fix contamination.eval_sets "
+                "(JSON Lines files or folders of them)"
+            )
         files = sorted(root.rglob("*.jsonl")) if root.is_dir() else [root]
         for f in files:
             yield from jsonl_items(f, f"{prefix}:{f.relative_to(root) if root.is_dir() else f.name}")
@@ -127,8 +145,10 @@ def matches(docs: dict[tuple[str, int], set[int]], items: list[EvalItem]) -> lis
         for h in fps:
             for i in index.get(h, ()):
                 shared[i] += 1
-        out += [Match(shard_id, row, items[i].eval_set, items[i].item, n, len(fps), len(items[i].fps))
-                for i, n in shared.items()]
+        out += [
+            Match(shard_id, row, items[i].eval_set, items[i].item, n, len(fps), len(items[i].fps))
+            for i, n in shared.items()
+        ]
     return sorted(out, key=lambda m: (-m.overlap, -m.shared, m.shard_id, m.row, m.eval_set, m.item))
 
 
@@ -143,8 +163,9 @@ def set_table(items: list[EvalItem]) -> list[list[Any]]:
     return [[name, *by[name]] for name in sorted(by)]
 
 
-def consumed_documents(ledger: Ledger, spec: Any, consumption: list[dict[str, Any]]
-                       ) -> tuple[dict[tuple[str, int], set[int]], list[str]]:
+def consumed_documents(
+    ledger: Ledger, spec: Any, consumption: list[dict[str, Any]]
+) -> tuple[dict[tuple[str, int], set[int]], list[str]]:
     """(shard_id, raw row) -> fingerprints of every document the consumption rows touch, and the
     consumed shards with no n-gram record (tokenized before the gate existed)."""
     content = {r["shard_id"]: r["content_sha256"] for r in ledger.shards(tokenizer_id=spec.tokenizer_id)}
@@ -169,7 +190,7 @@ def consumed_documents(ledger: Ledger, spec: Any, consumption: list[dict[str, An
 
 def gate_config(spec: Any) -> ContaminationConfig:
     """The run's declared gate (its launch spec's config; a spec saved before the gate gets the defaults)."""
-    return ContaminationConfig(**spec.config.get("contamination", {}))
+    return spec.config.contamination
 
 
 def no_eval_contamination(ledger: Ledger, spec: Any, consumption: list[dict[str, Any]]) -> CheckOutcome:
@@ -180,32 +201,48 @@ def no_eval_contamination(ledger: Ledger, spec: Any, consumption: list[dict[str,
     items = known_items(ledger, cfg.eval_sets)
     found = matches(docs, items)
     bad = [m for m in found if m.overlap > cfg.max_overlap]
-    failures = [f"training shard {m.shard_id} row {m.row} shares {m.shared} 13-gram fingerprints with {m.eval_set} "
-                f"{m.item} (document {m.doc_fps}, item {m.item_fps}): overlap {m.overlap:.2f} > contamination."
-                f"max_overlap {cfg.max_overlap}" for m in bad[:NAMED]]
+    failures = [
+        f"training shard {m.shard_id} row {m.row} shares {m.shared} 13-gram fingerprints with {m.eval_set} "
+        f"{m.item} (document {m.doc_fps}, item {m.item_fps}): overlap {m.overlap:.2f} > contamination."
+        f"max_overlap {cfg.max_overlap}"
+        for m in bad[:NAMED]
+    ]
     if len(bad) > NAMED:
         failures.append(f"... and {len(bad) - NAMED} more contaminated pairs")
-    failures += [f"training shard {s} was consumed but has no n-gram record in the ledger (tokenized before the "
-                 f"decontamination gate); re-materialize tokenized_shards partition {s}" for s in missing]
+    failures += [
+        f"training shard {s} was consumed but has no n-gram record in the ledger (tokenized before the "
+        f"decontamination gate); re-materialize tokenized_shards partition {s}"
+        for s in missing
+    ]
     figures = {
-        "consumed_documents_fingerprinted": len(docs), "consumed_fingerprints": sum(len(f) for f in docs.values()),
-        "eval_items": len(items), "eval_items_checkable": sum(1 for it in items if it.fps),
+        "consumed_documents_fingerprinted": len(docs),
+        "consumed_fingerprints": sum(len(f) for f in docs.values()),
+        "eval_items": len(items),
+        "eval_items_checkable": sum(1 for it in items if it.fps),
         "eval_fingerprints": sum(len(it.fps) for it in items),
         "documents_sharing_ngrams": len({(m.shard_id, m.row) for m in found}),
         "contaminated_documents": len({(m.shard_id, m.row) for m in bad}),
         "contaminated_eval_items": len({(m.eval_set, m.item) for m in bad}),
-        "max_overlap_found": round(found[0].overlap, 3) if found else 0.0, "max_overlap": cfg.max_overlap,
+        "max_overlap_found": round(found[0].overlap, 3) if found else 0.0,
+        "max_overlap": cfg.max_overlap,
         "shards_without_ngrams": len(missing),
     }
-    tables = {"shared_ngrams": (MATCH_HEADER + ["verdict"],
-                                [[*m.row_of(), "contaminated" if m.overlap > cfg.max_overlap else "below threshold"]
-                                 for m in found[:NAMED]]),
-              "eval_sets": (["eval set", "items", "checkable", "fingerprints"], set_table(items))}
+    tables = {
+        "shared_ngrams": (
+            MATCH_HEADER + ["verdict"],
+            [
+                [*m.row_of(), "contaminated" if m.overlap > cfg.max_overlap else "below threshold"]
+                for m in found[:NAMED]
+            ],
+        ),
+        "eval_sets": (["eval set", "items", "checkable", "fingerprints"], set_table(items)),
+    }
     return CheckOutcome("no_eval_contamination", not failures, figures, tables, failures)
 
 
-def shard_contamination(ledger: Ledger, shards: list[dict[str, Any]], eval_sets: Sequence[str] = (),
-                        max_overlap: float | None = None) -> dict[str, dict[str, int]]:
+def shard_contamination(
+    ledger: Ledger, shards: list[dict[str, Any]], eval_sets: Sequence[str] = (), max_overlap: float | None = None
+) -> dict[str, dict[str, int]]:
     """Per train shard of `shards` (ledger records): fingerprints shared with evaluation data, documents
     sharing any, and documents over the default threshold (`ghostvis ledger`)."""
     limit = ContaminationConfig().max_overlap if max_overlap is None else max_overlap

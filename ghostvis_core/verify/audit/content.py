@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 
 from ghostvis_core import digest
+from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.plan.batch import BatchPlan
+from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.outcome import CheckOutcome
 from ghostvis_core.verify.audit.rebuild import PlannedRows, micro_rows
-from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.store import Store
 
 SEARCH_STEPS = 2  # a fed row that is not its planned row is looked for this many steps either side
 
@@ -50,7 +50,7 @@ class StepAuditor:
         if len(feed["micro_rows"]) != self.accum:
             out.append([*where, "-", "-", f"{len(feed['micro_rows'])} micro-batches fed, the plan has {self.accum}"])
         first = (step - 1) * self.per_step
-        for m, fed_rows in enumerate(feed["micro_rows"][:self.accum]):
+        for m, fed_rows in enumerate(feed["micro_rows"][: self.accum]):
             want = micro_rows(first, m, rank, self.mbs, self.world)
             if fed_rows != want:
                 out.append([*where, m, "-", f"recorded rows {_span(fed_rows)}, the plan's rows are {_span(want)}"])
@@ -58,10 +58,14 @@ class StepAuditor:
             images = [digest.image_hash(im) for g in want for im in self.rows.row(g).images]
             expected = digest.micro_digest([self.digest_of(g) for g in want], images)
             if expected != feed["micro_digests"][m]:
-                out.append([*where, m, *self.explain(want, feed["row_digests"][m], feed["image_hashes"][m], images, step)])
+                out.append(
+                    [*where, m, *self.explain(want, feed["row_digests"][m], feed["image_hashes"][m], images, step)]
+                )
         return out
 
-    def explain(self, want: list[int], fed: list[str], fed_images: list[str], images: list[str], step: int) -> list[Any]:
+    def explain(
+        self, want: list[int], fed: list[str], fed_images: list[str], images: list[str], step: int
+    ) -> list[Any]:
         """The first differing row of a micro-batch, and what the model received instead."""
         for g, got in zip(want, fed):
             if got == self.digest_of(g):
@@ -69,7 +73,10 @@ class StepAuditor:
             other = self.find(got, step)
             if other is None:
                 return [g, f"row {g} as fed matches no row of the plan within {SEARCH_STEPS} steps of step {step}"]
-            return [g, f"row {g} was recorded but row {other} was fed in its place ({first_difference(self.rows, g, other)})"]
+            return [
+                g,
+                f"row {g} was recorded but row {other} was fed in its place ({first_difference(self.rows, g, other)})",
+            ]
         if len(fed) != len(want):
             return ["-", f"{len(fed)} rows fed, the plan's micro-batch has {len(want)}"]
         return ["-", f"images fed {fed_images} differ from the rows' images {images}"]
@@ -95,8 +102,9 @@ def _span(rows: list[int]) -> str:
     return f"{rows[0]}..{rows[-1] + 1}" if rows == list(range(rows[0], rows[0] + len(rows))) else str(rows)
 
 
-def fed_content_matches_files(store: Store, ledger: Ledger, spec: dict[str, Any],
-                              chain: list[dict[str, Any]]) -> CheckOutcome:
+def fed_content_matches_files(
+    store: Store, ledger: Ledger, spec: dict[str, Any], chain: list[dict[str, Any]]
+) -> CheckOutcome:
     """Every rank's every step along the run's chain: a feed record exists, its rows are the plan's, and
     its digests equal those of the rows rebuilt from the token files."""
     auditor = StepAuditor(PlannedRows(store, spec), spec["plan"], spec["stage"])
@@ -114,9 +122,17 @@ def fed_content_matches_files(store: Store, ledger: Ledger, spec: dict[str, Any]
                 checked += 1
                 fed += sum(len(rows) for rows in feed["micro_rows"])
     stage = spec["stage"]
-    return CheckOutcome("fed_content_matches_files", not problems and bool(chain), figures={
-        "steps_checked": len({s for s, _ in feeds}), "rank_steps_checked": checked,
-        "rows_rebuilt": len(auditor._digests), "rows_fed": fed, "problems": len(problems)},
+    return CheckOutcome(
+        "fed_content_matches_files",
+        not problems and bool(chain),
+        figures={
+            "steps_checked": len({s for s, _ in feeds}),
+            "rank_steps_checked": checked,
+            "rows_rebuilt": len(auditor._digests),
+            "rows_fed": fed,
+            "problems": len(problems),
+        },
         tables={"problems": (["step", "rank", "micro-batch", "row", "problem"], problems[:200])},
         failures=[f"{stage} step {s} rank {r} micro-batch {m}: {p}" for s, r, m, _, p in problems[:50]]
-        or ([] if chain else ["the run has no part in the ledger"]))
+        or ([] if chain else ["the run has no part in the ledger"]),
+    )

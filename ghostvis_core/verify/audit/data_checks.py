@@ -8,28 +8,36 @@ whose shards it checks, and returns a CheckOutcome.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.store import Store
 from ghostvis_core.verify.audit import invariants as inv
 from ghostvis_core.verify.audit.outcome import CheckOutcome
 from ghostvis_core.verify.audit.removed import removed_tokens_reconcile
-from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.store import Store
 
 DataCheck = tuple[str, str, Callable[[Store, Ledger, str], CheckOutcome]]
 
 DATA_CHECKS: list[DataCheck] = [
-    ("ledger_matches_token_files",
-     "Ledger docs/tokens equal a recount of the token files.",
-     inv.ledger_matches_token_files),
-    ("all_manifest_shards_tokenized",
-     "Every shard in the manifests is tokenized with the current tokenizer.",
-     inv.all_manifest_shards_tokenized),
-    ("no_duplicate_content",
-     "No two shards with the same content, and no document in both train and validation.",
-     lambda store, ledger, tokenizer_id: inv.no_duplicate_content(ledger, tokenizer_id)),
-    ("removed_tokens_reconcile",
-     "Per text shard and in total: tokens before (every raw document tokenized again) = tokens kept (the token "
-     "file) + tokens removed (the ledger's drops, equal to a recount).",
-     removed_tokens_reconcile),
+    (
+        "ledger_matches_token_files",
+        "Ledger docs/tokens equal a recount of the token files.",
+        inv.ledger_matches_token_files,
+    ),
+    (
+        "all_manifest_shards_tokenized",
+        "Every shard in the manifests is tokenized with the current tokenizer.",
+        inv.all_manifest_shards_tokenized,
+    ),
+    (
+        "no_duplicate_content",
+        "No two shards with the same content, and no document in both train and validation.",
+        lambda store, ledger, tokenizer_id: inv.no_duplicate_content(ledger, tokenizer_id),
+    ),
+    (
+        "removed_tokens_reconcile",
+        "Per text shard and in total: tokens before (every raw document tokenized again) = tokens kept (the token "
+        "file) + tokens removed (the ledger's drops, equal to a recount).",
+        removed_tokens_reconcile,
+    ),
 ]

@@ -10,27 +10,26 @@ gives that rank for those steps. The rows come from rebuild.py, the audit's own 
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Any
 
-from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import row_ranges
-from ghostvis_core.store import Store
+from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.outcome import covered_twice, length, subtract, union
 from ghostvis_core.verify.audit.rebuild import PlannedRows, Span, micro_rows
 
 
 def rows_per_step(spec: LaunchSpec) -> int:
-    return BatchPlan.of(spec.plan).rows_per_step
+    return spec.plan.batch.rows_per_step
 
 
 def expected_pieces(store: Store, spec: LaunchSpec) -> list[Span]:
     """The shard spans the plan's rows read (windows: one stream range per source; documents: the rows
     the stage's rule packs), rebuilt from the token files by the audit's own row rule."""
-    n_rows = int(spec.plan["steps"]) * rows_per_step(spec)
-    return PlannedRows(store, asdict(spec)).spans_before(n_rows)
+    n_rows = spec.plan.steps * rows_per_step(spec)
+    return PlannedRows(store, spec.to_dict()).spans_before(n_rows)
 
 
 def compare_ranges(expected: list[Span], recorded: list[dict[str, Any]]) -> list[list[Any]]:
@@ -45,8 +44,7 @@ def compare_ranges(expected: list[Span], recorded: list[dict[str, Any]]) -> list
     out = []
     for key in sorted(set(want) | set(got)):
         w, g = want.get(key, []), got.get(key, [])
-        for kind, ranges in (("gap", subtract(w, g)), ("read twice", covered_twice(g)),
-                             ("unexpected", subtract(g, w))):
+        for kind, ranges in (("gap", subtract(w, g)), ("read twice", covered_twice(g)), ("unexpected", subtract(g, w))):
             out += [[kind, key[0], key[1], f"{a}..{b}", b - a] for a, b in ranges]
     return out
 
@@ -63,24 +61,33 @@ def part_row_problems(chain: list[dict[str, Any]], spec: LaunchSpec) -> list[str
     out, step, row, per_step = [], 1, 0, rows_per_step(spec)
     for p in chain:
         if (p["step_first"], p["rows_first"]) != (step, row):
-            out.append(f"part {p['part_id']} starts at step {p['step_first']}, row {p['rows_first']}; "
-                       f"the previous part ended before step {step}, row {row}")
+            out.append(
+                f"part {p['part_id']} starts at step {p['step_first']}, row {p['rows_first']}; "
+                f"the previous part ended before step {step}, row {row}"
+            )
         if p["rows_last"] - p["rows_first"] != (p["step_last"] - p["step_first"] + 1) * per_step:
-            out.append(f"part {p['part_id']}: rows {p['rows_first']}..{p['rows_last']} for steps "
-                       f"{p['step_first']}..{p['step_last']} ({per_step} rows per step)")
+            out.append(
+                f"part {p['part_id']}: rows {p['rows_first']}..{p['rows_last']} for steps "
+                f"{p['step_first']}..{p['step_last']} ({per_step} rows per step)"
+            )
         step, row = p["step_last"] + 1, p["rows_last"]
-    steps = int(spec.plan["steps"])
+    steps = spec.plan.steps
     if (step - 1, row) != (steps, steps * per_step):
-        out.append(f"the chain ends after step {step - 1}, row {row}; the plan is {steps} steps, "
-                   f"{steps * per_step} rows")
+        out.append(
+            f"the chain ends after step {step - 1}, row {row}; the plan is {steps} steps, {steps * per_step} rows"
+        )
     return out
 
 
 def rank_rows(part: dict[str, Any], rank: int, per_step: int) -> list[list[int]]:
     """The global rows rank `rank` reads in the part's steps, as [start, end) ranges."""
     batch = BatchPlan.of(part)
-    rows = [g for s in range(part["step_first"], part["step_last"] + 1) for m in range(batch.grad_accum_steps)
-            for g in micro_rows((s - 1) * per_step, m, rank, batch.micro_batch_size, batch.world_size)]
+    rows = [
+        g
+        for s in range(part["step_first"], part["step_last"] + 1)
+        for m in range(batch.grad_accum_steps)
+        for g in micro_rows((s - 1) * per_step, m, rank, batch.micro_batch_size, batch.world_size)
+    ]
     return row_ranges(rows)
 
 
@@ -98,8 +105,15 @@ def share_problems(part: dict[str, Any], shares: list[dict[str, Any]], per_step:
             out.append([part["part_id"], rank, _fmt(want), _fmt(got["row_ranges"]), "other rows"])
     total = TokenCounts.total(TokenCounts.from_mapping(s) for s in shares)
     if shares and total != TokenCounts.from_mapping(part):
-        out.append([part["part_id"], "all", str(TokenCounts.from_mapping(part).as_list()), str(total.as_list()),
-                    "shares do not sum to the part's figures"])
+        out.append(
+            [
+                part["part_id"],
+                "all",
+                str(TokenCounts.from_mapping(part).as_list()),
+                str(total.as_list()),
+                "shares do not sum to the part's figures",
+            ]
+        )
     return out
 
 

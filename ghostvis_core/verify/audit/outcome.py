@@ -19,8 +19,13 @@ class CheckOutcome:
     failures: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "passed": self.passed, "figures": self.figures, "failures": self.failures,
-                "tables": {k: {"header": h, "rows": r} for k, (h, r) in self.tables.items()}}
+        return {
+            "name": self.name,
+            "passed": self.passed,
+            "figures": self.figures,
+            "failures": self.failures,
+            "tables": {k: {"header": h, "rows": r} for k, (h, r) in self.tables.items()},
+        }
 
 
 def union(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -218,11 +218,11 @@ class PackedChatRows(DocRows):
         for slot, k in enumerate(docs):
             ids, mask, image = self.expanded(k)
             n = min(len(ids), self.seq_len - pos)
-            inputs[pos:pos + n] = ids[:n]
-            targets[pos:pos + n - 1] = np.where(mask[1:n] > 0, ids[1:n], IGNORE)
-            doc_ids[pos:pos + n] = slot
+            inputs[pos : pos + n] = ids[:n]
+            targets[pos : pos + n - 1] = np.where(mask[1:n] > 0, ids[1:n], IGNORE)
+            doc_ids[pos : pos + n] = slot
             if image is not None and n < len(ids) and (ids[n:] == self.image_id).any():
-                window = inputs[pos:pos + n]
+                window = inputs[pos : pos + n]
                 window[window == self.image_id] = self.pad_id  # the row cut the image: it is not shown
             elif image is not None:
                 images.append(image)
@@ -246,12 +246,12 @@ class PairRows(DocRows):
         epoch, k, side = self.pair(j)
         f, d = self.doc(k)
         ids, n_prompt, n_chosen = f.doc(d), f.prompt_len[d], f.chosen_len[d]
-        response = ids[n_prompt:n_prompt + n_chosen] if side == 0 else ids[n_prompt + n_chosen:]
+        response = ids[n_prompt : n_prompt + n_chosen] if side == 0 else ids[n_prompt + n_chosen :]
         seq = np.concatenate([ids[:n_prompt], response])
         n = min(len(seq), self.seq_len)
         inputs, targets = self.blank()
         inputs[:n] = seq[:n]
-        targets[n_prompt - 1:n - 1] = seq[n_prompt:n]
+        targets[n_prompt - 1 : n - 1] = seq[n_prompt:n]
         return PlannedRow(inputs, targets, None, [], self.row_spans(j))
 
 
@@ -275,7 +275,7 @@ class CaptionRows(DocRows):
         inputs, targets = self.blank()
         inputs[:n] = seq[:n]
         caption = int(np.nonzero(seq == self.image_id)[0][-1]) + 1
-        targets[caption - 1:n - 1] = seq[caption:n]
+        targets[caption - 1 : n - 1] = seq[caption:n]
         return PlannedRow(inputs, targets, None, [f.image(d)], self.row_spans(j))
 
 
@@ -308,7 +308,7 @@ class PromptGroupRows(DocRows):
         f, d = self.doc(k)
         ids = f.doc(d)
         n = rl_prompt_length(ids, self.tok)
-        return ids[:min(n, self.seq_len - self.max_new)], ids[n:]
+        return ids[: min(n, self.seq_len - self.max_new)], ids[n:]
 
     def answer(self, j: int) -> str | None:
         return last_answer(self.tok.decode(self.prompt(self.which(j)[1])[1].tolist()))
@@ -321,8 +321,8 @@ class PromptGroupRows(DocRows):
         prompt, _ = self.prompt(self.which(j)[1])
         seq = np.concatenate([prompt, np.asarray(completion, np.int64)])
         inputs, targets = self.blank()
-        inputs[:len(seq)] = seq
-        targets[len(prompt) - 1:len(seq) - 1] = seq[len(prompt):]
+        inputs[: len(seq)] = seq
+        targets[len(prompt) - 1 : len(seq) - 1] = seq[len(prompt) :]
         return PlannedRow(inputs, targets, None, [], self.row_spans(j))
 
 
@@ -343,10 +343,18 @@ class PlannedRows:
         for r in recipe:
             shards = spec["train_shards"].get(r["source"]) or []
             if not shards:
-                raise GhostvisError(f"stage {spec['stage']}: the launch spec selects no train shard of source "
-                                    f"{r['source']}; re-materialize the `{spec['stage']}` asset")
-            files = SourceFiles(r["source"], [TokenFile(store.fetch("token_shard", spec["tokenizer_id"], s["shard_id"]),
-                                                        s["shard_id"]) for s in shards], seed)
+                raise GhostvisError(
+                    f"stage {spec['stage']}: the launch spec selects no train shard of source "
+                    f"{r['source']}; re-materialize the `{spec['stage']}` asset"
+                )
+            files = SourceFiles(
+                r["source"],
+                [
+                    TokenFile(store.fetch("token_shard", spec["tokenizer_id"], s["shard_id"]), s["shard_id"])
+                    for s in shards
+                ],
+                seed,
+            )
             if self.objective == "lm":
                 self.sources.append(WindowRows(files, seq_len, int(offsets.get(r["source"], 0))))
                 continue

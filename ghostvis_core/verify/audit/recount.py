@@ -24,9 +24,9 @@ import numpy as np
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.tokenizer import load_tokenizer
+from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.store import Store
 from ghostvis_core.store.files import sha256_file
-from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.verify.audit.outcome import covered_twice, union
 from ghostvis_core.verify.audit.rebuild import rl_prompt_length
 from ghostvis_core.verify.audit.token_files import TokenFile
@@ -40,13 +40,11 @@ class FileRecount:
         """`token_sha256`: per shard id, the token file's hash the ledger recorded (None: not recorded)."""
         self.store, self.tokenizer_id, self.token_sha256 = store, spec.tokenizer_id, token_sha256
         self.replaced: list[str] = []  # shards whose file is not the one the ledger recorded
-        self.objective = spec.config["objective"]
-        self.seq_len = int(spec.config["batch"]["seq_len"])
-        vision = spec.config.get("vision") or {}
-        self.n_latents = vision.get("n_latents")
+        self.objective, self.seq_len = spec.config.objective, spec.config.batch.seq_len
+        self.n_latents = spec.config.vision.n_latents if spec.config.vision else None
         self.tok = None if self.objective == "lm" else load_tokenizer(spec.tokenizer_id, store)
         self.image_id = None if self.tok is None else self.tok.special("<|image|>")
-        self.grpo = spec.config.get("grpo") or {}
+        self.grpo = spec.config.grpo
         self._open: dict[str, TokenFile] = {}
 
     def shard(self, shard_id: str) -> TokenFile:
@@ -54,8 +52,10 @@ class FileRecount:
             path = self.store.fetch("token_shard", self.tokenizer_id, shard_id)
             want = self.token_sha256.get(shard_id)
             if want and sha256_file(path) != want:
-                self.replaced.append(f"token file of {shard_id} is not the one the ledger recorded (sha256 "
-                                     f"{want[:12]}...); re-materialize tokenized_shards partition {shard_id}")
+                self.replaced.append(
+                    f"token file of {shard_id} is not the one the ledger recorded (sha256 "
+                    f"{want[:12]}...); re-materialize tokenized_shards partition {shard_id}"
+                )
             self._open[shard_id] = TokenFile(path, shard_id)
         return self._open[shard_id]
 
@@ -78,7 +78,10 @@ class FileRecount:
             return f"{where}: not whole documents (the {self.objective} rows read whole documents)"
         rows = shard.rows_of(a, b)
         if (r["row_start"], r["row_end"]) != rows:
-            return f"{where}: rows {r['row_start']}..{r['row_end']} recorded, the file's documents are rows {rows[0]}..{rows[1]}"
+            return (
+                f"{where}: rows {r['row_start']}..{r['row_end']} recorded, "
+                f"the file's documents are rows {rows[0]}..{rows[1]}"
+            )
         return None
 
     def count(self, shard_id: str, a: int, b: int) -> TokenCounts:
@@ -88,8 +91,9 @@ class FileRecount:
         shard = self.shard(shard_id)
         first = int(np.searchsorted(shard.starts, a, side="left"))
         last = int(np.searchsorted(shard.starts, b, side="left"))
-        per_doc = {"sft": self._chat, "dpo": self._pair, "vision_align": self._caption,
-                   "grpo": self._prompt}[self.objective]
+        per_doc = {"sft": self._chat, "dpo": self._pair, "vision_align": self._caption, "grpo": self._prompt}[
+            self.objective
+        ]
         return TokenCounts.total(per_doc(shard, d) for d in range(first, last))
 
     def _chat(self, shard: TokenFile, d: int) -> TokenCounts:
@@ -116,11 +120,10 @@ class FileRecount:
         caption_start = int(np.nonzero(ids == self.image_id)[0][-1]) + 1
         return TokenCounts(n, 0, max(0, n - caption_start), len(ids) - n)
 
-
     def _prompt(self, shard: TokenFile, d: int) -> TokenCounts:
         ids = shard.doc(d)
-        fed = min(rl_prompt_length(ids, self.tok), self.seq_len - int(self.grpo["max_new_tokens"]))
-        return TokenCounts(int(self.grpo["group_size"]) * fed, 0, 0, len(ids) - fed)
+        fed = min(rl_prompt_length(ids, self.tok), self.seq_len - self.grpo.max_new_tokens)
+        return TokenCounts(self.grpo.group_size * fed, 0, 0, len(ids) - fed)
 
     def generated(self, consumption: list[dict]) -> TokenCounts:
         """rl: the tokens of every completion the rollouts of the consumption rows' parts saved (real,

@@ -19,16 +19,26 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
-from ghostvis_core.verify.audit.outcome import CheckOutcome
-from ghostvis_core.verify.audit.token_files import TokenFile
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import Store
 from ghostvis_core.store.files import sha256_file
+from ghostvis_core.verify.audit.outcome import CheckOutcome
+from ghostvis_core.verify.audit.token_files import TokenFile
 
-HEADER = ["shard", "docs before", "docs kept", "docs removed (ledger)", "docs removed (recount)", "tokens before",
-          "tokens kept", "tokens removed (ledger)", "tokens removed (recount)", "removed by reason (ledger)"]
+HEADER = [
+    "shard",
+    "docs before",
+    "docs kept",
+    "docs removed (ledger)",
+    "docs removed (recount)",
+    "tokens before",
+    "tokens kept",
+    "tokens removed (ledger)",
+    "tokens removed (recount)",
+    "removed by reason (ledger)",
+]
 
 
 @dataclass
@@ -44,24 +54,39 @@ class ShardTally:
     problems: list[str] = field(default_factory=list)
 
     def row(self) -> list[Any]:
-        return [self.shard_id, self.before[0], self.kept[0], self.removed_ledger[0], self.removed_recount[0],
-                self.before[1], self.kept[1], self.removed_ledger[1], self.removed_recount[1],
-                json.dumps(self.reasons, sort_keys=True)]
+        return [
+            self.shard_id,
+            self.before[0],
+            self.kept[0],
+            self.removed_ledger[0],
+            self.removed_recount[0],
+            self.before[1],
+            self.kept[1],
+            self.removed_ledger[1],
+            self.removed_recount[1],
+            json.dumps(self.reasons, sort_keys=True),
+        ]
 
     def failures(self) -> list[str]:
         """Each equation that does not hold, with both sides and the fix."""
         out, fix = list(self.problems), f"re-materialize tokenized_shards partition {self.shard_id}"
         for i, what in enumerate(("docs", "tokens")):
             if self.before[i] != self.kept[i] + self.removed_ledger[i]:
-                out.append(f"shard {self.shard_id}: {what} before {self.before[i]} (raw documents tokenized again) != "
-                           f"kept {self.kept[i]} (token file) + removed {self.removed_ledger[i]} (ledger); {fix}")
+                out.append(
+                    f"shard {self.shard_id}: {what} before {self.before[i]} (raw documents tokenized again) != "
+                    f"kept {self.kept[i]} (token file) + removed {self.removed_ledger[i]} (ledger); {fix}"
+                )
             if self.removed_ledger[i] != self.removed_recount[i]:
-                out.append(f"shard {self.shard_id}: ledger removed {self.removed_ledger[i]} {what}, the raw rows "
-                           f"missing from the token file hold {self.removed_recount[i]}; {fix}")
+                out.append(
+                    f"shard {self.shard_id}: ledger removed {self.removed_ledger[i]} {what}, the raw rows "
+                    f"missing from the token file hold {self.removed_recount[i]}; {fix}"
+                )
             by_reason = sum(d[what] for d in self.reasons.values())
             if by_reason != self.removed_ledger[i]:
-                out.append(f"shard {self.shard_id}: the ledger's drop reasons sum to {by_reason} {what}, its "
-                           f"{what}_dropped is {self.removed_ledger[i]}; {fix}")
+                out.append(
+                    f"shard {self.shard_id}: the ledger's drop reasons sum to {by_reason} {what}, its "
+                    f"{what}_dropped is {self.removed_ledger[i]}; {fix}"
+                )
         return out
 
 
@@ -79,16 +104,26 @@ def removed_tokens_reconcile(store: Store, ledger: Ledger, tokenizer_id: str) ->
     failing = {t.shard_id: t.failures() for t in tallies}
     disagreeing = [t for t in tallies if failing[t.shard_id]]
     failures = [f for t in disagreeing for f in failing[t.shard_id]]
-    figures = {"shards_checked": len(tallies), "shards_disagreeing": len(disagreeing),
-               "shards_not_text": len(other_kinds)}
+    figures = {
+        "shards_checked": len(tallies),
+        "shards_disagreeing": len(disagreeing),
+        "shards_not_text": len(other_kinds),
+    }
     for name in ("before", "kept", "removed_ledger", "removed_recount"):
         figures[f"docs_{name}"] = sum(getattr(t, name)[0] for t in tallies)
         figures[f"tokens_{name}"] = sum(getattr(t, name)[1] for t in tallies)
     if figures["tokens_before"] != figures["tokens_kept"] + figures["tokens_removed_ledger"]:
-        failures.append(f"in total: tokens before {figures['tokens_before']} != kept {figures['tokens_kept']} + "
-                        f"removed {figures['tokens_removed_ledger']} (ledger)")
-    return CheckOutcome("removed_tokens_reconcile", not failures, figures,
-                        {"disagreeing_shards": (HEADER, [t.row() for t in disagreeing])}, failures)
+        failures.append(
+            f"in total: tokens before {figures['tokens_before']} != kept {figures['tokens_kept']} + "
+            f"removed {figures['tokens_removed_ledger']} (ledger)"
+        )
+    return CheckOutcome(
+        "removed_tokens_reconcile",
+        not failures,
+        figures,
+        {"disagreeing_shards": (HEADER, [t.row() for t in disagreeing])},
+        failures,
+    )
 
 
 def tally_shard(store: Store, tok: Tokenizer, record: dict[str, Any]) -> ShardTally:
@@ -103,12 +138,23 @@ def tally_shard(store: Store, tok: Tokenizer, record: dict[str, Any]) -> ShardTa
         return ShardTally(sid, (-1, -1), (-1, -1), removed_ledger, (-1, -1), reasons, [str(exc)])
     problems = []
     kept_rows = kept.rows.tolist()
-    if len(set(kept_rows)) != len(kept_rows) or (kept_rows and not 0 <= min(kept_rows) <= max(kept_rows) < len(per_row)):
-        problems.append(f"shard {sid}: the token file's rows are not distinct raw rows of the shard (0..{len(per_row) - 1}); "
-                        f"re-materialize tokenized_shards partition {sid}")
+    if len(set(kept_rows)) != len(kept_rows) or (
+        kept_rows and not 0 <= min(kept_rows) <= max(kept_rows) < len(per_row)
+    ):
+        problems.append(
+            f"shard {sid}: the token file's rows are not distinct raw rows of the shard (0..{len(per_row) - 1}); "
+            f"re-materialize tokenized_shards partition {sid}"
+        )
     missing = np.setdiff1d(np.arange(len(per_row)), kept.rows)
-    return ShardTally(sid, (len(per_row), int(per_row.sum())), (kept.num_docs, kept.num_tokens), removed_ledger,
-                      (len(missing), int(per_row[missing].sum())), reasons, problems)
+    return ShardTally(
+        sid,
+        (len(per_row), int(per_row.sum())),
+        (kept.num_docs, kept.num_tokens),
+        removed_ledger,
+        (len(missing), int(per_row[missing].sum())),
+        reasons,
+        problems,
+    )
 
 
 def raw_document_tokens(store: Store, tok: Tokenizer, shard_id: str, content_sha256: str) -> np.ndarray:
@@ -116,9 +162,11 @@ def raw_document_tokens(store: Store, tok: Tokenizer, shard_id: str, content_sha
     text, which tokenization drops as empty_text), from the raw file the ledger recorded."""
     path = store.fetch("raw_shard", shard_id) if store.exists("raw_shard", shard_id) else None
     if path is None or sha256_file(path) != content_sha256:
-        raise GhostvisError(f"shard {shard_id}: the raw shard is missing or not the content it was tokenized from "
-                            f"(sha256 {content_sha256[:12]}); re-materialize raw_shards and tokenized_shards "
-                            f"partition {shard_id}")
+        raise GhostvisError(
+            f"shard {shard_id}: the raw shard is missing or not the content it was tokenized from "
+            f"(sha256 {content_sha256[:12]}); re-materialize raw_shards and tokenized_shards "
+            f"partition {shard_id}"
+        )
     texts = [t or "" for t in pq.read_table(path, columns=["text"]).column("text").to_pylist()]
     ids = tok.enc.encode_ordinary_batch(texts)
     return np.array([len(x) + 1 if t else 0 for t, x in zip(texts, ids)], dtype=np.int64)

@@ -9,7 +9,8 @@ metadata's and the recount from the token files; below it every check's verdict.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ghostvis_core.counts import MLFLOW_METRICS, TokenCounts
 from ghostvis_core.data.ledger import Ledger
@@ -19,16 +20,17 @@ from ghostvis_core.home import Home
 from ghostvis_core.run.track.mlflow_records import latest_metrics
 from ghostvis_core.run.train.runs import newest_completed_run
 from ghostvis_core.verify.audit import invariants as inv
-from ghostvis_core.verify.audit.outcome import CheckOutcome
 from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
+from ghostvis_core.verify.audit.outcome import CheckOutcome
 from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS, CheckInputs
 
 
 def data_checks(home: Home, ledger: Ledger) -> list[CheckOutcome]:
     """The token ledger's checks (DATA_CHECKS), for the store's newest tokenizer."""
     tokenizer_id = newest_tokenizer(home.store)
-    return [_guarded(name, lambda check=check: check(home.store, ledger, tokenizer_id))
-            for name, _, check in DATA_CHECKS]
+    return [
+        _guarded(name, lambda check=check: check(home.store, ledger, tokenizer_id)) for name, _, check in DATA_CHECKS
+    ]
 
 
 def stage_checks(inputs: CheckInputs) -> list[CheckOutcome]:
@@ -44,33 +46,56 @@ def _guarded(name: str, check: Callable[[], CheckOutcome]) -> CheckOutcome:
         return CheckOutcome(name, False, failures=[str(exc)])
 
 
-def figure_table(ledger: Ledger, run: inv.StageRun, mlflow: dict[str, float], metadata: dict[str, Any] | None,
-                 recounted: CheckOutcome) -> list[list[Any]]:
+def figure_table(
+    ledger: Ledger,
+    run: inv.StageRun,
+    mlflow: dict[str, float],
+    metadata: dict[str, Any] | None,
+    recounted: CheckOutcome,
+) -> list[list[Any]]:
     """Per figure: trainer (run record), ledger, MLflow, Dagster metadata, recount from the files."""
     ledger_counts = ledger.run_counts(run.spec.run_key).as_dict()
     rows = []
     for k in TokenCounts.names():
-        vals = [getattr(run.record.counts, k), ledger_counts[k], mlflow.get(MLFLOW_METRICS[k]),
-                None if metadata is None else metadata.get(k), recounted.figures.get(f"{k}_recount")]
+        vals = [
+            getattr(run.record.counts, k),
+            ledger_counts[k],
+            mlflow.get(MLFLOW_METRICS[k]),
+            None if metadata is None else metadata.get(k),
+            recounted.figures.get(f"{k}_recount"),
+        ]
         vals = [None if v is None else int(v) for v in vals]
         compared = [v for i, v in enumerate(vals) if not (i == 3 and metadata is None)]
-        rows.append([k, *["-" if v is None else v for v in vals],
-                     "ok" if None not in compared and len(set(compared)) == 1 else "MISMATCH"])
+        rows.append(
+            [
+                k,
+                *["-" if v is None else v for v in vals],
+                "ok" if None not in compared and len(set(compared)) == 1 else "MISMATCH",
+            ]
+        )
     return rows
 
 
-def audit_stage(home: Home, ledger: Ledger, stage: str, run_key: str, metadata: dict[str, Any] | None) -> dict[str, Any]:
+def audit_stage(
+    home: Home, ledger: Ledger, stage: str, run_key: str, metadata: dict[str, Any] | None
+) -> dict[str, Any]:
     run = inv.StageRun.load(home.store, ledger, stage, run_key)
     try:
         mlflow = latest_metrics(home.mlflow_tracking_uri, run.record.mlflow_run_id)
     except Exception as exc:  # MLflow's client raises its own types; the audit names the store and goes on
         mlflow = {}
-        print(f"audit: MLflow run {run.record.mlflow_run_id} not readable at {home.mlflow_tracking_uri}: {exc}",
-              file=sys.stderr)
+        print(
+            f"audit: MLflow run {run.record.mlflow_run_id} not readable at {home.mlflow_tracking_uri}: {exc}",
+            file=sys.stderr,
+        )
     outcomes = stage_checks(CheckInputs(home, ledger, run, metadata, mlflow))
-    return {"stage": stage, "run_key": run_key, "passed": all(o.passed for o in outcomes),
-            "figures": figure_table(ledger, run, mlflow, metadata, outcomes[0]),
-            "checks": [o.to_dict() for o in outcomes]}
+    return {
+        "stage": stage,
+        "run_key": run_key,
+        "passed": all(o.passed for o in outcomes),
+        "figures": figure_table(ledger, run, mlflow, metadata, outcomes[0]),
+        "checks": [o.to_dict() for o in outcomes],
+    }
 
 
 def newest_run_key(home: Home, stage: str, metadata: dict[str, Any] | None) -> str | None:
@@ -96,8 +121,11 @@ def audit(home: Home, stages: list[str], metadata: dict[str, dict[str, Any]], re
             continue
         result = audit_stage(home, ledger, stage, run_key, metadata.get(stage))
         report["stages"].append(result)
-        failures += [f"{stage}: {c['name']}: {f}" for c in result["checks"] for f in c["failures"] or
-                     ([] if c["passed"] else ["failed"])]
+        failures += [
+            f"{stage}: {c['name']}: {f}"
+            for c in result["checks"]
+            for f in c["failures"] or ([] if c["passed"] else ["failed"])
+        ]
     report["failures"] = failures
     return report
 
@@ -106,10 +134,15 @@ def format_report(report: dict[str, Any]) -> list[str]:
     """The audit as text: the data checks, then per stage its figure table and its checks."""
     lines = ["data"] + [f"  {'ok  ' if c['passed'] else 'FAIL'} {c['name']}" for c in report["data"]]
     for s in report["stages"]:
-        lines += ["", f"{s['stage']}  {s['run_key']}",
-                  f"  {'figure':<16} {'trainer':>12} {'ledger':>12} {'mlflow':>12} {'metadata':>12} {'recount':>12}"]
-        lines += [f"  {r[0]:<16} " + " ".join(f"{v:>12,}" if isinstance(v, int) else f"{v:>12}" for v in r[1:6])
-                  + f"  {r[6]}" for r in s["figures"]]
+        lines += [
+            "",
+            f"{s['stage']}  {s['run_key']}",
+            f"  {'figure':<16} {'trainer':>12} {'ledger':>12} {'mlflow':>12} {'metadata':>12} {'recount':>12}",
+        ]
+        lines += [
+            f"  {r[0]:<16} " + " ".join(f"{v:>12,}" if isinstance(v, int) else f"{v:>12}" for v in r[1:6]) + f"  {r[6]}"
+            for r in s["figures"]
+        ]
         lines += [f"  {'ok  ' if c['passed'] else 'FAIL'} {c['name']}" for c in s["checks"]]
     if report["skipped"]:
         lines += ["", f"no completed run: {', '.join(report['skipped'])}"]

@@ -15,12 +15,11 @@ was fed (it rebuilds every row as prompt + saved completion).
 from __future__ import annotations
 
 import re
-from dataclasses import asdict
 from typing import Any
 
-from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.counts import ROLLOUT_FIGURES, ROLLOUT_METRICS, TokenCounts
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.outcome import CheckOutcome
 from ghostvis_core.verify.audit.rebuild import PlannedRows, last_answer, micro_rows
@@ -53,8 +52,9 @@ def recount_record(rows: PlannedRows, record: dict[str, Any]) -> tuple[list[int]
     return figs, prompt_tokens, wrong
 
 
-def record_problems(rows: PlannedRows, plan: dict[str, Any], chain: list[dict[str, Any]],
-                    records: list[dict[str, Any]]) -> tuple[list[int], int, list[list[Any]]]:
+def record_problems(
+    rows: PlannedRows, plan: dict[str, Any], chain: list[dict[str, Any]], records: list[dict[str, Any]]
+) -> tuple[list[int], int, list[list[Any]]]:
     """Recounted totals, prompt tokens, and [step, rank, problem] for every (step, rank) of the chain."""
     batch = BatchPlan.of(plan)
     mbs, world, accum = batch.micro_batch_size, batch.world_size, batch.grad_accum_steps
@@ -70,36 +70,58 @@ def record_problems(rows: PlannedRows, plan: dict[str, Any], chain: list[dict[st
                 first = (step - 1) * batch.rows_per_step
                 want = [g for m in range(accum) for g in micro_rows(first, m, rank, mbs, world)]
                 if r["rows"] != want:
-                    problems.append([step, rank, f"completions for rows {r['rows'][:8]}..., the plan's rows are {want[:8]}..."])
+                    problems.append(
+                        [step, rank, f"completions for rows {r['rows'][:8]}..., the plan's rows are {want[:8]}..."]
+                    )
                 figs, p, wrong = recount_record(rows, r)
                 totals, prompts = [a + b for a, b in zip(totals, figs)], prompts + p
-                problems += [[step, rank, f"{k} recorded {r[k]:,}, recounted from the completions {v:,}"]
-                             for k, v in zip(ROLLOUT_FIGURES, figs) if r[k] != v]
-                problems += [[step, rank, f"row {g}: saved reward is not the recomputed reward of its completion"]
-                             for g in wrong[:5]]
+                problems += [
+                    [step, rank, f"{k} recorded {r[k]:,}, recounted from the completions {v:,}"]
+                    for k, v in zip(ROLLOUT_FIGURES, figs)
+                    if r[k] != v
+                ]
+                problems += [
+                    [step, rank, f"row {g}: saved reward is not the recomputed reward of its completion"]
+                    for g in wrong[:5]
+                ]
     return totals, prompts, problems
 
 
-def copies(ledger_totals: list[int], record: dict[str, int], mlflow: dict[str, float],
-           metadata: dict[str, Any] | None) -> list[list[Any]]:
+def copies(
+    ledger_totals: list[int], record: dict[str, int], mlflow: dict[str, float], metadata: dict[str, Any] | None
+) -> list[list[Any]]:
     """[figure, ledger, run record, MLflow, metadata] per rollout figure (metadata '-' without Dagster)."""
     out = []
     for k, v in zip(ROLLOUT_FIGURES, ledger_totals):
         m = mlflow.get(ROLLOUT_METRICS[k])
-        out.append([k, v, record.get(k), None if m is None else int(m),
-                    "-" if metadata is None else (None if metadata.get(k) is None else int(metadata[k]))])
+        out.append(
+            [
+                k,
+                v,
+                record.get(k),
+                None if m is None else int(m),
+                "-" if metadata is None else (None if metadata.get(k) is None else int(metadata[k])),
+            ]
+        )
     return out
 
 
-def rollouts_recounted(store: Store, ledger: Ledger, run, mlflow: dict[str, float],
-                       metadata: dict[str, Any] | None) -> CheckOutcome:
+def rollouts_recounted(
+    store: Store, ledger: Ledger, run, mlflow: dict[str, float], metadata: dict[str, Any] | None
+) -> CheckOutcome:
     """rl: generated/rewarded tokens recounted from the saved rollouts and prompts from the token files ==
     the ledger == the run record == MLflow == metadata. Any other stage: no rollouts in its parts."""
-    spec = asdict(run.spec)
+    spec = run.spec.to_dict()
     records = ledger.rollouts(run.chain)
     if spec["config"]["objective"] != "grpo":
-        return CheckOutcome(NAME, not records, figures={"objective": spec["config"]["objective"], "rollout_records": len(records)},
-                            failures=[f"{len(records)} rollout records in the parts of a stage that samples nothing"] if records else [])
+        return CheckOutcome(
+            NAME,
+            not records,
+            figures={"objective": spec["config"]["objective"], "rollout_records": len(records)},
+            failures=[f"{len(records)} rollout records in the parts of a stage that samples nothing"]
+            if records
+            else [],
+        )
     recount, prompts, problems = record_problems(PlannedRows(store, spec), spec["plan"], run.chain, records)
     ledger_totals = [sum(int(r[k]) for r in records) for k in ROLLOUT_FIGURES]
     table = copies(ledger_totals, run.record.generated, mlflow, metadata)
@@ -109,13 +131,24 @@ def rollouts_recounted(store: Store, ledger: Ledger, run, mlflow: dict[str, floa
             failures.append(f"{k}: recount {counted:,} != ledger/record/MLflow/metadata {vals}")
     chain = TokenCounts.total(TokenCounts.from_mapping(p) for p in run.chain)
     if (chain.real_tokens, chain.loss_tokens) != (prompts + recount[0], recount[0]):
-        failures.append(f"ledger real {chain.real_tokens:,} / loss {chain.loss_tokens:,} != prompt tokens from the files "
-                        f"{prompts:,} + generated {recount[0]:,} / generated {recount[0]:,}")
-    return CheckOutcome(NAME, not failures and bool(records), figures={
-        **{f"{k}_recount": v for k, v in zip(ROLLOUT_FIGURES, recount)},
-        **{f"{k}_ledger": v for k, v in zip(ROLLOUT_FIGURES, ledger_totals)},
-        "prompt_tokens_recount": prompts, "prompt_tokens_ledger": chain.real_tokens - chain.loss_tokens,
-        "rollout_records": len(records), "problems": len(problems)},
-        tables={"copies": (["figure", "ledger", "run record", "mlflow", "metadata"], table),
-                "problems": (["step", "rank", "problem"], problems[:200])},
-        failures=failures or ([] if records else ["the rl run has no rollouts in the ledger"]))
+        failures.append(
+            f"ledger real {chain.real_tokens:,} / loss {chain.loss_tokens:,} != prompt tokens from the files "
+            f"{prompts:,} + generated {recount[0]:,} / generated {recount[0]:,}"
+        )
+    return CheckOutcome(
+        NAME,
+        not failures and bool(records),
+        figures={
+            **{f"{k}_recount": v for k, v in zip(ROLLOUT_FIGURES, recount)},
+            **{f"{k}_ledger": v for k, v in zip(ROLLOUT_FIGURES, ledger_totals)},
+            "prompt_tokens_recount": prompts,
+            "prompt_tokens_ledger": chain.real_tokens - chain.loss_tokens,
+            "rollout_records": len(records),
+            "problems": len(problems),
+        },
+        tables={
+            "copies": (["figure", "ledger", "run record", "mlflow", "metadata"], table),
+            "problems": (["step", "rank", "problem"], problems[:200]),
+        },
+        failures=failures or ([] if records else ["the rl run has no rollouts in the ledger"]),
+    )

@@ -22,8 +22,10 @@ class TokenFile:
             with pa.memory_map(str(path), "r") as source:
                 table = pa.ipc.open_file(source).read_all()
         except (OSError, pa.ArrowInvalid) as exc:
-            raise GhostvisError(f"token file of {shard_id} ({path}): not readable ({exc}); re-materialize "
-                                f"tokenized_shards partition {shard_id}") from None
+            raise GhostvisError(
+                f"token file of {shard_id} ({path}): not readable ({exc}); re-materialize "
+                f"tokenized_shards partition {shard_id}"
+            ) from None
         tokens = table.column("tokens").combine_chunks()
         starts = np.asarray(tokens.offsets, dtype=np.int64)
         self.shard_id, self.path = shard_id, path
@@ -48,7 +50,7 @@ class TokenFile:
         return self.values[a:b]
 
     def doc(self, d: int) -> np.ndarray:
-        return self.values[self.starts[d]:self.starts[d + 1]]
+        return self.values[self.starts[d] : self.starts[d + 1]]
 
     def doc_span(self, d: int) -> tuple[int, int]:
         return int(self.starts[d]), int(self.starts[d + 1])

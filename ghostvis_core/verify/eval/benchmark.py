@@ -22,6 +22,7 @@ from ghostvis_core.data.token_shard import TokenShard
 from ghostvis_core.data.tokenizer import Tokenizer
 from ghostvis_core.run.train.trained import TrainedStage
 
+
 @dataclass(frozen=True)
 class Choice:
     task: str
@@ -36,8 +37,9 @@ def bits_per_byte(ts: TrainedStage, val_shards: dict[str, list[dict]], max_token
     (`val_shards`: source -> ledger shard records of plain-text validation shards.)"""
     tok, model = ts.tok, ts.model
     n_text = tok.enc.n_vocab - len(tok.enc.special_tokens_set)
-    token_bytes = np.array([len(tok.enc.decode_single_token_bytes(i)) if i < n_text else 0
-                            for i in range(tok.enc.n_vocab)], dtype=np.int64)
+    token_bytes = np.array(
+        [len(tok.enc.decode_single_token_bytes(i)) if i < n_text else 0 for i in range(tok.enc.n_vocab)], dtype=np.int64
+    )
     L = min(ts.config.model.max_seq_len, 1024)
     out = {}
     for source, refs in sorted(val_shards.items()):
@@ -70,12 +72,15 @@ def samples(ts: TrainedStage, prompts=PROMPTS, max_new_tokens: int = 32) -> list
     return out
 
 
-def build_items(ts: TrainedStage, val_shards: dict[str, list[dict]], per_task: int = BENCHMARK_PER_TASK,
-                seed: int = BENCHMARK_SEED) -> list[Choice]:
+def build_items(
+    ts: TrainedStage, val_shards: dict[str, list[dict]], per_task: int = BENCHMARK_PER_TASK, seed: int = BENCHMARK_SEED
+) -> list[Choice]:
     """Multiple-choice items: 4 options each, one correct; deterministic for a tokenizer and data."""
     tok, rng = ts.tok, random.Random(seed)
-    items = [Choice(task, [tok.bos, *tok.encode(context)], [tok.encode(o) for o in options], answer)
-             for task, context, options, answer in template_choices(rng, per_task)]
+    items = [
+        Choice(task, [tok.bos, *tok.encode(context)], [tok.encode(o) for o in options], answer)
+        for task, context, options, answer in template_choices(rng, per_task)
+    ]
     for source in sorted(val_shards):
         lines = _held_out_lines(ts, val_shards[source])
         if len(lines) < 8:
@@ -83,10 +88,16 @@ def build_items(ts: TrainedStage, val_shards: dict[str, list[dict]], per_task: i
         for _ in range(per_task):
             i = rng.randrange(1, len(lines))
             context, right = lines[i - 1], lines[i]
-            opts = [right, *rng.sample([l for l in lines if l != right], 3)]
+            opts = [right, *rng.sample([line for line in lines if line != right], 3)]
             rng.shuffle(opts)
-            items.append(Choice(f"next_line/{source}", [tok.bos, *tok.encode(context + "\n")],
-                                [tok.encode(o) for o in opts], opts.index(right)))
+            items.append(
+                Choice(
+                    f"next_line/{source}",
+                    [tok.bos, *tok.encode(context + "\n")],
+                    [tok.encode(o) for o in opts],
+                    opts.index(right),
+                )
+            )
     return items
 
 
@@ -101,7 +112,7 @@ def held_out_texts(tok: Tokenizer, refs: list[dict]) -> Iterator[str]:
 def _held_out_lines(ts: TrainedStage, refs: list[dict], limit: int = 2000) -> list[str]:
     lines: list[str] = []
     for text in held_out_texts(ts.tok, refs):
-        lines += [l for l in text.splitlines() if 20 <= len(l.strip()) <= 120]
+        lines += [line for line in text.splitlines() if 20 <= len(line.strip()) <= 120]
         if len(lines) >= limit:
             return lines
     return lines

@@ -12,11 +12,10 @@ a tiny model move by chance at 25 items and are shown, not judged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
 from typing import Any
 
-from ghostvis_core.plan import stages
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan import stages
 
 GATE_HEADER = ["stage", "upstream", "source", "upstream bpb", "stage bpb", "ratio", "tolerance", "status"]
 
@@ -42,8 +41,16 @@ class GateRow:
 
     def cells(self) -> list:
         status = "ok" if self.passed else f"FLAGGED: {self.ratio - 1:+.1%} > {self.tolerance:.0%}"
-        return [self.stage, self.upstream, self.source, round(self.upstream_bpb, 4), round(self.stage_bpb, 4),
-                round(self.ratio, 4), self.tolerance, status]
+        return [
+            self.stage,
+            self.upstream,
+            self.source,
+            round(self.upstream_bpb, 4),
+            round(self.stage_bpb, 4),
+            round(self.ratio, 4),
+            self.tolerance,
+            status,
+        ]
 
 
 def tolerances(overrides: dict[str, float] | None = None) -> dict[str, float]:
@@ -54,8 +61,9 @@ def tolerances(overrides: dict[str, float] | None = None) -> dict[str, float]:
         raise GhostvisError(f"bpb_tolerance names unknown stage(s) {', '.join(unknown)}; stages: {', '.join(names)}")
     bad = {k: v for k, v in (overrides or {}).items() if v < 0}
     if bad:
-        raise GhostvisError(f"bpb_tolerance {bad}: a tolerance is the allowed relative worsening (0.1 = 10%), "
-                            "so it cannot be negative")
+        raise GhostvisError(
+            f"bpb_tolerance {bad}: a tolerance is the allowed relative worsening (0.1 = 10%), so it cannot be negative"
+        )
     return {s.name: float((overrides or {}).get(s.name, s.bpb_tolerance)) for s in stages.STAGES}
 
 
@@ -67,8 +75,10 @@ def gate_rows(bpb: dict[str, dict[str, float]], tolerance: dict[str, float]) -> 
         up = stages.stage(name).upstream
         if up is None or up not in bpb:
             continue
-        rows += [GateRow(name, up, source, bpb[up][source], scores[source], tolerance[name])
-                 for source in sorted(set(scores) & set(bpb[up]))]
+        rows += [
+            GateRow(name, up, source, bpb[up][source], scores[source], tolerance[name])
+            for source in sorted(set(scores) & set(bpb[up]))
+        ]
     return rows
 
 
@@ -88,14 +98,24 @@ class GateVerdict:
 def lineage_gate(bpb: dict[str, dict[str, float]], tolerance: dict[str, float]) -> GateVerdict:
     """The gate's verdict: every row's both sides, the worst ratio, each flagged row named."""
     rows = gate_rows(bpb, tolerance)
-    failures = [f"{r.stage}: {r.source} bpb {r.stage_bpb:.3f} is {r.ratio - 1:+.1%} against {r.upstream}'s "
-                f"{r.upstream_bpb:.3f}, beyond its tolerance of {r.tolerance:.0%}; retune {r.stage} (lower its "
-                f"learning rate or steps, replay pretraining text) or raise its tolerance (evaluation config "
-                f"bpb_tolerance: {{{r.stage}: ...}})" for r in rows if not r.passed]
+    failures = [
+        f"{r.stage}: {r.source} bpb {r.stage_bpb:.3f} is {r.ratio - 1:+.1%} against {r.upstream}'s "
+        f"{r.upstream_bpb:.3f}, beyond its tolerance of {r.tolerance:.0%}; retune {r.stage} (lower its "
+        f"learning rate or steps, replay pretraining text) or raise its tolerance (evaluation config "
+        f"bpb_tolerance: {{{r.stage}: ...}})"
+        for r in rows
+        if not r.passed
+    ]
     worst = max(rows, key=lambda r: r.ratio - r.tolerance, default=None)
-    figures = {"compared": len(rows), "flagged": len(failures),
-               "stages_flagged": ", ".join(sorted({r.stage for r in rows if not r.passed})) or "none"}
+    figures = {
+        "compared": len(rows),
+        "flagged": len(failures),
+        "stages_flagged": ", ".join(sorted({r.stage for r in rows if not r.passed})) or "none",
+    }
     if worst is not None:
-        figures |= {"worst": f"{worst.stage} on {worst.source}", "worst_ratio": round(worst.ratio, 4),
-                    "worst_tolerance": worst.tolerance}
+        figures |= {
+            "worst": f"{worst.stage} on {worst.source}",
+            "worst_ratio": round(worst.ratio, 4),
+            "worst_tolerance": worst.tolerance,
+        }
     return GateVerdict(passed=not failures, rows=rows, figures=figures, failures=failures)

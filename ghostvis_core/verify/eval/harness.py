@@ -23,18 +23,18 @@ from typing import Any
 import datasets
 import torch
 import torch.nn.functional as F
-from lm_eval.defaults import DEFAULT_OTHER_SEED
-from lm_eval.evaluator import evaluate
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from lm_eval.defaults import DEFAULT_OTHER_SEED
+from lm_eval.evaluator import evaluate
 from lm_eval.models.utils import normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window
 
 from ghostvis_core.data.eval_texts import LM_EVAL_TASKS_DIR
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.train.trained import TrainedStage, load_stage
 from ghostvis_core.home import Home
+from ghostvis_core.run.train.trained import TrainedStage, load_stage
 
 TASKS_DIR = LM_EVAL_TASKS_DIR
 CLOZE_TASK, CLOZE_FILE = "ghostvis_cloze", "heldout_cloze.jsonl"  # the task and the file it reads from held_out_dir
@@ -47,13 +47,22 @@ class GhostvisLM(TemplateLM):
     """A GhostVis decoder as an `lm_eval` model; from Python `GhostvisLM(load_stage(...))`, from the
     harness's CLI `--model ghostvis --model_args home=<GHOSTVIS_HOME>,stage=sft[,run_key=...]`."""
 
-    def __init__(self, trained: TrainedStage | None = None, home: str | None = None, stage: str | None = None,
-                 run_key: str | None = None, batch_size: int | str | None = None, device: str | None = None):
+    def __init__(
+        self,
+        trained: TrainedStage | None = None,
+        home: str | None = None,
+        stage: str | None = None,
+        run_key: str | None = None,
+        batch_size: int | str | None = None,
+        device: str | None = None,
+    ):
         super().__init__()
         if trained is None:
             if not (home and stage):
-                raise GhostvisError("lm_eval model ghostvis: name the model with model_args "
-                                    "home=<GHOSTVIS_HOME>,stage=<stage> (and run_key=<run> for an older run)")
+                raise GhostvisError(
+                    "lm_eval model ghostvis: name the model with model_args "
+                    "home=<GHOSTVIS_HOME>,stage=<stage> (and run_key=<run> for an older run)"
+                )
             trained = load_stage(Home(Path(home)), stage, run_key)
         self.trained, self.tok = trained, trained.tok
         self._device = torch.device(device or "cpu")
@@ -102,9 +111,11 @@ class GhostvisLM(TemplateLM):
         rows = []
         for context, continuation in pairs:
             if not continuation or len(continuation) > self.max_length:
-                raise GhostvisError(f"lm_eval request: a continuation of {len(continuation)} tokens does not fit "
-                                    f"stage {self.trained.stage}'s context of {self.max_length}")
-            rows.append(((context + continuation)[-(self.max_length + 1):][:-1], continuation))
+                raise GhostvisError(
+                    f"lm_eval request: a continuation of {len(continuation)} tokens does not fit "
+                    f"stage {self.trained.stage}'s context of {self.max_length}"
+                )
+            rows.append(((context + continuation)[-(self.max_length + 1) :][:-1], continuation))
         x = torch.zeros(len(rows), max(len(inp) for inp, _ in rows), dtype=torch.long)
         for r, (inp, _) in enumerate(rows):
             x[r, : len(inp)] = torch.tensor(inp)
@@ -123,8 +134,9 @@ class GhostvisLM(TemplateLM):
         windows, owner = [], []
         for i, (text,) in enumerate(req.args for req in requests):
             ids = self.tok_encode(text, add_special_tokens=False)
-            for context, continuation in map(make_disjoint_window,
-                                             get_rolling_token_windows(ids, self.prefix_token_id, self.max_length, 1)):
+            for context, continuation in map(
+                make_disjoint_window, get_rolling_token_windows(ids, self.prefix_token_id, self.max_length, 1)
+            ):
                 windows.append((None, context, continuation))
                 owner.append(i)
         totals = [0.0] * len(requests)
@@ -148,12 +160,18 @@ class GhostvisLM(TemplateLM):
         kw = normalize_gen_kwargs(gen_kwargs, MAX_GEN_TOKS)
         until, budget = kw["until"], kw["max_gen_toks"]
         if budget >= self.max_length:
-            raise GhostvisError(f"lm_eval request: max_gen_toks {budget} must be below stage {self.trained.stage}'s "
-                                f"context of {self.max_length} tokens; lower it in the task's generation_kwargs")
-        prompt, stops, out = self.tok_encode(context)[-(self.max_length - budget):], (self.tok.eot, self.tok.bos), []
+            raise GhostvisError(
+                f"lm_eval request: max_gen_toks {budget} must be below stage {self.trained.stage}'s "
+                f"context of {self.max_length} tokens; lower it in the task's generation_kwargs"
+            )
+        prompt, stops, out = self.tok_encode(context)[-(self.max_length - budget) :], (self.tok.eot, self.tok.bos), []
         while len(out) < budget:
-            step = self.model.generate(prompt + out, min(GEN_CHUNK, budget - len(out)),
-                                       temperature=float(kw.get("temperature", 0.0)), stop_tokens=stops)
+            step = self.model.generate(
+                prompt + out,
+                min(GEN_CHUNK, budget - len(out)),
+                temperature=float(kw.get("temperature", 0.0)),
+                stop_tokens=stops,
+            )
             out += step
             if not step or step[-1] in stops or any(u and u in self.tok_decode(out) for u in until):
                 break
@@ -171,10 +189,12 @@ def load_held_out(data_files: dict[str, str], held_out_dir: str | None = None, *
     """`custom_dataset` of the cloze task: files written at evaluation time from the home's validation
     shards (held out from training by the ledger), in the folder named by task metadata `held_out_dir`."""
     if not held_out_dir:
-        raise GhostvisError(f"lm_eval task {CLOZE_TASK} reads held-out text that GhostVis's evaluation writes "
-                            f"(cloze_jsonl); pass task metadata held_out_dir=<folder holding "
-                            f"{', '.join(data_files.values())}>, e.g. "
-                            f"lm_eval --metadata '{{\"held_out_dir\": \"DIR\"}}'")
+        raise GhostvisError(
+            f"lm_eval task {CLOZE_TASK} reads held-out text that GhostVis's evaluation writes "
+            f"(cloze_jsonl); pass task metadata held_out_dir=<folder holding "
+            f"{', '.join(data_files.values())}>, e.g. "
+            f'lm_eval --metadata \'{{"held_out_dir": "DIR"}}\''
+        )
     return _json_files(Path(held_out_dir), data_files)
 
 
@@ -195,8 +215,13 @@ class HarnessRun:
     results: dict[str, Any]
 
 
-def run_tasks(lm: GhostvisLM, tasks: Sequence[str], include: Sequence[str] = (),
-              held_out_dir: Path | None = None, limit: int | None = None) -> HarnessRun:
+def run_tasks(
+    lm: GhostvisLM,
+    tasks: Sequence[str],
+    include: Sequence[str] = (),
+    held_out_dir: Path | None = None,
+    limit: int | None = None,
+) -> HarnessRun:
     """Run harness tasks on `lm` through lm_eval's evaluator, set up as simple_evaluate sets it up
     (zero-shot unless the task says otherwise, the harness's fewshot seed) but without its
     environment report, which costs seconds per call; no bootstrap stderr. `held_out_dir` holds the
@@ -222,9 +247,11 @@ def task_manager(tasks: Sequence[str], include: Sequence[str], metadata: dict | 
     manager = TaskManager(include_path=paths, metadata=metadata)
     unknown = sorted(set(tasks) - set(manager.all_tasks))
     if unknown:
-        raise GhostvisError(f"lm_eval tasks {', '.join(unknown)} are unknown: not GhostVis's "
-                            f"({', '.join(DEFAULT_TASKS)}), not in harness_include {list(include)} and not among "
-                            f"the harness's tasks; fix the name or add the folder holding its YAML to harness_include")
+        raise GhostvisError(
+            f"lm_eval tasks {', '.join(unknown)} are unknown: not GhostVis's "
+            f"({', '.join(DEFAULT_TASKS)}), not in harness_include {list(include)} and not among "
+            f"the harness's tasks; fix the name or add the folder holding its YAML to harness_include"
+        )
     return manager
 
 
@@ -273,6 +300,8 @@ def cloze_jsonl(texts_by_source: dict[str, Iterable[str]], per_source: int = 10)
     `per_source` items from each held-out source's text."""
     rows = [item for source in sorted(texts_by_source) for item in cloze_items(texts_by_source[source], per_source)]
     if not rows:
-        raise GhostvisError(f"ghostvis_cloze: the held-out sources {sorted(texts_by_source)} have no paragraph "
-                            f"to cut; drop ghostvis_cloze from harness_tasks or add validation text")
+        raise GhostvisError(
+            f"ghostvis_cloze: the held-out sources {sorted(texts_by_source)} have no paragraph "
+            f"to cut; drop ghostvis_cloze from harness_tasks or add validation text"
+        )
     return "".join(json.dumps(r) + "\n" for r in rows)

@@ -12,14 +12,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ghostvis_core.plan.budget import plan
-from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.verify.eval.gate import GATE_HEADER, gate_rows
+from ghostvis_core.plan.budget import plan
+from ghostvis_core.plan.config import StageConfig
+from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.store import Store
 from ghostvis_core.store.files import atomic_write
-from ghostvis_core.run.train.result import RunResult
+from ghostvis_core.verify.eval.gate import GATE_HEADER, gate_rows
+
 
 @dataclass
 class StageReport:
@@ -45,8 +46,15 @@ class StageReport:
     bpb_tolerance: float | None = None  # the quality gate's allowed bpb worsening vs upstream
 
 
-def stage_report(ledger: Ledger, result: RunResult, config: StageConfig, curves: dict[str, list],
-                 evaluation: dict[str, Any], gpu_prices: dict[str, float], bpb_tolerance: float) -> StageReport:
+def stage_report(
+    ledger: Ledger,
+    result: RunResult,
+    config: StageConfig,
+    curves: dict[str, list],
+    evaluation: dict[str, Any],
+    gpu_prices: dict[str, float],
+    bpb_tolerance: float,
+) -> StageReport:
     """One stage's row of the report, from its run record, config, the ledger and its evaluation
     (judged by the quality gate with `bpb_tolerance`)."""
     key = result.run_key
@@ -55,8 +63,11 @@ def stage_report(ledger: Ledger, result: RunResult, config: StageConfig, curves:
     reuse = ledger.reuse(key)
     bad = [r for r in reuse if r["kind"] in ("reuse", "undeclared_repeat", "undeclared_cross_stage")]
     declared = sum(r["tokens"] for r in reuse if r not in bad)
-    reuse_text = (f"FLAGGED: {sum(r['tokens'] for r in bad):,} tokens read twice" if bad
-                  else "none" + (f" ({declared:,} tokens of declared replay/repeat)" if declared else ""))
+    reuse_text = (
+        f"FLAGGED: {sum(r['tokens'] for r in bad):,} tokens read twice"
+        if bad
+        else "none" + (f" ({declared:,} tokens of declared replay/repeat)" if declared else "")
+    )
     leaked = ledger.leakage(key)
     leak_text = f"FLAGGED: {', '.join(r['shard_id'] for r in leaked)}" if leaked else "none"
     evidence: list[tuple[str, Any, Any]] = [(name, e.before, e.after) for name, e in sorted(result.evidence.items())]
@@ -68,12 +79,26 @@ def stage_report(ledger: Ledger, result: RunResult, config: StageConfig, curves:
         p = plan(config, gpu=gpu, price_per_gpu_hour=price)
         costs.append({"gpu": gpu, "gpus": p.world_size, "gpu_hours": p.gpu_hours, "cost": p.cost, "price": price})
     return StageReport(
-        stage=result.stage, run_key=key, mlflow_run_id=result.mlflow_run_id, totals=totals,
-        planned_tokens=int(result.planned_tokens), shards_used=len(shards), shard_rows=shards,
-        reuse=reuse_text, leakage=leak_text, wall_time_s=float(result.wall_time_s),
-        tokens_per_sec=float(result.tokens_per_sec), mfu=result.mfu, val_loss_start=result.val_loss_start,
-        val_loss=result.val_loss, evidence=evidence, costs=costs, curves=curves, evaluation=evaluation,
-        mixture={s: asdict(m) for s, m in result.mixture.items()}, bpb_tolerance=bpb_tolerance,
+        stage=result.stage,
+        run_key=key,
+        mlflow_run_id=result.mlflow_run_id,
+        totals=totals,
+        planned_tokens=int(result.planned_tokens),
+        shards_used=len(shards),
+        shard_rows=shards,
+        reuse=reuse_text,
+        leakage=leak_text,
+        wall_time_s=float(result.wall_time_s),
+        tokens_per_sec=float(result.tokens_per_sec),
+        mfu=result.mfu,
+        val_loss_start=result.val_loss_start,
+        val_loss=result.val_loss,
+        evidence=evidence,
+        costs=costs,
+        curves=curves,
+        evaluation=evaluation,
+        mixture={s: asdict(m) for s, m in result.mixture.items()},
+        bpb_tolerance=bpb_tolerance,
     )
 
 
@@ -116,31 +141,87 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+TOKEN_HEADER = [
+    "stage",
+    "run",
+    "steps",
+    "planned",
+    "real",
+    "pad",
+    "loss",
+    "cropped",
+    "shards",
+    "reuse",
+    "leakage",
+    "wall s",
+    "tokens/s",
+    "MFU",
+    "val loss start",
+    "val loss end",
+]
+
+
+def _token_row(s: StageReport) -> list[Any]:
+    figures = [s.totals[k] for k in TokenCounts.names()]
+    return [
+        s.stage,
+        s.run_key,
+        s.totals["steps"],
+        s.planned_tokens,
+        *figures,
+        s.shards_used,
+        s.reuse,
+        s.leakage,
+        s.wall_time_s,
+        s.tokens_per_sec,
+        s.mfu,
+        s.val_loss_start,
+        s.val_loss,
+    ]
+
+
+def _evaluation_row(s: StageReport) -> list[Any]:
+    bpb = ", ".join(f"{k} {v:.3f}" for k, v in s.evaluation.get("bpb", {}).items())
+    return [s.stage, bpb, ", ".join(f"{k} {v:.2f}" for k, v in s.evaluation.get("mc", {}).items())]
+
+
+def _harness_rows(stages: list[StageReport]) -> list[list[Any]]:
+    harness = [(s.stage, s.evaluation.get("harness", {})) for s in stages]
+    return [
+        [stage, task, metric, value]
+        for stage, tasks in harness
+        for task, metrics in tasks.items()
+        for metric, value in metrics.items()
+    ]
+
+
 def tables(stages: list[StageReport]) -> dict[str, tuple[list[str], list[list[Any]]]]:
     """The report's tables, shared by the HTML and Markdown renderings."""
-    tok = (["stage", "run", "steps", "planned", "real", "pad", "loss", "cropped", "shards", "reuse", "leakage",
-            "wall s", "tokens/s", "MFU", "val loss start", "val loss end"],
-           [[s.stage, s.run_key, s.totals["steps"], s.planned_tokens, *(s.totals[k] for k in TokenCounts.names()),
-             s.shards_used, s.reuse, s.leakage, s.wall_time_s, s.tokens_per_sec, s.mfu, s.val_loss_start, s.val_loss]
-            for s in stages])
-    evid = (["stage", "evidence", "before", "after"],
-            [[s.stage, name, before, after] for s in stages for name, before, after in s.evidence])
-    mix = (["stage", "source", "recipe weight", "fraction consumed", "tokens"],
-           [[s.stage, src, m["weight"], m["fraction"], m["tokens"]] for s in stages for src, m in s.mixture.items()])
-    ev = (["stage", "bits/byte (per source)", "multiple choice (accuracy)"],
-          [[s.stage, ", ".join(f"{k} {v:.3f}" for k, v in s.evaluation.get("bpb", {}).items()),
-            ", ".join(f"{k} {v:.2f}" for k, v in s.evaluation.get("mc", {}).items())] for s in stages])
-    gate = (GATE_HEADER, [r.cells() for r in gate_rows({s.stage: s.evaluation.get("bpb", {}) for s in stages},
-                                                       {s.stage: s.bpb_tolerance for s in stages})])
-    harness = (["stage", "task", "metric", "value"],
-               [[s.stage, task, metric, value] for s in stages
-                for task, metrics in s.evaluation.get("harness", {}).items() for metric, value in metrics.items()])
-    cost = (["stage", "gpu", "gpus", "GPU-hours", "price/h", "cost"],
-            [[s.stage, c["gpu"], c["gpus"], c["gpu_hours"], c["price"], c["cost"]] for s in stages for c in s.costs])
-    return {"Tokens (ledger)": tok, "Evidence (held-out, before vs after)": evid,
-            "Mixture (ledger vs recipe)": mix, "Evaluation": ev,
-            "Lineage quality gate (held-out bits/byte vs the upstream stage)": gate, "lm-evaluation-harness": harness,
-            "The same plan on GPUs (40% MFU)": cost}
+    bpb, tolerance = {s.stage: s.evaluation.get("bpb", {}) for s in stages}, {s.stage: s.bpb_tolerance for s in stages}
+    return {
+        "Tokens (ledger)": (TOKEN_HEADER, [_token_row(s) for s in stages]),
+        "Evidence (held-out, before vs after)": (
+            ["stage", "evidence", "before", "after"],
+            [[s.stage, name, before, after] for s in stages for name, before, after in s.evidence],
+        ),
+        "Mixture (ledger vs recipe)": (
+            ["stage", "source", "recipe weight", "fraction consumed", "tokens"],
+            [[s.stage, src, m["weight"], m["fraction"], m["tokens"]] for s in stages for src, m in s.mixture.items()],
+        ),
+        "Evaluation": (
+            ["stage", "bits/byte (per source)", "multiple choice (accuracy)"],
+            [_evaluation_row(s) for s in stages],
+        ),
+        "Lineage quality gate (held-out bits/byte vs the upstream stage)": (
+            GATE_HEADER,
+            [r.cells() for r in gate_rows(bpb, tolerance)],
+        ),
+        "lm-evaluation-harness": (["stage", "task", "metric", "value"], _harness_rows(stages)),
+        "The same plan on GPUs (40% MFU)": (
+            ["stage", "gpu", "gpus", "GPU-hours", "price/h", "cost"],
+            [[s.stage, c["gpu"], c["gpus"], c["gpu_hours"], c["price"], c["cost"]] for s in stages for c in s.costs],
+        ),
+    }
 
 
 def render_markdown(title: str, stages: list[StageReport], chart: str, samples: dict[str, list]) -> str:
@@ -157,34 +238,48 @@ def render_markdown(title: str, stages: list[StageReport], chart: str, samples: 
 
 def render_html(title: str, stages: list[StageReport], chart: str, samples: dict[str, list]) -> str:
     e = html.escape
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title>",
-             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin-bottom:2em}"
-             "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}th{background:#eee}"
-             "td:first-child{text-align:left}.flag{color:#b00;font-weight:bold}</style></head><body>",
-             f"<h1>{e(title)}</h1>", f"<img id='loss-curves' src='{e(chart)}' alt='loss curves'>"]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{e(title)}</title>",
+        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin-bottom:2em}"
+        "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}th{background:#eee}"
+        "td:first-child{text-align:left}.flag{color:#b00;font-weight:bold}</style></head><body>",
+        f"<h1>{e(title)}</h1>",
+        f"<img id='loss-curves' src='{e(chart)}' alt='loss curves'>",
+    ]
     for name, (head, rows) in tables(stages).items():
         parts.append(f"<h2>{e(name)}</h2><table><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>")
         for r in rows:
-            cells = "".join(f"<td{' class=flag' if 'FLAGGED' in _fmt(v) else ''} data-col='{e(h)}'>{e(_fmt(v))}</td>"
-                            for h, v in zip(head, r))
+            cells = "".join(
+                f"<td{' class=flag' if 'FLAGGED' in _fmt(v) else ''} data-col='{e(h)}'>{e(_fmt(v))}</td>"
+                for h, v in zip(head, r)
+            )
             parts.append(f"<tr data-stage='{e(str(r[0]))}'>{cells}</tr>")
         parts.append("</table>")
     parts.append("<h2>Samples</h2>")
     for stage, items in samples.items():
-        parts.append(f"<h3>{e(stage)}</h3><ul>" + "".join(
-            f"<li><code>{e(s['prompt'])}</code> &rarr; <code>{e(s['completion'].strip())}</code></li>" for s in items) + "</ul>")
+        parts.append(
+            f"<h3>{e(stage)}</h3><ul>"
+            + "".join(
+                f"<li><code>{e(s['prompt'])}</code> &rarr; <code>{e(s['completion'].strip())}</code></li>"
+                for s in items
+            )
+            + "</ul>"
+        )
     parts.append("</body></html>")
     return "\n".join(parts)
 
 
-def write_report(store: Store, name: str, title: str, stages: list[StageReport],
-                 samples: dict[str, list]) -> dict[str, Path]:
+def write_report(
+    store: Store, name: str, title: str, stages: list[StageReport], samples: dict[str, list]
+) -> dict[str, Path]:
     """Write the report card under reports/<name>/ (kind "report") and publish it to every node; returns
     this machine's copies of its files (what MLflow logs)."""
     chart = loss_chart(stages, store.writable("report", f"{name}/loss_curves.png"))
-    texts = {"html": render_html(title, stages, chart.name, samples),
-             "md": render_markdown(title, stages, chart.name, samples),
-             "json": json.dumps([s.__dict__ for s in stages], indent=2, default=str)}
+    texts = {
+        "html": render_html(title, stages, chart.name, samples),
+        "md": render_markdown(title, stages, chart.name, samples),
+        "json": json.dumps([s.__dict__ for s in stages], indent=2, default=str),
+    }
     files = {ext: atomic_write(store.writable("report", f"{name}/report.{ext}"), text) for ext, text in texts.items()}
     store.publish("report", name)
     return {**files, "png": chart}

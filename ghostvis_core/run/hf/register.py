@@ -1,0 +1,99 @@
+"""Register a finished stage run's model in MLflow where the checkpoint is, not where Dagster runs: the
+training job does it on rank 0 once training returned (ghostvis_core/run/__main__.py), and the stage
+asset runs `python -m ghostvis_core.run.hf.register --spec URI --tracking-uri URI` for a run whose job
+did not (a cache hit, which only points the stage's alias back at its version; a job whose registry
+was down). Loading the checkpoint, exporting it and MLflow's model logging (transformers) stay out of
+the Dagster process.
+
+The outcome, with the process that produced it, is kept beside the run as
+`runs/<stage>/<run_key>/registered_model.json` (model_record): {"pid", "host", "tracking_uri",
+"model_uri", "version", "created", "seconds"}, or {"pid", "host", "tracking_uri", "error"} when MLflow
+could not take it: the run stands, and the next materialization of the stage registers it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from ghostvis_core.plan.stages import stage as stage_of
+from ghostvis_core.run.cluster.run_files import split_run_uri
+from ghostvis_core.run.track.mlflow_models import StageModel, register_stage_model
+from ghostvis_core.run.train.runs import run_result
+from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.store import Store, open_store
+
+MODEL_FILE = "registered_model.json"  # a run_file of the run
+
+
+def stage_model(spec: LaunchSpec, store: Store) -> StageModel:
+    """The run's model as the registry sees it: the stage's alias, the lineage as version tags."""
+    result = run_result(store, spec.stage, spec.run_key)
+    tags = {**spec.tags, "ghostvis.checkpoint_uri": result.checkpoint_uri}
+    upstream = stage_of(spec.stage).upstream
+    if spec.parent_run_key and spec.tags.get("ghostvis.upstream_stage") == upstream:  # not an HF import
+        tags["ghostvis.parent_mlflow_run_id"] = run_result(store, upstream, spec.parent_run_key).mlflow_run_id
+    return StageModel(
+        spec.mlflow_experiment, spec.stage, result.mlflow_run_id, result.mlflow_experiment_id, result.steps, tags
+    )
+
+
+def export(spec: LaunchSpec, store: Store, out: Path) -> Path:
+    """The run's Hugging Face folder, for MLflow to log (torch and the checkpoint are loaded only for a model
+    not registered yet: a cache hit's subprocess only points the alias)."""
+    from ghostvis_core.run.hf.export import export_run
+
+    return export_run(store, spec.stage, spec.run_key, out)
+
+
+def register_run(spec: LaunchSpec, store: Store, tracking_uri: str) -> dict:
+    """Register the run's model (once per MLflow run) and point the stage's alias at it; the outcome,
+    also saved as the run's model_record. An MLflow failure is recorded, not raised: the run is complete."""
+    started, where = time.time(), {"pid": os.getpid(), "host": socket.gethostname(), "tracking_uri": tracking_uri}
+    try:
+        model = stage_model(spec, store)
+        version, created = register_stage_model(tracking_uri, model, lambda out: export(spec, store, out))
+        record = {
+            **where,
+            "model_uri": f"models:/{model.registered_name}@{spec.stage}",
+            "version": int(version.version),
+            "created": created,
+            "seconds": round(time.time() - started, 1),
+        }
+    except Exception as exc:  # the registry is an add-on to a completed run: never lose the run for it
+        record = {**where, "error": f"{type(exc).__name__}: {exc}"}
+    store.write_json("run_file", spec.stage, spec.run_key, MODEL_FILE, data=record)
+    return record
+
+
+def model_record(store: Store, stage: str, run_key: str) -> dict | None:
+    """What the run's last registration left (None: never registered from this run)."""
+    if not store.exists("run_file", stage, run_key, MODEL_FILE):
+        return None
+    return store.read_json("run_file", stage, run_key, MODEL_FILE)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m ghostvis_core.run.hf.register",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--spec", required=True, help="the run's launch spec: its URI in the store")
+    ap.add_argument("--tracking-uri", required=True, help="the MLflow server (or sqlite:///...) to register in")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # as in the job: an outage fails fast
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    store_uri, stage, run_key, _ = split_run_uri(args.spec)
+    store = open_store(store_uri)
+    record = register_run(LaunchSpec.from_dict(store.read_json("run_spec", stage, run_key)), store, args.tracking_uri)
+    print(record.get("error") or f"{record['model_uri']} -> version {record['version']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""CheckpointManager: the one owner of a run's checkpoints in the store: resume (the newest committed
+checkpoint), commit (a checkpoint and its ledger part together), prune (`checkpoint.keep_last`) and the
+async save in flight. `checkpoint.py` is the on-disk format it writes and reads.
+
+The commit protocol: the ledger part (what the loader delivered since the last checkpoint, gathered from
+every rank) is written inside the checkpoint folder, so both appear at the checkpoint's atomic rename; the
+checkpoint is then published to the store with its COMPLETE marker last, and the part copied into the
+store's ledger. A resume republishes every committed checkpoint's part (idempotent), so a part is never
+lost to a crash between the marker and its copy.
+
+DCP shards on a store in a bucket: every rank uploads its own shard into the checkpoint's place
+(`share_shard`) before rank 0 publishes the rest with the COMPLETE marker last, so ranks on other nodes
+(each with its own cache) need no filesystem shared with rank 0."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ghostvis_core.counts import TokenCounts
+from ghostvis_core.data.ledger import Ledger, pieces_to_rows, row_ranges
+from ghostvis_core.data.loader import Batch, Consumption, merge_pieces
+from ghostvis_core.data.stream import Piece
+from ghostvis_core.run.train import checkpoint as ckpt
+from ghostvis_core.run.train.dist import DistContext, agree, barrier, gather_objects
+from ghostvis_core.run.train.feeds import FedLog
+from ghostvis_core.run.train.grpo import RolloutLog
+from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.run.train.state import TrainState
+from ghostvis_core.store import Store
+
+
+@dataclass
+class PartLog:
+    """What this rank delivered since the last checkpoint, the content of the next ledger part: where it
+    began (step, loader rows), the consumption, the content digests and an rl run's rollouts."""
+
+    first_step: int
+    first_rows: int
+    rows_of: Callable[[Piece], tuple[int, int]]  # the objective's shard rows of a piece
+    consumption: Consumption = field(default_factory=Consumption)
+    fed: FedLog = field(default_factory=FedLog)
+    rollouts: RolloutLog = field(default_factory=RolloutLog)
+
+    def feed(self, step: int, batch: Batch) -> None:
+        """A micro-batch about to go to the model: its content digests and rollouts."""
+        self.fed.add(step, batch)
+        self.rollouts.add(step, batch)
+
+
+@dataclass
+class Pending:
+    """An async checkpoint (checkpoint.async_save) whose shards are still being written."""
+
+    shards: ckpt.ShardsInFlight
+    ledger: Path | None  # rank 0: the staging folder of the checkpoint's ledger part
+    state: dict[str, Any] | None  # rank 0: the TrainState as of the checkpoint's step
+
+
+class CheckpointManager:
+    """One run's checkpoints, on every rank. The async checkpoint in flight is settled by the next
+    `commit` before anything else, and the run's last checkpoint at once, so its marker is written after
+    all of its data and before the next checkpoint or the end of the run."""
+
+    def __init__(
+        self, store: Store, spec: LaunchSpec, ctx: DistContext, *, keep_last: int, async_save: bool, sharded: bool
+    ):
+        self.store, self.spec, self.ctx = store, spec, ctx
+        self.keep_last, self.async_save, self.sharded = keep_last, async_save, sharded
+        self.run_dir = store.writable("checkpoints", spec.stage, spec.run_key)
+        self._pending: Pending | None = None
+
+    def newest(self) -> ckpt.CheckpointRef | None:
+        """The run's newest committed checkpoint in the store (fetched to this node), the same on every rank."""
+        keys = self.store.keys("checkpoint_marker", self.spec.stage, self.spec.run_key)
+        steps = sorted(k[2] for k in keys if ckpt.is_step_dir(k[2]))
+        if steps:
+            self.store.fetch("checkpoint", self.spec.stage, self.spec.run_key, steps[-1])
+        ref = ckpt.latest_complete(self.run_dir)
+        agree(ref.step if ref else None, self.ctx, f"the checkpoint step to resume from in {self.run_dir}")
+        return ref
+
+    def load_model(self, ref: ckpt.CheckpointRef, model: torch.nn.Module) -> TrainState:
+        """The weights and the TrainState of a checkpoint to resume from; the committed checkpoints' ledger
+        parts are published again (a crash may have come between a marker and its part's copy)."""
+        ckpt.load_model(ref.path, model)
+        self.publish_parts()
+        return TrainState.from_dict(ckpt.read_state(ref.path))
+
+    def load_optimizer(self, ref: ckpt.CheckpointRef, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        ckpt.load_optimizer(ref.path, model, optimizer)
+
+    def commit(
+        self,
+        state: TrainState,
+        part: PartLog,
+        record: dict[str, Any] | None,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        final: bool,
+    ) -> None:
+        """Checkpoint `state` (rank 0's is saved) with the ledger part of `part` gathered from every rank;
+        `record` is rank 0's part row without the counts (the sums of what is gathered). Called by all ranks."""
+        self.settle()
+        c = part.consumption
+        gathered = gather_objects((c.pieces, c.counts, c.rows, part.fed.records(self.ctx.rank)), self.ctx)
+        rollouts = [r for rs in gather_objects(part.rollouts.records(self.ctx.rank), self.ctx) for r in rs]
+        drop_stale_shards(self.run_dir, self.ctx.rank)  # every earlier checkpoint is committed by now
+        step = state.step
+        # DCP (fsdp, or any strategy with async_save): every rank writes its shard first; rank 0 commits them
+        in_flight = ckpt.start_shards(self.run_dir, step, model, optimizer) if self.async_save else None
+        shards = ckpt.save_shards(self.run_dir, step, model, optimizer) if self.sharded and not self.async_save else {}
+        if shards:
+            self.share_shard(step, shards[ckpt.DCP_DIR])
+        staging = saved = None
+        if self.ctx.is_main:
+            staging = self.run_dir / f".ledger-{record['part_id']}"
+            write_part(staging, record, gathered, rollouts, part.rows_of, self.ctx.world_size)
+            saved = state.to_dict()
+        if in_flight is not None:
+            self._pending = Pending(in_flight, staging, saved)
+            if final:
+                self.settle()
+        elif self.ctx.is_main:
+            self._save_and_publish(step, saved, {"ledger": staging, **shards}, model, optimizer)
+        barrier(self.ctx)
+
+    def settle(self) -> None:
+        """Commit the async checkpoint in flight, if any: every rank waits for its shard; rank 0 then writes
+        the state, config and ledger part beside the shards, the COMPLETE marker last."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        shards = pending.shards.wait()
+        self.share_shard(pending.shards.step, shards[ckpt.DCP_DIR])
+        if self.ctx.is_main:
+            self._save_and_publish(pending.shards.step, pending.state, {"ledger": pending.ledger, **shards})
+
+    def share_shard(self, step: int, staging: Path) -> None:
+        share_shard(self.store, self.ctx, self.spec.stage, self.spec.run_key, step, staging)
+
+    def _save_and_publish(
+        self,
+        step: int,
+        state: dict[str, Any],
+        extra_dirs: dict[str, Path],
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        """Rank 0: the checkpoint folder (safetensors from `model` and `optimizer`, or the DCP shards in
+        `extra_dirs`), then the store, marker last, then its ledger part into the store's ledger."""
+        before = {c.path.name for c in ckpt.list_complete(self.run_dir)}
+        path = ckpt.save(
+            self.run_dir,
+            step,
+            model=model,
+            optimizer=optimizer,
+            state=state,
+            config=self.spec.config.to_dict(),
+            keep_last=self.keep_last,
+            extra_dirs=extra_dirs,
+        )
+        self.store.publish("checkpoint", self.spec.stage, self.spec.run_key, path.name)
+        self.prune(before)
+        self.publish_parts(only=path)
+
+    def prune(self, before: set[str]) -> None:
+        """Drop from the store the checkpoints `ckpt.save` pruned here (all but the newest `keep_last`)."""
+        for gone in before - {c.path.name for c in ckpt.list_complete(self.run_dir)}:
+            self.store.delete("checkpoint", self.spec.stage, self.spec.run_key, gone)
+
+    def publish_parts(self, only: Path | None = None) -> None:
+        """Copy committed checkpoints' ledger parts into the store's ledger (idempotent: same names)."""
+        refs = [only] if only else [r.path for r in ckpt.list_complete(self.run_dir)]
+        for path in refs:
+            for f in (path / "ledger").rglob("*.parquet"):
+                self.store.put_file("ledger_file", f.relative_to(path / "ledger").as_posix(), src=f)
+
+
+def share_shard(store: Store, ctx: DistContext, stage: str, run_key: str, step: int, staging: Path) -> None:
+    """Called by every rank once its DCP shard is written. On a store in a bucket the rank uploads its
+    own shard file(s) into the checkpoint's place, rank 0 also DCP's `.metadata` (which `publish`, skipping
+    hidden names, would leave out); a folder store needs nothing: every rank wrote into the same folder.
+    The barrier then holds rank 0's marker until every shard is in the store."""
+    if not store.shared_folder:
+        own = [*staging.glob(f"__{ctx.rank}_*.distcp"), *([staging / ".metadata"] if ctx.is_main else [])]
+        for f in sorted(own):
+            store.put_file("checkpoint", stage, run_key, f"{ckpt.step_dir_name(step)}/{ckpt.DCP_DIR}/{f.name}", src=f)
+    barrier(ctx)
+
+
+def drop_stale_shards(run_dir: Path, rank: int) -> None:
+    """This rank's shard files left in staging folders of committed checkpoints: on rank 0's node the
+    folders were renamed into the checkpoints, on another node (its own cache) they were uploaded."""
+    for folder in run_dir.glob(".dcp-step_*"):
+        for f in folder.glob(f"__{rank}_*.distcp"):
+            f.unlink(missing_ok=True)
+        try:
+            folder.rmdir()  # empty once every rank of this node has removed its file
+        except OSError:
+            pass
+
+
+def write_part(
+    folder: Path,
+    record: dict[str, Any],
+    gathered: list,
+    rollouts: list[dict[str, Any]],
+    rows_of: Callable[[Piece], tuple[int, int]],
+    world_size: int,
+) -> None:
+    """The ledger part of the steps since the last checkpoint, from every rank's (pieces, counts, rows,
+    feeds): the part row sums them, and each rank's share and content digests are kept beside it, so a
+    rank whose rows, counts or content went wrong is visible rather than hidden in the sum. An rl run's
+    rollouts (every rank's completions and rewards per step) go beside them."""
+    pieces = [p for ps, _, _, _ in gathered for p in ps]
+    counts = TokenCounts.total(c for _, c, _, _ in gathered)
+    merged, overlap = merge_pieces(pieces)
+    shares = [
+        {
+            "rank": rank,
+            "world_size": world_size,
+            "row_count": len(rows),
+            "row_ranges": json.dumps(row_ranges(rows)),
+            **c.as_dict(),
+        }
+        for rank, (_, c, rows, _) in enumerate(gathered)
+    ]
+    feeds = [f for _, _, _, fs in gathered for f in fs]
+    Ledger(folder).write_part(
+        {**record, **counts.as_dict(), "overlap_tokens": overlap},
+        pieces_to_rows(merged, rows_of),
+        shares,
+        feeds,
+        rollouts or None,
+    )

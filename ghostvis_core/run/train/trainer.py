@@ -1,0 +1,230 @@
+"""Trainer: one stage run while it trains. It owns everything the run holds (spec, config, batch plan,
+model behind its parallel wrapper, optimizer, objective, tracker, checkpoints, the TrainState and the
+clock); its methods are the steps `loop.train` calls, and nothing outside changes its fields.
+
+Loss normalisation: each step's loss is the mean over the loss units of the whole step (all
+micro-batches, all ranks), so grad accumulation and world size change nothing but speed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ghostvis_core.counts import ROLLOUT_METRICS, TokenCounts
+from ghostvis_core.plan.batch import BatchPlan
+from ghostvis_core.plan.config import StageConfig
+from ghostvis_core.run.train.checkpointing import CheckpointManager, PartLog
+from ghostvis_core.run.train.clock import Clock
+from ghostvis_core.run.train.dist import DistContext, all_reduce_sum
+from ghostvis_core.run.train.efficiency import Efficiency
+from ghostvis_core.run.train.finish import report
+from ghostvis_core.run.train.grpo import count_step
+from ghostvis_core.run.train.objectives import Objective
+from ghostvis_core.run.train.parallel import SingleProcess
+from ghostvis_core.run.train.result import RunResult
+from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.run.train.state import TrainState
+from ghostvis_core.run.train.tracking import Tracker
+from ghostvis_core.store import Store
+
+
+@dataclass(eq=False)
+class Trainer:
+    """Built by `setup.setup` (the order of building is part of exact resume); trains with its steps."""
+
+    spec: LaunchSpec
+    cfg: StageConfig
+    ctx: DistContext
+    plan: BatchPlan
+    store: Store
+    parallel: SingleProcess  # or a Replicated / Sharded subclass
+    optimizer: torch.optim.Optimizer
+    objective: Objective
+    bf16: bool
+    tracker: Tracker
+    checkpoints: CheckpointManager
+    state: TrainState
+    clock: Clock
+    resumed: bool
+    frozen_before: str | None
+    efficiency: Efficiency
+    part: PartLog = field(init=False)  # what this rank delivered since the last checkpoint
+    train_loss: float = field(init=False, default=float("nan"))
+    step_reward: float = field(init=False, default=float("nan"))  # rl: the last step's mean reward, all ranks
+    last_val: dict[str, float] = field(init=False, default_factory=dict)  # the newest held-out evaluation
+
+    def __post_init__(self) -> None:
+        self.part = self._new_part()
+
+    @property
+    def total_steps(self) -> int:
+        return self.spec.plan.steps
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.parallel.model
+
+    def autocast(self):
+        return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.bf16)
+
+    def begin(self) -> None:
+        """The run's first line; at step 0 the evaluation before training, on a resume the token point of
+        the step it resumes from again (the interrupted segment's last points may not have reached MLflow
+        before it died; `mlflow_token_history` reads it)."""
+        s, p = self.state, self.plan
+        self.tracker.say(
+            f"[{self.spec.stage}] run {self.spec.run_key} segment {s.segment}: "
+            f"{'resume from step ' + str(s.step) if self.resumed else 'start'}; tokens_per_step={p.tokens_per_step} "
+            f"({p.micro_batch_size} x {p.seq_len} x world {p.world_size} x accum {p.grad_accum_steps}), "
+            f"{self.total_steps} steps, bf16={self.bf16}"
+        )
+        if s.step == 0:
+            with self.parallel.evaluating():
+                s.val_start = self.objective.evaluate(self.model, self.ctx, self.autocast, evidence=True)
+            self.tracker.metrics(s.val_start, step=0)
+        else:
+            self.tracker.metrics(self.token_metrics(), step=s.step)
+        self.last_val = dict(s.val_last or s.val_start)
+
+    def train_step(self) -> None:
+        """One optimizer step over the step's micro-batches; the counts are summed over ranks."""
+        s, ctx = self.state, self.ctx
+        started = time.time()
+        lr = lr_at(s.step, self.total_steps, self.cfg)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr * g.get("lr_scale", 1.0)  # Muon's group: muon_lr on the same schedule
+        batches = self.objective.step_batches(s.loader.rows, self.plan, ctx.rank)
+        (n_units,) = all_reduce_sum([sum(b.units for b in batches)], ctx, dtype=torch.int64)
+        loss_total = 0.0
+        for m, b in enumerate(batches):
+            self.part.feed(s.step + 1, b)
+            with self.parallel.accumulating(last_micro_step=m == len(batches) - 1):
+                with self.autocast():
+                    loss_sum = self.objective.loss_sum(self.parallel.forward_module, b, ctx.device)
+                (loss_sum * (ctx.world_size / max(1, n_units))).backward()
+            loss_total += float(loss_sum.detach())
+            self.part.consumption.add(b)
+        if self.cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        step_counts = TokenCounts.total(b.counts for b in batches)
+        reduced = all_reduce_sum([loss_total, *step_counts.as_list()], ctx)
+        self.train_loss = reduced[0] / max(1, n_units)
+        s.counts = s.counts + TokenCounts.from_list(reduced[1:])
+        s.generated, self.step_reward = count_step(self.part.rollouts, s.step + 1, s.generated, ctx)
+        s.step += 1
+        s.loader.advance(self.plan.rows_per_step)
+        self.clock.tick(started)
+
+    def progress(self) -> dict[str, float]:
+        """Every log_every_steps (and at the first and last step): a progress line and its metrics. At every
+        checkpoint step at least the token figures, so each committed ledger part has its MLflow point to
+        be checked against (`mlflow_token_history`)."""
+        s = self.state
+        if not (s.step % self.cfg.runtime.log_every_steps == 0 or s.step in (1, self.total_steps)):
+            return self.token_metrics() if s.step % self.cfg.checkpoint.every_steps == 0 else {}
+        tok_s = self.clock.tokens_per_sec(self.plan.tokens_per_step)
+        lr = self.optimizer.param_groups[0]["lr"]
+        eta = self.clock.eta_s(self.total_steps - s.step)
+        self.tracker.say(
+            f"[{self.spec.stage}] step {s.step}/{self.total_steps} loss {self.train_loss:.4f} lr {lr:.2e} "
+            f"{tok_s:,.0f} tok/s MFU {self.efficiency.mfu(tok_s):.1%} eta {eta:,.0f}s "
+            f"tokens/real {s.counts.real_tokens:,}",
+            pipes=True,
+        )
+        return {
+            "train/loss": self.train_loss,
+            "lr": lr,
+            "throughput/tokens_per_sec": tok_s,
+            **self.token_metrics(),
+            "time/step_s": self.clock.last_step_s,
+            **self.efficiency.metrics(tok_s, self.ctx.device),
+        }
+
+    def token_metrics(self) -> dict[str, float]:
+        """The token figures' running totals; for a stage that samples (rl) also the rollout figures and the
+        step's mean reward (none yet right after a resume)."""
+        s = self.state
+        out: dict[str, float] = {**s.counts.as_metrics(), **{ROLLOUT_METRICS[k]: v for k, v in s.generated.items()}}
+        if s.generated and not math.isnan(self.step_reward):
+            out["rl/reward_mean"] = self.step_reward
+        return out
+
+    def evaluate(self) -> dict[str, float]:
+        """Held-out evaluation every eval.every_steps and at the end (with the stage's evidence)."""
+        s = self.state
+        if not (s.step % self.cfg.eval.every_steps == 0 or s.step == self.total_steps):
+            return {}
+        with self.parallel.evaluating():
+            self.last_val = self.objective.evaluate(
+                self.model, self.ctx, self.autocast, evidence=s.step == self.total_steps
+            )
+        val_loss = self.last_val.get("val/loss", float("nan"))
+        self.tracker.say(f"[{self.spec.stage}] step {s.step} val/loss {val_loss:.4f}")
+        return self.last_val
+
+    def log(self, metrics: dict[str, float]) -> None:
+        self.tracker.metrics(metrics, step=self.state.step)
+
+    def checkpoint(self) -> None:
+        """Every checkpoint.every_steps and at the end: the checkpoint and its ledger part, committed
+        together (`CheckpointManager.commit`); the next part starts here."""
+        s = self.state
+        if not (s.step % self.cfg.checkpoint.every_steps == 0 or s.step == self.total_steps):
+            return
+        s.val_last = self.last_val
+        part_id = f"{self.spec.run_key}.s{s.segment:03d}.p{s.step:09d}"
+        record = self._part_record(part_id) if self.ctx.is_main else None
+        s.head_part_id = part_id
+        if self.ctx.is_main:
+            s.mlflow_run_id = self.tracker.run_id()
+            s.capture_rng()
+        self.checkpoints.commit(s, self.part, record, self.model, self.optimizer, final=s.step == self.total_steps)
+        self.part = self._new_part()
+
+    def finish(self) -> RunResult:
+        """The RunResult, the last MLflow metrics and the run record (`finish.report`)."""
+        return report(self)
+
+    def _new_part(self) -> PartLog:
+        return PartLog(self.state.step, self.state.loader.rows, self.objective.rows_of)
+
+    def _part_record(self, part_id: str) -> dict:
+        """The ledger part's row but for the counts (the checkpoint manager sums them over ranks)."""
+        s, p, spec = self.state, self.plan, self.spec
+        return {
+            "part_id": part_id,
+            "prev_part_id": s.head_part_id or "",
+            "run_key": spec.run_key,
+            "parent_run_key": spec.parent_run_key or "",
+            "stage": spec.stage,
+            "segment": s.segment,
+            "step_first": self.part.first_step + 1,
+            "step_last": s.step,
+            "rows_first": self.part.first_rows,
+            "rows_last": s.loader.rows,
+            "micro_batch_size": p.micro_batch_size,
+            "seq_len": p.seq_len,
+            "world_size": p.world_size,
+            "grad_accum_steps": p.grad_accum_steps,
+            "tokens_per_step": p.tokens_per_step,
+            "planned_tokens": spec.plan.planned_tokens,
+            "allow_repeat": self.cfg.data.allow_repeat,
+            "replay_sources": json.dumps(self.cfg.data.replay_sources),
+            "mlflow_run_id": self.tracker.run_id(),
+        }
+
+
+def lr_at(step: int, total: int, cfg: StageConfig) -> float:
+    """Linear warmup, then cosine decay to min_lr_ratio x lr at the last step."""
+    o = cfg.optim
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress_ = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
+    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress_))))

@@ -1,0 +1,153 @@
+"""One resolution step makes every stage config: its precedence, its frozen typed result, its inputs from the
+run's data (tokenizer vocabulary, registered sources), and the launch spec that carries it typed.
+
+tests/data/resolved_configs.json holds, for every stage x preset and run mode, the flattened config (or the
+refusal) that the code before `presets.resolve` took these inputs produced; a deliberate preset change updates it:
+.venv/bin/python -c 'import json, tests.test_config_resolution as t;
+  t.GOLDEN.write_text(json.dumps(t.resolved_values(), indent=1, sort_keys=True))'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan import presets, run_modes, stages
+from ghostvis_core.plan.budget import Plan, plan
+from ghostvis_core.plan.config import StageConfig, flatten
+from ghostvis_core.run.train.spec import LaunchSpec, SourceBudget, StageInputs
+
+GOLDEN = Path(__file__).resolve().parent / "data" / "resolved_configs.json"
+TEXT = (
+    {"source": "web", "kind": "text", "split": "train", "tokens": 300},
+    {"source": "web", "kind": "text", "split": "validation", "tokens": 50},
+)
+
+
+def resolved_values() -> dict[str, dict]:
+    """stage/preset -> the flattened resolved config, or {"error": the refusal}."""
+    out = {}
+    for name in [*presets.preset_names(), *run_modes.MODES]:
+        for stage in stages.stage_names():
+            try:
+                preset, overrides = run_modes.expand(stage, name, {})
+                out[f"{stage}/{name}"] = flatten(presets.resolve(stage, preset, overrides).to_dict())
+            except GhostvisError as exc:
+                out[f"{stage}/{name}"] = {"error": str(exc)}
+    return out
+
+
+def test_every_stage_and_preset_resolves_to_the_values_it_had_before():
+    want, got = json.loads(GOLDEN.read_text()), resolved_values()
+    assert sorted(got) == sorted(want)
+    differ = {
+        key: sorted(k for k in {*want[key], *got[key]} if want[key].get(k) != got[key].get(k))
+        for key in want
+        if want[key] != got[key]
+    }
+    assert not differ, f"resolved values changed: {differ}"
+    assert sum("error" not in v for v in got.values()) == 28  # 8 stages x (tiny, smoke) + pretrain x 3 + 9 modes
+
+
+def test_each_input_wins_over_the_ones_before_it():
+    upstream = presets.resolve("continued_pretrain", "tiny").to_dict()
+    upstream["model"] |= {"d_model": 128, "ffn_hidden": 344, "rope_scaling": 2.0}  # a checkpoint of another shape
+    cfg = presets.resolve(
+        "context_expansion",
+        "tiny",
+        {"optim.lr": "1e-4"},
+        upstream=upstream,
+        sources=presets.RegisteredSources("tok", TEXT),
+    )
+    assert cfg.optim.beta1 == 0.9  # 1. the dataclass default
+    assert (cfg.objective, cfg.init_from, cfg.eval.evidence) == ("lm", "continued_pretrain", ("beyond_context_loss",))
+    assert cfg.checkpoint.every_steps == 20  # 3. the preset's delta over the default 100
+    assert (cfg.model.d_model, cfg.model.rope_scaling) == (128, 2.0)  # 4. inherited from the upstream checkpoint
+    assert (cfg.model.max_seq_len, cfg.model.rope_base) == (1024, 160000.0)  # the preset's declared model change
+    assert cfg.optim.lr == 1e-4  # 5. the override over the preset's 5e-4
+    assert [(s.source, s.weight) for s in cfg.data.recipe] == [("web", 1.0)]  # 6. the registered sources
+    assert cfg.data.val_sources == ("web",)
+
+
+def test_the_tokenizer_vocabulary_sizes_a_fresh_model_and_must_match_a_continued_one():
+    vocab = presets.TokenizerVocab("tok", 4000)
+    assert presets.resolve("pretrain", "smoke", vocab=vocab).model.vocab_size == 4032  # padded to 64
+    with pytest.raises(
+        GhostvisError,
+        match=r"model.vocab_size=4096 does not fit tokenizer tok \(4000 tokens, "
+        r"padded to 4032\); drop the override",
+    ):
+        presets.resolve("pretrain", "smoke", {"model.vocab_size": 4096}, vocab=vocab)
+    upstream = presets.resolve("pretrain", "smoke").to_dict()  # vocab_size 4096
+    with pytest.raises(
+        GhostvisError,
+        match=r"tokenizer tok has 4000 tokens \(padded 4032\) but the upstream "
+        r"pretrain model has vocab_size 4096",
+    ):
+        presets.resolve("continued_pretrain", "smoke", upstream=upstream, vocab=vocab)
+
+
+def test_the_resolved_config_is_frozen_to_the_leaves():
+    cfg = presets.resolve("reasoning_mix", "tiny")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.optim.lr = 1.0
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.data.recipe[0].weight = 1.0
+    assert isinstance(cfg.data.recipe, tuple) and isinstance(cfg.data.replay_sources, tuple)
+    faster = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, lr=1e-3))
+    assert (faster.optim.lr, cfg.optim.lr) == (1e-3, 7e-4)
+
+
+@pytest.mark.parametrize(
+    "key, value, choices",
+    [
+        ("parallel.strategy", "zero3", "ddp, fsdp"),
+        ("optim.name", "sgd", "adamw, muon"),
+        ("runtime.precision", "fp16", "auto, bf16, fp32"),
+        ("runtime.compile", "yes", "auto, on, off"),
+        ("objective", "ppo", "lm, vision_align, sft, dpo, grpo"),
+    ],
+)
+def test_an_enum_like_field_names_the_field_the_value_and_the_choices(key, value, choices):
+    with pytest.raises(
+        GhostvisError,
+        match=rf"config config.{key}: '{value}' is not one of {choices}; "
+        rf"set one of them \(e.g. --set {key}=",
+    ):
+        presets.resolve("pretrain", "tiny", {key: value})
+
+
+def test_presets_are_resolved_once_per_stage_and_preset():
+    presets._preset_config.cache_clear()
+    presets.resolve("rl", "smoke")
+    assert presets._preset_config.cache_info().misses == len(stages.STAGES) - 1  # each upstream stage once
+    presets.resolve("dpo", "smoke")
+    assert presets._preset_config.cache_info().misses == len(stages.STAGES) - 1
+
+
+def test_the_launch_spec_round_trips_its_typed_config_and_plan():
+    for stage in stages.stage_names():
+        cfg = presets.resolve(stage, "smoke")
+        assert StageConfig.from_dict(json.loads(cfg.to_json())) == cfg
+        p = plan(cfg)
+        spec = LaunchSpec(
+            stage=stage,
+            run_key=f"{stage}-0123456789-r1",
+            config=cfg,
+            plan=p,
+            store="/s",
+            tokenizer_id="tok",
+            train_shards={},
+            val_shards={},
+            mlflow_tracking_uri="sqlite://",
+            mlflow_experiment="ghostvis",
+            mlflow_artifact_location="file:///a",
+            inputs=StageInputs(source_budget={"web": SourceBudget(100, 200, 2, 0.5)}),
+        )
+        back = LaunchSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+        assert back == spec and isinstance(back.config, StageConfig) and isinstance(back.plan, Plan)
+        assert back.plan.batch.tokens_per_step == p.tokens_per_step

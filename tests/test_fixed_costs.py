@@ -1,0 +1,51 @@
+"""Fixed costs of a stage launch (issue 26): what a rank imports before its first optimizer step.
+The timings are benchmarks/fixed_costs.py's; these tests keep the libraries that are needed only later
+(or never, on a run's path to step 1) from coming back onto that path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+
+from ghostvis_core.data.token_shard import list_column, numpy_view, write_token_shard
+
+# Needed only after training (the HF export and model registration), only on the MLflow logging thread,
+# only with an S3 store, or only by pyarrow's pandas conversion: none of it before step 1.
+LATER = ("mlflow", "transformers", "huggingface_hub", "pandas", "boto3", "scipy", "datatrove")
+
+IMPORT_AND_READ = """
+import sys
+from pathlib import Path
+import ghostvis_core.run.__main__
+from ghostvis_core.data.token_shard import TokenShard
+shard = TokenShard.open(Path(sys.argv[1]))
+print(shard.num_docs, shard.doc_tokens(1).tolist(), shard.doc_list("mask", 1).tolist())
+print(" ".join(sorted(name for name in sys.argv[2:] if name in sys.modules)))
+"""
+
+
+def test_the_entry_point_and_a_token_shard_read_import_nothing_needed_later(tmp_path):
+    path = tmp_path / "00000.arrow"
+    write_token_shard(
+        path,
+        {
+            "row": pa.array([0, 1, 2]),
+            "tokens": list_column([2, 3, 0], [5, 6, 7, 8, 9], np.uint16),
+            "mask": list_column([2, 3, 0], [0, 1, 0, 1, 1], np.uint8),
+        },
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORT_AND_READ, str(path), *LATER], capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out[0] == "3 [7, 8, 9] [0, 1, 1]"
+    assert out[1] == "", f"imported before the first step although needed only later: {out[1]}"
+
+
+def test_numpy_view_matches_pyarrow_for_slices_and_empty_arrays():
+    values = pa.array(np.arange(10, dtype=np.int64))
+    for array in (values, values.slice(3, 4), values.slice(10, 0), pa.array([], pa.uint16())):
+        view = numpy_view(array)
+        assert view.dtype == array.type.to_pandas_dtype() and view.tolist() == array.to_pylist()
