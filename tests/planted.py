@@ -62,9 +62,11 @@ BUGS: dict[str, list[tuple[str, str, str, str]]] = {
     "resume_rewinds": [
         (
             "ghostvis_core.run.train.setup",
-            "setup",
-            "        state = checkpoints.load_model(resume, model)\n",
-            "        state = checkpoints.load_model(resume, model)\n        state.loader.rows = 0\n",
+            "_starting_state",
+            "        return checkpoints.load_model(resume, model)\n",
+            "        state = checkpoints.load_model(resume, model)\n"
+            "        state.loader.rows = 0\n"
+            "        return state\n",
         )
     ],
     # the last ledger part is never published to the store's ledger
