@@ -21,6 +21,7 @@ from ghostvis_core.plan.budget import (
     GPUS,
     LM_NEEDED_RULE,
     MemoryPlan,
+    Plan,
     budget_for_hours,
     memory_refusal,
     source_plan,
@@ -33,8 +34,6 @@ from ghostvis_core.plan.run_modes import (
     compute_optimal_params,
     describe,
     mode_of,
-    mode_overrides,
-    plan_mode,
 )
 from ghostvis_core.plan.stages import stage, stage_names
 from ghostvis_pipeline import data_command, export_command, status_command, store_command, train_command
@@ -171,7 +170,7 @@ def cmd_plan(args) -> int:
         return print_modes(args.stage, args.json)
     mode = plan_mode_args(args)
     overrides = plan_overrides(args)
-    cfg = presets.resolve(args.stage, args.preset, mode_overrides(args.stage, mode, overrides) if mode else overrides)
+    cfg = presets.resolve(args.stage, mode.name if mode else args.preset, overrides)
     if args.hours is not None:
         cfg = budget_for_hours(
             cfg, args.hours, step_time_s=args.step_time, gpu=args.gpu, mfu=args.mfu, params=args.params
@@ -261,6 +260,14 @@ def print_plan(args, p, sources: list[dict]) -> None:
                 f"  {sp['source']:<16} {sp['weight']:>6.2f} {sp['needed_tokens']:>16,} {avail:>16} {ep:>7} {need:>13}"
             )
         print(f"  ({needed_rule(args.stage)})")
+
+
+def plan_mode(name: str, stage_name: str = "pretrain", overrides: dict | None = None) -> Plan:
+    """The planner's plan of a run mode on its own hardware: steps, tokens, step time, hours, memory."""
+    mode = mode_of(name)
+    if mode is None:
+        raise GhostvisError(f"'{name}' is a model preset, not a run mode; run modes: {', '.join(MODES)}")
+    return make_plan(presets.resolve(stage_name, name, overrides), gpu=mode.gpu, mfu=mode.mfu)
 
 
 def print_modes(stage_name: str, as_json: bool) -> int:

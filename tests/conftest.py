@@ -47,6 +47,13 @@ def run_cli(args: list[str], home: Path, timeout: float = 600, check: bool = Tru
     return proc
 
 
+def torchrun_stage(stage: str, *sets: str, preset: str = "smoke", nproc: int = 2) -> list[str]:
+    """`torchrun --standalone --nproc_per_node=N -m ghostvis_core.run --stage S --preset P --set k=v ...`:
+    a stage under plain torchrun, as a user runs it (the torchrun of this environment)."""
+    cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "-m", "ghostvis_core.run"]
+    return [*cmd, "--stage", stage, "--preset", preset, *(a for s in sets for a in ("--set", s))]
+
+
 def copy_home(src: Path, dest: Path) -> Path:
     """Copy a GHOSTVIS_HOME, hard-linking its write-once files (committed checkpoint steps, MLflow
     artifacts) instead of copying them: the suite copies the demo home dozens of times, which would

@@ -45,7 +45,7 @@ def trained(seed=0, cfg=CFG):
     return model, opt
 
 
-def save(run_dir: Path, step: int, model, opt, keep_last=10, **state) -> Path:
+def save(run_dir: Path, step: int, model, opt, **state) -> Path:
     return ckpt.save(
         run_dir,
         step,
@@ -53,7 +53,6 @@ def save(run_dir: Path, step: int, model, opt, keep_last=10, **state) -> Path:
         optimizer=opt,
         state={"step": step, **state},
         config={"model": dataclasses.asdict(CFG)},
-        keep_last=keep_last,
     )
 
 
@@ -99,7 +98,7 @@ def test_round_trip_restores_identical_weights_and_optimizer_state(tmp_path):
 def test_round_trip_with_tied_embeddings(tmp_path):
     cfg = dataclasses.replace(CFG, tie_embeddings=True)
     model, opt = trained(seed=0, cfg=cfg)
-    path = ckpt.save(tmp_path / "run", 1, model=model, optimizer=opt, state={}, config={}, keep_last=2)
+    path = ckpt.save(tmp_path / "run", 1, model=model, optimizer=opt, state={}, config={})
     torch.manual_seed(5)
     model2 = GPT(cfg)
     ckpt.load_model(path, model2)
@@ -110,7 +109,7 @@ def test_round_trip_with_tied_embeddings(tmp_path):
 # ---------------------------------------------------------------- atomic commit
 
 
-def test_leftover_tmp_dir_is_ignored_and_pruned_by_next_save(tmp_path):
+def test_leftover_tmp_dir_is_ignored_and_removed_by_the_next_prune(tmp_path):
     run = tmp_path / "run"
     model, opt = trained()
     save(run, 1, model, opt)
@@ -122,7 +121,7 @@ def test_leftover_tmp_dir_is_ignored_and_pruned_by_next_save(tmp_path):
     assert [c.step for c in ckpt.list_complete(run)] == [1]
     assert ckpt.latest_complete(run).step == 1
     save(run, 3, model, opt)
-    assert not crashed.exists()
+    assert ckpt.prune(run, 2) == [] and not crashed.exists()
     assert [c.step for c in ckpt.list_complete(run)] == [1, 3]
     assert sorted(p.name for p in run.iterdir()) == ["step_000000001", "step_000000003"]
 
@@ -150,8 +149,8 @@ def test_crash_during_save_leaves_no_committed_checkpoint(tmp_path, monkeypatch)
     # a crash that kills the process mid-write (no cleanup) leaves a .tmp folder: ignored, then pruned
     (run / ".tmp-step_000000002-dead").mkdir()
     assert [c.step for c in ckpt.list_complete(run)] == [1]
-    save(run, 2, model, opt)  # the retry commits and cleans up
-    assert [c.step for c in ckpt.list_complete(run)] == [1, 2]
+    save(run, 2, model, opt)  # the retry commits, the manager's prune cleans up
+    assert ckpt.prune(run, 2) == [] and [c.step for c in ckpt.list_complete(run)] == [1, 2]
     assert not any(p.name.startswith(".tmp-") for p in run.iterdir())
 
 
@@ -193,20 +192,23 @@ def test_prune_keeps_the_newest_two(tmp_path):
     run = tmp_path / "run"
     model, opt = trained()
     for step in (10, 20, 30, 40, 50):
-        save(run, step, model, opt, keep_last=100)
+        save(run, step, model, opt)
     assert [c.step for c in ckpt.list_complete(run)] == [10, 20, 30, 40, 50]
     ckpt.prune(run, 2)
     assert [c.step for c in ckpt.list_complete(run)] == [40, 50]
     assert sorted(p.name for p in run.iterdir()) == ["step_000000040", "step_000000050"]
 
 
-def test_save_prunes_as_it_goes_and_never_deletes_the_newest(tmp_path):
+def test_pruning_after_each_save_keeps_the_newest_and_names_what_it_removed(tmp_path):
     run = tmp_path / "run"
     model, opt = trained()
+    removed = []
     for step in (1, 2, 3, 4):
-        save(run, step, model, opt, keep_last=2)
+        save(run, step, model, opt)
+        removed += ckpt.prune(run, 2)
         steps = [c.step for c in ckpt.list_complete(run)]
         assert steps[-1] == step and len(steps) == min(step, 2)
+    assert removed == ["step_000000001", "step_000000002"]
     for keep in (0, -3):
         ckpt.prune(run, keep)
         assert [c.step for c in ckpt.list_complete(run)] == [4]
@@ -216,7 +218,7 @@ def test_prune_orders_by_step_number_not_by_name_or_mtime(tmp_path):
     run = tmp_path / "run"
     model, opt = trained()
     for step in (100, 9, 1000):  # written out of order
-        save(run, step, model, opt, keep_last=100)
+        save(run, step, model, opt)
     ckpt.prune(run, 2)
     assert [c.step for c in ckpt.list_complete(run)] == [100, 1000]
 

@@ -34,8 +34,7 @@ def resolved_values() -> dict[str, dict]:
     for name in [*presets.preset_names(), *run_modes.MODES]:
         for stage in stages.stage_names():
             try:
-                preset, overrides = run_modes.expand(stage, name, {})
-                out[f"{stage}/{name}"] = flatten(presets.resolve(stage, preset, overrides).to_dict())
+                out[f"{stage}/{name}"] = flatten(presets.resolve(stage, name).to_dict())
             except GhostvisError as exc:
                 out[f"{stage}/{name}"] = {"error": str(exc)}
     return out

@@ -17,7 +17,7 @@ from ghostvis_core.plan import presets
 from ghostvis_core.plan.budget import flops_per_token, plan
 from ghostvis_core.plan.stages import stage_names
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
-from tests.conftest import run_cli
+from tests.conftest import run_cli, torchrun_stage
 
 pytestmark = pytest.mark.e2e
 
@@ -184,19 +184,7 @@ def test_a_config_inconsistent_with_the_upstream_checkpoint_fails_before_torchru
 
 def test_plain_torchrun_runs_a_stage_without_dagster(home_copy):
     proc = run_cli(
-        [
-            "torchrun",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "ghostvis_core.run",
-            "--stage",
-            "pretrain",
-            "--preset",
-            "smoke",
-            "--set",
-            "budget.steps=4",
-        ],
+        torchrun_stage("pretrain", "budget.steps=4"),
         home_copy,
         OMP_NUM_THREADS="1",
     )

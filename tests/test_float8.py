@@ -59,14 +59,14 @@ def test_a_converted_checkpoint_loads_into_an_unconverted_model_and_back(tmp_pat
     converted = gpt(seed=1)
     float8.convert(converted)
     opt = torch.optim.AdamW(converted.parameters(), lr=1e-3)
-    path = ckpt.save(tmp_path / "run", 5, model=converted, optimizer=opt, state={"step": 5}, config={}, keep_last=2)
+    path = ckpt.save(tmp_path / "run", 5, model=converted, optimizer=opt, state={"step": 5}, config={})
     plain = gpt(seed=2)  # other weights, so equality below means they were loaded
     ckpt.load_model(path, plain)
     want, got = converted.state_dict(), plain.state_dict()
     assert list(got) == list(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
     # and back: an unconverted checkpoint (the upstream stage trained in bf16) into a converted model
-    path = ckpt.save(tmp_path / "plain", 1, model=gpt(seed=3), optimizer=None, state={}, config={}, keep_last=2)
+    path = ckpt.save(tmp_path / "plain", 1, model=gpt(seed=3), optimizer=None, state={}, config={})
     again = gpt(seed=4)
     float8.convert(again)
     ckpt.load_model(path, again)

@@ -138,7 +138,6 @@ def _write_then_continue(rank, world, run_dir, strategy="fsdp"):
             optimizer=opt,
             state={"step": 3, "rows": 3 * ROWS_PER_STEP},
             config={},
-            keep_last=2,
             extra_dirs=shards,
         )
     dist.barrier()
@@ -213,7 +212,6 @@ def _write_async_then_continue(rank, world, run_dir, strategy):
             optimizer=opt,
             state={"step": 3, "rows": 3 * ROWS_PER_STEP},
             config={},
-            keep_last=2,
             extra_dirs=extra,
         )
     dist.barrier()
@@ -300,9 +298,7 @@ def test_a_tampered_dcp_metadata_file_is_refused_without_running_it(tmp_path, mo
     model = GPT(CFG)
     opt = _optimizer(model)
     shards = ckpt.save_shards(tmp_path, 1, model, opt)  # one process, no process group
-    path = ckpt.save(
-        tmp_path, 1, model=model, optimizer=opt, state={"step": 1}, config={}, keep_last=1, extra_dirs=shards
-    )
+    path = ckpt.save(tmp_path, 1, model=model, optimizer=opt, state={"step": 1}, config={}, extra_dirs=shards)
     ckpt.load_model(path, GPT(CFG))  # the untampered one loads
     flag = tmp_path / "payload-ran"
     monkeypatch.setenv("GHOSTVIS_PAYLOAD", str(flag))
@@ -312,7 +308,7 @@ def test_a_tampered_dcp_metadata_file_is_refused_without_running_it(tmp_path, mo
     assert not flag.exists()
 
 
-ASYNC_RUN = ["--set", "budget.steps=6", "--set", "checkpoint.every_steps=2", "--set", "parallel.strategy=fsdp"]
+ASYNC_RUN = ["budget.steps=6", "checkpoint.every_steps=2", "parallel.strategy=fsdp"]
 
 
 @pytest.mark.e2e
@@ -323,23 +319,11 @@ def test_the_trainer_with_async_checkpoints_trains_and_commits_like_the_sync_one
     and ledger totals equal the sync run's."""
     from ghostvis_core.data.ledger import Ledger
     from ghostvis_core.home import Home
-    from tests.conftest import run_cli
+    from tests.conftest import run_cli, torchrun_stage
 
-    for extra in ([], ["--set", "checkpoint.async_save=true"]):
+    for extra in ([], ["checkpoint.async_save=true"]):
         run_cli(
-            [
-                "torchrun",
-                "--standalone",
-                "--nproc_per_node=2",
-                "-m",
-                "ghostvis_core.run",
-                "--stage",
-                "pretrain",
-                "--preset",
-                "smoke",
-                *ASYNC_RUN,
-                *extra,
-            ],
+            torchrun_stage("pretrain", *ASYNC_RUN, *extra),
             home_copy,
             OMP_NUM_THREADS="1",
         )
@@ -411,7 +395,6 @@ def _write_through_s3(rank, world, env, tmp):
             optimizer=opt,
             state={"step": 3, "rows": 3 * ROWS_PER_STEP},
             config={},
-            keep_last=2,
             extra_dirs=shards,
         )
         store.publish("checkpoint", "pretrain", "run-r1", "step_000000003")

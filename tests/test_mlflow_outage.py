@@ -14,7 +14,7 @@ import pytest
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.run.train.runs import run_result
-from tests.conftest import BIN, cli_env
+from tests.conftest import BIN, cli_env, torchrun_stage
 
 pytestmark = pytest.mark.e2e
 
@@ -73,23 +73,7 @@ def test_training_survives_an_mlflow_outage_and_the_metrics_arrive_complete(home
     server = start_server(port, store)
     steps = 20
     train = subprocess.Popen(
-        [
-            str(BIN / "torchrun"),
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "ghostvis_core.run",
-            "--stage",
-            "pretrain",
-            "--preset",
-            "smoke",
-            "--set",
-            f"budget.steps={steps}",
-            "--set",
-            "runtime.log_every_steps=1",
-            "--set",
-            "checkpoint.every_steps=10",
-        ],
+        torchrun_stage("pretrain", f"budget.steps={steps}", "runtime.log_every_steps=1", "checkpoint.every_steps=10"),
         env=cli_env(home_copy, MLFLOW_TRACKING_URI=uri, OMP_NUM_THREADS="1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -18,7 +18,7 @@ from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.run.train.muon import Muon, make_muon, orthogonalized, zeropower_via_newtonschulz5
 from ghostvis_core.run.train.parallel import wrap
-from tests.conftest import run_cli
+from tests.conftest import run_cli, torchrun_stage
 from tests.test_fsdp import CFG, ROWS_PER_STEP, spawn, train_steps
 
 OPTIM = OptimConfig(name="muon", lr=1e-2, muon_lr=0.02)
@@ -141,7 +141,6 @@ def _write_then_continue(rank, world, run_dir, strategy):
             optimizer=opt,
             state={"step": 3, "rows": 3 * ROWS_PER_STEP},
             config={},
-            keep_last=2,
             extra_dirs=shards,
         )
     dist.barrier()
@@ -183,18 +182,7 @@ def test_the_trainer_runs_muon_under_fsdp_through_torchrun(home_copy):
 
     sets = ["optim.name=muon", "budget.steps=8", "parallel.strategy=fsdp", "checkpoint.every_steps=4"]
     run_cli(
-        [
-            "torchrun",
-            "--standalone",
-            "--nproc_per_node=2",
-            "-m",
-            "ghostvis_core.run",
-            "--stage",
-            "pretrain",
-            "--preset",
-            "smoke",
-            *[a for s in sets for a in ("--set", s)],
-        ],
+        torchrun_stage("pretrain", *sets),
         home_copy,
     )
     client = MlflowClient(Home(home_copy).mlflow_tracking_uri)

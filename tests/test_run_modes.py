@@ -17,8 +17,9 @@ from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan import presets
 from ghostvis_core.plan.budget import GPUS, memory_plan, plan
 from ghostvis_core.plan.config import BudgetConfig
-from ghostvis_core.plan.run_modes import MODES, expand, mode_overrides, model_preset, plan_mode
+from ghostvis_core.plan.run_modes import MODES, model_preset
 from ghostvis_pipeline.cli import main as cli_main
+from ghostvis_pipeline.cli import plan_mode
 
 
 @pytest.mark.parametrize("name", list(MODES))
@@ -36,8 +37,7 @@ def test_a_modes_steps_spend_its_stated_hours_at_its_mfu(name):
 @pytest.mark.parametrize("name", list(MODES))
 def test_each_modes_model_fits_its_gpu(name):
     mode = MODES[name]
-    preset, o = expand("pretrain", name, {})
-    mp = memory_plan(presets.resolve("pretrain", preset, o), gpu=mode.gpu)
+    mp = memory_plan(presets.resolve("pretrain", name), gpu=mode.gpu)
     assert mp.fits and mp.world_size == mode.gpus and mp.total_gb <= GPUS[mode.gpu].memory_gb * 0.9
 
 
@@ -77,23 +77,30 @@ def test_a_budget_or_world_size_override_contradicts_the_mode():
         match=r"run mode 1xh100-4h: budget.steps is derived from the mode "
         r"\(1 x H100, 4 h at MFU 0.4\); drop it, or use the model preset 500m",
     ):
-        mode_overrides("pretrain", MODES["1xh100-4h"], {"budget.steps": "10"})
+        presets.resolve("pretrain", "1xh100-4h", {"budget.steps": "10"})
     with pytest.raises(GhostvisError, match="batch.world_size is derived from the mode"):
-        expand("pretrain", "8xh100-4h", {"batch.world_size": 4})
+        presets.resolve("pretrain", "8xh100-4h", {"batch.world_size": 4})
 
 
 def test_a_mode_whose_model_does_not_fit_is_refused_with_the_numbers_and_the_fix():
     with pytest.raises(GhostvisError) as exc:
-        expand("pretrain", "1xa100-1h", {"batch.micro_batch_size": 64})
+        presets.resolve("pretrain", "1xa100-1h", {"batch.micro_batch_size": 64})
     msg = str(exc.value)
     assert msg.startswith("run mode 1xa100-1h: stage pretrain: ")
     assert "does not fit A100 (72.0 of 80 GB usable) on 1 GPUs; fix:" in msg
 
 
-def test_a_preset_passes_through_unchanged():
-    assert expand("pretrain", "tiny", {"budget.steps": 5}) == ("tiny", {"budget.steps": 5})
+def test_a_mode_resolves_once_to_its_model_preset_and_world_size(monkeypatch):
+    """One pass: the mode's preset and world size go in, the priced config comes out; the config is built once."""
+    built = []
+    base = presets._base
+    monkeypatch.setattr(presets, "_base", lambda *a: built.append(a) or base(*a))
+    cfg = presets.resolve("pretrain", "8xh100-12h", {"batch.seq_len": "1024"})
+    assert [a[:2] for a in built] == [("pretrain", "1.5b")]
+    assert (cfg.preset, cfg.batch.world_size, cfg.batch.seq_len) == ("1.5b", 8, 1024)
+    assert cfg.budget == BudgetConfig(steps=plan_mode("8xh100-12h", overrides={"batch.seq_len": "1024"}).steps)
+    assert presets.resolve("pretrain", "tiny", {"budget.steps": 5}).budget == BudgetConfig(steps=5)
     assert (model_preset("8xh100-12h"), model_preset("7b")) == ("1.5b", "7b")
-    assert expand("pretrain", "nope", {}) == ("nope", {})  # presets.resolve names the unknown preset
 
 
 def test_cli_plan_mode_json_is_the_planners_plan(capsys):
@@ -130,7 +137,9 @@ def test_cli_plan_mode_refuses_hardware_flags_it_states(capsys):
 
 def test_a_stage_launched_with_a_mode_trains_the_planners_steps(demo_home, monkeypatch):
     """`ghostvis train pretrain --preset 1xh100-1h` (or run config preset: 1xh100-1h) resolves through
-    plan_run: the spec carries the mode's world size and the steps the planner derived."""
+    plan_run: the spec carries the mode's world size and the steps the planner derived for the model that
+    trains. Its vocabulary is the demo tokenizer's 4,096, not the preset's, so fewer FLOPs per token buy
+    more steps in the hour (797) than the preset alone plans (700)."""
     from ghostvis_core.home import Home
     from ghostvis_core.run.launch import plan_run
 
@@ -139,6 +148,8 @@ def test_a_stage_launched_with_a_mode_trains_the_planners_steps(demo_home, monke
     planned = plan_run("pretrain", preset="1xh100-1h", overrides={"checkpoint.every_steps": "50"}, home=Home.from_env())
     cfg = planned.spec.config
     assert cfg.preset == "500m" and cfg.batch.world_size == 1
-    assert cfg.budget == BudgetConfig(steps=plan_mode("1xh100-1h").steps)
+    assert cfg.model.vocab_size == 4096 and cfg.budget == BudgetConfig(steps=797)
     assert cfg.checkpoint.every_steps == 50 and planned.preset == "1xh100-1h"  # the MLflow tag's preset
-    assert planned.plan.steps == 700
+    hour = plan(cfg, gpu="H100", mfu=0.4)
+    assert planned.plan.steps == hour.steps == 797 and 1 - hour.step_time_s / 3600 < hour.hours <= 1
+    assert plan_mode("1xh100-1h").steps == 700

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.plan import stages
+from ghostvis_core.plan import run_modes, stages
 from ghostvis_core.plan.config import SourceWeight, StageConfig, apply_overrides
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -279,13 +279,18 @@ def resolve(
     4. the upstream model: `upstream` (the config.json of the checkpoint the stage starts from), else the
        upstream stage resolved with the same preset. The model, and the vision stack unless the preset declares
        one, are inherited; the preset's declared model changes (context_expansion's context) apply on top;
-    5. dotted `overrides` (a run config's or `--set`, which win over the `--recipe` / `--val-sources` flags and a
-       run mode's derived keys, merged into them by the caller); with `upstream` a model shape change is refused;
+    5. dotted `overrides` (a run config's or `--set`, which win over the `--recipe` / `--val-sources` flags,
+       merged into them by the caller); with `upstream` a model shape change is refused;
     6. what the run's data decides: `sources` fill an empty recipe (or replace a preset recipe naming none of
        them) and refuse a recipe naming unregistered ones; `vocab` sets a fresh model's vocab_size
-       (a continued model must already match it).
+       (a continued model must already match it);
+    7. a run mode named as `preset`: its model preset and world size enter at steps 3 and 5 (an override of a key
+       the mode derives is refused), and the validated config is priced: budget.steps = what its hours buy.
     """
     overrides = overrides or {}
+    mode = run_modes.mode_of(preset)
+    if mode:
+        preset, overrides = mode.preset, run_modes.mode_base(mode, overrides)
     cfg = StageConfig.from_dict(apply_overrides(_base(stage, preset, upstream), overrides))
     if upstream:
         _refuse_shape_change(cfg, upstream)
@@ -294,7 +299,7 @@ def resolve(
     if vocab is not None:
         cfg = fit_vocab(cfg, vocab, overrides, upstream)
     validate(cfg)
-    return cfg
+    return run_modes.priced(mode, cfg) if mode else cfg
 
 
 def _base(stage: str, preset: str, upstream: dict[str, Any] | None) -> dict[str, Any]:

@@ -7,9 +7,9 @@ the tokens they train, and whether the model fits the GPU's memory (`memory_plan
 count is typed in here.
 
 A mode's name is accepted wherever a preset's is (`ghostvis plan --mode 1xh100-4h` or `--preset
-1xh100-4h`, `ghostvis train pretrain --preset 1xh100-4h`, a stage's run config `preset`): `expand`
-turns it into the model preset and the dotted overrides (world size, derived budget.steps) that go
-through the usual overrides path.
+1xh100-4h`, `ghostvis train pretrain --preset 1xh100-4h`, a stage's run config `preset`):
+`presets.resolve` takes the mode's model preset and world size, and prices the config it resolves
+(`priced`) in the same single pass.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.plan import presets
-from ghostvis_core.plan.budget import DEFAULT_MFU, GPUS, Plan, budget_for_hours, memory_plan, memory_refusal, plan
+from ghostvis_core.plan.budget import DEFAULT_MFU, GPUS, Plan, budget_for_hours, memory_plan, memory_refusal
+from ghostvis_core.plan.config import StageConfig
 
 
 @dataclass(frozen=True)
@@ -61,41 +61,24 @@ def model_preset(name: str) -> str:
     return mode.preset if mode else name
 
 
-def expand(stage: str, name: str, overrides: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(model preset, overrides) for a preset or run mode name; a preset passes through unchanged."""
-    mode = mode_of(name)
-    if mode is None:
-        return name, overrides
-    return mode.preset, mode_overrides(stage, mode, overrides)
-
-
-def mode_overrides(stage: str, mode: RunMode, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The user's overrides plus the mode's world size and the budget.steps its hours buy, once the
-    planner has checked that the resolved config fits the mode's GPU."""
-    user = dict(overrides or {})
-    clash = sorted(k for k in user if k in MODE_KEYS)
+def mode_base(mode: RunMode, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The user's overrides plus the mode's world size; the keys the mode derives are refused."""
+    clash = sorted(k for k in overrides if k in MODE_KEYS)
     if clash:
         raise GhostvisError(
             f"run mode {mode.name}: {', '.join(clash)} is derived from the mode ({mode.gpus} x "
             f"{mode.gpu}, {mode.hours:g} h at MFU {mode.mfu}); drop it, or use the model preset "
             f"{mode.preset} with your own values"
         )
-    base = {**user, "batch.world_size": mode.gpus}
-    cfg = presets.resolve(stage, mode.preset, base)
+    return {**overrides, "batch.world_size": mode.gpus}
+
+
+def priced(mode: RunMode, cfg: StageConfig) -> StageConfig:
+    """`cfg` with the budget.steps the mode's hours buy, once the planner has checked that it fits the mode's GPU."""
     mp = memory_plan(cfg, gpu=mode.gpu)
     if not mp.fits:
-        raise GhostvisError(f"run mode {mode.name}: {memory_refusal(stage, mp)}")
-    steps = budget_for_hours(cfg, mode.hours, gpu=mode.gpu, mfu=mode.mfu).budget.steps
-    return {**base, "budget.steps": steps, "budget.tokens": None, "budget.tokens_per_param": None}
-
-
-def plan_mode(name: str, stage: str = "pretrain", overrides: dict[str, Any] | None = None) -> Plan:
-    """The planner's plan of a run mode on its own hardware: steps, tokens, step time, hours, memory."""
-    mode = mode_of(name)
-    if mode is None:
-        raise GhostvisError(f"'{name}' is a model preset, not a run mode; run modes: {', '.join(MODES)}")
-    preset, o = expand(stage, name, overrides or {})
-    return plan(presets.resolve(stage, preset, o), gpu=mode.gpu, mfu=mode.mfu)
+        raise GhostvisError(f"run mode {mode.name}: {memory_refusal(cfg.stage, mp)}")
+    return budget_for_hours(cfg, mode.hours, gpu=mode.gpu, mfu=mode.mfu)
 
 
 def describe(mode: RunMode) -> str:

@@ -23,7 +23,6 @@ from ghostvis_core.plan.budget import Plan, batch_plan, detected_gpu, memory_pla
 from ghostvis_core.plan.budget import plan as make_plan
 from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.plan.presets import RegisteredSources, TokenizerVocab
-from ghostvis_core.plan.run_modes import expand as expand_run_mode
 from ghostvis_core.run.hf.imports import import_checkpoint
 from ghostvis_core.run.hf.sources import is_hf_source
 from ghostvis_core.run.train.evidence import EVIDENCE
@@ -163,7 +162,6 @@ def resolve_stage(
 ) -> Resolved:
     """Gather what resolution needs (the upstream checkpoint's config, the tokenizer, the registered sources) and
     resolve the stage's config once, with all of them as inputs."""
-    preset, overrides = expand_run_mode(stage, preset, overrides)  # a run mode: its preset and derived steps
     init_from = presets.init_source(stage, overrides)
     imported = None
     if init_from and is_hf_source(init_from):  # over the upstream stage a caller passes

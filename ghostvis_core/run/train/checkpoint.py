@@ -90,10 +90,9 @@ def save(
     optimizer: torch.optim.Optimizer | None,
     state: dict[str, Any],
     config: dict[str, Any],
-    keep_last: int,
     extra_dirs: dict[str, Path] | None = None,
 ) -> Path:
-    """Write a checkpoint atomically and prune older ones (never the newest complete one).
+    """Write a checkpoint atomically (pruning the older ones is the CheckpointManager's decision).
 
     With a `dcp` entry in `extra_dirs` (from `save_shards`) the weights and optimizer state are
     already written, by every rank; they are committed with the rest instead of safetensors.
@@ -131,16 +130,19 @@ def save(
         shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync_dir(run_dir)
-    prune(run_dir, keep_last)
     return final
 
 
-def prune(run_dir: Path, keep_last: int) -> None:
+def prune(run_dir: Path, keep_last: int) -> list[str]:
+    """Remove all but the newest `keep_last` complete checkpoints (never the newest one) and any staging
+    folder left by a dead writer; returns the names of the checkpoints removed."""
     refs = list_complete(run_dir)
-    for ref in refs[: max(0, len(refs) - max(1, keep_last))]:
+    gone = refs[: max(0, len(refs) - max(1, keep_last))]
+    for ref in gone:
         shutil.rmtree(ref.path, ignore_errors=True)
     for p in [*run_dir.glob(".tmp-step_*"), *run_dir.glob(".dcp-step_*")]:
         shutil.rmtree(p, ignore_errors=True)
+    return [ref.path.name for ref in gone]
 
 
 def _shard_state(

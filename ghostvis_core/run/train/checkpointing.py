@@ -154,7 +154,6 @@ class CheckpointManager:
     ) -> None:
         """Rank 0: the checkpoint folder (safetensors from `model` and `optimizer`, or the DCP shards in
         `extra_dirs`), then the store, marker last, then its ledger part into the store's ledger."""
-        before = {c.path.name for c in ckpt.list_complete(self.run_dir)}
         path = ckpt.save(
             self.run_dir,
             step,
@@ -162,16 +161,16 @@ class CheckpointManager:
             optimizer=optimizer,
             state=state,
             config=self.spec.config.to_dict(),
-            keep_last=self.keep_last,
             extra_dirs=extra_dirs,
         )
         self.store.publish("checkpoint", self.spec.stage, self.spec.run_key, path.name)
-        self.prune(before)
+        self.prune()
         self.publish_parts(only=path)
 
-    def prune(self, before: set[str]) -> None:
-        """Drop from the store the checkpoints `ckpt.save` pruned here (all but the newest `keep_last`)."""
-        for gone in before - {c.path.name for c in ckpt.list_complete(self.run_dir)}:
+    def prune(self) -> None:
+        """Keep the newest `keep_last` committed checkpoints, here and in the store (after a publish, so the
+        newest one is never the only copy removed)."""
+        for gone in ckpt.prune(self.run_dir, self.keep_last):
             self.store.delete("checkpoint", self.spec.stage, self.spec.run_key, gone)
 
     def publish_parts(self, only: Path | None = None) -> None:
