@@ -1,15 +1,22 @@
 """Shared fixtures for the end-to-end tests: one smoke-preset demo, built once per session through
-the real `ghostvis` CLI, that later tests read (and copy when they need to break something)."""
+the real `ghostvis` CLI, that later tests read (and copy when they need to break something).
+
+The suite runs on two pytest-xdist workers, a test file per worker at a time (`--dist loadfile`): the
+demo home and the short reference pretrain are built once, by the first worker to need them, and shared
+(`built_once`); `pytest_collection_modifyitems` orders the files so that the other worker runs the files
+that need no demo while it is built."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,15 +84,54 @@ def copy_home(src: Path, dest: Path) -> Path:
     return dest
 
 
+def shared_dir(tmp_path_factory, name: str) -> Path:
+    """A folder this session's pytest-xdist workers share (the session's own base folder without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / name
+
+
+@contextlib.contextmanager
+def built_once(folder: Path) -> Iterator[bool]:
+    """True for the one worker that builds `folder`; the others wait for it, then get False. A build that
+    fails leaves no mark, so the next worker tries (and reports) it again."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    done = folder.parent / f"{folder.name}.built"
+    with open(folder.parent / f"{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield not done.exists()
+        done.touch()
+
+
+# What the files that build or read the demo home are ordered by: the file that builds it and uses it longest
+# first, then every file that needs no demo (the other worker's work while the demo is built), then the rest.
+DEMO_FIXTURES = {"demo_home", "home_copy", "pretrain_reference"}
+FIRST_FILE = "test_audit.py"
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    def rank(item) -> int:
+        if item.path.name == FIRST_FILE:
+            return 0
+        return 2 if DEMO_FIXTURES & set(item.fixturenames) else 1
+
+    files: dict[Path, int] = {}
+    for item in items:
+        files[item.path] = max(files.get(item.path, 0), rank(item))
+    items.sort(key=lambda item: files[item.path])  # stable: a file's tests keep their order
+
+
 @pytest.fixture(scope="session")
 def demo_home(tmp_path_factory) -> Path:
-    """A GHOSTVIS_HOME after `ghostvis demo --preset smoke` (every asset, every stage)."""
-    home = tmp_path_factory.mktemp("ghostvis") / "home"
-    prebuilt = os.environ.get("GHOSTVIS_TEST_DEMO_HOME")  # a developer's shortcut: a home built by this command
-    if prebuilt:
-        return copy_home(Path(prebuilt), home)
-    proc = run_cli(["ghostvis", "demo", "--preset", "smoke"], home, timeout=1200)
-    (home / "demo_stdout.txt").write_text(proc.stdout)
+    """A GHOSTVIS_HOME after `ghostvis demo --preset smoke` (every asset, every stage), built once per session."""
+    home = shared_dir(tmp_path_factory, "ghostvis") / "home"
+    with built_once(home) as build:
+        if not build:
+            return home
+        prebuilt = os.environ.get("GHOSTVIS_TEST_DEMO_HOME")  # a developer's shortcut: a home built by this command
+        if prebuilt:
+            return copy_home(Path(prebuilt), home)
+        proc = run_cli(["ghostvis", "demo", "--preset", "smoke"], home, timeout=1200)
+        (home / "demo_stdout.txt").write_text(proc.stdout)
     return home
 
 
@@ -141,11 +187,12 @@ def run_names(home: Path) -> set[str]:
 def pretrain_reference(demo_home, tmp_path_factory) -> tuple[Path, Path]:
     """The short pretraining run, uninterrupted, 2 ranks on this machine (the `local` launcher):
     (its home, its run folder). Other launchers and resumed runs must end exactly here."""
-    home = tmp_path_factory.mktemp("reference") / "home"
-    copy_home(demo_home, home)
-    known = run_names(home)
-    run_cli(materialize_pretrain(), home)
-    return home, new_run_dirs(home, known)[-1]
+    home = shared_dir(tmp_path_factory, "reference") / "home"
+    with built_once(home) as build:
+        if build:
+            copy_home(demo_home, home)
+            run_cli(materialize_pretrain(), home)
+    return home, new_run_dirs(home, run_names(demo_home))[-1]
 
 
 @pytest.fixture(scope="module")
