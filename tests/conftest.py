@@ -102,22 +102,42 @@ def built_once(folder: Path) -> Iterator[bool]:
         done.touch()
 
 
-# What the files that build or read the demo home are ordered by: the file that builds it and uses it longest
-# first, then every file that needs no demo (the other worker's work while the demo is built), then the rest.
+# The order of the files (each runs whole on one worker): the file that builds the demo home and uses it longest
+# first; then the files that need no demo (the other worker's work while the demo is built); then the rest. Within
+# each group the files that take minutes go first, longest first, so that the last files to run are short ones.
 DEMO_FIXTURES = {"demo_home", "home_copy", "pretrain_reference"}
 FIRST_FILE = "test_audit.py"
+LONG_FILES = [
+    "test_s3_store_chain.py",
+    "test_own_data.py",
+    "test_ui_actions.py",
+    "test_slurm.py",
+    "test_separate_hosts.py",
+    "test_e2e_demo.py",
+    "test_cache.py",
+    "test_ui_browser.py",
+    "test_postgres.py",
+    "test_resume.py",
+    "test_multinode.py",
+    "test_mlflow_outage.py",
+]
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    def rank(item) -> int:
+    def group(item) -> int:
         if item.path.name == FIRST_FILE:
             return 0
         return 2 if DEMO_FIXTURES & set(item.fixturenames) else 1
 
-    files: dict[Path, int] = {}
+    groups: dict[Path, int] = {}
     for item in items:
-        files[item.path] = max(files.get(item.path, 0), rank(item))
-    items.sort(key=lambda item: files[item.path])  # stable: a file's tests keep their order
+        groups[item.path] = max(groups.get(item.path, 0), group(item))
+
+    def order(item) -> tuple[int, int]:
+        name = item.path.name
+        return groups[item.path], LONG_FILES.index(name) if name in LONG_FILES else len(LONG_FILES)
+
+    items.sort(key=order)  # stable: a file's tests keep their order
 
 
 @pytest.fixture(scope="session")
