@@ -1,6 +1,6 @@
 """Tokenization throughput of the tokenized_shards path vs raw tiktoken, in text bytes/s.
 
-Workload: 32 FineWeb-like Parquet shards (text, id, dump, url, ... as the demo corpus writes them) of
+Workload: 36 FineWeb-like Parquet shards (text, id, dump, url, ... as the demo corpus writes them) of
 ~6 MB of text each, made from the demo prose and code documents with their paragraphs reshuffled
 per copy (so no two documents are the same): a minute or more for one worker, so the 2-worker ratio
 is not decided by the workers' start-up. Bytes = UTF-8 bytes of `text`.
@@ -17,7 +17,7 @@ is not decided by the workers' start-up. Bytes = UTF-8 bytes of `text`.
 Goals: pipeline 1 worker >= 0.80 x raw tiktoken 1 thread; pipeline 2 workers >= 1.6 x pipeline
 1 worker, on a workload of a minute or more for one worker (printed with the ratio).
 
-    .venv/bin/python benchmarks/tokenize_throughput.py [--home PATH] [--shards 32] [--shard-mb 6]
+    .venv/bin/python benchmarks/tokenize_throughput.py [--home PATH] [--shards 36] [--shard-mb 6]
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def main() -> int:
         help="a GhostVis home: its demo raw shards and newest tokenizer are used "
         "(default: build the demo text and train a 4096 tokenizer here)",
     )
-    ap.add_argument("--shards", type=int, default=32)
+    ap.add_argument("--shards", type=int, default=36)
     ap.add_argument("--shard-mb", type=float, default=6.0, help="text MB per shard (default 6)")
     ap.add_argument("--repeats", type=int, default=2, help="timed passes of each variant; the best counts")
     ap.add_argument("--keep", action="store_true")
