@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -467,6 +468,40 @@ def kv_line(results: dict) -> str:
         return str(x).replace(" ", "_")
 
     return " ".join(f"{k}={v(x)}" for k, x in results.items())
+
+
+def bare_run(spec: str, wd: Path, steps: int, precision: str, tag: str) -> dict:
+    """benchmarks/_bare_loop.py under `torchrun --standalone --nproc_per_node=2` (1 thread per rank) with the
+    config of `spec`: its BARE_RESULT, the time of its first optimizer step from launch and the run's wall."""
+    env = clean_env()
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [
+        PY,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(Path(__file__).resolve().parent / "_bare_loop.py"),
+        "--spec",
+        spec,
+        "--steps",
+        str(steps),
+        "--precision",
+        precision,
+    ]
+    p = run_lines(cmd, env, wd / f"bare-{tag}.log", timeout=900)
+    res = next((json.loads(line.split(" ", 1)[1]) for _, line in p.lines if line.startswith("BARE_RESULT ")), None)
+    if res is None:
+        raise BenchError(f"bare loop {tag} printed no result; log {wd / f'bare-{tag}.log'}")
+    step1 = next((t for t, line in p.lines if line.startswith("BARE_STEP1")), None)
+    res.update(
+        tag=tag,
+        wall=p.wall,
+        other_cores=p.other_cores,
+        first_step_s_wall=step1,
+        shape=f"{res['micro_batch_size']}x{res['seq_len']}x{res['world_size']}x{res['grad_accum_steps']}",
+    )
+    return res
 
 
 def workdir(prefix: str) -> Path:

@@ -9,7 +9,9 @@ Measured, through the real entry point:
   line, launch -> the first optimizer step (the `[pretrain] step 1/` line), the training loop (step 1
   to the last step, inside the loop's own evaluations and checkpoints; from the step lines:
   (t_last - t_first) x steps / (steps - 1)) and the stage's wall (launch -> torchrun exits, the final
-  evaluation, checkpoint, MLflow flush and model registration included). Also the trainer's own
+  evaluation, checkpoint, MLflow flush and model registration included);
+- the floor under launch -> first step: the bare PyTorch DDP loop (benchmarks/_bare_loop.py, same model and
+  precision, under the same torchrun) from launch to its first optimizer step. Also the trainer's own
   `first_step_s` (RUN_COMPLETE.json; counted from the start of its setup, after the imports) and the
   CPU seconds the launch's processes had used when step 1's line arrived (not stretched by other load).
 
@@ -33,6 +35,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
+
+from ghostvis_core.home import Home  # noqa: E402
 
 GOAL_FIRST_STEP_S = 5.0
 GOAL_WALL_OVER_LOOP = 2.0
@@ -104,11 +108,15 @@ def smoke_stage(src: Path, wd: Path, tag: str) -> dict:
             f"expected step lines 1 and {last['total']}, got {first['step']} and {last['step']}; log {run.log}"
         )
     loop = (last["t"] - first["t"]) * last["total"] / (last["total"] - 1)
+    spec = str(Home(home).store.fetch("run_spec", "pretrain", run.run_key))
+    precision = "bf16" if start and "bf16=True" in start[1] else "fp32"  # as the trainer chose (its start line)
+    bare = C.bare_run(spec, wd, steps=3, precision=precision, tag=tag)
     shutil.rmtree(home, ignore_errors=True)
     return {
         "tag": tag,
         "start_line_s": start[0] if start else None,
         "first_step_s": first["t"],
+        "bare_first_step_s": bare["first_step_s_wall"],
         "cpu_to_step_1_s": cpu_at_step_1[0] if cpu_at_step_1 else None,
         "loop_s": loop,
         "after_loop_s": run.wall - last["t"],
@@ -159,6 +167,7 @@ def main() -> int:
                         r["tag"],
                         r["start_line_s"],
                         r["first_step_s"],
+                        r["bare_first_step_s"],
                         r["cpu_to_step_1_s"],
                         r["trainer_first_step_s"],
                         r["loop_s"],
@@ -172,6 +181,7 @@ def main() -> int:
                     "run",
                     "launch->start line s",
                     "launch->step 1 s",
+                    "bare loop: launch->step 1 s",
                     "CPU s to step 1",
                     "trainer first_step_s",
                     "loop s",
@@ -183,7 +193,8 @@ def main() -> int:
         )
         print()
         med = {
-            k: statistics.median(r[k] for r in runs) for k in ("first_step_s", "cpu_to_step_1_s", "loop_s", "wall_s")
+            k: statistics.median(r[k] for r in runs)
+            for k in ("first_step_s", "bare_first_step_s", "cpu_to_step_1_s", "loop_s", "wall_s")
         }
         wall_over_loop = med["wall_s"] / med["loop_s"]
         first_over_goal = med["first_step_s"] / GOAL_FIRST_STEP_S
@@ -198,6 +209,13 @@ def main() -> int:
             + f" (ratio to goal {first_over_goal:.2f})"
         )
         print(
+            f"  the bare PyTorch DDP loop (benchmarks/_bare_loop.py: same model, precision and torchrun, no data, no "
+            f"accounting, no tracking) reaches its first step {med['bare_first_step_s']:.2f}s after launch: GhostVis "
+            f"adds {med['first_step_s'] - med['bare_first_step_s']:.2f}s (= {med['first_step_s']:.2f} - "
+            f"{med['bare_first_step_s']:.2f})"
+            " for the run's preparation, pre-flight, data, step-0 evaluation and tracking"
+        )
+        print(
             C.goal("stage wall / training loop", wall_over_loop, GOAL_WALL_OVER_LOOP, higher_is_better=False)
             + f" (ratio to goal {wall_over_loop / GOAL_WALL_OVER_LOOP:.2f})"
         )
@@ -209,6 +227,7 @@ def main() -> int:
                     "import_s": imports["imports_s"],
                     "entry_help_wall_s": imports["wall_s"],
                     "first_step_s": med["first_step_s"],
+                    "bare_first_step_s": med["bare_first_step_s"],
                     "cpu_to_step_1_s": med["cpu_to_step_1_s"],
                     "loop_s": med["loop_s"],
                     "wall_s": med["wall_s"],

@@ -17,7 +17,6 @@ first optimizer step <= 10 s from launching torchrun. Also reported: fp32 for bo
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -67,38 +66,6 @@ def trainer_run(home: Path, wd: Path, preset: str, steps: int, precision: str | 
     }
 
 
-def bare_run(spec: str, wd: Path, steps: int, precision: str, tag: str) -> dict:
-    env = C.clean_env()
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [
-        C.PY,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        str(Path(__file__).resolve().parent / "_bare_loop.py"),
-        "--spec",
-        spec,
-        "--steps",
-        str(steps),
-        "--precision",
-        precision,
-    ]
-    p = C.run_lines(cmd, env, wd / f"bare-{tag}.log", timeout=900)
-    res = next((json.loads(line.split(" ", 1)[1]) for _, line in p.lines if line.startswith("BARE_RESULT ")), None)
-    if res is None:
-        raise C.BenchError(f"bare loop {tag} printed no result; log {wd / f'bare-{tag}.log'}")
-    step1 = next((t for t, line in p.lines if line.startswith("BARE_STEP1")), None)
-    res.update(
-        tag=tag,
-        wall=p.wall,
-        other_cores=p.other_cores,
-        first_step_s_wall=step1,
-        shape=f"{res['micro_batch_size']}x{res['seq_len']}x{res['world_size']}x{res['grad_accum_steps']}",
-    )
-    return res
-
-
 def best(runs: list[dict], key: str = "tokens_per_sec") -> dict:
     return max(runs, key=lambda r: r[key] or 0.0)
 
@@ -137,13 +104,13 @@ def main() -> int:
             trainers.append(trainer_run(home, wd, args.preset, args.steps, None, f"auto{i}"))
             precision = "bf16" if trainers[-1]["bf16"] else "fp32"  # what the trainer picked: like for like
             print(f"[{i + 1}/{args.repeats}] bare loop {precision}, {args.steps} steps ...", flush=True)
-            bares.append(bare_run(trainers[0]["spec"], wd, args.steps, precision, f"{precision}-{i}"))
+            bares.append(C.bare_run(trainers[0]["spec"], wd, args.steps, precision, f"{precision}-{i}"))
         t32 = b32 = None
         if not args.no_fp32:
             print(f"trainer fp32, {args.fp32_steps} steps ...", flush=True)
             t32 = trainer_run(home, wd, args.preset, args.fp32_steps, "fp32", "fp32")
             print(f"bare loop fp32, {args.fp32_steps} steps ...", flush=True)
-            b32 = bare_run(trainers[0]["spec"], wd, args.fp32_steps, "fp32", "fp32")
+            b32 = C.bare_run(trainers[0]["spec"], wd, args.fp32_steps, "fp32", "fp32")
 
         t, b = best(trainers), best(bares)
         if not t["bf16"]:

@@ -11,10 +11,14 @@ import numpy as np
 import pyarrow as pa
 
 from ghostvis_core.data.token_shard import list_column, numpy_view, write_token_shard
+from ghostvis_core.home import Home
+from ghostvis_core.plan.stages import stage_names
+from ghostvis_core.run.train.runs import completed_runs
 
 # Needed only after training (the HF export and model registration), only on the MLflow logging thread,
-# only with an S3 store, or only by pyarrow's pandas conversion: none of it before step 1.
-LATER = ("mlflow", "transformers", "huggingface_hub", "pandas", "boto3", "scipy", "datatrove")
+# only with an S3 store, only by pyarrow's pandas conversion, or only at the ledger's first query (rank 0
+# preparing a run): none of it on a rank's way to step 1.
+LATER = ("mlflow", "transformers", "huggingface_hub", "pandas", "boto3", "scipy", "datatrove", "duckdb")
 
 IMPORT_AND_READ = """
 import sys
@@ -49,3 +53,23 @@ def test_numpy_view_matches_pyarrow_for_slices_and_empty_arrays():
     for array in (values, values.slice(3, 4), values.slice(10, 0), pa.array([], pa.uint16())):
         view = numpy_view(array)
         assert view.dtype == array.type.to_pandas_dtype() and view.tolist() == array.to_pylist()
+
+
+def test_the_evaluation_before_the_first_step_reaches_mlflow_at_step_0(demo_home):
+    """The MLflow run is created after the first optimizer step (run/train/tracking.py); the held-out
+    evaluation logged before it waits in the tracker and reaches the run first, at step 0, in every stage
+    that has a held-out loss (rl's held-out figures are its rewards)."""
+    from mlflow.tracking import MlflowClient
+
+    home = Home(demo_home)
+    client = MlflowClient(home.mlflow_tracking_uri)
+    checked = []
+    for stage in stage_names():
+        (run,) = completed_runs(home.store, stage)
+        if run.val_loss_start is None:
+            continue
+        history = client.get_metric_history(run.mlflow_run_id, "val/loss")
+        first = min(history, key=lambda m: (m.step, m.timestamp))
+        assert (first.step, first.value) == (0, run.val_loss_start), (stage, first)
+        checked.append(stage)
+    assert checked == [s for s in stage_names() if s != "rl"]

@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import duckdb
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -52,6 +51,8 @@ from ghostvis_core.store import Store
 from ghostvis_core.store.files import atomic_write, sha256_file
 
 if TYPE_CHECKING:  # the ledger stores pieces; it does not read streams (the audit imports it)
+    import duckdb
+
     from ghostvis_core.data.stream import Piece
 
 # The tables written per part of a run, each in a folder per run (`Ledger.part_file`).
@@ -234,6 +235,8 @@ def _connection() -> duckdb.DuckDBPyConnection:
     """This process's DuckDB connection (in memory: the tables are the Parquet files), opened once,
     since opening one costs more than a small query. Queries run on cursors of it, which threads may
     use at once; a forked child (a tokenizer worker) opens its own rather than share its parent's."""
+    import duckdb  # here, not at the top: a training rank needs no query before its first step
+
     global _process_connection
     with _connection_lock:
         if _process_connection is None or _process_connection[0] != os.getpid():

@@ -1,8 +1,9 @@
 """MLflow logging from rank 0, off the training thread.
 
-mlflow is imported and the run created in a background thread, so the first optimizer step does
-not wait for it. Metrics are buffered and sent in batches; if the tracking server is unreachable
-the buffer is kept and retried, training goes on, and the outage is reported as a gap.
+mlflow is imported and the run created in a background thread, which the tracker starts after the
+first optimizer step (ghostvis_core/run/train/tracking.py says why). Metrics are buffered and sent in
+batches; if the tracking server is unreachable the buffer is kept and retried, training goes on, and
+the outage is reported as a gap.
 For that, mlflow's HTTP client must fail fast, or one flush blocks for minutes of retries: the
 launcher sets MLFLOW_HTTP_REQUEST_MAX_RETRIES=0 and MLFLOW_HTTP_REQUEST_TIMEOUT=10 in the training
 process's environment (this module leaves the environment alone).

@@ -1,6 +1,12 @@
 """What a run reports while it trains: progress lines, MLflow metrics, dataset inputs and system
 metrics (rank 0, off the training thread) and Dagster Pipes logs. Other ranks get the same object
-and it stays silent."""
+and it stays silent.
+
+The MLflow run is created once the loop logs its first step (`start_mlflow`), not when the tracker is made:
+importing mlflow and creating the run take about 1.5 s of Python on rank 0's logging thread, which holds the
+GIL against the evaluation before training and the first step, and every rank waits for rank 0 at the first
+gradient all-reduce (on 2 cores, launch -> first optimizer step took 1.3 s longer). What is logged before
+then (the step-0 evaluation) waits here and goes first."""
 
 from __future__ import annotations
 
@@ -16,20 +22,30 @@ from ghostvis_core.run.train.spec import LaunchSpec
 class Tracker:
     def __init__(self, spec: LaunchSpec, ctx: DistContext, params: dict[str, Any], *, run_id: str | None, segment: int):
         self.ctx = ctx
-        self.mlflow = self.pipes = None
+        self.mlflow: MlflowRun | None = None
+        self.pipes = None
+        self._target = MlflowTarget(
+            spec.mlflow_tracking_uri,
+            spec.mlflow_experiment,
+            spec.mlflow_artifact_location,
+            run_name=spec.run_key,
+            run_id=run_id,
+            tags={**spec.tags, "ghostvis.segment": str(segment)},
+        )
+        self._params = params
+        self._waiting: list[tuple[dict[str, float], int]] = []  # metrics logged before the MLflow run started
         if ctx.is_main:
-            self.mlflow = MlflowRun(
-                MlflowTarget(
-                    spec.mlflow_tracking_uri,
-                    spec.mlflow_experiment,
-                    spec.mlflow_artifact_location,
-                    run_name=spec.run_key,
-                    run_id=run_id,
-                    tags={**spec.tags, "ghostvis.segment": str(segment)},
-                ),
-                params=params,
-            )
             self.pipes = PipesReporter(True)
+
+    def start_mlflow(self) -> MlflowRun | None:
+        """Rank 0's MLflow run, created (or resumed) on its logging thread at the first call, with the metrics
+        logged until then; None on other ranks."""
+        if self.ctx.is_main and self.mlflow is None:
+            self.mlflow = MlflowRun(self._target, params=self._params)
+            for values, step in self._waiting:
+                self.mlflow.log_metrics(values, step=step)
+            self._waiting = []
+        return self.mlflow
 
     def say(self, message: str, pipes: bool = False) -> None:
         print0(message, ctx=self.ctx)
@@ -37,22 +53,27 @@ class Tracker:
             self.pipes.log(message)
 
     def metrics(self, values: dict[str, float], step: int) -> None:
-        if self.mlflow and values:
+        if not (self.ctx.is_main and values):
+            return
+        if self.mlflow is None:
+            self._waiting.append((values, step))
+        else:
             self.mlflow.log_metrics(values, step=step)
 
     def inputs(self, shards: list[ShardInput]) -> None:
         """The shards the run read, as the MLflow run's dataset inputs."""
-        if self.mlflow and shards:
-            self.mlflow.log_inputs(shards)
+        if self.ctx.is_main and shards:
+            self.start_mlflow().log_inputs(shards)
 
     def run_id(self) -> str | None:
         """The MLflow run id (rank 0 waits for the run to exist; other ranks have none)."""
-        return self.mlflow.wait_run_id() if self.mlflow else None
+        return self.start_mlflow().wait_run_id() if self.ctx.is_main else None
 
     def finish(self, tags: dict[str, str], run_key: str) -> dict[str, float]:
         """End the MLflow run (flushing what is buffered) and tell Dagster the run's key."""
-        self.mlflow.set_tags(tags)
-        delivery = self.mlflow.finish("FINISHED")
+        mlflow = self.start_mlflow()
+        mlflow.set_tags(tags)
+        delivery = mlflow.finish("FINISHED")
         self.pipes.report_materialization({"run_key": run_key})
         self.pipes.close()
         return delivery

@@ -170,6 +170,8 @@ class Trainer:
         return self.last_val
 
     def log(self, metrics: dict[str, float]) -> None:
+        """The step's metrics to MLflow; the first call starts the MLflow run (after the first step: `Tracker`)."""
+        self.tracker.start_mlflow()
         self.tracker.metrics(metrics, step=self.state.step)
 
     def checkpoint(self) -> None:
