@@ -22,7 +22,8 @@ from ghostvis_core.data.tokenizer import train_tokenizer
 from ghostvis_core.home import Home
 from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.run.model.gpt import GPT
-from ghostvis_core.verify.eval.harness import CLOZE_FILE, TASKS_DIR, GhostvisLM, cloze_jsonl, run_tasks, task_metrics
+from ghostvis_core.verify.eval.harness import GhostvisLM, run_tasks, task_metrics
+from ghostvis_core.verify.eval.harness_tasks import CLOZE_FILE, TASKS_DIR, cloze_jsonl
 from tests.conftest import run_cli
 
 SEQ = 32

@@ -27,13 +27,11 @@ from ghostvis_core.verify.eval.benchmark import (
     samples,
 )
 from ghostvis_core.verify.eval.gate import tolerances
-from ghostvis_core.verify.eval.harness import (
+from ghostvis_core.verify.eval.harness_tasks import (
     CLOZE_FILE,
     CLOZE_TASK,
     DEFAULT_TASKS,
-    GhostvisLM,
     cloze_jsonl,
-    run_tasks,
     task_files_digest,
 )
 from ghostvis_core.verify.eval.report import stage_report, write_report
@@ -185,6 +183,9 @@ def held_out_folder(h, key: str, tokenizer_id: str, val: dict, tasks: list[str])
 def score_stage(context, h, stage: str, run_key: str, val: dict, harness: HarnessSetup) -> dict:
     """One stage's scores, also logged to its MLflow run; the harness's own output is saved in the
     store (reports/evaluation/<key>/harness/<stage>.json) and its metrics are read from it."""
+    # lm_eval and datasets (0.8 s) only when an evaluation runs, not in every process that loads the definitions
+    from ghostvis_core.verify.eval.harness import GhostvisLM, run_tasks
+
     t0 = time.time()
     ts = load_stage(h, stage, run_key)
     bpb = bits_per_byte(ts, val, max_tokens=MAX_BPB_TOKENS)

@@ -12,10 +12,8 @@ cut from the left, as GhostVis's documents start with <|bos|> in training.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,14 +29,11 @@ from lm_eval.models.utils import normalize_gen_kwargs, postprocess_generated_tex
 from lm_eval.tasks import TaskManager
 from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window
 
-from ghostvis_core.data.eval_texts import LM_EVAL_TASKS_DIR
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.run.train.trained import TrainedStage, load_stage
+from ghostvis_core.verify.eval.harness_tasks import CLOZE_TASK, DEFAULT_TASKS, TASKS_DIR
 
-TASKS_DIR = LM_EVAL_TASKS_DIR
-CLOZE_TASK, CLOZE_FILE = "ghostvis_cloze", "heldout_cloze.jsonl"  # the task and the file it reads from held_out_dir
-DEFAULT_TASKS = ("ghostvis_capitals", "ghostvis_arithmetic", CLOZE_TASK)
 BATCH_ROWS, MAX_GEN_TOKS, GEN_CHUNK = 32, 256, 32
 
 
@@ -264,44 +259,3 @@ def task_metrics(results: dict[str, Any]) -> dict[str, dict[str, float]]:
             if filt and not name.endswith("_stderr") and isinstance(value, (int, float)):
                 out.setdefault(task, {})[name if filt == "none" else f"{name}/{filt}"] = float(value)
     return out
-
-
-def task_files_digest(include: Sequence[str] = ()) -> str:
-    """sha256 over the task folders' files (names and bytes): a changed task or data file changes it."""
-    h = hashlib.sha256()
-    for root in (TASKS_DIR, *(Path(p).expanduser().resolve() for p in include)):
-        for f in sorted(p for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
-            h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes())
-    return h.hexdigest()[:16]
-
-
-_WORD = re.compile(r"(?<= )([A-Za-z][A-Za-z_]{2,})\b")
-
-
-def cloze_items(texts: Iterable[str], limit: int, min_chars: int = 120, max_chars: int = 400) -> list[dict[str, str]]:
-    """LAMBADA-style items from paragraphs of held-out text: each passage is cut before the last word
-    (3+ letters, after a space) that already appeared in it, which is the target (with its space)."""
-    items: list[dict[str, str]] = []
-    for text in texts:
-        for para in re.split(r"\n\s*\n", text):
-            para = para.strip()
-            if len(items) >= limit:
-                return items
-            if min_chars <= len(para) <= max_chars:
-                for m in reversed(list(_WORD.finditer(para))):
-                    if m.start() >= min_chars // 2 and re.search(rf"\b{m.group(1)}\b", para[: m.start()]):
-                        items.append({"context": para[: m.start() - 1], "target": " " + m.group(1)})
-                        break
-    return items
-
-
-def cloze_jsonl(texts_by_source: dict[str, Iterable[str]], per_source: int = 10) -> str:
-    """The cloze task's data file (JSON Lines, saved as CLOZE_FILE in its held_out_dir): up to
-    `per_source` items from each held-out source's text."""
-    rows = [item for source in sorted(texts_by_source) for item in cloze_items(texts_by_source[source], per_source)]
-    if not rows:
-        raise GhostvisError(
-            f"ghostvis_cloze: the held-out sources {sorted(texts_by_source)} have no paragraph "
-            f"to cut; drop ghostvis_cloze from harness_tasks or add validation text"
-        )
-    return "".join(json.dumps(r) + "\n" for r in rows)
