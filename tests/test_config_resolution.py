@@ -120,6 +120,24 @@ def test_an_enum_like_field_names_the_field_the_value_and_the_choices(key, value
         presets.resolve("pretrain", "tiny", {key: value})
 
 
+def test_the_evidence_names_are_typed_and_each_is_measured_by_the_trainer():
+    """eval.evidence is checked when the config is built (a list of names, so the example sets a list), and
+    every name it accepts is one the trainer measures (run/train/evidence.py)."""
+    from typing import get_args
+
+    from ghostvis_core.plan.config import Evidence
+    from ghostvis_core.run.train.evidence import EVIDENCE
+
+    assert list(EVIDENCE) == list(get_args(Evidence))
+    with pytest.raises(
+        GhostvisError,
+        match=r"config config.eval.evidence\[1\]: 'loss_curve' is not one of domain_loss, beyond_context_loss, "
+        r"reasoning, caption_image_gap, reply_endings, reward; set one of them "
+        r'\(e.g. --set eval.evidence=\["domain_loss"\]\)',
+    ):
+        presets.resolve("sft", "tiny", {"eval.evidence": '["reply_endings", "loss_curve"]'})
+
+
 def test_presets_are_resolved_once_per_stage_and_preset():
     presets._preset_config.cache_clear()
     presets.resolve("rl", "smoke")

@@ -48,6 +48,19 @@ def test_the_entry_point_and_a_token_shard_read_import_nothing_needed_later(tmp_
     assert out[1] == "", f"imported before the first step although needed only later: {out[1]}"
 
 
+# What the Dagster process never needs to load the definitions: the trainer and the model (torch), the
+# evaluation's harness (lm_eval, datasets), MLflow's model logging, the ledger's query engine and S3.
+NOT_IN_DAGSTER = ("torch", "lm_eval", "datasets", "transformers", "mlflow", "duckdb", "boto3")
+
+
+def test_loading_the_dagster_definitions_imports_no_trainer_model_or_harness():
+    code = "import sys, ghostvis_pipeline.definitions; print(' '.join(n for n in sys.argv[1:] if n in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", code, *NOT_IN_DAGSTER], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert out == "", f"imported by every process that loads the Dagster definitions: {out}"
+
+
 def test_numpy_view_matches_pyarrow_for_slices_and_empty_arrays():
     values = pa.array(np.arange(10, dtype=np.int64))
     for array in (values, values.slice(3, 4), values.slice(10, 0), pa.array([], pa.uint16())):

@@ -278,8 +278,7 @@ def test_a_stage_trains_from_an_imported_hf_folder(home_copy, tmp_path):
     from ghostvis_core.run.hf.export import export_run
     from ghostvis_core.run.train.objectives import build_objective
     from ghostvis_core.run.train.result import RunResult
-    from ghostvis_core.run.train.setup import localize_shards
-    from ghostvis_core.run.train.spec import LaunchSpec
+    from ghostvis_core.run.train.spec import LaunchSpec, localize_shards
 
     home = Home(home_copy)
     folder = export_run(home.store, "pretrain", None, tmp_path / "pretrain-hf")

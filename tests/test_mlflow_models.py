@@ -45,7 +45,7 @@ TRAIN_DPO_IN_DAGSTER = """
 import json, os, sys
 from ghostvis_pipeline.cli import main
 rc = main(["train", "dpo", "--force"])
-heavy = [m for m in ("transformers", "mlflow.transformers") if m in sys.modules]
+heavy = [m for m in ("torch", "transformers", "mlflow.transformers") if m in sys.modules]
 print("DAGSTER_PROCESS " + json.dumps({"pid": os.getpid(), "heavy_imports": heavy}))
 sys.exit(rc)
 """
@@ -109,7 +109,7 @@ def test_runs_list_their_shards_and_system_metrics_in_a_model_training_experimen
 @pytest.mark.e2e
 def test_the_dagster_process_plans_and_the_job_does_the_heavy_work(registry):
     """`ghostvis train dpo --force` ran the stage asset in its own Python process (Dagster's in-process
-    executor), which never imported transformers or MLflow's model logging: the pre-flight (it builds the
+    executor), which never imported torch, transformers or MLflow's model logging: the pre-flight (it builds the
     objective) and the export and registration ran in the job's rank 0, another process, named by the
     run's preflight.json and the materialization's `mlflow_model_registered_by`."""
     from dagster import AssetKey

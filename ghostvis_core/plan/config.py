@@ -18,6 +18,8 @@ from ghostvis_core.errors import GhostvisError
 
 # What a stage trains for: a key of ghostvis_core.run.train.objectives.OBJECTIVES.
 Objective = Literal["lm", "vision_align", "sft", "dpo", "grpo"]
+# What a stage's evaluation measures besides its held-out loss (ghostvis_core/run/train/evidence.py measures each).
+Evidence = Literal["domain_loss", "beyond_context_loss", "reasoning", "caption_image_gap", "reply_endings", "reward"]
 
 
 @dataclass(frozen=True)
@@ -116,8 +118,8 @@ class EvalConfig:
     every_steps: int = 50
     val_tokens: int = 16384
     # Evidence this stage must show, measured before (step 0) and after training on held-out data;
-    # names from ghostvis_core.run.train.evidence.EVIDENCE; the stage table (stages.py) gives the default.
-    evidence: tuple[str, ...] = ()
+    # the stage table (stages.py) gives the default.
+    evidence: tuple[Evidence, ...] = ()
     samples: int = 16  # held-out prompts sampled for generation-based evidence
     sample_max_tokens: int = 48
 
@@ -312,9 +314,12 @@ def _build(tp: Any, data: Any, path: str) -> Any:
         return tuple(_build(args[0], item, f"{path}[{i}]") for i, item in enumerate(data))
     if origin is Literal:
         if data not in args:
+            key, example = path.removeprefix("config."), args[0]
+            if key.endswith("]"):  # an item of a list: the example sets the whole list
+                key, example = key[: key.rindex("[")], json.dumps([args[0]])
             raise GhostvisError(
                 f"config {path}: {data!r} is not one of {', '.join(map(str, args))}; set one of them "
-                f"(e.g. --set {path.removeprefix('config.')}={args[0]})"
+                f"(e.g. --set {key}={example})"
             )
         return data
     if tp is float and isinstance(data, (int, float)) and not isinstance(data, bool):

@@ -23,12 +23,9 @@ from ghostvis_core.plan.budget import Plan, batch_plan, detected_gpu, memory_pla
 from ghostvis_core.plan.budget import plan as make_plan
 from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.plan.presets import RegisteredSources, TokenizerVocab
-from ghostvis_core.run.hf.imports import import_checkpoint
 from ghostvis_core.run.hf.sources import is_hf_source
-from ghostvis_core.run.train.evidence import EVIDENCE
 from ghostvis_core.run.train.runs import Upstream, checkpoint_key, checkpoint_of, find_upstream, next_run_key
-from ghostvis_core.run.train.setup import localize_shards
-from ghostvis_core.run.train.spec import LaunchSpec, SourceBudget, StageInputs
+from ghostvis_core.run.train.spec import LaunchSpec, SourceBudget, StageInputs, localize_shards
 from ghostvis_core.store import Store
 
 MLFLOW_EXPERIMENT = "ghostvis"
@@ -47,7 +44,7 @@ def select_shards(
                 f"tokenized shard {r['shard_id']} ({store.uri_of('token_shard', tokenizer_id, r['shard_id'])}) is in "
                 f"the ledger but missing on disk; re-materialize tokenized_shards partition {r['shard_id']}"
             )
-        path = store.uri_of("token_shard", tokenizer_id, r["shard_id"])  # each rank fetches it (setup.localize)
+        path = store.uri_of("token_shard", tokenizer_id, r["shard_id"])  # each rank fetches it (spec.localize_shards)
         out[r["source"]].append(
             ShardRef(r["shard_id"], r["source"], r["split"], path, r["docs"], r["tokens"], r["content_sha256"]).__dict__
         )
@@ -165,6 +162,8 @@ def resolve_stage(
     init_from = presets.init_source(stage, overrides)
     imported = None
     if init_from and is_hf_source(init_from):  # over the upstream stage a caller passes
+        from ghostvis_core.run.hf.imports import import_checkpoint  # torch: only for a Hugging Face checkpoint
+
         imported = import_checkpoint(home.store, init_from)
         upstream, tokenizer_id = imported.upstream, imported.tokenizer.tokenizer_id
     elif init_from and upstream is None:
@@ -195,9 +194,6 @@ def resolve_stage(
         sources=RegisteredSources(tokenizer_id, shards),
         vocab=None if imported else TokenizerVocab(tok.tokenizer_id, tok.vocab_size),
     )
-    unknown = [e for e in cfg.eval.evidence if e not in EVIDENCE]
-    if unknown:
-        raise GhostvisError(f"eval.evidence: unknown {unknown}; known: {', '.join(EVIDENCE)}")
     return Resolved(cfg, upstream, up_cfg, tok)
 
 

@@ -16,7 +16,6 @@ from dataclasses import asdict
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.launch import check_stream_splits, preflight, with_local_shards
-from ghostvis_core.run.train.objectives import build_objective
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.store import Store
 
@@ -27,6 +26,9 @@ def check_run(spec: LaunchSpec, store: Store) -> LaunchSpec:
     """Refuse a run whose streams mix splits, whose budget needs more tokens than its shards hold (without
     data.allow_repeat) or whose memory plan does not fit this machine's GPU; else save the spec again
     with its per-source budget (what the materialization shows as `source_budget`)."""
+    # the objective (torch) here, in the job: the Dagster process imports this module to read preflight records
+    from ghostvis_core.run.train.objectives import build_objective
+
     where = {"pid": os.getpid(), "host": socket.gethostname()}
     try:
         objective = build_objective(with_local_shards(spec, store), spec.config)

@@ -36,7 +36,6 @@ from ghostvis_core.identity import code_version, digest
 from ghostvis_core.plan import presets, run_modes
 from ghostvis_core.run.cluster.slurm import SlurmJob
 from ghostvis_core.run.cluster.slurm_pipeline import SlurmPipeline
-from ghostvis_core.run.hf.imports import import_tokenizer
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.metadata import latest_metadata, md_table
@@ -200,6 +199,8 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, home: Gho
     so a retraining that yields the same tokenizer changes nothing downstream."""
     store = home.home().store
     if config.from_model:
+        from ghostvis_core.run.hf.imports import import_tokenizer  # torch, only for a model's tokenizer
+
         tok = import_tokenizer(store, config.from_model)
         context.log.info(f"tokenizer: {tok.tokenizer_id} is the tokenizer of {config.from_model} (not trained)")
         return _tokenizer_result(

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dagster import AssetExecutionContext, Config, DataVersion, MaterializeResult, MetadataValue, asset
 
+from ghostvis_core.data.eval_texts import PROMPTS
 from ghostvis_core.data.ledger import Ledger, held_out_text_shards
 from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.identity import code_version, digest
@@ -18,14 +19,6 @@ from ghostvis_core.run.track.mlflow_records import add_files, add_to_run, metric
 from ghostvis_core.run.train.runs import run_result
 from ghostvis_core.run.train.trained import load_stage, stage_config
 from ghostvis_core.store import Store
-from ghostvis_core.verify.eval.benchmark import (
-    PROMPTS,
-    bits_per_byte,
-    build_items,
-    held_out_texts,
-    multiple_choice,
-    samples,
-)
 from ghostvis_core.verify.eval.gate import tolerances
 from ghostvis_core.verify.eval.harness_tasks import (
     CLOZE_FILE,
@@ -173,6 +166,8 @@ def held_out_folder(h, key: str, tokenizer_id: str, val: dict, tasks: list[str])
     evaluation's output (store: reports/evaluation/<key>/), and the folder holding them."""
     if CLOZE_TASK not in tasks:
         return None
+    from ghostvis_core.verify.eval.benchmark import held_out_texts  # torch: only when an evaluation runs
+
     tok = load_tokenizer(tokenizer_id, h.store)
     texts = {source: held_out_texts(tok, refs) for source, refs in val.items()}
     name = f"evaluation/{key}/{CLOZE_FILE}"
@@ -183,7 +178,8 @@ def held_out_folder(h, key: str, tokenizer_id: str, val: dict, tasks: list[str])
 def score_stage(context, h, stage: str, run_key: str, val: dict, harness: HarnessSetup) -> dict:
     """One stage's scores, also logged to its MLflow run; the harness's own output is saved in the
     store (reports/evaluation/<key>/harness/<stage>.json) and its metrics are read from it."""
-    # lm_eval and datasets (0.8 s) only when an evaluation runs, not in every process that loads the definitions
+    # torch, lm_eval and datasets (2 s) only when an evaluation runs, not in every process that loads the definitions
+    from ghostvis_core.verify.eval.benchmark import bits_per_byte, build_items, multiple_choice, samples
     from ghostvis_core.verify.eval.harness import GhostvisLM, run_tasks
 
     t0 = time.time()

@@ -23,11 +23,11 @@ from ghostvis_core.run.train.objectives import build_objective
 from ghostvis_core.run.train.parallel import wrap
 from ghostvis_core.run.train.precision import use_bf16, use_compile
 from ghostvis_core.run.train.runs import checkpoint_of
-from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.run.train.spec import LaunchSpec, localize_shards
 from ghostvis_core.run.train.state import TrainState
 from ghostvis_core.run.train.tracking import Tracker
 from ghostvis_core.run.train.trainer import Trainer
-from ghostvis_core.store import Store, open_store
+from ghostvis_core.store import open_store
 
 
 def setup(spec: LaunchSpec, ctx: DistContext) -> Trainer:
@@ -110,13 +110,6 @@ def run_batch_plan(cfg: StageConfig, ctx: DistContext) -> BatchPlan:
             f"set batch.world_size={ctx.world_size} (or set batch.total_batch_tokens to derive grad_accum)"
         )
     return batch_plan(cfg.batch, ctx.world_size)
-
-
-def localize_shards(spec: LaunchSpec, store: Store) -> None:
-    """Point the spec's shards at this node's copies (fetched from the store by key when it is remote)."""
-    for refs in (*spec.train_shards.values(), *spec.val_shards.values()):
-        for ref in refs:
-            ref["path"] = str(store.fetch("token_shard", spec.tokenizer_id, ref["shard_id"]))
 
 
 def build_model(cfg: StageConfig, ctx: DistContext) -> GPT:

@@ -14,6 +14,7 @@ from typing import Any
 
 from ghostvis_core.plan.budget import Plan
 from ghostvis_core.plan.config import StageConfig
+from ghostvis_core.store import Store
 
 
 @dataclass
@@ -81,3 +82,10 @@ class LaunchSpec:
                 "inputs": StageInputs.from_dict(data.get("inputs", {})),
             }
         )
+
+
+def localize_shards(spec: LaunchSpec, store: Store) -> None:
+    """Point the spec's shards at this node's copies (fetched from the store by key when it is remote)."""
+    for refs in (*spec.train_shards.values(), *spec.val_shards.values()):
+        for ref in refs:
+            ref["path"] = str(store.fetch("token_shard", spec.tokenizer_id, ref["shard_id"]))

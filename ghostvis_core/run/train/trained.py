@@ -5,17 +5,19 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan.config import StageConfig
-from ghostvis_core.run.model.gpt import GPT
-from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.runs import completed_runs, newest_completed_run
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.store import Store
+
+if TYPE_CHECKING:  # torch is imported when a model is loaded: reading a run's config needs none
+    from ghostvis_core.run.model.gpt import GPT
 
 
 @dataclass
@@ -54,6 +56,9 @@ def load_stage(home: Home, stage: str, run_key: str | None = None) -> TrainedSta
 
 def load_from_store(store: Store, stage: str, run_key: str | None = None) -> TrainedStage:
     """load_stage for a process that knows the store and not the home (a training job: its spec's store)."""
+    from ghostvis_core.run.model.gpt import GPT
+    from ghostvis_core.run.train import checkpoint as ckpt
+
     if run_key:
         result = next((r for r in completed_runs(store, stage) if r.run_key == run_key), None)
     else:
