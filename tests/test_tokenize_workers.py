@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pyarrow as pa
@@ -14,8 +17,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.tokenize import TokenizeJob, tokenize_shards
-from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
+from ghostvis_core.data.tokenize import TokenizeJob, TokenizeReport, tokenize_shards
+from ghostvis_core.data.tokenizer import Tokenizer, save_tokenizer, train_tokenizer
 from ghostvis_core.store import FolderStore
 from ghostvis_core.store.files import sha256_file
 
@@ -30,10 +33,8 @@ def shard_texts(rng: random.Random, n_docs: int) -> list[str]:
     return docs + ["", docs[0], "too short"]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> SimpleNamespace:
-    """Five raw shards and a tokenizer in one store, copied twice, then tokenized with 1 and 2 workers."""
-    root = tmp_path_factory.mktemp("tokenize_workers")
+def five_raw_shards(root: Path) -> tuple[Tokenizer, list[TokenizeJob]]:
+    """Five raw shards and a tokenizer in a folder store at root/source: (the tokenizer, the shards' jobs)."""
     rng = random.Random(5)
     texts = {f"corp/{i:05d}": shard_texts(rng, 30 + 10 * i) for i in range(5)}
     source = FolderStore(root / "source")
@@ -45,18 +46,36 @@ def runs(tmp_path_factory) -> SimpleNamespace:
         pq.write_table(pa.table({"text": docs}), path)
         source.publish("raw_shard", shard_id)
         jobs.append(TokenizeJob(shard_id, "corp", "train", sha256_file(path), "text"))
+    return tok, jobs
+
+
+def tokenize_a_copy(root: Path, tok: Tokenizer, jobs: list[TokenizeJob], workers: int):
+    """Copy root/source to root/<workers>w and tokenize the copy with that many workers: (store, reports)."""
+    shutil.copytree(root / "source", root / f"{workers}w")
+    store = FolderStore(root / f"{workers}w")
+    reports = tokenize_shards(
+        jobs,
+        store=store,
+        tokenizer_id=tok.tokenizer_id,
+        logging_dir=root / f"logs-{workers}w",
+        workers=workers,
+        filters=FILTERS,
+    )
+    return store, reports
+
+
+def tokenize_five_shards(root: Path, workers: int) -> list[TokenizeReport]:
+    return tokenize_a_copy(root, *five_raw_shards(root), workers)[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> SimpleNamespace:
+    """Five raw shards and a tokenizer in one store, copied twice, then tokenized with 1 and 2 workers."""
+    root = tmp_path_factory.mktemp("tokenize_workers")
+    tok, jobs = five_raw_shards(root)
     stores, reports = {}, {}
     for workers in (1, 2):
-        shutil.copytree(root / "source", root / f"{workers}w")
-        stores[workers] = FolderStore(root / f"{workers}w")
-        reports[workers] = tokenize_shards(
-            jobs,
-            store=stores[workers],
-            tokenizer_id=tok.tokenizer_id,
-            logging_dir=root / f"logs-{workers}w",
-            workers=workers,
-            filters=FILTERS,
-        )
+        stores[workers], reports[workers] = tokenize_a_copy(root, tok, jobs, workers)
     return SimpleNamespace(stores=stores, reports=reports, tok=tok, jobs=jobs)
 
 
@@ -100,3 +119,31 @@ def test_the_reports_match(runs):
 
     assert figures(runs.reports[2]) == figures(runs.reports[1])
     assert [r.docs for r in runs.reports[1]] == [30 + 10 * i for i in range(5)]
+
+
+# A 2-worker tokenization in a process that ignores SIGTERM the way a Dagster step leaves it when the process was
+# started with SIGINT ignored (in the background: nohup, CI): dagster/_utils/interrupts.py maps SIGTERM to SIGINT's
+# disposition, and the pool's workers inherit it across the forkserver's exec.
+IGNORING_SIGTERM = """
+import random, signal, sys
+from pathlib import Path
+from dagster._utils.interrupts import setup_interrupt_handlers
+from tests.test_tokenize_workers import tokenize_five_shards
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+setup_interrupt_handlers()
+assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+reports = tokenize_five_shards(Path(sys.argv[1]), workers=2)
+print(sum(r.tokens for r in reports))
+"""
+
+
+def test_two_workers_end_in_a_process_that_ignores_sigterm(runs, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", IGNORING_SIGTERM, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert int(proc.stdout.split()[-1]) == sum(r.tokens for r in runs.reports[2])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import signal
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -415,12 +416,24 @@ def run_tokenizer(store_uri: str, tokenizer_id: str) -> Tokenizer:
     return load_tokenizer(tokenizer_id, open_store(store_uri))
 
 
+class LocalWorkers(LocalPipelineExecutor):
+    """datatrove's local executor, whose pool workers stop when the pool tells them to. A worker inherits the
+    signals its caller ignores (through the forkserver's exec). A Dagster step maps SIGTERM to SIGINT's handler
+    (dagster/_utils/interrupts.py), so in a process started with SIGINT ignored (in the background: nohup, CI)
+    SIGTERM is ignored too, and the pool's exit would wait forever for the workers it terminates."""
+
+    def _launch_run_for_rank(self, rank: int, ranks_q, completed=None, completed_lock=None):
+        if self.workers > 1:  # a pool worker: datatrove runs a single worker in the caller's own process
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        return super()._launch_run_for_rank(rank, ranks_q, completed, completed_lock)
+
+
 def run_locally(pipeline: list, tasks: int, workers: int, logging_dir: Path) -> None:
     """datatrove worker processes on this machine, started by datatrove's default method (forkserver): each
     re-imports its modules (~1,000) before its first task. Forking them from the caller would save that, but
     the caller is often a Dagster step, and a forked worker inherits Dagster's signal handlers: when the pool
     stops its workers, a handler raises inside the worker's exit and the pool never joins (seen in the demo)."""
-    LocalPipelineExecutor(
+    LocalWorkers(
         pipeline=pipeline,
         tasks=tasks,
         workers=workers,
