@@ -9,6 +9,9 @@ $(VENV)/.installed: pyproject.toml scripts/install-torch
 	python3 -m venv $(VENV)
 	scripts/install-torch $(PY)
 	$(PY) -m pip install -e '.[dev]'
+	# bytecode for the project's own modules: pip compiles the packages it installs, not an editable project, and with
+	# PYTHONDONTWRITEBYTECODE set every process (each rank, each Dagster run) would compile them again (~0.1 s)
+	$(PY) -m compileall -q ghostvis_core ghostvis_pipeline
 	touch $@
 
 demo: setup

@@ -13,8 +13,10 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -121,6 +123,16 @@ LONG_FILES = [
     "test_multinode.py",
     "test_mlflow_outage.py",
 ]
+
+
+def pytest_configure(config) -> None:
+    """Give this process Python's own SIGINT handler when it was started with SIGINT ignored (in the background, as
+    CI and nohup start it). Dagster's in-process execution maps SIGTERM to SIGINT's handler when it leaves
+    (dagster/_utils/interrupts.py), so this worker would ignore SIGTERM after its first in-process materialization,
+    and so would every process a later test starts: each server or namespace holder stopped with SIGTERM then sat
+    out its grace period before SIGKILL."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
