@@ -64,7 +64,7 @@ def test_each_input_wins_over_the_ones_before_it():
     )
     assert cfg.optim.beta1 == 0.9  # 1. the dataclass default
     assert (cfg.objective, cfg.init_from, cfg.eval.evidence) == ("lm", "continued_pretrain", ("beyond_context_loss",))
-    assert cfg.checkpoint.every_steps == 20  # 3. the preset's delta over the default 100
+    assert cfg.checkpoint.every_steps == 9  # 3. the preset's delta over the default 100
     assert (cfg.model.d_model, cfg.model.rope_scaling) == (128, 2.0)  # 4. inherited from the upstream checkpoint
     assert (cfg.model.max_seq_len, cfg.model.rope_base) == (1024, 160000.0)  # the preset's declared model change
     assert cfg.optim.lr == 1e-4  # 5. the override over the preset's 5e-4
