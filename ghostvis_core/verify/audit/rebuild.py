@@ -105,6 +105,7 @@ class SourceFiles:
         self.files = sorted(files, key=lambda f: f.shard_id)
         self.total = sum(f.num_tokens for f in self.files)
         self.docs = [(i, d) for i, f in enumerate(self.files) for d in range(f.num_docs)]
+        self._doc_orders: dict[int, list[int]] = {}
 
     def stream_spans(self, a: int, b: int) -> list[Span]:
         """The stream's tokens [a, b), epochs included, as spans of shards."""
@@ -131,9 +132,13 @@ class SourceFiles:
         return np.concatenate([by_id[s.shard_id].tokens(s.tok_start, s.tok_end) for s in spans])
 
     def doc_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.docs)))
-        random.Random(f"{self.seed}:{self.source}:docs:{epoch}").shuffle(order)
-        return order
+        """The epoch's document order, shuffled once per epoch: every row of a document source asks for it
+        (a vision run's 19,200 rows spent 60 s re-shuffling 3,000 documents)."""
+        if epoch not in self._doc_orders:
+            order = list(range(len(self.docs)))
+            random.Random(f"{self.seed}:{self.source}:docs:{epoch}").shuffle(order)
+            self._doc_orders[epoch] = order
+        return self._doc_orders[epoch]
 
     def doc_span(self, k: int, epoch: int) -> Span:
         i, d = self.docs[k]
