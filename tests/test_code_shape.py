@@ -36,6 +36,7 @@ LAYERS = {
     "ghostvis_core.errors": 0,
     "ghostvis_core.digest": 0,
     "ghostvis_core.counts": 0,
+    "ghostvis_core.exit": 0,
     "ghostvis_core.store.*": 1,
     "ghostvis_core.identity": 1,
     "ghostvis_core.home": 1,

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from ghostvis_core.exit import skip_final_collections
 from ghostvis_core.plan.stages import stage as stage_of
 from ghostvis_core.run.cluster.run_files import split_run_uri
 from ghostvis_core.run.track.mlflow_models import StageModel, register_stage_model
@@ -96,4 +97,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    skip_final_collections()
     sys.exit(main())
