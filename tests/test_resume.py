@@ -31,9 +31,18 @@ def newest_run_dir(home: Path, known: set[str]) -> Path | None:
     return new[-1] if new else None
 
 
+def part_in_ledger(home: Path, checkpoint: Path) -> bool:
+    """Whether the checkpoint's ledger part has been copied into the store's ledger, the commit's last
+    step (killed before it, the part lives only inside the checkpoint until a resume republishes it)."""
+    store = Home(home).store
+    files = [f.relative_to(checkpoint / "ledger").as_posix() for f in (checkpoint / "ledger").rglob("*.parquet")]
+    return bool(files) and all(store.exists("ledger_file", f) for f in files)
+
+
 def start_and_kill_after(home: Path, step: int) -> Path:
     """Start the materialization, SIGKILL the whole process group once checkpoint `step` is
-    committed (the run is then between checkpoints), and return the run's checkpoint folder."""
+    committed, its ledger part included (the run is then between checkpoints), and return the run's
+    checkpoint folder."""
     known = run_names(home)
     proc = subprocess.Popen(
         [str(BIN / MATERIALIZE[0]), *MATERIALIZE[1:]],
@@ -47,7 +56,7 @@ def start_and_kill_after(home: Path, step: int) -> Path:
     run_dir = None
     while time.time() < deadline:
         run_dir = run_dir or newest_run_dir(home, known)
-        if run_dir and any(c.step >= step for c in ckpt.list_complete(run_dir)):
+        if run_dir and any(c.step >= step and part_in_ledger(home, c.path) for c in ckpt.list_complete(run_dir)):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             return run_dir
