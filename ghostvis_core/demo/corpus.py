@@ -240,10 +240,17 @@ def _prose_docs() -> list[_Doc]:
     return docs
 
 
+# The nodes a def can be under: statements and the clauses that hold statement lists. Expressions never
+# hold a def, so the walk skips them (they are most of a module's nodes).
+_STATEMENT_NODES = (ast.stmt, ast.excepthandler, ast.match_case)
+
+
 def _docstrings(node: ast.AST, prefix: str) -> list[tuple[str, str]]:
     """(qualified name, docstring) of every class and function under node, in source order."""
     found = []
     for child in ast.iter_child_nodes(node):
+        if not isinstance(child, _STATEMENT_NODES):
+            continue
         if isinstance(child, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             qualname = prefix + child.name
             doc = ast.get_docstring(child)
