@@ -3,7 +3,10 @@ each stage's MLflow run; `report` writes the lineage's report card (HTML + Markd
 to MLflow and links it from Dagster."""
 
 import json
+import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,7 +118,7 @@ def evaluation(context: AssetExecutionContext, config: EvaluationConfig, home: G
     else:
         held_out = held_out_folder(h, key, tokenizer_id, val, config.harness_tasks)
         harness = HarnessSetup(key, config.harness_tasks, config.harness_include, held_out)
-        results = {stage: score_stage(context, h, stage, run_key, val, harness) for stage, run_key in lineage.items()}
+        results = score_lineage(context, h, lineage, val, harness)
         h.store.write_text("report", f"evaluation/{key}.json", text=json.dumps(results, indent=2))
     rows = [
         [
@@ -175,7 +178,24 @@ def held_out_folder(h, key: str, tokenizer_id: str, val: dict, tasks: list[str])
     return h.store.fetch("report", name).parent  # a local copy where the store is remote
 
 
-def score_stage(context, h, stage: str, run_key: str, val: dict, harness: HarnessSetup) -> dict:
+def score_lineage(context, h, lineage: dict[str, str], val: dict, harness: HarnessSetup) -> dict:
+    """Every stage's scores. Stages are scored side by side, one per core, each op on the thread that
+    calls it (benchmark.one_thread): no op waits for a thread that other load took the core from, and
+    an idle host's cores are still all used. The harness and MLflow take one stage at a time (`serial`):
+    lm-eval's task registry is the process's, and MLflow's database takes one writer."""
+    from ghostvis_core.verify.eval.benchmark import one_thread
+
+    serial = threading.Lock()
+    workers = min(len(lineage), len(os.sched_getaffinity(0)))
+    with one_thread(), ThreadPoolExecutor(workers, thread_name_prefix="score") as pool:
+        scoring = {
+            stage: pool.submit(score_stage, context, h, stage, run_key, val, harness, serial)
+            for stage, run_key in lineage.items()
+        }
+        return {stage: future.result() for stage, future in scoring.items()}
+
+
+def score_stage(context, h, stage: str, run_key: str, val: dict, harness: HarnessSetup, serial: threading.Lock) -> dict:
     """One stage's scores, also logged to its MLflow run; the harness's own output is saved in the
     store (reports/evaluation/<key>/harness/<stage>.json) and its metrics are read from it."""
     # torch, lm_eval and datasets (2 s) only when an evaluation runs, not in every process that loads the definitions
@@ -187,26 +207,27 @@ def score_stage(context, h, stage: str, run_key: str, val: dict, harness: Harnes
     bpb = bits_per_byte(ts, val, max_tokens=MAX_BPB_TOKENS)
     mc = multiple_choice(ts, build_items(ts, val, per_task=MC_PER_TASK))
     smp = samples(ts)
-    t1 = time.time()
-    run = run_tasks(GhostvisLM(ts), harness.tasks, harness.include, harness.held_out_dir)
-    saved = f"evaluation/{harness.key}/harness/{stage}.json"
-    h.store.write_text("report", saved, text=json.dumps(run.results, indent=2))
-    metrics = (
-        {f"eval/bpb/{k}": v for k, v in bpb.items()}
-        | {f"eval/mc/{k}": v for k, v in mc.items()}
-        | {f"harness/{task}/{m}": v for task, ms in run.metrics.items() for m, v in ms.items()}
-    )
-    add_to_run(
-        h.mlflow_tracking_uri,
-        ts.result.mlflow_run_id,
-        metrics,
-        ts.result.steps,
-        texts={"eval/samples.json": json.dumps(smp, indent=2)},
-    )
-    context.log.info(
-        f"{stage}: bpb {bpb}, mc {mc['overall']:.2f}, harness {run.metrics} "
-        f"({time.time() - t0:.1f}s, harness {time.time() - t1:.1f}s)"
-    )
+    with serial:
+        t1 = time.time()
+        run = run_tasks(GhostvisLM(ts), harness.tasks, harness.include, harness.held_out_dir)
+        saved = f"evaluation/{harness.key}/harness/{stage}.json"
+        h.store.write_text("report", saved, text=json.dumps(run.results, indent=2))
+        metrics = (
+            {f"eval/bpb/{k}": v for k, v in bpb.items()}
+            | {f"eval/mc/{k}": v for k, v in mc.items()}
+            | {f"harness/{task}/{m}": v for task, ms in run.metrics.items() for m, v in ms.items()}
+        )
+        add_to_run(
+            h.mlflow_tracking_uri,
+            ts.result.mlflow_run_id,
+            metrics,
+            ts.result.steps,
+            texts={"eval/samples.json": json.dumps(smp, indent=2)},
+        )
+        context.log.info(
+            f"{stage}: bpb {bpb}, mc {mc['overall']:.2f}, harness {run.metrics} "
+            f"({time.time() - t0:.1f}s, harness {time.time() - t1:.1f}s)"
+        )
     return {"run_key": run_key, "bpb": bpb, "mc": mc, "samples": smp, "harness": run.metrics, "harness_results": saved}
 
 

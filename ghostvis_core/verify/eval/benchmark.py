@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,21 @@ from ghostvis_core.data.eval_texts import BENCHMARK_PER_TASK, BENCHMARK_SEED, PR
 from ghostvis_core.data.token_shard import TokenShard
 from ghostvis_core.data.tokenizer import Tokenizer
 from ghostvis_core.run.train.trained import TrainedStage
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Score on one torch thread, restored after: the caller runs stages side by side instead. Scoring
+    shares its host with the process that runs it (Dagster) and often with a training job's ranks: with
+    a thread per core, every op of a small model waits at OpenMP's barrier for a thread the other load
+    took the core from. The smoke demo's evaluation on 2 fp32 cores with one core kept busy: 150 s
+    (177 s CPU) one stage at a time on two threads, 74 s (83 s CPU) two stages side by side on one."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 @dataclass(frozen=True)
