@@ -186,7 +186,7 @@ def score_lineage(context, h, lineage: dict[str, str], val: dict, harness: Harne
     from ghostvis_core.verify.eval.benchmark import one_thread
 
     serial = threading.Lock()
-    workers = min(len(lineage), len(os.sched_getaffinity(0)))
+    workers = min(len(lineage), os.cpu_count() or 1)
     with one_thread(), ThreadPoolExecutor(workers, thread_name_prefix="score") as pool:
         scoring = {
             stage: pool.submit(score_stage, context, h, stage, run_key, val, harness, serial)
