@@ -182,7 +182,7 @@ def home_copy(demo_home, tmp_path) -> Path:
 
 
 # A short pretraining run that the resume, multi-node and Slurm tests share: 12 steps of the smoke
-# preset (2 ranks, 8 x 256 tokens each), a checkpoint every 4.
+# preset (2 ranks, 4 x 256 tokens each), a checkpoint every 4.
 SHORT_PRETRAIN = {"budget.steps": "12", "checkpoint.every_steps": "4"}
 
 

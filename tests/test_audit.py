@@ -62,7 +62,18 @@ TORCHRUN_BUGS = [
     "mlflow_history_stale",
 ]
 # sft: 4 steps of the smoke recipe (8 packed chats of 256 positions per rank and step, image chats among them)
-SMOKE_SFT = ["--stage", "sft", "--preset", "smoke", "--set", "budget.steps=4", "--set", "checkpoint.every_steps=2"]
+SMOKE_SFT = [
+    "--stage",
+    "sft",
+    "--preset",
+    "smoke",
+    "--set",
+    "budget.steps=4",
+    "--set",
+    "batch.micro_batch_size=8",
+    "--set",
+    "checkpoint.every_steps=2",
+]
 SFT_BUGS = ["chat_mask_ignored", "chat_doc_ids_dropped", "images_rotated"]
 
 

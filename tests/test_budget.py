@@ -486,8 +486,9 @@ def test_planner_needed_tokens_by_hand():
 def test_cli_plan_recipe_says_why_needed_has_one_more_token(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("GHOSTVIS_HOME", str(tmp_path))
     got = _cli_json(capsys, "--preset", "smoke", "--recipe", "demo_prose=0.5,demo_code=0.5")
-    assert [s["needed_tokens"] for s in got["sources"]] == [49_153, 49_153]
+    # smoke pretrain: 24 steps x 4 x 256 x 2 = 49,152 tokens, half to each source, + 1 boundary token each
+    assert [s["needed_tokens"] for s in got["sources"]] == [24_577, 24_577]
     assert got["needed_tokens_rule"] == LM_NEEDED_RULE
     assert cli_main(["plan", "--preset", "smoke", "--recipe", "demo_prose=0.5,demo_code=0.5"]) == 0
     out = capsys.readouterr().out
-    assert "49,153" in out and "needed = rows x seq_len + 1 boundary token per source: the last target token" in out
+    assert "24,577" in out and "needed = rows x seq_len + 1 boundary token per source: the last target token" in out

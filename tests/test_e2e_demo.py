@@ -95,8 +95,8 @@ def test_pretraining_lowers_validation_loss_and_mixture_follows_the_recipe(demo_
     md = latest(instance, "pretrain")
     assert md["val_loss"] < md["val_loss_start"] - 0.8, md  # ln(4096) = 8.3 at the start
     cp = latest(instance, "continued_pretrain")
-    # 8 steps x 16 rows: the 0.7/0.3 schedule gives exactly 90/38 rows of 256 tokens
-    assert cp["mixture/demo_code/tokens"] == 90 * 256 and cp["mixture/demo_prose/tokens"] == 38 * 256
+    # 8 steps x 8 rows: the 0.7/0.3 schedule gives exactly 45/19 rows of 256 tokens
+    assert cp["mixture/demo_code/tokens"] == 45 * 256 and cp["mixture/demo_prose/tokens"] == 19 * 256
     assert cp["domain_loss_after"] < cp["domain_loss_before"]
     # continued_pretrain starts where pretrain stopped reading each source: no undeclared reuse
     ledger = Ledger.in_store(Home(demo_home).store)
@@ -193,7 +193,7 @@ def test_plain_torchrun_runs_a_stage_without_dagster(home_copy):
     runs = [p for p in ledger.parts(stage="pretrain") if p["step_last"] == 4 and p["world_size"] == 2]
     assert runs
     totals = ledger.run_totals(runs[-1]["run_key"])
-    assert totals["real_tokens"] == 4 * 8 * 256 * 2 and totals["overlap_tokens"] == 0
+    assert totals["real_tokens"] == 4 * 4 * 256 * 2 and totals["overlap_tokens"] == 0  # 4 steps of the smoke batch
     # the consumed token ranges of the two ranks tile exactly the trained tokens
     assert sum(r["tokens"] for r in ledger.consumed_by_shard(runs[-1]["run_key"])) == totals["real_tokens"]
 

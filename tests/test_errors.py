@@ -24,7 +24,7 @@ def test_total_batch_that_does_not_divide(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert (
         "batch.total_batch_tokens=10000 is not divisible by micro_batch_size x seq_len x world_size = "
-        "8 x 256 x 2 = 4096; choose a total that is a multiple of 4096"
+        "4 x 256 x 2 = 2048; choose a total that is a multiple of 2048"
     ) in proc.stderr
 
 

@@ -17,9 +17,13 @@ import pytest
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
+from ghostvis_core.plan.budget import batch_plan
+from ghostvis_core.plan.presets import resolve
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.runs import run_result
-from tests.conftest import BIN, cli_env, materialize_pretrain, new_run_dirs, run_cli, run_names
+from tests.conftest import BIN, SHORT_PRETRAIN, cli_env, materialize_pretrain, new_run_dirs, run_cli, run_names
+
+SHORT_PRETRAIN_TOKENS_PER_STEP = batch_plan(resolve("pretrain", "smoke", SHORT_PRETRAIN).batch).tokens_per_step
 
 pytestmark = pytest.mark.e2e
 
@@ -139,11 +143,11 @@ def test_resuming_from_an_older_checkpoint_is_flagged_as_reuse(home_copy):
     assert proc.returncode != 0  # the blocking no_reuse check fails the run
     reuse = [r for r in Ledger.in_store(Home(home_copy).store).reuse(run_dir.name) if r["kind"] == "reuse"]
     assert reuse and all(r["run_a"] == r["run_b"] == run_dir.name for r in reuse)
-    # the twice-read range is exactly what segment 0 read in steps 5..8 (4 steps x 8 x 256 x 2 ranks)
-    assert sum(r["tokens"] for r in reuse) == 4 * 8 * 256 * 2
+    # the twice-read range is exactly what segment 0 read in steps 5..8
+    assert sum(r["tokens"] for r in reuse) == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP
     evaluation = latest_check(home_copy, "pretrain", "no_reuse")
     assert evaluation.passed is False
     md = {k: v.value for k, v in evaluation.metadata.items()}
-    assert md["reused_tokens"] == 4 * 8 * 256 * 2
+    assert md["reused_tokens"] == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP
     first = reuse[0]
     assert f"{first['tok_start']}..{first['tok_end']}" in md["ranges"] and first["shard_id"] in md["ranges"]

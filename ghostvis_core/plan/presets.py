@@ -179,7 +179,9 @@ _SMOKE_STEPS = {
     "dpo": 6,
     "rl": 4,
 }
-# What else the smoke preset makes cheaper: rl samples 2 short completions per prompt (2 prompts per row batch).
+# What else the smoke preset makes cheaper: every stage reads half the tiny preset's rows per micro-batch (the
+# training steps are most of a smoke run's work on a CPU); rl samples 2 short completions per prompt (2 prompts
+# per row batch).
 _SMOKE_DELTAS = {
     "rl": dict(
         grpo=dict(group_size=2, max_new_tokens=24),
@@ -231,6 +233,7 @@ def _stage_defaults(stage: str, preset: str) -> dict[str, Any]:
                 "budget": dict(steps=steps),
                 "eval": {**base.get("eval", {}), "every_steps": steps, "val_tokens": 4096, "samples": 4},
                 "checkpoint": dict(every_steps=steps // 2),
+                "batch": {**base["batch"], "micro_batch_size": max(1, base["batch"]["micro_batch_size"] // 2)},
                 **_SMOKE_DELTAS.get(stage, {}),
             }
         return base
