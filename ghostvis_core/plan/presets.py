@@ -7,7 +7,7 @@ value equal to its default). The stage's objective, upstream and evidence come f
 model, overrides, the tokenizer's vocabulary and the registered sources into a frozen, validated StageConfig.
 
 - tiny:  ~5M params, trains every stage on 2 CPU cores in minutes (the demo).
-- smoke: the tiny model with fewer steps, for end-to-end tests.
+- smoke: the tiny model with fewer steps and half the rows per micro-batch, for end-to-end tests.
 - 500m / 1.5b / 7b: GPU-class shapes the planner prices (Chinchilla budgets by default).
 """
 
