@@ -8,9 +8,16 @@ import pytest
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
+from ghostvis_core.plan.budget import batch_plan
+from ghostvis_core.plan.presets import resolve
 from tests.conftest import run_cli
 
 MATERIALIZE = ["dagster", "asset", "materialize", "-m", "ghostvis_pipeline.definitions"]
+# 5,000 steps of the smoke pretrain, half of them from each of its two sources: windows of 256 inputs, where
+# consecutive windows share their boundary token (the last target of one is the first input of the next), so n
+# windows read n x 256 + 1
+SMOKE_ROWS_PER_STEP = batch_plan(resolve("pretrain", "smoke").batch).rows_per_step
+NEEDED_PER_SOURCE = 5000 * SMOKE_ROWS_PER_STEP // 2 * 256 + 1
 
 
 def test_unknown_preset(tmp_path):
@@ -85,7 +92,6 @@ def test_a_budget_beyond_the_data_fails_pre_flight_with_the_numbers(home_copy):
     the message says how many tokens are missing and about how many more shards to tokenize. The
     pre-flight is the job's (rank 0 calls check_run before the first step), here called as it does."""
     import math
-    import re
 
     from ghostvis_core.errors import GhostvisError
     from ghostvis_core.run.launch import prepare_run
@@ -94,9 +100,7 @@ def test_a_budget_beyond_the_data_fails_pre_flight_with_the_numbers(home_copy):
     home = Home(home_copy)
     train = [r for r in Ledger.in_store(home.store).shards() if r["source"] == "demo_prose" and r["split"] == "train"]
     available = sum(r["tokens"] for r in train)
-    # steps x rows/step x weight 0.5 windows of 256 inputs; consecutive windows share their boundary
-    # token (the last target of one is the first input of the next), so n windows read n x 256 + 1
-    needed = 5000 * 16 // 2 * 256 + 1
+    needed = NEEDED_PER_SOURCE
     with pytest.raises(GhostvisError) as err:
         check_run(prepare_run("pretrain", preset="smoke", home=home, overrides={"budget.steps": "5000"}), home.store)
     msg = str(err.value)
@@ -108,7 +112,7 @@ def test_a_budget_beyond_the_data_fails_pre_flight_with_the_numbers(home_copy):
         f"{len(train)} tokenized shards ({epochs:.2f} epochs); tokenize about {more} more shards"
     ) in msg
     assert f"or set data.allow_repeat=true to repeat the data {epochs:.2f} times" in msg
-    assert re.search(r"source demo_code: the budget needs 10,240,001 tokens", msg)
+    assert f"source demo_code: the budget needs {needed:,} tokens" in msg
 
     # declared repetition starts, and the epochs it will take are recorded with the run
     spec = check_run(
@@ -145,8 +149,8 @@ def test_the_jobs_pre_flight_refusal_fails_the_materialization_once_with_its_mes
         store.read_json("run_file", *key) for key in store.keys("run_file", "pretrain") if key[-1] == "preflight.json"
     ]
     (refused,) = [r["refused"] for r in records if "refused" in r]
-    assert refused.startswith("pre-flight failed: source demo_prose: the budget needs 10,240,001 tokens")
-    assert "; source demo_code: the budget needs 10,240,001 tokens" in refused
+    assert refused.startswith(f"pre-flight failed: source demo_prose: the budget needs {NEEDED_PER_SOURCE:,} tokens")
+    assert f"; source demo_code: the budget needs {NEEDED_PER_SOURCE:,} tokens" in refused
     assert "tokenize about" in refused and "or set data.allow_repeat=true to repeat the data" in refused
     host = next(r["host"] for r in records if "refused" in r)
     assert f"rank 0 on {host}" in out and refused in out
