@@ -271,8 +271,9 @@ def test_mlflow_lists_one_run_per_stage_materialization_with_tokens_real_charted
     page.goto(f"{mlflow_url}/#/experiments/{exp.experiment_id}/runs/{sft['mlflow_run_id']}")
     page.get_by_text(sft["run_key"], exact=True).first.wait_for()
     metric_row = page.get_by_role("row").filter(has=page.get_by_role("cell", name="tokens/real", exact=True)).first
-    metric_row.wait_for()
-    name_cell, value, model = metric_row.get_by_role("cell").all_inner_texts()  # the model logged into the run
+    metric_cells = metric_row.get_by_role("cell")
+    expect(metric_cells).to_have_count(3)  # the model column fills in after the run's logged models load
+    name_cell, value, model = metric_cells.all_inner_texts()  # the model logged into the run
     assert (name_cell, as_int(value), model) == ("tokens/real", sft["real_tokens"], "sft")
     stage_tag = page.locator("span", has=page.locator("[title='ghostvis.stage']")).last
     expect(stage_tag).to_have_text("ghostvis.stage: sft")
