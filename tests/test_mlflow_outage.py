@@ -3,6 +3,7 @@ once the server is back, and the outage is reported (a real `mlflow server` on 1
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import time
@@ -41,6 +42,7 @@ def start_server(port: int, store: Path) -> subprocess.Popen:
             "--default-artifact-root",
             str(store / "art"),
         ],
+        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # no job runner, as in tests/ui_servers.py
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
