@@ -1,12 +1,10 @@
 """Shared fixtures for the end-to-end tests: one smoke-preset demo, built once per session through
 the real `ghostvis` CLI, that later tests read (and copy when they need to break something).
 
-The suite runs on three pytest-xdist workers, a test file per worker at a time (`--dist loadfile`): the
+The suite runs on two pytest-xdist workers, a test file per worker at a time (`--dist loadfile`): the
 demo home and the short reference pretrain are built once, by the first worker to need them, and shared
-(`built_once`); `pytest_collection_modifyitems` orders the files so that the other workers run the files
-that need no demo while it is built. Three workers on two cores, not two: a worker often waits (on a
-server, Slurm, a browser, the demo build), and a third keeps both cores busy: 98% of the pytest run in CI
-(/proc/stat), 2,871 s against 3,010 s with two workers on the same 2 fp32-only cores."""
+(`built_once`); `pytest_collection_modifyitems` orders the files so that the other worker runs the files
+that need no demo while it is built."""
 
 from __future__ import annotations
 
@@ -107,14 +105,13 @@ def built_once(folder: Path) -> Iterator[bool]:
 
 
 # The order of the files (each runs whole on one worker): the file that builds the demo home and uses it longest
-# first; then the files that need no demo (the other workers' work while the demo is built); then the rest. Within
+# first; then the files that need no demo (the other worker's work while the demo is built); then the rest. Within
 # each group the files that take minutes go first, longest first, so that the last files to run are short ones.
 DEMO_FIXTURES = {"demo_home", "home_copy", "pretrain_reference"}
 # The session demo's build (`ghostvis demo --preset smoke`): 617 s in CI on 2 bf16 cores, 753 s on 2 fp32-only ones,
-# beside the other worker's S3 chain (two workers); a third worker now shares the two cores with them. Whichever test
-# first asks for the demo waits for it inside its own timeout, so every test that may ask gets this budget on top of
-# the suite's per-test timeout.
-DEMO_BUILD_TIMEOUT = 1500
+# beside the other worker's S3 chain. Whichever test first asks for the demo waits for it inside its own timeout, so
+# every test that may ask gets this budget on top of the suite's per-test timeout.
+DEMO_BUILD_TIMEOUT = 1200
 FIRST_FILE = "test_audit.py"
 LONG_FILES = [
     "test_s3_store_chain.py",
