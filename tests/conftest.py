@@ -26,6 +26,9 @@ from typing import Any
 import pytest
 
 BIN = Path(sys.executable).parent
+# What every `mlflow server` the tests start adds to its environment: no job runner (its worker pool runs MLflow's
+# GenAI jobs, which nothing here submits, and costs start-up time and memory).
+MLFLOW_SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
 def cli_env(home: Path, **extra: str) -> dict[str, str]:

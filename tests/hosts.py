@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import MLFLOW_SERVER_ENV
 from tests.slurm_cluster import stop_group
 
 BIN = Path(sys.executable).parent
@@ -391,7 +392,7 @@ def start_servers(hosts: Hosts) -> None:
             "--artifacts-destination",
             str(hosts.home / "mlartifacts"),
         ],
-        {**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
+        {**env, **MLFLOW_SERVER_ENV},
         f"{hosts.mlflow_uri}/health",
     )
 

@@ -15,7 +15,7 @@ import pytest
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.run.train.runs import run_result
-from tests.conftest import BIN, cli_env, torchrun_stage
+from tests.conftest import BIN, MLFLOW_SERVER_ENV, cli_env, torchrun_stage
 
 pytestmark = pytest.mark.e2e
 
@@ -42,7 +42,7 @@ def start_server(port: int, store: Path) -> subprocess.Popen:
             "--default-artifact-root",
             str(store / "art"),
         ],
-        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},  # no job runner, as in tests/ui_servers.py
+        env={**os.environ, **MLFLOW_SERVER_ENV},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,

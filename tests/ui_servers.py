@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ghostvis_core.home import Home
-from tests.conftest import BIN, cli_env
+from tests.conftest import BIN, MLFLOW_SERVER_ENV, cli_env
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "test-artifacts" / "ui"
@@ -110,8 +110,7 @@ def mlflow_server(home: Path, log_name: str, cwd: Path):
     """`mlflow server` on `home`'s tracking store, its URL; `cwd` a scratch folder, so the server's
     default ./mlartifacts never lands in the project."""
     port = free_port()
-    # no job runner: its worker pool (GenAI jobs) costs memory and start-up time and serves nothing here
-    env = cli_env(home, MLFLOW_SERVER_ENABLE_JOB_EXECUTION="false")
+    env = cli_env(home, **MLFLOW_SERVER_ENV)
     cmd = [
         str(BIN / "mlflow"),
         "server",
