@@ -2,10 +2,12 @@
 applied in the process (never an edited file), so the checks are shown to fail on the bugs they
 exist for. Run in the rank processes as
 
-    torchrun --standalone --nproc_per_node=2 -m tests.planted <bug>[,<bug>] -- <ghostvis_core.run args>
+    torchrun --standalone --nproc_per_node=2 -m tests.planted <scenarios.json>
 
-or in-process with `plant(bug, setter)` (e.g. pytest's monkeypatch.setattr). A mutation whose
-anchor text is no longer in the function fails loudly: update the anchor, not the check.
+where the file lists scenarios, [{"name", "bugs": "<bug>[,<bug>]" or null, "args": [<ghostvis_core.run
+args>]}], run one after another by the same rank processes (`run_scenarios`), or in-process with
+`plant(bug, setter)` (e.g. pytest's monkeypatch.setattr). A mutation whose anchor text is no longer in
+the function fails loudly: update the anchor, not the check.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import __future__
 
 import importlib
 import inspect
+import json
+import os
 import sys
 import textwrap
 
@@ -208,12 +212,37 @@ def plant(bugs: str, setter=setattr) -> None:
         mutate(module, qualname, edits, setter=setter)
 
 
-if __name__ == "__main__":
-    bugs, sep, *args = sys.argv[1:]
-    assert sep == "--", "usage: -m tests.planted <bug>[,<bug>] -- <ghostvis_core.run args>"
+def run_scenarios(scenarios: list[dict]) -> int:
+    """Each scenario's training run in turn, in this rank process, with its bugs planted for that run only
+    (undone before the next): one launch pays torch's, MLflow's and transformers' imports once for all of
+    them. Rank 0 prints `scenario <name>` before each run, so its output names which run is whose. The
+    first run that fails ends the launch with its exit code.
+
+    Each run gets a process group of its own, its keys under their own prefix of torchrun's store: the ranks
+    leave a run at different times (rank 0 goes on to register the model), and a group made again on the
+    same keys would meet the last run's stale addresses. The run's own setup finds the group made."""
+    import pytest
+    import torch.distributed as dist
+
     import ghostvis_core.run.launch  # noqa: F401  (what the mutations patch must be imported first)
     import ghostvis_core.run.train.loop  # noqa: F401
     from ghostvis_core.run.__main__ import main
 
-    plant(bugs)
-    sys.exit(main(args))
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    for i, scenario in enumerate(scenarios):
+        dist.init_process_group("gloo", store=dist.PrefixStore(f"scenario-{i}", store), rank=rank, world_size=world)
+        if rank == 0:
+            print(f"scenario {scenario['name']}", flush=True)
+        with pytest.MonkeyPatch.context() as patches:
+            if scenario["bugs"]:
+                plant(scenario["bugs"], setter=patches.setattr)
+            code = main(scenario["args"])
+        if code:
+            return code
+    return 0
+
+
+if __name__ == "__main__":
+    assert len(sys.argv) == 2, "usage: -m tests.planted <scenarios.json>"
+    sys.exit(run_scenarios(json.loads(open(sys.argv[1]).read())))

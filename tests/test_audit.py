@@ -77,33 +77,52 @@ SMOKE_SFT = [
 SFT_BUGS = ["chat_mask_ignored", "chat_doc_ids_dropped", "images_rotated"]
 
 
-def launch(home: Path, bugs: str | None, seed: int, check: bool = True, args: list[str] = SMOKE_ACCUM) -> str:
-    """One smoke stage run (2 ranks; pretrain unless `args` say otherwise), with `bugs` planted in its rank
-    processes; its run key. A distinct data.seed gives each scenario a run key of its own."""
-    module = ["-m", "tests.planted", bugs, "--"] if bugs else ["-m", "ghostvis_core.run"]
+Scenario = tuple[str, str | None, int, list[str]]  # (name, bugs, data.seed, ghostvis_core.run args)
+
+
+def launch(home: Path, scenarios: list[Scenario], check: bool = True) -> dict[str, str]:
+    """Smoke stage runs (2 ranks) one after another in one torchrun launch (tests/planted.py), each with
+    its bugs planted in the rank processes for its own run only; name -> run key. A distinct data.seed
+    gives each scenario a run key of its own."""
+    spec = home.parent / f"scenarios-{scenarios[0][0]}.json"
+    spec.write_text(
+        json.dumps(
+            [
+                {"name": name, "bugs": bugs, "args": [*args, "--set", f"data.seed={seed}"]}
+                for name, bugs, seed, args in scenarios
+            ]
+        )
+    )
     proc = run_cli(
-        ["torchrun", "--standalone", "--nproc_per_node=2", *module, *args, "--set", f"data.seed={seed}"],
+        ["torchrun", "--standalone", "--nproc_per_node=2", "-m", "tests.planted", str(spec)],
         home,
         check=check,
         OMP_NUM_THREADS="1",
     )
-    return re.search(r"run (\S+) segment", proc.stdout).group(1)
+    outputs = re.split(r"^scenario (\S+)$", proc.stdout, flags=re.MULTILINE)[1:]
+    keys = {name: re.search(r"run (\S+) segment", out).group(1) for name, out in zip(outputs[::2], outputs[1::2])}
+    assert list(keys) == [name for name, *_ in scenarios], proc.stdout[-4000:]
+    return keys
 
 
 @pytest.fixture(scope="module")
 def planted(demo_home, tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """(home, scenario -> run key): a clean run, one run per planted bug, and a run stopped after its
-    first checkpoint then resumed with the rewind bug; all in one copy of the demo home."""
+    first checkpoint then resumed with the rewind bug; all in one copy of the demo home, in three launches
+    (the stop ends its rank processes)."""
     home = tmp_path_factory.mktemp("planted") / "home"
     copy_home(demo_home, home)
-    keys = {"clean": launch(home, None, 1)}
-    for seed, bug in enumerate(TORCHRUN_BUGS, start=2):
-        keys[bug] = launch(home, bug, seed)
-    launch(home, "stop_after_first_checkpoint", 20, check=False)
-    keys["resume_rewinds"] = launch(home, "resume_rewinds", 20)
-    keys["sft_clean"] = launch(home, None, 30, args=SMOKE_SFT)
-    for seed, bug in enumerate(SFT_BUGS, start=31):
-        keys[bug] = launch(home, bug, seed, args=SMOKE_SFT)
+    keys = launch(
+        home,
+        [("clean", None, 1, SMOKE_ACCUM)]
+        + [(bug, bug, seed, SMOKE_ACCUM) for seed, bug in enumerate(TORCHRUN_BUGS, start=2)],
+    )
+    launch(home, [("stopped", "stop_after_first_checkpoint", 20, SMOKE_ACCUM)], check=False)
+    keys |= launch(
+        home,
+        [("resume_rewinds", "resume_rewinds", 20, SMOKE_ACCUM), ("sft_clean", None, 30, SMOKE_SFT)]
+        + [(bug, bug, seed, SMOKE_SFT) for seed, bug in enumerate(SFT_BUGS, start=31)],
+    )
     return home, keys
 
 

@@ -17,6 +17,7 @@ Every offender is listed in the failure message, as `file:line name: what`.
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 
@@ -311,13 +312,15 @@ AUDIT_MAY_NOT_REACH = (
 AUDIT_RECORDS = {"ghostvis_core.run.train.spec", "ghostvis_core.run.train.result", "ghostvis_core.run.train.runs"}
 
 
-def _runtime_imports(path: Path, module: str) -> set[str]:
-    """Project modules a module imports when it runs (imports under `if TYPE_CHECKING:` do not run)."""
+@functools.cache
+def _runtime_imports(path: Path, module: str) -> frozenset[str]:
+    """Project modules a module imports when it runs (imports under `if TYPE_CHECKING:` do not run); parsed
+    once per module for the session (the circle tests walk every module's imports from every module)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
             node.body = []
-    return {t for _, t in _imports(tree, module, path.name == "__init__.py") if _is_project_module(t)}
+    return frozenset(t for _, t in _imports(tree, module, path.name == "__init__.py") if _is_project_module(t))
 
 
 def reachable(start: str) -> dict[str, str]:
