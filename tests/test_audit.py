@@ -105,6 +105,11 @@ def launch(home: Path, scenarios: list[Scenario], check: bool = True) -> dict[st
     return keys
 
 
+def clean_run(home: Path, seed: int) -> str:
+    """One clean smoke pretrain (SMOKE_ACCUM, `data.seed=seed`) in `home`; its run key."""
+    return launch(home, [("clean", None, seed, SMOKE_ACCUM)])["clean"]
+
+
 @pytest.fixture(scope="module")
 def planted(demo_home, tmp_path_factory) -> tuple[Path, dict[str, str]]:
     """(home, scenario -> run key): a clean run, one run per planted bug, and a run stopped after its

@@ -222,11 +222,11 @@ def test_a_cross_stage_reuse_names_the_runs_too(tmp_path):
 def smoke_run(demo_home, tmp_path_factory) -> tuple[Path, str]:
     """(home, run key) of one clean 4-step smoke pretrain in a copy of the demo home."""
     from tests.conftest import copy_home
-    from tests.test_audit import launch
+    from tests.test_audit import clean_run
 
     home = tmp_path_factory.mktemp("sources") / "home"
     copy_home(demo_home, home)
-    return home, launch(home, None, 31)
+    return home, clean_run(home, 31)
 
 
 @pytest.mark.e2e

@@ -305,11 +305,11 @@ def validation_document(home: Path, source: str, min_words: int = 40, max_words:
 @pytest.mark.e2e
 def test_a_smoke_pretrain_passes_the_gate_and_fails_it_once_a_validation_document_is_pasted_in(demo_home, tmp_path):
     from tests.conftest import copy_home
-    from tests.test_audit import checks_of, launch
+    from tests.test_audit import checks_of, clean_run
 
     home = copy_home(demo_home, tmp_path / "home")
     fingerprint_every_shard(home)
-    clean = launch(home, None, 41)
+    clean = clean_run(home, 41)
     gate = checks_of(home, clean)["no_eval_contamination"]
     assert gate["passed"], gate["failures"]
     assert gate["figures"]["consumed_documents_fingerprinted"] > 0 and gate["figures"]["contaminated_documents"] == 0
@@ -318,7 +318,7 @@ def test_a_smoke_pretrain_passes_the_gate_and_fails_it_once_a_validation_documen
     val_row, passage = validation_document(home, shard_id.split("/")[0])
     paste_into(home, shard_id, row, passage)
     fingerprint_every_shard(home, [shard_id])
-    planted = launch(home, None, 41)  # same config, new shard content: a new run key
+    planted = clean_run(home, 41)  # same config, new shard content: a new run key
     gate = checks_of(home, planted)["no_eval_contamination"]
     assert planted != clean and not gate["passed"]
     item = f"{shard_id.split('/')[0]}/val_00000 row {val_row}"
