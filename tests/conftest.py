@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -29,6 +30,11 @@ BIN = Path(sys.executable).parent
 # What every `mlflow server` the tests start adds to its environment: no job runner (its worker pool runs MLflow's
 # GenAI jobs, which nothing here submits, and costs start-up time and memory).
 MLFLOW_SERVER_ENV = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+# The browser tests' screenshots, failure captures (FAILED-<test>.png/.txt) and service logs.
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts" / "ui"
+# The walk-through's screenshots (README, "Using the UIs"): kept in the repository, rewritten by
+# tests/test_ui_actions.py; everything else in ARTIFACTS is one test session's output.
+WALKTHROUGH = re.compile(r"\d\d-[a-z0-9-]+\.png")
 
 
 def cli_env(home: Path, **extra: str) -> dict[str, str]:
@@ -140,6 +146,18 @@ def pytest_configure(config) -> None:
     out its grace period before SIGKILL."""
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_sessionstart(session) -> None:
+    """Remove an earlier session's outputs from ARTIFACTS (the walk-through's screenshots stay), in the
+    controlling process only: a worker clearing it when its first browser file starts would delete what
+    the other worker's browser tests had already written, failure captures included."""
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker
+        return
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    for path in ARTIFACTS.iterdir():
+        if not WALKTHROUGH.fullmatch(path.name):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 import yaml
+from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 from playwright.sync_api import expect
 
 from ghostvis_core.home import Home
@@ -31,7 +32,6 @@ from tests.ui_servers import (
     UI_TIMEOUT_MS,
     as_int,
     captured_page,
-    clear_run_outputs,
     dagster_ui,
     eventually,
     mlflow_server,
@@ -76,12 +76,6 @@ CHECK_SIDES = {
 
 
 # --------------------------------------------------------------------------------------- services
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fresh_artifacts():
-    """test-artifacts/ui/ holds this session's captures and logs (and the walk-through's screenshots)."""
-    clear_run_outputs()
 
 
 @pytest.fixture(scope="module")
@@ -644,11 +638,25 @@ def pick_partitions(pg, dialog, keys: list[str]) -> None:
     """Custom selection in the partitions dialog: type each key, tick it."""
     dialog.get_by_text("Select a partition or create one").click()
     for key in keys:
-        pg.keyboard.press("Control+A")
-        pg.keyboard.type(key)
-        pg.get_by_text(key, exact=True).filter(visible=True).first.click()
+        tick_partition(pg, key)
     pg.keyboard.press("Escape")
     dialog.get_by_text(f"{len(keys)} partitions", exact=True).wait_for()
+
+
+def tick_partition(pg, key: str, tries: int = 3) -> None:
+    """Type `key` into the open partition picker and click its row. Once in CI (ci9) the row stayed under
+    the dialog's "Missing" button for the whole click timeout; a person would type the key again, so a try
+    whose click is intercepted saves the page (FAILED-tick-<n>.png, to see why) and types it afresh."""
+    for attempt in range(1, tries + 1):
+        pg.keyboard.press("Control+A")
+        pg.keyboard.type(key)
+        try:
+            pg.get_by_text(key, exact=True).filter(visible=True).first.click(timeout=UI_TIMEOUT_MS // 4)
+            return
+        except PlaywrightTimeoutError:
+            shot(pg, f"FAILED-tick-{attempt}", full_page=False)
+            if attempt == tries:
+                raise
 
 
 def add_source(home: Path, instance, folder: Path) -> tuple[list[str], list[str]]:

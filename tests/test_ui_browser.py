@@ -22,7 +22,6 @@ from tests.ui_servers import (
     UI_TIMEOUT_MS,
     as_int,
     captured_page,
-    clear_run_outputs,
     dagster_ui,
     eventually,
     mlflow_server,
@@ -56,12 +55,6 @@ expect.set_options(timeout=UI_TIMEOUT_MS)
 
 
 # --------------------------------------------------------------------------------------- services
-
-
-@pytest.fixture(scope="module", autouse=True)
-def fresh_artifacts():
-    """test-artifacts/ui/ holds this run's screenshots and service logs (and the walk-through's screenshots)."""
-    clear_run_outputs()
 
 
 @pytest.fixture(scope="module")

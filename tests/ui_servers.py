@@ -16,13 +16,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ghostvis_core.home import Home
-from tests.conftest import BIN, MLFLOW_SERVER_ENV, cli_env
+from tests.conftest import ARTIFACTS, BIN, MLFLOW_SERVER_ENV, cli_env
 
 ROOT = Path(__file__).resolve().parent.parent
-ARTIFACTS = ROOT / "test-artifacts" / "ui"
-# The walk-through's screenshots (README, "Using the UIs"): kept in the repository, rewritten by
-# tests/test_ui_actions.py; everything else in ARTIFACTS is one test run's output.
-WALKTHROUGH = re.compile(r"\d\d-[a-z0-9-]+\.png")
+
 # Debian's chromium under Playwright (Playwright's own browser download is not used). Without the
 # background-networking flags chromium dials out at start-up, which a closed network refuses.
 CHROMIUM = os.environ.get("GHOSTVIS_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
@@ -176,21 +173,6 @@ def _save_failure(pg, name: str) -> None:
         (ARTIFACTS / f"FAILED-{name}.txt").write_text(f"{pg.url}\n\n{pg.inner_text('body')}")
     except Exception:
         pass
-
-
-_cleared_this_session: list[bool] = []
-
-
-def clear_run_outputs() -> None:
-    """Once per test session (the first browser test module to start): remove an earlier session's
-    screenshots, failure captures and logs from ARTIFACTS; the walk-through's screenshots stay."""
-    if _cleared_this_session:
-        return
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    for path in ARTIFACTS.iterdir():
-        if not WALKTHROUGH.fullmatch(path.name):
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-    _cleared_this_session.append(True)
 
 
 def shot(pg, name: str, full_page: bool = True) -> None:
