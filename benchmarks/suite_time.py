@@ -36,23 +36,28 @@ SAMPLE_S = 1.0
 HZ = os.sysconf("SC_CLK_TCK")
 # The kind of a process, by the first pattern its command line matches (in this order).
 KINDS = [
+    ("torchrun (launching ranks)", r"torch\.distributed\.run|bin/torchrun"),  # its command line names the ranks'
     ("training rank (ghostvis_core.run)", r"-m ghostvis_core\.run( |$)"),
     ("training rank (tests.planted scenarios)", r"-m tests\.planted"),
-    ("torchrun (launching ranks)", r"torch\.distributed\.run|bin/torchrun"),
     ("model registration subprocess", r"ghostvis_core\.run\.hf\.register"),
     ("ghostvis demo", r"bin/ghostvis demo"),
     ("ghostvis CLI (audit, export, ledger...)", r"bin/ghostvis "),
     ("dagster asset/job CLI", r"bin/dagster (asset|job)"),
-    ("dagster dev, webserver, daemon, code server", r"dagster(-webserver|-daemon| dev| api| code-server)"),
+    (
+        "dagster dev, webserver, daemon, code server",
+        r"dagster(-webserver|_webserver|-daemon|\._daemon| dev| api| code-server)",
+    ),
     ("dagster step or run subprocess", r"dagster[/.]_core|dagster[/.]_cli"),
     ("tokenize pool workers (forkserver)", r"forkserver"),
     ("MLflow server", r"mlflow (server|ui)|gunicorn|uvicorn|huey"),
+    ("Python multiprocessing children (spawn)", r"multiprocessing\.spawn"),
     ("moto S3 server", r"moto"),
     ("Chromium", r"chrom"),
     ("Playwright driver", r"playwright|node "),
     ("pytest and its workers", r"exec\(eval\(sys\.stdin|bin/pytest"),
     ("Slurm and munge", r"slurm|munge|srun|sbatch|scontrol|squeue|sacct"),
     ("PostgreSQL", r"postgres|initdb|pg_ctl"),
+    ("test helpers (tests.hosts, tests.slurm_cluster...)", r"-m tests\."),
 ]
 
 
