@@ -13,7 +13,6 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from ghostvis_core.home import Home
-from ghostvis_pipeline.metadata import materializations
 
 DATA_VERSION_TAG = "dagster/data_version"
 SHOWN = 5  # partitions named per reason
@@ -36,6 +35,8 @@ class Records:
         self.instance, self.cache, self.materialized = instance, {}, {}
 
     def by_partition(self, key) -> dict[str | None, list]:
+        from ghostvis_pipeline.metadata import materializations  # dagster: only when a status is asked for
+
         if key not in self.cache:
             history: dict[str | None, list] = {}
             for record in materializations(self.instance, key):

@@ -61,6 +61,19 @@ def test_loading_the_dagster_definitions_imports_no_trainer_model_or_harness():
     assert out == "", f"imported by every process that loads the Dagster definitions: {out}"
 
 
+# What the `ghostvis` command loads only in the subcommands that use it (Dagster in status, train, demo and data;
+# MLflow in audit): `ghostvis ledger`, `plan` or `--help` pay none of it (dagster alone is ~1.2 s of imports).
+NOT_IN_THE_CLI = ("dagster", "torch", "mlflow", "transformers", "lm_eval")
+
+
+def test_the_ghostvis_command_imports_dagster_torch_and_mlflow_only_in_the_subcommands_that_use_them():
+    code = "import sys, ghostvis_pipeline.cli; print(' '.join(n for n in sys.argv[1:] if n in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", code, *NOT_IN_THE_CLI], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert out == "", f"imported by every `ghostvis` command: {out}"
+
+
 def test_numpy_view_matches_pyarrow_for_slices_and_empty_arrays():
     values = pa.array(np.arange(10, dtype=np.int64))
     for array in (values, values.slice(3, 4), values.slice(10, 0), pa.array([], pa.uint16())):
