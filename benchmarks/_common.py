@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from ghostvis_core.home import Home
 from ghostvis_core.run.train.result import RunResult
@@ -76,8 +77,14 @@ def load_snapshot(label: str = "") -> str:
     return "\n".join(lines)
 
 
-def _proc_table() -> dict[int, tuple[int, int]]:
-    """pid -> (ppid, utime + stime clock ticks) for every process."""
+class ProcStat(NamedTuple):
+    ppid: int
+    start: int  # clock ticks since boot: with the pid, the process's identity
+    ticks: int  # its own CPU time so far (utime + stime), in clock ticks
+
+
+def process_table() -> dict[int, ProcStat]:
+    """Every process, read from /proc."""
     out = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -88,8 +95,19 @@ def _proc_table() -> dict[int, tuple[int, int]]:
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2 :].split()
-        out[int(d)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+        out[int(d)] = ProcStat(int(fields[1]), int(fields[19]), int(fields[11]) + int(fields[12]))
     return out
+
+
+def descends_from(pid: int, root: int, table: dict[int, ProcStat]) -> bool:
+    """Whether `root` is `pid` or one of its ancestors in `table`."""
+    for _ in range(64):
+        if pid == root:
+            return True
+        if pid not in table or pid <= 1:
+            return False
+        pid = table[pid].ppid
+    return False
 
 
 class CpuMeter:
@@ -103,25 +121,18 @@ class CpuMeter:
         self.own_cores = self.other_cores = 0.0
 
     def _sample(self) -> None:
-        table = _proc_table()
+        table = process_table()
         me = os.getpid()
-        for pid, (_ppid, ticks) in table.items():
+        for pid, proc in table.items():
             prev = self._last.get(pid)
-            delta = ticks - prev if prev is not None else (ticks if self._started else 0)
+            delta = proc.ticks - prev if prev is not None else (proc.ticks if self._started else 0)
             if delta <= 0:
                 continue
-            cur, ours, hops = pid, False, 0
-            while cur > 1 and hops < 64:
-                if cur == me:
-                    ours = True
-                    break
-                cur = table.get(cur, (0, 0))[0]
-                hops += 1
-            if ours:
+            if descends_from(pid, me, table):
                 self._own += delta
             else:
                 self._other += delta
-        self._last = {pid: ticks for pid, (_, ticks) in table.items()}
+        self._last = {pid: proc.ticks for pid, proc in table.items()}
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval):

@@ -75,16 +75,9 @@ def create_mlflow_store(home: Path) -> None:
 def launch_cpu_s() -> float:
     """CPU seconds used so far by the processes this benchmark started (torchrun and its ranks): a figure
     other load on the machine does not stretch, unlike the wall time."""
-    table, me = C._proc_table(), os.getpid()
-
-    def ours(pid: int) -> bool:
-        while pid > 1:
-            pid = table.get(pid, (0, 0))[0]
-            if pid == me:
-                return True
-        return False
-
-    return sum(ticks for pid, (_, ticks) in table.items() if ours(pid)) / os.sysconf("SC_CLK_TCK")
+    table, me = C.process_table(), os.getpid()
+    ours = (proc.ticks for pid, proc in table.items() if pid != me and C.descends_from(pid, me, table))
+    return sum(ours) / os.sysconf("SC_CLK_TCK")
 
 
 def smoke_stage(src: Path, wd: Path, tag: str) -> dict:

@@ -65,50 +65,28 @@ def kind_of(cmdline: str) -> str:
     return next((kind for kind, pattern in KINDS if re.search(pattern, cmdline)), "other")
 
 
-def process_table() -> dict[str, tuple[int, int, int]]:
-    """pid -> (parent pid, start time in ticks since boot, own CPU ticks) of every process."""
-    table = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        table[pid] = (int(fields[1]), int(fields[19]), int(fields[11]) + int(fields[12]))
-    return table
-
-
-def descends_from(pid: str, root: str, table: dict) -> bool:
-    while pid in table and pid != root:
-        pid = str(table[pid][0])
-    return pid == root
-
-
 class ProcessLedger:
     """The suite's processes: (pid, start) -> [CPU ticks at the last read, command line]."""
 
-    def __init__(self, root: str):
+    def __init__(self, root: int):
         self.root = root
-        self.since = process_table()[root][1]
-        self.seen: dict[tuple[str, int], list] = {}
+        self.since = C.process_table()[root].start
+        self.seen: dict[tuple[int, int], list] = {}
         self.stop = threading.Event()
 
     def sample(self) -> None:
-        table = process_table()
-        for pid, (ppid, start, ticks) in table.items():
-            entry = self.seen.get((pid, start))
+        table = C.process_table()
+        for pid, proc in table.items():
+            entry = self.seen.get((pid, proc.start))
             if entry is not None:
-                entry[0] = ticks
-            elif start >= self.since and (ppid == 1 or descends_from(pid, self.root, table)):
+                entry[0] = proc.ticks
+            elif proc.start >= self.since and (proc.ppid == 1 or C.descends_from(pid, self.root, table)):
                 try:
                     with open(f"/proc/{pid}/cmdline", "rb") as f:
                         cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
                 except OSError:
                     continue
-                self.seen[(pid, start)] = [ticks, cmdline]
+                self.seen[(pid, proc.start)] = [proc.ticks, cmdline]
 
     def run(self) -> None:
         while not self.stop.wait(SAMPLE_S):
@@ -131,7 +109,7 @@ def main() -> int:
     cmd = [str(C.ROOT / ".venv" / "bin" / "pytest"), "-q", *sys.argv[1:]]
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=C.ROOT)
-    ledger = ProcessLedger(str(proc.pid))
+    ledger = ProcessLedger(proc.pid)
     sampler = threading.Thread(target=ledger.run, name="process-ledger", daemon=True)
     sampler.start()
     code = proc.wait()

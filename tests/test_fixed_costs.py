@@ -53,11 +53,16 @@ def test_the_entry_point_and_a_token_shard_read_import_nothing_needed_later(tmp_
 NOT_IN_DAGSTER = ("torch", "lm_eval", "datasets", "transformers", "mlflow", "duckdb", "boto3")
 
 
-def test_loading_the_dagster_definitions_imports_no_trainer_model_or_harness():
-    code = "import sys, ghostvis_pipeline.definitions; print(' '.join(n for n in sys.argv[1:] if n in sys.modules))"
-    out = subprocess.run(
-        [sys.executable, "-c", code, *NOT_IN_DAGSTER], capture_output=True, text=True, check=True
+def loaded_by_importing(module: str, names: tuple[str, ...]) -> str:
+    """Which of `names` a fresh interpreter has loaded once it imported `module`, space-separated."""
+    code = f"import sys, {module}; print(' '.join(n for n in sys.argv[1:] if n in sys.modules))"
+    return subprocess.run(
+        [sys.executable, "-c", code, *names], capture_output=True, text=True, check=True
     ).stdout.strip()
+
+
+def test_loading_the_dagster_definitions_imports_no_trainer_model_or_harness():
+    out = loaded_by_importing("ghostvis_pipeline.definitions", NOT_IN_DAGSTER)
     assert out == "", f"imported by every process that loads the Dagster definitions: {out}"
 
 
@@ -67,10 +72,7 @@ NOT_IN_THE_CLI = ("dagster", "torch", "mlflow", "transformers", "lm_eval")
 
 
 def test_the_ghostvis_command_imports_dagster_torch_and_mlflow_only_in_the_subcommands_that_use_them():
-    code = "import sys, ghostvis_pipeline.cli; print(' '.join(n for n in sys.argv[1:] if n in sys.modules))"
-    out = subprocess.run(
-        [sys.executable, "-c", code, *NOT_IN_THE_CLI], capture_output=True, text=True, check=True
-    ).stdout.strip()
+    out = loaded_by_importing("ghostvis_pipeline.cli", NOT_IN_THE_CLI)
     assert out == "", f"imported by every `ghostvis` command: {out}"
 
 
