@@ -101,6 +101,25 @@ def shared_dir(tmp_path_factory, name: str) -> Path:
     return (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / name
 
 
+@pytest.fixture(scope="module")
+def module_tmp(request, tmp_path_factory) -> Iterator[Callable[[str], Path]]:
+    """`tmp_path_factory.mktemp` for a test file's module fixtures, removed with the file's last test unless one of
+    its tests failed: the retention pytest gives `tmp_path` (pyproject: "failed"), which it does not give folders
+    made with the factory. Without it every copy of the demo home, S3 chain and planted run stayed until the session
+    ended, ~10 GB on the disk at once."""
+    made: list[Path] = []
+    failed_before = request.session.testsfailed
+
+    def mktemp(name: str) -> Path:
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield mktemp
+    if request.session.testsfailed == failed_before:
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def built_once(folder: Path) -> Iterator[bool]:
     """True for the one worker that builds `folder`; the others wait for it, then get False. A build that

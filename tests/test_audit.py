@@ -111,11 +111,11 @@ def clean_run(home: Path, seed: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def planted(demo_home, tmp_path_factory) -> tuple[Path, dict[str, str]]:
+def planted(demo_home, module_tmp) -> tuple[Path, dict[str, str]]:
     """(home, scenario -> run key): a clean run, one run per planted bug, and a run stopped after its
     first checkpoint then resumed with the rewind bug; all in one copy of the demo home, in three launches
     (the stop ends its rank processes)."""
-    home = tmp_path_factory.mktemp("planted") / "home"
+    home = module_tmp("planted") / "home"
     copy_home(demo_home, home)
     keys = launch(
         home,

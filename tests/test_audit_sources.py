@@ -219,12 +219,12 @@ def test_a_cross_stage_reuse_names_the_runs_too(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def smoke_run(demo_home, tmp_path_factory) -> tuple[Path, str]:
+def smoke_run(demo_home, module_tmp) -> tuple[Path, str]:
     """(home, run key) of one clean 4-step smoke pretrain in a copy of the demo home."""
     from tests.conftest import copy_home
     from tests.test_audit import clean_run
 
-    home = tmp_path_factory.mktemp("sources") / "home"
+    home = module_tmp("sources") / "home"
     copy_home(demo_home, home)
     return home, clean_run(home, 31)
 

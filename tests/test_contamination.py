@@ -109,11 +109,11 @@ MC_ITEM = {
 
 
 @pytest.fixture(scope="module")
-def tokenized(tmp_path_factory) -> SimpleNamespace:
+def tokenized(module_tmp) -> SimpleNamespace:
     """A store with one source, tokenized for real: train shard corp/00000 (row 1 holds the
     validation document pasted mid-text, row 3 the multiple-choice item with its answer; rows 0 and 2
     are clean), a clean train shard corp/00001 and a validation shard corp/val."""
-    root = tmp_path_factory.mktemp("contamination")
+    root = module_tmp("contamination")
     store, rng = FolderStore(root / "store"), random.Random(11)
     val_docs = [words(rng, 50), words(rng, 70)]
     mc_text = f"Question: {MC_ITEM['question']} Answer: {MC_ITEM['choices'][MC_ITEM['answer']]}"

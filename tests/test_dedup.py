@@ -73,10 +73,10 @@ def corpus_texts(rng: random.Random) -> dict[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def deduped(tmp_path_factory) -> SimpleNamespace:
+def deduped(module_tmp) -> SimpleNamespace:
     """The own-data walk (a file:// listing) through the real assets and checks, in this process on an
     ephemeral Dagster instance (one import instead of one CLI process per asset), with dedup on."""
-    root = tmp_path_factory.mktemp("dedup")
+    root = module_tmp("dedup")
     texts = corpus_texts(random.Random(25))
     for sid, docs in texts.items():
         (root / "corpus" / "web").mkdir(parents=True, exist_ok=True)

@@ -37,9 +37,9 @@ EXPECTED_SCHEMA = {
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built(module_tmp):
     """Both sources built once, with the build time of each."""
-    root = tmp_path_factory.mktemp("corpus")
+    root = module_tmp("corpus")
     result = {}
     for source in TEXT_SOURCES:
         start = time.perf_counter()

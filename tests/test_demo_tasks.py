@@ -71,9 +71,9 @@ PLACES = {
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory):
+def built(module_tmp):
     """Every source built once, with its build time."""
-    root = tmp_path_factory.mktemp("tasks")
+    root = module_tmp("tasks")
     result = {}
     for source in TASK_SOURCES:
         start = time.perf_counter()

@@ -98,10 +98,10 @@ def test_the_loss_by_hand_with_and_without_the_kl_term():
 
 
 @pytest.fixture(scope="module")
-def shard(tmp_path_factory):
+def shard(module_tmp):
     tok = train_tokenizer(PROBLEMS * 30, vocab_size=320)
     docs = [[tok.bos, *tok.encode(p)] for p in PROBLEMS]
-    path = tmp_path_factory.mktemp("rl") / "reasoning-000.arrow"
+    path = module_tmp("rl") / "reasoning-000.arrow"
     write_token_shard(
         path,
         {

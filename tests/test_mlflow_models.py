@@ -52,13 +52,13 @@ sys.exit(rc)
 
 
 @pytest.fixture(scope="module")
-def registry(demo_home, tmp_path_factory):
+def registry(demo_home, module_tmp):
     """A copy of the demo home (whose stage materializations registered every stage's model) with its
     MLflow store served by `mlflow server`, in which dpo was trained again (--force: a second version,
     the alias moved to it) and then materialized through Dagster (a cache hit: no third version):
     (home, tracking URI). What the training's Dagster process said of itself is in
     <home>/../dagster_process.json."""
-    home = tmp_path_factory.mktemp("registry") / "home"
+    home = module_tmp("registry") / "home"
     copy_home(demo_home, home)
     own_artifacts(home)
     port = free_port()

@@ -39,9 +39,9 @@ def readme_walk() -> tuple[str, str, str]:
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
+def corpus(module_tmp) -> Path:
     """Seven FineWeb-Edu-schema shards cut from the demo prose documents, named 00000..00006."""
-    out = tmp_path_factory.mktemp("corpus")
+    out = module_tmp("corpus")
     files = build_text_source("demo_prose", out / "build")
     table = pa.concat_tables([pq.read_table(p) for p, _ in files])
     per = table.num_rows // SHARDS

@@ -101,10 +101,10 @@ def runs_of(server: PostgresServer, asset: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def team_runs(demo_home, postgres_server, tmp_path_factory) -> TeamRuns:
+def team_runs(demo_home, postgres_server, module_tmp) -> TeamRuns:
     """A copy of the demo home whose Dagster instance is replaced by the team config on the server,
     after: shard_manifest, the raw_shards backfill of every shard, `ghostvis data`, a short pretrain."""
-    home = copy_home(demo_home, tmp_path_factory.mktemp("postgres") / "home")
+    home = copy_home(demo_home, module_tmp("postgres") / "home")
     shutil.rmtree(home / "dagster")  # the demo's SQLite instance
     env = postgres_server.dagster_env()
     run_cli(["ghostvis", "init", "--dagster-config", str(TEAM_CONFIG)], home, **env)

@@ -42,10 +42,10 @@ class Chain:
 
 
 @pytest.fixture(scope="module")
-def chain(moto_s3, tmp_path_factory) -> Chain:
+def chain(moto_s3, module_tmp) -> Chain:
     """`ghostvis demo --preset smoke` (every stage, evaluation and report), `ghostvis export` of the last
     stage and `ghostvis audit`, all with the store in the bucket and this node's cache outside the home."""
-    tmp = tmp_path_factory.mktemp("s3-chain")
+    tmp = module_tmp("s3-chain")
     env = {**s3_env(moto_s3, tmp), "GHOSTVIS_STORE": STORE_URI, "GHOSTVIS_STORE_CACHE": str(tmp / "node-cache")}
     new_bucket(moto_s3, BUCKET)
     home = tmp / "home"
@@ -57,12 +57,12 @@ def chain(moto_s3, tmp_path_factory) -> Chain:
 
 
 @pytest.fixture(scope="module")
-def reader(chain, tmp_path_factory):
+def reader(chain, module_tmp):
     """The bucket store as another machine sees it (its own, empty cache): (store, MLflow client)."""
     with pytest.MonkeyPatch.context() as mp:
         for var, value in chain.env.items():
             mp.setenv(var, value)
-        mp.setenv("GHOSTVIS_STORE_CACHE", str(tmp_path_factory.mktemp("reader-cache")))
+        mp.setenv("GHOSTVIS_STORE_CACHE", str(module_tmp("reader-cache")))
         yield open_store(STORE_URI), MlflowClient(Home(chain.home).mlflow_tracking_uri)
 
 

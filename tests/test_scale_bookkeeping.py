@@ -170,10 +170,10 @@ def sql_statements():
 
 
 @pytest.fixture(scope="module")
-def backfills(tmp_path_factory) -> dict[int, Backfill]:
+def backfills(module_tmp) -> dict[int, Backfill]:
     with pytest.MonkeyPatch.context() as env:
         env.setenv("DAGSTER_EMIT_PARTITION_SUBSET_IN_PLANNED_EVENTS", "true")  # the team setting (README)
-        return {n: Backfill(n, tmp_path_factory.mktemp(f"n{n}")).materialize() for n in SIZES}
+        return {n: Backfill(n, module_tmp(f"n{n}")).materialize() for n in SIZES}
 
 
 def test_each_partition_event_carries_its_own_shards_figures(backfills):

@@ -32,9 +32,9 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def hosts(demo_home, tmp_path_factory):
+def hosts(demo_home, module_tmp):
     """One set of hosts for the module: servers up, the demo home's store in the bucket."""
-    hosts = make_hosts(tmp_path_factory.mktemp("hosts"), secret=f"gvFakeSecret{secrets.token_hex(12)}")
+    hosts = make_hosts(module_tmp("hosts"), secret=f"gvFakeSecret{secrets.token_hex(12)}")
     try:
         copy_home(demo_home, hosts.home)
         start_servers(hosts)

@@ -69,9 +69,9 @@ def tokenize_five_shards(root: Path, workers: int) -> list[TokenizeReport]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> SimpleNamespace:
+def runs(module_tmp) -> SimpleNamespace:
     """Five raw shards and a tokenizer in one store, copied twice, then tokenized with 1 and 2 workers."""
-    root = tmp_path_factory.mktemp("tokenize_workers")
+    root = module_tmp("tokenize_workers")
     tok, jobs = five_raw_shards(root)
     stores, reports = {}, {}
     for workers in (1, 2):

@@ -36,9 +36,9 @@ SAMPLES = [
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
+def corpus(module_tmp):
     """{split: texts} of both demo sources, built once for this module."""
-    root = tmp_path_factory.mktemp("corpus")
+    root = module_tmp("corpus")
     texts = {"train": [], "validation": []}
     for source in TEXT_SOURCES:
         for path, split in build_text_source(source, root / source):

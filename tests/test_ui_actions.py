@@ -79,14 +79,14 @@ CHECK_SIDES = {
 
 
 @pytest.fixture(scope="module")
-def home(demo_home, tmp_path_factory) -> Path:
+def home(demo_home, module_tmp) -> Path:
     """One writable copy of the demo home for the whole file."""
-    return copy_home(demo_home, tmp_path_factory.mktemp("ui_actions") / "home")
+    return copy_home(demo_home, module_tmp("ui_actions") / "home")
 
 
 @pytest.fixture(scope="module")
-def mlflow_url(home, tmp_path_factory):
-    with mlflow_server(home, "actions-mlflow-server", tmp_path_factory.mktemp("mlflow_cwd")) as url:
+def mlflow_url(home, module_tmp):
+    with mlflow_server(home, "actions-mlflow-server", module_tmp("mlflow_cwd")) as url:
         yield url
 
 

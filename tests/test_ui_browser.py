@@ -64,8 +64,8 @@ def dagster_url(demo_home):
 
 
 @pytest.fixture(scope="module")
-def mlflow_url(demo_home, tmp_path_factory):
-    with mlflow_server(demo_home, "mlflow-server", tmp_path_factory.mktemp("mlflow_cwd")) as url:
+def mlflow_url(demo_home, module_tmp):
+    with mlflow_server(demo_home, "mlflow-server", module_tmp("mlflow_cwd")) as url:
         yield url
 
 
