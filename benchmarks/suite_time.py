@@ -8,6 +8,10 @@ init: slurmd, postgres, a namespace's holder) started after pytest; by the last 
 under the kind its command line names (training ranks, torchrun, `ghostvis demo`, `dagster` CLIs, the MLflow
 server, Chromium...).
 
+It also reads, at each sample, the used space of the filesystem that holds pytest's temporary folders, and prints
+its peak above the start: what the suite needs free on the disk (its homes, checkpoints and buckets, kept while a
+test file runs).
+
 A process that lives less than a second between two reads is missed; the coverage line compares the sum with
 what the kernel accounted to pytest's own tree (getrusage of its waited-for descendants, which misses in turn
 the daemons that Slurm, PostgreSQL and namespaces leave to init).
@@ -22,6 +26,7 @@ import re
 import resource
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -65,16 +70,26 @@ def kind_of(cmdline: str) -> str:
     return next((kind for kind, pattern in KINDS if re.search(pattern, cmdline)), "other")
 
 
+def used_bytes(path: str) -> int:
+    """The used space of the filesystem holding `path`."""
+    fs = os.statvfs(path)
+    return (fs.f_blocks - fs.f_bfree) * fs.f_frsize
+
+
 class ProcessLedger:
-    """The suite's processes: (pid, start) -> [CPU ticks at the last read, command line]."""
+    """The suite's processes: (pid, start) -> [CPU ticks at the last read, command line]; and the peak of the
+    temporary folders' filesystem's used space above what it was at the start."""
 
     def __init__(self, root: int):
         self.root = root
         self.since = C.process_table()[root].start
         self.seen: dict[tuple[int, int], list] = {}
         self.stop = threading.Event()
+        self.used_at_start = used_bytes(tempfile.gettempdir())
+        self.disk_peak = 0
 
     def sample(self) -> None:
+        self.disk_peak = max(self.disk_peak, used_bytes(tempfile.gettempdir()) - self.used_at_start)
         table = C.process_table()
         for pid, proc in table.items():
             entry = self.seen.get((pid, proc.start))
@@ -135,8 +150,14 @@ def main() -> int:
         f"coverage: pytest's tree as the kernel accounted it (waited-for descendants): {tree_cpu:,.0f} s; "
         f"sampled once a second: {total:,.0f} s"
     )
+    left = used_bytes(tempfile.gettempdir()) - ledger.used_at_start
+    print(
+        f"disk: the suite's peak on {tempfile.gettempdir()}'s filesystem {ledger.disk_peak / 1e9:.1f} GB above its "
+        f"start, {left / 1e9:.1f} GB left behind when it ended"
+    )
     print(C.goal("suite wall / 20 minutes", wall / GOAL_WALL_S, 1.0, higher_is_better=False))
     results = {"wall_s": wall, "cpu_s": total, "tree_cpu_s": tree_cpu, "busy": total / (wall * cores), "exit": code}
+    results |= {"disk_peak_gb": ledger.disk_peak / 1e9, "disk_left_gb": left / 1e9}
     print(C.kv_line(results))
     return 0
 
