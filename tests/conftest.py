@@ -285,9 +285,8 @@ def browser():
 
 
 @pytest.fixture(scope="session")
-def moto_s3():
-    """A real S3 endpoint (moto's server) on 127.0.0.1 for the session: its URL. Clients are given the
-    endpoint and test credentials explicitly (`s3_env`), never the machine's own AWS settings."""
+def moto_server():
+    """A real S3 endpoint (moto's server) on 127.0.0.1, started once per worker: its URL."""
     from moto.server import ThreadedMotoServer
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
@@ -295,6 +294,18 @@ def moto_s3():
     host, port = server.get_host_and_port()
     yield f"http://{host}:{port}"
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def moto_s3(moto_server):
+    """The S3 endpoint for a test file: its URL. Clients are given the endpoint and test credentials explicitly
+    (`s3_env`), never the machine's own AWS settings. The file's buckets are dropped when it ends (moto's reset):
+    moto keeps each object in a deleted temporary file on the disk while the server lives, so the S3 chain's
+    demo, the Slurm and FSDP runs would otherwise hold ~6 GB of the disk until the session ended."""
+    import urllib.request
+
+    yield moto_server
+    urllib.request.urlopen(urllib.request.Request(f"{moto_server}/moto-api/reset", method="POST"), timeout=60).close()
 
 
 def s3_env(endpoint: str, tmp: Path) -> dict[str, str]:
