@@ -106,7 +106,7 @@ def module_tmp(request, tmp_path_factory) -> Iterator[Callable[[str], Path]]:
     """`tmp_path_factory.mktemp` for a test file's module fixtures, removed with the file's last test unless one of
     its tests failed: the retention pytest gives `tmp_path` (pyproject: "failed"), which it does not give folders
     made with the factory. Without it every copy of the demo home, S3 chain and planted run stayed until the session
-    ended, ~10 GB on the disk at once."""
+    ended (9.5 GB of folders when the suite ended)."""
     made: list[Path] = []
     failed_before = request.session.testsfailed
 
@@ -301,7 +301,8 @@ def moto_s3(moto_server):
     """The S3 endpoint for a test file: its URL. Clients are given the endpoint and test credentials explicitly
     (`s3_env`), never the machine's own AWS settings. The file's buckets are dropped when it ends (moto's reset):
     moto keeps each object in a deleted temporary file on the disk while the server lives, so the S3 chain's
-    demo, the Slurm and FSDP runs would otherwise hold ~6 GB of the disk until the session ended."""
+    demo, the Slurm and FSDP runs held their objects until the session ended (the suite's peak disk, measured by
+    benchmarks/suite_time.py: 8.5 GB before the reset, 6.5 GB with it)."""
     import urllib.request
 
     yield moto_server
