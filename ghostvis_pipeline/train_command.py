@@ -18,6 +18,7 @@ def stage_run_config(args) -> dict:
         "recipe": parse_recipe(args.recipe) if args.recipe else {},
         "val_sources": [s for s in (args.val_sources or "").split(",") if s],
         "force": args.force,
+        "wait": not args.no_wait,
     }
     if args.preset:
         config["preset"] = args.preset
@@ -75,5 +76,11 @@ def add_parser(sub) -> None:
         "--force",
         action="store_true",
         help="train even when a completed run of the same identity passed its checks (a new attempt)",
+    )
+    t.add_argument(
+        "--no-wait",
+        action="store_true",
+        help="when another launch is training the same run identity now (it holds the run's lease), fail at once "
+        "naming it, instead of waiting for it and returning its run as a cache hit",
     )
     t.set_defaults(fn=cmd_train)

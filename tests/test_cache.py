@@ -111,3 +111,43 @@ def test_a_moved_store_a_changed_override_and_a_new_tokenizer(home_copy, tmp_pat
     materialize(home_copy, "tokenized_shards", "--partition", shard, **env)  # tokenized again, with the new tokenizer
     after = status(home_copy, **env)["tokenized_shards"]
     assert after["partitions"].startswith("1/"), after
+
+
+def test_two_launches_of_one_run_identity_train_once_and_the_second_is_a_cache_hit_naming_the_first(home_copy):
+    """Two people press Materialize at the same moment: the first launch holds the run identity's lease and
+    trains; `--no-wait` is refused naming it; the waiting launch returns the first one's run as a cache hit. The
+    ledger holds exactly what was trained, and one MLflow run was made."""
+    import subprocess
+    import time
+
+    from ghostvis_core.data.ledger import Ledger
+    from ghostvis_core.run.train.runs import run_result
+    from tests.conftest import BIN, cli_env
+
+    runs = mlflow_run_ids(home_copy)
+    store = Home(home_copy).store
+    argv = [str(BIN / "ghostvis"), "train", "sft", "--set", "budget.steps=3"]
+    cwd = Path(__file__).resolve().parent.parent
+    first = subprocess.Popen(argv, env=cli_env(home_copy), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    time.sleep(0.5)
+    second = subprocess.Popen(argv, env=cli_env(home_copy), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not store.keys("lease", "sft") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    refused = run_cli([*argv, "--no-wait"], home_copy, check=False)
+    outs = [p.communicate(timeout=600)[0].decode() for p in (first, second)]
+    assert first.returncode == 0 and second.returncode == 0, "\n".join(o[-3000:] for o in outs)
+
+    keys = [re.search(r"^sft: run (\S+),", o, re.M).group(1) for o in outs]
+    assert keys[0] == keys[1], keys
+    trained = [o for o in outs if "\ncached: " not in o]
+    assert len(trained) == 1, "both launches trained (or neither did):\n" + "\n".join(o[-2000:] for o in outs)
+    hit = next(o for o in outs if "\ncached: " in o)
+    assert keys[0] in hit.split("\ncached: ")[1].splitlines()[0], hit[-1500:]
+    assert refused.returncode != 0 and "held by Dagster run" in refused.stdout + refused.stderr, refused.stdout[-2000:]
+    assert len(mlflow_run_ids(home_copy) - runs) == 1, "two MLflow runs for one run identity"
+
+    result = run_result(store, "sft", keys[0])
+    chain = Ledger.in_store(store).chain(keys[0])
+    assert sum(p["real_tokens"] for p in chain) == result.counts.real_tokens > 0
+    assert chain[-1]["step_last"] == result.steps == 3

@@ -156,6 +156,9 @@ class CheckpointConfig:
     # a background thread while training continues; the checkpoint is committed (marker last) once every
     # shard is written, before the next checkpoint or the end of the run.
     async_save: bool = False
+    # Also checkpoint once this many minutes passed since the last checkpoint (0: by steps only), decided by all
+    # ranks together at a step boundary (rank 0's clock): long runs lose at most this much to a crash.
+    every_minutes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,10 @@ class RuntimeConfig:
     # checkpoints stay in high precision.
     float8: bool = False
     log_every_steps: int = 5
+    # A rank that finishes no step for this many seconds ends the job, naming itself, its host, its last step
+    # and the collective it waits in, and which rank stopped beating (train/watchdog.py); it is also the
+    # process group's collective timeout. 0: no watchdog and torch's default timeout.
+    hang_timeout_s: float = 600.0
 
 
 @dataclass(frozen=True)

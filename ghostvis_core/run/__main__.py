@@ -19,14 +19,17 @@ import sys
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.exit import skip_final_collections
-from ghostvis_core.plan.config import parse_sets
+from ghostvis_core.plan.config import RuntimeConfig, parse_sets
 from ghostvis_core.run.cluster.run_files import split_run_uri
 from ghostvis_core.run.preflight import check_run
 from ghostvis_core.run.train import dist
+from ghostvis_core.run.train.dist import print0
 from ghostvis_core.run.train.loop import train
+from ghostvis_core.run.train.preemption import PREEMPTED_EXIT, Preempted
 from ghostvis_core.run.train.reasons import record_reason
+from ghostvis_core.run.train.runs import identity_of
 from ghostvis_core.run.train.spec import LaunchSpec
-from ghostvis_core.store import open_store
+from ghostvis_core.store import lease, open_store
 
 
 def _leave_reason(spec, rank: int, reason: str) -> None:
@@ -50,6 +53,28 @@ def checked_spec(spec: LaunchSpec, ctx: dist.DistContext) -> LaunchSpec:
     return spec
 
 
+def hold_lease(spec: LaunchSpec, ctx: dist.DistContext) -> tuple[bool, lease.Lease | None]:
+    """Rank 0 keeps the run identity's lease alive while the job trains: the lease its launcher took (joined,
+    beaten here too, so a job that outlives its launcher keeps it), or, launched by hand, one it takes itself,
+    waiting for another launch of the same identity to finish. (done, lease): done on every rank when that
+    launch completed the run meanwhile (nothing is left to train); the lease on rank 0."""
+    held = None
+    if ctx.is_main:
+        store = open_store(spec.store)
+        name = identity_of(spec.run_key)
+        held = lease.join(store, spec.stage, name)
+        if held is None:
+            held = lease.acquire(store, spec.stage, name, holder={"run_key": spec.run_key}, log=print)
+            held.owned = True
+            if store.exists("run_record", spec.stage, spec.run_key):
+                print(f"run {spec.run_key} was completed by another launch while this one waited", flush=True)
+                held.release()
+                held = None
+        if held is not None:
+            held.keep_alive(on_lost=lambda why: print(f"error: {why}", file=sys.stderr, flush=True))
+    return dist.broadcast_object(ctx.is_main and held is None, ctx), held
+
+
 def register_model(spec: LaunchSpec) -> None:
     """The run's model in MLflow's registry, from rank 0 (not for a variant: it is compared, not promoted)."""
     if "ghostvis.variant" in spec.tags:
@@ -69,6 +94,22 @@ def read_spec(uri: str) -> LaunchSpec:
     return LaunchSpec.from_dict(open_store(store_uri).read_json("run_spec", stage, run_key))
 
 
+def prepared_spec(args, ctx: dist.DistContext) -> LaunchSpec:
+    """--stage: rank 0 prepares the run; the other ranks wait for its spec, or for the reason there is none."""
+    spec = None
+    if ctx.is_main:
+        from ghostvis_core.run.launch import prepare_run
+
+        try:
+            spec = prepare_run(args.stage, preset=args.preset, overrides=parse_sets(args.sets))
+        except GhostvisError as exc:
+            spec = exc
+    spec = dist.broadcast_object(spec, ctx)
+    if isinstance(spec, GhostvisError):
+        raise spec
+    return spec
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m ghostvis_core.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -82,27 +123,31 @@ def main(argv: list[str] | None = None) -> int:
     # own buffer and retries, so an outage costs a gap in delivery, not minutes of blocked retries.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    ctx = dist.setup()
-    spec = None
+    if not (args.spec or args.stage):
+        ap.error("give --spec or --stage")
     try:
-        if args.spec:
-            spec = read_spec(args.spec)
-        elif args.stage:
-            spec = None
-            if ctx.is_main:  # other ranks wait for the spec, or for the reason there is none
-                from ghostvis_core.run.launch import prepare_run
-
-                try:
-                    spec = prepare_run(args.stage, preset=args.preset, overrides=parse_sets(args.sets))
-                except GhostvisError as exc:
-                    spec = exc
-            spec = dist.broadcast_object(spec, ctx)
-            if isinstance(spec, GhostvisError):
-                raise spec
-        else:
-            ap.error("give --spec or --stage")
-        spec = checked_spec(spec, ctx)
-        train(spec, ctx)
+        spec = read_spec(args.spec) if args.spec else None
+    except GhostvisError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    # collectives time out at twice the hang timeout: the watchdog (train/watchdog.py) names the hang first
+    hang_s = (spec.config.runtime if spec else RuntimeConfig()).hang_timeout_s
+    ctx = dist.setup(timeout_s=2 * hang_s)
+    try:
+        spec = spec or prepared_spec(args, ctx)
+        done, held = hold_lease(spec, ctx)
+        if done:
+            return 0
+        try:
+            spec = checked_spec(spec, ctx)
+            train(spec, ctx)
+        finally:
+            if held is not None:
+                held.release() if held.owned else held.stop()
+    except Preempted as exc:  # every rank: the checkpoint is committed, the launcher launches again
+        print0(f"[{spec.stage}] {exc}", ctx=ctx)
+        _leave_reason(spec, ctx.rank, str(exc))
+        return PREEMPTED_EXIT
     except GhostvisError as exc:
         if ctx.is_main:
             print(f"error: {exc}", file=sys.stderr, flush=True)

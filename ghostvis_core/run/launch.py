@@ -233,7 +233,9 @@ def run_identity(r: Resolved, p: Plan, spec: LaunchSpec) -> dict[str, Any]:
     for k in ("world_size", "micro_batch_size", "grad_accum_steps", "total_batch_tokens"):
         ident_cfg["batch"].pop(k)
     ident_cfg["batch"]["tokens_per_step"] = p.tokens_per_step
-    ident_cfg["checkpoint"].pop("async_save")  # how shards are written, not what is trained
+    for how in ("async_save", "every_minutes"):  # how and when shards are written, not what is trained
+        ident_cfg["checkpoint"].pop(how)
+    ident_cfg["runtime"].pop("hang_timeout_s")
     ident_cfg.pop("contamination")  # what the run is checked against, not what it trains
 
     def contents(shards: dict[str, list[dict]]) -> dict[str, list[str]]:

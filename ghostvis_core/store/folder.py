@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,21 @@ class FolderStore:
 
     def write_json(self, kind: str, *key: str, data: Any) -> str:
         return self.write_text(kind, *key, text=json.dumps(data, indent=2, sort_keys=True))
+
+    def create_json(self, kind: str, *key: str, data: Any) -> bool:
+        """A finished temporary file hard-linked onto the name: link(2) fails if the name exists, on a local
+        or NFS filesystem alike, and a reader never sees a half-written record."""
+        path = self.root / fill(kind, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+            os.link(tmp, path)
+        except FileExistsError:
+            return False
+        finally:
+            tmp.unlink(missing_ok=True)
+        return True
 
     def put_file(self, kind: str, *key: str, src: Path) -> str:
         path = self.root / fill(kind, key)

@@ -27,6 +27,8 @@ LAYOUT: dict[str, str] = {
     "run_file": "runs/{}/{}/{path}",  # stage, run_key, name: a launcher's file (job script, job output, Pipes messages)
     "report": "reports/{path}",  # file name under reports/
     "identity": "identities/{}/{path}.json",  # asset, key: what an artifact is made of (ghostvis_core/identity.py)
+    # scope, name, generation, file: who holds the one right to write a shared thing (ghostvis_core/store/lease.py)
+    "lease": "leases/{}/{}/{}/{}.json",
 }
 
 

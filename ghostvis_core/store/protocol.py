@@ -45,6 +45,11 @@ class Store(Protocol):
 
     def write_json(self, kind: str, *key: str, data: Any) -> str: ...
 
+    def create_json(self, kind: str, *key: str, data: Any) -> bool:
+        """Write the artifact only if it does not exist yet, atomically against every other writer on any node
+        (the one compare-and-set the store offers: leases are built on it); False when it already existed."""
+        ...
+
     def put_file(self, kind: str, *key: str, src: Path) -> str:
         """Store a finished local file; an existing artifact is kept (same key, same content). Returns its URI."""
         ...

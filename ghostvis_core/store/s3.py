@@ -109,6 +109,19 @@ class S3Store:
     def write_json(self, kind: str, *key: str, data: Any) -> str:
         return self.write_text(kind, *key, text=json.dumps(data, indent=2, sort_keys=True))
 
+    def create_json(self, kind: str, *key: str, data: Any) -> bool:
+        """One conditional PUT (`If-None-Match: *`): S3 takes it only while no object has the key."""
+        from botocore.exceptions import ClientError
+
+        body = json.dumps(data, indent=2, sort_keys=True).encode()
+        try:
+            self.s3.put_object(Bucket=self.bucket, Key=self.object_key(kind, *key), Body=body, IfNoneMatch="*")
+        except ClientError as exc:
+            if exc.response["Error"]["Code"] in ("PreconditionFailed", "412", "ConditionalRequestConflict"):
+                return False
+            raise
+        return True
+
     def put_file(self, kind: str, *key: str, src: Path) -> str:
         if not self.exists(kind, *key):
             self._upload(src, self.object_key(kind, *key))

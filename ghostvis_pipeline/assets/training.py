@@ -33,6 +33,7 @@ from ghostvis_core.plan.stages import stage as stage_of
 from ghostvis_core.run.hf.register import model_record, register_run
 from ghostvis_core.run.launch import TRAINING_MODULES, PlannedRun, plan_run, start_run
 from ghostvis_core.run.preflight import preflight_record
+from ghostvis_core.run.train.reasons import run_reason, was_preempted
 from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.runs import Upstream, run_result
 from ghostvis_core.run.train.spec import LaunchSpec
@@ -40,6 +41,7 @@ from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_pipeline.cache import cached_stage_run, changed_since
 from ghostvis_pipeline.launchers import Launcher
+from ghostvis_pipeline.leases import run_lease
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
 
@@ -56,6 +58,9 @@ class StageRunConfig(Config):
     val_sources: list[str] = []  # empty: the recipe's sources that have validation shards
     # true: train even when a completed run of the same identity passed its checks (a new attempt, its own MLflow run)
     force: bool = False
+    # false: when another launch holds this run identity's lease (it is training it now), fail at once naming
+    # that launch instead of waiting for it to finish and returning its run (a cache hit)
+    wait: bool = True
 
 
 def mlflow_ui() -> str:
@@ -199,6 +204,21 @@ def _materialize(
     hit: same checkpoint, same MLflow run, metadata `cached_from`). The data version is the run key."""
     h = home.home()
     planned = _user_error(_prepare, context, stage, config, overrides, h, variant)
+    with run_lease(context, h.store, stage.name, planned.base_key, wait=config.wait):
+        return _train_or_reuse(context, stage, config, h, launcher, planned, variant)
+
+
+def _train_or_reuse(
+    context,
+    stage: Stage,
+    config: StageRunConfig,
+    h: Home,
+    launcher: Launcher,
+    planned: PlannedRun,
+    variant: str | None,
+) -> MaterializeResult:
+    """Under the identity's lease: the cache is looked up only once no other launch is training it, so a second
+    launch finds the first one's run instead of training it again into the same run key."""
     checks = [] if variant else stage_check_names()
     hit = (
         None
@@ -230,16 +250,29 @@ def _materialize(
     return MaterializeResult(metadata=md, data_version=DataVersion(spec.run_key))
 
 
+# A preempted job is launched again (it resumes from the checkpoint it committed when told to stop) without using
+# up the stage's retry, which is kept for faults; this bounds a run that is preempted over and over.
+MAX_PREEMPTIONS = 20
+
+
 def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home) -> None:
-    """Launch the job; a pre-flight refusal (the job's rank 0 left it) fails the step without a retry:
-    the same inputs would be refused again."""
-    try:
-        launcher.run(context, spec, h)
-    except Failure as failure:
-        refused = (preflight_record(h.store, spec) or {}).get("refused")
-        if not refused or not failure.allow_retries:
-            raise
-        raise Failure(description=failure.description, allow_retries=False) from None
+    """Launch the job, again after each preemption; a pre-flight refusal (the job's rank 0 left it) fails the step
+    without a retry: the same inputs would be refused again."""
+    for launch in range(1, MAX_PREEMPTIONS + 2):
+        try:
+            launcher.run(context, spec, h)
+            return
+        except Failure as failure:
+            if was_preempted(h.store, spec.stage, spec.run_key) and launch <= MAX_PREEMPTIONS:
+                reason = run_reason(h.store, spec.stage, spec.run_key)
+                context.log.warning(
+                    f"{spec.stage}: launch {launch} of run {spec.run_key} was {reason}; launching again"
+                )
+                continue
+            refused = (preflight_record(h.store, spec) or {}).get("refused")
+            if not refused or not failure.allow_retries:
+                raise
+            raise Failure(description=failure.description, allow_retries=False) from None
 
 
 def register_in_subprocess(spec: LaunchSpec, h: Home) -> dict:

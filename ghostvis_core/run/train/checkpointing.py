@@ -92,6 +92,17 @@ class CheckpointManager:
         self.publish_parts()
         return TrainState.from_dict(ckpt.read_state(ref.path))
 
+    def committed_counts(self) -> list[tuple[int, TokenCounts]]:
+        """Rank 0: (step, cumulative token counts) at each committed checkpoint of this run, from the ledger (what
+        a resumed segment logs to MLflow again); nothing on other ranks."""
+        if not self.ctx.is_main:
+            return []
+        out, total = [], TokenCounts()
+        for part in Ledger.in_store(self.store).chain(self.spec.run_key):
+            total = total + TokenCounts.from_mapping(part)
+            out.append((part["step_last"], total))
+        return out
+
     def load_optimizer(self, ref: ckpt.CheckpointRef, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         ckpt.load_optimizer(ref.path, model, optimizer)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import sys
@@ -39,8 +40,9 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def setup() -> DistContext:
-    """Join the torchrun process group if there is one; a plain `python -m` run is world size 1."""
+def setup(timeout_s: float = 0.0) -> DistContext:
+    """Join the torchrun process group if there is one; a plain `python -m` run is world size 1. `timeout_s`
+    (runtime.hang_timeout_s) bounds every collective; 0 keeps torch's default."""
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_parent()
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -57,7 +59,11 @@ def setup() -> DistContext:
         threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or max(1, (os.cpu_count() or 1) // local_world)
         torch.set_num_threads(threads)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend=backend, device_id=device if backend == "nccl" else None)
+        dist.init_process_group(
+            backend=backend,
+            device_id=device if backend == "nccl" else None,
+            timeout=datetime.timedelta(seconds=timeout_s) if timeout_s > 0 else None,
+        )
     return DistContext(rank, local_rank, world, device)
 
 
@@ -71,6 +77,14 @@ def all_reduce_sum(values: list[float | int], ctx: DistContext, dtype=torch.floa
     t = torch.tensor(values, dtype=dtype, device=ctx.device)
     if ctx.world_size > 1:
         dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_reduce_max(values: list[int], ctx: DistContext) -> list[int]:
+    """The largest of each integer over ranks (flags any rank raised), in one collective."""
+    t = torch.tensor(values, dtype=torch.int64, device=ctx.device)
+    if ctx.world_size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 

@@ -1,6 +1,7 @@
 """The training loop shared by every stage, top to bottom: `setup` builds the Trainer (resumed from its
 newest committed checkpoint, if any), then one optimizer step, its progress line, the held-out evaluation
-and the checkpoint repeat until the budget's last step, and `finish` writes the RunResult. Each step is a
+and the checkpoint repeat until the budget's last step (or a preemption: train/preemption.py; a hang ends the
+job from the watchdog: train/watchdog.py), and `finish` writes the RunResult. Each step is a
 Trainer method (trainer.py); the checkpoints are its CheckpointManager's (checkpointing.py)."""
 
 from __future__ import annotations
@@ -14,11 +15,15 @@ from ghostvis_core.run.train.spec import LaunchSpec
 def train(spec: LaunchSpec, ctx: DistContext) -> RunResult:
     """Train a stage to its last step (resuming where its newest checkpoint left off)."""
     trainer = setup(spec, ctx)
-    trainer.begin()
-    while trainer.state.step < trainer.total_steps:
-        trainer.train_step()
-        metrics = trainer.progress()
-        metrics.update(trainer.evaluate())
-        trainer.log(metrics)
-        trainer.checkpoint()
+    try:
+        trainer.begin()
+        while trainer.state.step < trainer.total_steps:
+            trainer.train_step()
+            metrics = trainer.progress()
+            metrics.update(trainer.evaluate())
+            trainer.log(metrics)
+            trainer.checkpoint()  # also raises Preempted, once its checkpoint is committed
+    finally:
+        trainer.watchdog.stop()
+        trainer.preemption.restore()
     return trainer.finish()

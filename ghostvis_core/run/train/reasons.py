@@ -10,6 +10,11 @@ from datetime import datetime, timezone
 
 from ghostvis_core.store import Store
 
+# The first word of a rank's reason when the job stopped on purpose: told to stop and saved (train/preemption.py,
+# resumed by the launcher without using up a retry), or ended by its progress watchdog (train/watchdog.py).
+PREEMPTED = "preempted"
+HUNG = "hung"
+
 
 def record_reason(store: Store, stage: str, run_key: str, rank: int, reason: str) -> None:
     """Rank `rank`'s reason with its host and time (UTC, ISO 8601); a rank's first reason is kept."""
@@ -51,3 +56,9 @@ def clear_reasons(store: Store, stage: str, run_key: str) -> None:
     """An earlier attempt's reasons are not this one's."""
     for key in store.keys("run_error", stage, run_key):
         store.delete("run_error", *key)
+
+
+def was_preempted(store: Store, stage: str, run_key: str) -> bool:
+    """The job stopped because it was preempted (every failing rank says so), not for a fault."""
+    records = rank_reasons(store, stage, run_key)
+    return bool(records) and all(r["reason"].startswith(PREEMPTED) for r in records)

@@ -73,6 +73,11 @@ def completed_attempts(store: Store, stage: str, base: str) -> list[str]:
     return [key for _, key in reversed(attempts(store, stage, base)) if store.exists("run_record", stage, key)]
 
 
+def identity_of(run_key: str) -> str:
+    """The run identity (base key) of an attempt's run key base-r<n>: what a run's lease is named by."""
+    return run_key.rsplit("-r", 1)[0]
+
+
 def next_run_key(store: Store, stage: str, base: str) -> str:
     """base-r<n>: the newest unfinished attempt is resumed; after a finished one, a new attempt starts."""
     found = attempts(store, stage, base)

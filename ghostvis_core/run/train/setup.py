@@ -22,11 +22,13 @@ from ghostvis_core.run.train.muon import make_muon
 from ghostvis_core.run.train.objectives import build_objective
 from ghostvis_core.run.train.parallel import wrap
 from ghostvis_core.run.train.precision import use_bf16, use_compile
+from ghostvis_core.run.train.preemption import PreemptionFlag
 from ghostvis_core.run.train.runs import checkpoint_of
 from ghostvis_core.run.train.spec import LaunchSpec, localize_shards
 from ghostvis_core.run.train.state import TrainState
 from ghostvis_core.run.train.tracking import Tracker
 from ghostvis_core.run.train.trainer import Trainer
+from ghostvis_core.run.train.watchdog import Watchdog
 from ghostvis_core.store import open_store
 
 
@@ -68,6 +70,8 @@ def setup(spec: LaunchSpec, ctx: DistContext) -> Trainer:
         segment=state.segment,
     )
     return Trainer(
+        preemption=PreemptionFlag(),
+        watchdog=watchdog(spec, ctx, store, tracker),
         spec=spec,
         cfg=cfg,
         ctx=ctx,
@@ -84,6 +88,19 @@ def setup(spec: LaunchSpec, ctx: DistContext) -> Trainer:
         resumed=resume is not None,
         frozen_before=frozen_before,
         efficiency=efficiency(cfg, ctx.device, bf16, plan.world_size),
+    )
+
+
+def watchdog(spec: LaunchSpec, ctx: DistContext, store, tracker: Tracker) -> Watchdog:
+    """Every rank's progress watchdog (runtime.hang_timeout_s; 0: never fires); rank 0 reports slow steps."""
+
+    def report(message: str, idle_s: float, step: int) -> None:
+        tracker.say(f"[{spec.stage}] {message}", pipes=True)
+        tracker.metrics({"time/since_step_s": idle_s}, step=step)
+
+    timeout = spec.config.runtime.hang_timeout_s
+    return Watchdog(
+        store, spec.stage, spec.run_key, ctx.rank, ctx.world_size, timeout, report=report if ctx.is_main else None
     )
 
 

@@ -20,16 +20,18 @@ from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.run.train.checkpointing import CheckpointManager, PartLog
 from ghostvis_core.run.train.clock import Clock
-from ghostvis_core.run.train.dist import DistContext, all_reduce_sum
+from ghostvis_core.run.train.dist import DistContext, all_reduce_max, all_reduce_sum
 from ghostvis_core.run.train.efficiency import Efficiency
 from ghostvis_core.run.train.finish import report
 from ghostvis_core.run.train.grpo import count_step
 from ghostvis_core.run.train.objectives import Objective
 from ghostvis_core.run.train.parallel import SingleProcess
+from ghostvis_core.run.train.preemption import Preempted, PreemptionFlag
 from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.run.train.state import TrainState
 from ghostvis_core.run.train.tracking import Tracker
+from ghostvis_core.run.train.watchdog import Watchdog
 from ghostvis_core.store import Store
 
 
@@ -53,10 +55,13 @@ class Trainer:
     resumed: bool
     frozen_before: str | None
     efficiency: Efficiency
+    preemption: PreemptionFlag
+    watchdog: Watchdog
     part: PartLog = field(init=False)  # what this rank delivered since the last checkpoint
     train_loss: float = field(init=False, default=float("nan"))
     step_reward: float = field(init=False, default=float("nan"))  # rl: the last step's mean reward, all ranks
     last_val: dict[str, float] = field(init=False, default_factory=dict)  # the newest held-out evaluation
+    saved_at: float = field(init=False, default_factory=time.time)  # rank 0: when the last checkpoint was committed
 
     def __post_init__(self) -> None:
         self.part = self._new_part()
@@ -73,9 +78,9 @@ class Trainer:
         return torch.autocast(self.ctx.device.type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def begin(self) -> None:
-        """The run's first line; at step 0 the evaluation before training, on a resume the token point of
-        the step it resumes from again (the interrupted segment's last points may not have reached MLflow
-        before it died; `mlflow_token_history` reads it)."""
+        """The run's first line; at step 0 the evaluation before training, on a resume the token points of
+        every committed step again, from the ledger (an interrupted segment's last points may have died in
+        its MLflow buffer; `mlflow_token_history` reads them, and a point logged twice is one value)."""
         s, p = self.state, self.plan
         self.tracker.say(
             f"[{self.spec.stage}] run {self.spec.run_key} segment {s.segment}: "
@@ -88,8 +93,11 @@ class Trainer:
                 s.val_start = self.objective.evaluate(self.model, self.ctx, self.autocast, evidence=True)
             self.tracker.metrics(s.val_start, step=0)
         else:
+            for step, counts in self.checkpoints.committed_counts():
+                self.tracker.metrics(counts.as_metrics(), step=step)
             self.tracker.metrics(self.token_metrics(), step=s.step)
         self.last_val = dict(s.val_last or s.val_start)
+        self.watchdog.start(s.step)
 
     def train_step(self) -> None:
         """One optimizer step over the step's micro-batches; the counts are summed over ranks."""
@@ -99,14 +107,18 @@ class Trainer:
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)  # Muon's group: muon_lr on the same schedule
         batches = self.objective.step_batches(s.loader.rows, self.plan, ctx.rank)
-        (n_units,) = all_reduce_sum([sum(b.units for b in batches)], ctx, dtype=torch.int64)
+        with self.watchdog.waiting_in(f"the all-reduce of step {s.step + 1}'s loss units"):
+            (n_units,) = all_reduce_sum([sum(b.units for b in batches)], ctx, dtype=torch.int64)
         loss_total = 0.0
         for m, b in enumerate(batches):
             self.part.feed(s.step + 1, b)
             with self.parallel.accumulating(last_micro_step=m == len(batches) - 1):
                 with self.autocast():
                     loss_sum = self.objective.loss_sum(self.parallel.forward_module, b, ctx.device)
-                (loss_sum * (ctx.world_size / max(1, n_units))).backward()
+                with self.watchdog.waiting_in(
+                    f"step {s.step + 1} micro-batch {m + 1}'s backward (gradient all-reduce)"
+                ):
+                    (loss_sum * (ctx.world_size / max(1, n_units))).backward()
             loss_total += float(loss_sum.detach())
             self.part.consumption.add(b)
         if self.cfg.optim.grad_clip > 0:
@@ -114,13 +126,15 @@ class Trainer:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         step_counts = TokenCounts.total(b.counts for b in batches)
-        reduced = all_reduce_sum([loss_total, *step_counts.as_list()], ctx)
+        with self.watchdog.waiting_in(f"the all-reduce of step {s.step + 1}'s token counts"):
+            reduced = all_reduce_sum([loss_total, *step_counts.as_list()], ctx)
         self.train_loss = reduced[0] / max(1, n_units)
         s.counts = s.counts + TokenCounts.from_list(reduced[1:])
         s.generated, self.step_reward = count_step(self.part.rollouts, s.step + 1, s.generated, ctx)
         s.step += 1
         s.loader.advance(self.plan.rows_per_step)
         self.clock.tick(started)
+        self.watchdog.progress(s.step)
 
     def progress(self) -> dict[str, float]:
         """Every log_every_steps (and at the first and last step): a progress line and its metrics. At every
@@ -175,11 +189,18 @@ class Trainer:
         self.tracker.metrics(metrics, step=self.state.step)
 
     def checkpoint(self) -> None:
-        """Every checkpoint.every_steps and at the end: the checkpoint and its ledger part, committed
-        together (`CheckpointManager.commit`); the next part starts here."""
+        """Every checkpoint.every_steps, every checkpoint.every_minutes, at the end, and when any rank was told
+        to stop (preemption): the checkpoint and its ledger part, committed together (`CheckpointManager.commit`);
+        the next part starts here. Whether the clock or a signal asks for one is agreed by all ranks in one
+        collective (`due_now`), so they all commit at the same step; a preempted run then stops (`Preempted`)."""
         s = self.state
-        if not (s.step % self.cfg.checkpoint.every_steps == 0 or s.step == self.total_steps):
+        preempted, minutes_due = self.due_now()
+        if not (
+            s.step % self.cfg.checkpoint.every_steps == 0 or s.step == self.total_steps or minutes_due or preempted
+        ):
             return
+        if s.step % self.cfg.checkpoint.every_steps:  # off the steps schedule: `progress` logged no token point
+            self.tracker.metrics(self.token_metrics(), step=s.step)
         s.val_last = self.last_val
         part_id = f"{self.spec.run_key}.s{s.segment:03d}.p{s.step:09d}"
         record = self._part_record(part_id) if self.ctx.is_main else None
@@ -187,8 +208,21 @@ class Trainer:
         if self.ctx.is_main:
             s.mlflow_run_id = self.tracker.run_id()
             s.capture_rng()
-        self.checkpoints.commit(s, self.part, record, self.model, self.optimizer, final=s.step == self.total_steps)
+        with self.watchdog.waiting_in(f"the checkpoint commit of step {s.step}"):
+            self.checkpoints.commit(s, self.part, record, self.model, self.optimizer, final=s.step == self.total_steps)
         self.part = self._new_part()
+        self.saved_at = time.time()
+        if preempted and s.step < self.total_steps:
+            self.tracker.suspend()  # every point reaches MLflow before the job exits
+            raise Preempted(s.step, self.preemption.signal_name or "a signal to another rank")
+
+    def due_now(self) -> tuple[bool, bool]:
+        """(a rank was signalled, checkpoint.every_minutes passed on rank 0's clock), the same on every rank."""
+        minutes = self.cfg.checkpoint.every_minutes
+        due = self.ctx.is_main and minutes > 0 and time.time() - self.saved_at >= minutes * 60
+        with self.watchdog.waiting_in(f"the all-reduce of the stop flags after step {self.state.step}"):
+            signalled, timed = all_reduce_max([self.preemption.raised, int(due)], self.ctx)
+        return bool(signalled), bool(timed)
 
     def finish(self) -> RunResult:
         """The RunResult, the last MLflow metrics and the run record (`finish.report`)."""

@@ -1,0 +1,218 @@
+"""Leases: one writer at a time for a shared thing (a stage run identity, a tokenizer, a shard's tokenization),
+across processes, hosts and launchers, through the store alone.
+
+Two launches of one stage run identity (two people pressing Materialize, a backfill beside a CLI run, a sensor
+and a retry) would otherwise both train into the same run key, and the ledger would show one of them. Before
+anything is written, the launch takes the identity's lease; a second launch waits for it and then finds the
+finished run (a cache hit), or with `wait=False` stops at once naming the holder.
+
+A lease is a sequence of generations under `leases/<scope>/<name>/<generation>/` (artifact kind `lease`):
+- `holder.json`, created with the store's one compare-and-set (`Store.create_json`: O_EXCL-style link on a
+  folder, `If-None-Match: *` on S3), says who holds generation N: host, pid, Dagster run (if any), expiry;
+  whoever creates generation N+1 first holds the lease, every other creator gets False and looks again;
+- `beat-<host>-<pid>.json`, rewritten every `expiry_s / 4` by each process keeping it alive (the launching
+  process, and the job's rank 0, which may outlive it on a cluster): the newest beat is the heartbeat;
+- `released.json`, written when the holder is done.
+The newest generation is free when it is released or its heartbeat is older than its expiry (its holder died:
+the next taker logs the takeover, naming the old holder and the heartbeat's age). Times are the hosts' clocks
+(UTC seconds): hosts of one cluster are expected to keep them within a few seconds of each other.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.store.protocol import Store
+
+DEFAULT_EXPIRY_S = 60.0
+HOLDER, RELEASED = "holder", "released"
+
+
+class LeaseHeld(GhostvisError):
+    """The lease is held by a live holder and the caller chose not to wait."""
+
+
+def _me() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def describe(holder: dict[str, Any], age_s: float | None = None) -> str:
+    """'Dagster run 1a2b3c4d (pid 812 on node-3, heartbeat 4 s ago)'."""
+    who = f"Dagster run {holder['dagster_run_id'][:8]}" if holder.get("dagster_run_id") else "a launch"
+    parts = [f"pid {holder.get('pid')} on {holder.get('host')}"]
+    if age_s is not None:
+        parts.append(f"heartbeat {age_s:.0f} s ago")
+    return f"{who} ({', '.join(parts)})"
+
+
+@dataclass
+class Generation:
+    """One generation of a lease as the store holds it now."""
+
+    number: int
+    holder: dict[str, Any]
+    released: bool
+    heartbeat: float  # the newest beat (or the holder's creation time), UTC seconds
+
+    def age_s(self, now: float) -> float:
+        return max(0.0, now - self.heartbeat)
+
+    def live(self, now: float) -> bool:
+        return not self.released and self.age_s(now) <= float(self.holder.get("expiry_s", DEFAULT_EXPIRY_S))
+
+
+def newest_generation(store: Store, scope: str, name: str) -> Generation | None:
+    keys = store.keys("lease", scope, name)
+    numbers = sorted({int(k[2]) for k in keys if k[2].isdigit()})
+    for number in reversed(numbers):  # a generation whose holder.json is not readable yet is skipped
+        gen = f"{number:08d}"
+        files = {k[3] for k in keys if k[2] == gen}
+        if HOLDER not in files:
+            continue
+        holder = store.read_json("lease", scope, name, gen, HOLDER)
+        beats = [holder.get("time", 0.0)]
+        for f in sorted(files):
+            if f.startswith("beat-"):
+                try:
+                    beats.append(store.read_json("lease", scope, name, gen, f)["time"])
+                except GhostvisError:  # rewritten while we read it
+                    continue
+        return Generation(number, holder, RELEASED in files, max(beats))
+    return None
+
+
+@dataclass
+class Lease:
+    """A generation this process holds (or joined, as a job of the launch that holds it)."""
+
+    store: Store
+    scope: str
+    name: str
+    number: int
+    holder: dict[str, Any]
+    owned: bool = False  # taken by this process (released by it), not joined
+    _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    _thread: threading.Thread | None = field(default=None, repr=False)
+
+    @property
+    def generation(self) -> str:
+        return f"{self.number:08d}"
+
+    def beat(self) -> None:
+        """Renew the heartbeat; a takeover by another holder (this one looked dead) is an error naming it."""
+        newest = newest_generation(self.store, self.scope, self.name)
+        if newest is not None and newest.number != self.number:
+            raise GhostvisError(
+                f"lease {self.scope}/{self.name}: taken over by {describe(newest.holder)} while this process held "
+                f"it (its heartbeat was older than {self.holder['expiry_s']:.0f} s: was this host paused?); stop "
+                "this launch: the new holder resumes the run from its newest checkpoint"
+            )
+        self.store.write_json(
+            "lease", self.scope, self.name, self.generation, f"beat-{_me()}", data={"time": time.time()}
+        )
+
+    def keep_alive(self, on_lost: Callable[[str], None] | None = None) -> None:
+        """Beat every expiry/4 on a daemon thread until `release` (or `stop`)."""
+        interval = float(self.holder["expiry_s"]) / 4
+
+        def run() -> None:
+            while not self._stop.wait(interval):
+                try:
+                    self.beat()
+                except GhostvisError as exc:
+                    if on_lost:
+                        on_lost(str(exc))
+                    return
+                except Exception:  # the store is down for a moment: the next beat tries again
+                    continue
+
+        self._thread = threading.Thread(target=run, name=f"lease-{self.scope}", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def release(self) -> None:
+        self.stop()
+        self.store.write_json(
+            "lease", self.scope, self.name, self.generation, RELEASED, data={"time": time.time(), "by": _me()}
+        )
+
+
+def acquire(
+    store: Store,
+    scope: str,
+    name: str,
+    *,
+    holder: dict[str, Any] | None = None,
+    wait: bool = True,
+    expiry_s: float = DEFAULT_EXPIRY_S,
+    poll_s: float = 1.0,
+    log: Callable[[str], None] = print,
+) -> Lease:
+    """Take the lease on `scope/name`: at once when it is free, after its holder releases it or stops beating
+    when `wait`, else `LeaseHeld` naming the holder. What the holder writes is logged once while waiting."""
+    record = {**(holder or {}), "host": socket.gethostname(), "pid": os.getpid(), "expiry_s": expiry_s}
+    told = None
+    while True:
+        now = time.time()
+        newest = newest_generation(store, scope, name)
+        if newest is not None and newest.live(now):
+            if not wait:
+                raise LeaseHeld(
+                    f"{scope} {name}: held by {describe(newest.holder, newest.age_s(now))}; wait for it (without "
+                    "--no-wait / run config wait: false), or terminate that launch"
+                )
+            if told != newest.number:
+                log(f"{scope} {name}: waiting for {describe(newest.holder, newest.age_s(now))} to finish")
+                told = newest.number
+            time.sleep(poll_s)
+            continue
+        number = newest.number + 1 if newest else 1
+        mine = {**record, "time": time.time()}
+        if store.create_json("lease", scope, name, f"{number:08d}", HOLDER, data=mine):
+            if newest is not None and not newest.released:
+                log(
+                    f"{scope} {name}: took over the lease from {describe(newest.holder, newest.age_s(now))}: "
+                    f"no heartbeat for longer than its expiry ({newest.holder.get('expiry_s', DEFAULT_EXPIRY_S):.0f} s)"
+                )
+            _prune(store, scope, name, keep_from=number - 1)
+            return Lease(store, scope, name, number, mine)
+        # another launch created that generation first: look again
+
+
+def join(store: Store, scope: str, name: str) -> Lease | None:
+    """The live generation of `scope/name`, for a job its holder launched to beat while it runs (a job on a
+    cluster may outlive the process that launched it); None when nobody holds it (a plain torchrun launch)."""
+    newest = newest_generation(store, scope, name)
+    if newest is None or not newest.live(time.time()):
+        return None
+    return Lease(store, scope, name, newest.number, newest.holder)
+
+
+@contextmanager
+def held(store: Store, scope: str, name: str, **kwargs: Any) -> Iterator[Lease]:
+    """`acquire`, kept alive while the block runs, released when it ends (also on an error)."""
+    lease = acquire(store, scope, name, **kwargs)
+    lease.keep_alive()
+    try:
+        yield lease
+    finally:
+        lease.release()
+
+
+def _prune(store: Store, scope: str, name: str, keep_from: int) -> None:
+    """Generations older than the one just superseded (their folders would only grow)."""
+    for key in store.keys("lease", scope, name):
+        if key[2].isdigit() and int(key[2]) < keep_from:
+            store.delete("lease", *key)
