@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -137,8 +138,8 @@ def test_crash_during_save_leaves_no_committed_checkpoint(tmp_path, monkeypatch)
     monkeypatch.setattr(ckpt, "optimizer_tensors", boom)
     with pytest.raises(
         GhostvisError,
-        match=r"checkpoint step 2 could not be written .*\(disk full\); "
-        r"the previous checkpoint step_000000001 is intact",
+        match=r"checkpoint step 2 could not be written to \S+ \(disk full\): it needs about [\d,]+ bytes and "
+        r"[\d,]+ are free there; the previous checkpoint step_000000001 is intact and stays the newest",
     ):
         save(run, 2, model, opt)
     monkeypatch.undo()
@@ -152,6 +153,46 @@ def test_crash_during_save_leaves_no_committed_checkpoint(tmp_path, monkeypatch)
     save(run, 2, model, opt)  # the retry commits, the manager's prune cleans up
     assert ckpt.prune(run, 2) == [] and [c.step for c in ckpt.list_complete(run)] == [1, 2]
     assert not any(p.name.startswith(".tmp-") for p in run.iterdir())
+
+
+FULL_DISK = """
+import sys
+from tests.test_checkpoint import ckpt, save, trained
+model, opt = trained()
+run = ckpt.Path(sys.argv[1])
+save(run, 1, model, opt)
+try:
+    save(run, 2, model, opt)
+except ckpt.GhostvisError as exc:
+    print(exc)
+print([c.step for c in ckpt.list_complete(run)], sorted(p.name for p in run.iterdir()))
+"""
+
+
+def test_a_real_full_disk_names_the_bytes_needed_and_free_and_keeps_the_previous_checkpoint(tmp_path):
+    """A tmpfs with room for one checkpoint and a half, in a mount namespace of the test's own (root, as CI)."""
+    import shutil as sh
+    import subprocess
+    import sys
+
+    model, opt = trained()
+    one = sum(f.stat().st_size for f in save(tmp_path / "probe", 1, model, opt).iterdir())
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    script = f"mount -t tmpfs -o size={one * 3 // 2} tmpfs {disk} && {sys.executable} -c '{FULL_DISK}' {disk}/run"
+    proc = subprocess.run(
+        [sh.which("unshare"), "--mount", "--propagation", "private", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    error, listing = proc.stdout.strip().splitlines()
+    needed, free = (int(n.replace(",", "")) for n in re.findall(r"([\d,]+) (?:bytes|are free)", error))
+    assert error.startswith(f"checkpoint step 2 could not be written to {disk}/run/.tmp-step_000000002-")
+    assert "(No space left on device)" in error and needed >= one * 9 // 10 and free < needed
+    assert listing == "[1] ['step_000000001']"  # the partial step 2 is gone; step 1 stays the newest
 
 
 def test_step_dir_without_marker_is_ignored(tmp_path):

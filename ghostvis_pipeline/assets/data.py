@@ -2,6 +2,7 @@
 
 import time
 from collections import Counter
+from contextlib import ExitStack
 
 from dagster import (
     AssetExecutionContext,
@@ -38,6 +39,7 @@ from ghostvis_core.run.cluster.slurm import SlurmJob
 from ghostvis_core.run.cluster.slurm_pipeline import SlurmPipeline
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers import Launcher
+from ghostvis_pipeline.leases import run_lease
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.partitions import shard_partitions
 from ghostvis_pipeline.resources import GhostvisHome
@@ -219,6 +221,13 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, home: Gho
     )
     ident = tokenizer_identity(store, vocab, config.max_train_bytes)
     key = digest(ident)
+    with run_lease(context, store, "tokenizer", key):  # a second launch waits, then finds this one's tokenizer
+        return _train_or_reuse_tokenizer(context, config, store, ident, key, vocab)
+
+
+def _train_or_reuse_tokenizer(context, config, store, ident: dict, key: str, vocab: int) -> MaterializeResult:
+    """Under the identity's lease: the tokenizer of this identity if one was trained (also by the launch this one
+    waited for), else a new one."""
     record = store.read_json("identity", "tokenizer", key) if store.exists("identity", "tokenizer", key) else None
     if record and not config.force and store.exists("tokenizer", record["metadata"]["tokenizer_id"]):
         why = (
@@ -310,6 +319,14 @@ def tokenized_shards(
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
     keys = context.partition_keys
     manifests = manifests_of_shards(h.store, keys)
+    with ExitStack() as leases:  # one tokenization (and dedup index) per source and tokenizer at a time, in name order
+        for source in sorted({m.source for m in manifests.values()}):
+            leases.enter_context(run_lease(context, h.store, "tokenized_shards", f"{tokenizer_id}.{source}"))
+        return _tokenize(context, config, h, launcher, tokenizer_id, keys, manifests)
+
+
+def _tokenize(context, config, h, launcher, tokenizer_id: str, keys, manifests) -> MaterializeResult:
+    """Under the leases of the shards' sources: shards another launch tokenized meanwhile are skipped."""
     jobs = [job_for_shard(h.store, manifests[key], key) for key in keys]
     t0 = time.time()
     indexes = dedup_indexes(

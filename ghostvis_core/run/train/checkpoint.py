@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ghostvis_core.errors import GhostvisError
@@ -118,12 +119,15 @@ def save(
                 _fsync(f)
         (tmp / MARKER).write_text(str(step))
         _fsync(tmp / MARKER)
-    except OSError as exc:
+    except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
         shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_complete(run_dir)
+        needed = _bytes_needed(model, optimizer, extra_dirs)
+        free = shutil.disk_usage(run_dir).free
         raise GhostvisError(
-            f"checkpoint step {step} could not be written to {run_dir} ({exc.strerror or exc}); "
-            f"the previous checkpoint {previous.path.name if previous else '(none)'} is intact; free space "
+            f"checkpoint step {step} could not be written to {tmp} ({_why(exc)}): it needs about "
+            f"{needed:,} bytes and {free:,} are free there; the previous checkpoint "
+            f"{previous.path.name if previous else '(none)'} is intact and stays the newest; free space "
             "or fix the storage, then re-materialize the stage to resume"
         ) from None
     if final.exists():  # a stale copy of the same step from a run that died after committing
@@ -131,6 +135,24 @@ def save(
     os.replace(tmp, final)
     _fsync_dir(run_dir)
     return final
+
+
+def _why(exc: Exception) -> str:
+    """The system's words for a failed write: 'No space left on device', also inside safetensors' message."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    return str(exc).rsplit("I/O error: ", 1)[-1].split(" (os error")[0]
+
+
+def _bytes_needed(model: torch.nn.Module, optimizer, extra_dirs: dict[str, Path] | None) -> int:
+    """The bytes a safetensors checkpoint's weights and optimizer state take (DCP shards are already written)."""
+    if DCP_DIR in (extra_dirs or {}):
+        return 0
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    if optimizer is not None:
+        for per_param in optimizer.state.values():
+            total += sum(v.numel() * v.element_size() for v in per_param.values() if torch.is_tensor(v))
+    return total
 
 
 def prune(run_dir: Path, keep_last: int) -> list[str]:
