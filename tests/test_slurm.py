@@ -66,6 +66,7 @@ def test_sbatch_script_asks_for_the_job_and_starts_torchrun_once_per_node():
         "#SBATCH --output=/tmp/ghostvis-slurm-%j.out",
         "#SBATCH --export=ALL",
         "#SBATCH --no-requeue",
+        "#SBATCH --signal=TERM@120",
         "#SBATCH --cpus-per-task=64",
         "#SBATCH --gpus-per-node=8",
         "#SBATCH --mem=480G",

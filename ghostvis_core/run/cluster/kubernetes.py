@@ -55,6 +55,9 @@ class KubernetesJob:
     image_pull_policy: str = "IfNotPresent"
     image_pull_secrets: list[str] = field(default_factory=list)
     rdzv_port: int = 29400  # pod 0's c10d rendezvous port
+    # seconds between an eviction's SIGTERM (torchrun passes it to the ranks, which commit a checkpoint and exit
+    # `preempted`) and the kill: one step and one save must fit
+    grace_period_s: int = 120
 
 
 @dataclass(frozen=True)
@@ -161,6 +164,7 @@ def pod_spec(job: KubernetesJob, run: RunTarget, command: list[str], subdomain: 
     volumes, mounts = _volumes(job, run)
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": job.grace_period_s,
         "volumes": volumes,
         "containers": [_container(job, run, command, mounts)],
     }

@@ -36,6 +36,10 @@ class SlurmJob:
     output: str = "/tmp/ghostvis-slurm-%j.out"
     rdzv_port: int = 29400  # the c10d rendezvous port on the job's first node
     poll_seconds: float = 5.0  # how often the launcher reads the job's state and output
+    # SIGTERM to every rank this long before the time limit (`--signal=TERM@s`): the ranks agree to stop, commit
+    # a checkpoint and exit `preempted` (ghostvis_core/run/train/preemption.py); the launcher resumes the run. It
+    # must cover one step and one save. 0: no early signal (Slurm's own SIGTERM comes KillWait before the kill).
+    preempt_signal_s: int = 120
 
 
 # Job states that end a job, and what they mean for the run. Slurm's other states (PENDING, RUNNING,
@@ -112,7 +116,9 @@ def sbatch_options(job: SlurmJob) -> list[str]:
         f"--output={job.output}",
         "--export=ALL",
         "--no-requeue",
-    ]  # the launcher follows one job to its end; a Dagster retry resumes the run
+    ]  # the launcher follows one job to its end; it launches a preempted run again, a Dagster retry a failed one
+    if job.preempt_signal_s and job.time:
+        opts.append(f"--signal=TERM@{job.preempt_signal_s}")
     named = {
         "--cpus-per-task": job.cpus_per_task,
         "--gpus-per-node": job.gpus_per_node,
