@@ -65,7 +65,6 @@ def hold_lease(spec: LaunchSpec, ctx: dist.DistContext) -> tuple[bool, lease.Lea
         held = lease.join(store, spec.stage, name)
         if held is None:
             held = lease.acquire(store, spec.stage, name, holder={"run_key": spec.run_key}, log=print)
-            held.owned = True
             if store.exists("run_record", spec.stage, spec.run_key):
                 print(f"run {spec.run_key} was completed by another launch while this one waited", flush=True)
                 held.release()

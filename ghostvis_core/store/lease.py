@@ -99,6 +99,8 @@ class Lease:
     number: int
     holder: dict[str, Any]
     owned: bool = False  # taken by this process (released by it), not joined
+    # the holder this one waited for or took over from: what it did meanwhile may be this one's to reuse
+    predecessor: dict[str, Any] | None = None
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
 
@@ -163,11 +165,12 @@ def acquire(
     """Take the lease on `scope/name`: at once when it is free, after its holder releases it or stops beating
     when `wait`, else `LeaseHeld` naming the holder. What the holder writes is logged once while waiting."""
     record = {**(holder or {}), "host": socket.gethostname(), "pid": os.getpid(), "expiry_s": expiry_s}
-    told = None
+    told, waited_for = None, None
     while True:
         now = time.time()
         newest = newest_generation(store, scope, name)
         if newest is not None and newest.live(now):
+            waited_for = newest.holder
             if not wait:
                 raise LeaseHeld(
                     f"{scope} {name}: held by {describe(newest.holder, newest.age_s(now))}; wait for it (without "
@@ -187,7 +190,8 @@ def acquire(
                     f"no heartbeat for longer than its expiry ({newest.holder.get('expiry_s', DEFAULT_EXPIRY_S):.0f} s)"
                 )
             _prune(store, scope, name, keep_from=number - 1)
-            return Lease(store, scope, name, number, mine)
+            taken_over = newest.holder if newest is not None and not newest.released else None
+            return Lease(store, scope, name, number, mine, owned=True, predecessor=taken_over or waited_for)
         # another launch created that generation first: look again
 
 

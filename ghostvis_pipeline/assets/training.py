@@ -253,6 +253,8 @@ def _train_or_reuse(
 # A preempted job is launched again (it resumes from the checkpoint it committed when told to stop) without using
 # up the stage's retry, which is kept for faults; this bounds a run that is preempted over and over.
 MAX_PREEMPTIONS = 20
+# Retries of a stage for faults; each resumes from the newest checkpoint.
+FAULT_RETRIES = 3
 
 
 def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home) -> None:
@@ -406,8 +408,9 @@ def stage_asset(stage: Stage, deps: list):
         pool=GPU_POOL,
         code_version=code_version(*TRAINING_MODULES),
         # A retry re-materializes through the same path: the unfinished run is found and resumed. For
-        # faults only: a terminated run is not retried (_launch).
-        retry_policy=RetryPolicy(max_retries=1, delay=2, backoff=Backoff.LINEAR),
+        # faults only (a killed rank, a lost node, a hang): a terminated run is not retried (_launch), a
+        # preempted one is launched again by run_job without using a retry.
+        retry_policy=RetryPolicy(max_retries=FAULT_RETRIES, delay=2, backoff=Backoff.LINEAR),
     )
     def _stage(
         context: AssetExecutionContext, config: StageRunConfig, home: GhostvisHome, launcher: Launcher

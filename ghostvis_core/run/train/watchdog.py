@@ -5,7 +5,7 @@ rank, its host, the last step it finished, the collective it waits in, and which
 Each rank's watchdog thread writes a heartbeat (step, phase, time) into the run's files in the store
 (`run_file <stage> <run_key> heartbeats/rank<r>.json`) every timeout/8 seconds. A rank stopped by SIGSTOP,
 a dead peer without a TCP reset or a frozen node writes none, so when the others' watchdogs fire they can
-name it from the store: the ranks whose heartbeat is older than half the timeout stopped; when every rank still
+name it from the store: the ranks whose heartbeat is older than three beats stopped; when every rank still
 beats, all are alive and waiting in the named collective (a stuck collective). The process group's own
 timeout (twice this, dist.setup) is the backstop when the watchdog thread itself cannot run.
 
@@ -97,8 +97,9 @@ class Watchdog:
         )
 
     def stopped_ranks(self, now: float) -> list[str]:
-        """Ranks whose heartbeat in the store is older than half the timeout (or missing): stopped or gone (a
-        live rank beats every eighth of it, also while it waits in a collective)."""
+        """Ranks whose heartbeat in the store is older than three beats (or missing): stopped or gone (a live rank
+        beats every eighth of the timeout, also while it waits in a collective; it may have stopped long after
+        this rank's last step)."""
         out = []
         for r in range(self.world_size):
             name = f"heartbeats/rank{r}.json"
@@ -106,7 +107,7 @@ class Watchdog:
                 out.append(f"rank {r} (no heartbeat)")
                 continue
             beat = self.store.read_json("run_file", self.stage, self.run_key, name)
-            if now - beat["time"] > self.timeout_s / 2:
+            if now - beat["time"] > 3 * self.timeout_s / 8:
                 out.append(
                     f"rank {r} on {beat['host']} (pid {beat['pid']}, last step {beat['step']}, "
                     f"no heartbeat for {now - beat['time']:.0f} s)"
