@@ -31,6 +31,7 @@ from ghostvis_core.data.catalog import recorded_sha256, shard_split
 from ghostvis_core.data.chat import IMAGE, render_chat, render_prompt, render_reply
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ngrams import fingerprints, record_text
+from ghostvis_core.data.schema import KIND_COLUMNS
 from ghostvis_core.data.sources import Manifest
 from ghostvis_core.data.token_shard import TokenShard, list_column, token_dtype, write_token_shard
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
@@ -112,15 +113,6 @@ def raw_file(store: Store, job: TokenizeJob) -> Path:
             f"sha256 {job.content_sha256}, got {got}); re-materialize raw_shards partition {job.shard_id}"
         )
     return path
-
-
-# Raw columns each kind of source needs; the first is the text a document filter looks at.
-KIND_COLUMNS = {
-    "text": ["text"],
-    "chat": ["messages", "image"],
-    "preference": ["prompt", "chosen", "rejected"],
-    "image_caption": ["caption", "image"],
-}
 
 
 class RawShardReader(ParquetReader):
