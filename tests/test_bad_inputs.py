@@ -9,8 +9,10 @@ materialized in process, one checkpoint of a tiny model); no torchrun, no networ
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,6 +25,8 @@ from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.run.train import checkpoint as ckpt
+from ghostvis_core.run.train.checkpointing import CheckpointManager
+from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.store.files import sha256_file
 from ghostvis_core.store.folder import FolderStore
 from ghostvis_pipeline import cli
@@ -297,3 +301,82 @@ def test_a_bad_set_value_exits_2_naming_the_key_and_a_value(case, unchanged, mon
     assert cli.main(["plan", "--set", flag]) == 2
     first = capsys.readouterr().err.splitlines()[0]
     assert first.startswith(f"ghostvis: error: {message}")
+
+
+# --- 4. checkpoints: verified against the hashes of their COMPLETE marker before anything loads -------
+
+
+def damaged_copy(home: Path, tmp_path: Path, damage) -> Path:
+    """A copy of the home's newest checkpoint with `damage(folder)` applied (the home's stays intact)."""
+    src = home / "store" / "checkpoints" / "pretrain" / "r1" / "step_000000002"
+    dest = tmp_path / "run" / src.name
+    shutil.copytree(src, dest)
+    damage(dest)
+    return dest
+
+
+def flip_byte(f: Path, at: int = -5) -> None:
+    data = bytearray(f.read_bytes())
+    data[at] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+DAMAGES = {
+    "flipped byte in the weights": (
+        lambda d: flip_byte(d / "model.safetensors"),
+        "model.safetensors has sha256 ",
+    ),
+    "truncated weights": (
+        lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:100]),
+        "model.safetensors has sha256 ",
+    ),
+    "optimizer state removed": (lambda d: (d / "optimizer.safetensors").unlink(), "optimizer.safetensors is missing"),
+    "config edited": (lambda d: (d / "config.json").write_text("{}"), "config.json has sha256 "),
+    "marker without hashes": (
+        lambda d: (d / ckpt.MARKER).write_text("2"),
+        "its COMPLETE marker records no file hashes (missing, damaged, or written before checkpoints recorded them)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGES))
+def test_a_damaged_checkpoint_is_refused_naming_it_before_loading(case, unchanged, tmp_path):
+    damage, message = DAMAGES[case]
+    path = damaged_copy(unchanged, tmp_path, damage)
+    model = GPT(TINY)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ckpt.DamagedCheckpoint) as exc:
+        ckpt.load_model(path, model)
+    assert str(exc.value).startswith(f"checkpoint {path}: {message}")
+    assert "delete " + str(path) in str(exc.value) and "re-materialize the stage that wrote it" in str(exc.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was loaded
+
+
+def manager(store_root: Path) -> CheckpointManager:
+    spec = SimpleNamespace(stage="pretrain", run_key="r1")
+    ctx = DistContext(0, 0, 1, torch.device("cpu"))
+    return CheckpointManager(FolderStore(store_root), spec, ctx, keep_last=2, async_save=False, sharded=False)
+
+
+def test_a_resume_passes_over_a_damaged_newest_checkpoint_to_the_previous_one(home, tmp_path, capsys):
+    store = tmp_path / "store"
+    shutil.copytree(home / "store" / "checkpoints", store / "checkpoints")
+    flip_byte(store / "checkpoints" / "pretrain" / "r1" / "step_000000002" / "model.safetensors")
+    ref = manager(store).newest()
+    assert ref.step == 1
+    said = capsys.readouterr().out
+    assert said.startswith(
+        f"[pretrain] not resuming from it: checkpoint {store}/checkpoints/pretrain/r1/step_000000002: "
+    )
+    flip_byte(store / "checkpoints" / "pretrain" / "r1" / "step_000000001" / "model.safetensors")
+    with pytest.raises(GhostvisError, match=r"^run r1: none of its 2 committed checkpoints in .* verifies against its"):
+        manager(store).newest()
+
+
+def test_an_intact_checkpoint_round_trips_through_its_marker(home, tmp_path):
+    path = damaged_copy(home, tmp_path, lambda d: None)
+    ckpt.verify(path)
+    marker = ckpt.read_json(path, ckpt.MARKER)
+    assert marker["step"] == 2
+    assert sorted(marker["sha256"]) == ["config.json", "model.safetensors", "optimizer.safetensors", "train_state.json"]
+    assert marker["sha256"]["model.safetensors"] == sha256_file(path / "model.safetensors")
