@@ -266,6 +266,21 @@ def test_a_file_that_is_not_parquet_is_refused_at_download(unchanged, tmp_path):
     assert not dest.exists()
 
 
+def test_a_shard_stored_before_the_check_is_refused_by_the_tokenizer_naming_row_and_column(tmp_path):
+    from ghostvis_core.data.tokenize import RawShardReader, TokenizeJob
+
+    store = FolderStore(tmp_path / "store")
+    text = pa.array([b"fine", b"also fine", b"\xff\xfe"], pa.binary()).view(pa.string())
+    raw = write_parquet(store.writable("raw_shard", "old/00000"), {"text": text})
+    job = TokenizeJob("old/00000", "old", "train", sha256_file(raw))
+    with pytest.raises(GhostvisError) as exc:
+        list(RawShardReader([job], str(tmp_path / "store")).run())
+    assert str(exc.value) == (
+        "shard old/00000: row 2, column 'text' is not valid UTF-8 text; fix the file or the source's kind (text), "
+        "then re-materialize raw_shards partition old/00000"
+    )
+
+
 # --- 3. run config and --set values: by type and range, naming the key and a value to set -------------
 
 SETS = {
