@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.fsdp  # noqa: F401
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import ModelConfig
@@ -245,10 +246,9 @@ def test_a_dcp_checkpoint_exports_to_one_safetensors_file_equal_to_the_weights(t
     full = GPT(CFG)
     ckpt.load_model(path, full)
     out = ckpt.export_safetensors(path, tmp_path / "export" / "model.safetensors")
-    exported = GPT(CFG)
-    ckpt.load_model(out.parent, exported)
-    for (name, a), (_, b) in zip(full.state_dict().items(), exported.state_dict().items()):
-        assert torch.equal(a, b), name
+    exported = load_file(str(out))
+    for name, a in full.state_dict().items():
+        assert torch.equal(a, exported[name]), name
 
 
 def _frozen(rank, world):
@@ -303,6 +303,9 @@ def test_a_tampered_dcp_metadata_file_is_refused_without_running_it(tmp_path, mo
     flag = tmp_path / "payload-ran"
     monkeypatch.setenv("GHOSTVIS_PAYLOAD", str(flag))
     (path / ckpt.DCP_DIR / ".metadata").write_bytes(pickle.dumps(_Payload()))
+    with pytest.raises(ckpt.DamagedCheckpoint, match=r"dcp/\.metadata has sha256 .*, COMPLETE recorded"):
+        ckpt.load_model(path, GPT(CFG))  # its hash is not the one committed
+    ckpt.write_marker(path, 1)  # a forged marker that hashes the tampered file: the allow-list still refuses it
     with pytest.raises(GhostvisError, match="is not a DCP checkpoint's metadata"):
         ckpt.load_model(path, GPT(CFG))
     assert not flag.exists()
@@ -340,7 +343,9 @@ def test_the_trainer_with_async_checkpoints_trains_and_commits_like_the_sync_one
             "__0_0.distcp",
             "__1_0.distcp",
         ]
-        assert (r.path / "ledger").is_dir() and (r.path / ckpt.MARKER).read_text() == str(r.step)
+        marker = ckpt.read_json(r.path, ckpt.MARKER)  # written after every rank's shard: it hashes them all
+        assert (r.path / "ledger").is_dir() and marker["step"] == r.step
+        assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(marker["sha256"])
     assert ledger.run_totals(keys[1]) == ledger.run_totals(keys[0])
     assert ledger.run_totals(keys[1])["real_tokens"] == 6 * 4 * 256 * 2 and ledger.run_totals(keys[1])["parts"] == 3
     config = json.loads((refs[-1].path / "config.json").read_text())

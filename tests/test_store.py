@@ -13,6 +13,7 @@ import torch
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
+from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.checkpointing import CheckpointManager
 from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.store import LAYOUT, S3Store, open_store
@@ -170,7 +171,7 @@ def test_a_checkpoint_upload_cut_before_its_marker_is_not_resumed(s3, tmp_path):
         folder = writer.writable("checkpoint", "pretrain", "k-r1", step)
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(step.encode() * 100)
-        (folder / "COMPLETE").write_text(step)
+        ckpt.write_marker(folder, int(step.removeprefix("step_")))
     writer.publish("checkpoint", "pretrain", "k-r1", "step_000000004")
     uploads = []
     writer.s3.meta.events.register(

@@ -10,10 +10,12 @@ downloaded and verified the shard (artifact kind "raw_shard_meta").
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pyarrow.parquet as pq
 
+from ghostvis_core.data.schema import check_kind
 from ghostvis_core.data.sources import (
     Manifest,
     ShardEntry,
@@ -43,7 +45,35 @@ class RemoteSource:
     sha256: dict[str, str] = field(default_factory=dict)  # expected content hash per shard name
 
 
+# A source name is a path segment of the store and the first half of every partition key <source>/<shard>.
+SOURCE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+
+
+def check_declarations(declared: list[tuple[str, str]]) -> None:
+    """The (name, kind) of every source a shard_manifest run registers, checked before anything is
+    written: each name a plain identifier (no separator, no `..`, nothing absolute, no control byte),
+    declared once, of a known kind."""
+    for name, kind in declared:
+        if not isinstance(name, str) or not SOURCE_NAME.fullmatch(name) or ".." in name:
+            raise GhostvisError(
+                f"source name {name!r} is not a plain identifier; name it with letters, digits, '_', '-' or '.' "
+                f"(at most 100, starting with a letter or digit, no '/' and no '..'), e.g. my_corpus"
+            )
+        check_kind(name, kind)
+    twice = sorted(n for n, c in Counter(n for n, _ in declared).items() if c > 1)
+    if twice:
+        raise GhostvisError(
+            f"source(s) {', '.join(twice)} declared more than once in this shard_manifest run; a later one would "
+            f"replace the first one's manifest: keep one declaration per name, or rename one"
+        )
+
+
 def remote_manifest(src: RemoteSource) -> Manifest:
+    if src.first_shard < 0 or src.num_shards < 0:
+        raise GhostvisError(
+            f"source {src.name}: first_shard={src.first_shard} and num_shards={src.num_shards} must be 0 or more; "
+            f"fix the shard range"
+        )
     if bool(src.url_pattern) == bool(src.listing):
         raise GhostvisError(f"source {src.name}: give exactly one of url_pattern or listing")
     if src.url_pattern:
@@ -61,7 +91,11 @@ def remote_manifest(src: RemoteSource) -> Manifest:
         listed = list_remote(src.listing)
         listed = listed[src.first_shard : src.first_shard + src.num_shards if src.num_shards else None]
         if not listed:
-            raise GhostvisError(f"source {src.name}: no .parquet shards found at {src.listing}")
+            beyond = f" from shard {src.first_shard}" if src.first_shard else ""
+            raise GhostvisError(
+                f"source {src.name}: no .parquet shards found at {src.listing}{beyond}; "
+                f"check the listing URL and the shard range"
+            )
         names = [shard_name(url) for url, _ in listed]
         check_pins(src.name, names, set(src.validation) | src.sha256.keys(), f"listed at {src.listing}")
         m = Manifest(

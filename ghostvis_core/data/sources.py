@@ -18,7 +18,7 @@ import string
 import time
 import urllib.parse
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -193,8 +193,11 @@ class _Transient(Exception):
     """A failure worth another attempt. Its message is shown to users, so it never holds credentials."""
 
 
-def fetch_shard(shard_id: str, entry: ShardEntry, dest: Path) -> FetchResult:
-    """Download entry.url to dest atomically; verify size and sha256 when the manifest has them.
+def fetch_shard(
+    shard_id: str, entry: ShardEntry, dest: Path, check: Callable[[Path], None] | None = None
+) -> FetchResult:
+    """Download entry.url to dest atomically; verify size and sha256 when the manifest has them, and
+    the file by `check` (raw_shards: its kind's columns and types) before it takes the name `dest`.
 
     A transient failure restarts the download into a fresh temp file, up to RETRY_ATTEMPTS times.
     """
@@ -203,7 +206,7 @@ def fetch_shard(shard_id: str, entry: ShardEntry, dest: Path) -> FetchResult:
     dest.parent.mkdir(parents=True, exist_ok=True)
     what = f"shard {shard_id}: {_safe_url(entry.url)}"
     fix = f"check the network or the server and re-materialize raw_shards partition {shard_id}"
-    return _retrying(what, fix, lambda: _fetch_once(shard_id, entry, dest, what))
+    return _retrying(what, fix, lambda: _fetch_once(shard_id, entry, dest, what, check))
 
 
 def _retrying(what: str, fix: str, attempt):
@@ -219,7 +222,9 @@ def _retrying(what: str, fix: str, attempt):
     raise GhostvisError(f"{what} failed after {RETRY_ATTEMPTS} attempts (last error: {last}); {fix}")
 
 
-def _fetch_once(shard_id: str, entry: ShardEntry, dest: Path, what: str) -> FetchResult:
+def _fetch_once(
+    shard_id: str, entry: ShardEntry, dest: Path, what: str, check: Callable[[Path], None] | None
+) -> FetchResult:
     try:
         with replacing(dest) as tmp:
             size, digest = _download_to(tmp, entry, what)
@@ -233,6 +238,8 @@ def _fetch_once(shard_id: str, entry: ShardEntry, dest: Path, what: str) -> Fetc
                     f"{what}: checksum mismatch (expected sha256 {entry.sha256}, got {digest}); "
                     f"fix the manifest's sha256 or the source file, then re-materialize raw_shards partition {shard_id}"
                 )
+            if check is not None:
+                check(tmp)
         return FetchResult(dest, size, digest, downloaded=True)
     except OSError as e:  # local disk or file:// source, not the network: retrying would not help
         raise GhostvisError(
@@ -460,6 +467,14 @@ def list_remote(url_prefix: str, suffix: str = ".parquet", page_size: int = 1000
         if not root.is_dir():
             raise GhostvisError(f"{what}: not a directory; check the source's URL")
         files = [p for p in root.rglob(f"*{suffix}") if p.is_file() and not p.name.startswith(".")]
+        inside = root.resolve()
+        outside = [p for p in files if not p.resolve().is_relative_to(inside)]
+        if outside:
+            raise GhostvisError(
+                f"{what}: {outside[0]} resolves to {outside[0].resolve()}, outside the listed folder "
+                f"({len(outside)} such file(s)); a listing reads only its own folder: copy the file into it "
+                f"or remove the link"
+            )
         return sorted((p.resolve().as_uri(), p.stat().st_size) for p in files)
     if u.scheme == "s3":
         return _retrying(what, fix, lambda: _list_s3(what, url_prefix, suffix, page_size))

@@ -31,6 +31,7 @@ from ghostvis_core.data.catalog import recorded_sha256, shard_split
 from ghostvis_core.data.chat import IMAGE, render_chat, render_prompt, render_reply
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ngrams import fingerprints, record_text
+from ghostvis_core.data.schema import KIND_COLUMNS, check_shard_schema
 from ghostvis_core.data.sources import Manifest
 from ghostvis_core.data.token_shard import TokenShard, list_column, token_dtype, write_token_shard
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
@@ -114,15 +115,6 @@ def raw_file(store: Store, job: TokenizeJob) -> Path:
     return path
 
 
-# Raw columns each kind of source needs; the first is the text a document filter looks at.
-KIND_COLUMNS = {
-    "text": ["text"],
-    "chat": ["messages", "image"],
-    "preference": ["prompt", "chosen", "rejected"],
-    "image_caption": ["caption", "image"],
-}
-
-
 class RawShardReader(ParquetReader):
     """datatrove's Parquet reader, reading only the columns the source kind needs and recording
     each document's raw row, so every token can be traced to (shard, row)."""
@@ -138,14 +130,9 @@ class RawShardReader(ParquetReader):
         job = self.jobs[rank]
         columns = KIND_COLUMNS[job.kind]
         raw_path = raw_file(open_store(self.store_uri), job)
+        check_shard_schema(job.shard_id, job.kind, raw_path)  # also a shard downloaded before raw_shards checked it
         try:
             pf = pq.ParquetFile(raw_path)
-            missing = [c for c in columns if c not in pf.schema_arrow.names and c != "image"]
-            if missing:
-                raise GhostvisError(
-                    f"raw shard {job.shard_id} ({raw_path}): no {', '.join(missing)} column for a {job.kind} "
-                    f"source (columns: {', '.join(pf.schema_arrow.names)}); fix the source's kind or its files"
-                )
             present = [c for c in columns if c in pf.schema_arrow.names]
             row = 0
             for batch in pf.iter_batches(batch_size=self.batch_size, columns=present):

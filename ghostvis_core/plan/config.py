@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -329,8 +330,56 @@ def _build(tp: Any, data: Any, path: str) -> Any:
                 f"(e.g. --set {key}={example})"
             )
         return data
-    if tp is float and isinstance(data, (int, float)) and not isinstance(data, bool):
+    if tp is float:
+        if isinstance(data, bool) or not isinstance(data, (int, float)) or not math.isfinite(data):
+            raise GhostvisError(f"config {_key(path)}: expected a finite number, got {data!r}; {_example(path, tp)}")
         return float(data)
     if tp in (int, str, bool) and not isinstance(data, tp) or (tp is int and isinstance(data, bool)):
-        raise GhostvisError(f"config {path}: expected {tp.__name__}, got {data!r}")
+        raise GhostvisError(f"config {_key(path)}: expected {tp.__name__}, got {data!r}; {_example(path, tp)}")
     return data
+
+
+# What the types cannot say about single values: the range each numeric key must be in, as
+# (test, what the test asks, an example). One table, checked by `check_ranges` when a tree is resolved.
+RANGES: dict[str, tuple[typing.Callable[[float], bool], str, str]] = {
+    "optim.lr": (lambda v: v > 0, "above 0", "3e-3"),
+    "optim.muon_lr": (lambda v: v > 0, "above 0", "0.02"),
+    "optim.min_lr_ratio": (lambda v: 0 <= v <= 1, "between 0 and 1", "0.1"),
+    "optim.warmup_steps": (lambda v: v >= 0, "0 or more", "10"),
+    "optim.weight_decay": (lambda v: v >= 0, "0 or more", "0.1"),
+    "optim.beta1": (lambda v: 0 <= v < 1, "in [0, 1)", "0.9"),
+    "optim.beta2": (lambda v: 0 <= v < 1, "in [0, 1)", "0.95"),
+    "optim.muon_momentum": (lambda v: 0 <= v < 1, "in [0, 1)", "0.95"),
+    "optim.grad_clip": (lambda v: v >= 0, "0 (off) or more", "1.0"),
+    "budget.steps": (lambda v: v > 0, "above 0", "100"),
+    "budget.tokens": (lambda v: v > 0, "above 0", "1000000"),
+    "budget.tokens_per_param": (lambda v: v > 0, "above 0", "20"),
+    "batch.grad_accum_steps": (lambda v: v > 0, "above 0", "1"),
+    "batch.total_batch_tokens": (lambda v: v > 0, "above 0", "65536"),
+    "eval.every_steps": (lambda v: v > 0, "above 0", "50"),
+    "eval.val_tokens": (lambda v: v > 0, "above 0", "16384"),
+    "checkpoint.every_steps": (lambda v: v > 0, "above 0", "100"),
+    "checkpoint.keep_last": (lambda v: v > 0, "above 0", "2"),
+    "runtime.log_every_steps": (lambda v: v > 0, "above 0", "5"),
+}
+
+
+def check_ranges(cfg: StageConfig) -> None:
+    """Every set key of RANGES within its range; the message names the key, the range and a value to set."""
+    values = flatten(cfg.to_dict())
+    for key, (ok, wanted, example) in RANGES.items():
+        value = values.get(key)
+        if value is not None and not ok(value):
+            raise GhostvisError(f"config {key}: {value!r} is not {wanted}; set it, e.g. --set {key}={example}")
+
+
+def _key(path: str) -> str:
+    """The dotted key of a path in the tree, as --set spells it ("config.optim.lr" -> "optim.lr")."""
+    return path.removeprefix("config.")
+
+
+def _example(path: str, tp: type) -> str:
+    """The fix for a value of the wrong type: the key's example from RANGES, else one of its type."""
+    key = _key(path)
+    generic = {float: "1.0", int: "1", bool: "true", str: "name"}[tp]
+    return f"set it, e.g. --set {key}={RANGES[key][2] if key in RANGES else generic}"

@@ -23,7 +23,7 @@ from typing import Any
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan import run_modes, stages
-from ghostvis_core.plan.config import SourceWeight, StageConfig, apply_overrides
+from ghostvis_core.plan.config import SourceWeight, StageConfig, apply_overrides, check_ranges
 
 MODELS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=688, max_seq_len=256),
@@ -449,6 +449,7 @@ def data_overrides(recipe: dict[str, float], val_sources: list[str]) -> dict[str
 
 def validate(cfg: StageConfig) -> None:
     """What the types cannot say (enum-like fields were checked when the tree was built)."""
+    check_ranges(cfg)
     b = cfg.batch
     if not 0 <= cfg.contamination.max_overlap <= 1:
         raise GhostvisError(

@@ -3,6 +3,7 @@
 import time
 from collections import Counter
 from contextlib import ExitStack
+from functools import partial
 
 from dagster import (
     AssetExecutionContext,
@@ -17,6 +18,7 @@ from dagster import (
 
 from ghostvis_core.data.catalog import (
     RemoteSource,
+    check_declarations,
     check_sha256_pins,
     manifests_of_shards,
     record_raw_shard,
@@ -28,6 +30,7 @@ from ghostvis_core.data.catalog import (
 from ghostvis_core.data.dedup import dedup_indexes, removed_rows
 from ghostvis_core.data.identities import ledger_identity, manifest_identity, shard_contents, tokenizer_identity
 from ghostvis_core.data.ledger import Ledger, source_split_totals
+from ghostvis_core.data.schema import check_shard_schema
 from ghostvis_core.data.sources import fetch_shard
 from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
@@ -72,8 +75,12 @@ def shard_manifest(context: AssetExecutionContext, config: ManifestConfig, home:
     the split rule's answer so far: a shard pinned by content is resolved once it is downloaded. Data
     version: the shard lists (names, pins, sizes, content hashes), not their URLs."""
     h = home.home()
-    manifests = [publish_demo_source(h, source) for source in config.sources]
-    manifests += [remote_manifest(RemoteSource(**src.model_dump())) for src in config.remote]
+    check_declarations(
+        [(source, DEMO_SOURCES.get(source, "text")) for source in config.sources]
+        + [(src.name, src.kind) for src in config.remote]
+    )
+    remote = [remote_manifest(RemoteSource(**src.model_dump())) for src in config.remote]
+    manifests = [publish_demo_source(h, source) for source in config.sources] + remote
     for manifest in manifests:
         check_sha256_pins(h.store, manifest, "shard_manifest")
     for manifest in manifests:
@@ -132,7 +139,8 @@ SHARD_BACKFILL = BackfillPolicy.single_run()
     code_version=RAW_SHARDS_CODE,
 )
 def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> MaterializeResult:
-    """Downloads shards through the one fetch path (temp name, verify size + sha256, rename), and
+    """Downloads shards through the one fetch path (temp name, verify size + sha256 and the kind's
+    columns and types, rename), and
     records each one's content hash, size and split (the split rule applied to that content). Once
     every shard of a source is downloaded, a validation_sha256 pin that matches none of them fails here.
     Each shard's figures are an observation of its partition (`shard_observation`); the run's counts are
@@ -147,7 +155,7 @@ def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> Materializ
     for key in keys:
         manifest = manifests[key]
         local = store.fetch("raw_shard", key) if store.exists("raw_shard", key) else store.writable("raw_shard", key)
-        r = fetch_shard(key, manifest.entry(key), local)
+        r = fetch_shard(key, manifest.entry(key), local, check=partial(check_shard_schema, key, manifest.kind))
         store.publish("raw_shard", key)
         split = record_raw_shard(store, manifest, key, r.sha256, r.bytes)
         total += r.bytes

@@ -181,7 +181,7 @@ def _write_checkpoint(store: Store, hc: HFCheckpoint, key: str, step: str, uri: 
         (tmp / "config.json").write_text(
             json.dumps({"stage": IMPORT_STAGE, "source": uri, "model": asdict(hc.model)}, indent=2, sort_keys=True)
         )
-        (tmp / ckpt.MARKER).write_text("0")
+        ckpt.write_marker(tmp, 0)
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

@@ -10,6 +10,10 @@ COMPLETE marker. The weights are either
   so it loads on any world size (DCP reshards on read), and `export_safetensors` consolidates it
   into one file when someone asks for one.
 `load_model` and `load_optimizer` read both.
+The COMPLETE marker, written last, records the sha256 of every other file (`write_marker`); `load_model`,
+the one way weights leave a checkpoint (resume, init_from, a reference model, evaluation, export),
+verifies them first (`verify`), so a flipped byte or a cut file is refused naming the checkpoint, not
+trained on or relayed as a safetensors error.
 It is written under a temporary name and renamed into place, so a reader that lists step_* folders
 with COMPLETE only ever sees finished checkpoints; a crash mid-write leaves a .tmp folder that is
 ignored and later removed.
@@ -34,6 +38,7 @@ from safetensors.torch import load_file, save_file
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.train.state import STATE_FILE
+from ghostvis_core.store.files import sha256_file
 
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
 MARKER = "COMPLETE"
@@ -117,8 +122,7 @@ def save(
         for f in tmp.rglob("*"):
             if f.is_file():
                 _fsync(f)
-        (tmp / MARKER).write_text(str(step))
-        _fsync(tmp / MARKER)
+        write_marker(tmp, step)
     except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
         shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_complete(run_dir)
@@ -153,6 +157,48 @@ def _bytes_needed(model: torch.nn.Module, optimizer, extra_dirs: dict[str, Path]
         for per_param in optimizer.state.values():
             total += sum(v.numel() * v.element_size() for v in per_param.values() if torch.is_tensor(v))
     return total
+
+
+def write_marker(folder: Path, step: int) -> None:
+    """The COMPLETE marker, written last: the step and the sha256 of every file the checkpoint holds, so
+    a reader can tell the checkpoint that was committed from one changed, cut or half-uploaded since."""
+    files = {
+        f.relative_to(folder).as_posix(): sha256_file(f)
+        for f in sorted(folder.rglob("*"))
+        if f.is_file() and f.name != MARKER
+    }
+    (folder / MARKER).write_text(json.dumps({"step": step, "sha256": files}, indent=2, sort_keys=True))
+    _fsync(folder / MARKER)
+
+
+class DamagedCheckpoint(GhostvisError):
+    """A committed checkpoint whose files are not the ones its marker recorded."""
+
+
+def verify(path: Path) -> None:
+    """Every file the COMPLETE marker lists is there with the sha256 recorded at the commit; raises
+    DamagedCheckpoint naming the checkpoint and the files otherwise. Called before anything is loaded."""
+    try:
+        recorded = json.loads((path / MARKER).read_text())["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise DamagedCheckpoint(
+            f"checkpoint {path}: its {MARKER} marker records no file hashes (missing, damaged, or written before "
+            f"checkpoints recorded them), so its files cannot be verified; delete {path} and re-materialize the "
+            f"stage that wrote it"
+        ) from None
+    bad = []
+    for name, digest in sorted(recorded.items()):
+        f = path / name
+        if not f.is_file():
+            bad.append(f"{name} is missing")
+        elif (got := sha256_file(f)) != digest:
+            bad.append(f"{name} has sha256 {got[:12]}..., {MARKER} recorded {digest[:12]}...")
+    if bad:
+        raise DamagedCheckpoint(
+            f"checkpoint {path}: {'; '.join(bad[:3])}{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''}: "
+            f"its files changed since it was committed (a cut copy, a bad disk or an edit); delete {path} "
+            f"and re-materialize the stage that wrote it (a resume falls back to the previous checkpoint)"
+        )
 
 
 def prune(run_dir: Path, keep_last: int) -> list[str]:
@@ -245,7 +291,9 @@ def optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 def load_model(path: Path, model: torch.nn.Module, *, allow_missing: tuple[str, ...] = ()) -> None:
-    """Load weights (either format); parameters under an `allow_missing` prefix may be absent (newly added)."""
+    """Load weights (either format), once every file is verified against the marker (`verify`);
+    parameters under an `allow_missing` prefix may be absent (newly added)."""
+    verify(path)
     if (path / DCP_DIR).is_dir():
         return _load_model_dcp(path, model, allow_missing)
     state = load_file(str(_require(path, "model.safetensors")))
@@ -338,9 +386,10 @@ def _load_model_dcp(path: Path, model: torch.nn.Module, allow_missing: tuple[str
 
 def export_safetensors(path: Path, dest: Path) -> Path:
     """Consolidate a DCP checkpoint's weights into one model.safetensors at `dest` (one process,
-    no process group): the explicit export step, never done at every save."""
+    no process group): the explicit export step, never done at every save. Verified first, as for `load_model`."""
     import torch.distributed.checkpoint as dcp
 
+    verify(path)
     meta = {k: m for k, m in _dcp_metadata(path).items() if k.startswith("model.")}
     full = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.items()}
     dcp.load(full, storage_reader=_reader(path), no_dist=True)

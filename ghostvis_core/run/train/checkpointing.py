@@ -26,8 +26,9 @@ from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger, pieces_to_rows, row_ranges
 from ghostvis_core.data.loader import Batch, Consumption, merge_pieces
 from ghostvis_core.data.stream import Piece
+from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.train import checkpoint as ckpt
-from ghostvis_core.run.train.dist import DistContext, agree, barrier, gather_objects
+from ghostvis_core.run.train.dist import DistContext, agree, barrier, gather_objects, print0
 from ghostvis_core.run.train.feeds import FedLog
 from ghostvis_core.run.train.grpo import RolloutLog
 from ghostvis_core.run.train.spec import LaunchSpec
@@ -76,12 +77,30 @@ class CheckpointManager:
         self._pending: Pending | None = None
 
     def newest(self) -> ckpt.CheckpointRef | None:
-        """The run's newest committed checkpoint in the store (fetched to this node), the same on every rank."""
+        """The run's newest committed checkpoint whose files verify against its marker (`ckpt.verify`),
+        fetched to this node from the store, the same on every rank. A damaged one is named and passed
+        over for the one before it (the steps after it are trained again, and the ledger shows them read
+        twice); when none verifies the run stops rather than start over on a run that has trained."""
         keys = self.store.keys("checkpoint_marker", self.spec.stage, self.spec.run_key)
-        steps = sorted(k[2] for k in keys if ckpt.is_step_dir(k[2]))
-        if steps:
-            self.store.fetch("checkpoint", self.spec.stage, self.spec.run_key, steps[-1])
-        ref = ckpt.latest_complete(self.run_dir)
+        in_store = {k[2] for k in keys if ckpt.is_step_dir(k[2])}
+        local = {r.path.name for r in ckpt.list_complete(self.run_dir)}
+        ref = None
+        for name in sorted(in_store | local, reverse=True):
+            if name in in_store:
+                self.store.fetch("checkpoint", self.spec.stage, self.spec.run_key, name)
+            try:
+                ckpt.verify(self.run_dir / name)
+            except ckpt.DamagedCheckpoint as exc:
+                print0(f"[{self.spec.stage}] not resuming from it: {exc}", ctx=self.ctx)
+                continue
+            ref = ckpt.CheckpointRef(self.run_dir / name, int(name.removeprefix("step_")))
+            break
+        if ref is None and in_store | local:
+            raise GhostvisError(
+                f"run {self.spec.run_key}: none of its {len(in_store | local)} committed checkpoints in "
+                f"{self.run_dir} verifies against its {ckpt.MARKER} marker (see above); delete the run's "
+                f"checkpoints folder to train it from the start, or restore them from a copy"
+            )
         agree(ref.step if ref else None, self.ctx, f"the checkpoint step to resume from in {self.run_dir}")
         return ref
 

@@ -1,0 +1,397 @@
+"""Bad input, one at a time, on a home that already holds a registered source, its downloaded shards
+and a committed checkpoint: each case is refused with its exit code and a first line naming the thing
+and the fix, and every file of the home is byte for byte what it was before (issue 44).
+
+One small home for the module (two text shards listed from a folder, shard_manifest and raw_shards
+materialized in process, one checkpoint of a tiny model); no torchrun, no network.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from functools import partial
+from pathlib import Path
+from types import SimpleNamespace
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from ghostvis_core.data.schema import check_shard_schema
+from ghostvis_core.data.sources import ShardEntry, fetch_shard
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan.config import ModelConfig
+from ghostvis_core.run.model.gpt import GPT
+from ghostvis_core.run.train import checkpoint as ckpt
+from ghostvis_core.run.train.checkpointing import CheckpointManager
+from ghostvis_core.run.train.dist import DistContext
+from ghostvis_core.store.files import sha256_file
+from ghostvis_core.store.folder import FolderStore
+from ghostvis_pipeline import cli
+
+TINY = ModelConfig(vocab_size=64, d_model=32, n_layers=1, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16)
+TEXTS = {"a": ["first document", "second one"], "b": ["third document"]}
+
+
+def files_of(root: Path) -> dict[str, str]:
+    """Every file under `root` by its content hash: what a refused input must leave as it was."""
+    return {p.relative_to(root).as_posix(): sha256_file(p) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def write_parquet(path: Path, columns: dict, schema: pa.Schema | None = None) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns, schema=schema), path)
+    return path
+
+
+def run_manifest(home: Path, remote: list[dict], selection: str = "shard_manifest", tags=None):
+    """shard_manifest (and raw_shards when selected) in process, on an ephemeral Dagster instance."""
+    from dagster import DagsterInstance, materialize
+
+    from ghostvis_pipeline.assets.data import raw_shards, shard_manifest
+    from ghostvis_pipeline.resources import GhostvisHome
+
+    with DagsterInstance.ephemeral() as instance:
+        config = {"ops": {"shard_manifest": {"config": {"sources": [], "remote": remote}}}}
+        first = materialize(
+            [shard_manifest],
+            instance=instance,
+            resources={"home": GhostvisHome(root=str(home))},
+            run_config=config,
+            raise_on_error=False,
+        )
+        if selection == "shard_manifest" or not first.success:
+            return first
+        from ghostvis_pipeline.demo import PARTITION_RANGE_END_TAG, PARTITION_RANGE_START_TAG
+
+        keys = instance.get_dynamic_partitions("shards")
+        return materialize(
+            [shard_manifest, raw_shards],
+            instance=instance,
+            resources={"home": GhostvisHome(root=str(home))},
+            selection=[raw_shards],
+            tags={PARTITION_RANGE_START_TAG: keys[0], PARTITION_RANGE_END_TAG: keys[-1]},
+            raise_on_error=False,
+        )
+
+
+def first_error(result) -> str:
+    """The first line of a failed Dagster run's user message (a GhostvisError's text, as the CLI shows it)."""
+    [failure] = [e for e in result.all_events if e.is_step_failure]
+    err = failure.event_specific_data.error
+    while err.cause is not None and not err.cls_name.endswith(("GhostvisError", "DamagedCheckpoint")):
+        err = err.cause
+    assert err.cls_name == "GhostvisError", err.to_string()
+    return err.message.split(": ", 1)[1].splitlines()[0]
+
+
+@pytest.fixture(scope="module")
+def home(module_tmp) -> Path:
+    """A home with source `web` (two text shards from a folder listing) downloaded, and one committed
+    checkpoint of a tiny model at checkpoints/pretrain/r1/step_000000002."""
+    root = module_tmp("bad-inputs")
+    listing = root / "listing"
+    for name, texts in TEXTS.items():
+        write_parquet(listing / f"{name}.parquet", {"text": texts})
+    result = run_manifest(root / "home", [{"name": "web", "listing": listing.as_uri()}], selection="raw_shards")
+    assert result.success
+    store = FolderStore(root / "home" / "store")
+    torch.manual_seed(0)
+    model = GPT(TINY)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long)).backward()
+    opt.step()
+    run_dir = store.writable("checkpoints", "pretrain", "r1")
+    for step in (1, 2):
+        ckpt.save(
+            run_dir, step, model=model, optimizer=opt, state={"step": step}, config={"model": dataclasses.asdict(TINY)}
+        )
+    return root / "home"
+
+
+@pytest.fixture
+def unchanged(home):
+    """Asserts, after the test, that no file of the home was added, removed or changed."""
+    before = files_of(home)
+    yield home
+    assert files_of(home) == before
+
+
+# --- 1. source declarations: refused by shard_manifest before it writes anything ---------------------
+
+LISTING = "{listing}"
+DECLARATIONS = {
+    "absolute name": (
+        [{"name": "/tmp/web2", "listing": LISTING}],
+        "source name '/tmp/web2' is not a plain identifier; name it with letters, digits",
+    ),
+    "name with a separator": ([{"name": "a/b", "listing": LISTING}], "source name 'a/b' is not a plain identifier"),
+    "name ..": ([{"name": "..", "listing": LISTING}], "source name '..' is not a plain identifier"),
+    "name with a control byte": (
+        [{"name": "web\x07", "listing": LISTING}],
+        "source name 'web\\x07' is not a plain identifier",
+    ),
+    "declared twice": (
+        [{"name": "two", "listing": LISTING}, {"name": "two", "listing": LISTING}],
+        "source(s) two declared more than once in this shard_manifest run; a later one would replace the first "
+        "one's manifest: keep one declaration per name, or rename one",
+    ),
+    "misspelt kind": (
+        [{"name": "web2", "kind": "txt", "listing": LISTING}],
+        "source web2: unknown kind 'txt'; set kind to one of text, chat, preference, image_caption",
+    ),
+    "listing that finds nothing": (
+        [{"name": "web2", "listing": "{empty}"}],
+        "source web2: no .parquet shards found at {empty}; check the listing URL and the shard range",
+    ),
+    "listing beyond its shards": (
+        [{"name": "web2", "listing": LISTING, "first_shard": 5}],
+        "source web2: no .parquet shards found at {listing} from shard 5; check the listing URL and the shard range",
+    ),
+    "negative shard range": (
+        [{"name": "web2", "listing": LISTING, "first_shard": -1}],
+        "source web2: first_shard=-1 and num_shards=0 must be 0 or more; fix the shard range",
+    ),
+    "validation pin matching no shard": (
+        [{"name": "web2", "listing": LISTING, "validation": ["zzz"]}],
+        "source web2: pinned shards ['zzz'] (in validation/sha256) match no shard listed at {listing}",
+    ),
+    "url_pattern and listing": (
+        [{"name": "web2", "listing": LISTING, "url_pattern": "https://h/{shard}.parquet", "num_shards": 1}],
+        "source web2: give exactly one of url_pattern or listing",
+    ),
+    "url_pattern without {shard}": (
+        [{"name": "web2", "url_pattern": "https://h/x.parquet", "num_shards": 2}],
+        "source web2: url_pattern 'https://h/x.parquet' must contain {shard} and no other field",
+    ),
+    "validation_sha256 that is no digest": (
+        [{"name": "web2", "listing": LISTING, "validation_sha256": ["abc"]}],
+        "source web2: validation_sha256 pin 'abc' is not a sha256 digest",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DECLARATIONS))
+def test_a_bad_source_declaration_is_refused_before_anything_is_written(case, unchanged, tmp_path):
+    remote, message = DECLARATIONS[case]
+    (tmp_path / "empty").mkdir()
+    fill = {LISTING: (unchanged.parent / "listing").as_uri(), "{empty}": (tmp_path / "empty").as_uri()}
+
+    def filled(text):
+        for k, v in fill.items():
+            text = text.replace(k, v) if isinstance(text, str) else text
+        return text
+
+    result = run_manifest(unchanged, [{k: filled(v) for k, v in source.items()} for source in remote])
+    assert not result.success
+    assert first_error(result).startswith(filled(message))
+
+
+def test_a_listing_with_a_link_out_of_its_folder_is_refused(unchanged, tmp_path):
+    outside = write_parquet(tmp_path / "secret.parquet", {"text": ["not yours"]})
+    listing = tmp_path / "listing"
+    listing.mkdir()
+    (listing / "in.parquet").symlink_to(outside)
+    result = run_manifest(unchanged, [{"name": "web2", "listing": listing.as_uri()}])
+    assert not result.success
+    assert first_error(result) == (
+        f"listing {listing.as_uri()}: {listing / 'in.parquet'} resolves to {outside}, outside the listed folder "
+        f"(1 such file(s)); a listing reads only its own folder: copy the file into it or remove the link"
+    )
+
+
+# --- 2. shard files: checked for their kind's columns and types before they take their place ----------
+
+MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+SHARDS = {
+    "text column of integers": ("text", {"text": [1, 2]}, None, "column 'text' is int64, expected string"),
+    "text column of bytes": ("text", {"text": [b"\xff\xfe"]}, None, "column 'text' is binary, expected string"),
+    "text of invalid UTF-8": (
+        "text",
+        {"text": pa.array([b"fine", b"\xff\xfe"], pa.binary()).view(pa.string())},
+        None,
+        "row 1, column 'text' is not valid UTF-8 text",
+    ),
+    "no text column": ("text", {"body": ["x"]}, None, "no column 'text', which a text source needs (columns: body)"),
+    "chat messages as a string": (
+        "chat",
+        {"messages": ["hello"]},
+        None,
+        "column 'messages' is string, expected list<struct<role: string, content: string>>",
+    ),
+    "caption without images": (
+        "image_caption",
+        {"caption": ["a cat"]},
+        None,
+        "no column 'image', which a image_caption source needs",
+    ),
+    "image of strings": (
+        "image_caption",
+        {"caption": ["a cat"], "image": ["png?"]},
+        None,
+        "column 'image' is string, expected binary (encoded image bytes)",
+    ),
+    "preference without rejected": (
+        "preference",
+        {"prompt": ["q"], "chosen": ["a"]},
+        None,
+        "no column 'rejected', which a preference source needs",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(SHARDS))
+def test_a_shard_of_the_wrong_schema_is_refused_at_download_and_kept_nowhere(case, unchanged, tmp_path):
+    kind, columns, schema, message = SHARDS[case]
+    src = write_parquet(tmp_path / "bad.parquet", columns, schema)
+    dest = FolderStore(unchanged / "store").writable("raw_shard", "web/bad")
+    entry = ShardEntry("bad", src.as_uri())
+    with pytest.raises(GhostvisError) as exc:
+        fetch_shard("web/bad", entry, dest, check=partial(check_shard_schema, "web/bad", kind))
+    assert str(exc.value).startswith(f"shard web/bad: {message}")
+    assert str(exc.value).endswith("then re-materialize raw_shards partition web/bad")
+    assert not dest.exists()
+
+
+def test_a_file_that_is_not_parquet_is_refused_at_download(unchanged, tmp_path):
+    src = tmp_path / "bad.parquet"
+    src.write_bytes(b"not parquet at all")
+    dest = FolderStore(unchanged / "store").writable("raw_shard", "web/bad")
+    with pytest.raises(GhostvisError, match=r"^shard web/bad: not a readable Parquet file \("):
+        fetch_shard(
+            "web/bad", ShardEntry("bad", src.as_uri()), dest, check=partial(check_shard_schema, "web/bad", "text")
+        )
+    assert not dest.exists()
+
+
+def test_a_shard_stored_before_the_check_is_refused_by_the_tokenizer_naming_row_and_column(tmp_path):
+    from ghostvis_core.data.tokenize import RawShardReader, TokenizeJob
+
+    store = FolderStore(tmp_path / "store")
+    text = pa.array([b"fine", b"also fine", b"\xff\xfe"], pa.binary()).view(pa.string())
+    raw = write_parquet(store.writable("raw_shard", "old/00000"), {"text": text})
+    job = TokenizeJob("old/00000", "old", "train", sha256_file(raw))
+    with pytest.raises(GhostvisError) as exc:
+        list(RawShardReader([job], str(tmp_path / "store")).run())
+    assert str(exc.value) == (
+        "shard old/00000: row 2, column 'text' is not valid UTF-8 text; fix the file or the source's kind (text), "
+        "then re-materialize raw_shards partition old/00000"
+    )
+
+
+# --- 3. run config and --set values: by type and range, naming the key and a value to set -------------
+
+SETS = {
+    "lr=nan": (
+        "optim.lr=nan",
+        "config optim.lr: expected a finite number, got 'nan'; set it, e.g. --set optim.lr=3e-3",
+    ),
+    "lr=NaN": ("optim.lr=NaN", "config optim.lr: expected a finite number, got nan; set it, e.g. --set optim.lr=3e-3"),
+    "lr=Infinity": ("optim.lr=Infinity", "config optim.lr: expected a finite number, got inf"),
+    "lr<0": ("optim.lr=-1", "config optim.lr: -1.0 is not above 0; set it, e.g. --set optim.lr=3e-3"),
+    "steps=0": ("budget.steps=0", "config budget.steps: 0 is not above 0; set it, e.g. --set budget.steps=100"),
+    "steps=abc": (
+        "budget.steps=abc",
+        "config budget.steps: expected int, got 'abc'; set it, e.g. --set budget.steps=100",
+    ),
+    "steps=1.5": ("budget.steps=1.5", "config budget.steps: expected int, got 1.5"),
+    "beta2=1.5": ("optim.beta2=1.5", "config optim.beta2: 1.5 is not in [0, 1); set it, e.g. --set optim.beta2=0.95"),
+    "keep_last=0": ("checkpoint.keep_last=0", "config checkpoint.keep_last: 0 is not above 0"),
+    "unknown key": ("optim.lrr=0.1", "unknown config key 'optim.lrr': 'lrr' is not in optim (valid keys there: "),
+    "unknown optimizer": (
+        "optim.name=sgd",
+        "config config.optim.name: 'sgd' is not one of adamw, muon; set one of them",
+    ),
+    "no =": ("optim.lr", "--set 'optim.lr': expected key=value, e.g. --set budget.steps=100"),
+}
+
+
+@pytest.mark.parametrize("case", list(SETS))
+def test_a_bad_set_value_exits_2_naming_the_key_and_a_value(case, unchanged, monkeypatch, capsys):
+    flag, message = SETS[case]
+    monkeypatch.setenv("GHOSTVIS_HOME", str(unchanged))
+    monkeypatch.setenv("GHOSTVIS_PRESET", "smoke")
+    assert cli.main(["plan", "--set", flag]) == 2
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith(f"ghostvis: error: {message}")
+
+
+# --- 4. checkpoints: verified against the hashes of their COMPLETE marker before anything loads -------
+
+
+def damaged_copy(home: Path, tmp_path: Path, damage) -> Path:
+    """A copy of the home's newest checkpoint with `damage(folder)` applied (the home's stays intact)."""
+    src = home / "store" / "checkpoints" / "pretrain" / "r1" / "step_000000002"
+    dest = tmp_path / "run" / src.name
+    shutil.copytree(src, dest)
+    damage(dest)
+    return dest
+
+
+def flip_byte(f: Path, at: int = -5) -> None:
+    data = bytearray(f.read_bytes())
+    data[at] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+DAMAGES = {
+    "flipped byte in the weights": (
+        lambda d: flip_byte(d / "model.safetensors"),
+        "model.safetensors has sha256 ",
+    ),
+    "truncated weights": (
+        lambda d: (d / "model.safetensors").write_bytes((d / "model.safetensors").read_bytes()[:100]),
+        "model.safetensors has sha256 ",
+    ),
+    "optimizer state removed": (lambda d: (d / "optimizer.safetensors").unlink(), "optimizer.safetensors is missing"),
+    "config edited": (lambda d: (d / "config.json").write_text("{}"), "config.json has sha256 "),
+    "marker without hashes": (
+        lambda d: (d / ckpt.MARKER).write_text("2"),
+        "its COMPLETE marker records no file hashes (missing, damaged, or written before checkpoints recorded them)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(DAMAGES))
+def test_a_damaged_checkpoint_is_refused_naming_it_before_loading(case, unchanged, tmp_path):
+    damage, message = DAMAGES[case]
+    path = damaged_copy(unchanged, tmp_path, damage)
+    model = GPT(TINY)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ckpt.DamagedCheckpoint) as exc:
+        ckpt.load_model(path, model)
+    assert str(exc.value).startswith(f"checkpoint {path}: {message}")
+    assert "delete " + str(path) in str(exc.value) and "re-materialize the stage that wrote it" in str(exc.value)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing was loaded
+
+
+def manager(store_root: Path) -> CheckpointManager:
+    spec = SimpleNamespace(stage="pretrain", run_key="r1")
+    ctx = DistContext(0, 0, 1, torch.device("cpu"))
+    return CheckpointManager(FolderStore(store_root), spec, ctx, keep_last=2, async_save=False, sharded=False)
+
+
+def test_a_resume_passes_over_a_damaged_newest_checkpoint_to_the_previous_one(home, tmp_path, capsys):
+    store = tmp_path / "store"
+    shutil.copytree(home / "store" / "checkpoints", store / "checkpoints")
+    flip_byte(store / "checkpoints" / "pretrain" / "r1" / "step_000000002" / "model.safetensors")
+    ref = manager(store).newest()
+    assert ref.step == 1
+    said = capsys.readouterr().out
+    assert said.startswith(
+        f"[pretrain] not resuming from it: checkpoint {store}/checkpoints/pretrain/r1/step_000000002: "
+    )
+    flip_byte(store / "checkpoints" / "pretrain" / "r1" / "step_000000001" / "model.safetensors")
+    with pytest.raises(GhostvisError, match=r"^run r1: none of its 2 committed checkpoints in .* verifies against its"):
+        manager(store).newest()
+
+
+def test_an_intact_checkpoint_round_trips_through_its_marker(home, tmp_path):
+    path = damaged_copy(home, tmp_path, lambda d: None)
+    ckpt.verify(path)
+    marker = ckpt.read_json(path, ckpt.MARKER)
+    assert marker["step"] == 2
+    assert sorted(marker["sha256"]) == ["config.json", "model.safetensors", "optimizer.safetensors", "train_state.json"]
+    assert marker["sha256"]["model.safetensors"] == sha256_file(path / "model.safetensors")
