@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dagster import Failure
 
 from ghostvis_core.store import Store
-from ghostvis_core.store.lease import LeaseHeld, held
+from ghostvis_core.store.lease import LeaseHeld, acquire
 
 # how long a launch that waited for a lease waits, after it, for the holder's Dagster run to record its checks
 HOLDER_RUN_WAIT_S = 1800.0
@@ -19,35 +19,36 @@ HOLDER_RUN_WAIT_S = 1800.0
 
 @contextmanager
 def run_lease(context, store: Store, scope: str, name: str, wait: bool = True) -> Iterator[None]:
-    """Hold the lease on `scope/name` (a stage and its run identity, or a data artifact) for the block. After
-    waiting for another Dagster run's lease, also wait for that run to end: its asset checks are recorded after
-    its asset released the lease, and the cache only reuses a run whose checks passed."""
+    """Hold the lease on `scope/name` (a stage and its run identity, or a data artifact) for the block. A lease
+    taken after another Dagster run's is given back until that run ended: its asset checks are recorded after
+    its asset released the lease (and its retry takes the lease again), and the cache only reuses a run whose
+    checks passed."""
+    holder = {"dagster_run_id": context.run_id, "asset": context.asset_key.to_user_string()}
+    while True:
+        try:
+            lease = acquire(store, scope, name, holder=holder, wait=wait, log=context.log.info)
+        except LeaseHeld as exc:
+            raise Failure(description=str(exc), allow_retries=False) from None
+        other = (lease.predecessor or {}).get("dagster_run_id")
+        if not other or other == context.run_id or run_finished(context, other):
+            break
+        lease.release()
+        wait_for_run_end(context, other)
+    lease.keep_alive()
     try:
-        with held(
-            store,
-            scope,
-            name,
-            holder={"dagster_run_id": context.run_id, "asset": context.asset_key.to_user_string()},
-            wait=wait,
-            log=context.log.info,
-        ) as lease:
-            other = (lease.predecessor or {}).get("dagster_run_id")
-            if other and other != context.run_id:
-                wait_for_run_end(context, other)
-            yield
-    except LeaseHeld as exc:
-        raise Failure(description=str(exc), allow_retries=False) from None
+        yield
+    finally:
+        lease.release()
+
+
+def run_finished(context, run_id: str) -> bool:
+    run = context.instance.get_run_by_id(run_id)
+    return run is None or run.is_finished
 
 
 def wait_for_run_end(context, run_id: str, poll_s: float = 0.5) -> None:
     """Until the Dagster run `run_id` finished (or is gone, or HOLDER_RUN_WAIT_S passed)."""
+    context.log.info(f"waiting for Dagster run {run_id[:8]} to end (it trained this; its checks decide a cache hit)")
     deadline = time.monotonic() + HOLDER_RUN_WAIT_S
-    told = False
-    while time.monotonic() < deadline:
-        run = context.instance.get_run_by_id(run_id)
-        if run is None or run.is_finished:
-            return
-        if not told:
-            context.log.info(f"waiting for Dagster run {run_id[:8]} to record its checks")
-            told = True
+    while time.monotonic() < deadline and not run_finished(context, run_id):
         time.sleep(poll_s)

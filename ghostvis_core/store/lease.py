@@ -24,8 +24,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,17 +201,6 @@ def join(store: Store, scope: str, name: str) -> Lease | None:
     if newest is None or not newest.live(time.time()):
         return None
     return Lease(store, scope, name, newest.number, newest.holder)
-
-
-@contextmanager
-def held(store: Store, scope: str, name: str, **kwargs: Any) -> Iterator[Lease]:
-    """`acquire`, kept alive while the block runs, released when it ends (also on an error)."""
-    lease = acquire(store, scope, name, **kwargs)
-    lease.keep_alive()
-    try:
-        yield lease
-    finally:
-        lease.release()
 
 
 def _prune(store: Store, scope: str, name: str, keep_from: int) -> None:
