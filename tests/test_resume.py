@@ -32,6 +32,7 @@ from tests.conftest import (
     run_cli,
     run_names,
 )
+from tests.faults import rank_pid, wait_for
 
 SHORT_PRETRAIN_TOKENS_PER_STEP = batch_plan(resolve("pretrain", "smoke", SHORT_PRETRAIN).batch).tokens_per_step
 
@@ -163,37 +164,6 @@ def test_resuming_from_an_older_checkpoint_is_flagged_as_reuse(home_copy):
     assert f"{first['tok_start']}..{first['tok_end']}" in md["ranges"] and first["shard_id"] in md["ranges"]
 
 
-def rank_pid(proc: subprocess.Popen, rank: int, not_pid: int | None = None) -> int | None:
-    """The pid of training rank `rank` under the launch `proc` (by its RANK variable), other than `not_pid`."""
-    import psutil
-
-    for child in psutil.Process(proc.pid).children(recursive=True):
-        try:
-            env = child.environ()
-            if (
-                env.get("RANK") == str(rank)
-                and "ghostvis_core.run" in " ".join(child.cmdline())
-                and child.pid != not_pid
-            ):
-                if "torchrun" not in child.cmdline()[1]:
-                    return child.pid
-        except psutil.Error:
-            continue
-    return None
-
-
-def wait_for(what: str, predicate, proc: subprocess.Popen, timeout: float = 300):
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        got = predicate()
-        if got:
-            return got
-        if proc.poll() is not None:
-            raise AssertionError(f"the materialization ended (exit {proc.returncode}) before {what}")
-        time.sleep(0.05)
-    raise AssertionError(f"no {what} within {timeout:.0f} s")
-
-
 # long enough that a step on a loaded 2-core CI machine (two test workers) never looks like a hang
 HANG_S = "20"
 
@@ -224,19 +194,24 @@ def test_a_preempted_then_hung_run_resumes_by_itself_and_ends_where_the_undistur
             cwd=Path(__file__).resolve().parent.parent,
         )
     try:
-        run_dir = wait_for("run folder", lambda: newest_run_dir(home_copy, known), proc)
+        run_dir = wait_for("run folder", lambda: newest_run_dir(home_copy, known), proc, log)
         committed = lambda n: any(c.step >= n for c in ckpt.list_complete(run_dir))  # noqa: E731
-        wait_for("checkpoint 4", lambda: committed(4), proc)
-        first = wait_for("rank 1", lambda: rank_pid(proc, 1), proc)
+        wait_for("checkpoint 4", lambda: committed(4), proc, log)
+        first = wait_for("rank 1", lambda: rank_pid(proc, 1), proc, log)
         os.kill(first, signal.SIGTERM)
-        preempted = wait_for("the preemption", lambda: re.search(r"preempted at step (\d+)", log.read_text()), proc)
+        preempted = wait_for(
+            "the preemption", lambda: re.search(r"preempted at step (\d+)", log.read_text()), proc, log
+        )
         at = int(preempted.group(1))
         assert ckpt.latest_complete(run_dir).step >= at  # its checkpoint was committed before the job exited
-        second = wait_for("rank 1 of the second launch", lambda: rank_pid(proc, 1, not_pid=first), proc)
-        wait_for("a step of the second launch", lambda: f"resume from step {at}" in log.read_text(), proc)
+        second = wait_for("rank 1 of the second launch", lambda: rank_pid(proc, 1, not_pids=(first,)), proc, log)
+        wait_for("a step of the second launch", lambda: f"resume from step {at}" in log.read_text(), proc, log)
         os.kill(second, signal.SIGSTOP)
         hung = wait_for(
-            "the hang's reason", lambda: re.search(r"hung: rank 0 on \S+ made no progress.*", log.read_text()), proc
+            "the hang's reason",
+            lambda: re.search(r"hung: rank 0 on \S+ made no progress.*", log.read_text()),
+            proc,
+            log,
         )
         os.kill(second, signal.SIGCONT)  # torchrun's SIGTERM reaches it now, not after its 30 s SIGKILL wait
         assert proc.wait(timeout=600) == 0, log.read_text()[-6000:]

@@ -7,6 +7,7 @@ passes after it. The namespaces need root: without them the test fails, saying s
 
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import time
@@ -14,10 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.runs import run_result
 from ghostvis_core.store import open_store
 from tests.conftest import BIN, copy_home, materialize_pretrain
+from tests.faults import SOAK_HANG_S, run_soak
 from tests.hosts import (
     HOST_ADDR,
     another_home,
@@ -116,24 +119,38 @@ def wait_for_key(hosts, key: str, proc, log: Path, timeout: float = 600) -> None
         time.sleep(2)
 
 
-def test_a_node_killed_after_the_first_checkpoint_is_retried_and_resumes_exactly(
+def soak_config(hosts) -> list[str]:
+    """`dagster asset materialize` of the short pretraining run on two hosts, with the soak's hang timeout."""
+    argv = materialize_pretrain(**torchrun_on_gv1(hosts))
+    config = json.loads(argv[-1])
+    config["ops"]["pretrain"]["config"]["overrides"]["runtime.hang_timeout_s"] = str(SOAK_HANG_S)
+    return [*argv[:-1], json.dumps(config)]
+
+
+def test_a_fault_soak_ends_bitwise_where_the_undisturbed_run_does_with_every_token_once(
     hosts, demo_home, pretrain_reference, tmp_path
 ):
-    home, store = another_home(hosts, demo_home, "killed")
-    run_key, log = pretrain_reference[1].name, tmp_path / "materialize.log"
-    proc = hosts.start(materialize_pretrain(**torchrun_on_gv1(hosts)), log, home, GHOSTVIS_STORE=store)
-    try:
-        wait_for_key(hosts, f"killed/store/checkpoints/pretrain/{run_key}/step_000000004/COMPLETE", proc, log)
-        assert hosts.kill_node("gv1")  # rank 0's node crashes: torchrun, its worker, the node shell
-        assert proc.wait(timeout=900) == 0, log.read_text()[-6000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    text = log.read_text()
-    assert "STEP_UP_FOR_RETRY" in text, text[-4000:]  # the stage's retry policy started it again
+    """Six faults of different kinds in one materialization across two hosts (S3 store, MLflow server): a second
+    launch of the same identity, a 30 s S3 outage, a rank SIGKILLed, a preemption (SIGTERM), a hang (SIGSTOP) and
+    rank 0's node killed. The run ends bitwise where the undisturbed run does, the ledger's parts tile its 12 steps
+    once, one MLflow run, the audit passes; the second launch is a cache hit naming the run; the preemption used
+    no retry and the three faults the three retries."""
+    home, store = another_home(hosts, demo_home, "soak")
+    run_key, logs = pretrain_reference[1].name, (tmp_path / "first.log", tmp_path / "second.log")
+    run_soak(hosts, soak_config(hosts), home, store, run_key, logs)
+    out = logs[0].read_text()
+    assert out.count("STEP_UP_FOR_RETRY") == 3 and out.count("launching again") == 1, out[-4000:]
+    assert re.search(
+        r"hung: rank 0 on gv1 made no progress for \d+ s after step \d+ .*rank stopped: rank 1 on gvhost", out
+    )
+    assert re.search(rf"pretrain: cache hit, identity \S+ equals that of completed run {run_key}", logs[1].read_text())
     store_dir, run_dir = new_run(hosts, store, demo_home, tmp_path / "bucket")
     assert_same_run(store_dir, run_dir, pretrain_reference)
-    assert run_result(open_store(str(store_dir)), "pretrain", run_key).segment == 1  # resumed, not restarted
+    done = run_result(open_store(str(store_dir)), "pretrain", run_key)
+    assert out.count(": resume from step") == 4  # five launches: killed, preempted, hung, node lost, done
+    chain = Ledger.in_store(open_store(str(store_dir))).chain(run_key)
+    assert [p["step_first"] for p in chain] == [1] + [p["step_last"] + 1 for p in chain[:-1]]
+    assert chain[-1]["step_last"] == 12 and {p["mlflow_run_id"] for p in chain} == {done.mlflow_run_id}
     assert_audit_passes(hosts, home, store)
 
 
