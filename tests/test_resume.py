@@ -7,7 +7,6 @@ of the same config in a copy of the same state (the `pretrain_reference` fixture
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -28,11 +27,9 @@ from tests.conftest import (
     cli_env,
     materialize_pretrain,
     new_run_dirs,
-    pretrain_config,
     run_cli,
     run_names,
 )
-from tests.faults import rank_pid, wait_for
 
 SHORT_PRETRAIN_TOKENS_PER_STEP = batch_plan(resolve("pretrain", "smoke", SHORT_PRETRAIN).batch).tokens_per_step
 
@@ -162,79 +159,3 @@ def test_resuming_from_an_older_checkpoint_is_flagged_as_reuse(home_copy):
     assert md["reused_tokens"] == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP
     first = reuse[0]
     assert f"{first['tok_start']}..{first['tok_end']}" in md["ranges"] and first["shard_id"] in md["ranges"]
-
-
-# long enough that a step on a loaded 2-core CI machine (two test workers) never looks like a hang
-HANG_S = "20"
-
-
-def test_a_preempted_then_hung_run_resumes_by_itself_and_ends_where_the_undisturbed_one_does(
-    home_copy, pretrain_reference, tmp_path
-):
-    """One materialization of the short pretraining run, disturbed twice: SIGTERM to rank 1 after checkpoint 4
-    (a preemption: every rank stops at the same step, commits a checkpoint there and exits; the launcher launches
-    again at once, without using the stage's retry), then SIGSTOP of the new rank 1 (a hang: rank 0's watchdog ends
-    the job after runtime.hang_timeout_s, naming rank 1 as stopped; the stage's retry resumes). It ends bitwise
-    where the undisturbed run does, every token in the ledger once, all checks passed, one MLflow run."""
-    import json
-
-    ref_home, ref_dir = pretrain_reference
-    config = json.loads(pretrain_config())
-    config["ops"]["pretrain"]["config"]["overrides"]["runtime.hang_timeout_s"] = HANG_S
-    argv = [*MATERIALIZE[:-1], json.dumps(config)]
-    log = tmp_path / "materialize.log"
-    known = run_names(home_copy)
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [str(BIN / argv[0]), *argv[1:]],
-            env=cli_env(home_copy),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=Path(__file__).resolve().parent.parent,
-        )
-    try:
-        run_dir = wait_for("run folder", lambda: newest_run_dir(home_copy, known), proc, log)
-        committed = lambda n: any(c.step >= n for c in ckpt.list_complete(run_dir))  # noqa: E731
-        wait_for("checkpoint 4", lambda: committed(4), proc, log)
-        first = wait_for("rank 1", lambda: rank_pid(proc, 1), proc, log)
-        os.kill(first, signal.SIGTERM)
-        preempted = wait_for(
-            "the preemption", lambda: re.search(r"preempted at step (\d+)", log.read_text()), proc, log
-        )
-        at = int(preempted.group(1))
-        assert ckpt.latest_complete(run_dir).step >= at  # its checkpoint was committed before the job exited
-        second = wait_for("rank 1 of the second launch", lambda: rank_pid(proc, 1, not_pids=(first,)), proc, log)
-        wait_for("a step of the second launch", lambda: f"resume from step {at}" in log.read_text(), proc, log)
-        os.kill(second, signal.SIGSTOP)
-        hung = wait_for(
-            "the hang's reason",
-            lambda: re.search(r"hung: rank 0 on \S+ made no progress.*", log.read_text()),
-            proc,
-            log,
-        )
-        os.kill(second, signal.SIGCONT)  # torchrun's SIGTERM reaches it now, not after its 30 s SIGKILL wait
-        assert proc.wait(timeout=600) == 0, log.read_text()[-6000:]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = log.read_text()
-    assert f"runtime.hang_timeout_s={HANG_S}" in hung.group(0) and "rank stopped: rank 1 on" in hung.group(0), (
-        hung.group(0)
-    )
-    assert text.count("launching again") == 1, "the preemption was relaunched once by run_job"
-
-    store, ref_store = Home(home_copy).store, Home(ref_home).store
-    done, ref = run_result(store, "pretrain", run_dir.name), run_result(ref_store, "pretrain", ref_dir.name)
-    ledger = Ledger.in_store(store)
-    chain = ledger.chain(run_dir.name)
-    assert [p["segment"] for p in chain][0] == 0 and done.segment >= 2
-    assert any(p["step_last"] == at and p["segment"] == 0 for p in chain), "the preemption's checkpoint is a part"
-    # no step trained twice into the ledger, none skipped: the parts tile steps 1..12
-    assert [p["step_first"] for p in chain] == [1] + [p["step_last"] + 1 for p in chain[:-1]]
-    assert done.counts == ref.counts == ledger.run_counts(run_dir.name)
-    final = ckpt.latest_complete(run_dir).path / "model.safetensors"
-    assert final.read_bytes() == (ckpt.latest_complete(ref_dir).path / "model.safetensors").read_bytes()
-    assert done.mlflow_run_id == ckpt.read_state(run_dir / ckpt.step_dir_name(4))["mlflow_run_id"]
-    for check in ("mlflow_token_history", "no_reuse", "tokens_match_plan", "every_rank_read_its_rows"):
-        assert latest_check(home_copy, "pretrain", check).passed, check

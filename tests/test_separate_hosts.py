@@ -146,6 +146,7 @@ def test_a_fault_soak_ends_bitwise_where_the_undisturbed_run_does_with_every_tok
     assert re.search(rf"pretrain: cache hit, identity \S+ equals that of completed run {run_key}", logs[1].read_text())
     store_dir, run_dir = new_run(hosts, store, demo_home, tmp_path / "bucket")
     assert_same_run(store_dir, run_dir, pretrain_reference)
+    hosts.download(store, tmp_path / "bucket", "ledger")
     done = run_result(open_store(str(store_dir)), "pretrain", run_key)
     assert out.count(": resume from step") == 4  # five launches: killed, preempted, hung, node lost, done
     chain = Ledger.in_store(open_store(str(store_dir))).chain(run_key)

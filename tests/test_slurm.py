@@ -30,6 +30,7 @@ from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.runs import run_result
 from ghostvis_core.store import open_store
 from tests.conftest import BIN, cli_env, materialize_pretrain, new_run_dirs, run_cli, run_names, s3_env
+from tests.faults import wait_for
 from tests.hosts import upload
 from tests.slurm_cluster import free_ports, slurm_cluster  # noqa: F401 (a fixture)
 
@@ -213,7 +214,7 @@ def assert_same_run(home: Path, run_dir: Path, reference: tuple[Path, Path]) -> 
 
 
 @pytest.mark.e2e
-def test_a_cancelled_two_node_slurm_job_fails_and_rematerializing_resumes_to_the_local_run(
+def test_a_cancelled_two_node_slurm_job_fails_and_rematerializing_resumes_through_a_preemption_to_the_local_run(
     slurm_cluster, home_copy, pretrain_reference
 ):
     launcher = slurm_launcher()
@@ -236,19 +237,49 @@ def test_a_cancelled_two_node_slurm_job_fails_and_rematerializing_resumes_to_the
     assert not Home(home_copy).store.exists("run_record", "pretrain", run_dir.name)
     assert 4 <= ckpt.latest_complete(run_dir).step < 12
 
-    # re-materialize: the cancelled run is found and resumed from its newest checkpoint, as a second
-    # 2-node job, and ends exactly where the uninterrupted local 2-rank run ends
-    proc = run_cli(materialize_pretrain(**launcher), home_copy, timeout=MATERIALIZE_TIMEOUT)
-    ledger = assert_same_run(home_copy, run_dir, pretrain_reference)
-    assert sorted({p["segment"] for p in ledger.chain(run_dir.name)}) == [0, 1]
-    assert run_result(Home(home_copy).store, "pretrain", run_dir.name).segment == 1
+    # re-materialize: the cancelled run is found and resumed from its newest checkpoint, as a second 2-node job,
+    # which Slurm then preempts (`scancel --signal=TERM`, what `--signal=TERM@s` does before the time limit): the
+    # ranks commit the step they are at and exit `preempted`, the launcher submits a third job at once (no retry),
+    # and the run ends exactly where the uninterrupted local 2-rank run ends
+    resumed_from, relaunched = ckpt.latest_complete(run_dir).step, time.time()
+    argv = materialize_pretrain(**launcher)
+    config = json.loads(argv[-1])
+    config["ops"]["pretrain"]["config"]["overrides"]["runtime.hang_timeout_s"] = "16"  # a heartbeat every 2 s
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(
+            [str(BIN / "dagster"), *argv[1:-1], json.dumps(config)],
+            env=cli_env(home_copy),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
     store = Home(home_copy).store
+
+    def training_again() -> bool:  # rank 0 of the new job beats past the checkpoint it resumed from
+        beat = ("run_file", "pretrain", run_dir.name, "heartbeats/rank0.json")
+        if not store.exists(*beat):
+            return False
+        data = store.read_json(*beat)
+        return data["time"] > relaunched and data["step"] > resumed_from
+
+    wait_for("the resumed job's first step", training_again, proc, log_path, timeout=MATERIALIZE_TIMEOUT)
+    [job_id] = slurm_cluster.run("squeue", "-h", "-o", "%i").stdout.split()
+    assert slurm_cluster.run("scancel", "--signal=TERM", job_id).returncode == 0
+    assert proc.wait(timeout=MATERIALIZE_TIMEOUT) == 0, log_path.read_text()[-6000:]
+    log = log_path.read_text()
+    preempted = int(re.search(r"preempted at step (\d+)", log).group(1))
+    assert resumed_from < preempted < 12 and "launching again" in log and "STEP_UP_FOR_RETRY" not in log
+    ledger = assert_same_run(home_copy, run_dir, pretrain_reference)
+    chain = ledger.chain(run_dir.name)
+    assert sorted({p["segment"] for p in chain}) == [0, 1, 2]
+    assert any(p["step_last"] == preempted for p in chain) and any(p["step_first"] == preempted + 1 for p in chain)
+    assert run_result(store, "pretrain", run_dir.name).segment == 2
     scripts = slurm_scripts(store, run_dir.name)
-    assert len(scripts) == 2
+    assert len(scripts) == 3
     script = store.read_text("run_file", "pretrain", run_dir.name, scripts[-1])
     assert "#SBATCH --nodes=2" in script and "srun " in script
     last = [line for line in shipped_output(store, run_dir.name, scripts[-1]).splitlines() if line.strip()][-1]
-    assert last in proc.stdout + proc.stderr  # the job's output reached the Dagster log
+    assert last in log  # the job's output reached the Dagster log
 
 
 def slurm_scripts(store, run_key: str) -> list[str]:
