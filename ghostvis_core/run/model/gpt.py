@@ -96,8 +96,9 @@ def _document_block_mask(runs: torch.Tensor) -> BlockMask:
 
 def _flex(q, k, v, block_mask: BlockMask, gqa: bool) -> torch.Tensor:
     """FlexAttention on (B, heads, T, head_dim): compiled on CUDA (the eager form materializes the
-    scores), eager elsewhere (the tests' CPU parity checks, forward only)."""
-    fn = _compiled_flex() if q.is_cuda else flex_attention
+    scores); inside a block that torch.compile is already tracing, the plain function, which the block's
+    graph compiles; eager elsewhere (the tests' CPU parity checks, forward only)."""
+    fn = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
     return fn(q, k, v, block_mask=block_mask, enable_gqa=gqa)
 
 
