@@ -1,6 +1,8 @@
 """The GPU fast path's pieces, checked on CPU: packed documents attended as variable-length
-sequences give the loss (and gradients) of the dense document mask they replace, and the chunked
-cross-entropy equals the plain one."""
+sequences (SDPA per document, what flash-attn's varlen kernel computes) and through FlexAttention's
+document block mask give the loss (and gradients) of the dense document mask they replace, which
+kernel runs when, and the chunked cross-entropy equals the plain one. (FlexAttention has no CPU
+backward in PyTorch 2.13: its gradients are checked on a GPU by benchmarks/gpu_check.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import torch.nn.functional as F
 from ghostvis_core.plan.batch import IGNORE_INDEX
 from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.run.model import gpt
-from ghostvis_core.run.model.gpt import GPT, DocSpans, lm_loss
+from ghostvis_core.run.model.gpt import FLASH_ATTN, FLEX, GPT, SDPA, DocSpans, attention_kernel, lm_loss
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=32)
 
@@ -50,7 +52,7 @@ def dense_mask_loss(model: GPT, x, targets, doc_ids):
 
 def test_doc_spans_are_the_runs_of_equal_ids_per_row():
     _, _, doc_ids = packed_batch()
-    spans = DocSpans.from_doc_ids(doc_ids)
+    spans = DocSpans.from_doc_ids(doc_ids, SDPA)
     assert spans.bounds == ((0, 5), (5, 16), (16, 22), (22, 24), (24, 37), (37, 38), (38, 48))
     assert spans.cu_seqlens.tolist() == [0, 5, 16, 22, 24, 37, 38, 48] and spans.cu_seqlens.dtype == torch.int32
     assert spans.max_len == 13
@@ -73,6 +75,55 @@ def test_packed_documents_take_the_varlen_path_with_the_dense_mask_loss_and_grad
     assert float(varlen) == pytest.approx(float(dense), rel=1e-6)
     for g, p in zip(grads, model.parameters()):
         torch.testing.assert_close(g, p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_the_kernel_for_packed_documents_by_device_and_precision(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
+    monkeypatch.setattr(gpt, "flash_attn_varlen_func", None)
+    assert attention_kernel(cpu, half=False) == SDPA  # FlexAttention has no CPU backward
+    assert attention_kernel(cuda, half=True) == FLEX  # no flash-attn wheel: FlexAttention
+    monkeypatch.setattr(gpt, "flash_attn_varlen_func", object())  # installed
+    assert attention_kernel(cuda, half=True) == FLASH_ATTN
+    assert attention_kernel(cuda, half=False) == FLEX  # flash-attn takes half inputs only
+    assert attention_kernel(cpu, half=True) == SDPA
+
+
+def test_flex_block_mask_matches_the_dense_mask_and_the_per_document_kernel():
+    """A row where the same id comes back after another document: two documents, for every kernel."""
+    g = torch.Generator().manual_seed(3)
+    doc_ids = torch.tensor([[4] * 6 + [7] * 9 + [4] * 5 + [-1] * 4, [0] * 24])
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    runs = starts.cumsum(1)
+    t = doc_ids.shape[1]
+    dense = ((runs[:, :, None] == runs[:, None, :]) & torch.ones(t, t, dtype=torch.bool).tril())[:, None]
+    q = torch.randn(2, t, 4, 8, generator=g)
+    k, v = (torch.randn(2, t, 2, 8, generator=g) for _ in range(2))
+    flex = gpt.varlen_attention(q, k, v, DocSpans.from_doc_ids(doc_ids, FLEX), gqa=True)
+    per_doc = gpt.varlen_attention(q, k, v, DocSpans.from_doc_ids(doc_ids, SDPA), gqa=True)
+    ref = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=dense, enable_gqa=True
+    ).transpose(1, 2)
+    torch.testing.assert_close(flex, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(per_doc, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_through_flex_the_model_gives_the_dense_mask_loss(monkeypatch):
+    """The model as a GPU without flash-attn runs it (forward: FlexAttention has no CPU backward)."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    x, targets, doc_ids = packed_batch()
+    kernels = []
+    original = gpt.varlen_attention
+    monkeypatch.setattr(gpt, "attention_kernel", lambda device, half: FLEX)
+    monkeypatch.setattr(
+        gpt, "varlen_attention", lambda q, k, v, docs, gqa: kernels.append(docs.kernel) or original(q, k, v, docs, gqa)
+    )
+    with torch.no_grad():
+        flex = model(x, targets, doc_ids=doc_ids)
+        dense = dense_mask_loss(model, x, targets, doc_ids)
+    assert kernels == [FLEX] * CFG.n_layers
+    assert float(flex) == pytest.approx(float(dense), rel=1e-6)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none", "logprobs"])

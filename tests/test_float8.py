@@ -1,6 +1,7 @@
 """float8 training (runtime.float8) on CPU: which of the real GPT's layers torchao converts, the config
 key, the checkpoint round trip between converted and unconverted models, and the trainer's refusal on
-hardware without float8 tensor cores. (The speed is measured on a GPU by benchmarks/gpu_throughput.py.)"""
+hardware without float8 tensor cores, and the trainer's float8 matmuls running on CPU. (The speed is measured on a GPU
+by benchmarks/gpu_throughput.py and benchmarks/gpu_check.py.)"""
 
 from __future__ import annotations
 
@@ -93,6 +94,22 @@ def test_the_converted_gpt_trains_in_emulated_float8_on_cpu():
     )
     x = torch.randint(0, CFG.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
     want, got = plain(x[:, :-1], x[:, 1:]), converted(x[:, :-1], x[:, 1:])
+    w, g = float(want.detach()), float(got.detach())
+    assert g == pytest.approx(w, rel=1e-2) and g != w
+    got.backward()
+    assert all(converted.get_submodule(n).weight.grad.abs().sum() > 0 for n in CONVERTED)
+
+
+def test_the_trainers_own_conversion_runs_float8_matmuls_on_cpu():
+    """`float8.convert` (the tensorwise recipe the trainer uses, not emulation) through the GPT under bf16
+    autocast: PyTorch 2.13's CPU runs its float8 scaled matmuls, so forward and backward run here; the
+    loss is within float8's error of the unconverted model's. Speed needs float8 tensor cores:
+    benchmarks/gpu_check.py measures it and says why where it cannot."""
+    plain, converted = gpt(seed=5), gpt(seed=5)
+    assert float8.convert(converted) == CONVERTED
+    x = torch.randint(0, CFG.vocab_size, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = plain(x[:, :-1], x[:, 1:]), converted(x[:, :-1], x[:, 1:])
     w, g = float(want.detach()), float(got.detach())
     assert g == pytest.approx(w, rel=1e-2) and g != w
     got.backward()

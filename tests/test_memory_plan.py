@@ -110,7 +110,7 @@ def test_cli_7b_under_ddp_is_refused_with_the_numbers_and_the_fix(capsys, flag):
     assert rc == 2
     assert json.loads(out)["memory"]["fits"] is False  # --json carries the same
     assert err.startswith(
-        "ghostvis: error: stage pretrain: 173.2 GB per GPU (30.1 weights + 30.1 grads + 60.1 optimizer"
+        "ghostvis: error: stage pretrain: 177.5 GB per GPU (30.1 weights + 30.1 grads + 60.1 optimizer"
     )
     assert "does not fit H100 (72.0 of 80 GB usable) on 8 GPUs; fix: parallel.strategy=fsdp: 25.7 GB" in err
 

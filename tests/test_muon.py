@@ -190,6 +190,7 @@ def test_the_trainer_runs_muon_under_fsdp_through_torchrun(home_copy):
     client = MlflowClient(Home(home_copy).mlflow_tracking_uri)
     runs = client.search_runs([client.get_experiment_by_name("ghostvis").experiment_id], "params.`optim.name` = 'muon'")
     assert len(runs) == 1 and runs[0].data.params["parallel.strategy"] == "fsdp"
+    assert runs[0].data.params["attention_kernel"] == "sdpa-per-document"  # the CPU's kernel (gpt.attention_kernel)
     losses = [m.value for m in client.get_metric_history(runs[0].info.run_id, "train/loss")]
     assert len(losses) >= 3 and losses[-1] < losses[0] - 0.3  # it learns (measured 8.35 -> 7.74 under DDP)
     run_dir = Home(home_copy).store.fetch("checkpoints", "pretrain", runs[0].info.run_name)

@@ -265,7 +265,10 @@ def _memory(cfg: StageConfig, ws: int, params: int | None) -> MemoryPlan:
     tokens = b.micro_batch_size * b.seq_len
     per_block = activation_elements(m.d_model, kv, m.ffn_hidden) * tokens * cb
     if rt.grad_checkpointing:  # each block's input kept, one block's activations recomputed at a time
-        activations = m.n_layers * m.d_model * tokens * cb + per_block
+        # the block inputs are the residual stream: bf16 under FSDP2 (it gathers bf16 weights), fp32 under
+        # DDP's autocast (fp32 weights; tests/test_memory_measured.py measured 7b at 11.8 GB, not 7.2)
+        residual = cb if fsdp else 4
+        activations = m.n_layers * m.d_model * tokens * residual + per_block
     else:
         activations = m.n_layers * per_block
     rows = min(tokens, max(1, LOSS_CHUNK_ELEMENTS // m.vocab_size))

@@ -3,20 +3,23 @@
 Attention goes through flash-attn when it is installed and the kernel's inputs (q, k, v: bf16
 under autocast even when the residual stream is fp32) are CUDA half precision, else through PyTorch
 SDPA. Packed rows can carry `doc_ids` so attention never crosses a document boundary (SFT packs
-conversations; pretraining lets documents see each other): each document is attended as its own
-variable-length sequence (`DocSpans`: flash-attn's varlen kernel, or SDPA per document), never
-through a dense T x T mask. The loss is computed in chunks of positions (`LOSS_CHUNK_ELEMENTS`),
-so fp32 logits over the whole vocabulary exist for one chunk at a time.
+conversations; pretraining lets documents see each other), never through a dense T x T mask: the
+kernel that attends them is named by `attention_kernel` (flash-attn's varlen kernel, PyTorch's
+FlexAttention with a block mask of the documents, or SDPA per document) and recorded by the run.
+The loss is computed in chunks of positions (`LOSS_CHUNK_ELEMENTS`), so fp32 logits over the whole
+vocabulary exist for one chunk at a time.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from ghostvis_core.plan.batch import IGNORE_INDEX
@@ -29,36 +32,88 @@ except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_func = flash_attn_varlen_func = None
 
 
+FLASH_ATTN, FLEX, SDPA = "flash-attn", "flex", "sdpa-per-document"
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def attention_kernel(device: torch.device, half: bool) -> str:
+    """The kernel that attends packed documents: flash-attn's varlen kernel on a CUDA device with half
+    precision inputs when flash-attn is installed (it has no wheel for every CUDA and PyTorch pair),
+    else FlexAttention on CUDA, and one SDPA call per document on CPU (PyTorch 2.13 has no CPU
+    backward for FlexAttention, its CPU eager form materializes the T x T scores, and compiling it for
+    the CPU takes ~25 s per shape)."""
+    if device.type != "cuda":
+        return SDPA
+    return FLASH_ATTN if half and flash_attn_varlen_func is not None else FLEX
+
+
+def _half(t: torch.Tensor) -> bool:
+    return t.is_cuda and t.dtype in _HALF
+
+
+def _attention_is_half(x: torch.Tensor) -> bool:
+    """Whether q, k, v will be half precision: the residual's dtype, or autocast's on its device."""
+    t = x.device.type
+    return x.dtype in _HALF or (torch.is_autocast_enabled(t) and torch.get_autocast_dtype(t) in _HALF)
+
+
 @dataclass(frozen=True)
 class DocSpans:
-    """Packed documents as variable-length sequences: offsets into the flattened (B*T) positions."""
+    """Packed documents for one kernel: for the varlen kernels, offsets into the flattened (B*T)
+    positions; for FlexAttention only the block mask in which a position sees the earlier positions
+    of its document (no per-batch ints, which a compiled block would recompile for)."""
 
-    cu_seqlens: torch.Tensor  # int32, (n_docs + 1,): where each document starts, then B*T
-    bounds: tuple[tuple[int, int], ...]  # the same offsets as (start, end) pairs, on the host
-    max_len: int
+    kernel: str
+    cu_seqlens: torch.Tensor | None = None  # int32, (n_docs + 1,): where each document starts, then B*T
+    bounds: tuple[tuple[int, int], ...] = ()  # the same offsets as (start, end) pairs, on the host
+    max_len: int = 0
+    block_mask: BlockMask | None = None
 
     @classmethod
-    def from_doc_ids(cls, doc_ids: torch.Tensor) -> DocSpans:
+    def from_doc_ids(cls, doc_ids: torch.Tensor, kernel: str) -> DocSpans:
         """A document is a run of equal ids within a row; rows never share a document."""
         b, t = doc_ids.shape
         starts = torch.ones_like(doc_ids, dtype=torch.bool)
         starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+        if kernel == FLEX:
+            return cls(kernel, block_mask=_document_block_mask(starts.cumsum(1)))
         offsets = [*starts.flatten().nonzero().flatten().tolist(), b * t]
         bounds = tuple(zip(offsets[:-1], offsets[1:]))
-        return cls(
-            torch.tensor(offsets, dtype=torch.int32, device=doc_ids.device), bounds, max(e - s for s, e in bounds)
-        )
+        cu_seqlens = torch.tensor(offsets, dtype=torch.int32, device=doc_ids.device)
+        return cls(kernel, cu_seqlens, bounds, max(e - s for s, e in bounds))
 
 
-def _half(t: torch.Tensor) -> bool:
-    return t.is_cuda and t.dtype in (torch.float16, torch.bfloat16)
+def _document_block_mask(runs: torch.Tensor) -> BlockMask:
+    """Causal within each document, `runs` (B, T) numbering each row's documents: the same id twice
+    in a row, apart, is two documents, as for the varlen kernels."""
+    b, t = runs.shape
+
+    def same_document_causal(bi, h, q, kv):
+        return (runs[bi, q] == runs[bi, kv]) & (q >= kv)
+
+    return create_block_mask(same_document_causal, b, None, t, t, device=runs.device)
+
+
+def _flex(q, k, v, block_mask: BlockMask, gqa: bool) -> torch.Tensor:
+    """FlexAttention on (B, heads, T, head_dim): compiled on CUDA (the eager form materializes the
+    scores); inside a block that torch.compile is already tracing, the plain function, which the block's
+    graph compiles; eager elsewhere (the tests' CPU parity checks, forward only)."""
+    fn = _compiled_flex() if q.is_cuda and not torch.compiler.is_compiling() else flex_attention
+    return fn(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def varlen_attention(q, k, v, docs: DocSpans, gqa: bool) -> torch.Tensor:
     """Causal attention within each document; q, k, v: (B, T, heads, head_dim)."""
     b, t = q.shape[:2]
+    if docs.kernel == FLEX:
+        return _flex(*(x.transpose(1, 2) for x in (q, k, v)), docs.block_mask, gqa).transpose(1, 2)
     qf, kf, vf = (x.reshape(b * t, *x.shape[2:]) for x in (q, k, v))
-    if flash_attn_varlen_func is not None and _half(qf):
+    if docs.kernel == FLASH_ATTN:
         y = flash_attn_varlen_func(
             qf, kf, vf, docs.cu_seqlens, docs.cu_seqlens, docs.max_len, docs.max_len, causal=True
         )
@@ -228,7 +283,9 @@ class GPT(nn.Module):
         t = x.shape[1]
         cos, sin = self._rope(start_pos + t, x.device)
         cos, sin = cos[start_pos : start_pos + t], sin[start_pos : start_pos + t]
-        docs = DocSpans.from_doc_ids(doc_ids) if doc_ids is not None else None
+        docs = None
+        if doc_ids is not None:
+            docs = DocSpans.from_doc_ids(doc_ids, attention_kernel(x.device, _attention_is_half(x)))
         for i, block in enumerate(self.blocks):
             cache = kv_caches[i] if kv_caches is not None else None
             if self.grad_checkpointing and self.training:

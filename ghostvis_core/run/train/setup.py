@@ -10,7 +10,7 @@ from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.plan.budget import batch_plan
 from ghostvis_core.plan.config import StageConfig
-from ghostvis_core.run.model.gpt import GPT
+from ghostvis_core.run.model.gpt import GPT, attention_kernel
 from ghostvis_core.run.model.vision import frozen_fingerprint
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train import float8
@@ -65,7 +65,12 @@ def setup(spec: LaunchSpec, ctx: DistContext) -> Trainer:
     tracker = Tracker(
         spec,
         ctx,
-        {**cfg.to_dict(), "plan": spec.plan.to_dict(), "run_key": spec.run_key},
+        {
+            **cfg.to_dict(),
+            "plan": spec.plan.to_dict(),
+            "run_key": spec.run_key,
+            "attention_kernel": attention_kernel(ctx.device, bf16),  # for packed documents
+        },
         run_id=state.mlflow_run_id,
         segment=state.segment,
     )

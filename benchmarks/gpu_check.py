@@ -1,0 +1,331 @@
+"""The GPU check: one call that measures GhostVis's CUDA path on one GPU in a few minutes.
+
+GPU time comes in short slices on a machine that reaches no package registry and already holds
+PyTorch (CUDA), Triton, numpy, pandas, pyarrow, tiktoken, safetensors and transformers, but not
+MLflow, Dagster, datatrove or torchao. So the check imports only the pieces of `ghostvis_core` that
+need nothing more (tests/test_gpu_check.py keeps it so), and what else it needs travels as wheels in
+the git-ignored `benchmarks/gpu_wheels/` (torchao, for float8; under 64 MiB in all), filled here by
+`--prepare` (`pip download` from PyPI, versions as in this venv), unpacked into a temporary folder on
+the GPU machine and put on sys.path: nothing is installed there.
+
+Parts, each on the working tree's code (figures in the JSON of --out, a short table last):
+  - peak: bf16 FLOP/s of one large matmul (MFU is measured against it, not a datasheet);
+  - pretrain_500m: the 500m preset's pretrain step (its micro batch and seq_len, bf16, torch.compile
+    per block, the chunked loss, AdamW) through benchmarks/gpu_throughput.py's worker: tokens/s, MFU,
+    peak memory against the memory plan (goals: MFU >= 0.45, plan within 15% of measured);
+  - float8_500m: the same with runtime.float8 where the GPU has float8 (goal >= 1.15x over bf16);
+  - attention: packed documents through the kernel the trainer picks (gpt.attention_kernel) against
+    a dense-mask SDPA reference in fp32 on random inputs, outputs and gradients (relative error <=
+    1e-2, bf16's), and the time of both;
+  - fsdp_resume: FSDP2 on one GPU, a DCP save and a resume give the same loss on the next step.
+Not yet here (issue 47): 30 steps of the real trainer, which needs MLflow and a tokenized corpus.
+
+Without a CUDA device it checks its wheel folder, says "no CUDA device" and exits 0.
+
+    .venv/bin/python benchmarks/gpu_check.py --prepare        # here, with PyPI: fill benchmarks/gpu_wheels
+    python benchmarks/gpu_check.py --out gpu_check.json       # on the GPU machine, from the repository root
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+WHEELS = Path(__file__).resolve().parent / "gpu_wheels"
+CARRIED = ("torchao",)  # distributions the GPU machine lacks, downloaded at this venv's versions
+CARRY_LIMIT_BYTES = 64 * 2**20  # what one device call may carry with the working tree
+PEAK_MATMUL = 8192  # square bf16 matmul: large enough to keep every SM busy
+GOAL_MFU = 0.45
+GOAL_PLAN_ERROR = 0.15
+GOAL_FLOAT8_SPEEDUP = 1.15
+BF16_REL_ERROR = 1e-2
+RESUME_TOLERANCE = 1e-4
+
+
+def prepare() -> int:
+    """Download the carried wheels (binary only, no dependencies) at this venv's versions."""
+    WHEELS.mkdir(exist_ok=True)
+    pins = [f"{name}=={importlib.metadata.version(name)}" for name in CARRIED]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(WHEELS), *pins]
+    subprocess.run(cmd, check=True)
+    return 0 if not check_wheels() else 1
+
+
+def check_wheels() -> list[str]:
+    """What is wrong with the carried-wheel folder (empty when nothing); prints what it holds."""
+    wheels = sorted(WHEELS.glob("*.whl"))
+    total = sum(w.stat().st_size for w in wheels)
+    print(f"carried wheels: {WHEELS.relative_to(ROOT)}, {len(wheels)} files, {total / 2**20:.1f} MiB")
+    for w in wheels:
+        print(f"  {w.name} ({w.stat().st_size / 2**20:.1f} MiB)")
+    problems = []
+    for name in CARRIED:
+        if not any(w.name.lower().startswith(f"{name}-") for w in wheels):
+            problems.append(
+                f"no {name} wheel in {WHEELS}; fix: run benchmarks/gpu_check.py --prepare where PyPI is reachable"
+            )
+    if total > CARRY_LIMIT_BYTES:
+        problems.append(
+            f"{WHEELS} holds {total / 2**20:.1f} MiB, above the {CARRY_LIMIT_BYTES / 2**20:.0f} MiB a call carries"
+        )
+    for w in wheels:
+        if not zipfile.is_zipfile(w):
+            problems.append(f"{w} is not a wheel (zip); fix: delete it and run --prepare again")
+    return problems
+
+
+def unpack_wheels(dest: Path) -> None:
+    """The carried wheels unpacked into `dest`, importable here and in the workers (PYTHONPATH)."""
+    for w in sorted(WHEELS.glob("*.whl")):
+        with zipfile.ZipFile(w) as z:
+            z.extractall(dest)
+    sys.path.insert(0, str(dest))
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(dest), os.environ.get("PYTHONPATH", "")])
+
+
+def rel_error(x, ref) -> float:
+    return float((x.float() - ref.float()).norm() / ref.float().norm())
+
+
+def pretrain(bf16_peak: float, use_float8: bool, steps: int, warmup: int) -> dict:
+    """The 500m preset's step on this GPU (gpu_throughput's worker under torchrun, one rank), with MFU
+    against the measured peak and the memory plan's total for the same shape."""
+    import gpu_throughput
+
+    from ghostvis_core.plan import presets
+    from ghostvis_core.plan.budget import flops_per_token, memory_plan
+
+    r = gpu_throughput.run_case("500m", "ddp", steps, warmup, use_float8=use_float8)
+    if "error" in r:
+        return r
+    cfg = presets.resolve("pretrain", "500m", {"batch.world_size": 1})
+    planned = memory_plan(cfg, world_size=1).total_gb
+    r["mfu_measured_peak"] = r["tokens_per_sec"] * flops_per_token(cfg.model, cfg.batch.seq_len) / bf16_peak
+    r["planned_memory_gb"] = planned
+    r["plan_error"] = (planned - r["peak_memory_gb"]) / r["peak_memory_gb"]
+    return r
+
+
+def document_ids(b: int, t: int, generator) -> torch.Tensor:
+    """Rows packed with documents of random lengths (16 to t/2 positions), the way the loader packs."""
+    rows = []
+    for _ in range(b):
+        lengths, n = [], 0
+        while n < t:
+            lengths.append(min(t - n, int(torch.randint(16, t // 2, (1,), generator=generator))))
+            n += lengths[-1]
+        rows.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)))
+    return torch.stack(rows)
+
+
+def attention(repeats: int = 10) -> dict:
+    """The trainer's packed-document attention against a dense-mask SDPA reference (fp32), on the
+    500m preset's heads and seq_len: relative error of the output and of q's gradient, and times."""
+    import torch.nn.functional as F
+
+    from ghostvis_core.plan import presets
+    from ghostvis_core.run.model import gpt
+
+    m, b = presets.resolve("pretrain", "500m").model, presets.resolve("pretrain", "500m").batch
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    t = b.seq_len
+    doc_ids = document_ids(b.micro_batch_size, t, g).to(dev)
+    q = torch.randn(b.micro_batch_size, t, m.n_heads, m.head_dim, device=dev, dtype=torch.bfloat16)
+    k, v = (
+        torch.randn(b.micro_batch_size, t, m.n_kv_heads, m.head_dim, device=dev, dtype=torch.bfloat16) for _ in range(2)
+    )
+    kernel = gpt.attention_kernel(dev, half=True)
+    gqa = m.n_kv_heads != m.n_heads
+
+    def packed(q, k, v):
+        return gpt.varlen_attention(q, k, v, gpt.DocSpans.from_doc_ids(doc_ids, kernel), gqa)
+
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    mask = (same & torch.ones(t, t, dtype=torch.bool, device=dev).tril())[:, None]
+
+    def dense(q, k, v):
+        return F.scaled_dot_product_attention(
+            *(x.transpose(1, 2) for x in (q, k, v)), attn_mask=mask, enable_gqa=gqa
+        ).transpose(1, 2)
+
+    def run(fn, dtype):
+        qq, kk, vv = (x.to(dtype).requires_grad_() for x in (q, k, v))
+        y = fn(qq, kk, vv)
+        y.float().square().mean().backward()
+        return y, qq.grad
+
+    y_ref, gq_ref = run(dense, torch.float32)
+    y, gq = run(packed, torch.bfloat16)
+    out = {"kernel": kernel, "output_rel_error": rel_error(y, y_ref), "grad_q_rel_error": rel_error(gq, gq_ref)}
+    for name, fn in (("packed", packed), ("dense_mask_bf16", dense)):
+        run(fn, torch.bfloat16)  # warm-up (compilation)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run(fn, torch.bfloat16)
+        torch.cuda.synchronize()
+        out[f"{name}_fwd_bwd_ms"] = (time.perf_counter() - start) / repeats * 1e3
+    out["ok"] = max(out["output_rel_error"], out["grad_q_rel_error"]) <= BF16_REL_ERROR
+    return out
+
+
+def fsdp_resume() -> dict:
+    """FSDP2 over a one-rank NCCL group: two steps, a DCP save, two more steps; then a model of other
+    initial weights, resumed from the save, takes the same two steps. Losses must agree to within
+    RESUME_TOLERANCE (a GPU's atomics make backward passes differ in the last bits)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from ghostvis_core.plan.config import ModelConfig
+    from ghostvis_core.run.model.gpt import GPT
+    from ghostvis_core.run.train import checkpoint as ckpt
+    from ghostvis_core.run.train.parallel import Sharded
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    dev = torch.device("cuda", 0)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+    cfg = ModelConfig(
+        vocab_size=4096, d_model=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=1408, max_seq_len=512
+    )
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, cfg.vocab_size, (4, 513), generator=g).to(dev) for _ in range(4)]
+
+    def model_and_opt(seed: int):
+        torch.manual_seed(seed)
+        par = Sharded(GPT(cfg).to(dev), bf16=True)
+        return par, torch.optim.AdamW(par.model.parameters(), lr=1e-3)
+
+    def step(par, opt, x) -> float:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = par.forward_module(x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            par, opt = model_and_opt(0)
+            for x in batches[:2]:
+                step(par, opt, x)
+            staged = ckpt.save_shards(Path(tmp), 2, par.model, opt)[ckpt.DCP_DIR]
+            saved = Path(tmp) / "step-2"
+            saved.mkdir()
+            shutil.move(staged, saved / ckpt.DCP_DIR)
+            uninterrupted = [step(par, opt, x) for x in batches[2:]]
+            par2, opt2 = model_and_opt(1)  # other initial weights: only the checkpoint can make them agree
+            ckpt.load_model(saved, par2.model)
+            ckpt.load_optimizer(saved, par2.model, opt2)
+            resumed = [step(par2, opt2, x) for x in batches[2:]]
+    finally:
+        dist.destroy_process_group()
+    worst = max(abs(a - b) / abs(a) for a, b in zip(uninterrupted, resumed))
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "max_rel_diff": worst, "ok": worst <= RESUME_TOLERANCE}
+
+
+def table(results: dict) -> list[str]:
+    """The short summary printed last: each part, its figure and its goal."""
+    lines = [
+        f"GPU: {results['gpu']}  bf16 peak (measured, {PEAK_MATMUL}^3 matmul): {results['peak_tflops']:.0f} TFLOP/s"
+    ]
+    p = results.get("pretrain_500m", {})
+    if "error" in p:
+        lines.append(f"pretrain 500m bf16   failed: {p['error']}")
+    elif p:
+        lines.append(
+            f"pretrain 500m bf16   {p['tokens_per_sec']:>10,.0f} tok/s  MFU {p['mfu_measured_peak']:.1%} "
+            f"(goal >= {GOAL_MFU:.0%})  peak {p['peak_memory_gb']:.1f} GB, plan {p['planned_memory_gb']:.1f} GB "
+            f"({p['plan_error']:+.0%}, goal within {GOAL_PLAN_ERROR:.0%})"
+        )
+    f8 = results.get("float8_500m", {})
+    if "skipped" in f8 or "error" in f8:
+        lines.append(f"pretrain 500m float8 {f8.get('skipped') or 'failed: ' + f8['error']}")
+    elif f8 and "error" not in p:
+        speedup = f8["tokens_per_sec"] / p["tokens_per_sec"]
+        lines.append(
+            f"pretrain 500m float8 {f8['tokens_per_sec']:>10,.0f} tok/s  {speedup:.2f}x bf16 "
+            f"(goal >= {GOAL_FLOAT8_SPEEDUP}x)"
+        )
+    for name in ("attention", "fsdp_resume"):
+        r = results.get(name, {})
+        if "error" in r:
+            lines.append(f"{name:<20} failed: {r['error']}")
+        elif name == "attention":
+            lines.append(
+                f"attention ({r['kernel']})  rel error out {r['output_rel_error']:.1e} "
+                f"grad {r['grad_q_rel_error']:.1e} (<= {BF16_REL_ERROR:.0e})  {r['packed_fwd_bwd_ms']:.1f} ms "
+                f"vs dense mask {r['dense_mask_bf16_fwd_bwd_ms']:.1f} ms"
+            )
+        else:
+            verdict = "same losses" if r["ok"] else "DIFFERENT losses"
+            lines.append(f"fsdp2 DCP resume     {verdict} (max rel diff {r['max_rel_diff']:.1e}): {r['resumed']}")
+    return lines
+
+
+def guarded(fn, *args) -> dict:
+    """A part's figures, or its error: one failing part must not hide the others' figures."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # reported in the table and the JSON
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--prepare", action="store_true", help="fill benchmarks/gpu_wheels from PyPI (here, not on the GPU)"
+    )
+    ap.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="where the full figures go (JSON)")
+    ap.add_argument("--steps", type=int, default=20, help="timed pretrain steps")
+    ap.add_argument("--warmup", type=int, default=5, help="untimed pretrain steps first (compilation)")
+    args = ap.parse_args()
+    if args.prepare:
+        return prepare()
+    problems = check_wheels()
+    for p in problems:
+        print(f"wheel folder: {p}")
+    if not torch.cuda.is_available():
+        print("no CUDA device: the GPU figures are to be measured on a GPU machine")
+        return 1 if problems else 0
+    sys.path.insert(0, str(ROOT))
+    tmp = tempfile.TemporaryDirectory()
+    unpack_wheels(Path(tmp.name))
+    from ghostvis_core.run.train.efficiency import measured_matmul_flops
+
+    dev = torch.device("cuda", 0)
+    peak = measured_matmul_flops(dev, torch.bfloat16, n=PEAK_MATMUL, repeats=10)
+    results: dict = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "peak_tflops": peak / 1e12}
+    print(f"{results['gpu']}, torch {torch.__version__}", flush=True)
+    results["attention"] = guarded(attention)
+    results["fsdp_resume"] = guarded(fsdp_resume)
+    results["pretrain_500m"] = guarded(pretrain, peak, False, args.steps, args.warmup)
+    import gpu_throughput
+
+    no_float8 = gpu_throughput.float8_unavailable()
+    results["float8_500m"] = (
+        {"skipped": f"not measured: {no_float8}"}
+        if no_float8
+        else guarded(pretrain, peak, True, args.steps, args.warmup)
+    )
+    args.out.write_text(json.dumps(results, indent=2))
+    print(f"figures: {args.out}")
+    print("\n".join(table(results)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
