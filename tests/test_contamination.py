@@ -198,7 +198,7 @@ def test_tokenization_records_each_documents_winnowed_13_grams(tokenized):
 def test_a_pasted_validation_document_and_mc_item_fail_the_gate_naming_shard_row_and_item(tokenized):
     t = tokenized
     out = no_eval_contamination(
-        t.store, t.ledger, spec_of(t, eval_sets=[str(t.eval_folder)]), [consumed("corp/00000", 0, 4)]
+        t.store, t.ledger, spec_of(t, eval_sets=[str(t.eval_folder)]), [consumed("corp/00000", 0, 4)], []
     )
     assert not out.passed
     assert out.figures["contaminated_documents"] == 2 and out.figures["consumed_documents_fingerprinted"] == 4
@@ -217,7 +217,7 @@ def test_clean_rows_and_a_clean_shard_pass(tokenized):
     t = tokenized
     spec = spec_of(t, eval_sets=[str(t.eval_folder)])
     for rows in ([consumed("corp/00001", 0, 4)], [consumed("corp/00000", 0, 1), consumed("corp/00000", 2, 3)]):
-        out = no_eval_contamination(t.store, t.ledger, spec, rows)
+        out = no_eval_contamination(t.store, t.ledger, spec, rows, [])
         assert out.passed, out.failures
         assert out.figures["contaminated_documents"] == 0 and out.figures["documents_sharing_ngrams"] == 0
 
@@ -228,9 +228,9 @@ def test_the_threshold_is_declared_in_the_stage_config(tokenized):
     with pytest.raises(GhostvisError, match="contamination.max_overlap must be a share between 0 and 1"):
         resolve("sft", "smoke", {"contamination.max_overlap": "2"})
     t = tokenized
-    out = no_eval_contamination(t.store, t.ledger, spec_of(t, max_overlap=1.0), [consumed("corp/00000", 0, 4)])
+    out = no_eval_contamination(t.store, t.ledger, spec_of(t, max_overlap=1.0), [consumed("corp/00000", 0, 4)], [])
     assert out.passed and out.figures["max_overlap"] == 1.0 and out.figures["max_overlap_found"] == 1.0
-    default = no_eval_contamination(t.store, t.ledger, spec_of(t), [consumed("corp/00000", 0, 4)])
+    default = no_eval_contamination(t.store, t.ledger, spec_of(t), [consumed("corp/00000", 0, 4)], [])
     assert default.figures["max_overlap"] == 0.5 and default.figures["contaminated_documents"] == 1  # no user set
 
 
@@ -248,7 +248,7 @@ def test_a_shard_tokenized_before_the_gate_fails_with_the_fix(tokenized, tmp_pat
     ledger = Ledger(tmp_path / "ledger")
     shutil.copytree(t.ledger.root, ledger.root)
     ledger.ngram_record_path("corp/00001", t.jobs["corp/00001"].content_sha256).unlink()
-    out = no_eval_contamination(t.store, ledger, spec_of(t), [consumed("corp/00001", 0, 4)])
+    out = no_eval_contamination(t.store, ledger, spec_of(t), [consumed("corp/00001", 0, 4)], [])
     assert not out.passed and out.figures["shards_without_ngrams"] == 1
     assert out.failures == [
         "training shard corp/00001 was consumed but has no n-gram record in the ledger (tokenized "
@@ -259,7 +259,7 @@ def test_a_shard_tokenized_before_the_gate_fails_with_the_fix(tokenized, tmp_pat
 def test_a_registered_eval_set_that_does_not_exist_is_an_error(tokenized, tmp_path):
     with pytest.raises(GhostvisError, match="contamination.eval_sets"):
         no_eval_contamination(
-            tokenized.store, tokenized.ledger, spec_of(tokenized, eval_sets=[str(tmp_path / "nope.jsonl")]), []
+            tokenized.store, tokenized.ledger, spec_of(tokenized, eval_sets=[str(tmp_path / "nope.jsonl")]), [], []
         )
 
 
@@ -267,7 +267,7 @@ def test_a_pasted_short_shipped_item_fails_the_gate_naming_item_and_document(tok
     """6 words, no 13-gram: the fingerprints cannot see it; matched whole it is named in every set holding it."""
     t = tokenized
     out = no_eval_contamination(
-        t.store, t.ledger, spec_of(t, eval_sets=[str(t.eval_folder)]), [consumed("corp/00000", 4, 5)]
+        t.store, t.ledger, spec_of(t, eval_sets=[str(t.eval_folder)]), [consumed("corp/00000", 4, 5)], []
     )
     assert not out.passed and out.figures["documents_sharing_ngrams"] == 0
     named = {(r[0], r[1], r[2], r[3], r[8]) for r in out.tables["shared_ngrams"][1] if r[-1] == "contaminated"}
@@ -300,7 +300,7 @@ def test_user_sets_in_parquet_are_checked_and_a_set_of_only_too_short_items_fail
     pq.write_table(pa.table({"question": [MC_ITEM["question"], "Name it."]}), tmp_path / "qa.parquet")
     (tmp_path / "tiny.jsonl").write_text(json.dumps({"q": "3 + 4 ="}) + "\n" + json.dumps({"q": "def f(n):"}) + "\n")
     out = no_eval_contamination(
-        t.store, t.ledger, spec_of(t, eval_sets=[str(tmp_path)]), [consumed("corp/00000", 3, 4)]
+        t.store, t.ledger, spec_of(t, eval_sets=[str(tmp_path)]), [consumed("corp/00000", 3, 4)], []
     )
     assert ("corp/00000", 3, "user:qa.parquet", "row 0") in {tuple(r[:4]) for r in out.tables["shared_ngrams"][1]}
     sets = {r[0]: r[1:] for r in out.tables["eval_sets"][1]}
@@ -311,6 +311,25 @@ def test_user_sets_in_parquet_are_checked_and_a_set_of_only_too_short_items_fail
         "contamination.eval_sets"
     )
     assert not any("user:qa.parquet" in f and "none can be checked" in f for f in out.failures)
+
+
+def test_an_rl_completion_holding_an_item_fails_the_gate_named_by_step_rank_and_row(tokenized, tmp_path):
+    """An rl run trains on what it generates: its saved completions are decoded and checked too."""
+    t = tokenized
+    ledger = Ledger(tmp_path / "ledger")
+    shutil.copytree(t.ledger.root, ledger.root)
+    part = {"part_id": "p1", "run_key": "rl-test", "stage": "rl", "segment": 0, "step_first": 1, "step_last": 2}
+    completions = [t.tok.encode("So the answer is 12."), t.tok.encode(f"Well: {SHORT_ITEM}")]
+    rollout = {"rank": 1, "step": 2, "rows": json.dumps([6, 7]), "completion_ids": json.dumps(completions)}
+    ledger.write_part(part, [], rollouts=[rollout | {"rewards": json.dumps([0.0, 1.0])}])
+    out = no_eval_contamination(t.store, ledger, spec_of(t), [consumed("corp/00001", 0, 4)], [part])
+    assert not out.passed and out.figures["rl_completions_checked"] == 2
+    assert out.figures["consumed_documents_fingerprinted"] == 4
+    assert (
+        'rl completion, step 2 rank 1, global row 7 holds lm_eval:capitals.jsonl line 1 whole ("the capital of '
+        'france is paris", 6 words, too short for 13-gram fingerprints, matched as a whole)'
+    ) in out.failures
+    assert {m[0] for m in out.tables["shared_ngrams"][1]} == {"rl completion, step 2 rank 1"}
 
 
 def test_a_short_item_is_matched_whole_on_word_boundaries_punctuation_aside():

@@ -18,8 +18,10 @@ An item of fewer than 13 words has no fingerprint; it is matched whole (issue 43
 ghostvis_core/data/whole_items.py) against the text of the consumed rows, read from the raw shards:
 a consumed document that holds it is contaminated. An evaluation set none of whose items can be
 checked (each shorter than whole_items.MIN_WORDS words) fails the check by name instead of passing
-on nothing. Short validation documents are not matched whole: the ledger keeps their fingerprints,
-not their text.
+on nothing. An rl run trains on the completions it generates as well as on its prompts (consumed rows
+like any other): every completion its ledger's rollouts saved is decoded with the run's tokenizer and
+compared the same two ways, named by step, rank and global row. Short validation documents are not
+matched whole: the ledger keeps their fingerprints, not their text.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from ghostvis_core.data.eval_texts import (
 )
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ngrams import TEXT_COLUMNS, fingerprints, record_text
+from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.data.whole_items import MIN_WORDS, WholeItems, whole_phrase
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import ContaminationConfig
@@ -53,6 +56,7 @@ from ghostvis_core.store.files import sha256_file
 from ghostvis_core.verify.audit.outcome import CheckOutcome, union
 
 NAMED = 20  # contaminated pairs named one by one in a check's failures and tables
+COMPLETION = "rl completion"  # the "shard" of a generated completion: "rl completion, step S rank R"
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,11 @@ class Match:
         ]
 
     def failure(self, max_overlap: float) -> str:
-        where = f"training shard {self.shard_id} row {self.row}"
+        where = (
+            f"{self.shard_id}, global row {self.row}"
+            if self.shard_id.startswith(COMPLETION)
+            else f"training shard {self.shard_id} row {self.row}"
+        )
         if self.whole:
             return (
                 f'{where} holds {self.eval_set} {self.item} whole ("{self.whole}", {len(self.whole.split())} '
@@ -318,19 +326,40 @@ def consumed_texts(
     return texts
 
 
+def completion_texts(
+    store: Store, ledger: Ledger, spec: Any, chain: list[dict[str, Any]]
+) -> dict[tuple[str, int], str]:
+    """("rl completion, step S rank R", global row) -> the text of every completion an rl run's rollouts
+    saved on its chain (none for other stages), decoded with the run's tokenizer."""
+    rollouts = ledger.rollouts(chain)
+    if not rollouts:
+        return {}
+    tok = load_tokenizer(spec.tokenizer_id, store)
+    return {
+        (f"{COMPLETION}, step {r['step']} rank {r['rank']}", row): tok.decode(ids)
+        for r in rollouts
+        for row, ids in zip(r["rows"], r["completion_ids"])
+    }
+
+
 def gate_config(spec: Any) -> ContaminationConfig:
     """The run's declared gate (its launch spec's config; a spec saved before the gate gets the defaults)."""
     return spec.config.contamination
 
 
-def no_eval_contamination(store: Store, ledger: Ledger, spec: Any, consumption: list[dict[str, Any]]) -> CheckOutcome:
-    """The stage check: no consumed training document shares more than `max_overlap` of the smaller
-    side's 13-gram fingerprints with an evaluation item, nor holds a short item whole; each offending
-    pair is named, and so is each evaluation set that cannot be checked at all."""
+def no_eval_contamination(
+    store: Store, ledger: Ledger, spec: Any, consumption: list[dict[str, Any]], chain: list[dict[str, Any]]
+) -> CheckOutcome:
+    """The stage check: no consumed training document (nor rl completion on the run's `chain`) shares
+    more than `max_overlap` of the smaller side's 13-gram fingerprints with an evaluation item, nor
+    holds a short item whole; each offending pair is named, and so is each evaluation set that cannot
+    be checked at all."""
     cfg = gate_config(spec)
     docs, missing = consumed_documents(ledger, spec, consumption)
+    completions = completion_texts(store, ledger, spec, chain)
+    docs |= {key: fingerprints(text) for key, text in completions.items()}
     items = known_items(ledger, cfg.eval_sets)
-    whole = whole_matches(consumed_texts(store, ledger, spec, consumption), items)
+    whole = whole_matches(consumed_texts(store, ledger, spec, consumption) | completions, items)
     found = by_overlap(whole + matches(docs, items))
     bad = [m for m in found if m.overlap > cfg.max_overlap or m.whole]
     failures = [m.failure(cfg.max_overlap) for m in bad[:NAMED]]
@@ -343,7 +372,7 @@ def no_eval_contamination(store: Store, ledger: Ledger, spec: Any, consumption: 
     ]
     failures += unchecked_sets(items)
     figures = {
-        "consumed_documents_fingerprinted": len(docs),
+        "consumed_documents_fingerprinted": len(docs) - len(completions),
         "consumed_fingerprints": sum(len(f) for f in docs.values()),
         "eval_items": len(items),
         "eval_items_checkable": sum(1 for it in items if it.checkable),
@@ -356,6 +385,7 @@ def no_eval_contamination(store: Store, ledger: Ledger, spec: Any, consumption: 
         "max_overlap_found": round(found[0].overlap, 3) if found else 0.0,
         "max_overlap": cfg.max_overlap,
         "shards_without_ngrams": len(missing),
+        "rl_completions_checked": len(completions),
     }
     tables = {
         "shared_ngrams": (
