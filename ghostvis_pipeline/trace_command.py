@@ -19,18 +19,28 @@ def shard_row(value: str) -> tuple[str, int]:
 
 def cmd_trace(args) -> int:
     from ghostvis_core.data.ledger import Ledger
-    from ghostvis_core.verify.trace import trace_document, trace_step
+    from ghostvis_core.verify.trace import find_text, trace_document, trace_step
 
     home = Home.from_env()
     ledger = Ledger.in_store(home.store)
+    uri = None if args.no_models else home.mlflow_tracking_uri
     if args.doc:
-        shard_id, row = shard_row(args.doc)
-        uri = None if args.no_models else home.mlflow_tracking_uri
-        report = trace_document(home.store, ledger, shard_id, row, uri)
+        report = trace_document(home.store, ledger, *shard_row(args.doc), uri)
         print(json.dumps(report, indent=2) if args.json else "\n".join(format_document(report)))
         return 0
+    if args.text:
+        found = find_text(ledger, args.text)
+        reports = [trace_document(home.store, ledger, d["shard_id"], d["row"], uri) for d in found]
+        if args.json:
+            print(json.dumps({"found": found, "traces": reports}, indent=2))
+            return 0
+        print(f"found in {len(found)} document(s)" if found else "found in no document of the ledger")
+        for d, report in zip(found, reports):
+            print(f"\n{d['split']} document {d['shard_id']}:{d['row']}: {d['shared']} of {d['of']} fingerprints")
+            print("\n".join(format_document(report)))
+        return 0
     if not (args.stage and args.step):
-        raise GhostvisError("ghostvis trace: give --doc <shard>:<row>, or --stage <stage> --step <n>")
+        raise GhostvisError('ghostvis trace: give --doc <shard>:<row>, --text "...", or --stage <stage> --step <n>')
     report = trace_step(home.store, ledger, args.stage, args.step, args.run_key)
     print(json.dumps(report, indent=2) if args.json else "\n".join(format_step(report)))
     return 0
@@ -72,9 +82,10 @@ def format_step(r: dict) -> list[str]:
 def add_parser(sub) -> None:
     t = sub.add_parser("trace", help="where a document went (--doc), or what a step fed (--stage --step)")
     t.add_argument("--doc", help="<shard>:<row>: the stages, runs, steps and ranks that trained this raw row")
+    t.add_argument("--text", help="20 words or more of a document: found by its fingerprints, then traced as --doc")
     t.add_argument("--stage", choices=stage_names(), help="with --step: the documents that step fed")
     t.add_argument("--step", type=int)
     t.add_argument("--run-key", help="with --stage: the run (default: the stage's newest completed run)")
-    t.add_argument("--no-models", action="store_true", help="with --doc: skip the MLflow model registry")
+    t.add_argument("--no-models", action="store_true", help="with --doc or --text: skip the MLflow model registry")
     t.add_argument("--json", action="store_true")
     t.set_defaults(fn=cmd_trace)

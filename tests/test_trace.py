@@ -12,7 +12,7 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan.batch import BatchPlan
-from ghostvis_core.verify.trace import place, trace_document, trace_step
+from ghostvis_core.verify.trace import find_text, place, trace_document, trace_step
 from ghostvis_pipeline.trace_command import shard_row
 from tests.conftest import run_cli
 
@@ -77,3 +77,19 @@ def test_ghostvis_trace_prints_both_answers_and_json(demo_home):
     assert any(m["stage"] == "sft" for m in doc["registered_models"])  # the demo registers every stage's model
     step = run_cli(["ghostvis", "trace", "--stage", "pretrain", "--step", "2"], demo_home).stdout
     assert step.splitlines()[0].startswith("pretrain run pretrain-") and "demo_" in step
+
+
+def test_a_passage_is_found_through_the_ledgers_fingerprints(demo_home):
+    """40 words of a pretrain document name it (its fingerprints are the most shared); 12 words cannot."""
+    import pyarrow.parquet as pq
+
+    home = Home(demo_home)
+    ledger = Ledger.in_store(home.store)
+    shard_id, row = replayed_document(ledger)
+    text = pq.read_table(home.store.fetch("raw_shard", shard_id), columns=["text"]).column(0)[row].as_py()
+    passage = " ".join(text.split()[:40])
+    found = find_text(ledger, passage)
+    assert (shard_id, row) in {(d["shard_id"], d["row"]) for d in found}
+    assert all(d["shared"] == d["of"] > 0 for d in found)
+    with pytest.raises(GhostvisError, match="12 words have no 13-gram fingerprint"):
+        find_text(ledger, " ".join(f"w{i}" for i in range(12)))

@@ -10,7 +10,9 @@ packing), never with the trainer's code; the raw shards only give a few characte
   then every run downstream of those (their lineage holds one) and, when an MLflow tracking URI is
   given, the model versions registered from them;
 - a step of a run (default: the stage's newest completed run): the global rows each rank fed at that
-  step (the ledger's feeds), each rebuilt to its shard spans and raw rows.
+  step (the ledger's feeds), each rebuilt to its shard spans and raw rows;
+- a text: the documents of the ledger's current shards that hold the most of its 13-gram fingerprints
+  (ghostvis_core/data/ngrams.py), each then traced as a document.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.ngrams import TEXT_COLUMNS, record_text
+from ghostvis_core.data.ngrams import TEXT_COLUMNS, fingerprints, normalize, record_text
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.run.train.runs import newest_completed_run, run_result
@@ -171,3 +173,18 @@ def trace_step(store: Store, ledger: Ledger, stage: str, step: int, run_key: str
                         }
                     )
     return {"stage": stage, "run_key": run_key, "step": step, "fed": fed}
+
+
+def find_text(ledger: Ledger, text: str, limit: int = 5) -> list[dict[str, Any]]:
+    """The documents of the ledger's current shard contents holding the most of the text's fingerprints
+    (ties kept, at most `limit`), each with `shared` and `of` (the text's fingerprints)."""
+    fps = fingerprints(text)
+    if not fps:
+        raise GhostvisError(
+            f"ghostvis trace --text: {len(normalize(text))} words have no 13-gram fingerprint; give at least 20 "
+            "consecutive words of the document (two texts sharing 20 words share a fingerprint), or --doc <shard>:<row>"
+        )
+    current = {(r["shard_id"], r["content_sha256"]) for r in ledger.shards()}
+    found = [r for r in ledger.documents_sharing(sorted(fps)) if (r["shard_id"], r["content_sha256"]) in current]
+    best = found[0]["shared"] if found else 0
+    return [{**r, "of": len(fps)} for r in found if r["shared"] == best][:limit]
