@@ -10,16 +10,9 @@ from ghostvis_core.home import Home
 from ghostvis_core.plan.stages import stage_names
 
 
-def shard_row(value: str) -> tuple[str, int]:
-    shard_id, _, row = value.rpartition(":")
-    if not shard_id or not row.isdigit():
-        raise GhostvisError(f"--doc {value!r}: give <shard>:<row>, e.g. demo_prose/00000:12 (the raw shard's row)")
-    return shard_id, int(row)
-
-
 def cmd_trace(args) -> int:
     from ghostvis_core.data.ledger import Ledger
-    from ghostvis_core.verify.trace import find_text, trace_document, trace_step
+    from ghostvis_core.verify.trace import find_text, shard_row, trace_document, trace_step
 
     home = Home.from_env()
     ledger = Ledger.in_store(home.store)

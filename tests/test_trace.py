@@ -12,8 +12,7 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan.batch import BatchPlan
-from ghostvis_core.verify.trace import find_text, place, trace_document, trace_step
-from ghostvis_pipeline.trace_command import shard_row
+from ghostvis_core.verify.trace import find_text, place, shard_row, trace_document, trace_step
 from tests.conftest import run_cli
 
 
@@ -93,3 +92,21 @@ def test_a_passage_is_found_through_the_ledgers_fingerprints(demo_home):
     assert all(d["shared"] == d["of"] > 0 for d in found)
     with pytest.raises(GhostvisError, match="12 words have no 13-gram fingerprint"):
         find_text(ledger, " ".join(f"w{i}" for i in range(12)))
+
+
+def test_the_trace_job_gives_the_same_answer_in_dagster(demo_home):
+    from ghostvis_pipeline.resources import GhostvisHome
+    from ghostvis_pipeline.trace_job import trace
+
+    home = Home(demo_home)
+    resources = {"home": GhostvisHome(root=str(demo_home))}
+    config = {"ops": {"trace_ledger": {"config": {"stage": "pretrain", "step": 3}}}}
+    result = trace.execute_in_process(run_config=config, resources=resources)
+    assert result.success
+    assert result.output_for_node("trace_ledger") == trace_step(home.store, Ledger.in_store(home.store), "pretrain", 3)
+    empty = trace.execute_in_process(
+        run_config={"ops": {"trace_ledger": {"config": {}}}}, resources=resources, raise_on_error=False
+    )
+    assert not empty.success
+    (failure,) = [e for e in empty.all_events if e.is_step_failure]
+    assert "give doc (<shard>:<row>), text, or stage and step" in failure.step_failure_data.error.message

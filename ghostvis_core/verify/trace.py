@@ -59,6 +59,14 @@ class Reader:
         return self._texts[shard_id][row][:SNIPPET].replace("\n", " ")
 
 
+def shard_row(value: str) -> tuple[str, int]:
+    """A document named as <shard>:<raw row>."""
+    shard_id, _, row = value.rpartition(":")
+    if not shard_id or not row.isdigit():
+        raise GhostvisError(f"document {value!r}: give <shard>:<row>, e.g. demo_prose/00000:12 (the raw shard's row)")
+    return shard_id, int(row)
+
+
 def place(g: int, plan: BatchPlan) -> dict[str, int]:
     """Step, rank and micro-batch of global row g (the row rule)."""
     o = g % plan.rows_per_step
