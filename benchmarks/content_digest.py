@@ -2,7 +2,8 @@
 
 The real training step (`ghostvis_core.run.train.trainer.Trainer.train_step`, world size 1, the demo's `tiny` pretrain
 shape, the precision `auto` picks) runs --steps times after a warm-up step; every call of the digest
-(`FedLog.add`, one per micro-batch) is timed inside the step. Goal: digest time / step time < 2%.
+(`FedLog.received`, called by the model's forward pre-hook once per micro-batch) is timed inside the step.
+Goal: digest time / step time < 2%.
 
     .venv/bin/python benchmarks/content_digest.py [--home PATH] [--steps 20]
 """
@@ -38,14 +39,14 @@ def measure(home: Path, steps: int) -> dict:
     )
     trainer = setup(spec, DistContext(0, 0, 1, torch.device("cpu")))
     spent = [0.0]
-    add = FedLog.add
+    received = FedLog.received
 
-    def timed_add(self, step, batch):
+    def timed_received(self, inputs, targets, doc_ids):
         t0 = time.perf_counter()
-        add(self, step, batch)
+        received(self, inputs, targets, doc_ids)
         spent[0] += time.perf_counter() - t0
 
-    FedLog.add = timed_add
+    FedLog.received = timed_received
     try:
         trainer.train_step()  # warm-up: allocator and threads
         spent[0], t0 = 0.0, time.perf_counter()
@@ -53,7 +54,7 @@ def measure(home: Path, steps: int) -> dict:
             trainer.train_step()
         wall = time.perf_counter() - t0
     finally:
-        FedLog.add = add  # nothing was logged, so the trainer made no MLflow run (run/train/tracking.py)
+        FedLog.received = received  # nothing was logged, so the trainer made no MLflow run (run/train/tracking.py)
     p = trainer.plan
     return {
         "steps": steps,

@@ -36,7 +36,7 @@ from ghostvis_core.plan.run_modes import (
     mode_of,
 )
 from ghostvis_core.plan.stages import stage, stage_names
-from ghostvis_pipeline import data_command, export_command, status_command, store_command, train_command
+from ghostvis_pipeline import data_command, export_command, status_command, store_command, trace_command, train_command
 
 
 def cmd_init(args) -> int:
@@ -542,6 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     export_command.add_parser(sub)
     status_command.add_parser(sub)
     store_command.add_parser(sub)
+    trace_command.add_parser(sub)
     return ap
 
 

@@ -24,6 +24,7 @@ from ghostvis_pipeline.export_job import export_model
 from ghostvis_pipeline.jobs import checks_job, shard_data_job, training_job
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.resources import GhostvisHome
+from ghostvis_pipeline.trace_job import trace
 
 stage_assets = []
 # Each stage starts from its upstream's checkpoint and reads the token ledger and the tokenizer: a new
@@ -42,7 +43,7 @@ defs = Definitions(
         *[c for stage in STAGES for c in stage_checks(stage.name)],
         lineage_quality_gate,
     ],
-    jobs=[shard_data_job, training_job, checks_job, export_model],
+    jobs=[shard_data_job, training_job, checks_job, export_model, trace],
     resources={"home": GhostvisHome(), "launcher": Launcher()},
     # Every step in the run's own process: the heavy work already runs elsewhere (torchrun, datatrove
     # workers, a cluster), and a process per step re-imports the code location (~5 s) for each of a

@@ -23,6 +23,7 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ngrams import NGRAM, WINDOW, fingerprints, ngram_hash, ngram_hashes, normalize, winnow
 from ghostvis_core.data.tokenize import TokenizeJob, job_for_shard, run_locally, tokenize_shards
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
+from ghostvis_core.data.whole_items import MIN_WORDS, WholeItems, whole_phrase
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import ContaminationConfig
 from ghostvis_core.plan.presets import resolve
@@ -100,6 +101,7 @@ VOCAB = [
     for a in ("ka", "lo", "mi", "nu", "pe", "ra", "si", "to", "vu", "ze")
     for b in ("bar", "cen", "dol", "fim", "gat", "hul", "jor", "kes", "lun", "mop", "nis", "pry")
 ]
+SHORT_ITEM = "The capital of France is Paris."  # lm-eval capitals line 1, a benchmark item, the user set's line 1
 MC_ITEM = {
     "question": "A farmer plants seven rows of beans with twelve plants in every row and then loses "
     "one full row to a storm. How many bean plants are left in the field?",
@@ -111,8 +113,9 @@ MC_ITEM = {
 @pytest.fixture(scope="module")
 def tokenized(module_tmp) -> SimpleNamespace:
     """A store with one source, tokenized for real: train shard corp/00000 (row 1 holds the
-    validation document pasted mid-text, row 3 the multiple-choice item with its answer; rows 0 and 2
-    are clean), a clean train shard corp/00001 and a validation shard corp/val."""
+    validation document pasted mid-text, row 3 the multiple-choice item with its answer, row 4 a
+    shipped capitals item of 6 words; rows 0 and 2 are clean), a clean train shard corp/00001 and a
+    validation shard corp/val."""
     root = module_tmp("contamination")
     store, rng = FolderStore(root / "store"), random.Random(11)
     val_docs = [words(rng, 50), words(rng, 70)]
@@ -123,6 +126,7 @@ def tokenized(module_tmp) -> SimpleNamespace:
             f"{words(rng, 30)}\n{val_docs[0]}\n{words(rng, 30)}",
             words(rng, 80),
             f"{words(rng, 25)} {mc_text} {words(rng, 25)}",
+            f"{words(rng, 20)} {SHORT_ITEM} {words(rng, 20)}",
         ],
         "corp/00001": [words(rng, 60) for _ in range(4)],
         "corp/val": val_docs,
@@ -193,7 +197,9 @@ def test_tokenization_records_each_documents_winnowed_13_grams(tokenized):
 
 def test_a_pasted_validation_document_and_mc_item_fail_the_gate_naming_shard_row_and_item(tokenized):
     t = tokenized
-    out = no_eval_contamination(t.ledger, spec_of(t, eval_sets=[str(t.eval_folder)]), [consumed("corp/00000", 0, 4)])
+    out = no_eval_contamination(
+        t.store, t.ledger, spec_of(t, eval_sets=[str(t.eval_folder)]), [consumed("corp/00000", 0, 4)], []
+    )
     assert not out.passed
     assert out.figures["contaminated_documents"] == 2 and out.figures["consumed_documents_fingerprinted"] == 4
     named = {(row[0], row[1], row[2], row[3]) for row in out.tables["shared_ngrams"][1] if row[-1] == "contaminated"}
@@ -204,14 +210,14 @@ def test_a_pasted_validation_document_and_mc_item_fail_the_gate_naming_shard_row
     row = next(r for r in out.tables["shared_ngrams"][1] if r[1] == 1)
     assert row[4:7] == [val_fps, len(fingerprints(t.texts["corp/00000"][1])), val_fps] and row[7] == 1.0
     sets = {r[0]: r[1:] for r in out.tables["eval_sets"][1]}
-    assert sets["validation"][:2] == [2, 2] and sets["user:mc.jsonl"][:2] == [2, 1]  # the capital item is too short
+    assert sets["validation"][:3] == [2, 2, 0] and sets["user:mc.jsonl"][:3] == [2, 2, 1]  # the capital item: whole
 
 
 def test_clean_rows_and_a_clean_shard_pass(tokenized):
     t = tokenized
     spec = spec_of(t, eval_sets=[str(t.eval_folder)])
     for rows in ([consumed("corp/00001", 0, 4)], [consumed("corp/00000", 0, 1), consumed("corp/00000", 2, 3)]):
-        out = no_eval_contamination(t.ledger, spec, rows)
+        out = no_eval_contamination(t.store, t.ledger, spec, rows, [])
         assert out.passed, out.failures
         assert out.figures["contaminated_documents"] == 0 and out.figures["documents_sharing_ngrams"] == 0
 
@@ -222,9 +228,9 @@ def test_the_threshold_is_declared_in_the_stage_config(tokenized):
     with pytest.raises(GhostvisError, match="contamination.max_overlap must be a share between 0 and 1"):
         resolve("sft", "smoke", {"contamination.max_overlap": "2"})
     t = tokenized
-    out = no_eval_contamination(t.ledger, spec_of(t, max_overlap=1.0), [consumed("corp/00000", 0, 4)])
+    out = no_eval_contamination(t.store, t.ledger, spec_of(t, max_overlap=1.0), [consumed("corp/00000", 0, 4)], [])
     assert out.passed and out.figures["max_overlap"] == 1.0 and out.figures["max_overlap_found"] == 1.0
-    default = no_eval_contamination(t.ledger, spec_of(t), [consumed("corp/00000", 0, 4)])
+    default = no_eval_contamination(t.store, t.ledger, spec_of(t), [consumed("corp/00000", 0, 4)], [])
     assert default.figures["max_overlap"] == 0.5 and default.figures["contaminated_documents"] == 1  # no user set
 
 
@@ -242,7 +248,7 @@ def test_a_shard_tokenized_before_the_gate_fails_with_the_fix(tokenized, tmp_pat
     ledger = Ledger(tmp_path / "ledger")
     shutil.copytree(t.ledger.root, ledger.root)
     ledger.ngram_record_path("corp/00001", t.jobs["corp/00001"].content_sha256).unlink()
-    out = no_eval_contamination(ledger, spec_of(t), [consumed("corp/00001", 0, 4)])
+    out = no_eval_contamination(t.store, ledger, spec_of(t), [consumed("corp/00001", 0, 4)], [])
     assert not out.passed and out.figures["shards_without_ngrams"] == 1
     assert out.failures == [
         "training shard corp/00001 was consumed but has no n-gram record in the ledger (tokenized "
@@ -252,10 +258,94 @@ def test_a_shard_tokenized_before_the_gate_fails_with_the_fix(tokenized, tmp_pat
 
 def test_a_registered_eval_set_that_does_not_exist_is_an_error(tokenized, tmp_path):
     with pytest.raises(GhostvisError, match="contamination.eval_sets"):
-        no_eval_contamination(tokenized.ledger, spec_of(tokenized, eval_sets=[str(tmp_path / "nope.jsonl")]), [])
+        no_eval_contamination(
+            tokenized.store, tokenized.ledger, spec_of(tokenized, eval_sets=[str(tmp_path / "nope.jsonl")]), [], []
+        )
 
 
-# ---- a real stage run on the demo data, then one with a validation document pasted in ----------
+def test_a_pasted_short_shipped_item_fails_the_gate_naming_item_and_document(tokenized):
+    """6 words, no 13-gram: the fingerprints cannot see it; matched whole it is named in every set holding it."""
+    t = tokenized
+    out = no_eval_contamination(
+        t.store, t.ledger, spec_of(t, eval_sets=[str(t.eval_folder)]), [consumed("corp/00000", 4, 5)], []
+    )
+    assert not out.passed and out.figures["documents_sharing_ngrams"] == 0
+    named = {(r[0], r[1], r[2], r[3], r[8]) for r in out.tables["shared_ngrams"][1] if r[-1] == "contaminated"}
+    whole = "whole: the capital of france is paris"
+    assert named == {
+        ("corp/00000", 4, "lm_eval:capitals.jsonl", "line 1", whole),
+        ("corp/00000", 4, "benchmark:capitals", f"item {capitals_item('France')}", whole),
+        ("corp/00000", 4, "user:mc.jsonl", "line 1", whole),
+        ("corp/00000", 4, "prompts", "The capital of France is", "whole: the capital of france is"),
+    }
+    assert (
+        'training shard corp/00000 row 4 holds lm_eval:capitals.jsonl line 1 whole ("the capital of france is '
+        'paris", 6 words, too short for 13-gram fingerprints, matched as a whole)'
+    ) in out.failures
+    assert out.figures["documents_holding_short_items"] == out.figures["contaminated_documents"] == 1
+    sets = {r[0]: r[1:] for r in out.tables["eval_sets"][1]}
+    assert sets["prompts"][:3] == [4, 2, 2]  # "def fibonacci(n):" (3 words) and "3 + 4 =" (2) are too short
+
+
+def capitals_item(country: str) -> int:
+    """The benchmark's item number of a country's capitals item (arithmetic items come first)."""
+    from ghostvis_core.data.eval_texts import BENCHMARK_PER_TASK, BENCHMARK_SEED, template_choices
+
+    choices = template_choices(random.Random(BENCHMARK_SEED), BENCHMARK_PER_TASK)
+    return next(n for n, c in enumerate(choices, start=1) if c[1] == f"The capital of {country} is")
+
+
+def test_user_sets_in_parquet_are_checked_and_a_set_of_only_too_short_items_fails_by_name(tokenized, tmp_path):
+    t = tokenized
+    pq.write_table(pa.table({"question": [MC_ITEM["question"], "Name it."]}), tmp_path / "qa.parquet")
+    (tmp_path / "tiny.jsonl").write_text(json.dumps({"q": "3 + 4 ="}) + "\n" + json.dumps({"q": "def f(n):"}) + "\n")
+    out = no_eval_contamination(
+        t.store, t.ledger, spec_of(t, eval_sets=[str(tmp_path)]), [consumed("corp/00000", 3, 4)], []
+    )
+    assert ("corp/00000", 3, "user:qa.parquet", "row 0") in {tuple(r[:4]) for r in out.tables["shared_ngrams"][1]}
+    sets = {r[0]: r[1:] for r in out.tables["eval_sets"][1]}
+    assert sets["user:qa.parquet"][:3] == [2, 1, 0] and sets["user:tiny.jsonl"][:3] == [2, 0, 0]
+    assert out.failures[-1] == (
+        "evaluation set user:tiny.jsonl has 2 items and none can be checked (each is shorter than 4 words once "
+        "normalized: no fingerprint, too short to match whole); give it longer items or remove it from "
+        "contamination.eval_sets"
+    )
+    assert not any("user:qa.parquet" in f and "none can be checked" in f for f in out.failures)
+
+
+def test_an_rl_completion_holding_an_item_fails_the_gate_named_by_step_rank_and_row(tokenized, tmp_path):
+    """An rl run trains on what it generates: its saved completions are decoded and checked too."""
+    t = tokenized
+    ledger = Ledger(tmp_path / "ledger")
+    shutil.copytree(t.ledger.root, ledger.root)
+    part = {"part_id": "p1", "run_key": "rl-test", "stage": "rl", "segment": 0, "step_first": 1, "step_last": 2}
+    completions = [t.tok.encode("So the answer is 12."), t.tok.encode(f"Well: {SHORT_ITEM}")]
+    rollout = {"rank": 1, "step": 2, "rows": json.dumps([6, 7]), "completion_ids": json.dumps(completions)}
+    ledger.write_part(part, [], rollouts=[rollout | {"rewards": json.dumps([0.0, 1.0])}])
+    out = no_eval_contamination(t.store, ledger, spec_of(t), [consumed("corp/00001", 0, 4)], [part])
+    assert not out.passed and out.figures["rl_completions_checked"] == 2
+    assert out.figures["consumed_documents_fingerprinted"] == 4
+    assert (
+        'rl completion, step 2 rank 1, global row 7 holds lm_eval:capitals.jsonl line 1 whole ("the capital of '
+        'france is paris", 6 words, too short for 13-gram fingerprints, matched as a whole)'
+    ) in out.failures
+    assert {m[0] for m in out.tables["shared_ngrams"][1]} == {"rl completion, step 2 rank 1"}
+
+
+def test_a_short_item_is_matched_whole_on_word_boundaries_punctuation_aside():
+    assert whole_phrase("The capital of France is Paris.") == "the capital of france is paris"
+    assert whole_phrase("3 + 4 =") is None and whole_phrase(" ".join(WORDS)) is None  # 2 words; 14 words
+    assert MIN_WORDS == 4 and whole_phrase("a b c d") == "a b c d" and whole_phrase(" ".join(WORDS[:12]))
+    index = WholeItems(["the capital of france is paris", "step 1 40 24 64"])
+    assert index.found_in("Q: ... THE CAPITAL OF FRANCE IS: PARIS!\nStep 1: 40 + 24 = 64.") == {
+        "the capital of france is paris",
+        "step 1 40 24 64",
+    }
+    assert index.found_in("the capital of france is parisian; step 1: 40 + 24 = 641") == set()
+    assert index.found_in("paris is the capital of france") == set() and not WholeItems([])
+
+
+# ---- a real stage run on the demo data, then one with a validation document and a short item pasted in
 
 
 def fingerprint_every_shard(home: Path, shard_ids: list[str] | None = None) -> None:
@@ -303,7 +393,8 @@ def validation_document(home: Path, source: str, min_words: int = 40, max_words:
 
 
 @pytest.mark.e2e
-def test_a_smoke_pretrain_passes_the_gate_and_fails_it_once_a_validation_document_is_pasted_in(demo_home, tmp_path):
+def test_a_smoke_pretrain_passes_the_gate_and_fails_it_once_eval_text_is_pasted_in(demo_home, tmp_path):
+    """A validation document and a short shipped item pasted into one consumed document: both named."""
     from tests.conftest import copy_home
     from tests.test_audit import checks_of, clean_run
 
@@ -316,7 +407,7 @@ def test_a_smoke_pretrain_passes_the_gate_and_fails_it_once_a_validation_documen
 
     shard_id, row = first_consumed_row(home, clean)
     val_row, passage = validation_document(home, shard_id.split("/")[0])
-    paste_into(home, shard_id, row, passage)
+    paste_into(home, shard_id, row, f"{passage}\n\n{SHORT_ITEM}")
     fingerprint_every_shard(home, [shard_id])
     planted = clean_run(home, 41)  # same config, new shard content: a new run key
     gate = checks_of(home, planted)["no_eval_contamination"]
@@ -326,3 +417,6 @@ def test_a_smoke_pretrain_passes_the_gate_and_fails_it_once_a_validation_documen
         f.startswith(f"training shard {shard_id} row {row} ") and f"validation {item} " in f for f in gate["failures"]
     ), gate["failures"]
     assert [shard_id, row, "validation", item] in [r[:4] for r in gate["tables"]["shared_ngrams"]["rows"]]
+    assert f"training shard {shard_id} row {row} holds lm_eval:capitals.jsonl line 1 whole " in "\n".join(
+        gate["failures"]
+    )

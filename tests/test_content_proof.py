@@ -54,6 +54,75 @@ def test_micro_batch_rows_tile_a_step_once_across_ranks():
     assert micro_rows(0, 1, 2, 2, 3) == [10, 11]
 
 
+# ---- the digest is taken at the model's input (issue 43) ------------------------------------------
+
+
+def probed_model():
+    """A tiny GPT with the content-proof hook, and the FedLog it reports to."""
+    import torch
+
+    from ghostvis_core.plan.config import ModelConfig
+    from ghostvis_core.run.model.gpt import GPT
+    from ghostvis_core.run.train.feeds import FedLog, watch_model_inputs
+
+    torch.manual_seed(0)
+    model = GPT(
+        ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=32, max_seq_len=8)
+    )
+    log = FedLog()
+    watch_model_inputs(model, lambda: log)
+    return model, log
+
+
+def planned_batch(rows: list[int], images: list[bytes] = ()):
+    """A micro-batch as the plan made it: rows of 4 ids, targets shifted by one."""
+    import torch
+
+    from ghostvis_core.counts import TokenCounts
+    from ghostvis_core.data.loader import Batch
+
+    inputs = torch.tensor([[g, g + 1, g + 2, g + 3] for g in rows])
+    return Batch(inputs, inputs + 1, [], TokenCounts(), rows=rows, images=list(images))
+
+
+def expected_digest(batch) -> str:
+    """What the audit rebuilds from the token files for these rows: the digest of the planned tensors."""
+    rows = [digest.row_digest(i.numpy(), t.numpy()) for i, t in zip(batch.inputs, batch.targets)]
+    return digest.micro_digest(rows, [digest.image_hash(im) for im in batch.images])
+
+
+def test_the_digest_is_of_what_reaches_the_model_and_only_training_feeds_are_recorded():
+    model, log = probed_model()
+    model(planned_batch([1, 2]).inputs)  # no micro-batch announced (validation, generation): not recorded
+    assert log.steps == {}
+    batch = planned_batch([3, 4], [b"png"])
+    log.expect(7, batch)
+    model(batch.inputs, batch.targets, reduction="sum")
+    model(batch.inputs, batch.targets, reduction="sum")  # a second forward of the step is not a second feed
+    assert log.steps[7]["micro_rows"] == [[3, 4]] and log.steps[7]["micro_digests"] == [expected_digest(batch)]
+    assert log.records(rank=0)[0]["step_digest"] == digest.step_digest([expected_digest(batch)])
+
+
+def test_a_batch_edited_after_planning_or_never_fed_no_longer_matches_the_plan():
+    """The trainer announces the planned rows 4-5; the model receives rows 5-6 (a batch swapped after
+    planning), then an edited target: the recorded digests are of what the model saw, not the plan."""
+    model, log = probed_model()
+    planned, fed = planned_batch([4, 5]), planned_batch([5, 6])
+    log.expect(1, planned)
+    model(fed.inputs, fed.targets)
+    edited = planned_batch([4, 5])
+    edited.targets[0, 3] = 0
+    log.expect(2, planned)
+    model(edited.inputs, edited.targets)
+    log.expect(3, planned)  # announced, never given to the model
+    log.expect(3, planned)
+    model(planned.inputs, planned.targets)
+    assert log.steps[1]["micro_rows"] == [[4, 5]]  # the rows the plan says...
+    assert log.steps[1]["micro_digests"] == [expected_digest(fed)] != [expected_digest(planned)]  # ...not their content
+    assert log.steps[2]["micro_digests"] != [expected_digest(planned)]
+    assert log.steps[3]["micro_digests"] == [expected_digest(planned)]  # one micro-batch recorded, not two
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("stage", stage_names())
 def test_the_audit_rebuilds_exactly_the_rows_the_loader_builds(demo_home, stage):

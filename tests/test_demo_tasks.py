@@ -17,9 +17,10 @@ import pyarrow.parquet as pq
 import pytest
 from PIL import Image
 
-from ghostvis_core.data.decontaminate import drop_shared, held_out_fingerprints
+from ghostvis_core.data.decontaminate import drop_shared, held_out
 from ghostvis_core.data.eval_texts import shipped_texts
 from ghostvis_core.data.ngrams import fingerprints, record_text
+from ghostvis_core.data.whole_items import WholeItems, whole_phrase
 from ghostvis_core.demo.tasks import (
     COLORS,
     SPLIT_SIZES,
@@ -51,11 +52,12 @@ EXPECTED_SCHEMAS = {
     },
 }
 # Generated training rows dropped for sharing a 13-gram fingerprint with a validation row of any task
-# source. demo_prefs: all 308 pairs whose rejected reply ends in the 24-word "I hope this helps! ..."
-# tail (21 validation pairs have it too) and 32 that repeat a validation pair's or chat's Q&A;
-# demo_chat: 14 of its 64 repeat a validation preference pair's; demo_images: captions are too short
-# to have a fingerprint.
-DECONTAMINATED = {"demo_reasoning": 23, "demo_chat": 64, "demo_prefs": 340, "demo_images": 0}
+# source (23, 64, 340), then for holding a short shipped evaluation item whole (108, 545, 135: the
+# arithmetic and capitals items and the capital prompt). demo_prefs: all 308 pairs whose rejected
+# reply ends in the 24-word "I hope this helps! ..." tail (21 validation pairs have it too) and 32
+# that repeat a validation pair's or chat's Q&A; demo_chat: 14 of its 64 repeat a validation
+# preference pair's; demo_images: captions are too short to have a fingerprint and hold no item.
+DECONTAMINATED = {"demo_reasoning": 131, "demo_chat": 609, "demo_prefs": 475, "demo_images": 0}
 SHARD_NAMES = ["00000.parquet", "00001.parquet", "00002.parquet", "00003.parquet", "val_00000.parquet"]
 STEP = re.compile(r"^Step (\d+): (\d+) ([-+*]) (\d+) = (\d+)\.$")
 ARITH_REPLY = re.compile(r"^(\d+) ([-+*]) (\d+) = (\d+)\.$")
@@ -205,8 +207,25 @@ def test_a_training_row_holding_20_words_of_a_validation_row_is_dropped():
         {"text": f"Tom has 3 apples. {passage}. Answer: 3"},
         {"text": f"Ann has 2 pears. {near} and more words here."},
     ]
-    held = held_out_fingerprints([val])
+    held = held_out([val])
     assert drop_shared(train, partial(record_text, "text"), held) == [train[1]]
+
+
+def test_a_training_row_holding_a_short_shipped_item_whole_is_dropped():
+    """The gate's whole-item rule at build time: the capitals and arithmetic items have no 13-gram."""
+    train = [
+        {"text": "Q: Which city? The capital of France is Paris. Well done."},
+        {"text": "Tom has 40 apples.\nStep 1: 40 + 24 = 64.\nAnswer: 64"},
+        {"text": "Paris is the capital of France, and 40 + 24 = 64 at step 1."},
+    ]
+    assert drop_shared(train, partial(record_text, "text"), held_out([])) == [train[2]]
+
+
+@pytest.mark.parametrize("source", list(TASK_SOURCES))
+def test_train_holds_no_short_shipped_item_whole(built, source):
+    index = WholeItems(p for p in map(whole_phrase, shipped_texts()) if p)
+    kind = TASK_SOURCES[source]
+    assert [r for r in _rows(built, source, "train") if index.found_in(record_text(kind, r))] == []
 
 
 @pytest.mark.parametrize("source", list(TASK_SOURCES))

@@ -516,6 +516,19 @@ class Ledger:
             list(content_sha256s),
         )
 
+    def documents_sharing(self, ngram_hashes: list[int]) -> list[dict[str, Any]]:
+        """The documents (shard_id, content_sha256, split, row) holding any of these fingerprints, with how
+        many they hold (`shared`), most first: a text found by its fingerprints (`ghostvis trace --text`)."""
+        if not ngram_hashes:
+            return []
+        return self._query(
+            "ngrams",
+            "SELECT shard_id, content_sha256, split, row, COUNT(DISTINCT ngram_hash) AS shared FROM ngrams "
+            f"WHERE ngram_hash IN ({','.join('?' * len(ngram_hashes))}) "
+            "GROUP BY shard_id, content_sha256, split, row ORDER BY shared DESC, shard_id, row",
+            list(ngram_hashes),
+        )
+
     def chain(self, run_key: str) -> list[dict[str, Any]]:
         """The parts that lead to the run's newest checkpoint, oldest first."""
         return chain_of(self.parts([run_key]))

@@ -11,7 +11,8 @@ WINDOW consecutive n-gram hashes, the smallest is kept. The kept set depends onl
 sides of a comparison are sampled by the same rule, and it comes with a guarantee a random sample
 lacks: two texts that share a run of at least NGRAM + WINDOW - 1 (= 20) words share a fingerprint.
 About 2 / (WINDOW + 1) of the n-grams are kept (2 bytes per word stored, before compression). A text
-shorter than NGRAM words has no n-gram, hence no fingerprint, and cannot be checked.
+shorter than NGRAM words has no n-gram, hence no fingerprint: a short evaluation item is matched whole
+instead (ghostvis_core/data/whole_items.py).
 """
 
 from __future__ import annotations
@@ -48,6 +49,15 @@ def winnow(hashes: list[int], window: int = WINDOW) -> set[int]:
         return set()
     span = min(window, len(hashes))
     return {min(hashes[i : i + span]) for i in range(len(hashes) - span + 1)}
+
+
+# The raw columns record_text reads, per source kind (the gate reads the consumed rows' text with them).
+TEXT_COLUMNS = {
+    "text": ["text"],
+    "chat": ["messages"],
+    "preference": ["prompt", "chosen", "rejected"],
+    "image_caption": ["caption"],
+}
 
 
 def record_text(kind: str, record: dict) -> str:

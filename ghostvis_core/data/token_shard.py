@@ -7,7 +7,8 @@ Every kind of source has a `row` column (the document's row in the raw Parquet s
 - preference: prompt ++ chosen ++ rejected, plus `prompt_len` and `chosen_len`
 - image_caption: <|bos|><|image|> + caption + <|eot|>, plus `image` (encoded bytes)
 Written as a single record batch, so `tokens` gives the flat token array and the document offsets
-without copying; consumption is recorded in these shard-local token coordinates.
+without copying; consumption is recorded in these shard-local token coordinates. The schema metadata
+names the tokenizer that wrote the file (TOKENIZER_KEY).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import pyarrow as pa
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store.files import replacing
+
+TOKENIZER_KEY = "ghostvis.tokenizer_id"  # schema metadata: the id of the tokenizer that wrote the file
 
 
 def token_dtype(vocab_size: int):
@@ -42,9 +45,13 @@ def numpy_view(array: pa.Array) -> np.ndarray:
     return np.frombuffer(data, dtype=dtype)[array.offset : array.offset + len(array)]
 
 
-def write_token_shard(path: Path, columns: dict[str, pa.Array]) -> None:
-    """Write atomically: a reader never sees a half-written shard under the final name."""
+def write_token_shard(path: Path, columns: dict[str, pa.Array], tokenizer_id: str | None = None) -> None:
+    """Write atomically: a reader never sees a half-written shard under the final name. The tokenizer
+    that made the tokens is named in the file's schema metadata (TOKENIZER_KEY), so the audit can prove
+    a file was made by the tokenizer its path and ledger record claim (token_integrity.py)."""
     table = pa.table(columns)
+    if tokenizer_id is not None:
+        table = table.replace_schema_metadata({TOKENIZER_KEY: tokenizer_id})
     with replacing(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table, max_chunksize=max(1, table.num_rows))
 

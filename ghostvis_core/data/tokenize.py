@@ -245,7 +245,7 @@ class TokenShardWriter(PipelineStep):
         columns = token_columns(rows, lists, scalars, dtype)
         n_tokens = sum(lists.get("tokens", ([], []))[0])
         token_file = store.writable("token_shard", tok.tokenizer_id, job.shard_id)
-        write_token_shard(token_file, columns)
+        write_token_shard(token_file, columns, tok.tokenizer_id)
         store.publish("token_shard", tok.tokenizer_id, job.shard_id)  # before its ledger record names it
         self.stat_update("tokens", value=n_tokens, unit="shard")
         ledger = Ledger.in_store(store)

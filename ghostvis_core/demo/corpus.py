@@ -35,7 +35,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ghostvis_core.data.decontaminate import drop_shared, held_out_fingerprints
+from ghostvis_core.data.decontaminate import HeldOut, drop_shared, held_out
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store.files import replacing
 
@@ -116,10 +116,10 @@ def _split(source: str) -> tuple[tuple[_Doc, ...], tuple[_Doc, ...]]:
 
 
 @cache
-def _held_out() -> frozenset[int]:
+def _held_out() -> HeldOut:
     """What no training document of either source may share a fingerprint with: the validation
     documents of both sources (docstrings are in the code and in the prose) and the shipped evaluation items."""
-    return held_out_fingerprints(d.text for source in TEXT_SOURCES for d in _split(source)[1])
+    return held_out(d.text for source in TEXT_SOURCES for d in _split(source)[1])
 
 
 # --- shared helpers ---------------------------------------------------------------------------

@@ -26,10 +26,13 @@ words with another picture, a preference pair a validation pair's replies under 
 and a chat a validation preference pair's exchange (both use the same Q&A templates). After the
 split, a training row that shares any 13-gram fingerprint (the text the tokenization fingerprints,
 `ngrams.record_text`) with a validation row of any task source, whatever its kind, or with a shipped
-evaluation item, is dropped (ghostvis_core/data/decontaminate.py; stricter than the gate's
-`contamination.max_overlap`). A source therefore has somewhat fewer training rows than SPLIT_SIZES
-generates; rows shorter than 13 words (every caption) have no fingerprint and are kept. The stdlib
-text sources (demo/corpus.py) share no 13-word run with these rows (tests/test_demo_corpus.py).
+evaluation item, or that holds a short shipped item whole ("Step 1: 40 + 24 = 64.", "The capital of
+France is Paris."), is dropped (ghostvis_core/data/decontaminate.py; stricter than the gate's
+`contamination.max_overlap`). A source therefore has fewer training rows than SPLIT_SIZES generates
+(the whole-item rule drops 108 of 5,977 reasoning rows, 545 of 3,936 chats and 135 of 2,660
+preference pairs that the fingerprints keep, and no caption); rows shorter than 13 words (every
+caption) have no fingerprint and are kept unless they hold a shipped item. The stdlib text sources
+(demo/corpus.py) share no 13-word run with these rows (tests/test_demo_corpus.py).
 
 The build is deterministic (one seeded `random.Random` per source, no timestamps, no set
 iteration), so the same installation always yields byte-identical shards.
@@ -49,7 +52,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
 
-from ghostvis_core.data.decontaminate import drop_shared, held_out_fingerprints
+from ghostvis_core.data.decontaminate import HeldOut, drop_shared, held_out
 from ghostvis_core.data.facts import capitals
 from ghostvis_core.data.ngrams import record_text
 from ghostvis_core.errors import GhostvisError
@@ -195,7 +198,8 @@ def _layout(count: int, position: str, rng: random.Random) -> list[tuple[int, in
 def build_task_source(source: str, out_dir: Path) -> list[tuple[Path, str]]:
     """Write one source's shards into out_dir; return [(path, split)], train shards first (sorted),
     then validation. Training rows that share a 13-gram fingerprint with a validation row of any
-    task source or with a shipped evaluation item are dropped (module docstring)."""
+    task source or with a shipped evaluation item, or hold a short shipped item whole, are dropped
+    (module docstring)."""
     if source not in TASK_SOURCES:
         raise GhostvisError(
             f"unknown demo task source {source!r}; the embedded demo task sources are {', '.join(TASK_SOURCES)}"
@@ -228,13 +232,11 @@ def _generate(source: str) -> tuple[list[dict], list[dict]]:
 
 
 @cache
-def _held_out() -> frozenset[int]:
+def _held_out() -> HeldOut:
     """What no training row may share a fingerprint with: the validation rows of every task source,
     whatever its kind (the gate compares across kinds, and chats and preference pairs come from the
     same Q&A templates), and the shipped evaluation items. Cached: every source's build needs all of it."""
-    return held_out_fingerprints(
-        record_text(kind, row) for source, kind in TASK_SOURCES.items() for row in _generate(source)[1]
-    )
+    return held_out(record_text(kind, row) for source, kind in TASK_SOURCES.items() for row in _generate(source)[1])
 
 
 # --- shared helpers ---------------------------------------------------------------------------

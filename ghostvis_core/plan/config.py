@@ -197,8 +197,9 @@ class ContaminationConfig:
     # 0 fails on any shared fingerprint, as GPT-3 and Marin do.
     max_overlap: float = 0.5
     # Evaluation sets checked besides the known ones (validation shards, the shipped lm-eval tasks, the
-    # benchmark and demo prompts): JSON Lines files or folders of them (e.g. a harness_include folder);
-    # one item per line: its string fields, plus choices[answer] for a multiple-choice item.
+    # benchmark and demo prompts): JSON Lines or Parquet files or folders of them (e.g. a harness_include
+    # folder); one item per line or row: its string fields, plus choices[answer] for a multiple-choice
+    # item. An item shorter than 13 words is matched whole (ghostvis_core/data/whole_items.py).
     eval_sets: tuple[str, ...] = ()
 
 

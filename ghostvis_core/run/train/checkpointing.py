@@ -49,8 +49,8 @@ class PartLog:
     rollouts: RolloutLog = field(default_factory=RolloutLog)
 
     def feed(self, step: int, batch: Batch) -> None:
-        """A micro-batch about to go to the model: its content digests and rollouts."""
-        self.fed.add(step, batch)
+        """A micro-batch about to go to the model: its content digests (taken at the model's input) and rollouts."""
+        self.fed.expect(step, batch)
         self.rollouts.add(step, batch)
 
 

@@ -18,6 +18,7 @@ from ghostvis_core.run.train.checkpointing import CheckpointManager
 from ghostvis_core.run.train.clock import Clock
 from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.run.train.efficiency import efficiency
+from ghostvis_core.run.train.feeds import watch_model_inputs
 from ghostvis_core.run.train.muon import make_muon
 from ghostvis_core.run.train.objectives import build_objective
 from ghostvis_core.run.train.parallel import wrap
@@ -74,7 +75,7 @@ def setup(spec: LaunchSpec, ctx: DistContext) -> Trainer:
         run_id=state.mlflow_run_id,
         segment=state.segment,
     )
-    return Trainer(
+    trainer = Trainer(
         preemption=PreemptionFlag(),
         watchdog=watchdog(spec, ctx, store, tracker),
         spec=spec,
@@ -94,6 +95,8 @@ def setup(spec: LaunchSpec, ctx: DistContext) -> Trainer:
         frozen_before=frozen_before,
         efficiency=efficiency(cfg, ctx.device, bf16, plan.world_size),
     )
+    watch_model_inputs(model, lambda: trainer.part.fed)  # the content proof digests what the model receives
+    return trainer
 
 
 def watchdog(spec: LaunchSpec, ctx: DistContext, store, tracker: Tracker) -> Watchdog:

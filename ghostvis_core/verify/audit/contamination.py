@@ -8,10 +8,20 @@ Evaluation side, reduced by the same rule:
 - `lm_eval:<file>`: the shipped lm-evaluation-harness tasks' JSON Lines (ghostvis_core/resources/lm_eval_tasks);
 - `benchmark:<task>`: the multiple-choice benchmark's templated items, context + right answer;
 - `prompts`: the fixed prompts every stage is sampled with;
-- `user:<file>`: the JSON Lines files (or folders of them) the stage config lists in `contamination.eval_sets`.
+- `user:<file>`: the JSON Lines or Parquet files (or folders of them) the stage config lists in
+  `contamination.eval_sets`.
 The cloze task and the benchmark's next-line items are cut from validation shards, so `validation`
 covers them. A pair (training document, evaluation item) is contaminated when the fingerprints they
 share exceed `contamination.max_overlap` of the smaller one's fingerprints.
+
+An item of fewer than 13 words has no fingerprint; it is matched whole (issue 43,
+ghostvis_core/data/whole_items.py) against the text of the consumed rows, read from the raw shards:
+a consumed document that holds it is contaminated. An evaluation set none of whose items can be
+checked (each shorter than whole_items.MIN_WORDS words) fails the check by name instead of passing
+on nothing. An rl run trains on the completions it generates as well as on its prompts (consumed rows
+like any other): every completion its ledger's rollouts saved is decoded with the run's tokenizer and
+compared the same two ways, named by step, rank and global row. Short validation documents are not
+matched whole: the ledger keeps their fingerprints, not their text.
 """
 
 from __future__ import annotations
@@ -25,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow.parquet as pq
+
 from ghostvis_core.data.eval_texts import (
     BENCHMARK_PER_TASK,
     BENCHMARK_SEED,
@@ -34,12 +46,17 @@ from ghostvis_core.data.eval_texts import (
     template_choices,
 )
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.ngrams import fingerprints
+from ghostvis_core.data.ngrams import TEXT_COLUMNS, fingerprints, record_text
+from ghostvis_core.data.tokenizer import load_tokenizer
+from ghostvis_core.data.whole_items import MIN_WORDS, WholeItems, whole_phrase
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import ContaminationConfig
+from ghostvis_core.store import Store
+from ghostvis_core.store.files import sha256_file
 from ghostvis_core.verify.audit.outcome import CheckOutcome, union
 
 NAMED = 20  # contaminated pairs named one by one in a check's failures and tables
+COMPLETION = "rl completion"  # the "shard" of a generated completion: "rl completion, step S rank R"
 
 
 @dataclass(frozen=True)
@@ -47,6 +64,15 @@ class EvalItem:
     eval_set: str
     item: str  # where in the set: a line number, a task item, a validation shard and row
     fps: frozenset[int]
+    phrase: str | None = None  # a short item's normalized words, matched whole (whole_items.py)
+
+    @classmethod
+    def of(cls, eval_set: str, item: str, text: str) -> EvalItem:
+        return cls(eval_set, item, frozenset(fingerprints(text)), whole_phrase(text))
+
+    @property
+    def checkable(self) -> bool:
+        return bool(self.fps) or self.phrase is not None
 
 
 @dataclass(frozen=True)
@@ -60,11 +86,13 @@ class Match:
     shared: int
     doc_fps: int
     item_fps: int
+    whole: str | None = None  # the short item's phrase, when the document holds it whole
 
     @property
     def overlap(self) -> float:
-        """Shared fingerprints over the smaller side's: 1.0 when one text is inside the other."""
-        return self.shared / max(1, min(self.doc_fps, self.item_fps))
+        """Shared fingerprints over the smaller side's: 1.0 when one text is inside the other (or the
+        document holds a short item whole)."""
+        return 1.0 if self.whole else self.shared / max(1, min(self.doc_fps, self.item_fps))
 
     def row_of(self) -> list[Any]:
         return [
@@ -76,10 +104,38 @@ class Match:
             self.doc_fps,
             self.item_fps,
             round(self.overlap, 3),
+            f"whole: {self.whole}" if self.whole else "13-grams",
         ]
 
+    def failure(self, max_overlap: float) -> str:
+        where = (
+            f"{self.shard_id}, global row {self.row}"
+            if self.shard_id.startswith(COMPLETION)
+            else f"training shard {self.shard_id} row {self.row}"
+        )
+        if self.whole:
+            return (
+                f'{where} holds {self.eval_set} {self.item} whole ("{self.whole}", {len(self.whole.split())} '
+                "words, too short for 13-gram fingerprints, matched as a whole)"
+            )
+        return (
+            f"{where} shares {self.shared} 13-gram fingerprints with {self.eval_set} {self.item} (document "
+            f"{self.doc_fps}, item {self.item_fps}): overlap {self.overlap:.2f} > contamination.max_overlap "
+            f"{max_overlap}"
+        )
 
-MATCH_HEADER = ["shard", "row", "eval set", "item", "shared", "doc fingerprints", "item fingerprints", "overlap"]
+
+MATCH_HEADER = [
+    "shard",
+    "row",
+    "eval set",
+    "item",
+    "shared",
+    "doc fingerprints",
+    "item fingerprints",
+    "overlap",
+    "match",
+]
 
 
 def jsonl_items(path: Path, eval_set: str) -> Iterator[EvalItem]:
@@ -93,22 +149,38 @@ def jsonl_items(path: Path, eval_set: str) -> Iterator[EvalItem]:
                 f"evaluation set {path}, line {n}: not JSON ({exc}); fix the file or remove it "
                 "from contamination.eval_sets"
             ) from None
-        text = item_text(record) if isinstance(record, dict) else str(record)
-        yield EvalItem(eval_set, f"line {n}", frozenset(fingerprints(text)))
+        yield EvalItem.of(eval_set, f"line {n}", item_text(record) if isinstance(record, dict) else str(record))
+
+
+def parquet_items(path: Path, eval_set: str) -> Iterator[EvalItem]:
+    """One item per row of a Parquet file (its string columns, and choices[answer]: item_text)."""
+    try:
+        records = pq.read_table(path).to_pylist()
+    except Exception as exc:  # pyarrow raises several types for a file that is not Parquet
+        raise GhostvisError(
+            f"evaluation set {path}: not a readable Parquet file ({exc}); fix the file or remove it "
+            "from contamination.eval_sets"
+        ) from None
+    for n, record in enumerate(records):
+        yield EvalItem.of(eval_set, f"row {n}", item_text(record))
+
+
+EVAL_FILES = {".jsonl": jsonl_items, ".parquet": parquet_items}
 
 
 def file_sets(paths: list[str], prefix: str) -> Iterator[EvalItem]:
-    """Items of JSON Lines files, or of every *.jsonl under a folder; a missing path is an error."""
+    """Items of JSON Lines or Parquet files, or of every such file under a folder; a missing path is an error."""
     for entry in paths:
         root = Path(entry).expanduser()
         if not root.exists():
             raise GhostvisError(
                 f"evaluation set {entry} does not exist; fix contamination.eval_sets "
-                "(JSON Lines files or folders of them)"
+                "(JSON Lines or Parquet files, or folders of them)"
             )
-        files = sorted(root.rglob("*.jsonl")) if root.is_dir() else [root]
+        files = sorted(f for f in root.rglob("*") if f.suffix in EVAL_FILES) if root.is_dir() else [root]
         for f in files:
-            yield from jsonl_items(f, f"{prefix}:{f.relative_to(root) if root.is_dir() else f.name}")
+            read = EVAL_FILES.get(f.suffix, jsonl_items)
+            yield from read(f, f"{prefix}:{f.relative_to(root) if root.is_dir() else f.name}")
 
 
 def validation_items(ledger: Ledger) -> Iterator[EvalItem]:
@@ -127,8 +199,8 @@ def known_items(ledger: Ledger, eval_sets: list[str]) -> list[EvalItem]:
     items += file_sets([str(LM_EVAL_TASKS_DIR)], "lm_eval")
     choices = template_choices(random.Random(BENCHMARK_SEED), BENCHMARK_PER_TASK)
     for n, (task, context, options, answer) in enumerate(choices, start=1):
-        items.append(EvalItem(f"benchmark:{task}", f"item {n}", frozenset(fingerprints(context + options[answer]))))
-    items += [EvalItem("prompts", p, frozenset(fingerprints(p))) for p in PROMPTS]
+        items.append(EvalItem.of(f"benchmark:{task}", f"item {n}", context + options[answer]))
+    items += [EvalItem.of("prompts", p, p) for p in PROMPTS]
     items += file_sets(eval_sets, "user")
     return items
 
@@ -149,18 +221,57 @@ def matches(docs: dict[tuple[str, int], set[int]], items: list[EvalItem]) -> lis
             Match(shard_id, row, items[i].eval_set, items[i].item, n, len(fps), len(items[i].fps))
             for i, n in shared.items()
         ]
-    return sorted(out, key=lambda m: (-m.overlap, -m.shared, m.shard_id, m.row, m.eval_set, m.item))
+    return by_overlap(out)
+
+
+def whole_matches(texts: dict[tuple[str, int], str], items: list[EvalItem]) -> list[Match]:
+    """Every (training document, short evaluation item) pair where the document holds the item whole."""
+    by_phrase: dict[str, list[EvalItem]] = defaultdict(list)
+    for it in items:
+        if it.phrase is not None:
+            by_phrase[it.phrase].append(it)
+    index = WholeItems(by_phrase)
+    out = []
+    for (shard_id, row), text in texts.items():
+        for phrase in index.found_in(text) if index else ():
+            out += [Match(shard_id, row, it.eval_set, it.item, 0, 0, 0, phrase) for it in by_phrase[phrase]]
+    return out
+
+
+def by_overlap(found: list[Match]) -> list[Match]:
+    return sorted(found, key=lambda m: (-m.overlap, -m.shared, m.shard_id, m.row, m.eval_set, m.item))
 
 
 def set_table(items: list[EvalItem]) -> list[list[Any]]:
-    """Per evaluation set: items, items with a fingerprint (checkable), fingerprints."""
+    """Per evaluation set: items, checkable items (with a fingerprint or matched whole), those matched
+    whole, fingerprints."""
     by: dict[str, list[int]] = {}
     for it in items:
-        agg = by.setdefault(it.eval_set, [0, 0, 0])
+        agg = by.setdefault(it.eval_set, [0, 0, 0, 0])
         agg[0] += 1
-        agg[1] += bool(it.fps)
-        agg[2] += len(it.fps)
+        agg[1] += it.checkable
+        agg[2] += it.phrase is not None
+        agg[3] += len(it.fps)
     return [[name, *by[name]] for name in sorted(by)]
+
+
+def unchecked_sets(items: list[EvalItem]) -> list[str]:
+    """A failure per evaluation set that has items but none the gate can check."""
+    return [
+        f"evaluation set {name} has {n} items and none can be checked (each is shorter than {MIN_WORDS} "
+        "words once normalized: no fingerprint, too short to match whole); give it longer items or remove "
+        "it from contamination.eval_sets"
+        for name, n, checkable, _, _ in set_table(items)
+        if checkable == 0
+    ]
+
+
+def consumed_spans(consumption: list[dict[str, Any]]) -> dict[str, list[tuple[int, int]]]:
+    """Per consumed shard, its consumed raw row ranges, merged and sorted."""
+    spans: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for c in consumption:
+        spans[c["shard_id"]].append((c["row_start"], c["row_end"]))
+    return {s: union(v) for s, v in spans.items()}
 
 
 def consumed_documents(
@@ -168,14 +279,10 @@ def consumed_documents(
 ) -> tuple[dict[tuple[str, int], set[int]], list[str]]:
     """(shard_id, raw row) -> fingerprints of every document the consumption rows touch, and the
     consumed shards with no n-gram record (tokenized before the gate existed)."""
-    content = {r["shard_id"]: r["content_sha256"] for r in ledger.shards(tokenizer_id=spec.tokenizer_id)}
-    content.update({ref["shard_id"]: ref["content_sha256"] for refs in spec.train_shards.values() for ref in refs})
-    spans: dict[str, list[tuple[int, int]]] = defaultdict(list)
-    for c in consumption:
-        spans[c["shard_id"]].append((c["row_start"], c["row_end"]))
-    missing = sorted(s for s in spans if s not in content or not ledger.ngram_record_path(s, content[s]).exists())
-    wanted = {content[s]: s for s in spans if s not in missing}
-    merged = {s: union(v) for s, v in spans.items()}
+    content = shard_contents(ledger, spec)
+    merged = consumed_spans(consumption)
+    missing = sorted(s for s in merged if s not in content or not ledger.ngram_record_path(s, content[s]).exists())
+    wanted = {content[s]: s for s in merged if s not in missing}
     starts = {s: [a for a, _ in v] for s, v in merged.items()}
     docs: dict[tuple[str, int], set[int]] = defaultdict(set)
     for r in ledger.ngrams(sorted(wanted)):
@@ -188,25 +295,74 @@ def consumed_documents(
     return dict(docs), missing
 
 
+def shard_contents(ledger: Ledger, spec: Any) -> dict[str, str]:
+    """shard_id -> content sha256 of the run's shards (its launch spec's pins over the ledger's records)."""
+    content = {r["shard_id"]: r["content_sha256"] for r in ledger.shards(tokenizer_id=spec.tokenizer_id)}
+    content.update({ref["shard_id"]: ref["content_sha256"] for refs in spec.train_shards.values() for ref in refs})
+    return content
+
+
+def consumed_texts(
+    store: Store, ledger: Ledger, spec: Any, consumption: list[dict[str, Any]]
+) -> dict[tuple[str, int], str]:
+    """(shard_id, raw row) -> the text of every consumed document (ngrams.record_text, as tokenization
+    fingerprints it), read from the raw shards; a raw shard whose bytes are not the pinned content is
+    an error naming the fix."""
+    content = shard_contents(ledger, spec)
+    kinds = {r["shard_id"]: r["kind"] for r in ledger.shards(tokenizer_id=spec.tokenizer_id)}
+    texts: dict[tuple[str, int], str] = {}
+    for shard_id, spans in sorted(consumed_spans(consumption).items()):
+        path = store.fetch("raw_shard", shard_id)
+        if shard_id in content and sha256_file(path) != content[shard_id]:
+            raise GhostvisError(
+                f"raw shard {shard_id} ({path}): content is not the sha256 {content[shard_id]} the run consumed; "
+                f"the gate cannot read what was trained: restore it or re-materialize raw_shards partition {shard_id}"
+            )
+        kind = kinds.get(shard_id, "text")
+        table = pq.read_table(path, columns=TEXT_COLUMNS[kind])
+        for start, end in spans:
+            for row, record in enumerate(table.slice(start, end - start).to_pylist(), start=start):
+                texts[(shard_id, row)] = record_text(kind, record)
+    return texts
+
+
+def completion_texts(
+    store: Store, ledger: Ledger, spec: Any, chain: list[dict[str, Any]]
+) -> dict[tuple[str, int], str]:
+    """("rl completion, step S rank R", global row) -> the text of every completion an rl run's rollouts
+    saved on its chain (none for other stages), decoded with the run's tokenizer."""
+    rollouts = ledger.rollouts(chain)
+    if not rollouts:
+        return {}
+    tok = load_tokenizer(spec.tokenizer_id, store)
+    return {
+        (f"{COMPLETION}, step {r['step']} rank {r['rank']}", row): tok.decode(ids)
+        for r in rollouts
+        for row, ids in zip(r["rows"], r["completion_ids"])
+    }
+
+
 def gate_config(spec: Any) -> ContaminationConfig:
     """The run's declared gate (its launch spec's config; a spec saved before the gate gets the defaults)."""
     return spec.config.contamination
 
 
-def no_eval_contamination(ledger: Ledger, spec: Any, consumption: list[dict[str, Any]]) -> CheckOutcome:
-    """The stage check: no consumed training document shares more than `max_overlap` of the smaller
-    side's 13-gram fingerprints with an evaluation item; each offending pair is named."""
+def no_eval_contamination(
+    store: Store, ledger: Ledger, spec: Any, consumption: list[dict[str, Any]], chain: list[dict[str, Any]]
+) -> CheckOutcome:
+    """The stage check: no consumed training document (nor rl completion on the run's `chain`) shares
+    more than `max_overlap` of the smaller side's 13-gram fingerprints with an evaluation item, nor
+    holds a short item whole; each offending pair is named, and so is each evaluation set that cannot
+    be checked at all."""
     cfg = gate_config(spec)
     docs, missing = consumed_documents(ledger, spec, consumption)
+    completions = completion_texts(store, ledger, spec, chain)
+    docs |= {key: fingerprints(text) for key, text in completions.items()}
     items = known_items(ledger, cfg.eval_sets)
-    found = matches(docs, items)
-    bad = [m for m in found if m.overlap > cfg.max_overlap]
-    failures = [
-        f"training shard {m.shard_id} row {m.row} shares {m.shared} 13-gram fingerprints with {m.eval_set} "
-        f"{m.item} (document {m.doc_fps}, item {m.item_fps}): overlap {m.overlap:.2f} > contamination."
-        f"max_overlap {cfg.max_overlap}"
-        for m in bad[:NAMED]
-    ]
+    whole = whole_matches(consumed_texts(store, ledger, spec, consumption) | completions, items)
+    found = by_overlap(whole + matches(docs, items))
+    bad = [m for m in found if m.overlap > cfg.max_overlap or m.whole]
+    failures = [m.failure(cfg.max_overlap) for m in bad[:NAMED]]
     if len(bad) > NAMED:
         failures.append(f"... and {len(bad) - NAMED} more contaminated pairs")
     failures += [
@@ -214,28 +370,32 @@ def no_eval_contamination(ledger: Ledger, spec: Any, consumption: list[dict[str,
         f"decontamination gate); re-materialize tokenized_shards partition {s}"
         for s in missing
     ]
+    failures += unchecked_sets(items)
     figures = {
-        "consumed_documents_fingerprinted": len(docs),
+        "consumed_documents_fingerprinted": len(docs) - len(completions),
         "consumed_fingerprints": sum(len(f) for f in docs.values()),
         "eval_items": len(items),
-        "eval_items_checkable": sum(1 for it in items if it.fps),
+        "eval_items_checkable": sum(1 for it in items if it.checkable),
+        "eval_items_matched_whole": sum(1 for it in items if it.phrase is not None),
         "eval_fingerprints": sum(len(it.fps) for it in items),
-        "documents_sharing_ngrams": len({(m.shard_id, m.row) for m in found}),
+        "documents_sharing_ngrams": len({(m.shard_id, m.row) for m in found if not m.whole}),
+        "documents_holding_short_items": len({(m.shard_id, m.row) for m in whole}),
         "contaminated_documents": len({(m.shard_id, m.row) for m in bad}),
         "contaminated_eval_items": len({(m.eval_set, m.item) for m in bad}),
         "max_overlap_found": round(found[0].overlap, 3) if found else 0.0,
         "max_overlap": cfg.max_overlap,
         "shards_without_ngrams": len(missing),
+        "rl_completions_checked": len(completions),
     }
     tables = {
         "shared_ngrams": (
             MATCH_HEADER + ["verdict"],
             [
-                [*m.row_of(), "contaminated" if m.overlap > cfg.max_overlap else "below threshold"]
+                [*m.row_of(), "contaminated" if m.whole or m.overlap > cfg.max_overlap else "below threshold"]
                 for m in found[:NAMED]
             ],
         ),
-        "eval_sets": (["eval set", "items", "checkable", "fingerprints"], set_table(items)),
+        "eval_sets": (["eval set", "items", "checkable", "matched whole", "fingerprints"], set_table(items)),
     }
     return CheckOutcome("no_eval_contamination", not failures, figures, tables, failures)
 
@@ -244,7 +404,8 @@ def shard_contamination(
     ledger: Ledger, shards: list[dict[str, Any]], eval_sets: Sequence[str] = (), max_overlap: float | None = None
 ) -> dict[str, dict[str, int]]:
     """Per train shard of `shards` (ledger records): fingerprints shared with evaluation data, documents
-    sharing any, and documents over the default threshold (`ghostvis ledger`)."""
+    sharing any, and documents over the default threshold (`ghostvis ledger`). From the ledger's
+    fingerprints only: short items matched whole need the raw text, which the stage check reads."""
     limit = ContaminationConfig().max_overlap if max_overlap is None else max_overlap
     train = {r["content_sha256"]: r["shard_id"] for r in shards if r["split"] == "train"}
     docs: dict[tuple[str, int], set[int]] = defaultdict(set)

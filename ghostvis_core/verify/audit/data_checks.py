@@ -15,6 +15,11 @@ from ghostvis_core.store import Store
 from ghostvis_core.verify.audit import invariants as inv
 from ghostvis_core.verify.audit.outcome import CheckOutcome
 from ghostvis_core.verify.audit.removed import removed_tokens_reconcile
+from ghostvis_core.verify.audit.token_integrity import (
+    documents_start_where_ledger_says,
+    sampled_documents_decode_to_raw_text,
+    token_files_name_their_tokenizer,
+)
 
 DataCheck = tuple[str, str, Callable[[Store, Ledger, str], CheckOutcome]]
 
@@ -39,5 +44,22 @@ DATA_CHECKS: list[DataCheck] = [
         "Per text shard and in total: tokens before (every raw document tokenized again) = tokens kept (the token "
         "file) + tokens removed (the ledger's drops, equal to a recount).",
         removed_tokens_reconcile,
+    ),
+    (
+        "token_files_name_their_tokenizer",
+        "Every token file was written by the tokenizer its ledger record and path name (the id in its schema "
+        "metadata), the one the stages train with: a swapped tokenizer is named.",
+        token_files_name_their_tokenizer,
+    ),
+    (
+        "documents_start_where_ledger_says",
+        "<|bos|> at every document start of every token file and nowhere else inside a document; chats, preference "
+        "pairs and captions end with <|eot|>: a dropped BOS or a shifted document boundary is named.",
+        documents_start_where_ledger_says,
+    ),
+    (
+        "sampled_documents_decode_to_raw_text",
+        "The first, middle and last document of every token file decode to the normalized words of their raw row.",
+        sampled_documents_decode_to_raw_text,
     ),
 ]

@@ -32,6 +32,8 @@ class TokenFile:
         self.starts = starts - starts[0]
         self.values = np.asarray(tokens.flatten(), dtype=np.int64)
         self.rows = np.asarray(table.column("row"), dtype=np.int64)
+        meta = table.schema.metadata or {}
+        self.tokenizer_id = meta[b"ghostvis.tokenizer_id"].decode() if b"ghostvis.tokenizer_id" in meta else None
         names = set(table.column_names)
         self.mask = table.column("mask").to_pylist() if "mask" in names else None
         self.images = table.column("image").to_pylist() if "image" in names else None

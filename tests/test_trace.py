@@ -1,0 +1,112 @@
+"""`ghostvis trace` (issue 43, item 3) on the session's demo home: a document trained in pretrain and
+replayed in reasoning_mix shows both, a validation document shows none, and a step's documents are the
+rows the ledger says it fed. No run is launched: the demo's runs are read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.home import Home
+from ghostvis_core.plan.batch import BatchPlan
+from ghostvis_core.verify.trace import find_text, place, shard_row, trace_document, trace_step
+from tests.conftest import run_cli
+
+
+def test_a_global_row_is_placed_by_the_row_rule():
+    plan = BatchPlan(micro_batch_size=2, seq_len=8, world_size=3, grad_accum_steps=2)  # 12 rows a step
+    assert place(0, plan) == {"step": 1, "rank": 0, "micro_batch": 0}
+    assert place(12 + 7, plan) == {"step": 2, "rank": 0, "micro_batch": 1}  # micro 1 starts at row 6
+    assert place(12 + 5, plan) == {"step": 2, "rank": 2, "micro_batch": 0}
+    assert shard_row("demo_prose/00000:12") == ("demo_prose/00000", 12)
+    with pytest.raises(GhostvisError, match="give <shard>:<row>"):
+        shard_row("demo_prose/00000")
+
+
+def replayed_document(ledger: Ledger) -> tuple[str, int]:
+    """(shard, raw row) of a document that both pretrain and reasoning_mix consumed."""
+    rows = {stage: ledger.consumption(ledger.parts(stage=stage)) for stage in ("pretrain", "reasoning_mix")}
+    for c in rows["reasoning_mix"]:
+        for p in rows["pretrain"]:
+            if p["shard_id"] == c["shard_id"] and max(p["row_start"], c["row_start"]) < min(p["row_end"], c["row_end"]):
+                return c["shard_id"], max(p["row_start"], c["row_start"])
+    raise AssertionError("no document of pretrain is replayed in reasoning_mix")
+
+
+def test_a_document_trained_in_pretrain_and_replayed_in_reasoning_mix_shows_both(demo_home):
+    home = Home(demo_home)
+    ledger = Ledger.in_store(home.store)
+    shard_id, row = replayed_document(ledger)
+    report = trace_document(home.store, ledger, shard_id, row)
+    stages = {h["stage"] for h in report["trained_by"]}
+    assert {"pretrain", "reasoning_mix"} <= stages
+    for h in report["trained_by"]:  # each hit is a row of that step on that rank, by the ledger's feeds
+        fed = [f for f in ledger.feeds(ledger.chain(h["run_key"])) if (f["step"], f["rank"]) == (h["step"], h["rank"])]
+        assert h["global_row"] in fed[0]["micro_rows"][h["micro_batch"]]
+    downstream = {r["stage"] for r in report["downstream_runs"]}
+    assert {"pretrain", "reasoning_mix", "sft", "rl"} <= downstream and report["registered_models"] is None
+    assert report["document"]["text"]
+
+
+def test_a_validation_document_was_trained_by_nothing(demo_home):
+    home = Home(demo_home)
+    report = trace_document(home.store, Ledger.in_store(home.store), "demo_prose/val_00000", 0)
+    assert report["trained_by"] == [] and report["downstream_runs"] == []
+
+
+def test_a_step_lists_the_rows_each_rank_fed_with_their_documents(demo_home):
+    home = Home(demo_home)
+    ledger = Ledger.in_store(home.store)
+    report = trace_step(home.store, ledger, "pretrain", 3)
+    feeds = [f for f in ledger.feeds(ledger.chain(report["run_key"])) if f["step"] == 3]
+    want = {(f["rank"], g) for f in feeds for rows in f["micro_rows"] for g in rows}
+    assert {(x["rank"], x["global_row"]) for x in report["fed"]} == want
+    assert all(x["text"] and x["raw_rows"][0] < x["raw_rows"][1] for x in report["fed"])
+    with pytest.raises(GhostvisError, match="recorded no step 100000"):
+        trace_step(home.store, ledger, "pretrain", 100000)
+
+
+def test_ghostvis_trace_prints_both_answers_and_json(demo_home):
+    shard_id, row = replayed_document(Ledger.in_store(Home(demo_home).store))
+    doc = json.loads(run_cli(["ghostvis", "trace", "--doc", f"{shard_id}:{row}", "--json"], demo_home).stdout)
+    assert {"pretrain", "reasoning_mix"} <= {h["stage"] for h in doc["trained_by"]}
+    assert any(m["stage"] == "sft" for m in doc["registered_models"])  # the demo registers every stage's model
+    step = run_cli(["ghostvis", "trace", "--stage", "pretrain", "--step", "2"], demo_home).stdout
+    assert step.splitlines()[0].startswith("pretrain run pretrain-") and "demo_" in step
+
+
+def test_a_passage_is_found_through_the_ledgers_fingerprints(demo_home):
+    """40 words of a pretrain document name it (its fingerprints are the most shared); 12 words cannot."""
+    import pyarrow.parquet as pq
+
+    home = Home(demo_home)
+    ledger = Ledger.in_store(home.store)
+    shard_id, row = replayed_document(ledger)
+    text = pq.read_table(home.store.fetch("raw_shard", shard_id), columns=["text"]).column(0)[row].as_py()
+    passage = " ".join(text.split()[:40])
+    found = find_text(ledger, passage)
+    assert (shard_id, row) in {(d["shard_id"], d["row"]) for d in found}
+    assert all(d["shared"] == d["of"] > 0 for d in found)
+    with pytest.raises(GhostvisError, match="12 words have no 13-gram fingerprint"):
+        find_text(ledger, " ".join(f"w{i}" for i in range(12)))
+
+
+def test_the_trace_job_gives_the_same_answer_in_dagster(demo_home):
+    from ghostvis_pipeline.resources import GhostvisHome
+    from ghostvis_pipeline.trace_job import trace
+
+    home = Home(demo_home)
+    resources = {"home": GhostvisHome(root=str(demo_home))}
+    config = {"ops": {"trace_ledger": {"config": {"stage": "pretrain", "step": 3}}}}
+    result = trace.execute_in_process(run_config=config, resources=resources)
+    assert result.success
+    assert result.output_for_node("trace_ledger") == trace_step(home.store, Ledger.in_store(home.store), "pretrain", 3)
+    empty = trace.execute_in_process(
+        run_config={"ops": {"trace_ledger": {"config": {}}}}, resources=resources, raise_on_error=False
+    )
+    assert not empty.success
+    (failure,) = [e for e in empty.all_events if e.is_step_failure]
+    assert "give doc (<shard>:<row>), text, or stage and step" in failure.step_failure_data.error.message
