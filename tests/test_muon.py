@@ -181,6 +181,7 @@ def test_the_trainer_runs_muon_under_fsdp_through_torchrun(home_copy):
     from mlflow.tracking import MlflowClient
 
     from ghostvis_core.home import Home
+    from ghostvis_core.run.train.runs import run_result
 
     sets = ["optim.name=muon", "budget.steps=8", "parallel.strategy=fsdp", "checkpoint.every_steps=4"]
     run_cli(
@@ -194,5 +195,7 @@ def test_the_trainer_runs_muon_under_fsdp_through_torchrun(home_copy):
     losses = [m.value for m in client.get_metric_history(runs[0].info.run_id, "train/loss")]
     assert len(losses) >= 3 and losses[-1] < losses[0] - 0.3  # it learns (measured 8.35 -> 7.74 under DDP)
     run_dir = Home(home_copy).store.fetch("checkpoints", "pretrain", runs[0].info.run_name)
+    record = run_result(Home(home_copy).store, "pretrain", runs[0].info.run_name)
+    assert record.attention_kernel == "sdpa-per-document"  # the run record (and the report card) say it too
     assert [r.step for r in ckpt.list_complete(run_dir)] == [4, 8]
     assert all((r.path / ckpt.DCP_DIR).is_dir() for r in ckpt.list_complete(run_dir))

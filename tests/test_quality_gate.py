@@ -79,6 +79,7 @@ def test_the_report_card_lists_the_gate_row_per_stage_and_source_and_flags_the_r
             wall_time_s=1.0,
             tokens_per_sec=1.0,
             mfu=None,
+            attention_kernel="sdpa-per-document",
             val_loss_start=None,
             val_loss=None,
             evidence=[],

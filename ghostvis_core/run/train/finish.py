@@ -12,6 +12,7 @@ import torch
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.stream import ShardRef
 from ghostvis_core.plan.config import StageConfig
+from ghostvis_core.run.model.gpt import attention_kernel
 from ghostvis_core.run.model.vision import frozen_fingerprint
 from ghostvis_core.run.track.shard_input import ShardInput
 from ghostvis_core.run.train import checkpoint as ckpt
@@ -85,7 +86,8 @@ def run_result(run: Trainer) -> RunResult:
 
 
 def efficiency_fields(run: Trainer) -> dict:
-    """MFU over the run's throughput, FLOPs per token, the peak it is measured against, CUDA peak memory."""
+    """MFU over the run's throughput, FLOPs per token, the peak it is measured against, CUDA peak memory, the
+    attention kernel."""
     e, tok_s = run.efficiency, run.clock.tokens_per_sec(run.plan.tokens_per_step)
     cuda = run.ctx.device.type == "cuda"
     return {
@@ -94,6 +96,7 @@ def efficiency_fields(run: Trainer) -> dict:
         "peak_flops": e.peak_flops,
         "peak_source": e.peak_source,
         "cuda_peak_memory_gb": round(torch.cuda.max_memory_allocated(run.ctx.device) / 1e9, 3) if cuda else None,
+        "attention_kernel": attention_kernel(run.ctx.device, run.bf16),
     }
 
 

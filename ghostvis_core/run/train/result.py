@@ -72,6 +72,7 @@ class RunResult:
     peak_flops: float | None = None
     peak_source: str = ""
     cuda_peak_memory_gb: float | None = None  # max allocated on rank 0's GPU; None without CUDA
+    attention_kernel: str = ""  # what attended packed documents (run/model/gpt.py attention_kernel)
     generated: dict[str, int] = field(default_factory=dict)  # rl: counts.ROLLOUT_FIGURES over the run
 
     def to_dict(self) -> dict[str, Any]:

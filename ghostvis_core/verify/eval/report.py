@@ -36,6 +36,7 @@ class StageReport:
     wall_time_s: float
     tokens_per_sec: float
     mfu: float | None
+    attention_kernel: str
     val_loss_start: float | None
     val_loss: float | None
     evidence: list[tuple[str, Any, Any]]
@@ -91,6 +92,7 @@ def stage_report(
         wall_time_s=float(result.wall_time_s),
         tokens_per_sec=float(result.tokens_per_sec),
         mfu=result.mfu,
+        attention_kernel=result.attention_kernel or "-",
         val_loss_start=result.val_loss_start,
         val_loss=result.val_loss,
         evidence=evidence,
@@ -156,6 +158,7 @@ TOKEN_HEADER = [
     "wall s",
     "tokens/s",
     "MFU",
+    "attention",
     "val loss start",
     "val loss end",
 ]
@@ -175,6 +178,7 @@ def _token_row(s: StageReport) -> list[Any]:
         s.wall_time_s,
         s.tokens_per_sec,
         s.mfu,
+        s.attention_kernel,
         s.val_loss_start,
         s.val_loss,
     ]
