@@ -192,6 +192,41 @@ def test_a_checkpoint_upload_cut_before_its_marker_is_not_resumed(s3, tmp_path):
     assert resumed.step == 4 and (resumed.path / "model.safetensors").read_bytes() == b"step_000000004" * 100
 
 
+def test_a_refused_upload_names_the_checkpoint_and_leaves_the_previous_one_newest(s3, tmp_path):
+    """S3 refuses the marker's PUT (AccessDenied, raised by botocore's own hook before the request): the commit
+    fails naming the checkpoint and the newest committed one, and a resume on another node takes that one."""
+    from botocore.exceptions import ClientError
+
+    spec = SimpleNamespace(stage="pretrain", run_key="k-r2")
+    cpu = DistContext(0, 0, 1, torch.device("cpu"))
+    writer = CheckpointManager(
+        S3Store(s3, "store", tmp_path / "w"), spec, cpu, keep_last=2, async_save=False, sharded=False
+    )
+    for step in (4, 8):
+        folder = writer.run_dir / ckpt.step_dir_name(step)
+        folder.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"w" * 100 * step)
+        ckpt.write_marker(folder, step)
+
+    def refuse(params, **_):
+        if params["Key"].endswith("/COMPLETE") and "step_000000008" in params["Key"]:
+            raise ClientError({"Error": {"Code": "AccessDenied", "Message": "Access Denied"}}, "PutObject")
+
+    writer.store.s3.meta.events.register("provide-client-params.s3.PutObject", refuse)
+    writer.publish(writer.run_dir / "step_000000004")
+    with pytest.raises(
+        GhostvisError,
+        match=r"checkpoint step_000000008 of run k-r2: the upload to s3://\S+/step_000000008 failed "
+        r"\(.*Access Denied.*\); "
+        r"its COMPLETE marker goes last, so the store's newest committed checkpoint is still step_000000004",
+    ):
+        writer.publish(writer.run_dir / "step_000000008")
+    reader = CheckpointManager(
+        S3Store(s3, "store", tmp_path / "r"), spec, cpu, keep_last=2, async_save=False, sharded=False
+    )
+    assert reader.newest().step == 4
+
+
 def test_a_corrupted_download_is_refused_by_name(s3, tmp_path):
     a, b = S3Store(s3, "store", tmp_path / "a"), S3Store(s3, "store", tmp_path / "b")
     path = a.writable("raw_shard", "web/00001")

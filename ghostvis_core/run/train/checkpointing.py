@@ -193,9 +193,27 @@ class CheckpointManager:
             config=self.spec.config.to_dict(),
             extra_dirs=extra_dirs,
         )
-        self.store.publish("checkpoint", self.spec.stage, self.spec.run_key, path.name)
+        self.publish(path)
         self.prune()
         self.publish_parts(only=path)
+
+    def publish(self, path: Path) -> None:
+        """The committed folder into the store, its marker last; a refused or failed upload is an error naming
+        the checkpoint and the store's newest committed one, which it leaves the newest."""
+        key = (self.spec.stage, self.spec.run_key)
+        try:
+            self.store.publish("checkpoint", *key, path.name)
+        except GhostvisError:
+            raise
+        except Exception as exc:
+            committed = sorted(k[2] for k in self.store.keys("checkpoint_marker", *key) if k[2] != path.name)
+            raise GhostvisError(
+                f"checkpoint {path.name} of run {self.spec.run_key}: the upload to "
+                f"{self.store.uri_of('checkpoint', *key, path.name)} failed ({type(exc).__name__}: {exc}); its "
+                f"COMPLETE marker goes last, so the store's newest committed checkpoint is still "
+                f"{committed[-1] if committed else '(none)'}; fix the store's permissions or space, then "
+                "re-materialize the stage to resume"
+            ) from None
 
     def prune(self) -> None:
         """Keep the newest `keep_last` committed checkpoints, here and in the store (after a publish, so the
