@@ -199,9 +199,8 @@ def test_a_refused_upload_names_the_checkpoint_and_leaves_the_previous_one_newes
 
     spec = SimpleNamespace(stage="pretrain", run_key="k-r2")
     cpu = DistContext(0, 0, 1, torch.device("cpu"))
-    writer = CheckpointManager(
-        S3Store(s3, "store", tmp_path / "w"), spec, cpu, keep_last=2, async_save=False, sharded=False
-    )
+    bucket = S3Store(s3, "store", tmp_path / "w")
+    writer = CheckpointManager(bucket, spec, cpu, keep_last=2, async_save=False, sharded=False)
     for step in (4, 8):
         folder = writer.run_dir / ckpt.step_dir_name(step)
         folder.mkdir(parents=True)
@@ -212,7 +211,7 @@ def test_a_refused_upload_names_the_checkpoint_and_leaves_the_previous_one_newes
         if params["Key"].endswith("/COMPLETE") and "step_000000008" in params["Key"]:
             raise ClientError({"Error": {"Code": "AccessDenied", "Message": "Access Denied"}}, "PutObject")
 
-    writer.store.s3.meta.events.register("provide-client-params.s3.PutObject", refuse)
+    bucket.s3.meta.events.register("provide-client-params.s3.PutObject", refuse)
     writer.publish(writer.run_dir / "step_000000004")
     with pytest.raises(
         GhostvisError,

@@ -41,14 +41,7 @@ def setup(spec: LaunchSpec, ctx: DistContext) -> Trainer:
     localize_shards(spec, store)
     torch.manual_seed(cfg.data.seed)
     model = build_model(cfg, ctx)
-    checkpoints = CheckpointManager(
-        store,
-        spec,
-        ctx,
-        keep_last=cfg.checkpoint.keep_last,
-        async_save=cfg.checkpoint.async_save,
-        sharded=cfg.parallel.strategy == "fsdp",
-    )
+    checkpoints = checkpoint_manager(spec, ctx, store)
     resume = checkpoints.newest()
     state = _starting_state(spec, plan, checkpoints, resume, model)
     objective = build_objective(spec, cfg)
@@ -97,6 +90,18 @@ def setup(spec: LaunchSpec, ctx: DistContext) -> Trainer:
     )
     watch_model_inputs(model, lambda: trainer.part.fed)  # the content proof digests what the model receives
     return trainer
+
+
+def checkpoint_manager(spec: LaunchSpec, ctx: DistContext, store) -> CheckpointManager:
+    c = spec.config
+    return CheckpointManager(
+        store,
+        spec,
+        ctx,
+        keep_last=c.checkpoint.keep_last,
+        async_save=c.checkpoint.async_save,
+        sharded=c.parallel.strategy == "fsdp",
+    )
 
 
 def watchdog(spec: LaunchSpec, ctx: DistContext, store, tracker: Tracker) -> Watchdog:
