@@ -18,7 +18,8 @@ def train(spec: LaunchSpec, ctx: DistContext) -> RunResult:
     try:
         trainer.begin()
         while trainer.state.step < trainer.total_steps:
-            trainer.train_step()
+            if not trainer.train_step():  # a preemption agreed between micro-batches: the step was given up
+                trainer.stop_preempted()
             metrics = trainer.progress()
             metrics.update(trainer.evaluate())
             trainer.log(metrics)

@@ -25,10 +25,10 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class Preempted(Exception):
     """Raised by the loop once the preemption checkpoint is committed; the entry point exits PREEMPTED_EXIT."""
 
-    def __init__(self, step: int, signal_name: str):
+    def __init__(self, step: int, signal_name: str, given_up: str = ""):
         super().__init__(
-            f"{PREEMPTED} at step {step} ({signal_name}): checkpoint of step {step} committed; "
-            "launch the stage again to resume from it (the launcher does)"
+            f"{PREEMPTED} at step {step} ({signal_name}{'; ' + given_up if given_up else ''}): checkpoint of step "
+            f"{step} committed; launch the stage again to resume from it (the launcher does)"
         )
         self.step = step
 

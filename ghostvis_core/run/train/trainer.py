@@ -62,9 +62,12 @@ class Trainer:
     step_reward: float = field(init=False, default=float("nan"))  # rl: the last step's mean reward, all ranks
     last_val: dict[str, float] = field(init=False, default_factory=dict)  # the newest held-out evaluation
     saved_at: float = field(init=False, default_factory=time.time)  # rank 0: when the last checkpoint was committed
+    committed_step: int = field(init=False)  # the newest committed step: resumed from, or committed here
+    given_up: str = field(init=False, default="")  # the step a preemption cut short, for its reason
 
     def __post_init__(self) -> None:
         self.part = self._new_part()
+        self.committed_step = self.state.step
 
     @property
     def total_steps(self) -> int:
@@ -99,10 +102,11 @@ class Trainer:
         self.last_val = dict(s.val_last or s.val_start)
         self.watchdog.start(s.step)
 
-    def train_step(self) -> None:
-        """One optimizer step over the step's micro-batches; the counts are summed over ranks."""
+    def train_step(self) -> bool:
+        """One optimizer step over the step's micro-batches; the counts are summed over ranks. False when a
+        preemption was agreed between two of its micro-batches: the step is given up (`give_up`)."""
         s, ctx = self.state, self.ctx
-        started = time.time()
+        started, rng, consumed = time.time(), rng_state(), self.part.consumed()
         lr = lr_at(s.step, self.total_steps, self.cfg)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)  # Muon's group: muon_lr on the same schedule
@@ -111,6 +115,10 @@ class Trainer:
             (n_units,) = all_reduce_sum([sum(b.units for b in batches)], ctx, dtype=torch.int64)
         loss_total = 0.0
         for m, b in enumerate(batches):
+            if m and self.stop_agreed(f"step {s.step + 1} before micro-batch {m + 1}"):
+                self.give_up(rng, consumed)
+                self.given_up = f"step {s.step + 1} given up before its micro-batch {m + 1} of {len(batches)}"
+                return False
             self.part.feed(s.step + 1, b)
             with self.parallel.accumulating(last_micro_step=m == len(batches) - 1):
                 with self.autocast():
@@ -135,6 +143,28 @@ class Trainer:
         s.loader.advance(self.plan.rows_per_step)
         self.clock.tick(started)
         self.watchdog.progress(s.step)
+        return True
+
+    def stop_agreed(self, where: str) -> bool:
+        """Whether any rank was told to stop (one all-reduce of the flag, between micro-batches)."""
+        with self.watchdog.waiting_in(f"the all-reduce of the stop flag in {where}"):
+            return bool(all_reduce_max([self.preemption.raised], self.ctx)[0])
+
+    def give_up(self, rng: dict[str, torch.Tensor], consumed: tuple[TokenCounts, int, int]) -> None:
+        """Undo the partial step: its gradients, what it fed (not trained, so not in the ledger) and the random
+        draws it made (the resumed run draws them again, as the undisturbed run did)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.part.forget(self.state.step + 1, consumed)
+        set_rng_state(rng)
+
+    def stop_preempted(self) -> None:
+        """Commit the last whole step (unless it is committed: the resumed checkpoint's step, or 0), then stop
+        (`Preempted`)."""
+        s = self.state
+        if s.step != self.committed_step:
+            self.commit()
+        self.tracker.suspend()  # every point reaches MLflow before the job exits
+        raise Preempted(s.step, self.preemption.signal_name or "a signal to another rank", self.given_up)
 
     def progress(self) -> dict[str, float]:
         """Every log_every_steps (and at the first and last step): a progress line and its metrics. At every
@@ -199,6 +229,13 @@ class Trainer:
             s.step % self.cfg.checkpoint.every_steps == 0 or s.step == self.total_steps or minutes_due or preempted
         ):
             return
+        self.commit()
+        if preempted and s.step < self.total_steps:
+            self.stop_preempted()
+
+    def commit(self) -> None:
+        """The checkpoint of the current step and its ledger part, committed together."""
+        s = self.state
         if s.step % self.cfg.checkpoint.every_steps:  # off the steps schedule: `progress` logged no token point
             self.tracker.metrics(self.token_metrics(), step=s.step)
         s.val_last = self.last_val
@@ -211,10 +248,7 @@ class Trainer:
         with self.watchdog.waiting_in(f"the checkpoint commit of step {s.step}"):
             self.checkpoints.commit(s, self.part, record, self.model, self.optimizer, final=s.step == self.total_steps)
         self.part = self._new_part()
-        self.saved_at = time.time()
-        if preempted and s.step < self.total_steps:
-            self.tracker.suspend()  # every point reaches MLflow before the job exits
-            raise Preempted(s.step, self.preemption.signal_name or "a signal to another rank")
+        self.saved_at, self.committed_step = time.time(), s.step
 
     def due_now(self) -> tuple[bool, bool]:
         """(a rank was signalled, checkpoint.every_minutes passed on rank 0's clock), the same on every rank."""
@@ -255,6 +289,16 @@ class Trainer:
             "replay_sources": json.dumps(self.cfg.data.replay_sources),
             "mlflow_run_id": self.tracker.run_id(),
         }
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    return {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
+
+
+def set_rng_state(rng: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"])
 
 
 def lr_at(step: int, total: int, cfg: StageConfig) -> float:
