@@ -41,6 +41,7 @@ from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_pipeline.cache import cached_stage_run, changed_since
 from ghostvis_pipeline.launchers import Launcher
+from ghostvis_pipeline.launchers.common import CANCELLED
 from ghostvis_pipeline.leases import run_lease
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
@@ -265,7 +266,8 @@ def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home) -> None:
             launcher.run(context, spec, h)
             return
         except Failure as failure:
-            if was_preempted(h.store, spec.stage, spec.run_key) and launch <= MAX_PREEMPTIONS:
+            cancelled = getattr(failure.metadata.get(CANCELLED), "value", False)
+            if was_preempted(h.store, spec.stage, spec.run_key) and not cancelled and launch <= MAX_PREEMPTIONS:
                 reason = run_reason(h.store, spec.stage, spec.run_key)
                 context.log.warning(
                     f"{spec.stage}: launch {launch} of run {spec.run_key} was {reason}; launching again"

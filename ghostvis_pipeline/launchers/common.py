@@ -46,12 +46,22 @@ def clear_reason(home: Home, spec: LaunchSpec) -> None:
     clear_reasons(home.store, spec.stage, spec.run_key)
 
 
-def failure(home: Home, spec: LaunchSpec, fallback: str, allow_retries: bool = True) -> Failure:
+def failure(
+    home: Home, spec: LaunchSpec, fallback: str, allow_retries: bool = True, cancelled: bool = False
+) -> Failure:
     """The run's own reason (the first failing rank's, then the others', left in the store by the ranks),
-    then the launcher's; the launcher's alone when no rank left one."""
+    then the launcher's; the launcher's alone when no rank left one. `cancelled`: the scheduler says someone
+    cancelled the job (its ranks saw a SIGTERM as a preemption would, but nothing is to be launched again)."""
     reason = run_reason(home.store, spec.stage, spec.run_key)
     told = f"{reason}\n({fallback})" if reason else fallback
-    return Failure(f"{spec.stage} run {spec.run_key} failed: {told}", allow_retries=allow_retries)
+    return Failure(
+        f"{spec.stage} run {spec.run_key} failed: {told}",
+        allow_retries=allow_retries,
+        metadata={CANCELLED: cancelled},
+    )
+
+
+CANCELLED = "cancelled"  # Failure metadata: the job was cancelled on purpose (run_job does not launch it again)
 
 
 def require_result(home: Home, spec: LaunchSpec) -> None:

@@ -173,5 +173,6 @@ def end(home: Home, spec: LaunchSpec, job_id: str, state: str, output_uri: str) 
             spec,
             f"Slurm job {job_id} ended {state}; its output is in the store at {output_uri}",
             allow_retries=False,
+            cancelled=state.startswith("CANCELLED"),
         )
     require_result(home, spec)
