@@ -18,6 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from ghostvis_core.data.catalog import recorded_sha256
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.token_shard import TokenShard, write_token_shard
 from ghostvis_core.errors import GhostvisError
@@ -496,7 +497,8 @@ def test_a_token_shard_replaced_by_other_content_with_the_same_rows_is_named(hom
     run_key = completed_runs(h.store, "pretrain")[-1].run_key
     shard_id = Ledger.in_store(h.store).consumed_by_shard(run_key)[0]["shard_id"]
     tokenizer_id = json.loads(h.store.read_text("run_spec", "pretrain", run_key))["tokenizer_id"]
-    path = h.store.fetch("token_shard", tokenizer_id, shard_id)  # a folder store's own file, rewritten below
+    content = recorded_sha256(h.store, shard_id)
+    path = h.store.fetch("token_shard", tokenizer_id, shard_id, content)  # a folder store's own file, rewritten below
     shard = TokenShard.open(path, shard_id)
     reversed_docs = [shard.doc_tokens(d)[::-1] for d in range(shard.num_docs)]  # same rows, same lengths
     offsets = pa.array([0, *[int(x) for x in (shard.offsets[1:] - shard.offsets[0])]], pa.int64())
