@@ -16,8 +16,10 @@ import shutil
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
+from ghostvis_core.data.catalog import recorded_sha256
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.token_shard import TokenShard, write_token_shard
 from ghostvis_core.errors import GhostvisError
@@ -28,6 +30,7 @@ from ghostvis_core.run.train.runs import completed_runs
 from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS
 from tests.conftest import copy_home, run_cli, run_names
 from tests.planted import plant
+from tests.test_errors import MATERIALIZE
 
 pytestmark = pytest.mark.e2e
 
@@ -496,7 +499,8 @@ def test_a_token_shard_replaced_by_other_content_with_the_same_rows_is_named(hom
     run_key = completed_runs(h.store, "pretrain")[-1].run_key
     shard_id = Ledger.in_store(h.store).consumed_by_shard(run_key)[0]["shard_id"]
     tokenizer_id = json.loads(h.store.read_text("run_spec", "pretrain", run_key))["tokenizer_id"]
-    path = h.store.fetch("token_shard", tokenizer_id, shard_id)  # a folder store's own file, rewritten below
+    content = recorded_sha256(h.store, shard_id)
+    path = h.store.fetch("token_shard", tokenizer_id, shard_id, content)  # a folder store's own file, rewritten below
     shard = TokenShard.open(path, shard_id)
     reversed_docs = [shard.doc_tokens(d)[::-1] for d in range(shard.num_docs)]  # same rows, same lengths
     offsets = pa.array([0, *[int(x) for x in (shard.offsets[1:] - shard.offsets[0])]], pa.int64())
@@ -511,3 +515,58 @@ def test_a_token_shard_replaced_by_other_content_with_the_same_rows_is_named(hom
         in proc.stdout
     )
     assert f"data: ledger_matches_token_files: shard {shard_id}" in proc.stdout
+
+
+def test_a_source_file_changed_under_its_name_is_a_new_version_and_the_trained_lineage_stays_audited(
+    home_copy, tmp_path
+):
+    """The pretrain run's first consumed shard, re-registered under its name with other content (as a
+    manifest that pins the new file's sha256): raw_shards keeps both versions, status names the stale
+    stages, the old run is audited against what it read before and after the new version is tokenized,
+    and training waits for that tokenization."""
+    from ghostvis_core.data.catalog import raw_content
+    from ghostvis_core.run.launch import plan_run
+    from ghostvis_core.store.files import sha256_file
+
+    h = Home(home_copy)
+    old_run = completed_runs(h.store, "pretrain")[-1].run_key
+    shard_id = Ledger.in_store(h.store).consumed_by_shard(old_run)[0]["shard_id"]
+    source, name = shard_id.split("/")
+    old = recorded_sha256(h.store, shard_id)
+    changed = tmp_path / f"{name}.parquet"
+    table = pq.read_table(h.store.fetch("raw_shard", shard_id))
+    pq.write_table(table.set_column(0, "text", pa.array([t[::-1] for t in table.column("text").to_pylist()])), changed)
+    new = sha256_file(changed)
+    manifest = h.store.read_json("manifest", source)
+    [entry] = [e for e in manifest["shards"] if e["name"] == name]
+    entry.update(url=changed.as_uri(), bytes=changed.stat().st_size, sha256=new)
+    h.store.write_json("manifest", source, data=manifest)
+
+    run_cli([*MATERIALIZE, "--select", "raw_shards", "--partition", shard_id], home_copy)
+    assert recorded_sha256(h.store, shard_id) == new
+    assert h.store.read_json("raw_shard_meta", shard_id)["versions"][-1]["sha256"] == old
+    assert sha256_file(raw_content(h.store, shard_id, old)) == old
+    status = run_cli(["ghostvis", "status", "--json"], home_copy)
+    stale = {s["asset"]: s for s in json.loads(status.stdout) if s["state"] == "stale"}
+    assert stale["tokenized_shards"]["reasons"] == [f"{shard_id}: input raw_shards changed in partition(s) {shard_id}"]
+    assert sorted(stale) == ["tokenized_shards", "tokenizer"]  # the assets that read the raw shard
+    proc = audit_cli(home_copy, "--stage", "pretrain")
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    with pytest.raises(GhostvisError, match=rf"^shard {shard_id} changed under its name: raw_shards recorded content"):
+        plan_run("pretrain", preset="smoke", home=h)
+
+    run_cli([*MATERIALIZE, "--select", "tokenized_shards", "--partition", shard_id], home_copy)
+    run_cli([*MATERIALIZE, "--select", "token_ledger"], home_copy)
+    status = run_cli(["ghostvis", "status", "--json"], home_copy)
+    stale = {s["asset"]: s["reasons"] for s in json.loads(status.stdout) if s["state"] == "stale"}
+    assert "tokenized_shards" not in stale and "token_ledger" not in stale
+    assert all(stale[s] == [stale["pretrain"][0]] for s in stage_names())  # every stage reads the ledger
+    assert stale["pretrain"][0].startswith("input token_ledger changed (data version ")
+    versions = [r for r in Ledger.in_store(h.store).shards(every_version=True) if r["shard_id"] == shard_id]
+    assert [(r["content_sha256"], r["replaces_sha256"]) for r in versions] == [(old, ""), (new, old)]
+    assert all(sha256_file(Path(r["token_path"])) == r["token_sha256"] for r in versions)  # both kept
+    proc = audit_cli(home_copy, "--stage", "pretrain")
+    assert proc.returncode == 0, proc.stdout[-3000:]  # the old run reads the old version's token files
+    planned = plan_run("pretrain", preset="smoke", home=h)
+    assert [r["content_sha256"] for r in planned.spec.train_shards[source] if r["shard_id"] == shard_id] == [new]
+    assert not old_run.startswith(planned.base_key)

@@ -81,21 +81,17 @@ def test_the_real_shard_selection_refuses_a_validation_shard(tmp_path, monkeypat
     store = FolderStore(tmp_path / "store")
     ledger = Ledger.in_store(store)
     for shard_id, split in (("prose/train-000", "train"), ("prose/val-000", "validation")):
-        ref = write_shard(
-            store.writable("token_shard", "tok", shard_id).parent.parent,
-            "prose",
-            shard_id.split("/")[1],
-            [[1, 2, 3], [4, 5]],
-            split=split,
-        )
-        store.publish("token_shard", "tok", shard_id)
+        content = f"content-of-{split}"  # the token file is the version of this raw content
+        token_file = store.writable("token_shard", "tok", shard_id, content)
+        ref = write_shard(token_file.parent.parent, token_file.parent.name, content, [[1, 2, 3], [4, 5]], split=split)
+        store.publish("token_shard", "tok", shard_id, content)
         ledger.write_shard(
             {
                 "shard_id": shard_id,
                 "source": "prose",
                 "split": split,
                 "kind": "text",
-                "content_sha256": shard_id,
+                "content_sha256": content,
                 "raw_bytes": 1,
                 "tokenizer_id": "tok",
                 "docs": ref.docs,

@@ -395,3 +395,73 @@ def test_an_intact_checkpoint_round_trips_through_its_marker(home, tmp_path):
     assert marker["step"] == 2
     assert sorted(marker["sha256"]) == ["config.json", "model.safetensors", "optimizer.safetensors", "train_state.json"]
     assert marker["sha256"]["model.safetensors"] == sha256_file(path / "model.safetensors")
+
+
+# --- 5. content, not names: a file changed under its name is a new version, the old one stays ----------
+
+
+def tokenized_version(store: FolderStore, shard_id: str, content: str, replaces: str = "") -> None:
+    """A token file and its ledger record for one version (raw content) of a shard, as a worker writes them."""
+    from ghostvis_core.data.ledger import Ledger
+    from ghostvis_core.data.token_shard import list_column, write_token_shard
+
+    path = store.writable("token_shard", "tok", shard_id, content)
+    write_token_shard(path, {"row": pa.array([0], pa.int64()), "tokens": list_column([3], [1, 2, 3], "uint16")})
+    store.publish("token_shard", "tok", shard_id, content)
+    record = {"shard_id": shard_id, "source": "web", "split": "train", "kind": "text", "content_sha256": content}
+    Ledger.in_store(store).write_shard(
+        {**record, "replaces_sha256": replaces, "raw_bytes": 1, "tokenizer_id": "tok", "docs": 1, "tokens": 3}
+        | {"text_bytes": 1, "token_path": str(path)}
+    )
+
+
+def test_a_source_file_changed_under_its_name_becomes_a_new_version_and_the_old_one_stays(home, tmp_path):
+    from ghostvis_core.data.catalog import load_manifest, raw_content, recorded_sha256
+    from ghostvis_core.data.ledger import Ledger
+    from ghostvis_core.data.tokenize import job_for_shard
+    from ghostvis_core.run.launch import select_shards
+
+    copy, listing = tmp_path / "home", tmp_path / "listing"
+    shutil.copytree(home, copy)
+    shutil.copytree(home.parent / "listing", listing)
+    store = FolderStore(copy / "store")
+    old, old_bytes = recorded_sha256(store, "web/a"), store.fetch("raw_shard", "web/a").read_bytes()
+    tokenized_version(store, "web/a", old)  # a run trained on this version
+    write_parquet(listing / "a.parquet", {"text": ["first documenX", "second one"]})  # same name and size
+    new = sha256_file(listing / "a.parquet")
+    assert len(old_bytes) == (listing / "a.parquet").stat().st_size and new != old
+    before = files_of(copy)
+    assert run_manifest(copy, [{"name": "web", "listing": listing.as_uri()}], selection="raw_shards").success
+    after = files_of(copy)
+    assert sorted(k for k in before if after.get(k) != before[k]) == [
+        "store/manifests/web.json",  # the listing's new URL
+        "store/shards/raw/web/a.parquet",
+        "store/shards/raw_meta/web/a.json",
+    ]
+    assert sorted(after.keys() - before.keys()) == [f"store/shards/raw_versions/web/a/{old}.parquet"]
+    assert store.read_json("raw_shard_meta", "web/a") == {
+        "shard_id": "web/a",
+        "sha256": new,
+        "bytes": len(old_bytes),
+        "split": "train",
+        "versions": [{"sha256": old, "bytes": len(old_bytes), "split": "train"}],
+    }
+    assert raw_content(store, "web/a", old).read_bytes() == old_bytes  # what the old run read, by its content
+    assert raw_content(store, "web/a", new) == store.fetch("raw_shard", "web/a")
+    job = job_for_shard(store, load_manifest(store, "web"), "web/a")
+    assert (job.content_sha256, job.replaces_sha256) == (new, old)
+
+    ledger = Ledger.in_store(store)
+    with pytest.raises(GhostvisError) as exc:  # training the new content needs its tokenization
+        select_shards(ledger, store, "tok", ["web"], "train")
+    assert str(exc.value) == (
+        f"shard web/a changed under its name: raw_shards recorded content sha256 {new}, but the ledger's newest "
+        f"tokenization with tok is of sha256 {old}; re-materialize tokenized_shards partition web/a to tokenize "
+        f"the new version"
+    )
+    tokenized_version(store, "web/a", new, replaces=old)
+    [ref] = select_shards(ledger, store, "tok", ["web"], "train")["web"]
+    assert (ref["content_sha256"], ref["path"]) == (new, store.uri_of("token_shard", "tok", "web/a", new))
+    versions = ledger.shards(tokenizer_id="tok", every_version=True)
+    assert [(r["content_sha256"], r["replaces_sha256"]) for r in versions] == [(old, ""), (new, old)]
+    assert store.exists("token_shard", "tok", "web/a", old)  # the old version's tokens stay

@@ -120,8 +120,10 @@ def test_exactly_the_planted_duplicates_are_removed_first_occurrence_kept(dedupe
     removals = pq.read_table(index).to_pylist()
     assert {(r["shard_id"], r["row"]): (r["kept_shard"], r["kept_row"]) for r in removals} == PLANTED
     assert {r["reason"] for r in removals} == {"minhash_dup"}
+    content = {r["shard_id"]: r["content_sha256"] for r in deduped.ledger.shards(tokenizer_id=deduped.tok.tokenizer_id)}
     for sid in SHARDS:
-        kept = TokenFile(deduped.store.fetch("token_shard", deduped.tok.tokenizer_id, sid), sid).rows.tolist()
+        path = deduped.store.fetch("token_shard", deduped.tok.tokenizer_id, sid, content[sid])
+        kept = TokenFile(path, sid).rows.tolist()
         assert kept == [row for row in range(DOCS) if (sid, row) not in PLANTED], sid
 
 

@@ -124,7 +124,9 @@ def test_the_readme_walk_over_s3_and_http_gives_the_same_shards_and_a_checkpoint
     assert [k for k, r in s3_shards.items() if r["split"] == "validation"] == ["web/00006"]
     # the ledger's figures are those of the token files
     for key, row in s3_shards.items():
-        shard = TokenShard.open(s3_home.store.fetch("token_shard", row["tokenizer_id"], key), key)
+        shard = TokenShard.open(
+            s3_home.store.fetch("token_shard", row["tokenizer_id"], key, row["content_sha256"]), key
+        )
         assert (len(shard.rows), shard.num_tokens) == (row["docs"], row["tokens"]), key
 
     run = completed_runs(s3_home.store, "pretrain")[-1]

@@ -106,7 +106,10 @@ def test_one_store_object_per_store_per_process(store_nodes, tmp_path, monkeypat
 
 def test_locations_follow_the_layout_and_bad_kinds_and_keys_are_named():
     assert fill("raw_shard", ("demo_prose/00001",)) == "shards/raw/demo_prose/00001.parquet"
-    assert fill("token_shard", ("tok-1", "demo_prose/00001")) == "shards/tokens/tok-1/demo_prose/00001.arrow"
+    assert (
+        fill("token_shard", ("tok-1", "demo_prose/00001", "ab12")) == "shards/tokens/tok-1/demo_prose/00001/ab12.arrow"
+    )
+    assert fill("raw_shard_version", ("web/a", "ab12")) == "shards/raw_versions/web/a/ab12.parquet"
     assert fill("run_error", ("sft", "k", "3")) == "runs/sft/k/errors/3.json"
     assert listing_prefix("run_error", ("sft", "k")) == "runs/sft/k/errors"
     assert listing_prefix("checkpoints", ()) == "checkpoints"
@@ -124,7 +127,7 @@ def test_locations_follow_the_layout_and_bad_kinds_and_keys_are_named():
     }
     with pytest.raises(GhostvisError, match="unknown artifact kind 'shard'; kinds: manifest"):
         fill("shard", ("x",))
-    with pytest.raises(GhostvisError, match="'token_shard' takes 2 key part"):
+    with pytest.raises(GhostvisError, match="'token_shard' takes 3 key part"):
         fill("token_shard", ("x",))
     with pytest.raises(GhostvisError, match="invalid key part '..'"):
         fill("run_spec", ("sft", ".."))

@@ -79,6 +79,12 @@ def tokenized(module_tmp) -> SimpleNamespace:
     return SimpleNamespace(root=root, tok=tok, other=other, docs=docs)
 
 
+def token_path(store: FolderStore, tokenizer_id: str, shard_id: str) -> Path:
+    """The token file of the shard's current content (token files are keyed by the raw content they hold)."""
+    (record,) = [r for r in Ledger.in_store(store).shards(tokenizer_id=tokenizer_id) if r["shard_id"] == shard_id]
+    return store.fetch("token_shard", tokenizer_id, shard_id, record["content_sha256"])
+
+
 def copy_of(t: SimpleNamespace, dst: Path) -> tuple[FolderStore, Ledger]:
     shutil.copytree(t.root / "store", dst)
     store = FolderStore(dst)
@@ -88,7 +94,7 @@ def copy_of(t: SimpleNamespace, dst: Path) -> tuple[FolderStore, Ledger]:
 def rewrite(store: FolderStore, ledger: Ledger, tokenizer_id: str, shard_id: str, tf: TokenFile, starts, values):
     """Replace the token file with these documents' tokens and re-record its ledger row from the new
     file (docs, tokens, sha256): what a buggy tokenizer that counts right leaves behind."""
-    path = store.fetch("token_shard", tokenizer_id, shard_id)
+    path = token_path(store, tokenizer_id, shard_id)
     lengths = np.diff(starts).tolist()
     columns = {"row": pa.array(tf.rows), "tokens": list_column(lengths, list(values), np.uint16)}
     write_token_shard(path, columns, tf.tokenizer_id)
@@ -107,7 +113,7 @@ def test_real_tokenization_passes_and_names_its_tokenizer_in_every_file(tokenize
     assert all(o.passed for o in out.values()), {n: o.failures for n, o in out.items()}
     assert out["documents_start_where_ledger_says"].figures["documents"] == 8
     assert out["sampled_documents_decode_to_raw_text"].figures["sampled_documents"] == 6  # 3 per shard
-    tf = TokenFile(store.fetch("token_shard", tok.tokenizer_id, "chat/00000"), "chat/00000")
+    tf = TokenFile(token_path(store, tok.tokenizer_id, "chat/00000"), "chat/00000")
     assert tf.tokenizer_id == tok.tokenizer_id and tf.doc(0)[0] == tok.bos and tf.doc(2)[-1] == tok.eot
 
 
@@ -115,9 +121,9 @@ def test_a_swapped_tokenizer_fails_by_name(tokenized, tmp_path):
     """corp/00000 tokenized by `other`, its file put where `tok`'s is read from and recorded as `tok`'s."""
     store, ledger = copy_of(tokenized, tmp_path / "store")
     tok, other = tokenized.tok, tokenized.other
-    swapped = store.fetch("token_shard", other.tokenizer_id, "corp/00000")
+    swapped = token_path(store, other.tokenizer_id, "corp/00000")
     tf = TokenFile(swapped, "corp/00000")
-    path = store.fetch("token_shard", tok.tokenizer_id, "corp/00000")
+    path = token_path(store, tok.tokenizer_id, "corp/00000")
     shutil.copyfile(swapped, path)
     record = next(r for r in ledger.shards(tokenizer_id=tok.tokenizer_id) if r["shard_id"] == "corp/00000")
     ledger.write_shard(record | {"tokens": tf.num_tokens, "token_path": str(path)})
@@ -136,7 +142,7 @@ def test_a_swapped_tokenizer_fails_by_name(tokenized, tmp_path):
 def test_a_dropped_bos_fails_by_document_and_row(tokenized, tmp_path):
     store, ledger = copy_of(tokenized, tmp_path / "store")
     tok = tokenized.tok
-    tf = TokenFile(store.fetch("token_shard", tok.tokenizer_id, "corp/00000"), "corp/00000")
+    tf = TokenFile(token_path(store, tok.tokenizer_id, "corp/00000"), "corp/00000")
     a = int(tf.starts[2])
     values = np.delete(tf.values, a)  # document 2 loses its <|bos|>
     starts = np.concatenate((tf.starts[:3], tf.starts[3:] - 1))
@@ -156,7 +162,7 @@ def test_a_dropped_bos_fails_by_document_and_row(tokenized, tmp_path):
 def test_a_shifted_document_boundary_fails_by_document_and_row(tokenized, tmp_path):
     store, ledger = copy_of(tokenized, tmp_path / "store")
     tok = tokenized.tok
-    tf = TokenFile(store.fetch("token_shard", tok.tokenizer_id, "chat/00000"), "chat/00000")
+    tf = TokenFile(token_path(store, tok.tokenizer_id, "chat/00000"), "chat/00000")
     starts = tf.starts.copy()
     starts[1] += 1  # conversation 0 takes conversation 1's <|bos|>
     rewrite(store, ledger, tok.tokenizer_id, "chat/00000", tf, starts, tf.values)

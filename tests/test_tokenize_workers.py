@@ -95,8 +95,8 @@ def test_two_workers_write_the_token_files_of_one_worker(runs):
     assert sorted(runs.stores[2].keys("token_shard")) == sorted(runs.stores[1].keys("token_shard"))
     assert len(runs.stores[1].keys("token_shard")) == len(runs.jobs)
     for job in runs.jobs:
-        one = runs.stores[1].fetch("token_shard", tid, job.shard_id).read_bytes()
-        two = runs.stores[2].fetch("token_shard", tid, job.shard_id).read_bytes()
+        one = runs.stores[1].fetch("token_shard", tid, job.shard_id, job.content_sha256).read_bytes()
+        two = runs.stores[2].fetch("token_shard", tid, job.shard_id, job.content_sha256).read_bytes()
         assert two == one, f"token shard {job.shard_id} differs between 1 and 2 workers"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pyarrow.parquet as pq
 
@@ -159,17 +160,66 @@ def manifests_of_shards(store: Store, shard_ids: list[str]) -> dict[str, Manifes
 
 def record_raw_shard(store: Store, manifest: Manifest, shard_id: str, sha256: str, size: int) -> str:
     """What raw_shards learned downloading and verifying a shard: its content hash, size, and the split
-    the rule gives it. Returns that split."""
+    the rule gives it. A shard is its content: when the content differs from the one recorded, the
+    record of each earlier version stays under `versions` (oldest first). Returns the split."""
     split = manifest.split_of(manifest.entry(shard_id), sha256)
-    store.write_json(
-        "raw_shard_meta", shard_id, data={"shard_id": shard_id, "sha256": sha256, "bytes": size, "split": split}
-    )
+    record = {"shard_id": shard_id, "sha256": sha256, "bytes": size, "split": split}
+    before = store.read_json("raw_shard_meta", shard_id) if store.exists("raw_shard_meta", shard_id) else None
+    if before is not None:
+        earlier = before.pop("versions", [])
+        before.pop("shard_id")
+        versions = earlier + [before] if before["sha256"] != sha256 else earlier
+        record |= {"versions": versions} if versions else {}
+    store.write_json("raw_shard_meta", shard_id, data=record)
     return split
 
 
 def recorded_sha256(store: Store, shard_id: str) -> str | None:
     """The content hash raw_shards recorded for the shard, or None if it has not downloaded it."""
     return store.read_json("raw_shard_meta", shard_id)["sha256"] if store.exists("raw_shard_meta", shard_id) else None
+
+
+def replaced_sha256(store: Store, shard_id: str) -> str:
+    """The content hash of the shard's version before its recorded one ("" for a first version)."""
+    if not store.exists("raw_shard_meta", shard_id):
+        return ""
+    versions = store.read_json("raw_shard_meta", shard_id).get("versions", [])
+    return versions[-1]["sha256"] if versions else ""
+
+
+def keep_replaced_version(store: Store, shard_id: str, new_sha256: str) -> None:
+    """Before a download of other content takes the shard's name: keep the present file as the version
+    of its recorded content (`raw_shard_version`), so what runs trained on stays readable by content.
+    A present file whose content is not the recorded one is not kept under that hash."""
+    old = recorded_sha256(store, shard_id)
+    if old is None or old == new_sha256 or store.exists("raw_shard_version", shard_id, old):
+        return
+    if store.exists("raw_shard", shard_id):
+        present = store.fetch("raw_shard", shard_id)
+        if sha256_file(present) == old:
+            store.put_file("raw_shard_version", shard_id, old, src=present)
+
+
+def raw_content(store: Store, shard_id: str, sha256: str) -> Path:
+    """The raw file of the shard's version with this content: the file under its name when it holds
+    that content, else the version kept when the content changed; refused naming both otherwise."""
+    if not store.exists("raw_shard", shard_id):
+        raise GhostvisError(
+            f"raw shard {shard_id} is not in the store ({store.uri_of('raw_shard', shard_id)}); "
+            f"materialize raw_shards partition {shard_id}"
+        )
+    path = store.fetch("raw_shard", shard_id)
+    got = sha256_file(path)
+    if got == sha256:
+        return path
+    if store.exists("raw_shard_version", shard_id, sha256):
+        kept = store.fetch("raw_shard_version", shard_id, sha256)
+        if sha256_file(kept) == sha256:
+            return kept
+    raise GhostvisError(
+        f"raw shard {shard_id} ({path}): content changed since it was recorded (expected sha256 {sha256}, "
+        f"got {got}) and no version of that content is kept; re-materialize raw_shards partition {shard_id}"
+    )
 
 
 def shard_split(store: Store, manifest: Manifest, shard_id: str, content_sha256: str | None = None) -> str:

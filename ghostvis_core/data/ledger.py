@@ -65,6 +65,7 @@ SHARD_SCHEMA = pa.schema(
         ("split", pa.string()),
         ("kind", pa.string()),
         ("content_sha256", pa.string()),
+        ("replaces_sha256", pa.string()),  # the shard's content before this version ("": its first version)
         ("raw_bytes", pa.int64()),
         ("tokenizer_id", pa.string()),
         ("docs", pa.int64()),
@@ -298,7 +299,14 @@ class Ledger:
     def write_shard(self, record: dict[str, Any]) -> Path:
         """Token paths are kept relative to the store, so a GHOSTVIS_HOME can be moved or copied; the
         token file's sha256 is kept, so a file replaced later (same rows, other tokens) is found."""
-        record = {"created_at": time.time(), "docs_dropped": 0, "tokens_dropped": 0, "drop_reasons": "{}", **record}
+        record = {
+            "created_at": time.time(),
+            "replaces_sha256": "",
+            "docs_dropped": 0,
+            "tokens_dropped": 0,
+            "drop_reasons": "{}",
+            **record,
+        }
         path = Path(record.get("token_path") or "")
         if path.is_file():
             record["token_sha256"] = sha256_file(path)
@@ -451,8 +459,11 @@ class Ledger:
             self.run_files(table, [p["run_key"] for p in parts]),
         )
 
-    def shards(self, tokenizer_id: str | None = None, sources: list[str] | None = None) -> list[dict[str, Any]]:
-        """Newest record per (shard_id, tokenizer_id)."""
+    def shards(
+        self, tokenizer_id: str | None = None, sources: list[str] | None = None, every_version: bool = False
+    ) -> list[dict[str, Any]]:
+        """Newest record per (shard_id, tokenizer_id): the shard's current version. `every_version`: one
+        record per content of the shard too, for what runs read from a shard's earlier versions."""
         where, params = ["1=1"], []
         if tokenizer_id:
             where.append("tokenizer_id = ?")
@@ -460,11 +471,12 @@ class Ledger:
         if sources:
             where.append(f"source IN ({','.join('?' * len(sources))})")
             params.extend(sources)
+        version = ", content_sha256" if every_version else ""
         rows = self._query(
             "shards",
             f"""SELECT * EXCLUDE (rn) FROM (
-                  SELECT *, row_number() OVER (PARTITION BY shard_id, tokenizer_id ORDER BY created_at DESC) rn
-                  FROM shards WHERE {" AND ".join(where)}) WHERE rn = 1 ORDER BY shard_id""",
+                  SELECT *, row_number() OVER (PARTITION BY shard_id, tokenizer_id{version} ORDER BY created_at DESC) rn
+                  FROM shards WHERE {" AND ".join(where)}) WHERE rn = 1 ORDER BY shard_id, created_at""",
             params,
         )
         for r in rows:
@@ -804,11 +816,13 @@ def run_consumption(ledger: Ledger, run_key: str) -> dict[str, Any]:
 
 def held_out_text_shards(ledger: Ledger, tokenizer_id: str, sources: list[str]) -> dict[str, list[dict[str, str]]]:
     """Of `sources`, in their order, those with plain-text validation shards tokenized with
-    `tokenizer_id`: source -> [{"shard_id", "path"}] (by shard_id)."""
+    `tokenizer_id`: source -> [{"shard_id", "content_sha256", "path"}] (by shard_id)."""
     found: dict[str, list[dict[str, str]]] = {}
     for r in ledger.shards(tokenizer_id=tokenizer_id, sources=list(sources)):
         if r["split"] == "validation" and r["kind"] == "text":
-            found.setdefault(r["source"], []).append({"shard_id": r["shard_id"], "path": r["token_path"]})
+            found.setdefault(r["source"], []).append(
+                {"shard_id": r["shard_id"], "content_sha256": r["content_sha256"], "path": r["token_path"]}
+            )
     return {s: found[s] for s in sources if s in found}
 
 
@@ -844,7 +858,10 @@ def validation_selected(
     """Shards selected for training (a launch spec's train_shards) whose ledger split is not train, or
     that the ledger does not know: checked before launch and again by the stage checks, because what
     is selected is what the run may read, whatever it happened to consume."""
-    known = {(r["shard_id"], r["content_sha256"]): r["split"] for r in ledger.shards(tokenizer_id=tokenizer_id)}
+    known = {
+        (r["shard_id"], r["content_sha256"]): r["split"]
+        for r in ledger.shards(tokenizer_id=tokenizer_id, every_version=True)
+    }
     out = []
     for source, refs in sorted(train_shards.items()):
         for ref in refs:

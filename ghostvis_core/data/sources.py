@@ -194,10 +194,16 @@ class _Transient(Exception):
 
 
 def fetch_shard(
-    shard_id: str, entry: ShardEntry, dest: Path, check: Callable[[Path], None] | None = None
+    shard_id: str,
+    entry: ShardEntry,
+    dest: Path,
+    check: Callable[[Path], None] | None = None,
+    admit: Callable[[str], None] | None = None,
 ) -> FetchResult:
     """Download entry.url to dest atomically; verify size and sha256 when the manifest has them, and
     the file by `check` (raw_shards: its kind's columns and types) before it takes the name `dest`.
+    `admit` is called last with the download's sha256, while `dest` still holds what was there
+    (raw_shards keeps a previous content of the shard as a version of its own).
 
     A transient failure restarts the download into a fresh temp file, up to RETRY_ATTEMPTS times.
     """
@@ -206,7 +212,7 @@ def fetch_shard(
     dest.parent.mkdir(parents=True, exist_ok=True)
     what = f"shard {shard_id}: {_safe_url(entry.url)}"
     fix = f"check the network or the server and re-materialize raw_shards partition {shard_id}"
-    return _retrying(what, fix, lambda: _fetch_once(shard_id, entry, dest, what, check))
+    return _retrying(what, fix, lambda: _fetch_once(shard_id, entry, dest, what, check, admit))
 
 
 def _retrying(what: str, fix: str, attempt):
@@ -223,7 +229,12 @@ def _retrying(what: str, fix: str, attempt):
 
 
 def _fetch_once(
-    shard_id: str, entry: ShardEntry, dest: Path, what: str, check: Callable[[Path], None] | None
+    shard_id: str,
+    entry: ShardEntry,
+    dest: Path,
+    what: str,
+    check: Callable[[Path], None] | None,
+    admit: Callable[[str], None] | None,
 ) -> FetchResult:
     try:
         with replacing(dest) as tmp:
@@ -240,6 +251,8 @@ def _fetch_once(
                 )
             if check is not None:
                 check(tmp)
+            if admit is not None:
+                admit(digest)
         return FetchResult(dest, size, digest, downloaded=True)
     except OSError as e:  # local disk or file:// source, not the network: retrying would not help
         raise GhostvisError(

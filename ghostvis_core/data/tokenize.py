@@ -27,7 +27,7 @@ from datatrove.pipeline.filters import FineWebQualityFilter, LambdaFilter, Regex
 from datatrove.pipeline.filters.base_filter import BaseFilter, get_filter_result
 from datatrove.pipeline.readers import ParquetReader
 
-from ghostvis_core.data.catalog import recorded_sha256, shard_split
+from ghostvis_core.data.catalog import raw_content, recorded_sha256, replaced_sha256, shard_split
 from ghostvis_core.data.chat import IMAGE, render_chat, render_prompt, render_reply
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ngrams import fingerprints, record_text
@@ -49,6 +49,7 @@ class TokenizeJob:
     split: str
     content_sha256: str  # of the raw file: it decides the split; the worker checks the file it reads has it
     kind: str = "text"
+    replaces_sha256: str = ""  # the content of the shard's version before this one ("" for a first version)
 
 
 def job_for_shard(store: Store, manifest: Manifest, shard_id: str) -> TokenizeJob:
@@ -63,7 +64,12 @@ def job_for_shard(store: Store, manifest: Manifest, shard_id: str) -> TokenizeJo
             )
         content_sha256 = sha256_file(store.fetch("raw_shard", shard_id))
     return TokenizeJob(
-        shard_id, manifest.source, shard_split(store, manifest, shard_id, content_sha256), content_sha256, manifest.kind
+        shard_id,
+        manifest.source,
+        shard_split(store, manifest, shard_id, content_sha256),
+        content_sha256,
+        manifest.kind,
+        replaced_sha256(store, shard_id),
     )
 
 
@@ -99,20 +105,8 @@ class JobsFile:
 
 
 def raw_file(store: Store, job: TokenizeJob) -> Path:
-    """The raw shard a worker reads (fetched to its node), refused if its content is not the job's."""
-    if not store.exists("raw_shard", job.shard_id):
-        raise GhostvisError(
-            f"raw shard {job.shard_id} is not in the store ({store.uri_of('raw_shard', job.shard_id)}); "
-            f"materialize raw_shards partition {job.shard_id}"
-        )
-    path = store.fetch("raw_shard", job.shard_id)
-    got = sha256_file(path)
-    if got != job.content_sha256:
-        raise GhostvisError(
-            f"raw shard {job.shard_id} ({path}): content changed since it was recorded (expected "
-            f"sha256 {job.content_sha256}, got {got}); re-materialize raw_shards partition {job.shard_id}"
-        )
-    return path
+    """The raw shard a worker reads (fetched to its node): the version with the job's content."""
+    return raw_content(store, job.shard_id, job.content_sha256)
 
 
 class RawShardReader(ParquetReader):
@@ -244,12 +238,11 @@ class TokenShardWriter(PipelineStep):
             text_bytes += len(raw)
         columns = token_columns(rows, lists, scalars, dtype)
         n_tokens = sum(lists.get("tokens", ([], []))[0])
-        token_file = store.writable("token_shard", tok.tokenizer_id, job.shard_id)
+        token_file = store.writable("token_shard", tok.tokenizer_id, job.shard_id, job.content_sha256)
         write_token_shard(token_file, columns, tok.tokenizer_id)
-        store.publish("token_shard", tok.tokenizer_id, job.shard_id)  # before its ledger record names it
+        store.publish("token_shard", tok.tokenizer_id, job.shard_id, job.content_sha256)  # before its record names it
         self.stat_update("tokens", value=n_tokens, unit="shard")
-        ledger = Ledger.in_store(store)
-        write_documents(ledger, job, rows, doc_hashes, doc_ngrams)
+        write_documents(ledger := Ledger.in_store(store), job, rows, doc_hashes, doc_ngrams)
         ledger.write_shard(
             {
                 "shard_id": job.shard_id,
@@ -257,7 +250,8 @@ class TokenShardWriter(PipelineStep):
                 "split": job.split,
                 "kind": job.kind,
                 "content_sha256": job.content_sha256,
-                "raw_bytes": store.fetch("raw_shard", job.shard_id).stat().st_size,
+                "replaces_sha256": job.replaces_sha256,
+                "raw_bytes": raw_file(store, job).stat().st_size,
                 "tokenizer_id": tok.tokenizer_id,
                 "docs": len(rows),
                 "tokens": n_tokens,
@@ -372,13 +366,13 @@ def error_file(errors_dir: Path, shard_id: str) -> Path:
 def is_done(job: TokenizeJob, ledger: Ledger, store: Store, tokenizer_id: str) -> bool:
     """Same content and tokenizer already tokenized, with the token file intact: nothing to redo."""
     rec = ledger.shard_record_path(job.shard_id, tokenizer_id, job.content_sha256)
-    if not rec.exists() or not store.exists("token_shard", tokenizer_id, job.shard_id):
+    if not rec.exists() or not store.exists("token_shard", tokenizer_id, job.shard_id, job.content_sha256):
         return False
     if not ledger.ngram_record_path(job.shard_id, job.content_sha256).exists():  # tokenized before the gate
         return False
     rows = pq.read_table(rec).to_pylist()
     try:
-        token_file = store.fetch("token_shard", tokenizer_id, job.shard_id)
+        token_file = store.fetch("token_shard", tokenizer_id, job.shard_id, job.content_sha256)
         return TokenShard.open(token_file, job.shard_id).num_tokens == rows[0]["tokens"]
     except GhostvisError:
         return False
@@ -395,6 +389,8 @@ class TokenizeReport:
     docs_dropped: int = 0
     tokens_dropped: int = 0
     drop_reasons: str = "{}"
+    content_sha256: str = ""  # the raw content tokenized: the shard's version
+    replaces_sha256: str = ""  # the version before it ("": the first)
 
 
 @functools.cache
@@ -495,6 +491,8 @@ def tokenize_shards(
                 rec["docs_dropped"],
                 rec["tokens_dropped"],
                 rec["drop_reasons"],
+                j.content_sha256,
+                rec.get("replaces_sha256") or "",
             )
         )
     return reports

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ghostvis_core import identity
+from ghostvis_core.data.catalog import recorded_sha256
 from ghostvis_core.data.ledger import Ledger, validation_selected
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer, newest_tokenizer
@@ -34,17 +35,27 @@ MLFLOW_EXPERIMENT = "ghostvis"
 def select_shards(
     ledger: Ledger, store: Store, tokenizer_id: str, sources: list[str], split: str
 ) -> dict[str, list[dict]]:
-    """Ledger shards of the given sources and split; every token file must be in the store."""
+    """Ledger shards of the given sources and split; every token file must be in the store, and be of the
+    shard's current content: a shard whose file changed under its name trains only once its new version
+    is tokenized (the old version's tokens stay for the runs that read them)."""
     out: dict[str, list[dict]] = {s: [] for s in sources}
     for r in ledger.shards(tokenizer_id=tokenizer_id, sources=sources):
         if r["split"] != split:
             continue
-        if not store.exists("token_shard", tokenizer_id, r["shard_id"]):
+        current = recorded_sha256(store, r["shard_id"])
+        if current is not None and current != r["content_sha256"]:
             raise GhostvisError(
-                f"tokenized shard {r['shard_id']} ({store.uri_of('token_shard', tokenizer_id, r['shard_id'])}) is in "
+                f"shard {r['shard_id']} changed under its name: raw_shards recorded content sha256 {current}, "
+                f"but the ledger's newest tokenization with {tokenizer_id} is of sha256 {r['content_sha256']}; "
+                f"re-materialize tokenized_shards partition {r['shard_id']} to tokenize the new version"
+            )
+        key = (tokenizer_id, r["shard_id"], r["content_sha256"])
+        if not store.exists("token_shard", *key):
+            raise GhostvisError(
+                f"tokenized shard {r['shard_id']} ({store.uri_of('token_shard', *key)}) is in "
                 f"the ledger but missing on disk; re-materialize tokenized_shards partition {r['shard_id']}"
             )
-        path = store.uri_of("token_shard", tokenizer_id, r["shard_id"])  # each rank fetches it (spec.localize_shards)
+        path = store.uri_of("token_shard", *key)  # each rank fetches it (spec.localize_shards)
         out[r["source"]].append(
             ShardRef(r["shard_id"], r["source"], r["split"], path, r["docs"], r["tokens"], r["content_sha256"]).__dict__
         )

@@ -12,9 +12,12 @@ from ghostvis_core.errors import GhostvisError
 LAYOUT: dict[str, str] = {
     "manifest": "manifests/{}.json",  # source
     "raw_shard": "shards/raw/{path}.parquet",  # shard_id
+    # shard_id, sha256: an earlier content of a shard whose file changed under its name (catalog.raw_content)
+    "raw_shard_version": "shards/raw_versions/{path}/{}.parquet",
     "raw_shard_meta": "shards/raw_meta/{path}.json",  # shard_id: sha256, bytes, split of the downloaded shard
     "tokenizer": "tokenizers/{}",  # tokenizer_id: a folder (tokenizer.json, ...)
-    "token_shard": "shards/tokens/{}/{path}.arrow",  # tokenizer_id, shard_id
+    # tokenizer_id, shard_id, sha256 of the raw content tokenized: each version of a shard has its own
+    "token_shard": "shards/tokens/{}/{path}/{}.arrow",
     "ledger": "ledger",  # the ledger's Parquet tables (data/ledger.py)
     "ledger_file": "ledger/{path}",  # one file of those tables, by its path inside the ledger
     "checkpoints": "checkpoints/{}/{}",  # stage, run_key: the run's step_* folders

@@ -41,14 +41,16 @@ class Reader:
 
     store: Store
     ledger: Ledger
-    _files: dict[tuple[str, str], TokenFile] = field(default_factory=dict)
+    _files: dict[tuple[str, str, str], TokenFile] = field(default_factory=dict)
     _texts: dict[str, list[str]] = field(default_factory=dict)
 
-    def token_file(self, tokenizer_id: str, shard_id: str) -> TokenFile:
-        if (tokenizer_id, shard_id) not in self._files:
-            path = self.store.fetch("token_shard", tokenizer_id, shard_id)
-            self._files[(tokenizer_id, shard_id)] = TokenFile(path, shard_id)
-        return self._files[(tokenizer_id, shard_id)]
+    def token_file(self, spec: dict[str, Any], shard_id: str) -> TokenFile:
+        """The token file of `shard_id` in the version the run of `spec` selected (a shard is its content)."""
+        content = shard_contents(spec)[shard_id]
+        key = (spec["tokenizer_id"], shard_id, content)
+        if key not in self._files:
+            self._files[key] = TokenFile(self.store.fetch("token_shard", *key), shard_id)
+        return self._files[key]
 
     def text(self, shard_id: str, row: int) -> str:
         if shard_id not in self._texts:
@@ -78,9 +80,19 @@ def place(g: int, plan: BatchPlan) -> dict[str, int]:
     }
 
 
-def doc_tokens(reader: Reader, tokenizer_id: str, shard_id: str, row: int) -> tuple[int, int] | None:
-    """The document's tokens [start, end) in its token file, or None when tokenization dropped it."""
-    tf = reader.token_file(tokenizer_id, shard_id)
+def shard_contents(spec: dict[str, Any]) -> dict[str, str]:
+    """shard id -> the content sha256 a run's launch spec selected (train and validation)."""
+    return {
+        r["shard_id"]: r["content_sha256"]
+        for k in ("train_shards", "val_shards")
+        for rs in spec[k].values()
+        for r in rs
+    }
+
+
+def doc_tokens(reader: Reader, spec: dict[str, Any], shard_id: str, row: int) -> tuple[int, int] | None:
+    """The document's tokens [start, end) in the run's token file, or None when tokenization dropped it."""
+    tf = reader.token_file(spec, shard_id)
     found = (tf.rows == row).nonzero()[0]
     return tf.doc_span(int(found[0])) if len(found) else None
 
@@ -88,7 +100,7 @@ def doc_tokens(reader: Reader, tokenizer_id: str, shard_id: str, row: int) -> tu
 def run_hits(reader: Reader, run: dict[str, Any], parts: list[dict[str, Any]], shard_id: str, row: int) -> list[dict]:
     """Every (step, rank, micro-batch, epoch) of one run whose rows read the document's tokens."""
     spec = reader.store.read_json("run_spec", run["stage"], run["run_key"])
-    span = doc_tokens(reader, spec["tokenizer_id"], shard_id, row)
+    span = doc_tokens(reader, spec, shard_id, row)
     if span is None:
         return []
     planned, plan, hits = PlannedRows(reader.store, spec), BatchPlan.of(spec["plan"]), []
@@ -166,7 +178,7 @@ def trace_step(store: Store, ledger: Ledger, stage: str, step: int, run_key: str
         for m, rows in enumerate(f["micro_rows"]):
             for g in rows:
                 for sp in planned.row(g).spans:
-                    tf = reader.token_file(spec["tokenizer_id"], sp.shard_id)
+                    tf = reader.token_file(spec, sp.shard_id)
                     first, last = tf.rows_of(sp.tok_start, sp.tok_end)
                     fed.append(
                         {

@@ -20,6 +20,7 @@ from ghostvis_core.data.catalog import (
     RemoteSource,
     check_declarations,
     check_sha256_pins,
+    keep_replaced_version,
     manifests_of_shards,
     record_raw_shard,
     remote_manifest,
@@ -141,7 +142,10 @@ SHARD_BACKFILL = BackfillPolicy.single_run()
 def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> MaterializeResult:
     """Downloads shards through the one fetch path (temp name, verify size + sha256 and the kind's
     columns and types, rename), and
-    records each one's content hash, size and split (the split rule applied to that content). Once
+    records each one's content hash, size and split (the split rule applied to that content). A shard
+    is its content: a download whose content differs from the recorded one is a new version, and the
+    previous file and record are kept (`keep_replaced_version`, `record_raw_shard`) for the runs that
+    trained on them. Once
     every shard of a source is downloaded, a validation_sha256 pin that matches none of them fails here.
     Each shard's figures are an observation of its partition (`shard_observation`); the run's counts are
     its one summary log line. Data version: the recorded content hash of every
@@ -155,7 +159,13 @@ def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> Materializ
     for key in keys:
         manifest = manifests[key]
         local = store.fetch("raw_shard", key) if store.exists("raw_shard", key) else store.writable("raw_shard", key)
-        r = fetch_shard(key, manifest.entry(key), local, check=partial(check_shard_schema, key, manifest.kind))
+        r = fetch_shard(
+            key,
+            manifest.entry(key),
+            local,
+            check=partial(check_shard_schema, key, manifest.kind),
+            admit=partial(keep_replaced_version, store, key),
+        )
         store.publish("raw_shard", key)
         split = record_raw_shard(store, manifest, key, r.sha256, r.bytes)
         total += r.bytes
@@ -392,7 +402,11 @@ def shard_figures(store, tokenizer_id: str, report) -> dict:
         "tokens_dropped": report.tokens_dropped,
         "drop_reasons": report.drop_reasons,
         "status": "skipped (unchanged)" if report.skipped else "tokenized",
-        "token_file": MetadataValue.path(store.uri_of("token_shard", tokenizer_id, report.shard_id)),
+        "content_sha256": report.content_sha256,
+        "replaces_sha256": report.replaces_sha256,
+        "token_file": MetadataValue.path(
+            store.uri_of("token_shard", tokenizer_id, report.shard_id, report.content_sha256)
+        ),
     }
 
 

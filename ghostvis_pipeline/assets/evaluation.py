@@ -50,7 +50,10 @@ def eval_shards(store: Store, tokenizer_id: str, lineage: dict[str, str]) -> dic
     sources = stage_config(store, run_result(store, first, lineage[first])).data.val_sources
     held_out = held_out_text_shards(Ledger.in_store(store), tokenizer_id, sources)
     return {
-        source: [{**ref, "path": str(store.fetch("token_shard", tokenizer_id, ref["shard_id"]))} for ref in refs]
+        source: [
+            {**ref, "path": str(store.fetch("token_shard", tokenizer_id, ref["shard_id"], ref["content_sha256"]))}
+            for ref in refs
+        ]
         for source, refs in held_out.items()
     }
 

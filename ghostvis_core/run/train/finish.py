@@ -52,7 +52,7 @@ def shard_inputs(run: Trainer, consumed: set[str]) -> list[ShardInput]:
             r.split,
             r.content_sha256,
             run.store.uri_of("raw_shard", r.shard_id),
-            run.store.uri_of("token_shard", spec.tokenizer_id, r.shard_id),
+            run.store.uri_of("token_shard", spec.tokenizer_id, r.shard_id, r.content_sha256),
         )
         for r in refs
     ]

@@ -88,4 +88,4 @@ def localize_shards(spec: LaunchSpec, store: Store) -> None:
     """Point the spec's shards at this node's copies (fetched from the store by key when it is remote)."""
     for refs in (*spec.train_shards.values(), *spec.val_shards.values()):
         for ref in refs:
-            ref["path"] = str(store.fetch("token_shard", spec.tokenizer_id, ref["shard_id"]))
+            ref["path"] = str(store.fetch("token_shard", spec.tokenizer_id, ref["shard_id"], ref["content_sha256"]))

@@ -70,8 +70,8 @@ def tokens_recounted_from_files(store: Store, run: StageRun) -> CheckOutcome:
         store,
         run.spec,
         {
-            r["shard_id"]: r.get("token_sha256")
-            for r in Ledger.in_store(store).shards(tokenizer_id=run.spec.tokenizer_id)
+            (r["shard_id"], r["content_sha256"]): r.get("token_sha256")
+            for r in Ledger.in_store(store).shards(tokenizer_id=run.spec.tokenizer_id, every_version=True)
         },
     )
     problems = [p for p in (files.range_problem(r) for r in run.consumption) if p]
@@ -433,7 +433,9 @@ def ledger_matches_token_files(store: Store, ledger: Ledger, tokenizer_id: str) 
     ledger_total = sum(int(r["tokens"]) for r in records)
     for r in records:
         try:
-            shard = TokenFile(store.fetch("token_shard", tokenizer_id, r["shard_id"]), r["shard_id"])
+            shard = TokenFile(
+                store.fetch("token_shard", tokenizer_id, r["shard_id"], r["content_sha256"]), r["shard_id"]
+            )
             docs, tokens = shard.num_docs, shard.num_tokens
         except GhostvisError as exc:
             mismatches.append([r["shard_id"], r["docs"], -1, r["tokens"], -1, str(exc)])

@@ -355,7 +355,10 @@ class PlannedRows:
             files = SourceFiles(
                 r["source"],
                 [
-                    TokenFile(store.fetch("token_shard", spec["tokenizer_id"], s["shard_id"]), s["shard_id"])
+                    TokenFile(
+                        store.fetch("token_shard", spec["tokenizer_id"], s["shard_id"], s["content_sha256"]),
+                        s["shard_id"],
+                    )
                     for s in shards
                 ],
                 seed,

@@ -24,6 +24,7 @@ import numpy as np
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.tokenizer import load_tokenizer
+from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.store import Store
 from ghostvis_core.store.files import sha256_file
@@ -36,9 +37,15 @@ class FileRecount:
     """A run's token files, opened through the store once each (by the audit's own reader), and the
     stage's row rule."""
 
-    def __init__(self, store: Store, spec: LaunchSpec, token_sha256: dict[str, str | None]):
-        """`token_sha256`: per shard id, the token file's hash the ledger recorded (None: not recorded)."""
+    def __init__(self, store: Store, spec: LaunchSpec, token_sha256: dict[tuple[str, str], str | None]):
+        """`token_sha256`: per (shard id, raw content hash), the token file's hash the ledger recorded
+        (None: not recorded). Each shard is read in the version the run's launch spec selected."""
         self.store, self.tokenizer_id, self.token_sha256 = store, spec.tokenizer_id, token_sha256
+        self.content = {
+            ref["shard_id"]: ref["content_sha256"]
+            for refs in (*spec.train_shards.values(), *spec.val_shards.values())
+            for ref in refs
+        }
         self.replaced: list[str] = []  # shards whose file is not the one the ledger recorded
         self.objective, self.seq_len = spec.config.objective, spec.config.batch.seq_len
         self.n_latents = spec.config.vision.n_latents if spec.config.vision else None
@@ -49,8 +56,14 @@ class FileRecount:
 
     def shard(self, shard_id: str) -> TokenFile:
         if shard_id not in self._open:
-            path = self.store.fetch("token_shard", self.tokenizer_id, shard_id)
-            want = self.token_sha256.get(shard_id)
+            content = self.content.get(shard_id, "")
+            if not content:
+                raise GhostvisError(
+                    f"shard {shard_id} was consumed but the run's launch spec does not select it; "
+                    f"the ledger's consumption rows are not this run's: re-materialize the stage"
+                )
+            path = self.store.fetch("token_shard", self.tokenizer_id, shard_id, content)
+            want = self.token_sha256.get((shard_id, content))
             if want and sha256_file(path) != want:
                 self.replaced.append(
                     f"token file of {shard_id} is not the one the ledger recorded (sha256 "

@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from ghostvis_core.data.catalog import raw_content
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import Store
-from ghostvis_core.store.files import sha256_file
 from ghostvis_core.verify.audit.outcome import CheckOutcome
 from ghostvis_core.verify.audit.token_files import TokenFile
 
@@ -133,7 +133,7 @@ def tally_shard(store: Store, tok: Tokenizer, record: dict[str, Any]) -> ShardTa
     removed_ledger = (record["docs_dropped"], record["tokens_dropped"])
     try:
         per_row = raw_document_tokens(store, tok, sid, record["content_sha256"])
-        kept = TokenFile(store.fetch("token_shard", tok.tokenizer_id, sid), sid)
+        kept = TokenFile(store.fetch("token_shard", tok.tokenizer_id, sid, record["content_sha256"]), sid)
     except GhostvisError as exc:
         return ShardTally(sid, (-1, -1), (-1, -1), removed_ledger, (-1, -1), reasons, [str(exc)])
     problems = []
@@ -159,14 +159,9 @@ def tally_shard(store: Store, tok: Tokenizer, record: dict[str, Any]) -> ShardTa
 
 def raw_document_tokens(store: Store, tok: Tokenizer, shard_id: str, content_sha256: str) -> np.ndarray:
     """Per raw row, the tokens its document is trained as: <|bos|> + its text's tokens (0 for an empty
-    text, which tokenization drops as empty_text), from the raw file the ledger recorded."""
-    path = store.fetch("raw_shard", shard_id) if store.exists("raw_shard", shard_id) else None
-    if path is None or sha256_file(path) != content_sha256:
-        raise GhostvisError(
-            f"shard {shard_id}: the raw shard is missing or not the content it was tokenized from "
-            f"(sha256 {content_sha256[:12]}); re-materialize raw_shards and tokenized_shards "
-            f"partition {shard_id}"
-        )
+    text, which tokenization drops as empty_text), from the raw file the ledger recorded (the shard's
+    version with that content)."""
+    path = raw_content(store, shard_id, content_sha256)
     texts = [t or "" for t in pq.read_table(path, columns=["text"]).column("text").to_pylist()]
     ids = tok.enc.encode_ordinary_batch(texts)
     return np.array([len(x) + 1 if t else 0 for t, x in zip(texts, ids)], dtype=np.int64)

@@ -40,7 +40,8 @@ def _files(store: Store, ledger: Ledger, tokenizer_id: str) -> list[tuple[dict[s
     out: list[tuple[dict[str, Any], TokenFile | str]] = []
     for r in ledger.shards(tokenizer_id=tokenizer_id):
         try:
-            out.append((r, TokenFile(store.fetch("token_shard", tokenizer_id, r["shard_id"]), r["shard_id"])))
+            path = store.fetch("token_shard", tokenizer_id, r["shard_id"], r["content_sha256"])
+            out.append((r, TokenFile(path, r["shard_id"])))
         except GhostvisError as exc:
             out.append((r, str(exc)))
     return out
