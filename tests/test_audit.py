@@ -27,6 +27,7 @@ from ghostvis_core.home import Home
 from ghostvis_core.plan.stages import stage_names
 from ghostvis_core.run.launch import prepare_run
 from ghostvis_core.run.train.runs import completed_runs
+from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
 from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS
 from tests.conftest import copy_home, run_cli, run_names
 from tests.planted import plant
@@ -446,8 +447,8 @@ def test_the_checks_only_job_re_executes_every_check_without_retraining(home_cop
         }
     assert run.job_name == "checks_only"
     assert results[("sft", "tokens_recounted_from_files")] and all(results.values()), results
-    # 5 data checks, the lineage quality gate on `evaluation`, then every stage check of every stage
-    assert len(results) == 5 + 1 + len(STAGE_CHECKS) * len(stage_names())
+    # the data checks, the lineage quality gate on `evaluation`, then every stage check of every stage
+    assert len(DATA_CHECKS) == 8 and len(results) == len(DATA_CHECKS) + 1 + len(STAGE_CHECKS) * len(stage_names())
 
 
 def last_part_files(home: Path, stage: str) -> list[Path]:
