@@ -37,6 +37,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from ghostvis_core.data.catalog import raw_content
 from ghostvis_core.data.eval_texts import (
     BENCHMARK_PER_TASK,
     BENCHMARK_SEED,
@@ -52,7 +53,6 @@ from ghostvis_core.data.whole_items import MIN_WORDS, WholeItems, whole_phrase
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import ContaminationConfig
 from ghostvis_core.store import Store
-from ghostvis_core.store.files import sha256_file
 from ghostvis_core.verify.audit.outcome import CheckOutcome, union
 
 NAMED = 20  # contaminated pairs named one by one in a check's failures and tables
@@ -306,18 +306,17 @@ def consumed_texts(
     store: Store, ledger: Ledger, spec: Any, consumption: list[dict[str, Any]]
 ) -> dict[tuple[str, int], str]:
     """(shard_id, raw row) -> the text of every consumed document (ngrams.record_text, as tokenization
-    fingerprints it), read from the raw shards; a raw shard whose bytes are not the pinned content is
-    an error naming the fix."""
+    fingerprints it), read from the raw shards in the version the run consumed (a shard changed since is
+    read from its kept version); no version with that content is an error naming the fix."""
     content = shard_contents(ledger, spec)
     kinds = {r["shard_id"]: r["kind"] for r in ledger.shards(tokenizer_id=spec.tokenizer_id)}
     texts: dict[tuple[str, int], str] = {}
     for shard_id, spans in sorted(consumed_spans(consumption).items()):
-        path = store.fetch("raw_shard", shard_id)
-        if shard_id in content and sha256_file(path) != content[shard_id]:
-            raise GhostvisError(
-                f"raw shard {shard_id} ({path}): content is not the sha256 {content[shard_id]} the run consumed; "
-                f"the gate cannot read what was trained: restore it or re-materialize raw_shards partition {shard_id}"
-            )
+        path = (
+            raw_content(store, shard_id, content[shard_id])
+            if shard_id in content
+            else store.fetch("raw_shard", shard_id)
+        )
         kind = kinds.get(shard_id, "text")
         table = pq.read_table(path, columns=TEXT_COLUMNS[kind])
         for start, end in spans:

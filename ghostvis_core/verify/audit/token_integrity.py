@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from ghostvis_core.data.catalog import raw_content
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ngrams import TEXT_COLUMNS, normalize, record_text
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
@@ -163,7 +164,12 @@ def sampled_documents_decode_to_raw_text(store: Store, ledger: Ledger, tokenizer
             problems += [[s, "-", "-", tf]] if isinstance(tf, str) else []
             continue
         picks = sorted({0, tf.num_docs // 2, tf.num_docs - 1})
-        table = pq.read_table(store.fetch("raw_shard", s), columns=TEXT_COLUMNS[r["kind"]])
+        try:  # the raw version this token file was made from (a shard is its content)
+            raw = raw_content(store, s, r["content_sha256"])
+        except GhostvisError as exc:
+            problems.append([s, "-", "-", str(exc)])
+            continue
+        table = pq.read_table(raw, columns=TEXT_COLUMNS[r["kind"]])
         records = table.take([int(tf.rows[d]) for d in picks]).to_pylist()
         for d, record in zip(picks, records):
             sampled += 1
