@@ -52,6 +52,7 @@ def test_a_second_taker_waits_for_the_release_or_is_refused_naming_the_holder(st
     first.release()
     waiter.join(timeout=10)
     assert got and got[0].number == first.number + 1
+    assert got[0].predecessor["dagster_run_id"] == "1a2b3c4d5e"  # its run's outcome is the waiter's to look at
     assert not any("took over" in s for s in said), "a released lease is taken, not taken over"
 
 
@@ -63,6 +64,7 @@ def test_a_holder_that_stopped_beating_is_taken_over_and_learns_it_lost_the_leas
     taker = lease.acquire(store_nodes.reader, "tokenizer", "tok-1", expiry_s=0.3, poll_s=0.05, log=said.append)
     assert time.monotonic() - started >= 0.2  # it waited until the heartbeat was older than the expiry
     assert taker.number == 2 and any("took over the lease from a launch" in s for s in said)
+    assert taker.predecessor is None  # a holder that died did nothing more: nothing to wait for
     with pytest.raises(GhostvisError, match="tokenizer/tok-1: taken over by a launch"):
         stale.beat()
 

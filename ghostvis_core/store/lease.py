@@ -98,7 +98,8 @@ class Lease:
     number: int
     holder: dict[str, Any]
     owned: bool = False  # taken by this process (released by it), not joined
-    # the holder this one waited for or took over from: what it did meanwhile may be this one's to reuse
+    # the holder this one waited for until it released the lease: what it did meanwhile may be this one's to
+    # reuse (not one taken over: a holder that died did nothing more)
     predecessor: dict[str, Any] | None = None
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
@@ -189,8 +190,8 @@ def acquire(
                     f"no heartbeat for longer than its expiry ({newest.holder.get('expiry_s', DEFAULT_EXPIRY_S):.0f} s)"
                 )
             _prune(store, scope, name, keep_from=number - 1)
-            taken_over = newest.holder if newest is not None and not newest.released else None
-            return Lease(store, scope, name, number, mine, owned=True, predecessor=taken_over or waited_for)
+            released = newest is not None and newest.released
+            return Lease(store, scope, name, number, mine, owned=True, predecessor=waited_for if released else None)
         # another launch created that generation first: look again
 
 
