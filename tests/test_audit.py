@@ -447,8 +447,9 @@ def test_the_checks_only_job_re_executes_every_check_without_retraining(home_cop
         }
     assert run.job_name == "checks_only"
     assert results[("sft", "tokens_recounted_from_files")] and all(results.values()), results
-    # the data checks, the lineage quality gate on `evaluation`, then every stage check of every stage
-    assert len(results) == len(DATA_CHECKS) + 1 + len(STAGE_CHECKS) * len(stage_names())
+    # the tokenizer's check, the ledger's data checks, the lineage quality gate on `evaluation`, then every
+    # stage check of every stage
+    assert len(results) == 1 + len(DATA_CHECKS) + 1 + len(STAGE_CHECKS) * len(stage_names())
 
 
 def last_part_files(home: Path, stage: str) -> list[Path]:
@@ -559,7 +560,11 @@ def test_a_source_file_changed_under_its_name_is_a_new_version_and_the_trained_l
     run_cli([*MATERIALIZE, "--select", "tokenized_shards", "--partition", shard_id], home_copy)
     run_cli([*MATERIALIZE, "--select", "token_ledger"], home_copy)
     status = run_cli(["ghostvis", "status", "--json"], home_copy)
-    stale = {s["asset"]: s["reasons"] for s in json.loads(status.stdout) if s["state"] == "stale"}
+    stale = {  # code changed: other work in the tree while the suite runs (as tests/test_cache.py allows)
+        s["asset"]: [r for r in s["reasons"] if not r.startswith("its code changed")]
+        for s in json.loads(status.stdout)
+        if s["state"] == "stale"
+    }
     assert "tokenized_shards" not in stale and "token_ledger" not in stale
     assert all(stale[s] == [stale["pretrain"][0]] for s in stage_names())  # every stage reads the ledger
     assert stale["pretrain"][0].startswith("input token_ledger changed (data version ")
