@@ -36,6 +36,17 @@ def host_environment(send_credentials: bool) -> dict[str, str]:
     return {name: value for name, value in os.environ.items() if send_credentials or not is_secret(name)}
 
 
+_LAUNCHES: dict[tuple[str, int], int] = {}
+
+
+def attempt_name(context) -> str:
+    """The name of this launch's files (sbatch script, job output, Pipes messages): the Dagster run and retry,
+    and after a preemption the relaunch's number (`run_job` launches again within the same retry)."""
+    key = (context.run_id, context.retry_number)
+    n = _LAUNCHES[key] = _LAUNCHES.get(key, -1) + 1
+    return f"{context.run_id[:8]}-{context.retry_number}" + (f"-p{n}" if n else "")
+
+
 def spec_uri(home: Home, spec: LaunchSpec) -> str:
     """Where every node reads the run's spec (a path in the shared store)."""
     return home.store.uri_of("run_spec", spec.stage, spec.run_key)

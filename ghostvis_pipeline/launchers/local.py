@@ -7,7 +7,14 @@ from dagster import AssetExecutionContext
 from ghostvis_core.home import Home
 from ghostvis_core.run.cluster.torchrun import torchrun_command
 from ghostvis_core.run.train.spec import LaunchSpec
-from ghostvis_pipeline.launchers.common import clear_reason, failure, job_env, require_result, spec_uri
+from ghostvis_pipeline.launchers.common import (
+    attempt_name,
+    clear_reason,
+    failure,
+    job_env,
+    require_result,
+    spec_uri,
+)
 from ghostvis_pipeline.launchers.pipes import store_pipes_session
 from ghostvis_pipeline.launchers.processes import start, stop, wait
 
@@ -17,7 +24,7 @@ def run_local(context: AssetExecutionContext, spec: LaunchSpec, home: Home, laun
     cmd = torchrun_command(spec_uri(home, spec), nproc)
     context.log.info(f"launching: {' '.join(cmd)}")
     clear_reason(home, spec)
-    with store_pipes_session(context, home, spec, f"{context.run_id[:8]}-{context.retry_number}") as session:
+    with store_pipes_session(context, home, spec, attempt_name(context)) as session:
         job = {"torchrun": start(cmd, {**job_env(launcher.profile, nproc), **session.get_bootstrap_env_vars()})}
         try:
             failed = wait(job)

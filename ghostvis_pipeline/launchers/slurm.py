@@ -21,6 +21,7 @@ from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.store import Store
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers.common import (
+    attempt_name,
     clear_reason,
     failure,
     host_environment,
@@ -58,7 +59,7 @@ def run_slurm(context: AssetExecutionContext, spec: LaunchSpec, home: Home, laun
     so that Dagster's retry, termination and log cover the job."""
     job = SlurmJob(**launcher.slurm.model_dump())
     nproc = launcher.ranks_per_node(spec)
-    attempt = f"{context.run_id[:8]}-{context.retry_number}"
+    attempt = attempt_name(context)
     clear_reason(home, spec)
     output = JobOutput(home.store, spec, attempt)
     with store_pipes_session(context, home, spec, attempt) as session:

@@ -18,6 +18,7 @@ from ghostvis_core.run.cluster.torchrun import MultiNode, node_line, torchrun_co
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers.common import (
+    attempt_name,
     clear_reason,
     failure,
     host_environment,
@@ -38,7 +39,7 @@ def run_torchrun(context: AssetExecutionContext, spec: LaunchSpec, home: Home, l
     except GhostvisError as exc:
         raise Failure(str(exc), allow_retries=False) from None
     nproc = launcher.ranks_per_node(spec)
-    attempt = f"{context.run_id[:8]}-{context.retry_number}"
+    attempt = attempt_name(context)
     rdzv = multi.rendezvous(spec.run_key, attempt)
     cmd = torchrun_command(spec_uri(home, spec), nproc, rdzv)
     clear_reason(home, spec)
