@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from ghostvis_core.run.train.runs import identity_of
+
 T = TypeVar("T")
 
 
@@ -83,7 +85,8 @@ def run_soak(hosts, argv: list[str], home: Path, store: str, run_key: str, logs:
         return wait_for(what, predicate, first, logs[0], timeout)
 
     try:
-        until("the lease", lambda: hosts.keys(f"{prefix}/leases/pretrain/"))
+        # this identity's lease (the demo's store holds the leases of the demo's own runs)
+        until("the lease", lambda: hosts.keys(f"{prefix}/leases/pretrain/{identity_of(run_key)}/"))
         second = hosts.start(argv, logs[1], home, GHOSTVIS_STORE=store)  # 1. a second launch of the identity
         until("step 1", lambda: "step 1/12" in text())
         outage(hosts.services[0].pid, OUTAGE_S)  # 2. the S3 server stops answering while the ranks train

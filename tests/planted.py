@@ -163,7 +163,7 @@ BUGS: dict[str, list[tuple[str, str, str, str]]] = {
     "stop_after_first_checkpoint": [
         (
             "ghostvis_core.run.train.trainer",
-            "Trainer.checkpoint",
+            "Trainer.commit",
             "        self.part = self._new_part()\n",
             "        __import__('os')._exit(3)\n",
         )

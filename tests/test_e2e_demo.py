@@ -16,6 +16,7 @@ from ghostvis_core.home import Home
 from ghostvis_core.plan import presets
 from ghostvis_core.plan.budget import flops_per_token, plan
 from ghostvis_core.plan.stages import stage_names
+from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from tests.conftest import run_cli, torchrun_stage
 
@@ -53,7 +54,8 @@ def test_demo_materializes_every_asset_and_all_checks_pass(demo_home):
     line = next(line for line in out.splitlines() if line.startswith("checks:"))
     passed, total = map(int, line.split()[1].split("/"))
     # 5 data checks (4 ledger, 1 tokenizer), the stages' checks and the evaluation's lineage quality gate
-    assert passed == total == 5 + len(stage_check_names()) * len(STAGES) + 1, line
+    # the tokenizer's check, the ledger's data checks, every stage's checks, the lineage quality gate
+    assert passed == total == 1 + len(DATA_CHECKS) + len(stage_check_names()) * len(STAGES) + 1, line
 
 
 def test_ledger_mlflow_and_dagster_agree_to_the_token_for_every_stage(demo_home):
