@@ -1,4 +1,4 @@
-"""The `ghostvis` command: init, demo, plan, ledger, audit, chat.
+"""The `ghostvis` command: init, demo, plan, ledger, audit (chat, train, ... in their *_command modules).
 
 Bad input ends with one line naming the problem and the fix (exit code 2), not a traceback.
 """
@@ -15,7 +15,7 @@ from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger, run_consumption, run_keys, run_summaries
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.plan import presets
+from ghostvis_core.plan import lineage, presets
 from ghostvis_core.plan.budget import (
     DEFAULT_MFU,
     GPUS,
@@ -36,7 +36,15 @@ from ghostvis_core.plan.run_modes import (
     mode_of,
 )
 from ghostvis_core.plan.stages import stage, stage_names
-from ghostvis_pipeline import data_command, export_command, status_command, store_command, trace_command, train_command
+from ghostvis_pipeline import (
+    chat_command,
+    data_command,
+    export_command,
+    status_command,
+    store_command,
+    trace_command,
+    train_command,
+)
 
 
 def cmd_init(args) -> int:
@@ -55,10 +63,9 @@ def cmd_demo(args) -> int:
     from ghostvis_pipeline.demo import format_summary, timed_demo
 
     home = Home.from_env()
-    unknown = sorted(set(args.stages or []) - set(stage_names()))
-    if unknown:
-        raise GhostvisError(f"unknown stage(s) {', '.join(unknown)}; stages: {', '.join(stage_names())}")
-    stages = [s for s in stage_names() if s in args.stages] if args.stages else stage_names()
+    chain = lineage.selected()
+    wanted = {chain.require(s) for s in args.stages or chain.stage_names()}
+    stages = [s for s in chain.stage_names() if s in wanted]
     runs, wall = timed_demo(home, args.preset, stages)
     print(format_summary(runs, wall))
     print(ui_hint(home))
@@ -444,45 +451,10 @@ def cmd_audit(args) -> int:
     if unknown:
         raise GhostvisError(f"unknown stage(s) {', '.join(unknown)}; stages: {', '.join(stage_names())}")
     home = Home.from_env()
-    stages = [s for s in stage_names() if s in args.stage] if args.stage else stage_names()
+    stages = [s for s in stage_names() if s in args.stage] if args.stage else lineage.selected().stage_names()
     report = audit(home, stages, {} if args.no_dagster else dagster_metadata(home, stages), required=bool(args.stage))
     print(json.dumps(report, indent=2, default=str) if args.json else "\n".join(format_report(report)))
     return 1 if report["failures"] else 0
-
-
-def cmd_chat(args) -> int:
-    """Talk to a chat stage's checkpoint: the chat template, KV-cached sampling, stop at <|eot|>."""
-    import torch
-
-    from ghostvis_core.data.chat import render_prompt
-    from ghostvis_core.run.train.trained import load_stage
-
-    ts = load_stage(Home.from_env(), args.stage, args.run)
-    tok, interactive = ts.tok, sys.stdin.isatty()
-    gen = torch.Generator().manual_seed(args.seed)
-    messages: list[dict] = []
-    if interactive:
-        print(f"{args.stage} ({ts.run_key}); empty line or Ctrl-D to quit")
-    while True:
-        if interactive:
-            print("you> ", end="", flush=True)
-        line = sys.stdin.readline()
-        if not line or (interactive and not line.strip()):
-            return 0
-        messages.append({"role": "user", "content": line.rstrip("\n")})
-        with torch.no_grad():
-            out = ts.model.generate(
-                render_prompt(tok, messages)[-ts.config.model.max_seq_len + args.max_tokens :],
-                args.max_tokens,
-                temperature=args.temperature,
-                top_k=args.top_k,
-                stop_tokens=(tok.eot,),
-                generator=gen,
-            )
-        reply = tok.decode([t for t in out if t != tok.eot])
-        messages.append({"role": "assistant", "content": reply})
-        # piped: one line per reply, so a script can pair prompts and answers
-        print(f"assistant> {reply}" if interactive else " ".join(reply.splitlines()), flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -509,15 +481,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(p)
     p.set_defaults(fn=cmd_plan)
 
-    c = sub.add_parser("chat", help="chat with a trained stage in the terminal (stdin may be piped)")
-    c.add_argument("--stage", default="sft", choices=["sft", "dpo"])
-    c.add_argument("--run", help="run key (default: the stage's newest completed run)")
-    c.add_argument("--max-tokens", type=int, default=64)
-    c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    c.add_argument("--top-k", type=int, default=50)
-    c.add_argument("--seed", type=int, default=0)
-    c.set_defaults(fn=cmd_chat)
-
     lg = sub.add_parser("ledger", help="the token ledger: shards and per-stage consumption")
     lg.add_argument("--tokenizer", help="only shards tokenized with this tokenizer id")
     lg.add_argument(
@@ -537,6 +500,7 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--json", action="store_true")
     au.add_argument("--no-dagster", action="store_true", help="do not compare the Dagster instance's metadata")
     au.set_defaults(fn=cmd_audit)
+    chat_command.add_parser(sub)
     data_command.add_parser(sub)
     train_command.add_parser(sub)
     export_command.add_parser(sub)

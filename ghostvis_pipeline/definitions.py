@@ -9,8 +9,9 @@ from dagster import BetaWarning, Definitions, PreviewWarning, SupersessionWarnin
 for _category in (BetaWarning, PreviewWarning, SupersessionWarning):
     warnings.filterwarnings("ignore", category=_category)
 
+from ghostvis_core.plan import lineage
 from ghostvis_core.plan.presets import VARIANTS
-from ghostvis_core.plan.stages import STAGES
+from ghostvis_core.plan.stages import stage
 from ghostvis_pipeline.assets.data import raw_shards, shard_manifest, token_ledger, tokenized_shards, tokenizer
 from ghostvis_pipeline.assets.evaluation import evaluation, report
 from ghostvis_pipeline.assets.training import stage_asset, variants_asset
@@ -26,24 +27,26 @@ from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.resources import GhostvisHome
 from ghostvis_pipeline.trace_job import trace
 
+# The stages of the selected lineage (GHOSTVIS_LINEAGE, ghostvis_core/plan/lineage.py), each starting from its
+# lineage upstream's checkpoint and reading the token ledger and the tokenizer: a new tokenizer (a new data
+# version) shows every stage as unsynced in the UI and in `ghostvis status`.
+chain = lineage.selected()
 stage_assets = []
-# Each stage starts from its upstream's checkpoint and reads the token ledger and the tokenizer: a new
-# tokenizer (a new data version) shows every stage as unsynced in the UI and in `ghostvis status`.
-for stage in STAGES:
-    deps = [token_ledger, tokenizer] + ([stage.upstream] if stage.upstream else [])
-    stage_assets.append(stage_asset(stage, deps))
-    if stage.name in VARIANTS:
-        stage_assets.append(variants_asset(stage, deps))
+for name, start in chain.starts:
+    deps = [token_ledger, tokenizer] + ([start] if start else [])
+    stage_assets.append(stage_asset(stage(name), deps))
+    if name in VARIANTS:
+        stage_assets.append(variants_asset(stage(name), deps))
 
 defs = Definitions(
     assets=[shard_manifest, raw_shards, tokenizer, tokenized_shards, token_ledger, *stage_assets, evaluation, report],
     asset_checks=[
         tokenizer_trained_on_train_shards_only,
         *data_checks(),
-        *[c for stage in STAGES for c in stage_checks(stage.name)],
+        *[c for name in chain.stage_names() for c in stage_checks(name)],
         lineage_quality_gate,
     ],
-    jobs=[shard_data_job, training_job, checks_job, export_model, trace],
+    jobs=[shard_data_job, training_job(chain), checks_job, export_model, trace],
     resources={"home": GhostvisHome(), "launcher": Launcher()},
     # Every step in the run's own process: the heavy work already runs elsewhere (torchrun, datatrove
     # workers, a cluster), and a process per step re-imports the code location (~5 s) for each of a

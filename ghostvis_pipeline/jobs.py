@@ -2,7 +2,7 @@
 
 from dagster import AssetSelection, define_asset_job
 
-from ghostvis_core.plan.stages import stage_names
+from ghostvis_core.plan.lineage import Lineage
 
 shard_data_job = define_asset_job(
     "shard_data",
@@ -10,11 +10,16 @@ shard_data_job = define_asset_job(
     description="Download and tokenize shard partitions (backfill a range from the UI).",
 )
 
-training_job = define_asset_job(
-    "training",
-    selection=AssetSelection.assets(*stage_names()),
-    description="Every training stage in dependency order, from the stored tokenized shards.",
-)
+
+def training_job(chain: Lineage):
+    """Every stage of the lineage in dependency order, from the stored tokenized shards."""
+    return define_asset_job(
+        "training",
+        selection=AssetSelection.assets(*chain.stage_names()),
+        description=f"Every training stage of the lineage {chain.name} in dependency order ({chain.describe()}), "
+        "from the stored tokenized shards.",
+    )
+
 
 checks_job = define_asset_job(
     "checks_only",

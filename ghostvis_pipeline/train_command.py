@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ghostvis_core.home import Home
+from ghostvis_core.plan import lineage
 from ghostvis_core.plan.config import parse_sets
 from ghostvis_core.plan.presets import parse_recipe
 from ghostvis_core.plan.stages import stage_names
@@ -33,6 +34,7 @@ def cmd_train(args) -> int:
     from ghostvis_pipeline.environment import prepare_environment
     from ghostvis_pipeline.metadata import newest_metadata
 
+    lineage.selected().require(args.stage)  # the code location holds only the lineage's stages
     home = Home.from_env()
     prepare_environment(home)
     instance = DagsterInstance.get()
@@ -51,7 +53,8 @@ def add_parser(sub) -> None:
         help="materialize one training stage (its asset and checks), e.g. on your own sources",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Runs the stage's Dagster asset in this process, recorded in DAGSTER_HOME like a UI "
-        "run. The upstream stage (if any) and the token ledger must be materialized.",
+        "run. The stage it starts from in the lineage (GHOSTVIS_LINEAGE; none for the first stage) and the "
+        "token ledger must be materialized.",
     )
     t.add_argument("stage", choices=stage_names())
     t.add_argument("--preset", help="preset name (default: GHOSTVIS_PRESET, else tiny)")

@@ -63,7 +63,7 @@ def test_the_dagster_chain_and_descriptions_come_from_the_table():
         deps = {k.to_user_string() for k in node.parent_keys}
         below = STAGES[: [t.name for t in STAGES].index(s.name)]  # the chain is linear: every stage below
         assert deps == {"token_ledger", "tokenizer", *(t.name for t in below)}
-        assert node.description == s.description
+        assert node.description == f"{s.description} Lineage vlm: starts from {s.upstream or 'random init'}."
 
 
 def _defaults(tp) -> dict[str, typing.Any]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.plan import run_modes, stages
+from ghostvis_core.plan import lineage, run_modes, stages
 from ghostvis_core.plan.config import SourceWeight, StageConfig, apply_overrides, check_ranges
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -280,7 +280,7 @@ def resolve(
 
     Precedence, lowest first (each later input wins over the earlier ones):
     1. the dataclass defaults (config.py);
-    2. the stage table (stages.py): objective, init_from and the default eval.evidence;
+    2. the stage table (stages.py): objective and the default eval.evidence; init_from from the lineage;
     3. the preset's deltas for the stage; its model shape (model_for) only when nothing is inherited;
     4. the upstream model: `upstream` (the config.json of the checkpoint the stage starts from), else the
        upstream stage resolved with the same preset. The model, and the vision stack unless the preset declares
@@ -297,7 +297,8 @@ def resolve(
     mode = run_modes.mode_of(preset)
     if mode:
         preset, overrides = mode.preset, run_modes.mode_base(mode, overrides)
-    cfg = StageConfig.from_dict(apply_overrides(_base(stage, preset, upstream), overrides))
+    base = _base(stage, preset, upstream, init_source(stage, overrides))
+    cfg = StageConfig.from_dict(apply_overrides(base, overrides))
     if upstream:
         _refuse_shape_change(cfg, upstream)
     if sources is not None:
@@ -308,11 +309,12 @@ def resolve(
     return run_modes.priced(mode, cfg) if mode else cfg
 
 
-def _base(stage: str, preset: str, upstream: dict[str, Any] | None) -> dict[str, Any]:
-    """Steps 1-4 of `resolve` as a config dict, before any override."""
+def _base(stage: str, preset: str, upstream: dict[str, Any] | None, init_from: str | None) -> dict[str, Any]:
+    """Steps 1-4 of `resolve` as a config dict, before any override (`init_from`: what the stage starts from)."""
     entry = stages.stage(stage)
     defaults = json.loads(json.dumps(_stage_defaults(stage, preset)))
-    inherited = upstream or (_preset_config(entry.upstream, preset).to_dict() if entry.upstream else None)
+    from_stage = init_from if init_from in stages.stage_names() else None
+    inherited = upstream or (_preset_config(from_stage, preset, lineage.selected()).to_dict() if from_stage else None)
     model = dict(inherited["model"]) if inherited else model_for(preset)
     model.update(defaults.pop("model", {}))
     if inherited and inherited.get("vision") and "vision" not in defaults:
@@ -323,7 +325,7 @@ def _base(stage: str, preset: str, upstream: dict[str, Any] | None) -> dict[str,
             "stage": stage,
             "preset": preset,
             "objective": entry.objective,
-            "init_from": entry.upstream,
+            "init_from": init_from,
             "model": model,
             **defaults,
         }
@@ -331,18 +333,19 @@ def _base(stage: str, preset: str, upstream: dict[str, Any] | None) -> dict[str,
 
 
 @functools.cache
-def _preset_config(stage: str, preset: str) -> StageConfig:
-    """A stage as its preset alone resolves it (what a downstream stage inherits when no checkpoint is given):
-    resolved once per process, which the frozen config makes safe to share."""
+def _preset_config(stage: str, preset: str, chain: lineage.Lineage) -> StageConfig:
+    """A stage as its preset alone resolves it in the lineage `chain` (what a downstream stage inherits when no
+    checkpoint is given): resolved once per process and lineage, which the frozen config makes safe to share."""
     return resolve(stage, preset)
 
 
 def init_source(stage: str, overrides: dict[str, Any]) -> str | None:
     """The stage's init_from (a stage or a Hugging Face source) before resolution: the override, else the stage
-    table's upstream. The launcher needs it to find the upstream checkpoint that resolution then inherits from."""
+    it starts from in the selected lineage (lineage.py). The launcher needs it to find the upstream checkpoint
+    that resolution then inherits from."""
     if "init_from" in overrides:
         return apply_overrides({"init_from": None}, {"init_from": overrides["init_from"]})["init_from"]
-    return stages.stage(stage).upstream
+    return lineage.selected().upstream(stage)
 
 
 def follow_registered_sources(cfg: StageConfig, sources: RegisteredSources, preset_recipe: bool) -> StageConfig:

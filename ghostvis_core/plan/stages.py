@@ -103,6 +103,14 @@ def stage_names() -> list[str]:
     return [s.name for s in STAGES]
 
 
+# Objectives whose model is trained on the chat template (ghostvis_core/data/chat.py): `ghostvis chat` opens them.
+CHAT_OBJECTIVES = ("sft", "dpo", "grpo")
+
+
+def chat_stage_names() -> list[str]:
+    return [s.name for s in STAGES if s.objective in CHAT_OBJECTIVES]
+
+
 def stage(name: str) -> Stage:
     for s in STAGES:
         if s.name == name:

@@ -19,7 +19,7 @@ from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer, newest_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.plan import presets, stages
+from ghostvis_core.plan import lineage, presets, stages
 from ghostvis_core.plan.budget import Plan, batch_plan, detected_gpu, memory_plan, memory_refusal
 from ghostvis_core.plan.budget import plan as make_plan
 from ghostvis_core.plan.config import StageConfig
@@ -171,6 +171,13 @@ def resolve_stage(
     """Gather what resolution needs (the upstream checkpoint's config, the tokenizer, the registered sources) and
     resolve the stage's config once, with all of them as inputs."""
     init_from = presets.init_source(stage, overrides)
+    chain = lineage.selected()
+    if init_from is None and chain.needs_model(stage):
+        raise GhostvisError(
+            f"stage {stage} starts the lineage {chain.name} ({chain.describe()}) on top of a model you give: set "
+            "init_from to a Hugging Face checkpoint (--set init_from=./my-model, s3://bucket/prefix or "
+            "hf://org/name@revision), or add the stage it starts from to GHOSTVIS_LINEAGE"
+        )
     imported = None
     if init_from and is_hf_source(init_from):  # over the upstream stage a caller passes
         from ghostvis_core.run.hf.imports import import_checkpoint  # torch: only for a Hugging Face checkpoint

@@ -17,7 +17,7 @@ from ghostvis_core.data.ledger import Ledger, held_out_text_shards
 from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.identity import code_version, digest
 from ghostvis_core.plan.budget import DEFAULT_GPU_PRICES
-from ghostvis_core.plan.stages import stage_names
+from ghostvis_core.plan.lineage import selected as selected_lineage
 from ghostvis_core.run.track.mlflow_records import add_files, add_to_run, metric_histories
 from ghostvis_core.run.train.runs import run_result
 from ghostvis_core.run.train.trained import load_stage, stage_config
@@ -34,7 +34,7 @@ from ghostvis_core.verify.eval.report import stage_report, write_report
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
 
-STAGES = stage_names()
+STAGES = selected_lineage().stage_names()  # the code location's lineage (definitions.py)
 
 
 def lineage_run_keys(context) -> dict[str, str]:
@@ -288,7 +288,8 @@ def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisH
             )
         )
         smp[stage] = ev.get("samples", [])
-    title = f"GhostVis report card: {' -> '.join(s.stage for s in stages)}"
+    chain = selected_lineage()
+    title = f"GhostVis report card, lineage {chain.name}: {' -> '.join(s.stage for s in stages)}"
     files = write_report(store, name, title, stages, smp)
     add_files(tracking_uri, stages[-1].mlflow_run_id, list(files.values()), "report")
     md = {

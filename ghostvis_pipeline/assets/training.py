@@ -27,9 +27,8 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.identity import code_version
-from ghostvis_core.plan import presets
+from ghostvis_core.plan import lineage, presets
 from ghostvis_core.plan.stages import Stage
-from ghostvis_core.plan.stages import stage as stage_of
 from ghostvis_core.run.hf.register import model_record, register_run
 from ghostvis_core.run.launch import TRAINING_MODULES, PlannedRun, plan_run, start_run
 from ghostvis_core.run.preflight import preflight_record
@@ -345,10 +344,10 @@ def _prepare(
     preset = config.preset or presets.default_preset()
     overrides = {**presets.data_overrides(config.recipe, config.val_sources), **overrides}
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
-    up = None
-    if stage.upstream:
-        md = latest_metadata(context, stage.upstream)
-        up = Upstream(stage.upstream, md["run_key"], md["checkpoint_uri"])
+    up, start = None, lineage.selected().upstream(stage.name)
+    if start and "init_from" not in overrides:  # an init_from given in the run config is found by plan_run
+        md = latest_metadata(context, start)
+        up = Upstream(start, md["run_key"], md["checkpoint_uri"])
     return plan_run(
         stage.name, preset=preset, overrides=overrides, home=h, tokenizer_id=tokenizer_id, upstream=up, variant=variant
     )
@@ -385,28 +384,21 @@ def variants_asset(stage: Stage, deps: list):
     return _variants
 
 
-def stages_below(stage: Stage) -> list[str]:
-    """Every stage `stage` is trained on top of: its upstream, the upstream's upstream, ... to pretrain."""
-    below = [stage.upstream] if stage.upstream else []
-    while below and (up := stage_of(below[-1]).upstream):
-        below.append(up)
-    return below
-
-
 def stage_asset(stage: Stage, deps: list):
     """The stage's asset. Every stage below it is a dependency, not only its upstream: a stage's run is
     made of the whole chain (its identity holds its upstream's run key, which holds that one's), while
     Dagster marks an asset unsynced only when a direct dependency's data version changed (its
     CachingStaleStatusResolver does not carry a parent's stale causes down). So a re-trained pretrain
     leaves every stage above it unsynced, each naming pretrain, in the UI and in `ghostvis status`."""
+    chain = lineage.selected()
 
     @asset(
         name=stage.name,
         group_name="training",
         kinds={"torch", "mlflow"},
         owners=["team:training"],
-        deps=[*deps, *(name for name in stages_below(stage) if name not in deps)],
-        description=stage.description,
+        deps=[*deps, *(name for name in chain.below(stage.name) if name not in deps)],
+        description=f"{stage.description} Lineage {chain.name}: starts from {chain.start_text(stage.name)}.",
         pool=GPU_POOL,
         code_version=code_version(*TRAINING_MODULES),
         # A retry re-materializes through the same path: the unfinished run is found and resumed. For

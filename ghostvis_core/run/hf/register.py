@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from ghostvis_core.exit import skip_final_collections
-from ghostvis_core.plan.stages import stage as stage_of
+from ghostvis_core.plan.stages import stage_names
 from ghostvis_core.run.cluster.run_files import split_run_uri
 from ghostvis_core.run.track.mlflow_models import StageModel, register_stage_model
 from ghostvis_core.run.train.runs import run_result
@@ -35,8 +35,8 @@ def stage_model(spec: LaunchSpec, store: Store) -> StageModel:
     """The run's model as the registry sees it: the stage's alias, the lineage as version tags."""
     result = run_result(store, spec.stage, spec.run_key)
     tags = {**spec.tags, "ghostvis.checkpoint_uri": result.checkpoint_uri}
-    upstream = stage_of(spec.stage).upstream
-    if spec.parent_run_key and spec.tags.get("ghostvis.upstream_stage") == upstream:  # not an HF import
+    upstream = spec.tags.get("ghostvis.upstream_stage")
+    if spec.parent_run_key and upstream in stage_names():  # a stage's run, not an HF import
         tags["ghostvis.parent_mlflow_run_id"] = run_result(store, upstream, spec.parent_run_key).mlflow_run_id
     return StageModel(
         spec.mlflow_experiment, spec.stage, result.mlflow_run_id, result.mlflow_experiment_id, result.steps, tags

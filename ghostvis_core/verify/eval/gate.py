@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.plan import stages
+from ghostvis_core.plan import lineage, stages
 
 GATE_HEADER = ["stage", "upstream", "source", "upstream bpb", "stage bpb", "ratio", "tolerance", "status"]
 
@@ -69,10 +69,11 @@ def tolerances(overrides: dict[str, float] | None = None) -> dict[str, float]:
 
 def gate_rows(bpb: dict[str, dict[str, float]], tolerance: dict[str, float]) -> list[GateRow]:
     """A row per scored stage whose upstream was scored too, and per source both were scored on
-    (`bpb`: stage -> source -> bits per byte, as the evaluation records it)."""
-    rows = []
+    (`bpb`: stage -> source -> bits per byte, as the evaluation records it); a stage's upstream is the one it
+    starts from in the selected lineage."""
+    rows, chain = [], lineage.selected()
     for name, scores in bpb.items():
-        up = stages.stage(name).upstream
+        up = chain.upstream(name)
         if up is None or up not in bpb:
             continue
         rows += [
