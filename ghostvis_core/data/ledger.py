@@ -102,6 +102,8 @@ PART_SCHEMA = pa.schema(
         ("planned_tokens", pa.int64()),
         ("allow_repeat", pa.bool_()),
         ("replay_sources", pa.string()),  # JSON list
+        # JSON [{checkpoint, step, reason}]: the damaged checkpoints the part's segment passed over at its resume
+        ("passed_over", pa.string()),
         ("mlflow_run_id", pa.string()),
         ("created_at", pa.float64()),
     ]
@@ -400,9 +402,9 @@ class Ledger:
     def _query(
         self, table: str, sql: str, params: list | None = None, files: list[Path] | None = None
     ) -> list[dict[str, Any]]:
-        """Rows of `sql`, which reads `table` by its name: a per-shard table's every file (by name, so
-        columns added later read as NULL in older files), or a per-part table's `files`
-        (`run_files`: files or glob patterns)."""
+        """Rows of `sql`, which reads `table` by its name: a per-shard table's every file, or a per-part
+        table's `files` (`run_files`: files or glob patterns); columns by name, so a column added later
+        reads as NULL in older files."""
         if files is None:
             self._fetched(table)
             folder = self.root / table
@@ -411,8 +413,8 @@ class Ledger:
             source = f"read_parquet('{folder}/*.parquet', union_by_name=true)"
         elif not files:
             return []
-        else:  # one schema per part table; the folders' stage=/run= are not made columns
-            source = f"read_parquet({_parquet_list(files)}, hive_partitioning=false)"
+        else:  # the folders' stage=/run= are not made columns; by name, as for the per-shard tables
+            source = f"read_parquet({_parquet_list(files)}, hive_partitioning=false, union_by_name=true)"
         cur = _connection().cursor()
         try:
             result = cur.execute(_with_table(table, source, sql), params or [])
@@ -600,11 +602,14 @@ class Ledger:
     def reuse(self, run_key: str) -> list[dict[str, Any]]:
         """Token ranges consumed twice within the run's lineage, each classified.
 
-        kind = 'reuse' (same run, same epoch, two parts: e.g. resumed from an old checkpoint while
-        keeping the later part), 'repeat' (same run, another epoch), 'replay' (an upstream run's
-        tokens read again, declared in replay_sources) or 'undeclared_cross_stage'. Each row names
-        both parts (part_a/b, run_a/b) with their segment (segment_a/b) and steps (steps_a/b, "3..4"),
-        so a message can say which launches and steps read the range.
+        kind = 'retrained_after_fallback' (same run, same epoch: a later segment resumed from an earlier
+        checkpoint because the one holding the other part was damaged, and declared it in its parts'
+        `passed_over`: `checkpoint` and `reason` name it), 'reuse' (the same without that declaration: e.g.
+        resumed from an old checkpoint while the later part's tokens had been trained), 'repeat' (same run,
+        another epoch), 'replay' (an upstream run's tokens read again, declared in replay_sources) or
+        'undeclared_cross_stage'; UNDECLARED_KINDS are failures. Each row names both parts (part_a/b,
+        run_a/b) with their segment (segment_a/b) and steps (steps_a/b, "3..4"), so a message can say
+        which launches and steps read the range.
         """
         runs = self.lineage(run_key)
         parts = {p["part_id"]: p for p in self.parts(runs)}
@@ -630,9 +635,11 @@ class Ledger:
         for r in rows:
             pa_, pb = parts[r["part_a"]], parts[r["part_b"]]
             later = pa_ if pa_["created_at"] >= pb["created_at"] else pb
+            fallback = None
             if r["run_a"] == r["run_b"]:
                 if r["epoch_a"] == r["epoch_b"]:
-                    kind = "reuse"
+                    fallback = passed_over(pa_, pb)
+                    kind = "retrained_after_fallback" if fallback else "reuse"
                 else:
                     kind = "repeat" if later["allow_repeat"] else "undeclared_repeat"
             else:
@@ -647,6 +654,8 @@ class Ledger:
                     "steps_a": f"{pa_['step_first']}..{pa_['step_last']}",
                     "segment_b": pb["segment"],
                     "steps_b": f"{pb['step_first']}..{pb['step_last']}",
+                    "checkpoint": fallback["checkpoint"] if fallback else "",
+                    "reason": fallback["reason"] if fallback else "",
                 }
             )
         return out
@@ -671,6 +680,21 @@ class Ledger:
             if split != "train":
                 out.append({**r, "split": split, "label": r["split"]})
         return out
+
+
+# Ledger.reuse's kinds of a range read twice that nothing declared: the `no_reuse` check fails on them.
+UNDECLARED_KINDS = ("reuse", "undeclared_repeat", "undeclared_cross_stage")
+
+
+def passed_over(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
+    """Of two parts of one run that read the same range in one epoch: the damaged checkpoint the later
+    segment declared it passed over (its `passed_over` entry) when that checkpoint is the one that held
+    the earlier segment's part, so the later segment trained those steps again; else None."""
+    earlier, later = sorted((a, b), key=lambda p: p["segment"])
+    if earlier["segment"] == later["segment"]:
+        return None
+    declared = json.loads(later.get("passed_over") or "[]")
+    return next((d for d in declared if d["step"] == earlier["step_last"]), None)
 
 
 def source_split_totals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
