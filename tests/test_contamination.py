@@ -174,6 +174,7 @@ def spec_of(t: SimpleNamespace, **contamination) -> SimpleNamespace:
     return SimpleNamespace(
         tokenizer_id=t.tok.tokenizer_id,
         train_shards={"corp": refs},
+        val_shards={},
         config=SimpleNamespace(contamination=ContaminationConfig(**contamination)),
     )
 

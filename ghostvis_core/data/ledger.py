@@ -668,12 +668,22 @@ class Ledger:
             for r in sorted(self.shards(tokenizer_id=tokenizer_id), key=lambda r: r["created_at"])
         }
 
-    def leakage(self, run_key: str, tokenizer_id: str | None = None) -> list[dict[str, Any]]:
+    def leakage(
+        self, run_key: str, tokenizer_id: str | None = None, versions: dict[str, str] | None = None
+    ) -> list[dict[str, Any]]:
         """Shards consumed along the run's chain that the shard table does not call train, or does not
         know (`split` is the table's, `label` what the trainer wrote into the consumption rows): a
         validation shard merged into a train stream under a `train` label is found all the same.
-        `tokenizer_id` is the run's (its launch spec's); None takes each shard's newest record."""
+        `tokenizer_id` is the run's (its launch spec's); None takes each shard's newest record.
+        `versions` (shard_id -> content sha256, the run's `shard_versions`): a shard is judged by the record
+        of the version the run read, not by a newer version's, whose split may differ."""
         splits = self.shard_splits(tokenizer_id)
+        if versions:
+            recorded = {
+                (r["shard_id"], r["content_sha256"]): r["split"]
+                for r in self.shards(tokenizer_id=tokenizer_id, every_version=True)
+            }
+            splits |= {s: recorded.get((s, sha), "not in the ledger") for s, sha in versions.items()}
         out = []
         for r in self.consumed_by_shard(run_key):
             split = splits.get(r["shard_id"], "not in the ledger")

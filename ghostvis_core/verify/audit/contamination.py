@@ -52,6 +52,7 @@ from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.data.whole_items import MIN_WORDS, WholeItems, whole_phrase
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import ContaminationConfig
+from ghostvis_core.run.train.spec import shard_versions
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.outcome import CheckOutcome, union
 
@@ -296,10 +297,10 @@ def consumed_documents(
 
 
 def shard_contents(ledger: Ledger, spec: Any) -> dict[str, str]:
-    """shard_id -> content sha256 of the run's shards (its launch spec's pins over the ledger's records)."""
+    """shard_id -> content sha256 of the run's shards (the versions its launch spec selected, over the
+    ledger's newest records for a shard it did not select)."""
     content = {r["shard_id"]: r["content_sha256"] for r in ledger.shards(tokenizer_id=spec.tokenizer_id)}
-    content.update({ref["shard_id"]: ref["content_sha256"] for refs in spec.train_shards.values() for ref in refs})
-    return content
+    return content | shard_versions(spec.train_shards, spec.val_shards)
 
 
 def consumed_texts(

@@ -415,11 +415,14 @@ def no_reuse(ledger: Ledger, run_key: str) -> CheckOutcome:
     )
 
 
-def no_validation_leakage(ledger: Ledger, run_key: str, tokenizer_id: str) -> CheckOutcome:
+def no_validation_leakage(
+    ledger: Ledger, run_key: str, tokenizer_id: str, versions: dict[str, str] | None = None
+) -> CheckOutcome:
     """No shard consumed in training along the run's chain is anything but train in the ledger's shard
-    table (of the run's tokenizer): the split is looked up there, never taken from the label the
-    trainer wrote into its consumption rows, and a shard the table does not know fails too."""
-    leaked = ledger.leakage(run_key, tokenizer_id)
+    table (of the run's tokenizer, in the version the run read: `versions`): the split is looked up there,
+    never taken from the label the trainer wrote into its consumption rows, and a shard the table does
+    not know fails too."""
+    leaked = ledger.leakage(run_key, tokenizer_id, versions)
     rows = [[r["shard_id"], r["split"], r["label"], r["tokens"], f"{r['row_start']}..{r['row_end']}"] for r in leaked]
     return CheckOutcome(
         "no_validation_leakage",
@@ -439,9 +442,10 @@ def no_validation_leakage(ledger: Ledger, run_key: str, tokenizer_id: str) -> Ch
 
 
 def ledger_matches_token_files(store: Store, ledger: Ledger, tokenizer_id: str) -> CheckOutcome:
-    """Every ledger shard record's docs and tokens equal a recount of its token file."""
+    """Every ledger shard record's docs and tokens equal a recount of its token file, for every version of
+    a shard (a run may have trained an earlier one)."""
     mismatches, total = [], 0
-    records = ledger.shards(tokenizer_id=tokenizer_id)
+    records = ledger.shards(tokenizer_id=tokenizer_id, every_version=True)
     ledger_total = sum(int(r["tokens"]) for r in records)
     for r in records:
         try:
