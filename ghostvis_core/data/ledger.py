@@ -4,7 +4,8 @@ Tables in the artifact store's "ledger" artifact (`Ledger.in_store(store)`):
 - shards/       one file per tokenized shard: what each shard holds (docs, tokens, bytes, drops).
 - parts/        one file per checkpointed part of a training run segment: real/pad/loss/cropped
                 tokens and the four tokens_per_step factors; `prev_part_id` chains the parts that
-                lead to a checkpoint, so a run's totals are the sum along its chain.
+                lead to a checkpoint, so a run's totals are the sum along its chain; `passed_over`
+                names the damaged checkpoints the part's segment resumed past (the steps it trained again).
 - consumption/  per part, the (shard, epoch, token range, row range) pieces the loader delivered.
 - shares/       per part and rank, that rank's share: the global rows it read and its four figures,
                 so a rank whose rows or counts were dropped is visible (the part row is their sum).
