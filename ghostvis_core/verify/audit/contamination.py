@@ -185,13 +185,16 @@ def file_sets(paths: list[str], prefix: str) -> Iterator[EvalItem]:
 
 
 def validation_items(ledger: Ledger) -> Iterator[EvalItem]:
-    """One item per document of every validation shard in the ledger, from its recorded fingerprints."""
-    shas = sorted({r["content_sha256"] for r in ledger.shards() if r["split"] == "validation"})
-    docs: dict[tuple[str, int], set[int]] = defaultdict(set)
+    """One item per document of every validation shard in the ledger, every version of it (a run may have
+    been evaluated on an earlier one), from its recorded fingerprints."""
+    shas = sorted({r["content_sha256"] for r in ledger.shards(every_version=True) if r["split"] == "validation"})
+    current = {(r["shard_id"], r["content_sha256"]) for r in ledger.shards()}
+    docs: dict[tuple[str, str, int], set[int]] = defaultdict(set)
     for r in ledger.ngrams(shas):
-        docs[(r["shard_id"], r["row"])].add(r["ngram_hash"])
-    for (shard_id, row), fps in sorted(docs.items()):
-        yield EvalItem("validation", f"{shard_id} row {row}", frozenset(fps))
+        docs[(r["shard_id"], r["content_sha256"], r["row"])].add(r["ngram_hash"])
+    for (shard_id, sha, row), fps in sorted(docs.items()):
+        version = "" if (shard_id, sha) in current else f" (earlier version {sha[:12]})"
+        yield EvalItem("validation", f"{shard_id}{version} row {row}", frozenset(fps))
 
 
 def known_items(ledger: Ledger, eval_sets: list[str]) -> list[EvalItem]:
