@@ -406,7 +406,7 @@ def no_reuse(ledger: Ledger, run_key: str) -> CheckOutcome:
         not bad,
         figures={
             "reused_tokens": sum(r["tokens"] for r in bad),
-            "declared_replay_or_repeat_tokens": sum(r["tokens"] for r in found if r not in bad + retrained),
+            "declared_replay_or_repeat_tokens": sum(r["tokens"] for r in found if r["kind"] in ("replay", "repeat")),
             "retrained_after_fallback_tokens": sum(r["tokens"] for r in retrained),
             "passed_over_checkpoints": ", ".join(sorted({r["checkpoint"] for r in retrained})) or "none",
         },
