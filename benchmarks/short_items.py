@@ -59,7 +59,9 @@ def measure(wd: Path, docs: int, words: int) -> dict:
         record | {"content_sha256": content, "raw_bytes": 0, "tokenizer_id": "t", "tokens": 0, "text_bytes": 0}
     )
     spec = SimpleNamespace(
-        tokenizer_id="t", train_shards={"bench": [{"shard_id": "bench/00000", "content_sha256": content}]}
+        tokenizer_id="t",
+        train_shards={"bench": [{"shard_id": "bench/00000", "content_sha256": content}]},
+        val_shards={},
     )
     consumption = [{"shard_id": "bench/00000", "row_start": 0, "row_end": docs}]
     items = known_items(ledger, [])

@@ -576,8 +576,16 @@ def test_a_source_file_changed_under_its_name_is_a_new_version_and_the_trained_l
     versions = [r for r in Ledger.in_store(h.store).shards(every_version=True) if r["shard_id"] == shard_id]
     assert [(r["content_sha256"], r["replaces_sha256"]) for r in versions] == [(old, ""), (new, old)]
     assert all(sha256_file(Path(r["token_path"])) == r["token_sha256"] for r in versions)  # both kept
-    proc = audit_cli(home_copy, "--stage", "pretrain")
+    proc = audit_cli(home_copy, "--stage", "pretrain", "--json")
     assert proc.returncode == 0, proc.stdout[-3000:]  # the old run reads the old version's token files
+    data = {c["name"]: c["figures"] for c in json.loads(proc.stdout)["data"]}
+    tokenizer_id = h.store.read_json("run_spec", "pretrain", old_run)["tokenizer_id"]
+    every = Ledger.in_store(h.store).shards(tokenizer_id=tokenizer_id, every_version=True)
+    assert sum(r["shard_id"] == shard_id for r in every) == 2
+    # the token ledger's checks read every version a run may have trained, the old one included
+    assert data["ledger_matches_token_files"]["ledger_tokens"] == sum(r["tokens"] for r in every)
+    assert data["ledger_matches_token_files"]["recounted_tokens"] == sum(r["tokens"] for r in every)
+    assert data["removed_tokens_reconcile"]["shards_checked"] == sum(r["kind"] == "text" for r in every)
     planned = plan_run("pretrain", preset="smoke", home=h)
     assert [r["content_sha256"] for r in planned.spec.train_shards[source] if r["shard_id"] == shard_id] == [new]
     assert not old_run.startswith(planned.base_key)

@@ -63,6 +63,22 @@ def test_a_consumed_shard_the_shard_table_does_not_know_fails_too(ledger):
     assert inv.no_validation_leakage(ledger, "u", "tok-a").passed
 
 
+def test_a_consumed_shard_is_judged_by_the_version_the_run_read_not_a_newer_one(ledger):
+    """demo_prose/00000 changed under its name since the run read it (sha-1, train): its new version (sha-2)
+    is pinned as validation. The run is judged by the version it read; a run that read sha-2 leaks."""
+    ledger.write_shard(shard_record("demo_prose/00000", sha="sha-2", split="validation", created_at=2.0))
+    ledger.write_part(part("v.p0", "v"), [piece("demo_prose/00000", (0, 100), (0, 10))])
+    assert inv.no_validation_leakage(ledger, "v", "tok-a", {"demo_prose/00000": "sha-1"}).passed
+    assert not inv.no_validation_leakage(ledger, "v", "tok-a").passed  # the newest record says validation
+    outcome = inv.no_validation_leakage(ledger, "v", "tok-a", {"demo_prose/00000": "sha-2"})
+    assert outcome.failures == [
+        "shard demo_prose/00000 consumed in training (100 tokens, rows 0..10) is not train "
+        "(ledger shard table: validation; the trainer labelled it train)"
+    ]
+    unknown = inv.no_validation_leakage(ledger, "v", "tok-a", {"demo_prose/00000": "sha-3"})
+    assert unknown.figures["leaked_shards"] == "demo_prose/00000" and "not in the ledger" in unknown.failures[0]
+
+
 def test_a_selected_shard_labelled_train_in_the_spec_is_judged_by_the_ledger(ledger):
     selected = {
         "prose": [

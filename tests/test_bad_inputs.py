@@ -3,8 +3,8 @@ and a committed checkpoint: each case is refused with its exit code and a first 
 and the fix, and every file of the home is byte for byte what it was before (issue 44).
 
 One small home for the module (two text shards listed from a folder, shard_manifest and raw_shards
-materialized in process, one checkpoint of a tiny model); no torchrun, no network.
-"""
+materialized in process, one checkpoint of a tiny model, one MLflow run in its mlflow.db); no torchrun, no
+network."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import torch
 from ghostvis_core.data.schema import check_shard_schema
 from ghostvis_core.data.sources import ShardEntry, fetch_shard
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.home import Home
 from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.run.train import checkpoint as ckpt
@@ -87,10 +88,21 @@ def first_error(result) -> str:
     return err.message.split(": ", 1)[1].splitlines()[0]
 
 
+def record_mlflow_run(home: Path) -> None:
+    """One finished MLflow run with a token metric in the home's MLflow store (its mlflow.db, which the
+    `unchanged` check hashes with every other file: a refused input must leave the runs as they were)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(Home(home).mlflow_tracking_uri)
+    run = client.create_run(client.create_experiment("pretrain", artifact_location=(home / "mlartifacts").as_uri()))
+    client.log_metric(run.info.run_id, "tokens/real", 512, step=1)
+    client.set_terminated(run.info.run_id)
+
+
 @pytest.fixture(scope="module")
 def home(module_tmp) -> Path:
-    """A home with source `web` (two text shards from a folder listing) downloaded, and one committed
-    checkpoint of a tiny model at checkpoints/pretrain/r1/step_000000002."""
+    """A home with source `web` (two text shards from a folder listing) downloaded, one committed
+    checkpoint of a tiny model at checkpoints/pretrain/r1/step_000000002 and one MLflow run."""
     root = module_tmp("bad-inputs")
     listing = root / "listing"
     for name, texts in TEXTS.items():
@@ -108,13 +120,16 @@ def home(module_tmp) -> Path:
         ckpt.save(
             run_dir, step, model=model, optimizer=opt, state={"step": step}, config={"model": dataclasses.asdict(TINY)}
         )
+    record_mlflow_run(root / "home")
     return root / "home"
 
 
 @pytest.fixture
 def unchanged(home):
-    """Asserts, after the test, that no file of the home was added, removed or changed."""
+    """Asserts, after the test, that no file of the home was added, removed or changed: the store and the
+    MLflow store (mlflow.db: every run recorded before, its metrics included)."""
     before = files_of(home)
+    assert "mlflow.db" in before
     yield home
     assert files_of(home) == before
 
@@ -377,8 +392,12 @@ def test_a_resume_passes_over_a_damaged_newest_checkpoint_to_the_previous_one(ho
     store = tmp_path / "store"
     shutil.copytree(home / "store" / "checkpoints", store / "checkpoints")
     flip_byte(store / "checkpoints" / "pretrain" / "r1" / "step_000000002" / "model.safetensors")
-    ref = manager(store).newest()
+    resumed = manager(store)
+    ref = resumed.newest()
     assert ref.step == 1
+    [passed] = resumed.passed_over  # what the resumed segment's ledger parts declare (steps 2.. trained again)
+    assert (passed["checkpoint"], passed["step"]) == ("step_000000002", 2)
+    assert passed["reason"].startswith("model.safetensors has sha256 ") and str(store) not in passed["reason"]
     said = capsys.readouterr().out
     assert said.startswith(
         f"[pretrain] not resuming from it: checkpoint {store}/checkpoints/pretrain/r1/step_000000002: "

@@ -85,6 +85,22 @@ def test_an_item_text_is_its_strings_and_the_right_choice():
     assert item_text({"question": "Why?", "target": "Because.", "id": 4}) == "Why?\nBecause."
 
 
+def test_the_documents_of_every_version_of_a_validation_shard_are_evaluation_items(tmp_path):
+    """A validation shard changed under its name: the documents of its earlier version stay evaluation items
+    (a run evaluated on them is still checked against them), each version's row its own item."""
+    from ghostvis_core.verify.audit.contamination import validation_items
+    from tests.test_ledger import shard_record
+
+    ledger = Ledger(tmp_path / "ledger")
+    for sha, at, hashes in (("sha-1", 1.0, [1, 2]), ("sha-2", 2.0, [3])):
+        ledger.write_shard(shard_record("v/0", split="validation", sha=sha, created_at=at))
+        ledger.write_ngrams("v/0", "prose", "validation", sha, [0] * len(hashes), hashes)
+    assert sorted((i.item, sorted(i.fps)) for i in validation_items(ledger)) == [
+        ("v/0 (earlier version sha-1) row 0", [1, 2]),
+        ("v/0 row 0", [3]),
+    ]
+
+
 def test_the_gate_is_in_the_one_registry_of_stage_checks():
     assert stage_check_names()[-1] == "no_eval_contamination"
 
@@ -174,6 +190,7 @@ def spec_of(t: SimpleNamespace, **contamination) -> SimpleNamespace:
     return SimpleNamespace(
         tokenizer_id=t.tok.tokenizer_id,
         train_shards={"corp": refs},
+        val_shards={},
         config=SimpleNamespace(contamination=ContaminationConfig(**contamination)),
     )
 

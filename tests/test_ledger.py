@@ -3,6 +3,7 @@ and an independent recount of what the files hold against what the ledger says."
 
 from __future__ import annotations
 
+import json
 import uuid
 from pathlib import Path
 
@@ -11,13 +12,14 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from ghostvis_core.data.ledger import PART_TABLES, Ledger, pieces_to_rows, run_summaries
+from ghostvis_core.data.ledger import PART_SCHEMA, PART_TABLES, Ledger, pieces_to_rows, run_summaries, write_parquet
 from ghostvis_core.data.loader import Batcher, Consumption, LMRows, merge_pieces, micro_batch_rows
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.token_shard import TokenShard, list_column, write_token_shard
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.store import S3Store
+from ghostvis_core.verify.audit.invariants import no_reuse
 from tests.conftest import new_bucket, s3_env
 
 
@@ -72,6 +74,7 @@ def part(
     created_at=1.0,
     allow_repeat=False,
     replay="[]",
+    passed_over="[]",
 ) -> dict:
     return {
         "part_id": part_id,
@@ -97,6 +100,7 @@ def part(
         "planned_tokens": 960,
         "allow_repeat": allow_repeat,
         "replay_sources": replay,
+        "passed_over": passed_over,
         "mlflow_run_id": "",
         "created_at": created_at,
     }
@@ -227,6 +231,55 @@ def test_reuse_same_run_same_epoch(resumed_run):
     assert (r["shard_id"], r["tok_start"], r["tok_end"], r["tokens"]) == ("s0", 50, 80, 30)
     assert (r["row_start"], r["row_end"]) == (5, 8)
     assert (r["epoch_a"], r["epoch_b"]) == (0, 0)
+
+
+DAMAGED = {"checkpoint": "step_000000020", "step": 20, "reason": "model.safetensors has sha256 0a1b..., COMPLETE ..."}
+
+
+@pytest.mark.parametrize("declared", [[DAMAGED], [{**DAMAGED, "step": 30}], []])
+def test_steps_trained_again_after_a_damaged_checkpoint_are_declared_not_reuse(ledger, declared):
+    """Segment 1 resumed from step 10 because p1's checkpoint (step 20) was damaged, and says so in its parts:
+    the range p1 and p2 both read is retrained_after_fallback, naming the checkpoint and why; a declaration
+    of another checkpoint, or none, leaves it reuse. A part file written before `passed_over` existed reads
+    beside the new ones (columns by name)."""
+    old_schema = pa.schema([f for f in PART_SCHEMA if f.name != "passed_over"])
+    ledger.write_part(part("r.p0", "r", steps=(1, 10), created_at=1.0), [piece("s0", (0, 40), (0, 4))])
+    old_file = ledger.part_file("parts", {"stage": "pretrain", "run_key": "r", "segment": 0, "step_last": 10})
+    write_parquet(old_file, [{k: v for k, v in part("r.p0", "r").items() if k != "passed_over"}], old_schema)
+    ledger.write_part(part("r.p1", "r", steps=(11, 20), prev="r.p0", created_at=2.0), [piece("s0", (40, 80), (4, 8))])
+    for i, (steps, tok, rows) in enumerate([((11, 20), (40, 80), (4, 8)), ((21, 30), (80, 120), (8, 12))], start=2):
+        ledger.write_part(
+            part(
+                f"r.p{i}",
+                "r",
+                segment=1,
+                steps=steps,
+                prev=f"r.p{0 if i == 2 else 2}",
+                created_at=float(i + 1),
+                passed_over=json.dumps(declared),
+            ),
+            [piece("s0", tok, rows)],
+        )
+    (r,) = ledger.reuse("r")
+    assert ({r["part_a"], r["part_b"]}, r["tok_start"], r["tok_end"], r["tokens"]) == ({"r.p1", "r.p2"}, 40, 80, 40)
+    outcome = no_reuse(ledger, "r")
+    if declared == [DAMAGED]:
+        assert (r["kind"], r["checkpoint"], r["reason"]) == (
+            "retrained_after_fallback",
+            "step_000000020",
+            DAMAGED["reason"],
+        )
+        assert outcome.passed and outcome.failures == []
+        assert outcome.figures["reused_tokens"] == 0 and outcome.figures["retrained_after_fallback_tokens"] == 40
+        assert outcome.figures["passed_over_checkpoints"] == "step_000000020"
+        assert outcome.tables["ranges"][1][0][-1] == f"step_000000020: {DAMAGED['reason']}"
+    else:
+        assert (r["kind"], r["checkpoint"], r["reason"]) == ("reuse", "", "")
+        assert not outcome.passed and outcome.figures["reused_tokens"] == 40
+        assert outcome.failures == [
+            "reuse s0 tokens 40..80: read by part r.p1 (segment 0, steps 11..20) and "
+            "part r.p2 (segment 1, steps 11..20)"
+        ]
 
 
 @pytest.mark.parametrize("allow_repeat, kind", [(True, "repeat"), (False, "undeclared_repeat")])

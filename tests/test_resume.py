@@ -25,6 +25,7 @@ from tests.conftest import (
     BIN,
     SHORT_PRETRAIN,
     cli_env,
+    copy_home,
     materialize_pretrain,
     new_run_dirs,
     run_cli,
@@ -143,9 +144,14 @@ def test_sigkill_between_checkpoints_then_rematerialize_resumes_exactly(home_cop
     assert max(m.value for m in history) == done.counts.real_tokens
 
 
-def test_resuming_from_an_older_checkpoint_is_flagged_as_reuse(home_copy):
+def test_resuming_from_an_older_checkpoint_is_flagged_as_reuse_unless_the_newer_one_is_damaged(home_copy, tmp_path):
+    """Killed after checkpoint 8, the run is resumed from checkpoint 4 in two copies of that state. Checkpoint 8
+    deleted: steps 5..8 are read twice and nothing says why, so no_reuse fails. Checkpoint 8 damaged (a byte
+    of its weights flipped): the resume passes over it, naming it, and its parts declare steps 5..8
+    retrained_after_fallback with the checkpoint and the reason; every check passes."""
     run_dir = start_and_kill_after(home_copy, 8)
     assert [c.step for c in ckpt.list_complete(run_dir)][-2:] == [4, 8]
+    damaged_home = copy_home(home_copy, tmp_path / "damaged")  # one launch for both cases
     shutil.rmtree(run_dir / ckpt.step_dir_name(8))  # its ledger part stays: steps 5..8 were trained
     proc = run_cli(MATERIALIZE, home_copy, check=False)
     assert proc.returncode != 0  # the blocking no_reuse check fails the run
@@ -159,3 +165,27 @@ def test_resuming_from_an_older_checkpoint_is_flagged_as_reuse(home_copy):
     assert md["reused_tokens"] == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP
     first = reuse[0]
     assert f"{first['tok_start']}..{first['tok_end']}" in md["ranges"] and first["shard_id"] in md["ranges"]
+
+    weights = damaged_home / run_dir.relative_to(home_copy) / ckpt.step_dir_name(8) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.unlink()  # a new file: the copies share the committed step's files (hard links)
+    weights.write_bytes(bytes(data))
+    proc = run_cli(MATERIALIZE, damaged_home)  # every blocking check passes
+    assert f"[pretrain] not resuming from it: checkpoint {weights.parent}: model.safetensors has sha256 " in (
+        proc.stdout + proc.stderr
+    )
+    ledger = Ledger.in_store(Home(damaged_home).store)
+    found = ledger.reuse(run_dir.name)
+    assert {r["kind"] for r in found} == {"retrained_after_fallback"}
+    assert sum(r["tokens"] for r in found) == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP  # steps 5..8, trained again
+    assert {r["checkpoint"] for r in found} == {ckpt.step_dir_name(8)}
+    assert all(r["reason"].startswith("model.safetensors has sha256 ") for r in found)
+    assert {(r["steps_a"], r["steps_b"]) for r in found} == {("5..8", "5..8")}
+    chain = ledger.chain(run_dir.name)
+    assert [(p["segment"], p["step_last"]) for p in chain] == [(0, 4), (1, 8), (1, 12)]
+    md = {k: v.value for k, v in latest_check(damaged_home, "pretrain", "no_reuse").metadata.items()}
+    assert md["reused_tokens"] == 0 and md["retrained_after_fallback_tokens"] == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP
+    assert md["passed_over_checkpoints"] == ckpt.step_dir_name(8)
+    done = run_result(Home(damaged_home).store, "pretrain", run_dir.name)
+    assert done.counts == ledger.run_counts(run_dir.name) and done.steps == 12

@@ -4,7 +4,8 @@ Tables in the artifact store's "ledger" artifact (`Ledger.in_store(store)`):
 - shards/       one file per tokenized shard: what each shard holds (docs, tokens, bytes, drops).
 - parts/        one file per checkpointed part of a training run segment: real/pad/loss/cropped
                 tokens and the four tokens_per_step factors; `prev_part_id` chains the parts that
-                lead to a checkpoint, so a run's totals are the sum along its chain.
+                lead to a checkpoint, so a run's totals are the sum along its chain; `passed_over`
+                names the damaged checkpoints the part's segment resumed past (the steps it trained again).
 - consumption/  per part, the (shard, epoch, token range, row range) pieces the loader delivered.
 - shares/       per part and rank, that rank's share: the global rows it read and its four figures,
                 so a rank whose rows or counts were dropped is visible (the part row is their sum).
@@ -102,6 +103,8 @@ PART_SCHEMA = pa.schema(
         ("planned_tokens", pa.int64()),
         ("allow_repeat", pa.bool_()),
         ("replay_sources", pa.string()),  # JSON list
+        # JSON [{checkpoint, step, reason}]: the damaged checkpoints the part's segment passed over at its resume
+        ("passed_over", pa.string()),
         ("mlflow_run_id", pa.string()),
         ("created_at", pa.float64()),
     ]
@@ -400,9 +403,9 @@ class Ledger:
     def _query(
         self, table: str, sql: str, params: list | None = None, files: list[Path] | None = None
     ) -> list[dict[str, Any]]:
-        """Rows of `sql`, which reads `table` by its name: a per-shard table's every file (by name, so
-        columns added later read as NULL in older files), or a per-part table's `files`
-        (`run_files`: files or glob patterns)."""
+        """Rows of `sql`, which reads `table` by its name: a per-shard table's every file, or a per-part
+        table's `files` (`run_files`: files or glob patterns); columns by name, so a column added later
+        reads as NULL in older files."""
         if files is None:
             self._fetched(table)
             folder = self.root / table
@@ -411,8 +414,8 @@ class Ledger:
             source = f"read_parquet('{folder}/*.parquet', union_by_name=true)"
         elif not files:
             return []
-        else:  # one schema per part table; the folders' stage=/run= are not made columns
-            source = f"read_parquet({_parquet_list(files)}, hive_partitioning=false)"
+        else:  # the folders' stage=/run= are not made columns; by name, as for the per-shard tables
+            source = f"read_parquet({_parquet_list(files)}, hive_partitioning=false, union_by_name=true)"
         cur = _connection().cursor()
         try:
             result = cur.execute(_with_table(table, source, sql), params or [])
@@ -600,11 +603,14 @@ class Ledger:
     def reuse(self, run_key: str) -> list[dict[str, Any]]:
         """Token ranges consumed twice within the run's lineage, each classified.
 
-        kind = 'reuse' (same run, same epoch, two parts: e.g. resumed from an old checkpoint while
-        keeping the later part), 'repeat' (same run, another epoch), 'replay' (an upstream run's
-        tokens read again, declared in replay_sources) or 'undeclared_cross_stage'. Each row names
-        both parts (part_a/b, run_a/b) with their segment (segment_a/b) and steps (steps_a/b, "3..4"),
-        so a message can say which launches and steps read the range.
+        kind = 'retrained_after_fallback' (same run, same epoch: a later segment resumed from an earlier
+        checkpoint because the one holding the other part was damaged, and declared it in its parts'
+        `passed_over`: `checkpoint` and `reason` name it), 'reuse' (the same without that declaration: e.g.
+        resumed from an old checkpoint while the later part's tokens had been trained), 'repeat' (same run,
+        another epoch), 'replay' (an upstream run's tokens read again, declared in replay_sources) or
+        'undeclared_cross_stage'; UNDECLARED_KINDS are failures. Each row names both parts (part_a/b,
+        run_a/b) with their segment (segment_a/b) and steps (steps_a/b, "3..4"), so a message can say
+        which launches and steps read the range.
         """
         runs = self.lineage(run_key)
         parts = {p["part_id"]: p for p in self.parts(runs)}
@@ -630,9 +636,11 @@ class Ledger:
         for r in rows:
             pa_, pb = parts[r["part_a"]], parts[r["part_b"]]
             later = pa_ if pa_["created_at"] >= pb["created_at"] else pb
+            fallback = None
             if r["run_a"] == r["run_b"]:
                 if r["epoch_a"] == r["epoch_b"]:
-                    kind = "reuse"
+                    fallback = passed_over(pa_, pb)
+                    kind = "retrained_after_fallback" if fallback else "reuse"
                 else:
                     kind = "repeat" if later["allow_repeat"] else "undeclared_repeat"
             else:
@@ -647,6 +655,8 @@ class Ledger:
                     "steps_a": f"{pa_['step_first']}..{pa_['step_last']}",
                     "segment_b": pb["segment"],
                     "steps_b": f"{pb['step_first']}..{pb['step_last']}",
+                    "checkpoint": fallback["checkpoint"] if fallback else "",
+                    "reason": fallback["reason"] if fallback else "",
                 }
             )
         return out
@@ -659,18 +669,43 @@ class Ledger:
             for r in sorted(self.shards(tokenizer_id=tokenizer_id), key=lambda r: r["created_at"])
         }
 
-    def leakage(self, run_key: str, tokenizer_id: str | None = None) -> list[dict[str, Any]]:
+    def leakage(
+        self, run_key: str, tokenizer_id: str | None = None, versions: dict[str, str] | None = None
+    ) -> list[dict[str, Any]]:
         """Shards consumed along the run's chain that the shard table does not call train, or does not
         know (`split` is the table's, `label` what the trainer wrote into the consumption rows): a
         validation shard merged into a train stream under a `train` label is found all the same.
-        `tokenizer_id` is the run's (its launch spec's); None takes each shard's newest record."""
+        `tokenizer_id` is the run's (its launch spec's); None takes each shard's newest record.
+        `versions` (shard_id -> content sha256, the run's `shard_versions`): a shard is judged by the record
+        of the version the run read, not by a newer version's, whose split may differ."""
         splits = self.shard_splits(tokenizer_id)
+        if versions:
+            recorded = {
+                (r["shard_id"], r["content_sha256"]): r["split"]
+                for r in self.shards(tokenizer_id=tokenizer_id, every_version=True)
+            }
+            splits |= {s: recorded.get((s, sha), "not in the ledger") for s, sha in versions.items()}
         out = []
         for r in self.consumed_by_shard(run_key):
             split = splits.get(r["shard_id"], "not in the ledger")
             if split != "train":
                 out.append({**r, "split": split, "label": r["split"]})
         return out
+
+
+# Ledger.reuse's kinds of a range read twice that nothing declared: the `no_reuse` check fails on them.
+UNDECLARED_KINDS = ("reuse", "undeclared_repeat", "undeclared_cross_stage")
+
+
+def passed_over(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any] | None:
+    """Of two parts of one run that read the same range in one epoch: the damaged checkpoint the later
+    segment declared it passed over (its `passed_over` entry) when that checkpoint is the one that held
+    the earlier segment's part, so the later segment trained those steps again; else None."""
+    earlier, later = sorted((a, b), key=lambda p: p["segment"])
+    if earlier["segment"] == later["segment"]:
+        return None
+    declared = json.loads(later.get("passed_over") or "[]")
+    return next((d for d in declared if d["step"] == earlier["step_last"]), None)
 
 
 def source_split_totals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

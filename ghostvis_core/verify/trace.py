@@ -23,11 +23,13 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from ghostvis_core.data.catalog import raw_content
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ngrams import TEXT_COLUMNS, fingerprints, normalize, record_text
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.run.train.runs import newest_completed_run, run_result
+from ghostvis_core.run.train.spec import shard_versions
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.rebuild import PlannedRows
 from ghostvis_core.verify.audit.token_files import TokenFile
@@ -42,23 +44,26 @@ class Reader:
     store: Store
     ledger: Ledger
     _files: dict[tuple[str, str, str], TokenFile] = field(default_factory=dict)
-    _texts: dict[str, list[str]] = field(default_factory=dict)
+    _texts: dict[tuple[str, str | None], list[str]] = field(default_factory=dict)
 
     def token_file(self, spec: dict[str, Any], shard_id: str) -> TokenFile:
         """The token file of `shard_id` in the version the run of `spec` selected (a shard is its content)."""
-        content = shard_contents(spec)[shard_id]
+        content = shard_versions(spec["train_shards"], spec["val_shards"])[shard_id]
         key = (spec["tokenizer_id"], shard_id, content)
         if key not in self._files:
             self._files[key] = TokenFile(self.store.fetch("token_shard", *key), shard_id)
         return self._files[key]
 
-    def text(self, shard_id: str, row: int) -> str:
-        if shard_id not in self._texts:
+    def text(self, shard_id: str, row: int, content: str | None = None) -> str:
+        """The start of raw row `row` of the shard's version with sha256 `content` (None: its current file)."""
+        key = (shard_id, content)
+        if key not in self._texts:
             kinds = {r["shard_id"]: r["kind"] for r in self.ledger.shards()}
             kind = kinds.get(shard_id, "text")
-            table = pq.read_table(self.store.fetch("raw_shard", shard_id), columns=TEXT_COLUMNS[kind])
-            self._texts[shard_id] = [record_text(kind, r) for r in table.to_pylist()]
-        return self._texts[shard_id][row][:SNIPPET].replace("\n", " ")
+            raw = raw_content(self.store, shard_id, content) if content else self.store.fetch("raw_shard", shard_id)
+            table = pq.read_table(raw, columns=TEXT_COLUMNS[kind])
+            self._texts[key] = [record_text(kind, r) for r in table.to_pylist()]
+        return self._texts[key][row][:SNIPPET].replace("\n", " ")
 
 
 def shard_row(value: str) -> tuple[str, int]:
@@ -77,16 +82,6 @@ def place(g: int, plan: BatchPlan) -> dict[str, int]:
         "step": g // plan.rows_per_step + 1,
         "rank": (o % across) // plan.micro_batch_size,
         "micro_batch": o // across,
-    }
-
-
-def shard_contents(spec: dict[str, Any]) -> dict[str, str]:
-    """shard id -> the content sha256 a run's launch spec selected (train and validation)."""
-    return {
-        r["shard_id"]: r["content_sha256"]
-        for k in ("train_shards", "val_shards")
-        for rs in spec[k].values()
-        for r in rs
     }
 
 
@@ -174,6 +169,7 @@ def trace_step(store: Store, ledger: Ledger, stage: str, step: int, run_key: str
             "give a step of the run"
         )
     reader, planned, fed = Reader(store, ledger), PlannedRows(store, spec), []
+    versions = shard_versions(spec["train_shards"], spec["val_shards"])
     for f in feeds:
         for m, rows in enumerate(f["micro_rows"]):
             for g in rows:
@@ -189,7 +185,7 @@ def trace_step(store: Store, ledger: Ledger, stage: str, step: int, run_key: str
                             "epoch": sp.epoch,
                             "tokens": [sp.tok_start, sp.tok_end],
                             "raw_rows": [first, last],
-                            "text": reader.text(sp.shard_id, first),
+                            "text": reader.text(sp.shard_id, first, versions[sp.shard_id]),
                         }
                     )
     return {"stage": stage, "run_key": run_key, "step": step, "fed": fed}

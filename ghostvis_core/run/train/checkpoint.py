@@ -172,7 +172,12 @@ def write_marker(folder: Path, step: int) -> None:
 
 
 class DamagedCheckpoint(GhostvisError):
-    """A committed checkpoint whose files are not the ones its marker recorded."""
+    """A committed checkpoint whose files are not the ones its marker recorded. `reason` is what is wrong
+    with it without its place or the fix: what a resume that passes over it declares in the ledger."""
+
+    def __init__(self, message: str, reason: str = ""):
+        super().__init__(message)
+        self.reason = reason
 
 
 def verify(path: Path) -> None:
@@ -181,10 +186,14 @@ def verify(path: Path) -> None:
     try:
         recorded = json.loads((path / MARKER).read_text())["sha256"]
     except (OSError, ValueError, KeyError, TypeError):
+        reason = (
+            f"its {MARKER} marker records no file hashes (missing, damaged, or written before checkpoints "
+            "recorded them)"
+        )
         raise DamagedCheckpoint(
-            f"checkpoint {path}: its {MARKER} marker records no file hashes (missing, damaged, or written before "
-            f"checkpoints recorded them), so its files cannot be verified; delete {path} and re-materialize the "
-            f"stage that wrote it"
+            f"checkpoint {path}: {reason}, so its files cannot be verified; delete {path} and re-materialize the "
+            "stage that wrote it",
+            reason,
         ) from None
     bad = []
     for name, digest in sorted(recorded.items()):
@@ -194,10 +203,12 @@ def verify(path: Path) -> None:
         elif (got := sha256_file(f)) != digest:
             bad.append(f"{name} has sha256 {got[:12]}..., {MARKER} recorded {digest[:12]}...")
     if bad:
+        reason = f"{'; '.join(bad[:3])}{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''}"
         raise DamagedCheckpoint(
-            f"checkpoint {path}: {'; '.join(bad[:3])}{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''}: "
-            f"its files changed since it was committed (a cut copy, a bad disk or an edit); delete {path} "
-            f"and re-materialize the stage that wrote it (a resume falls back to the previous checkpoint)"
+            f"checkpoint {path}: {reason}: its files changed since it was committed (a cut copy, a bad disk or an "
+            f"edit); delete {path} and re-materialize the stage that wrote it (a resume falls back to the previous "
+            "checkpoint)",
+            reason,
         )
 
 

@@ -89,25 +89,31 @@ class CheckpointManager:
         self.keep_last, self.async_save, self.sharded = keep_last, async_save, sharded
         self.run_dir = store.writable("checkpoints", spec.stage, spec.run_key)
         self._pending: Pending | None = None
+        # the damaged checkpoints `newest` passed over, newest first: {checkpoint, step, reason} each, declared
+        # in every ledger part of this segment, so the steps trained again are accounted, not taken for reuse
+        self.passed_over: list[dict[str, Any]] = []
 
     def newest(self) -> ckpt.CheckpointRef | None:
         """The run's newest committed checkpoint whose files verify against its marker (`ckpt.verify`),
         fetched to this node from the store, the same on every rank. A damaged one is named and passed
-        over for the one before it (the steps after it are trained again, and the ledger shows them read
-        twice); when none verifies the run stops rather than start over on a run that has trained."""
+        over for the one before it: the steps after that one are trained again, and `passed_over` says which
+        checkpoint and why (the ledger's reuse accounting declares those steps retrained after a fallback);
+        when none verifies the run stops rather than start over on a run that has trained."""
         keys = self.store.keys("checkpoint_marker", self.spec.stage, self.spec.run_key)
         in_store = {k[2] for k in keys if ckpt.is_step_dir(k[2])}
         local = {r.path.name for r in ckpt.list_complete(self.run_dir)}
         ref = None
         for name in sorted(in_store | local, reverse=True):
+            step = int(name.removeprefix("step_"))
             if name in in_store:
                 self.store.fetch("checkpoint", self.spec.stage, self.spec.run_key, name)
             try:
                 ckpt.verify(self.run_dir / name)
             except ckpt.DamagedCheckpoint as exc:
                 print0(f"[{self.spec.stage}] not resuming from it: {exc}", ctx=self.ctx)
+                self.passed_over.append({"checkpoint": name, "step": step, "reason": exc.reason})
                 continue
-            ref = ckpt.CheckpointRef(self.run_dir / name, int(name.removeprefix("step_")))
+            ref = ckpt.CheckpointRef(self.run_dir / name, step)
             break
         if ref is None and in_store | local:
             raise GhostvisError(
@@ -236,8 +242,10 @@ class CheckpointManager:
             self.store.delete("checkpoint", self.spec.stage, self.spec.run_key, gone)
 
     def publish_parts(self, only: Path | None = None) -> None:
-        """Copy committed checkpoints' ledger parts into the store's ledger (idempotent: same names)."""
-        refs = [only] if only else [r.path for r in ckpt.list_complete(self.run_dir)]
+        """Copy committed checkpoints' ledger parts into the store's ledger (idempotent: same names); not a
+        damaged one's, whose copy could be damaged too (the store's ledger keeps what it published)."""
+        damaged = {p["checkpoint"] for p in self.passed_over}
+        refs = [only] if only else [r.path for r in ckpt.list_complete(self.run_dir) if r.path.name not in damaged]
         for path in refs:
             for f in (path / "ledger").rglob("*.parquet"):
                 self.store.put_file("ledger_file", f.relative_to(path / "ledger").as_posix(), src=f)

@@ -72,6 +72,9 @@ class LaunchSpec:
         """The JSON shape the store holds (kind run_spec)."""
         return json.loads(self.to_json())
 
+    def shard_versions(self) -> dict[str, str]:
+        return shard_versions(self.train_shards, self.val_shards)
+
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> LaunchSpec:
         return cls(
@@ -82,6 +85,13 @@ class LaunchSpec:
                 "inputs": StageInputs.from_dict(data.get("inputs", {})),
             }
         )
+
+
+def shard_versions(*selections: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
+    """shard_id -> the content sha256 of the version a run's launch spec selected (its train and validation
+    shards, `selections`): the one version every reader of the run's shards goes through (token files,
+    raw text, split), whatever versions of the shard arrived since."""
+    return {r["shard_id"]: r["content_sha256"] for refs in selections for rs in refs.values() for r in rs}
 
 
 def localize_shards(spec: LaunchSpec, store: Store) -> None:

@@ -287,6 +287,7 @@ class Trainer:
             "planned_tokens": spec.plan.planned_tokens,
             "allow_repeat": self.cfg.data.allow_repeat,
             "replay_sources": json.dumps(self.cfg.data.replay_sources),
+            "passed_over": json.dumps(self.checkpoints.passed_over),
             "mlflow_run_id": self.tracker.run_id(),
         }
 

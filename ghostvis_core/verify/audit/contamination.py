@@ -52,6 +52,7 @@ from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.data.whole_items import MIN_WORDS, WholeItems, whole_phrase
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import ContaminationConfig
+from ghostvis_core.run.train.spec import shard_versions
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.outcome import CheckOutcome, union
 
@@ -184,13 +185,16 @@ def file_sets(paths: list[str], prefix: str) -> Iterator[EvalItem]:
 
 
 def validation_items(ledger: Ledger) -> Iterator[EvalItem]:
-    """One item per document of every validation shard in the ledger, from its recorded fingerprints."""
-    shas = sorted({r["content_sha256"] for r in ledger.shards() if r["split"] == "validation"})
-    docs: dict[tuple[str, int], set[int]] = defaultdict(set)
+    """One item per document of every validation shard in the ledger, every version of it (a run may have
+    been evaluated on an earlier one), from its recorded fingerprints."""
+    shas = sorted({r["content_sha256"] for r in ledger.shards(every_version=True) if r["split"] == "validation"})
+    current = {(r["shard_id"], r["content_sha256"]) for r in ledger.shards()}
+    docs: dict[tuple[str, str, int], set[int]] = defaultdict(set)
     for r in ledger.ngrams(shas):
-        docs[(r["shard_id"], r["row"])].add(r["ngram_hash"])
-    for (shard_id, row), fps in sorted(docs.items()):
-        yield EvalItem("validation", f"{shard_id} row {row}", frozenset(fps))
+        docs[(r["shard_id"], r["content_sha256"], r["row"])].add(r["ngram_hash"])
+    for (shard_id, sha, row), fps in sorted(docs.items()):
+        version = "" if (shard_id, sha) in current else f" (earlier version {sha[:12]})"
+        yield EvalItem("validation", f"{shard_id}{version} row {row}", frozenset(fps))
 
 
 def known_items(ledger: Ledger, eval_sets: list[str]) -> list[EvalItem]:
@@ -296,10 +300,10 @@ def consumed_documents(
 
 
 def shard_contents(ledger: Ledger, spec: Any) -> dict[str, str]:
-    """shard_id -> content sha256 of the run's shards (its launch spec's pins over the ledger's records)."""
+    """shard_id -> content sha256 of the run's shards (the versions its launch spec selected, over the
+    ledger's newest records for a shard it did not select)."""
     content = {r["shard_id"]: r["content_sha256"] for r in ledger.shards(tokenizer_id=spec.tokenizer_id)}
-    content.update({ref["shard_id"]: ref["content_sha256"] for refs in spec.train_shards.values() for ref in refs})
-    return content
+    return content | shard_versions(spec.train_shards, spec.val_shards)
 
 
 def consumed_texts(

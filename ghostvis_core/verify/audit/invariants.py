@@ -11,7 +11,13 @@ from typing import Any
 
 from ghostvis_core.counts import MLFLOW_METRICS, TokenCounts
 from ghostvis_core.data.catalog import registered_manifests
-from ghostvis_core.data.ledger import Ledger, duplicate_shards, train_validation_overlap, validation_selected
+from ghostvis_core.data.ledger import (
+    UNDECLARED_KINDS,
+    Ledger,
+    duplicate_shards,
+    train_validation_overlap,
+    validation_selected,
+)
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.runs import run_result
@@ -366,6 +372,7 @@ REUSE_HEADER = [
     "part_b",
     "segment_b",
     "steps_b",
+    "passed_over",
 ]
 
 
@@ -373,15 +380,18 @@ def _reuse_row(r: dict) -> list:
     """One range read twice, as a row of REUSE_HEADER."""
     ranges = [f"{r['tok_start']}..{r['tok_end']}", f"{r['row_start']}..{r['row_end']}"]
     sides = [r[f"{field}_{side}"] for side in "ab" for field in ("run", "part", "segment", "steps")]
-    return [r["kind"], r["shard_id"], *ranges, r["tokens"], *sides]
+    fallback = f"{r['checkpoint']}: {r['reason']}" if r["checkpoint"] else ""
+    return [r["kind"], r["shard_id"], *ranges, r["tokens"], *sides, fallback]
 
 
 def no_reuse(ledger: Ledger, run_key: str) -> CheckOutcome:
-    """No token range consumed twice in the stage's lineage unless declared (replay, allowed repeat).
+    """No token range consumed twice in the stage's lineage unless declared (replay, allowed repeat, steps
+    trained again after a resume passed over a damaged checkpoint, which the table names with its reason).
     Each failure names the two parts that read the range, with their segments (launches) and steps,
     so a resume from a checkpoint too early reads as which launch re-read which steps."""
     found = ledger.reuse(run_key)
-    bad = [r for r in found if r["kind"] in ("reuse", "undeclared_repeat", "undeclared_cross_stage")]
+    bad = [r for r in found if r["kind"] in UNDECLARED_KINDS]
+    retrained = [r for r in found if r["kind"] == "retrained_after_fallback"]
     rows = [_reuse_row(r) for r in found[:200]]
     failures = []
     for r in bad[:50]:
@@ -396,18 +406,23 @@ def no_reuse(ledger: Ledger, run_key: str) -> CheckOutcome:
         not bad,
         figures={
             "reused_tokens": sum(r["tokens"] for r in bad),
-            "declared_replay_or_repeat_tokens": sum(r["tokens"] for r in found if r not in bad),
+            "declared_replay_or_repeat_tokens": sum(r["tokens"] for r in found if r["kind"] in ("replay", "repeat")),
+            "retrained_after_fallback_tokens": sum(r["tokens"] for r in retrained),
+            "passed_over_checkpoints": ", ".join(sorted({r["checkpoint"] for r in retrained})) or "none",
         },
         tables={"ranges": (REUSE_HEADER, rows)},
         failures=failures,
     )
 
 
-def no_validation_leakage(ledger: Ledger, run_key: str, tokenizer_id: str) -> CheckOutcome:
+def no_validation_leakage(
+    ledger: Ledger, run_key: str, tokenizer_id: str, versions: dict[str, str] | None = None
+) -> CheckOutcome:
     """No shard consumed in training along the run's chain is anything but train in the ledger's shard
-    table (of the run's tokenizer): the split is looked up there, never taken from the label the
-    trainer wrote into its consumption rows, and a shard the table does not know fails too."""
-    leaked = ledger.leakage(run_key, tokenizer_id)
+    table (of the run's tokenizer, in the version the run read: `versions`): the split is looked up there,
+    never taken from the label the trainer wrote into its consumption rows, and a shard the table does
+    not know fails too."""
+    leaked = ledger.leakage(run_key, tokenizer_id, versions)
     rows = [[r["shard_id"], r["split"], r["label"], r["tokens"], f"{r['row_start']}..{r['row_end']}"] for r in leaked]
     return CheckOutcome(
         "no_validation_leakage",
@@ -427,9 +442,10 @@ def no_validation_leakage(ledger: Ledger, run_key: str, tokenizer_id: str) -> Ch
 
 
 def ledger_matches_token_files(store: Store, ledger: Ledger, tokenizer_id: str) -> CheckOutcome:
-    """Every ledger shard record's docs and tokens equal a recount of its token file."""
+    """Every ledger shard record's docs and tokens equal a recount of its token file, for every version of
+    a shard (a run may have trained an earlier one)."""
     mismatches, total = [], 0
-    records = ledger.shards(tokenizer_id=tokenizer_id)
+    records = ledger.shards(tokenizer_id=tokenizer_id, every_version=True)
     ledger_total = sum(int(r["tokens"]) for r in records)
     for r in records:
         try:

@@ -41,11 +41,7 @@ class FileRecount:
         """`token_sha256`: per (shard id, raw content hash), the token file's hash the ledger recorded
         (None: not recorded). Each shard is read in the version the run's launch spec selected."""
         self.store, self.tokenizer_id, self.token_sha256 = store, spec.tokenizer_id, token_sha256
-        self.content = {
-            ref["shard_id"]: ref["content_sha256"]
-            for refs in (*spec.train_shards.values(), *spec.val_shards.values())
-            for ref in refs
-        }
+        self.content = spec.shard_versions()
         self.replaced: list[str] = []  # shards whose file is not the one the ledger recorded
         self.objective, self.seq_len = spec.config.objective, spec.config.batch.seq_len
         self.n_latents = spec.config.vision.n_latents if spec.config.vision else None

@@ -91,12 +91,13 @@ class ShardTally:
 
 
 def removed_tokens_reconcile(store: Store, ledger: Ledger, tokenizer_id: str) -> CheckOutcome:
-    """Per text shard of the tokenizer and in total: before = kept + removed, removed (ledger) = removed
-    (recount), and the ledger's reasons sum to its totals. The table lists the shards that disagree only:
-    one row per shard of a 10,000-shard ledger would be kept in every check event."""
+    """Per text shard of the tokenizer (each version a run may have trained) and in total: before = kept +
+    removed, removed (ledger) = removed (recount), and the ledger's reasons sum to its totals. The table
+    lists the shards that disagree only: one row per shard of a 10,000-shard ledger would be kept in every
+    check event."""
     tok = load_tokenizer(tokenizer_id, store)
     tallies, other_kinds = [], []
-    for record in ledger.shards(tokenizer_id=tokenizer_id):
+    for record in ledger.shards(tokenizer_id=tokenizer_id, every_version=True):
         if record["kind"] == "text":
             tallies.append(tally_shard(store, tok, record))
         else:

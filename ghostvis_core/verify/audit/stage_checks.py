@@ -125,8 +125,11 @@ STAGE_CHECKS: list[StageCheck] = [
     ),
     (
         "no_validation_leakage",
-        "No consumed shard is anything but train in the ledger's shard table (never the trainer's split label).",
-        lambda c: inv.no_validation_leakage(c.ledger, c.run.spec.run_key, c.run.spec.tokenizer_id),
+        "No consumed shard is anything but train in the ledger's shard table, in the version the run read (never "
+        "the trainer's split label).",
+        lambda c: inv.no_validation_leakage(
+            c.ledger, c.run.spec.run_key, c.run.spec.tokenizer_id, c.run.spec.shard_versions()
+        ),
     ),
     (
         "no_eval_contamination",

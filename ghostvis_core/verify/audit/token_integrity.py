@@ -37,9 +37,10 @@ IMAGE = "<|image|>"  # a chat's image placeholder: a special token in the file, 
 
 
 def _files(store: Store, ledger: Ledger, tokenizer_id: str) -> list[tuple[dict[str, Any], TokenFile | str]]:
-    """Each ledger shard record of the tokenizer with its token file, or why the file cannot be read."""
+    """Each ledger shard record of the tokenizer, every version of a shard (a run may have trained an
+    earlier one), with its token file, or why the file cannot be read."""
     out: list[tuple[dict[str, Any], TokenFile | str]] = []
-    for r in ledger.shards(tokenizer_id=tokenizer_id):
+    for r in ledger.shards(tokenizer_id=tokenizer_id, every_version=True):
         try:
             path = store.fetch("token_shard", tokenizer_id, r["shard_id"], r["content_sha256"])
             out.append((r, TokenFile(path, r["shard_id"])))

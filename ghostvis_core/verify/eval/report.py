@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ghostvis_core.counts import TokenCounts
-from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger import UNDECLARED_KINDS, Ledger
 from ghostvis_core.plan.budget import plan
 from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.run.train.result import RunResult
@@ -47,6 +47,19 @@ class StageReport:
     bpb_tolerance: float | None = None  # the quality gate's allowed bpb worsening vs upstream
 
 
+def reuse_summary(reuse: list[dict[str, Any]]) -> str:
+    """The report card's reuse cell: FLAGGED with the undeclared tokens read twice, else none, with the
+    declared tokens by reason."""
+    bad = sum(r["tokens"] for r in reuse if r["kind"] in UNDECLARED_KINDS)
+    if bad:
+        return f"FLAGGED: {bad:,} tokens read twice"
+    retrained = sum(r["tokens"] for r in reuse if r["kind"] == "retrained_after_fallback")
+    declared = sum(r["tokens"] for r in reuse) - retrained
+    notes = [f"{declared:,} tokens of declared replay/repeat"] if declared else []
+    notes += [f"{retrained:,} tokens retrained after a damaged checkpoint"] if retrained else []
+    return "none" + (f" ({'; '.join(notes)})" if notes else "")
+
+
 def stage_report(
     ledger: Ledger,
     result: RunResult,
@@ -61,14 +74,7 @@ def stage_report(
     key = result.run_key
     totals = ledger.run_totals(key)
     shards = ledger.consumed_by_shard(key)
-    reuse = ledger.reuse(key)
-    bad = [r for r in reuse if r["kind"] in ("reuse", "undeclared_repeat", "undeclared_cross_stage")]
-    declared = sum(r["tokens"] for r in reuse if r not in bad)
-    reuse_text = (
-        f"FLAGGED: {sum(r['tokens'] for r in bad):,} tokens read twice"
-        if bad
-        else "none" + (f" ({declared:,} tokens of declared replay/repeat)" if declared else "")
-    )
+    reuse_text = reuse_summary(ledger.reuse(key))
     leaked = ledger.leakage(key)
     leak_text = f"FLAGGED: {', '.join(r['shard_id'] for r in leaked)}" if leaked else "none"
     evidence: list[tuple[str, Any, Any]] = [(name, e.before, e.after) for name, e in sorted(result.evidence.items())]
