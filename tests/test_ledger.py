@@ -9,6 +9,7 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from ghostvis_core.data.ledger import PART_TABLES, Ledger, pieces_to_rows, run_summaries
@@ -517,3 +518,51 @@ def test_on_a_bucket_a_query_about_one_run_lists_only_that_runs_folder(moto_s3, 
     assert [p["part_id"] for p in Ledger.in_store(reader).parts(["k1"], stage="pretrain")] == ["k1.p0"]
     assert listed and all(p.startswith("store/ledger/parts/stage=pretrain/run=k1") for p in listed), listed
     assert not (tmp_path / "b" / "ledger" / "parts" / "stage=pretrain" / "run=k2").exists()
+
+
+# ---------------------------------------------------------------- the indexes `ghostvis trace` reads
+
+
+def test_parts_reading_a_row_and_the_row_index_are_filtered_where_they_are_read(resumed_run):
+    """parts_reading names every part (of any run) whose consumption covers a raw row; row_index reads a
+    part's index rows that match a filter, in row-rule order, and nothing for a part without an index."""
+    ledger = resumed_run
+    ledger.write_part(part("q.p0", "q", stage="sft", parent="r"), [piece("s0", (0, 40), (3, 6))])
+    reading = [(p["part_id"], p["stage"]) for p in ledger.parts_reading("s0", 4)]
+    assert reading == [("r.p1", "pretrain"), ("q.p0", "sft")]
+    assert ledger.parts_reading("s0", 13) == [] and ledger.parts_reading("v0", 0)[0]["part_id"] == "r.p1"
+    assert {(r["run_key"], r["parent_run_key"]) for r in ledger.run_links()} == {("r", ""), ("q", "r")}
+    p2 = ledger.parts(["r"])[2]
+    assert p2["part_id"] == "r.p2" and not ledger.has_row_index(p2)
+    rows = [
+        {"step": 11 + g // 8, "rank": g % 2, "micro_batch": 0, "global_row": 80 + g, "shard_id": s, "epoch": 0}
+        | {"tok_start": 50 + 4 * g, "tok_end": 54 + 4 * g, "row_start": 5 + g // 3, "row_end": 6 + g // 3}
+        for g in range(16)
+        for s in ("s0", "s1")
+    ]
+    ledger.write_row_index(p2, rows)
+    assert ledger.has_row_index(p2) and ledger.row_index([ledger.parts(["r"])[3]]) == []
+    got = ledger.row_index([p2], "shard_id = ? AND tok_start < ? AND ? < tok_end", ["s1", 60, 55])
+    assert [(r["global_row"], r["rank"], r["part_id"], r["stage"]) for r in got] == [  # by step, rank, row
+        (82, 0, "r.p2", "pretrain"),
+        (81, 1, "r.p2", "pretrain"),
+    ]
+    step_12 = [r["global_row"] for r in ledger.row_index([p2], "step = ?", [12])]
+    assert step_12 == [g for rank in (0, 1) for g in range(88 + rank, 96, 2) for _ in ("s0", "s1")]
+
+
+def test_the_fingerprint_index_holds_every_shard_and_texts_are_found_in_files_written_since(ledger):
+    """write_ngram_index puts every shard's fingerprints into one file sorted by hash; a shard fingerprinted
+    after it is read from its own file until the next index, and the newest index is the one read."""
+    ledger.write_ngrams("a/0", "a", "train", "sha-a", [0, 0, 1], [7, 9, 9])
+    ledger.write_ngrams("a/1", "a", "train", "sha-b", [4], [9])
+    first = ledger.write_ngram_index()
+    assert ledger.ngram_files() == [first] and ledger.write_ngram_index() == first  # written once
+    assert pq.read_table(first).column("ngram_hash").to_pylist() == [7, 9, 9, 9]
+    ledger.write_ngrams("b/0", "b", "validation", "sha-c", [2, 2], [7, 9])
+    assert ledger.ngram_files()[0] == first and len(ledger.ngram_files()) == 2
+    found = [(r["shard_id"], r["row"], r["shared"]) for r in ledger.documents_sharing([7, 9])]
+    assert found == [("a/0", 0, 2), ("b/0", 2, 2), ("a/0", 1, 1), ("a/1", 4, 1)]
+    second = ledger.write_ngram_index()
+    assert second != first and ledger.ngram_files() == [second]
+    assert [(r["shard_id"], r["row"], r["shared"]) for r in ledger.documents_sharing([7, 9])] == found

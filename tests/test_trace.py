@@ -8,11 +8,12 @@ import json
 
 import pytest
 
-from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger import Ledger, run_keys
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan.batch import BatchPlan
-from ghostvis_core.verify.trace import find_text, place, shard_row, trace_document, trace_step
+from ghostvis_core.verify.audit.row_index import place
+from ghostvis_core.verify.trace import find_text, shard_row, trace_document, trace_step
 from tests.conftest import run_cli
 
 
@@ -87,11 +88,11 @@ def test_a_passage_is_found_through_the_ledgers_fingerprints(demo_home):
     shard_id, row = replayed_document(ledger)
     text = pq.read_table(home.store.fetch("raw_shard", shard_id), columns=["text"]).column(0)[row].as_py()
     passage = " ".join(text.split()[:40])
-    found = find_text(ledger, passage)
+    found = find_text(home.store, ledger, passage)
     assert (shard_id, row) in {(d["shard_id"], d["row"]) for d in found}
     assert all(d["shared"] == d["of"] > 0 for d in found)
     with pytest.raises(GhostvisError, match="12 words have no 13-gram fingerprint"):
-        find_text(ledger, " ".join(f"w{i}" for i in range(12)))
+        find_text(home.store, ledger, " ".join(f"w{i}" for i in range(12)))
 
 
 def test_the_trace_job_gives_the_same_answer_in_dagster(demo_home):
@@ -110,3 +111,20 @@ def test_the_trace_job_gives_the_same_answer_in_dagster(demo_home):
     assert not empty.success
     (failure,) = [e for e in empty.all_events if e.is_step_failure]
     assert "give doc (<shard>:<row>), text, or stage and step" in failure.step_failure_data.error.message
+
+
+def test_the_content_proof_wrote_each_runs_row_index_and_a_trace_writes_a_missing_one(demo_home, tmp_path):
+    """The demo's stage checks wrote every part's row index (what trace reads); a ledger without it (a run
+    traced before its checks ran) gets it written by the trace, with the same answer."""
+    import shutil
+
+    home = Home(demo_home)
+    ledger = Ledger.in_store(home.store)
+    for stage in ("pretrain", "vision_alignment", "rl"):
+        chains = [ledger.chain(key) for key in run_keys(ledger, stage)]
+        assert chains and all(ledger.has_row_index(p) for chain in chains for p in chain), stage
+    want = trace_step(home.store, ledger, "vision_alignment", 2)
+    bare = Ledger(shutil.copytree(ledger.root, tmp_path / "ledger", ignore=shutil.ignore_patterns("row_index")))
+    assert not any(bare.has_row_index(p) for p in bare.parts(stage="vision_alignment"))
+    assert trace_step(home.store, bare, "vision_alignment", 2) == want
+    assert all(bare.has_row_index(p) for p in bare.chain(want["run_key"]))

@@ -168,7 +168,11 @@ class WindowRows:
         a = self.start + j * self.seq_len
         spans = self.files.stream_spans(a, a + self.seq_len + 1)
         t = self.files.stream_tokens(spans)
-        return PlannedRow(t[:-1], t[1:], None, [], self.files.stream_spans(a, a + self.seq_len))
+        return PlannedRow(t[:-1], t[1:], None, [], self.row_spans(j))
+
+    def row_spans(self, j: int) -> list[Span]:
+        a = self.start + j * self.seq_len
+        return self.files.stream_spans(a, a + self.seq_len)
 
     def spans_before(self, n_rows: int) -> list[Span]:
         return self.files.stream_spans(self.start, self.start + n_rows * self.seq_len)
@@ -358,6 +362,7 @@ class PlannedRows:
         self.image_size = (cfg.get("vision") or {}).get("image_size")
         offsets = (spec.get("inputs") or {}).get("stream_offsets", {})
         self.store, self.run_key, self._completions = store, spec["run_key"], None
+        self._token_files: dict[str, TokenFile] | None = None
         self.sources = []
         for r in recipe:
             shards = spec["train_shards"].get(r["source"]) or []
@@ -395,6 +400,17 @@ class PlannedRows:
     def image_digests(self, g: int) -> list[str]:
         """The digests of row g's images as the image encoder must receive them (ghostvis_core/digest.py)."""
         return [digest.image_digest(pixels(im, self.image_size)) for im in self.row(g).images]
+
+    def spans(self, g: int) -> list[Span]:
+        """The shard spans row g reads, without building the row."""
+        s, j = self.mixture.locate(g)
+        return self.sources[s].row_spans(j)
+
+    def token_file(self, shard_id: str) -> TokenFile:
+        """The run's token file of a shard it trains on."""
+        if self._token_files is None:
+            self._token_files = {f.shard_id: f for src in self.sources for f in src.files.files}
+        return self._token_files[shard_id]
 
     def completion(self, g: int) -> list[int]:
         """grpo: row g's completion as the run's rollouts (along its ledger chain) saved it; none saved: empty."""
