@@ -128,3 +128,21 @@ def test_the_content_proof_wrote_each_runs_row_index_and_a_trace_writes_a_missin
     assert not any(bare.has_row_index(p) for p in bare.parts(stage="vision_alignment"))
     assert trace_step(home.store, bare, "vision_alignment", 2) == want
     assert all(bare.has_row_index(p) for p in bare.chain(want["run_key"]))
+
+
+def test_the_report_card_links_each_step_range_to_the_documents_it_fed(demo_home):
+    """The report card's "Step ranges" table gives, per stage and segment, a `ghostvis trace` command that
+    lists what a step of the range fed, and the Dagster trace job's config for the same answer."""
+    (card,) = (demo_home / "store" / "reports").glob("*/report.md")
+    section = card.read_text().split("## Step ranges: the documents a step fed")[1].split("\n## ")[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| pretrain |")]
+    assert rows and rows[0][2] == "1-" + rows[0][2].split("-")[1]
+    command = rows[0][3]
+    assert command.startswith("ghostvis trace --stage pretrain --run-key pretrain-") and command.endswith("--step 1")
+    out = run_cli(command.split() + ["--json"], demo_home).stdout
+    assert json.loads(out)["fed"]
+    assert json.loads(rows[0][4].split("config ", 1)[1].rstrip(" |")) == {
+        "stage": "pretrain",
+        "step": 1,
+        "run_key": command.split("--run-key ")[1].split()[0],
+    }
