@@ -6,8 +6,8 @@ sha256, token files (`token_shard.write_token_shard`), ledger shard records, n-g
 (`Ledger.write_shard`, `Ledger.write_ngrams`; then `Ledger.write_ngram_index`, as the token_ledger asset
 does, timed), and --runs runs (stages in the stage table's order,
 each a lineage's child of the one before it, 10 lineages) of 10 parts of 10 steps each, every part
-through `Ledger.write_part` (consumption, shares) and `Ledger.write_row_index` (what the content proof
-writes), each run reading 800 shards from its own offset (lm rows, 32 per step, 4 rows per shard), so
+through `Ledger.write_part` (consumption), and each run's row index through `Ledger.write_row_index` (what
+its content proof writes), each run reading 800 shards from its own offset (lm rows, 32 per step, 4 rows per shard), so
 a shard is read by 8 runs on average. Then, in this process as the CLI calls them (the ledger's files
 are local; DuckDB's connection warm, as the command's own start-up is measured apart):
 
@@ -99,7 +99,7 @@ def run_rows(first_shard: int, n_shards: int, g: int) -> list[dict]:
 
 
 def write_runs(store, n_runs: int, n_shards: int, contents: dict[str, str]) -> list[tuple[str, str]]:
-    """The runs' specs, parts, consumption, shares and row indexes; [(stage, run_key)]."""
+    """The runs' specs, parts, consumption and row indexes; [(stage, run_key)]."""
     from ghostvis_core.data.ledger import Ledger
     from ghostvis_core.plan.batch import BatchPlan
     from ghostvis_core.plan.stages import stage_names
@@ -117,7 +117,7 @@ def write_runs(store, n_runs: int, n_shards: int, contents: dict[str, str]) -> l
         refs = [{"shard_id": s, "content_sha256": contents[s], "source": SOURCE, "split": "train"} for s in read]
         spec = {"stage": stage, "run_key": key, "tokenizer_id": "tok", "train_shards": {SOURCE: refs}, "val_shards": {}}
         store.write_json("run_spec", stage, key, data=spec | {"plan": {**PLAN, "steps": PARTS * STEPS_PER_PART}})
-        prev = ""
+        prev, chain, index = "", [], []
         for p in range(PARTS):
             step_first, rows_first = p * STEPS_PER_PART + 1, p * per_part
             part = {
@@ -143,15 +143,15 @@ def write_runs(store, n_runs: int, n_shards: int, contents: dict[str, str]) -> l
                 "replay_sources": "[]",
                 "mlflow_run_id": "",
             }
-            index = []
+            rows = []
             for g in range(rows_first, rows_first + per_part):
-                where = place(g - rows_first, plan)
+                where = {"part_id": part["part_id"], "segment": 0, **place(g - rows_first, plan)}
                 where["step"] += step_first - 1
                 for sp in run_rows(first, n_shards, g):
-                    rows = [sp["tok_start"] // DOC_TOKENS, -(-sp["tok_end"] // DOC_TOKENS)]
-                    index.append(where | sp | {"global_row": g, "row_start": rows[0], "row_end": rows[1]})
+                    raw = [sp["tok_start"] // DOC_TOKENS, -(-sp["tok_end"] // DOC_TOKENS)]
+                    rows.append(where | sp | {"global_row": g, "row_start": raw[0], "row_end": raw[1]})
             pieces: dict[str, dict] = {}
-            for x in index:
+            for x in rows:
                 c = pieces.setdefault(
                     x["shard_id"],
                     {"source": SOURCE, "shard_id": x["shard_id"], "split": "train", "epoch": 0}
@@ -159,8 +159,8 @@ def write_runs(store, n_runs: int, n_shards: int, contents: dict[str, str]) -> l
                 )
                 c.update(tok_end=x["tok_end"], row_end=x["row_end"], tokens=x["tok_end"] - c["tok_start"])
             ledger.write_part(part, list(pieces.values()))
-            ledger.write_row_index(part, index)
-            prev = part["part_id"]
+            chain, index, prev = chain + [part], index + rows, part["part_id"]
+        ledger.write_row_index(chain, index)  # what the run's content proof writes
         runs.append((stage, key))
     return runs
 
@@ -191,7 +191,7 @@ def measure(wd: Path, n_shards: int, n_runs: int) -> dict:
     sid, row = shard_id(n_shards // 2 + 1), 7
     text = pq.read_table(store.fetch("raw_shard", sid)).column("text")[row].as_py()
     stage, key = runs[n_runs // 2]
-    ledger.parts_reading(sid, row)  # the process's DuckDB connection opened, as the CLI's first query does
+    ledger.run_links(ledger.run_heads()[:1])  # the process's DuckDB connection opened, as by any first query
     doc_s, doc = timed(lambda: json.dumps(trace_document(store, ledger, sid, row)))
     index_s, _ = timed(ledger.write_ngram_index)  # what token_ledger writes after tokenization
 

@@ -523,32 +523,40 @@ def test_on_a_bucket_a_query_about_one_run_lists_only_that_runs_folder(moto_s3, 
 # ---------------------------------------------------------------- the indexes `ghostvis trace` reads
 
 
-def test_parts_reading_a_row_and_the_row_index_are_filtered_where_they_are_read(resumed_run):
-    """parts_reading names every part (of any run) whose consumption covers a raw row; row_index reads a
-    part's index rows that match a filter, in row-rule order, and nothing for a part without an index."""
+def test_a_runs_row_index_is_named_by_its_chains_head_and_read_where_a_filter_can_match(resumed_run):
+    """run_heads lists each run's newest part file without reading it; the row index of a chain is one file
+    beside that head's name, so a chain that grew needs a new one; row_index reads the rows that match a
+    filter, in row-rule order (step, rank, micro-batch, row); run_links reads only the heads."""
     ledger = resumed_run
     ledger.write_part(part("q.p0", "q", stage="sft", parent="r"), [piece("s0", (0, 40), (3, 6))])
-    reading = [(p["part_id"], p["stage"]) for p in ledger.parts_reading("s0", 4)]
-    assert reading == [("r.p1", "pretrain"), ("q.p0", "sft")]
-    assert ledger.parts_reading("s0", 13) == [] and ledger.parts_reading("v0", 0)[0]["part_id"] == "r.p1"
-    assert {(r["run_key"], r["parent_run_key"]) for r in ledger.run_links()} == {("r", ""), ("q", "r")}
-    p2 = ledger.parts(["r"])[2]
-    assert p2["part_id"] == "r.p2" and not ledger.has_row_index(p2)
+    heads = ledger.run_heads()
+    assert [(h["stage"], h["run_key"], h["head"].name) for h in heads] == [
+        ("pretrain", "r", "s001.p000000030.parquet"),
+        ("sft", "q", "s000.p000000010.parquet"),
+    ]
+    assert {(r["run_key"], r["parent_run_key"]) for r in ledger.run_links(heads)} == {("r", ""), ("q", "r")}
+    chain = ledger.chain("r")
+    assert [p["part_id"] for p in chain] == ["r.p0", "r.p2", "r.p3"]
+    index = ledger.row_index_file(heads[0]["head"])
+    assert index == ledger.root / "row_index/stage=pretrain/run=r/s001.p000000030.parquet" and not index.is_file()
     rows = [
-        {"step": 11 + g // 8, "rank": g % 2, "micro_batch": 0, "global_row": 80 + g, "shard_id": s, "epoch": 0}
-        | {"tok_start": 50 + 4 * g, "tok_end": 54 + 4 * g, "row_start": 5 + g // 3, "row_end": 6 + g // 3}
+        {"part_id": "r.p2", "segment": 1, "step": 11 + g // 8, "rank": g % 2, "micro_batch": 0, "global_row": 80 + g}
+        | {"shard_id": s, "epoch": 0, "tok_start": 50 + 4 * g, "tok_end": 54 + 4 * g}
+        | {"row_start": 5 + g // 3, "row_end": 6 + g // 3}
         for g in range(16)
         for s in ("s0", "s1")
     ]
-    ledger.write_row_index(p2, rows)
-    assert ledger.has_row_index(p2) and ledger.row_index([ledger.parts(["r"])[3]]) == []
-    got = ledger.row_index([p2], "shard_id = ? AND tok_start < ? AND ? < tok_end", ["s1", 60, 55])
-    assert [(r["global_row"], r["rank"], r["part_id"], r["stage"]) for r in got] == [  # by step, rank, row
-        (82, 0, "r.p2", "pretrain"),
-        (81, 1, "r.p2", "pretrain"),
+    assert ledger.write_row_index(chain, rows) == index and index.is_file()
+    got = ledger.row_index([index], "shard_id = ? AND row_start <= ? AND ? < row_end", ["s1", 5, 5])
+    assert [(r["global_row"], r["rank"], r["segment"], r["stage"], r["run_key"]) for r in got] == [
+        (80, 0, 1, "pretrain", "r"),
+        (82, 0, 1, "pretrain", "r"),
+        (81, 1, 1, "pretrain", "r"),
     ]
-    step_12 = [r["global_row"] for r in ledger.row_index([p2], "step = ?", [12])]
+    step_12 = [r["global_row"] for r in ledger.row_index([index], "step = ?", [12])]
     assert step_12 == [g for rank in (0, 1) for g in range(88 + rank, 96, 2) for _ in ("s0", "s1")]
+    ledger.write_part(part("r.p4", "r", segment=1, steps=(31, 40), prev="r.p3"), [piece("s0", (130, 170), (13, 17))])
+    assert not ledger.row_index_file(ledger.run_heads()[0]["head"]).is_file()  # the chain grew: a new index
 
 
 def test_the_fingerprint_index_holds_every_shard_and_texts_are_found_in_files_written_since(ledger):

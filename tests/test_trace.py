@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ghostvis_core.data.ledger import Ledger, run_keys
+from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan.batch import BatchPlan
@@ -114,20 +114,21 @@ def test_the_trace_job_gives_the_same_answer_in_dagster(demo_home):
 
 
 def test_the_content_proof_wrote_each_runs_row_index_and_a_trace_writes_a_missing_one(demo_home, tmp_path):
-    """The demo's stage checks wrote every part's row index (what trace reads); a ledger without it (a run
-    traced before its checks ran) gets it written by the trace, with the same answer."""
+    """The demo's stage checks wrote the row index of every stage's run (what trace reads); a ledger
+    without it (a run traced before its checks ran) gets it written by the trace, with the same answer."""
     import shutil
 
     home = Home(demo_home)
     ledger = Ledger.in_store(home.store)
-    for stage in ("pretrain", "vision_alignment", "rl"):
-        chains = [ledger.chain(key) for key in run_keys(ledger, stage)]
-        assert chains and all(ledger.has_row_index(p) for chain in chains for p in chain), stage
+    heads = [h for h in ledger.run_heads() if h["stage"] in ("pretrain", "vision_alignment", "rl")]
+    assert {h["stage"] for h in heads} == {"pretrain", "vision_alignment", "rl"}
+    assert all(ledger.row_index_file(h["head"]).is_file() for h in heads if "@" not in h["run_key"])
     want = trace_step(home.store, ledger, "vision_alignment", 2)
     bare = Ledger(shutil.copytree(ledger.root, tmp_path / "ledger", ignore=shutil.ignore_patterns("row_index")))
-    assert not any(bare.has_row_index(p) for p in bare.parts(stage="vision_alignment"))
+    head = next(h["head"] for h in bare.run_heads() if h["run_key"] == want["run_key"])
+    assert not bare.row_index_file(head).is_file()
     assert trace_step(home.store, bare, "vision_alignment", 2) == want
-    assert all(bare.has_row_index(p) for p in bare.chain(want["run_key"]))
+    assert bare.row_index_file(head).is_file()
 
 
 def test_the_report_card_links_each_step_range_to_the_documents_it_fed(demo_home):

@@ -18,9 +18,10 @@ Tables in the artifact store's "ledger" artifact (`Ledger.in_store(store)`):
 - ngram_index/  every shard's fingerprints in one file sorted by hash (row groups of NGRAM_INDEX_ROWS), named
                 by the ngrams/ files it holds (listed in its metadata): written by the token_ledger asset,
                 read by `ghostvis trace --text` with the ngrams/ files written since.
-- row_index/    per part, every planned global row: its step, rank, micro-batch and the shard spans it read
-                (tokens and raw rows), rebuilt by the audit (ghostvis_core/verify/audit/row_index.py) and
-                sorted by shard: what `ghostvis trace` reads instead of the token files.
+- row_index/    per run, one file named as the head part of the chain it indexes: every planned global row
+                of the chain, its part, segment, step, rank, micro-batch and the shard spans it read (tokens
+                and raw rows), rebuilt by the audit (ghostvis_core/verify/audit/row_index.py) and sorted by
+                shard: what `ghostvis trace` reads, one file per run, instead of the token files.
 - dedup/        one file per cross-shard MinHash index of a source (ghostvis_core/data/dedup.py): each
                 removed (shard, row), the (shard, row) it duplicates and the reason; written by dedup.py.
 
@@ -186,14 +187,15 @@ FEED_SCHEMA = pa.schema(
     ]
 )
 
-# Per planned global row of a part (ghostvis_core/verify/audit/row_index.py): where the row rule puts it and a
-# span of a shard it read, as tokens and raw rows; one row per span, sorted by shard, so a query for a
-# document reads only the row groups that can hold it.
+# Per planned global row of a run's chain (ghostvis_core/verify/audit/row_index.py): its part, where the row
+# rule puts it and a span of a shard it read, as tokens and raw rows; one row per span, sorted by shard, so
+# a query for a document reads only the row groups that can hold it.
 ROW_INDEX_SCHEMA = pa.schema(
     [
         ("part_id", pa.string()),
         ("run_key", pa.string()),
         ("stage", pa.string()),
+        ("segment", pa.int64()),
         ("step", pa.int64()),
         ("rank", pa.int64()),
         ("micro_batch", pa.int64()),
@@ -465,11 +467,12 @@ class Ledger:
                 self._write(self.part_file(table, part), [{**ids, **r} for r in given], schema)
         self._write(self.part_file("parts", part), [part], PART_SCHEMA)
 
-    def write_row_index(self, part: dict[str, Any], rows: list[dict[str, Any]]) -> Path:
-        """The audit's row index of one part (ROW_INDEX_SCHEMA), sorted by shard and tokens, beside the part."""
-        ids = {"part_id": part["part_id"], "run_key": part["run_key"], "stage": part["stage"]}
+    def write_row_index(self, chain: list[dict[str, Any]], rows: list[dict[str, Any]]) -> Path:
+        """The audit's row index of a run's chain (ROW_INDEX_SCHEMA rows, each naming its part and segment):
+        one file, named as the chain's head part, sorted by shard and tokens."""
+        ids = {"run_key": chain[-1]["run_key"], "stage": chain[-1]["stage"]}
         rows = sorted(({**ids, **r} for r in rows), key=lambda r: (r["shard_id"], r["tok_start"], r["global_row"]))
-        return self._write(self.part_file("row_index", part), rows, ROW_INDEX_SCHEMA)
+        return self._write(self.part_file("row_index", chain[-1]), rows, ROW_INDEX_SCHEMA)
 
     # ---- reading ----
     def _query(
@@ -617,29 +620,32 @@ class Ledger:
             self.ngram_files(),
         )
 
-    def run_links(self) -> list[dict[str, Any]]:
-        """stage, run_key and parent_run_key of every run: the lineage graph, in one query over the part rows."""
-        return self._query(
-            "parts", "SELECT DISTINCT stage, run_key, parent_run_key FROM parts", files=self.run_files("parts")
-        )
+    def run_heads(self) -> list[dict[str, Any]]:
+        """Per run: stage, run_key and `head`, the local file of its newest part (the head of its chain: part
+        files are named by segment and last step). A listing of the part folders; no file is read."""
+        self._fetched("parts")
+        out = []
+        for run in sorted((self.root / "parts").glob("stage=*/run=*")):
+            head = max(run.glob("*.parquet"), default=None)
+            if head is not None:
+                out.append(
+                    {"stage": run.parent.name.split("=", 1)[1], "run_key": run.name.split("=", 1)[1], "head": head}
+                )
+        return out
 
-    def parts_reading(self, shard_id: str, row: int) -> list[dict[str, Any]]:
-        """The parts (part_id, run_key, stage) of every run whose consumption covers raw row `row` of
-        `shard_id`: one query over every run's consumption files, filtered where they are read."""
-        return self._query(
-            "consumption",
-            "SELECT DISTINCT part_id, run_key, stage FROM consumption "
-            "WHERE shard_id = ? AND row_start <= ? AND ? < row_end ORDER BY stage, run_key, part_id",
-            [shard_id, row, row],
-            self.run_files("consumption"),
-        )
+    def run_links(self, heads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """stage, run_key and parent_run_key of these runs (`run_heads`): a run's parent is in every one of
+        its part rows, so only its head part's file is read."""
+        files = [h["head"] for h in heads]
+        return self._query("parts", "SELECT DISTINCT stage, run_key, parent_run_key FROM parts", files=files)
 
-    def has_row_index(self, part: dict[str, Any]) -> bool:
-        return self._fetched_file(self.part_file("row_index", part).relative_to(self.root).as_posix()).is_file()
+    def row_index_file(self, head: Path) -> Path:
+        """Where the row index of the chain whose head part is the file `head` (`run_heads`) is (or would be)."""
+        index = self.root / "row_index" / head.relative_to(self.root / "parts")
+        return self._fetched_file(index.relative_to(self.root).as_posix())
 
-    def row_index(self, parts: list[dict[str, Any]], where: str = "1=1", params: list | None = None) -> list[dict]:
-        """The row index rows of `parts` (their files only) that satisfy `where`, in row-rule order."""
-        files = [self.part_file("row_index", p) for p in parts if self.has_row_index(p)]
+    def row_index(self, files: list[Path], where: str = "1=1", params: list | None = None) -> list[dict[str, Any]]:
+        """The rows of these row index files that satisfy `where`, in row-rule order."""
         return self._query(
             "row_index",
             f"SELECT * FROM row_index WHERE {where} ORDER BY step, rank, micro_batch, global_row, epoch, tok_start",

@@ -1,27 +1,28 @@
 """`ghostvis trace` (issue 43): which stages, runs, steps and ranks trained a document, and which
 documents a step fed.
 
-Answered from the ledger alone: the consumption rows name the parts that read a document, and the
-audit's row index (ghostvis_core/verify/audit/row_index.py: every planned global row's step, rank,
-micro-batch and shard spans, rebuilt by the audit's own row rule, never the trainer's code) gives their
-steps, ranks and rows, read only where a filter on shard and tokens can match. The one token file
-opened is the document's own (its token span in the version each run read), and the raw shard only
-for a few characters of each document.
-- a document (shard, raw row): the parts whose consumption covers it, then their index rows whose
-  spans overlap the document's tokens, giving step, rank, micro-batch, global row and epoch; then every
-  run downstream of those (their lineage holds one) and, when an MLflow tracking URI is given, the
-  model versions registered from them;
-- a step of a run (default: the stage's newest completed run): the index rows of that step, with their
+Answered from the ledger alone: the audit's row index of each run (ghostvis_core/verify/audit/row_index.py:
+every planned global row of its chain, with its step, rank, micro-batch and shard spans, rebuilt by the
+audit's own row rule, never the trainer's code; one file per run, sorted by shard) is read where a
+filter on shard and raw row can match. The one token file opened is the document's own (its token span
+in the version each run read), and the raw shard only for a few characters of each document.
+- a document (shard, raw row): every run's index rows whose spans cover its raw row and overlap its
+  tokens, giving segment, step, rank, micro-batch, global row and epoch; then every run downstream of
+  those (their lineage holds one) and, when an MLflow tracking URI is given, the model versions
+  registered from them;
+- a step of a run (default: the stage's newest completed run): its index rows of that step, with their
   shard spans and raw rows;
 - a text: the documents of the ledger's current shards that hold the most of its 13-gram fingerprints
   (ghostvis_core/data/ngrams.py), each then traced as a document.
-A run whose stage checks have not run yet has no index: it is written the first time it is traced.
+A run whose stage checks have not run yet (or whose chain grew since) has no index for its chain: it is
+written the first time the run is traced.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pyarrow.parquet as pq
@@ -91,18 +92,29 @@ class Snippets:
         return self._groups[key][row]
 
 
+def run_indexes(store: Store, ledger: Ledger) -> tuple[list[dict[str, Any]], list[Path]]:
+    """Every run's head (`Ledger.run_heads`) and the row index file of its chain, written first where the
+    run's checks have not written it or its chain grew since."""
+    heads, files = ledger.run_heads(), []
+    for h in heads:
+        index = ledger.row_index_file(h["head"])
+        if not index.is_file():
+            spec = store.read_json("run_spec", h["stage"], h["run_key"])
+            index = write_row_index(store, ledger, spec, ledger.chain(h["run_key"]))
+        files.append(index)
+    return heads, files
+
+
 def trace_document(store: Store, ledger: Ledger, shard_id: str, row: int, tracking_uri: str | None = None) -> dict:
     """Every stage, run, segment, step, rank and epoch that trained raw row `row` of `shard_id`, the runs
     downstream of them and (with `tracking_uri`) the model versions registered from those."""
     text = Snippets(store).text(shard_id, row)  # also proves the document exists
-    covering = ledger.parts_reading(shard_id, row)
-    ids, by_run = {c["part_id"] for c in covering}, defaultdict(list)
-    for p in ledger.parts(sorted({c["run_key"] for c in covering})):
-        if p["part_id"] in ids:
-            by_run[p["run_key"]].append(p)
+    heads, files = run_indexes(store, ledger)
+    by_run = defaultdict(list)
+    for r in ledger.row_index(files, "shard_id = ? AND row_start <= ? AND ? < row_end", [shard_id, row, row]):
+        by_run[(r["stage"], r["run_key"])].append(r)
     hits, spans = [], {}
-    for key, run_parts in sorted(by_run.items()):
-        stage = run_parts[0]["stage"]
+    for (stage, key), rows in sorted(by_run.items()):
         spec = store.read_json("run_spec", stage, key)
         file_key = (spec["tokenizer_id"], shard_id, shard_contents(spec)[shard_id])
         if file_key not in spans:
@@ -112,19 +124,16 @@ def trace_document(store: Store, ledger: Ledger, shard_id: str, row: int, tracki
         if spans[file_key] is None:
             continue
         start, end = spans[file_key]
-        write_row_index(store, ledger, spec, run_parts)  # a run whose checks have not run yet
-        segment = {p["part_id"]: p["segment"] for p in run_parts}
         seen = set()
-        for r in ledger.row_index(run_parts, "shard_id = ? AND tok_start < ? AND ? < tok_end", [shard_id, end, start]):
-            if (r["part_id"], r["global_row"]) in seen:
-                continue  # a row holding the document twice (an epoch boundary inside it) is one hit
-            seen.add((r["part_id"], r["global_row"]))
-            hits.append(
-                {"stage": stage, "run_key": key, "segment": segment[r["part_id"]]}
-                | {k: r[k] for k in ("epoch", "global_row", "step", "rank", "micro_batch")}
-            )
+        for r in rows:  # a span over the document's raw row reads its tokens, or only its neighbours'
+            if r["tok_start"] < end and start < r["tok_end"] and (r["part_id"], r["global_row"]) not in seen:
+                seen.add((r["part_id"], r["global_row"]))  # a row holding the document twice is one hit
+                hits.append(
+                    {"stage": stage, "run_key": key}
+                    | {k: r[k] for k in ("segment", "epoch", "global_row", "step", "rank", "micro_batch")}
+                )
     trained = {h["run_key"] for h in hits}
-    links = ledger.run_links()
+    links = ledger.run_links(heads)
     parent = {r["run_key"]: r["parent_run_key"] for r in links}
     downstream = sorted({(r["stage"], r["run_key"]) for r in links if trained & set(lineage(r["run_key"], parent))})
     return {
@@ -167,15 +176,15 @@ def trace_step(store: Store, ledger: Ledger, stage: str, step: int, run_key: str
             raise GhostvisError(f"stage {stage} has no completed run to trace; materialize the `{stage}` asset")
         run_key = newest.run_key
     spec = store.read_json("run_spec", stage, run_key)
-    parts = [p for p in ledger.chain(run_key) if p["step_first"] <= step <= p["step_last"]]
-    if not parts:
+    chain = ledger.chain(run_key)
+    if not any(p["step_first"] <= step <= p["step_last"] for p in chain):
         raise GhostvisError(
             f"stage {stage} run {run_key} recorded no step {step} (it trained steps 1-{spec['plan']['steps']}); "
             "give a step of the run"
         )
-    write_row_index(store, ledger, spec, parts)  # a run whose checks have not run yet
+    index = write_row_index(store, ledger, spec, chain)  # written here when the run's checks have not
     contents, snippets, fed = shard_contents(spec), Snippets(store), []
-    for r in ledger.row_index(parts, "step = ?", [step]):
+    for r in ledger.row_index([index], "step = ?", [step]):
         fed.append(
             {k: r[k] for k in ("rank", "micro_batch", "global_row", "shard_id", "epoch")}
             | {
