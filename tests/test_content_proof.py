@@ -172,9 +172,12 @@ def test_images_are_digested_at_the_image_encoder_and_a_swapped_image_is_caught(
 @pytest.mark.parametrize("stage", stage_names())
 def test_the_audit_rebuilds_exactly_the_rows_the_loader_builds(demo_home, stage):
     """Every row a smoke run of the stage reads (and a stretch beyond, into later epochs for the small
-    chat, preference and caption sources): inputs, targets, document ids, images and spans equal."""
+    chat, preference and caption sources): inputs, targets, document ids, images (and their decoded pixels)
+    and spans equal."""
     from ghostvis_core.run.launch import prepare_run
+    from ghostvis_core.run.model.vision import decode_images
     from ghostvis_core.run.train.objectives import build_objective
+    from ghostvis_core.verify.audit.rebuild import pixels
 
     h = Home(demo_home)
     spec = prepare_run(stage, preset="smoke", home=h)
@@ -187,4 +190,7 @@ def test_the_audit_rebuilds_exactly_the_rows_the_loader_builds(demo_home, stage)
         assert (want.doc_ids is None) == (got.doc_ids is None), (stage, g)
         assert want.doc_ids is None or np.array_equal(want.doc_ids, got.doc_ids), (stage, g)
         assert want.images == got.images, (stage, g)
+        if spec.config.vision is not None:  # the trainer's decoding and the audit's give the same pixels
+            size = spec.config.vision.image_size
+            assert all(np.array_equal(decode_images([im], size)[0].numpy(), pixels(im, size)) for im in got.images)
         assert [(p.shard_id, p.epoch, p.tok_start, p.tok_end) for p in want.pieces] == list(got.spans), (stage, g)
