@@ -4,7 +4,9 @@ and the audit (which rebuilds every micro-batch from the token files and recompu
 - a row: blake2b-64 of its input ids, then its targets (IGNORE_INDEX where no loss), then, for packed
   rows, the document id of every position (attention stays inside a document), each as
   little-endian int64;
-- an image: the first 16 hex characters of the sha256 of its encoded bytes;
+- an image: blake2b-64 of its pixel tensor as the image encoder receives it: the shape (channels,
+  height, width) as little-endian int64, then the values (RGB in [0, 1], resized to the model's
+  image size) as little-endian float32;
 - a micro-batch: blake2b-64 of its row digests, then its image hashes, in order;
 - a step: blake2b-64 of its micro-batch digests, in order (the fold the ledger keeps per rank).
 
@@ -34,8 +36,8 @@ def row_digest(inputs: np.ndarray, targets: np.ndarray, doc_ids: np.ndarray | No
     return _blake([_int64(inputs), _int64(targets), *([] if doc_ids is None else [_int64(doc_ids)])])
 
 
-def image_hash(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()[:16]
+def image_digest(pixels: np.ndarray) -> str:
+    return _blake([_int64(np.asarray(pixels.shape)), np.ascontiguousarray(pixels, dtype="<f4").tobytes()])
 
 
 def micro_digest(row_digests: list[str], image_hashes: list[str]) -> str:

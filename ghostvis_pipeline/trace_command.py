@@ -22,7 +22,7 @@ def cmd_trace(args) -> int:
         print(json.dumps(report, indent=2) if args.json else "\n".join(format_document(report)))
         return 0
     if args.text:
-        found = find_text(ledger, args.text)
+        found = find_text(home.store, ledger, args.text)
         reports = [trace_document(home.store, ledger, d["shard_id"], d["row"], uri) for d in found]
         if args.json:
             print(json.dumps({"found": found, "traces": reports}, indent=2))

@@ -23,7 +23,7 @@ def answer(home, config: TraceConfig) -> dict:
     if config.doc:
         return trace_document(home.store, ledger, *shard_row(config.doc), uri)
     if config.text:
-        found = find_text(ledger, config.text)
+        found = find_text(home.store, ledger, config.text)
         return {
             "found": found,
             "traces": [trace_document(home.store, ledger, d["shard_id"], d["row"], uri) for d in found],

@@ -8,6 +8,7 @@ demo, so a difference is a bug in one of them, found here rather than as a faile
 from __future__ import annotations
 
 import hashlib
+import json
 
 import numpy as np
 import pytest
@@ -24,7 +25,9 @@ def test_the_digest_format_is_blake2b_of_little_endian_int64_as_documented():
     assert digest.row_digest(inputs, targets) == hashlib.blake2b(raw, digest_size=8).hexdigest()
     with_docs = raw + np.array([0, 0, 1], dtype="<i8").tobytes()
     assert digest.row_digest(inputs, targets, doc_ids) == hashlib.blake2b(with_docs, digest_size=8).hexdigest()
-    assert digest.image_hash(b"png") == hashlib.sha256(b"png").hexdigest()[:16]
+    pixels = np.arange(12, dtype=np.float32).reshape(3, 2, 2) / 11
+    raw_pixels = np.array([3, 2, 2], dtype="<i8").tobytes() + pixels.astype("<f4").tobytes()
+    assert digest.image_digest(pixels) == hashlib.blake2b(raw_pixels, digest_size=8).hexdigest()
     a, b = digest.row_digest(inputs, targets), digest.row_digest(targets, inputs)
     assert (
         digest.micro_digest([a, b], ["00ff00ff00ff00ff"])
@@ -57,8 +60,9 @@ def test_micro_batch_rows_tile_a_step_once_across_ranks():
 # ---- the digest is taken at the model's input (issue 43) ------------------------------------------
 
 
-def probed_model():
-    """A tiny GPT with the content-proof hook, and the FedLog it reports to."""
+def probed_model(vision=None):
+    """A tiny GPT (with a vision stack when `vision`, a VisionConfig, is given) with the content-proof
+    hooks, and the FedLog it reports to."""
     import torch
 
     from ghostvis_core.plan.config import ModelConfig
@@ -69,6 +73,8 @@ def probed_model():
     model = GPT(
         ModelConfig(vocab_size=32, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=32, max_seq_len=8)
     )
+    if vision is not None:
+        model.attach_vision(vision)
     log = FedLog()
     watch_model_inputs(model, lambda: log)
     return model, log
@@ -85,21 +91,26 @@ def planned_batch(rows: list[int], images: list[bytes] = ()):
     return Batch(inputs, inputs + 1, [], TokenCounts(), rows=rows, images=list(images))
 
 
-def expected_digest(batch) -> str:
+def expected_digest(batch, image_digests: list[str] = ()) -> str:
     """What the audit rebuilds from the token files for these rows: the digest of the planned tensors."""
     rows = [digest.row_digest(i.numpy(), t.numpy()) for i, t in zip(batch.inputs, batch.targets)]
-    return digest.micro_digest(rows, [digest.image_hash(im) for im in batch.images])
+    return digest.micro_digest(rows, list(image_digests))
+
+
+def micro_digests(log, step: int) -> list[str]:
+    """The micro-batch digests the ledger's feed record of `step` holds."""
+    return next(json.loads(r["micro_digests"]) for r in log.records(rank=0) if r["step"] == step)
 
 
 def test_the_digest_is_of_what_reaches_the_model_and_only_training_feeds_are_recorded():
     model, log = probed_model()
     model(planned_batch([1, 2]).inputs)  # no micro-batch announced (validation, generation): not recorded
     assert log.steps == {}
-    batch = planned_batch([3, 4], [b"png"])
+    batch = planned_batch([3, 4])
     log.expect(7, batch)
     model(batch.inputs, batch.targets, reduction="sum")
     model(batch.inputs, batch.targets, reduction="sum")  # a second forward of the step is not a second feed
-    assert log.steps[7]["micro_rows"] == [[3, 4]] and log.steps[7]["micro_digests"] == [expected_digest(batch)]
+    assert log.steps[7]["micro_rows"] == [[3, 4]] and micro_digests(log, 7) == [expected_digest(batch)]
     assert log.records(rank=0)[0]["step_digest"] == digest.step_digest([expected_digest(batch)])
 
 
@@ -118,18 +129,55 @@ def test_a_batch_edited_after_planning_or_never_fed_no_longer_matches_the_plan()
     log.expect(3, planned)
     model(planned.inputs, planned.targets)
     assert log.steps[1]["micro_rows"] == [[4, 5]]  # the rows the plan says...
-    assert log.steps[1]["micro_digests"] == [expected_digest(fed)] != [expected_digest(planned)]  # ...not their content
-    assert log.steps[2]["micro_digests"] != [expected_digest(planned)]
-    assert log.steps[3]["micro_digests"] == [expected_digest(planned)]  # one micro-batch recorded, not two
+    assert micro_digests(log, 1) == [expected_digest(fed)] != [expected_digest(planned)]  # ...not their content
+    assert micro_digests(log, 2) != [expected_digest(planned)]
+    assert micro_digests(log, 3) == [expected_digest(planned)]  # one micro-batch recorded, not two
+
+
+def png(color: tuple[int, int, int], size: int = 12) -> bytes:
+    import io
+
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (size, size), color).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_images_are_digested_at_the_image_encoder_and_a_swapped_image_is_caught():
+    """The trainer's decoding and the audit's own (rebuild.pixels) give the same pixels; the digest is of
+    what the encoder receives, so an image swapped after planning (the plan's red image announced, a blue
+    one fed) no longer matches the audit's digest of the planned micro-batch, while the rows still do."""
+    from ghostvis_core.plan.config import VisionConfig
+    from ghostvis_core.run.model.vision import decode_images
+    from ghostvis_core.verify.audit.rebuild import pixels
+
+    model, log = probed_model(VisionConfig(image_size=8, patch_size=4, d_vision=8, n_layers=1, n_heads=2, n_latents=2))
+    red, blue = png((200, 10, 10)), png((10, 10, 200))
+    assert np.array_equal(decode_images([red], 8)[0].numpy(), pixels(red, 8))  # resized 12 -> 8 by both
+    batch = planned_batch([0], [red])
+    batch.inputs[0, :2] = 31  # the image's two latent positions
+    audit = expected_digest(batch, [digest.image_digest(pixels(red, 8))])
+    for step, fed in ((1, red), (2, blue)):
+        log.expect(step, batch)
+        model(batch.inputs, batch.targets, images=decode_images([fed], 8), image_mask=batch.inputs == 31)
+    model(batch.inputs, images=decode_images([blue], 8), image_mask=batch.inputs == 31)  # not announced: not recorded
+    assert log.steps[1]["image_hashes"] == [[digest.image_digest(pixels(red, 8))]]
+    assert micro_digests(log, 1) == [audit]
+    assert log.steps[2]["row_digests"] == log.steps[1]["row_digests"] and micro_digests(log, 2) != [audit]
+    assert log.steps[2]["image_hashes"] == [[digest.image_digest(decode_images([blue], 8)[0].numpy())]]
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("stage", stage_names())
 def test_the_audit_rebuilds_exactly_the_rows_the_loader_builds(demo_home, stage):
     """Every row a smoke run of the stage reads (and a stretch beyond, into later epochs for the small
-    chat, preference and caption sources): inputs, targets, document ids, images and spans equal."""
+    chat, preference and caption sources): inputs, targets, document ids, images (and their decoded pixels)
+    and spans equal."""
     from ghostvis_core.run.launch import prepare_run
+    from ghostvis_core.run.model.vision import decode_images
     from ghostvis_core.run.train.objectives import build_objective
+    from ghostvis_core.verify.audit.rebuild import pixels
 
     h = Home(demo_home)
     spec = prepare_run(stage, preset="smoke", home=h)
@@ -142,4 +190,7 @@ def test_the_audit_rebuilds_exactly_the_rows_the_loader_builds(demo_home, stage)
         assert (want.doc_ids is None) == (got.doc_ids is None), (stage, g)
         assert want.doc_ids is None or np.array_equal(want.doc_ids, got.doc_ids), (stage, g)
         assert want.images == got.images, (stage, g)
+        if spec.config.vision is not None:  # the trainer's decoding and the audit's give the same pixels
+            size = spec.config.vision.image_size
+            assert all(np.array_equal(decode_images([im], size)[0].numpy(), pixels(im, size)) for im in got.images)
         assert [(p.shard_id, p.epoch, p.tok_start, p.tok_end) for p in want.pieces] == list(got.spans), (stage, g)

@@ -10,6 +10,7 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from ghostvis_core.data.ledger import PART_SCHEMA, PART_TABLES, Ledger, pieces_to_rows, run_summaries, write_parquet
@@ -570,3 +571,59 @@ def test_on_a_bucket_a_query_about_one_run_lists_only_that_runs_folder(moto_s3, 
     assert [p["part_id"] for p in Ledger.in_store(reader).parts(["k1"], stage="pretrain")] == ["k1.p0"]
     assert listed and all(p.startswith("store/ledger/parts/stage=pretrain/run=k1") for p in listed), listed
     assert not (tmp_path / "b" / "ledger" / "parts" / "stage=pretrain" / "run=k2").exists()
+
+
+# ---------------------------------------------------------------- the indexes `ghostvis trace` reads
+
+
+def test_a_runs_row_index_is_named_by_its_chains_head_and_read_where_a_filter_can_match(resumed_run):
+    """run_heads lists each run's newest part file without reading it; the row index of a chain is one file
+    beside that head's name, so a chain that grew needs a new one; row_index reads the rows that match a
+    filter, in row-rule order (step, rank, micro-batch, row); run_links reads only the heads."""
+    ledger = resumed_run
+    ledger.write_part(part("q.p0", "q", stage="sft", parent="r"), [piece("s0", (0, 40), (3, 6))])
+    heads = ledger.run_heads()
+    assert [(h["stage"], h["run_key"], h["head"].name) for h in heads] == [
+        ("pretrain", "r", "s001.p000000030.parquet"),
+        ("sft", "q", "s000.p000000010.parquet"),
+    ]
+    assert {(r["run_key"], r["parent_run_key"]) for r in ledger.run_links(heads)} == {("r", ""), ("q", "r")}
+    chain = ledger.chain("r")
+    assert [p["part_id"] for p in chain] == ["r.p0", "r.p2", "r.p3"]
+    index = ledger.row_index_file(heads[0]["head"])
+    assert index == ledger.root / "row_index/stage=pretrain/run=r/s001.p000000030.parquet" and not index.is_file()
+    rows = [
+        {"part_id": "r.p2", "segment": 1, "step": 11 + g // 8, "rank": g % 2, "micro_batch": 0, "global_row": 80 + g}
+        | {"shard_id": s, "epoch": 0, "tok_start": 50 + 4 * g, "tok_end": 54 + 4 * g}
+        | {"row_start": 5 + g // 3, "row_end": 6 + g // 3}
+        for g in range(16)
+        for s in ("s0", "s1")
+    ]
+    assert ledger.write_row_index(chain, rows) == index and index.is_file()
+    got = ledger.row_index([index], "shard_id = ? AND row_start <= ? AND ? < row_end", ["s1", 5, 5])
+    assert [(r["global_row"], r["rank"], r["segment"], r["stage"], r["run_key"]) for r in got] == [
+        (80, 0, 1, "pretrain", "r"),
+        (82, 0, 1, "pretrain", "r"),
+        (81, 1, 1, "pretrain", "r"),
+    ]
+    step_12 = [r["global_row"] for r in ledger.row_index([index], "step = ?", [12])]
+    assert step_12 == [g for rank in (0, 1) for g in range(88 + rank, 96, 2) for _ in ("s0", "s1")]
+    ledger.write_part(part("r.p4", "r", segment=1, steps=(31, 40), prev="r.p3"), [piece("s0", (130, 170), (13, 17))])
+    assert not ledger.row_index_file(ledger.run_heads()[0]["head"]).is_file()  # the chain grew: a new index
+
+
+def test_the_fingerprint_index_holds_every_shard_and_texts_are_found_in_files_written_since(ledger):
+    """write_ngram_index puts every shard's fingerprints into one file sorted by hash; a shard fingerprinted
+    after it is read from its own file until the next index, and the newest index is the one read."""
+    ledger.write_ngrams("a/0", "a", "train", "sha-a", [0, 0, 1], [7, 9, 9])
+    ledger.write_ngrams("a/1", "a", "train", "sha-b", [4], [9])
+    first = ledger.write_ngram_index()
+    assert ledger.ngram_files() == [first] and ledger.write_ngram_index() == first  # written once
+    assert pq.read_table(first).column("ngram_hash").to_pylist() == [7, 9, 9, 9]
+    ledger.write_ngrams("b/0", "b", "validation", "sha-c", [2, 2], [7, 9])
+    assert ledger.ngram_files()[0] == first and len(ledger.ngram_files()) == 2
+    found = [(r["shard_id"], r["row"], r["shared"]) for r in ledger.documents_sharing([7, 9])]
+    assert found == [("a/0", 0, 2), ("b/0", 2, 2), ("a/0", 1, 1), ("a/1", 4, 1)]
+    second = ledger.write_ngram_index()
+    assert second != first and ledger.ngram_files() == [second]
+    assert [(r["shard_id"], r["row"], r["shared"]) for r in ledger.documents_sharing([7, 9])] == found

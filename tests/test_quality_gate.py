@@ -64,37 +64,57 @@ def test_tolerances_default_from_the_stage_table_and_refuse_unknown_stages_and_n
         tolerances({"sft": -0.1})
 
 
-def test_the_report_card_lists_the_gate_row_per_stage_and_source_and_flags_the_regression():
-    def report(stage: str) -> StageReport:
-        return StageReport(
-            stage=stage,
-            run_key=f"{stage}-r1",
-            mlflow_run_id="x",
-            totals={"steps": 1, **dict.fromkeys(TokenCounts.names(), 0)},
-            planned_tokens=0,
-            shards_used=0,
-            shard_rows=[],
-            reuse="none",
-            leakage="none",
-            wall_time_s=1.0,
-            tokens_per_sec=1.0,
-            mfu=None,
-            attention_kernel="sdpa-per-document",
-            val_loss_start=None,
-            val_loss=None,
-            evidence=[],
-            costs=[],
-            evaluation={"bpb": BPB[stage]},
-            bpb_tolerance=0.10,
-        )
+def stage_card(stage: str, **fields) -> StageReport:
+    """A report card's stage with nothing but what a test gives (and the BPB scores above)."""
+    return StageReport(
+        stage=stage,
+        run_key=f"{stage}-r1",
+        mlflow_run_id="x",
+        totals={"steps": 1, **dict.fromkeys(TokenCounts.names(), 0)},
+        planned_tokens=0,
+        shards_used=0,
+        shard_rows=[],
+        reuse="none",
+        leakage="none",
+        wall_time_s=1.0,
+        tokens_per_sec=1.0,
+        mfu=None,
+        attention_kernel="sdpa-per-document",
+        val_loss_start=None,
+        val_loss=None,
+        evidence=[],
+        costs=[],
+        evaluation={"bpb": BPB[stage]},
+        bpb_tolerance=0.10,
+        **fields,
+    )
 
-    header, rows = tables([report("pretrain"), report("continued_pretrain")])[
+
+def test_the_report_card_lists_the_gate_row_per_stage_and_source_and_flags_the_regression():
+    header, rows = tables([stage_card("pretrain"), stage_card("continued_pretrain")])[
         "Lineage quality gate (held-out bits/byte vs the upstream stage)"
     ]
     assert [(r[2], r[3], r[4], r[7]) for r in rows] == [
         ("demo_code", 3.0, 3.27, "ok"),
         ("demo_prose", 2.5, 2.8, "FLAGGED: +12.0% > 10%"),
     ]
+
+
+def test_the_report_card_links_each_segments_step_range_to_ghostvis_trace():
+    """Per stage and segment (launch): its steps and the `ghostvis trace` command and trace job config that
+    list what a step of them fed, so a loss spike leads to its documents (issue 43)."""
+    segments = [
+        {"segment": 0, "first_step": 1, "last_step": 40, "world_size": 2, "real_tokens": 1},
+        {"segment": 1, "first_step": 41, "last_step": 60, "world_size": 4, "real_tokens": 1},
+    ]
+    header, rows = tables([stage_card("pretrain", segments=segments)])["Step ranges: the documents a step fed"]
+    assert header[:3] == ["stage", "segment", "steps"]
+    assert [r[:4] for r in rows] == [
+        ["pretrain", 0, "1-40", "ghostvis trace --stage pretrain --run-key pretrain-r1 --step 1"],
+        ["pretrain", 1, "41-60", "ghostvis trace --stage pretrain --run-key pretrain-r1 --step 41"],
+    ]
+    config = json.loads(rows[1][4].split("config ", 1)[1])
+    assert config == {"stage": "pretrain", "step": 41, "run_key": "pretrain-r1"}
 
 
 @pytest.mark.e2e

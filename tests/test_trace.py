@@ -12,7 +12,8 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan.batch import BatchPlan
-from ghostvis_core.verify.trace import find_text, place, shard_row, trace_document, trace_step
+from ghostvis_core.verify.audit.row_index import place
+from ghostvis_core.verify.trace import find_text, shard_row, trace_document, trace_step
 from tests.conftest import run_cli
 
 
@@ -87,11 +88,11 @@ def test_a_passage_is_found_through_the_ledgers_fingerprints(demo_home):
     shard_id, row = replayed_document(ledger)
     text = pq.read_table(home.store.fetch("raw_shard", shard_id), columns=["text"]).column(0)[row].as_py()
     passage = " ".join(text.split()[:40])
-    found = find_text(ledger, passage)
+    found = find_text(home.store, ledger, passage)
     assert (shard_id, row) in {(d["shard_id"], d["row"]) for d in found}
     assert all(d["shared"] == d["of"] > 0 for d in found)
     with pytest.raises(GhostvisError, match="12 words have no 13-gram fingerprint"):
-        find_text(ledger, " ".join(f"w{i}" for i in range(12)))
+        find_text(home.store, ledger, " ".join(f"w{i}" for i in range(12)))
 
 
 def test_the_trace_job_gives_the_same_answer_in_dagster(demo_home):
@@ -110,3 +111,39 @@ def test_the_trace_job_gives_the_same_answer_in_dagster(demo_home):
     assert not empty.success
     (failure,) = [e for e in empty.all_events if e.is_step_failure]
     assert "give doc (<shard>:<row>), text, or stage and step" in failure.step_failure_data.error.message
+
+
+def test_the_content_proof_wrote_each_runs_row_index_and_a_trace_writes_a_missing_one(demo_home, tmp_path):
+    """The demo's stage checks wrote the row index of every stage's run (what trace reads); a ledger
+    without it (a run traced before its checks ran) gets it written by the trace, with the same answer."""
+    import shutil
+
+    home = Home(demo_home)
+    ledger = Ledger.in_store(home.store)
+    heads = [h for h in ledger.run_heads() if h["stage"] in ("pretrain", "vision_alignment", "rl")]
+    assert {h["stage"] for h in heads} == {"pretrain", "vision_alignment", "rl"}
+    assert all(ledger.row_index_file(h["head"]).is_file() for h in heads if "@" not in h["run_key"])
+    want = trace_step(home.store, ledger, "vision_alignment", 2)
+    bare = Ledger(shutil.copytree(ledger.root, tmp_path / "ledger", ignore=shutil.ignore_patterns("row_index")))
+    head = next(h["head"] for h in bare.run_heads() if h["run_key"] == want["run_key"])
+    assert not bare.row_index_file(head).is_file()
+    assert trace_step(home.store, bare, "vision_alignment", 2) == want
+    assert bare.row_index_file(head).is_file()
+
+
+def test_the_report_card_links_each_step_range_to_the_documents_it_fed(demo_home):
+    """The report card's "Step ranges" table gives, per stage and segment, a `ghostvis trace` command that
+    lists what a step of the range fed, and the Dagster trace job's config for the same answer."""
+    (card,) = (demo_home / "store" / "reports").glob("*/report.md")
+    section = card.read_text().split("## Step ranges: the documents a step fed")[1].split("\n## ")[0]
+    rows = [line.split(" | ") for line in section.splitlines() if line.startswith("| pretrain |")]
+    assert rows and rows[0][2] == "1-" + rows[0][2].split("-")[1]
+    command = rows[0][3]
+    assert command.startswith("ghostvis trace --stage pretrain --run-key pretrain-") and command.endswith("--step 1")
+    out = run_cli(command.split() + ["--json"], demo_home).stdout
+    assert json.loads(out)["fed"]
+    assert json.loads(rows[0][4].split("config ", 1)[1].rstrip(" |")) == {
+        "stage": "pretrain",
+        "step": 1,
+        "run_key": command.split("--run-key ")[1].split()[0],
+    }

@@ -16,6 +16,13 @@ Tables in the artifact store's "ledger" artifact (`Ledger.in_store(store)`):
 - rollouts/     per part, rank and step of an rl run: the generated and rewarded tokens, and every
                 completion the rank sampled (its global row, token ids, reward), from which the audit
                 recounts the generated tokens and rebuilds the rows it fed.
+- ngram_index/  every shard's fingerprints in one file sorted by hash (row groups of NGRAM_INDEX_ROWS), named
+                by the ngrams/ files it holds (listed in its metadata): written by the token_ledger asset,
+                read by `ghostvis trace --text` with the ngrams/ files written since.
+- row_index/    per run, one file named as the head part of the chain it indexes: every planned global row
+                of the chain, its part, segment, step, rank, micro-batch and the shard spans it read (tokens
+                and raw rows), rebuilt by the audit (ghostvis_core/verify/audit/row_index.py) and sorted by
+                shard: what `ghostvis trace` reads, one file per run, instead of the token files.
 - dedup/        one file per cross-shard MinHash index of a source (ghostvis_core/data/dedup.py): each
                 removed (shard, row), the (shard, row) it duplicates and the reason; written by dedup.py.
 
@@ -25,7 +32,7 @@ ledger reads and writes through the artifact store (artifact kind "ledger_file")
 node's copy, each written file is published at once, and a query fetches only the folders it reads.
 
 The per-shard tables (shards, docs, ngrams) are flat folders. The per-part tables (parts and the four
-beside it, PART_TABLES) keep a folder per run, hive-style: `<table>/stage=<stage>/run=<run_key>/
+beside it, PART_TABLES, and row_index) keep a folder per run, hive-style: `<table>/stage=<stage>/run=<run_key>/
 s<segment>.p<step_last>.parquet`, so a query about some runs opens only their files, and one about a
 stage only that stage's: what the audit, the checks and `ghostvis ledger --run` read does not grow
 with the number of other runs. A process queries through one DuckDB connection (`_connection`).
@@ -134,6 +141,9 @@ NGRAM_SCHEMA = pa.schema(
     ]
 )
 
+NGRAM_INDEX_ROWS = 65_536  # rows per row group of the fingerprint index: a lookup reads the groups its hashes fall in
+NGRAM_INDEX_FILES = b"ghostvis.ngram_files"  # the index file's metadata: the ngrams/ file names it holds (JSON)
+
 CONSUMPTION_SCHEMA = pa.schema(
     [
         ("part_id", pa.string()),
@@ -180,6 +190,28 @@ FEED_SCHEMA = pa.schema(
     ]
 )
 
+# Per planned global row of a run's chain (ghostvis_core/verify/audit/row_index.py): its part, where the row
+# rule puts it and a span of a shard it read, as tokens and raw rows; one row per span, sorted by shard, so
+# a query for a document reads only the row groups that can hold it.
+ROW_INDEX_SCHEMA = pa.schema(
+    [
+        ("part_id", pa.string()),
+        ("run_key", pa.string()),
+        ("stage", pa.string()),
+        ("segment", pa.int64()),
+        ("step", pa.int64()),
+        ("rank", pa.int64()),
+        ("micro_batch", pa.int64()),
+        ("global_row", pa.int64()),
+        ("shard_id", pa.string()),
+        ("epoch", pa.int64()),
+        ("tok_start", pa.int64()),
+        ("tok_end", pa.int64()),
+        ("row_start", pa.int64()),
+        ("row_end", pa.int64()),
+    ]
+)
+
 # Per part, rank and step of an rl run (ghostvis_core/run/train/grpo.py): the rollout figures and the completions.
 ROLLOUT_SCHEMA = pa.schema(
     [
@@ -209,11 +241,13 @@ def row_ranges(rows: list[int]) -> list[list[int]]:
     return out
 
 
-def write_parquet(path: Path, rows: list[dict[str, Any]] | pa.Table, schema: pa.Schema) -> Path:
+def write_parquet(
+    path: Path, rows: list[dict[str, Any]] | pa.Table, schema: pa.Schema, row_group_size: int | None = None
+) -> Path:
     """One ledger file, written whole or not at all (readers never see half a Parquet file)."""
     table = rows if isinstance(rows, pa.Table) else pa.Table.from_pylist(rows, schema=schema)
     out = pa.BufferOutputStream()
-    pq.write_table(table, out)
+    pq.write_table(table, out, row_group_size=row_group_size)
     return atomic_write(path, out.getvalue().to_pybytes())
 
 
@@ -292,9 +326,11 @@ class Ledger:
         self._fetched(name)
         return self.root / name
 
-    def _write(self, path: Path, rows: list[dict[str, Any]] | pa.Table, schema: pa.Schema) -> Path:
+    def _write(
+        self, path: Path, rows: list[dict[str, Any]] | pa.Table, schema: pa.Schema, row_group_size: int | None = None
+    ) -> Path:
         """Write one file of the ledger and publish it to the store, so every node sees it."""
-        write_parquet(path, rows, schema)
+        write_parquet(path, rows, schema, row_group_size)
         if self.store is not None:
             self.store.publish("ledger_file", path.relative_to(self.root).as_posix())
         return path
@@ -359,6 +395,41 @@ class Ledger:
         )
         return self._write(self.root / _ngram_name(shard_id, content_sha256), table, NGRAM_SCHEMA)
 
+    def write_ngram_index(self) -> Path | None:
+        """Every ngrams/ file's fingerprints in one file sorted by hash, so a text is looked up in the few
+        row groups its hashes fall in, not in a file per shard (at 10,000 shards opening each costs 20 s).
+        Named by the files it holds; written again only when a shard's fingerprints were added."""
+        self._fetched("ngrams")
+        names = sorted(f.name for f in (self.root / "ngrams").glob("*.parquet"))
+        if not names:
+            return None
+        name = f"ngram_index/{_key(*names)}.parquet"
+        if self._fetched_file(name).is_file():
+            return self.root / name
+        cur = _connection().cursor()
+        try:
+            table = cur.sql(
+                f"SELECT * FROM read_parquet({_parquet_list([self.root / 'ngrams' / n for n in names])}) "
+                "ORDER BY ngram_hash, shard_id, row"
+            ).to_arrow_table()
+        finally:
+            cur.close()
+        table = table.cast(NGRAM_SCHEMA).replace_schema_metadata({NGRAM_INDEX_FILES: json.dumps(names)})
+        return self._write(self.root / name, table, NGRAM_SCHEMA, NGRAM_INDEX_ROWS)
+
+    def ngram_files(self) -> list[Path]:
+        """What holds every shard's fingerprints: the index file that holds the most ngrams/ files, and the
+        ngrams/ files it does not hold (written since)."""
+        self._fetched("ngrams")
+        self._fetched("ngram_index")
+        names = {f.name for f in (self.root / "ngrams").glob("*.parquet")}
+        best, held = None, set()
+        for f in (self.root / "ngram_index").glob("*.parquet"):
+            files = set(json.loads(pq.read_schema(f).metadata[NGRAM_INDEX_FILES]))
+            if files <= names and len(files) > len(held):
+                best, held = f, files
+        return ([best] if best else []) + [self.root / "ngrams" / n for n in sorted(names - held)]
+
     def part_file(self, table: str, part: dict[str, Any]) -> Path:
         """Where `table` (one of PART_TABLES) keeps `part`'s rows: the run's folder, one file per part."""
         return (
@@ -398,6 +469,13 @@ class Ledger:
             if given is not None:
                 self._write(self.part_file(table, part), [{**ids, **r} for r in given], schema)
         self._write(self.part_file("parts", part), [part], PART_SCHEMA)
+
+    def write_row_index(self, chain: list[dict[str, Any]], rows: list[dict[str, Any]]) -> Path:
+        """The audit's row index of a run's chain (ROW_INDEX_SCHEMA rows, each naming its part and segment):
+        one file, named as the chain's head part, sorted by shard and tokens."""
+        ids = {"run_key": chain[-1]["run_key"], "stage": chain[-1]["stage"]}
+        rows = sorted(({**ids, **r} for r in rows), key=lambda r: (r["shard_id"], r["tok_start"], r["global_row"]))
+        return self._write(self.part_file("row_index", chain[-1]), rows, ROW_INDEX_SCHEMA)
 
     # ---- reading ----
     def _query(
@@ -542,6 +620,40 @@ class Ledger:
             f"WHERE ngram_hash IN ({','.join('?' * len(ngram_hashes))}) "
             "GROUP BY shard_id, content_sha256, split, row ORDER BY shared DESC, shard_id, row",
             list(ngram_hashes),
+            self.ngram_files(),
+        )
+
+    def run_heads(self) -> list[dict[str, Any]]:
+        """Per run: stage, run_key and `head`, the local file of its newest part (the head of its chain: part
+        files are named by segment and last step). A listing of the part folders; no file is read."""
+        self._fetched("parts")
+        out = []
+        for run in sorted((self.root / "parts").glob("stage=*/run=*")):
+            head = max(run.glob("*.parquet"), default=None)
+            if head is not None:
+                out.append(
+                    {"stage": run.parent.name.split("=", 1)[1], "run_key": run.name.split("=", 1)[1], "head": head}
+                )
+        return out
+
+    def run_links(self, heads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """stage, run_key and parent_run_key of these runs (`run_heads`): a run's parent is in every one of
+        its part rows, so only its head part's file is read."""
+        files = [h["head"] for h in heads]
+        return self._query("parts", "SELECT DISTINCT stage, run_key, parent_run_key FROM parts", files=files)
+
+    def row_index_file(self, head: Path) -> Path:
+        """Where the row index of the chain whose head part is the file `head` (`run_heads`) is (or would be)."""
+        index = self.root / "row_index" / head.relative_to(self.root / "parts")
+        return self._fetched_file(index.relative_to(self.root).as_posix())
+
+    def row_index(self, files: list[Path], where: str = "1=1", params: list | None = None) -> list[dict[str, Any]]:
+        """The rows of these row index files that satisfy `where`, in row-rule order."""
+        return self._query(
+            "row_index",
+            f"SELECT * FROM row_index WHERE {where} ORDER BY step, rank, micro_batch, global_row, epoch, tok_start",
+            params,
+            files,
         )
 
     def chain(self, run_key: str) -> list[dict[str, Any]]:

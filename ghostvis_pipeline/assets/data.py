@@ -418,13 +418,16 @@ def shard_figures(store, tokenizer_id: str, report) -> dict:
     code_version=LEDGER_CODE,
 )
 def token_ledger(context: AssetExecutionContext, home: GhostvisHome) -> MaterializeResult:
-    """The token ledger's shard table for the current tokenizer: what each source and split holds.
-    Data version: that table (each shard's content hash, split, docs and tokens)."""
+    """The token ledger's shard table for the current tokenizer: what each source and split holds; writes
+    the ledger's fingerprint index (Ledger.write_ngram_index). Data version: that table (each shard's
+    content hash, split, docs and tokens)."""
     store = home.home().store
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
-    rows = Ledger.in_store(store).shards(tokenizer_id=tokenizer_id)
+    ledger = Ledger.in_store(store)
+    rows = ledger.shards(tokenizer_id=tokenizer_id)
     if not rows:
         raise GhostvisError(f"the ledger has no shards tokenized with {tokenizer_id}; materialize tokenized_shards")
+    ledger.write_ngram_index()  # `ghostvis trace --text` looks a text up in it, not in a file per shard
     by = source_split_totals(rows)
     table = [[t["source"], t["split"], t["shards"], t["docs"], t["tokens"], t["text_bytes"]] for t in by]
     version = digest({"tokenizer": tokenizer_id, "shards": ledger_identity(rows)})

@@ -5,12 +5,14 @@ place of another, shows there even when every count and range is right.
 
 The digest is taken from the tensors at the model's input (issue 43), not from the batch the plan
 made: `watch_model_inputs` puts a forward pre-hook on the model at setup, and each micro-batch the
-trainer announces (`FedLog.expect`, with its rows and images) is digested from the input ids, targets
-and document ids of the first forward call after it. So a batch swapped or edited after planning, or
-an objective that hands the model another tensor, no longer matches what the audit rebuilds; a
-micro-batch the model never received leaves no digest, which the audit names as missing. Forward calls
-with nothing announced (validation, rollout generation) are not recorded. Images are digested from
-the batch's encoded bytes (what the token file holds), not from the decoded pixels.
+trainer announces (`FedLog.expect`, with its rows) is digested from the input ids, targets and document
+ids of the first forward call after it. Its images are digested at the image encoder's input (a
+forward pre-hook there too): the pixel tensors the encoder receives during that forward call, after
+decoding and resizing, which the audit rebuilds from the token file's image bytes with a decoder of its
+own. So a batch swapped or edited after planning, an image decoded or replaced wrongly, or an objective
+that hands the model another tensor, no longer matches what the audit rebuilds; a micro-batch the model
+never received leaves no digest, which the audit names as missing. Forward calls with nothing announced
+(validation, rollout generation) are not recorded.
 """
 
 from __future__ import annotations
@@ -32,53 +34,70 @@ def _numpy(t: torch.Tensor | None):
 
 @dataclass
 class FedLog:
-    """Per step since the last checkpoint: each micro-batch's global rows, row digests, image hashes
-    and digest, and the step's fold of them."""
+    """Per step since the last checkpoint: each micro-batch's global rows, row digests and image
+    digests; its digest and the step's fold of them are computed when the records are made."""
 
     steps: dict[int, dict[str, list]] = field(default_factory=dict)
     expected: tuple[int, Batch] | None = None  # the micro-batch announced and not yet at the model
+    feeding: list[str] | None = None  # the image digests of the micro-batch inside the model's forward now
 
     def expect(self, step: int, batch: Batch) -> None:
         """The micro-batch about to go to the model: digested when it reaches the model's input."""
         self.expected = (step, batch)
 
     def received(self, inputs: torch.Tensor, targets: torch.Tensor, doc_ids: torch.Tensor | None) -> None:
-        """The model's input tensors of the announced micro-batch: digest and record them."""
+        """The model's input tensors of the announced micro-batch: digest and record them; the images the
+        encoder receives until this forward call ends are the micro-batch's."""
         if self.expected is None:
             return
         (step, batch), self.expected = self.expected, None
         ids, tgt, docs = _numpy(inputs), _numpy(targets), _numpy(doc_ids)
         rows = [digest.row_digest(ids[i], tgt[i], None if docs is None else docs[i]) for i in range(ids.shape[0])]
-        images = [digest.image_hash(im) for im in batch.images]
-        s = self.steps.setdefault(step, {"micro_rows": [], "row_digests": [], "image_hashes": [], "micro_digests": []})
+        s = self.steps.setdefault(step, {"micro_rows": [], "row_digests": [], "image_hashes": []})
         s["micro_rows"].append(list(batch.rows))
         s["row_digests"].append(rows)
-        s["image_hashes"].append(images)
-        s["micro_digests"].append(digest.micro_digest(rows, images))
+        s["image_hashes"].append([])
+        self.feeding = s["image_hashes"][-1]
+
+    def images_received(self, pixels: torch.Tensor) -> None:
+        """The image encoder's input (N, 3, H, W) during the forward call of a recorded micro-batch."""
+        if self.feeding is not None:
+            self.feeding.extend(digest.image_digest(p) for p in _numpy(pixels))
+
+    def forward_done(self) -> None:
+        self.feeding = None
 
     def records(self, rank: int) -> list[dict[str, Any]]:
         """The ledger's `feeds` rows of this rank: one per step."""
-        return [
-            {
-                "rank": rank,
-                "step": step,
-                "step_digest": digest.step_digest(s["micro_digests"]),
-                **{k: json.dumps(v) for k, v in s.items()},
-            }
-            for step, s in sorted(self.steps.items())
-        ]
+        out = []
+        for step, s in sorted(self.steps.items()):
+            micro = [digest.micro_digest(r, i) for r, i in zip(s["row_digests"], s["image_hashes"])]
+            out.append(
+                {
+                    "rank": rank,
+                    "step": step,
+                    "step_digest": digest.step_digest(micro),
+                    "micro_digests": json.dumps(micro),
+                    **{k: json.dumps(v) for k, v in s.items()},
+                }
+            )
+        return out
 
 
-def watch_model_inputs(model: torch.nn.Module, current: Callable[[], FedLog]) -> torch.utils.hooks.RemovableHandle:
-    """A forward pre-hook on the model (GPT.forward(idx, targets, *, doc_ids, ...)) that hands its input
-    tensors to the FedLog in use (`current()`: the trainer's part changes at every checkpoint). Put on
-    the bare model, not its DDP wrapper: DDP and FSDP call it after their own input handling, so the
-    hook sees what the model's first layer receives."""
+def watch_model_inputs(model: torch.nn.Module, current: Callable[[], FedLog]) -> None:
+    """Hooks that hand the FedLog in use (`current()`: the trainer's part changes at every checkpoint)
+    the model's input tensors (a forward pre-hook on GPT.forward(idx, targets, *, doc_ids, ...)), the
+    pixels its image encoder receives (a pre-hook on `model.vision.encoder`, when the model has one) and
+    the end of each forward call. Put on the bare model, not its DDP wrapper: DDP and FSDP call it after
+    their own input handling, so the hooks see what the model's first layers receive."""
 
-    def hook(_module, args, kwargs):
-        inputs = args[0] if args else kwargs.get("idx")
+    def inputs(_module, args, kwargs):
+        ids = args[0] if args else kwargs.get("idx")
         targets = args[1] if len(args) > 1 else kwargs.get("targets")
-        if inputs is not None and targets is not None:
-            current().received(inputs, targets, kwargs.get("doc_ids"))
+        if ids is not None and targets is not None:
+            current().received(ids, targets, kwargs.get("doc_ids"))
 
-    return model.register_forward_pre_hook(hook, with_kwargs=True)
+    model.register_forward_pre_hook(inputs, with_kwargs=True)
+    model.register_forward_hook(lambda *_: current().forward_done())
+    if getattr(model, "vision", None) is not None:
+        model.vision.encoder.register_forward_pre_hook(lambda _module, args: current().images_received(args[0]))

@@ -5,7 +5,8 @@ The trainer records, per rank and step, each micro-batch's global rows, row dige
 digest, and the step's fold of them (ledger table `feeds`). Here every micro-batch is rebuilt and
 digested the same way (ghostvis_core/digest.py). A mismatch names the stage, step, rank, micro-batch and
 row; when the fed row equals another row of the plan nearby (a row skipped, another trained twice, a
-rewound resume), that row is named and the first position where the two differ.
+rewound resume), that row is named and the first position where the two differ. The rows rebuilt
+are also written as the run's row index (row_index.py), which `ghostvis trace` reads.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.outcome import CheckOutcome
 from ghostvis_core.verify.audit.rebuild import PlannedRows, micro_rows
+from ghostvis_core.verify.audit.row_index import write_row_index
 
 SEARCH_STEPS = 2  # a fed row that is not its planned row is looked for this many steps either side
 
@@ -55,7 +57,7 @@ class StepAuditor:
             if fed_rows != want:
                 out.append([*where, m, "-", f"recorded rows {_span(fed_rows)}, the plan's rows are {_span(want)}"])
                 continue
-            images = [digest.image_hash(im) for g in want for im in self.rows.row(g).images]
+            images = [d for g in want for d in self.rows.image_digests(g)]
             expected = digest.micro_digest([self.digest_of(g) for g in want], images)
             if expected != feed["micro_digests"][m]:
                 out.append(
@@ -121,6 +123,7 @@ def fed_content_matches_files(
                 problems += auditor.compare(feed)
                 checked += 1
                 fed += sum(len(rows) for rows in feed["micro_rows"])
+    write_row_index(store, ledger, spec, chain, auditor.rows)  # what `ghostvis trace` reads, from the rows rebuilt
     stage = spec["stage"]
     return CheckOutcome(
         "fed_content_matches_files",

@@ -23,6 +23,7 @@ The row rule it implements (docs/glossary.md "row rule"):
 
 from __future__ import annotations
 
+import io
 import random
 import re
 from fractions import Fraction
@@ -59,6 +60,18 @@ class PlannedRow(NamedTuple):
 
     def digest(self) -> str:
         return digest.row_digest(self.inputs, self.targets, self.doc_ids)
+
+
+def pixels(blob: bytes, size: int) -> np.ndarray:
+    """An encoded image as the image encoder receives it: RGB, resized (bicubic) to size x size when it is
+    not, (3, size, size) float32 in [0, 1]. The audit's own decoding, not the trainer's (run/model/vision.py
+    decode_images); tests/test_content_proof.py holds the two to the same pixels."""
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(blob)).convert("RGB")
+    if img.size != (size, size):
+        img = img.resize((size, size), Image.BICUBIC)
+    return (np.asarray(img, dtype=np.float32) / 255.0).transpose(2, 0, 1)
 
 
 def micro_rows(first_row: int, micro: int, rank: int, micro_batch_size: int, world_size: int) -> list[int]:
@@ -155,7 +168,11 @@ class WindowRows:
         a = self.start + j * self.seq_len
         spans = self.files.stream_spans(a, a + self.seq_len + 1)
         t = self.files.stream_tokens(spans)
-        return PlannedRow(t[:-1], t[1:], None, [], self.files.stream_spans(a, a + self.seq_len))
+        return PlannedRow(t[:-1], t[1:], None, [], self.row_spans(j))
+
+    def row_spans(self, j: int) -> list[Span]:
+        a = self.start + j * self.seq_len
+        return self.files.stream_spans(a, a + self.seq_len)
 
     def spans_before(self, n_rows: int) -> list[Span]:
         return self.files.stream_spans(self.start, self.start + n_rows * self.seq_len)
@@ -342,8 +359,10 @@ class PlannedRows:
         self.mixture = Mixture([float(r["weight"]) for r in recipe])
         tok = load_tokenizer(spec["tokenizer_id"], store) if self.objective != "lm" else None
         n_latents = (cfg.get("vision") or {}).get("n_latents")
+        self.image_size = (cfg.get("vision") or {}).get("image_size")
         offsets = (spec.get("inputs") or {}).get("stream_offsets", {})
         self.store, self.run_key, self._completions = store, spec["run_key"], None
+        self._token_files: dict[str, TokenFile] | None = None
         self.sources = []
         for r in recipe:
             shards = spec["train_shards"].get(r["source"]) or []
@@ -377,6 +396,21 @@ class PlannedRows:
         if self.objective == "grpo":
             return self.sources[s].row(j, self.completion(g))
         return self.sources[s].row(j)
+
+    def image_digests(self, g: int) -> list[str]:
+        """The digests of row g's images as the image encoder must receive them (ghostvis_core/digest.py)."""
+        return [digest.image_digest(pixels(im, self.image_size)) for im in self.row(g).images]
+
+    def spans(self, g: int) -> list[Span]:
+        """The shard spans row g reads, without building the row."""
+        s, j = self.mixture.locate(g)
+        return self.sources[s].row_spans(j)
+
+    def token_file(self, shard_id: str) -> TokenFile:
+        """The run's token file of a shard it trains on."""
+        if self._token_files is None:
+            self._token_files = {f.shard_id: f for src in self.sources for f in src.files.files}
+        return self._token_files[shard_id]
 
     def completion(self, g: int) -> list[int]:
         """grpo: row g's completion as the run's rollouts (along its ledger chain) saved it; none saved: empty."""

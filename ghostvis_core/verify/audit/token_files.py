@@ -13,6 +13,16 @@ import pyarrow as pa
 from ghostvis_core.errors import GhostvisError
 
 
+def _ints(array: pa.Array) -> np.ndarray:
+    """An integer Arrow array without nulls as int64, from its data buffer: pyarrow's own conversion
+    imports pandas on first use (~1 s, most of a `ghostvis trace` answer)."""
+    data = array.buffers()[1]
+    if data is None:  # an empty array has no data buffer
+        return np.empty(0, np.int64)
+    values = np.frombuffer(data, dtype=np.dtype(str(array.type)))
+    return values[array.offset : array.offset + len(array)].astype(np.int64)
+
+
 class TokenFile:
     """One token file read whole: the flat tokens, document starts (shard-local, docs + 1 entries),
     the raw rows, and per document its chat mask, image, preference lengths where the kind has them."""
@@ -27,11 +37,11 @@ class TokenFile:
                 f"tokenized_shards partition {shard_id}"
             ) from None
         tokens = table.column("tokens").combine_chunks()
-        starts = np.asarray(tokens.offsets, dtype=np.int64)
+        starts = _ints(tokens.offsets)
         self.shard_id, self.path = shard_id, path
         self.starts = starts - starts[0]
-        self.values = np.asarray(tokens.flatten(), dtype=np.int64)
-        self.rows = np.asarray(table.column("row"), dtype=np.int64)
+        self.values = _ints(tokens.flatten())
+        self.rows = _ints(table.column("row").combine_chunks())
         meta = table.schema.metadata or {}
         self.tokenizer_id = meta[b"ghostvis.tokenizer_id"].decode() if b"ghostvis.tokenizer_id" in meta else None
         names = set(table.column_names)

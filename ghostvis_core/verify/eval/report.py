@@ -1,7 +1,9 @@
 """The report card of a lineage: one HTML page (and its Markdown twin) with each stage's planned vs
 consumed tokens, shards used, reuse and leakage status, loss curves, evidence, mixture vs recipe, evaluation, the
 lineage quality gate (held-out bpb vs the upstream stage, ghostvis_core/verify/eval/gate.py), wall time and
-throughput, and what the same plan would cost on GPUs. Token figures come from the ledger.
+throughput, what the same plan would cost on GPUs, and each stage's step ranges with the `ghostvis trace`
+command (and the Dagster `trace` job's config) that lists the documents a step fed, so a loss spike
+leads to its documents. Token figures and step ranges come from the ledger.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class StageReport:
     evaluation: dict[str, Any] = field(default_factory=dict)
     mixture: dict[str, dict[str, Any]] = field(default_factory=dict)  # source -> fraction, weight, tokens
     bpb_tolerance: float | None = None  # the quality gate's allowed bpb worsening vs upstream
+    segments: list[dict[str, Any]] = field(default_factory=list)  # Ledger.segments: each launch's step range
 
 
 def reuse_summary(reuse: list[dict[str, Any]]) -> str:
@@ -107,6 +110,7 @@ def stage_report(
         evaluation=evaluation,
         mixture={s: asdict(m) for s, m in result.mixture.items()},
         bpb_tolerance=bpb_tolerance,
+        segments=ledger.segments(key),
     )
 
 
@@ -205,6 +209,25 @@ def _harness_rows(stages: list[StageReport]) -> list[list[Any]]:
     ]
 
 
+def step_range_rows(s: StageReport) -> list[list[Any]]:
+    """Per segment of the stage's run: its steps and how to list what any of them fed (`ghostvis trace`,
+    or the Dagster `trace` job with that config), shown for the range's first step."""
+    rows = []
+    for seg in s.segments:
+        first, last = seg["first_step"], seg["last_step"]
+        config = json.dumps({"stage": s.stage, "step": first, "run_key": s.run_key})
+        rows.append(
+            [
+                s.stage,
+                seg["segment"],
+                f"{first}-{last}",
+                f"ghostvis trace --stage {s.stage} --run-key {s.run_key} --step {first}",
+                f"trace job, op trace_ledger config {config}",
+            ]
+        )
+    return rows
+
+
 def tables(stages: list[StageReport]) -> dict[str, tuple[list[str], list[list[Any]]]]:
     """The report's tables, shared by the HTML and Markdown renderings."""
     bpb, tolerance = {s.stage: s.evaluation.get("bpb", {}) for s in stages}, {s.stage: s.bpb_tolerance for s in stages}
@@ -227,6 +250,10 @@ def tables(stages: list[StageReport]) -> dict[str, tuple[list[str], list[list[An
             [r.cells() for r in gate_rows(bpb, tolerance)],
         ),
         "lm-evaluation-harness": (["stage", "task", "metric", "value"], _harness_rows(stages)),
+        "Step ranges: the documents a step fed": (
+            ["stage", "segment", "steps", "ghostvis trace (give any step of the range)", "in Dagster"],
+            [r for s in stages for r in step_range_rows(s)],
+        ),
         "The same plan on GPUs (40% MFU)": (
             ["stage", "gpu", "gpus", "GPU-hours", "price/h", "cost"],
             [[s.stage, c["gpu"], c["gpus"], c["gpu_hours"], c["price"], c["cost"]] for s in stages for c in s.costs],
