@@ -174,7 +174,7 @@ def trace_step(store: Store, ledger: Ledger, stage: str, step: int, run_key: str
             "give a step of the run"
         )
     index = write_row_index(store, ledger, spec, chain)  # written here when the run's checks have not
-    contents, snippets, fed = shard_contents(spec), Snippets(store), []
+    contents, snippets, fed = shard_versions(spec["train_shards"], spec["val_shards"]), Snippets(store), []
     for r in ledger.row_index([index], "step = ?", [step]):
         fed.append(
             {k: r[k] for k in ("rank", "micro_batch", "global_row", "shard_id", "epoch")}
