@@ -68,8 +68,6 @@ RESUME_TOLERANCE = 1e-4
 def prepare(python_version: str) -> int:
     """Download the carried wheels (binary only, each pinned, no dependencies resolved by pip) for the
     GPU machine's Python, record them in carried.json, and build the data-only demo home."""
-    import gpu_trainer
-
     WHEELS.mkdir(exist_ok=True)
     pins = [f"{name}=={version}" for name, version in sorted(gpu_trainer.carried(CARRIED_ROOTS).items())]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(WHEELS)]
@@ -267,9 +265,11 @@ def fsdp_resume() -> dict:
 
 def table(results: dict) -> list[str]:
     """The short summary printed last: each part, its figure and its goal."""
-    lines = [
-        f"GPU: {results['gpu']}  bf16 peak (measured, {PEAK_MATMUL}^3 matmul): {results['peak_tflops']:.0f} TFLOP/s"
-    ][: "gpu" in results]
+    lines = []
+    if "gpu" in results:  # not with --trainer-on-cpu
+        lines.append(
+            f"GPU: {results['gpu']}  bf16 peak (measured, {PEAK_MATMUL}^3 matmul): {results['peak_tflops']:.0f} TFLOP/s"
+        )
     p = results.get("pretrain_500m", {})
     if "error" in p:
         lines.append(f"pretrain 500m bf16   failed: {p['error']}")
@@ -290,6 +290,8 @@ def table(results: dict) -> list[str]:
         )
     for name in ("attention", "fsdp_resume"):
         r = results.get(name, {})
+        if not r:
+            continue
         if "error" in r:
             lines.append(f"{name:<20} failed: {r['error']}")
         elif name == "attention":

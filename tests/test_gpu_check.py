@@ -129,3 +129,28 @@ def test_the_trainer_and_the_audit_import_nothing_but_the_gpu_machine_s_and_the_
         env={"PYTHONPATH": f"{ROOT}:{site}"},
     )
     assert proc.stderr.strip().splitlines()[-1] == "ModuleNotFoundError: No module named 'dagster'", proc.stderr[-3000:]
+
+
+def test_the_table_gives_the_trainer_part_s_verdicts_alone_or_after_the_gpu_parts():
+    trainer = {
+        "steps": 10,
+        "val_loss_start": 8.371,
+        "val_loss": 7.341,
+        "loss_fell": True,
+        "ledger_equals_trainer": True,
+        "audit_failures": [],
+        "tokens_per_sec": 60.9,
+        "wall_s": 289.1,
+        "attention_kernel": "sdpa-per-document",
+    }
+    assert gpu_check.table({"trainer": trainer}) == [
+        "trainer 10 steps      held-out loss 8.371 -> 7.341  ledger = trainer = MLflow = recount  audit passed  "
+        "61 tok/s, 289 s launch to audit (sdpa-per-document)"
+    ]
+    failed = trainer | {"val_loss": 8.5, "loss_fell": False, "ledger_equals_trainer": False}
+    failed["audit_failures"] = ["pretrain: no_reuse: rows 0-9 read twice"]
+    line = gpu_check.table({"gpu": "H100", "peak_tflops": 800.0, "trainer": failed})[1]
+    assert "8.371 -> 8.500 (did NOT fall)  figures DISAGREE  audit FAILED: pretrain: no_reuse: rows 0-9" in line
+    assert gpu_check.table({"trainer": {"error": "trainer exited 2: error: no shard"}}) == [
+        "trainer              failed: trainer exited 2: error: no shard"
+    ]
