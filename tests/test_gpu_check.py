@@ -1,6 +1,7 @@
-"""benchmarks/gpu_check.py on CPU: what it imports exists on the GPU machine (PyTorch, numpy and the
-working tree, not MLflow, Dagster, datatrove or torchao), its carried-wheel folder is checked, and
-without a CUDA device it says so."""
+"""benchmarks/gpu_check.py on CPU: what its own process imports exists on the GPU machine (PyTorch,
+numpy and the working tree, not MLflow, Dagster, datatrove or torchao), what its trainer part imports
+is there or carried, its carried folder is checked, and without a CUDA device it says so. (The trainer
+part itself runs in an isolated venv in benchmarks/gpu_check_isolated.py: minutes, not a test.)"""
 
 from __future__ import annotations
 
