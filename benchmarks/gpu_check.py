@@ -2,11 +2,15 @@
 
 GPU time comes in short slices on a machine that reaches no package registry and already holds
 PyTorch (CUDA), Triton, numpy, pandas, pyarrow, tiktoken, safetensors and transformers, but not
-MLflow, Dagster, datatrove or torchao. So the check imports only the pieces of `ghostvis_core` that
-need nothing more (tests/test_gpu_check.py keeps it so), and what else it needs travels as wheels in
-the git-ignored `benchmarks/gpu_wheels/` (torchao, for float8; under 64 MiB in all), filled here by
-`--prepare` (`pip download` from PyPI, versions as in this venv), unpacked into a temporary folder on
-the GPU machine and put on sys.path: nothing is installed there.
+MLflow, Dagster, datatrove, duckdb or torchao. So the check's own process imports only the pieces of
+`ghostvis_core` that need nothing more (tests/test_gpu_check.py keeps it so), and what else it needs
+travels in the git-ignored `benchmarks/gpu_wheels/` (under 64 MiB in all), filled here by `--prepare`:
+the wheels of torchao (float8) and of what the real trainer and the audit import beyond the GPU
+machine's packages (gpu_trainer.carried: the MLflow client, SQLAlchemy, duckdb, ...), downloaded from
+PyPI at this venv's versions for the GPU machine's Python, listed in `carried.json`; and `home/`, a
+data-only demo home (benchmarks/gpu_trainer.py). On the GPU machine the wheels are installed into a
+temporary folder (`pip install --no-index --target`) put on sys.path and PYTHONPATH: nothing is
+installed there.
 
 Parts, each on the working tree's code (figures in the JSON of --out, a short table last):
   - peak: bf16 FLOP/s of one large matmul (MFU is measured against it, not a datasheet);
@@ -17,10 +21,14 @@ Parts, each on the working tree's code (figures in the JSON of --out, a short ta
   - attention: packed documents through the kernel the trainer picks (gpt.attention_kernel) against
     a dense-mask SDPA reference in fp32 on random inputs, outputs and gradients (relative error <=
     1e-2, bf16's), and the time of both;
-  - fsdp_resume: FSDP2 on one GPU, a DCP save and a resume give the same loss on the next step.
-Not yet here (issue 47): 30 steps of the real trainer, which needs MLflow and a tokenized corpus.
+  - fsdp_resume: FSDP2 on one GPU, a DCP save and a resume give the same loss on the next step;
+  - trainer: 30 steps of the real trainer (`python -m ghostvis_core.run`, tiny preset) on the demo
+    corpus, then the audit: the held-out loss falls, the ledger's figures equal the trainer's, every
+    check passes (benchmarks/gpu_trainer.py).
 
-Without a CUDA device it checks its wheel folder, says "no CUDA device" and exits 0.
+Without a CUDA device it checks its carried folder, says "no CUDA device" and exits 0.
+(--trainer-on-cpu runs the trainer part alone without CUDA: benchmarks/gpu_check_isolated.py runs it
+in an environment holding only the GPU machine's packages and the carried wheels.)
 
     .venv/bin/python benchmarks/gpu_check.py --prepare        # here, with PyPI: fill benchmarks/gpu_wheels
     python benchmarks/gpu_check.py --out gpu_check.json       # on the GPU machine, from the repository root
@@ -29,9 +37,9 @@ Without a CUDA device it checks its wheel folder, says "no CUDA device" and exit
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -39,11 +47,15 @@ import time
 import zipfile
 from pathlib import Path
 
+import gpu_trainer
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 WHEELS = Path(__file__).resolve().parent / "gpu_wheels"
-CARRIED = ("torchao",)  # distributions the GPU machine lacks, downloaded at this venv's versions
+CARRIED_ROOTS = ("torchao", *gpu_trainer.TRAINER_NEEDS)  # what the check needs beyond the GPU machine
+CARRIED_LIST = "carried.json"  # the pins --prepare downloaded, for the Python it downloaded them for
+GPU_PYTHON = "3.12"  # the GPU machine's Python: compiled wheels (duckdb, psutil, ...) must match it
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 CARRY_LIMIT_BYTES = 64 * 2**20  # what one device call may carry with the working tree
 PEAK_MATMUL = 8192  # square bf16 matmul: large enough to keep every SM busy
 GOAL_MFU = 0.45
@@ -53,28 +65,41 @@ BF16_REL_ERROR = 1e-2
 RESUME_TOLERANCE = 1e-4
 
 
-def prepare() -> int:
-    """Download the carried wheels (binary only, no dependencies) at this venv's versions."""
+def prepare(python_version: str) -> int:
+    """Download the carried wheels (binary only, each pinned, no dependencies resolved by pip) for the
+    GPU machine's Python, record them in carried.json, and build the data-only demo home."""
     WHEELS.mkdir(exist_ok=True)
-    pins = [f"{name}=={importlib.metadata.version(name)}" for name in CARRIED]
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(WHEELS), *pins]
-    subprocess.run(cmd, check=True)
+    pins = [f"{name}=={version}" for name, version in sorted(gpu_trainer.carried(CARRIED_ROOTS).items())]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(WHEELS)]
+    cmd += ["--python-version", python_version, "--implementation", "cp"]
+    cmd += [a for p in PLATFORMS for a in ("--platform", p)]
+    subprocess.run([*cmd, *pins], check=True)
+    (WHEELS / CARRIED_LIST).write_text(json.dumps({"python": python_version, "pins": pins}, indent=2))
+    print(f"building the data-only demo home in {WHEELS / 'home'} ...", flush=True)
+    gpu_trainer.prepare_home(WHEELS / "home")
     return 0 if not check_wheels() else 1
 
 
+def wheel_name(wheel: Path) -> str:
+    """A wheel file's distribution name, normalized (PEP 503) like the pins."""
+    return re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower()
+
+
 def check_wheels() -> list[str]:
-    """What is wrong with the carried-wheel folder (empty when nothing); prints what it holds."""
+    """What is wrong with the carried folder (empty when nothing); prints its size and what it holds."""
+    fix = "fix: run benchmarks/gpu_check.py --prepare where PyPI is reachable"
     wheels = sorted(WHEELS.glob("*.whl"))
-    total = sum(w.stat().st_size for w in wheels)
-    print(f"carried wheels: {WHEELS.relative_to(ROOT)}, {len(wheels)} files, {total / 2**20:.1f} MiB")
+    total = sum(f.stat().st_size for f in WHEELS.rglob("*") if f.is_file())
+    print(f"carried folder: {os.path.relpath(WHEELS, ROOT)}, {len(wheels)} wheels, {total / 2**20:.1f} MiB in all")
     for w in wheels:
         print(f"  {w.name} ({w.stat().st_size / 2**20:.1f} MiB)")
-    problems = []
-    for name in CARRIED:
-        if not any(w.name.lower().startswith(f"{name}-") for w in wheels):
-            problems.append(
-                f"no {name} wheel in {WHEELS}; fix: run benchmarks/gpu_check.py --prepare where PyPI is reachable"
-            )
+    listed = WHEELS / CARRIED_LIST
+    pins = json.loads(listed.read_text())["pins"] if listed.exists() else []
+    problems = [] if pins else [f"no {listed}; {fix}"]
+    names = {wheel_name(w) for w in wheels}
+    problems += [f"no wheel of {pin} in {WHEELS}; {fix}" for pin in pins if pin.split("==")[0] not in names]
+    if not (WHEELS / "home" / "store").is_dir():
+        problems.append(f"no data-only demo home in {WHEELS / 'home'}; {fix}")
     if total > CARRY_LIMIT_BYTES:
         problems.append(
             f"{WHEELS} holds {total / 2**20:.1f} MiB, above the {CARRY_LIMIT_BYTES / 2**20:.0f} MiB a call carries"
@@ -85,11 +110,12 @@ def check_wheels() -> list[str]:
     return problems
 
 
-def unpack_wheels(dest: Path) -> None:
-    """The carried wheels unpacked into `dest`, importable here and in the workers (PYTHONPATH)."""
-    for w in sorted(WHEELS.glob("*.whl")):
-        with zipfile.ZipFile(w) as z:
-            z.extractall(dest)
+def install_wheels(dest: Path) -> None:
+    """The carried wheels installed into `dest` (pip, no index, no dependency resolution), importable here
+    and in the workers and the trainer (PYTHONPATH)."""
+    wheels = [str(w) for w in sorted(WHEELS.glob("*.whl"))]
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target"]
+    subprocess.run([*cmd, str(dest), *wheels], check=True)
     sys.path.insert(0, str(dest))
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(dest), os.environ.get("PYTHONPATH", "")])
 
@@ -239,9 +265,11 @@ def fsdp_resume() -> dict:
 
 def table(results: dict) -> list[str]:
     """The short summary printed last: each part, its figure and its goal."""
-    lines = [
-        f"GPU: {results['gpu']}  bf16 peak (measured, {PEAK_MATMUL}^3 matmul): {results['peak_tflops']:.0f} TFLOP/s"
-    ]
+    lines = []
+    if "gpu" in results:  # not with --trainer-on-cpu
+        lines.append(
+            f"GPU: {results['gpu']}  bf16 peak (measured, {PEAK_MATMUL}^3 matmul): {results['peak_tflops']:.0f} TFLOP/s"
+        )
     p = results.get("pretrain_500m", {})
     if "error" in p:
         lines.append(f"pretrain 500m bf16   failed: {p['error']}")
@@ -262,6 +290,8 @@ def table(results: dict) -> list[str]:
         )
     for name in ("attention", "fsdp_resume"):
         r = results.get(name, {})
+        if not r:
+            continue
         if "error" in r:
             lines.append(f"{name:<20} failed: {r['error']}")
         elif name == "attention":
@@ -273,6 +303,17 @@ def table(results: dict) -> list[str]:
         else:
             verdict = "same losses" if r["ok"] else "DIFFERENT losses"
             lines.append(f"fsdp2 DCP resume     {verdict} (max rel diff {r['max_rel_diff']:.1e}): {r['resumed']}")
+    t = results.get("trainer", {})
+    if "error" in t:
+        lines.append(f"trainer              failed: {t['error']}")
+    elif t:
+        agree = "ledger = trainer = MLflow = recount" if t["ledger_equals_trainer"] else "figures DISAGREE"
+        lines.append(
+            f"trainer {t['steps']} steps      held-out loss {t['val_loss_start']:.3f} -> {t['val_loss']:.3f}"
+            f"{'' if t['loss_fell'] else ' (did NOT fall)'}  {agree}  audit "
+            f"{'passed' if not t['audit_failures'] else 'FAILED: ' + '; '.join(t['audit_failures'])}  "
+            f"{t['tokens_per_sec']:,.0f} tok/s, {t['wall_s']:.0f} s launch to audit ({t['attention_kernel']})"
+        )
     return lines
 
 
@@ -285,6 +326,7 @@ def guarded(fn, *args) -> dict:
 
 
 def main() -> int:
+    global WHEELS  # --wheels: every function reads the carried folder from here
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--prepare", action="store_true", help="fill benchmarks/gpu_wheels from PyPI (here, not on the GPU)"
@@ -292,18 +334,29 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("gpu_check.json"), help="where the full figures go (JSON)")
     ap.add_argument("--steps", type=int, default=20, help="timed pretrain steps")
     ap.add_argument("--warmup", type=int, default=5, help="untimed pretrain steps first (compilation)")
+    ap.add_argument("--wheels", type=Path, default=WHEELS, help="the carried folder (default benchmarks/gpu_wheels)")
+    ap.add_argument("--python-version", default=GPU_PYTHON, help="--prepare: the Python the wheels are for")
+    ap.add_argument("--trainer-preset", default=gpu_trainer.PRESET, help="the trainer part's preset")
+    ap.add_argument("--trainer-steps", type=int, default=gpu_trainer.STEPS, help="the trainer part's steps")
+    ap.add_argument("--trainer-on-cpu", action="store_true", help=argparse.SUPPRESS)  # gpu_check_isolated.py
     args = ap.parse_args()
+    WHEELS = args.wheels.resolve()
     if args.prepare:
-        return prepare()
+        return prepare(args.python_version)
     problems = check_wheels()
     for p in problems:
-        print(f"wheel folder: {p}")
-    if not torch.cuda.is_available():
+        print(f"carried folder: {p}")
+    if not torch.cuda.is_available() and not args.trainer_on_cpu:
         print("no CUDA device: the GPU figures are to be measured on a GPU machine")
         return 1 if problems else 0
+    if problems:
+        return 1
     sys.path.insert(0, str(ROOT))
     tmp = tempfile.TemporaryDirectory()
-    unpack_wheels(Path(tmp.name))
+    install_wheels(Path(tmp.name))
+    trainer = (gpu_trainer.run_trainer, WHEELS / "home", args.trainer_preset, args.trainer_steps)
+    if args.trainer_on_cpu:
+        return report(args.out, {"trainer": guarded(*trainer)})
     from ghostvis_core.run.train.efficiency import measured_matmul_flops
 
     dev = torch.device("cuda", 0)
@@ -321,8 +374,15 @@ def main() -> int:
         if no_float8
         else guarded(pretrain, peak, True, args.steps, args.warmup)
     )
-    args.out.write_text(json.dumps(results, indent=2))
-    print(f"figures: {args.out}")
+    torch.cuda.empty_cache()  # the trainer's own process takes the GPU next
+    results["trainer"] = guarded(*trainer)
+    return report(args.out, results)
+
+
+def report(out: Path, results: dict) -> int:
+    """The full figures as JSON, the short table last; 0: the check ran (a missed goal is a figure)."""
+    out.write_text(json.dumps(results, indent=2))
+    print(f"figures: {out}")
     print("\n".join(table(results)))
     return 0
 

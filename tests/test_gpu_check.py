@@ -1,10 +1,13 @@
-"""benchmarks/gpu_check.py on CPU: what it imports exists on the GPU machine (PyTorch, numpy and the
-working tree, not MLflow, Dagster, datatrove or torchao), its carried-wheel folder is checked, and
-without a CUDA device it says so."""
+"""benchmarks/gpu_check.py on CPU: what its own process imports exists on the GPU machine (PyTorch,
+numpy and the working tree, not MLflow, Dagster, datatrove or torchao), what its trainer part imports
+is there or carried, its carried folder is checked, and without a CUDA device it says so. (The trainer
+part itself runs in an isolated venv in benchmarks/gpu_check_isolated.py: minutes, not a test.)"""
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import json
 import subprocess
 import sys
 import zipfile
@@ -17,6 +20,8 @@ BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import gpu_check  # noqa: E402
+import gpu_check_isolated  # noqa: E402
+import gpu_trainer  # noqa: E402
 
 # installed in this venv, absent on the GPU machine (torchao travels as a wheel, unpacked at run time)
 ABSENT_ON_GPU = ("mlflow", "dagster", "dagster_pipes", "datatrove", "duckdb", "boto3", "lm_eval", "psutil", "torchao")
@@ -56,29 +61,97 @@ def test_everything_the_check_imports_exists_without_the_packages_the_gpu_machin
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_the_wheel_folder_must_hold_torchao_as_a_wheel_under_the_carry_limit(tmp_path, monkeypatch, capsys):
+def carried_folder(folder: Path, pins: list[str]) -> None:
+    """A carried folder as --prepare leaves it: carried.json, a wheel per pin, the data-only home."""
+    (folder / "carried.json").write_text(json.dumps({"python": "3.12", "pins": pins}))
+    for pin in pins:
+        name, version = pin.split("==")
+        with zipfile.ZipFile(folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl", "w") as z:
+            z.writestr(f"{name.replace('-', '_')}/__init__.py", "")
+    (folder / "home" / "store").mkdir(parents=True)
+
+
+def test_the_carried_folder_must_hold_a_wheel_per_pin_and_the_home_under_the_carry_limit(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(gpu_check, "WHEELS", tmp_path)
     monkeypatch.setattr(gpu_check, "ROOT", tmp_path.parent)
     problems = gpu_check.check_wheels()
-    assert len(problems) == 1 and "no torchao wheel" in problems[0] and "--prepare" in problems[0]
-    wheel = tmp_path / "torchao-0.18.0-cp310-abi3-manylinux_2_28_x86_64.whl"
-    with zipfile.ZipFile(wheel, "w") as z:
-        z.writestr("torchao/__init__.py", "")
+    assert len(problems) == 2 and "no " + str(tmp_path / "carried.json") in problems[0] and "--prepare" in problems[0]
+    assert "no data-only demo home" in problems[1]
+    carried_folder(tmp_path, ["torchao==0.18.0", "mlflow-skinny==3.17.2"])
     assert gpu_check.check_wheels() == []
-    assert f"{tmp_path.name}, 1 files, 0.0 MiB" in capsys.readouterr().out
+    assert f"{tmp_path.name}, 2 wheels, 0.0 MiB in all" in capsys.readouterr().out
+    (tmp_path / "mlflow_skinny-3.17.2-py3-none-any.whl").unlink()
     (tmp_path / "broken-1.0-py3-none-any.whl").write_text("not a zip")
     monkeypatch.setattr(gpu_check, "CARRY_LIMIT_BYTES", 10)
     problems = gpu_check.check_wheels()
-    assert len(problems) == 2 and "MiB a call carries" in problems[0] and "is not a wheel" in problems[1]
+    assert len(problems) == 3 and "no wheel of mlflow-skinny==3.17.2" in problems[0]
+    assert "MiB a call carries" in problems[1] and "is not a wheel" in problems[2]
 
 
 @pytest.mark.skipif(gpu_check.torch.cuda.is_available(), reason="measures on a GPU; the CPU path is what is tested")
-def test_without_cuda_it_says_so_and_exits_0_once_the_wheels_are_there(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(gpu_check, "WHEELS", tmp_path)
+def test_without_cuda_it_says_so_and_exits_0_once_the_carried_folder_is_complete(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(gpu_check, "ROOT", tmp_path.parent)
-    monkeypatch.setattr(sys, "argv", ["gpu_check.py"])
-    assert gpu_check.main() == 1  # the folder lacks torchao: a GPU call would measure no float8
-    with zipfile.ZipFile(tmp_path / "torchao-0.18.0-cp310-abi3-manylinux_2_28_x86_64.whl", "w") as z:
-        z.writestr("torchao/__init__.py", "")
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--wheels", str(tmp_path)])
+    assert gpu_check.main() == 1  # no carried.json: a GPU call would run neither float8 nor the trainer
+    carried_folder(tmp_path, ["torchao==0.18.0"])
     assert gpu_check.main() == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith("no CUDA device")
+
+
+def test_what_travels_is_what_the_trainer_float8_and_the_audit_need_beyond_the_gpu_machine():
+    there = gpu_trainer.closure(gpu_trainer.GPU_MACHINE)
+    assert {"torch", "numpy", "transformers", "requests", "pyyaml", "tokenizers", "packaging"} <= set(there)
+    carried = gpu_trainer.carried(gpu_check.CARRIED_ROOTS)
+    for name in ("mlflow-skinny", "sqlalchemy", "alembic", "duckdb", "psutil", "dagster-pipes", "torchao"):
+        assert carried[name] == importlib.metadata.version(name)
+    assert not set(carried) & set(there)
+    assert {"mlflow", "dagster", "datatrove", "boto3", "lm-eval"}.isdisjoint(carried)  # the server, the pipeline
+
+
+# What a training rank and the audit import, at start and later (tracking, system metrics, datasets,
+# the model registry, the ledger's queries): with every distribution but the GPU machine's and the
+# carried ones blocked. benchmarks/gpu_check_isolated.py runs the trainer itself in such an environment.
+TRAINER_IMPORTS = """
+import ghostvis_core.run.__main__, ghostvis_core.run.launch, ghostvis_core.run.train.loop
+import ghostvis_core.run.hf.register, ghostvis_core.run.track.mlflow_system, ghostvis_core.run.track.mlflow_inputs
+import ghostvis_core.run.track.mlflow_models, ghostvis_core.run.track.pipes, ghostvis_core.verify.audit.report
+import mlflow.tracking, mlflow.transformers, mlflow.store.tracking.sqlalchemy_store, duckdb, torchao.float8
+"""
+
+
+def test_the_trainer_and_the_audit_import_nothing_but_the_gpu_machine_s_and_the_carried_distributions(tmp_path):
+    """Without site-packages (-S): the working tree and links to the allowed distributions only."""
+    allowed = gpu_trainer.closure(gpu_trainer.GPU_MACHINE) | gpu_trainer.carried(gpu_check.CARRIED_ROOTS)
+    site = gpu_check_isolated.linked_site(tmp_path / "site", allowed)
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", TRAINER_IMPORTS + "import dagster"],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": f"{ROOT}:{site}"},
+    )
+    assert proc.stderr.strip().splitlines()[-1] == "ModuleNotFoundError: No module named 'dagster'", proc.stderr[-3000:]
+
+
+def test_the_table_gives_the_trainer_part_s_verdicts_alone_or_after_the_gpu_parts():
+    trainer = {
+        "steps": 10,
+        "val_loss_start": 8.371,
+        "val_loss": 7.341,
+        "loss_fell": True,
+        "ledger_equals_trainer": True,
+        "audit_failures": [],
+        "tokens_per_sec": 60.9,
+        "wall_s": 289.1,
+        "attention_kernel": "sdpa-per-document",
+    }
+    assert gpu_check.table({"trainer": trainer}) == [
+        "trainer 10 steps      held-out loss 8.371 -> 7.341  ledger = trainer = MLflow = recount  audit passed  "
+        "61 tok/s, 289 s launch to audit (sdpa-per-document)"
+    ]
+    failed = trainer | {"val_loss": 8.5, "loss_fell": False, "ledger_equals_trainer": False}
+    failed["audit_failures"] = ["pretrain: no_reuse: rows 0-9 read twice"]
+    line = gpu_check.table({"gpu": "H100", "peak_tflops": 800.0, "trainer": failed})[1]
+    assert "8.371 -> 8.500 (did NOT fall)  figures DISAGREE  audit FAILED: pretrain: no_reuse: rows 0-9" in line
+    assert gpu_check.table({"trainer": {"error": "trainer exited 2: error: no shard"}}) == [
+        "trainer              failed: trainer exited 2: error: no shard"
+    ]

@@ -115,3 +115,17 @@ def test_training_survives_an_mlflow_outage_and_the_metrics_arrive_complete(home
         assert client.get_run(run_id).info.status == "FINISHED"
     finally:
         stop_server(server)
+
+
+def test_a_tracking_store_mlflow_refuses_to_open_is_reported_at_once_not_after_the_timeouts(tmp_path, monkeypatch):
+    """MLflow 3.17 refuses its filesystem store in MlflowClient's constructor: the run says so within
+    seconds instead of waiting out wait_run_id's and finish's timeouts."""
+    from ghostvis_core.run.track.mlflow_run import MlflowRun, MlflowTarget
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    start = time.monotonic()
+    run = MlflowRun(MlflowTarget(f"file:{tmp_path / 'mlruns'}", "ghostvis"), {"a": 1})
+    with pytest.raises(RuntimeError, match="could not be created at file:.*filesystem tracking backend"):
+        run.wait_run_id(timeout=60)
+    run.finish(timeout=60)
+    assert time.monotonic() - start < 30

@@ -116,8 +116,8 @@ class MlflowRun:
         from mlflow.tracking import MlflowClient
 
         self._Metric, self._Param, self._RunTag = Metric, Param, RunTag
-        self._client = MlflowClient(tracking_uri=self.target.tracking_uri)
-        try:
+        try:  # the client too: one MLflow refuses to build (a `file:` store in 3.17) left the run waiting 7 minutes
+            self._client = MlflowClient(tracking_uri=self.target.tracking_uri)
             self._start_run(self._client)
             self._start_system_metrics()
         except BaseException as exc:  # surfaced through wait_run_id

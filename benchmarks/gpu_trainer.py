@@ -1,0 +1,142 @@
+"""The GPU check's trainer part: the real trainer on the demo corpus, then the audit of what it trained.
+
+`python -m ghostvis_core.run --stage pretrain` under torchrun (one rank) for 30 steps of the tiny preset
+in a scratch copy of a data-only demo home (raw shards, tokenizer, token files, ledger: built here by
+`--prepare` with the demo's own assets, since tokenizing needs datatrove and Dagster), MLflow in the
+home's SQLite file (the default: MLflow 3.17 refuses its filesystem backend unless
+MLFLOW_ALLOW_FILE_STORE is set), then `ghostvis audit --stage pretrain`'s function on that home:
+the held-out loss falls, every figure of the trainer's run record equals the ledger's, MLflow's and
+the recount from the token files, and every check passes.
+
+The GPU machine holds only GPU_MACHINE (and what they require); what the trainer and the audit import
+beyond that is TRAINER_NEEDS and its requirements, carried as wheels (`carried`).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+# The distributions the GPU machine holds (issue 47), their own requirements included (`closure`).
+GPU_MACHINE = ("torch", "triton", "numpy", "pandas", "pyarrow", "tiktoken", "safetensors", "transformers", "pip")
+# What the trainer and the audit import that the GPU machine lacks: the MLflow client and its SQLite
+# store (the run's params, metrics, datasets and the model registry), the ledger's queries (duckdb),
+# the system metrics (psutil) and the Dagster Pipes messages (imported by the tracker, used only under Pipes).
+TRAINER_NEEDS = ("mlflow-skinny", "sqlalchemy", "alembic", "duckdb", "psutil", "dagster-pipes")
+PRESET = "tiny"
+STEPS = 30
+STAGE = "pretrain"
+
+
+def closure(roots: tuple[str, ...]) -> dict[str, str]:
+    """Every distribution installed here that `roots` need (their requirements, recursively, without
+    extras), as {normalized name: version}; a root not installed here is left out."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    found: dict[str, str] = {}
+    todo = [canonicalize_name(r) for r in roots]
+    while todo:
+        name = todo.pop()
+        if name in found:
+            continue
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        found[name] = dist.version
+        for line in dist.requires or []:
+            req = Requirement(line)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(canonicalize_name(req.name))
+    return found
+
+
+def carried(roots: tuple[str, ...] = TRAINER_NEEDS) -> dict[str, str]:
+    """What must travel as wheels for `roots`: their closure less the GPU machine's, at this venv's versions."""
+    there = closure(GPU_MACHINE)
+    return {name: v for name, v in closure(roots).items() if name not in there}
+
+
+def prepare_home(dest: Path, preset: str = PRESET) -> None:
+    """A data-only demo home at `dest` (its store: raw shards, tokenizer, token files, ledger), built by
+    the demo's assets here (`shard_manifest`, then `ghostvis data`), without Dagster's or MLflow's state."""
+    bin_dir = Path(sys.executable).parent
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_", "MLFLOW_", "GHOSTVIS_"))}
+        env |= {"GHOSTVIS_HOME": tmp, "DAGSTER_HOME": f"{tmp}/dagster"}
+        root = Path(__file__).resolve().parent.parent
+        for cmd in (
+            [bin_dir / "ghostvis", "init"],
+            [bin_dir / "dagster", "asset", "materialize", "-m", "ghostvis_pipeline.definitions"]
+            + ["--select", "shard_manifest"],
+            [bin_dir / "ghostvis", "data", "--preset", preset],
+        ):
+            proc = subprocess.run([str(c) for c in cmd], env=env, cwd=root, capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{' '.join(map(str, cmd))} exited {proc.returncode}: {proc.stderr[-2000:]}")
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(Path(tmp) / "store", dest / "store", ignore=shutil.ignore_patterns("leases"))
+
+
+def run_trainer(home_src: Path, preset: str = PRESET, steps: int = STEPS) -> dict:
+    """The trainer's run in a scratch copy of `home_src` and the audit of it: figures and verdicts."""
+    with tempfile.TemporaryDirectory() as tmp:
+        home = Path(tmp) / "home"
+        shutil.copytree(home_src, home)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_", "MLFLOW_", "GHOSTVIS_"))}
+        env |= {"GHOSTVIS_HOME": str(home), "PYTHONUNBUFFERED": "1"}
+        sets = [f"budget.steps={steps}", "batch.world_size=1"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+        cmd += ["-m", "ghostvis_core.run", "--stage", STAGE, "--preset", preset]
+        cmd += [a for s in sets for a in ("--set", s)]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - start
+        (Path(tmp) / "trainer.log").write_text(proc.stdout + proc.stderr)
+        if proc.returncode != 0:
+            return {"error": f"trainer exited {proc.returncode}: {last_error(proc.stdout + proc.stderr)}"}
+        return {"wall_s": round(wall, 1), **audited(home), "log_tail": proc.stdout[-1500:]}
+
+
+def last_error(log: str) -> str:
+    """The trainer's own `error:` line, else the log's last line."""
+    errors = re.findall(r"^error: .*$", log, flags=re.M)
+    return errors[-1] if errors else (log.strip().splitlines() or [""])[-1]
+
+
+def audited(home: Path) -> dict:
+    """`ghostvis audit --stage pretrain` on the trained home, and the run record's loss and speed."""
+    from ghostvis_core.home import Home
+    from ghostvis_core.run.train.runs import newest_completed_run
+    from ghostvis_core.verify.audit.report import audit
+
+    os.environ.pop("MLFLOW_TRACKING_URI", None)  # the home's own SQLite file, as the trainer used
+    report = audit(Home(home), [STAGE], {}, required=True)
+    record = newest_completed_run(Home(home).store, STAGE)
+    rows = report["stages"][0]["figures"] if report["stages"] else []
+    loss_fell = record.val_loss_start is not None and record.val_loss < record.val_loss_start
+    ledger_equals_trainer = bool(rows) and all(r[-1] == "ok" for r in rows)
+    return {
+        "run_key": record.run_key,
+        "steps": record.steps,
+        "tokens_per_sec": record.tokens_per_sec,
+        "first_step_s": record.first_step_s,
+        "attention_kernel": record.attention_kernel,
+        "val_loss_start": record.val_loss_start,
+        "val_loss": record.val_loss,
+        "train_loss": record.train_loss,
+        "loss_fell": loss_fell,
+        # name -> [trainer, ledger, MLflow, Dagster metadata ("-": none here), recount, "ok" or "MISMATCH"]
+        "figures": {r[0]: r[1:] for r in rows},
+        "ledger_equals_trainer": ledger_equals_trainer,
+        "audit_failures": report["failures"],
+        "ok": loss_fell and ledger_equals_trainer and not report["failures"],
+    }
