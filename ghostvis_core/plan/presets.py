@@ -152,8 +152,8 @@ _TINY: dict[str, dict[str, Any]] = {
         # this lineage, with plain-text prompts (grpo.prompt=text), seeds 1234 / 1235: reward 0.100 -> 0.116 / 0.131,
         # format rate 0.844 -> 1.000 / 1.000, exact 0.016 -> 0.016 / 0.031 (64 held-out problems, greedy), held-out
         # bpb code 2.83 / 2.89, prose 2.70 / 2.75 (dpo 3.01 / 2.91: the gate holds). The demo's dpo model never writes
-        # a well-formed `Answer:` line (0 of 960 samples, chat-rendered or plain prompts, also after sft on 582 chats
-        # solving such problems), so from it every group's advantages are 0 (EVIDENCE_NOTES says so in the report).
+        # a well-formed `Answer:` line (0 of 960 samples with plain prompts, 0 of 320 chat-rendered, also after a trial
+        # sft on 582 chats solving such problems), so from it every group's advantages are 0 (EVIDENCE_NOTES says so).
         optim=dict(lr=3e-4, warmup_steps=3, weight_decay=0.0),
         # The prompts are the problems reasoning_mix trained on (as nanochat's RL reads GSM8K train): declared replay.
         data=dict(
@@ -202,10 +202,10 @@ EVIDENCE_NOTES: dict[str, dict[str, str]] = {
         "allow; a model whose held-out loss is ~5.8 nats/token at every position has no longer-range skill to gain",
         # measured: reward, exact accuracy and format rate 0 -> 0 (64 greedy problems), 0 of 960 samples rewarded
         "rl": "the dpo policy it starts from never ends a reply with a well-formed `Answer: <integer>` line (0 of 960 "
-        "samples, chat or plain prompts), so every group's rewards are equal and no step changes the weights; 60 sft "
-        "steps at the lr the lineage gate allows leave a policy that ends 1 reply in 5. Started from reasoning_mix "
-        "(init_from=reasoning_mix, grpo.prompt=text) the same recipe learns: reward 0.100 -> 0.116 / 0.131, format "
-        "rate 0.84 -> 1.00 (seeds 1234 / 1235)",
+        "samples with plain prompts, 0 of 320 chat-rendered), so every group's rewards are equal and no step changes "
+        "the weights; 60 sft steps at the lr the lineage gate allows leave a policy that ends 1 reply in 5. Started "
+        "from reasoning_mix (init_from=reasoning_mix, grpo.prompt=text) the same recipe learns: reward 0.100 -> "
+        "0.116 / 0.131, format rate 0.84 -> 1.00 (seeds 1234 / 1235)",
     },
     "smoke": {
         s: "smoke runs a few steps to test the plumbing; its evidence is not expected to move" for s in _SMOKE_STEPS
