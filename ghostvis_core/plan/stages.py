@@ -89,10 +89,10 @@ STAGES: tuple[Stage, ...] = (
         "dpo",
         "grpo",
         "text",
-        "Group-relative policy optimisation (GRPO) on the arithmetic problems: G sampled solutions per "
-        "prompt, reward 1 for the exact final answer plus 0.1 for a well-formed final `Answer: <integer>` "
-        "line; every generated token is accounted. Evidence: reward, exact-answer accuracy and well-formed "
-        "answer rate on held-out problems, before vs after.",
+        "Group-relative policy optimisation (GRPO) on the arithmetic problems, asked as chat user turns: G "
+        "sampled solutions per prompt, reward 1 for the exact final answer plus 0.1 for a well-formed final "
+        "`Answer: <integer>` line; every generated token is accounted. Evidence: reward, exact-answer "
+        "accuracy and well-formed answer rate on held-out problems, before vs after.",
         ("reward",),
     ),
 )
