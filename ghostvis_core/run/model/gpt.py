@@ -328,9 +328,12 @@ class GPT(nn.Module):
         generator=None,
         images=None,
         image_token: int | None = None,
+        vocab: int | None = None,
     ) -> list[int]:
         """KV-cached sampling; greedy at temperature 0. Stops after any stop token.
-        `images` fill the prompt's (already expanded) image_token positions. Runs in eval mode, then
+        `images` fill the prompt's (already expanded) image_token positions. `vocab`: the tokenizer's
+        size; ids from it up are the padding rows of a vocabulary padded past the tokenizer's (531 -> 576)
+        and are never drawn (a drawn one cannot be decoded). Runs in eval mode, then
         restores the caller's mode: a training loop that samples mid-run must stay in training mode."""
         was_training = self.training
         self.eval()
@@ -345,7 +348,7 @@ class GPT(nn.Module):
                 embeds = self.embed_inputs(x, images if pos == 0 else None, mask)
                 h = self.hidden(embeds=embeds, kv_caches=caches, start_pos=pos)
                 pos += x.shape[1]
-                nxt = _pick(self.lm_head(h[:, -1]).float(), temperature, top_k, generator)
+                nxt = _pick(self.lm_head(h[:, -1]).float()[..., :vocab], temperature, top_k, generator)
                 out.append(nxt)
                 if nxt in stop_tokens or pos >= self.cfg.max_seq_len:
                     break
