@@ -209,6 +209,16 @@ def test_a_file_in_the_kinds_shape_is_kept_byte_for_byte_and_another_is_rewritte
         assert stored.read_bytes()[:4] == b"PAR1"
 
 
+def test_a_rewritten_file_downloaded_again_is_the_same_content(kinds, tmp_path):
+    """The kind's Parquet written from a user's file is the same bytes each time: a download again is no new
+    version of the shard."""
+    store = FolderStore(tmp_path / "store")
+    for sid in ("chat_jsonl/a", "pics/captions", "pics_hf/a"):
+        kind, columns, path = kinds.files[sid]
+        again = download(store, sid, kind, columns, path)
+        assert again.downloaded and again.sha256 == kinds.fetched[sid].sha256, sid
+
+
 def test_the_token_files_decode_to_their_raw_rows(kinds):
     for check in (documents_start_where_ledger_says, sampled_documents_decode_to_raw_text):
         out = check(kinds.store, kinds.ledger, kinds.tok.tokenizer_id)
@@ -369,3 +379,26 @@ def test_the_reward_rules_match_a_completions_answer():
     assert is_correct("regex:Answer: (\\S+)", "Answer: x\nAnswer: 42", "42")
     assert is_correct("regex:\\d+ apples", "I count 12 apples", "12 apples")
     assert not is_correct("regex:Answer: (\\S+)", "42", "42")
+
+
+def test_the_readmes_source_of_each_kind_is_a_valid_declaration():
+    """README "Every kind of data": its sources.yaml declares one source per kind that shard_manifest
+    accepts (known fields, kinds, columns mappings and reward rules; nothing is downloaded)."""
+    import re
+
+    import yaml
+
+    from ghostvis_core.data.catalog import check_declarations
+    from ghostvis_core.data.problems import check_reward_rule
+    from ghostvis_core.data.records import check_columns_mapping
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if "my_chats" in b]
+    remote = yaml.safe_load(block)["ops"]["shard_manifest"]["config"]["remote"]
+    sources = [RemoteSource(**r) for r in remote]
+    check_declarations([(s.name, s.kind) for s in sources])
+    assert sorted(s.kind for s in sources) == ["chat", "image_caption", "preference", "problem"]
+    for s in sources:
+        check_columns_mapping(s.name, s.kind, s.columns)
+        check_reward_rule(s.name, s.kind, s.reward)
+    assert is_correct(next(s.reward for s in sources if s.kind == "problem"), "17 * 3 = 51", "51")
