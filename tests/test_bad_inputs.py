@@ -167,6 +167,14 @@ DECLARATIONS = {
         [{"name": "web2", "url_pattern": "https://h/x.parquet", "num_shards": 2}],
         "source web2: url_pattern 'https://h/x.parquet' must contain {shard} and no other field",
     ),
+    "columns mapping of a field the kind lacks": (
+        [{"name": "web2", "listing": LISTING, "columns": {"body": "text"}}],
+        "source web2: columns mapping 'body': 'text' does not map a field of a text source to a column name",
+    ),
+    "misspelt reward rule": (
+        [{"name": "web2", "kind": "problem", "listing": LISTING, "reward": "exact"}],
+        "source web2: reward 'exact' is not a reward rule; use integer (the default), string or regex:<pattern>",
+    ),
     "validation_sha256 that is no digest": (
         [{"name": "web2", "listing": LISTING, "validation_sha256": ["abc"]}],
         "source web2: validation_sha256 pin 'abc' is not a sha256 digest",

@@ -402,3 +402,30 @@ def test_the_readmes_source_of_each_kind_is_a_valid_declaration():
         check_columns_mapping(s.name, s.kind, s.columns)
         check_reward_rule(s.name, s.kind, s.reward)
     assert is_correct(next(s.reward for s in sources if s.kind == "problem"), "17 * 3 = 51", "51")
+
+
+def test_raw_shards_in_dagster_reads_a_mapped_json_lines_source_and_refuses_a_bad_row_keeping_the_shard(tmp_path):
+    """The pipeline's own path (shard_manifest's config with a columns mapping, raw_shards' check): the chats
+    are stored as the chat kind's Parquet; the same file with a malformed row fails naming shard, row and
+    field, and the stored shard and its record are as they were."""
+    from tests.test_bad_inputs import files_of, first_error, run_manifest
+
+    listing = tmp_path / "chats"
+    write_jsonl(listing / "00000.jsonl", [{"conversations": c} for c in CHATS])
+    source = {"name": "chats", "kind": "chat", "listing": listing.as_uri(), "columns": {"messages": "conversations"}}
+    home = tmp_path / "home"
+    assert run_manifest(home, [source], selection="raw_shards").success
+    store = FolderStore(home / "store")
+    stored = pq.read_table(store.fetch("raw_shard", "chats/00000"))
+    assert stored.column_names == ["messages"] and stored.column("messages").to_pylist() == CHATS
+    assert store.read_json("manifest", "chats")["columns"] == {"messages": "conversations"}
+    before = files_of(home / "store" / "shards")
+    write_jsonl(
+        listing / "00000.jsonl", [{"conversations": c} for c in CHATS] + [{"conversations": [{"role": "user"}]}]
+    )
+    result = run_manifest(home, [source], selection="raw_shards")
+    assert not result.success
+    assert first_error(result).startswith(
+        "shard chats/00000: row 3, field 'messages[0].content' (column 'conversations') is missing, expected a string"
+    )
+    assert files_of(home / "store" / "shards") == before

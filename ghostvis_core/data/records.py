@@ -133,7 +133,8 @@ def _check_rows(shard_id: str, kind: str, rows: list[dict], columns: dict[str, s
                     raise RowError(field, f"is missing (the row's columns: {keys}); expected {SHAPES[field]}")
                 out[field].append(_value(field, value, url, first))
         except RowError as e:
-            column = f" (column {columns[e.field]!r})" if e.field in columns else ""
+            top = e.field.split("[")[0]  # messages[1].role is in the column of messages
+            column = f" (column {columns[top]!r})" if top in columns else ""
             raise GhostvisError(f"shard {shard_id}: row {r}, field {e.field!r}{column} {e.problem}; {fix}") from None
     if not rows:
         raise GhostvisError(f"shard {shard_id}: no rows; {fix}")
