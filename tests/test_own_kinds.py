@@ -7,6 +7,7 @@ shard, the row and the field, and the shard already in the store is left as it w
 
 from __future__ import annotations
 
+import io
 import json
 from functools import partial
 from pathlib import Path
@@ -48,7 +49,17 @@ PAIRS = [
     ("what colour is the sky", "the sky is blue on a clear day", "green"),
 ]
 PROBLEMS = [("what is three plus four", 7), ("what is ten minus two", 8), ("what is six times three", 18)]
-CAPTIONS = [("a red square on white", b"\x89PNG red"), ("two blue circles", b"\x89PNG blue")]
+
+
+def png(color: str) -> bytes:
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (4, 4), color).save(out, format="PNG")
+    return out.getvalue()
+
+
+CAPTIONS = [("a red square on white", png("red")), ("two blue circles", png("blue"))]
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -288,6 +299,12 @@ BAD = [  # (kind, columns, the user's rows, the refusal's words after "shard bad
     (
         "image_caption",
         {},
+        [{"caption": "c", "image": b"\x89PNG but cut"}],
+        "row 0, field 'image' holds 12 bytes that are not an image (UnidentifiedImageError); expected PNG, JPEG",
+    ),
+    (
+        "image_caption",
+        {},
         [{"caption": "c", "image": "../secret.png"}],
         "row 0, field 'image' is '../secret.png', expected a path relative to the shard's file, inside its folder",
     ),
@@ -311,11 +328,10 @@ BAD = [  # (kind, columns, the user's rows, the refusal's words after "shard bad
 def test_a_malformed_row_is_refused_naming_shard_row_and_field_and_the_stored_shard_is_unchanged(
     tmp_path, fmt, kind, columns, bad_rows, refusal
 ):
-    if fmt == "parquet":
-        try:
-            pa.Table.from_pylist(bad_rows)
-        except (pa.ArrowInvalid, pa.ArrowTypeError):
-            pytest.skip("a Parquet column holds values of one type: these rows are JSON Lines only")
+    try:
+        pa.Table.from_pylist(bad_rows) if fmt == "parquet" else json.dumps(bad_rows)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError):
+        pytest.skip(f"these rows cannot be written as {fmt} (one type a Parquet column; no bytes in JSON)")
     store = FolderStore(tmp_path / "store")
     good = write_jsonl(tmp_path / "good.jsonl", [{"text": "a good document"}])
     download(store, "bad/a", "text", {}, good)  # what is already materialized under the partition

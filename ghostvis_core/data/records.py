@@ -13,6 +13,7 @@ publisher lists; a converted shard's content is the Parquet written, and raw_sha
 
 from __future__ import annotations
 
+import io
 import json
 import urllib.parse
 from pathlib import Path
@@ -205,7 +206,7 @@ def _image(value, url: str) -> bytes:
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path")
     if isinstance(value, (bytes, bytearray)) and value:
-        return bytes(value)
+        return _decodable(bytes(value), "holds")
     if not isinstance(value, str) or not value:
         raise RowError("image", f"is {_type(value)}, expected {SHAPES['image']}")
     ref = Path(value)
@@ -213,9 +214,27 @@ def _image(value, url: str) -> bytes:
         raise RowError("image", f"is {value!r}, expected a path relative to the shard's file, inside its folder")
     image_url = sibling_url(url, value)
     try:
-        return fetch_bytes(image_url, image_url)
+        blob = fetch_bytes(image_url, image_url)
     except GhostvisError as exc:
         raise RowError("image", f"names {value!r}, which cannot be read ({str(exc).split(';')[0]})") from None
+    return _decodable(blob, f"names {value!r}, which holds")
+
+
+def _decodable(blob: bytes, what: str) -> bytes:
+    """Image bytes the vision encoder can decode (PIL reads the header: PNG, JPEG, WebP, ...), else refused
+    here rather than when a stage's first batch decodes them."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(blob)) as img:
+            img.verify()
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        raise RowError(
+            "image",
+            f"{what} {len(blob)} bytes that are not an image ({type(exc).__name__}); expected PNG, JPEG or "
+            "another format PIL reads",
+        ) from None
+    return blob
 
 
 def sibling_url(url: str, ref: str) -> str:
