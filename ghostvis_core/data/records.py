@@ -137,8 +137,6 @@ def _check_rows(shard_id: str, kind: str, rows: list[dict], columns: dict[str, s
             top = e.field.split("[")[0]  # messages[1].role is in the column of messages
             column = f" (column {columns[top]!r})" if top in columns else ""
             raise GhostvisError(f"shard {shard_id}: row {r}, field {e.field!r}{column} {e.problem}; {fix}") from None
-    if not rows:
-        raise GhostvisError(f"shard {shard_id}: no rows; {fix}")
     types = {f: MESSAGES if first.get(f) == "message list" else _ARROW[f] for f in fields}
     keep = [f for f in fields if (kind, f) not in OPTIONAL_COLUMNS or any(v is not None for v in out[f])]
     return pa.table({f: pa.array(out[f], types[f]) for f in keep})
