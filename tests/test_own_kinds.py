@@ -39,6 +39,7 @@ def msg(role: str, content: str) -> dict:
     return {"role": role, "content": content}
 
 
+TEXTS = ["a first plain document about the sky", "a second one, about the sea and its colour"]
 CHATS = [
     [msg("user", "what is two plus two"), msg("assistant", "four, as two and two make four")],
     [msg("system", "be brief"), msg("user", "name a colour"), msg("assistant", "blue")],
@@ -86,6 +87,11 @@ def user_files(root: Path) -> dict[str, tuple[str, dict[str, str], Path]]:
         (root / "pics" / "img").mkdir(parents=True, exist_ok=True)
         (root / "pics" / "img" / f"{i}.png").write_bytes(image)
     return {
+        "text_jsonl/a": (
+            "text",
+            {"text": "body"},
+            write_jsonl(root / "text_jsonl/a.jsonl", [{"body": t} for t in TEXTS]),
+        ),
         "chat_jsonl/a": (
             "chat",
             {"messages": "conversations"},
@@ -149,7 +155,7 @@ def download(store: FolderStore, shard_id: str, kind: str, columns: dict[str, st
 def kinds(module_tmp) -> SimpleNamespace:
     root = module_tmp("own_kinds")
     store = FolderStore(root / "store")
-    tok = train_tokenizer([f"{q} {a}" for q, a in PROBLEMS] + [p + c + r for p, c, r in PAIRS], 300)
+    tok = train_tokenizer([f"{q} {a}" for q, a in PROBLEMS] + [p + c + r for p, c, r in PAIRS] + TEXTS, 300)
     save_tokenizer(tok, store)
     files = user_files(root / "user")
     jobs, fetched = [], {}
@@ -182,6 +188,7 @@ def test_each_kind_in_each_format_is_tokenized_with_the_ledgers_counts_right(kin
     problems = sum(len(render_prompt(tok, [msg("user", q)])) + len(render_reply(tok, str(a))) for q, a in PROBLEMS)
     captions = sum(3 + len(enc(c)) for c, _ in CAPTIONS)  # <|bos|><|image|> caption <|eot|>
     expected = {
+        "text_jsonl/a": (2, sum(1 + len(enc(t)) for t in TEXTS)),  # <|bos|> text
         "chat_jsonl/a": (3, chat),
         "chat_parquet/a": (3, chat),
         "pref_plain/a": (2, pairs),
@@ -238,7 +245,7 @@ def test_the_token_files_decode_to_their_raw_rows(kinds):
         sampled_documents_decode_to_raw_text(kinds.store, kinds.ledger, kinds.tok.tokenizer_id).figures[
             "sampled_documents"
         ]
-        == 3 + 3 + 2 + 2 + 2 + 3 + 3 + 2 + 2 + 2
+        == 2 + 3 + 3 + 2 + 2 + 2 + 3 + 3 + 2 + 2 + 2
     )
 
 
