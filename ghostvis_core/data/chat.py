@@ -49,3 +49,18 @@ def render_prompt(tok: Tokenizer, messages: list[dict]) -> list[int]:
 
 def render_reply(tok: Tokenizer, text: str) -> list[int]:
     return encode_content(tok, text) + [tok.eot]
+
+
+def as_messages(prompt: str | list[dict]) -> list[dict]:
+    """A prompt as a source gives it: a message list, or a string, which is one user turn."""
+    return [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+
+
+def render_replies(tok: Tokenizer, reply: str | list[dict]) -> list[int]:
+    """A reply as a source gives it, after render_prompt's assistant marker: a string, or (TRL's
+    conversational shape) the messages that follow the prompt, the first an assistant turn whose content
+    continues the marker and any later turn rendered with its own role marker."""
+    if isinstance(reply, str):
+        return render_reply(tok, reply)
+    ids, _ = render_chat(tok, reply)
+    return ids[2:]  # <|bos|> and the first turn's <|assistant|>: render_prompt ends with the marker

@@ -31,7 +31,7 @@ from ghostvis_core.data.catalog import (
 from ghostvis_core.data.dedup import dedup_indexes, removed_rows
 from ghostvis_core.data.identities import ledger_identity, manifest_identity, shard_contents, tokenizer_identity
 from ghostvis_core.data.ledger import Ledger, source_split_totals
-from ghostvis_core.data.schema import check_shard_schema
+from ghostvis_core.data.records import normalize_shard
 from ghostvis_core.data.sources import fetch_shard
 from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
@@ -140,8 +140,8 @@ SHARD_BACKFILL = BackfillPolicy.single_run()
     code_version=RAW_SHARDS_CODE,
 )
 def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> MaterializeResult:
-    """Downloads shards through the one fetch path (temp name, verify size + sha256 and the kind's
-    columns and types, rename), and
+    """Downloads shards through the one fetch path (temp name, verify size + sha256, check every row of
+    the kind and write a user's JSON Lines or renamed columns as the kind's Parquet, rename), and
     records each one's content hash, size and split (the split rule applied to that content). A shard
     is its content: a download whose content differs from the recorded one is a new version, and the
     previous file and record are kept (`keep_replaced_version`, `record_raw_shard`) for the runs that
@@ -163,7 +163,7 @@ def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> Materializ
             key,
             manifest.entry(key),
             local,
-            check=partial(check_shard_schema, key, manifest.kind),
+            check=partial(normalize_shard, key, manifest.kind, manifest.columns, manifest.entry(key).url),
             admit=partial(keep_replaced_version, store, key),
         )
         store.publish("raw_shard", key)

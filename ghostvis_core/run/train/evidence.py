@@ -166,7 +166,7 @@ def reply_endings(obj, model, ctx, autocast, metrics) -> dict[str, float]:
             from ghostvis_core.run.model.vision import decode_images
 
             ids = expand_images(ids, image, v.n_latents)
-            kwargs = {"images": decode_images([blob], v.image_size).to(ctx.device), "image_token": image}
+            kwargs = {"images": (decode_images([blob], v.image_size).to(ctx.device), image)}
         out = model.generate(ids.tolist(), obj.cfg.eval.sample_max_tokens, stop_tokens=(tok.eot,), **kwargs)
         sums[0] += float(bool(out) and out[-1] == tok.eot)
         sums[1] += float(any(t in roles for t in out))

@@ -32,7 +32,7 @@ from ghostvis_core.verify.audit.outcome import CheckOutcome
 from ghostvis_core.verify.audit.token_files import TokenFile
 
 NAMED = 20  # problems named one by one in a check's failures
-ENDS_WITH_EOT = ("chat", "preference", "image_caption")
+ENDS_WITH_EOT = ("chat", "preference", "problem", "image_caption")
 IMAGE = "<|image|>"  # a chat's image placeholder: a special token in the file, literal text in the raw row
 
 
