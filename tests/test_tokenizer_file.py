@@ -136,6 +136,23 @@ def test_the_file_and_the_mapping_decide_the_id_and_the_store_keeps_both(files, 
     assert loaded.bos == remapped.special("<|im_start|>") and render_chat(loaded, CHAT) == render_chat(remapped, CHAT)
 
 
+def test_a_stage_from_an_imported_model_keeps_the_assets_mapping_of_its_tokenizer(files, tmp_path):
+    """init_from a model whose tokenizer the asset took with special_tokens: the stage uses the asset's (same ids,
+    its markers); a tokenizer of other ids is not taken for the model's."""
+    from ghostvis_core.run.launch import model_tokenizer
+
+    store = FolderStore(tmp_path / "store")
+    model_tok = bring_tokenizer(files["chatml"][0]).tokenizer
+    remapped = bring_tokenizer(files["chatml"][0], {"system": "<|im_start|>developer\n"}).tokenizer
+    other = bring_tokenizer(files["llama3"][0]).tokenizer
+    for tok in (model_tok, remapped, other):
+        save_tokenizer(tok, store)
+    assert remapped.same_ids(model_tok) and not other.same_ids(model_tok)
+    assert model_tokenizer(store, remapped.tokenizer_id, model_tok) == remapped.tokenizer_id
+    assert model_tokenizer(store, other.tokenizer_id, model_tok) == model_tok.tokenizer_id
+    assert model_tokenizer(store, None, model_tok) == model_tok.tokenizer_id
+
+
 def test_a_tiktoken_bpe_file_is_served_like_a_trained_tokenizer(tmp_path):
     """GhostVis's own ranks file with its split pattern is the trained tokenizer again (same id); with the default
     pattern it encodes as tiktoken does with cl100k's split."""

@@ -102,6 +102,16 @@ class Tokenizer:
             return [self.special(name)]
         return self.enc.encode(self.markers[name], allowed_special="all")
 
+    def same_ids(self, other: Tokenizer) -> bool:
+        """Whether both encode every text to the same ids (ranks, split and special tokens alike): they may
+        differ only in `markers`, what the chat template renders with."""
+        a, b = self.enc, other.enc
+        return (a._pat_str, a._special_tokens, a._mergeable_ranks) == (
+            b._pat_str,
+            b._special_tokens,
+            b._mergeable_ranks,
+        )
+
     def encode(self, text: str) -> list[int]:
         """Ordinary text: a literal "<|bos|>" in a document is encoded as text, never as the special."""
         return self.enc.encode_ordinary(text)
