@@ -7,8 +7,6 @@ the `tokenizer` asset takes a file whose id the tokenization's ledger rows carry
 from __future__ import annotations
 
 import hashlib
-import json
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -255,17 +253,21 @@ def test_a_missing_file_and_a_model_without_room_are_refused(files, tmp_path):
 
 
 def test_the_tokenizer_asset_brings_a_file_and_the_ledger_rows_carry_its_id(files, tmp_path):
-    """tokenizer (from_file) materialized in process; tokenized_shards' work (tokenize_shards) with its id: each
-    ledger row names it and the token files hold the file's own ids after its BOS."""
+    """tokenizer (from_file) materialized in process; a text source and a chat shard tokenized with its id: each
+    ledger row names it, the token files hold the file's own ids (the chat with ChatML's markers), and the token
+    ledger's checks of what is inside the token files pass."""
     from dagster import DagsterInstance, materialize
 
     from ghostvis_core.data.catalog import load_manifest
     from ghostvis_core.data.ledger import Ledger
-    from ghostvis_core.data.token_shard import TokenShard
-    from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards
+    from ghostvis_core.data.tokenize import TokenizeJob, job_for_shard
+    from ghostvis_core.store.files import sha256_file
+    from ghostvis_core.verify.audit.invariants import ledger_matches_token_files
+    from ghostvis_core.verify.audit.token_files import TokenFile
     from ghostvis_pipeline.assets.data import tokenizer
     from ghostvis_pipeline.resources import GhostvisHome
     from tests.test_bad_inputs import run_manifest
+    from tests.test_token_integrity import outcomes, tokenize
 
     listing = tmp_path / "listing"
     listing.mkdir()
@@ -287,18 +289,33 @@ def test_the_tokenizer_asset_brings_a_file_and_the_ledger_rows_carry_its_id(file
     tok = bring_tokenizer(path).tokenizer
     assert md["tokenizer_id"] == tok.tokenizer_id and mat.tags["dagster/data_version"] == tok.tokenizer_id
     assert (md["from_file"], md["source_sha256"], md["train_shards"]) == (path, bring_tokenizer(path).sha256, 0)
-    assert md["markers"]["<|user|>"] == "<|im_start|>user\n"
+    assert md["markers"] == dict(tok.markers) and md["markers"]["<|user|>"] == "<|im_start|>user\n"
 
     store = FolderStore(home / "store")
     manifest = load_manifest(store, "web")
     jobs = [job_for_shard(store, manifest, f"web/{name}") for name in docs]
-    tokenize_shards(jobs, store=store, tokenizer_id=md["tokenizer_id"], logging_dir=tmp_path / "logs", workers=1)
-    rows = Ledger.in_store(store).shards(tokenizer_id=tok.tokenizer_id)
-    assert sorted(r["shard_id"] for r in rows) == ["web/a", "web/b"]
-    for r in rows:
-        shard = TokenShard.open(Path(r["token_path"]))
-        texts = docs[r["shard_id"].split("/")[1]]
-        assert [shard.doc_tokens(i).tolist() for i in range(shard.num_docs)] == [
+    raw = store.writable("raw_shard", "chat/00000")  # a chat shard, as raw_shards stores one
+    pq.write_table(
+        pa.table({"messages": [CHAT, [{"role": "user", "content": "<|image|> what is it?"}, *CHAT[2:]]]}), raw
+    )
+    store.publish("raw_shard", "chat/00000")
+    jobs.append(TokenizeJob("chat/00000", "chat", "train", sha256_file(raw), "chat"))
+    tokenize(store, tmp_path, tok, jobs)
+    ledger = Ledger.in_store(store)
+    rows = {r["shard_id"]: r for r in ledger.shards(tokenizer_id=tok.tokenizer_id)}
+    assert sorted(rows) == ["chat/00000", "web/a", "web/b"]
+    for name, texts in docs.items():
+        shard = f"web/{name}"
+        tf = TokenFile(store.fetch("token_shard", tok.tokenizer_id, shard, rows[shard]["content_sha256"]), shard)
+        assert tf.tokenizer_id == tok.tokenizer_id
+        assert [tf.doc(i).tolist() for i in range(tf.num_docs)] == [
             [tok.bos, *hf.encode(t, add_special_tokens=False).ids] for t in texts
         ]
-    assert json.loads(json.dumps(md["markers"])) == dict(tok.markers)
+    sha = rows["chat/00000"]["content_sha256"]
+    chat = TokenFile(store.fetch("token_shard", tok.tokenizer_id, "chat/00000", sha), "chat/00000")
+    assert chat.doc(0).tolist() == render_chat(tok, CHAT)[0]
+    out = outcomes(store, ledger, tok.tokenizer_id)
+    out["ledger_matches_token_files"] = ledger_matches_token_files(store, ledger, tok.tokenizer_id)
+    assert all(o.passed for o in out.values()), {n: o.failures for n, o in out.items()}
+    sampled = out["sampled_documents_decode_to_raw_text"].figures["sampled_documents"]
+    assert sampled == 5  # first, middle and last of web/a (2 documents), web/b (1), chat/00000 (2)

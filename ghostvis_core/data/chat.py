@@ -11,6 +11,8 @@ encoded as plain text.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ghostvis_core.data.tokenizer import Tokenizer
 from ghostvis_core.errors import GhostvisError
 
@@ -52,3 +54,9 @@ def render_prompt(tok: Tokenizer, messages: list[dict]) -> list[int]:
 
 def render_reply(tok: Tokenizer, text: str) -> list[int]:
     return encode_content(tok, text) + [tok.eot]
+
+
+def marker_starts(ids: np.ndarray, marker: list[int]) -> list[int]:
+    """Where in `ids` the role marker `marker` (Tokenizer.marker: one id, or several) starts."""
+    n = len(marker)
+    return [int(i) for i in np.flatnonzero(ids == marker[0]) if np.array_equal(ids[i : i + n], marker)]

@@ -11,6 +11,7 @@ import re
 import numpy as np
 import torch
 
+from ghostvis_core.data.chat import marker_starts
 from ghostvis_core.data.loader import expand_images, rank_batches, rank_share
 from ghostvis_core.plan.batch import IGNORE_INDEX
 from ghostvis_core.run.train.dist import all_reduce_sum
@@ -144,7 +145,7 @@ def reply_endings(obj, model, ctx, autocast, metrics) -> dict[str, float]:
     tok = obj.tok
     # a role marker may be several ids (a tokenizer brought as a file: "<|im_start|>assistant\n"); its first
     # (<|im_start|>) is what a reply running on into another turn writes
-    assistant, image = np.array(tok.marker("<|assistant|>")), tok.special("<|image|>")
+    assistant, image = tok.marker("<|assistant|>"), tok.special("<|image|>")
     roles = {tok.marker(f"<|{r}|>")[0] for r in ("system", "user", "assistant")}
     v = obj.cfg.vision
     docs = []
@@ -153,8 +154,7 @@ def reply_endings(obj, model, ctx, autocast, metrics) -> dict[str, float]:
     prompts = []
     for shard, d in docs:
         ids = shard.doc_tokens(d).astype(np.int64)
-        n = len(assistant)
-        ends = [i + n for i in np.nonzero(ids == assistant[0])[0] if np.array_equal(ids[i : i + n], assistant)]
+        ends = [i + len(assistant) for i in marker_starts(ids, assistant)]
         has_image = bool((ids == image).any())
         if len(ends) and (not has_image or v is not None):
             blob = shard.doc_value("image", d) if has_image else None
