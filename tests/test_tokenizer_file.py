@@ -151,6 +151,46 @@ def test_a_stage_from_an_imported_model_keeps_the_assets_mapping_of_its_tokenize
     assert model_tokenizer(store, None, model_tok) == model_tok.tokenizer_id
 
 
+def test_a_tokenizer_file_comes_over_https_the_hub_and_s3_with_its_sha256(files, tmp_path, moto_s3, monkeypatch):
+    """The same file from a local HTTP server (as http:// and as hf://org/name@rev through HF_ENDPOINT) and from S3:
+    the same tokenizer and sha256 as the local path; a missing one names the URL."""
+    import shutil
+    import threading
+    from functools import partial
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    import boto3
+
+    from tests.conftest import new_bucket, s3_env
+
+    path = files["chatml"][0]
+    local = bring_tokenizer(path)
+    served = tmp_path / "served"
+    (served / "org" / "chat-model" / "resolve" / "v1").mkdir(parents=True)
+    shutil.copy(path, served / "org" / "chat-model" / "resolve" / "v1" / "tokenizer.json")
+    shutil.copy(path, served / "tok.json")
+    handler = partial(SimpleHTTPRequestHandler, directory=str(served))
+    handler.log_message = lambda *a: None
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_port}"
+    for k, v in {**s3_env(moto_s3, tmp_path), "HF_ENDPOINT": url}.items():
+        monkeypatch.setenv(k, v)
+    new_bucket(moto_s3, "tokenizers")
+    boto3.client("s3").upload_file(path, "tokenizers", "chat/tokenizer.json")
+    try:
+        for uri in (f"{url}/tok.json", "hf://org/chat-model@v1", "s3://tokenizers/chat/tokenizer.json"):
+            brought = bring_tokenizer(uri)
+            assert (brought.tokenizer.tokenizer_id, brought.sha256) == (local.tokenizer.tokenizer_id, local.sha256)
+        with pytest.raises(GhostvisError, match=f"tokenizer file: {url}/org/nothing/resolve/main/tokenizer.json"):
+            bring_tokenizer("hf://org/nothing")
+        unigram(served / "spm.json")
+        with pytest.raises(GhostvisError, match=f"^tokenizer file {url}/spm.json: model type Unigram"):
+            bring_tokenizer(f"{url}/spm.json")
+    finally:
+        httpd.shutdown()
+
+
 def test_a_tiktoken_bpe_file_is_served_like_a_trained_tokenizer(tmp_path):
     """GhostVis's own ranks file with its split pattern is the trained tokenizer again (same id); with the default
     pattern it encodes as tiktoken does with cl100k's split."""

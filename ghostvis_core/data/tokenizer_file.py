@@ -82,22 +82,22 @@ def bring_tokenizer(
     (default cl100k's); `vocab_size`: the rows of the model it is for, which the added specials must fit."""
     with _local_file(uri) as path:
         data = path.read_bytes()
-        return BroughtTokenizer(
-            read_tokenizer_file(path, data, special_tokens, pattern, vocab_size), hashlib.sha256(data).hexdigest()
-        )
+    return BroughtTokenizer(
+        read_tokenizer_file(uri, data, special_tokens, pattern, vocab_size), hashlib.sha256(data).hexdigest()
+    )
 
 
 def read_tokenizer_file(
-    path: Path,
+    name: str,
     data: bytes,
     special_tokens: Mapping[str, str] | None = None,
     pattern: str = "",
     vocab_size: int | None = None,
 ) -> Tokenizer:
     """A Tokenizer from a tokenizer.json (JSON) or a tiktoken BPE file ("base64 rank" lines), `data` being
-    the file's content; refused, naming the file, what it holds and the fix, when GhostVis cannot serve it
-    exactly."""
-    where = f"tokenizer file {path}"
+    the content of the file `name` (as the user gave it); refused, naming the file, what it holds and the fix,
+    when GhostVis cannot serve it exactly."""
+    where = f"tokenizer file {name}"
     if data.lstrip().startswith(b"{"):
         if pattern:
             raise GhostvisError(f"{where}: a tokenizer.json has its own split pattern; leave `pattern` empty")

@@ -219,7 +219,7 @@ def model_tokenizer(store: Store, asked: str | None, model_tok: Tokenizer) -> st
 
 def check_imported_data(stage: str, init_from: str, tok: Tokenizer, shards: tuple[dict[str, Any], ...]) -> None:
     """An imported model trains on shards tokenized with its own tokenizer (its vocab_size, from its
-    config.json, already covers the tokenizer's ids: from_hf_tokenizer checked it)."""
+    config.json, already covers the tokenizer's ids: tokenizer_file.read_tokenizer_file checked it)."""
     if not shards:
         raise GhostvisError(
             f"stage {stage}: init_from {init_from} brings tokenizer {tok.tokenizer_id} (saved in the store), but "

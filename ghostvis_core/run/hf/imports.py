@@ -158,7 +158,7 @@ def _save_tokenizer_of(store: Store, hc: HFCheckpoint, special_tokens: dict[str,
         raise GhostvisError(
             f"checkpoint {hc.folder}: cannot read its tokenizer.json ({exc}); the folder needs one"
         ) from None
-    tok = read_tokenizer_file(path, data, special_tokens, vocab_size=hc.model.vocab_size)
+    tok = read_tokenizer_file(str(path), data, special_tokens, vocab_size=hc.model.vocab_size)
     save_tokenizer(tok, store)
     return tok
 
