@@ -252,9 +252,13 @@ REFUSED = {
     "no chat tokens": (
         lambda files, tmp: (files["gpt2"][0], {}),
         "it has no token for GhostVis's <|bos|>, <|eot|>, <|system|>, <|user|>, <|assistant|> (its special tokens: "
-        "<|endoftext|>) and is neither ChatML nor Llama 3; map each onto the file's own with the tokenizer asset's "
+        "<|endoftext|>) and is not ChatML or Llama 3; map each onto the file's own with the tokenizer asset's "
         'special_tokens, e.g. {"bos": "<s>", "eot": "</s>", "user": "<|user_start|>"}, or bring a tokenizer with '
         "chat tokens",
+    ),
+    "ChatML without a BOS": (
+        lambda files, tmp: (write(hf_bpe(CHATML[1:]), tmp / "no-bos.json"), {}),
+        "it has no token for GhostVis's <|bos|> (its special tokens: <|im_end|>, <|im_start|>)",
     ),
     "misspelt token": (
         lambda files, tmp: (files["chatml"][0], {"eot": "<|im_ende|>"}),

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from ghostvis_core.data.chat import ROLES
 from ghostvis_core.data.sources import fetch_file
 from ghostvis_core.data.tokenizer import SPECIAL_TOKENS, Tokenizer, build_tokenizer, bytes_to_unicode, parse_ranks
 from ghostvis_core.errors import GhostvisError
@@ -42,9 +43,9 @@ CL100K_PATTERN = (
     r"""|\s++$|\s*[\r\n]|\s+(?!\S)|\s"""
 )
 # What the chat template cannot do without; <|image|> and <|pad|> are added when a file has neither.
-REQUIRED = ("<|bos|>", "<|eot|>", "<|system|>", "<|user|>", "<|assistant|>")
+ROLE_NAMES = tuple(f"<|{role}|>" for role in ROLES)
+REQUIRED = ("<|bos|>", "<|eot|>", *ROLE_NAMES)
 ADDED = ("<|image|>", "<|pad|>")
-ROLE_NAMES = ("<|system|>", "<|user|>", "<|assistant|>")
 # Chat formats recognised by the special tokens a file has: GhostVis's name -> the file's text for it.
 FAMILIES = {
     "ChatML": (
@@ -134,8 +135,12 @@ def chat_markers(file_specials: set[str], overrides: Mapping[str, str], where: s
         )
     markers = {}
     for needs, texts in FAMILIES.values():
-        if set(needs) <= file_specials:
-            markers = {name: text for name, text in texts.items() if name not in file_specials}
+        if set(needs) <= file_specials:  # its texts for what the file has (ChatML without <|endoftext|>: no BOS)
+            markers = {
+                name: text
+                for name, text in texts.items()
+                if name not in file_specials and set(_SPECIAL_LOOKING.findall(text)) <= file_specials
+            }
             break
     markers.update(known)
     for name, text in markers.items():
@@ -154,7 +159,7 @@ def chat_markers(file_specials: set[str], overrides: Mapping[str, str], where: s
     if missing:
         raise GhostvisError(
             f"{where}: it has no token for GhostVis's {', '.join(missing)} (its special tokens: "
-            f"{_listing(file_specials)}) and is neither ChatML nor Llama 3; map each onto the file's own with the "
+            f"{_listing(file_specials)}) and is not {' or '.join(FAMILIES)}; map each onto the file's own with the "
             'tokenizer asset\'s special_tokens, e.g. {"bos": "<s>", "eot": "</s>", "user": "<|user_start|>"}, '
             "or bring a tokenizer with chat tokens"
         )
