@@ -65,7 +65,7 @@ class Tokenizer:
     # GhostVis's special names (SPECIAL_TOKENS) -> what stands for each in a tokenizer brought as a file: one of its
     # own special tokens ("<|eot_id|>"), or for a chat role a text with them ("<|im_start|>user\n"). A name not here
     # is a special token of that name (a trained tokenizer: always).
-    markers: Mapping[str, str] = field(default_factory=dict)
+    markers: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     @property
     def vocab_size(self) -> int:
