@@ -233,6 +233,13 @@ def fetch_bytes(what: str, url: str) -> bytes:
     return _retrying(what, "check that the file exists beside the shard, or the network", once)
 
 
+def fetch_file(what: str, url: str, dest: Path, fix: str) -> FetchResult:
+    """One file that is not a shard (a tokenizer brought as a file) by the same path: atomic, retried."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    what = f"{what}: {_safe_url(url)}"
+    return _retrying(what, fix, lambda: _fetch_once(what, ShardEntry(shard_name(url), url), dest, what, None, None))
+
+
 def _retrying(what: str, fix: str, attempt):
     """Call attempt() until it stops raising _Transient; back off exponentially, with jitter, in between."""
     last = None
