@@ -416,15 +416,17 @@ def test_the_readmes_source_of_each_kind_is_a_valid_declaration():
     from ghostvis_core.data.records import check_columns_mapping
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    (block,) = [b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if "my_chats" in b]
-    remote = yaml.safe_load(block)["ops"]["shard_manifest"]["config"]["remote"]
-    sources = [RemoteSource(**r) for r in remote]
-    check_declarations([(s.name, s.kind) for s in sources])
-    assert sorted(s.kind for s in sources) == ["chat", "image_caption", "preference", "problem"]
-    for s in sources:
-        check_columns_mapping(s.name, s.kind, s.columns)
-        check_reward_rule(s.name, s.kind, s.reward)
-    assert is_correct(next(s.reward for s in sources if s.kind == "problem"), "17 * 3 = 51", "51")
+    blocks = [b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if "my_chats" in b]
+    assert len(blocks) == 2  # "Every kind of data" and the walk of "Every stage on your own data"
+    for block in blocks:
+        remote = yaml.safe_load(block)["ops"]["shard_manifest"]["config"]["remote"]
+        sources = [RemoteSource(**r) for r in remote]
+        check_declarations([(s.name, s.kind) for s in sources])
+        assert sorted(s.kind for s in sources) == ["chat", "image_caption", "preference", "problem"]
+        for s in sources:
+            check_columns_mapping(s.name, s.kind, s.columns)
+            check_reward_rule(s.name, s.kind, s.reward)
+        assert is_correct(next(s.reward for s in sources if s.kind == "problem"), "17 * 3 = 51", "51")
 
 
 def test_raw_shards_in_dagster_reads_a_mapped_json_lines_source_and_refuses_a_bad_row_keeping_the_shard(tmp_path):

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from ghostvis_core.data.chat import ROLES
 from ghostvis_core.data.schema import KIND_COLUMNS, OPTIONAL_COLUMNS, check_shard_schema, schema_mismatch
-from ghostvis_core.data.sources import fetch_bytes
+from ghostvis_core.data.sources import fetch_many
 from ghostvis_core.errors import GhostvisError
 
 MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
@@ -122,6 +122,7 @@ def _check_rows(shard_id: str, kind: str, rows: list[dict], columns: dict[str, s
     fields = KIND_COLUMNS[kind]
     out: dict[str, list] = {f: [] for f in fields}
     first: dict[str, str] = {}  # field -> row 0's shape (string | message list): one shape per file
+    images = fetch_many([sibling_url(url, p) for p in _image_paths(rows, columns)]) if "image" in fields else {}
     for r, row in enumerate(rows):
         try:
             for field in fields:
@@ -132,7 +133,7 @@ def _check_rows(shard_id: str, kind: str, rows: list[dict], columns: dict[str, s
                 if value is None:
                     keys = ", ".join(sorted(str(k) for k, v in row.items() if v is not None)) or "none"
                     raise RowError(field, f"is missing (the row's columns: {keys}); expected {SHAPES[field]}")
-                out[field].append(_value(field, value, url, first))
+                out[field].append(_value(field, value, url, first, images))
         except RowError as e:
             top = e.field.split("[")[0]  # messages[1].role is in the column of messages
             column = f" (column {columns[top]!r})" if top in columns else ""
@@ -154,9 +155,9 @@ _ARROW = {
 }
 
 
-def _value(field: str, value, url: str, first: dict[str, str]):
+def _value(field: str, value, url: str, first: dict[str, str], images: dict[str, bytes | GhostvisError]):
     if field == "image":
-        return _image(value, url)
+        return _image(value, url, images)
     if field == "answer":
         if isinstance(value, bool) or not isinstance(value, (str, int)):
             raise RowError(field, f"is {_type(value)}, expected {SHAPES[field]}")
@@ -199,22 +200,32 @@ def _messages(field: str, value) -> list[dict]:
     return out
 
 
-def _image(value, url: str) -> bytes:
-    """Image bytes as given (a Hugging Face Image column holds {bytes, path}), or the file a relative path names."""
+def _image_paths(rows: list[dict], columns: dict[str, str]) -> list[str]:
+    """The relative paths the rows' images are given as, to fetch them all at once before the rows are checked."""
+    values = [row.get(columns.get("image", "image")) for row in rows]
+    values = [(v.get("bytes") or v.get("path")) if isinstance(v, dict) else v for v in values]
+    return [v for v in values if isinstance(v, str) and _relative(v)]
+
+
+def _relative(value: str) -> bool:
+    ref = Path(value)
+    return bool(value) and not ref.is_absolute() and ".." not in ref.parts and "://" not in value
+
+
+def _image(value, url: str, images: dict[str, bytes | GhostvisError]) -> bytes:
+    """Image bytes as given (a Hugging Face Image column holds {bytes, path}), or the file a relative path names
+    (fetched beforehand, `images`)."""
     if isinstance(value, dict):
         value = value.get("bytes") or value.get("path")
     if isinstance(value, (bytes, bytearray)) and value:
         return _decodable(bytes(value), "holds")
     if not isinstance(value, str) or not value:
         raise RowError("image", f"is {_type(value)}, expected {SHAPES['image']}")
-    ref = Path(value)
-    if ref.is_absolute() or ".." in ref.parts or "://" in value:
+    if not _relative(value):
         raise RowError("image", f"is {value!r}, expected a path relative to the shard's file, inside its folder")
-    image_url = sibling_url(url, value)
-    try:
-        blob = fetch_bytes(image_url, image_url)
-    except GhostvisError as exc:
-        raise RowError("image", f"names {value!r}, which cannot be read ({str(exc).split(';')[0]})") from None
+    blob = images[sibling_url(url, value)]
+    if isinstance(blob, GhostvisError):
+        raise RowError("image", f"names {value!r}, which cannot be read ({str(blob).split(';')[0]})")
     return _decodable(blob, f"names {value!r}, which holds")
 
 
