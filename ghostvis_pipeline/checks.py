@@ -101,8 +101,8 @@ def tokenizer_trained_on_train_shards_only(context, home: GhostvisHome) -> Asset
 
 def _tokenizer_train_shard_ids(store, md: dict) -> list[str] | None:
     """The shards the tokenizer trained on, from its identity record in the store (assets/data.py keeps the list
-    there, not in the event); [] for a tokenizer taken from a model; None when no record says."""
-    if md.get("from_model"):
+    there, not in the event); [] for a tokenizer taken from a model or a file; None when no record says."""
+    if md.get("from_model") or md.get("from_file"):
         return []
     key = md.get("identity")
     if not key or not store.exists("identity", "tokenizer", key):

@@ -17,7 +17,12 @@ def cmd_data(args) -> int:
 
     prepare_environment(Home.from_env())
     t0 = time.time()
-    runs = materialize_data(DagsterInstance.get(), args.preset or presets.default_preset())
+    brought = {"from_model": args.tokenizer_of} if args.tokenizer_of else {"from_file": args.tokenizer_file}
+    runs = materialize_data(
+        DagsterInstance.get(),
+        args.preset or presets.default_preset(),
+        brought if args.tokenizer_of or args.tokenizer_file else None,
+    )
     print(format_summary(runs, time.time() - t0))
     return 0 if all(passed for r in runs for *_, passed in r.checks) else 1
 
@@ -26,5 +31,18 @@ def add_parser(sub) -> None:
     d = sub.add_parser("data", help="backfill every registered shard: download, tokenizer, tokenization, ledger")
     d.add_argument(
         "--preset", help="the preset whose tokenizer vocabulary to train (default: GHOSTVIS_PRESET, else tiny)"
+    )
+    brought = d.add_mutually_exclusive_group()
+    brought.add_argument(
+        "--tokenizer-of",
+        metavar="MODEL",
+        help="use this Hugging Face checkpoint's tokenizer.json instead of training one (a folder, s3://, "
+        "hf://org/name@rev): the data is tokenized as the model you start a stage from (init_from) was trained",
+    )
+    brought.add_argument(
+        "--tokenizer-file",
+        metavar="FILE",
+        help="use this tokenizer file instead of training one (a byte-level BPE tokenizer.json or a tiktoken BPE "
+        "file; path, s3://, http(s)://, hf://); the tokenizer asset's run config maps special tokens",
     )
     d.set_defaults(fn=cmd_data)

@@ -69,16 +69,22 @@ def materialize(
     return summary
 
 
-def materialize_data(instance, preset: str) -> list[RunSummary]:
+def materialize_data(instance, preset: str, tokenizer: dict | None = None) -> list[RunSummary]:
     """raw_shards and tokenized_shards over every registered shard partition (one run each, here),
-    the tokenizer in between and the token ledger after; unchanged shards are skipped."""
+    the tokenizer in between (trained for the preset, or `tokenizer`: its run config, e.g. from_model) and
+    the token ledger after; unchanged shards are skipped."""
     keys = instance.get_dynamic_partitions(shard_partitions.name)
     if not keys:
         raise GhostvisError("no shard partitions are registered; materialize shard_manifest with your sources first")
     span = (keys[0], keys[-1])
     return [
         materialize(defs, instance, ["raw_shards"], partition_range=span),
-        materialize(defs, instance, ["tokenizer"], run_config={"ops": {"tokenizer": {"config": {"preset": preset}}}}),
+        materialize(
+            defs,
+            instance,
+            ["tokenizer"],
+            run_config={"ops": {"tokenizer": {"config": tokenizer or {"preset": preset}}}},
+        ),
         materialize(defs, instance, ["tokenized_shards"], partition_range=span),
         materialize(defs, instance, ["token_ledger"]),
     ]

@@ -227,7 +227,11 @@ def test_a_cross_stage_reuse_names_the_runs_too(tmp_path):
     )
     assert inv.no_reuse(ledger, "cpt").failures == [
         "undeclared_cross_stage s0 tokens 50..100: read by part cpt.p0 (run cpt, segment 0, steps 1..4) and "
-        "part pre.p0 (run pre, segment 0, steps 1..10)"
+        "part pre.p0 (run pre, segment 0, steps 1..10)",
+        "50 tokens of source(s) prose were read by an earlier stage of this lineage and again by this one: expected "
+        "when this stage replays them on purpose (a replay mix, or one source declared for two stages); declare it "
+        "with --set 'data.replay_sources=[\"prose\"]' (the run config's data.replay_sources, keeping any source "
+        "already declared there), else give this stage data its lineage has not read",
     ]
 
 

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from ghostvis_core.data.schema import check_shard_schema
+from ghostvis_core.data.records import normalize_shard
 from ghostvis_core.data.sources import ShardEntry, fetch_shard
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
@@ -155,15 +155,16 @@ DECLARATIONS = {
     ),
     "misspelt kind": (
         [{"name": "web2", "kind": "txt", "listing": LISTING}],
-        "source web2: unknown kind 'txt'; set kind to one of text, chat, preference, image_caption",
+        "source web2: unknown kind 'txt'; set kind to one of text, chat, preference, problem, image_caption",
     ),
     "listing that finds nothing": (
         [{"name": "web2", "listing": "{empty}"}],
-        "source web2: no .parquet shards found at {empty}; check the listing URL and the shard range",
+        "source web2: no .parquet or .jsonl shards found at {empty}; check the listing URL and the shard range",
     ),
     "listing beyond its shards": (
         [{"name": "web2", "listing": LISTING, "first_shard": 5}],
-        "source web2: no .parquet shards found at {listing} from shard 5; check the listing URL and the shard range",
+        "source web2: no .parquet or .jsonl shards found at {listing} from shard 5; check the listing URL and the "
+        "shard range",
     ),
     "negative shard range": (
         [{"name": "web2", "listing": LISTING, "first_shard": -1}],
@@ -180,6 +181,14 @@ DECLARATIONS = {
     "url_pattern without {shard}": (
         [{"name": "web2", "url_pattern": "https://h/x.parquet", "num_shards": 2}],
         "source web2: url_pattern 'https://h/x.parquet' must contain {shard} and no other field",
+    ),
+    "columns mapping of a field the kind lacks": (
+        [{"name": "web2", "listing": LISTING, "columns": {"body": "text"}}],
+        "source web2: columns mapping 'body': 'text' does not map a field of a text source to a column name",
+    ),
+    "misspelt reward rule": (
+        [{"name": "web2", "kind": "problem", "listing": LISTING, "reward": "exact"}],
+        "source web2: reward 'exact' is not a reward rule; use integer (the default), string or regex:<pattern>",
     ),
     "validation_sha256 that is no digest": (
         [{"name": "web2", "listing": LISTING, "validation_sha256": ["abc"]}],
@@ -217,44 +226,58 @@ def test_a_listing_with_a_link_out_of_its_folder_is_refused(unchanged, tmp_path)
     )
 
 
-# --- 2. shard files: checked for their kind's columns and types before they take their place ----------
+# --- 2. shard files: checked row by row for their kind before they take their place ------------------
 
-MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 SHARDS = {
-    "text column of integers": ("text", {"text": [1, 2]}, None, "column 'text' is int64, expected string"),
-    "text column of bytes": ("text", {"text": [b"\xff\xfe"]}, None, "column 'text' is binary, expected string"),
+    "text column of integers": ("text", {"text": [1, 2]}, None, "row 0, field 'text' is an int (1), expected a string"),
+    "text column of bytes": (
+        "text",
+        {"text": [b"\xff\xfe"]},
+        None,
+        "row 0, field 'text' is a bytes (b'\\xff\\xfe'), expected a string",
+    ),
     "text of invalid UTF-8": (
         "text",
         {"text": pa.array([b"fine", b"\xff\xfe"], pa.binary()).view(pa.string())},
         None,
         "row 1, column 'text' is not valid UTF-8 text",
     ),
-    "no text column": ("text", {"body": ["x"]}, None, "no column 'text', which a text source needs (columns: body)"),
+    "no text column": (
+        "text",
+        {"body": ["x"]},
+        None,
+        "row 0, field 'text' is missing (the row's columns: body); expected a string",
+    ),
     "chat messages as a string": (
         "chat",
         {"messages": ["hello"]},
         None,
-        "column 'messages' is string, expected list<struct<role: string, content: string>>",
+        "row 0, field 'messages' is a str ('hello'), expected a non-empty list of {role, content} messages",
     ),
     "caption without images": (
         "image_caption",
         {"caption": ["a cat"]},
         None,
-        "no column 'image', which a image_caption source needs",
+        "row 0, field 'image' is missing (the row's columns: caption); expected image bytes, or a path",
     ),
-    "image of strings": (
+    "image named by a path that is not there": (
         "image_caption",
-        {"caption": ["a cat"], "image": ["png?"]},
+        {"caption": ["a cat"], "image": ["cat.png"]},
         None,
-        "column 'image' is string, expected binary (encoded image bytes)",
+        "row 0, field 'image' names 'cat.png', which cannot be read (file:///",
     ),
     "preference without rejected": (
         "preference",
         {"prompt": ["q"], "chosen": ["a"]},
         None,
-        "no column 'rejected', which a preference source needs",
+        "row 0, field 'rejected' is missing (the row's columns: chosen, prompt); expected a string or a list",
     ),
 }
+
+
+def download_check(shard_id: str, kind: str, entry: ShardEntry):
+    """raw_shards' check of a download: every row of its kind (records.normalize_shard)."""
+    return partial(normalize_shard, shard_id, kind, {}, entry.url)
 
 
 @pytest.mark.parametrize("case", list(SHARDS))
@@ -264,21 +287,24 @@ def test_a_shard_of_the_wrong_schema_is_refused_at_download_and_kept_nowhere(cas
     dest = FolderStore(unchanged / "store").writable("raw_shard", "web/bad")
     entry = ShardEntry("bad", src.as_uri())
     with pytest.raises(GhostvisError) as exc:
-        fetch_shard("web/bad", entry, dest, check=partial(check_shard_schema, "web/bad", kind))
+        fetch_shard("web/bad", entry, dest, check=download_check("web/bad", kind, entry))
     assert str(exc.value).startswith(f"shard web/bad: {message}")
     assert str(exc.value).endswith("then re-materialize raw_shards partition web/bad")
     assert not dest.exists()
 
 
-def test_a_file_that_is_not_parquet_is_refused_at_download(unchanged, tmp_path):
-    src = tmp_path / "bad.parquet"
-    src.write_bytes(b"not parquet at all")
+def test_a_file_that_is_neither_parquet_nor_json_lines_is_refused_at_download(unchanged, tmp_path):
     dest = FolderStore(unchanged / "store").writable("raw_shard", "web/bad")
-    with pytest.raises(GhostvisError, match=r"^shard web/bad: not a readable Parquet file \("):
-        fetch_shard(
-            "web/bad", ShardEntry("bad", src.as_uri()), dest, check=partial(check_shard_schema, "web/bad", "text")
-        )
-    assert not dest.exists()
+    for content, refusal in (
+        (b"not parquet at all", r"line 1 is not a JSON object \(.*\); a shard is a Parquet file or JSON Lines"),
+        (b"PAR1 and then nothing", r"not a readable Parquet file \("),
+    ):
+        src = tmp_path / "bad.parquet"
+        src.write_bytes(content)
+        entry = ShardEntry("bad", src.as_uri())
+        with pytest.raises(GhostvisError, match=rf"^shard web/bad: {refusal}"):
+            fetch_shard("web/bad", entry, dest, check=download_check("web/bad", "text", entry))
+        assert not dest.exists()
 
 
 def test_a_shard_stored_before_the_check_is_refused_by_the_tokenizer_naming_row_and_column(tmp_path):

@@ -223,6 +223,14 @@ def test_a_pasted_validation_document_and_mc_item_fail_the_gate_naming_shard_row
     assert named == {("corp/00000", 1, "validation", "corp/val row 0"), ("corp/00000", 3, "user:mc.jsonl", "line 2")}
     assert any("training shard corp/00000 row 1 " in f and "validation corp/val row 0" in f for f in out.failures)
     assert any("training shard corp/00000 row 3 " in f and "user:mc.jsonl line 2" in f for f in out.failures)
+    assert out.failures[-1] == (  # what was found, whether templated data explains it, and the setting
+        "1 contaminated pair(s) are source corp's training documents against its own validation split (overlap up "
+        "to 1.00): expected when corp's documents are generated from templates (train and validation rows share "
+        "the template's words, not their content); if so, declare it for this stage with --set "
+        "contamination.max_overlap=1 (the run config's contamination.max_overlap, which applies to every "
+        "evaluation set), else its validation split holds copies of training documents: deduplicate the source "
+        "or pin other validation shards"
+    )
     val_fps = len(fingerprints(t.texts["corp/val"][0]))
     row = next(r for r in out.tables["shared_ngrams"][1] if r[1] == 1)
     assert row[4:7] == [val_fps, len(fingerprints(t.texts["corp/00000"][1])), val_fps] and row[7] == 1.0

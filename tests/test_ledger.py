@@ -335,6 +335,34 @@ def test_child_run_overlapping_its_parent(parent_run, replay, kind):
     assert parent_run.reuse("pre") == []  # the parent's own lineage does not include the child
 
 
+def test_no_reuse_names_the_setting_that_declares_a_replay(parent_run):
+    from ghostvis_core.verify.audit.invariants import no_reuse
+
+    parent_run.write_part(
+        part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", created_at=2.0),
+        [piece("s0", (60, 120), (6, 12))],
+    )
+    out = no_reuse(parent_run, "cpt")
+    assert not out.passed and len(out.failures) == 2
+    assert out.failures[1] == (
+        "40 tokens of source(s) prose were read by an earlier stage of this lineage and again by this one: expected "
+        "when this stage replays them on purpose (a replay mix, or one source declared for two stages); declare it "
+        "with --set 'data.replay_sources=[\"prose\"]' (the run config's data.replay_sources, keeping any source "
+        "already declared there), else give this stage data its lineage has not read"
+    )
+
+
+def test_no_reuse_names_the_setting_that_declares_a_repeat(ledger):
+    from ghostvis_core.verify.audit.invariants import no_reuse
+
+    ledger.write_part(part("w.p0", "w"), [piece("s0", (0, 100), (0, 10)), piece("s0", (0, 25), (0, 3), epoch=1)])
+    out = no_reuse(ledger, "w")
+    assert out.failures[-1] == (
+        "source(s) prose were read in a second epoch by this run (the budget is larger than the data): declare it "
+        "with --set data.allow_repeat=true, or lower budget.steps or add data"
+    )
+
+
 def test_grandchild_sees_the_grandparent(parent_run):
     parent_run.write_part(
         part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", created_at=2.0),

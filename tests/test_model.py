@@ -51,3 +51,25 @@ def test_greedy_output_is_unchanged_by_the_mode_and_matches_a_full_forward():
     from_eval = model.eval().generate(PROMPT, 8)
     assert from_training == from_eval == greedy_without_cache(model, PROMPT, 8)
     assert len(from_training) == 8
+
+
+def test_the_rl_sampler_never_draws_a_padding_id_of_the_models_vocabulary():
+    """Issue 45: a 20-token tokenizer under a vocabulary padded to 32 (as 531 -> 576). With the padding rows'
+    logits the largest, unmasked sampling draws them (KeyError decoding them, in the rl stage); the rl sampler
+    draws only ids the tokenizer has."""
+    from ghostvis_core.plan.config import GRPOConfig
+    from ghostvis_core.run.train.grpo import sample
+
+    model = tiny_model()
+    with torch.no_grad():
+        model.lm_head.weight[20:] *= 50  # padding rows: never trained, here the likeliest
+    cfg = GRPOConfig(group_size=2, max_new_tokens=6, temperature=1.0)
+    unmasked = [t for g in range(8) for t in model.generate(PROMPT, 6, temperature=1.0, generator=gen(g))]
+    assert max(unmasked) >= 20  # the bug: padding ids are drawn
+    drawn = [t for g in range(8) for t in sample(model, torch.tensor(PROMPT).numpy(), cfg, (), 0, g, 20)]
+    assert len(drawn) == 48 and max(drawn) < 20
+    assert max(model.generate(PROMPT, 6, vocab=20)) < 20  # greedy too
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)

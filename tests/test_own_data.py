@@ -145,3 +145,72 @@ def test_the_readme_walk_over_s3_and_http_gives_the_same_shards_and_a_checkpoint
     trained = s3_home.store.read_json("identity", "tokenizer", md["identity"].value)["metadata"]["train_shard_ids"]
     assert "web/00006" not in trained
     assert f"run {run.run_key}" in out or run.run_key in out
+
+
+def test_every_kind_downloads_to_the_same_shard_over_s3_http_and_file(
+    tmp_path, corpus, s3_endpoint, http_server, monkeypatch
+):
+    """Issue 45: chats in JSON Lines under their own column name, and a folder of images with a captions
+    file, on the S3 server (listed) and the HTTP server (numbered): raw_shards' download and check
+    (records.normalize_shard) make the same Parquet shard over S3, HTTP and file://, images included."""
+    import boto3
+
+    from ghostvis_core.data.catalog import RemoteSource, remote_manifest
+    from ghostvis_core.data.records import normalize_shard
+    from ghostvis_core.data.sources import fetch_shard
+    from ghostvis_core.store.files import sha256_file
+    from tests.test_own_kinds import CAPTIONS, CHATS, write_jsonl
+
+    kinds = corpus / "kinds"
+    write_jsonl(kinds / "chats" / "00000.jsonl", [{"conversations": c} for c in CHATS[:2]])
+    write_jsonl(kinds / "chats" / "00001.jsonl", [{"conversations": CHATS[2]}])
+    write_jsonl(
+        kinds / "pics" / "00000.jsonl", [{"image": f"img/{i}.png", "caption": c} for i, (c, _) in enumerate(CAPTIONS)]
+    )
+    for i, (_, image) in enumerate(CAPTIONS):
+        (kinds / "pics" / "img").mkdir(parents=True, exist_ok=True)
+        (kinds / "pics" / "img" / f"{i}.png").write_bytes(image)
+    client = boto3.client(
+        "s3", endpoint_url=s3_endpoint, region_name="us-east-1", aws_access_key_id="test", aws_secret_access_key="test"
+    )
+    for p in sorted(kinds.rglob("*.*")):
+        client.upload_file(str(p), "my-bucket", p.relative_to(corpus).as_posix())
+    for var, value in (
+        ("AWS_ENDPOINT_URL_S3", s3_endpoint),
+        ("AWS_ACCESS_KEY_ID", "test"),
+        ("AWS_SECRET_ACCESS_KEY", "test"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+    ):
+        monkeypatch.setenv(var, value)
+
+    def downloaded(src: RemoteSource, where: str) -> dict[str, str]:
+        m = remote_manifest(src)
+        out = {}
+        for e in m.shards:
+            sid = m.shard_id(e)
+            check = functools.partial(normalize_shard, sid, m.kind, m.columns, e.url)
+            out[sid] = fetch_shard(sid, e, tmp_path / where / f"{sid}.parquet", check=check).sha256
+        return out
+
+    for name, kind, columns, n in (
+        ("chats", "chat", {"messages": "conversations"}, 2),
+        ("pics", "image_caption", {}, 1),
+    ):
+        over = {
+            "s3": downloaded(RemoteSource(name, kind, listing=f"s3://my-bucket/kinds/{name}/", columns=columns), "s3"),
+            "http": downloaded(
+                RemoteSource(
+                    name,
+                    kind,
+                    url_pattern=f"http://{http_server}/kinds/{name}/{{shard:05d}}.jsonl",
+                    num_shards=n,
+                    columns=columns,
+                ),
+                "http",
+            ),
+            "file": downloaded(RemoteSource(name, kind, listing=(kinds / name).as_uri(), columns=columns), "file"),
+        }
+        assert len(over["s3"]) == n and over["s3"] == over["http"] == over["file"], over
+    stored = pq.read_table(tmp_path / "s3" / "pics" / "00000.parquet")
+    assert stored.column("image").to_pylist() == [b for _, b in CAPTIONS]
+    assert sha256_file(tmp_path / "s3" / "pics" / "00000.parquet") == over["s3"]["pics/00000"]

@@ -16,8 +16,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from ghostvis_core.data.problems import check_reward_rule
+from ghostvis_core.data.records import check_columns_mapping
 from ghostvis_core.data.schema import check_kind
 from ghostvis_core.data.sources import (
+    SHARD_SUFFIXES,
     Manifest,
     ShardEntry,
     check_pins,
@@ -44,6 +47,8 @@ class RemoteSource:
     validation: list[str] = field(default_factory=list)  # shard names pinned as validation
     validation_sha256: list[str] = field(default_factory=list)  # or pinned by content hash
     sha256: dict[str, str] = field(default_factory=dict)  # expected content hash per shard name
+    columns: dict[str, str] = field(default_factory=dict)  # the kind's field -> the column your files name it
+    reward: str = ""  # kind problem: integer (default), string or regex:<pattern> (ghostvis_core/data/problems.py)
 
 
 # A source name is a path segment of the store and the first half of every partition key <source>/<shard>.
@@ -70,6 +75,9 @@ def check_declarations(declared: list[tuple[str, str]]) -> None:
 
 
 def remote_manifest(src: RemoteSource) -> Manifest:
+    check_kind(src.name, src.kind)
+    check_columns_mapping(src.name, src.kind, src.columns)
+    reward = check_reward_rule(src.name, src.kind, src.reward)
     if src.first_shard < 0 or src.num_shards < 0:
         raise GhostvisError(
             f"source {src.name}: first_shard={src.first_shard} and num_shards={src.num_shards} must be 0 or more; "
@@ -94,7 +102,7 @@ def remote_manifest(src: RemoteSource) -> Manifest:
         if not listed:
             beyond = f" from shard {src.first_shard}" if src.first_shard else ""
             raise GhostvisError(
-                f"source {src.name}: no .parquet shards found at {src.listing}{beyond}; "
+                f"source {src.name}: no {' or '.join(SHARD_SUFFIXES)} shards found at {src.listing}{beyond}; "
                 f"check the listing URL and the shard range"
             )
         names = [shard_name(url) for url, _ in listed]
@@ -108,6 +116,7 @@ def remote_manifest(src: RemoteSource) -> Manifest:
             ],
         )
     m.validation_sha256 = [_sha256_pin(src.name, d) for d in src.validation_sha256]
+    m.columns, m.reward = dict(src.columns), reward
     return m
 
 

@@ -20,6 +20,9 @@ def manifest_identity(manifests: list[Manifest]) -> dict[str, Any]:
             "kind": m.kind,
             "validation_sha256": sorted(m.validation_sha256),
             "shards": [[e.name, e.split, e.bytes, e.sha256] for e in m.shards],
+            # how rows are read and rewarded: set only where declared, so other sources' identities stay
+            **({"columns": m.columns} if m.columns else {}),
+            **({"reward": m.reward} if m.reward else {}),
         }
         for m in manifests
     }

@@ -56,20 +56,29 @@ TEXT_COLUMNS = {
     "text": ["text"],
     "chat": ["messages"],
     "preference": ["prompt", "chosen", "rejected"],
+    "problem": ["prompt", "answer"],
     "image_caption": ["caption"],
 }
 
 
 def record_text(kind: str, record: dict) -> str:
     """The words a training record of a source kind is fingerprinted from: the text it is tokenized
-    from (a text, a chat's messages, a caption), or a preference pair's prompt, chosen and rejected
-    replies. One rule for tokenization (ghostvis_core/data/tokenize.py records these) and the demo
+    from (a text, a chat's messages, a caption), a preference pair's prompt, chosen and rejected
+    replies, or a problem's prompt and answer (each a string or a message list). One rule for
+    tokenization (ghostvis_core/data/tokenize.py records these) and the demo
     builders (which drop by them), so what a builder cleared is what the gate sees."""
     if kind == "chat":
         return "\n".join(m["content"] for m in record["messages"] or [])
-    if kind == "preference":
-        return "\n".join(record[k] or "" for k in ("prompt", "chosen", "rejected"))
+    if kind in ("preference", "problem"):
+        return "\n".join(prompt_text(record[k]) for k in TEXT_COLUMNS[kind])
     return record.get("caption" if kind == "image_caption" else "text") or ""
+
+
+def prompt_text(value: str | list[dict] | None) -> str:
+    """A field that is a string or a message list, as text: the messages' contents, one a line."""
+    if isinstance(value, list):
+        return "\n".join(m["content"] for m in value)
+    return value or ""
 
 
 def fingerprints(text: str) -> set[int]:

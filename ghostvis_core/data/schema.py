@@ -2,9 +2,10 @@
 
 One owner for what a source kind is: `KIND_COLUMNS` names the columns the tokenizer reads (the first is
 the text a document filter looks at), `SOURCE_KINDS` the kinds a source may declare. `check_shard_schema`
-runs on every download, before the file takes its place in the store, so a shard whose columns are
-missing, of another type, or not valid UTF-8 is refused naming the shard, column and row, rather
-than failing inside tokenization with a Python exception.
+runs on every raw shard, before it takes its place in the store (after ghostvis_core/data/records.py put a
+user's file in its kind's shape) and before it is tokenized, so a shard whose columns are missing, of
+another type, or not valid UTF-8 is refused naming the shard, column and row, rather than failing inside
+tokenization with a Python exception.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ KIND_COLUMNS = {
     "text": ["text"],
     "chat": ["messages", "image"],
     "preference": ["prompt", "chosen", "rejected"],
+    "problem": ["prompt", "answer"],  # the rl stage's: a prompt and the answer its reward rule checks
     "image_caption": ["caption", "image"],
 }
 SOURCE_KINDS = tuple(KIND_COLUMNS)
@@ -42,15 +44,21 @@ def _is_messages(t: pa.DataType) -> bool:
     return all(_is_text(fields.get(k, pa.null())) for k in ("role", "content"))
 
 
+def _is_text_or_messages(t: pa.DataType) -> bool:
+    return _is_text(t) or _is_messages(t)
+
+
+MESSAGES_TYPE = "list<struct<role: string, content: string>>"
 # column -> (its test, the type it names in messages)
 COLUMN_TYPES: dict[str, tuple[Callable[[pa.DataType], bool], str]] = {
     "text": (_is_text, "string"),
-    "prompt": (_is_text, "string"),
-    "chosen": (_is_text, "string"),
-    "rejected": (_is_text, "string"),
+    "prompt": (_is_text_or_messages, f"string or {MESSAGES_TYPE}"),
+    "chosen": (_is_text_or_messages, f"string or {MESSAGES_TYPE}"),
+    "rejected": (_is_text_or_messages, f"string or {MESSAGES_TYPE}"),
+    "answer": (_is_text, "string"),
     "caption": (_is_text, "string"),
     "image": (_is_bytes, "binary (encoded image bytes)"),
-    "messages": (_is_messages, "list<struct<role: string, content: string>>"),
+    "messages": (_is_messages, MESSAGES_TYPE),
 }
 
 
@@ -68,20 +76,26 @@ def check_shard_schema(shard_id: str, kind: str, path: Path) -> None:
         schema = pf.schema_arrow
     except Exception as exc:  # pyarrow raises several types for a file that is not Parquet
         raise GhostvisError(f"shard {shard_id}: not a readable Parquet file ({exc}); {fix}") from None
+    mismatch = schema_mismatch(kind, schema)
+    if mismatch:
+        raise GhostvisError(f"shard {shard_id}: {mismatch}; {fix}")
+    for column in KIND_COLUMNS[kind]:
+        if column in schema.names and _is_text(schema.field(column).type):
+            _check_utf8(shard_id, pf, column, fix)
+
+
+def schema_mismatch(kind: str, schema: pa.Schema) -> str | None:
+    """What makes a Parquet schema other than the kind's (a missing column, one of another type), or None."""
     for column in KIND_COLUMNS[kind]:
         if column not in schema.names:
             if (kind, column) in OPTIONAL_COLUMNS:
                 continue
-            raise GhostvisError(
-                f"shard {shard_id}: no column {column!r}, which a {kind} source needs "
-                f"(columns: {', '.join(schema.names)}); {fix}"
-            )
+            return f"no column {column!r}, which a {kind} source needs (columns: {', '.join(schema.names)})"
         ok, wanted = COLUMN_TYPES[column]
         got = schema.field(column).type
         if not ok(got):
-            raise GhostvisError(f"shard {shard_id}: column {column!r} is {got}, expected {wanted}; {fix}")
-        if _is_text(got):
-            _check_utf8(shard_id, pf, column, fix)
+            return f"column {column!r} is {got}, expected {wanted}"
+    return None
 
 
 def _check_utf8(shard_id: str, pf: pq.ParquetFile, column: str, fix: str) -> None:

@@ -19,6 +19,7 @@ import time
 import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from functools import cached_property
@@ -51,11 +52,14 @@ class ShardEntry:
 @dataclass
 class Manifest:
     source: str
-    kind: str = "text"  # text | chat | preference | image_caption
+    kind: str = "text"  # a key of schema.KIND_COLUMNS
     shards: list[ShardEntry] = field(default_factory=list)
     # Validation shards pinned by content: a shard whose sha256 is listed is validation whatever its
     # name or position, so a re-published, renumbered source cannot move it into training.
     validation_sha256: list[str] = field(default_factory=list)
+    # kind field -> the column a source's files hold it in (records.normalize_shard reads it there)
+    columns: dict[str, str] = field(default_factory=dict)
+    reward: str = ""  # a problem source's reward rule (ghostvis_core/data/problems.py)
 
     def split_of(self, entry: ShardEntry, content_sha256: str | None) -> str | None:
         """THE split rule, for every source kind: a shard is validation if its name is pinned or its
@@ -97,6 +101,8 @@ class Manifest:
             data.get("kind", "text"),
             [ShardEntry(**e) for e in data["shards"]],
             data.get("validation_sha256", []),
+            data.get("columns", {}),
+            data.get("reward", ""),
         )
 
     def save(self, path: Path) -> Path:
@@ -197,13 +203,15 @@ def fetch_shard(
     shard_id: str,
     entry: ShardEntry,
     dest: Path,
-    check: Callable[[Path], None] | None = None,
+    check: Callable[[Path], bool] | None = None,
     admit: Callable[[str], None] | None = None,
 ) -> FetchResult:
     """Download entry.url to dest atomically; verify size and sha256 when the manifest has them, and
-    the file by `check` (raw_shards: its kind's columns and types) before it takes the name `dest`.
-    `admit` is called last with the download's sha256, while `dest` still holds what was there
-    (raw_shards keeps a previous content of the shard as a version of its own).
+    the file by `check` (raw_shards: records.normalize_shard, every row of its kind, rewriting a user's
+    format as the kind's Parquet and returning True when it did) before it takes the name `dest`.
+    `admit` is called last with the sha256 of what takes the name, while `dest` still holds what was there
+    (raw_shards keeps a previous content of the shard as a version of its own). The result's bytes and
+    sha256 are of the file stored: the download's, or the rewritten file's.
 
     A transient failure restarts the download into a fresh temp file, up to RETRY_ATTEMPTS times.
     """
@@ -213,6 +221,37 @@ def fetch_shard(
     what = f"shard {shard_id}: {_safe_url(entry.url)}"
     fix = f"check the network or the server and re-materialize raw_shards partition {shard_id}"
     return _retrying(what, fix, lambda: _fetch_once(shard_id, entry, dest, what, check, admit))
+
+
+IMAGE_FETCH_WORKERS = 16
+
+
+def fetch_many(urls: list[str]) -> dict[str, bytes | GhostvisError]:
+    """Small files read whole (the images a shard names by paths beside it), over the shard's transports with a
+    shard's retries, IMAGE_FETCH_WORKERS at a time over one S3 client (a client and a request at a time cost
+    about 1 s an image on a loaded machine: minutes for a shard of a few hundred). A file that cannot be read
+    maps to its error, for the row that names it to report."""
+    client = _s3_client() if any(urllib.parse.urlsplit(u).scheme == "s3" for u in urls) else None
+
+    def one(url: str) -> tuple[str, bytes | GhostvisError]:
+        def once() -> bytes:
+            with _open_stream(url, url, client) as (chunks, _):
+                return b"".join(chunks)
+
+        try:
+            return url, _retrying(url, "check that the file exists beside the shard, or the network", once)
+        except GhostvisError as exc:
+            return url, exc
+
+    with ThreadPoolExecutor(IMAGE_FETCH_WORKERS) as pool:
+        return dict(pool.map(one, dict.fromkeys(urls)))
+
+
+def fetch_file(what: str, url: str, dest: Path, fix: str) -> FetchResult:
+    """One file that is not a shard (a tokenizer brought as a file) by the same path: atomic, retried."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    what = f"{what}: {_safe_url(url)}"
+    return _retrying(what, fix, lambda: _fetch_once(what, ShardEntry(shard_name(url), url), dest, what, None, None))
 
 
 def _retrying(what: str, fix: str, attempt):
@@ -233,7 +272,7 @@ def _fetch_once(
     entry: ShardEntry,
     dest: Path,
     what: str,
-    check: Callable[[Path], None] | None,
+    check: Callable[[Path], bool] | None,
     admit: Callable[[str], None] | None,
 ) -> FetchResult:
     try:
@@ -249,8 +288,8 @@ def _fetch_once(
                     f"{what}: checksum mismatch (expected sha256 {entry.sha256}, got {digest}); "
                     f"fix the manifest's sha256 or the source file, then re-materialize raw_shards partition {shard_id}"
                 )
-            if check is not None:
-                check(tmp)
+            if check is not None and check(tmp):
+                size, digest = tmp.stat().st_size, sha256_file(tmp)
             if admit is not None:
                 admit(digest)
         return FetchResult(dest, size, digest, downloaded=True)
@@ -289,13 +328,14 @@ def _safe_url(url: str) -> str:
     return urllib.parse.urlunsplit((u.scheme, u.netloc.rsplit("@", 1)[-1], u.path, "..." if u.query else "", ""))
 
 
-def _open_stream(what: str, url: str):
-    """A context manager yielding (chunks, length or None) for any supported URL."""
+def _open_stream(what: str, url: str, s3_client=None):
+    """A context manager yielding (chunks, length or None) for any supported URL (`s3_client`: one to share,
+    else a fresh one)."""
     scheme = urllib.parse.urlsplit(url).scheme
     opener = {"file": _open_file, "http": _open_http, "https": _open_http, "s3": _open_s3}.get(scheme)
     if opener is None:
         raise GhostvisError(f"{what}: unsupported URL scheme '{scheme}'; use file://, http(s):// or s3://")
-    return opener(what, url)
+    return _open_s3(what, url, s3_client) if scheme == "s3" else opener(what, url)
 
 
 @contextmanager
@@ -446,10 +486,10 @@ def _s3_errors(what: str):
 
 
 @contextmanager
-def _open_s3(what: str, url: str):
+def _open_s3(what: str, url: str, client=None):
     bucket, key = _split_s3(url)
     with _s3_errors(what):
-        obj = _s3_client().get_object(Bucket=bucket, Key=key)
+        obj = (client or _s3_client()).get_object(Bucket=bucket, Key=key)
     try:
         yield _s3_chunks(what, obj["Body"]), obj.get("ContentLength")
     finally:
@@ -464,8 +504,13 @@ def _s3_chunks(what: str, body) -> Iterator[bytes]:
 # --- listings -------------------------------------------------------------------------------------
 
 
-def list_remote(url_prefix: str, suffix: str = ".parquet", page_size: int = 1000) -> list[tuple[str, int | None]]:
-    """(url, size) of the files ending in `suffix` under a prefix, sorted, to build a manifest from.
+SHARD_SUFFIXES = (".parquet", ".jsonl")  # the files a listing takes as shards: Parquet and JSON Lines
+
+
+def list_remote(
+    url_prefix: str, suffix: str | tuple[str, ...] = SHARD_SUFFIXES, page_size: int = 1000
+) -> list[tuple[str, int | None]]:
+    """(url, size) of the files ending in one of `suffix` under a prefix, sorted, to build a manifest from.
 
     Supports file:// directories (recursive), s3://bucket/prefix (list_objects_v2, `page_size` keys a
     page) and, over http(s), only a .json listing: a list of URLs/paths (relative ones resolve against
@@ -479,7 +524,7 @@ def list_remote(url_prefix: str, suffix: str = ".parquet", page_size: int = 1000
         root = Path(urllib.parse.unquote(u.path))
         if not root.is_dir():
             raise GhostvisError(f"{what}: not a directory; check the source's URL")
-        files = [p for p in root.rglob(f"*{suffix}") if p.is_file() and not p.name.startswith(".")]
+        files = [p for p in root.rglob("*") if p.name.endswith(suffix) and p.is_file() and not p.name.startswith(".")]
         inside = root.resolve()
         outside = [p for p in files if not p.resolve().is_relative_to(inside)]
         if outside:
@@ -499,7 +544,7 @@ def list_remote(url_prefix: str, suffix: str = ".parquet", page_size: int = 1000
     )
 
 
-def _list_s3(what: str, url: str, suffix: str, page_size: int) -> list[tuple[str, int | None]]:
+def _list_s3(what: str, url: str, suffix: str | tuple[str, ...], page_size: int) -> list[tuple[str, int | None]]:
     bucket, prefix = _split_s3(url)
     out: list[tuple[str, int | None]] = []
     with _s3_errors(what):
@@ -511,7 +556,7 @@ def _list_s3(what: str, url: str, suffix: str, page_size: int) -> list[tuple[str
     return sorted(out)
 
 
-def _list_json(what: str, url: str, suffix: str) -> list[tuple[str, int | None]]:
+def _list_json(what: str, url: str, suffix: str | tuple[str, ...]) -> list[tuple[str, int | None]]:
     with _open_http(what, url) as (chunks, _):
         raw = b"".join(chunks)
     try:

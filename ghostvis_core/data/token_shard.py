@@ -5,6 +5,7 @@ Every kind of source has a `row` column (the document's row in the raw Parquet s
 - text: <|bos|> + the text's tokens
 - chat: the rendered conversation, plus `mask` (same lengths, 1 = carries loss)
 - preference: prompt ++ chosen ++ rejected, plus `prompt_len` and `chosen_len`
+- problem: the chat prompt ++ the answer as its reply, plus `prompt_len`
 - image_caption: <|bos|><|image|> + caption + <|eot|>, plus `image` (encoded bytes)
 Written as a single record batch, so `tokens` gives the flat token array and the document offsets
 without copying; consumption is recorded in these shard-local token coordinates. The schema metadata

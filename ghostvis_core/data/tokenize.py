@@ -28,9 +28,9 @@ from datatrove.pipeline.filters.base_filter import BaseFilter, get_filter_result
 from datatrove.pipeline.readers import ParquetReader
 
 from ghostvis_core.data.catalog import raw_content, recorded_sha256, replaced_sha256, shard_split
-from ghostvis_core.data.chat import IMAGE, render_chat, render_prompt, render_reply
+from ghostvis_core.data.chat import IMAGE, as_messages, render_chat, render_prompt, render_replies, render_reply
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.ngrams import fingerprints, record_text
+from ghostvis_core.data.ngrams import fingerprints, prompt_text, record_text
 from ghostvis_core.data.schema import KIND_COLUMNS, check_shard_schema
 from ghostvis_core.data.sources import Manifest
 from ghostvis_core.data.token_shard import TokenShard, list_column, token_dtype, write_token_shard
@@ -152,7 +152,8 @@ class RawShardReader(ParquetReader):
 
 
 def _record_text(kind: str, record: dict) -> str:
-    return (record["prompt"] or "") if kind == "preference" else record_text(kind, record)
+    """The text a document filter reads: a preference pair's or problem's prompt, else record_text."""
+    return prompt_text(record["prompt"]) if kind in ("preference", "problem") else record_text(kind, record)
 
 
 def encode_document(tok: Tokenizer, kind: str, doc: Document) -> dict:
@@ -166,9 +167,12 @@ def encode_document(tok: Tokenizer, kind: str, doc: Document) -> dict:
         ids, mask = render_chat(tok, record["messages"])
         return {"tokens": ids, "mask": mask, "image": record.get("image")}
     if kind == "preference":
-        prompt = render_prompt(tok, [{"role": "user", "content": record["prompt"]}])
-        chosen, rejected = render_reply(tok, record["chosen"]), render_reply(tok, record["rejected"])
+        prompt = render_prompt(tok, as_messages(record["prompt"]))
+        chosen, rejected = render_replies(tok, record["chosen"]), render_replies(tok, record["rejected"])
         return {"tokens": prompt + chosen + rejected, "prompt_len": len(prompt), "chosen_len": len(chosen)}
+    if kind == "problem":  # the prompt, then its answer as the reply (held back from the policy by prompt_len)
+        prompt = render_prompt(tok, as_messages(record["prompt"]))
+        return {"tokens": prompt + render_reply(tok, record["answer"]), "prompt_len": len(prompt)}
     ids = [tok.bos, tok.special(IMAGE), *tok.encode(record["caption"]), tok.eot]
     return {"tokens": ids, "image": record["image"]}
 

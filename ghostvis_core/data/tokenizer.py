@@ -3,7 +3,8 @@
 HF `tokenizers` trains fast; tiktoken encodes fast and is what the rest of the pipeline uses. A
 trained tokenizer is stored as `ranks.tiktoken` (tiktoken's own format) plus `tokenizer.json`, in the
 artifact store under kind "tokenizer" and its `tokenizer_id`, a hash of its content: two tokenizers
-with the same id encode identically, so the id can name the tokenized shards built with it.
+with the same id encode identically, so the id can name the tokenized shards built with it. A tokenizer
+brought as a file (ghostvis_core.data.tokenizer_file) is stored and named the same way.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import tiktoken
@@ -61,6 +62,10 @@ class Tokenizer:
 
     enc: tiktoken.Encoding
     tokenizer_id: str
+    # GhostVis's special names (SPECIAL_TOKENS) -> what stands for each in a tokenizer brought as a file: one of its
+    # own special tokens ("<|eot_id|>"), or for a chat role a text with them ("<|im_start|>user\n"). A name not here
+    # is a special token of that name (a trained tokenizer: always).
+    markers: Mapping[str, str] = field(default_factory=dict, hash=False)
 
     @property
     def vocab_size(self) -> int:
@@ -76,13 +81,36 @@ class Tokenizer:
         return self.special("<|eot|>" if self.tokenizer_id not in _STANDARD_FILES else _ENDOFTEXT)
 
     def special(self, name: str) -> int:
-        if name not in self.enc.special_tokens_set:
+        """The one id that stands for GhostVis's special `name` (through `markers`)."""
+        text = self.markers.get(name, name)
+        if text not in self.enc.special_tokens_set:
             raise GhostvisError(
-                f"tokenizer {self.tokenizer_id} has no special token {name}; it has "
+                f"tokenizer {self.tokenizer_id} has no special token {text} for {name}; it has "
                 f"{', '.join(sorted(self.enc.special_tokens_set))}. Use a tokenizer trained by GhostVis "
-                f"(the `tokenizer` asset) for chat and vision stages"
+                f"(the `tokenizer` asset) for chat and vision stages, or map {name} onto one of these "
+                f"(the asset's special_tokens)"
             )
-        return self.enc.encode_single_token(name)
+        return self.enc.encode_single_token(text)
+
+    def has(self, name: str) -> bool:
+        """Whether something stands for GhostVis's special `name` (a standard encoding has no chat roles)."""
+        return name in self.markers or name in self.enc.special_tokens_set
+
+    def marker(self, name: str) -> list[int]:
+        """The ids that stand for GhostVis's special `name`: a chat role may be several (`markers`)."""
+        if name not in self.markers:
+            return [self.special(name)]
+        return self.enc.encode(self.markers[name], allowed_special="all")
+
+    def same_ids(self, other: Tokenizer) -> bool:
+        """Whether both encode every text to the same ids (ranks, split and special tokens alike): they may
+        differ only in `markers`, what the chat template renders with."""
+        a, b = self.enc, other.enc
+        return (a._pat_str, a._special_tokens, a._mergeable_ranks) == (
+            b._pat_str,
+            b._special_tokens,
+            b._mergeable_ranks,
+        )
 
     def encode(self, text: str) -> list[int]:
         """Ordinary text: a literal "<|bos|>" in a document is encoded as text, never as the special."""
@@ -139,6 +167,8 @@ def save_tokenizer(tok: Tokenizer, store: Store) -> Path:
         "vocab_size": tok.vocab_size,
         "ranks_sha256": hashlib.sha256(ranks_bytes).hexdigest(),
     }
+    if tok.markers:
+        meta["markers"] = dict(tok.markers)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{tok.tokenizer_id}.tmp-", dir=root))
     try:
@@ -218,16 +248,23 @@ def _ranks_file_bytes(ranks: dict[bytes, int]) -> bytes:
     )
 
 
-def build_tokenizer(ranks: dict[bytes, int], pattern: str, specials: dict[str, int] | None = None) -> Tokenizer:
+def build_tokenizer(
+    ranks: dict[bytes, int],
+    pattern: str,
+    specials: dict[str, int] | None = None,
+    markers: Mapping[str, str] | None = None,
+) -> Tokenizer:
     """A Tokenizer named by a hash of its content; the specials default to SPECIAL_TOKENS after the
-    ranks (an imported Hugging Face tokenizer brings its own, ghostvis_core.run.hf.tokenizer_json)."""
+    ranks (a tokenizer brought as a file brings its own and `markers`, ghostvis_core.data.tokenizer_file)."""
     specials = specials or {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
     digest = hashlib.sha256(_ranks_file_bytes(ranks))
     digest.update(pattern.encode())
     digest.update(json.dumps(specials).encode())
+    if markers:  # none for a trained tokenizer, whose ids stay as they were
+        digest.update(json.dumps(dict(sorted(markers.items()))).encode())
     tokenizer_id = f"bpe{len(ranks) + len(specials)}-{digest.hexdigest()[:12]}"
     enc = tiktoken.Encoding(tokenizer_id, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
-    return Tokenizer(enc=enc, tokenizer_id=tokenizer_id)
+    return Tokenizer(enc=enc, tokenizer_id=tokenizer_id, markers=dict(markers or {}))
 
 
 def _load_directory(directory: Path) -> Tokenizer:
@@ -244,16 +281,22 @@ def _load_directory(directory: Path) -> Tokenizer:
             f"tokenizer {directory}: {directory / RANKS_FILE} does not match the sha256 recorded in "
             f"{META_FILE} (modified or partly written); {fix}"
         )
-    # Parsed here rather than with tiktoken.load.load_tiktoken_bpe, which would copy the file
-    # into tiktoken's download cache.
-    ranks = {base64.b64decode(token): int(rank) for token, rank in (line.split() for line in ranks_bytes.splitlines())}
-    tok = build_tokenizer(ranks, pattern, meta.get("special_tokens"))
+    tok = build_tokenizer(parse_ranks(ranks_bytes), pattern, meta.get("special_tokens"), meta.get("markers"))
     if tok.tokenizer_id != meta.get("tokenizer_id"):
         raise GhostvisError(
             f"tokenizer {directory}: {META_FILE} says id {meta.get('tokenizer_id')} but its content hashes "
             f"to {tok.tokenizer_id}; {fix}"
         )
     return tok
+
+
+def parse_ranks(data: bytes) -> dict[bytes, int]:
+    """A tiktoken BPE file's "base64(token) rank" lines. Parsed here rather than with
+    tiktoken.load.load_tiktoken_bpe, which would copy the file into tiktoken's download cache."""
+    return {
+        base64.b64decode(token, validate=True): int(rank)
+        for token, rank in (line.split() for line in data.splitlines() if line)
+    }
 
 
 def _load_standard(name: str) -> Tokenizer:

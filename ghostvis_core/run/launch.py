@@ -182,8 +182,9 @@ def resolve_stage(
     if init_from and is_hf_source(init_from):  # over the upstream stage a caller passes
         from ghostvis_core.run.hf.imports import import_checkpoint  # torch: only for a Hugging Face checkpoint
 
+        asked = tokenizer_id or (newest_tokenizer(home.store) if home.store.keys("tokenizer") else None)
         imported = import_checkpoint(home.store, init_from)
-        upstream, tokenizer_id = imported.upstream, imported.tokenizer.tokenizer_id
+        upstream, tokenizer_id = imported.upstream, model_tokenizer(home.store, asked, imported.tokenizer)
     elif init_from and upstream is None:
         if init_from not in stages.stage_names():
             raise GhostvisError(
@@ -215,9 +216,17 @@ def resolve_stage(
     return Resolved(cfg, upstream, up_cfg, tok)
 
 
+def model_tokenizer(store: Store, asked: str | None, model_tok: Tokenizer) -> str:
+    """An imported model's tokenizer; the `tokenizer` asset's (`asked`) when it is that model's with the chat
+    markers mapped its own way (its special_tokens): the same ids, so the model reads its data as it was trained."""
+    if asked and asked != model_tok.tokenizer_id and load_tokenizer(asked, store).same_ids(model_tok):
+        return asked
+    return model_tok.tokenizer_id
+
+
 def check_imported_data(stage: str, init_from: str, tok: Tokenizer, shards: tuple[dict[str, Any], ...]) -> None:
     """An imported model trains on shards tokenized with its own tokenizer (its vocab_size, from its
-    config.json, already covers the tokenizer's ids: from_hf_tokenizer checked it)."""
+    config.json, already covers the tokenizer's ids: tokenizer_file.read_tokenizer_file checked it)."""
     if not shards:
         raise GhostvisError(
             f"stage {stage}: init_from {init_from} brings tokenizer {tok.tokenizer_id} (saved in the store), but "

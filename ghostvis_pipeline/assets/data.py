@@ -31,10 +31,11 @@ from ghostvis_core.data.catalog import (
 from ghostvis_core.data.dedup import dedup_indexes, removed_rows
 from ghostvis_core.data.identities import ledger_identity, manifest_identity, shard_contents, tokenizer_identity
 from ghostvis_core.data.ledger import Ledger, source_split_totals
-from ghostvis_core.data.schema import check_shard_schema
+from ghostvis_core.data.records import normalize_shard
 from ghostvis_core.data.sources import fetch_shard
 from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
+from ghostvis_core.data.tokenizer_file import bring_tokenizer
 from ghostvis_core.demo.sources import DEMO_SOURCES, publish_demo_source
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.identity import code_version, digest
@@ -57,7 +58,7 @@ RemoteSourceConfig = config_from_dataclass(RemoteSource)
 MANIFEST_CODE = code_version("ghostvis_core.data.catalog")
 RAW_SHARDS_CODE = code_version("ghostvis_core.data.sources", "ghostvis_core.data.catalog")
 TOKENIZER_CODE = code_version(
-    "ghostvis_core.data.tokenizer", "ghostvis_core.data.catalog", "ghostvis_core.run.hf.tokenizer_json"
+    "ghostvis_core.data.tokenizer", "ghostvis_core.data.catalog", "ghostvis_core.data.tokenizer_file"
 )
 TOKENIZE_CODE = code_version("ghostvis_core.data.tokenize", "ghostvis_core.data.dedup")
 LEDGER_CODE = code_version("ghostvis_core.data.ledger")
@@ -140,8 +141,8 @@ SHARD_BACKFILL = BackfillPolicy.single_run()
     code_version=RAW_SHARDS_CODE,
 )
 def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> MaterializeResult:
-    """Downloads shards through the one fetch path (temp name, verify size + sha256 and the kind's
-    columns and types, rename), and
+    """Downloads shards through the one fetch path (temp name, verify size + sha256, check every row of
+    the kind and write a user's JSON Lines or renamed columns as the kind's Parquet, rename), and
     records each one's content hash, size and split (the split rule applied to that content). A shard
     is its content: a download whose content differs from the recorded one is a new version, and the
     previous file and record are kept (`keep_replaced_version`, `record_raw_shard`) for the runs that
@@ -163,7 +164,7 @@ def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> Materializ
             key,
             manifest.entry(key),
             local,
-            check=partial(check_shard_schema, key, manifest.kind),
+            check=partial(normalize_shard, key, manifest.kind, manifest.columns, manifest.entry(key).url),
             admit=partial(keep_replaced_version, store, key),
         )
         store.publish("raw_shard", key)
@@ -208,6 +209,13 @@ class TokenizerConfig(Config):
     # a Hugging Face checkpoint (folder, s3://, hf://org/name@rev) whose tokenizer.json to use instead of
     # training one: the data is then tokenized as that model was trained, for stages that init_from it
     from_model: str = ""
+    # a tokenizer file to use instead of training one: a byte-level BPE tokenizer.json or a tiktoken BPE file
+    # (path, s3://, http(s)://, hf://org/name@rev for its tokenizer.json): ghostvis_core.data.tokenizer_file
+    from_file: str = ""
+    # with from_file or from_model: GhostVis's bos, eot, system, user, assistant, image, pad -> the file's text
+    # for each ({"user": "<|im_start|>user\n"}); ChatML and Llama 3 files need none
+    special_tokens: dict[str, str] = {}
+    pattern: str = ""  # with a tiktoken BPE file: its split regex ("": cl100k's, which Llama 3 uses too)
 
 
 @asset(group_name="data", kinds={"python"}, owners=["team:data"], deps=[raw_shards], code_version=TOKENIZER_CODE)
@@ -218,21 +226,23 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, home: Gho
     identity in the store is returned, not retrained. Data version: the tokenizer id (a content hash),
     so a retraining that yields the same tokenizer changes nothing downstream."""
     store = home.home().store
+    if config.from_model and config.from_file:
+        raise GhostvisError("tokenizer: from_model and from_file are both set; set one of them")
     if config.from_model:
         from ghostvis_core.run.hf.imports import import_tokenizer  # torch, only for a model's tokenizer
 
-        tok = import_tokenizer(store, config.from_model)
+        tok = import_tokenizer(store, config.from_model, dict(config.special_tokens))
         context.log.info(f"tokenizer: {tok.tokenizer_id} is the tokenizer of {config.from_model} (not trained)")
+        return _tokenizer_result(store, _brought(tok, from_model=config.from_model), None, None)
+    if config.from_file:
+        brought = bring_tokenizer(config.from_file, dict(config.special_tokens), config.pattern)
+        tok = brought.tokenizer
+        save_tokenizer(tok, store)
+        context.log.info(
+            f"tokenizer: {tok.tokenizer_id} from {config.from_file} (sha256 {brought.sha256}, not trained)"
+        )
         return _tokenizer_result(
-            store,
-            {
-                "tokenizer_id": tok.tokenizer_id,
-                "vocab_size": tok.vocab_size,
-                "from_model": config.from_model,
-                "train_shards": 0,
-            },
-            None,
-            None,
+            store, _brought(tok, from_file=config.from_file, source_sha256=brought.sha256), None, None
         )
     vocab = config.vocab_size or presets.tokenizer_vocab(
         run_modes.model_preset(config.preset or presets.default_preset())
@@ -278,6 +288,17 @@ def _train_or_reuse_tokenizer(context, config, store, ident: dict, key: str, voc
         "identity", "tokenizer", key, data={"identity": ident, "code_version": TOKENIZER_CODE, "metadata": md}
     )
     return _tokenizer_result(store, md, key, None)
+
+
+def _brought(tok, **source) -> dict:
+    """The figures of a tokenizer taken from a model or a file: where from, what stands for each chat marker."""
+    return {
+        "tokenizer_id": tok.tokenizer_id,
+        "vocab_size": tok.vocab_size,
+        **source,
+        "markers": MetadataValue.json(dict(tok.markers)),
+        "train_shards": 0,
+    }
 
 
 # The shards a trained tokenizer read and left out: lists as long as the sources, kept in its identity record

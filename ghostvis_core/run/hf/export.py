@@ -37,7 +37,7 @@ def export_model(model: GPT, tok: Tokenizer, out_dir: Path, *, max_shard_size: s
     state = {k: v for k, v in model.state_dict().items() if not k.startswith("vision.")}
     tensors = to_hf(state, cfg)
     dtype = tensors["model.embed_tokens.weight"].dtype
-    pad = tok.special("<|pad|>") if "<|pad|>" in tok.enc.special_tokens_set else None
+    pad = tok.special("<|pad|>") if tok.has("<|pad|>") else None
     config = hf_config(cfg, bos=tok.bos, eos=tok.eot, pad=pad, dtype=dtype)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     save_torch_state_dict(tensors, out_dir, max_shard_size=max_shard_size, metadata={"format": "pt"})

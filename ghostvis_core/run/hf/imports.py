@@ -22,11 +22,11 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ghostvis_core.data.tokenizer import Tokenizer, save_tokenizer
+from ghostvis_core.data.tokenizer_file import read_tokenizer_file
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.run.hf.names import expected_shapes, from_hf, model_config
 from ghostvis_core.run.hf.sources import local_copy
-from ghostvis_core.run.hf.tokenizer_json import from_hf_tokenizer
 from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.runs import Upstream
@@ -142,15 +142,23 @@ def import_checkpoint(store: Store, uri: str) -> Imported:
     return Imported(Upstream(IMPORT_STAGE, key, store.uri_of("checkpoint", IMPORT_STAGE, key, step)), tok)
 
 
-def import_tokenizer(store: Store, uri: str) -> Tokenizer:
+def import_tokenizer(store: Store, uri: str, special_tokens: dict[str, str] | None = None) -> Tokenizer:
     """The tokenizer of the HF checkpoint at `uri`, saved in the store, so the data can be tokenized
-    as that model was trained before a stage starts from it (the `tokenizer` asset's `from_model`)."""
+    as that model was trained before a stage starts from it (the `tokenizer` asset's `from_model`;
+    `special_tokens` maps GhostVis's chat roles onto its tokens, ghostvis_core.data.tokenizer_file)."""
     with local_copy(uri) as folder:
-        return _save_tokenizer_of(store, inspect_checkpoint(folder, f"tokenizer from_model {uri}"))
+        return _save_tokenizer_of(store, inspect_checkpoint(folder, f"tokenizer from_model {uri}"), special_tokens)
 
 
-def _save_tokenizer_of(store: Store, hc: HFCheckpoint) -> Tokenizer:
-    tok = from_hf_tokenizer(hc.folder / "tokenizer.json", hc.model.vocab_size)
+def _save_tokenizer_of(store: Store, hc: HFCheckpoint, special_tokens: dict[str, str] | None = None) -> Tokenizer:
+    path = hc.folder / "tokenizer.json"
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise GhostvisError(
+            f"checkpoint {hc.folder}: cannot read its tokenizer.json ({exc}); the folder needs one"
+        ) from None
+    tok = read_tokenizer_file(str(path), data, special_tokens, vocab_size=hc.model.vocab_size)
     save_tokenizer(tok, store)
     return tok
 

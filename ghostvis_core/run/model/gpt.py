@@ -326,11 +326,13 @@ class GPT(nn.Module):
         top_k: int | None = None,
         stop_tokens: tuple[int, ...] = (),
         generator=None,
-        images=None,
-        image_token: int | None = None,
+        images: tuple[torch.Tensor, int] | None = None,
+        vocab: int | None = None,
     ) -> list[int]:
         """KV-cached sampling; greedy at temperature 0. Stops after any stop token.
-        `images` fill the prompt's (already expanded) image_token positions. Runs in eval mode, then
+        `images`: (pixels, the placeholder id), filling the prompt's (already expanded) placeholder positions.
+        `vocab`: the tokenizer's size; ids from it up are the padding rows of a vocabulary padded past the
+        tokenizer's (531 -> 576) and are never drawn (a drawn one cannot be decoded). Runs in eval mode, then
         restores the caller's mode: a training loop that samples mid-run must stay in training mode."""
         was_training = self.training
         self.eval()
@@ -341,11 +343,12 @@ class GPT(nn.Module):
             out: list[int] = []
             pos = 0
             for _ in range(max_new_tokens):
-                mask = (x == image_token) if images is not None and pos == 0 else None
-                embeds = self.embed_inputs(x, images if pos == 0 else None, mask)
+                first = images is not None and pos == 0
+                mask = (x == images[1]) if first else None
+                embeds = self.embed_inputs(x, images[0] if first else None, mask)
                 h = self.hidden(embeds=embeds, kv_caches=caches, start_pos=pos)
                 pos += x.shape[1]
-                nxt = _pick(self.lm_head(h[:, -1]).float(), temperature, top_k, generator)
+                nxt = _pick(self.lm_head(h[:, -1]).float()[..., :vocab], temperature, top_k, generator)
                 out.append(nxt)
                 if nxt in stop_tokens or pos >= self.cfg.max_seq_len:
                     break

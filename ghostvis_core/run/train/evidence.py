@@ -11,6 +11,7 @@ import re
 import numpy as np
 import torch
 
+from ghostvis_core.data.chat import marker_starts
 from ghostvis_core.data.loader import expand_images, rank_batches, rank_share
 from ghostvis_core.plan.batch import IGNORE_INDEX
 from ghostvis_core.run.train.dist import all_reduce_sum
@@ -142,8 +143,10 @@ def reply_endings(obj, model, ctx, autocast, metrics) -> dict[str, float]:
     """Greedy replies to held-out prompts: the fraction that end with <|eot|> within the length
     limit, and the fraction that write a role marker (running on into another turn)."""
     tok = obj.tok
-    assistant, image = tok.special("<|assistant|>"), tok.special("<|image|>")
-    roles = {tok.special(f"<|{r}|>") for r in ("system", "user", "assistant")}
+    # a role marker may be several ids (a tokenizer brought as a file: "<|im_start|>assistant\n"); its first
+    # (<|im_start|>) is what a reply running on into another turn writes
+    assistant, image = tok.marker("<|assistant|>"), tok.special("<|image|>")
+    roles = {tok.marker(f"<|{r}|>")[0] for r in ("system", "user", "assistant")}
     v = obj.cfg.vision
     docs = []
     for src in sorted(obj.val_streams):
@@ -151,11 +154,11 @@ def reply_endings(obj, model, ctx, autocast, metrics) -> dict[str, float]:
     prompts = []
     for shard, d in docs:
         ids = shard.doc_tokens(d).astype(np.int64)
-        starts = np.nonzero(ids == assistant)[0]
+        ends = [i + len(assistant) for i in marker_starts(ids, assistant)]
         has_image = bool((ids == image).any())
-        if len(starts) and (not has_image or v is not None):
+        if len(ends) and (not has_image or v is not None):
             blob = shard.doc_value("image", d) if has_image else None
-            prompts.append((ids[: starts[-1] + 1], blob))
+            prompts.append((ids[: ends[-1]], blob))
         if len(prompts) == obj.cfg.eval.samples:
             break
     sums = [0.0, 0.0, 0.0]
@@ -166,7 +169,7 @@ def reply_endings(obj, model, ctx, autocast, metrics) -> dict[str, float]:
             from ghostvis_core.run.model.vision import decode_images
 
             ids = expand_images(ids, image, v.n_latents)
-            kwargs = {"images": decode_images([blob], v.image_size).to(ctx.device), "image_token": image}
+            kwargs = {"images": (decode_images([blob], v.image_size).to(ctx.device), image)}
         out = model.generate(ids.tolist(), obj.cfg.eval.sample_max_tokens, stop_tokens=(tok.eot,), **kwargs)
         sums[0] += float(bool(out) and out[-1] == tok.eot)
         sums[1] += float(any(t in roles for t in out))

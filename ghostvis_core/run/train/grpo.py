@@ -177,13 +177,21 @@ class GRPOBatch(Batch):
     advantages: torch.Tensor | None = None
 
 
-def sample(policy, prompt: np.ndarray, cfg: GRPOConfig, stops: tuple[int, ...], seed: int, g: int) -> list[int]:
-    """Completion of global row g: temperature sampling, at most max_new_tokens, ending at a stop token."""
+def sample(
+    policy, prompt: np.ndarray, cfg: GRPOConfig, stops: tuple[int, ...], seed: int, g: int, vocab: int
+) -> list[int]:
+    """Completion of global row g: temperature sampling over the tokenizer's ids (never a padding id of the
+    model's vocabulary), at most max_new_tokens, ending at a stop token."""
     device = policy.embed.weight.device
     gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + g)
     with torch.no_grad():
         return policy.generate(
-            prompt.tolist(), cfg.max_new_tokens, temperature=cfg.temperature, stop_tokens=stops, generator=gen
+            prompt.tolist(),
+            cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            stop_tokens=stops,
+            generator=gen,
+            vocab=vocab,
         )
 
 
@@ -193,7 +201,7 @@ def rollout_batch(src: GroupRows, rows: list[int], policy, seed: int) -> GRPOBat
     built, completions, rewards = [], [], []
     for g in rows:
         pr = src.problem_of_row(g)
-        c = sample(policy, pr.prompt, src.cfg, stops, seed, g)
+        c = sample(policy, pr.prompt, src.cfg, stops, seed, g, src.tok.vocab_size)
         completions.append(c)
         rewards.append(reward(src.tok.decode([t for t in c if t not in stops]), pr.answer))
         built.append(src.row(g, c))
@@ -271,7 +279,7 @@ def held_out_reward(src: GroupRows, policy, n_problems: int, ctx: DistContext) -
     sums = [0.0, 0.0, 0.0, 0.0]
     for k in rank_share(n, ctx.rank, ctx.world_size):
         pr = src.problem(k)
-        out = policy.generate(pr.prompt.tolist(), src.cfg.max_new_tokens, stop_tokens=stops)
+        out = policy.generate(pr.prompt.tolist(), src.cfg.max_new_tokens, stop_tokens=stops, vocab=src.tok.vocab_size)
         text = src.tok.decode([t for t in out if t not in stops])
         r = reward(text, pr.answer)
         sums = [sums[0] + r, sums[1] + is_exact(r), sums[2] + well_formed(text), sums[3] + 1]

@@ -27,6 +27,7 @@ matched whole: the ledger keeps their fingerprints, not their text.
 from __future__ import annotations
 
 import json
+import math
 import random
 from bisect import bisect_right
 from collections import defaultdict
@@ -350,6 +351,29 @@ def gate_config(spec: Any) -> ContaminationConfig:
     return spec.config.contamination
 
 
+def own_validation_hints(bad: list[Match]) -> list[str]:
+    """Per source whose training documents are contaminated by its own validation split: what was found,
+    that templated data (generated problems, forms) shares n-grams with its own held-out rows without
+    sharing content, and the setting that declares it."""
+    own: dict[str, list[Match]] = defaultdict(list)
+    for m in bad:
+        source = m.shard_id.split("/", 1)[0]
+        if m.eval_set == "validation" and not m.whole and m.item.split("/", 1)[0] == source:
+            own[source].append(m)
+    out = []
+    for source, pairs in sorted(own.items()):
+        top = max(m.overlap for m in pairs)
+        out.append(
+            f"{len(pairs)} contaminated pair(s) are source {source}'s training documents against its own "
+            f"validation split (overlap up to {top:.2f}): expected when {source}'s documents are generated from "
+            f"templates (train and validation rows share the template's words, not their content); if so, declare "
+            f"it for this stage with --set contamination.max_overlap={math.ceil(top * 100) / 100:g} (the run "
+            f"config's contamination.max_overlap, which applies to every evaluation set), else its validation "
+            f"split holds copies of training documents: deduplicate the source or pin other validation shards"
+        )
+    return out
+
+
 def no_eval_contamination(
     store: Store, ledger: Ledger, spec: Any, consumption: list[dict[str, Any]], chain: list[dict[str, Any]]
 ) -> CheckOutcome:
@@ -368,6 +392,7 @@ def no_eval_contamination(
     failures = [m.failure(cfg.max_overlap) for m in bad[:NAMED]]
     if len(bad) > NAMED:
         failures.append(f"... and {len(bad) - NAMED} more contaminated pairs")
+    failures += own_validation_hints(bad)
     failures += [
         f"training shard {s} was consumed but has no n-gram record in the ledger (tokenized before the "
         f"decontamination gate); re-materialize tokenized_shards partition {s}"

@@ -401,6 +401,7 @@ def no_reuse(ledger: Ledger, run_key: str) -> CheckOutcome:
             f"{_part_text(r['part_a'], runs[0], r['segment_a'], r['steps_a'])} and "
             f"{_part_text(r['part_b'], runs[1], r['segment_b'], r['steps_b'])}"
         )
+    failures += reuse_hints(bad)
     return CheckOutcome(
         "no_reuse",
         not bad,
@@ -413,6 +414,31 @@ def no_reuse(ledger: Ledger, run_key: str) -> CheckOutcome:
         tables={"ranges": (REUSE_HEADER, rows)},
         failures=failures,
     )
+
+
+def reuse_hints(bad: list[dict]) -> list[str]:
+    """What the undeclared re-reads are, whether a user may have meant them, and the setting that declares
+    them: a source an earlier stage read (a replay) or a second epoch of this run (a repeat). A reuse within
+    one epoch (a resume that kept both reads) has no setting: it is a fault."""
+    out = []
+    cross = sorted({r["source"] for r in bad if r["kind"] == "undeclared_cross_stage"})
+    if cross:
+        tokens = sum(r["tokens"] for r in bad if r["kind"] == "undeclared_cross_stage")
+        listed = ", ".join(f'"{s}"' for s in cross)
+        out.append(
+            f"{tokens} tokens of source(s) {', '.join(cross)} were read by an earlier stage of this lineage and "
+            f"again by this one: expected when this stage replays them on purpose (a replay mix, or one source "
+            f"declared for two stages); declare it with --set 'data.replay_sources=[{listed}]' (the run config's "
+            f"data.replay_sources, keeping any source already declared there), else give this stage data its "
+            f"lineage has not read"
+        )
+    repeat = sorted({r["source"] for r in bad if r["kind"] == "undeclared_repeat"})
+    if repeat:
+        out.append(
+            f"source(s) {', '.join(repeat)} were read in a second epoch by this run (the budget is larger than "
+            f"the data): declare it with --set data.allow_repeat=true, or lower budget.steps or add data"
+        )
+    return out
 
 
 def no_validation_leakage(

@@ -23,6 +23,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from ghostvis_core.data.catalog import raw_content
+from ghostvis_core.data.chat import ROLES, marker_starts
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ngrams import TEXT_COLUMNS, normalize, record_text
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
@@ -32,7 +33,7 @@ from ghostvis_core.verify.audit.outcome import CheckOutcome
 from ghostvis_core.verify.audit.token_files import TokenFile
 
 NAMED = 20  # problems named one by one in a check's failures
-ENDS_WITH_EOT = ("chat", "preference", "image_caption")
+ENDS_WITH_EOT = ("chat", "preference", "problem", "image_caption")
 IMAGE = "<|image|>"  # a chat's image placeholder: a special token in the file, literal text in the raw row
 
 
@@ -150,8 +151,15 @@ def documents_start_where_ledger_says(store: Store, ledger: Ledger, tokenizer_id
 
 
 def decoded_words(tok: Tokenizer, ids: np.ndarray) -> list[str]:
-    """The normalized words of a document's tokens: each run between special tokens decoded on its own."""
+    """The normalized words of a document's tokens: each run between special tokens decoded on its own. A role
+    marker of several tokens (a brought tokenizer's "<|im_start|>user\n") counts as one special: its words are
+    the template's, not the row's."""
     specials = [tok.enc.encode_single_token(t) for t in sorted(tok.enc.special_tokens_set)]
+    ids, keep = np.array(ids), np.ones(len(ids), bool)  # a copy: the file's tokens stay as they are
+    for marker in (tok.marker(f"<|{r}|>") for r in ROLES if f"<|{r}|>" in tok.markers):
+        for i in marker_starts(ids, marker) if len(marker) > 1 else []:
+            ids[i], keep[i + 1 : i + len(marker)] = specials[0], False
+    ids = ids[keep]
     bounds = [-1, *np.flatnonzero(np.isin(ids, specials)).tolist(), len(ids)]
     return [w for a, b in zip(bounds, bounds[1:]) if b - a > 1 for w in normalize(tok.decode(ids[a + 1 : b]))]
 
