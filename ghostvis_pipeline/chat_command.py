@@ -7,7 +7,7 @@ import sys
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.plan import lineage
+from ghostvis_core.plan import selected
 from ghostvis_core.plan.stages import chat_stage_names
 
 
@@ -48,11 +48,12 @@ def cmd_chat(args) -> int:
 
 
 def newest_chat_stage(home: Home) -> str:
-    """The lineage's last stage with a chat model that has a completed run (rl, else dpo, else sft)."""
+    """The lineage's last stage with a chat model (Lineage.chat_stages) that has a completed run: rl, else dpo,
+    else sft."""
     from ghostvis_core.run.train.runs import newest_completed_run
 
-    chain = lineage.selected()
-    chat = [s for s in chain.stage_names() if s in chat_stage_names()]
+    chain = selected.lineage()
+    chat = chain.chat_stages()
     for name in reversed(chat):
         if newest_completed_run(home.store, name):
             return name

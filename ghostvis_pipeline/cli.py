@@ -15,7 +15,7 @@ from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger, run_consumption, run_keys, run_summaries
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.plan import lineage, presets
+from ghostvis_core.plan import presets, selected
 from ghostvis_core.plan.budget import (
     DEFAULT_MFU,
     GPUS,
@@ -63,7 +63,8 @@ def cmd_demo(args) -> int:
     from ghostvis_pipeline.demo import format_summary, timed_demo
 
     home = Home.from_env()
-    chain = lineage.selected()
+    os.environ["GHOSTVIS_PRESET"] = args.preset  # the code location's lineage follows the demo's preset
+    chain = selected.lineage()
     wanted = {chain.require(s) for s in args.stages or chain.stage_names()}
     stages = [s for s in chain.stage_names() if s in wanted]
     runs, wall = timed_demo(home, args.preset, stages)
@@ -156,7 +157,7 @@ def plan_mode_args(args) -> RunMode | None:
     args.preset becomes the model preset, args.gpu and args.mfu the mode's."""
     if args.mode and args.preset and args.mode != args.preset:
         raise GhostvisError(f"--mode {args.mode} sets the preset; drop --preset {args.preset}")
-    name = args.mode or args.preset or presets.default_preset()
+    name = args.mode or args.preset or selected.default_preset()
     mode = mode_of(name)
     args.preset = mode.preset if mode else name
     if mode is None:
@@ -451,7 +452,7 @@ def cmd_audit(args) -> int:
     if unknown:
         raise GhostvisError(f"unknown stage(s) {', '.join(unknown)}; stages: {', '.join(stage_names())}")
     home = Home.from_env()
-    stages = [s for s in stage_names() if s in args.stage] if args.stage else lineage.selected().stage_names()
+    stages = [s for s in stage_names() if s in args.stage] if args.stage else selected.lineage().stage_names()
     report = audit(home, stages, {} if args.no_dagster else dagster_metadata(home, stages), required=bool(args.stage))
     print(json.dumps(report, indent=2, default=str) if args.json else "\n".join(format_report(report)))
     return 1 if report["failures"] else 0
@@ -473,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     i.set_defaults(fn=cmd_init)
 
     d = sub.add_parser("demo", help="materialize every asset on the embedded demo data")
-    d.add_argument("--preset", default=presets.default_preset(), help="tiny (default) or smoke (fewer steps)")
+    d.add_argument("--preset", default=selected.default_preset(), help="tiny (default) or smoke (fewer steps)")
     d.add_argument("--stages", nargs="*", help="train only these stages (default: all)")
     d.set_defaults(fn=cmd_demo)
 

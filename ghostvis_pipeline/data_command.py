@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from ghostvis_core.home import Home
-from ghostvis_core.plan import presets
+from ghostvis_core.plan import selected
 
 
 def cmd_data(args) -> int:
@@ -20,7 +20,7 @@ def cmd_data(args) -> int:
     brought = {"from_model": args.tokenizer_of} if args.tokenizer_of else {"from_file": args.tokenizer_file}
     runs = materialize_data(
         DagsterInstance.get(),
-        args.preset or presets.default_preset(),
+        args.preset or selected.default_preset(),
         brought if args.tokenizer_of or args.tokenizer_file else None,
     )
     print(format_summary(runs, time.time() - t0))

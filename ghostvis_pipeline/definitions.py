@@ -9,7 +9,7 @@ from dagster import BetaWarning, Definitions, PreviewWarning, SupersessionWarnin
 for _category in (BetaWarning, PreviewWarning, SupersessionWarning):
     warnings.filterwarnings("ignore", category=_category)
 
-from ghostvis_core.plan import lineage
+from ghostvis_core.plan import selected
 from ghostvis_core.plan.presets import VARIANTS
 from ghostvis_core.plan.stages import stage
 from ghostvis_pipeline.assets.data import raw_shards, shard_manifest, token_ledger, tokenized_shards, tokenizer
@@ -30,7 +30,7 @@ from ghostvis_pipeline.trace_job import trace
 # The stages of the selected lineage (GHOSTVIS_LINEAGE, ghostvis_core/plan/lineage.py), each starting from its
 # lineage upstream's checkpoint and reading the token ledger and the tokenizer: a new tokenizer (a new data
 # version) shows every stage as unsynced in the UI and in `ghostvis status`.
-chain = lineage.selected()
+chain = selected.lineage()
 stage_assets = []
 for name, start in chain.starts:
     deps = [token_ledger, tokenizer] + ([start] if start else [])

@@ -11,7 +11,7 @@ from dagster import DagsterInstance
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.plan import lineage
+from ghostvis_core.plan import selected
 from ghostvis_pipeline.definitions import defs
 from ghostvis_pipeline.environment import prepare_environment
 from ghostvis_pipeline.partitions import shard_partitions
@@ -96,7 +96,7 @@ def run_demo(home: Home, preset: str, stages: list[str]) -> list[RunSummary]:
     runs = [materialize(defs, instance, ["shard_manifest"]), *materialize_data(instance, preset)]
     stage_config = {"ops": {s: {"config": {"preset": preset}} for s in stages}}
     runs.append(materialize(defs, instance, stages, run_config=stage_config))
-    if list(stages) == lineage.selected().stage_names():  # the whole lineage: score it, write its report card
+    if list(stages) == selected.lineage().stage_names():  # the whole lineage: score it, write its report card
         runs.append(materialize(defs, instance, ["evaluation", "report"]))
     return runs
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ghostvis_core.home import Home
-from ghostvis_core.plan import lineage
+from ghostvis_core.plan import selected
 from ghostvis_core.plan.config import parse_sets
 from ghostvis_core.plan.presets import parse_recipe
 from ghostvis_core.plan.stages import stage_names
@@ -34,7 +34,7 @@ def cmd_train(args) -> int:
     from ghostvis_pipeline.environment import prepare_environment
     from ghostvis_pipeline.metadata import newest_metadata
 
-    lineage.selected().require(args.stage)  # the code location holds only the lineage's stages
+    selected.lineage().require(args.stage)  # the code location holds only the lineage's stages
     home = Home.from_env()
     prepare_environment(home)
     instance = DagsterInstance.get()

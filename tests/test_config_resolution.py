@@ -138,7 +138,8 @@ def test_the_evidence_names_are_typed_and_each_is_measured_by_the_trainer():
         presets.resolve("sft", "tiny", {"eval.evidence": '["reply_endings", "loss_curve"]'})
 
 
-def test_presets_are_resolved_once_per_stage_and_preset():
+def test_presets_are_resolved_once_per_stage_and_preset(monkeypatch):
+    monkeypatch.setenv("GHOSTVIS_LINEAGE", "vlm")  # every stage on the one below it
     presets._preset_config.cache_clear()
     presets.resolve("rl", "smoke")
     assert presets._preset_config.cache_info().misses == len(stages.STAGES) - 1  # each upstream stage once

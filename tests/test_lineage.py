@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.plan import lineage, presets
+from ghostvis_core.plan import lineage, presets, selected
 from ghostvis_core.plan.stages import stage_names
 from ghostvis_core.verify.eval.gate import gate_rows
 
@@ -49,10 +49,26 @@ def test_a_lineage_that_cannot_train_is_refused_naming_the_fix(spec, message):
         lineage.parse(spec)
 
 
+def test_the_tiny_preset_starts_rl_on_reasoning_mix_and_its_chat_stages_are_sft_and_dpo(monkeypatch):
+    monkeypatch.delenv("GHOSTVIS_LINEAGE", raising=False)
+    monkeypatch.setenv("GHOSTVIS_PRESET", "tiny")
+    demo = selected.lineage()
+    assert demo.name == "demo" and demo.stage_names() == stage_names()
+    assert demo.upstream("rl") == "reasoning_mix" and demo.upstream("dpo") == "sft"
+    assert demo.chat_stages() == ["sft", "dpo"]  # rl's model never saw the chat template
+    cfg = presets.resolve("rl", "tiny")
+    assert (cfg.init_from, cfg.grpo.prompt, cfg.vision) == ("reasoning_mix", "text", None)
+    monkeypatch.setenv("GHOSTVIS_PRESET", "smoke")  # the smoke preset keeps every stage on the one below
+    assert selected.lineage().name == "vlm" and selected.lineage().chat_stages() == ["sft", "dpo", "rl"]
+    assert presets.resolve("rl", "smoke").grpo.prompt == "chat"
+    monkeypatch.setenv("GHOSTVIS_LINEAGE", "llm")  # set, it wins over the preset's
+    assert selected.lineage().upstream("rl") == "dpo"
+
+
 def test_a_stage_outside_the_lineage_is_refused_naming_it(monkeypatch):
     monkeypatch.setenv("GHOSTVIS_LINEAGE", "llm")
     with pytest.raises(GhostvisError, match="stage vision_alignment is not in the lineage llm .*add it to GHOSTVIS"):
-        lineage.selected().upstream("vision_alignment")
+        selected.lineage().upstream("vision_alignment")
 
 
 def test_a_text_only_lineage_resolves_sft_on_the_text_model(monkeypatch):

@@ -2,12 +2,13 @@
 
 The stage table (stages.py) is the full chain of a vision-language model. A text-only LLM skips
 vision_alignment; a user fine-tuning a model they already have starts at sft from an imported checkpoint.
-`GHOSTVIS_LINEAGE` selects the lineage in one place, read by the Dagster code location (the asset graph
-holds only its stages, each depending on the stage it starts from), by the CLI and by `presets.resolve`
-(a stage's default `init_from` is its lineage upstream):
+`GHOSTVIS_LINEAGE` (else the preset's: selected.py) selects the lineage in one place, read by the Dagster
+code location (the asset graph holds only its stages, each depending on the stage it starts from), by the
+CLI and by `presets.resolve` (a stage's default `init_from` is its lineage upstream):
 
 - a name: `vlm` (every stage, the default), `llm` (every stage but vision_alignment), `chat` (sft, dpo,
-  rl: sft starts from the model given as its `init_from`);
+  rl: sft starts from the model given as its `init_from`), `demo` (vlm with rl on reasoning_mix: the tiny
+  preset's: selected.PRESET_LINEAGES);
 - or stages in chain order, comma-separated: `pretrain,sft,dpo,rl`. A stage starts from the nearest
   listed stage below it in the table's chain (sft from pretrain above); `rl<sft` names another listed
   stage to start from. A listed stage with no listed stage below it starts from random init if the table
@@ -16,18 +17,19 @@ holds only its stages, each depending on the stage it starts from), by the CLI a
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan import stages
 
 ENV = "GHOSTVIS_LINEAGE"
-DEFAULT = "vlm"
 NAMED: dict[str, str] = {
     "vlm": ",".join(stages.stage_names()),
     "llm": ",".join(s for s in stages.stage_names() if stages.stage(s).objective != "vision_align"),
     "chat": "sft,dpo,rl",
+    # The tiny demo's: rl on reasoning_mix, the policy that writes the `Answer: <integer>` line its reward reads
+    # (from the demo's dpo model no completion is ever rewarded: presets.py, the tiny preset's rl).
+    "demo": ",".join(stages.stage_names()[:-1]) + ",rl<reasoning_mix",
 }
 
 
@@ -57,12 +59,22 @@ class Lineage:
         a model its run config names (`init_from`), never from random init."""
         return self.upstream(stage) is None and stages.stage(stage).upstream is not None
 
+    def chat_stages(self) -> list[str]:
+        """The stages whose model follows the chat template: a chat objective, trained on top of an sft (or of
+        a model its run config names, which the user brings as a chat model)."""
+        return [
+            s
+            for s in self.stage_names()
+            if s in stages.chat_stage_names()
+            and (stages.stage(s).objective == "sft" or self.needs_model(s) or "sft" in self.below(s))
+        ]
+
     def require(self, stage: str) -> str:
         stages.stage(stage)  # an unknown name: the table's message
         if stage not in dict(self.starts):
             raise GhostvisError(
                 f"stage {stage} is not in the lineage {self.name} ({', '.join(self.stage_names())}); "
-                f"add it to {ENV} (e.g. {ENV}={DEFAULT}) or pick one of its stages"
+                f"add it to {ENV} (e.g. {ENV}=vlm) or pick one of its stages"
             )
         return stage
 
@@ -110,8 +122,3 @@ def _nearest_below(name: str, listed: list[str]) -> str | None:
     while up and up not in listed:
         up = stages.stage(up).upstream
     return up
-
-
-def selected() -> Lineage:
-    """GHOSTVIS_LINEAGE, else every stage (read when asked, never at import: tests set it per process)."""
-    return parse(os.environ.get(ENV, DEFAULT))

@@ -17,12 +17,11 @@ import dataclasses
 import functools
 import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Any
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.plan import lineage, run_modes, stages
+from ghostvis_core.plan import lineage, run_modes, selected, stages
 from ghostvis_core.plan.config import SourceWeight, StageConfig, apply_overrides, check_ranges
 
 MODELS: dict[str, dict[str, Any]] = {
@@ -143,7 +142,9 @@ _TINY: dict[str, dict[str, Any]] = {
     "rl": dict(
         # 8 completions per prompt (at most 48 new tokens, temperature 1, the defaults): a group has a signal
         # only when one completion's reward differs (a well-formed or exact answer), which is rare for a tiny policy.
-        grpo=dict(group_size=8),
+        # Plain-text prompts: the demo lineage starts rl from reasoning_mix (lineage.py "demo"), which learned the
+        # problems as text, not as chat turns.
+        grpo=dict(group_size=8, prompt="text"),
         # A row is one (prompt, completion): 16 rows = 2 prompts x 8 completions per micro-batch and rank.
         batch=dict(micro_batch_size=16, seq_len=128, world_size=2, grad_accum_steps=1),
         budget=dict(steps=30),
@@ -153,7 +154,8 @@ _TINY: dict[str, dict[str, Any]] = {
         # format rate 0.844 -> 1.000 / 1.000, exact 0.016 -> 0.016 / 0.031 (64 held-out problems, greedy), held-out
         # bpb code 2.83 / 2.89, prose 2.70 / 2.75 (dpo 3.01 / 2.91: the gate holds). The demo's dpo model never writes
         # a well-formed `Answer:` line (0 of 960 samples with plain prompts, 0 of 320 chat-rendered, also after a trial
-        # sft on 582 chats solving such problems), so from it every group's advantages are 0 (EVIDENCE_NOTES says so).
+        # sft on 582 chats solving such problems), so from it every group's advantages are 0: the tiny preset's
+        # lineage (selected.PRESET_LINEAGES) starts rl from reasoning_mix.
         optim=dict(lr=3e-4, warmup_steps=3, weight_decay=0.0),
         # The prompts are the problems reasoning_mix trained on (as nanochat's RL reads GSM8K train): declared replay.
         data=dict(
@@ -185,7 +187,7 @@ _SMOKE_STEPS = {
 }
 # What else the smoke preset makes cheaper: every stage reads half the tiny preset's rows per micro-batch (the
 # training steps are most of a smoke run's work on a CPU); rl samples 2 short completions per prompt (2 prompts
-# per row batch).
+# per row batch), asked as chat turns (grpo.prompt's default: smoke keeps the vlm lineage, rl on dpo's chat model).
 _SMOKE_DELTAS = {
     "rl": dict(
         grpo=dict(group_size=2, max_new_tokens=24),
@@ -200,12 +202,6 @@ EVIDENCE_NOTES: dict[str, dict[str, str]] = {
         # measured: held-out loss beyond 256 positions 5.853 -> 5.875, within 5.841 -> 5.853 (2 cores, 18 steps)
         "context_expansion": "18 steps on the 79k tokens the lineage left unread are all 2 cores and the demo data "
         "allow; a model whose held-out loss is ~5.8 nats/token at every position has no longer-range skill to gain",
-        # measured: reward, exact accuracy and format rate 0 -> 0 (64 greedy problems), 0 of 960 samples rewarded
-        "rl": "the dpo policy it starts from never ends a reply with a well-formed `Answer: <integer>` line (0 of 960 "
-        "samples with plain prompts, 0 of 320 chat-rendered), so every group's rewards are equal and no step changes "
-        "the weights; 60 sft steps at the lr the lineage gate allows leave a policy that ends 1 reply in 5. Started "
-        "from reasoning_mix (init_from=reasoning_mix, grpo.prompt=text) the same recipe learns: reward 0.100 -> "
-        "0.116 / 0.131, format rate 0.84 -> 1.00 (seeds 1234 / 1235)",
     },
     "smoke": {
         s: "smoke runs a few steps to test the plumbing; its evidence is not expected to move" for s in _SMOKE_STEPS
@@ -233,14 +229,6 @@ _LARGE_PARALLEL: dict[str, dict[str, Any]] = {
     "1.5b": dict(parallel=dict(strategy="fsdp")),
     "7b": dict(parallel=dict(strategy="fsdp"), runtime=dict(grad_checkpointing=True)),
 }
-
-DEFAULT_PRESET = "tiny"
-
-
-def default_preset() -> str:
-    """GHOSTVIS_PRESET, else tiny: what the Dagster assets and the CLI use unless told otherwise
-    (read when a run starts, never at import)."""
-    return os.environ.get("GHOSTVIS_PRESET", DEFAULT_PRESET)
 
 
 def tokenizer_vocab(preset: str) -> int:
@@ -299,7 +287,7 @@ class RegisteredSources:
 
 def resolve(
     stage: str,
-    preset: str = DEFAULT_PRESET,
+    preset: str = selected.DEFAULT_PRESET,
     overrides: dict[str, Any] | None = None,
     upstream: dict[str, Any] | None = None,
     vocab: TokenizerVocab | None = None,
@@ -343,7 +331,7 @@ def _base(stage: str, preset: str, upstream: dict[str, Any] | None, init_from: s
     entry = stages.stage(stage)
     defaults = json.loads(json.dumps(_stage_defaults(stage, preset)))
     from_stage = init_from if init_from in stages.stage_names() else None
-    inherited = upstream or (_preset_config(from_stage, preset, lineage.selected()).to_dict() if from_stage else None)
+    inherited = upstream or (_preset_config(from_stage, preset, selected.lineage()).to_dict() if from_stage else None)
     model = dict(inherited["model"]) if inherited else model_for(preset)
     model.update(defaults.pop("model", {}))
     if inherited and inherited.get("vision") and "vision" not in defaults:
@@ -374,7 +362,7 @@ def init_source(stage: str, overrides: dict[str, Any]) -> str | None:
     that resolution then inherits from."""
     if "init_from" in overrides:
         return apply_overrides({"init_from": None}, {"init_from": overrides["init_from"]})["init_from"]
-    return lineage.selected().upstream(stage)
+    return selected.lineage().upstream(stage)
 
 
 def follow_registered_sources(cfg: StageConfig, sources: RegisteredSources, preset_recipe: bool) -> StageConfig:

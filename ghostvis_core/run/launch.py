@@ -19,7 +19,7 @@ from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer, newest_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.plan import lineage, presets, stages
+from ghostvis_core.plan import presets, selected, stages
 from ghostvis_core.plan.budget import Plan, batch_plan, detected_gpu, memory_plan, memory_refusal
 from ghostvis_core.plan.budget import plan as make_plan
 from ghostvis_core.plan.config import StageConfig
@@ -171,7 +171,7 @@ def resolve_stage(
     """Gather what resolution needs (the upstream checkpoint's config, the tokenizer, the registered sources) and
     resolve the stage's config once, with all of them as inputs."""
     init_from = presets.init_source(stage, overrides)
-    chain = lineage.selected()
+    chain = selected.lineage()
     if init_from is None and chain.needs_model(stage):
         raise GhostvisError(
             f"stage {stage} starts the lineage {chain.name} ({chain.describe()}) on top of a model you give: set "
@@ -299,7 +299,7 @@ class PlannedRun:
 def plan_run(
     stage: str,
     *,
-    preset: str = presets.DEFAULT_PRESET,
+    preset: str = selected.DEFAULT_PRESET,
     overrides: dict[str, Any] | None = None,
     home: Home | None = None,
     tokenizer_id: str | None = None,
@@ -367,7 +367,7 @@ def with_local_shards(spec: LaunchSpec, store: Store) -> LaunchSpec:
 def prepare_run(
     stage: str,
     *,
-    preset: str = presets.DEFAULT_PRESET,
+    preset: str = selected.DEFAULT_PRESET,
     overrides: dict[str, Any] | None = None,
     home: Home | None = None,
     tokenizer_id: str | None = None,

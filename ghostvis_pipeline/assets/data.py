@@ -39,7 +39,7 @@ from ghostvis_core.data.tokenizer_file import bring_tokenizer
 from ghostvis_core.demo.sources import DEMO_SOURCES, publish_demo_source
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.identity import code_version, digest
-from ghostvis_core.plan import presets, run_modes
+from ghostvis_core.plan import presets, run_modes, selected
 from ghostvis_core.run.cluster.slurm import SlurmJob
 from ghostvis_core.run.cluster.slurm_pipeline import SlurmPipeline
 from ghostvis_pipeline.config import config_from_dataclass
@@ -245,7 +245,7 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, home: Gho
             store, _brought(tok, from_file=config.from_file, source_sha256=brought.sha256), None, None
         )
     vocab = config.vocab_size or presets.tokenizer_vocab(
-        run_modes.model_preset(config.preset or presets.default_preset())
+        run_modes.model_preset(config.preset or selected.default_preset())
     )
     ident = tokenizer_identity(store, vocab, config.max_train_bytes)
     key = digest(ident)

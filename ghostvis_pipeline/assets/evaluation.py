@@ -17,7 +17,7 @@ from ghostvis_core.data.ledger import Ledger, held_out_text_shards
 from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.identity import code_version, digest
 from ghostvis_core.plan.budget import DEFAULT_GPU_PRICES
-from ghostvis_core.plan.lineage import selected as selected_lineage
+from ghostvis_core.plan.selected import lineage as selected_lineage
 from ghostvis_core.run.track.mlflow_records import add_files, add_to_run, metric_histories
 from ghostvis_core.run.train.runs import run_result
 from ghostvis_core.run.train.trained import load_stage, stage_config

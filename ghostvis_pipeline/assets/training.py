@@ -27,7 +27,7 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.identity import code_version
-from ghostvis_core.plan import lineage, presets
+from ghostvis_core.plan import presets, selected
 from ghostvis_core.plan.stages import Stage
 from ghostvis_core.run.hf.register import model_record, register_run
 from ghostvis_core.run.launch import TRAINING_MODULES, PlannedRun, plan_run, start_run
@@ -49,7 +49,7 @@ from ghostvis_pipeline.resources import GhostvisHome
 class StageRunConfig(Config):
     """Preset name plus dotted overrides of the stage config, e.g. {"budget.steps": 50}."""
 
-    preset: str = ""  # empty: GHOSTVIS_PRESET, else presets.DEFAULT_PRESET (read when the run starts)
+    preset: str = ""  # empty: GHOSTVIS_PRESET, else selected.DEFAULT_PRESET (read when the run starts)
     # dotted key -> value as typed in YAML (30, 1e-3, true, muon) or as `--set` gives it ("30"): both
     # resolve alike (ghostvis_core.plan.config.apply_overrides)
     overrides: dict[str, Any] = {}
@@ -341,10 +341,10 @@ def _prepare(
     context, stage: Stage, config: StageRunConfig, overrides: dict, h: Home, variant: str | None
 ) -> PlannedRun:
     """The run's identity, from the run config and the tokenizer and upstream materializations Dagster knows about."""
-    preset = config.preset or presets.default_preset()
+    preset = config.preset or selected.default_preset()
     overrides = {**presets.data_overrides(config.recipe, config.val_sources), **overrides}
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
-    up, start = None, lineage.selected().upstream(stage.name)
+    up, start = None, selected.lineage().upstream(stage.name)
     if start and "init_from" not in overrides:  # an init_from given in the run config is found by plan_run
         md = latest_metadata(context, start)
         up = Upstream(start, md["run_key"], md["checkpoint_uri"])
@@ -390,7 +390,7 @@ def stage_asset(stage: Stage, deps: list):
     Dagster marks an asset unsynced only when a direct dependency's data version changed (its
     CachingStaleStatusResolver does not carry a parent's stale causes down). So a re-trained pretrain
     leaves every stage above it unsynced, each naming pretrain, in the UI and in `ghostvis status`."""
-    chain = lineage.selected()
+    chain = selected.lineage()
 
     @asset(
         name=stage.name,

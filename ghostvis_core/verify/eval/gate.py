@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.plan import lineage, stages
+from ghostvis_core.plan import selected, stages
 
 GATE_HEADER = ["stage", "upstream", "source", "upstream bpb", "stage bpb", "ratio", "tolerance", "status"]
 
@@ -71,7 +71,7 @@ def gate_rows(bpb: dict[str, dict[str, float]], tolerance: dict[str, float]) -> 
     """A row per scored stage whose upstream was scored too, and per source both were scored on
     (`bpb`: stage -> source -> bits per byte, as the evaluation records it); a stage's upstream is the one it
     starts from in the selected lineage."""
-    rows, chain = [], lineage.selected()
+    rows, chain = [], selected.lineage()
     for name, scores in bpb.items():
         up = chain.upstream(name)
         if up is None or up not in bpb:
