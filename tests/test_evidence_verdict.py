@@ -46,6 +46,8 @@ def test_the_report_says_per_stage_whether_its_evidence_improved_and_why_not():
         report("rl", [("reward", 0.02, 0.31), ("format_rate", 0.1, 0.9), ("generated_tokens", None, 1200)]),
         report("dpo", [("preference_accuracy", 0.5, 0.5)], note="too few steps on 2 cores"),
         report("pretrain", []),
+        report("sft", [("eot_rate", 0.9, 0.8)]),
+        report("reasoning_mix", [("answer_accuracy", 0.1, 0.2)], note="never shown: it improved"),
     ]
     head, rows = tables(stages)["Did each stage's evidence improve?"]
     assert head == ["stage", "improved", "not improved", "why not"]
@@ -53,9 +55,11 @@ def test_the_report_says_per_stage_whether_its_evidence_improved_and_why_not():
         ["rl", "yes", "-", "-"],
         ["dpo", "NO", "preference_accuracy", "too few steps on 2 cores"],
         ["pretrain", "-", "-", "-"],
+        ["sft", "NO", "eot_rate", "not known"],
+        ["reasoning_mix", "yes", "-", "-"],
     ]
     _, figures = tables(stages)["Evidence (held-out, before vs after)"]
-    assert [r[-1] for r in figures] == ["yes", "yes", "-", "NO"]
+    assert [r[-1] for r in figures] == ["yes", "yes", "-", "NO", "NO", "yes"]
     assert "| dpo | NO | preference_accuracy | too few steps on 2 cores |" in render_markdown("t", stages, "c.png", {})
 
 

@@ -194,12 +194,13 @@ def _verdict(v: bool | None) -> str:
 
 def evidence_verdict(s: StageReport) -> list[Any]:
     """[stage, whether every before/after evidence figure with a direction moved its way, the figures that did
-    not, why they cannot (the preset's note)]: a flat figure is never shown as a success."""
+    not, and why they cannot (the preset's note; 'not known' where it has none)]: a flat figure is never shown as a
+    success."""
     judged = {name: improved(name, before, after) for name, before, after in s.evidence}
     judged = {name: v for name, v in judged.items() if v is not None}
     flat = sorted(name for name, v in judged.items() if not v)
     verdict = "-" if not judged else "NO" if flat else "yes"
-    return [s.stage, verdict, ", ".join(flat) or "-", s.evidence_note or "-"]
+    return [s.stage, verdict, ", ".join(flat) or "-", (s.evidence_note or "not known") if flat else "-"]
 
 
 def _evaluation_row(s: StageReport) -> list[Any]:
