@@ -23,6 +23,7 @@ from ghostvis_core.data.ngrams import fingerprints, record_text
 from ghostvis_core.data.whole_items import WholeItems, whole_phrase
 from ghostvis_core.demo.tasks import (
     COLORS,
+    SOLVED_CHATS,
     SPLIT_SIZES,
     TASK_SOURCES,
     build_task_source,
@@ -56,8 +57,9 @@ EXPECTED_SCHEMAS = {
 # arithmetic and capitals items and the capital prompt). demo_prefs: all 308 pairs whose rejected
 # reply ends in the 24-word "I hope this helps! ..." tail (21 validation pairs have it too) and 32
 # that repeat a validation pair's or chat's Q&A; demo_chat: 14 of its 64 repeat a validation
-# preference pair's; demo_images: captions are too short to have a fingerprint and hold no item.
-DECONTAMINATED = {"demo_reasoning": 131, "demo_chat": 609, "demo_prefs": 475, "demo_images": 0}
+# preference pair's, and 18 of its SOLVED_CHATS solved reasoning problems go as their reasoning rows do;
+# demo_images: captions are too short to have a fingerprint and hold no item.
+DECONTAMINATED = {"demo_reasoning": 131, "demo_chat": 627, "demo_prefs": 475, "demo_images": 0}
 SHARD_NAMES = ["00000.parquet", "00001.parquet", "00002.parquet", "00003.parquet", "val_00000.parquet"]
 STEP = re.compile(r"^Step (\d+): (\d+) ([-+*]) (\d+) = (\d+)\.$")
 ARITH_REPLY = re.compile(r"^(\d+) ([-+*]) (\d+) = (\d+)\.$")
@@ -159,7 +161,8 @@ def test_shards_splits_and_counts(built, source):
     assert all(pq.read_metadata(p).num_rows > 0 for p, _ in shards)
     assert all(pq.ParquetFile(p).metadata.row_group(0).column(0).compression == "ZSTD" for p, _ in shards)
     n_train, n_val = SPLIT_SIZES[source]
-    assert len(_rows(built, source, "train")) == n_train - DECONTAMINATED[source]
+    solved = SOLVED_CHATS if source == "demo_chat" else 0
+    assert len(_rows(built, source, "train")) == n_train + solved - DECONTAMINATED[source]
     assert len(_rows(built, source, "validation")) == n_val
     assert n_train >= 3000 and n_val >= 200
 

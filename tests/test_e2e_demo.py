@@ -214,6 +214,7 @@ def test_report_card_token_figures_equal_the_ledger_and_evidence_is_listed(demo_
         assert f"data-stage='{r['stage']}'" in html and f"{totals['real_tokens']:,}" in html
     assert (Path(md["report_html"]).parent / "loss_curves.png").stat().st_size > 10_000
     assert "preference_accuracy" in html and "caption_image_gap" in html and "H100" in html
+    assert "evidence improve?</h2>" in html  # per stage whether its evidence improved, and why not
     ev = latest(instance, "evaluation")
     assert ev["mc_chance"] == 0.25 and "dpo" in ev["evaluation"]
 

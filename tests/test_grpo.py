@@ -25,9 +25,10 @@ from ghostvis_core.run.train.grpo import (
     grpo_loss_sum,
     parse_answer,
     prompt_length,
+    render_question,
     reward,
 )
-from ghostvis_core.verify.audit.rebuild import PromptGroupRows, SourceFiles, rl_prompt_length
+from ghostvis_core.verify.audit.rebuild import PromptGroupRows, SourceFiles, rl_prompt, rl_prompt_length
 from ghostvis_core.verify.audit.rollouts import recomputed_reward
 from ghostvis_core.verify.audit.token_files import TokenFile
 from tests.conftest import run_cli
@@ -122,26 +123,47 @@ def test_the_prompt_is_the_question_line_and_both_sides_agree(shard):
         assert rl_prompt_length(np.asarray(ids), tok) == n
 
 
-def test_the_trainers_rows_equal_the_audits_rebuilt_rows(shard):
+def test_a_chat_prompt_is_the_question_line_as_a_user_turn_and_both_sides_agree(shard):
+    tok, docs, _ = shard
+    for text, ids in zip(PROBLEMS, docs):
+        n = prompt_length(np.asarray(ids), tok)
+        line = text.split("\n")[0]
+        turn = [tok.bos, tok.special("<|user|>"), *tok.encode(line), tok.eot, tok.special("<|assistant|>")]
+        assert render_question(np.asarray(ids[:n]), tok, "chat").tolist() == turn
+        assert render_question(np.asarray(ids[:n]), tok, "text").tolist() == ids[:n]
+        for form in ("chat", "text"):
+            fed, cropped = rl_prompt(np.asarray(ids), tok, form, 100)
+            assert fed.tolist() == render_question(np.asarray(ids[:n]), tok, form).tolist()
+            assert cropped == len(ids) - n  # the solution and answer, never fed
+        fed, cropped = rl_prompt(np.asarray(ids), tok, "chat", 5)  # a prompt cut short: the cut tokens too
+        assert fed.tolist() == turn[:5] and cropped == len(ids) - n + len(turn) - 5
+
+
+@pytest.mark.parametrize("form", ["chat", "text"])
+def test_the_trainers_rows_equal_the_audits_rebuilt_rows(shard, form):
     tok, docs, ref = shard
-    cfg = GRPOConfig(group_size=2, max_new_tokens=8)
+    cfg = GRPOConfig(group_size=2, max_new_tokens=8, prompt=form)
     rows = GroupRows(SourceStream("reasoning", [ref], seed=7), 48, 7, tok, cfg)
     audit = PromptGroupRows(
         SourceFiles("reasoning", [TokenFile(Path(ref.path), ref.shard_id)], 7),
         48,
         tok,
-        {"group_size": 2, "max_new_tokens": 8},
+        {"group_size": 2, "max_new_tokens": 8, "prompt": form},
     )
     for j in range(2 * len(docs)):
         completion = tok.encode(f"Answer: {j}") + [tok.eot]
         mine, theirs = rows.row(j, completion), audit.row(j, completion)
         assert (mine.inputs == theirs.inputs).all() and (mine.targets == theirs.targets).all()
         prompt = rows.problem_of_row(j).prompt
+        last = tok.decode([int(prompt[-1])])
+        assert last == "<|assistant|>" if form == "chat" else "\n" in last
         assert mine.real == len(prompt) + len(completion) and mine.loss == len(completion)
         assert mine.targets[len(prompt) - 1 : len(prompt) - 1 + len(completion)].tolist() == completion
         assert (mine.targets[len(prompt) - 1 + len(completion) :] == IGNORE_INDEX).all()
         assert len(mine.pieces) == (j % 2 == 0)  # the document's piece rides on the group's first row
         assert rows.problem_of_row(j).answer == audit.answer(j)
+        ids = np.asarray(docs[audit.which(j)[1]])
+        assert mine.cropped == (rl_prompt(ids, tok, form, 40)[1] if j % 2 == 0 else 0)
     assert sorted(rows.problem(k).answer for k in range(3)) == ["18", "7", "7"]
 
 

@@ -76,6 +76,7 @@ SPLIT_SIZES: dict[str, tuple[int, int]] = {
     "demo_images": (3000, 200),
 }
 IMAGE_CHAT_FRACTION = 0.2
+SOLVED_CHATS = 600  # demo_chat training chats beyond SPLIT_SIZES that solve a demo_reasoning problem
 IMAGE_SIZE = 32
 IMAGE_PLACEHOLDER = "<|image|>"  # the same literal as ghostvis_core.data.chat.IMAGE
 
@@ -955,7 +956,26 @@ def _chat_row(rng: random.Random) -> dict:
 
 def _chat_rows(rng, n_train, n_val):
     rows = _unique(rng, _chat_row, lambda r: _content_key("demo_chat", r), n_train + n_val, "conversations")
-    return _split(rng, rows, n_val)
+    train, val = _split(rng, rows, n_val)
+    return train + _solved_chats(), val
+
+
+def _solved_chats() -> list[dict]:
+    """SOLVED_CHATS training chats that ask the first demo_reasoning training problems and answer with their
+    worked solution and `Answer: n` line: the answer format the rl stage rewards, taught in the chat form its
+    prompts are rendered in (the rl stage starts from the chat-tuned dpo model, which saw the format only as
+    plain text in reasoning_mix). Training problems only, so no rl validation problem is seen."""
+    train, _ = _generate("demo_reasoning")
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": r["question"]},
+                {"role": "assistant", "content": f"{r['solution']}\nAnswer: {r['answer']}"},
+            ],
+            "image": None,
+        }
+        for r in train[:SOLVED_CHATS]
+    ]
 
 
 # --- demo_prefs -------------------------------------------------------------------------------

@@ -147,6 +147,10 @@ class GRPOConfig:
     max_new_tokens: int = 48  # a completion's length bound (each generated token is accounted)
     temperature: float = 1.0
     kl_beta: float = 0.0  # weight of the KL term to the frozen upstream model (0: no reference loaded)
+    # How the policy reads a problem's question line: `chat` as a user turn of the chat template, answered after
+    # the assistant marker (a policy tuned on chats, as the lineage's dpo model); `text` as the document's own
+    # tokens (a base model trained on such documents).
+    prompt: Literal["chat", "text"] = "chat"
 
 
 @dataclass(frozen=True)

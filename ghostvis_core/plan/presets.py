@@ -189,6 +189,20 @@ _SMOKE_DELTAS = {
     )
 }
 
+# Why a stage's evidence cannot improve in a preset's run, per preset and stage: the report card prints it next
+# to the figures that did not move (ghostvis_core/verify/eval/report.py), instead of a flat line passing as success.
+EVIDENCE_NOTES: dict[str, dict[str, str]] = {
+    "smoke": {
+        s: "smoke runs a few steps to test the plumbing; its evidence is not expected to move" for s in _SMOKE_STEPS
+    },
+}
+
+
+def evidence_note(stage: str, preset: str) -> str:
+    """The preset's reason why `stage`'s evidence cannot improve in its run ('' when it should)."""
+    return EVIDENCE_NOTES.get(preset, {}).get(stage, "")
+
+
 _LARGE_PRETRAIN = dict(
     batch=dict(micro_batch_size=8, seq_len=2048, world_size=8, total_batch_tokens=524288),
     budget=dict(tokens_per_param=20.0),

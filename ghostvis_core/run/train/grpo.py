@@ -4,11 +4,13 @@ rollouts, rewards, advantages and loss. The objective class that uses them is GR
 
 Rows (docs/glossary.md "rl row"): prompt p of the source's documents (seeded order per epoch, as dpo) is
 global rows p x G .. p x G + G - 1, one per sampled completion, so the row rule, the shares and the
-content digests work as for any stage. A document is `<|bos|>question\\n...Answer: n`; its prompt is its
-tokens up to and including the first token whose text holds a newline, its answer the last `Answer: n`
-after that. A row is prompt + completion, padded: real = prompt + generated tokens, loss = generated
-tokens; the document's piece rides on the group's first row, with the document's tokens never fed (the
-solution and answer, held back as the label) as cropped. Completion g is sampled from the current
+content digests work as for any stage. A document is `<|bos|>question\\n...Answer: n`; its question line is
+its tokens up to and including the first token whose text holds a newline, its answer the last `Answer: n`
+after that. The prompt is the question line rendered as grpo.prompt says (`chat`: a user turn of the chat
+template ending at `<|assistant|>`; `text`: the line's own tokens). A row is prompt + completion, padded:
+real = prompt + generated tokens, loss = generated tokens; the document's piece rides on the group's first
+row, with the document's tokens after the question line (the solution and answer, held back as the label)
+as cropped. Completion g is sampled from the current
 policy with a generator seeded by (data.seed, g), so a resumed run samples what it would have sampled.
 
 Reward (`reward`): 1 when the completion's last `Answer: n` equals the answer, plus FORMAT_REWARD (0.1)
@@ -33,6 +35,7 @@ import numpy as np
 import torch
 
 from ghostvis_core.counts import ROLLOUT_FIGURES, TokenCounts
+from ghostvis_core.data.chat import render_prompt
 from ghostvis_core.data.loader import Batch, DocIndex, Row, rank_share
 from ghostvis_core.data.stream import Piece, SourceStream
 from ghostvis_core.data.tokenizer import Tokenizer
@@ -95,10 +98,20 @@ def prompt_length(ids: np.ndarray, tok: Tokenizer) -> int:
     return len(ids)
 
 
+def render_question(question: np.ndarray, tok: Tokenizer, form: str) -> np.ndarray:
+    """The question line (<|bos|> + its tokens) as the policy reads it (grpo.prompt): `text` as it is; `chat` as
+    the chat template's user turn ending at the assistant marker, the form sft and dpo taught the policy to
+    answer in (a chat model given the bare line never writes the `Answer:` line the reward looks for)."""
+    if form == "text":
+        return question
+    line = tok.decode(question[1:].tolist()).split("\n", 1)[0].strip()
+    return np.asarray(render_prompt(tok, [{"role": "user", "content": line}]), np.int64)
+
+
 class Problem(NamedTuple):
-    prompt: np.ndarray  # the prompt as fed (cut to seq_len - max_new_tokens)
+    prompt: np.ndarray  # the prompt as fed (rendered, cut to seq_len - max_new_tokens)
     answer: str | None
-    cropped: int  # the document's tokens never fed: its solution and answer (the label), and any prompt cut
+    cropped: int  # never fed: the document's solution and answer (the label), and any rendered prompt tokens cut
     piece: Piece
 
 
@@ -117,9 +130,11 @@ class GroupRows:
             ref, shard, d = self.index.doc(k)
             ids = shard.doc_tokens(d).astype(np.int64)
             n = prompt_length(ids, self.tok)
-            keep = min(n, self.seq_len - self.cfg.max_new_tokens)
+            prompt = render_question(ids[:n], self.tok, self.cfg.prompt)
+            keep = min(len(prompt), self.seq_len - self.cfg.max_new_tokens)
             answer = parse_answer(self.tok.decode(ids[n:].tolist()))
-            self._problems[(k, epoch)] = Problem(ids[:keep], answer, len(ids) - keep, self.index.piece(k, epoch))
+            cropped = len(ids) - n + len(prompt) - keep
+            self._problems[(k, epoch)] = Problem(prompt[:keep], answer, cropped, self.index.piece(k, epoch))
         return self._problems[(k, epoch)]
 
     def problem_of_row(self, j: int) -> Problem:

@@ -16,9 +16,11 @@ The row rule it implements (docs/glossary.md "row rule"):
 - dpo: pair p is rows 2p (prompt + chosen) and 2p + 1 (prompt + rejected), targets on the response;
 - vision_align: one caption per row, <|image|> expanded, targets on the caption;
 - grpo (rl): documents in the sft order; prompt p is rows p x G .. p x G + G - 1 (G = grpo.group_size),
-  each the document's prompt (its tokens up to and including the first, after <|bos|>, whose text holds
-  a newline; cut to seq_len - grpo.max_new_tokens) + that row's completion as the ledger's rollouts saved
-  it, targets on the completion; the document's span rides on the group's first row.
+  each the document's prompt (its question line: its tokens up to and including the first, after <|bos|>,
+  whose text holds a newline; as is when grpo.prompt is `text`, else the line's text as a chat user turn
+  `<|bos|><|user|>line<|eot|><|assistant|>`; cut to seq_len - grpo.max_new_tokens) + that row's completion
+  as the ledger's rollouts saved it, targets on the completion; the document's span rides on the group's
+  first row.
 """
 
 from __future__ import annotations
@@ -285,8 +287,22 @@ class CaptionRows(DocRows):
 
 
 def rl_prompt_length(ids: np.ndarray, tok: Tokenizer) -> int:
-    """The rl prompt rule (module docstring): tokens up to the first newline token after <|bos|>, or all."""
+    """The rl question line (module docstring): tokens up to the first newline token after <|bos|>, or all."""
     return next((i + 1 for i in range(1, len(ids)) if "\n" in tok.decode([int(ids[i])])), len(ids))
+
+
+def rl_prompt(ids: np.ndarray, tok: Tokenizer, form: str, limit: int) -> tuple[np.ndarray, int]:
+    """(The prompt as fed, the document's tokens never fed) of an rl document (module docstring): its question
+    line, as is (grpo.prompt `text`) or as a user turn `<|bos|><|user|>line<|eot|><|assistant|>` (`chat`), cut to
+    `limit` (seq_len - grpo.max_new_tokens); never fed: the rest of the document and any prompt tokens cut."""
+    n = rl_prompt_length(ids, tok)
+    prompt = ids[:n]
+    if form == "chat":
+        line = tok.decode(ids[1:n].tolist()).split("\n", 1)[0].strip()
+        marks = [tok.special(f"<|{role}|>") for role in ("user", "assistant")]
+        prompt = np.asarray([tok.bos, marks[0], *tok.encode(line), tok.eot, marks[1]], np.int64)
+    keep = min(len(prompt), limit)
+    return prompt[:keep], len(ids) - n + len(prompt) - keep
 
 
 def last_answer(text: str) -> str | None:
@@ -301,6 +317,7 @@ class PromptGroupRows(DocRows):
     def __init__(self, files: SourceFiles, seq_len: int, tok: Tokenizer, grpo: dict[str, Any]):
         super().__init__(files, seq_len, tok.special("<|pad|>"), tok.special("<|image|>"), None)
         self.tok, self.group, self.max_new = tok, int(grpo["group_size"]), int(grpo["max_new_tokens"])
+        self.form = grpo["prompt"]
 
     def which(self, j: int) -> tuple[int, int, int]:
         """(epoch, document, sample) of row j."""
@@ -312,8 +329,8 @@ class PromptGroupRows(DocRows):
         """Document k's prompt as fed, and the rest of the document (the solution and answer)."""
         f, d = self.doc(k)
         ids = f.doc(d)
-        n = rl_prompt_length(ids, self.tok)
-        return ids[: min(n, self.seq_len - self.max_new)], ids[n:]
+        prompt, _ = rl_prompt(ids, self.tok, self.form, self.seq_len - self.max_new)
+        return prompt, ids[rl_prompt_length(ids, self.tok) :]
 
     def answer(self, j: int) -> str | None:
         return last_answer(self.tok.decode(self.prompt(self.which(j)[1])[1].tolist()))

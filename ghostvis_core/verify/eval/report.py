@@ -16,6 +16,8 @@ from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.plan.budget import plan
 from ghostvis_core.plan.config import StageConfig
+from ghostvis_core.plan.presets import evidence_note
+from ghostvis_core.run.train.evidence import improved
 from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.store import Store
 from ghostvis_core.store.files import atomic_write
@@ -45,6 +47,7 @@ class StageReport:
     evaluation: dict[str, Any] = field(default_factory=dict)
     mixture: dict[str, dict[str, Any]] = field(default_factory=dict)  # source -> fraction, weight, tokens
     bpb_tolerance: float | None = None  # the quality gate's allowed bpb worsening vs upstream
+    evidence_note: str = ""  # why the preset's run cannot improve the stage's evidence, where it cannot
 
 
 def stage_report(
@@ -101,6 +104,7 @@ def stage_report(
         evaluation=evaluation,
         mixture={s: asdict(m) for s, m in result.mixture.items()},
         bpb_tolerance=bpb_tolerance,
+        evidence_note=evidence_note(result.stage, config.preset),
     )
 
 
@@ -184,6 +188,21 @@ def _token_row(s: StageReport) -> list[Any]:
     ]
 
 
+def _verdict(v: bool | None) -> str:
+    return "-" if v is None else "yes" if v else "NO"
+
+
+def evidence_verdict(s: StageReport) -> list[Any]:
+    """[stage, whether every before/after evidence figure with a direction moved its way, the figures that did
+    not, and why they cannot (the preset's note; 'not known' where it has none)]: a flat figure is never shown as a
+    success."""
+    judged = {name: improved(name, before, after) for name, before, after in s.evidence}
+    judged = {name: v for name, v in judged.items() if v is not None}
+    flat = sorted(name for name, v in judged.items() if not v)
+    verdict = "-" if not judged else "NO" if flat else "yes"
+    return [s.stage, verdict, ", ".join(flat) or "-", (s.evidence_note or "not known") if flat else "-"]
+
+
 def _evaluation_row(s: StageReport) -> list[Any]:
     bpb = ", ".join(f"{k} {v:.3f}" for k, v in s.evaluation.get("bpb", {}).items())
     return [s.stage, bpb, ", ".join(f"{k} {v:.2f}" for k, v in s.evaluation.get("mc", {}).items())]
@@ -205,8 +224,16 @@ def tables(stages: list[StageReport]) -> dict[str, tuple[list[str], list[list[An
     return {
         "Tokens (ledger)": (TOKEN_HEADER, [_token_row(s) for s in stages]),
         "Evidence (held-out, before vs after)": (
-            ["stage", "evidence", "before", "after"],
-            [[s.stage, name, before, after] for s in stages for name, before, after in s.evidence],
+            ["stage", "evidence", "before", "after", "improved"],
+            [
+                [s.stage, name, before, after, _verdict(improved(name, before, after))]
+                for s in stages
+                for name, before, after in s.evidence
+            ],
+        ),
+        "Did each stage's evidence improve?": (
+            ["stage", "improved", "not improved", "why not"],
+            [evidence_verdict(s) for s in stages],
         ),
         "Mixture (ledger vs recipe)": (
             ["stage", "source", "recipe weight", "fraction consumed", "tokens"],
