@@ -6,6 +6,10 @@ manifest is made, so a typo fails before any download:
 - `string`: the completion's last non-empty line equals the answer, both stripped of surrounding space
 - `regex:<pattern>`: the pattern's last match in the completion, its first group if it has one, equals
   the answer, both stripped (e.g. `regex:Answer: (\\S+)`)
+
+The rl stage (ghostvis_core/run/train/grpo.py) rewards a completion 1 when `is_correct`, plus a small format
+reward when `well_formed`: its last non-empty line alone gives an answer under the rule (the line a policy is
+taught to end on). The audit recomputes both with its own code (ghostvis_core/verify/audit/rollouts.py).
 """
 
 from __future__ import annotations
@@ -67,3 +71,9 @@ def is_correct(rule: str, completion: str, answer: str) -> bool:
     if rule == INTEGER:
         return _INT.fullmatch(answer.strip()) is not None and int(given) == int(answer.strip())
     return given == answer.strip()
+
+
+def well_formed(rule: str, completion: str) -> bool:
+    """The completion's last non-empty line alone gives an answer under the rule (the rl format reward)."""
+    lines = [line for line in completion.splitlines() if line.strip()]
+    return bool(lines) and completion_answer(rule, lines[-1]) is not None
