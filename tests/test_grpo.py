@@ -245,8 +245,10 @@ def test_the_rl_stage_runs_through_the_cli_on_a_users_problems_and_its_audit_rec
     `ghostvis train rl --recipe my_problems=1.0` (the smoke preset); every check passes and the audit
     recounts every prompt and generated token and recomputes each reward under the source's rule."""
     from ghostvis_core.counts import ROLLOUT_METRICS
+    from ghostvis_core.data.catalog import load_manifest
     from ghostvis_core.data.ledger import Ledger
     from ghostvis_core.home import Home
+    from ghostvis_core.run.launch import plan_run
     from ghostvis_core.run.track.mlflow_records import latest_metrics
     from ghostvis_core.run.train.runs import completed_runs
     from ghostvis_core.verify.audit.report import audit_stage
@@ -265,6 +267,15 @@ def test_the_rl_stage_runs_through_the_cli_on_a_users_problems_and_its_audit_rec
     spec = h.store.read_json("run_spec", "rl", run_key)
     assert spec["inputs"]["reward_rules"] == {"my_problems": "integer"}
     assert [s["shard_id"] for s in spec["train_shards"]["my_problems"]] == ["my_problems/a", "my_problems/b"]
+    # the rule is in the run's identity: the same source under another rule is another run (this one is stale)
+    overrides = presets.data_overrides({"my_problems": 1.0}, [])
+    assert plan_run("rl", preset="smoke", overrides=overrides, home=h).base_key == run_key.rsplit("-r", 1)[0]
+    manifest = load_manifest(h.store, "my_problems")
+    manifest.reward = "string"
+    save_manifest(h.store, manifest)
+    assert plan_run("rl", preset="smoke", overrides=overrides, home=h).base_key != run_key.rsplit("-r", 1)[0]
+    manifest.reward = "integer"
+    save_manifest(h.store, manifest)
     result = audit_stage(h, ledger, "rl", run_key, None)
     checks = {c["name"]: c for c in result["checks"]}
     failures = [f for c in result["checks"] for f in c["failures"] if not stale_home(c["name"], f)]
