@@ -62,10 +62,11 @@ def test_advantages_are_the_reward_minus_the_group_mean_over_the_unbiased_group_
 @pytest.mark.parametrize(
     "rule, completion, answer, expected",
     [
-        # integer: the last integer, compared as a number; well-formed when the last line holds one
-        ("integer", "Step 1: 3 + 4 = 7.\nSo 07", "7", 1.1),
-        ("integer", "7 apples, then 2 more: 9", "7", 0.1),  # a wrong answer on a well-formed line
-        ("integer", "It is 7.\nI am sure.", "7", 1.0),  # right, but the last line gives no integer
+        # integer: the last integer, compared as a number; well-formed when the last line is one
+        ("integer", "Step 1: 3 + 4 = 7.\n07", "7", 1.1),
+        ("integer", "7 apples, then 2 more:\n9", "7", 0.1),  # a wrong answer on a well-formed line
+        ("integer", "It is 7.\nI am sure.", "7", 1.0),  # right, but the last line is no integer
+        ("integer", "So it is 7", "7", 1.0),  # right, but the line holds more than the integer
         ("integer", "-3", "-3", 1.1),
         # string: the last non-empty line, stripped
         ("string", "The capital of France?\n  Paris  \n", "Paris", 1.1),
@@ -74,7 +75,8 @@ def test_advantages_are_the_reward_minus_the_group_mean_over_the_unbiased_group_
         (DEMO_RULE, "Step 1: 3 + 4 = 7.\nAnswer: 7", "7", 1.1),
         (DEMO_RULE, "Answer: 5\nStep 2: 5 + 2 = 7.\nAnswer: 70", "7", 0.1),
         (DEMO_RULE, "Answer: 7\nStep 2: 7 + 1 = 8.", "7", 1.0),  # the answer line does not end the reasoning
-        ("regex:[A-E]", "The options... I pick C", "C", 1.1),
+        ("regex:[A-E]", "The options... I pick\nC", "C", 1.1),
+        (DEMO_RULE, "Answer: 7 apples 13 except", "7", 1.0),  # an answer in noise: no format reward
         # malformed: nothing the rule can read
         ("integer", "no number at all", "7", 0.0),
         (DEMO_RULE, "Step 1: 3 + 4 = 7.\nAnswer:", "7", 0.0),

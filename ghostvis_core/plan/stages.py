@@ -91,7 +91,7 @@ STAGES: tuple[Stage, ...] = (
         "problem",
         "Group-relative policy optimisation (GRPO) on problems (prompt + answer): G sampled solutions per "
         "prompt, reward 1 for the answer the source's reward rule accepts (integer, string or regex) plus 0.1 "
-        "for a last line that gives one; every generated token is accounted. Evidence: reward, exact-answer "
+        "for a last line that is only one; every generated token is accounted. Evidence: reward, exact-answer "
         "accuracy and well-formed answer rate on held-out problems, before vs after.",
         ("reward",),
     ),

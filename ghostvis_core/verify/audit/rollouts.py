@@ -6,12 +6,12 @@ Here each record's rows must be the rows the plan gives that rank at that step; 
 recounted from the saved completions, each reward is recomputed from the completion and the answer in
 the problem's token file under the source's reward rule (the launch spec's `reward_rules`): 1 when the
 rule's answer of the completion is the problem's, plus FORMAT_REWARD when the completion's last non-empty
-line alone gives an answer under the rule (the rules of data/problems.py, written here again, not imported,
-so a bug there cannot agree with itself; rewarded tokens and correct completions are those of exact-answer
-completions), the
-prompts' tokens are recounted from the token files, and the totals must equal the run record's, MLflow's
-and the Dagster metadata's. `fed_content_matches_files` proves the saved completions are what the model
-was fed (it rebuilds every row as prompt + saved completion).
+line, stripped, is wholly an answer in the rule's form (an integer, any text, a whole match of the
+pattern). The rules of data/problems.py are written here again, not imported, so a bug there cannot agree
+with itself; rewarded tokens and correct completions are those of exact-answer completions. The prompts'
+tokens are recounted from the token files, and the totals must equal the run record's, MLflow's and the
+Dagster metadata's. `fed_content_matches_files` proves the saved completions are what the model was fed
+(it rebuilds every row as prompt + saved completion).
 """
 
 from __future__ import annotations
@@ -50,8 +50,9 @@ def recomputed_reward(rule: str, text: str, answer: str) -> float:
         exact = given is not None and re.fullmatch(r"-?\d+", want) is not None and int(given) == int(want)
     else:
         exact = given is not None and given == want
-    lines = [line for line in text.splitlines() if line.strip()]
-    return float(exact) + FORMAT_REWARD * (bool(lines) and rule_answer(rule, lines[-1]) is not None)
+    last = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), None)
+    pattern = {"integer": r"-?\d+", "string": r"(?s).+"}.get(rule, rule.removeprefix("regex:"))
+    return float(exact) + FORMAT_REWARD * (last is not None and re.fullmatch(pattern, last) is not None)
 
 
 def recount_record(rows: PlannedRows, record: dict[str, Any]) -> tuple[list[int], int, list[int]]:
