@@ -20,9 +20,11 @@ from PIL import Image
 from ghostvis_core.data.decontaminate import drop_shared, held_out
 from ghostvis_core.data.eval_texts import shipped_texts
 from ghostvis_core.data.ngrams import fingerprints, record_text
+from ghostvis_core.data.problems import is_correct
 from ghostvis_core.data.whole_items import WholeItems, whole_phrase
 from ghostvis_core.demo.tasks import (
     COLORS,
+    REWARD_RULES,
     SPLIT_SIZES,
     TASK_SOURCES,
     build_task_source,
@@ -39,6 +41,7 @@ EXPECTED_SCHEMAS = {
         "answer": pa.string(),
         "id": pa.string(),
     },
+    "demo_problems": {"prompt": pa.string(), "answer": pa.string(), "id": pa.string()},
     "demo_chat": {"messages": MESSAGES, "image": pa.binary(), "id": pa.string()},
     "demo_prefs": {"prompt": pa.string(), "chosen": pa.string(), "rejected": pa.string(), "id": pa.string()},
     "demo_images": {
@@ -56,8 +59,9 @@ EXPECTED_SCHEMAS = {
 # arithmetic and capitals items and the capital prompt). demo_prefs: all 308 pairs whose rejected
 # reply ends in the 24-word "I hope this helps! ..." tail (21 validation pairs have it too) and 32
 # that repeat a validation pair's or chat's Q&A; demo_chat: 14 of its 64 repeat a validation
-# preference pair's; demo_images: captions are too short to have a fingerprint and hold no item.
-DECONTAMINATED = {"demo_reasoning": 131, "demo_chat": 609, "demo_prefs": 475, "demo_images": 0}
+# preference pair's; demo_images: captions are too short to have a fingerprint and hold no item. demo_problems
+# (question and answer, no worked steps): 4 share a fingerprint with a validation row; none holds a shipped item whole.
+DECONTAMINATED = {"demo_reasoning": 131, "demo_problems": 4, "demo_chat": 609, "demo_prefs": 475, "demo_images": 0}
 SHARD_NAMES = ["00000.parquet", "00001.parquet", "00002.parquet", "00003.parquet", "val_00000.parquet"]
 STEP = re.compile(r"^Step (\d+): (\d+) ([-+*]) (\d+) = (\d+)\.$")
 ARITH_REPLY = re.compile(r"^(\d+) ([-+*]) (\d+) = (\d+)\.$")
@@ -184,6 +188,8 @@ def test_ids_are_unique_content_hashes(built, source):
 def _content(source, row):
     if source == "demo_reasoning":
         return row["text"]
+    if source == "demo_problems":
+        return row["prompt"], row["answer"]
     if source == "demo_chat":
         return json.dumps(row["messages"]), row["image"]
     if source == "demo_prefs":
@@ -241,6 +247,28 @@ def test_train_shares_no_fingerprint_with_validation_or_shipped_items(built, sou
     assert sum(1 for fps in train if fps & held) == 0
     if kind != "image_caption":  # captions are too short for a 13-gram, so the check would be empty
         assert sum(1 for fps in train if fps) > len(train) / 2 and held
+
+
+# --- demo_problems ----------------------------------------------------------------------------
+
+
+def test_demo_problems_are_the_reasoning_problems_as_prompt_and_answer_in_the_same_split(built):
+    """The rl stage's problems: demo_reasoning's questions and answers, split the same way, and the demo's
+    reward rule finds each answer in its worked solution (the form the policy is taught to answer in)."""
+    pairs = {
+        split: [
+            {(r["question"], r["answer"]) for r in _rows(built, "demo_reasoning", split)},
+            {(r["prompt"], r["answer"]) for r in _rows(built, "demo_problems", split)},
+        ]
+        for split in ("train", "validation")
+    }
+    assert pairs["validation"][0] == pairs["validation"][1]
+    assert len(pairs["train"][0] - pairs["train"][1]) <= DECONTAMINATED["demo_problems"]
+    assert not pairs["train"][1] & pairs["validation"][1]
+    rule = REWARD_RULES["demo_problems"]
+    rows = _rows(built, "demo_reasoning")
+    assert all(is_correct(rule, r["text"].split("\n", 1)[1], r["answer"]) for r in rows)
+    assert not any(is_correct(rule, r["solution"], r["answer"]) for r in rows)  # no `Answer:` line, no answer
 
 
 # --- demo_reasoning ---------------------------------------------------------------------------

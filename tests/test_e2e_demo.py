@@ -149,7 +149,7 @@ def test_ghostvis_ledger_json_shows_the_same_totals(demo_home):
         assert runs[md["run_key"]]["real_tokens"] == md["real_tokens"]
     tl = latest(instance, "token_ledger")
     assert sum(r["tokens"] for r in report["shards"]) == tl["tokens"]
-    assert len(report["shards"]) == tl["shards"] == 30  # 6 sources x (4 train + 1 validation)
+    assert len(report["shards"]) == tl["shards"] == 35  # 7 sources x (4 train + 1 validation)
 
 
 def test_a_stage_whose_upstream_is_missing_says_which_asset_to_materialize_first(home_copy):

@@ -1,9 +1,12 @@
-"""The rl stage (GRPO): advantages, reward parsing and the loss by hand; the trainer's rows and the
-audit's rebuilt rows agree on a hand-built shard; and an end-to-end smoke run of the `rl` asset through
-the real CLI whose checks pass and whose generated tokens the audit recounts from the saved rollouts."""
+"""The rl stage (GRPO): advantages, each reward rule through the trainer's reward and the audit's recount, and
+the loss by hand; the trainer's rows and the audit's rebuilt rows agree on a problem token file written by the
+tokenization's own encoder; the launch carries each source's reward rule; and an end-to-end smoke run of the
+`rl` asset through the real CLI whose checks pass and whose generated tokens the audit recounts from the saved
+rollouts."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -11,33 +14,34 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from datatrove.data import Document
 
+from ghostvis_core.data.catalog import save_manifest
+from ghostvis_core.data.chat import render_prompt
+from ghostvis_core.data.sources import Manifest
 from ghostvis_core.data.stream import ShardRef, SourceStream
-from ghostvis_core.data.token_shard import list_column, write_token_shard
+from ghostvis_core.data.token_shard import token_dtype, write_token_shard
+from ghostvis_core.data.tokenize import encode_document, token_columns
 from ghostvis_core.data.tokenizer import train_tokenizer
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan import presets
 from ghostvis_core.plan.batch import IGNORE_INDEX
-from ghostvis_core.plan.config import GRPOConfig
-from ghostvis_core.run.train.grpo import (
-    FORMAT_REWARD,
-    GroupRows,
-    RolloutLog,
-    group_advantages,
-    grpo_loss_sum,
-    parse_answer,
-    prompt_length,
-    render_question,
-    reward,
-)
-from ghostvis_core.verify.audit.rebuild import PromptGroupRows, SourceFiles, rl_prompt, rl_prompt_length
+from ghostvis_core.plan.config import GRPOConfig, SourceWeight, StageConfig
+from ghostvis_core.run.launch import reward_rules
+from ghostvis_core.run.train.grpo import FORMAT_REWARD, GroupRows, RolloutLog, group_advantages, grpo_loss_sum, reward
+from ghostvis_core.store import FolderStore
+from ghostvis_core.verify.audit.rebuild import PromptGroupRows, SourceFiles, rl_prompt
 from ghostvis_core.verify.audit.rollouts import recomputed_reward
 from ghostvis_core.verify.audit.token_files import TokenFile
 from tests.conftest import run_cli
 
+# (prompt, answer) as a problem source's rows give them
 PROBLEMS = [
-    "Tom has 3 apples. He gets 4 more. How many apples does Tom have?\nStep 1: 3 + 4 = 7.\nAnswer: 7",
-    "What is 12 - 5?\nStep 1: 12 - 5 = 7.\nAnswer: 7",
-    "Compute 6 * 3.\nStep 1: 6 * 3 = 18.\nAnswer: 18",
+    ("Tom has 3 apples. He gets 4 more. How many apples does Tom have?", "7"),
+    ("What is 12 - 5?", "7"),
+    ("Compute 6 * 3.", "18"),
 ]
+DEMO_RULE = r"regex:Answer:\s*(-?\d+)"  # the demo's (ghostvis_core/demo/tasks.py REWARD_RULES)
 
 
 # ---------------------------------------------------------------- by hand
@@ -55,22 +59,34 @@ def test_advantages_are_the_reward_minus_the_group_mean_over_the_unbiased_group_
     assert adv[2, 1].item() == pytest.approx(-0.25 / (std3 + 1e-4))
 
 
-def test_the_reward_is_the_exact_last_answer_plus_a_format_reward_for_a_well_formed_answer_line():
-    assert parse_answer("Step 1: 3 + 4 = 7.\nAnswer: 7") == "7"
-    assert parse_answer("Answer: 5\nStep 2: 5 + 2 = 7.\nAnswer: 7\n") == "7"
-    assert parse_answer("Answer:-3") == "-3"
-    assert parse_answer("Step 1: 3 + 4 = 7.") is None
+@pytest.mark.parametrize(
+    "rule, completion, answer, expected",
+    [
+        # integer: the last integer, compared as a number; well-formed when the last line is one
+        ("integer", "Step 1: 3 + 4 = 7.\n07", "7", 1.1),
+        ("integer", "7 apples, then 2 more:\n9", "7", 0.1),  # a wrong answer on a well-formed line
+        ("integer", "It is 7.\nI am sure.", "7", 1.0),  # right, but the last line is no integer
+        ("integer", "So it is 7", "7", 1.0),  # right, but the line holds more than the integer
+        ("integer", "-3", "-3", 1.1),
+        # string: the last non-empty line, stripped
+        ("string", "The capital of France?\n  Paris  \n", "Paris", 1.1),
+        ("string", "Paris\nLyon", "Paris", 0.1),
+        # regex: the last match, its group when it has one (the demo's `Answer: n`)
+        (DEMO_RULE, "Step 1: 3 + 4 = 7.\nAnswer: 7", "7", 1.1),
+        (DEMO_RULE, "Answer: 5\nStep 2: 5 + 2 = 7.\nAnswer: 70", "7", 0.1),
+        (DEMO_RULE, "Answer: 7\nStep 2: 7 + 1 = 8.", "7", 1.0),  # the answer line does not end the reasoning
+        ("regex:[A-E]", "The options... I pick\nC", "C", 1.1),
+        (DEMO_RULE, "Answer: 7 apples 13 except", "7", 1.0),  # an answer in noise: no format reward
+        # malformed: nothing the rule can read
+        ("integer", "no number at all", "7", 0.0),
+        (DEMO_RULE, "Step 1: 3 + 4 = 7.\nAnswer:", "7", 0.0),
+        ("string", "", "Paris", 0.0),
+    ],
+)
+def test_each_reward_rule_through_the_trainers_reward_and_the_audits_recount(rule, completion, answer, expected):
     assert FORMAT_REWARD == 0.1
-    assert reward("Step 1: 3 + 4 = 7.\nAnswer: 7", "7") == 1.1  # exact, well-formed
-    assert reward("Step 1: 3 + 4 = 8.\nAnswer: 8\n", "7") == 0.1  # wrong number on a well-formed line
-    assert reward("Answer: 70", "7") == 0.1
-    assert reward("Answer: 7 apples", "7") == 1.0  # exact, but the last line is not `Answer: <integer>`
-    assert reward("Answer: 7\nStep 2: 7 + 1 = 8.", "7") == 1.0  # the answer line does not end the reasoning
-    assert reward("Step 1: 3 + 4 = 7.\nAnswer:", "7") == 0.0  # no integer
-    assert reward("Answer: 7", None) == 0.1  # no answer to compare with: the format reward alone
-    assert reward("no answer at all", "7") == 0.0
-    assert recomputed_reward("Step 1: 3 + 4 = 7.\nAnswer: 7", "7") == 1.1  # the audit's own reading agrees
-    assert recomputed_reward("Answer: 70", "7") == 0.1 and recomputed_reward("Answer: 7 apples", "7") == 1.0
+    assert reward(rule, completion, answer) == pytest.approx(expected)
+    assert recomputed_reward(rule, completion, answer) == pytest.approx(expected)  # the audit's own reading
 
 
 def test_rewarded_tokens_and_correct_completions_count_exact_answers_only():
@@ -100,55 +116,56 @@ def test_the_loss_by_hand_with_and_without_the_kl_term():
 
 @pytest.fixture(scope="module")
 def shard(module_tmp):
-    tok = train_tokenizer(PROBLEMS * 30, vocab_size=320)
-    docs = [[tok.bos, *tok.encode(p)] for p in PROBLEMS]
-    path = module_tmp("rl") / "reasoning-000.arrow"
-    write_token_shard(
-        path,
-        {
-            "row": pa.array(range(len(docs)), pa.int64()),
-            "tokens": list_column([len(d) for d in docs], [t for d in docs for t in d], np.uint16),
-        },
+    """A problem token file as tokenization writes it (its own encoder and columns): prompt, answer, prompt_len."""
+    tok = train_tokenizer([f"{q}\nStep 1: so.\nAnswer: {a}" for q, a in PROBLEMS] * 30, vocab_size=320)
+    encoded = [
+        encode_document(tok, "problem", Document(text=q, id=str(i), metadata={"record": {"prompt": q, "answer": a}}))
+        for i, (q, a) in enumerate(PROBLEMS)
+    ]
+    lists = {"tokens": ([len(e["tokens"]) for e in encoded], [np.asarray(e["tokens"], np.uint32) for e in encoded])}
+    columns = token_columns(
+        list(range(len(PROBLEMS))),
+        lists,
+        {"prompt_len": [e["prompt_len"] for e in encoded]},
+        token_dtype(tok.vocab_size),
     )
-    ref = ShardRef("reasoning/00000", "reasoning", "train", str(path), docs=len(docs), tokens=sum(map(len, docs)))
+    path = module_tmp("rl") / "problems-000.arrow"
+    write_token_shard(path, columns)
+    docs = [e["tokens"] for e in encoded]
+    ref = ShardRef("problems/00000", "problems", "train", str(path), docs=len(docs), tokens=sum(map(len, docs)))
     return tok, docs, ref
 
 
-def test_the_prompt_is_the_question_line_and_both_sides_agree(shard):
-    tok, docs, _ = shard
-    for text, ids in zip(PROBLEMS, docs):
-        question = [tok.bos, *tok.encode(text.split("\n")[0] + "\n")]
-        n = prompt_length(np.asarray(ids), tok)
-        assert ids[:n] == question
-        assert rl_prompt_length(np.asarray(ids), tok) == n
-
-
-def test_a_chat_prompt_is_the_question_line_as_a_user_turn_and_both_sides_agree(shard):
-    tok, docs, _ = shard
-    for text, ids in zip(PROBLEMS, docs):
-        n = prompt_length(np.asarray(ids), tok)
-        line = text.split("\n")[0]
-        turn = [tok.bos, tok.special("<|user|>"), *tok.encode(line), tok.eot, tok.special("<|assistant|>")]
-        assert render_question(np.asarray(ids[:n]), tok, "chat").tolist() == turn
-        assert render_question(np.asarray(ids[:n]), tok, "text").tolist() == ids[:n]
-        for form in ("chat", "text"):
-            fed, cropped = rl_prompt(np.asarray(ids), tok, form, 100)
-            assert fed.tolist() == render_question(np.asarray(ids[:n]), tok, form).tolist()
-            assert cropped == len(ids) - n  # the solution and answer, never fed
-        fed, cropped = rl_prompt(np.asarray(ids), tok, "chat", 5)  # a prompt cut short: the cut tokens too
-        assert fed.tolist() == turn[:5] and cropped == len(ids) - n + len(turn) - 5
+def test_the_audit_rebuilds_a_problem_row_from_the_token_file(shard):
+    tok, docs, ref = shard
+    files = SourceFiles("problems", [TokenFile(Path(ref.path), ref.shard_id)], 7)
+    audit = PromptGroupRows(files, 48, tok, {"group_size": 2, "max_new_tokens": 8, "prompt": "chat"}, "integer")
+    for j in range(2 * len(docs)):
+        k = audit.which(j)[1]
+        question, answer = PROBLEMS[k]
+        turn = render_prompt(tok, [{"role": "user", "content": question}])
+        completion = tok.encode("Answer: 7") + [tok.eot]
+        row = audit.row(j, completion)
+        assert row.inputs[: len(turn) + len(completion)].tolist() == turn + completion
+        assert row.targets[len(turn) - 1 : len(turn) - 1 + len(completion)].tolist() == completion
+        assert audit.answer(j) == answer
+        assert len(row.spans) == (j % 2 == 0)  # the problem's span rides on the group's first row
+    text_prompt, cropped = rl_prompt(np.asarray(docs[0]), len(turn), tok, "text", 100)
+    assert text_prompt.tolist() == [tok.bos, *tok.encode(PROBLEMS[0][0]), *tok.encode("\n")]
+    assert cropped == len(docs[0]) - len(turn)  # the answer and its <|eot|>, never fed
 
 
 @pytest.mark.parametrize("form", ["chat", "text"])
 def test_the_trainers_rows_equal_the_audits_rebuilt_rows(shard, form):
     tok, docs, ref = shard
     cfg = GRPOConfig(group_size=2, max_new_tokens=8, prompt=form)
-    rows = GroupRows(SourceStream("reasoning", [ref], seed=7), 48, 7, tok, cfg)
+    rows = GroupRows(SourceStream("problems", [ref], seed=7), 48, 7, tok, cfg, "integer")
     audit = PromptGroupRows(
-        SourceFiles("reasoning", [TokenFile(Path(ref.path), ref.shard_id)], 7),
+        SourceFiles("problems", [TokenFile(Path(ref.path), ref.shard_id)], 7),
         48,
         tok,
         {"group_size": 2, "max_new_tokens": 8, "prompt": form},
+        "integer",
     )
     for j in range(2 * len(docs)):
         completion = tok.encode(f"Answer: {j}") + [tok.eot]
@@ -160,11 +177,30 @@ def test_the_trainers_rows_equal_the_audits_rebuilt_rows(shard, form):
         assert mine.real == len(prompt) + len(completion) and mine.loss == len(completion)
         assert mine.targets[len(prompt) - 1 : len(prompt) - 1 + len(completion)].tolist() == completion
         assert (mine.targets[len(prompt) - 1 + len(completion) :] == IGNORE_INDEX).all()
-        assert len(mine.pieces) == (j % 2 == 0)  # the document's piece rides on the group's first row
+        assert len(mine.pieces) == (j % 2 == 0)  # the problem's piece rides on the group's first row
         assert rows.problem_of_row(j).answer == audit.answer(j)
         ids = np.asarray(docs[audit.which(j)[1]])
-        assert mine.cropped == (rl_prompt(ids, tok, form, 40)[1] if j % 2 == 0 else 0)
+        n = int(TokenFile(Path(ref.path), ref.shard_id).prompt_len[audit.which(j)[1]])
+        assert mine.cropped == (rl_prompt(ids, n, tok, form, 40)[1] if j % 2 == 0 else 0)
     assert sorted(rows.problem(k).answer for k in range(3)) == ["18", "7", "7"]
+
+
+def test_the_launch_carries_each_sources_reward_rule_and_refuses_a_source_that_is_not_of_problems(tmp_path):
+    store = FolderStore(tmp_path)
+    save_manifest(store, Manifest("probs", "problem", [], reward="string"))
+    save_manifest(store, Manifest("plain", "problem"))
+    save_manifest(store, Manifest("prose", "text"))
+    rl = presets.resolve("rl", "smoke")
+
+    def reading(recipe: str, val: tuple[str, ...]) -> StageConfig:
+        return dataclasses.replace(
+            rl, data=dataclasses.replace(rl.data, recipe=(SourceWeight(recipe, 1.0),), val_sources=val)
+        )
+
+    assert reward_rules(store, reading("probs", ("plain",))) == {"plain": "integer", "probs": "string"}
+    with pytest.raises(GhostvisError, match=r"^stage rl: source prose is a text source; grpo reads problems"):
+        reward_rules(store, reading("prose", ()))
+    assert rl.data.recipe[0].source == "demo_problems"
 
 
 # ---------------------------------------------------------------- end to end
@@ -176,27 +212,72 @@ def stale_home(check: str, failure: str) -> bool:
     return check == "no_eval_contamination" and "has no n-gram record in the ledger" in failure
 
 
+def user_problems(folder: Path) -> str:
+    """A user's problems in JSON Lines under their own column name (`question`), two train files and a
+    validation file, and the `sources.yaml` that declares them: kind problem, reward integer."""
+    import json
+    import random
+
+    rng = random.Random(3)
+    folder.mkdir(parents=True)
+    for name, n in (("a", 24), ("b", 24), ("val", 8)):
+        pairs = [(rng.randint(2, 40), rng.randint(2, 40)) for _ in range(n)]
+        lines = [json.dumps({"question": f"What is {a} + {b}?", "answer": a + b}) for a, b in pairs]
+        (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return f"""ops:
+  shard_manifest:
+    config:
+      sources: []
+      remote:
+        - name: my_problems
+          kind: problem
+          listing: "{folder.as_uri()}/"
+          columns: {{prompt: question}}
+          reward: integer
+          validation: ["val"]
+"""
+
+
 @pytest.mark.e2e
-def test_the_rl_stage_runs_through_the_cli_and_its_audit_recounts_the_generated_tokens(home_copy):
+def test_the_rl_stage_runs_through_the_cli_on_a_users_problems_and_its_audit_recounts_the_generated_tokens(
+    home_copy, tmp_path
+):
+    """The README's rl on your own problems, on a copy of the demo home: a JSON Lines problem source declared
+    with a columns mapping and `reward: integer`, downloaded and tokenized by `ghostvis data`, then
+    `ghostvis train rl --recipe my_problems=1.0` (the smoke preset); every check passes and the audit
+    recounts every prompt and generated token and recomputes each reward under the source's rule."""
     from ghostvis_core.counts import ROLLOUT_METRICS
+    from ghostvis_core.data.catalog import load_manifest
     from ghostvis_core.data.ledger import Ledger
     from ghostvis_core.home import Home
+    from ghostvis_core.run.launch import plan_run
     from ghostvis_core.run.track.mlflow_records import latest_metrics
     from ghostvis_core.run.train.runs import completed_runs
     from ghostvis_core.verify.audit.report import audit_stage
 
-    proc = run_cli(
-        ["dagster", "asset", "materialize", "--select", "rl", "-m", "ghostvis_pipeline.definitions"],
-        home_copy,
-        timeout=900,
-        check=False,
-    )
+    (config := tmp_path / "sources.yaml").write_text(user_problems(tmp_path / "problems"))
+    select = ["-m", "ghostvis_pipeline.definitions", "--select", "shard_manifest", "-c", str(config)]
+    run_cli(["dagster", "asset", "materialize", *select], home_copy)
+    run_cli(["ghostvis", "data"], home_copy, timeout=900)
+    proc = run_cli(["ghostvis", "train", "rl", "--recipe", "my_problems=1.0"], home_copy, timeout=900, check=False)
     h = Home(home_copy)
     ledger = Ledger.in_store(h.store)
     runs = completed_runs(h.store, "rl")
     assert runs, proc.stdout[-3000:] + proc.stderr[-3000:]
     record = runs[-1]
     run_key = record.run_key
+    spec = h.store.read_json("run_spec", "rl", run_key)
+    assert spec["inputs"]["reward_rules"] == {"my_problems": "integer"}
+    assert [s["shard_id"] for s in spec["train_shards"]["my_problems"]] == ["my_problems/a", "my_problems/b"]
+    # the rule is in the run's identity: the same source under another rule is another run (this one is stale)
+    overrides = presets.data_overrides({"my_problems": 1.0}, [])
+    assert plan_run("rl", preset="smoke", overrides=overrides, home=h).base_key == run_key.rsplit("-r", 1)[0]
+    manifest = load_manifest(h.store, "my_problems")
+    manifest.reward = "string"
+    save_manifest(h.store, manifest)
+    assert plan_run("rl", preset="smoke", overrides=overrides, home=h).base_key != run_key.rsplit("-r", 1)[0]
+    manifest.reward = "integer"
+    save_manifest(h.store, manifest)
     result = audit_stage(h, ledger, "rl", run_key, None)
     checks = {c["name"]: c for c in result["checks"]}
     failures = [f for c in result["checks"] for f in c["failures"] if not stale_home(c["name"], f)]

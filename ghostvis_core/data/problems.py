@@ -6,6 +6,10 @@ manifest is made, so a typo fails before any download:
 - `string`: the completion's last non-empty line equals the answer, both stripped of surrounding space
 - `regex:<pattern>`: the pattern's last match in the completion, its first group if it has one, equals
   the answer, both stripped (e.g. `regex:Answer: (\\S+)`)
+
+The rl stage (ghostvis_core/run/train/grpo.py) rewards a completion 1 when `is_correct`, plus a small format
+reward when `well_formed`: its last non-empty line is an answer in the rule's form and nothing else (the line
+a policy is taught to end on). The audit recomputes both with its own code (ghostvis_core/verify/audit/rollouts.py).
 """
 
 from __future__ import annotations
@@ -67,3 +71,15 @@ def is_correct(rule: str, completion: str, answer: str) -> bool:
     if rule == INTEGER:
         return _INT.fullmatch(answer.strip()) is not None and int(given) == int(answer.strip())
     return given == answer.strip()
+
+
+def well_formed(rule: str, completion: str) -> bool:
+    """The completion's last non-empty line, stripped, is an answer in the rule's form and nothing else: an
+    integer (`integer`), any text (`string`), a whole match of the pattern (`regex:`). The rl format reward:
+    a line that only holds an answer somewhere (`Answer: 5 13 except 4 packs`) would be rewarded for noise."""
+    lines = [line.strip() for line in completion.splitlines() if line.strip()]
+    if not lines:
+        return False
+    if rule == INTEGER:
+        return _INT.fullmatch(lines[-1]) is not None
+    return rule == STRING or re.fullmatch(rule[len(REGEX) :], lines[-1]) is not None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ghostvis_core.data.sources import Manifest, manifest_for_files
 from ghostvis_core.demo.corpus import TEXT_SOURCES, build_text_source
-from ghostvis_core.demo.tasks import TASK_SOURCES, build_task_source
+from ghostvis_core.demo.tasks import REWARD_RULES, TASK_SOURCES, build_task_source
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 
@@ -23,5 +23,6 @@ def publish_demo_source(home: Home, source: str) -> Manifest:
         raise GhostvisError(f"unknown demo source '{source}'; demo sources are: {', '.join(DEMO_SOURCES)}")
     files = build_text_source(source, out) if source in TEXT_SOURCES else build_task_source(source, out)
     manifest = manifest_for_files(source, DEMO_SOURCES[source], files)
+    manifest.reward = REWARD_RULES.get(source, "")
     manifest.save(manifest_path)  # last: a source without its manifest is rebuilt
     return manifest

@@ -6,6 +6,9 @@ of the pipeline treats it exactly like downloaded data:
 
 - `demo_reasoning` (text): 1-3 step arithmetic word problems with a worked solution, GSM8K-like:
   `text` (question, `Step k: a op b = c.` lines, final `Answer: n`), `question`, `solution`, `answer`.
+- `demo_problems` (problem): the same problems as the rl stage reads them, `prompt` (the question) and
+  `answer` (the final number), split as demo_reasoning is (REWARD_RULES: the answer is the number of the
+  completion's last `Answer: n`, the line the worked solutions end with).
 - `demo_chat` (chat): `messages` (list of {role, content}: optional system, then 1-3 user/assistant
   exchanges) and a nullable `image` (PNG). About a fifth are image chats: the first user message is
   `<|image|>` followed by a question about the picture (colour, shape, count, position).
@@ -60,10 +63,14 @@ from ghostvis_core.store.files import replacing
 
 TASK_SOURCES: dict[str, str] = {
     "demo_reasoning": "text",
+    "demo_problems": "problem",
     "demo_chat": "chat",
     "demo_prefs": "preference",
     "demo_images": "image_caption",
 }
+
+# A problem source's reward rule (ghostvis_core/data/problems.py), published in its manifest.
+REWARD_RULES: dict[str, str] = {"demo_problems": r"regex:Answer:\s*(-?\d+)"}
 
 SEED = 1337
 DEMO_TRAIN_SHARDS = 4
@@ -71,6 +78,7 @@ ROW_GROUP_SIZE = 1000
 # (train rows generated, validation rows) per source; decontamination then drops some training rows
 SPLIT_SIZES: dict[str, tuple[int, int]] = {
     "demo_reasoning": (6000, 300),
+    "demo_problems": (6000, 300),  # demo_reasoning's rows, as problems
     "demo_chat": (4000, 200),
     "demo_prefs": (3000, 200),
     "demo_images": (3000, 200),
@@ -90,6 +98,7 @@ SCHEMAS: dict[str, pa.Schema] = {
             ("id", pa.string()),
         ]
     ),
+    "demo_problems": pa.schema([("prompt", pa.string()), ("answer", pa.string()), ("id", pa.string())]),
     "demo_chat": pa.schema([("messages", pa.list_(MESSAGE_TYPE)), ("image", pa.binary()), ("id", pa.string())]),
     "demo_prefs": pa.schema(
         [("prompt", pa.string()), ("chosen", pa.string()), ("rejected", pa.string()), ("id", pa.string())]
@@ -223,6 +232,7 @@ def _generate(source: str) -> tuple[list[dict], list[dict]]:
     """(train, validation) rows of a source as generated, before decontamination."""
     builders: dict[str, Callable[[random.Random, int, int], tuple[list[dict], list[dict]]]] = {
         "demo_reasoning": _reasoning_rows,
+        "demo_problems": _problem_rows,
         "demo_chat": _chat_rows,
         "demo_prefs": _pref_rows,
         "demo_images": _image_rows,
@@ -250,6 +260,8 @@ def _content_key(source: str, row: dict) -> tuple[bytes, ...]:
     """What makes a row what it is; its sha1 is the id."""
     if source == "demo_reasoning":
         return (row["text"].encode(),)
+    if source == "demo_problems":
+        return (row["prompt"].encode(), row["answer"].encode())
     if source == "demo_chat":
         return (json.dumps(row["messages"], ensure_ascii=False).encode(), row["image"] or b"")
     if source == "demo_prefs":
@@ -606,6 +618,15 @@ def _reasoning_doc(rng: random.Random) -> dict:
 def _reasoning_rows(rng, n_train, n_val):
     rows = _unique(rng, _reasoning_doc, lambda r: r["question"], n_train + n_val, "reasoning questions")
     return _split(rng, rows, n_val)
+
+
+def _problem_rows(rng, n_train, n_val):
+    """demo_reasoning's rows (same split) as the rl stage's problems: the question and the final answer."""
+    train, val = _generate("demo_reasoning")
+    train_problems, val_problems = (
+        [{"prompt": r["question"], "answer": r["answer"]} for r in rows] for rows in (train, val)
+    )
+    return train_problems, val_problems
 
 
 # --- short factual Q&A (demo_chat and demo_prefs) ---------------------------------------------

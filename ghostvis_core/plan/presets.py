@@ -157,12 +157,9 @@ _TINY: dict[str, dict[str, Any]] = {
         # sft on 582 chats solving such problems), so from it every group's advantages are 0: the tiny preset's
         # lineage (selected.PRESET_LINEAGES) starts rl from reasoning_mix.
         optim=dict(lr=3e-4, warmup_steps=3, weight_decay=0.0),
-        # The prompts are the problems reasoning_mix trained on (as nanochat's RL reads GSM8K train): declared replay.
-        data=dict(
-            recipe=[{"source": "demo_reasoning", "weight": 1.0}],
-            val_sources=["demo_reasoning"],
-            replay_sources=["demo_reasoning"],
-        ),
+        # The problems reasoning_mix trained on as text (as nanochat's RL reads GSM8K train), as prompt + answer:
+        # demo_problems, a source of their own, so no token range of an earlier stage is read again.
+        data=dict(recipe=[{"source": "demo_problems", "weight": 1.0}], val_sources=["demo_problems"]),
         eval=dict(every_steps=15, samples=64),  # held-out problems for the reward evidence (greedy, split over ranks)
         checkpoint=dict(every_steps=15),
     ),

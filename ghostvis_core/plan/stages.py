@@ -88,10 +88,10 @@ STAGES: tuple[Stage, ...] = (
         "rl",
         "dpo",
         "grpo",
-        "text",
-        "Group-relative policy optimisation (GRPO) on the arithmetic problems, asked as chat user turns: G "
-        "sampled solutions per prompt, reward 1 for the exact final answer plus 0.1 for a well-formed final "
-        "`Answer: <integer>` line; every generated token is accounted. Evidence: reward, exact-answer "
+        "problem",
+        "Group-relative policy optimisation (GRPO) on problems (prompt + answer): G sampled solutions per "
+        "prompt, reward 1 for the answer the source's reward rule accepts (integer, string or regex) plus 0.1 "
+        "for a last line that is only one; every generated token is accounted. Evidence: reward, exact-answer "
         "accuracy and well-formed answer rate on held-out problems, before vs after.",
         ("reward",),
     ),

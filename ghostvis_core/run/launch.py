@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ghostvis_core import identity
-from ghostvis_core.data.catalog import recorded_sha256
+from ghostvis_core.data.catalog import load_manifest, recorded_sha256
 from ghostvis_core.data.ledger import Ledger, validation_selected
+from ghostvis_core.data.problems import DEFAULT_RULE
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer, newest_tokenizer
 from ghostvis_core.errors import GhostvisError
@@ -235,9 +236,26 @@ def check_imported_data(stage: str, init_from: str, tok: Tokenizer, shards: tupl
         )
 
 
-def stage_inputs(r: Resolved, ledger: Ledger, train_shards: dict[str, list[dict]]) -> StageInputs:
+def reward_rules(store: Store, cfg: StageConfig) -> dict[str, str]:
+    """grpo: each source's reward rule, from its manifest (a source the stage reads must be of problems)."""
+    rules = {}
+    for source in sorted({s.source for s in cfg.data.recipe} | set(cfg.data.val_sources)):
+        m = load_manifest(store, source)
+        if m.kind != "problem":
+            raise GhostvisError(
+                f"stage {cfg.stage}: source {source} is a {m.kind} source; grpo reads problems (prompt + answer): "
+                "declare one in shard_manifest (kind: problem, reward: integer, string or regex:<pattern>) and "
+                "set the stage's recipe to it"
+            )
+        rules[source] = m.reward or DEFAULT_RULE
+    return rules
+
+
+def stage_inputs(r: Resolved, store: Store, ledger: Ledger, train_shards: dict[str, list[dict]]) -> StageInputs:
     """What the stage takes from its lineage: where to continue each source, the old context, ..."""
     cfg, inputs = r.cfg, StageInputs()
+    if cfg.objective == "grpo":
+        inputs.reward_rules = reward_rules(store, cfg)
     if r.upstream and cfg.objective == "lm":
         fresh = [s.source for s in cfg.data.recipe if s.source not in cfg.data.replay_sources]
         inputs.stream_offsets = lineage_offsets(ledger, r.upstream.run_key, train_shards, fresh)
@@ -332,7 +350,7 @@ def plan_run(
         mlflow_artifact_location=home.mlflow_artifacts.as_uri(),
         parent_run_key=r.upstream.run_key if r.upstream else None,
         init_checkpoint=r.upstream.checkpoint if r.upstream else None,
-        inputs=stage_inputs(r, ledger, train_shards),
+        inputs=stage_inputs(r, home.store, ledger, train_shards),
     )
     ident = run_identity(r, p, spec)
     name = f"{stage}@{variant}" if variant else stage

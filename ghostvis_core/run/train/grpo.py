@@ -2,21 +2,22 @@
 rollouts, rewards, advantages and loss. The objective class that uses them is GRPOObjective
 (ghostvis_core/run/train/objectives.py).
 
-Rows (docs/glossary.md "rl row"): prompt p of the source's documents (seeded order per epoch, as dpo) is
+Rows (docs/glossary.md "rl row"): prompt p of the source's problems (seeded order per epoch, as dpo) is
 global rows p x G .. p x G + G - 1, one per sampled completion, so the row rule, the shares and the
-content digests work as for any stage. A document is `<|bos|>question\\n...Answer: n`; its question line is
-its tokens up to and including the first token whose text holds a newline, its answer the last `Answer: n`
-after that. The prompt is the question line rendered as grpo.prompt says (`chat`: a user turn of the chat
-template ending at `<|assistant|>`; `text`: the line's own tokens). A row is prompt + completion, padded:
-real = prompt + generated tokens, loss = generated tokens; the document's piece rides on the group's first
-row, with the document's tokens after the question line (the solution and answer, held back as the label)
-as cropped. Completion g is sampled from the current
+content digests work as for any stage. A problem's token file document is its chat prompt (ending at the
+assistant marker, `prompt_len` tokens) then its answer as the reply (data/tokenize.py). The prompt is read
+as grpo.prompt says (`chat`: the rendered prompt as is; `text`: <|bos|> + the prompt's turns without the first
+role marker and the closing <|eot|> + assistant marker, then a newline, for a base model), cut to
+seq_len - max_new_tokens. A row is prompt + completion, padded: real = prompt + generated tokens, loss =
+generated tokens; the problem's piece rides on the group's first row, with its tokens never fed (the answer,
+held back as the label, and any prompt tokens cut) as cropped. Completion g is sampled from the current
 policy with a generator seeded by (data.seed, g), so a resumed run samples what it would have sampled.
 
-Reward (`reward`): 1 when the completion's last `Answer: n` equals the answer, plus FORMAT_REWARD (0.1)
-when the completion ends with a well-formed `Answer: <integer>` line (DeepSeek-R1's and TRL's accuracy +
-format rewards): the small demo policy almost never hits an exact answer, so without the format term every
-group's rewards are equal and no step changes the weights. Advantage: the reward minus
+Reward (`reward`): 1 when the completion's answer is the problem's under its source's reward rule
+(`spec.inputs.reward_rules`, data/problems.py: integer, string or regex:<pattern>), plus FORMAT_REWARD (0.1)
+when its last line alone gives an answer under the rule (DeepSeek-R1's and TRL's accuracy + format rewards):
+a small policy rarely hits an exact answer, so without the format term every group's rewards are equal and
+no step changes the weights. Advantage: the reward minus
 its group's mean, over the group's (unbiased) standard deviation + 1e-4 (0 for a group of equal rewards).
 Loss: per generated token, -A x ratio (ratio = p / p_sampled, 1 on-policy, with the gradient of log p),
 plus kl_beta x the k3 estimate of KL(policy || reference); summed, and averaged over generated tokens by
@@ -26,7 +27,6 @@ the loop.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -35,35 +35,22 @@ import numpy as np
 import torch
 
 from ghostvis_core.counts import ROLLOUT_FIGURES, TokenCounts
-from ghostvis_core.data.chat import render_prompt
+from ghostvis_core.data.chat import ROLES
 from ghostvis_core.data.loader import Batch, DocIndex, Row, rank_share
+from ghostvis_core.data.problems import is_correct, well_formed
 from ghostvis_core.data.stream import Piece, SourceStream
 from ghostvis_core.data.tokenizer import Tokenizer
 from ghostvis_core.plan.batch import IGNORE_INDEX
 from ghostvis_core.plan.config import GRPOConfig
 from ghostvis_core.run.train.dist import DistContext, all_reduce_sum
 
-ANSWER = re.compile(r"Answer:\s*(-?\d+)")
-FINAL_ANSWER_LINE = re.compile(r"(?:^|\n)Answer: -?\d+\s*$")
 FORMAT_REWARD = 0.1
 ADV_EPS = 1e-4
 
 
-def parse_answer(text: str) -> str | None:
-    """The last `Answer: n` of a text (a completion may restate the question's numbers first)."""
-    found = ANSWER.findall(text)
-    return found[-1] if found else None
-
-
-def well_formed(text: str) -> bool:
-    """The completion's last line is `Answer: <integer>` (the format the reasoning documents end with)."""
-    return FINAL_ANSWER_LINE.search(text) is not None
-
-
-def reward(text: str, answer: str | None) -> float:
-    """1 for the exact answer + FORMAT_REWARD for a well-formed final answer line (module docstring)."""
-    exact = answer is not None and parse_answer(text) == answer
-    return float(exact) + FORMAT_REWARD * well_formed(text)
+def reward(rule: str, text: str, answer: str) -> float:
+    """1 for the answer the rule accepts + FORMAT_REWARD for a well-formed last line (module docstring)."""
+    return float(is_correct(rule, text, answer)) + FORMAT_REWARD * well_formed(rule, text)
 
 
 def is_exact(r: float) -> bool:
@@ -90,49 +77,43 @@ def grpo_loss_sum(
     return (per_token * mask).sum()
 
 
-def prompt_length(ids: np.ndarray, tok: Tokenizer) -> int:
-    """Tokens up to and including the first (after <|bos|>) whose text holds a newline; all if none."""
-    for i in range(1, len(ids)):
-        if "\n" in tok.decode([int(ids[i])]):
-            return i + 1
-    return len(ids)
-
-
-def render_question(question: np.ndarray, tok: Tokenizer, form: str) -> np.ndarray:
-    """The question line (<|bos|> + its tokens) as the policy reads it (grpo.prompt): `text` as it is; `chat` as
-    the chat template's user turn ending at the assistant marker, the form sft and dpo taught the policy to
-    answer in (a chat model given the bare line never writes the `Answer:` line the reward looks for)."""
-    if form == "text":
-        return question
-    line = tok.decode(question[1:].tolist()).split("\n", 1)[0].strip()
-    return np.asarray(render_prompt(tok, [{"role": "user", "content": line}]), np.int64)
+def read_prompt(prompt: np.ndarray, tok: Tokenizer, form: str) -> np.ndarray:
+    """A problem's rendered chat prompt as the policy reads it (grpo.prompt): `chat` as is, the form sft and dpo
+    taught the policy to answer in; `text` <|bos|> + the turns without the first role marker and the closing
+    <|eot|> + assistant marker, then a newline (a base model continues `question\\n` documents)."""
+    if form == "chat":
+        return prompt
+    first = next(m for m in (tok.marker(f"<|{r}|>") for r in ROLES) if prompt[1 : 1 + len(m)].tolist() == m)
+    body = prompt[1 + len(first) : len(prompt) - 1 - len(tok.marker("<|assistant|>"))]
+    return np.concatenate([[tok.bos], body, tok.encode("\n")]).astype(np.int64)
 
 
 class Problem(NamedTuple):
-    prompt: np.ndarray  # the prompt as fed (rendered, cut to seq_len - max_new_tokens)
-    answer: str | None
-    cropped: int  # never fed: the document's solution and answer (the label), and any rendered prompt tokens cut
+    prompt: np.ndarray  # the prompt as fed (read as grpo.prompt says, cut to seq_len - max_new_tokens)
+    answer: str
+    cropped: int  # never fed: the answer (the label) and any prompt tokens cut
     piece: Piece
 
 
 class GroupRows:
     """rl rows: G rows per prompt (see the module docstring); completions are handed in."""
 
-    def __init__(self, stream: SourceStream, seq_len: int, seed: int, tok: Tokenizer, cfg: GRPOConfig):
+    def __init__(self, stream: SourceStream, seq_len: int, seed: int, tok: Tokenizer, cfg: GRPOConfig, rule: str):
         self.index = DocIndex(stream, seed)
-        self.source, self.seq_len, self.tok, self.cfg = stream.source, seq_len, tok, cfg
+        self.source, self.seq_len, self.tok, self.cfg, self.rule = stream.source, seq_len, tok, cfg, rule
         self.group_size, self.pad_id = cfg.group_size, tok.special("<|pad|>")
         self._problems: dict[tuple[int, int], Problem] = {}
 
     def problem(self, k: int, epoch: int = 0) -> Problem:
-        """Document k's prompt and answer (read from its token shard)."""
+        """Problem k's prompt and answer (read from its token shard: the prompt's `prompt_len` tokens, then the
+        answer's, closed by <|eot|>)."""
         if (k, epoch) not in self._problems:
             ref, shard, d = self.index.doc(k)
             ids = shard.doc_tokens(d).astype(np.int64)
-            n = prompt_length(ids, self.tok)
-            prompt = render_question(ids[:n], self.tok, self.cfg.prompt)
+            n = int(shard.doc_value("prompt_len", d))
+            prompt = read_prompt(ids[:n], self.tok, self.cfg.prompt)
             keep = min(len(prompt), self.seq_len - self.cfg.max_new_tokens)
-            answer = parse_answer(self.tok.decode(ids[n:].tolist()))
+            answer = self.tok.decode(ids[n:-1].tolist())
             cropped = len(ids) - n + len(prompt) - keep
             self._problems[(k, epoch)] = Problem(prompt[:keep], answer, cropped, self.index.piece(k, epoch))
         return self._problems[(k, epoch)]
@@ -203,7 +184,7 @@ def rollout_batch(src: GroupRows, rows: list[int], policy, seed: int) -> GRPOBat
         pr = src.problem_of_row(g)
         c = sample(policy, pr.prompt, src.cfg, stops, seed, g, src.tok.vocab_size)
         completions.append(c)
-        rewards.append(reward(src.tok.decode([t for t in c if t not in stops]), pr.answer))
+        rewards.append(reward(src.rule, src.tok.decode([t for t in c if t not in stops]), pr.answer))
         built.append(src.row(g, c))
     adv = group_advantages(torch.tensor(rewards).view(-1, src.group_size)).view(-1)
     return GRPOBatch(
@@ -281,8 +262,8 @@ def held_out_reward(src: GroupRows, policy, n_problems: int, ctx: DistContext) -
         pr = src.problem(k)
         out = policy.generate(pr.prompt.tolist(), src.cfg.max_new_tokens, stop_tokens=stops, vocab=src.tok.vocab_size)
         text = src.tok.decode([t for t in out if t not in stops])
-        r = reward(text, pr.answer)
-        sums = [sums[0] + r, sums[1] + is_exact(r), sums[2] + well_formed(text), sums[3] + 1]
+        r = reward(src.rule, text, pr.answer)
+        sums = [sums[0] + r, sums[1] + is_exact(r), sums[2] + well_formed(src.rule, text), sums[3] + 1]
     s = all_reduce_sum(sums, ctx)
     per = max(1.0, s[3])
     return {

@@ -312,9 +312,9 @@ class DPOObjective(Objective):
 
 class GRPOObjective(Objective):
     """GRPO on problems with a verifiable answer (ghostvis_core/run/train/grpo.py): each step samples G
-    completions per prompt from the current policy, rewards the exact answer (and a well-formed answer line)
-    and trains on the generated tokens with group-relative advantages; optionally a KL term to the frozen
-    upstream model."""
+    completions per prompt from the current policy, rewards the answer its source's reward rule accepts (and a
+    well-formed last line) and trains on the generated tokens with group-relative advantages; optionally a KL
+    term to the frozen upstream model."""
 
     def __init__(self, spec, cfg):
         super().__init__(spec, cfg)
@@ -322,7 +322,8 @@ class GRPOObjective(Objective):
         self.ref: GPT | None = None
 
     def row_source(self, stream, train):
-        return GroupRows(stream, self.seq_len, self.cfg.data.seed, self.tok, self.cfg.grpo)
+        rule = self.spec.inputs.reward_rules[stream.source]  # the source's reward rule, from its manifest
+        return GroupRows(stream, self.seq_len, self.cfg.data.seed, self.tok, self.cfg.grpo, rule)
 
     def prepare_model(self, model: GPT) -> None:
         """Sampling uses the policy's own weights (DDP shares them with its wrapper); the reference is

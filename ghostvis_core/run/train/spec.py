@@ -38,6 +38,9 @@ class StageInputs:
     upstream_rope_base: float | None = None
     upstream_rope_scaling: float | None = None
     reasoning_source: str | None = None  # the source the reasoning evidence reads
+    # rl: problem source -> its reward rule, from its manifest (data/problems.py); in the run identity, so
+    # changing a source's rule makes the run stale
+    reward_rules: dict[str, str] = field(default_factory=dict)
     new_vision: bool = False  # this stage introduces the vision stack (not in the upstream checkpoint)
     source_budget: dict[str, SourceBudget] = field(default_factory=dict)
 

@@ -15,19 +15,18 @@ The row rule it implements (docs/glossary.md "row rule"):
   an image, targets on mask = 1 positions, pad elsewhere, document id per position;
 - dpo: pair p is rows 2p (prompt + chosen) and 2p + 1 (prompt + rejected), targets on the response;
 - vision_align: one caption per row, <|image|> expanded, targets on the caption;
-- grpo (rl): documents in the sft order; prompt p is rows p x G .. p x G + G - 1 (G = grpo.group_size),
-  each the document's prompt (its question line: its tokens up to and including the first, after <|bos|>,
-  whose text holds a newline; as is when grpo.prompt is `text`, else the line's text as a chat user turn
-  `<|bos|><|user|>line<|eot|><|assistant|>`; cut to seq_len - grpo.max_new_tokens) + that row's completion
-  as the ledger's rollouts saved it, targets on the completion; the document's span rides on the group's
-  first row.
+- grpo (rl): problems (a problem source's token file: the chat prompt, `prompt_len` tokens, then the answer
+  as its reply) in the sft order; prompt p is rows p x G .. p x G + G - 1 (G = grpo.group_size), each the
+  problem's prompt (as is when grpo.prompt is `chat`; for `text` <|bos|> + the prompt without its first role
+  marker and its closing <|eot|> + assistant marker, then a newline; cut to seq_len - grpo.max_new_tokens) +
+  that row's completion as the ledger's rollouts saved it, targets on the completion; the problem's span
+  rides on the group's first row.
 """
 
 from __future__ import annotations
 
 import io
 import random
-import re
 from fractions import Fraction
 from typing import Any, NamedTuple
 
@@ -303,38 +302,35 @@ class CaptionRows(DocRows):
         return PlannedRow(inputs, targets, None, [f.image(d)], self.row_spans(j))
 
 
-def rl_prompt_length(ids: np.ndarray, tok: Tokenizer) -> int:
-    """The rl question line (module docstring): tokens up to the first newline token after <|bos|>, or all."""
-    return next((i + 1 for i in range(1, len(ids)) if "\n" in tok.decode([int(ids[i])])), len(ids))
-
-
-def rl_prompt(ids: np.ndarray, tok: Tokenizer, form: str, limit: int) -> tuple[np.ndarray, int]:
-    """(The prompt as fed, the document's tokens never fed) of an rl document (module docstring): its question
-    line, as is (grpo.prompt `text`) or as a user turn `<|bos|><|user|>line<|eot|><|assistant|>` (`chat`), cut to
-    `limit` (seq_len - grpo.max_new_tokens); never fed: the rest of the document and any prompt tokens cut."""
-    n = rl_prompt_length(ids, tok)
-    prompt = ids[:n]
-    if form == "chat":
-        line = tok.decode(ids[1:n].tolist()).split("\n", 1)[0].strip()
-        marks = [tok.special(f"<|{role}|>") for role in ("user", "assistant")]
-        prompt = np.asarray([tok.bos, marks[0], *tok.encode(line), tok.eot, marks[1]], np.int64)
+def rl_prompt(ids: np.ndarray, prompt_len: int, tok: Tokenizer, form: str, limit: int) -> tuple[np.ndarray, int]:
+    """(The prompt as fed, the problem's tokens never fed) of an rl problem (module docstring): its first
+    `prompt_len` tokens, as is (grpo.prompt `chat`) or for `text` without the opening role marker and the
+    closing <|eot|> + assistant marker, after <|bos|> and before a newline; cut to `limit` (seq_len -
+    grpo.max_new_tokens); never fed: the answer and any prompt tokens cut."""
+    prompt = ids[:prompt_len]
+    if form == "text":
+        roles = [tok.marker(f"<|{role}|>") for role in ("system", "user", "assistant")]
+        opening = next(m for m in roles if prompt[1 : 1 + len(m)].tolist() == m)
+        closing = 1 + len(tok.marker("<|assistant|>"))
+        body = prompt[1 + len(opening) : prompt_len - closing].tolist()
+        prompt = np.asarray([tok.bos, *body, *tok.encode("\n")], np.int64)
     keep = min(len(prompt), limit)
-    return prompt[:keep], len(ids) - n + len(prompt) - keep
-
-
-def last_answer(text: str) -> str | None:
-    """The number of the text's last `Answer: n` (the rl reward compares it with the document's)."""
-    found = re.findall(r"Answer:\s*(-?\d+)", text)
-    return found[-1] if found else None
+    return prompt[:keep], len(ids) - prompt_len + len(prompt) - keep
 
 
 class PromptGroupRows(DocRows):
     """grpo rows: G per prompt, each the prompt + its saved completion (see the module docstring)."""
 
-    def __init__(self, files: SourceFiles, seq_len: int, tok: Tokenizer, grpo: dict[str, Any]):
+    def __init__(self, files: SourceFiles, seq_len: int, tok: Tokenizer, grpo: dict[str, Any], rule: str):
         super().__init__(files, seq_len, tok.special("<|pad|>"), tok.special("<|image|>"), None)
         self.tok, self.group, self.max_new = tok, int(grpo["group_size"]), int(grpo["max_new_tokens"])
-        self.form = grpo["prompt"]
+        self.form, self.rule = grpo["prompt"], rule  # rule: the source's reward rule (audit/rollouts.py reads it)
+        for f in files.files:
+            if f.prompt_len is None:
+                raise GhostvisError(
+                    f"rl source {files.source}: token file {f.shard_id} has no prompt_len, so it is not of problems "
+                    f"(an rl run from before rl read problem sources); re-materialize the rl stage on a problem source"
+                )
 
     def which(self, j: int) -> tuple[int, int, int]:
         """(epoch, document, sample) of row j."""
@@ -343,14 +339,16 @@ class PromptGroupRows(DocRows):
         return epoch, self.files.doc_order(epoch)[q], sample
 
     def prompt(self, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Document k's prompt as fed, and the rest of the document (the solution and answer)."""
+        """Problem k's prompt as fed, and its reply tokens (the answer, then <|eot|>)."""
         f, d = self.doc(k)
-        ids = f.doc(d)
-        prompt, _ = rl_prompt(ids, self.tok, self.form, self.seq_len - self.max_new)
-        return prompt, ids[rl_prompt_length(ids, self.tok) :]
+        ids, n = f.doc(d), int(f.prompt_len[d])
+        prompt, _ = rl_prompt(ids, n, self.tok, self.form, self.seq_len - self.max_new)
+        return prompt, ids[n:]
 
-    def answer(self, j: int) -> str | None:
-        return last_answer(self.tok.decode(self.prompt(self.which(j)[1])[1].tolist()))
+    def answer(self, j: int) -> str:
+        """Row j's problem's answer: its reply's text without the closing <|eot|>."""
+        reply = self.prompt(self.which(j)[1])[1]
+        return self.tok.decode([int(t) for t in reply if t != self.tok.eot])
 
     def row_spans(self, j: int) -> list[Span]:
         epoch, k, sample = self.which(j)
@@ -403,7 +401,8 @@ class PlannedRows:
                 self.sources.append(WindowRows(files, seq_len, int(offsets.get(r["source"], 0))))
                 continue
             if self.objective == "grpo":
-                self.sources.append(PromptGroupRows(files, seq_len, tok, cfg["grpo"]))
+                rule = spec["inputs"]["reward_rules"][r["source"]]
+                self.sources.append(PromptGroupRows(files, seq_len, tok, cfg["grpo"], rule))
                 continue
             kind = {"sft": PackedChatRows, "dpo": PairRows, "vision_align": CaptionRows}[self.objective]
             self.sources.append(kind(files, seq_len, tok.special("<|pad|>"), tok.special("<|image|>"), n_latents))

@@ -10,9 +10,9 @@ the file and its row range to follow the stage's row rule, takes the union of th
 - sft (packed chats), dpo (preference pairs), vision_align (captions): ranges are whole documents;
   a document longer than a row is cut (the rest is cropped), loss follows the chat mask, the
   response, or the caption; an <|image|> token fills n_latents positions.
-- grpo (rl): ranges are whole documents; each document's prompt (its question line, rendered as grpo.prompt
-  says) is fed to grpo.group_size rows (real, no loss), the rest of it (solution and answer, the label) is
-  cropped; the generated tokens, real and
+- grpo (rl): ranges are whole problems; each problem's prompt (its token file's first prompt_len tokens, read
+  as grpo.prompt says) is fed to grpo.group_size rows (real, no loss), the rest of it (the answer, the label)
+  is cropped; the generated tokens, real and
   carrying loss, are recounted from the completions the ledger's rollouts saved for the parts read.
 Padding is what the rows' positions (steps x tokens_per_step) leave after the real tokens; lm rows
 have none. A range read twice counts once here, so any double counting by the trainer shows.
@@ -132,7 +132,8 @@ class FileRecount:
 
     def _prompt(self, shard: TokenFile, d: int) -> TokenCounts:
         ids = shard.doc(d)
-        fed, cropped = rl_prompt(ids, self.tok, self.grpo.prompt, self.seq_len - self.grpo.max_new_tokens)
+        limit = self.seq_len - self.grpo.max_new_tokens
+        fed, cropped = rl_prompt(ids, int(shard.prompt_len[d]), self.tok, self.grpo.prompt, limit)
         return TokenCounts(self.grpo.group_size * len(fed), 0, 0, cropped)
 
     def generated(self, consumption: list[dict]) -> TokenCounts:

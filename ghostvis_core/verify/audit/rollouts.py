@@ -4,12 +4,14 @@ figures the trainer counted (generated and rewarded tokens, completions, correct
 
 Here each record's rows must be the rows the plan gives that rank at that step; the figures are
 recounted from the saved completions, each reward is recomputed from the completion and the answer in
-the problem's token file (1 for the exact last `Answer: n`, plus FORMAT_REWARD when the completion's last
-line is `Answer: <integer>`; written here again, not imported from the trainer, so a trainer bug cannot
-agree with itself; rewarded tokens and correct completions are those of exact-answer completions), the
-prompts' tokens are recounted from the token files, and the totals must equal the run record's, MLflow's
-and the Dagster metadata's. `fed_content_matches_files` proves the saved completions are what the model
-was fed (it rebuilds every row as prompt + saved completion).
+the problem's token file under the source's reward rule (the launch spec's `reward_rules`): 1 when the
+rule's answer of the completion is the problem's, plus FORMAT_REWARD when the completion's last non-empty
+line, stripped, is wholly an answer in the rule's form (an integer, any text, a whole match of the
+pattern). The rules of data/problems.py are written here again, not imported, so a bug there cannot agree
+with itself; rewarded tokens and correct completions are those of exact-answer completions. The prompts'
+tokens are recounted from the token files, and the totals must equal the run record's, MLflow's and the
+Dagster metadata's. `fed_content_matches_files` proves the saved completions are what the model was fed
+(it rebuilds every row as prompt + saved completion).
 """
 
 from __future__ import annotations
@@ -22,16 +24,35 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.outcome import CheckOutcome
-from ghostvis_core.verify.audit.rebuild import PlannedRows, last_answer, micro_rows
+from ghostvis_core.verify.audit.rebuild import PlannedRows, micro_rows
 
 NAME = "rollouts_recounted"
 FORMAT_REWARD = 0.1  # the rl stage's reward for a well-formed final answer line (docs/glossary.md "rl reward")
 
 
-def recomputed_reward(text: str, answer: str | None) -> float:
-    """The rl reward of a completion's text, by the audit's own reading of it."""
-    exact = answer is not None and last_answer(text) == answer
-    return float(exact) + FORMAT_REWARD * (re.search(r"(?:^|\n)Answer: -?\d+\s*$", text) is not None)
+def rule_answer(rule: str, text: str) -> str | None:
+    """The answer a text gives under a reward rule: the last integer (`integer`, as an int's digits), the last
+    non-empty line (`string`), the pattern's last match or its first group (`regex:<pattern>`); None: none."""
+    if rule == "integer":
+        found = re.findall(r"-?\d+", text)
+        return str(int(found[-1])) if found else None
+    if rule == "string":
+        lines = [line.strip() for line in text.splitlines() if line.strip()]
+        return lines[-1] if lines else None
+    found = [m.group(1) if m.re.groups else m.group(0) for m in re.finditer(rule.removeprefix("regex:"), text)]
+    return found[-1].strip() if found else None
+
+
+def recomputed_reward(rule: str, text: str, answer: str) -> float:
+    """The rl reward of a completion's text, by the audit's own reading of it (module docstring)."""
+    given, want = rule_answer(rule, text), answer.strip()
+    if rule == "integer":
+        exact = given is not None and re.fullmatch(r"-?\d+", want) is not None and int(given) == int(want)
+    else:
+        exact = given is not None and given == want
+    last = next((line.strip() for line in reversed(text.splitlines()) if line.strip()), None)
+    pattern = {"integer": r"-?\d+", "string": r"(?s).+"}.get(rule, rule.removeprefix("regex:"))
+    return float(exact) + FORMAT_REWARD * (last is not None and re.fullmatch(pattern, last) is not None)
 
 
 def recount_record(rows: PlannedRows, record: dict[str, Any]) -> tuple[list[int], int, list[int]]:
@@ -43,7 +64,7 @@ def recount_record(rows: PlannedRows, record: dict[str, Any]) -> tuple[list[int]
         src = rows.sources[s]
         stops = (src.tok.bos, src.tok.eot)
         answer = src.answer(j)
-        r = recomputed_reward(src.tok.decode([t for t in ids if t not in stops]), answer)
+        r = recomputed_reward(src.rule, src.tok.decode([t for t in ids if t not in stops]), answer)
         if abs(r - float(saved)) > 1e-9:
             wrong.append(g)
         exact = r >= 1.0
