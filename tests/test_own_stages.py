@@ -167,7 +167,8 @@ def test_the_readme_walk_trains_every_stage_on_the_users_own_data(tmp_path, serv
     assert "every figure agrees" in out or "0 failures" in out, out[-3000:]
 
     # the same files over HTTP: the same shards by content (the download and the row checks only)
-    http_yaml = re.sub(r'listing: "s3://my-bucket/(\w+)/"', rf'listing: "{http}/\1/"', sources_yaml)
+    numbered = rf'url_pattern: "{http}/\1/{{shard:05d}}.jsonl"\n{" " * 10}num_shards: {TRAIN_SHARDS + 1}'
+    http_yaml = re.sub(r'listing: "s3://my-bucket/(\w+)/"', numbered, sources_yaml)
     assert http_yaml.count(http) == 4
     http_home = tmp_path / "http"
     http_home.mkdir()
