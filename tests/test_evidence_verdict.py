@@ -3,33 +3,14 @@ should move, and a stage whose figures stayed flat shown as not improved, with t
 
 from __future__ import annotations
 
-from ghostvis_core.counts import TokenCounts
 from ghostvis_core.plan.presets import evidence_note
 from ghostvis_core.run.train.evidence import improved
 from ghostvis_core.verify.eval.report import StageReport, render_markdown, tables
+from tests.test_quality_gate import stage_card
 
 
 def report(stage: str, evidence: list, note: str = "") -> StageReport:
-    return StageReport(
-        stage=stage,
-        run_key=f"{stage}-r1",
-        mlflow_run_id="x",
-        totals={"steps": 1, **dict.fromkeys(TokenCounts.names(), 0)},
-        planned_tokens=0,
-        shards_used=0,
-        shard_rows=[],
-        reuse="none",
-        leakage="none",
-        wall_time_s=1.0,
-        tokens_per_sec=1.0,
-        mfu=None,
-        attention_kernel="sdpa",
-        val_loss_start=None,
-        val_loss=None,
-        evidence=evidence,
-        costs=[],
-        evidence_note=note,
-    )
+    return stage_card(stage, evidence=evidence, evidence_note=note)
 
 
 def test_each_figure_is_judged_by_the_way_it_should_move():

@@ -6,10 +6,6 @@ and a pretrained checkpoint at the end."""
 from __future__ import annotations
 
 import functools
-import re
-import subprocess
-import threading
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,7 +17,8 @@ from ghostvis_core.data.token_shard import TokenShard
 from ghostvis_core.demo.corpus import build_text_source
 from ghostvis_core.home import Home
 from ghostvis_core.run.train.runs import completed_runs
-from tests.conftest import BIN, cli_env
+from tests import readme_walks
+from tests.readme_walks import readme_blocks, served_folder, upload_folder
 
 pytestmark = pytest.mark.e2e
 
@@ -31,10 +28,7 @@ SHARDS = 7  # 00000..00005 train, 00006 validation (pinned by name in the README
 
 def readme_walk() -> tuple[str, str, str]:
     """(S3 sources.yaml, HTTP sources.yaml, the bash commands) between the README's own-data markers."""
-    text = (ROOT / "README.md").read_text()
-    block = re.search(r"<!-- own-data:begin -->(.*?)<!-- own-data:end -->", text, re.S).group(1)
-    yamls = re.findall(r"```yaml\n(.*?)```", block, re.S)
-    (bash,) = re.findall(r"```bash\n(.*?)```", block, re.S)
+    yamls, (bash,) = readme_blocks("own-data")
     return yamls[0], yamls[1], bash
 
 
@@ -53,52 +47,18 @@ def corpus(module_tmp) -> Path:
 
 @pytest.fixture(scope="module")
 def http_server(corpus):
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(SimpleHTTPRequestHandler, directory=str(corpus)))
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
+    with served_folder(corpus) as host:
+        yield host
 
 
 @pytest.fixture(scope="module")
-def s3_endpoint(corpus):
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    server.start()
-    endpoint = f"http://127.0.0.1:{server._server.server_port}"
-    client = boto3.client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test", aws_secret_access_key="test"
-    )
-    client.create_bucket(Bucket="my-bucket")
-    for p in sorted((corpus / "web").glob("*.parquet")):
-        client.upload_file(str(p), "my-bucket", f"web/{p.name}")
-    yield endpoint
-    server.stop()
+def s3_endpoint(corpus, moto_s3):
+    upload_folder(moto_s3, "my-bucket", corpus)
+    return moto_s3
 
 
 def walk(workdir: Path, sources_yaml: str, commands: str, endpoint: str, stop_before: str | None = None):
-    """Run the README's commands in `workdir` with bash, one line at a time so a failure names it."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "sources.yaml").write_text(sources_yaml)
-    env = cli_env(
-        workdir / "unused",
-        AWS_ENDPOINT_URL_S3=endpoint,
-        AWS_ACCESS_KEY_ID="test",
-        AWS_SECRET_ACCESS_KEY="test",
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_EC2_METADATA_DISABLED="true",
-    )
-    for var in ("GHOSTVIS_HOME", "DAGSTER_HOME", "GHOSTVIS_PRESET"):
-        env.pop(var)
-    env["PATH"] = f"{BIN}:{env['PATH']}"
-    lines = [line for line in commands.splitlines() if line.strip() and not line.startswith("#")]
-    if stop_before:
-        lines = lines[: next(i for i, line in enumerate(lines) if line.startswith(stop_before))]
-    script = "set -e\n" + "\n".join(lines) + "\n"
-    proc = subprocess.run(["bash", "-c", script], cwd=workdir, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, f"README walk failed\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return Home(workdir / "my-home"), proc.stdout
+    return readme_walks.walk(workdir, {"sources.yaml": sources_yaml}, commands, endpoint, stop_before)
 
 
 def shards_of(home: Home) -> dict[str, dict]:

@@ -7,13 +7,9 @@ hold as for text; the same files over HTTP give the same shards."""
 
 from __future__ import annotations
 
-import functools
 import json
 import re
 import shutil
-import subprocess
-import threading
-from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -24,7 +20,8 @@ from ghostvis_core.demo.tasks import build_task_source
 from ghostvis_core.home import Home
 from ghostvis_core.run.train.runs import completed_runs
 from ghostvis_core.run.train.spec import LaunchSpec
-from tests.conftest import BIN, cli_env, run_cli
+from tests.conftest import run_cli
+from tests.readme_walks import readme_blocks, served_folder, upload_folder, walk
 
 pytestmark = pytest.mark.e2e
 
@@ -35,9 +32,7 @@ TRAIN_SHARDS = 3  # 00000..00002 train, 00003 validation (the README's pins)
 
 def readme_walk() -> tuple[str, str]:
     """(sources.yaml, the bash commands) between the README's own-stages markers."""
-    block = re.search(r"<!-- own-stages:begin -->(.*?)<!-- own-stages:end -->", (ROOT / "README.md").read_text(), re.S)
-    (yaml,) = re.findall(r"```yaml\n(.*?)```", block.group(1), re.S)
-    (bash,) = re.findall(r"```bash\n(.*?)```", block.group(1), re.S)
+    (yaml,), (bash,) = readme_blocks("own-stages")
     return yaml, bash
 
 
@@ -84,26 +79,11 @@ def corpus(module_tmp) -> Path:
 
 
 @pytest.fixture(scope="module")
-def servers(corpus):
-    """A moto S3 server holding the corpus as my-bucket, and an HTTP server of the same folder."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    s3 = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    s3.start()
-    endpoint = f"http://127.0.0.1:{s3._server.server_port}"
-    client = boto3.client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test", aws_secret_access_key="test"
-    )
-    client.create_bucket(Bucket="my-bucket")
-    for p in sorted(corpus.rglob("*")):
-        if p.is_file():
-            client.upload_file(str(p), "my-bucket", str(p.relative_to(corpus)))
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(SimpleHTTPRequestHandler, directory=str(corpus)))
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield endpoint, f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    s3.stop()
+def servers(corpus, moto_s3):
+    """The S3 server holding the corpus as my-bucket, and an HTTP server of the same folder."""
+    upload_folder(moto_s3, "my-bucket", corpus)
+    with served_folder(corpus) as host:
+        yield moto_s3, f"http://{host}"
 
 
 @pytest.fixture(scope="module")
@@ -114,33 +94,12 @@ def my_model(demo_home, module_tmp) -> Path:
     return out
 
 
-def walk(workdir: Path, sources_yaml: str, commands: str, endpoint: str, model: Path) -> tuple[Home, str]:
-    """The README's commands in `workdir` with bash, the walk's environment (AWS variables for the S3 server)."""
-    workdir.mkdir(parents=True)
-    (workdir / "sources.yaml").write_text(sources_yaml)
-    shutil.copytree(model, workdir / "my-model")
-    env = cli_env(
-        workdir / "unused",
-        AWS_ENDPOINT_URL_S3=endpoint,
-        AWS_ACCESS_KEY_ID="test",
-        AWS_SECRET_ACCESS_KEY="test",
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_EC2_METADATA_DISABLED="true",
-    )
-    for var in ("GHOSTVIS_HOME", "DAGSTER_HOME"):
-        env.pop(var)
-    env["PATH"] = f"{BIN}:{env['PATH']}"  # GHOSTVIS_PRESET=smoke stays: the smoke preset's batch sizes
-    lines = [line for line in commands.splitlines() if line.strip() and not line.startswith("#")]
-    script = "set -ex\n" + "\n".join(lines) + "\n"
-    proc = subprocess.run(["bash", "-c", script], cwd=workdir, env=env, capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, f"README walk failed\n{proc.stdout[-5000:]}\n{proc.stderr[-5000:]}"
-    return Home(workdir / "my-home"), proc.stdout
-
-
 def test_the_readme_walk_trains_every_stage_on_the_users_own_data(tmp_path, servers, my_model):
     endpoint, http = servers
     sources_yaml, commands = readme_walk()
-    home, out = walk(tmp_path / "walk", sources_yaml, commands, endpoint, my_model)
+    shutil.copytree(my_model, tmp_path / "walk" / "my-model")
+    # GHOSTVIS_PRESET=smoke: the smoke preset's batch sizes and steps for each stage
+    home, out = walk(tmp_path / "walk", {"sources.yaml": sources_yaml}, commands, endpoint, GHOSTVIS_PRESET="smoke")
     store, ledger = home.store, Ledger.in_store(home.store)
 
     shards = {r["shard_id"]: r for r in ledger.shards()}
