@@ -165,6 +165,10 @@ def pytest_configure(config) -> None:
     out its grace period before SIGKILL."""
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # This process loads the code location (Dagster definitions, plans) for the demo homes the tests build and
+    # read, which cli_env's smoke preset makes in the vlm lineage; unset, the default preset's would be the tiny
+    # demo's (rl on reasoning_mix). A test of the selection sets or removes it itself.
+    os.environ.setdefault("GHOSTVIS_LINEAGE", "vlm")
 
 
 def pytest_sessionstart(session) -> None:

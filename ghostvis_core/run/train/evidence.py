@@ -178,37 +178,6 @@ def reply_endings(obj, model, ctx, autocast, metrics) -> dict[str, float]:
     return {"evidence/eot_rate": s[0] / max(1, s[2]), "evidence/role_leak_rate": s[1] / max(1, s[2])}
 
 
-# The way each evidence figure moves when its stage did its job (the report card's verdict). The figures not named
-# are context for another (the within-context loss, the losses under the upstream RoPE, the shuffled-image loss).
-LOWER_IS_BETTER = frozenset(
-    {"domain_loss", "loss_beyond_context", "answer_loss", "caption_loss_true_image", "role_leak_rate"}
-)
-HIGHER_IS_BETTER = frozenset(
-    {
-        "answer_accuracy",
-        "caption_image_gap",
-        "eot_rate",
-        "preference_accuracy",
-        "reward_margin",
-        "chosen_preferred",
-        "reward",
-        "exact_accuracy",
-        "format_rate",
-    }
-)
-
-
-def improved(name: str, before: float | None, after: float | None) -> bool | None:
-    """Whether an evidence figure moved the way its stage should move it (after strictly better than before);
-    None for a context figure or one without both values. A rate kept at its best (1 up, 0 down) counts: it
-    cannot move further."""
-    if before is None or after is None or name not in LOWER_IS_BETTER | HIGHER_IS_BETTER:
-        return None
-    if name in LOWER_IS_BETTER:
-        return after < before or before == after == 0.0
-    return after > before or before == after == 1.0
-
-
 EVIDENCE = {
     "domain_loss": domain_loss,
     "beyond_context_loss": beyond_context_loss,

@@ -19,11 +19,11 @@ from ghostvis_core.data.ledger import UNDECLARED_KINDS, Ledger
 from ghostvis_core.plan.budget import plan
 from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.plan.presets import evidence_note
-from ghostvis_core.run.train.evidence import improved
 from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.store import Store
 from ghostvis_core.store.files import atomic_write
 from ghostvis_core.verify.eval.gate import GATE_HEADER, gate_rows
+from ghostvis_core.verify.eval.verdict import improved
 
 
 @dataclass
