@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
@@ -515,11 +516,25 @@ def bare_run(spec: str, wd: Path, steps: int, precision: str, tag: str) -> dict:
     return res
 
 
-def workdir(prefix: str) -> Path:
+@contextlib.contextmanager
+def work_folder(prefix: str, keep: bool = False, what: str = "", path: Path | None = None) -> Iterator[Path]:
+    """A benchmark's scratch folder (`path`, which must not exist yet, else a new temporary one): removed
+    once the benchmark measured; kept, and named, when it failed (its logs say why), when `keep`
+    (--keep) or when the user named it."""
     import tempfile
 
-    d = Path(tempfile.mkdtemp(prefix=f"ghostvis-bench-{prefix}-"))
-    return d
+    if path is not None:
+        path.mkdir(parents=True)
+    wd = path or Path(tempfile.mkdtemp(prefix=f"ghostvis-bench-{prefix}-"))
+    try:
+        yield wd
+    except BaseException:
+        print(f"kept {wd}{what}", flush=True)
+        raise
+    if keep or path is not None:
+        print(f"kept {wd}{what}")
+    else:
+        shutil.rmtree(wd, ignore_errors=True)
 
 
 def main_wrapper(fn: Callable[[], int]) -> None:

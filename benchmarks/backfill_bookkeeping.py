@@ -99,14 +99,13 @@ def main() -> int:
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     print(C.load_snapshot("before"))
-    server, work = start_server(), C.workdir("gv-bench-pg-")
+    server = start_server()
     os.environ.update(server.dagster_env())
     try:
-        with C.CpuMeter() as meter:
+        with C.work_folder("pg") as work, C.CpuMeter() as meter:
             rows = measure(sizes, work, server)
     finally:
         server.stop()
-        shutil.rmtree(work, ignore_errors=True)
     print(C.table(rows, HEADERS))
     print(f"other cores: {meter.other_cores:.2f} ({C.noise_note(meter.other_cores)})")
     last = rows[-1]

@@ -71,10 +71,9 @@ def main() -> int:
     ap.add_argument("--home", help="a GhostVis home with tokenized data (default: build a smoke demo home)")
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
-    wd = C.workdir("digest")
-    src, how = C.home_arg_or_build(args.home, wd)
-    home = C.scratch_home(src, wd / "home")
-    r = measure(home, args.steps)
+    with C.work_folder("digest") as wd:
+        src, how = C.home_arg_or_build(args.home, wd)
+        r = measure(C.scratch_home(src, wd / "home"), args.steps)
     print(f"home: {how}\nshape (micro x seq x world x accum): {r['shape']}, bf16={r['bf16']}")
     print(
         C.table(

@@ -12,7 +12,6 @@ first <= 0.10 (docs/architecture.md, "Identity and caching").
 from __future__ import annotations
 
 import argparse
-import shutil
 import sqlite3
 import sys
 from pathlib import Path
@@ -56,12 +55,12 @@ def main() -> int:
     args = ap.parse_args()
 
     print(C.load_snapshot("before demo_rerun"), flush=True)
-    wd = C.workdir("demo_rerun")
-    home = Path(args.keep_home).expanduser().resolve() if args.keep_home else wd / "home"
-    if home.exists():
-        raise C.BenchError(f"--keep-home {home} exists; the first demo is timed in a fresh home")
-    ok = False
-    try:
+    with C.work_folder("demo_rerun", what=" (logs)") as wd:
+        home = Path(args.keep_home).expanduser().resolve() if args.keep_home else wd / "home"
+        if home.exists():
+            raise C.BenchError(f"--keep-home {home} exists; the first demo is timed in a fresh home")
+        if args.keep_home:
+            print(f"home kept at {home}")
         print(f"first demo (GHOSTVIS_HOME={home}):", flush=True)
         first, _, noise1 = demo(home, args.preset, wd / "first.log", args.timeout)
         runs1, folders1 = mlflow_runs(home), run_folders(home)
@@ -94,15 +93,7 @@ def main() -> int:
                 }
             )
         )
-        ok = True
         return 0
-    finally:
-        if args.keep_home:
-            print(f"home kept at {home}")
-        if ok:
-            shutil.rmtree(wd, ignore_errors=True)
-        else:
-            print(f"kept {wd} (logs)")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import shutil
 import sys
 from pathlib import Path
 
@@ -111,16 +110,16 @@ def main() -> int:
     args = ap.parse_args()
 
     print(C.load_snapshot("before demo_time"), flush=True)
-    wd = C.workdir("demo")
-    if args.keep_home:
-        home = Path(args.keep_home).expanduser().resolve()
-        if home.exists():
-            raise C.BenchError(f"--keep-home {home} exists; the demo is timed in a fresh home")
-    else:
-        home = wd / "home"
-    home.parent.mkdir(parents=True, exist_ok=True)
-    ok = False
-    try:
+    with C.work_folder("demo", what=" (log)") as wd:
+        if args.keep_home:
+            home = Path(args.keep_home).expanduser().resolve()
+            if home.exists():
+                raise C.BenchError(f"--keep-home {home} exists; the demo is timed in a fresh home")
+        else:
+            home = wd / "home"
+        home.parent.mkdir(parents=True, exist_ok=True)
+        if args.keep_home:
+            print(f"home kept at {home}")
         cmd = [*C.GHOSTVIS, "demo", "--preset", args.preset]
         print(f"$ GHOSTVIS_HOME={home} {' '.join(cmd)}", flush=True)
         log = wd / "demo.log"
@@ -166,15 +165,7 @@ def main() -> int:
             **losses,
         }
         print(C.kv_line(results))
-        ok = True
         return 0
-    finally:
-        if args.keep_home:
-            print(f"home kept at {home}")
-        if ok:
-            shutil.rmtree(wd, ignore_errors=True)
-        else:
-            print(f"kept {wd} (log)")
 
 
 if __name__ == "__main__":

@@ -18,9 +18,7 @@ import argparse
 import json
 import re
 import secrets
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -86,63 +84,65 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--home", type=Path, help="a demo home (`ghostvis demo --preset smoke`); built when not given")
     args = ap.parse_args()
-    wd = Path(tempfile.mkdtemp(prefix="fault-soak-"))
-    hosts = make_hosts(wd / "hosts", secret=f"gvBench{secrets.token_hex(8)}")
-    try:
-        demo = args.home or wd / "demo"
-        if not args.home:
-            C.build_demo_home(demo, stages=("pretrain",))
-        known = {p.name for p in (demo / "store" / "checkpoints" / "pretrain").iterdir()}
-        copy_home(demo, hosts.home)
-        start_servers(hosts)
-        move_store_to_bucket(hosts)
-        argv = launch_argv(hosts)
+    with C.work_folder("fault-soak") as wd:
+        hosts = make_hosts(wd / "hosts", secret=f"gvBench{secrets.token_hex(8)}")
+        try:
+            demo = args.home or wd / "demo"
+            if not args.home:
+                C.build_demo_home(demo, stages=("pretrain",))
+            known = {p.name for p in (demo / "store" / "checkpoints" / "pretrain").iterdir()}
+            copy_home(demo, hosts.home)
+            start_servers(hosts)
+            move_store_to_bucket(hosts)
+            argv = launch_argv(hosts)
 
-        home, store = another_home(hosts, demo, "calm")
-        t0 = time.time()
-        hosts.run(argv, home, GHOSTVIS_STORE=store)
-        calm_wall = time.time() - t0
-        calm_dir, run_key = new_run(hosts, store, wd / "calm", known)
+            home, store = another_home(hosts, demo, "calm")
+            t0 = time.time()
+            hosts.run(argv, home, GHOSTVIS_STORE=store)
+            calm_wall = time.time() - t0
+            calm_dir, run_key = new_run(hosts, store, wd / "calm", known)
 
-        home, store = another_home(hosts, demo, "soak")
-        logs = wd / "first.log", wd / "second.log"
-        soak_wall = run_soak(hosts, argv, home, store, run_key, logs)
-        soak_dir, _ = new_run(hosts, store, wd / "soak", known)
-        log = logs[0].read_text()
-        chain = Ledger.in_store(open_store(str(soak_dir))).chain(run_key)
-        lost = lost_per_preemption(chain, log)
-        same = final_weights(soak_dir, run_key) == final_weights(calm_dir, run_key)
-        launches = 1 + log.count(": resume from step")
-        ratio = soak_wall / calm_wall
-        print(f"undisturbed: {calm_wall:.0f} s; with 6 faults: {soak_wall:.0f} s over {launches} launches")
-        print(f"of which fixed by the faults themselves: the {OUTAGE_S} s outage, the {SOAK_HANG_S} s hang timeout")
-        print(
-            f"weights bitwise the undisturbed run's: {same}; "
-            f"ledger parts: {len(chain)}, steps 1..{chain[-1]['step_last']}"
-        )
-        print(C.goal("soak wall / undisturbed wall", ratio, GOAL_WALL_RATIO, higher_is_better=False))
-        print(
-            C.goal(
-                "steps lost per preemption (max)", float(max(lost, default=0)), GOAL_LOST_STEPS, higher_is_better=False
+            home, store = another_home(hosts, demo, "soak")
+            logs = wd / "first.log", wd / "second.log"
+            soak_wall = run_soak(hosts, argv, home, store, run_key, logs)
+            soak_dir, _ = new_run(hosts, store, wd / "soak", known)
+            log = logs[0].read_text()
+            chain = Ledger.in_store(open_store(str(soak_dir))).chain(run_key)
+            lost = lost_per_preemption(chain, log)
+            same = final_weights(soak_dir, run_key) == final_weights(calm_dir, run_key)
+            launches = 1 + log.count(": resume from step")
+            ratio = soak_wall / calm_wall
+            print(f"undisturbed: {calm_wall:.0f} s; with 6 faults: {soak_wall:.0f} s over {launches} launches")
+            print(f"of which fixed by the faults themselves: the {OUTAGE_S} s outage, the {SOAK_HANG_S} s hang timeout")
+            print(
+                f"weights bitwise the undisturbed run's: {same}; "
+                f"ledger parts: {len(chain)}, steps 1..{chain[-1]['step_last']}"
             )
-        )
-        print(
-            C.kv_line(
-                {
-                    "calm_wall_s": calm_wall,
-                    "soak_wall_s": soak_wall,
-                    "wall_ratio": ratio,
-                    "launches": launches,
-                    "lost_steps_per_preemption": max(lost, default=0),
-                    "bitwise_same": int(same),
-                    "goal_met": int(ratio <= GOAL_WALL_RATIO and max(lost, default=0) <= GOAL_LOST_STEPS),
-                }
+            print(C.goal("soak wall / undisturbed wall", ratio, GOAL_WALL_RATIO, higher_is_better=False))
+            print(
+                C.goal(
+                    "steps lost per preemption (max)",
+                    float(max(lost, default=0)),
+                    GOAL_LOST_STEPS,
+                    higher_is_better=False,
+                )
             )
-        )
-        return 0
-    finally:
-        hosts.stop()
-        shutil.rmtree(wd, ignore_errors=True)
+            print(
+                C.kv_line(
+                    {
+                        "calm_wall_s": calm_wall,
+                        "soak_wall_s": soak_wall,
+                        "wall_ratio": ratio,
+                        "launches": launches,
+                        "lost_steps_per_preemption": max(lost, default=0),
+                        "bitwise_same": int(same),
+                        "goal_met": int(ratio <= GOAL_WALL_RATIO and max(lost, default=0) <= GOAL_LOST_STEPS),
+                    }
+                )
+            )
+            return 0
+        finally:
+            hosts.stop()
 
 
 if __name__ == "__main__":

@@ -132,9 +132,7 @@ def main() -> int:
     args = ap.parse_args()
 
     print(C.load_snapshot("before fixed_costs"), flush=True)
-    wd = C.workdir("fixed")
-    ok = False
-    try:
+    with C.work_folder("fixed", keep=args.keep) as wd:
         imports = entry_point_imports(wd)
         print(
             f"entry point: `python -m ghostvis_core.run --help` {imports['wall_s']:.2f}s wall, top-level imports "
@@ -232,13 +230,7 @@ def main() -> int:
                 }
             )
         )
-        ok = True
         return 0
-    finally:
-        if args.keep or not ok:
-            print(f"kept {wd}")
-        else:
-            shutil.rmtree(wd, ignore_errors=True)
 
 
 if __name__ == "__main__":

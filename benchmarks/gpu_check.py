@@ -121,10 +121,10 @@ def install_wheels(dest: Path) -> None:
 
 
 def rel_error(x, ref) -> float:
-    return float((x.float() - ref.float()).norm() / ref.float().norm())
+    return float((x.detach().float() - ref.detach().float()).norm() / ref.detach().float().norm())
 
 
-def pretrain(bf16_peak: float, use_float8: bool, steps: int, warmup: int) -> dict:
+def pretrain(bf16_peak: float, use_float8: bool, steps: int, warmup: int, packed: bool = False) -> dict:
     """The 500m preset's step on this GPU (gpu_throughput's worker under torchrun, one rank), with MFU
     against the measured peak and the memory plan's total for the same shape."""
     import gpu_throughput
@@ -132,7 +132,7 @@ def pretrain(bf16_peak: float, use_float8: bool, steps: int, warmup: int) -> dic
     from ghostvis_core.plan import presets
     from ghostvis_core.plan.budget import flops_per_token, memory_plan
 
-    r = gpu_throughput.run_case("500m", "ddp", steps, warmup, use_float8=use_float8)
+    r = gpu_throughput.run_case("500m", "ddp", steps, warmup, use_float8=use_float8, packed=packed)
     if "error" in r:
         return r
     cfg = presets.resolve("pretrain", "500m", {"batch.world_size": 1})
@@ -143,21 +143,52 @@ def pretrain(bf16_peak: float, use_float8: bool, steps: int, warmup: int) -> dic
     return r
 
 
-def document_ids(b: int, t: int, generator) -> torch.Tensor:
-    """Rows packed with documents of random lengths (16 to t/2 positions), the way the loader packs."""
-    rows = []
-    for _ in range(b):
-        lengths, n = [], 0
-        while n < t:
-            lengths.append(min(t - n, int(torch.randint(16, t // 2, (1,), generator=generator))))
-            n += lengths[-1]
-        rows.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)))
-    return torch.stack(rows)
+def block_pass(fns, xs, grads) -> None:
+    """Forward and backward through each layer on its own input."""
+    for fn, x, g in zip(fns, xs, grads):
+        fn(x).backward(g)
+
+
+def float8_linears(repeats: int = 20, tokens: int = 16384) -> dict:
+    """The ceiling float8 sets on the speed-up: one decoder block's Linear layers (q, k, v, o and the
+    three MLP ones) alone, forward and backward on `tokens` rows, bf16 against float8 (the trainer's
+    conversion, each layer compiled), at the 500m preset's shapes and at the 7b's. The whole step's
+    speed-up cannot beat the block's matmuls' (attention, the loss and the optimizer stay as they are)."""
+    from torch import nn
+
+    from ghostvis_core.plan import presets
+    from ghostvis_core.run.train.float8 import convert
+
+    dev = torch.device("cuda")
+    out: dict = {"tokens": tokens}
+    for preset in ("500m", "7b"):
+        m = presets.resolve("pretrain", preset).model
+        q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+        shapes = [(m.d_model, q), (m.d_model, kv), (m.d_model, kv), (q, m.d_model)]
+        shapes += [(m.d_model, m.ffn_hidden), (m.d_model, m.ffn_hidden), (m.ffn_hidden, m.d_model)]
+        xs = [torch.randn(tokens, i, device=dev, dtype=torch.bfloat16, requires_grad=True) for i, _ in shapes]
+        grads = [torch.randn(tokens, o, device=dev, dtype=torch.bfloat16) for _, o in shapes]
+        ms = {}
+        for kind in ("bf16", "float8"):
+            layers = nn.ModuleList(nn.Linear(i, o, bias=False) for i, o in shapes).to(dev, torch.bfloat16)
+            if kind == "float8":
+                convert(layers)
+            fns = [torch.compile(layer) for layer in layers]
+            block_pass(fns, xs, grads)  # compilation
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(repeats):
+                block_pass(fns, xs, grads)
+            torch.cuda.synchronize()
+            ms[kind] = (time.perf_counter() - start) / repeats * 1e3
+        out[preset] = {"bf16_ms": ms["bf16"], "float8_ms": ms["float8"], "speedup": ms["bf16"] / ms["float8"]}
+    return out
 
 
 def attention(repeats: int = 10) -> dict:
     """The trainer's packed-document attention against a dense-mask SDPA reference (fp32), on the
     500m preset's heads and seq_len: relative error of the output and of q's gradient, and times."""
+    import gpu_throughput
     import torch.nn.functional as F
 
     from ghostvis_core.plan import presets
@@ -167,7 +198,7 @@ def attention(repeats: int = 10) -> dict:
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
     t = b.seq_len
-    doc_ids = document_ids(b.micro_batch_size, t, g).to(dev)
+    doc_ids = gpu_throughput.document_ids(b.micro_batch_size, t, g).to(dev)
     q = torch.randn(b.micro_batch_size, t, m.n_heads, m.head_dim, device=dev, dtype=torch.bfloat16)
     k, v = (
         torch.randn(b.micro_batch_size, t, m.n_kv_heads, m.head_dim, device=dev, dtype=torch.bfloat16) for _ in range(2)
@@ -175,8 +206,10 @@ def attention(repeats: int = 10) -> dict:
     kernel = gpt.attention_kernel(dev, half=True)
     gqa = m.n_kv_heads != m.n_heads
 
+    spans = gpt.DocSpans.from_doc_ids(doc_ids, kernel)  # once per micro-batch in the trainer: timed apart
+
     def packed(q, k, v):
-        return gpt.varlen_attention(q, k, v, gpt.DocSpans.from_doc_ids(doc_ids, kernel), gqa)
+        return gpt.varlen_attention(q, k, v, spans, gqa)
 
     same = doc_ids[:, :, None] == doc_ids[:, None, :]
     mask = (same & torch.ones(t, t, dtype=torch.bool, device=dev).tril())[:, None]
@@ -203,14 +236,31 @@ def attention(repeats: int = 10) -> dict:
             run(fn, torch.bfloat16)
         torch.cuda.synchronize()
         out[f"{name}_fwd_bwd_ms"] = (time.perf_counter() - start) / repeats * 1e3
-    out["ok"] = max(out["output_rel_error"], out["grad_q_rel_error"]) <= BF16_REL_ERROR
+    # the block mask, built once per micro-batch: eager against compiled (the trainer's on CUDA), each
+    # repeat on other documents (a compiled build that recompiled per batch would show here), same masks
+    runs = [gpu_throughput.document_ids(b.micro_batch_size, t, g).to(dev) for _ in range(repeats + 1)]
+    runs = [torch.cat([torch.ones_like(r[:, :1]), (r[:, 1:] != r[:, :-1]).int()], 1).cumsum(1) for r in runs]
+    masks = {}
+    for compiled in (False, True):
+        gpt._document_block_mask(runs[0], compiled=compiled)  # warm-up (compilation)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        masks[compiled] = [gpt._document_block_mask(r, compiled=compiled) for r in runs[1:]]
+        torch.cuda.synchronize()
+        out[f"spans_{'compiled' if compiled else 'eager'}_ms"] = (time.perf_counter() - start) / repeats * 1e3
+    out["spans_same"] = all(
+        torch.equal(a.kv_num_blocks, c.kv_num_blocks) and torch.equal(a.kv_indices, c.kv_indices)
+        for a, c in zip(masks[False], masks[True])
+    )
+    out["ok"] = max(out["output_rel_error"], out["grad_q_rel_error"]) <= BF16_REL_ERROR and out["spans_same"]
     return out
 
 
-def fsdp_resume() -> dict:
-    """FSDP2 over a one-rank NCCL group: two steps, a DCP save, two more steps; then a model of other
-    initial weights, resumed from the save, takes the same two steps. Losses must agree to within
-    RESUME_TOLERANCE (a GPU's atomics make backward passes differ in the last bits)."""
+def fsdp_resume(dev: torch.device, d_model: int = 512, seq_len: int = 512) -> dict:
+    """FSDP2 over a one-rank group (NCCL on a GPU, gloo on a CPU): two steps, a committed DCP save, two
+    more steps; then a model of other initial weights, resumed from the save, takes the same two steps.
+    Losses must agree to within RESUME_TOLERANCE (a GPU's atomics make backward passes differ in the
+    last bits)."""
     import shutil
 
     import torch.distributed as dist
@@ -222,13 +272,21 @@ def fsdp_resume() -> dict:
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29517")
-    dev = torch.device("cuda", 0)
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+    if dev.type == "cuda":
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=dev)
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1)
     cfg = ModelConfig(
-        vocab_size=4096, d_model=512, n_layers=4, n_heads=8, n_kv_heads=4, ffn_hidden=1408, max_seq_len=512
+        vocab_size=4096,
+        d_model=d_model,
+        n_layers=4,
+        n_heads=8,
+        n_kv_heads=4,
+        ffn_hidden=d_model * 11 // 4,
+        max_seq_len=seq_len,
     )
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randint(0, cfg.vocab_size, (4, 513), generator=g).to(dev) for _ in range(4)]
+    batches = [torch.randint(0, cfg.vocab_size, (4, seq_len + 1), generator=g).to(dev) for _ in range(4)]
 
     def model_and_opt(seed: int):
         torch.manual_seed(seed)
@@ -236,7 +294,7 @@ def fsdp_resume() -> dict:
         return par, torch.optim.AdamW(par.model.parameters(), lr=1e-3)
 
     def step(par, opt, x) -> float:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(dev.type, dtype=torch.bfloat16):
             loss = par.forward_module(x[:, :-1], x[:, 1:])
         loss.backward()
         opt.step()
@@ -252,6 +310,7 @@ def fsdp_resume() -> dict:
             saved = Path(tmp) / "step-2"
             saved.mkdir()
             shutil.move(staged, saved / ckpt.DCP_DIR)
+            ckpt.write_marker(saved, 2)  # committed as the trainer commits: loading verifies every file
             uninterrupted = [step(par, opt, x) for x in batches[2:]]
             par2, opt2 = model_and_opt(1)  # other initial weights: only the checkpoint can make them agree
             ckpt.load_model(saved, par2.model)
@@ -270,15 +329,17 @@ def table(results: dict) -> list[str]:
         lines.append(
             f"GPU: {results['gpu']}  bf16 peak (measured, {PEAK_MATMUL}^3 matmul): {results['peak_tflops']:.0f} TFLOP/s"
         )
+    for name, label in (("pretrain_500m", "pretrain 500m bf16  "), ("pretrain_500m_packed", "  packed documents  ")):
+        r = results.get(name, {})
+        if "error" in r:
+            lines.append(f"{label} failed: {r['error']}")
+        elif r:
+            lines.append(
+                f"{label} {r['tokens_per_sec']:>10,.0f} tok/s  MFU {r['mfu_measured_peak']:.1%} "
+                f"(goal >= {GOAL_MFU:.0%})  peak {r['peak_memory_gb']:.1f} GB, plan {r['planned_memory_gb']:.1f} GB "
+                f"({r['plan_error']:+.0%}, goal within {GOAL_PLAN_ERROR:.0%})"
+            )
     p = results.get("pretrain_500m", {})
-    if "error" in p:
-        lines.append(f"pretrain 500m bf16   failed: {p['error']}")
-    elif p:
-        lines.append(
-            f"pretrain 500m bf16   {p['tokens_per_sec']:>10,.0f} tok/s  MFU {p['mfu_measured_peak']:.1%} "
-            f"(goal >= {GOAL_MFU:.0%})  peak {p['peak_memory_gb']:.1f} GB, plan {p['planned_memory_gb']:.1f} GB "
-            f"({p['plan_error']:+.0%}, goal within {GOAL_PLAN_ERROR:.0%})"
-        )
     f8 = results.get("float8_500m", {})
     if "skipped" in f8 or "error" in f8:
         lines.append(f"pretrain 500m float8 {f8.get('skipped') or 'failed: ' + f8['error']}")
@@ -287,6 +348,15 @@ def table(results: dict) -> list[str]:
         lines.append(
             f"pretrain 500m float8 {f8['tokens_per_sec']:>10,.0f} tok/s  {speedup:.2f}x bf16 "
             f"(goal >= {GOAL_FLOAT8_SPEEDUP}x)"
+        )
+    f8l = results.get("float8_linears", {})
+    if "error" in f8l:
+        lines.append(f"float8 block linears failed: {f8l['error']}")
+    elif "500m" in f8l:
+        lines.append(
+            "float8 block linears "
+            + ", ".join(f"{p} {f8l[p]['speedup']:.2f}x" for p in ("500m", "7b"))
+            + f" bf16 (the ceiling of a step's speed-up; {f8l['tokens']:,} tokens)"
         )
     for name in ("attention", "fsdp_resume"):
         r = results.get(name, {})
@@ -298,7 +368,9 @@ def table(results: dict) -> list[str]:
             lines.append(
                 f"attention ({r['kernel']})  rel error out {r['output_rel_error']:.1e} "
                 f"grad {r['grad_q_rel_error']:.1e} (<= {BF16_REL_ERROR:.0e})  {r['packed_fwd_bwd_ms']:.1f} ms "
-                f"vs dense mask {r['dense_mask_bf16_fwd_bwd_ms']:.1f} ms"
+                f"vs dense mask {r['dense_mask_bf16_fwd_bwd_ms']:.1f} ms; block mask per micro-batch "
+                f"{r['spans_compiled_ms']:.1f} ms compiled, {r['spans_eager_ms']:.1f} ms eager "
+                f"({'same masks' if r['spans_same'] else 'DIFFERENT masks'})"
             )
         else:
             verdict = "same losses" if r["ok"] else "DIFFERENT losses"
@@ -338,6 +410,7 @@ def main() -> int:
     ap.add_argument("--python-version", default=GPU_PYTHON, help="--prepare: the Python the wheels are for")
     ap.add_argument("--trainer-preset", default=gpu_trainer.PRESET, help="the trainer part's preset")
     ap.add_argument("--trainer-steps", type=int, default=gpu_trainer.STEPS, help="the trainer part's steps")
+    ap.add_argument("--parts", nargs="*", help="only these parts (default: all)")
     ap.add_argument("--trainer-on-cpu", action="store_true", help=argparse.SUPPRESS)  # gpu_check_isolated.py
     args = ap.parse_args()
     WHEELS = args.wheels.resolve()
@@ -354,7 +427,8 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     tmp = tempfile.TemporaryDirectory()
     install_wheels(Path(tmp.name))
-    trainer = (gpu_trainer.run_trainer, WHEELS / "home", args.trainer_preset, args.trainer_steps)
+    log = args.out.with_name("trainer.log")
+    trainer = (gpu_trainer.run_trainer, WHEELS / "home", log, args.trainer_preset, args.trainer_steps)
     if args.trainer_on_cpu:
         return report(args.out, {"trainer": guarded(*trainer)})
     from ghostvis_core.run.train.efficiency import measured_matmul_flops
@@ -362,20 +436,32 @@ def main() -> int:
     dev = torch.device("cuda", 0)
     peak = measured_matmul_flops(dev, torch.bfloat16, n=PEAK_MATMUL, repeats=10)
     results: dict = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "peak_tflops": peak / 1e12}
-    print(f"{results['gpu']}, torch {torch.__version__}", flush=True)
-    results["attention"] = guarded(attention)
-    results["fsdp_resume"] = guarded(fsdp_resume)
-    results["pretrain_500m"] = guarded(pretrain, peak, False, args.steps, args.warmup)
+    print(f"{results['gpu']}, torch {torch.__version__}, bf16 peak {peak / 1e12:.0f} TFLOP/s", flush=True)
     import gpu_throughput
 
     no_float8 = gpu_throughput.float8_unavailable()
-    results["float8_500m"] = (
-        {"skipped": f"not measured: {no_float8}"}
-        if no_float8
-        else guarded(pretrain, peak, True, args.steps, args.warmup)
-    )
-    torch.cuda.empty_cache()  # the trainer's own process takes the GPU next
-    results["trainer"] = guarded(*trainer)
+    parts = {
+        "attention": (attention,),
+        "fsdp_resume": (fsdp_resume, dev),
+        "pretrain_500m": (pretrain, peak, False, args.steps, args.warmup),
+        "pretrain_500m_packed": (pretrain, peak, False, args.steps, args.warmup, True),
+        "float8_500m": (pretrain, peak, True, args.steps, args.warmup),
+        "float8_linears": (float8_linears,),
+        "trainer": trainer,
+    }
+    for name, (fn, *fn_args) in parts.items():
+        if args.parts and name not in args.parts:
+            continue
+        if name.startswith("float8") and no_float8:
+            results[name] = {"skipped": f"not measured: {no_float8}"}
+            continue
+        if name == "trainer":
+            torch.cuda.empty_cache()  # the trainer's own process takes the GPU next
+        start = time.perf_counter()
+        results[name] = guarded(fn, *fn_args)
+        results[name]["part_wall_s"] = time.perf_counter() - start
+        args.out.write_text(json.dumps(results, indent=2))  # a slice cut short still returns the parts done
+        print(f"{name} done in {results[name]['part_wall_s']:.0f} s", flush=True)
     return report(args.out, results)
 
 

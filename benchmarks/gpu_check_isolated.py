@@ -2,7 +2,7 @@
 
 A fresh venv (no system site-packages, no GhostVis installed) sees, through a .pth file, a folder of
 links to this venv's copies of the GPU machine's distributions and their requirements
-(gpu_trainer.GPU_MACHINE, `closure`) and nothing else; `gpu_check.py --prepare` fills a carried folder
+(gpu_trainer.GPU_MACHINE) and nothing else; `gpu_check.py --prepare` fills a carried folder
 for this Python; then the venv's Python runs `gpu_check.py --trainer-on-cpu` from the working tree,
 which installs the carried wheels into a temporary folder and runs the real trainer and the audit.
 If the trainer or the audit imported anything the carried folder lacks, the run fails here, not on
@@ -60,7 +60,7 @@ def main() -> int:
     try:
         venv = tmp / "venv"
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        gpu_machine = gpu_trainer.closure(gpu_trainer.GPU_MACHINE)
+        gpu_machine = gpu_trainer.gpu_machine_here()
         linked_site(tmp / "gpu_machine_site", gpu_machine)
         site = next(venv.glob("lib/python*/site-packages"))
         (site / "gpu_machine.pth").write_text(str(tmp / "gpu_machine_site") + "\n")

@@ -35,8 +35,21 @@ GOAL_MFU_500M = 0.45
 CASES = [("500m", "ddp"), ("500m", "fsdp"), ("1.5b", "fsdp")]
 
 
-def worker(preset: str, strategy: str, steps: int, warmup: int, out: Path, use_float8: bool) -> None:
-    """One rank: the trainer's model step on random tokens; rank 0 writes the figures as JSON."""
+def document_ids(b: int, t: int, generator) -> torch.Tensor:
+    """Rows packed with documents of random lengths (16 to t/2 positions), the way the loader packs."""
+    rows = []
+    for _ in range(b):
+        lengths, n = [], 0
+        while n < t:
+            lengths.append(min(t - n, int(torch.randint(16, t // 2, (1,), generator=generator))))
+            n += lengths[-1]
+        rows.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)))
+    return torch.stack(rows)
+
+
+def worker(preset: str, strategy: str, steps: int, warmup: int, out: Path, use_float8: bool, packed: bool) -> None:
+    """One rank: the trainer's model step on random tokens; rank 0 writes the figures as JSON. `packed`:
+    rows of packed documents, each step's own, so attention keeps within documents as in training."""
     from ghostvis_core.plan import presets
     from ghostvis_core.run.model.gpt import GPT
     from ghostvis_core.run.train import dist, float8
@@ -56,12 +69,14 @@ def worker(preset: str, strategy: str, steps: int, warmup: int, out: Path, use_f
     opt = torch.optim.AdamW(par.model.parameters(), lr=1e-4, fused=True)
     b = cfg.batch
     x = torch.randint(0, cfg.model.vocab_size, (b.micro_batch_size, b.seq_len + 1), device=ctx.device)
+    g = torch.Generator().manual_seed(0)
+    docs = [document_ids(b.micro_batch_size, b.seq_len, g).to(ctx.device) for _ in range(4)] if packed else [None]
     for i in range(warmup + steps):
         if i == warmup:
             torch.cuda.synchronize()
             start = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-            par.forward_module(x[:, :-1], x[:, 1:]).backward()
+            par.forward_module(x[:, :-1], x[:, 1:], doc_ids=docs[i % len(docs)]).backward()
         torch.nn.utils.clip_grad_norm_(par.model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -83,26 +98,32 @@ def worker(preset: str, strategy: str, steps: int, warmup: int, out: Path, use_f
         )
 
 
-def run_case(preset: str, strategy: str, steps: int, warmup: int, use_float8: bool = False) -> dict:
+def run_case(
+    preset: str, strategy: str, steps: int, warmup: int, use_float8: bool = False, packed: bool = False
+) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={torch.cuda.device_count()}",
-            __file__,
-            "--worker",
-            preset,
-            strategy,
-            "--steps",
-            str(steps),
-            "--warmup",
-            str(warmup),
-            "--out",
-            str(out),
-        ] + (["--float8"] if use_float8 else [])
+        cmd = (
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={torch.cuda.device_count()}",
+                __file__,
+                "--worker",
+                preset,
+                strategy,
+                "--steps",
+                str(steps),
+                "--warmup",
+                str(warmup),
+                "--out",
+                str(out),
+            ]
+            + (["--float8"] if use_float8 else [])
+            + (["--packed"] if packed else [])
+        )
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
         if proc.returncode != 0 or not out.exists():
             last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -138,9 +159,10 @@ def main() -> int:
     ap.add_argument("--worker", nargs=2, metavar=("PRESET", "STRATEGY"), help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--float8", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--packed", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(*args.worker, args.steps, args.warmup, args.out, args.float8)
+        worker(*args.worker, args.steps, args.warmup, args.out, args.float8, args.packed)
         return 0
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to measure (run this on a GPU machine)")

@@ -8,7 +8,7 @@ MLFLOW_ALLOW_FILE_STORE is set), then `ghostvis audit --stage pretrain`'s functi
 the held-out loss falls, every figure of the trainer's run record equals the ledger's, MLflow's and
 the recount from the token files, and every check passes.
 
-The GPU machine holds only GPU_MACHINE (and what they require); what the trainer and the audit import
+The GPU machine holds only GPU_MACHINE; what the trainer and the audit import
 beyond that is TRAINER_NEEDS and its requirements, carried as wheels (`carried`).
 """
 
@@ -24,8 +24,32 @@ import tempfile
 import time
 from pathlib import Path
 
-# The distributions the GPU machine holds (issue 47), their own requirements included (`closure`).
-GPU_MACHINE = ("torch", "triton", "numpy", "pandas", "pyarrow", "tiktoken", "safetensors", "transformers", "pip")
+# Every distribution the GPU machine holds, as listed for its image (read there on 2026-11-17). Not the
+# closure of a few roots in this venv: this venv's transformers requires pydantic, the GPU machine's does
+# not, and an MLflow carried without pydantic failed to import there (2026-11-28).
+GPU_MACHINE = tuple(
+    """absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
+    certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
+    cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock
+    flatbuffers flax fonttools formulaic frozenlist fsspec gpytorch grpcio h11 h5py hf-xet httpcore httpx
+    huggingface-hub humanize hypothesis idna imageio iniconfig interface-meta jax jax-cuda13-pjrt
+    jax-cuda13-plugin jaxlib jaxtyping jinja2 joblib kiwisolver lazy-loader lightning lightning-utilities
+    linear-operator lineax llvmlite lxml markdown markdown-it-py markupsafe matplotlib mdurl meson ml-dtypes
+    mpi4py mpmath msgpack multidict multipledispatch mypy-extensions nanobind narwhals networkx ninja numba
+    numba-cuda numpy numpyro nvidia-cublas nvidia-cuda-cupti nvidia-cuda-nvrtc nvidia-cuda-runtime
+    nvidia-cudnn-cu13 nvidia-cufft nvidia-cufile nvidia-curand nvidia-cusolver nvidia-cusparse
+    nvidia-cusparselt-cu13 nvidia-ml-py nvidia-nccl-cu13 nvidia-nvjitlink nvidia-nvshmem-cu13 nvidia-nvtx onnx
+    onnx-ir onnxruntime onnxscript opencv-python-headless optax opt-einsum opt-einsum-fx optimistix
+    orbax-checkpoint packaging pandas pathspec patsy peft pillow pip pluggy portalocker prometheus-client
+    propcache protobuf psutil pyarrow pybind11 py-cpuinfo pygments pyparsing pyproject-hooks pyre-extensions
+    pytest pytest-benchmark pytest-cov pytest-mock pytest-timeout pytest-xdist python-dateutil
+    pytorch-lightning pyyaml regex requests rich sacrebleu safetensors scikit-build-core scikit-image
+    scikit-learn scipy seaborn sentencepiece sentence-transformers setuptools shellingham simplejson six
+    sortedcontainers statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl
+    tifffile tiktoken timm tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics
+    torchvision tqdm transformers treescope triton typer typing-extensions typing-inspect urllib3 uvloop
+    wadler-lindig werkzeug wheel wrapt xarray xxhash yarl zipp""".split()
+)
 # What the trainer and the audit import that the GPU machine lacks: the MLflow client and its SQLite
 # store (the run's params, metrics, datasets and the model registry), the ledger's queries (duckdb),
 # the system metrics (psutil) and the Dagster Pipes messages (imported by the tracker, used only under Pipes).
@@ -61,8 +85,19 @@ def closure(roots: tuple[str, ...]) -> dict[str, str]:
 
 def carried(roots: tuple[str, ...] = TRAINER_NEEDS) -> dict[str, str]:
     """What must travel as wheels for `roots`: their closure less the GPU machine's, at this venv's versions."""
-    there = closure(GPU_MACHINE)
-    return {name: v for name, v in closure(roots).items() if name not in there}
+    return {name: v for name, v in closure(roots).items() if name not in GPU_MACHINE}
+
+
+def gpu_machine_here() -> dict[str, str]:
+    """The GPU machine's distributions that this venv holds too, as {name: version} (what an environment
+    imitating the GPU machine links to)."""
+    found = {}
+    for name in GPU_MACHINE:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return found
 
 
 def prepare_home(dest: Path, preset: str = PRESET) -> None:
@@ -86,8 +121,9 @@ def prepare_home(dest: Path, preset: str = PRESET) -> None:
         shutil.copytree(Path(tmp) / "store", dest / "store", ignore=shutil.ignore_patterns("leases"))
 
 
-def run_trainer(home_src: Path, preset: str = PRESET, steps: int = STEPS) -> dict:
-    """The trainer's run in a scratch copy of `home_src` and the audit of it: figures and verdicts."""
+def run_trainer(home_src: Path, log: Path, preset: str = PRESET, steps: int = STEPS) -> dict:
+    """The trainer's run in a scratch copy of `home_src` and the audit of it: figures and verdicts; the
+    trainer's whole output is kept in `log` (a failure's cause is rarely in its last line)."""
     with tempfile.TemporaryDirectory() as tmp:
         home = Path(tmp) / "home"
         shutil.copytree(home_src, home)
@@ -100,15 +136,16 @@ def run_trainer(home_src: Path, preset: str = PRESET, steps: int = STEPS) -> dic
         start = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - start
-        (Path(tmp) / "trainer.log").write_text(proc.stdout + proc.stderr)
+        log.write_text(proc.stdout + proc.stderr)
         if proc.returncode != 0:
             return {"error": f"trainer exited {proc.returncode}: {last_error(proc.stdout + proc.stderr)}"}
         return {"wall_s": round(wall, 1), **audited(home), "log_tail": proc.stdout[-1500:]}
 
 
 def last_error(log: str) -> str:
-    """The trainer's own `error:` line, else the log's last line."""
-    errors = re.findall(r"^error: .*$", log, flags=re.M)
+    """The trainer's own `error:` line, else the last Python exception's line (torchrun's failure banner
+    that follows it names no cause), else the log's last line."""
+    errors = re.findall(r"^error: .*$", log, flags=re.M) or re.findall(r"^\w+(?:Error|Exception): .*$", log, flags=re.M)
     return errors[-1] if errors else (log.strip().splitlines() or [""])[-1]
 
 

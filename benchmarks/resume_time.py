@@ -107,9 +107,7 @@ def main() -> int:
         raise C.BenchError(f"--steps {args.steps} / --every {args.every}: need a checkpoint before the last one")
 
     print(C.load_snapshot("before resume_time"), flush=True)
-    wd = C.workdir("resume")
-    ok = False
-    try:
+    with C.work_folder("resume", keep=args.keep) as wd:
         src, how = C.home_arg_or_build(args.home, wd)
         base = C.scratch_home(src, wd / "run_home")
         print(f"data home: {how}", flush=True)
@@ -191,13 +189,7 @@ def main() -> int:
                 }
             )
         )
-        ok = True
         return 0
-    finally:
-        if args.keep or not ok:
-            print(f"kept {wd}")
-        else:
-            shutil.rmtree(wd, ignore_errors=True)
 
 
 if __name__ == "__main__":

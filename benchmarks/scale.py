@@ -34,7 +34,6 @@ import argparse
 import functools
 import json
 import random
-import shutil
 import sqlite3
 import sys
 import threading
@@ -337,9 +336,6 @@ def main() -> int:
         ),
         flush=True,
     )
-    wd = Path(args.keep).expanduser().resolve() if args.keep else C.workdir("scale")
-    if args.keep:
-        wd.mkdir(parents=True, exist_ok=False)
     print(
         "Dagster storage: "
         + (
@@ -350,77 +346,75 @@ def main() -> int:
         flush=True,
     )
     server = start_server() if args.postgres else None
-    ok = False
+    keep = Path(args.keep).expanduser().resolve() if args.keep else None
     try:
-        runs = [run_size(n, args.docs, wd, args.timeout, planned_subset, server) for n in sizes]
-        print()
-        print(
-            C.table(
-                [
+        with C.work_folder("scale", what=" (homes and logs)", path=keep) as wd:
+            runs = [run_size(n, args.docs, wd, args.timeout, planned_subset, server) for n in sizes]
+            print()
+            print(
+                C.table(
                     [
-                        r.n,
-                        *(r.seconds[s] for s in STEPS),
-                        r.dagster_bytes / 1e6,
-                        r.dagster_bytes / r.n / 1e3,
-                        sum(r.events.values()),
-                        r.largest_event / 1e3,
-                    ]
-                    for r in runs
-                ],
-                ["N", *STEPS, "Dagster storage MB", "KB/shard", "events", "largest event KB"],
+                        [
+                            r.n,
+                            *(r.seconds[s] for s in STEPS),
+                            r.dagster_bytes / 1e6,
+                            r.dagster_bytes / r.n / 1e3,
+                            sum(r.events.values()),
+                            r.largest_event / 1e3,
+                        ]
+                        for r in runs
+                    ],
+                    ["N", *STEPS, "Dagster storage MB", "KB/shard", "events", "largest event KB"],
+                )
             )
-        )
-        print()
-        print(C.table(events_per_shard_rows(runs), ["events per shard", *(f"N={r.n:,}" for r in runs)]))
-        print()
-        rows = ratio_rows(runs)
-        print(
-            C.table(
-                rows,
-                [
-                    "step",
-                    "wall s small N",
-                    "wall s big N",
-                    "CPU s (MB) small N",
-                    "CPU s (MB) big N",
-                    "ratio per tenfold N",
-                ],
+            print()
+            print(C.table(events_per_shard_rows(runs), ["events per shard", *(f"N={r.n:,}" for r in runs)]))
+            print()
+            rows = ratio_rows(runs)
+            print(
+                C.table(
+                    rows,
+                    [
+                        "step",
+                        "wall s small N",
+                        "wall s big N",
+                        "CPU s (MB) small N",
+                        "CPU s (MB) big N",
+                        "ratio per tenfold N",
+                    ],
+                )
             )
-        )
-        worst = max(rows, key=lambda r: r[5]) if rows else None
-        if worst:
-            print(C.goal(f"worst growth per tenfold N ({worst[0]})", worst[5], GOAL_TENFOLD, higher_is_better=False))
-        other = max(r.other_cores for r in runs)
-        print(f"other load: {other:.2f} cores ({C.noise_note(other)})")
-        if not args.no_ledger:
-            (wd / "ledger").mkdir(exist_ok=True)
-            ledger_side(args.ledger_home, wd)
-        kv = {
-            "sizes": "/".join(str(n) for n in sizes),
-            "planned_subset": int(planned_subset),
-            "postgres": int(args.postgres),
-        }
-        for r in runs:
-            kv |= {f"{s}_cpu_s_{r.n}": r.cpu[s] for s in ("raw_shards", "tokenized_shards", "status")}
-            kv |= {
-                f"dagster_kb_per_shard_{r.n}": r.dagster_bytes / r.n / 1e3,
-                f"largest_event_kb_{r.n}": r.largest_event / 1e3,
-                f"events_per_shard_{r.n}": sum(r.events.values()) / r.n,
+            worst = max(rows, key=lambda r: r[5]) if rows else None
+            if worst:
+                print(
+                    C.goal(f"worst growth per tenfold N ({worst[0]})", worst[5], GOAL_TENFOLD, higher_is_better=False)
+                )
+            other = max(r.other_cores for r in runs)
+            print(f"other load: {other:.2f} cores ({C.noise_note(other)})")
+            if not args.no_ledger:
+                (wd / "ledger").mkdir(exist_ok=True)
+                ledger_side(args.ledger_home, wd)
+            kv = {
+                "sizes": "/".join(str(n) for n in sizes),
+                "planned_subset": int(planned_subset),
+                "postgres": int(args.postgres),
             }
-        kv |= {
-            "worst_tenfold_ratio": worst[5] if worst else None,
-            "goal_met": int(bool(worst) and worst[5] <= GOAL_TENFOLD),
-        }
-        print(C.kv_line(kv))
-        ok = True
-        return 0
+            for r in runs:
+                kv |= {f"{s}_cpu_s_{r.n}": r.cpu[s] for s in ("raw_shards", "tokenized_shards", "status")}
+                kv |= {
+                    f"dagster_kb_per_shard_{r.n}": r.dagster_bytes / r.n / 1e3,
+                    f"largest_event_kb_{r.n}": r.largest_event / 1e3,
+                    f"events_per_shard_{r.n}": sum(r.events.values()) / r.n,
+                }
+            kv |= {
+                "worst_tenfold_ratio": worst[5] if worst else None,
+                "goal_met": int(bool(worst) and worst[5] <= GOAL_TENFOLD),
+            }
+            print(C.kv_line(kv))
+            return 0
     finally:
         if server:
             server.stop()
-        if args.keep or not ok:
-            print(f"kept {wd} (homes and logs)")
-        else:
-            shutil.rmtree(wd, ignore_errors=True)
 
 
 if __name__ == "__main__":

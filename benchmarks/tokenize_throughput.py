@@ -202,9 +202,7 @@ def main() -> int:
     args = ap.parse_args()
 
     print(C.load_snapshot("before tokenize_throughput"), flush=True)
-    wd = C.workdir("tokenize")
-    ok = False
-    try:
+    with C.work_folder("tokenize", keep=args.keep) as wd:
         home = Path(args.home).expanduser().resolve() if args.home else None
         t0 = time.time()
         docs = base_documents(home, wd)
@@ -314,13 +312,7 @@ def main() -> int:
             "goal_2w_met": int(r2 >= GOAL_2W and best["pipe1"].wall >= MIN_1W_SECONDS),
         }
         print(C.kv_line(results))
-        ok = True
         return 0
-    finally:
-        if args.keep or not ok:
-            print(f"kept {wd}")
-        else:
-            shutil.rmtree(wd, ignore_errors=True)
 
 
 if __name__ == "__main__":

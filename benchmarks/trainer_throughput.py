@@ -17,7 +17,6 @@ first optimizer step <= 10 s from launching torchrun. Also reported: fp32 for bo
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from pathlib import Path
 
@@ -91,9 +90,7 @@ def main() -> int:
     args = ap.parse_args()
 
     print(C.load_snapshot("before trainer_throughput"), flush=True)
-    wd = C.workdir("trainer")
-    ok = False
-    try:
+    with C.work_folder("trainer", keep=args.keep) as wd:
         src, how = C.home_arg_or_build(args.home, wd)
         home = C.scratch_home(src, wd / "train_home")
         print(f"data home: {how}; training runs in {home}", flush=True)
@@ -229,13 +226,7 @@ def main() -> int:
             first["first_step_s_wall"] is not None and first["first_step_s_wall"] <= GOAL_FIRST_STEP_S
         )
         print(C.kv_line(results))
-        ok = True
         return 0
-    finally:
-        if args.keep or not ok:
-            print(f"kept {wd}")
-        else:
-            shutil.rmtree(wd, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
@@ -99,10 +100,10 @@ def test_without_cuda_it_says_so_and_exits_0_once_the_carried_folder_is_complete
 
 
 def test_what_travels_is_what_the_trainer_float8_and_the_audit_need_beyond_the_gpu_machine():
-    there = gpu_trainer.closure(gpu_trainer.GPU_MACHINE)
+    there = gpu_trainer.gpu_machine_here()
     assert {"torch", "numpy", "transformers", "requests", "pyyaml", "tokenizers", "packaging"} <= set(there)
     carried = gpu_trainer.carried(gpu_check.CARRIED_ROOTS)
-    for name in ("mlflow-skinny", "sqlalchemy", "alembic", "duckdb", "psutil", "dagster-pipes", "torchao"):
+    for name in ("mlflow-skinny", "pydantic", "sqlalchemy", "alembic", "duckdb", "dagster-pipes", "torchao"):
         assert carried[name] == importlib.metadata.version(name)
     assert not set(carried) & set(there)
     assert {"mlflow", "dagster", "datatrove", "boto3", "lm-eval"}.isdisjoint(carried)  # the server, the pipeline
@@ -121,7 +122,7 @@ import mlflow.tracking, mlflow.transformers, mlflow.store.tracking.sqlalchemy_st
 
 def test_the_trainer_and_the_audit_import_nothing_but_the_gpu_machine_s_and_the_carried_distributions(tmp_path):
     """Without site-packages (-S): the working tree and links to the allowed distributions only."""
-    allowed = gpu_trainer.closure(gpu_trainer.GPU_MACHINE) | gpu_trainer.carried(gpu_check.CARRIED_ROOTS)
+    allowed = gpu_trainer.gpu_machine_here() | gpu_trainer.carried(gpu_check.CARRIED_ROOTS)
     site = gpu_check_isolated.linked_site(tmp_path / "site", allowed)
     proc = subprocess.run(
         [sys.executable, "-S", "-c", TRAINER_IMPORTS + "import dagster"],
@@ -155,3 +156,17 @@ def test_the_table_gives_the_trainer_part_s_verdicts_alone_or_after_the_gpu_part
     assert gpu_check.table({"trainer": {"error": "trainer exited 2: error: no shard"}}) == [
         "trainer              failed: trainer exited 2: error: no shard"
     ]
+
+
+def test_the_fsdp2_resume_part_resumes_a_committed_checkpoint_to_the_same_losses_on_cpu(monkeypatch):
+    """The part that failed on the H200 for its own harness (a checkpoint saved without its COMPLETE
+    marker, which loading rightly refused) runs here over gloo: the resumed model, started from other
+    weights, takes the same two steps as the uninterrupted one."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+    r = gpu_check.fsdp_resume(torch.device("cpu"), d_model=64, seq_len=64)  # the GPU's shape, small
+    assert r["ok"] and r["max_rel_diff"] <= gpu_check.RESUME_TOLERANCE, r
+    assert len(r["resumed"]) == 2 and r["resumed"][0] < 9.0  # a 4,096-token vocabulary starts near ln 4096 = 8.3

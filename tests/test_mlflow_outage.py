@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -129,3 +130,27 @@ def test_a_tracking_store_mlflow_refuses_to_open_is_reported_at_once_not_after_t
         run.wait_run_id(timeout=60)
     run.finish(timeout=60)
     assert time.monotonic() - start < 30
+
+
+def test_an_mlflow_missing_a_requirement_is_reported_at_once(tmp_path):
+    """On the GPU machine MLflow's import failed (no pydantic) inside the logger thread and the run
+    waited out wait_run_id's 120 s before saying only "not created": the import error is the error."""
+    code = f"""
+import importlib.abc, sys, time
+class NoPydantic(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] == "pydantic":
+            raise ModuleNotFoundError("No module named 'pydantic'")
+sys.meta_path.insert(0, NoPydantic())
+from ghostvis_core.run.track.mlflow_run import MlflowRun, MlflowTarget
+start = time.monotonic()
+run = MlflowRun(MlflowTarget("sqlite:///{tmp_path / "mlflow.db"}", "ghostvis"), {{"a": 1}})
+try:
+    run.wait_run_id(timeout=60)
+except RuntimeError as exc:
+    print(f"{{time.monotonic() - start:.1f}}", exc)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    seconds, message = proc.stdout.strip().split(" ", 1)
+    assert float(seconds) < 30, proc.stdout
+    assert message.startswith("MLflow run could not be created at sqlite:") and "No module named 'pydantic'" in message

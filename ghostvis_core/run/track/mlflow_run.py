@@ -112,11 +112,12 @@ class MlflowRun:
     def _connect(self) -> bool:
         """Import mlflow and start the run here, off the training thread; False (the error kept for
         wait_run_id) if that failed."""
-        from mlflow.entities import Metric, Param, RunTag
-        from mlflow.tracking import MlflowClient
+        try:  # the import and the client too: an MLflow missing a requirement (pydantic, on a GPU machine) or
+            # refusing to build (a `file:` store in 3.17) left the run waiting for wait_run_id's timeout
+            from mlflow.entities import Metric, Param, RunTag
+            from mlflow.tracking import MlflowClient
 
-        self._Metric, self._Param, self._RunTag = Metric, Param, RunTag
-        try:  # the client too: one MLflow refuses to build (a `file:` store in 3.17) left the run waiting 7 minutes
+            self._Metric, self._Param, self._RunTag = Metric, Param, RunTag
             self._client = MlflowClient(tracking_uri=self.target.tracking_uri)
             self._start_run(self._client)
             self._start_system_metrics()
