@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ghostvis_core.counts import TokenCounts
-from ghostvis_core.data.ledger import UNDECLARED_KINDS, Ledger
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.query import UNDECLARED_KINDS
 from ghostvis_core.plan.budget import plan
 from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.plan.presets import evidence_note
