@@ -102,11 +102,11 @@ def test_pretraining_lowers_validation_loss_and_mixture_follows_the_recipe(demo_
     assert cp["domain_loss_after"] < cp["domain_loss_before"]
     # continued_pretrain starts where pretrain stopped reading each source: no undeclared reuse
     ledger = Ledger.in_store(Home(demo_home).store)
-    assert not [r for r in ledger.reuse(cp["run_key"]) if r["kind"] != "replay"]
+    assert not [r for r in ledger.reuse(cp["run_key"]) if r.kind != "replay"]
     rm = latest(instance, "reasoning_mix")
-    replay = [r for r in ledger.reuse(rm["run_key"]) if r["kind"] == "replay"]
+    replay = [r for r in ledger.reuse(rm["run_key"]) if r.kind == "replay"]
     # its replay of the earlier text is declared (ghostvis_core/plan/presets.py): shown as replay, not reuse
-    assert replay and {r["source"] for r in replay} == {"demo_prose", "demo_code"}
+    assert replay and {r.source for r in replay} == {"demo_prose", "demo_code"}
 
 
 def test_rematerializing_one_stage_through_the_dagster_cli(home_copy):

@@ -232,11 +232,11 @@ def test_reuse_same_run_same_epoch(resumed_run):
     assert len(rows) == 1
     r = rows[0]
     # p1 read s0 [40,80) rows [4,8); p2 read s0 [50,90) rows [5,9): both in epoch 0
-    assert r["kind"] == "reuse"
-    assert {r["part_a"], r["part_b"]} == {"r.p1", "r.p2"}
-    assert (r["shard_id"], r["tok_start"], r["tok_end"], r["tokens"]) == ("s0", 50, 80, 30)
-    assert (r["row_start"], r["row_end"]) == (5, 8)
-    assert (r["epoch_a"], r["epoch_b"]) == (0, 0)
+    assert r.kind == "reuse"
+    assert {r.part_a, r.part_b} == {"r.p1", "r.p2"}
+    assert (r.shard_id, r.tok_start, r.tok_end, r.tokens) == ("s0", 50, 80, 30)
+    assert (r.row_start, r.row_end) == (5, 8)
+    assert (r.epoch_a, r.epoch_b) == (0, 0)
 
 
 DAMAGED = {"checkpoint": "step_000000020", "step": 20, "reason": "model.safetensors has sha256 0a1b..., COMPLETE ..."}
@@ -268,10 +268,10 @@ def test_steps_trained_again_after_a_damaged_checkpoint_are_declared_not_reuse(l
             [piece("s0", tok, rows)],
         )
     (r,) = ledger.reuse("r")
-    assert ({r["part_a"], r["part_b"]}, r["tok_start"], r["tok_end"], r["tokens"]) == ({"r.p1", "r.p2"}, 40, 80, 40)
+    assert ({r.part_a, r.part_b}, r.tok_start, r.tok_end, r.tokens) == ({"r.p1", "r.p2"}, 40, 80, 40)
     outcome = no_reuse(ledger, "r")
     if declared == [DAMAGED]:
-        assert (r["kind"], r["checkpoint"], r["reason"]) == (
+        assert (r.kind, r.checkpoint, r.reason) == (
             "retrained_after_fallback",
             "step_000000020",
             DAMAGED["reason"],
@@ -281,7 +281,7 @@ def test_steps_trained_again_after_a_damaged_checkpoint_are_declared_not_reuse(l
         assert outcome.figures["passed_over_checkpoints"] == "step_000000020"
         assert outcome.tables["ranges"][1][0][-1] == f"step_000000020: {DAMAGED['reason']}"
     else:
-        assert (r["kind"], r["checkpoint"], r["reason"]) == ("reuse", "", "")
+        assert (r.kind, r.checkpoint, r.reason) == ("reuse", "", "")
         assert not outcome.passed and outcome.figures["reused_tokens"] == 40
         assert outcome.failures == [
             "reuse s0 tokens 40..80: read by part r.p1 (segment 0, steps 11..20) and "
@@ -299,9 +299,9 @@ def test_repeat_in_another_epoch(ledger, allow_repeat, kind):
         [piece("s0", (0, 30), (0, 3), epoch=1)],
     )
     (r,) = ledger.reuse("e")
-    assert r["kind"] == kind
-    assert (r["tok_start"], r["tok_end"], r["tokens"], r["row_start"], r["row_end"]) == (0, 30, 30, 0, 3)
-    assert {r["epoch_a"], r["epoch_b"]} == {0, 1}
+    assert r.kind == kind
+    assert (r.tok_start, r.tok_end, r.tokens, r.row_start, r.row_end) == (0, 30, 30, 0, 3)
+    assert {r.epoch_a, r.epoch_b} == {0, 1}
 
 
 @pytest.mark.parametrize("allow_repeat, kind", [(True, "repeat"), (False, "undeclared_repeat")])
@@ -311,8 +311,8 @@ def test_repeat_within_one_part(ledger, allow_repeat, kind):
         [piece("s0", (0, 100), (0, 10)), piece("s0", (0, 25), (0, 3), epoch=1)],
     )
     (r,) = ledger.reuse("w")
-    assert r["kind"] == kind and r["part_a"] == r["part_b"] == "w.p0"
-    assert (r["tok_start"], r["tok_end"], r["tokens"], r["row_start"], r["row_end"]) == (0, 25, 25, 0, 3)
+    assert r.kind == kind and r.part_a == r.part_b == "w.p0"
+    assert (r.tok_start, r.tok_end, r.tokens, r.row_start, r.row_end) == (0, 25, 25, 0, 3)
 
 
 @pytest.fixture
@@ -334,10 +334,10 @@ def test_child_run_overlapping_its_parent(parent_run, replay, kind):
     )
     assert parent_run.lineage("cpt") == ["cpt", "pre"]
     (r,) = parent_run.reuse("cpt")
-    assert r["kind"] == kind
-    assert {r["run_a"], r["run_b"]} == {"pre", "cpt"}
-    assert (r["shard_id"], r["source"], r["tok_start"], r["tok_end"], r["tokens"]) == ("s0", "prose", 60, 100, 40)
-    assert (r["row_start"], r["row_end"]) == (6, 10)
+    assert r.kind == kind
+    assert {r.run_a, r.run_b} == {"pre", "cpt"}
+    assert (r.shard_id, r.source, r.tok_start, r.tok_end, r.tokens) == ("s0", "prose", 60, 100, 40)
+    assert (r.row_start, r.row_end) == (6, 10)
     assert parent_run.reuse("pre") == []  # the parent's own lineage does not include the child
 
 
@@ -380,7 +380,7 @@ def test_grandchild_sees_the_grandparent(parent_run):
     )
     assert parent_run.lineage("ctx") == ["ctx", "cpt", "pre"]
     (r,) = parent_run.reuse("ctx")
-    assert (r["kind"], r["shard_id"], r["tok_start"], r["tok_end"]) == ("undeclared_cross_stage", "c0", 40, 50)
+    assert (r.kind, r.shard_id, r.tok_start, r.tok_end) == ("undeclared_cross_stage", "c0", 40, 50)
 
 
 def test_disjoint_or_touching_ranges_are_not_reuse(parent_run):
@@ -554,7 +554,7 @@ def test_a_query_about_one_run_opens_only_that_runs_files(parent_run):
     assert [p.part_id for p in chain] == ["cpt.p0"] and parent_run.run_totals("cpt")["real_tokens"] == 50
     assert [(r.shard_id, r.tok_start) for r in parent_run.consumption(chain)] == [("s0", 60)]
     assert [r.row_ranges for r in parent_run.shares(chain)] == [[[6, 12]]]
-    assert [r["kind"] for r in parent_run.reuse("cpt")] == ["undeclared_cross_stage"]  # reads "pre" too, not "other"
+    assert [r.kind for r in parent_run.reuse("cpt")] == ["undeclared_cross_stage"]  # reads "pre" too, not "other"
     assert [p.run_key for p in parent_run.parts(stage="continued_pretrain")] == ["cpt"]
     garble_run(parent_run, "pretrain", "pre")
     assert parent_run.consumed_by_shard("cpt")[0]["tokens"] == 60  # the chain's own run only
@@ -617,14 +617,14 @@ def test_a_runs_row_index_is_named_by_its_chains_head_and_read_where_a_filter_ca
     ledger = resumed_run
     ledger.write_part(part("q.p0", "q", stage="sft", parent="r"), [piece("s0", (0, 40), (3, 6))])
     heads = ledger.run_heads()
-    assert [(h["stage"], h["run_key"], h["head"].name) for h in heads] == [
+    assert [(h.stage, h.run_key, h.head.name) for h in heads] == [
         ("pretrain", "r", "s001.p000000030.parquet"),
         ("sft", "q", "s000.p000000010.parquet"),
     ]
-    assert {(r["run_key"], r["parent_run_key"]) for r in ledger.run_links(heads)} == {("r", ""), ("q", "r")}
+    assert {(r.run_key, r.parent_run_key) for r in ledger.run_links(heads)} == {("r", ""), ("q", "r")}
     chain = ledger.chain("r")
     assert [p.part_id for p in chain] == ["r.p0", "r.p2", "r.p3"]
-    index = ledger.row_index_file(heads[0]["head"])
+    index = ledger.row_index_file(heads[0].head)
     assert index == ledger.root / "row_index/stage=pretrain/run=r/s001.p000000030.parquet" and not index.is_file()
     rows = [
         {"part_id": "r.p2", "segment": 1, "step": 11 + g // 8, "rank": g % 2, "micro_batch": 0, "global_row": 80 + g}
@@ -643,7 +643,7 @@ def test_a_runs_row_index_is_named_by_its_chains_head_and_read_where_a_filter_ca
     step_12 = [r.global_row for r in ledger.row_index([index], "step = ?", [12])]
     assert step_12 == [g for rank in (0, 1) for g in range(88 + rank, 96, 2) for _ in ("s0", "s1")]
     ledger.write_part(part("r.p4", "r", segment=1, steps=(31, 40), prev="r.p3"), [piece("s0", (130, 170), (13, 17))])
-    assert not ledger.row_index_file(ledger.run_heads()[0]["head"]).is_file()  # the chain grew: a new index
+    assert not ledger.row_index_file(ledger.run_heads()[0].head).is_file()  # the chain grew: a new index
 
 
 def test_the_fingerprint_index_holds_every_shard_and_texts_are_found_in_files_written_since(ledger):

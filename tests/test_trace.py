@@ -120,12 +120,12 @@ def test_the_content_proof_wrote_each_runs_row_index_and_a_trace_writes_a_missin
 
     home = Home(demo_home)
     ledger = Ledger.in_store(home.store)
-    heads = [h for h in ledger.run_heads() if h["stage"] in ("pretrain", "vision_alignment", "rl")]
-    assert {h["stage"] for h in heads} == {"pretrain", "vision_alignment", "rl"}
-    assert all(ledger.row_index_file(h["head"]).is_file() for h in heads if "@" not in h["run_key"])
+    heads = [h for h in ledger.run_heads() if h.stage in ("pretrain", "vision_alignment", "rl")]
+    assert {h.stage for h in heads} == {"pretrain", "vision_alignment", "rl"}
+    assert all(ledger.row_index_file(h.head).is_file() for h in heads if "@" not in h.run_key)
     want = trace_step(home.store, ledger, "vision_alignment", 2)
     bare = Ledger(shutil.copytree(ledger.root, tmp_path / "ledger", ignore=shutil.ignore_patterns("row_index")))
-    head = next(h["head"] for h in bare.run_heads() if h["run_key"] == want["run_key"])
+    head = next(h.head for h in bare.run_heads() if h.run_key == want["run_key"])
     assert not bare.row_index_file(head).is_file()
     assert trace_step(home.store, bare, "vision_alignment", 2) == want
     assert bare.row_index_file(head).is_file()

@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 
 from ghostvis_core.data.catalog import manifest_of_shard, recorded_sha256
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.query import RunHead
 from ghostvis_core.data.ngrams import TEXT_COLUMNS, fingerprints, normalize, record_text
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.train.runs import newest_completed_run, run_result
@@ -83,15 +84,15 @@ class Snippets:
         return self._groups[key][row]
 
 
-def run_indexes(store: Store, ledger: Ledger) -> tuple[list[dict[str, Any]], list[Path]]:
+def run_indexes(store: Store, ledger: Ledger) -> tuple[list[RunHead], list[Path]]:
     """Every run's head (`Ledger.run_heads`) and the row index file of its chain, written first where the
     run's checks have not written it or its chain grew since."""
     heads, files = ledger.run_heads(), []
     for h in heads:
-        index = ledger.row_index_file(h["head"])
+        index = ledger.row_index_file(h.head)
         if not index.is_file():
-            spec = store.read_json("run_spec", h["stage"], h["run_key"])
-            index = write_row_index(store, ledger, spec, ledger.chain(h["run_key"]))
+            spec = store.read_json("run_spec", h.stage, h.run_key)
+            index = write_row_index(store, ledger, spec, ledger.chain(h.run_key))
         files.append(index)
     return heads, files
 
@@ -125,8 +126,8 @@ def trace_document(store: Store, ledger: Ledger, shard_id: str, row: int, tracki
                 )
     trained = {h["run_key"] for h in hits}
     links = ledger.run_links(heads)
-    parent = {r["run_key"]: r["parent_run_key"] for r in links}
-    downstream = sorted({(r["stage"], r["run_key"]) for r in links if trained & set(lineage(r["run_key"], parent))})
+    parent = {r.run_key: r.parent_run_key for r in links}
+    downstream = sorted({(r.stage, r.run_key) for r in links if trained & set(lineage(r.run_key, parent))})
     return {
         "document": {"shard_id": shard_id, "row": row, "text": text},
         "trained_by": hits,

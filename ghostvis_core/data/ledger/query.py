@@ -8,6 +8,7 @@ not grow with the number of other runs."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,52 @@ from ghostvis_core.data.ledger.records import (
 
 # Ledger.reuse's kinds of a range read twice that nothing declared: the `no_reuse` check fails on them.
 UNDECLARED_KINDS = ("reuse", "undeclared_repeat", "undeclared_cross_stage")
+
+
+@dataclass(frozen=True)
+class RunHead:
+    """A run's newest part file (the head of its chain), from a listing of the part folders."""
+
+    stage: str
+    run_key: str
+    head: Path
+
+
+@dataclass(frozen=True)
+class RunLink:
+    """A run and the run it started from ("" for none), from its part rows."""
+
+    stage: str
+    run_key: str
+    parent_run_key: str
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """A token range of a shard read twice within a run's lineage (`Ledger.reuse`): the two parts that read
+    it (part_a/b, run_a/b, their segments and steps "3..4"), the overlap as tokens and raw rows, and its
+    kind; `checkpoint` and `reason` name the damaged checkpoint a retrained range was passed over for."""
+
+    kind: str
+    shard_id: str
+    source: str
+    tok_start: int
+    tok_end: int
+    row_start: int
+    row_end: int
+    tokens: int
+    part_a: str
+    run_a: str
+    epoch_a: int
+    segment_a: int
+    steps_a: str
+    part_b: str
+    run_b: str
+    epoch_b: int
+    segment_b: int
+    steps_b: str
+    checkpoint: str
+    reason: str
 
 
 def _with_table(table: str, source: str, sql: str) -> str:
@@ -186,7 +233,7 @@ class LedgerQueries(LedgerFiles):
             self.ngram_files(),
         )
 
-    def run_heads(self) -> list[dict[str, Any]]:
+    def run_heads(self) -> list[RunHead]:
         """Per run: stage, run_key and `head`, the local file of its newest part (the head of its chain: part
         files are named by segment and last step). A listing of the part folders; no file is read."""
         self._fetched("parts")
@@ -194,16 +241,16 @@ class LedgerQueries(LedgerFiles):
         for run in sorted((self.root / "parts").glob("stage=*/run=*")):
             head = max(run.glob("*.parquet"), default=None)
             if head is not None:
-                out.append(
-                    {"stage": run.parent.name.split("=", 1)[1], "run_key": run.name.split("=", 1)[1], "head": head}
-                )
+                out.append(RunHead(run.parent.name.split("=", 1)[1], run.name.split("=", 1)[1], head))
         return out
 
-    def run_links(self, heads: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def run_links(self, heads: list[RunHead]) -> list[RunLink]:
         """stage, run_key and parent_run_key of these runs (`run_heads`): a run's parent is in every one of
         its part rows, so only its head part's file is read."""
-        files = [h["head"] for h in heads]
-        return self._query("parts", "SELECT DISTINCT stage, run_key, parent_run_key FROM parts", files=files)
+        rows = self._query(
+            "parts", "SELECT DISTINCT stage, run_key, parent_run_key FROM parts", files=[h.head for h in heads]
+        )
+        return [RunLink(**r) for r in rows]
 
     def row_index_file(self, head: Path) -> Path:
         """Where the row index of the chain whose head part is the file `head` (`run_heads`) is (or would be)."""
@@ -276,7 +323,7 @@ class LedgerQueries(LedgerFiles):
             self.run_files("consumption", [run_key]),
         )
 
-    def reuse(self, run_key: str) -> list[dict[str, Any]]:
+    def reuse(self, run_key: str) -> list[Reuse]:
         """Token ranges consumed twice within the run's lineage, each classified.
 
         kind = 'retrained_after_fallback' (same run, same epoch: a later segment resumed from an earlier
@@ -323,17 +370,17 @@ class LedgerQueries(LedgerFiles):
                 declared = json.loads(later.replay_sources or "[]")
                 kind = "replay" if r["source"] in declared else "undeclared_cross_stage"
             out.append(
-                {
+                Reuse(
                     **r,
-                    "tokens": r["tok_end"] - r["tok_start"],
-                    "kind": kind,
-                    "segment_a": pa_.segment,
-                    "steps_a": f"{pa_.step_first}..{pa_.step_last}",
-                    "segment_b": pb.segment,
-                    "steps_b": f"{pb.step_first}..{pb.step_last}",
-                    "checkpoint": fallback["checkpoint"] if fallback else "",
-                    "reason": fallback["reason"] if fallback else "",
-                }
+                    tokens=r["tok_end"] - r["tok_start"],
+                    kind=kind,
+                    segment_a=pa_.segment,
+                    steps_a=f"{pa_.step_first}..{pa_.step_last}",
+                    segment_b=pb.segment,
+                    steps_b=f"{pb.step_first}..{pb.step_last}",
+                    checkpoint=fallback["checkpoint"] if fallback else "",
+                    reason=fallback["reason"] if fallback else "",
+                )
             )
         return out
 

@@ -12,7 +12,7 @@ from typing import Any
 from ghostvis_core.counts import MLFLOW_METRICS, TokenCounts
 from ghostvis_core.data.catalog import registered_manifests
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.ledger.query import UNDECLARED_KINDS
+from ghostvis_core.data.ledger.query import UNDECLARED_KINDS, Reuse
 from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow
 from ghostvis_core.data.ledger.summaries import duplicate_shards, train_validation_overlap, validation_selected
 from ghostvis_core.errors import GhostvisError
@@ -369,12 +369,12 @@ REUSE_HEADER = [
 ]
 
 
-def _reuse_row(r: dict) -> list:
+def _reuse_row(r: Reuse) -> list:
     """One range read twice, as a row of REUSE_HEADER."""
-    ranges = [f"{r['tok_start']}..{r['tok_end']}", f"{r['row_start']}..{r['row_end']}"]
-    sides = [r[f"{field}_{side}"] for side in "ab" for field in ("run", "part", "segment", "steps")]
-    fallback = f"{r['checkpoint']}: {r['reason']}" if r["checkpoint"] else ""
-    return [r["kind"], r["shard_id"], *ranges, r["tokens"], *sides, fallback]
+    ranges = [f"{r.tok_start}..{r.tok_end}", f"{r.row_start}..{r.row_end}"]
+    sides = [getattr(r, f"{field}_{side}") for side in "ab" for field in ("run", "part", "segment", "steps")]
+    fallback = f"{r.checkpoint}: {r.reason}" if r.checkpoint else ""
+    return [r.kind, r.shard_id, *ranges, r.tokens, *sides, fallback]
 
 
 def no_reuse(ledger: Ledger, run_key: str) -> CheckOutcome:
@@ -383,40 +383,40 @@ def no_reuse(ledger: Ledger, run_key: str) -> CheckOutcome:
     Each failure names the two parts that read the range, with their segments (launches) and steps,
     so a resume from a checkpoint too early reads as which launch re-read which steps."""
     found = ledger.reuse(run_key)
-    bad = [r for r in found if r["kind"] in UNDECLARED_KINDS]
-    retrained = [r for r in found if r["kind"] == "retrained_after_fallback"]
+    bad = [r for r in found if r.kind in UNDECLARED_KINDS]
+    retrained = [r for r in found if r.kind == "retrained_after_fallback"]
     rows = [_reuse_row(r) for r in found[:200]]
     failures = []
     for r in bad[:50]:
-        runs = (r["run_a"], r["run_b"]) if r["run_a"] != r["run_b"] else (None, None)
+        runs = (r.run_a, r.run_b) if r.run_a != r.run_b else (None, None)
         failures.append(
-            f"{r['kind']} {r['shard_id']} tokens {r['tok_start']}..{r['tok_end']}: read by "
-            f"{_part_text(r['part_a'], runs[0], r['segment_a'], r['steps_a'])} and "
-            f"{_part_text(r['part_b'], runs[1], r['segment_b'], r['steps_b'])}"
+            f"{r.kind} {r.shard_id} tokens {r.tok_start}..{r.tok_end}: read by "
+            f"{_part_text(r.part_a, runs[0], r.segment_a, r.steps_a)} and "
+            f"{_part_text(r.part_b, runs[1], r.segment_b, r.steps_b)}"
         )
     failures += reuse_hints(bad)
     return CheckOutcome(
         "no_reuse",
         not bad,
         figures={
-            "reused_tokens": sum(r["tokens"] for r in bad),
-            "declared_replay_or_repeat_tokens": sum(r["tokens"] for r in found if r["kind"] in ("replay", "repeat")),
-            "retrained_after_fallback_tokens": sum(r["tokens"] for r in retrained),
-            "passed_over_checkpoints": ", ".join(sorted({r["checkpoint"] for r in retrained})) or "none",
+            "reused_tokens": sum(r.tokens for r in bad),
+            "declared_replay_or_repeat_tokens": sum(r.tokens for r in found if r.kind in ("replay", "repeat")),
+            "retrained_after_fallback_tokens": sum(r.tokens for r in retrained),
+            "passed_over_checkpoints": ", ".join(sorted({r.checkpoint for r in retrained})) or "none",
         },
         tables={"ranges": (REUSE_HEADER, rows)},
         failures=failures,
     )
 
 
-def reuse_hints(bad: list[dict]) -> list[str]:
+def reuse_hints(bad: list[Reuse]) -> list[str]:
     """What the undeclared re-reads are, whether a user may have meant them, and the setting that declares
     them: a source an earlier stage read (a replay) or a second epoch of this run (a repeat). A reuse within
     one epoch (a resume that kept both reads) has no setting: it is a fault."""
     out = []
-    cross = sorted({r["source"] for r in bad if r["kind"] == "undeclared_cross_stage"})
+    cross = sorted({r.source for r in bad if r.kind == "undeclared_cross_stage"})
     if cross:
-        tokens = sum(r["tokens"] for r in bad if r["kind"] == "undeclared_cross_stage")
+        tokens = sum(r.tokens for r in bad if r.kind == "undeclared_cross_stage")
         listed = ", ".join(f'"{s}"' for s in cross)
         out.append(
             f"{tokens} tokens of source(s) {', '.join(cross)} were read by an earlier stage of this lineage and "
@@ -425,7 +425,7 @@ def reuse_hints(bad: list[dict]) -> list[str]:
             f"data.replay_sources, keeping any source already declared there), else give this stage data its "
             f"lineage has not read"
         )
-    repeat = sorted({r["source"] for r in bad if r["kind"] == "undeclared_repeat"})
+    repeat = sorted({r.source for r in bad if r.kind == "undeclared_repeat"})
     if repeat:
         out.append(
             f"source(s) {', '.join(repeat)} were read in a second epoch by this run (the budget is larger than "
