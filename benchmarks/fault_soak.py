@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ghostvis_core.data.ledger import Ledger  # noqa: E402
+from ghostvis_core.data.ledger.records import PartRow  # noqa: E402
 from ghostvis_core.run.train import checkpoint as ckpt  # noqa: E402
 from ghostvis_core.store import open_store  # noqa: E402
 from tests.conftest import copy_home, materialize_pretrain  # noqa: E402
@@ -69,13 +70,13 @@ def final_weights(store_dir: Path, run_key: str) -> bytes:
     ).read_bytes()
 
 
-def lost_per_preemption(chain: list[dict], log: str) -> list[int]:
+def lost_per_preemption(chain: list[PartRow], log: str) -> list[int]:
     """For each `preempted at step N`: steps trained after N that the ledger does not hold (the next part of the
     chain starts at N + 1 when none was lost; a part ending at N proves N was committed)."""
     lost = []
     for at in (int(m) for m in re.findall(r"preempted at step (\d+)", log)):
-        ends = [p["step_last"] for p in chain]
-        firsts = [p["step_first"] for p in chain]
+        ends = [p.step_last for p in chain]
+        firsts = [p.step_first for p in chain]
         lost.append(0 if at in ends and at + 1 in firsts else at - max(e for e in ends if e < at))
     return lost
 
@@ -116,7 +117,7 @@ def main() -> int:
             print(f"of which fixed by the faults themselves: the {OUTAGE_S} s outage, the {SOAK_HANG_S} s hang timeout")
             print(
                 f"weights bitwise the undisturbed run's: {same}; "
-                f"ledger parts: {len(chain)}, steps 1..{chain[-1]['step_last']}"
+                f"ledger parts: {len(chain)}, steps 1..{chain[-1].step_last}"
             )
             print(C.goal("soak wall / undisturbed wall", ratio, GOAL_WALL_RATIO, higher_is_better=False))
             print(

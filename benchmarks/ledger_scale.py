@@ -23,6 +23,7 @@ whatever the number of parts).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -36,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 
-from ghostvis_core.data.ledger import PART_TABLES, Ledger  # noqa: E402
+from ghostvis_core.data.ledger import Ledger  # noqa: E402
+from ghostvis_core.data.ledger.records import PART_TABLES  # noqa: E402
 from ghostvis_core.home import Home  # noqa: E402
 from ghostvis_core.run.train.runs import newest_completed_run  # noqa: E402
 
@@ -64,7 +66,7 @@ print(json.dumps({"seconds": seconds, "checks": len(evaluations),
 """
 
 
-def newest_part(ledger: Ledger, run_key: str) -> dict[str, list[dict]]:
+def newest_part(ledger: Ledger, run_key: str) -> dict[str, list]:
     """The run's newest part: its rows in `parts` and in each table beside it, as stored (JSON columns
     as JSON text, the way write_part takes them)."""
     chain = ledger.chain(run_key)
@@ -75,23 +77,23 @@ def newest_part(ledger: Ledger, run_key: str) -> dict[str, list[dict]]:
     return {"parts": [head], **{t: pq.read_table(f).to_pylist() if f.exists() else [] for t, f in files.items()}}
 
 
-def write_copies(ledger: Ledger, part: dict[str, list[dict]], n: int, stage: str) -> None:
+def write_copies(ledger: Ledger, part: dict[str, list], n: int, stage: str) -> None:
     """N copies of the part as runs of SEGMENTS_PER_RUN segments: new run keys, part ids and chain links."""
     head = part["parts"][0]
     prev = ""
     for i in range(n):
         run_key, segment = f"{stage}-ledgerscale{i // SEGMENTS_PER_RUN:05d}", i % SEGMENTS_PER_RUN
         prev = prev if segment else ""
-        part_id = f"{run_key}.s{segment:03d}.p{head['step_last']:09d}"
-        row = {
-            **head,
-            "part_id": part_id,
-            "prev_part_id": prev,
-            "run_key": run_key,
-            "segment": segment,
-            "parent_run_key": "",
-            "created_at": time.time(),
-        }
+        part_id = f"{run_key}.s{segment:03d}.p{head.step_last:09d}"
+        row = dataclasses.replace(
+            head,
+            part_id=part_id,
+            prev_part_id=prev,
+            run_key=run_key,
+            segment=segment,
+            parent_run_key="",
+            created_at=time.time(),
+        )
         own = {
             t: [{k: v for k, v in r.items() if k not in WRITTEN_BY_WRITE_PART} for r in part[t]] for t in BESIDE_PARTS
         }

@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _common as C  # noqa: E402
 
-from ghostvis_core.data.ledger import PART_TABLES, Ledger  # noqa: E402
+from ghostvis_core.data.ledger import Ledger  # noqa: E402
+from ghostvis_core.data.ledger.records import PART_TABLES  # noqa: E402
 from ghostvis_core.home import Home  # noqa: E402
 
 GOAL_RATIO = 1.10
@@ -45,7 +46,7 @@ def truncate_to(home: Path, run_key: str, step: int) -> None:
     store.delete("run_record", "pretrain", run_key)
     ledger = Ledger.in_store(store)
     for part in ledger.parts([run_key]):
-        if part["step_last"] > step:
+        if part.step_last > step:
             for table in PART_TABLES:
                 ledger.part_file(table, part).unlink(missing_ok=True)
 

@@ -101,6 +101,7 @@ def run_rows(first_shard: int, n_shards: int, g: int) -> list[dict]:
 def write_runs(store, n_runs: int, n_shards: int, contents: dict[str, str]) -> list[tuple[str, str]]:
     """The runs' specs, parts, consumption and row indexes; [(stage, run_key)]."""
     from ghostvis_core.data.ledger import Ledger
+    from ghostvis_core.data.ledger.records import PartRow
     from ghostvis_core.plan.batch import BatchPlan
     from ghostvis_core.plan.stages import stage_names
     from ghostvis_core.verify.audit.row_index import place
@@ -120,32 +121,26 @@ def write_runs(store, n_runs: int, n_shards: int, contents: dict[str, str]) -> l
         prev, chain, index = "", [], []
         for p in range(PARTS):
             step_first, rows_first = p * STEPS_PER_PART + 1, p * per_part
-            part = {
-                "part_id": f"{key}.s000.p{step_first + STEPS_PER_PART - 1:09d}",
-                "prev_part_id": prev,
-                "run_key": key,
-                "parent_run_key": parent,
-                "stage": stage,
-                "segment": 0,
-                "step_first": step_first,
-                "step_last": step_first + STEPS_PER_PART - 1,
-                "rows_first": rows_first,
-                "rows_last": rows_first + per_part,
-                "real_tokens": per_part * SEQ_LEN,
-                "pad_tokens": 0,
-                "loss_tokens": per_part * SEQ_LEN,
-                "cropped_tokens": 0,
-                "overlap_tokens": 0,
+            part = PartRow(
+                part_id=f"{key}.s000.p{step_first + STEPS_PER_PART - 1:09d}",
+                prev_part_id=prev,
+                run_key=key,
+                parent_run_key=parent,
+                stage=stage,
+                segment=0,
+                step_first=step_first,
+                step_last=step_first + STEPS_PER_PART - 1,
+                rows_first=rows_first,
+                rows_last=rows_first + per_part,
+                real_tokens=per_part * SEQ_LEN,
+                loss_tokens=per_part * SEQ_LEN,
                 **PLAN,
-                "tokens_per_step": plan.tokens_per_step,
-                "planned_tokens": rows_per_run * SEQ_LEN,
-                "allow_repeat": False,
-                "replay_sources": "[]",
-                "mlflow_run_id": "",
-            }
+                tokens_per_step=plan.tokens_per_step,
+                planned_tokens=rows_per_run * SEQ_LEN,
+            )
             rows = []
             for g in range(rows_first, rows_first + per_part):
-                where = {"part_id": part["part_id"], "segment": 0, **place(g - rows_first, plan)}
+                where = {"part_id": part.part_id, "segment": 0, **place(g - rows_first, plan)}
                 where["step"] += step_first - 1
                 for sp in run_rows(first, n_shards, g):
                     raw = [sp["tok_start"] // DOC_TOKENS, -(-sp["tok_end"] // DOC_TOKENS)]
@@ -159,7 +154,7 @@ def write_runs(store, n_runs: int, n_shards: int, contents: dict[str, str]) -> l
                 )
                 c.update(tok_end=x["tok_end"], row_end=x["row_end"], tokens=x["tok_end"] - c["tok_start"])
             ledger.write_part(part, list(pieces.values()))
-            chain, index, prev = chain + [part], index + rows, part["part_id"]
+            chain, index, prev = chain + [part], index + rows, part.part_id
         ledger.write_row_index(chain, index)  # what the run's content proof writes
         runs.append((stage, key))
     return runs

@@ -6,13 +6,15 @@ Bad input ends with one line naming the problem and the fix (exit code 2), not a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from typing import Any
 
 from ghostvis_core.counts import TokenCounts
-from ghostvis_core.data.ledger import Ledger, run_consumption, run_keys, run_summaries
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.summaries import run_consumption, run_keys, run_summaries
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan import presets, selected
@@ -146,8 +148,8 @@ def recipe_report(args, p) -> list[dict]:
         return []
     shards: dict[str, list[tuple[str, int]]] = {}
     for r in Ledger.in_store(Home.from_env().store).shards(tokenizer_id=args.tokenizer):
-        if r["split"] == "train":
-            shards.setdefault(r["source"], []).append((r["shard_id"], r["tokens"]))
+        if r.split == "train":
+            shards.setdefault(r.source, []).append((r.shard_id, r.tokens))
     seq_len = p.seq_len if stage(args.stage).objective == "lm" else None
     return [sp.to_dict() for sp in source_plan(presets.parse_recipe(args.recipe), p.step_tokens_total, shards, seq_len)]
 
@@ -391,7 +393,8 @@ def cmd_ledger(args) -> int:
         return 0
     report = ledger_report(Home.from_env(), args.tokenizer)
     if args.json:
-        print(json.dumps(report, indent=2, default=str))
+        shards = [dataclasses.asdict(r) for r in report["shards"]]
+        print(json.dumps({**report, "shards": shards}, indent=2, default=str))
         return 0
     shards, contamination = report["shards"], report["contamination"]
     print(
@@ -399,19 +402,19 @@ def cmd_ledger(args) -> int:
         f"{'eval 13-grams':>13} {'docs sharing':>12} {'contaminated':>12}"
     )
     for r in shards:
-        c = contamination.get(r["shard_id"]) if r["split"] == "train" else None
+        c = contamination.get(r.shard_id) if r.split == "train" else None
         eval_cols = (
             f"{c['shared_ngrams']:>13,} {c['docs_sharing']:>12,} {c['docs_contaminated']:>12,}"
             if c
             else f"{'-':>13} {'-':>12} {'-':>12}"
         )
         print(
-            f"{r['shard_id']:<26} {r['split']:<10} {r['tokenizer_id']:<22} {r['docs']:>7,} {r['tokens']:>12,} "
-            f"{r['text_bytes']:>12,} {eval_cols}"
+            f"{r.shard_id:<26} {r.split:<10} {r.tokenizer_id:<22} {r.docs:>7,} {r.tokens:>12,} "
+            f"{r.text_bytes:>12,} {eval_cols}"
         )
     print(
-        f"{'total':<60} {sum(r['docs'] for r in shards):>7,} {sum(r['tokens'] for r in shards):>12,} "
-        f"{sum(r['text_bytes'] for r in shards):>12,}"
+        f"{'total':<60} {sum(r.docs for r in shards):>7,} {sum(r.tokens for r in shards):>12,} "
+        f"{sum(r.text_bytes for r in shards):>12,}"
     )
     print(
         "(eval 13-grams: a train shard's document fingerprints shared with evaluation data; docs sharing: its "

@@ -84,7 +84,7 @@ BUGS: dict[str, list[tuple[str, str, str, str]]] = {
     ],
     # the split filter dropped: validation shards selected for training
     "split_filter_dropped": [
-        ("ghostvis_core.run.launch", "select_shards", '        if r["split"] != split:\n            continue\n', "")
+        ("ghostvis_core.run.launch", "select_shards", "        if r.split != split:\n            continue\n", "")
     ],
     # the source's validation shards merged into its train stream under a `train` label
     "validation_merged_into_train": [

@@ -335,12 +335,10 @@ def test_a_dropped_split_filter_is_refused_before_launch_and_by_the_stage_check(
     ledger = Ledger.in_store(h.store)
     run = inv.StageRun.load(h.store, ledger, "pretrain", keys["clean"])
     validation = next(
-        r
-        for r in ledger.shards(tokenizer_id=run.spec.tokenizer_id, sources=["demo_prose"])
-        if r["split"] == "validation"
+        r for r in ledger.shards(tokenizer_id=run.spec.tokenizer_id, sources=["demo_prose"]) if r.split == "validation"
     )
     run.spec.train_shards["demo_prose"].append(
-        {k: validation[k] for k in ("shard_id", "source", "split", "content_sha256")}
+        {k: getattr(validation, k) for k in ("shard_id", "source", "split", "content_sha256")}
     )
     outcome = inv.no_validation_selected(ledger, run)
     assert not outcome.passed and outcome.failures == [f"{validation['shard_id']} selected for training is validation"]
@@ -353,7 +351,8 @@ def test_the_real_training_step_delivers_every_micro_batch_once(planted, monkeyp
     planted bug makes the same comparison fail."""
     import torch
 
-    from ghostvis_core.data.ledger import pieces_to_rows, row_ranges
+    from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow, ShareRow
+    from ghostvis_core.data.ledger.write import pieces_to_rows, row_ranges
     from ghostvis_core.data.loader import merge_pieces
     from ghostvis_core.run.train.dist import DistContext
     from ghostvis_core.run.train.setup import setup
@@ -378,21 +377,13 @@ def test_the_real_training_step_delivers_every_micro_batch_once(planted, monkeyp
     trainer.train_step()
     assert trainer.tracker.mlflow is None  # nothing was logged, so no MLflow run was made (run/train/tracking.py)
     c = trainer.part.consumption
-    part = {
-        "part_id": "p",
-        "step_first": 1,
-        "step_last": 2,
-        "micro_batch_size": 2,
-        "seq_len": 64,
-        "world_size": 1,
-        "grad_accum_steps": 2,
-        **c.counts.as_dict(),
-    }
-    share = {"rank": 0, "row_ranges": row_ranges(c.rows), **c.counts.as_dict()}
+    part = PartRow("p", "", "r", "", "pretrain", 0, 1, 2, 0, 0, **c.counts.as_dict(), micro_batch_size=2, seq_len=64,
+                   world_size=1, grad_accum_steps=2)  # fmt: skip
+    share = ShareRow("p", "r", 0, 1, len(c.rows), row_ranges(c.rows), **c.counts.as_dict())
     merged, overlap = merge_pieces(c.pieces)
     counted, _ = recount(
         FileRecount(Home(home).store, spec, {}),
-        pieces_to_rows(merged, trainer.objective.rows_of),
+        [ConsumptionRow("p", "r", "pretrain", 0, **r) for r in pieces_to_rows(merged, trainer.objective.rows_of)],
         2 * trainer.plan.tokens_per_step,
     )
     found = (share_problems(part, [share], trainer.plan.rows_per_step), overlap, counted == trainer.state.counts)
@@ -573,19 +564,19 @@ def test_a_source_file_changed_under_its_name_is_a_new_version_and_the_trained_l
     assert "tokenized_shards" not in stale and "token_ledger" not in stale
     assert all(stale[s] == [stale["pretrain"][0]] for s in stage_names())  # every stage reads the ledger
     assert stale["pretrain"][0].startswith("input token_ledger changed (data version ")
-    versions = [r for r in Ledger.in_store(h.store).shards(every_version=True) if r["shard_id"] == shard_id]
-    assert [(r["content_sha256"], r["replaces_sha256"]) for r in versions] == [(old, ""), (new, old)]
-    assert all(sha256_file(Path(r["token_path"])) == r["token_sha256"] for r in versions)  # both kept
+    versions = [r for r in Ledger.in_store(h.store).shards(every_version=True) if r.shard_id == shard_id]
+    assert [(r.content_sha256, r.replaces_sha256) for r in versions] == [(old, ""), (new, old)]
+    assert all(sha256_file(Path(r.token_path)) == r.token_sha256 for r in versions)  # both kept
     proc = audit_cli(home_copy, "--stage", "pretrain", "--json")
     assert proc.returncode == 0, proc.stdout[-3000:]  # the old run reads the old version's token files
     data = {c["name"]: c["figures"] for c in json.loads(proc.stdout)["data"]}
     tokenizer_id = h.store.read_json("run_spec", "pretrain", old_run)["tokenizer_id"]
     every = Ledger.in_store(h.store).shards(tokenizer_id=tokenizer_id, every_version=True)
-    assert sum(r["shard_id"] == shard_id for r in every) == 2
+    assert sum(r.shard_id == shard_id for r in every) == 2
     # the token ledger's checks read every version a run may have trained, the old one included
-    assert data["ledger_matches_token_files"]["ledger_tokens"] == sum(r["tokens"] for r in every)
-    assert data["ledger_matches_token_files"]["recounted_tokens"] == sum(r["tokens"] for r in every)
-    assert data["removed_tokens_reconcile"]["shards_checked"] == sum(r["kind"] == "text" for r in every)
+    assert data["ledger_matches_token_files"]["ledger_tokens"] == sum(r.tokens for r in every)
+    assert data["ledger_matches_token_files"]["recounted_tokens"] == sum(r.tokens for r in every)
+    assert data["removed_tokens_reconcile"]["shards_checked"] == sum(r.kind == "text" for r in every)
     planned = plan_run("pretrain", preset="smoke", home=h)
     assert [r["content_sha256"] for r in planned.spec.train_shards[source] if r["shard_id"] == shard_id] == [new]
     assert not old_run.startswith(planned.base_key)

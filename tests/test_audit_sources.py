@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ghostvis_core.data.ledger import Ledger, validation_selected
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.summaries import validation_selected
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.launch import stream_split_problems
@@ -310,7 +311,7 @@ def test_validation_shards_merged_into_a_train_stream_are_refused_before_launch(
     home, _ = smoke_run
     h = Home(home)
     validation = sorted(
-        r["shard_id"] for r in Ledger.in_store(h.store).shards(sources=["demo_prose"]) if r["split"] == "validation"
+        r.shard_id for r in Ledger.in_store(h.store).shards(sources=["demo_prose"]) if r.split == "validation"
     )
     plant("validation_merged_into_train", setter=monkeypatch.setattr)
     with pytest.raises(GhostvisError) as refused:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from ghostvis_core.counts import ROLLOUT_FIGURES, TokenCounts
-from ghostvis_core.data.ledger import Ledger, row_ranges
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.records import PartRow, ShareRow
+from ghostvis_core.data.ledger.write import row_ranges
 from ghostvis_core.data.tokenizer import newest_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
@@ -30,21 +32,11 @@ def test_range_arithmetic():
     assert covered_twice([(0, 6), (4, 8), (5, 9)]) == [(4, 8)]
 
 
-def part(step_first=1, step_last=2, world_size=2, **figures) -> dict:
-    return {
-        "part_id": "r.s000.p000000002",
-        "step_first": step_first,
-        "step_last": step_last,
-        "micro_batch_size": 2,
-        "seq_len": 8,
-        "world_size": world_size,
-        "grad_accum_steps": 2,
-        "real_tokens": 0,
-        "pad_tokens": 0,
-        "loss_tokens": 0,
-        "cropped_tokens": 0,
-        **figures,
-    }
+def part(step_first=1, step_last=2, world_size=2, **figures) -> PartRow:
+    return PartRow(
+        "r.s000.p000000002", "", "r", "", "pretrain", 0, step_first, step_last, 0, 0,
+        micro_batch_size=2, seq_len=8, world_size=world_size, grad_accum_steps=2, **figures,
+    )  # fmt: skip
 
 
 def test_each_rank_reads_its_interleaved_micro_batches():
@@ -53,15 +45,8 @@ def test_each_rank_reads_its_interleaved_micro_batches():
     assert rank_rows(part(), 1, 8) == [[2, 4], [6, 8], [10, 12], [14, 16]]
 
 
-def share(rank: int, rows: list[int], real: int) -> dict:
-    return {
-        "rank": rank,
-        "row_ranges": row_ranges(rows),
-        "real_tokens": real,
-        "pad_tokens": 0,
-        "loss_tokens": real,
-        "cropped_tokens": 0,
-    }
+def share(rank: int, rows: list[int], real: int) -> ShareRow:
+    return ShareRow("r.s000.p000000002", "r", rank, 2, len(rows), row_ranges(rows), real, 0, real, 0)
 
 
 def test_a_missing_or_wrong_rank_share_is_named():

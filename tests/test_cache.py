@@ -150,5 +150,5 @@ def test_two_launches_of_one_run_identity_train_once_and_the_second_is_a_cache_h
 
     result = run_result(store, "sft", keys[0])
     chain = Ledger.in_store(store).chain(keys[0])
-    assert sum(p["real_tokens"] for p in chain) == result.counts.real_tokens > 0
-    assert chain[-1]["step_last"] == result.steps == 3
+    assert sum(p.real_tokens for p in chain) == result.counts.real_tokens > 0
+    assert chain[-1].step_last == result.steps == 3

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from ghostvis_core.counts import TokenCounts
-from ghostvis_core.data.ledger import Ledger, merge_ranges, run_consumption
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow
+from ghostvis_core.data.ledger.summaries import merge_ranges, run_consumption
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_pipeline.cli import main as cli_main
@@ -19,31 +21,12 @@ from tests.conftest import run_cli
 RUN = "pretrain-abc-r1"
 
 
-def _part(step_first: int, step_last: int, segment: int, prev: str, real: int) -> dict:
-    part_id = f"{RUN}.s{segment:03d}.p{step_last:09d}"
-    return {
-        "part_id": part_id,
-        "prev_part_id": prev,
-        "run_key": RUN,
-        "parent_run_key": "",
-        "stage": "pretrain",
-        "segment": segment,
-        "step_first": step_first,
-        "step_last": step_last,
-        "rows_first": 0,
-        "rows_last": 0,
-        **TokenCounts(real, 0, real, 0).as_dict(),
-        "overlap_tokens": 0,
-        "micro_batch_size": 2,
-        "seq_len": 8,
-        "world_size": 2 if segment == 0 else 1,
-        "grad_accum_steps": 1,
-        "tokens_per_step": 32,
-        "planned_tokens": 128,
-        "allow_repeat": False,
-        "replay_sources": "[]",
-        "mlflow_run_id": "",
-    }
+def _part(step_first: int, step_last: int, segment: int, prev: str, real: int) -> PartRow:
+    return PartRow(
+        f"{RUN}.s{segment:03d}.p{step_last:09d}", prev, RUN, "", "pretrain", segment, step_first, step_last, 0, 0,
+        **TokenCounts(real, 0, real, 0).as_dict(), micro_batch_size=2, seq_len=8, world_size=2 if segment == 0 else 1,
+        grad_accum_steps=1, tokens_per_step=32, planned_tokens=128,
+    )  # fmt: skip
 
 
 def _piece(shard: str, a: int, b: int, rows: tuple[int, int]) -> dict:
@@ -67,9 +50,7 @@ def two_segment_home(tmp_path, monkeypatch) -> Path:
     ledger = Ledger.in_store(Home(tmp_path).store)
     first = _part(1, 2, 0, "", 64)
     ledger.write_part(first, [_piece("a/0", 0, 32, (0, 3)), _piece("b/0", 0, 32, (0, 2))])
-    ledger.write_part(
-        _part(3, 4, 1, first["part_id"], 64), [_piece("a/0", 32, 64, (2, 5)), _piece("b/0", 32, 64, (1, 4))]
-    )
+    ledger.write_part(_part(3, 4, 1, first.part_id, 64), [_piece("a/0", 32, 64, (2, 5)), _piece("b/0", 32, 64, (1, 4))])
     monkeypatch.setenv("GHOSTVIS_HOME", str(tmp_path))
     return tmp_path
 
@@ -87,7 +68,10 @@ def test_run_consumption_joins_touching_parts_and_keeps_segments(two_segment_hom
 
 
 def test_merge_ranges_keeps_an_overlap_visible():
-    rows = [_piece("a/0", 0, 32, (0, 3)), _piece("a/0", 16, 48, (1, 4))]  # 16 tokens read twice
+    rows = [
+        ConsumptionRow("p", RUN, "pretrain", 0, **p)
+        for p in (_piece("a/0", 0, 32, (0, 3)), _piece("a/0", 16, 48, (1, 4)))
+    ]  # 16 tokens read twice
     assert [(r["tok_start"], r["tok_end"]) for r in merge_ranges(rows)] == [(0, 32), (16, 48)]
 
 

@@ -20,11 +20,12 @@ from ghostvis_core.plan import presets, run_modes, stages
 from ghostvis_core.plan.budget import Plan, plan
 from ghostvis_core.plan.config import StageConfig, flatten
 from ghostvis_core.run.train.spec import LaunchSpec, SourceBudget, StageInputs
+from tests.ledger_rows import shard_record
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "resolved_configs.json"
 TEXT = (
-    {"source": "web", "kind": "text", "split": "train", "tokens": 300},
-    {"source": "web", "kind": "text", "split": "validation", "tokens": 50},
+    shard_record("web", "text", "train", 300),
+    shard_record("web", "text", "validation", 50),
 )
 
 

@@ -20,6 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow
 from ghostvis_core.data.ngrams import NGRAM, WINDOW, fingerprints, ngram_hash, ngram_hashes, normalize, winnow
 from ghostvis_core.data.tokenize import TokenizeJob, job_for_shard, run_locally, tokenize_shards
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
@@ -195,8 +196,8 @@ def spec_of(t: SimpleNamespace, **contamination) -> SimpleNamespace:
     )
 
 
-def consumed(shard_id: str, row_start: int, row_end: int) -> dict:
-    return {"shard_id": shard_id, "row_start": row_start, "row_end": row_end}
+def consumed(shard_id: str, row_start: int, row_end: int) -> ConsumptionRow:
+    return ConsumptionRow("p1", "r", "pretrain", 0, "corp", shard_id, "train", 0, 0, 0, 0, row_start, row_end)
 
 
 def test_tokenization_records_each_documents_winnowed_13_grams(tokenized):
@@ -343,7 +344,7 @@ def test_an_rl_completion_holding_an_item_fails_the_gate_named_by_step_rank_and_
     t = tokenized
     ledger = Ledger(tmp_path / "ledger")
     shutil.copytree(t.ledger.root, ledger.root)
-    part = {"part_id": "p1", "run_key": "rl-test", "stage": "rl", "segment": 0, "step_first": 1, "step_last": 2}
+    part = PartRow("p1", "", "rl-test", "", "rl", 0, 1, 2, 0, 0)
     completions = [t.tok.encode("So the answer is 12."), t.tok.encode(f"Well: {SHORT_ITEM}")]
     rollout = {"rank": 1, "step": 2, "rows": json.dumps([6, 7]), "completion_ids": json.dumps(completions)}
     ledger.write_part(part, [], rollouts=[rollout | {"rewards": json.dumps([0.0, 1.0])}])
@@ -379,7 +380,7 @@ def fingerprint_every_shard(home: Path, shard_ids: list[str] | None = None) -> N
     from ghostvis_core.home import Home
 
     store = Home(home).store
-    tokenizer_id = Ledger.in_store(store).shards()[0]["tokenizer_id"]
+    tokenizer_id = Ledger.in_store(store).shards()[0].tokenizer_id
     jobs = [job_for_shard(store, m, m.shard_id(e)) for m in registered_manifests(store).values() for e in m.shards]
     jobs = [j for j in jobs if shard_ids is None or j.shard_id in shard_ids]
     tokenize_shards(jobs, store=store, tokenizer_id=tokenizer_id, logging_dir=home / "logs" / "fingerprints")
@@ -391,8 +392,8 @@ def first_consumed_row(home: Path, run_key: str) -> tuple[str, int]:
 
     ledger = Ledger.in_store(Home(home).store)
     rows = ledger.consumption(ledger.chain(run_key))
-    first = min(rows, key=lambda r: (r["shard_id"], r["row_start"]))
-    return first["shard_id"], first["row_start"]
+    first = min(rows, key=lambda r: (r.shard_id, r.row_start))
+    return first.shard_id, first.row_start
 
 
 def paste_into(home: Path, shard_id: str, row: int, passage: str) -> None:

@@ -7,6 +7,7 @@ count. A shard that arrives later is deduped against the earlier ones, which kee
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -103,7 +104,7 @@ def deduped(module_tmp) -> SimpleNamespace:
         checks = materialize(defs, instance, ["token_ledger"]).checks
         store = Home(home).store
         ledger = Ledger.in_store(store)
-        tok = load_tokenizer(ledger.shards()[0]["tokenizer_id"], store)
+        tok = load_tokenizer(ledger.shards()[0].tokenizer_id, store)
         yield SimpleNamespace(
             home=home, store=store, ledger=ledger, tok=tok, texts=texts, instance=instance, checks=checks
         )
@@ -120,7 +121,7 @@ def test_exactly_the_planted_duplicates_are_removed_first_occurrence_kept(dedupe
     removals = pq.read_table(index).to_pylist()
     assert {(r["shard_id"], r["row"]): (r["kept_shard"], r["kept_row"]) for r in removals} == PLANTED
     assert {r["reason"] for r in removals} == {"minhash_dup"}
-    content = {r["shard_id"]: r["content_sha256"] for r in deduped.ledger.shards(tokenizer_id=deduped.tok.tokenizer_id)}
+    content = {r.shard_id: r.content_sha256 for r in deduped.ledger.shards(tokenizer_id=deduped.tok.tokenizer_id)}
     for sid in SHARDS:
         path = deduped.store.fetch("token_shard", deduped.tok.tokenizer_id, sid, content[sid])
         kept = TokenFile(path, sid).rows.tolist()
@@ -128,15 +129,15 @@ def test_exactly_the_planted_duplicates_are_removed_first_occurrence_kept(dedupe
 
 
 def test_the_ledger_counts_the_removals_as_minhash_dup_with_their_recounted_tokens(deduped):
-    records = {r["shard_id"]: r for r in deduped.ledger.shards(tokenizer_id=deduped.tok.tokenizer_id)}
+    records = {r.shard_id: r for r in deduped.ledger.shards(tokenizer_id=deduped.tok.tokenizer_id)}
     for sid in SHARDS:
         removed = [deduped.texts[sid][row] for s, row in PLANTED if s == sid]
         expected = {"minhash_dup": {"docs": len(removed), "tokens": sum(recount(deduped.tok, t) for t in removed)}}
-        assert json.loads(records[sid]["drop_reasons"]) == (expected if removed else {}), sid
-        assert (records[sid]["docs_dropped"], records[sid]["tokens_dropped"]) == (
+        assert json.loads(records[sid].drop_reasons) == (expected if removed else {}), sid
+        assert (records[sid].docs_dropped, records[sid].tokens_dropped) == (
             (len(removed), expected["minhash_dup"]["tokens"]) if removed else (0, 0)
         )
-        assert records[sid]["docs"] == DOCS - len(removed)
+        assert records[sid].docs == DOCS - len(removed)
 
 
 def test_the_reconcile_check_holds_per_shard_and_in_total(deduped):
@@ -157,20 +158,19 @@ def test_a_wrong_removed_count_fails_the_check_in_dagster(deduped, tmp_path, mon
     home = tmp_path / "home"
     copy_home(deduped.home, home)
     ledger = Ledger.in_store(Home(home).store)
-    record = next(r for r in ledger.shards() if r["shard_id"] == "web/00001")
-    reasons = json.loads(record["drop_reasons"])
+    record = next(r for r in ledger.shards() if r.shard_id == "web/00001")
+    reasons = json.loads(record.drop_reasons)
     reasons["minhash_dup"]["tokens"] += 1
     ledger.write_shard(
         {
-            **record,
-            "tokens_dropped": record["tokens_dropped"] + 1,
+            **dataclasses.asdict(record),
+            "tokens_dropped": record.tokens_dropped + 1,
             "drop_reasons": json.dumps(reasons),
-            "created_at": record["created_at"] + 1,
-            "token_path": record["token_path"],
+            "created_at": record.created_at + 1,
         }
     )
-    outcome = removed_tokens_reconcile(Home(home).store, ledger, record["tokenizer_id"])
-    tokens = record["tokens_dropped"]
+    outcome = removed_tokens_reconcile(Home(home).store, ledger, record.tokenizer_id)
+    tokens = record.tokens_dropped
     assert not outcome.passed
     assert any(
         f"shard web/00001: ledger removed {tokens + 1} tokens, the raw rows missing from the token file "

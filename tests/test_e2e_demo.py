@@ -102,11 +102,11 @@ def test_pretraining_lowers_validation_loss_and_mixture_follows_the_recipe(demo_
     assert cp["domain_loss_after"] < cp["domain_loss_before"]
     # continued_pretrain starts where pretrain stopped reading each source: no undeclared reuse
     ledger = Ledger.in_store(Home(demo_home).store)
-    assert not [r for r in ledger.reuse(cp["run_key"]) if r["kind"] != "replay"]
+    assert not [r for r in ledger.reuse(cp["run_key"]) if r.kind != "replay"]
     rm = latest(instance, "reasoning_mix")
-    replay = [r for r in ledger.reuse(rm["run_key"]) if r["kind"] == "replay"]
+    replay = [r for r in ledger.reuse(rm["run_key"]) if r.kind == "replay"]
     # its replay of the earlier text is declared (ghostvis_core/plan/presets.py): shown as replay, not reuse
-    assert replay and {r["source"] for r in replay} == {"demo_prose", "demo_code"}
+    assert replay and {r.source for r in replay} == {"demo_prose", "demo_code"}
 
 
 def test_rematerializing_one_stage_through_the_dagster_cli(home_copy):
@@ -192,12 +192,12 @@ def test_plain_torchrun_runs_a_stage_without_dagster(home_copy):
     )
     assert "step 4/4" in proc.stdout
     ledger = Ledger.in_store(Home(home_copy).store)
-    runs = [p for p in ledger.parts(stage="pretrain") if p["step_last"] == 4 and p["world_size"] == 2]
+    runs = [p for p in ledger.parts(stage="pretrain") if p.step_last == 4 and p.world_size == 2]
     assert runs
-    totals = ledger.run_totals(runs[-1]["run_key"])
+    totals = ledger.run_totals(runs[-1].run_key)
     assert totals["real_tokens"] == 4 * 4 * 256 * 2 and totals["overlap_tokens"] == 0  # 4 steps of the smoke batch
     # the consumed token ranges of the two ranks tile exactly the trained tokens
-    assert sum(r["tokens"] for r in ledger.consumed_by_shard(runs[-1]["run_key"])) == totals["real_tokens"]
+    assert sum(r["tokens"] for r in ledger.consumed_by_shard(runs[-1].run_key)) == totals["real_tokens"]
 
 
 def test_report_card_token_figures_equal_the_ledger_and_evidence_is_listed(demo_home):

@@ -38,7 +38,7 @@ def test_total_batch_that_does_not_divide(tmp_path):
 @pytest.mark.e2e
 def test_missing_tokenized_shard_stops_the_stage_before_torchrun(home_copy):
     ledger = Ledger.in_store(Home(home_copy).store)
-    path = Path(next(r["token_path"] for r in ledger.shards() if r["shard_id"] == "demo_code/00001"))
+    path = Path(next(r.token_path for r in ledger.shards() if r.shard_id == "demo_code/00001"))
     path.unlink()
     proc = run_cli([*MATERIALIZE, "--select", "pretrain"], home_copy, check=False)
     assert proc.returncode != 0
@@ -69,7 +69,7 @@ def test_corrupt_parquet_fails_its_partition_and_leaves_the_others_done(home_cop
         f"raw shard demo_prose/00001 ({bad}): content changed since it was recorded (expected sha256 " in out
         and "re-materialize raw_shards partition demo_prose/00001" in out
     )
-    done = {r["shard_id"] for r in Ledger.in_store(store).shards()}
+    done = {r.shard_id for r in Ledger.in_store(store).shards()}
     assert done == {"demo_prose/00000", "demo_prose/00002"}
     # the fix the message names: re-materialize the raw shard (its checksum no longer matches, so it
     # is downloaded again), then tokenizing the range only does the repaired shard
@@ -79,7 +79,7 @@ def test_corrupt_parquet_fails_its_partition_and_leaves_the_others_done(home_cop
         home_copy,
     )
     assert "tokenized_shards: 3 shards (1 tokenized, 2 unchanged and skipped)" in proc.stdout + proc.stderr
-    assert {r["shard_id"] for r in Ledger.in_store(store).shards()} == {
+    assert {r.shard_id for r in Ledger.in_store(store).shards()} == {
         "demo_prose/00000",
         "demo_prose/00001",
         "demo_prose/00002",
@@ -98,8 +98,8 @@ def test_a_budget_beyond_the_data_fails_pre_flight_with_the_numbers(home_copy):
     from ghostvis_core.run.preflight import check_run
 
     home = Home(home_copy)
-    train = [r for r in Ledger.in_store(home.store).shards() if r["source"] == "demo_prose" and r["split"] == "train"]
-    available = sum(r["tokens"] for r in train)
+    train = [r for r in Ledger.in_store(home.store).shards() if r.source == "demo_prose" and r.split == "train"]
+    available = sum(r.tokens for r in train)
     needed = NEEDED_PER_SOURCE
     with pytest.raises(GhostvisError) as err:
         check_run(prepare_run("pretrain", preset="smoke", home=home, overrides={"budget.steps": "5000"}), home.store)

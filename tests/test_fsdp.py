@@ -332,7 +332,7 @@ def test_the_trainer_with_async_checkpoints_trains_and_commits_like_the_sync_one
         )
     store = Home(home_copy).store
     ledger = Ledger.in_store(store)
-    keys = sorted({p["run_key"] for p in ledger.parts(stage="pretrain") if p["step_last"] == 6})
+    keys = sorted({p.run_key for p in ledger.parts(stage="pretrain") if p.step_last == 6})
     assert len(keys) == 2 and keys[0].endswith("-r1") and keys[1].endswith("-r2")
     sync_dir, async_dir = (store.fetch("checkpoints", "pretrain", k) for k in keys)
     refs = ckpt.list_complete(async_dir)

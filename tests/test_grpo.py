@@ -284,8 +284,8 @@ def test_the_rl_stage_runs_through_the_cli_on_a_users_problems_and_its_audit_rec
     assert not failures and all(c["passed"] or c["name"] == "no_eval_contamination" for c in result["checks"]), failures
     assert proc.returncode == 0 or any(stale_home(n, f) for n, c in checks.items() for f in c["failures"])
     rollouts = ledger.rollouts(ledger.chain(run_key))
-    recount = sum(len(c) for r in rollouts for c in r["completion_ids"])
-    ledger_generated = sum(r["generated_tokens"] for r in rollouts)
+    recount = sum(len(c) for r in rollouts for c in r.completion_ids)
+    ledger_generated = sum(r.generated_tokens for r in rollouts)
     figures = checks["rollouts_recounted"]["figures"]
     print(
         f"generated tokens: ledger {ledger_generated}, recount from rollouts {recount}; "
@@ -296,7 +296,7 @@ def test_the_rl_stage_runs_through_the_cli_on_a_users_problems_and_its_audit_rec
         recount == ledger_generated == figures["generated_tokens_recount"] == record.generated["generated_tokens"] > 0
     )
     # smoke: 4 steps x 2 ranks x 4 rows, one completion per row, each at most 24 tokens
-    assert len({(r["step"], r["rank"]) for r in rollouts}) == 8 and record.generated["completions"] == 32
+    assert len({(r.step, r.rank) for r in rollouts}) == 8 and record.generated["completions"] == 32
     assert ledger_generated <= 32 * 24
     mlflow = latest_metrics(h.mlflow_tracking_uri, record.mlflow_run_id)
     assert mlflow[ROLLOUT_METRICS["generated_tokens"]] == ledger_generated
@@ -323,7 +323,7 @@ def tamper_first_completion(folder: Path) -> None:
 
     import pyarrow.parquet as pq
 
-    from ghostvis_core.data.ledger import ROLLOUT_SCHEMA
+    from ghostvis_core.data.ledger.records import ROLLOUT_SCHEMA
 
     path = sorted(folder.rglob("*.parquet"))[0]
     rows = pq.read_table(path).to_pylist()

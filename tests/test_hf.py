@@ -491,7 +491,7 @@ def test_a_foreign_models_tokenizer_tokenizes_the_data_a_stage_starts_from_it(to
     run_cli([*dagster, "tokenized_shards", "--partition-range", f"{keys[text[0]]}...{keys[text[-1]]}"], home_copy)
     store = Home(home_copy).store
     rows = Ledger.in_store(store).shards(tokenizer_id=tok.tokenizer_id)
-    assert {r["source"] for r in rows} >= {"demo_prose", "demo_code"} and all(r["tokens"] > 0 for r in rows)
+    assert {r.source for r in rows} >= {"demo_prose", "demo_code"} and all(r.tokens > 0 for r in rows)
 
     out = run_cli(train, home_copy).stdout
     run_key = re.search(r"run (\S+) segment", out).group(1)

@@ -64,7 +64,7 @@ def test_ctrl_c_at_seeded_moments_then_the_same_command_passes_every_check(home_
     store = Home(home_copy).store
     result = run_result(store, "pretrain", run_key)
     chain = Ledger.in_store(store).chain(run_key)
-    assert result.segment >= INTERRUPTS and chain[-1]["step_last"] == 24, (moments, result.segment)
-    assert [p["step_first"] for p in chain] == [1] + [p["step_last"] + 1 for p in chain[:-1]]
+    assert result.segment >= INTERRUPTS and chain[-1].step_last == 24, (moments, result.segment)
+    assert [p.step_first for p in chain] == [1] + [p.step_last + 1 for p in chain[:-1]]
     audit = run_cli(["ghostvis", "audit", "--stage", "pretrain"], home_copy, check=False)
     assert audit.returncode == 0, audit.stdout[-4000:]

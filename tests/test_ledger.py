@@ -3,6 +3,7 @@ and an independent recount of what the files hold against what the ledger says."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from pathlib import Path
@@ -13,7 +14,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ghostvis_core.data.ledger import PART_SCHEMA, PART_TABLES, Ledger, pieces_to_rows, run_summaries, write_parquet
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.files import write_parquet
+from ghostvis_core.data.ledger.records import PART_SCHEMA, PART_TABLES, PartRow
+from ghostvis_core.data.ledger.summaries import run_summaries
+from ghostvis_core.data.ledger.write import pieces_to_rows
 from ghostvis_core.data.loader import Batcher, Consumption, LMRows, merge_pieces, micro_batch_rows
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.token_shard import TokenShard, list_column, write_token_shard
@@ -76,35 +81,35 @@ def part(
     allow_repeat=False,
     replay="[]",
     passed_over="[]",
-) -> dict:
-    return {
-        "part_id": part_id,
-        "prev_part_id": prev,
-        "run_key": run_key,
-        "parent_run_key": parent,
-        "stage": stage,
-        "segment": segment,
-        "step_first": steps[0],
-        "step_last": steps[1],
-        "rows_first": rows[0],
-        "rows_last": rows[1],
-        "real_tokens": real,
-        "pad_tokens": pad,
-        "loss_tokens": loss,
-        "cropped_tokens": cropped,
-        "overlap_tokens": overlap,
-        "micro_batch_size": 2,
-        "seq_len": 4,
-        "world_size": 2,
-        "grad_accum_steps": 2,
-        "tokens_per_step": 32,
-        "planned_tokens": 960,
-        "allow_repeat": allow_repeat,
-        "replay_sources": replay,
-        "passed_over": passed_over,
-        "mlflow_run_id": "",
-        "created_at": created_at,
-    }
+) -> PartRow:
+    return PartRow(
+        part_id=part_id,
+        prev_part_id=prev,
+        run_key=run_key,
+        parent_run_key=parent,
+        stage=stage,
+        segment=segment,
+        step_first=steps[0],
+        step_last=steps[1],
+        rows_first=rows[0],
+        rows_last=rows[1],
+        real_tokens=real,
+        pad_tokens=pad,
+        loss_tokens=loss,
+        cropped_tokens=cropped,
+        overlap_tokens=overlap,
+        micro_batch_size=2,
+        seq_len=4,
+        world_size=2,
+        grad_accum_steps=2,
+        tokens_per_step=32,
+        planned_tokens=960,
+        allow_repeat=allow_repeat,
+        replay_sources=replay,
+        passed_over=passed_over,
+        mlflow_run_id="",
+        created_at=created_at,
+    )
 
 
 def piece(shard_id, tok, rows, *, source="prose", split="train", epoch=0) -> dict:
@@ -129,9 +134,9 @@ def test_shards_newest_record_per_shard_and_tokenizer(ledger):
     ledger.write_shard(shard_record("prose-000", tokens=60, sha="new", created_at=200.0))  # raw shard changed
     ledger.write_shard(shard_record("prose-000", tokenizer_id="tok-b", tokens=70, created_at=150.0))
     ledger.write_shard(shard_record("code-000", source="code", tokens=30, created_at=120.0))
-    got = {(r["shard_id"], r["tokenizer_id"]): r["tokens"] for r in ledger.shards()}
+    got = {(r.shard_id, r.tokenizer_id): r.tokens for r in ledger.shards()}
     assert got == {("prose-000", "tok-a"): 60, ("prose-000", "tok-b"): 70, ("code-000", "tok-a"): 30}
-    assert [r["shard_id"] for r in ledger.shards()][0] == "code-000"  # ordered by shard_id
+    assert [r.shard_id for r in ledger.shards()][0] == "code-000"  # ordered by shard_id
 
 
 def test_shards_filters(ledger):
@@ -139,14 +144,14 @@ def test_shards_filters(ledger):
     ledger.write_shard(shard_record("prose-000", tokenizer_id="tok-b", tokens=70))
     ledger.write_shard(shard_record("code-000", source="code", tokens=30))
     ledger.write_shard(shard_record("web-000", source="web", tokens=5))
-    assert sorted((r["shard_id"], r["tokens"]) for r in ledger.shards(tokenizer_id="tok-a")) == [
+    assert sorted((r.shard_id, r.tokens) for r in ledger.shards(tokenizer_id="tok-a")) == [
         ("code-000", 30),
         ("prose-000", 60),
         ("web-000", 5),
     ]
-    assert [(r["shard_id"], r["tokens"]) for r in ledger.shards(tokenizer_id="tok-b")] == [("prose-000", 70)]
-    assert [r["shard_id"] for r in ledger.shards(sources=["code"])] == ["code-000"]
-    assert sorted(r["shard_id"] for r in ledger.shards(tokenizer_id="tok-a", sources=["code", "web"])) == [
+    assert [(r.shard_id, r.tokens) for r in ledger.shards(tokenizer_id="tok-b")] == [("prose-000", 70)]
+    assert [r.shard_id for r in ledger.shards(sources=["code"])] == ["code-000"]
+    assert sorted(r.shard_id for r in ledger.shards(tokenizer_id="tok-a", sources=["code", "web"])) == [
         "code-000",
         "web-000",
     ]
@@ -206,8 +211,8 @@ def resumed_run(ledger) -> Ledger:
 
 
 def test_chain_follows_prev_part_links(resumed_run):
-    assert [p["part_id"] for p in resumed_run.chain("r")] == ["r.p0", "r.p2", "r.p3"]
-    assert [p["part_id"] for p in resumed_run.parts(["r"])] == ["r.p0", "r.p1", "r.p2", "r.p3"]
+    assert [p.part_id for p in resumed_run.chain("r")] == ["r.p0", "r.p2", "r.p3"]
+    assert [p.part_id for p in resumed_run.parts(["r"])] == ["r.p0", "r.p1", "r.p2", "r.p3"]
 
 
 def test_run_totals_sum_the_chain_and_ignore_the_orphan(resumed_run):
@@ -227,11 +232,11 @@ def test_reuse_same_run_same_epoch(resumed_run):
     assert len(rows) == 1
     r = rows[0]
     # p1 read s0 [40,80) rows [4,8); p2 read s0 [50,90) rows [5,9): both in epoch 0
-    assert r["kind"] == "reuse"
-    assert {r["part_a"], r["part_b"]} == {"r.p1", "r.p2"}
-    assert (r["shard_id"], r["tok_start"], r["tok_end"], r["tokens"]) == ("s0", 50, 80, 30)
-    assert (r["row_start"], r["row_end"]) == (5, 8)
-    assert (r["epoch_a"], r["epoch_b"]) == (0, 0)
+    assert r.kind == "reuse"
+    assert {r.part_a, r.part_b} == {"r.p1", "r.p2"}
+    assert (r.shard_id, r.tok_start, r.tok_end, r.tokens) == ("s0", 50, 80, 30)
+    assert (r.row_start, r.row_end) == (5, 8)
+    assert (r.epoch_a, r.epoch_b) == (0, 0)
 
 
 DAMAGED = {"checkpoint": "step_000000020", "step": 20, "reason": "model.safetensors has sha256 0a1b..., COMPLETE ..."}
@@ -245,8 +250,9 @@ def test_steps_trained_again_after_a_damaged_checkpoint_are_declared_not_reuse(l
     beside the new ones (columns by name)."""
     old_schema = pa.schema([f for f in PART_SCHEMA if f.name != "passed_over"])
     ledger.write_part(part("r.p0", "r", steps=(1, 10), created_at=1.0), [piece("s0", (0, 40), (0, 4))])
-    old_file = ledger.part_file("parts", {"stage": "pretrain", "run_key": "r", "segment": 0, "step_last": 10})
-    write_parquet(old_file, [{k: v for k, v in part("r.p0", "r").items() if k != "passed_over"}], old_schema)
+    old_file = ledger.part_file("parts", part("r.p0", "r", steps=(1, 10)))
+    old_row = {k: v for k, v in dataclasses.asdict(part("r.p0", "r")).items() if k != "passed_over"}
+    write_parquet(old_file, [old_row], old_schema)
     ledger.write_part(part("r.p1", "r", steps=(11, 20), prev="r.p0", created_at=2.0), [piece("s0", (40, 80), (4, 8))])
     for i, (steps, tok, rows) in enumerate([((11, 20), (40, 80), (4, 8)), ((21, 30), (80, 120), (8, 12))], start=2):
         ledger.write_part(
@@ -262,10 +268,10 @@ def test_steps_trained_again_after_a_damaged_checkpoint_are_declared_not_reuse(l
             [piece("s0", tok, rows)],
         )
     (r,) = ledger.reuse("r")
-    assert ({r["part_a"], r["part_b"]}, r["tok_start"], r["tok_end"], r["tokens"]) == ({"r.p1", "r.p2"}, 40, 80, 40)
+    assert ({r.part_a, r.part_b}, r.tok_start, r.tok_end, r.tokens) == ({"r.p1", "r.p2"}, 40, 80, 40)
     outcome = no_reuse(ledger, "r")
     if declared == [DAMAGED]:
-        assert (r["kind"], r["checkpoint"], r["reason"]) == (
+        assert (r.kind, r.checkpoint, r.reason) == (
             "retrained_after_fallback",
             "step_000000020",
             DAMAGED["reason"],
@@ -275,7 +281,7 @@ def test_steps_trained_again_after_a_damaged_checkpoint_are_declared_not_reuse(l
         assert outcome.figures["passed_over_checkpoints"] == "step_000000020"
         assert outcome.tables["ranges"][1][0][-1] == f"step_000000020: {DAMAGED['reason']}"
     else:
-        assert (r["kind"], r["checkpoint"], r["reason"]) == ("reuse", "", "")
+        assert (r.kind, r.checkpoint, r.reason) == ("reuse", "", "")
         assert not outcome.passed and outcome.figures["reused_tokens"] == 40
         assert outcome.failures == [
             "reuse s0 tokens 40..80: read by part r.p1 (segment 0, steps 11..20) and "
@@ -293,9 +299,9 @@ def test_repeat_in_another_epoch(ledger, allow_repeat, kind):
         [piece("s0", (0, 30), (0, 3), epoch=1)],
     )
     (r,) = ledger.reuse("e")
-    assert r["kind"] == kind
-    assert (r["tok_start"], r["tok_end"], r["tokens"], r["row_start"], r["row_end"]) == (0, 30, 30, 0, 3)
-    assert {r["epoch_a"], r["epoch_b"]} == {0, 1}
+    assert r.kind == kind
+    assert (r.tok_start, r.tok_end, r.tokens, r.row_start, r.row_end) == (0, 30, 30, 0, 3)
+    assert {r.epoch_a, r.epoch_b} == {0, 1}
 
 
 @pytest.mark.parametrize("allow_repeat, kind", [(True, "repeat"), (False, "undeclared_repeat")])
@@ -305,8 +311,8 @@ def test_repeat_within_one_part(ledger, allow_repeat, kind):
         [piece("s0", (0, 100), (0, 10)), piece("s0", (0, 25), (0, 3), epoch=1)],
     )
     (r,) = ledger.reuse("w")
-    assert r["kind"] == kind and r["part_a"] == r["part_b"] == "w.p0"
-    assert (r["tok_start"], r["tok_end"], r["tokens"], r["row_start"], r["row_end"]) == (0, 25, 25, 0, 3)
+    assert r.kind == kind and r.part_a == r.part_b == "w.p0"
+    assert (r.tok_start, r.tok_end, r.tokens, r.row_start, r.row_end) == (0, 25, 25, 0, 3)
 
 
 @pytest.fixture
@@ -328,10 +334,10 @@ def test_child_run_overlapping_its_parent(parent_run, replay, kind):
     )
     assert parent_run.lineage("cpt") == ["cpt", "pre"]
     (r,) = parent_run.reuse("cpt")
-    assert r["kind"] == kind
-    assert {r["run_a"], r["run_b"]} == {"pre", "cpt"}
-    assert (r["shard_id"], r["source"], r["tok_start"], r["tok_end"], r["tokens"]) == ("s0", "prose", 60, 100, 40)
-    assert (r["row_start"], r["row_end"]) == (6, 10)
+    assert r.kind == kind
+    assert {r.run_a, r.run_b} == {"pre", "cpt"}
+    assert (r.shard_id, r.source, r.tok_start, r.tok_end, r.tokens) == ("s0", "prose", 60, 100, 40)
+    assert (r.row_start, r.row_end) == (6, 10)
     assert parent_run.reuse("pre") == []  # the parent's own lineage does not include the child
 
 
@@ -374,7 +380,7 @@ def test_grandchild_sees_the_grandparent(parent_run):
     )
     assert parent_run.lineage("ctx") == ["ctx", "cpt", "pre"]
     (r,) = parent_run.reuse("ctx")
-    assert (r["kind"], r["shard_id"], r["tok_start"], r["tok_end"]) == ("undeclared_cross_stage", "c0", 40, 50)
+    assert (r.kind, r.shard_id, r.tok_start, r.tok_end) == ("undeclared_cross_stage", "c0", 40, 50)
 
 
 def test_disjoint_or_touching_ranges_are_not_reuse(parent_run):
@@ -457,13 +463,13 @@ def test_ledger_totals_equal_the_files_and_the_loader(tmp_path, ledger):
             )
         )
     records = ledger.shards()
-    on_disk = {r["shard_id"]: TokenShard.open(Path(r["token_path"])).num_tokens for r in records}
+    on_disk = {r.shard_id: TokenShard.open(Path(r.token_path)).num_tokens for r in records}
     assert on_disk == expected_tokens
-    assert sum(r["tokens"] for r in records) == sum(on_disk.values())
-    assert sum(r["docs"] for r in records) == sum(TokenShard.open(Path(r["token_path"])).num_docs for r in records)
+    assert sum(r.tokens for r in records) == sum(on_disk.values())
+    assert sum(r.docs for r in records) == sum(TokenShard.open(Path(r.token_path)).num_docs for r in records)
 
     # consume 3 steps of 2 x 8 x 2 x 2 (= 64 tokens/step) in two parts, as the training loop records them
-    refs = [ShardRef(r["shard_id"], r["source"], r["split"], r["token_path"], r["docs"], r["tokens"]) for r in records]
+    refs = [ShardRef(r.shard_id, r.source, r.split, r.token_path, r.docs, r.tokens) for r in records]
     stream = SourceStream("prose", refs, seed=0)
     batcher = Batcher([LMRows(stream, 8)], [1.0])
     plan = BatchPlan(2, 8, 2, 2)
@@ -505,7 +511,7 @@ def test_ledger_totals_equal_the_files_and_the_loader(tmp_path, ledger):
     assert {r["epochs"] for r in per_shard} == {1}
     for r in per_shard:
         assert r["tokens"] <= on_disk[r["shard_id"]]
-        n_docs = next(x["docs"] for x in records if x["shard_id"] == r["shard_id"])
+        n_docs = next(x.docs for x in records if x.shard_id == r["shard_id"])
         assert 0 <= r["row_start"] < r["row_end"] <= n_docs
 
 
@@ -545,11 +551,11 @@ def test_a_query_about_one_run_opens_only_that_runs_files(parent_run):
     with pytest.raises(duckdb.Error):  # the garbled files are really unreadable: a query that opened them fails
         parent_run.parts()
     chain = parent_run.chain("cpt")
-    assert [p["part_id"] for p in chain] == ["cpt.p0"] and parent_run.run_totals("cpt")["real_tokens"] == 50
-    assert [(r["shard_id"], r["tok_start"]) for r in parent_run.consumption(chain)] == [("s0", 60)]
-    assert [r["row_ranges"] for r in parent_run.shares(chain)] == [[[6, 12]]]
-    assert [r["kind"] for r in parent_run.reuse("cpt")] == ["undeclared_cross_stage"]  # reads "pre" too, not "other"
-    assert [p["run_key"] for p in parent_run.parts(stage="continued_pretrain")] == ["cpt"]
+    assert [p.part_id for p in chain] == ["cpt.p0"] and parent_run.run_totals("cpt")["real_tokens"] == 50
+    assert [(r.shard_id, r.tok_start) for r in parent_run.consumption(chain)] == [("s0", 60)]
+    assert [r.row_ranges for r in parent_run.shares(chain)] == [[[6, 12]]]
+    assert [r.kind for r in parent_run.reuse("cpt")] == ["undeclared_cross_stage"]  # reads "pre" too, not "other"
+    assert [p.run_key for p in parent_run.parts(stage="continued_pretrain")] == ["cpt"]
     garble_run(parent_run, "pretrain", "pre")
     assert parent_run.consumed_by_shard("cpt")[0]["tokens"] == 60  # the chain's own run only
 
@@ -577,8 +583,8 @@ def test_the_ledger_writes_and_reads_through_the_store(store_nodes):
     written, read = Ledger.in_store(store_nodes.writer), Ledger.in_store(store_nodes.reader)
     written.write_shard(shard_record("web/00001", tokens=30))
     written.write_part(part("k.p0", "k", real=30), [piece("web/00001", (0, 30), (0, 3))])
-    assert [(r["shard_id"], r["tokens"]) for r in read.shards()] == [("web/00001", 30)]
-    assert [p["part_id"] for p in read.parts(["k"], stage="pretrain")] == ["k.p0"]
+    assert [(r.shard_id, r.tokens) for r in read.shards()] == [("web/00001", 30)]
+    assert [p.part_id for p in read.parts(["k"], stage="pretrain")] == ["k.p0"]
     assert read.run_totals("k")["real_tokens"] == 30
     assert [r["tokens"] for r in read.consumed_by_shard("k")] == [30]
 
@@ -596,7 +602,7 @@ def test_on_a_bucket_a_query_about_one_run_lists_only_that_runs_folder(moto_s3, 
     reader.s3.meta.events.register(
         "provide-client-params.s3.ListObjectsV2", lambda params, **_: listed.append(params["Prefix"])
     )
-    assert [p["part_id"] for p in Ledger.in_store(reader).parts(["k1"], stage="pretrain")] == ["k1.p0"]
+    assert [p.part_id for p in Ledger.in_store(reader).parts(["k1"], stage="pretrain")] == ["k1.p0"]
     assert listed and all(p.startswith("store/ledger/parts/stage=pretrain/run=k1") for p in listed), listed
     assert not (tmp_path / "b" / "ledger" / "parts" / "stage=pretrain" / "run=k2").exists()
 
@@ -611,14 +617,14 @@ def test_a_runs_row_index_is_named_by_its_chains_head_and_read_where_a_filter_ca
     ledger = resumed_run
     ledger.write_part(part("q.p0", "q", stage="sft", parent="r"), [piece("s0", (0, 40), (3, 6))])
     heads = ledger.run_heads()
-    assert [(h["stage"], h["run_key"], h["head"].name) for h in heads] == [
+    assert [(h.stage, h.run_key, h.head.name) for h in heads] == [
         ("pretrain", "r", "s001.p000000030.parquet"),
         ("sft", "q", "s000.p000000010.parquet"),
     ]
-    assert {(r["run_key"], r["parent_run_key"]) for r in ledger.run_links(heads)} == {("r", ""), ("q", "r")}
+    assert {(r.run_key, r.parent_run_key) for r in ledger.run_links(heads)} == {("r", ""), ("q", "r")}
     chain = ledger.chain("r")
-    assert [p["part_id"] for p in chain] == ["r.p0", "r.p2", "r.p3"]
-    index = ledger.row_index_file(heads[0]["head"])
+    assert [p.part_id for p in chain] == ["r.p0", "r.p2", "r.p3"]
+    index = ledger.row_index_file(heads[0].head)
     assert index == ledger.root / "row_index/stage=pretrain/run=r/s001.p000000030.parquet" and not index.is_file()
     rows = [
         {"part_id": "r.p2", "segment": 1, "step": 11 + g // 8, "rank": g % 2, "micro_batch": 0, "global_row": 80 + g}
@@ -629,15 +635,15 @@ def test_a_runs_row_index_is_named_by_its_chains_head_and_read_where_a_filter_ca
     ]
     assert ledger.write_row_index(chain, rows) == index and index.is_file()
     got = ledger.row_index([index], "shard_id = ? AND row_start <= ? AND ? < row_end", ["s1", 5, 5])
-    assert [(r["global_row"], r["rank"], r["segment"], r["stage"], r["run_key"]) for r in got] == [
+    assert [(r.global_row, r.rank, r.segment, r.stage, r.run_key) for r in got] == [
         (80, 0, 1, "pretrain", "r"),
         (82, 0, 1, "pretrain", "r"),
         (81, 1, 1, "pretrain", "r"),
     ]
-    step_12 = [r["global_row"] for r in ledger.row_index([index], "step = ?", [12])]
+    step_12 = [r.global_row for r in ledger.row_index([index], "step = ?", [12])]
     assert step_12 == [g for rank in (0, 1) for g in range(88 + rank, 96, 2) for _ in ("s0", "s1")]
     ledger.write_part(part("r.p4", "r", segment=1, steps=(31, 40), prev="r.p3"), [piece("s0", (130, 170), (13, 17))])
-    assert not ledger.row_index_file(ledger.run_heads()[0]["head"]).is_file()  # the chain grew: a new index
+    assert not ledger.row_index_file(ledger.run_heads()[0].head).is_file()  # the chain grew: a new index
 
 
 def test_the_fingerprint_index_holds_every_shard_and_texts_are_found_in_files_written_since(ledger):

@@ -163,14 +163,14 @@ def assert_datasets(client, home: Path, name: str, md: dict) -> None:
     the full hash in the profile, the raw shard (whose sha256 it is) as source, the split as context."""
     store = Home(home).store
     ledger = Ledger.in_store(store)
-    rows = {r["shard_id"]: r for r in ledger.shards(tokenizer_id=md["tokenizer_id"])}
+    rows = {r.shard_id: r for r in ledger.shards(tokenizer_id=md["tokenizer_id"])}
     spec = LaunchSpec.from_dict(store.read_json("run_spec", name, md["run_key"]))
     read = {r["shard_id"] for r in ledger.consumed_by_shard(md["run_key"])}
     val = {d["shard_id"] for refs in spec.val_shards.values() for d in refs}
     inputs = {d.dataset.name: d for d in client.get_run(md["mlflow_run_id"]).inputs.dataset_inputs}
     assert read and set(inputs) == read | val, name
     for shard_id, d in inputs.items():
-        sha = rows[shard_id]["content_sha256"]
+        sha = rows[shard_id].content_sha256
         assert len(sha) == 64 and d.dataset.digest == sha[:36], shard_id
         assert json.loads(d.dataset.profile)["content_sha256"] == sha
         # the raw shard in the store; MLflow shares a dataset by name and digest within an experiment, so

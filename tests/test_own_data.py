@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.records import ShardRecord
 from ghostvis_core.data.token_shard import TokenShard
 from ghostvis_core.demo.corpus import build_text_source
 from ghostvis_core.home import Home
@@ -61,8 +62,8 @@ def walk(workdir: Path, sources_yaml: str, commands: str, endpoint: str, stop_be
     return readme_walks.walk(workdir, {"sources.yaml": sources_yaml}, commands, endpoint, stop_before)
 
 
-def shards_of(home: Home) -> dict[str, dict]:
-    return {r["shard_id"]: r for r in Ledger.in_store(home.store).shards()}
+def shards_of(home: Home) -> dict[str, ShardRecord]:
+    return {r.shard_id: r for r in Ledger.in_store(home.store).shards()}
 
 
 def test_the_readme_walk_over_s3_and_http_gives_the_same_shards_and_a_checkpoint(tmp_path, s3_endpoint, http_server):
@@ -75,19 +76,17 @@ def test_the_readme_walk_over_s3_and_http_gives_the_same_shards_and_a_checkpoint
     assert sorted(s3_shards) == sorted(http_shards) == [f"web/{i:05d}" for i in range(SHARDS)]
     for key, row in s3_shards.items():
         other = http_shards[key]
-        assert (row["content_sha256"], row["split"], row["docs"], row["tokens"]) == (
-            other["content_sha256"],
-            other["split"],
-            other["docs"],
-            other["tokens"],
+        assert (row.content_sha256, row.split, row.docs, row.tokens) == (
+            other.content_sha256,
+            other.split,
+            other.docs,
+            other.tokens,
         ), key
-    assert [k for k, r in s3_shards.items() if r["split"] == "validation"] == ["web/00006"]
+    assert [k for k, r in s3_shards.items() if r.split == "validation"] == ["web/00006"]
     # the ledger's figures are those of the token files
     for key, row in s3_shards.items():
-        shard = TokenShard.open(
-            s3_home.store.fetch("token_shard", row["tokenizer_id"], key, row["content_sha256"]), key
-        )
-        assert (len(shard.rows), shard.num_tokens) == (row["docs"], row["tokens"]), key
+        shard = TokenShard.open(s3_home.store.fetch("token_shard", row.tokenizer_id, key, row.content_sha256), key)
+        assert (len(shard.rows), shard.num_tokens) == (row.docs, row.tokens), key
 
     run = completed_runs(s3_home.store, "pretrain")[-1]
     assert run.steps == 12 and run.counts.real_tokens == 12 * 4096

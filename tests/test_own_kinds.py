@@ -170,13 +170,13 @@ def kinds(module_tmp) -> SimpleNamespace:
         run_pipeline=lambda p, tasks, _w, logs: run_locally(p, tasks, 1, logs),
     )
     ledger = Ledger.in_store(store)
-    rows = {r["shard_id"]: r for r in ledger.shards(tokenizer_id=tok.tokenizer_id)}
+    rows = {r.shard_id: r for r in ledger.shards(tokenizer_id=tok.tokenizer_id)}
     return SimpleNamespace(store=store, tok=tok, files=files, fetched=fetched, ledger=ledger, rows=rows, root=root)
 
 
 def tokens_of(k: SimpleNamespace, shard_id: str) -> list[list[int]]:
     r = k.rows[shard_id]
-    shard = TokenShard.open(k.store.fetch("token_shard", k.tok.tokenizer_id, shard_id, r["content_sha256"]), shard_id)
+    shard = TokenShard.open(k.store.fetch("token_shard", k.tok.tokenizer_id, shard_id, r.content_sha256), shard_id)
     return [shard.doc_tokens(d).tolist() for d in range(len(shard.rows))]
 
 
@@ -200,8 +200,8 @@ def test_each_kind_in_each_format_is_tokenized_with_the_ledgers_counts_right(kin
         "pics_parquet/a": (2, captions),
         "pics_hf/a": (2, captions),
     }
-    assert {sid: (r["docs"], r["tokens"]) for sid, r in rows.items()} == expected
-    assert {sid: r["kind"] for sid, r in rows.items()} == {sid: f[0] for sid, f in kinds.files.items()}
+    assert {sid: (r.docs, r.tokens) for sid, r in rows.items()} == expected
+    assert {sid: r.kind for sid, r in rows.items()} == {sid: f[0] for sid, f in kinds.files.items()}
 
 
 def test_the_same_rows_make_the_same_token_file_whatever_the_format_or_shape(kinds):
@@ -223,7 +223,7 @@ def test_a_file_in_the_kinds_shape_is_kept_byte_for_byte_and_another_is_rewritte
         stored = kinds.store.fetch("raw_shard", sid)
         kept = sid in ("chat_parquet/a", "pref_chat_parquet/a", "problem_parquet/a", "pics_parquet/a")
         assert (sha256_file(stored) == sha256_file(path)) is kept, sid
-        assert kinds.fetched[sid].sha256 == sha256_file(stored) == kinds.rows[sid]["content_sha256"], sid
+        assert kinds.fetched[sid].sha256 == sha256_file(stored) == kinds.rows[sid].content_sha256, sid
         assert stored.read_bytes()[:4] == b"PAR1"
 
 

@@ -102,11 +102,11 @@ def test_the_readme_walk_trains_every_stage_on_the_users_own_data(tmp_path, serv
     home, out = walk(tmp_path / "walk", {"sources.yaml": sources_yaml}, commands, endpoint, GHOSTVIS_PRESET="smoke")
     store, ledger = home.store, Ledger.in_store(home.store)
 
-    shards = {r["shard_id"]: r for r in ledger.shards()}
+    shards = {r.shard_id: r for r in ledger.shards()}
     names = {"chats": "my_chats", "pairs": "my_pairs", "problems": "my_problems", "captions": "my_captions"}
     assert sorted(shards) == sorted(f"{n}/{i:05d}" for n in names.values() for i in range(TRAIN_SHARDS + 1))
-    assert {k for k, r in shards.items() if r["split"] == "validation"} == {f"{n}/00003" for n in names.values()}
-    tokenizer_ids = {r["tokenizer_id"] for r in shards.values()}
+    assert {k for k, r in shards.items() if r.split == "validation"} == {f"{n}/00003" for n in names.values()}
+    tokenizer_ids = {r.tokenizer_id for r in shards.values()}
     assert len(tokenizer_ids) == 1  # the model's tokenizer, not one trained here
 
     runs = {stage: completed_runs(store, stage)[-1] for stage in ("sft", "dpo", "rl", "vision_alignment")}
@@ -120,7 +120,7 @@ def test_the_readme_walk_trains_every_stage_on_the_users_own_data(tmp_path, serv
         consumed = ledger.consumed_by_shard(run.run_key)
         assert {r["shard_id"].split("/")[0] for r in consumed} == {reads[stage]}, stage
         assert not {r["shard_id"] for r in consumed} & {f"{reads[stage]}/00003"}, stage  # never the validation shard
-        assert run.counts.real_tokens > 0 and sum(p["real_tokens"] for p in ledger.chain(run.run_key)) == (
+        assert run.counts.real_tokens > 0 and sum(p.real_tokens for p in ledger.chain(run.run_key)) == (
             run.counts.real_tokens
         ), stage
     assert "every figure agrees" in out or "0 failures" in out, out[-3000:]
@@ -146,4 +146,4 @@ def test_the_readme_walk_trains_every_stage_on_the_users_own_data(tmp_path, serv
     )
     over_http = Home(http_home / "my-home").store
     for key, row in shards.items():
-        assert over_http.read_json("raw_shard_meta", key)["sha256"] == row["content_sha256"], key
+        assert over_http.read_json("raw_shard_meta", key)["sha256"] == row.content_sha256, key

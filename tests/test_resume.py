@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.records import PartRow
 from ghostvis_core.home import Home
 from ghostvis_core.plan.budget import batch_plan
 from ghostvis_core.plan.presets import resolve
@@ -91,8 +92,8 @@ def latest_check(home: Path, asset: str, check: str):
     return records[0].event.dagster_event.event_specific_data
 
 
-def consumed(ledger: Ledger, parts: list[dict]) -> list[tuple[str, int, int, int]]:
-    return sorted((r["shard_id"], r["epoch"], r["tok_start"], r["tok_end"]) for r in ledger.consumption(parts))
+def consumed(ledger: Ledger, parts: list[PartRow]) -> list[tuple[str, int, int, int]]:
+    return sorted((r.shard_id, r.epoch, r.tok_start, r.tok_end) for r in ledger.consumption(parts))
 
 
 def covered(ranges) -> set[tuple[str, int, int]]:
@@ -119,11 +120,11 @@ def test_sigkill_between_checkpoints_then_rematerialize_resumes_exactly(home_cop
     ref = run_result(Home(ref_home).store, "pretrain", ref_dir.name)
     ledger, ref_ledger = Ledger.in_store(Home(home_copy).store), Ledger.in_store(Home(ref_home).store)
     chain = ledger.chain(run_dir.name)
-    segments = sorted({p["segment"] for p in chain})
+    segments = sorted({p.segment for p in chain})
     assert segments == [0, 1] and done.segment == 1
-    assert min(p["step_first"] for p in chain if p["segment"] == 1) == killed_at + 1
-    seg0 = [p for p in chain if p["segment"] == 0]
-    seg1 = [p for p in chain if p["segment"] == 1]
+    assert min(p.step_first for p in chain if p.segment == 1) == killed_at + 1
+    seg0 = [p for p in chain if p.segment == 0]
+    seg1 = [p for p in chain if p.segment == 1]
     a, b = covered(consumed(ledger, seg0)), covered(consumed(ledger, seg1))
     whole = covered(consumed(ref_ledger, ref_ledger.chain(ref_dir.name)))
     assert a and b and not (a & b)  # no token (so no shard row) read twice across the resume
@@ -155,16 +156,16 @@ def test_resuming_from_an_older_checkpoint_is_flagged_as_reuse_unless_the_newer_
     shutil.rmtree(run_dir / ckpt.step_dir_name(8))  # its ledger part stays: steps 5..8 were trained
     proc = run_cli(MATERIALIZE, home_copy, check=False)
     assert proc.returncode != 0  # the blocking no_reuse check fails the run
-    reuse = [r for r in Ledger.in_store(Home(home_copy).store).reuse(run_dir.name) if r["kind"] == "reuse"]
-    assert reuse and all(r["run_a"] == r["run_b"] == run_dir.name for r in reuse)
+    reuse = [r for r in Ledger.in_store(Home(home_copy).store).reuse(run_dir.name) if r.kind == "reuse"]
+    assert reuse and all(r.run_a == r.run_b == run_dir.name for r in reuse)
     # the twice-read range is exactly what segment 0 read in steps 5..8
-    assert sum(r["tokens"] for r in reuse) == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP
+    assert sum(r.tokens for r in reuse) == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP
     evaluation = latest_check(home_copy, "pretrain", "no_reuse")
     assert evaluation.passed is False
     md = {k: v.value for k, v in evaluation.metadata.items()}
     assert md["reused_tokens"] == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP
     first = reuse[0]
-    assert f"{first['tok_start']}..{first['tok_end']}" in md["ranges"] and first["shard_id"] in md["ranges"]
+    assert f"{first.tok_start}..{first.tok_end}" in md["ranges"] and first.shard_id in md["ranges"]
 
     weights = damaged_home / run_dir.relative_to(home_copy) / ckpt.step_dir_name(8) / "model.safetensors"
     data = bytearray(weights.read_bytes())
@@ -177,13 +178,13 @@ def test_resuming_from_an_older_checkpoint_is_flagged_as_reuse_unless_the_newer_
     )
     ledger = Ledger.in_store(Home(damaged_home).store)
     found = ledger.reuse(run_dir.name)
-    assert {r["kind"] for r in found} == {"retrained_after_fallback"}
-    assert sum(r["tokens"] for r in found) == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP  # steps 5..8, trained again
-    assert {r["checkpoint"] for r in found} == {ckpt.step_dir_name(8)}
-    assert all(r["reason"].startswith("model.safetensors has sha256 ") for r in found)
-    assert {(r["steps_a"], r["steps_b"]) for r in found} == {("5..8", "5..8")}
+    assert {r.kind for r in found} == {"retrained_after_fallback"}
+    assert sum(r.tokens for r in found) == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP  # steps 5..8, trained again
+    assert {r.checkpoint for r in found} == {ckpt.step_dir_name(8)}
+    assert all(r.reason.startswith("model.safetensors has sha256 ") for r in found)
+    assert {(r.steps_a, r.steps_b) for r in found} == {("5..8", "5..8")}
     chain = ledger.chain(run_dir.name)
-    assert [(p["segment"], p["step_last"]) for p in chain] == [(0, 4), (1, 8), (1, 12)]
+    assert [(p.segment, p.step_last) for p in chain] == [(0, 4), (1, 8), (1, 12)]
     md = {k: v.value for k, v in latest_check(damaged_home, "pretrain", "no_reuse").metadata.items()}
     assert md["reused_tokens"] == 0 and md["retrained_after_fallback_tokens"] == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP
     assert md["passed_over_checkpoints"] == ckpt.step_dir_name(8)

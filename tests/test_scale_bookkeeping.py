@@ -179,7 +179,7 @@ def backfills(module_tmp) -> dict[int, Backfill]:
 def test_each_partition_event_carries_its_own_shards_figures(backfills):
     b = backfills[6]
     store = Home(b.home).store
-    ledger = {r["shard_id"]: r for r in Ledger.in_store(store).shards()}
+    ledger = {r.shard_id: r for r in Ledger.in_store(store).shards()}
     for key in b.keys:
         data = (b.published / f"{key.split('/')[1]}.parquet").read_bytes()
         raw = observed(b.instance, "raw_shards", key)
@@ -194,8 +194,8 @@ def test_each_partition_event_carries_its_own_shards_figures(backfills):
         row = ledger[key]
         assert (
             (tok["docs"], tok["tokens"], tok["docs_dropped"])
-            == (row["docs"], row["tokens"], row["docs_dropped"])
-            == (12, row["tokens"], 0)
+            == (row.docs, row.tokens, row.docs_dropped)
+            == (12, row.tokens, 0)
         ), key
         assert tok["status"] == "skipped (unchanged)"  # tokenized by tokenize_in_core, same content and tokenizer
         assert latest(b.instance, "raw_shards", key) == latest(b.instance, "tokenized_shards", key) == {}

@@ -150,8 +150,8 @@ def test_a_fault_soak_ends_bitwise_where_the_undisturbed_run_does_with_every_tok
     done = run_result(open_store(str(store_dir)), "pretrain", run_key)
     assert out.count(": resume from step") == 4  # five launches: killed, preempted, hung, node lost, done
     chain = Ledger.in_store(open_store(str(store_dir))).chain(run_key)
-    assert [p["step_first"] for p in chain] == [1] + [p["step_last"] + 1 for p in chain[:-1]]
-    assert chain[-1]["step_last"] == 12 and {p["mlflow_run_id"] for p in chain} == {done.mlflow_run_id}
+    assert [p.step_first for p in chain] == [1] + [p.step_last + 1 for p in chain[:-1]]
+    assert chain[-1].step_last == 12 and {p.mlflow_run_id for p in chain} == {done.mlflow_run_id}
     assert_audit_passes(hosts, home, store)
 
 

@@ -272,8 +272,8 @@ def test_a_cancelled_two_node_slurm_job_fails_and_rematerializing_resumes_throug
     assert resumed_from < preempted < 12 and "launching again" in log and "STEP_UP_FOR_RETRY" not in log
     ledger = assert_same_run(home_copy, run_dir, pretrain_reference)
     chain = ledger.chain(run_dir.name)
-    assert sorted({p["segment"] for p in chain}) == [0, 1, 2]
-    assert any(p["step_last"] == preempted for p in chain) and any(p["step_first"] == preempted + 1 for p in chain)
+    assert sorted({p.segment for p in chain}) == [0, 1, 2]
+    assert any(p.step_last == preempted for p in chain) and any(p.step_first == preempted + 1 for p in chain)
     assert run_result(store, "pretrain", run_dir.name).segment == 2
     scripts = slurm_scripts(store, run_dir.name)
     assert len(scripts) == 3
@@ -448,7 +448,7 @@ def test_tokenization_runs_as_a_slurm_job_array_and_gives_the_same_ledger(slurm_
     the ones the local workers wrote."""
     store = Home(home_copy).store
     shards = ["demo_prose/00000", "demo_prose/00001"]
-    before = {r["shard_id"]: r for r in Ledger.in_store(store).shards() if r["shard_id"] in shards}
+    before = {r.shard_id: r for r in Ledger.in_store(store).shards() if r.shard_id in shards}
     for f in store.fetch("ledger_file", "shards").glob("*.parquet"):  # forget them: they must be redone
         if set(pq_shard_ids(f)) & set(shards):
             f.unlink()
@@ -470,10 +470,10 @@ def test_tokenization_runs_as_a_slurm_job_array_and_gives_the_same_ledger(slurm_
         home_copy,
         timeout=MATERIALIZE_TIMEOUT,
     )
-    after = {r["shard_id"]: r for r in Ledger.in_store(store).shards() if r["shard_id"] in shards}
+    after = {r.shard_id: r for r in Ledger.in_store(store).shards() if r.shard_id in shards}
     for shard in shards:
-        assert {k: after[shard][k] for k in ("docs", "tokens", "text_bytes", "content_sha256", "split")} == {
-            k: before[shard][k] for k in ("docs", "tokens", "text_bytes", "content_sha256", "split")
+        assert {k: getattr(after[shard], k) for k in ("docs", "tokens", "text_bytes", "content_sha256", "split")} == {
+            k: getattr(before[shard], k) for k in ("docs", "tokens", "text_bytes", "content_sha256", "split")
         }
     [job_dir] = (home_copy / "logs" / "datatrove").glob("*/slurm-*")
     # the array (one task per shard), and datatrove's stats merge: a job of its own that Slurm starts once

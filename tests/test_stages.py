@@ -13,6 +13,7 @@ import pytest
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan import config, presets, selected
 from ghostvis_core.plan.stages import STAGES, markdown_table, stage, stage_names
+from tests.ledger_rows import shard_record
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -113,10 +114,10 @@ def test_presets_state_only_values_that_differ_from_the_dataclass_defaults(prese
 
 
 SHARDS = (
-    {"source": "web", "kind": "text", "split": "train", "tokens": 300},
-    {"source": "web", "kind": "text", "split": "validation", "tokens": 50},
-    {"source": "books", "kind": "text", "split": "train", "tokens": 100},
-    {"source": "chats", "kind": "chat", "split": "train", "tokens": 900},
+    shard_record("web", "text", "train", 300),
+    shard_record("web", "text", "validation", 50),
+    shard_record("books", "text", "train", 100),
+    shard_record("chats", "chat", "train", 900),
 )
 
 

@@ -7,6 +7,7 @@ named check must fail naming the shard and document.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import shutil
 from pathlib import Path
@@ -81,8 +82,8 @@ def tokenized(module_tmp) -> SimpleNamespace:
 
 def token_path(store: FolderStore, tokenizer_id: str, shard_id: str) -> Path:
     """The token file of the shard's current content (token files are keyed by the raw content they hold)."""
-    (record,) = [r for r in Ledger.in_store(store).shards(tokenizer_id=tokenizer_id) if r["shard_id"] == shard_id]
-    return store.fetch("token_shard", tokenizer_id, shard_id, record["content_sha256"])
+    (record,) = [r for r in Ledger.in_store(store).shards(tokenizer_id=tokenizer_id) if r.shard_id == shard_id]
+    return store.fetch("token_shard", tokenizer_id, shard_id, record.content_sha256)
 
 
 def copy_of(t: SimpleNamespace, dst: Path) -> tuple[FolderStore, Ledger]:
@@ -98,8 +99,8 @@ def rewrite(store: FolderStore, ledger: Ledger, tokenizer_id: str, shard_id: str
     lengths = np.diff(starts).tolist()
     columns = {"row": pa.array(tf.rows), "tokens": list_column(lengths, list(values), np.uint16)}
     write_token_shard(path, columns, tf.tokenizer_id)
-    record = next(r for r in ledger.shards(tokenizer_id=tokenizer_id) if r["shard_id"] == shard_id)
-    ledger.write_shard(record | {"tokens": int(sum(lengths)), "token_path": str(path)})
+    record = next(r for r in ledger.shards(tokenizer_id=tokenizer_id) if r.shard_id == shard_id)
+    ledger.write_shard(dataclasses.asdict(record) | {"tokens": int(sum(lengths)), "token_path": str(path)})
 
 
 def outcomes(store: FolderStore, ledger: Ledger, tokenizer_id: str) -> dict:
@@ -125,8 +126,8 @@ def test_a_swapped_tokenizer_fails_by_name(tokenized, tmp_path):
     tf = TokenFile(swapped, "corp/00000")
     path = token_path(store, tok.tokenizer_id, "corp/00000")
     shutil.copyfile(swapped, path)
-    record = next(r for r in ledger.shards(tokenizer_id=tok.tokenizer_id) if r["shard_id"] == "corp/00000")
-    ledger.write_shard(record | {"tokens": tf.num_tokens, "token_path": str(path)})
+    record = next(r for r in ledger.shards(tokenizer_id=tok.tokenizer_id) if r.shard_id == "corp/00000")
+    ledger.write_shard(dataclasses.asdict(record) | {"tokens": tf.num_tokens, "token_path": str(path)})
     assert ledger_matches_token_files(store, ledger, tok.tokenizer_id).passed  # counts right: the old checks pass
     out = outcomes(store, ledger, tok.tokenizer_id)
     assert not out["token_files_name_their_tokenizer"].passed

@@ -346,16 +346,16 @@ def test_the_tokenizer_asset_brings_a_file_and_the_ledger_rows_carry_its_id(file
     jobs.append(TokenizeJob("chat/00000", "chat", "train", sha256_file(raw), "chat"))
     tokenize(store, tmp_path, tok, jobs)
     ledger = Ledger.in_store(store)
-    rows = {r["shard_id"]: r for r in ledger.shards(tokenizer_id=tok.tokenizer_id)}
+    rows = {r.shard_id: r for r in ledger.shards(tokenizer_id=tok.tokenizer_id)}
     assert sorted(rows) == ["chat/00000", "web/a", "web/b"]
     for name, texts in docs.items():
         shard = f"web/{name}"
-        tf = TokenFile(store.fetch("token_shard", tok.tokenizer_id, shard, rows[shard]["content_sha256"]), shard)
+        tf = TokenFile(store.fetch("token_shard", tok.tokenizer_id, shard, rows[shard].content_sha256), shard)
         assert tf.tokenizer_id == tok.tokenizer_id
         assert [tf.doc(i).tolist() for i in range(tf.num_docs)] == [
             [tok.bos, *hf.encode(t, add_special_tokens=False).ids] for t in texts
         ]
-    sha = rows["chat/00000"]["content_sha256"]
+    sha = rows["chat/00000"].content_sha256
     chat = TokenFile(store.fetch("token_shard", tok.tokenizer_id, "chat/00000", sha), "chat/00000")
     assert chat.doc(0).tolist() == render_chat(tok, CHAT)[0]
     out = outcomes(store, ledger, tok.tokenizer_id)

@@ -32,8 +32,8 @@ def replayed_document(ledger: Ledger) -> tuple[str, int]:
     rows = {stage: ledger.consumption(ledger.parts(stage=stage)) for stage in ("pretrain", "reasoning_mix")}
     for c in rows["reasoning_mix"]:
         for p in rows["pretrain"]:
-            if p["shard_id"] == c["shard_id"] and max(p["row_start"], c["row_start"]) < min(p["row_end"], c["row_end"]):
-                return c["shard_id"], max(p["row_start"], c["row_start"])
+            if p.shard_id == c.shard_id and max(p.row_start, c.row_start) < min(p.row_end, c.row_end):
+                return c.shard_id, max(p.row_start, c.row_start)
     raise AssertionError("no document of pretrain is replayed in reasoning_mix")
 
 
@@ -45,8 +45,8 @@ def test_a_document_trained_in_pretrain_and_replayed_in_reasoning_mix_shows_both
     stages = {h["stage"] for h in report["trained_by"]}
     assert {"pretrain", "reasoning_mix"} <= stages
     for h in report["trained_by"]:  # each hit is a row of that step on that rank, by the ledger's feeds
-        fed = [f for f in ledger.feeds(ledger.chain(h["run_key"])) if (f["step"], f["rank"]) == (h["step"], h["rank"])]
-        assert h["global_row"] in fed[0]["micro_rows"][h["micro_batch"]]
+        fed = [f for f in ledger.feeds(ledger.chain(h["run_key"])) if (f.step, f.rank) == (h["step"], h["rank"])]
+        assert h["global_row"] in fed[0].micro_rows[h["micro_batch"]]
     downstream = {r["stage"] for r in report["downstream_runs"]}
     assert {"pretrain", "reasoning_mix", "sft", "rl"} <= downstream and report["registered_models"] is None
     assert report["document"]["text"]
@@ -62,8 +62,8 @@ def test_a_step_lists_the_rows_each_rank_fed_with_their_documents(demo_home):
     home = Home(demo_home)
     ledger = Ledger.in_store(home.store)
     report = trace_step(home.store, ledger, "pretrain", 3)
-    feeds = [f for f in ledger.feeds(ledger.chain(report["run_key"])) if f["step"] == 3]
-    want = {(f["rank"], g) for f in feeds for rows in f["micro_rows"] for g in rows}
+    feeds = [f for f in ledger.feeds(ledger.chain(report["run_key"])) if f.step == 3]
+    want = {(f.rank, g) for f in feeds for rows in f.micro_rows for g in rows}
     assert {(x["rank"], x["global_row"]) for x in report["fed"]} == want
     assert all(x["text"] and x["raw_rows"][0] < x["raw_rows"][1] for x in report["fed"])
     with pytest.raises(GhostvisError, match="recorded no step 100000"):
@@ -120,12 +120,12 @@ def test_the_content_proof_wrote_each_runs_row_index_and_a_trace_writes_a_missin
 
     home = Home(demo_home)
     ledger = Ledger.in_store(home.store)
-    heads = [h for h in ledger.run_heads() if h["stage"] in ("pretrain", "vision_alignment", "rl")]
-    assert {h["stage"] for h in heads} == {"pretrain", "vision_alignment", "rl"}
-    assert all(ledger.row_index_file(h["head"]).is_file() for h in heads if "@" not in h["run_key"])
+    heads = [h for h in ledger.run_heads() if h.stage in ("pretrain", "vision_alignment", "rl")]
+    assert {h.stage for h in heads} == {"pretrain", "vision_alignment", "rl"}
+    assert all(ledger.row_index_file(h.head).is_file() for h in heads if "@" not in h.run_key)
     want = trace_step(home.store, ledger, "vision_alignment", 2)
     bare = Ledger(shutil.copytree(ledger.root, tmp_path / "ledger", ignore=shutil.ignore_patterns("row_index")))
-    head = next(h["head"] for h in bare.run_heads() if h["run_key"] == want["run_key"])
+    head = next(h.head for h in bare.run_heads() if h.run_key == want["run_key"])
     assert not bare.row_index_file(head).is_file()
     assert trace_step(home.store, bare, "vision_alignment", 2) == want
     assert bare.row_index_file(head).is_file()

@@ -37,7 +37,8 @@ from datatrove.utils.hashing import HashConfig
 from datatrove.utils.word_tokenizers import WordTokenizer
 
 from ghostvis_core.data.catalog import recorded_sha256, registered_manifests
-from ghostvis_core.data.ledger import Ledger, write_parquet
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.files import write_parquet
 from ghostvis_core.data.sources import Manifest
 from ghostvis_core.data.tokenize import (
     CountedFilters,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ghostvis_core.data.catalog import recorded_sha256, registered_manifests, shard_split
+from ghostvis_core.data.ledger.records import ShardRecord
 from ghostvis_core.data.sources import Manifest
 from ghostvis_core.store import Store
 
@@ -50,6 +51,6 @@ def tokenizer_identity(store: Store, vocab_size: int, max_train_bytes: int) -> d
     return {"vocab_size": vocab_size, "max_train_bytes": max_train_bytes, "text_shards": shards}
 
 
-def ledger_identity(rows: list[dict[str, Any]]) -> dict[str, Any]:
+def ledger_identity(rows: list[ShardRecord]) -> dict[str, Any]:
     """The ledger's shard table for one tokenizer: each shard's content, split and counts."""
-    return {r["shard_id"]: [r["content_sha256"], r["split"], r["docs"], r["tokens"]] for r in rows}
+    return {r.shard_id: [r.content_sha256, r.split, r.docs, r.tokens] for r in rows}

@@ -275,11 +275,11 @@ class TokenizerVocab:
 
 @dataclass(frozen=True)
 class RegisteredSources:
-    """The ledger's shard rows tokenized with the run's tokenizer: an empty recipe follows them, a recipe naming a
-    source outside them is refused."""
+    """The ledger's shard records tokenized with the run's tokenizer: an empty recipe follows them, a recipe naming
+    a source outside them is refused."""
 
     tokenizer_id: str
-    shards: tuple[dict[str, Any], ...]
+    shards: tuple[Any, ...]  # ShardRecord (ghostvis_core/data/ledger/records.py, a layer above this one)
 
 
 def resolve(
@@ -367,14 +367,14 @@ def follow_registered_sources(cfg: StageConfig, sources: RegisteredSources, pres
     none of a preset's recipe sources is registered: the preset's recipe is for its own data); refuse
     a recipe of the user's that names sources nobody registered, and say which ones are."""
     kind, shards = stages.stage(cfg.stage).reads, sources.shards
-    registered = {r["source"] for r in shards}
+    registered = {r.source for r in shards}
     data = cfg.data
     if preset_recipe and not registered & {s.source for s in data.recipe}:
         data = dataclasses.replace(data, recipe=(), val_sources=())
     train: dict[str, int] = {}
     for r in shards:
-        if r["kind"] == kind and r["split"] == "train":
-            train[r["source"]] = train.get(r["source"], 0) + r["tokens"]
+        if r.kind == kind and r.split == "train":
+            train[r.source] = train.get(r.source, 0) + r.tokens
     if not data.recipe and train:
         total = sum(train.values())
         data = dataclasses.replace(data, recipe=tuple(SourceWeight(s, t / total) for s, t in sorted(train.items())))
@@ -382,9 +382,7 @@ def follow_registered_sources(cfg: StageConfig, sources: RegisteredSources, pres
         chosen = {s.source for s in data.recipe}
         data = dataclasses.replace(
             data,
-            val_sources=tuple(
-                sorted({r["source"] for r in shards if r["split"] == "validation" and r["source"] in chosen})
-            ),
+            val_sources=tuple(sorted({r.source for r in shards if r.split == "validation" and r.source in chosen})),
         )
     known = sorted(registered)
     missing = sorted({s for s in [*(s.source for s in data.recipe), *data.val_sources] if s not in known})

@@ -14,7 +14,9 @@ from typing import Any
 
 from ghostvis_core import identity
 from ghostvis_core.data.catalog import load_manifest, recorded_sha256
-from ghostvis_core.data.ledger import Ledger, validation_selected
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.records import ShardRecord
+from ghostvis_core.data.ledger.summaries import validation_selected
 from ghostvis_core.data.problems import DEFAULT_RULE
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer, newest_tokenizer
@@ -41,25 +43,23 @@ def select_shards(
     is tokenized (the old version's tokens stay for the runs that read them)."""
     out: dict[str, list[dict]] = {s: [] for s in sources}
     for r in ledger.shards(tokenizer_id=tokenizer_id, sources=sources):
-        if r["split"] != split:
+        if r.split != split:
             continue
-        current = recorded_sha256(store, r["shard_id"])
-        if current is not None and current != r["content_sha256"]:
+        current = recorded_sha256(store, r.shard_id)
+        if current is not None and current != r.content_sha256:
             raise GhostvisError(
-                f"shard {r['shard_id']} changed under its name: raw_shards recorded content sha256 {current}, "
-                f"but the ledger's newest tokenization with {tokenizer_id} is of sha256 {r['content_sha256']}; "
-                f"re-materialize tokenized_shards partition {r['shard_id']} to tokenize the new version"
+                f"shard {r.shard_id} changed under its name: raw_shards recorded content sha256 {current}, "
+                f"but the ledger's newest tokenization with {tokenizer_id} is of sha256 {r.content_sha256}; "
+                f"re-materialize tokenized_shards partition {r.shard_id} to tokenize the new version"
             )
-        key = (tokenizer_id, r["shard_id"], r["content_sha256"])
+        key = (tokenizer_id, r.shard_id, r.content_sha256)
         if not store.exists("token_shard", *key):
             raise GhostvisError(
-                f"tokenized shard {r['shard_id']} ({store.uri_of('token_shard', *key)}) is in "
-                f"the ledger but missing on disk; re-materialize tokenized_shards partition {r['shard_id']}"
+                f"tokenized shard {r.shard_id} ({store.uri_of('token_shard', *key)}) is in "
+                f"the ledger but missing on disk; re-materialize tokenized_shards partition {r.shard_id}"
             )
         path = store.uri_of("token_shard", *key)  # each rank fetches it (spec.localize_shards)
-        out[r["source"]].append(
-            ShardRef(r["shard_id"], r["source"], r["split"], path, r["docs"], r["tokens"], r["content_sha256"]).__dict__
-        )
+        out[r.source].append(ShardRef(r.shard_id, r.source, r.split, path, r.docs, r.tokens, r.content_sha256).__dict__)
     empty = [s for s, refs in out.items() if not refs]
     if empty:
         raise GhostvisError(
@@ -150,8 +150,8 @@ def lineage_offsets(
         end = 0
         for run in ledger.lineage(parent_run_key):
             for c in ledger.consumption(ledger.chain(run)):
-                if c["source"] == src and c["shard_id"] in starts:
-                    end = max(end, c["epoch"] * pos + starts[c["shard_id"]] + c["tok_end"])
+                if c.source == src and c.shard_id in starts:
+                    end = max(end, c.epoch * pos + starts[c.shard_id] + c.tok_end)
         offsets[src] = end
     return offsets
 
@@ -225,7 +225,7 @@ def model_tokenizer(store: Store, asked: str | None, model_tok: Tokenizer) -> st
     return model_tok.tokenizer_id
 
 
-def check_imported_data(stage: str, init_from: str, tok: Tokenizer, shards: tuple[dict[str, Any], ...]) -> None:
+def check_imported_data(stage: str, init_from: str, tok: Tokenizer, shards: tuple[ShardRecord, ...]) -> None:
     """An imported model trains on shards tokenized with its own tokenizer (its vocab_size, from its
     config.json, already covers the tokenizer's ids: tokenizer_file.read_tokenizer_file checked it)."""
     if not shards:

@@ -18,7 +18,7 @@ LAYOUT: dict[str, str] = {
     "tokenizer": "tokenizers/{}",  # tokenizer_id: a folder (tokenizer.json, ...)
     # tokenizer_id, shard_id, sha256 of the raw content tokenized: each version of a shard has its own
     "token_shard": "shards/tokens/{}/{path}/{}.arrow",
-    "ledger": "ledger",  # the ledger's Parquet tables (data/ledger.py)
+    "ledger": "ledger",  # the ledger's Parquet tables (data/ledger/)
     "ledger_file": "ledger/{path}",  # one file of those tables, by its path inside the ledger
     "checkpoints": "checkpoints/{}/{}",  # stage, run_key: the run's step_* folders
     "checkpoint": "checkpoints/{}/{}/{}",  # stage, run_key, step_* folder: one checkpoint

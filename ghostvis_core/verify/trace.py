@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 
 from ghostvis_core.data.catalog import manifest_of_shard, recorded_sha256
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.query import RunHead
 from ghostvis_core.data.ngrams import TEXT_COLUMNS, fingerprints, normalize, record_text
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.train.runs import newest_completed_run, run_result
@@ -83,15 +84,15 @@ class Snippets:
         return self._groups[key][row]
 
 
-def run_indexes(store: Store, ledger: Ledger) -> tuple[list[dict[str, Any]], list[Path]]:
+def run_indexes(store: Store, ledger: Ledger) -> tuple[list[RunHead], list[Path]]:
     """Every run's head (`Ledger.run_heads`) and the row index file of its chain, written first where the
     run's checks have not written it or its chain grew since."""
     heads, files = ledger.run_heads(), []
     for h in heads:
-        index = ledger.row_index_file(h["head"])
+        index = ledger.row_index_file(h.head)
         if not index.is_file():
-            spec = store.read_json("run_spec", h["stage"], h["run_key"])
-            index = write_row_index(store, ledger, spec, ledger.chain(h["run_key"]))
+            spec = store.read_json("run_spec", h.stage, h.run_key)
+            index = write_row_index(store, ledger, spec, ledger.chain(h.run_key))
         files.append(index)
     return heads, files
 
@@ -103,7 +104,7 @@ def trace_document(store: Store, ledger: Ledger, shard_id: str, row: int, tracki
     heads, files = run_indexes(store, ledger)
     by_run = defaultdict(list)
     for r in ledger.row_index(files, "shard_id = ? AND row_start <= ? AND ? < row_end", [shard_id, row, row]):
-        by_run[(r["stage"], r["run_key"])].append(r)
+        by_run[(r.stage, r.run_key)].append(r)
     hits, spans = [], {}
     for (stage, key), rows in sorted(by_run.items()):
         spec = store.read_json("run_spec", stage, key)
@@ -117,16 +118,16 @@ def trace_document(store: Store, ledger: Ledger, shard_id: str, row: int, tracki
         start, end = spans[file_key]
         seen = set()
         for r in rows:  # a span over the document's raw row reads its tokens, or only its neighbours'
-            if r["tok_start"] < end and start < r["tok_end"] and (r["part_id"], r["global_row"]) not in seen:
-                seen.add((r["part_id"], r["global_row"]))  # a row holding the document twice is one hit
+            if r.tok_start < end and start < r.tok_end and (r.part_id, r.global_row) not in seen:
+                seen.add((r.part_id, r.global_row))  # a row holding the document twice is one hit
                 hits.append(
                     {"stage": stage, "run_key": key}
-                    | {k: r[k] for k in ("segment", "epoch", "global_row", "step", "rank", "micro_batch")}
+                    | {k: getattr(r, k) for k in ("segment", "epoch", "global_row", "step", "rank", "micro_batch")}
                 )
     trained = {h["run_key"] for h in hits}
     links = ledger.run_links(heads)
-    parent = {r["run_key"]: r["parent_run_key"] for r in links}
-    downstream = sorted({(r["stage"], r["run_key"]) for r in links if trained & set(lineage(r["run_key"], parent))})
+    parent = {r.run_key: r.parent_run_key for r in links}
+    downstream = sorted({(r.stage, r.run_key) for r in links if trained & set(lineage(r.run_key, parent))})
     return {
         "document": {"shard_id": shard_id, "row": row, "text": text},
         "trained_by": hits,
@@ -168,7 +169,7 @@ def trace_step(store: Store, ledger: Ledger, stage: str, step: int, run_key: str
         run_key = newest.run_key
     spec = store.read_json("run_spec", stage, run_key)
     chain = ledger.chain(run_key)
-    if not any(p["step_first"] <= step <= p["step_last"] for p in chain):
+    if not any(p.step_first <= step <= p.step_last for p in chain):
         raise GhostvisError(
             f"stage {stage} run {run_key} recorded no step {step} (it trained steps 1-{spec['plan']['steps']}); "
             "give a step of the run"
@@ -177,11 +178,11 @@ def trace_step(store: Store, ledger: Ledger, stage: str, step: int, run_key: str
     contents, snippets, fed = shard_versions(spec["train_shards"], spec["val_shards"]), Snippets(store), []
     for r in ledger.row_index([index], "step = ?", [step]):
         fed.append(
-            {k: r[k] for k in ("rank", "micro_batch", "global_row", "shard_id", "epoch")}
+            {k: getattr(r, k) for k in ("rank", "micro_batch", "global_row", "shard_id", "epoch")}
             | {
-                "tokens": [r["tok_start"], r["tok_end"]],
-                "raw_rows": [r["row_start"], r["row_end"]],
-                "text": snippets.text(r["shard_id"], r["row_start"], contents[r["shard_id"]]),
+                "tokens": [r.tok_start, r.tok_end],
+                "raw_rows": [r.row_start, r.row_end],
+                "text": snippets.text(r.shard_id, r.row_start, contents[r.shard_id]),
             }
         )
     return {"stage": stage, "run_key": run_key, "step": step, "fed": fed}

@@ -30,7 +30,8 @@ from ghostvis_core.data.catalog import (
 )
 from ghostvis_core.data.dedup import dedup_indexes, removed_rows
 from ghostvis_core.data.identities import ledger_identity, manifest_identity, shard_contents, tokenizer_identity
-from ghostvis_core.data.ledger import Ledger, source_split_totals
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.summaries import source_split_totals
 from ghostvis_core.data.records import normalize_shard
 from ghostvis_core.data.sources import fetch_shard
 from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards

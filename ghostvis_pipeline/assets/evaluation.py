@@ -13,7 +13,8 @@ from pathlib import Path
 from dagster import AssetExecutionContext, Config, DataVersion, MaterializeResult, MetadataValue, asset
 
 from ghostvis_core.data.eval_texts import PROMPTS
-from ghostvis_core.data.ledger import Ledger, held_out_text_shards
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.summaries import held_out_text_shards
 from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.identity import code_version, digest
 from ghostvis_core.plan.budget import DEFAULT_GPU_PRICES
@@ -81,7 +82,7 @@ def evaluation_identity(
 ) -> dict:
     """What the scores depend on: each stage's run (its data version), the held-out shards by content,
     the tokenizer, the benchmark's settings and the harness tasks (their files by content)."""
-    content = {r["shard_id"]: r["content_sha256"] for r in Ledger.in_store(store).shards(tokenizer_id=tokenizer_id)}
+    content = {r.shard_id: r.content_sha256 for r in Ledger.in_store(store).shards(tokenizer_id=tokenizer_id)}
     return {
         "lineage": lineage,
         "tokenizer": tokenizer_id,

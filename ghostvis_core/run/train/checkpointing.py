@@ -14,6 +14,7 @@ DCP shards on a store in a bucket: every rank uploads its own shard into the che
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,7 +24,9 @@ from typing import Any
 import torch
 
 from ghostvis_core.counts import TokenCounts
-from ghostvis_core.data.ledger import Ledger, pieces_to_rows, row_ranges
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.records import PartRow
+from ghostvis_core.data.ledger.write import pieces_to_rows, row_ranges
 from ghostvis_core.data.loader import Batch, Consumption, merge_pieces
 from ghostvis_core.data.stream import Piece
 from ghostvis_core.errors import GhostvisError
@@ -138,8 +141,8 @@ class CheckpointManager:
             return []
         out, total = [], TokenCounts()
         for part in Ledger.in_store(self.store).chain(self.spec.run_key):
-            total = total + TokenCounts.from_mapping(part)
-            out.append((part["step_last"], total))
+            total = total + part.counts
+            out.append((part.step_last, total))
         return out
 
     def load_optimizer(self, ref: ckpt.CheckpointRef, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -149,7 +152,7 @@ class CheckpointManager:
         self,
         state: TrainState,
         part: PartLog,
-        record: dict[str, Any] | None,
+        record: PartRow | None,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         final: bool,
@@ -169,7 +172,7 @@ class CheckpointManager:
             self.share_shard(step, shards[ckpt.DCP_DIR])
         staging = saved = None
         if self.ctx.is_main:
-            staging = self.run_dir / f".ledger-{record['part_id']}"
+            staging = self.run_dir / f".ledger-{record.part_id}"
             write_part(staging, record, gathered, rollouts, part.rows_of, self.ctx.world_size)
             saved = state.to_dict()
         if in_flight is not None:
@@ -277,7 +280,7 @@ def drop_stale_shards(run_dir: Path, rank: int) -> None:
 
 def write_part(
     folder: Path,
-    record: dict[str, Any],
+    record: PartRow,
     gathered: list,
     rollouts: list[dict[str, Any]],
     rows_of: Callable[[Piece], tuple[int, int]],
@@ -302,7 +305,7 @@ def write_part(
     ]
     feeds = [f for _, _, _, fs in gathered for f in fs]
     Ledger(folder).write_part(
-        {**record, **counts.as_dict(), "overlap_tokens": overlap},
+        dataclasses.replace(record, **counts.as_dict(), overlap_tokens=overlap),
         pieces_to_rows(merged, rows_of),
         shares,
         feeds,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ghostvis_core.counts import ROLLOUT_METRICS, TokenCounts
+from ghostvis_core.data.ledger.records import PartRow
 from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.run.train.checkpointing import CheckpointManager, PartLog
@@ -265,31 +266,31 @@ class Trainer:
     def _new_part(self) -> PartLog:
         return PartLog(self.state.step, self.state.loader.rows, self.objective.rows_of)
 
-    def _part_record(self, part_id: str) -> dict:
+    def _part_record(self, part_id: str) -> PartRow:
         """The ledger part's row but for the counts (the checkpoint manager sums them over ranks)."""
         s, p, spec = self.state, self.plan, self.spec
-        return {
-            "part_id": part_id,
-            "prev_part_id": s.head_part_id or "",
-            "run_key": spec.run_key,
-            "parent_run_key": spec.parent_run_key or "",
-            "stage": spec.stage,
-            "segment": s.segment,
-            "step_first": self.part.first_step + 1,
-            "step_last": s.step,
-            "rows_first": self.part.first_rows,
-            "rows_last": s.loader.rows,
-            "micro_batch_size": p.micro_batch_size,
-            "seq_len": p.seq_len,
-            "world_size": p.world_size,
-            "grad_accum_steps": p.grad_accum_steps,
-            "tokens_per_step": p.tokens_per_step,
-            "planned_tokens": spec.plan.planned_tokens,
-            "allow_repeat": self.cfg.data.allow_repeat,
-            "replay_sources": json.dumps(self.cfg.data.replay_sources),
-            "passed_over": json.dumps(self.checkpoints.passed_over),
-            "mlflow_run_id": self.tracker.run_id(),
-        }
+        return PartRow(
+            part_id=part_id,
+            prev_part_id=s.head_part_id or "",
+            run_key=spec.run_key,
+            parent_run_key=spec.parent_run_key or "",
+            stage=spec.stage,
+            segment=s.segment,
+            step_first=self.part.first_step + 1,
+            step_last=s.step,
+            rows_first=self.part.first_rows,
+            rows_last=s.loader.rows,
+            micro_batch_size=p.micro_batch_size,
+            seq_len=p.seq_len,
+            world_size=p.world_size,
+            grad_accum_steps=p.grad_accum_steps,
+            tokens_per_step=p.tokens_per_step,
+            planned_tokens=spec.plan.planned_tokens,
+            allow_repeat=self.cfg.data.allow_repeat,
+            replay_sources=json.dumps(self.cfg.data.replay_sources),
+            passed_over=json.dumps(self.checkpoints.passed_over),
+            mlflow_run_id=self.tracker.run_id(),
+        )
 
 
 def rng_state() -> dict[str, torch.Tensor]:

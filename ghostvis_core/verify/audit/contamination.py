@@ -48,6 +48,7 @@ from ghostvis_core.data.eval_texts import (
     template_choices,
 )
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow, ShardRecord
 from ghostvis_core.data.ngrams import TEXT_COLUMNS, fingerprints, record_text
 from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.data.whole_items import MIN_WORDS, WholeItems, whole_phrase
@@ -188,8 +189,8 @@ def file_sets(paths: list[str], prefix: str) -> Iterator[EvalItem]:
 def validation_items(ledger: Ledger) -> Iterator[EvalItem]:
     """One item per document of every validation shard in the ledger, every version of it (a run may have
     been evaluated on an earlier one), from its recorded fingerprints."""
-    shas = sorted({r["content_sha256"] for r in ledger.shards(every_version=True) if r["split"] == "validation"})
-    current = {(r["shard_id"], r["content_sha256"]) for r in ledger.shards()}
+    shas = sorted({r.content_sha256 for r in ledger.shards(every_version=True) if r.split == "validation"})
+    current = {(r.shard_id, r.content_sha256) for r in ledger.shards()}
     docs: dict[tuple[str, str, int], set[int]] = defaultdict(set)
     for r in ledger.ngrams(shas):
         docs[(r["shard_id"], r["content_sha256"], r["row"])].add(r["ngram_hash"])
@@ -271,16 +272,16 @@ def unchecked_sets(items: list[EvalItem]) -> list[str]:
     ]
 
 
-def consumed_spans(consumption: list[dict[str, Any]]) -> dict[str, list[tuple[int, int]]]:
+def consumed_spans(consumption: list[ConsumptionRow]) -> dict[str, list[tuple[int, int]]]:
     """Per consumed shard, its consumed raw row ranges, merged and sorted."""
     spans: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for c in consumption:
-        spans[c["shard_id"]].append((c["row_start"], c["row_end"]))
+        spans[c.shard_id].append((c.row_start, c.row_end))
     return {s: union(v) for s, v in spans.items()}
 
 
 def consumed_documents(
-    ledger: Ledger, spec: Any, consumption: list[dict[str, Any]]
+    ledger: Ledger, spec: Any, consumption: list[ConsumptionRow]
 ) -> tuple[dict[tuple[str, int], set[int]], list[str]]:
     """(shard_id, raw row) -> fingerprints of every document the consumption rows touch, and the
     consumed shards with no n-gram record (tokenized before the gate existed)."""
@@ -303,18 +304,18 @@ def consumed_documents(
 def shard_contents(ledger: Ledger, spec: Any) -> dict[str, str]:
     """shard_id -> content sha256 of the run's shards (the versions its launch spec selected, over the
     ledger's newest records for a shard it did not select)."""
-    content = {r["shard_id"]: r["content_sha256"] for r in ledger.shards(tokenizer_id=spec.tokenizer_id)}
+    content = {r.shard_id: r.content_sha256 for r in ledger.shards(tokenizer_id=spec.tokenizer_id)}
     return content | shard_versions(spec.train_shards, spec.val_shards)
 
 
 def consumed_texts(
-    store: Store, ledger: Ledger, spec: Any, consumption: list[dict[str, Any]]
+    store: Store, ledger: Ledger, spec: Any, consumption: list[ConsumptionRow]
 ) -> dict[tuple[str, int], str]:
     """(shard_id, raw row) -> the text of every consumed document (ngrams.record_text, as tokenization
     fingerprints it), read from the raw shards in the version the run consumed (a shard changed since is
     read from its kept version); no version with that content is an error naming the fix."""
     content = shard_contents(ledger, spec)
-    kinds = {r["shard_id"]: r["kind"] for r in ledger.shards(tokenizer_id=spec.tokenizer_id)}
+    kinds = {r.shard_id: r.kind for r in ledger.shards(tokenizer_id=spec.tokenizer_id)}
     texts: dict[tuple[str, int], str] = {}
     for shard_id, spans in sorted(consumed_spans(consumption).items()):
         path = (
@@ -330,9 +331,7 @@ def consumed_texts(
     return texts
 
 
-def completion_texts(
-    store: Store, ledger: Ledger, spec: Any, chain: list[dict[str, Any]]
-) -> dict[tuple[str, int], str]:
+def completion_texts(store: Store, ledger: Ledger, spec: Any, chain: list[PartRow]) -> dict[tuple[str, int], str]:
     """("rl completion, step S rank R", global row) -> the text of every completion an rl run's rollouts
     saved on its chain (none for other stages), decoded with the run's tokenizer."""
     rollouts = ledger.rollouts(chain)
@@ -340,9 +339,9 @@ def completion_texts(
         return {}
     tok = load_tokenizer(spec.tokenizer_id, store)
     return {
-        (f"{COMPLETION}, step {r['step']} rank {r['rank']}", row): tok.decode(ids)
+        (f"{COMPLETION}, step {r.step} rank {r.rank}", row): tok.decode(ids)
         for r in rollouts
-        for row, ids in zip(r["rows"], r["completion_ids"])
+        for row, ids in zip(r.rows, r.completion_ids)
     }
 
 
@@ -375,7 +374,7 @@ def own_validation_hints(bad: list[Match]) -> list[str]:
 
 
 def no_eval_contamination(
-    store: Store, ledger: Ledger, spec: Any, consumption: list[dict[str, Any]], chain: list[dict[str, Any]]
+    store: Store, ledger: Ledger, spec: Any, consumption: list[ConsumptionRow], chain: list[PartRow]
 ) -> CheckOutcome:
     """The stage check: no consumed training document (nor rl completion on the run's `chain`) shares
     more than `max_overlap` of the smaller side's 13-gram fingerprints with an evaluation item, nor
@@ -429,13 +428,13 @@ def no_eval_contamination(
 
 
 def shard_contamination(
-    ledger: Ledger, shards: list[dict[str, Any]], eval_sets: Sequence[str] = (), max_overlap: float | None = None
+    ledger: Ledger, shards: list[ShardRecord], eval_sets: Sequence[str] = (), max_overlap: float | None = None
 ) -> dict[str, dict[str, int]]:
     """Per train shard of `shards` (ledger records): fingerprints shared with evaluation data, documents
     sharing any, and documents over the default threshold (`ghostvis ledger`). From the ledger's
     fingerprints only: short items matched whole need the raw text, which the stage check reads."""
     limit = ContaminationConfig().max_overlap if max_overlap is None else max_overlap
-    train = {r["content_sha256"]: r["shard_id"] for r in shards if r["split"] == "train"}
+    train = {r.content_sha256: r.shard_id for r in shards if r.split == "train"}
     docs: dict[tuple[str, int], set[int]] = defaultdict(set)
     for r in ledger.ngrams(sorted(train)):
         if train.get(r["content_sha256"]) == r["shard_id"]:

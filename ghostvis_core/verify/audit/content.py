@@ -17,6 +17,7 @@ import numpy as np
 
 from ghostvis_core import digest
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.records import FeedRow, PartRow
 from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.outcome import CheckOutcome
@@ -42,27 +43,25 @@ class StepAuditor:
             self._digests[g] = self.rows.row(g).digest()
         return self._digests[g]
 
-    def compare(self, feed: dict[str, Any]) -> list[list[Any]]:
+    def compare(self, feed: FeedRow) -> list[list[Any]]:
         """[step, rank, micro-batch, row, problem] for each way the record differs from the plan."""
-        step, rank = feed["step"], feed["rank"]
+        step, rank = feed.step, feed.rank
         where = [step, rank]
         out = []
-        if digest.step_digest(feed["micro_digests"]) != feed["step_digest"]:
+        if digest.step_digest(feed.micro_digests) != feed.step_digest:
             out.append([*where, "-", "-", "the step digest is not the fold of its micro-batch digests"])
-        if len(feed["micro_rows"]) != self.accum:
-            out.append([*where, "-", "-", f"{len(feed['micro_rows'])} micro-batches fed, the plan has {self.accum}"])
+        if len(feed.micro_rows) != self.accum:
+            out.append([*where, "-", "-", f"{len(feed.micro_rows)} micro-batches fed, the plan has {self.accum}"])
         first = (step - 1) * self.per_step
-        for m, fed_rows in enumerate(feed["micro_rows"][: self.accum]):
+        for m, fed_rows in enumerate(feed.micro_rows[: self.accum]):
             want = micro_rows(first, m, rank, self.mbs, self.world)
             if fed_rows != want:
                 out.append([*where, m, "-", f"recorded rows {_span(fed_rows)}, the plan's rows are {_span(want)}"])
                 continue
             images = [d for g in want for d in self.rows.image_digests(g)]
             expected = digest.micro_digest([self.digest_of(g) for g in want], images)
-            if expected != feed["micro_digests"][m]:
-                out.append(
-                    [*where, m, *self.explain(want, feed["row_digests"][m], feed["image_hashes"][m], images, step)]
-                )
+            if expected != feed.micro_digests[m]:
+                out.append([*where, m, *self.explain(want, feed.row_digests[m], feed.image_hashes[m], images, step)])
         return out
 
     def explain(
@@ -104,25 +103,23 @@ def _span(rows: list[int]) -> str:
     return f"{rows[0]}..{rows[-1] + 1}" if rows == list(range(rows[0], rows[0] + len(rows))) else str(rows)
 
 
-def fed_content_matches_files(
-    store: Store, ledger: Ledger, spec: dict[str, Any], chain: list[dict[str, Any]]
-) -> CheckOutcome:
+def fed_content_matches_files(store: Store, ledger: Ledger, spec: dict[str, Any], chain: list[PartRow]) -> CheckOutcome:
     """Every rank's every step along the run's chain: a feed record exists, its rows are the plan's, and
     its digests equal those of the rows rebuilt from the token files."""
     auditor = StepAuditor(PlannedRows(store, spec), spec["plan"], spec["stage"])
-    feeds = {(f["step"], f["rank"]): f for f in ledger.feeds(chain)}
+    feeds = {(f.step, f.rank): f for f in ledger.feeds(chain)}
     problems: list[list[Any]] = []
     checked, fed = 0, 0
     for part in chain:
-        for step in range(part["step_first"], part["step_last"] + 1):
+        for step in range(part.step_first, part.step_last + 1):
             for rank in range(auditor.world):
                 feed = feeds.get((step, rank))
                 if feed is None:
-                    problems.append([step, rank, "-", "-", f"no content digests recorded (part {part['part_id']})"])
+                    problems.append([step, rank, "-", "-", f"no content digests recorded (part {part.part_id})"])
                     continue
                 problems += auditor.compare(feed)
                 checked += 1
-                fed += sum(len(rows) for rows in feed["micro_rows"])
+                fed += sum(len(rows) for rows in feed.micro_rows)
     write_row_index(store, ledger, spec, chain, auditor.rows)  # what `ghostvis trace` reads, from the rows rebuilt
     stage = spec["stage"]
     return CheckOutcome(

@@ -11,13 +11,10 @@ from typing import Any
 
 from ghostvis_core.counts import MLFLOW_METRICS, TokenCounts
 from ghostvis_core.data.catalog import registered_manifests
-from ghostvis_core.data.ledger import (
-    UNDECLARED_KINDS,
-    Ledger,
-    duplicate_shards,
-    train_validation_overlap,
-    validation_selected,
-)
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.query import UNDECLARED_KINDS, Reuse
+from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow
+from ghostvis_core.data.ledger.summaries import duplicate_shards, train_validation_overlap, validation_selected
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.runs import run_result
@@ -43,9 +40,9 @@ class StageRun:
 
     spec: LaunchSpec
     record: RunResult
-    chain: list[dict[str, Any]]
-    consumption: list[dict[str, Any]]
-    parts: list[dict[str, Any]]  # every part row of the run, on the chain or not
+    chain: list[PartRow]
+    consumption: list[ConsumptionRow]
+    parts: list[PartRow]  # every part row of the run, on the chain or not
 
     @classmethod
     def load(cls, store: Store, ledger: Ledger, stage: str, run_key: str) -> StageRun:
@@ -76,7 +73,7 @@ def tokens_recounted_from_files(store: Store, run: StageRun) -> CheckOutcome:
         store,
         run.spec,
         {
-            (r["shard_id"], r["content_sha256"]): r.get("token_sha256")
+            (r.shard_id, r.content_sha256): r.token_sha256
             for r in Ledger.in_store(store).shards(tokenizer_id=run.spec.tokenizer_id, every_version=True)
         },
     )
@@ -84,23 +81,21 @@ def tokens_recounted_from_files(store: Store, run: StageRun) -> CheckOutcome:
     problems += files.replaced
     tps = run.spec.plan.tokens_per_step
     rows, failures = [], list(problems)
-    for seg in sorted({p["segment"] for p in run.chain}):
-        parts = [p for p in run.chain if p["segment"] == seg]
-        ids = {p["part_id"] for p in parts}
-        steps = sum(p["step_last"] - p["step_first"] + 1 for p in parts)
-        counted, _ = recount(files, [r for r in run.consumption if r["part_id"] in ids], steps * tps)
-        r, f = _compare(
-            f"segment {seg} (ledger parts)", TokenCounts.total(TokenCounts.from_mapping(p) for p in parts), counted
-        )
+    for seg in sorted({p.segment for p in run.chain}):
+        parts = [p for p in run.chain if p.segment == seg]
+        ids = {p.part_id for p in parts}
+        steps = sum(p.step_last - p.step_first + 1 for p in parts)
+        counted, _ = recount(files, [r for r in run.consumption if r.part_id in ids], steps * tps)
+        r, f = _compare(f"segment {seg} (ledger parts)", TokenCounts.total(p.counts for p in parts), counted)
         rows, failures = rows + r, failures + f
     counted, twice = recount(files, run.consumption, run.record.steps * tps)
     for scope, trainer in (
-        ("run (ledger chain)", TokenCounts.total(TokenCounts.from_mapping(p) for p in run.chain)),
+        ("run (ledger chain)", TokenCounts.total(p.counts for p in run.chain)),
         ("run (trainer's run record)", run.record.counts),
     ):
         r, f = _compare(scope, trainer, counted)
         rows, failures = rows + r, failures + f
-    overlap = sum(p["overlap_tokens"] for p in run.chain)
+    overlap = sum(p.overlap_tokens for p in run.chain)
     failures += [f"overlap_tokens {overlap:,} in the ledger's parts (must be 0)"] if overlap else []
     failures += [f"{twice:,} tokens read twice across parts (must be 0)"] if twice else []
     return CheckOutcome(
@@ -130,7 +125,7 @@ def consumption_matches_plan(store: Store, run: StageRun) -> CheckOutcome:
     expected = expected_pieces(store, run.spec)
     ranges = compare_ranges(expected, run.consumption)
     failures = part_row_problems(run.chain, run.spec)
-    ids = [p["part_id"] for p in run.parts]
+    ids = [p.part_id for p in run.parts]
     failures += [
         f"part {i} is recorded {ids.count(i)} times in the ledger" for i in sorted(set(ids)) if ids.count(i) > 1
     ]
@@ -156,9 +151,9 @@ def consumption_matches_plan(store: Store, run: StageRun) -> CheckOutcome:
             "steps_x_tokens_per_step": steps * tps,
             "consumed_positions": consumed,
             "rows_planned": steps * rows_per_step(run.spec),
-            "rows_recorded": run.chain[-1]["rows_last"] if run.chain else 0,
+            "rows_recorded": run.chain[-1].rows_last if run.chain else 0,
             "expected_shard_tokens": expected_tokens(expected),
-            "consumed_shard_tokens": sum(int(r["tok_end"]) - int(r["tok_start"]) for r in run.consumption),
+            "consumed_shard_tokens": sum(int(r.tok_end) - int(r.tok_start) for r in run.consumption),
             **{f"{k.replace(' ', '_')}_tokens": v for k, v in totals.items()},
         },
         tables={"ranges": (["kind", "shard", "epoch", "tokens_range", "tokens"], ranges[:200])},
@@ -172,16 +167,14 @@ def range_readers(run: StageRun, shard: str, epoch: int, span: str) -> str:
     a, b = (int(x) for x in span.split(".."))
     ids = sorted(
         {
-            r["part_id"]
+            r.part_id
             for r in run.consumption
-            if r["shard_id"] == shard and int(r["epoch"]) == epoch and r["tok_start"] < b and a < r["tok_end"]
+            if r.shard_id == shard and int(r.epoch) == epoch and r.tok_start < b and a < r.tok_end
         }
     )
-    parts = {p["part_id"]: p for p in run.parts}
+    parts = {p.part_id: p for p in run.parts}
     named = [
-        _part_text(i, None, parts[i]["segment"], f"{parts[i]['step_first']}..{parts[i]['step_last']}")
-        for i in ids
-        if i in parts
+        _part_text(i, None, parts[i].segment, f"{parts[i].step_first}..{parts[i].step_last}") for i in ids if i in parts
     ]
     return "read by " + " and ".join(named) if named else "read by no part of the run's chain"
 
@@ -207,7 +200,7 @@ def every_rank_read_its_rows(ledger: Ledger, run: StageRun) -> CheckOutcome:
     per_step = rows_per_step(run.spec)
     rows = []
     for part in run.chain:
-        rows += share_problems(part, [s for s in shares if s["part_id"] == part["part_id"]], per_step)
+        rows += share_problems(part, [s for s in shares if s.part_id == part.part_id], per_step)
     return CheckOutcome(
         "every_rank_read_its_rows",
         not rows and bool(run.chain),
@@ -215,8 +208,8 @@ def every_rank_read_its_rows(ledger: Ledger, run: StageRun) -> CheckOutcome:
             "parts": len(run.chain),
             "shares": len(shares),
             "problems": len(rows),
-            "rows_expected": sum((p["step_last"] - p["step_first"] + 1) * per_step for p in run.chain),
-            "rows_recorded": sum(b - a for s in shares for a, b in s["row_ranges"]),
+            "rows_expected": sum((p.step_last - p.step_first + 1) * per_step for p in run.chain),
+            "rows_recorded": sum(b - a for s in shares for a, b in s.row_ranges),
         },
         tables={"problems": (["part", "rank", "expected rows", "recorded rows", "problem"], rows[:200])},
         failures=[f"part {r[0]} rank {r[1]}: {r[4]} (expected {r[2]}, recorded {r[3]})" for r in rows]
@@ -247,7 +240,7 @@ def figures_agree(
     return CheckOutcome(
         "ledger_mlflow_metadata_agree",
         not failures,
-        figures={"segments": str(sorted({p["segment"] for p in run.chain}))},
+        figures={"segments": str(sorted({p.segment for p in run.chain}))},
         tables={"comparison": (header, rows)},
         failures=failures,
     )
@@ -286,7 +279,7 @@ def _history_problems(by_step: dict[int, dict[str, set[int]]], tokens_per_step: 
 
 
 def mlflow_token_history(
-    chain: list[dict[str, Any]], tokens_per_step: int, history: dict[str, list[tuple[int, float]]]
+    chain: list[PartRow], tokens_per_step: int, history: dict[str, list[tuple[int, float]]]
 ) -> CheckOutcome:
     """Every logged point of the four token metrics, not only the newest (a chart reading 512, 512, 512,
     2048 with its last point right is wrong): per step see `_history_problems`; and at each committed
@@ -295,15 +288,15 @@ def mlflow_token_history(
     by_step = _points_by_step(history)
     failures, rows, cumulative = _history_problems(by_step, tokens_per_step), [], TokenCounts()
     for part in chain:
-        cumulative = cumulative + TokenCounts.from_mapping(part)
-        step = part["step_last"]
+        cumulative = cumulative + part.counts
+        step = part.step_last
         for k, want in cumulative.as_dict().items():
             got = sorted(by_step.get(step, {}).get(k, ()))
             rows.append(
                 [
                     step,
-                    part["part_id"],
-                    part["segment"],
+                    part.part_id,
+                    part.segment,
                     k,
                     ", ".join(map(str, got)) or "none",
                     want,
@@ -312,7 +305,7 @@ def mlflow_token_history(
             )
             if got != [want]:
                 failures.append(
-                    f"step {step} (end of part {part['part_id']}, segment {part['segment']}): {k} "
+                    f"step {step} (end of part {part.part_id}, segment {part.segment}): {k} "
                     f"mlflow {', '.join(f'{v:,}' for v in got) or 'not logged'} != ledger {want:,}"
                 )
     return CheckOutcome(
@@ -376,12 +369,12 @@ REUSE_HEADER = [
 ]
 
 
-def _reuse_row(r: dict) -> list:
+def _reuse_row(r: Reuse) -> list:
     """One range read twice, as a row of REUSE_HEADER."""
-    ranges = [f"{r['tok_start']}..{r['tok_end']}", f"{r['row_start']}..{r['row_end']}"]
-    sides = [r[f"{field}_{side}"] for side in "ab" for field in ("run", "part", "segment", "steps")]
-    fallback = f"{r['checkpoint']}: {r['reason']}" if r["checkpoint"] else ""
-    return [r["kind"], r["shard_id"], *ranges, r["tokens"], *sides, fallback]
+    ranges = [f"{r.tok_start}..{r.tok_end}", f"{r.row_start}..{r.row_end}"]
+    sides = [getattr(r, f"{field}_{side}") for side in "ab" for field in ("run", "part", "segment", "steps")]
+    fallback = f"{r.checkpoint}: {r.reason}" if r.checkpoint else ""
+    return [r.kind, r.shard_id, *ranges, r.tokens, *sides, fallback]
 
 
 def no_reuse(ledger: Ledger, run_key: str) -> CheckOutcome:
@@ -390,40 +383,40 @@ def no_reuse(ledger: Ledger, run_key: str) -> CheckOutcome:
     Each failure names the two parts that read the range, with their segments (launches) and steps,
     so a resume from a checkpoint too early reads as which launch re-read which steps."""
     found = ledger.reuse(run_key)
-    bad = [r for r in found if r["kind"] in UNDECLARED_KINDS]
-    retrained = [r for r in found if r["kind"] == "retrained_after_fallback"]
+    bad = [r for r in found if r.kind in UNDECLARED_KINDS]
+    retrained = [r for r in found if r.kind == "retrained_after_fallback"]
     rows = [_reuse_row(r) for r in found[:200]]
     failures = []
     for r in bad[:50]:
-        runs = (r["run_a"], r["run_b"]) if r["run_a"] != r["run_b"] else (None, None)
+        runs = (r.run_a, r.run_b) if r.run_a != r.run_b else (None, None)
         failures.append(
-            f"{r['kind']} {r['shard_id']} tokens {r['tok_start']}..{r['tok_end']}: read by "
-            f"{_part_text(r['part_a'], runs[0], r['segment_a'], r['steps_a'])} and "
-            f"{_part_text(r['part_b'], runs[1], r['segment_b'], r['steps_b'])}"
+            f"{r.kind} {r.shard_id} tokens {r.tok_start}..{r.tok_end}: read by "
+            f"{_part_text(r.part_a, runs[0], r.segment_a, r.steps_a)} and "
+            f"{_part_text(r.part_b, runs[1], r.segment_b, r.steps_b)}"
         )
     failures += reuse_hints(bad)
     return CheckOutcome(
         "no_reuse",
         not bad,
         figures={
-            "reused_tokens": sum(r["tokens"] for r in bad),
-            "declared_replay_or_repeat_tokens": sum(r["tokens"] for r in found if r["kind"] in ("replay", "repeat")),
-            "retrained_after_fallback_tokens": sum(r["tokens"] for r in retrained),
-            "passed_over_checkpoints": ", ".join(sorted({r["checkpoint"] for r in retrained})) or "none",
+            "reused_tokens": sum(r.tokens for r in bad),
+            "declared_replay_or_repeat_tokens": sum(r.tokens for r in found if r.kind in ("replay", "repeat")),
+            "retrained_after_fallback_tokens": sum(r.tokens for r in retrained),
+            "passed_over_checkpoints": ", ".join(sorted({r.checkpoint for r in retrained})) or "none",
         },
         tables={"ranges": (REUSE_HEADER, rows)},
         failures=failures,
     )
 
 
-def reuse_hints(bad: list[dict]) -> list[str]:
+def reuse_hints(bad: list[Reuse]) -> list[str]:
     """What the undeclared re-reads are, whether a user may have meant them, and the setting that declares
     them: a source an earlier stage read (a replay) or a second epoch of this run (a repeat). A reuse within
     one epoch (a resume that kept both reads) has no setting: it is a fault."""
     out = []
-    cross = sorted({r["source"] for r in bad if r["kind"] == "undeclared_cross_stage"})
+    cross = sorted({r.source for r in bad if r.kind == "undeclared_cross_stage"})
     if cross:
-        tokens = sum(r["tokens"] for r in bad if r["kind"] == "undeclared_cross_stage")
+        tokens = sum(r.tokens for r in bad if r.kind == "undeclared_cross_stage")
         listed = ", ".join(f'"{s}"' for s in cross)
         out.append(
             f"{tokens} tokens of source(s) {', '.join(cross)} were read by an earlier stage of this lineage and "
@@ -432,7 +425,7 @@ def reuse_hints(bad: list[dict]) -> list[str]:
             f"data.replay_sources, keeping any source already declared there), else give this stage data its "
             f"lineage has not read"
         )
-    repeat = sorted({r["source"] for r in bad if r["kind"] == "undeclared_repeat"})
+    repeat = sorted({r.source for r in bad if r.kind == "undeclared_repeat"})
     if repeat:
         out.append(
             f"source(s) {', '.join(repeat)} were read in a second epoch by this run (the budget is larger than "
@@ -472,20 +465,18 @@ def ledger_matches_token_files(store: Store, ledger: Ledger, tokenizer_id: str) 
     a shard (a run may have trained an earlier one)."""
     mismatches, total = [], 0
     records = ledger.shards(tokenizer_id=tokenizer_id, every_version=True)
-    ledger_total = sum(int(r["tokens"]) for r in records)
+    ledger_total = sum(int(r.tokens) for r in records)
     for r in records:
         try:
-            shard = TokenFile(
-                store.fetch("token_shard", tokenizer_id, r["shard_id"], r["content_sha256"]), r["shard_id"]
-            )
+            shard = TokenFile(store.fetch("token_shard", tokenizer_id, r.shard_id, r.content_sha256), r.shard_id)
             docs, tokens = shard.num_docs, shard.num_tokens
         except GhostvisError as exc:
-            mismatches.append([r["shard_id"], r["docs"], -1, r["tokens"], -1, str(exc)])
+            mismatches.append([r.shard_id, r.docs, -1, r.tokens, -1, str(exc)])
             continue
         total += tokens
-        same = not r.get("token_sha256") or sha256_file(shard.path) == r["token_sha256"]
-        if (docs, tokens, same) != (r["docs"], r["tokens"], True):
-            mismatches.append([r["shard_id"], r["docs"], docs, r["tokens"], tokens, "ok" if same else "other content"])
+        same = not r.token_sha256 or sha256_file(shard.path) == r.token_sha256
+        if (docs, tokens, same) != (r.docs, r.tokens, True):
+            mismatches.append([r.shard_id, r.docs, docs, r.tokens, tokens, "ok" if same else "other content"])
     return CheckOutcome(
         "ledger_matches_token_files",
         not mismatches,
@@ -501,7 +492,7 @@ def ledger_matches_token_files(store: Store, ledger: Ledger, tokenizer_id: str) 
 
 def all_manifest_shards_tokenized(store: Store, ledger: Ledger, tokenizer_id: str) -> CheckOutcome:
     """Every shard of every registered manifest is tokenized with the tokenizer."""
-    have = {r["shard_id"] for r in ledger.shards(tokenizer_id=tokenizer_id)}
+    have = {r.shard_id for r in ledger.shards(tokenizer_id=tokenizer_id)}
     want = [m.shard_id(e) for m in registered_manifests(store).values() for e in m.shards]
     missing = [s for s in want if s not in have]
     return CheckOutcome(

@@ -433,7 +433,7 @@ class PlannedRows:
         if self._completions is None:
             ledger = Ledger.in_store(self.store)
             rollouts = ledger.rollouts(ledger.chain(self.run_key))
-            self._completions = {g_: ids for r in rollouts for g_, ids in zip(r["rows"], r["completion_ids"])}
+            self._completions = {g_: ids for r in rollouts for g_, ids in zip(r.rows, r.completion_ids)}
         return self._completions.get(g, [])
 
     def spans_before(self, n_rows: int) -> list[Span]:

@@ -24,6 +24,7 @@ import numpy as np
 
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.records import ConsumptionRow
 from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.train.spec import LaunchSpec
@@ -73,24 +74,23 @@ class FileRecount:
     def opened(self) -> int:
         return len(self._open)
 
-    def range_problem(self, r: dict) -> str | None:
+    def range_problem(self, r: ConsumptionRow) -> str | None:
         """Why a consumption row breaks the row rule, or None: the range must lie in the file, start
         and end on document boundaries unless the stage reads windows (lm), and name the raw rows
         whose documents hold it."""
-        shard = self.shard(r["shard_id"])
-        a, b = int(r["tok_start"]), int(r["tok_end"])
-        where = f"{r['shard_id']} epoch {r['epoch']} tokens {a}..{b}"
+        shard = self.shard(r.shard_id)
+        a, b = int(r.tok_start), int(r.tok_end)
+        where = f"{r.shard_id} epoch {r.epoch} tokens {a}..{b}"
         if not 0 <= a < b <= shard.num_tokens:
             return f"{where}: outside the file's {shard.num_tokens} tokens"
-        if r["tokens"] != b - a:
-            return f"{where}: tokens column says {r['tokens']}, the range holds {b - a}"
+        if r.tokens != b - a:
+            return f"{where}: tokens column says {r.tokens}, the range holds {b - a}"
         if self.objective != "lm" and not (_holds(shard.starts, a) and _holds(shard.starts, b)):
             return f"{where}: not whole documents (the {self.objective} rows read whole documents)"
         rows = shard.rows_of(a, b)
-        if (r["row_start"], r["row_end"]) != rows:
+        if (r.row_start, r.row_end) != rows:
             return (
-                f"{where}: rows {r['row_start']}..{r['row_end']} recorded, "
-                f"the file's documents are rows {rows[0]}..{rows[1]}"
+                f"{where}: rows {r.row_start}..{r.row_end} recorded, the file's documents are rows {rows[0]}..{rows[1]}"
             )
         return None
 
@@ -136,10 +136,10 @@ class FileRecount:
         fed, cropped = rl_prompt(ids, int(shard.prompt_len[d]), self.tok, self.grpo.prompt, limit)
         return TokenCounts(self.grpo.group_size * len(fed), 0, 0, cropped)
 
-    def generated(self, consumption: list[dict]) -> TokenCounts:
+    def generated(self, consumption: list[ConsumptionRow]) -> TokenCounts:
         """rl: the tokens of every completion the rollouts of the consumption rows' parts saved (real,
         carrying loss)."""
-        n = sum(len(c) for r in Ledger.in_store(self.store).rollouts(consumption) for c in r["completion_ids"])
+        n = sum(len(c) for r in Ledger.in_store(self.store).rollouts(consumption) for c in r.completion_ids)
         return TokenCounts(real_tokens=n, loss_tokens=n)
 
 
@@ -148,12 +148,12 @@ def _holds(sorted_values: np.ndarray, x: int) -> bool:
     return i < len(sorted_values) and int(sorted_values[i]) == x
 
 
-def recount(files: FileRecount, consumption: list[dict], positions: int) -> tuple[TokenCounts, int]:
+def recount(files: FileRecount, consumption: list[ConsumptionRow], positions: int) -> tuple[TokenCounts, int]:
     """(The four figures, tokens read twice) recounted over the union of `consumption` per (shard,
     epoch); `positions` (steps x tokens_per_step of the rows read) gives the padding of padded rows."""
     by_key: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for r in consumption:
-        by_key.setdefault((r["shard_id"], int(r["epoch"])), []).append((int(r["tok_start"]), int(r["tok_end"])))
+        by_key.setdefault((r.shard_id, int(r.epoch)), []).append((int(r.tok_start), int(r.tok_end)))
     counts, twice = TokenCounts(), 0
     for (shard_id, _), ranges in sorted(by_key.items()):
         twice += sum(b - a for a, b in covered_twice(ranges))

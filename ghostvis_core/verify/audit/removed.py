@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 
 from ghostvis_core.data.catalog import raw_content
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.records import ShardRecord
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import Store
@@ -98,10 +99,10 @@ def removed_tokens_reconcile(store: Store, ledger: Ledger, tokenizer_id: str) ->
     tok = load_tokenizer(tokenizer_id, store)
     tallies, other_kinds = [], []
     for record in ledger.shards(tokenizer_id=tokenizer_id, every_version=True):
-        if record["kind"] == "text":
+        if record.kind == "text":
             tallies.append(tally_shard(store, tok, record))
         else:
-            other_kinds.append(record["shard_id"])
+            other_kinds.append(record.shard_id)
     failing = {t.shard_id: t.failures() for t in tallies}
     disagreeing = [t for t in tallies if failing[t.shard_id]]
     failures = [f for t in disagreeing for f in failing[t.shard_id]]
@@ -127,14 +128,14 @@ def removed_tokens_reconcile(store: Store, ledger: Ledger, tokenizer_id: str) ->
     )
 
 
-def tally_shard(store: Store, tok: Tokenizer, record: dict[str, Any]) -> ShardTally:
+def tally_shard(store: Store, tok: Tokenizer, record: ShardRecord) -> ShardTally:
     """The shard's raw documents tokenized again, against its token file and its ledger record."""
-    sid = record["shard_id"]
-    reasons = json.loads(record["drop_reasons"] or "{}")
-    removed_ledger = (record["docs_dropped"], record["tokens_dropped"])
+    sid = record.shard_id
+    reasons = json.loads(record.drop_reasons or "{}")
+    removed_ledger = (record.docs_dropped, record.tokens_dropped)
     try:
-        per_row = raw_document_tokens(store, tok, sid, record["content_sha256"])
-        kept = TokenFile(store.fetch("token_shard", tok.tokenizer_id, sid, record["content_sha256"]), sid)
+        per_row = raw_document_tokens(store, tok, sid, record.content_sha256)
+        kept = TokenFile(store.fetch("token_shard", tok.tokenizer_id, sid, record.content_sha256), sid)
     except GhostvisError as exc:
         return ShardTally(sid, (-1, -1), (-1, -1), removed_ledger, (-1, -1), reasons, [str(exc)])
     problems = []

@@ -21,6 +21,7 @@ from typing import Any
 
 from ghostvis_core.counts import ROLLOUT_FIGURES, ROLLOUT_METRICS, TokenCounts
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.records import PartRow, RolloutRow
 from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.outcome import CheckOutcome
@@ -55,11 +56,11 @@ def recomputed_reward(rule: str, text: str, answer: str) -> float:
     return float(exact) + FORMAT_REWARD * (last is not None and re.fullmatch(pattern, last) is not None)
 
 
-def recount_record(rows: PlannedRows, record: dict[str, Any]) -> tuple[list[int], int, list[int]]:
+def recount_record(rows: PlannedRows, record: RolloutRow) -> tuple[list[int], int, list[int]]:
     """(the four rollout figures, prompt tokens fed, rows whose saved reward is not the recomputed one)
     of one (step, rank) record, from its saved completions and the token files."""
     figs, prompt_tokens, wrong = [0, 0, 0, 0], 0, []
-    for g, ids, saved in zip(record["rows"], record["completion_ids"], record["rewards"]):
+    for g, ids, saved in zip(record.rows, record.completion_ids, record.rewards):
         s, j = rows.mixture.locate(g)
         src = rows.sources[s]
         stops = (src.tok.bos, src.tok.eot)
@@ -74,32 +75,32 @@ def recount_record(rows: PlannedRows, record: dict[str, Any]) -> tuple[list[int]
 
 
 def record_problems(
-    rows: PlannedRows, plan: dict[str, Any], chain: list[dict[str, Any]], records: list[dict[str, Any]]
+    rows: PlannedRows, plan: dict[str, Any], chain: list[PartRow], records: list[RolloutRow]
 ) -> tuple[list[int], int, list[list[Any]]]:
     """Recounted totals, prompt tokens, and [step, rank, problem] for every (step, rank) of the chain."""
     batch = BatchPlan.of(plan)
     mbs, world, accum = batch.micro_batch_size, batch.world_size, batch.grad_accum_steps
-    by = {(r["step"], r["rank"]): r for r in records}
+    by = {(r.step, r.rank): r for r in records}
     totals, prompts, problems = [0, 0, 0, 0], 0, []
     for part in chain:
-        for step in range(part["step_first"], part["step_last"] + 1):
+        for step in range(part.step_first, part.step_last + 1):
             for rank in range(world):
                 r = by.get((step, rank))
                 if r is None:
-                    problems.append([step, rank, f"no rollouts recorded (part {part['part_id']})"])
+                    problems.append([step, rank, f"no rollouts recorded (part {part.part_id})"])
                     continue
                 first = (step - 1) * batch.rows_per_step
                 want = [g for m in range(accum) for g in micro_rows(first, m, rank, mbs, world)]
-                if r["rows"] != want:
+                if r.rows != want:
                     problems.append(
-                        [step, rank, f"completions for rows {r['rows'][:8]}..., the plan's rows are {want[:8]}..."]
+                        [step, rank, f"completions for rows {r.rows[:8]}..., the plan's rows are {want[:8]}..."]
                     )
                 figs, p, wrong = recount_record(rows, r)
                 totals, prompts = [a + b for a, b in zip(totals, figs)], prompts + p
                 problems += [
-                    [step, rank, f"{k} recorded {r[k]:,}, recounted from the completions {v:,}"]
+                    [step, rank, f"{k} recorded {getattr(r, k):,}, recounted from the completions {v:,}"]
                     for k, v in zip(ROLLOUT_FIGURES, figs)
-                    if r[k] != v
+                    if getattr(r, k) != v
                 ]
                 problems += [
                     [step, rank, f"row {g}: saved reward is not the recomputed reward of its completion"]
@@ -144,13 +145,13 @@ def rollouts_recounted(
             else [],
         )
     recount, prompts, problems = record_problems(PlannedRows(store, spec), spec["plan"], run.chain, records)
-    ledger_totals = [sum(int(r[k]) for r in records) for k in ROLLOUT_FIGURES]
+    ledger_totals = [sum(int(getattr(r, k)) for r in records) for k in ROLLOUT_FIGURES]
     table = copies(ledger_totals, run.record.generated, mlflow, metadata)
     failures = [f"{run.spec.stage} step {s} rank {r}: {p}" for s, r, p in problems[:50]]
     for (k, *vals), counted in zip(table, recount):
         if any(v != counted for v in vals if v != "-"):
             failures.append(f"{k}: recount {counted:,} != ledger/record/MLflow/metadata {vals}")
-    chain = TokenCounts.total(TokenCounts.from_mapping(p) for p in run.chain)
+    chain = TokenCounts.total(p.counts for p in run.chain)
     if (chain.real_tokens, chain.loss_tokens) != (prompts + recount[0], recount[0]):
         failures.append(
             f"ledger real {chain.real_tokens:,} / loss {chain.loss_tokens:,} != prompt tokens from the files "

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.records import PartRow
 from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.rebuild import PlannedRows
@@ -32,13 +33,13 @@ def place(g: int, plan: BatchPlan) -> dict[str, int]:
     }
 
 
-def part_index(planned: PlannedRows, part: dict[str, Any]) -> list[dict[str, Any]]:
+def part_index(planned: PlannedRows, part: PartRow) -> list[dict[str, Any]]:
     """The index rows of one part: each of its global rows' spans, placed by the row rule with the
     part's own batch factors (a relaunch may change the world size)."""
-    out, plan = [], BatchPlan.of(part)
-    for g in range(part["rows_first"], part["rows_last"]):
-        where = {"part_id": part["part_id"], "segment": part["segment"], **place(g - part["rows_first"], plan)}
-        where["step"] += part["step_first"] - 1
+    out, plan = [], part.batch
+    for g in range(part.rows_first, part.rows_last):
+        where = {"part_id": part.part_id, "segment": part.segment, **place(g - part.rows_first, plan)}
+        where["step"] += part.step_first - 1
         for sp in planned.spans(g):
             first, last = planned.token_file(sp.shard_id).rows_of(sp.tok_start, sp.tok_end)
             out.append(
@@ -57,7 +58,7 @@ def part_index(planned: PlannedRows, part: dict[str, Any]) -> list[dict[str, Any
 
 
 def write_row_index(
-    store: Store, ledger: Ledger, spec: dict[str, Any], chain: list[dict[str, Any]], planned: PlannedRows | None = None
+    store: Store, ledger: Ledger, spec: dict[str, Any], chain: list[PartRow], planned: PlannedRows | None = None
 ) -> Path | None:
     """The row index of the run's `chain`, written when the ledger has none for its head (rebuilding the
     plan's rows only then, when `planned` is not given); its file, None for an empty chain."""

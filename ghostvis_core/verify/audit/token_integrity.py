@@ -25,6 +25,7 @@ import pyarrow.parquet as pq
 from ghostvis_core.data.catalog import raw_content
 from ghostvis_core.data.chat import ROLES, marker_starts
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.records import ShardRecord
 from ghostvis_core.data.ngrams import TEXT_COLUMNS, normalize, record_text
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
@@ -37,14 +38,14 @@ ENDS_WITH_EOT = ("chat", "preference", "problem", "image_caption")
 IMAGE = "<|image|>"  # a chat's image placeholder: a special token in the file, literal text in the raw row
 
 
-def _files(store: Store, ledger: Ledger, tokenizer_id: str) -> list[tuple[dict[str, Any], TokenFile | str]]:
+def _files(store: Store, ledger: Ledger, tokenizer_id: str) -> list[tuple[ShardRecord, TokenFile | str]]:
     """Each ledger shard record of the tokenizer, every version of a shard (a run may have trained an
     earlier one), with its token file, or why the file cannot be read."""
-    out: list[tuple[dict[str, Any], TokenFile | str]] = []
+    out: list[tuple[ShardRecord, TokenFile | str]] = []
     for r in ledger.shards(tokenizer_id=tokenizer_id, every_version=True):
         try:
-            path = store.fetch("token_shard", tokenizer_id, r["shard_id"], r["content_sha256"])
-            out.append((r, TokenFile(path, r["shard_id"])))
+            path = store.fetch("token_shard", tokenizer_id, r.shard_id, r.content_sha256)
+            out.append((r, TokenFile(path, r.shard_id)))
         except GhostvisError as exc:
             out.append((r, str(exc)))
     return out
@@ -61,7 +62,7 @@ def token_files_name_their_tokenizer(store: Store, ledger: Ledger, tokenizer_id:
     """Every token file of the tokenizer was written by it (the id in the file's schema metadata)."""
     problems, files = [], _files(store, ledger, tokenizer_id)
     for r, tf in files:
-        s, fix = r["shard_id"], f"re-materialize tokenized_shards partition {r['shard_id']}"
+        s, fix = r.shard_id, f"re-materialize tokenized_shards partition {r.shard_id}"
         if isinstance(tf, str):
             problems.append([s, "-", tf])
         elif tf.tokenizer_id != tokenizer_id:
@@ -86,10 +87,10 @@ def token_files_name_their_tokenizer(store: Store, ledger: Ledger, tokenizer_id:
     )
 
 
-def boundary_problems(r: dict[str, Any], tf: TokenFile, tok: Tokenizer) -> list[list[Any]]:
+def boundary_problems(r: ShardRecord, tf: TokenFile, tok: Tokenizer) -> list[list[Any]]:
     """[shard, document, raw row, problem] for each document that does not start with <|bos|>, each
     <|bos|> inside a document, and each chat / pair / caption that does not end with <|eot|>."""
-    s, starts, values = r["shard_id"], tf.starts, tf.values
+    s, starts, values = r.shard_id, tf.starts, tf.values
     lengths = np.diff(starts)
     firsts = np.where(lengths > 0, values[np.minimum(starts[:-1], max(len(values) - 1, 0))], -1)
     out = [
@@ -102,7 +103,7 @@ def boundary_problems(r: dict[str, Any], tf: TokenFile, tok: Tokenizer) -> list[
         ]
         for d in np.flatnonzero(firsts != tok.bos)
     ]
-    if r["kind"] == "text" or tok.bos != tok.eot:  # a standard encoding's <|endoftext|> is both
+    if r.kind == "text" or tok.bos != tok.eot:  # a standard encoding's <|endoftext|> is both
         inside = np.setdiff1d(np.flatnonzero(values == tok.bos), starts[:-1])
         for p in inside:
             d = int(np.searchsorted(starts, p, side="right")) - 1
@@ -115,7 +116,7 @@ def boundary_problems(r: dict[str, Any], tf: TokenFile, tok: Tokenizer) -> list[
                     f"token {int(p - starts[d])}: a document boundary is missing or shifted",
                 ]
             )
-    if r["kind"] in ENDS_WITH_EOT:
+    if r.kind in ENDS_WITH_EOT:
         lasts = np.where(lengths > 0, values[np.maximum(starts[1:] - 1, 0)], -1)
         out += [
             [
@@ -136,7 +137,7 @@ def documents_start_where_ledger_says(store: Store, ledger: Ledger, tokenizer_id
     tok, problems, docs = load_tokenizer(tokenizer_id, store), [], 0
     for r, tf in _files(store, ledger, tokenizer_id):
         if isinstance(tf, str):
-            problems.append([r["shard_id"], "-", "-", tf])
+            problems.append([r.shard_id, "-", "-", tf])
             continue
         docs += tf.num_docs
         problems += boundary_problems(r, tf, tok)
@@ -168,22 +169,22 @@ def sampled_documents_decode_to_raw_text(store: Store, ledger: Ledger, tokenizer
     """The first, middle and last document of every token file decode to the words of their raw row."""
     tok, problems, sampled = load_tokenizer(tokenizer_id, store), [], 0
     for r, tf in _files(store, ledger, tokenizer_id):
-        s = r["shard_id"]
+        s = r.shard_id
         if isinstance(tf, str) or tf.num_docs == 0:
             problems += [[s, "-", "-", tf]] if isinstance(tf, str) else []
             continue
         picks = sorted({0, tf.num_docs // 2, tf.num_docs - 1})
         try:  # the raw version this token file was made from (a shard is its content)
-            raw = raw_content(store, s, r["content_sha256"])
+            raw = raw_content(store, s, r.content_sha256)
         except GhostvisError as exc:
             problems.append([s, "-", "-", str(exc)])
             continue
-        table = pq.read_table(raw, columns=TEXT_COLUMNS[r["kind"]])
+        table = pq.read_table(raw, columns=TEXT_COLUMNS[r.kind])
         records = table.take([int(tf.rows[d]) for d in picks]).to_pylist()
         for d, record in zip(picks, records):
             sampled += 1
-            text = record_text(r["kind"], record)
-            want = normalize(text if r["kind"] == "text" else text.replace(IMAGE, " "))
+            text = record_text(r.kind, record)
+            want = normalize(text if r.kind == "text" else text.replace(IMAGE, " "))
             got = decoded_words(tok, tf.doc(d))
             if got != want:
                 at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from ghostvis_core.counts import TokenCounts
-from ghostvis_core.data.ledger import UNDECLARED_KINDS, Ledger
+from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.query import UNDECLARED_KINDS, Reuse
 from ghostvis_core.plan.budget import plan
 from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.plan.presets import evidence_note
@@ -53,14 +54,14 @@ class StageReport:
     evidence_note: str = ""  # why the preset's run cannot improve the stage's evidence, where it cannot
 
 
-def reuse_summary(reuse: list[dict[str, Any]]) -> str:
+def reuse_summary(reuse: list[Reuse]) -> str:
     """The report card's reuse cell: FLAGGED with the undeclared tokens read twice, else none, with the
     declared tokens by reason."""
-    bad = sum(r["tokens"] for r in reuse if r["kind"] in UNDECLARED_KINDS)
+    bad = sum(r.tokens for r in reuse if r.kind in UNDECLARED_KINDS)
     if bad:
         return f"FLAGGED: {bad:,} tokens read twice"
-    retrained = sum(r["tokens"] for r in reuse if r["kind"] == "retrained_after_fallback")
-    declared = sum(r["tokens"] for r in reuse) - retrained
+    retrained = sum(r.tokens for r in reuse if r.kind == "retrained_after_fallback")
+    declared = sum(r.tokens for r in reuse) - retrained
     notes = [f"{declared:,} tokens of declared replay/repeat"] if declared else []
     notes += [f"{retrained:,} tokens retrained after a damaged checkpoint"] if retrained else []
     return "none" + (f" ({'; '.join(notes)})" if notes else "")

@@ -1,0 +1,245 @@
+"""The ledger's rows as typed records, one frozen dataclass per table: what the queries return and, for
+the part row, what the trainer writes. Each table's Parquet schema is derived from its record's fields
+(`schema_of`), so a column is named and typed in one place; the field order is the files' column order.
+
+A field whose metadata says `json` is a list kept as a JSON string in its column (Parquet has no ragged
+lists the ledger's readers agree on): the query decodes it, so the record holds the list.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any, get_type_hints
+
+import pyarrow as pa
+
+from ghostvis_core.counts import TokenCounts
+from ghostvis_core.plan.batch import BatchPlan
+
+# The tables written per part of a run, each in a folder per run (`LedgerFiles.part_file`).
+PART_TABLES = ("parts", "consumption", "shares", "feeds", "rollouts")
+
+NGRAM_INDEX_ROWS = 65_536  # rows per row group of the fingerprint index: a lookup reads the groups its hashes fall in
+NGRAM_INDEX_FILES = b"ghostvis.ngram_files"  # the index file's metadata: the ngrams/ file names it holds (JSON)
+
+_ARROW = {str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_()}
+
+
+def _json() -> Any:
+    """A field kept as a JSON string in its column and decoded on read."""
+    return field(metadata={"json": True})
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """What one tokenized shard holds: docs, tokens, bytes and what was dropped (the `shards` table).
+    Read back, `token_path` is absolute (it is kept relative to the store folder)."""
+
+    shard_id: str
+    source: str
+    split: str
+    kind: str
+    content_sha256: str
+    replaces_sha256: str  # the shard's content before this version ("": its first version)
+    raw_bytes: int
+    tokenizer_id: str
+    docs: int
+    tokens: int
+    text_bytes: int
+    docs_dropped: int
+    tokens_dropped: int
+    drop_reasons: str  # JSON {reason: {"docs": n, "tokens": n}}
+    token_path: str
+    token_sha256: str  # of the token file as written: a replaced file shows
+    created_at: float
+
+
+@dataclass(frozen=True)
+class PartRow:
+    """One checkpointed part of a run segment (the `parts` table): its steps and rows, the four token
+    figures summed over ranks, the tokens_per_step factors; `prev_part_id` chains the parts that lead to
+    a checkpoint. The trainer builds it without the counts (`with_counts` adds the ranks' sums)."""
+
+    part_id: str
+    prev_part_id: str
+    run_key: str
+    parent_run_key: str
+    stage: str
+    segment: int
+    step_first: int
+    step_last: int
+    rows_first: int
+    rows_last: int
+    real_tokens: int = 0
+    pad_tokens: int = 0
+    loss_tokens: int = 0
+    cropped_tokens: int = 0
+    overlap_tokens: int = 0
+    micro_batch_size: int = 0
+    seq_len: int = 0
+    world_size: int = 0
+    grad_accum_steps: int = 0
+    tokens_per_step: int = 0
+    planned_tokens: int = 0
+    allow_repeat: bool = False
+    replay_sources: str = "[]"  # JSON list
+    # JSON [{checkpoint, step, reason}]: the damaged checkpoints the part's segment passed over at its resume
+    passed_over: str = "[]"
+    mlflow_run_id: str = ""
+    created_at: float = field(default_factory=time.time)
+
+    @property
+    def counts(self) -> TokenCounts:
+        return TokenCounts.from_mapping(self.__dict__)
+
+    @property
+    def batch(self) -> BatchPlan:
+        """The part's four tokens_per_step factors (the audit derives each rank's rows from them)."""
+        return BatchPlan(self.micro_batch_size, self.seq_len, self.world_size, self.grad_accum_steps)
+
+
+@dataclass(frozen=True)
+class ConsumptionRow:
+    """A (shard, epoch, token range, row range) piece the loader delivered in a part (`consumption`)."""
+
+    part_id: str
+    run_key: str
+    stage: str
+    segment: int
+    source: str
+    shard_id: str
+    split: str
+    epoch: int
+    tok_start: int
+    tok_end: int
+    tokens: int
+    row_start: int
+    row_end: int
+
+
+@dataclass(frozen=True)
+class ShareRow:
+    """One rank's share of a part (`shares`): the global rows it read and its four figures."""
+
+    part_id: str
+    run_key: str
+    rank: int
+    world_size: int
+    row_count: int
+    row_ranges: list[list[int]] = _json()  # [[start, end), ...] of global rows, sorted
+    real_tokens: int = 0
+    pad_tokens: int = 0
+    loss_tokens: int = 0
+    cropped_tokens: int = 0
+
+    @property
+    def counts(self) -> TokenCounts:
+        return TokenCounts.from_mapping(self.__dict__)
+
+
+@dataclass(frozen=True)
+class FeedRow:
+    """Per part, rank and step: what the rank fed the model (ghostvis_core/digest.py), for the content proof."""
+
+    part_id: str
+    run_key: str
+    rank: int
+    step: int
+    step_digest: str
+    micro_digests: list[str] = _json()  # digest per micro-batch
+    micro_rows: list[list[int]] = _json()  # [global rows] per micro-batch
+    row_digests: list[list[str]] = _json()  # [digest per row] per micro-batch
+    image_hashes: list[list[str]] = _json()  # [hash per image] per micro-batch
+
+
+@dataclass(frozen=True)
+class RolloutRow:
+    """Per part, rank and step of an rl run (ghostvis_core/run/train/grpo.py): the rollout figures and
+    every completion the rank sampled."""
+
+    part_id: str
+    run_key: str
+    rank: int
+    step: int
+    generated_tokens: int
+    rewarded_tokens: int  # of exact-answer completions (reward >= 1)
+    completions: int
+    correct_completions: int
+    rows: list[int] = _json()  # global row per completion
+    completion_ids: list[list[int]] = _json()  # [token id] per completion
+    rewards: list[float] = _json()  # reward per completion
+
+
+@dataclass(frozen=True)
+class RowIndexRow:
+    """Per planned global row of a run's chain (ghostvis_core/verify/audit/row_index.py): its part, where
+    the row rule puts it and one span of a shard it read, as tokens and raw rows."""
+
+    part_id: str
+    run_key: str
+    stage: str
+    segment: int
+    step: int
+    rank: int
+    micro_batch: int
+    global_row: int
+    shard_id: str
+    epoch: int
+    tok_start: int
+    tok_end: int
+    row_start: int
+    row_end: int
+
+
+@dataclass(frozen=True)
+class DocRow:
+    """Per document of a shard, its hash (text, plus image bytes): the same document in train and validation."""
+
+    shard_id: str
+    source: str
+    split: str
+    content_sha256: str
+    row: int
+    doc_hash: str
+
+
+@dataclass(frozen=True)
+class NgramRow:
+    """Per training or validation document (raw row), one of its winnowed 13-gram fingerprints
+    (ghostvis_core/data/ngrams.py), for the decontamination gate (ghostvis_core/verify/audit/contamination.py)."""
+
+    shard_id: str
+    source: str
+    split: str
+    content_sha256: str
+    row: int
+    ngram_hash: int
+
+
+def schema_of(record: type) -> pa.Schema:
+    """The Parquet schema of a ledger table: its record's fields in order, a `json` field as a string."""
+    hints = get_type_hints(record)
+    return pa.schema(
+        [(f.name, pa.string() if f.metadata.get("json") else _ARROW[hints[f.name]]) for f in fields(record)]
+    )
+
+
+def from_row(record: type, row: dict[str, Any]):
+    """A record from a query's row (columns by name; a column an older file lacks reads as None; `json`
+    fields decoded)."""
+    return record(
+        **{f.name: json.loads(row[f.name]) if f.metadata.get("json") else row.get(f.name) for f in fields(record)}
+    )
+
+
+SHARD_SCHEMA = schema_of(ShardRecord)
+PART_SCHEMA = schema_of(PartRow)
+CONSUMPTION_SCHEMA = schema_of(ConsumptionRow)
+SHARE_SCHEMA = schema_of(ShareRow)
+FEED_SCHEMA = schema_of(FeedRow)
+ROLLOUT_SCHEMA = schema_of(RolloutRow)
+ROW_INDEX_SCHEMA = schema_of(RowIndexRow)
+DOC_SCHEMA = schema_of(DocRow)
+NGRAM_SCHEMA = schema_of(NgramRow)

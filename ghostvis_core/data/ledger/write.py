@@ -1,0 +1,209 @@
+"""The ledger's writing side: each writer (a tokenizer worker, a training run's rank 0, the audit) writes
+its own files, whole, and publishes each to the store at once; nobody rewrites a file. A file's name is
+derived from its content key, so writing twice is harmless."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from ghostvis_core.data.ledger.files import (
+    LedgerFiles,
+    connection,
+    file_key,
+    ngram_name,
+    parquet_list,
+    shard_record_name,
+    write_parquet,
+)
+from ghostvis_core.data.ledger.records import (
+    CONSUMPTION_SCHEMA,
+    DOC_SCHEMA,
+    FEED_SCHEMA,
+    NGRAM_INDEX_FILES,
+    NGRAM_INDEX_ROWS,
+    NGRAM_SCHEMA,
+    PART_SCHEMA,
+    ROLLOUT_SCHEMA,
+    ROW_INDEX_SCHEMA,
+    SHARD_SCHEMA,
+    SHARE_SCHEMA,
+    PartRow,
+)
+from ghostvis_core.errors import GhostvisError
+from ghostvis_core.store.files import sha256_file
+
+if TYPE_CHECKING:  # the ledger stores pieces; it does not read streams (the audit imports it)
+    from ghostvis_core.data.stream import Piece
+
+
+def row_ranges(rows: list[int]) -> list[list[int]]:
+    """Global rows as sorted [start, end) ranges; a row read twice appears in two ranges."""
+    out: list[list[int]] = []
+    for r in sorted(rows):
+        if out and out[-1][1] == r:
+            out[-1][1] = r + 1
+        else:
+            out.append([r, r + 1])
+    return out
+
+
+def pieces_to_rows(pieces: list[Piece], rows_of) -> list[dict[str, Any]]:
+    """Ledger consumption rows (but for the part's ids) for merged pieces; rows_of(piece) -> (row_start, row_end)."""
+    out = []
+    for p in pieces:
+        r0, r1 = rows_of(p)
+        out.append(
+            {
+                "source": p.source,
+                "shard_id": p.shard_id,
+                "split": p.split,
+                "epoch": p.epoch,
+                "tok_start": p.tok_start,
+                "tok_end": p.tok_end,
+                "tokens": p.tokens,
+                "row_start": r0,
+                "row_end": r1,
+            }
+        )
+    return out
+
+
+class LedgerWriter(LedgerFiles):
+    def shard_record_path(self, shard_id: str, tokenizer_id: str, content_sha256: str) -> Path:
+        """The local file of a shard's record, fetched from the store when it is there."""
+        return self._fetched_file(shard_record_name(shard_id, tokenizer_id, content_sha256))
+
+    def ngram_record_path(self, shard_id: str, content_sha256: str) -> Path:
+        """The local file of a shard's n-gram fingerprints, fetched from the store when it is there."""
+        return self._fetched_file(ngram_name(shard_id, content_sha256))
+
+    def _write(
+        self, path: Path, rows: list[dict[str, Any]] | pa.Table, schema: pa.Schema, row_group_size: int | None = None
+    ) -> Path:
+        """Write one file of the ledger and publish it to the store, so every node sees it."""
+        write_parquet(path, rows, schema, row_group_size)
+        if self.store is not None:
+            self.store.publish("ledger_file", path.relative_to(self.root).as_posix())
+        return path
+
+    def write_shard(self, record: dict[str, Any]) -> Path:
+        """Token paths are kept relative to the store, so a GHOSTVIS_HOME can be moved or copied; the
+        token file's sha256 is kept, so a file replaced later (same rows, other tokens) is found."""
+        record = {
+            "created_at": time.time(),
+            "replaces_sha256": "",
+            "docs_dropped": 0,
+            "tokens_dropped": 0,
+            "drop_reasons": "{}",
+            **record,
+        }
+        path = Path(record.get("token_path") or "")
+        if path.is_file():
+            record["token_sha256"] = sha256_file(path)
+        if path.is_absolute() and path.is_relative_to(self.store_folder):
+            record["token_path"] = str(path.relative_to(self.store_folder))
+        name = shard_record_name(record["shard_id"], record["tokenizer_id"], record["content_sha256"])
+        return self._write(self.root / name, [record], SHARD_SCHEMA)
+
+    def write_doc_hashes(
+        self, shard_id: str, source: str, split: str, content_sha256: str, rows: list[int], hashes: list[str]
+    ) -> Path:
+        """Per document, its hash (text, plus image bytes): finds the same document in train and validation."""
+        n = len(rows)
+        table = pa.table(
+            {
+                "shard_id": [shard_id] * n,
+                "source": [source] * n,
+                "split": [split] * n,
+                "content_sha256": [content_sha256] * n,
+                "row": rows,
+                "doc_hash": hashes,
+            },
+            schema=DOC_SCHEMA,
+        )
+        return self._write(self.root / "docs" / f"{file_key(shard_id, content_sha256)}.parquet", table, DOC_SCHEMA)
+
+    def write_ngrams(
+        self, shard_id: str, source: str, split: str, content_sha256: str, rows: list[int], hashes: list[int]
+    ) -> Path:
+        """Per document (raw row, repeated per fingerprint), its winnowed 13-gram hashes: what the
+        decontamination gate compares with the evaluation sets. Keyed like the doc hashes (text only)."""
+        n = len(rows)
+        table = pa.table(
+            {
+                "shard_id": [shard_id] * n,
+                "source": [source] * n,
+                "split": [split] * n,
+                "content_sha256": [content_sha256] * n,
+                "row": pa.array(rows, pa.int64()),
+                "ngram_hash": pa.array(hashes, pa.int64()),
+            },
+            schema=NGRAM_SCHEMA,
+        )
+        return self._write(self.root / ngram_name(shard_id, content_sha256), table, NGRAM_SCHEMA)
+
+    def write_ngram_index(self) -> Path | None:
+        """Every ngrams/ file's fingerprints in one file sorted by hash, so a text is looked up in the few
+        row groups its hashes fall in, not in a file per shard (at 10,000 shards opening each costs 20 s).
+        Named by the files it holds; written again only when a shard's fingerprints were added."""
+        self._fetched("ngrams")
+        names = sorted(f.name for f in (self.root / "ngrams").glob("*.parquet"))
+        if not names:
+            return None
+        name = f"ngram_index/{file_key(*names)}.parquet"
+        if self._fetched_file(name).is_file():
+            return self.root / name
+        cur = connection().cursor()
+        try:
+            table = cur.sql(
+                f"SELECT * FROM read_parquet({parquet_list([self.root / 'ngrams' / n for n in names])}) "
+                "ORDER BY ngram_hash, shard_id, row"
+            ).to_arrow_table()
+        finally:
+            cur.close()
+        table = table.cast(NGRAM_SCHEMA).replace_schema_metadata({NGRAM_INDEX_FILES: json.dumps(names)})
+        return self._write(self.root / name, table, NGRAM_SCHEMA, NGRAM_INDEX_ROWS)
+
+    def write_part(
+        self,
+        part: PartRow,
+        pieces: list[dict[str, Any]],
+        shares: list[dict[str, Any]] | None = None,
+        feeds: list[dict[str, Any]] | None = None,
+        rollouts: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """Consumption, per-rank shares, content digests (when given: the trainer always gives them) and
+        an rl run's rollouts first, then the part row: a part row is only visible once what it sums is.
+        `pieces`, `shares`, `feeds` and `rollouts` are their tables' rows but for the part's ids.
+        A fixed number of files in the run's folders, whatever the ledger already holds."""
+        for k in ("stage", "run_key"):
+            value = getattr(part, k)
+            if not value or any(c in value for c in "/\\=*?["):
+                raise GhostvisError(
+                    f"ledger part {part.part_id}: {k} {value!r} cannot name a folder of the "
+                    "ledger (empty, or holds one of / \\ = * ? [); give the run another key"
+                )
+        ids = {"part_id": part.part_id, "run_key": part.run_key}
+        rows = [{**ids, "stage": part.stage, "segment": part.segment, **p} for p in pieces]
+        self._write(self.part_file("consumption", part), rows, CONSUMPTION_SCHEMA)
+        for table, given, schema in (
+            ("shares", shares, SHARE_SCHEMA),
+            ("feeds", feeds, FEED_SCHEMA),
+            ("rollouts", rollouts, ROLLOUT_SCHEMA),
+        ):
+            if given is not None:
+                self._write(self.part_file(table, part), [{**ids, **r} for r in given], schema)
+        self._write(self.part_file("parts", part), [dataclasses.asdict(part)], PART_SCHEMA)
+
+    def write_row_index(self, chain: list[PartRow], rows: list[dict[str, Any]]) -> Path:
+        """The audit's row index of a run's chain (RowIndexRow rows but for run_key and stage, each naming
+        its part and segment): one file, named as the chain's head part, sorted by shard and tokens."""
+        ids = {"run_key": chain[-1].run_key, "stage": chain[-1].stage}
+        rows = sorted(({**ids, **r} for r in rows), key=lambda r: (r["shard_id"], r["tok_start"], r["global_row"]))
+        return self._write(self.part_file("row_index", chain[-1]), rows, ROW_INDEX_SCHEMA)

@@ -1,0 +1,78 @@
+"""The ledger's typed rows (ghostvis_core/data/ledger/records.py): each table's Parquet schema is its
+record's fields, and the columns are the ones the files on disk have always had, so an old home reads."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from ghostvis_core.counts import TokenCounts
+from ghostvis_core.data.ledger import Ledger, records
+from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow, ShareRow, schema_of
+from ghostvis_core.plan.batch import BatchPlan
+
+FOUR = "real_tokens pad_tokens loss_tokens cropped_tokens"
+# Each table's columns as the files hold them (the order included): a record that drifts fails here.
+COLUMNS = {
+    records.ShardRecord: "shard_id source split kind content_sha256 replaces_sha256 raw_bytes tokenizer_id docs tokens "
+    "text_bytes docs_dropped tokens_dropped drop_reasons token_path token_sha256 created_at",
+    PartRow: "part_id prev_part_id run_key parent_run_key stage segment step_first step_last rows_first rows_last "
+    f"{FOUR} overlap_tokens micro_batch_size seq_len world_size grad_accum_steps tokens_per_step "
+    "planned_tokens allow_repeat replay_sources passed_over mlflow_run_id created_at",
+    ConsumptionRow: "part_id run_key stage segment source shard_id split epoch tok_start tok_end tokens row_start "
+    "row_end",
+    ShareRow: f"part_id run_key rank world_size row_count row_ranges {FOUR}",
+    records.FeedRow: "part_id run_key rank step step_digest micro_digests micro_rows row_digests image_hashes",
+    records.RolloutRow: "part_id run_key rank step generated_tokens rewarded_tokens completions correct_completions "
+    "rows completion_ids rewards",
+    records.RowIndexRow: "part_id run_key stage segment step rank micro_batch global_row shard_id epoch tok_start "
+    "tok_end row_start row_end",
+    records.DocRow: "shard_id source split content_sha256 row doc_hash",
+    records.NgramRow: "shard_id source split content_sha256 row ngram_hash",
+}
+SCHEMAS = {
+    records.ShardRecord: records.SHARD_SCHEMA,
+    PartRow: records.PART_SCHEMA,
+    ConsumptionRow: records.CONSUMPTION_SCHEMA,
+    ShareRow: records.SHARE_SCHEMA,
+    records.FeedRow: records.FEED_SCHEMA,
+    records.RolloutRow: records.ROLLOUT_SCHEMA,
+    records.RowIndexRow: records.ROW_INDEX_SCHEMA,
+    records.DocRow: records.DOC_SCHEMA,
+    records.NgramRow: records.NGRAM_SCHEMA,
+}
+
+
+@pytest.mark.parametrize("record", list(COLUMNS), ids=lambda r: r.__name__)
+def test_each_tables_schema_is_its_records_fields_in_the_files_column_order(record):
+    names = [f.name for f in dataclasses.fields(record)]
+    assert SCHEMAS[record].names == names == COLUMNS[record].split()
+    assert schema_of(record) == SCHEMAS[record]
+
+
+def test_a_json_field_is_a_string_column_and_the_rest_are_typed_by_annotation():
+    assert schema_of(ShareRow).field("row_ranges").type == pa.string()
+    assert [schema_of(records.RolloutRow).field(k).type for k in ("rows", "completion_ids", "rewards")] == [
+        pa.string()
+    ] * 3
+    part = schema_of(PartRow)
+    assert (part.field("segment").type, part.field("allow_repeat").type) == (pa.int64(), pa.bool_())
+    assert (part.field("created_at").type, part.field("run_key").type) == (pa.float64(), pa.string())
+
+
+def test_a_part_row_written_reads_back_equal_with_its_counts_batch_and_shares(tmp_path):
+    """The trainer's PartRow (without counts), given the ranks' sums, is what the parts table returns."""
+    ledger = Ledger(tmp_path / "ledger")
+    built = PartRow("r.p0", "", "r", "", "pretrain", 0, 1, 2, 0, 8, micro_batch_size=2, seq_len=4, world_size=2,
+                    grad_accum_steps=2, tokens_per_step=32, planned_tokens=64)  # fmt: skip
+    part = dataclasses.replace(built, **TokenCounts(60, 4, 58, 1).as_dict())
+    share = {"rank": 0, "world_size": 2, "row_count": 4, "row_ranges": "[[0, 2], [4, 6]]", **part.counts.as_dict()}
+    ledger.write_part(part, [], shares=[share])
+    (got,) = ledger.parts(["r"])
+    assert got == part and got.counts == TokenCounts(60, 4, 58, 1) and got.batch == BatchPlan(2, 4, 2, 2)
+    assert pq.read_schema(ledger.part_file("parts", part)).names == COLUMNS[PartRow].split()
+    (s,) = ledger.shares([got])
+    assert (s.rank, s.row_ranges, s.counts) == (0, [[0, 2], [4, 6]], part.counts)
