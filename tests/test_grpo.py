@@ -181,7 +181,8 @@ def test_the_audit_rebuilds_a_problem_row_from_the_token_file(shard):
         assert audit.answer(j) == answer
         assert len(row.spans) == (j % 2 == 0)  # the problem's span rides on the group's first row
     text_prompt, cropped = rl_prompt(np.asarray(docs[0]), len(turn), tok, "text", 100)
-    assert text_prompt.tolist() == [tok.bos, *tok.encode(PROBLEMS[0][0]), *tok.encode("\n")]
+    assert text_prompt.tolist() == [tok.bos, *tok.encode(PROBLEMS[0][0] + "\n")]  # `?\n` as a document has it
+    assert tok.encode(PROBLEMS[0][0] + "\n")[-1] not in (tok.encode("?") + tok.encode("\n"))  # one merged token
     assert cropped == len(docs[0]) - len(turn)  # the answer and its <|eot|>, never fed
 
 

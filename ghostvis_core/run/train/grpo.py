@@ -83,12 +83,16 @@ def grpo_loss_sum(
 def read_prompt(prompt: np.ndarray, tok: Tokenizer, form: str) -> np.ndarray:
     """A problem's rendered chat prompt as the policy reads it (grpo.prompt): `chat` as is, the form sft and dpo
     taught the policy to answer in; `text` <|bos|> + the turns without the first role marker and the closing
-    <|eot|> + assistant marker, then a newline (a base model continues `question\\n` documents)."""
+    <|eot|> + assistant marker, then a newline, tokenized as a document's `question\\n` (what a base model read)."""
     if form == "chat":
         return prompt
     first = next(m for m in (tok.marker(f"<|{r}|>") for r in ROLES) if prompt[1 : 1 + len(m)].tolist() == m)
-    body = prompt[1 + len(first) : len(prompt) - 1 - len(tok.marker("<|assistant|>"))]
-    return np.concatenate([[tok.bos], body, tok.encode("\n")]).astype(np.int64)
+    body = prompt[1 + len(first) : len(prompt) - 1 - len(tok.marker("<|assistant|>"))].tolist()
+    # The text after the body's last special token is encoded again with the newline, as in a document: BPE
+    # merges a closing `?` with the newline (`?\n`, one token), which appended alone the policy never read.
+    specials = {tok.enc.encode_single_token(s) for s in tok.enc.special_tokens_set}
+    cut = max((i + 1 for i, t in enumerate(body) if t in specials), default=0)
+    return np.asarray([tok.bos, *body[:cut], *tok.encode(tok.decode(body[cut:]) + "\n")], np.int64)
 
 
 class Problem(NamedTuple):
