@@ -153,7 +153,7 @@ _TINY: dict[str, dict[str, Any]] = {
         # in 30 steps (0.108 -> 0.100) and 3e-4 raised it (0.105 -> 0.131, well-formed answers 73% -> 100%). With the
         # answer-line stop, seeds 1337 (data.seed's default) / 1234 / 1235 / 1236 (64 held-out problems, greedy):
         # reward 0.100 -> 0.131 / 0.116 / 0.131 / 0.131, format rate 0.844 -> 1.000 each, exact 0.016 -> 0.031 / 0.016
-        # / 0.031 / 0.031; held-out bpb within 3.2% of reasoning_mix's (README "The tiny demo's rl").
+        # / 0.031 / 0.031; held-out bpb within 3.8% of reasoning_mix's (README "The tiny demo's rl").
         # The demo's dpo model never writes a well-formed `Answer:` line (0 of 320 samples chat-rendered, also after
         # a trial sft on 582 chats solving such problems), so from it every group's advantages are 0: the tiny
         # preset's lineage (selected.PRESET_LINEAGES) starts rl from reasoning_mix.
