@@ -18,6 +18,7 @@ from datatrove.data import Document
 
 from ghostvis_core.data.catalog import save_manifest
 from ghostvis_core.data.chat import render_prompt
+from ghostvis_core.data.problems import closes_answer_line
 from ghostvis_core.data.sources import Manifest
 from ghostvis_core.data.stream import ShardRef, SourceStream
 from ghostvis_core.data.token_shard import token_dtype, write_token_shard
@@ -26,9 +27,19 @@ from ghostvis_core.data.tokenizer import train_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan import presets
 from ghostvis_core.plan.batch import IGNORE_INDEX
-from ghostvis_core.plan.config import GRPOConfig, SourceWeight, StageConfig
+from ghostvis_core.plan.config import GRPOConfig, ModelConfig, SourceWeight, StageConfig
 from ghostvis_core.run.launch import reward_rules
-from ghostvis_core.run.train.grpo import FORMAT_REWARD, GroupRows, RolloutLog, group_advantages, grpo_loss_sum, reward
+from ghostvis_core.run.model.gpt import GPT
+from ghostvis_core.run.train.grpo import (
+    FORMAT_REWARD,
+    AnswerStop,
+    GroupRows,
+    RolloutLog,
+    complete,
+    group_advantages,
+    grpo_loss_sum,
+    reward,
+)
 from ghostvis_core.store import FolderStore
 from ghostvis_core.verify.audit.rebuild import PromptGroupRows, SourceFiles, rl_prompt
 from ghostvis_core.verify.audit.rollouts import recomputed_reward
@@ -87,6 +98,25 @@ def test_each_reward_rule_through_the_trainers_reward_and_the_audits_recount(rul
     assert FORMAT_REWARD == 0.1
     assert reward(rule, completion, answer) == pytest.approx(expected)
     assert recomputed_reward(rule, completion, answer) == pytest.approx(expected)  # the audit's own reading
+
+
+@pytest.mark.parametrize(
+    "rule, completion, closes",
+    [
+        (DEMO_RULE, "Step 1: 3 + 4 = 7.\nAnswer: 7\n", True),
+        (DEMO_RULE, "Step 1: 3 + 4 = 7.\nAnswer: 1", False),  # the line may go on to `Answer: 12`
+        (DEMO_RULE, "Answer: 7 apples\n", False),  # an answer amid other words closes no answer line
+        (DEMO_RULE, "Step 1: 3 + 4 = 7.\n", False),
+        ("integer", "So:\n-3\n\n", True),
+        ("integer", "It is 7.\n", False),
+        ("string", "Paris\n", True),
+        ("string", "\n", False),
+    ],
+)
+def test_sampling_stops_where_a_newline_closes_a_well_formed_answer_line(rule, completion, closes):
+    assert closes_answer_line(rule, completion) is closes
+    if closes:  # stopped there, the completion earns the format reward (its answer line is its last)
+        assert reward(rule, completion, "0") == pytest.approx(FORMAT_REWARD)
 
 
 def test_rewarded_tokens_and_correct_completions_count_exact_answers_only():
@@ -151,7 +181,8 @@ def test_the_audit_rebuilds_a_problem_row_from_the_token_file(shard):
         assert audit.answer(j) == answer
         assert len(row.spans) == (j % 2 == 0)  # the problem's span rides on the group's first row
     text_prompt, cropped = rl_prompt(np.asarray(docs[0]), len(turn), tok, "text", 100)
-    assert text_prompt.tolist() == [tok.bos, *tok.encode(PROBLEMS[0][0]), *tok.encode("\n")]
+    assert text_prompt.tolist() == [tok.bos, *tok.encode(PROBLEMS[0][0] + "\n")]  # `?\n` as a document has it
+    assert tok.encode(PROBLEMS[0][0] + "\n")[-1] not in (tok.encode("?") + tok.encode("\n"))  # one merged token
     assert cropped == len(docs[0]) - len(turn)  # the answer and its <|eot|>, never fed
 
 
@@ -183,6 +214,41 @@ def test_the_trainers_rows_equal_the_audits_rebuilt_rows(shard, form):
         n = int(TokenFile(Path(ref.path), ref.shard_id).prompt_len[audit.which(j)[1]])
         assert mine.cropped == (rl_prompt(ids, n, tok, form, 40)[1] if j % 2 == 0 else 0)
     assert sorted(rows.problem(k).answer for k in range(3)) == ["18", "7", "7"]
+
+
+def test_the_answer_stop_holds_at_the_newline_after_the_answer_line_and_only_with_stop_at_answer(shard):
+    tok, _, ref = shard
+    stream = SourceStream("problems", [ref], seed=7)
+    until = AnswerStop.of(GroupRows(stream, 48, 7, tok, GRPOConfig(group_size=2, stop_at_answer=True), DEMO_RULE))
+    assert AnswerStop.of(GroupRows(stream, 48, 7, tok, GRPOConfig(group_size=2), DEMO_RULE)) is None
+    ids = tok.encode("Step 1: so.\nAnswer: 12\nStep")
+    stops = [k for k in range(1, len(ids) + 1) if until.closes(ids[:k])]
+    assert len(stops) == 1 and tok.decode(ids[: stops[0]]) == "Step 1: so.\nAnswer: 12\n"  # not at `Answer: 1`
+    assert ids[stops[0] - 1] in until.newlines and tok.encode("\n")[0] in until.newlines
+
+
+def test_a_completion_stopped_at_its_answer_line_is_the_unstopped_one_cut_there(shard):
+    """Sampling pauses at every newline and goes on with the same generator: where the answer line closes it is
+    the uninterrupted completion's first tokens, elsewhere all of it (a tiny random policy, rule `string`: any
+    non-empty line is an answer line)."""
+    tok, docs, ref = shard
+    rows = GroupRows(SourceStream("problems", [ref], seed=7), 48, 7, tok, GRPOConfig(stop_at_answer=True), "string")
+    until = AnswerStop.of(rows)
+    torch.manual_seed(0)
+    cfg = ModelConfig(tok.vocab_size, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=32, max_seq_len=64)
+    policy = GPT(cfg)
+    prompt, stops, cut = docs[0][:10], (tok.bos, tok.eot), 0
+    for g in range(8):  # drawing ids below 32 only (the byte tokens, "\n" among them), so lines end often
+        full, stopped = (
+            complete(
+                policy, prompt, 16, stops, u, temperature=1.0, generator=torch.Generator().manual_seed(g), vocab=32
+            )
+            for u in (None, until)
+        )
+        ends = [k for k in range(1, len(full) + 1) if until.closes(full[:k])]
+        assert stopped == (full[: ends[0]] if ends else full)
+        cut += len(stopped) < len(full)
+    assert cut >= 2
 
 
 def test_the_launch_carries_each_sources_reward_rule_and_refuses_a_source_that_is_not_of_problems(tmp_path):

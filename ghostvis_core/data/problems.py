@@ -9,7 +9,8 @@ manifest is made, so a typo fails before any download:
 
 The rl stage (ghostvis_core/run/train/grpo.py) rewards a completion 1 when `is_correct`, plus a small format
 reward when `well_formed`: its last non-empty line is an answer in the rule's form and nothing else (the line
-a policy is taught to end on). The audit recomputes both with its own code (ghostvis_core/verify/audit/rollouts.py).
+a policy is taught to end on); with grpo.stop_at_answer it stops sampling where `closes_answer_line`. The audit
+recomputes both with its own code (ghostvis_core/verify/audit/rollouts.py).
 """
 
 from __future__ import annotations
@@ -83,3 +84,10 @@ def well_formed(rule: str, completion: str) -> bool:
     if rule == INTEGER:
         return _INT.fullmatch(lines[-1]) is not None
     return rule == STRING or re.fullmatch(rule[len(REGEX) :], lines[-1]) is not None
+
+
+def closes_answer_line(rule: str, completion: str) -> bool:
+    """The completion has just ended a line (its text ends with a newline) and that line is well_formed: where
+    the rl stage stops sampling with grpo.stop_at_answer. Only the newline closes the line ("Answer: 1" may go on
+    to "Answer: 12"); the tokenizer never merges a newline with the letters or digits after it."""
+    return completion.endswith("\n") and well_formed(rule, completion)

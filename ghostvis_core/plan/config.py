@@ -151,6 +151,10 @@ class GRPOConfig:
     # the assistant marker (a policy tuned on chats, as the lineage's dpo model); `text` as the document's own
     # tokens (a base model trained on such documents).
     prompt: Literal["chat", "text"] = "chat"
+    # End a completion also at the newline that closes a well-formed answer line (data/problems.py
+    # `closes_answer_line`): a policy that writes the answer line and runs on earns no format reward (the answer
+    # line must be the last); stopped there, the line it reached is the last. Off: a stop token or max_new_tokens.
+    stop_at_answer: bool = False
 
 
 @dataclass(frozen=True)

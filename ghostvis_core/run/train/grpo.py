@@ -11,7 +11,10 @@ role marker and the closing <|eot|> + assistant marker, then a newline, for a ba
 seq_len - max_new_tokens. A row is prompt + completion, padded: real = prompt + generated tokens, loss =
 generated tokens; the problem's piece rides on the group's first row, with its tokens never fed (the answer,
 held back as the label, and any prompt tokens cut) as cropped. Completion g is sampled from the current
-policy with a generator seeded by (data.seed, g), so a resumed run samples what it would have sampled.
+policy with a generator seeded by (data.seed, g), so a resumed run samples what it would have sampled; it
+ends at a stop token, at max_new_tokens, or (grpo.stop_at_answer) at the newline closing a well-formed answer
+line: a policy that writes `Answer: 12` and runs on into another problem earns no format reward (its answer line
+is not its last), so its groups have no signal; stopped there, the answer line it reached is its last.
 
 Reward (`reward`): 1 when the completion's answer is the problem's under its source's reward rule
 (`spec.inputs.reward_rules`, data/problems.py: integer, string or regex:<pattern>), plus FORMAT_REWARD (0.1)
@@ -37,7 +40,7 @@ import torch
 from ghostvis_core.counts import ROLLOUT_FIGURES, TokenCounts
 from ghostvis_core.data.chat import ROLES
 from ghostvis_core.data.loader import Batch, DocIndex, Row, rank_share
-from ghostvis_core.data.problems import is_correct, well_formed
+from ghostvis_core.data.problems import closes_answer_line, is_correct, well_formed
 from ghostvis_core.data.stream import Piece, SourceStream
 from ghostvis_core.data.tokenizer import Tokenizer
 from ghostvis_core.plan.batch import IGNORE_INDEX
@@ -80,12 +83,16 @@ def grpo_loss_sum(
 def read_prompt(prompt: np.ndarray, tok: Tokenizer, form: str) -> np.ndarray:
     """A problem's rendered chat prompt as the policy reads it (grpo.prompt): `chat` as is, the form sft and dpo
     taught the policy to answer in; `text` <|bos|> + the turns without the first role marker and the closing
-    <|eot|> + assistant marker, then a newline (a base model continues `question\\n` documents)."""
+    <|eot|> + assistant marker, then a newline, tokenized as a document's `question\\n` (what a base model read)."""
     if form == "chat":
         return prompt
     first = next(m for m in (tok.marker(f"<|{r}|>") for r in ROLES) if prompt[1 : 1 + len(m)].tolist() == m)
-    body = prompt[1 + len(first) : len(prompt) - 1 - len(tok.marker("<|assistant|>"))]
-    return np.concatenate([[tok.bos], body, tok.encode("\n")]).astype(np.int64)
+    body = prompt[1 + len(first) : len(prompt) - 1 - len(tok.marker("<|assistant|>"))].tolist()
+    # The text after the body's last special token is encoded again with the newline, as in a document: BPE
+    # merges a closing `?` with the newline (`?\n`, one token), which appended alone the policy never read.
+    specials = {tok.enc.encode_single_token(s) for s in tok.enc.special_tokens_set}
+    cut = max((i + 1 for i, t in enumerate(body) if t in specials), default=0)
+    return np.asarray([tok.bos, *body[:cut], *tok.encode(tok.decode(body[cut:]) + "\n")], np.int64)
 
 
 class Problem(NamedTuple):
@@ -158,19 +165,63 @@ class GRPOBatch(Batch):
     advantages: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class AnswerStop:
+    """grpo.stop_at_answer: where a completion closes its answer line (data/problems.py `closes_answer_line`)."""
+
+    rule: str
+    tok: Tokenizer
+    newlines: tuple[int, ...]  # the ids whose text ends a line: the only places an answer line can close
+
+    @classmethod
+    def of(cls, src: GroupRows) -> AnswerStop | None:
+        if not src.cfg.stop_at_answer:
+            return None
+        ids = range(src.tok.vocab_size)
+        return cls(src.rule, src.tok, tuple(i for i in ids if src.tok.decode([i]).endswith("\n")))
+
+    def closes(self, completion: list[int]) -> bool:
+        return closes_answer_line(self.rule, self.tok.decode(completion))
+
+
+def complete(
+    policy, prompt: list[int], max_new: int, stops: tuple[int, ...], until: AnswerStop | None, **sampling
+) -> list[int]:
+    """policy.generate to a stop token or max_new tokens; with `until`, also at the newline closing an answer
+    line: sampling pauses at each newline and, unless that newline closed the answer line, goes on from prompt +
+    completion with the same generator (so it draws what one uninterrupted run would, the cache rebuilt)."""
+    if until is None:
+        return policy.generate(prompt, max_new, stop_tokens=stops, **sampling)
+    out: list[int] = []
+    while len(out) < max_new:
+        out += policy.generate(prompt + out, max_new - len(out), stop_tokens=stops + until.newlines, **sampling)
+        if out[-1] not in until.newlines or until.closes(out):
+            break
+    return out
+
+
 def sample(
-    policy, prompt: np.ndarray, cfg: GRPOConfig, stops: tuple[int, ...], seed: int, g: int, vocab: int
+    policy,
+    prompt: np.ndarray,
+    cfg: GRPOConfig,
+    stops: tuple[int, ...],
+    seed: int,
+    g: int,
+    vocab: int,
+    until: AnswerStop | None = None,
 ) -> list[int]:
     """Completion of global row g: temperature sampling over the tokenizer's ids (never a padding id of the
-    model's vocabulary), at most max_new_tokens, ending at a stop token."""
+    model's vocabulary), at most max_new_tokens, ending at a stop token or (`until`) the answer line's end."""
     device = policy.embed.weight.device
     gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + g)
     with torch.no_grad():
-        return policy.generate(
+        return complete(
+            policy,
             prompt.tolist(),
             cfg.max_new_tokens,
+            stops,
+            until,
             temperature=cfg.temperature,
-            stop_tokens=stops,
             generator=gen,
             vocab=vocab,
         )
@@ -178,11 +229,11 @@ def sample(
 
 def rollout_batch(src: GroupRows, rows: list[int], policy, seed: int) -> GRPOBatch:
     """Sample each row's completion, reward it, and build the micro-batch (rows hold whole groups)."""
-    stops = (src.tok.bos, src.tok.eot)
+    stops, until = (src.tok.bos, src.tok.eot), AnswerStop.of(src)
     built, completions, rewards = [], [], []
     for g in rows:
         pr = src.problem_of_row(g)
-        c = sample(policy, pr.prompt, src.cfg, stops, seed, g, src.tok.vocab_size)
+        c = sample(policy, pr.prompt, src.cfg, stops, seed, g, src.tok.vocab_size, until)
         completions.append(c)
         rewards.append(reward(src.rule, src.tok.decode([t for t in c if t not in stops]), pr.answer))
         built.append(src.row(g, c))
@@ -255,12 +306,12 @@ def count_step(log: RolloutLog, step: int, generated: dict[str, int], ctx: DistC
 def held_out_reward(src: GroupRows, policy, n_problems: int, ctx: DistContext) -> dict[str, float]:
     """Mean reward, exact-answer accuracy and well-formed answer rate of greedy completions to the first n
     held-out problems (split over ranks): the reward alone cannot tell format from accuracy."""
-    stops = (src.tok.bos, src.tok.eot)
+    stops, until = (src.tok.bos, src.tok.eot), AnswerStop.of(src)
     n = min(n_problems, len(src.index.docs))
     sums = [0.0, 0.0, 0.0, 0.0]
     for k in rank_share(n, ctx.rank, ctx.world_size):
         pr = src.problem(k)
-        out = policy.generate(pr.prompt.tolist(), src.cfg.max_new_tokens, stop_tokens=stops, vocab=src.tok.vocab_size)
+        out = complete(policy, pr.prompt.tolist(), src.cfg.max_new_tokens, stops, until, vocab=src.tok.vocab_size)
         text = src.tok.decode([t for t in out if t not in stops])
         r = reward(src.rule, text, pr.answer)
         sums = [sums[0] + r, sums[1] + is_exact(r), sums[2] + well_formed(src.rule, text), sums[3] + 1]

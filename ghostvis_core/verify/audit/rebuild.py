@@ -305,7 +305,8 @@ class CaptionRows(DocRows):
 def rl_prompt(ids: np.ndarray, prompt_len: int, tok: Tokenizer, form: str, limit: int) -> tuple[np.ndarray, int]:
     """(The prompt as fed, the problem's tokens never fed) of an rl problem (module docstring): its first
     `prompt_len` tokens, as is (grpo.prompt `chat`) or for `text` without the opening role marker and the
-    closing <|eot|> + assistant marker, after <|bos|> and before a newline; cut to `limit` (seq_len -
+    closing <|eot|> + assistant marker, after <|bos|> and before a newline (the text after the body's last special
+    token encoded again with it, as a document has `?\\n`); cut to `limit` (seq_len -
     grpo.max_new_tokens); never fed: the answer and any prompt tokens cut."""
     prompt = ids[:prompt_len]
     if form == "text":
@@ -313,7 +314,9 @@ def rl_prompt(ids: np.ndarray, prompt_len: int, tok: Tokenizer, form: str, limit
         opening = next(m for m in roles if prompt[1 : 1 + len(m)].tolist() == m)
         closing = 1 + len(tok.marker("<|assistant|>"))
         body = prompt[1 + len(opening) : prompt_len - closing].tolist()
-        prompt = np.asarray([tok.bos, *body, *tok.encode("\n")], np.int64)
+        specials = {tok.enc.encode_single_token(name) for name in tok.enc.special_tokens_set}
+        last = max((i + 1 for i, t in enumerate(body) if t in specials), default=0)  # text after it: re-encoded
+        prompt = np.asarray([tok.bos, *body[:last], *tok.encode(tok.decode(body[last:]) + "\n")], np.int64)
     keep = min(len(prompt), limit)
     return prompt[:keep], len(ids) - prompt_len + len(prompt) - keep
 
