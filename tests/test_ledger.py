@@ -15,7 +15,8 @@ import pytest
 
 from ghostvis_core.data.ledger import PART_SCHEMA, PART_TABLES, Ledger, pieces_to_rows, run_summaries, write_parquet
 from ghostvis_core.data.loader import Batcher, Consumption, LMRows, merge_pieces, micro_batch_rows
-from ghostvis_core.data.stream import ShardRef, SourceStream
+from ghostvis_core.data.shard_ref import ShardRef
+from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.data.token_shard import TokenShard, list_column, write_token_shard
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.batch import BatchPlan

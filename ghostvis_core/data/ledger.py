@@ -61,6 +61,7 @@ from ghostvis_core.store.files import atomic_write, sha256_file
 if TYPE_CHECKING:  # the ledger stores pieces; it does not read streams (the audit imports it)
     import duckdb
 
+    from ghostvis_core.data.shard_ref import ShardRef
     from ghostvis_core.data.stream import Piece
 
 # The tables written per part of a run, each in a folder per run (`Ledger.part_file`).
@@ -1000,7 +1001,7 @@ def train_validation_overlap(ledger: Ledger, shards: list[dict[str, Any]]) -> li
 
 
 def validation_selected(
-    ledger: Ledger, tokenizer_id: str, train_shards: dict[str, list[dict[str, Any]]]
+    ledger: Ledger, tokenizer_id: str, train_shards: dict[str, tuple[ShardRef, ...]]
 ) -> list[dict[str, Any]]:
     """Shards selected for training (a launch spec's train_shards) whose ledger split is not train, or
     that the ledger does not know: checked before launch and again by the stage checks, because what
@@ -1012,11 +1013,9 @@ def validation_selected(
     out = []
     for source, refs in sorted(train_shards.items()):
         for ref in refs:
-            split = known.get((ref["shard_id"], ref.get("content_sha256", "")), "not in the ledger")
+            split = known.get((ref.shard_id, ref.content_sha256), "not in the ledger")
             if split != "train":  # the ledger's split; the spec's label is shown, never trusted
-                out.append(
-                    {"source": source, "shard_id": ref["shard_id"], "split": split, "spec_split": ref.get("split")}
-                )
+                out.append({"source": source, "shard_id": ref.shard_id, "split": split, "spec_split": ref.split})
     return out
 
 
