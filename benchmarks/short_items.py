@@ -48,6 +48,7 @@ def shard(store, docs: int, words: int, rng: random.Random) -> str:
 
 def measure(wd: Path, docs: int, words: int) -> dict:
     from ghostvis_core.data.ledger import Ledger
+    from ghostvis_core.data.shard_ref import ShardRef
     from ghostvis_core.store import FolderStore
     from ghostvis_core.verify.audit.contamination import consumed_texts, known_items, whole_matches
 
@@ -60,7 +61,7 @@ def measure(wd: Path, docs: int, words: int) -> dict:
     )
     spec = SimpleNamespace(
         tokenizer_id="t",
-        train_shards={"bench": [{"shard_id": "bench/00000", "content_sha256": content}]},
+        train_shards={"bench": (ShardRef("bench/00000", "bench", "train", "", docs, 0, content),)},
         val_shards={},
     )
     consumption = [{"shard_id": "bench/00000", "row_start": 0, "row_end": docs}]

@@ -100,8 +100,11 @@ def run_rows(first_shard: int, n_shards: int, g: int) -> list[dict]:
 
 def write_runs(store, n_runs: int, n_shards: int, contents: dict[str, str]) -> list[tuple[str, str]]:
     """The runs' specs, parts, consumption and row indexes; [(stage, run_key)]."""
+    from dataclasses import asdict
+
     from ghostvis_core.data.ledger import Ledger
     from ghostvis_core.data.ledger.records import PartRow
+    from ghostvis_core.data.shard_ref import ShardRef
     from ghostvis_core.plan.batch import BatchPlan
     from ghostvis_core.plan.stages import stage_names
     from ghostvis_core.verify.audit.row_index import place
@@ -115,7 +118,7 @@ def write_runs(store, n_runs: int, n_shards: int, contents: dict[str, str]) -> l
         key, parent = f"{stage}-bench{r:03d}", runs[-1][1] if r % len(stages) else ""
         first = r * 97 % n_shards
         read = sorted({run_rows(first, n_shards, g)[0]["shard_id"] for g in range(rows_per_run)})
-        refs = [{"shard_id": s, "content_sha256": contents[s], "source": SOURCE, "split": "train"} for s in read]
+        refs = [asdict(ShardRef(s, SOURCE, "train", "", 0, 0, contents[s])) for s in read]
         spec = {"stage": stage, "run_key": key, "tokenizer_id": "tok", "train_shards": {SOURCE: refs}, "val_shards": {}}
         store.write_json("run_spec", stage, key, data=spec | {"plan": {**PLAN, "steps": PARTS * STEPS_PER_PART}})
         prev, chain, index = "", [], []

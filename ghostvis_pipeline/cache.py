@@ -57,7 +57,7 @@ def checks_passed_in(instance, asset: str, run_key: str, checks: list[str]) -> s
 
 def cached_stage_run(instance, store: Store, asset: str, planned: PlannedRun, checks: list[str]) -> CacheHit | None:
     """The newest completed attempt of the planned run's identity whose checks passed, with why it matched."""
-    for run_key in completed_attempts(store, planned.spec.stage, planned.base_key):
+    for run_key in completed_attempts(store, planned.stage, planned.base_key):
         dagster_run = checks_passed_in(instance, asset, run_key, checks)
         if dagster_run is None:
             continue
@@ -69,7 +69,7 @@ def cached_stage_run(instance, store: Store, asset: str, planned: PlannedRun, ch
             f"{sum(len(v) for v in ident['validation'].values())} validation shards by content, upstream "
             f"{ident['upstream'] or 'none'}; its {len(checks)} checks passed in Dagster run {dagster_run}"
         )
-        return CacheHit(run_key, why + code_note(store, planned.spec.stage, run_key))
+        return CacheHit(run_key, why + code_note(store, planned.stage, run_key))
     return None
 
 

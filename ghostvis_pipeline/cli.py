@@ -150,7 +150,7 @@ def recipe_report(args, p) -> list[dict]:
     for r in Ledger.in_store(Home.from_env().store).shards(tokenizer_id=args.tokenizer):
         if r.split == "train":
             shards.setdefault(r.source, []).append((r.shard_id, r.tokens))
-    seq_len = p.seq_len if stage(args.stage).objective == "lm" else None
+    seq_len = p.batch.seq_len if stage(args.stage).objective == "lm" else None
     return [sp.to_dict() for sp in source_plan(presets.parse_recipe(args.recipe), p.step_tokens_total, shards, seq_len)]
 
 
@@ -241,11 +241,12 @@ def print_memory(m: dict) -> None:
 
 
 def print_plan(args, p, sources: list[dict]) -> None:
+    b = p.batch
     print(f"{args.stage} ({args.preset})")
     print("  tokens_per_step = micro_batch_size x seq_len x world_size x grad_accum_steps")
     print(
-        f"                  = {p.micro_batch_size} x {p.seq_len} x {p.world_size} x {p.grad_accum_steps}"
-        f" = {p.tokens_per_step:,}"
+        f"                  = {b.micro_batch_size} x {b.seq_len} x {b.world_size} x {b.grad_accum_steps}"
+        f" = {b.tokens_per_step:,}"
     )
     print(f"  steps           = {p.steps:,}")
     print(f"  planned_tokens  = {p.planned_tokens:,}  (steps x tokens_per_step = {p.step_tokens_total:,})")
@@ -257,7 +258,7 @@ def print_plan(args, p, sources: list[dict]) -> None:
         at = f"  ({args.gpu} peak x MFU {args.mfu:g})" if args.step_time is None and args.gpu else ""
         print(f"  step time       = {p.step_time_s:.3f} s{at}")
         print(f"  wall clock      = {p.hours:,.2f} h")
-        print(f"  GPU-hours       = {p.gpu_hours:,.2f}  ({p.world_size} GPUs)")
+        print(f"  GPU-hours       = {p.gpu_hours:,.2f}  ({b.world_size} GPUs)")
     if p.cost is not None:
         print(f"  cost            = {p.cost:,.2f}  at {args.price}/GPU-hour")
     if sources:
@@ -295,7 +296,7 @@ def print_modes(stage_name: str, as_json: bool) -> int:
                 "hours_target": mode.hours,
                 "mfu": mode.mfu,
                 "steps": p.steps,
-                "tokens_per_step": p.tokens_per_step,
+                "tokens_per_step": p.batch.tokens_per_step,
                 "tokens": p.step_tokens_total,
                 "tokens_per_param": round(p.tokens_per_param, 2),
                 "hours": round(p.hours, 3),

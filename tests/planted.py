@@ -92,8 +92,8 @@ BUGS: dict[str, list[tuple[str, str, str, str]]] = {
             "ghostvis_core.run.train.objectives",
             "Objective.__init__",
             "{s.source: spec.train_shards[s.source] for s in recipe}",
-            "{s.source: spec.train_shards[s.source] + [dict(r, split='train') for r in "
-            "spec.val_shards.get(s.source, [])] for s in recipe}",
+            "{s.source: spec.train_shards[s.source] + tuple(ShardRef(**{**r.__dict__, 'split': 'train'}) for r in "
+            "spec.val_shards.get(s.source, ())) for s in recipe}",
         )
     ],
     # a row recorded as consumed but never trained: every row 2 mod 4 is fed row 3's content in its place

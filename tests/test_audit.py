@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,6 +22,7 @@ import pytest
 
 from ghostvis_core.data.catalog import recorded_sha256
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.shard_ref import ShardRef
 from ghostvis_core.data.token_shard import TokenShard, write_token_shard
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
@@ -337,9 +339,9 @@ def test_a_dropped_split_filter_is_refused_before_launch_and_by_the_stage_check(
     validation = next(
         r for r in ledger.shards(tokenizer_id=run.spec.tokenizer_id, sources=["demo_prose"]) if r.split == "validation"
     )
-    run.spec.train_shards["demo_prose"].append(
-        {k: getattr(validation, k) for k in ("shard_id", "source", "split", "content_sha256")}
-    )
+    leaked = ShardRef(validation.shard_id, "demo_prose", "validation", "", 0, 0, validation.content_sha256)
+    selected = {**run.spec.train_shards, "demo_prose": (*run.spec.train_shards["demo_prose"], leaked)}
+    run.spec = replace(run.spec, train_shards=selected)
     outcome = inv.no_validation_selected(ledger, run)
     assert not outcome.passed and outcome.failures == [f"{validation['shard_id']} selected for training is validation"]
 
@@ -578,5 +580,5 @@ def test_a_source_file_changed_under_its_name_is_a_new_version_and_the_trained_l
     assert data["ledger_matches_token_files"]["recounted_tokens"] == sum(r.tokens for r in every)
     assert data["removed_tokens_reconcile"]["shards_checked"] == sum(r.kind == "text" for r in every)
     planned = plan_run("pretrain", preset="smoke", home=h)
-    assert [r["content_sha256"] for r in planned.spec.train_shards[source] if r["shard_id"] == shard_id] == [new]
+    assert [r.content_sha256 for r in planned.train_shards[source] if r.shard_id == shard_id] == [new]
     assert not old_run.startswith(planned.base_key)

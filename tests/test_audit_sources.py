@@ -15,7 +15,8 @@ import pytest
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.summaries import validation_selected
-from ghostvis_core.data.stream import ShardRef, SourceStream
+from ghostvis_core.data.shard_ref import ShardRef
+from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.launch import stream_split_problems
 from ghostvis_core.verify.audit import invariants as inv
@@ -82,10 +83,10 @@ def test_a_consumed_shard_is_judged_by_the_version_the_run_read_not_a_newer_one(
 
 def test_a_selected_shard_labelled_train_in_the_spec_is_judged_by_the_ledger(ledger):
     selected = {
-        "prose": [
-            {"shard_id": "demo_prose/00000", "content_sha256": "sha-1", "split": "validation"},
-            {"shard_id": "demo_prose/00009", "content_sha256": "sha-1", "split": "train"},
-        ]
+        "prose": (
+            ShardRef("demo_prose/00000", "prose", "validation", "", 1, 1, "sha-1"),
+            ShardRef("demo_prose/00009", "prose", "train", "", 1, 1, "sha-1"),
+        )
     }
     assert validation_selected(ledger, "tok-a", selected) == [
         {"source": "prose", "shard_id": "demo_prose/00009", "split": "validation", "spec_split": "train"}

@@ -114,7 +114,7 @@ def _tiny(**overrides):
 
 def test_steps_budget():
     p = plan(_tiny())  # preset: 200 steps
-    assert p.tokens_per_step == 4096  # 8 * 256 * 2 * 1
+    assert p.batch.tokens_per_step == 4096  # 8 * 256 * 2 * 1
     assert p.steps == 200
     assert p.planned_tokens == p.step_tokens_total == 819_200  # 200 * 4096
 
@@ -125,7 +125,7 @@ def test_steps_from_tokens_round_up():
     assert p.steps == 245
     assert p.planned_tokens == 1_000_000
     assert p.step_tokens_total == 1_003_520  # 245 * 4096
-    assert 0 <= p.step_tokens_total - p.planned_tokens < p.tokens_per_step  # 3,520 < 4,096
+    assert 0 <= p.step_tokens_total - p.planned_tokens < p.batch.tokens_per_step  # 3,520 < 4,096
 
 
 def test_steps_from_tokens_exact_multiple():
@@ -186,7 +186,7 @@ def test_step_time_from_gpu_peak_and_mfu():
     cfg = _seven_b_million_token_steps()
     n = 208_000_000
     p = plan(cfg, params=n, gpu="A100", mfu=0.5, price_per_gpu_hour=2.25)
-    assert (p.grad_accum_steps, p.tokens_per_step) == (1, 1_000_000)
+    assert (p.batch.grad_accum_steps, p.batch.tokens_per_step) == (1, 1_000_000)
     # model FLOPs per token: 6 x 208e6 + attention 12 x 32 layers x 4096 x 1000 positions = 2.820864e9;
     # per step x 1e6 tokens = 2.820864e15; cluster rate 8 x 312e12 x 0.5 = 1.248e15 /s -> 2.2603 s
     assert p.flops_per_token == 2_820_864_000
@@ -222,7 +222,7 @@ def test_unknown_gpu_lists_known_ones():
 def test_7b_plan_chinchilla_default():
     p = plan(presets.resolve("pretrain", "7b"))
     # batch: 8 x 2048 x 8 with total 524,288 -> grad_accum 4
-    assert (p.micro_batch_size, p.seq_len, p.world_size, p.grad_accum_steps) == (8, 2048, 8, 4)
+    assert p.batch == BatchPlan(8, 2048, 8, 4)
     # 7b N (hand count): per layer attn 4096*4096*2 + 4096*2*8*128 = 41,943,040; ffn 3*4096*14336
     # = 176,160,768; norms 8,192 -> 218,112,000 x 32 + 4096 = 6,979,588,096; + lm_head 268,435,456
     assert p.params_non_embedding == 7_248_023_552
@@ -230,7 +230,7 @@ def test_7b_plan_chinchilla_default():
     assert p.planned_tokens == 144_960_471_040  # 20 * N
     assert p.steps == 276_491  # ceil(144,960,471,040 / 524,288) = ceil(276,490.16)
     assert p.step_tokens_total == 276_491 * 524_288 == 144_960_913_408
-    assert p.step_tokens_total - p.planned_tokens < p.tokens_per_step
+    assert p.step_tokens_total - p.planned_tokens < p.batch.tokens_per_step
 
 
 # ---------------------------------------------------------------- count_params vs the real model
@@ -427,13 +427,14 @@ def test_cli_plan_text_shows_the_four_factors(capsys):
 # ---------------------------------------------------------------- planner == pre-flight, per source
 
 
-def _preflight_needed(cfg, steps: int, shard_tokens: int) -> dict[str, int]:
+def _preflight_needed(cfg, p, shard_tokens: int) -> dict[str, int]:
     """The pre-flight's needed tokens per source (`launch.preflight`, the function the job's check_run calls),
     over LMRows of real SourceStreams whose shards are never opened (only their sizes are read)."""
     from types import SimpleNamespace
 
     from ghostvis_core.data.loader import Batcher, LMRows
-    from ghostvis_core.data.stream import ShardRef, SourceStream
+    from ghostvis_core.data.shard_ref import ShardRef
+    from ghostvis_core.data.stream import SourceStream
     from ghostvis_core.run.launch import preflight
 
     streams = {
@@ -447,7 +448,7 @@ def _preflight_needed(cfg, steps: int, shard_tokens: int) -> dict[str, int]:
     batcher = Batcher(
         [LMRows(streams[s.source], cfg.batch.seq_len) for s in cfg.data.recipe], [s.weight for s in cfg.data.recipe]
     )
-    report = preflight(cfg, steps, SimpleNamespace(batcher=batcher, train_streams=streams))
+    report = preflight(cfg, p, SimpleNamespace(batcher=batcher, train_streams=streams))
     return {src: b.needed_tokens for src, b in report.items()}
 
 
@@ -466,8 +467,8 @@ def test_planner_needed_tokens_equal_the_preflight_for_lm_stages(recipe, budget)
         {"data.recipe": json.dumps([{"source": s, "weight": w} for s, w in recipe.items()]), **budget},
     )
     p = plan(cfg)
-    planned = {sp.source: sp.needed_tokens for sp in source_plan(recipe, p.step_tokens_total, {}, p.seq_len)}
-    assert planned == _preflight_needed(cfg, p.steps, shard_tokens=10**9)
+    planned = {sp.source: sp.needed_tokens for sp in source_plan(recipe, p.step_tokens_total, {}, p.batch.seq_len)}
+    assert planned == _preflight_needed(cfg, p, shard_tokens=10**9)
     # rows x seq_len over all sources is the step total; each source read adds its one boundary token
     assert sum(planned.values()) == p.step_tokens_total + len(recipe)
 

@@ -48,6 +48,7 @@ LAYERS = {
     "ghostvis_core.run.model.*": 5,
     "ghostvis_core.run.cluster.*": 5,
     "ghostvis_core.run.track.*": 5,
+    "ghostvis_core.run.preflight_record": 5,
     "ghostvis_core.run.train.*": 6,
     "ghostvis_core.run.hf.*": 7,
     "ghostvis_core.run.launch": 8,

@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
+from ghostvis_core.data.shard_ref import ShardRef
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan import presets, run_modes, stages
 from ghostvis_core.plan.budget import Plan, plan
 from ghostvis_core.plan.config import StageConfig, flatten
-from ghostvis_core.run.train.spec import LaunchSpec, SourceBudget, StageInputs
+from ghostvis_core.run.train.spec import LaunchSpec, StageInputs
 from tests.ledger_rows import shard_record
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "resolved_configs.json"
@@ -149,6 +150,13 @@ def test_presets_are_resolved_once_per_stage_and_preset(monkeypatch):
 
 
 def test_the_launch_spec_round_trips_its_typed_config_and_plan():
+    """Every stage's spec, shards typed, comes back equal from its saved JSON; the plan holds its one BatchPlan and
+    is saved flat (the four factors at the top of `plan`, where the audit reads them); nothing can be set on it."""
+    web = (
+        ShardRef("web/00001", "web", "train", "s3://b/tok/web/00001.arrow", 3, 700, "sha-1"),
+        ShardRef("web/00000", "web", "train", "s3://b/tok/web/00000.arrow", 2, 500, "sha-0"),
+    )
+    held_out = (ShardRef("web/00002", "web", "validation", "s3://b/tok/web/00002.arrow", 1, 90, "sha-2"),)
     for stage in stages.stage_names():
         cfg = presets.resolve(stage, "smoke")
         assert StageConfig.from_dict(json.loads(cfg.to_json())) == cfg
@@ -160,13 +168,57 @@ def test_the_launch_spec_round_trips_its_typed_config_and_plan():
             plan=p,
             store="/s",
             tokenizer_id="tok",
-            train_shards={},
-            val_shards={},
+            train_shards={"web": web},
+            val_shards={"web": held_out},
             mlflow_tracking_uri="sqlite://",
             mlflow_experiment="ghostvis",
             mlflow_artifact_location="file:///a",
-            inputs=StageInputs(source_budget={"web": SourceBudget(100, 200, 2, 0.5)}),
+            inputs=StageInputs(stream_offsets={"web": 512}, reward_rules={"web": "integer"}),
         )
-        back = LaunchSpec.from_dict(json.loads(json.dumps(spec.to_dict())))
+        saved = spec.to_json()
+        back = LaunchSpec.from_dict(json.loads(saved))
         assert back == spec and isinstance(back.config, StageConfig) and isinstance(back.plan, Plan)
-        assert back.plan.batch.tokens_per_step == p.tokens_per_step
+        assert back.train_shards["web"] == web and back.val_shards["web"][0].tokens == 90
+        assert back.to_json() == saved  # byte for byte
+        assert back.plan.batch == p.batch
+        flat = json.loads(saved)["plan"]
+        assert [flat[k] for k in ("micro_batch_size", "seq_len", "world_size", "grad_accum_steps")] == [
+            p.batch.micro_batch_size,
+            p.batch.seq_len,
+            p.batch.world_size,
+            p.batch.grad_accum_steps,
+        ]
+        assert flat["tokens_per_step"] == p.batch.tokens_per_step and "batch" not in flat
+        assert back.shard_versions() == {"web/00000": "sha-0", "web/00001": "sha-1", "web/00002": "sha-2"}
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            back.run_key = "another"
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            back.inputs.old_seq_len = 1
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            back.train_shards["web"][0].path = "/local"
+
+
+def test_the_preflight_record_round_trips_in_the_two_shapes_of_its_file(tmp_path):
+    """What the job's pre-flight found is a record of its own (preflight.json): the budget per source when it
+    passed, the refusal when it did not; read back typed, as the materialization reads it."""
+    from ghostvis_core.run.preflight_record import PreflightRecord, SourceBudget, preflight_record
+    from ghostvis_core.store import FolderStore
+
+    store = FolderStore(tmp_path / "store")
+    assert preflight_record(store, "pretrain", "k-r1") is None  # before the job ran
+    passed = PreflightRecord(7, "node-1", {"web": SourceBudget(100, 200, 2, 0.5)})
+    passed.save(store, "pretrain", "k-r1")
+    assert store.read_json("run_file", "pretrain", "k-r1", "preflight.json") == {
+        "pid": 7,
+        "host": "node-1",
+        "source_budget": {"web": {"needed_tokens": 100, "available_tokens": 200, "shards": 2, "epochs": 0.5}},
+    }
+    assert preflight_record(store, "pretrain", "k-r1") == passed
+    refused = PreflightRecord(8, "node-2", refused="pre-flight failed: source web ...")
+    refused.save(store, "pretrain", "k-r2")
+    assert store.read_json("run_file", "pretrain", "k-r2", "preflight.json") == {
+        "pid": 8,
+        "host": "node-2",
+        "refused": "pre-flight failed: source web ...",
+    }
+    assert preflight_record(store, "pretrain", "k-r2") == refused

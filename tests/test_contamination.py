@@ -22,6 +22,7 @@ import pytest
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow
 from ghostvis_core.data.ngrams import NGRAM, WINDOW, fingerprints, ngram_hash, ngram_hashes, normalize, winnow
+from ghostvis_core.data.shard_ref import ShardRef
 from ghostvis_core.data.tokenize import TokenizeJob, job_for_shard, run_locally, tokenize_shards
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.data.whole_items import MIN_WORDS, WholeItems, whole_phrase
@@ -187,7 +188,9 @@ def tokenized(module_tmp) -> SimpleNamespace:
 
 def spec_of(t: SimpleNamespace, **contamination) -> SimpleNamespace:
     """The launch-spec fields the check reads."""
-    refs = [{"shard_id": s, "content_sha256": j.content_sha256} for s, j in t.jobs.items() if j.split == "train"]
+    refs = tuple(
+        ShardRef(s, "corp", "train", "", 0, 0, j.content_sha256) for s, j in t.jobs.items() if j.split == "train"
+    )
     return SimpleNamespace(
         tokenizer_id=t.tok.tokenizer_id,
         train_shards={"corp": refs},

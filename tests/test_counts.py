@@ -10,7 +10,7 @@ from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.plan.budget import plan
 from ghostvis_core.plan.presets import resolve
 from ghostvis_core.run.train.result import BeforeAfter, FrozenCheck, MixtureShare, RunResult
-from ghostvis_core.run.train.spec import LaunchSpec, SourceBudget, StageInputs
+from ghostvis_core.run.train.spec import LaunchSpec, StageInputs
 from ghostvis_core.run.train.state import TrainState
 
 
@@ -68,7 +68,6 @@ def test_launch_spec_and_train_state_round_trip_with_their_typed_parts():
         old_seq_len=256,
         upstream_rope_base=1e4,
         upstream_rope_scaling=1.0,
-        source_budget={"web": SourceBudget(100, 200, 2, 0.5)},
     )
     cfg = resolve("pretrain", "smoke")
     spec = LaunchSpec(

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from ghostvis_core.data.loader import Batch, Batcher, PreferenceRows
-from ghostvis_core.data.stream import ShardRef, SourceStream
+from ghostvis_core.data.shard_ref import ShardRef
+from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.data.token_shard import list_column, write_token_shard
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.batch import IGNORE_INDEX

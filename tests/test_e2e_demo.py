@@ -69,7 +69,7 @@ def test_ledger_mlflow_and_dagster_agree_to_the_token_for_every_stage(demo_home)
         cfg = presets.resolve(stage, "smoke")
         p = plan(cfg)
         assert md["steps"] == totals["steps"] == p.steps
-        assert md["real_tokens"] + md["pad_tokens"] == p.steps * p.tokens_per_step == md["planned_tokens"]
+        assert md["real_tokens"] + md["pad_tokens"] == p.steps * p.batch.tokens_per_step == md["planned_tokens"]
         assert md["tokens_per_step"] == (
             md["micro_batch_size"] * md["seq_len"] * md["world_size"] * md["grad_accum_steps"]
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,8 @@ def test_a_budget_beyond_the_data_fails_pre_flight_with_the_numbers(home_copy):
     from ghostvis_core.errors import GhostvisError
     from ghostvis_core.run.launch import prepare_run
     from ghostvis_core.run.preflight import check_run
+    from ghostvis_core.run.preflight_record import preflight_record
+    from ghostvis_core.run.train.spec import LaunchSpec
 
     home = Home(home_copy)
     train = [r for r in Ledger.in_store(home.store).shards() if r.source == "demo_prose" and r.split == "train"]
@@ -114,18 +117,21 @@ def test_a_budget_beyond_the_data_fails_pre_flight_with_the_numbers(home_copy):
     assert f"or set data.allow_repeat=true to repeat the data {epochs:.2f} times" in msg
     assert f"source demo_code: the budget needs {needed:,} tokens" in msg
 
-    # declared repetition starts, and the epochs it will take are recorded with the run
-    spec = check_run(
-        prepare_run(
-            "pretrain", preset="smoke", home=home, overrides={"budget.steps": "5000", "data.allow_repeat": "true"}
-        ),
-        home.store,
+    # declared repetition starts, and the epochs it will take are recorded with the run, in a record of their own:
+    # the launch spec is written once, by the launch side, and the job's pre-flight leaves it as it was
+    spec = prepare_run(
+        "pretrain", preset="smoke", home=home, overrides={"budget.steps": "5000", "data.allow_repeat": "true"}
     )
-    budget = spec.inputs.source_budget["demo_prose"]
+    saved = Path(home.store.uri_of("run_spec", "pretrain", spec.run_key))
+    before = (saved.read_bytes(), saved.stat().st_mtime_ns)
+    found = check_run(spec, home.store)
+    assert (saved.read_bytes(), saved.stat().st_mtime_ns) == before and LaunchSpec.from_dict(
+        json.loads(before[0])
+    ) == spec
+    budget = found.source_budget["demo_prose"]
     assert (budget.needed_tokens, budget.available_tokens) == (needed, available)
     assert budget.epochs == round(epochs, 3) > 1
-    saved = home.store.read_json("run_spec", "pretrain", spec.run_key)["inputs"]["source_budget"]
-    assert saved["demo_prose"]["needed_tokens"] == needed  # what the materialization shows, from the store
+    assert preflight_record(home.store, "pretrain", spec.run_key) == found  # what the materialization shows
 
 
 @pytest.mark.e2e
@@ -133,8 +139,6 @@ def test_the_jobs_pre_flight_refusal_fails_the_materialization_once_with_its_mes
     """Through Dagster: the launch spec is written, the job's rank 0 refuses before the first step (the
     Dagster process never builds the objective), and the materialization fails with the pre-flight's
     message and the fix, without a retry (the same inputs would be refused again)."""
-    import json
-
     from tests.conftest import materialize_pretrain
 
     argv = materialize_pretrain()

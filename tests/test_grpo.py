@@ -19,8 +19,9 @@ from datatrove.data import Document
 from ghostvis_core.data.catalog import save_manifest
 from ghostvis_core.data.chat import render_prompt
 from ghostvis_core.data.problems import closes_answer_line
+from ghostvis_core.data.shard_ref import ShardRef
 from ghostvis_core.data.sources import Manifest
-from ghostvis_core.data.stream import ShardRef, SourceStream
+from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.data.token_shard import token_dtype, write_token_shard
 from ghostvis_core.data.tokenize import encode_document, token_columns
 from ghostvis_core.data.tokenizer import train_tokenizer

@@ -274,11 +274,10 @@ def test_a_stage_trains_from_an_imported_hf_folder(home_copy, tmp_path):
     from mlflow.tracking import MlflowClient
 
     from ghostvis_core.home import Home
-    from ghostvis_core.plan.budget import batch_plan
     from ghostvis_core.run.hf.export import export_run
     from ghostvis_core.run.train.objectives import build_objective
     from ghostvis_core.run.train.result import RunResult
-    from ghostvis_core.run.train.spec import LaunchSpec, localize_shards
+    from ghostvis_core.run.train.spec import LaunchSpec
 
     home = Home(home_copy)
     folder = export_run(home.store, "pretrain", None, tmp_path / "pretrain-hf")
@@ -319,9 +318,8 @@ def test_a_stage_trains_from_an_imported_hf_folder(home_copy, tmp_path):
         if m.step == 1
     ]
     cfg = spec.config
-    localize_shards(spec, store)
     objective = build_objective(spec, cfg)
-    batches = objective.step_batches(0, batch_plan(cfg.batch, 1), 0)
+    batches = objective.step_batches(0, spec.plan.batch, 0)
     model = load_hf_model(folder)
     with torch.no_grad():
         expected = sum(float(objective.loss_sum(model, b, torch.device("cpu"))) for b in batches) / sum(

@@ -20,7 +20,8 @@ from ghostvis_core.data.ledger.records import PART_SCHEMA, PART_TABLES, PartRow
 from ghostvis_core.data.ledger.summaries import run_summaries
 from ghostvis_core.data.ledger.write import pieces_to_rows
 from ghostvis_core.data.loader import Batcher, Consumption, LMRows, merge_pieces, micro_batch_rows
-from ghostvis_core.data.stream import ShardRef, SourceStream
+from ghostvis_core.data.shard_ref import ShardRef
+from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.data.token_shard import TokenShard, list_column, write_token_shard
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.batch import BatchPlan

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import sqlite3
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.plan.stages import stage, stage_names
+from ghostvis_core.run.preflight_record import preflight_record
 from ghostvis_core.run.train.runs import run_result
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.store.layout import fill
@@ -125,9 +127,13 @@ def test_the_dagster_process_plans_and_the_job_does_the_heavy_work(registry):
     assert pre["pid"] != dagster["pid"] and "refused" not in pre
     assert trained["mlflow_model_registered_by"] == f"pid {pre['pid']} on {pre['host']}"  # the same rank 0
     assert hit["mlflow_model_version"] == trained["mlflow_model_version"]
-    saved = LaunchSpec.from_dict(store.read_json("run_spec", "dpo", trained["run_key"])).inputs.source_budget
-    assert saved and {s: b.__dict__ for s, b in saved.items()} == pre["source_budget"]
-    for source, b in saved.items():  # the materialization's budget table is the job's
+    found = preflight_record(store, "dpo", trained["run_key"])
+    assert found.source_budget and {s: asdict(b) for s, b in found.source_budget.items()} == pre["source_budget"]
+    spec_file = Path(store.uri_of("run_spec", "dpo", trained["run_key"]))
+    pre_file = Path(store.uri_of("run_file", "dpo", trained["run_key"], "preflight.json"))
+    assert spec_file.stat().st_mtime_ns < pre_file.stat().st_mtime_ns  # the launch record is not written after it
+    assert "source_budget" not in spec_file.read_text()
+    for source, b in found.source_budget.items():  # the materialization's budget table is the job's
         assert f"| {source} | {b.needed_tokens:,} | {b.available_tokens:,} |" in trained["source_budget"]
 
 
@@ -166,7 +172,7 @@ def assert_datasets(client, home: Path, name: str, md: dict) -> None:
     rows = {r.shard_id: r for r in ledger.shards(tokenizer_id=md["tokenizer_id"])}
     spec = LaunchSpec.from_dict(store.read_json("run_spec", name, md["run_key"]))
     read = {r["shard_id"] for r in ledger.consumed_by_shard(md["run_key"])}
-    val = {d["shard_id"] for refs in spec.val_shards.values() for d in refs}
+    val = {r.shard_id for refs in spec.val_shards.values() for r in refs}
     inputs = {d.dataset.name: d for d in client.get_run(md["mlflow_run_id"]).inputs.dataset_inputs}
     assert read and set(inputs) == read | val, name
     for shard_id, d in inputs.items():

@@ -15,6 +15,7 @@ import pytest
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan import presets
+from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.plan.budget import GPUS, memory_plan, plan
 from ghostvis_core.plan.config import BudgetConfig
 from ghostvis_core.plan.run_modes import MODES, model_preset
@@ -25,13 +26,13 @@ from ghostvis_pipeline.cli import plan_mode
 @pytest.mark.parametrize("name", list(MODES))
 def test_a_modes_steps_spend_its_stated_hours_at_its_mfu(name):
     mode, p = MODES[name], plan_mode(name)
-    assert (p.world_size, p.memory["gpu"]) == (mode.gpus, mode.gpu)
-    seconds = p.steps * p.tokens_per_step * p.flops_per_token / (mode.gpus * GPUS[mode.gpu].bf16_flops * mode.mfu)
+    assert (p.batch.world_size, p.memory["gpu"]) == (mode.gpus, mode.gpu)
+    seconds = p.steps * p.batch.tokens_per_step * p.flops_per_token / (mode.gpus * GPUS[mode.gpu].bf16_flops * mode.mfu)
     step_s = seconds / p.steps
     # the whole steps that fit: within one step of the target, never beyond it
     assert mode.hours * 3600 - step_s < seconds <= mode.hours * 3600
     assert p.hours == pytest.approx(seconds / 3600, rel=1e-12)
-    assert p.step_tokens_total == p.steps * p.tokens_per_step
+    assert p.step_tokens_total == p.steps * p.batch.tokens_per_step
 
 
 @pytest.mark.parametrize("name", list(MODES))
@@ -47,7 +48,7 @@ def test_one_h100_for_4_hours_by_hand():
     = 5.139 s per step; 14,400 s / 5.139 = 2,802.2 -> 2,802 steps, 1,469,054,976 tokens."""
     p = plan_mode("1xh100-4h")
     assert p.flops_per_token == 6 * 520_418_560 + 12 * 24 * 1280 * 2048 == 3_877_486_080
-    assert (p.micro_batch_size, p.seq_len, p.world_size, p.grad_accum_steps) == (8, 2048, 1, 32)
+    assert p.batch == BatchPlan(8, 2048, 1, 32)
     assert p.steps == math.floor(4 * 3600 / (3_877_486_080 * 524_288 / (989e12 * 0.4))) == 2_802
     assert p.step_tokens_total == 1_469_054_976
 
@@ -57,7 +58,7 @@ def test_the_planner_computes_a_guides_iterations_from_its_tokens():
     says 11.2e9 / 524,288 = 21,362.3, rounded up so the run covers the budget: 21,363 steps."""
     cfg = presets.resolve("pretrain", "500m", {"budget.tokens_per_param": None, "budget.tokens": 11_200_000_000})
     p = plan(cfg)
-    assert p.tokens_per_step == 524_288 and p.steps == 21_363
+    assert p.batch.tokens_per_step == 524_288 and p.steps == 21_363
     assert p.step_tokens_total - 11_200_000_000 < 524_288
     assert 71_680 * 524_288 == 37_580_963_840  # the guide's iterations would train 3.4x the tokens
 
@@ -66,7 +67,8 @@ def test_overrides_apply_before_the_planner_derives_the_steps():
     """A shorter context costs fewer attention FLOPs per token, so the same hours buy more steps."""
     base = plan_mode("1xh100-1h")
     short = plan_mode("1xh100-1h", overrides={"batch.seq_len": "1024"})
-    assert short.seq_len == 1024 and short.grad_accum_steps == 64 and short.tokens_per_step == base.tokens_per_step
+    assert short.batch.seq_len == 1024 and short.batch.grad_accum_steps == 64
+    assert short.batch.tokens_per_step == base.batch.tokens_per_step
     assert short.flops_per_token == base.flops_per_token - 12 * 24 * 1280 * 1024
     assert short.steps > base.steps and short.hours <= 1.0
 
@@ -146,7 +148,7 @@ def test_a_stage_launched_with_a_mode_trains_the_planners_steps(demo_home, monke
     monkeypatch.setenv("GHOSTVIS_HOME", str(demo_home))
     monkeypatch.delenv("GHOSTVIS_STORE", raising=False)
     planned = plan_run("pretrain", preset="1xh100-1h", overrides={"checkpoint.every_steps": "50"}, home=Home.from_env())
-    cfg = planned.spec.config
+    cfg = planned.resolved.cfg
     assert cfg.preset == "500m" and cfg.batch.world_size == 1
     assert cfg.model.vocab_size == 4096 and cfg.budget == BudgetConfig(steps=797)
     assert cfg.checkpoint.every_steps == 50 and planned.preset == "1xh100-1h"  # the MLflow tag's preset

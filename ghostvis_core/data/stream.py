@@ -8,30 +8,20 @@ from __future__ import annotations
 
 import bisect
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ghostvis_core.data.shard_ref import ShardRef
 from ghostvis_core.data.token_shard import TokenShard
 from ghostvis_core.errors import GhostvisError
 
 
-@dataclass(frozen=True)
-class ShardRef:
-    """A tokenized shard as the ledger knows it."""
-
-    shard_id: str
-    source: str
-    split: str
-    path: str
-    docs: int
-    tokens: int
-    content_sha256: str = ""
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ShardRef:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+def local_file(ref: ShardRef) -> Path:
+    """A shard whose `path` is a file on this machine already."""
+    return Path(ref.path)
 
 
 @dataclass(frozen=True)
@@ -51,14 +41,17 @@ class Piece:
 
 
 class SourceStream:
-    """The shards of one source concatenated; epoch e > 0 visits them in a seeded shuffled order."""
+    """The shards of one source concatenated; epoch e > 0 visits them in a seeded shuffled order. A shard's
+    token file is fetched (`fetch`: ref -> a local path) when the stream first opens it."""
 
-    def __init__(self, source: str, refs: list[ShardRef], seed: int):
+    def __init__(
+        self, source: str, refs: Sequence[ShardRef], seed: int, fetch: Callable[[ShardRef], Path] = local_file
+    ):
         if not refs:
             raise GhostvisError(f"source '{source}': no tokenized shards selected; materialize tokenized_shards for it")
         self.source = source
         self.refs = sorted(refs, key=lambda r: r.shard_id)
-        self.seed = seed
+        self.seed, self.fetch = seed, fetch
         self.total = sum(r.tokens for r in self.refs)
         self._open: dict[str, TokenShard] = {}
         self._orders: dict[int, tuple[list[ShardRef], list[int]]] = {}
@@ -76,11 +69,12 @@ class SourceStream:
 
     def shard(self, ref: ShardRef) -> TokenShard:
         if ref.shard_id not in self._open:
-            shard = TokenShard.open(Path(ref.path), ref.shard_id)
+            path = self.fetch(ref)
+            shard = TokenShard.open(path, ref.shard_id)
             if shard.num_tokens != ref.tokens:
                 raise GhostvisError(
                     f"token shard {ref.shard_id}: {shard.num_tokens} tokens on disk, ledger says {ref.tokens}; "
-                    f"delete {ref.path} and re-materialize tokenized_shards partition {ref.shard_id}"
+                    f"delete {path} and re-materialize tokenized_shards partition {ref.shard_id}"
                 )
             self._open[ref.shard_id] = shard
         return self._open[ref.shard_id]

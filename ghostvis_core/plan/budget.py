@@ -70,11 +70,10 @@ def batch_plan(batch: BatchConfig, world_size: int | None = None) -> BatchPlan:
 
 @dataclass(frozen=True)
 class Plan:
-    micro_batch_size: int
-    seq_len: int
-    world_size: int
-    grad_accum_steps: int
-    tokens_per_step: int
+    """A stage's plan: its one BatchPlan (the four factors of a step, derived once, here) and what follows from
+    it. Saved flat (the four factors and tokens_per_step beside the rest), as the audit reads a spec's plan."""
+
+    batch: BatchPlan
     steps: int
     planned_tokens: int
     step_tokens_total: int  # steps x tokens_per_step: what the run will actually consume
@@ -90,16 +89,13 @@ class Plan:
     memory: dict | None = None  # the MemoryPlan, per GPU
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        rest = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "batch"}
+        return {**self.batch.to_dict(), **rest}
 
     @classmethod
     def from_dict(cls, data: dict) -> Plan:
-        return cls(**data)
-
-    @property
-    def batch(self) -> BatchPlan:
-        """The four factors of a step (what the audit rebuilds its rows from)."""
-        return BatchPlan(self.micro_batch_size, self.seq_len, self.world_size, self.grad_accum_steps)
+        rest = {f.name: data[f.name] for f in dataclasses.fields(cls) if f.name != "batch"}
+        return cls(batch=BatchPlan.of(data), **rest)
 
 
 def plan(
@@ -141,11 +137,7 @@ def plan(
     cost = gpu_hours * price_per_gpu_hour if gpu_hours is not None and price_per_gpu_hour is not None else None
     memory = memory_plan(cfg, world_size=bp.world_size, gpu=gpu, params=params)
     return Plan(
-        micro_batch_size=bp.micro_batch_size,
-        seq_len=bp.seq_len,
-        world_size=bp.world_size,
-        grad_accum_steps=bp.grad_accum_steps,
-        tokens_per_step=tps,
+        batch=bp,
         steps=steps,
         planned_tokens=planned,
         step_tokens_total=d,

@@ -38,19 +38,18 @@ def _leave_reason(spec, rank: int, reason: str) -> None:
         record_reason(open_store(spec.store), spec.stage, spec.run_key, rank, reason)
 
 
-def checked_spec(spec: LaunchSpec, ctx: dist.DistContext) -> LaunchSpec:
-    """The spec once rank 0's pre-flight passed (every rank waits for it, or for its refusal)."""
+def check_spec(spec: LaunchSpec, ctx: dist.DistContext) -> None:
+    """Rank 0's pre-flight of the spec (every rank waits for it to pass, or for its refusal)."""
     verdict = None
     if ctx.is_main:
         try:
-            spec = check_run(spec, open_store(spec.store))
+            check_run(spec, open_store(spec.store))
             print(f"pre-flight of run {spec.run_key} passed (pid {os.getpid()} on {socket.gethostname()})", flush=True)
         except GhostvisError as exc:
             verdict = exc
     verdict = dist.broadcast_object(verdict, ctx)
     if verdict is not None:
         raise verdict
-    return spec
 
 
 def hold_lease(spec: LaunchSpec, ctx: dist.DistContext) -> tuple[bool, lease.Lease | None]:
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         if done:
             return 0
         try:
-            spec = checked_spec(spec, ctx)
+            check_spec(spec, ctx)
             train(spec, ctx)
         finally:
             if held is not None:

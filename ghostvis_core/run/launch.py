@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ghostvis_core import identity
@@ -18,30 +18,30 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import ShardRecord
 from ghostvis_core.data.ledger.summaries import validation_selected
 from ghostvis_core.data.problems import DEFAULT_RULE
-from ghostvis_core.data.stream import ShardRef, SourceStream
+from ghostvis_core.data.shard_ref import ShardRef
+from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer, newest_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan import presets, selected, stages
-from ghostvis_core.plan.budget import Plan, batch_plan, detected_gpu, memory_plan, memory_refusal
+from ghostvis_core.plan.budget import Plan, detected_gpu, memory_plan, memory_refusal
 from ghostvis_core.plan.budget import plan as make_plan
 from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.plan.presets import RegisteredSources, TokenizerVocab
 from ghostvis_core.run.hf.sources import is_hf_source
+from ghostvis_core.run.preflight_record import SourceBudget
 from ghostvis_core.run.train.runs import Upstream, checkpoint_key, checkpoint_of, find_upstream, next_run_key
-from ghostvis_core.run.train.spec import LaunchSpec, SourceBudget, StageInputs, localize_shards
+from ghostvis_core.run.train.spec import LaunchSpec, Shards, StageInputs
 from ghostvis_core.store import Store
 
 MLFLOW_EXPERIMENT = "ghostvis"
 
 
-def select_shards(
-    ledger: Ledger, store: Store, tokenizer_id: str, sources: list[str], split: str
-) -> dict[str, list[dict]]:
+def select_shards(ledger: Ledger, store: Store, tokenizer_id: str, sources: list[str], split: str) -> Shards:
     """Ledger shards of the given sources and split; every token file must be in the store, and be of the
     shard's current content: a shard whose file changed under its name trains only once its new version
     is tokenized (the old version's tokens stay for the runs that read them)."""
-    out: dict[str, list[dict]] = {s: [] for s in sources}
+    out: dict[str, list[ShardRef]] = {s: [] for s in sources}
     for r in ledger.shards(tokenizer_id=tokenizer_id, sources=sources):
         if r.split != split:
             continue
@@ -58,15 +58,16 @@ def select_shards(
                 f"tokenized shard {r.shard_id} ({store.uri_of('token_shard', *key)}) is in "
                 f"the ledger but missing on disk; re-materialize tokenized_shards partition {r.shard_id}"
             )
-        path = store.uri_of("token_shard", *key)  # each rank fetches it (spec.localize_shards)
-        out[r.source].append(ShardRef(r.shard_id, r.source, r.split, path, r.docs, r.tokens, r.content_sha256).__dict__)
+        path = store.uri_of("token_shard", *key)  # a stream fetches it when it opens the shard (objectives.py)
+        out[r.source].append(ShardRef(r.shard_id, r.source, r.split, path, r.docs, r.tokens, r.content_sha256))
     empty = [s for s, refs in out.items() if not refs]
     if empty:
         raise GhostvisError(
             f"no {split} shards tokenized with {tokenizer_id} for source(s) {', '.join(empty)}; "
             f"materialize raw_shards and tokenized_shards for them first"
         )
-    leaked = validation_selected(ledger, tokenizer_id, out) if split == "train" else []
+    selected = {s: tuple(refs) for s, refs in out.items()}
+    leaked = validation_selected(ledger, tokenizer_id, selected) if split == "train" else []
     if leaked:
         names = ", ".join(f"{r['shard_id']} ({r['split']})" for r in leaked)
         raise GhostvisError(
@@ -74,7 +75,7 @@ def select_shards(
             "training must never read them: fix the shard selection (select_shards filters by "
             "split) or the shard's split pin in its manifest, then re-launch"
         )
-    return out
+    return selected
 
 
 def stream_split_problems(splits: dict[str, str], streams: dict[str, dict[str, SourceStream]]) -> list[str]:
@@ -106,7 +107,7 @@ def check_stream_splits(ledger: Ledger, tokenizer_id: str, objective) -> None:
         )
 
 
-def preflight(cfg: StageConfig, plan_steps: int, objective) -> dict[str, SourceBudget]:
+def preflight(cfg: StageConfig, p: Plan, objective) -> dict[str, SourceBudget]:
     """Per source: tokens the budget needs vs tokens available. Refuses to start on a shortfall, and
     on a CUDA machine a config whose memory plan does not fit its GPU (naming the fixes)."""
     device = detected_gpu()
@@ -114,7 +115,7 @@ def preflight(cfg: StageConfig, plan_steps: int, objective) -> dict[str, SourceB
         mp = memory_plan(cfg, gpu=device[0], gpu_memory_gb=device[1])
         if not mp.fits:
             raise GhostvisError(memory_refusal(cfg.stage, mp))
-    rows = objective.batcher.rows_per_source(plan_steps * batch_plan(cfg.batch).rows_per_step)
+    rows = objective.batcher.rows_per_source(p.steps * p.batch.rows_per_step)
     report, problems = {}, []
     for rs in objective.batcher.sources:
         needed, available = rs.tokens_for_rows(rows[rs.source]), rs.available_tokens
@@ -135,18 +136,16 @@ def preflight(cfg: StageConfig, plan_steps: int, objective) -> dict[str, SourceB
     return report
 
 
-def lineage_offsets(
-    ledger: Ledger, parent_run_key: str, train_shards: dict[str, list[dict]], sources: list[str]
-) -> dict[str, int]:
+def lineage_offsets(ledger: Ledger, parent_run_key: str, train_shards: Shards, sources: list[str]) -> dict[str, int]:
     """Where the lineage stopped reading each source's token stream, so this stage continues
     there instead of re-reading it (stream coordinates: epoch x total + shard start + token)."""
     offsets: dict[str, int] = {}
     for src in sources:
-        refs = sorted(train_shards[src], key=lambda r: r["shard_id"])
+        refs = sorted(train_shards[src], key=lambda r: r.shard_id)
         starts, pos = {}, 0
         for r in refs:
-            starts[r["shard_id"]] = pos
-            pos += r["tokens"]
+            starts[r.shard_id] = pos
+            pos += r.tokens
         end = 0
         for run in ledger.lineage(parent_run_key):
             for c in ledger.consumption(ledger.chain(run)):
@@ -251,25 +250,29 @@ def reward_rules(store: Store, cfg: StageConfig) -> dict[str, str]:
     return rules
 
 
-def stage_inputs(r: Resolved, store: Store, ledger: Ledger, train_shards: dict[str, list[dict]]) -> StageInputs:
+def stage_inputs(r: Resolved, store: Store, ledger: Ledger, train_shards: Shards) -> StageInputs:
     """What the stage takes from its lineage: where to continue each source, the old context, ..."""
-    cfg, inputs = r.cfg, StageInputs()
-    if cfg.objective == "grpo":
-        inputs.reward_rules = reward_rules(store, cfg)
-    if r.upstream and cfg.objective == "lm":
-        fresh = [s.source for s in cfg.data.recipe if s.source not in cfg.data.replay_sources]
-        inputs.stream_offsets = lineage_offsets(ledger, r.upstream.run_key, train_shards, fresh)
-    up_model = (r.upstream_cfg or {}).get("model")
-    if up_model and up_model["max_seq_len"] < cfg.model.max_seq_len:
-        inputs.old_seq_len = up_model["max_seq_len"]
-        inputs.upstream_rope_base, inputs.upstream_rope_scaling = up_model["rope_base"], up_model["rope_scaling"]
-    if "reasoning" in cfg.eval.evidence:
-        inputs.reasoning_source = max(cfg.data.recipe, key=lambda s: s.weight).source
-    inputs.new_vision = cfg.vision is not None and not (r.upstream_cfg or {}).get("vision")
-    return inputs
+    cfg, up_model = r.cfg, (r.upstream_cfg or {}).get("model")
+    longer = bool(up_model and up_model["max_seq_len"] < cfg.model.max_seq_len)
+    fresh = [s.source for s in cfg.data.recipe if s.source not in cfg.data.replay_sources]
+    return StageInputs(
+        stream_offsets=(
+            lineage_offsets(ledger, r.upstream.run_key, train_shards, fresh)
+            if r.upstream and cfg.objective == "lm"
+            else {}
+        ),
+        old_seq_len=up_model["max_seq_len"] if longer else None,
+        upstream_rope_base=up_model["rope_base"] if longer else None,
+        upstream_rope_scaling=up_model["rope_scaling"] if longer else None,
+        reasoning_source=(
+            max(cfg.data.recipe, key=lambda s: s.weight).source if "reasoning" in cfg.eval.evidence else None
+        ),
+        reward_rules=reward_rules(store, cfg) if cfg.objective == "grpo" else {},
+        new_vision=cfg.vision is not None and not (r.upstream_cfg or {}).get("vision"),
+    )
 
 
-def run_identity(r: Resolved, p: Plan, spec: LaunchSpec) -> dict[str, Any]:
+def run_identity(r: Resolved, p: Plan, train: Shards, validation: Shards, inputs: StageInputs) -> dict[str, Any]:
     """What the run trains, never where: the config minus how it is split over ranks (a resume on another
     world size with the same tokens_per_step finds the same run), the tokenizer, the content hashes of
     the shards it reads (train and validation, from the ledger), the upstream run's key (its data
@@ -277,22 +280,22 @@ def run_identity(r: Resolved, p: Plan, spec: LaunchSpec) -> dict[str, Any]:
     ident_cfg = r.cfg.to_dict()
     for k in ("world_size", "micro_batch_size", "grad_accum_steps", "total_batch_tokens"):
         ident_cfg["batch"].pop(k)
-    ident_cfg["batch"]["tokens_per_step"] = p.tokens_per_step
+    ident_cfg["batch"]["tokens_per_step"] = p.batch.tokens_per_step
     for how in ("async_save", "every_minutes"):  # how and when shards are written, not what is trained
         ident_cfg["checkpoint"].pop(how)
     ident_cfg["runtime"].pop("hang_timeout_s")
     ident_cfg.pop("contamination")  # what the run is checked against, not what it trains
 
-    def contents(shards: dict[str, list[dict]]) -> dict[str, list[str]]:
-        return {s: [x["content_sha256"] for x in refs] for s, refs in shards.items()}
+    def contents(shards: Shards) -> dict[str, list[str]]:
+        return {s: [x.content_sha256 for x in refs] for s, refs in shards.items()}
 
     return {
         "config": ident_cfg,
         "tokenizer": r.tok.tokenizer_id,
-        "train": contents(spec.train_shards),
-        "validation": contents(spec.val_shards),
+        "train": contents(train),
+        "validation": contents(validation),
         "upstream": r.upstream.run_key if r.upstream else None,
-        "inputs": {k: v for k, v in spec.inputs.__dict__.items() if k != "source_budget"},
+        "inputs": asdict(inputs),
     }
 
 
@@ -301,17 +304,21 @@ def run_identity(r: Resolved, p: Plan, spec: LaunchSpec) -> dict[str, Any]:
 TRAINING_MODULES = ("ghostvis_core.run.__main__", "ghostvis_core.run.launch")
 
 
-@dataclass
+@dataclass(frozen=True)
 class PlannedRun:
-    """A stage run resolved and identified, before its pre-flight and attempt: what a cache looks up."""
+    """A stage run resolved and identified, before its attempt: what a cache looks up. Its LaunchSpec is
+    built whole once the attempt's run key is known (`start_run`)."""
 
-    spec: LaunchSpec  # run_key still empty
+    stage: str
     base_key: str  # <stage>-<identity digest> (<stage>@<variant>-... for a variant): its attempts are base-r<n>
     identity: dict[str, Any]  # what the digest hashes, saved beside each attempt (artifact kind "identity")
     resolved: Resolved
     plan: Plan
+    train_shards: Shards
+    val_shards: Shards
+    inputs: StageInputs
     preset: str
-    variant: str | None
+    variant: str | None = field(default=None)
 
 
 def plan_run(
@@ -329,41 +336,48 @@ def plan_run(
     r = resolve_stage(stage, preset, overrides or {}, home, tokenizer_id, upstream)
     ledger = Ledger.in_store(home.store)
     recipe_sources = [s.source for s in r.cfg.data.recipe]
-    train_shards = select_shards(ledger, home.store, r.tok.tokenizer_id, recipe_sources, "train")
-    val_shards = (
+    train = select_shards(ledger, home.store, r.tok.tokenizer_id, recipe_sources, "train")
+    validation = (
         select_shards(ledger, home.store, r.tok.tokenizer_id, r.cfg.data.val_sources, "validation")
         if r.cfg.data.val_sources
         else {}
     )
     p = make_plan(r.cfg)
-    spec = LaunchSpec(
-        stage=stage,
-        run_key="",
+    inputs = stage_inputs(r, home.store, ledger, train)
+    ident = run_identity(r, p, train, validation, inputs)
+    name = f"{stage}@{variant}" if variant else stage
+    base_key = f"{name}-{identity.digest(ident, 10)}"
+    return PlannedRun(stage, base_key, ident, r, p, train, validation, inputs, preset, variant)
+
+
+def launch_spec(planned: PlannedRun, run_key: str, home: Home) -> LaunchSpec:
+    """The attempt's LaunchSpec, whole: the one place one is built."""
+    r = planned.resolved
+    return LaunchSpec(
+        stage=planned.stage,
+        run_key=run_key,
         config=r.cfg,
-        plan=p,
+        plan=planned.plan,
         store=home.store.uri,
         tokenizer_id=r.tok.tokenizer_id,
-        train_shards=train_shards,
-        val_shards=val_shards,
+        train_shards=planned.train_shards,
+        val_shards=planned.val_shards,
         mlflow_tracking_uri=home.mlflow_tracking_uri,
         mlflow_experiment=MLFLOW_EXPERIMENT,
         mlflow_artifact_location=home.mlflow_artifacts.as_uri(),
         parent_run_key=r.upstream.run_key if r.upstream else None,
         init_checkpoint=r.upstream.checkpoint if r.upstream else None,
-        inputs=stage_inputs(r, home.store, ledger, train_shards),
+        tags=run_tags(planned.stage, run_key, r.tok.tokenizer_id, planned.preset, r.upstream, planned.variant),
+        inputs=planned.inputs,
     )
-    ident = run_identity(r, p, spec)
-    name = f"{stage}@{variant}" if variant else stage
-    return PlannedRun(spec, f"{name}-{identity.digest(ident, 10)}", ident, r, p, preset, variant)
 
 
 def start_run(planned: PlannedRun, home: Home) -> LaunchSpec:
-    """The attempt (the newest unfinished one is resumed, else a new one starts); saves the launch spec and,
-    beside it, the identity and the code version that make the run. The pre-flight (`preflight`, which
-    builds the objective) runs in the job, on rank 0 (ghostvis_core/run/preflight.py)."""
-    spec, r = planned.spec, planned.resolved
-    spec.run_key = next_run_key(home.store, spec.stage, planned.base_key)
-    spec.tags = run_tags(spec, planned.preset, r.upstream, planned.variant)
+    """The attempt (the newest unfinished one is resumed, else a new one starts); saves its launch spec (the only
+    write of it: the job's pre-flight keeps what it finds in a record of its own, run/preflight_record.py) and,
+    beside it, the identity and the code version that make the run. The pre-flight (`preflight`, which builds the
+    objective) runs in the job, on rank 0 (ghostvis_core/run/preflight.py)."""
+    spec = launch_spec(planned, next_run_key(home.store, planned.stage, planned.base_key), home)
     home.store.write_json(
         "identity",
         spec.stage,
@@ -372,14 +386,6 @@ def start_run(planned: PlannedRun, home: Home) -> LaunchSpec:
     )
     home.store.write_text("run_spec", spec.stage, spec.run_key, text=spec.to_json())
     return spec
-
-
-def with_local_shards(spec: LaunchSpec, store: Store) -> LaunchSpec:
-    """A copy of `spec` whose shards are this machine's copies of the token files (fetched from the store):
-    the pre-flight opens them here, while the saved spec keeps their store URIs for every node to fetch."""
-    local = LaunchSpec.from_dict(json.loads(spec.to_json()))
-    localize_shards(local, store)
-    return local
 
 
 def prepare_run(
@@ -409,13 +415,15 @@ def prepare_run(
     )
 
 
-def run_tags(spec: LaunchSpec, preset: str, upstream: Upstream | None, variant: str | None) -> dict[str, str]:
+def run_tags(
+    stage: str, run_key: str, tokenizer_id: str, preset: str, upstream: Upstream | None, variant: str | None
+) -> dict[str, str]:
     """MLflow tags: the run's stage, key, preset, tokenizer and lineage."""
     tags = {
-        "ghostvis.stage": spec.stage,
-        "ghostvis.run_key": spec.run_key,
+        "ghostvis.stage": stage,
+        "ghostvis.run_key": run_key,
         "ghostvis.preset": preset,
-        "ghostvis.tokenizer_id": spec.tokenizer_id,
+        "ghostvis.tokenizer_id": tokenizer_id,
     }
     if upstream:
         tags |= {

@@ -33,7 +33,7 @@ from ghostvis_core.data.ledger.query import RunHead
 from ghostvis_core.data.ngrams import TEXT_COLUMNS, fingerprints, normalize, record_text
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.train.runs import newest_completed_run, run_result
-from ghostvis_core.run.train.spec import shard_versions
+from ghostvis_core.run.train.spec import saved_shard_versions
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.row_index import write_row_index
 from ghostvis_core.verify.audit.token_files import TokenFile
@@ -108,7 +108,7 @@ def trace_document(store: Store, ledger: Ledger, shard_id: str, row: int, tracki
     hits, spans = [], {}
     for (stage, key), rows in sorted(by_run.items()):
         spec = store.read_json("run_spec", stage, key)
-        file_key = (spec["tokenizer_id"], shard_id, shard_versions(spec["train_shards"], spec["val_shards"])[shard_id])
+        file_key = (spec["tokenizer_id"], shard_id, saved_shard_versions(spec)[shard_id])
         if file_key not in spans:
             tf = TokenFile(store.fetch("token_shard", *file_key), shard_id)
             found = (tf.rows == row).nonzero()[0]
@@ -175,7 +175,7 @@ def trace_step(store: Store, ledger: Ledger, stage: str, step: int, run_key: str
             "give a step of the run"
         )
     index = write_row_index(store, ledger, spec, chain)  # written here when the run's checks have not
-    contents, snippets, fed = shard_versions(spec["train_shards"], spec["val_shards"]), Snippets(store), []
+    contents, snippets, fed = saved_shard_versions(spec), Snippets(store), []
     for r in ledger.row_index([index], "step = ?", [step]):
         fed.append(
             {k: getattr(r, k) for k in ("rank", "micro_batch", "global_row", "shard_id", "epoch")}

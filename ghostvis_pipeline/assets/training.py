@@ -31,7 +31,7 @@ from ghostvis_core.plan import presets, selected
 from ghostvis_core.plan.stages import Stage
 from ghostvis_core.run.hf.register import model_record, register_run
 from ghostvis_core.run.launch import TRAINING_MODULES, PlannedRun, plan_run, start_run
-from ghostvis_core.run.preflight import preflight_record
+from ghostvis_core.run.preflight_record import preflight_record
 from ghostvis_core.run.train.reasons import run_reason, was_preempted
 from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.runs import Upstream, run_result
@@ -129,7 +129,8 @@ def lineage_metadata(r: RunResult, spec: LaunchSpec, store: Store) -> dict:
     }
     if spec.parent_run_key:
         md |= {"parent_run_key": spec.parent_run_key, "init_checkpoint": MetadataValue.path(spec.init_checkpoint or "")}
-    budget = spec.inputs.source_budget
+    found = preflight_record(store, spec.stage, spec.run_key)  # what the job's pre-flight measured
+    budget = found.source_budget if found else {}
     md["source_budget"] = MetadataValue.md(
         md_table(
             ["source", "needed_tokens", "available_tokens", "shards", "epochs"],
@@ -232,7 +233,6 @@ def _train_or_reuse(
         changed = changed_since(h.store, stage.name, planned)
         spec = _user_error(start_run, planned, h)
         run_job(context, launcher, spec, h)
-        spec = LaunchSpec.from_dict(h.store.read_json("run_spec", stage.name, spec.run_key))  # with its budget
     result = run_result(h.store, spec.stage, spec.run_key)
     md = {
         **result_metadata(result),
@@ -272,7 +272,8 @@ def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home) -> None:
                     f"{spec.stage}: launch {launch} of run {spec.run_key} was {reason}; launching again"
                 )
                 continue
-            refused = (preflight_record(h.store, spec) or {}).get("refused")
+            found = preflight_record(h.store, spec.stage, spec.run_key)
+            refused = found.refused if found else None
             if not refused or not failure.allow_retries:
                 raise
             raise Failure(description=failure.description, allow_retries=False) from None

@@ -13,6 +13,7 @@ from ghostvis_core.plan.stages import stage_names
 
 if TYPE_CHECKING:
     from ghostvis_core.data.ledger import Ledger
+    from ghostvis_core.data.shard_ref import ShardRef
 
 
 def source_split_totals(rows: list[ShardRecord]) -> list[dict[str, Any]]:
@@ -171,7 +172,7 @@ def train_validation_overlap(ledger: Ledger, shards: list[ShardRecord]) -> list[
 
 
 def validation_selected(
-    ledger: Ledger, tokenizer_id: str, train_shards: dict[str, list[dict[str, Any]]]
+    ledger: Ledger, tokenizer_id: str, train_shards: dict[str, tuple[ShardRef, ...]]
 ) -> list[dict[str, Any]]:
     """Shards selected for training (a launch spec's train_shards) whose ledger split is not train, or
     that the ledger does not know: checked before launch and again by the stage checks, because what
@@ -182,9 +183,7 @@ def validation_selected(
     out = []
     for source, refs in sorted(train_shards.items()):
         for ref in refs:
-            split = known.get((ref["shard_id"], ref.get("content_sha256", "")), "not in the ledger")
+            split = known.get((ref.shard_id, ref.content_sha256), "not in the ledger")
             if split != "train":  # the ledger's split; the spec's label is shown, never trusted
-                out.append(
-                    {"source": source, "shard_id": ref["shard_id"], "split": split, "spec_split": ref.get("split")}
-                )
+                out.append({"source": source, "shard_id": ref.shard_id, "split": split, "spec_split": ref.split})
     return out

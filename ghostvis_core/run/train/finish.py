@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.stream import ShardRef
 from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.run.model.gpt import attention_kernel
 from ghostvis_core.run.model.vision import frozen_fingerprint
@@ -43,8 +42,8 @@ def report(run: Trainer) -> RunResult:
 def shard_inputs(run: Trainer, consumed: set[str]) -> list[ShardInput]:
     """The train shards the run read (per the ledger) and every validation shard it evaluated on."""
     spec = run.spec
-    refs = [ShardRef.from_dict(d) for shards in spec.train_shards.values() for d in shards if d["shard_id"] in consumed]
-    refs += [ShardRef.from_dict(d) for shards in spec.val_shards.values() for d in shards]
+    refs = [r for shards in spec.train_shards.values() for r in shards if r.shard_id in consumed]
+    refs += [r for shards in spec.val_shards.values() for r in shards]
     return [
         ShardInput(
             r.shard_id,

@@ -17,6 +17,7 @@ training). The loop does the rest (DDP, accumulation, accounting, checkpoints) f
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,8 @@ from ghostvis_core.data.loader import (
     micro_batch_rows,
     rank_batches,
 )
-from ghostvis_core.data.stream import ShardRef, SourceStream
+from ghostvis_core.data.shard_ref import ShardRef
+from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.batch import IGNORE_INDEX, BatchPlan
@@ -42,12 +44,19 @@ from ghostvis_core.run.train import evidence as ev
 from ghostvis_core.run.train.dist import DistContext, all_reduce_sum
 from ghostvis_core.run.train.grpo import GroupRows, grpo_loss_sum, held_out_reward, rollout_batch
 from ghostvis_core.run.train.runs import checkpoint_of
-from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.run.train.spec import LaunchSpec, Shards
 from ghostvis_core.store import open_store
 
 
-def streams_for(shards: dict[str, list[dict]], seed: int) -> dict[str, SourceStream]:
-    return {src: SourceStream(src, [ShardRef.from_dict(r) for r in refs], seed) for src, refs in shards.items()}
+def streams_for(spec: LaunchSpec, shards: Shards, seed: int) -> dict[str, SourceStream]:
+    """A stream per source; each fetches a shard's token file from the spec's store when it opens the shard
+    (this node's copy: the spec names the file by its store URI)."""
+    store = open_store(spec.store)
+
+    def fetch(ref: ShardRef) -> Path:
+        return store.fetch("token_shard", spec.tokenizer_id, ref.shard_id, ref.content_sha256)
+
+    return {src: SourceStream(src, refs, seed, fetch) for src, refs in shards.items()}
 
 
 class Objective:
@@ -61,8 +70,8 @@ class Objective:
         missing = [s.source for s in recipe if s.source not in spec.train_shards]
         if missing:
             raise GhostvisError(f"stage {cfg.stage}: no tokenized train shards for source(s) {missing}")
-        self.train_streams = streams_for({s.source: spec.train_shards[s.source] for s in recipe}, cfg.data.seed)
-        self.val_streams = streams_for(spec.val_shards, cfg.data.seed)
+        self.train_streams = streams_for(spec, {s.source: spec.train_shards[s.source] for s in recipe}, cfg.data.seed)
+        self.val_streams = streams_for(spec, spec.val_shards, cfg.data.seed)
         self.batcher = Batcher(
             [self.row_source(self.train_streams[s.source], train=True) for s in recipe], [s.weight for s in recipe]
         )

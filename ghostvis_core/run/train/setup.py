@@ -25,7 +25,7 @@ from ghostvis_core.run.train.parallel import wrap
 from ghostvis_core.run.train.precision import use_bf16, use_compile
 from ghostvis_core.run.train.preemption import PreemptionFlag
 from ghostvis_core.run.train.runs import checkpoint_of
-from ghostvis_core.run.train.spec import LaunchSpec, localize_shards
+from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.run.train.state import TrainState
 from ghostvis_core.run.train.tracking import Tracker
 from ghostvis_core.run.train.trainer import Trainer
@@ -36,9 +36,8 @@ from ghostvis_core.store import open_store
 def setup(spec: LaunchSpec, ctx: DistContext) -> Trainer:
     clock = Clock()
     cfg = spec.config
-    plan = run_batch_plan(cfg, ctx)
+    plan = run_batch_plan(spec, ctx)
     store = open_store(spec.store)
-    localize_shards(spec, store)
     torch.manual_seed(cfg.data.seed)
     model = build_model(cfg, ctx)
     checkpoints = checkpoint_manager(spec, ctx, store)
@@ -132,9 +131,13 @@ def _starting_state(spec: LaunchSpec, plan: BatchPlan, checkpoints: CheckpointMa
     return state
 
 
-def run_batch_plan(cfg: StageConfig, ctx: DistContext) -> BatchPlan:
-    """The batch plan for the ranks actually started (a world size the config did not plan is refused)."""
-    if cfg.batch.total_batch_tokens is None and cfg.batch.world_size != ctx.world_size:
+def run_batch_plan(spec: LaunchSpec, ctx: DistContext) -> BatchPlan:
+    """The spec's batch plan when the ranks actually started are the ones it planned; for another world size,
+    grad_accum_steps derived again from batch.total_batch_tokens (else the world size is refused)."""
+    cfg = spec.config
+    if spec.plan.batch.world_size == ctx.world_size:
+        return spec.plan.batch
+    if cfg.batch.total_batch_tokens is None:
         raise GhostvisError(
             f"config batch.world_size={cfg.batch.world_size} but {ctx.world_size} ranks were started; "
             f"set batch.world_size={ctx.world_size} (or set batch.total_batch_tokens to derive grad_accum)"

@@ -1,9 +1,11 @@
 """LaunchSpec: everything one stage run needs, resolved before torchrun starts.
 
-The spec is a JSON artifact in the store (kind run_spec); every rank reads it and nothing else (it
-does not query the ledger or know who started it). It carries the resolved config and the plan typed
-(`from_dict(to_dict(spec)) == spec`); `StageInputs` holds what the launcher worked out for this stage from its
-lineage; the trainer, the objectives and the evidence read typed fields.
+The spec is a JSON artifact in the store (kind run_spec), built whole and saved once by the launch side
+(launch.start_run); every rank reads it and nothing else (it does not query the ledger or know who
+started it), and nothing writes it again: what the job learns (the pre-flight's budget) is a record of its
+own (run/preflight_record.py). It is frozen and typed (`from_dict(to_dict(spec)) == spec`): the resolved config, the
+plan with its one BatchPlan, the shards as ShardRefs (their token files by store URI: a stream fetches one
+when it opens it); `StageInputs` holds what the launcher worked out for this stage from its lineage.
 """
 
 from __future__ import annotations
@@ -12,24 +14,17 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ghostvis_core.data.shard_ref import ShardRef
 from ghostvis_core.plan.budget import Plan
 from ghostvis_core.plan.config import StageConfig
-from ghostvis_core.store import Store
+
+# source -> its selected shards, in the ledger's order
+Shards = dict[str, tuple[ShardRef, ...]]
 
 
-@dataclass
-class SourceBudget:
-    """Pre-flight, per source: tokens the budget needs vs tokens the tokenized shards hold."""
-
-    needed_tokens: int
-    available_tokens: int
-    shards: int
-    epochs: float
-
-
-@dataclass
+@dataclass(frozen=True)
 class StageInputs:
-    """What a stage takes from its lineage and the pre-flight, beyond its config."""
+    """What a stage takes from its lineage, beyond its config (all of it in the run's identity)."""
 
     # source -> token offset where the lineage stopped reading it (the stage continues there)
     stream_offsets: dict[str, int] = field(default_factory=dict)
@@ -42,15 +37,9 @@ class StageInputs:
     # changing a source's rule makes the run stale
     reward_rules: dict[str, str] = field(default_factory=dict)
     new_vision: bool = False  # this stage introduces the vision stack (not in the upstream checkpoint)
-    source_budget: dict[str, SourceBudget] = field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> StageInputs:
-        budget = {s: SourceBudget(**b) for s, b in data.get("source_budget", {}).items()}
-        return cls(**{**data, "source_budget": budget})
 
 
-@dataclass
+@dataclass(frozen=True)
 class LaunchSpec:
     stage: str
     run_key: str
@@ -58,8 +47,8 @@ class LaunchSpec:
     plan: Plan
     store: str  # the artifact store's URI (ghostvis_core.store.open_store)
     tokenizer_id: str
-    train_shards: dict[str, list[dict[str, Any]]]  # source -> ShardRef dicts
-    val_shards: dict[str, list[dict[str, Any]]]
+    train_shards: Shards
+    val_shards: Shards
     mlflow_tracking_uri: str
     mlflow_experiment: str
     mlflow_artifact_location: str
@@ -69,7 +58,7 @@ class LaunchSpec:
     inputs: StageInputs = field(default_factory=StageInputs)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True)
+        return json.dumps({**asdict(self), "plan": self.plan.to_dict()}, indent=2, sort_keys=True)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON shape the store holds (kind run_spec)."""
@@ -85,20 +74,25 @@ class LaunchSpec:
                 **data,
                 "config": StageConfig.from_dict(data["config"]),
                 "plan": Plan.from_dict(data["plan"]),
-                "inputs": StageInputs.from_dict(data.get("inputs", {})),
+                "train_shards": shards_of(data["train_shards"]),
+                "val_shards": shards_of(data["val_shards"]),
+                "inputs": StageInputs(**data.get("inputs", {})),
             }
         )
 
 
-def shard_versions(*selections: dict[str, list[dict[str, Any]]]) -> dict[str, str]:
+def shards_of(saved: dict[str, list[dict[str, Any]]]) -> Shards:
+    """A saved spec's shard selection, typed."""
+    return {source: tuple(ShardRef(**r) for r in refs) for source, refs in saved.items()}
+
+
+def shard_versions(*selections: Shards) -> dict[str, str]:
     """shard_id -> the content sha256 of the version a run's launch spec selected (its train and validation
     shards, `selections`): the one version every reader of the run's shards goes through (token files,
     raw text, split), whatever versions of the shard arrived since."""
-    return {r["shard_id"]: r["content_sha256"] for refs in selections for rs in refs.values() for r in rs}
+    return {r.shard_id: r.content_sha256 for refs in selections for rs in refs.values() for r in rs}
 
 
-def localize_shards(spec: LaunchSpec, store: Store) -> None:
-    """Point the spec's shards at this node's copies (fetched from the store by key when it is remote)."""
-    for refs in (*spec.train_shards.values(), *spec.val_shards.values()):
-        for ref in refs:
-            ref["path"] = str(store.fetch("token_shard", spec.tokenizer_id, ref["shard_id"], ref["content_sha256"]))
+def saved_shard_versions(saved: dict[str, Any]) -> dict[str, str]:
+    """`shard_versions` of a saved spec (its JSON, as the trace reads many without typing them whole)."""
+    return shard_versions(shards_of(saved["train_shards"]), shards_of(saved["val_shards"]))

@@ -79,7 +79,7 @@ def tokens_recounted_from_files(store: Store, run: StageRun) -> CheckOutcome:
     )
     problems = [p for p in (files.range_problem(r) for r in run.consumption) if p]
     problems += files.replaced
-    tps = run.spec.plan.tokens_per_step
+    tps = run.spec.plan.batch.tokens_per_step
     rows, failures = [], list(problems)
     for seg in sorted({p.segment for p in run.chain}):
         parts = [p for p in run.chain if p.segment == seg]
@@ -134,7 +134,7 @@ def consumption_matches_plan(store: Store, run: StageRun) -> CheckOutcome:
         for kind, shard, epoch, span, n in ranges[:50]
     ]
     plan = run.spec.plan
-    tps, steps, planned = plan.tokens_per_step, plan.steps, plan.planned_tokens
+    tps, steps, planned = plan.batch.tokens_per_step, plan.steps, plan.planned_tokens
     consumed = run.record.counts.consumed
     if consumed != steps * tps:
         failures.append(f"consumed positions (real + pad) {consumed:,} != steps x tokens_per_step {steps * tps:,}")

@@ -9,7 +9,7 @@ the run's records, MLflow, and the Dagster metadata when there is one) and retur
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from ghostvis_core.counts import MLFLOW_METRICS
@@ -77,7 +77,7 @@ STAGE_CHECKS: list[StageCheck] = [
         "fed_content_matches_files",
         "What every rank fed the model each step (content digests of each micro-batch, in the ledger) equals the "
         "rows the plan says it had to read, rebuilt from the token files by the audit's own reader.",
-        lambda c: fed_content_matches_files(c.home.store, c.ledger, asdict(c.run.spec), c.run.chain),
+        lambda c: fed_content_matches_files(c.home.store, c.ledger, c.run.spec.to_dict(), c.run.chain),
     ),
     (
         "rollouts_recounted",
@@ -111,7 +111,7 @@ STAGE_CHECKS: list[StageCheck] = [
         "mlflow_token_history",
         "Every MLflow point of the token metrics: none falls, real + pad == step x tokens_per_step, and at each "
         "committed step each figure == the ledger's cumulative figure up to that part.",
-        lambda c: inv.mlflow_token_history(c.run.chain, c.run.spec.plan.tokens_per_step, c.token_history),
+        lambda c: inv.mlflow_token_history(c.run.chain, c.run.spec.plan.batch.tokens_per_step, c.token_history),
     ),
     (
         "tokens_match_plan",

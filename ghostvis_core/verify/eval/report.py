@@ -91,7 +91,7 @@ def stage_report(
     costs = []
     for gpu, price in gpu_prices.items():
         p = plan(config, gpu=gpu, price_per_gpu_hour=price)
-        costs.append({"gpu": gpu, "gpus": p.world_size, "gpu_hours": p.gpu_hours, "cost": p.cost, "price": price})
+        costs.append({"gpu": gpu, "gpus": p.batch.world_size, "gpu_hours": p.gpu_hours, "cost": p.cost, "price": price})
     return StageReport(
         stage=result.stage,
         run_key=key,
