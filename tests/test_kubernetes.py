@@ -18,6 +18,7 @@ from dagster_pipes import decode_env_var
 
 from ghostvis_core.home import Home
 from ghostvis_core.plan.presets import resolve
+from ghostvis_core.run.cluster.job import Job
 from ghostvis_core.run.cluster.kubernetes import (
     CONTAINER,
     INDEX_ANNOTATION,
@@ -33,6 +34,7 @@ from ghostvis_core.run.track.pipes import StoreMessageWriterChannel
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.launchers import kubernetes as k8s_launcher
+from ghostvis_pipeline.launchers.common import training_job
 from ghostvis_pipeline.launchers.kubernetes import plan
 
 K8S = "1.33.0"  # the cluster version the manifests are checked against (strict: no unknown fields)
@@ -64,8 +66,9 @@ def launcher(**kubernetes_config) -> Launcher:
 
 def launch_spec(
     world_size: int, run_key: str = "pretrain-3f9c2a1b7d-r1", mlflow: str = "http://mlflow.ml-training.svc:5000"
-) -> LaunchSpec:
-    return LaunchSpec(
+) -> Job:
+    """A pretrain run's training job, as the stage asset hands it to the launcher."""
+    spec = LaunchSpec(
         stage="pretrain",
         run_key=run_key,
         config=resolve("pretrain", "smoke", {"batch.world_size": world_size}),
@@ -78,6 +81,7 @@ def launch_spec(
         mlflow_experiment="ghostvis",
         mlflow_artifact_location="",
     )
+    return training_job(spec)
 
 
 @pytest.fixture
@@ -246,7 +250,7 @@ class FakeCluster:
     polls (pod 0 prints two lines, rank 0 sends a Pipes log message through the store), then ends
     with `outcome`."""
 
-    def __init__(self, home: Home, spec: LaunchSpec, outcome: str = "Complete"):
+    def __init__(self, home: Home, spec: Job, outcome: str = "Complete"):
         self.home, self.spec, self.outcome = home, spec, outcome
         self.objects: dict[tuple[str, str], dict] = {}
         self.created: list[str] = []
@@ -311,7 +315,7 @@ class FakeCluster:
         del self.objects[("Service", name)]
 
 
-def launch_on(cluster: FakeCluster, home: Home, spec: LaunchSpec, monkeypatch):
+def launch_on(cluster: FakeCluster, home: Home, spec: Job, monkeypatch):
     """Materialize an asset whose body is the kubernetes launcher, against the fake cluster."""
     monkeypatch.setattr(k8s_launcher, "_clients", lambda: (cluster, cluster))
     monkeypatch.setattr(k8s_launcher, "POLL_SECONDS", 0.01)

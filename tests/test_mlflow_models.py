@@ -222,17 +222,19 @@ def test_the_registered_dpo_model_loads_and_gives_ghostvis_logits_and_tokens(reg
 
 @pytest.mark.e2e
 def test_an_unreachable_registry_leaves_the_run_and_says_so(home_copy, monkeypatch):
-    """As on a cache hit: the registration runs in a subprocess, which records MLflow's refusal."""
+    """As on a cache hit: the registration runs as a job of its own (launched like training), which records
+    MLflow's refusal."""
     from dagster import build_asset_context
 
     from ghostvis_pipeline.assets.training import model_metadata
+    from ghostvis_pipeline.launchers import Launcher
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     home = Home(home_copy)
     run_key = latest(dagster_instance(home_copy), "sft")["run_key"]
     spec = LaunchSpec.from_dict(home.store.read_json("run_spec", "sft", run_key))
-    md = model_metadata(build_asset_context(), stage("sft"), spec, home, registered_by_job=False)
+    md = model_metadata(build_asset_context(), stage("sft"), spec, home, Launcher(), registered_by_job=False)
     assert list(md) == ["mlflow_model"]
     assert md["mlflow_model"].startswith(f"sft: the model of run {run_key} is not registered in MLflow")
     assert md["mlflow_model"].endswith("materialize sft again (a cache hit) to register it")
