@@ -12,7 +12,7 @@ job's record is in the store (its `done` key: a run's RunResult, kind run_record
 
 from __future__ import annotations
 
-from dagster import AssetExecutionContext, ConfigurableResource, Failure
+from dagster import AssetExecutionContext, Config, ConfigurableResource, Failure
 from pydantic import Field
 
 from ghostvis_core.home import Home
@@ -42,10 +42,7 @@ class Launcher(ConfigurableResource):
     slurm: SlurmConfig = SlurmConfig()
     kubernetes: KubernetesConfig = KubernetesConfig()
 
-    def nodes(self, target: Job) -> int:
-        """The job's nodes: the launcher's, one for a one-rank job (the evaluation, tokenizer training)."""
-        if target.ranks == 1:
-            return 1
+    def nodes(self) -> int:
         if self.kind == "torchrun":
             return self.torchrun.nnodes
         if self.kind == "slurm":
@@ -58,7 +55,7 @@ class Launcher(ConfigurableResource):
         """Ranks on each node; the job's world size must be nodes x ranks per node."""
         if target.ranks == 1:
             return 1
-        world, nodes = target.ranks, self.nodes(target)
+        world, nodes = target.ranks, self.nodes()
         per_node = self.nproc_per_node or world // nodes
         if per_node * nodes != world:
             raise Failure(
@@ -69,6 +66,14 @@ class Launcher(ConfigurableResource):
             )
         return per_node
 
+    def sized(self, cluster: Config, target: Job) -> dict:
+        """The launcher's slurm or kubernetes settings (`cluster`) for the job: as set, for a job of several ranks;
+        one node with at most one GPU for a one-rank job (the evaluation, a cache hit's registration)."""
+        fields = cluster.model_dump()
+        if target.ranks == 1:
+            fields |= {"nodes": 1, "gpus_per_node": min(fields["gpus_per_node"], 1)}
+        return fields
+
     def run(self, context: AssetExecutionContext, target: Job, home: Home) -> None:
         """Run the job to completion; its record (`target.done`) is then in the store. A one-node job of a
         multi-node torchrun launcher runs on this host (its c10d rendezvous would wait for the other nodes)."""
@@ -76,5 +81,5 @@ class Launcher(ConfigurableResource):
             raise Failure(
                 f"launcher kind '{self.kind}' is unknown; choose one of {', '.join(LAUNCHERS)}", allow_retries=False
             )
-        kind = "local" if self.kind == "torchrun" and self.nodes(target) == 1 else self.kind
+        kind = "local" if self.kind == "torchrun" and target.ranks == 1 else self.kind
         LAUNCHERS[kind](context, target, home, self)

@@ -42,7 +42,7 @@ DELETE_WAIT_SECONDS = 120.0  # a retry must not start while the last attempt's p
 
 def plan(launcher, target: Job, home: Home) -> tuple[KubernetesJob, RunTarget]:
     """The pods' config and what they run, checked before anything reaches the cluster."""
-    job = KubernetesJob(**{**launcher.kubernetes.model_dump(), "nodes": launcher.nodes(target)})
+    job = KubernetesJob(**launcher.sized(launcher.kubernetes, target))
     try:
         check_config(job)
         nproc = launcher.ranks_per_node(target)

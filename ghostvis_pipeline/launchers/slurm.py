@@ -57,7 +57,7 @@ class JobOutput:
 def run_slurm(context: AssetExecutionContext, target: Job, home: Home, launcher) -> None:
     """Submit the run as one job and wait for it: the Dagster step lasts as long as the training does,
     so that Dagster's retry, termination and log cover the job."""
-    job = SlurmJob(**{**launcher.slurm.model_dump(), "nodes": launcher.nodes(target)})
+    job = slurm_job(launcher, target)
     nproc = launcher.ranks_per_node(target)
     attempt = attempt_name(context)
     clear_reason(home, target)
@@ -76,6 +76,11 @@ def run_slurm(context: AssetExecutionContext, target: Job, home: Home, launcher)
         state = follow_or_cancel(context, job_id, output, job.poll_seconds)
     context.log.info(f"Slurm job {job_id} ended {state}")
     end(home, target, job_id, state, output.uri)
+
+
+def slurm_job(launcher, target: Job) -> SlurmJob:
+    """The sbatch options of the job: the launcher's, one node and at most one GPU for a one-rank job."""
+    return SlurmJob(**launcher.sized(launcher.slurm, target))
 
 
 def job_script(home: Home, target: Job, job: SlurmJob, nproc: int, env: dict[str, str], out: str) -> str:
