@@ -1,5 +1,5 @@
-"""The `launcher` resource: where a heavy job runs (a stage's training, the evaluation, tokenizer training:
-ghostvis_core/run/cluster/job.py), chosen by config, never by the asset's code.
+"""The `launcher` resource: where a heavy job runs (a stage's training, the evaluation, tokenizer training, a
+cache hit's registration: ghostvis_core/run/cluster/job.py), chosen by config, never by the asset's code.
 
     kind: local       torchrun on the Dagster host (the default)
     kind: torchrun    multi-node torchrun with a c10d rendezvous (nodes started by hand or another scheduler)
@@ -7,7 +7,7 @@ ghostvis_core/run/cluster/job.py), chosen by config, never by the asset's code.
     kind: kubernetes  pods through dagster-k8s Pipes: one pod per node, an indexed Job for several
 
 Every launcher runs the job's module under torchrun on its spec in the same store; when it returns, the
-job's record is in the store (its `done` key: a run's RunResult, kind run_record; the evaluation's results).
+job's record is in the store (its `done` key: a run's RunResult, kind run_record; the evaluation's scores).
 """
 
 from __future__ import annotations
