@@ -156,6 +156,8 @@ def test_a_cache_hit_and_the_evaluation_import_no_torch_in_the_dagster_process(r
     from dagster import AssetKey
     from mlflow.tracking import MlflowClient
 
+    from ghostvis_core.plan.selected import lineage
+
     home, uri = registry
     dagster = json.loads((home.parent / "hit_and_evaluation.json").read_text())
     assert dagster["heavy_imports"] == []
@@ -170,7 +172,8 @@ def test_a_cache_hit_and_the_evaluation_import_no_torch_in_the_dagster_process(r
     evaluation = latest(instance, "evaluation")
     assert "cached_from" not in evaluation and set(evaluation["harness"]["dpo"]) == {"ghostvis_capitals"}
     scores = Home(home).store.read_json("report", f"evaluation/{evaluation['identity']}.json")
-    assert list(scores) == list(evaluation["harness"]) and scores["dpo"]["run_key"] == trained["run_key"]
+    assert list(scores) == list(evaluation["harness"]) == lineage().stage_names()  # the lineage's order, as before
+    assert scores["dpo"]["run_key"] == trained["run_key"]
     logged = MlflowClient(uri).get_run(trained["mlflow_run_id"]).data.metrics
     assert logged["harness/ghostvis_capitals/acc"] == scores["dpo"]["harness"]["ghostvis_capitals"]["acc"]
     assert logged["eval/mc/overall"] == scores["dpo"]["mc"]["overall"]

@@ -28,11 +28,13 @@ class EvalSpec:
     harness_include: list[str]  # folders of the user's task YAML
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The lineage and the held-out sources as [name, value] pairs: the store writes an object's keys
+        sorted, and the scores keep the lineage's order and each stage's bpb the sources' order."""
+        return {**asdict(self), "lineage": list(self.lineage.items()), "held_out": list(self.held_out.items())}
 
     @classmethod
     def from_dict(cls, d: dict) -> EvalSpec:
-        return cls(**d)
+        return cls(**{**d, "lineage": dict(d["lineage"]), "held_out": dict(d["held_out"])})
 
 
 def results_name(key: str) -> str:
