@@ -54,6 +54,7 @@ LAYERS = {
     "ghostvis_core.run.launch": 8,
     "ghostvis_core.run.preflight": 8,
     "ghostvis_core.run.__main__": 8,
+    "ghostvis_core.run.tokenizer_job": 8,
     "ghostvis_core.verify.*": 9,
 }
 # (importing module, imported top-level package) pairs allowed despite the no-Dagster rule

@@ -18,6 +18,7 @@ from dagster_pipes import decode_env_var
 
 from ghostvis_core.home import Home
 from ghostvis_core.plan.presets import resolve
+from ghostvis_core.run.cluster.job import Job
 from ghostvis_core.run.cluster.kubernetes import (
     CONTAINER,
     INDEX_ANNOTATION,
@@ -31,8 +32,10 @@ from ghostvis_core.run.cluster.kubernetes import (
 from ghostvis_core.run.cluster.run_files import read_run_file
 from ghostvis_core.run.track.pipes import StoreMessageWriterChannel
 from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.verify.eval.job import EvalSpec, eval_job
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.launchers import kubernetes as k8s_launcher
+from ghostvis_pipeline.launchers.common import registration_job, training_job
 from ghostvis_pipeline.launchers.kubernetes import plan
 
 K8S = "1.33.0"  # the cluster version the manifests are checked against (strict: no unknown fields)
@@ -62,7 +65,7 @@ def launcher(**kubernetes_config) -> Launcher:
         return resources.launcher
 
 
-def launch_spec(
+def pretrain_spec(
     world_size: int, run_key: str = "pretrain-3f9c2a1b7d-r1", mlflow: str = "http://mlflow.ml-training.svc:5000"
 ) -> LaunchSpec:
     return LaunchSpec(
@@ -78,6 +81,11 @@ def launch_spec(
         mlflow_experiment="ghostvis",
         mlflow_artifact_location="",
     )
+
+
+def launch_spec(world_size: int, **spec) -> Job:
+    """A pretrain run's training job, as the stage asset hands it to the launcher."""
+    return training_job(pretrain_spec(world_size, **spec))
 
 
 @pytest.fixture
@@ -153,6 +161,36 @@ def test_one_node_pod_is_what_dagster_k8s_pipes_submits(home):
     assert env_of(c)["DAGSTER_PIPES_CONTEXT"] == "e30=" and env_of(c)["NCCL_IB_DISABLE"] == "1"
     assert pod["metadata"]["labels"][QUEUE_LABEL] == "h100"
     assert pod["spec"]["volumes"] == spec["volumes"]
+
+
+def eval_target(mlflow: str = "http://mlflow.ml-training.svc:5000") -> Job:
+    """The evaluation job of a three-stage lineage, as the evaluation asset hands it to the launcher."""
+    lineage = {"pretrain": "pretrain-1-r1", "sft": "sft-2-r1", "dpo": "dpo-3-r1"}
+    return eval_job(EvalSpec("ev1d", "", mlflow, "tok", lineage, {}, ["ghostvis_capitals"], []))
+
+
+def test_the_evaluation_and_registration_jobs_are_one_pod_of_one_rank_on_a_four_node_launcher(home):
+    """The launcher's nodes are training's: a one-rank job (the evaluation, a cache hit's registration) is one
+    pod whatever they are, its command the job's module on its spec in the store, rendered as training's is."""
+    resource = launcher(**{**CLUSTER, "nodes": 4})
+    job, run = plan(resource, eval_target(), home)
+    assert (job.nodes, job.gpus_per_node, run.nproc_per_node) == (1, 1, 1)
+    meta, spec = render_pod(job, run)
+    validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "evaluation-0", **meta}, "spec": spec})
+    assert container(spec)["command"] == [
+        *["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"],
+        *["-m", "ghostvis_core.verify.eval", "--spec", home.store.uri_of("run_spec", "evaluation", "ev1d")],
+    ]
+    assert env_of(container(spec))["OMP_NUM_THREADS"] == "64"  # the pod's cores, for the stages scored side by side
+    registering = registration_job(pretrain_spec(world_size=32), "http://mlflow.ml-training.svc:5000")
+    job, run = plan(resource, registering, home)
+    assert container(render_pod(job, run)[1])["command"][-5:] == [
+        "ghostvis_core.run.hf.register",
+        "--spec",
+        home.store.uri_of("run_spec", "pretrain", "pretrain-3f9c2a1b7d-r1"),
+        "--tracking-uri",
+        "http://mlflow.ml-training.svc:5000",
+    ]
 
 
 def test_four_nodes_are_an_indexed_job_behind_a_headless_service(home):
@@ -246,7 +284,7 @@ class FakeCluster:
     polls (pod 0 prints two lines, rank 0 sends a Pipes log message through the store), then ends
     with `outcome`."""
 
-    def __init__(self, home: Home, spec: LaunchSpec, outcome: str = "Complete"):
+    def __init__(self, home: Home, spec: Job, outcome: str = "Complete"):
         self.home, self.spec, self.outcome = home, spec, outcome
         self.objects: dict[tuple[str, str], dict] = {}
         self.created: list[str] = []
@@ -311,7 +349,7 @@ class FakeCluster:
         del self.objects[("Service", name)]
 
 
-def launch_on(cluster: FakeCluster, home: Home, spec: LaunchSpec, monkeypatch):
+def launch_on(cluster: FakeCluster, home: Home, spec: Job, monkeypatch):
     """Materialize an asset whose body is the kubernetes launcher, against the fake cluster."""
     monkeypatch.setattr(k8s_launcher, "_clients", lambda: (cluster, cluster))
     monkeypatch.setattr(k8s_launcher, "POLL_SECONDS", 0.01)

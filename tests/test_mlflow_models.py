@@ -53,13 +53,34 @@ sys.exit(rc)
 """
 
 
+# Then, in one Dagster process: dpo again (a cache hit: its registration is a job of its own) and the evaluation
+# on one harness task (an identity not scored before: the evaluation job runs), and what that process imported
+HIT_AND_EVALUATION_IN_DAGSTER = """
+import json, os, sys
+from dagster import DagsterInstance
+from ghostvis_pipeline.definitions import defs
+from ghostvis_pipeline.demo import materialize
+materialize(defs, DagsterInstance.get(), ["dpo"])
+config = {"ops": {"evaluation": {"config": {"harness_tasks": ["ghostvis_capitals"]}}}}
+materialize(defs, DagsterInstance.get(), ["evaluation"], run_config=config)
+heavy = [m for m in ("torch", "transformers", "mlflow.transformers", "lm_eval") if m in sys.modules]
+print("DAGSTER_PROCESS " + json.dumps({"pid": os.getpid(), "heavy_imports": heavy}))
+"""
+
+
+def said_by_dagster(proc, home: Path, name: str) -> None:
+    """What the Dagster process printed of itself, kept as <home>/../<name>."""
+    said = next(line for line in proc.stdout.splitlines() if line.startswith("DAGSTER_PROCESS "))
+    (home.parent / name).write_text(said.removeprefix("DAGSTER_PROCESS "))
+
+
 @pytest.fixture(scope="module")
 def registry(demo_home, module_tmp):
     """A copy of the demo home (whose stage materializations registered every stage's model) with its
     MLflow store served by `mlflow server`, in which dpo was trained again (--force: a second version,
-    the alias moved to it) and then materialized through Dagster (a cache hit: no third version):
-    (home, tracking URI). What the training's Dagster process said of itself is in
-    <home>/../dagster_process.json."""
+    the alias moved to it) and then materialized through Dagster (a cache hit: no third version) with an
+    evaluation on one harness task: (home, tracking URI). What each Dagster process said of itself is in
+    <home>/../dagster_process.json (the training) and hit_and_evaluation.json."""
     home = module_tmp("registry") / "home"
     copy_home(demo_home, home)
     own_artifacts(home)
@@ -68,13 +89,9 @@ def registry(demo_home, module_tmp):
     uri = f"http://127.0.0.1:{port}"
     try:
         proc = run_cli(["python", "-c", TRAIN_DPO_IN_DAGSTER], home, MLFLOW_TRACKING_URI=uri)
-        said = next(line for line in proc.stdout.splitlines() if line.startswith("DAGSTER_PROCESS "))
-        (home.parent / "dagster_process.json").write_text(said.removeprefix("DAGSTER_PROCESS "))
-        run_cli(
-            ["dagster", "asset", "materialize", "--select", "dpo", "-m", "ghostvis_pipeline.definitions"],
-            home,
-            MLFLOW_TRACKING_URI=uri,
-        )
+        said_by_dagster(proc, home, "dagster_process.json")
+        proc = run_cli(["python", "-c", HIT_AND_EVALUATION_IN_DAGSTER], home, MLFLOW_TRACKING_URI=uri)
+        said_by_dagster(proc, home, "hit_and_evaluation.json")
         yield home, uri
     finally:
         stop_server(server)
@@ -135,6 +152,37 @@ def test_the_dagster_process_plans_and_the_job_does_the_heavy_work(registry):
     assert "source_budget" not in spec_file.read_text()
     for source, b in found.source_budget.items():  # the materialization's budget table is the job's
         assert f"| {source} | {b.needed_tokens:,} | {b.available_tokens:,} |" in trained["source_budget"]
+
+
+@pytest.mark.e2e
+def test_a_cache_hit_and_the_evaluation_import_no_torch_in_the_dagster_process(registry):
+    """dpo's cache hit and an evaluation that scored (a new identity) ran in one Dagster process that never
+    imported torch, transformers or lm_eval: the hit's registration was a job of its own (another pid, the
+    alias pointed back at the same version), the scores the evaluation job's, in the store and in MLflow."""
+    from dagster import AssetKey
+    from mlflow.tracking import MlflowClient
+
+    from ghostvis_core.plan.selected import lineage
+
+    home, uri = registry
+    dagster = json.loads((home.parent / "hit_and_evaluation.json").read_text())
+    assert dagster["heavy_imports"] == []
+    instance = dagster_instance(home)
+    hit, trained = [
+        {k: getattr(v, "value", v) for k, v in r.asset_materialization.metadata.items()}
+        for r in instance.fetch_materializations(AssetKey("dpo"), limit=2).records
+    ]
+    assert hit["cached_from"]["run_key"] == trained["run_key"]
+    assert hit["mlflow_model_version"] == trained["mlflow_model_version"]
+    assert not hit["mlflow_model_registered_by"].startswith(f"pid {dagster['pid']} ")
+    evaluation = latest(instance, "evaluation")
+    assert "cached_from" not in evaluation and set(evaluation["harness"]["dpo"]) == {"ghostvis_capitals"}
+    scores = Home(home).store.read_json("report", f"evaluation/{evaluation['identity']}.json")
+    assert list(scores) == lineage().stage_names() and set(evaluation["harness"]) == set(scores)  # in lineage order
+    assert scores["dpo"]["run_key"] == trained["run_key"]
+    logged = MlflowClient(uri).get_run(trained["mlflow_run_id"]).data.metrics
+    assert logged["harness/ghostvis_capitals/acc"] == scores["dpo"]["harness"]["ghostvis_capitals"]["acc"]
+    assert logged["eval/mc/overall"] == scores["dpo"]["mc"]["overall"]
 
 
 def assert_registered(client, instance, home: Path, name: str) -> None:
@@ -228,17 +276,26 @@ def test_the_registered_dpo_model_loads_and_gives_ghostvis_logits_and_tokens(reg
 
 @pytest.mark.e2e
 def test_an_unreachable_registry_leaves_the_run_and_says_so(home_copy, monkeypatch):
-    """As on a cache hit: the registration runs in a subprocess, which records MLflow's refusal."""
-    from dagster import build_asset_context
+    """As on a cache hit: the registration runs as a job of its own (launched like training), which records
+    MLflow's refusal."""
+    from dagster import MaterializeResult, asset, materialize
 
     from ghostvis_pipeline.assets.training import model_metadata
+    from ghostvis_pipeline.launchers import Launcher
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     home = Home(home_copy)
     run_key = latest(dagster_instance(home_copy), "sft")["run_key"]
     spec = LaunchSpec.from_dict(home.store.read_json("run_spec", "sft", run_key))
-    md = model_metadata(build_asset_context(), stage("sft"), spec, home, registered_by_job=False)
+    md = {}
+
+    @asset
+    def sft(context):  # a Dagster step, as the stage asset's: the registration job reports through Pipes
+        md.update(model_metadata(context, stage("sft"), spec, home, Launcher(), registered_by_job=False))
+        return MaterializeResult()
+
+    assert materialize([sft]).success
     assert list(md) == ["mlflow_model"]
     assert md["mlflow_model"].startswith(f"sft: the model of run {run_key} is not registered in MLflow")
     assert md["mlflow_model"].endswith("materialize sft again (a cache hit) to register it")

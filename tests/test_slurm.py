@@ -29,6 +29,7 @@ from ghostvis_core.run.cluster.slurm import JOB_OUTCOMES, SlurmJob, job_outcome,
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.runs import run_result
 from ghostvis_core.store import open_store
+from ghostvis_core.verify.eval.job import EvalSpec, eval_job
 from tests.conftest import BIN, cli_env, materialize_pretrain, new_run_dirs, run_cli, run_names, s3_env
 from tests.faults import wait_for
 from tests.hosts import upload
@@ -112,6 +113,28 @@ def test_defaults_leave_the_cluster_defaults_and_ask_for_one_cpu_node():
             )
         )
     ]
+
+
+def test_the_evaluation_job_is_one_rank_on_one_node_of_a_four_node_launcher(tmp_path):
+    """Rendered as training's job script is (launchers/slurm.py job_script), its command the evaluation's module."""
+    from dagster import build_resources
+
+    from ghostvis_pipeline.launchers import Launcher
+    from ghostvis_pipeline.launchers.slurm import job_script, slurm_job
+
+    config = {"kind": "slurm", "slurm": {"nodes": 4, "gpus_per_node": 8, "partition": "gpu"}}
+    with build_resources(
+        {"launcher": Launcher.configure_at_launch()}, resource_config={"launcher": {"config": config}}
+    ) as r:
+        launcher = r.launcher
+    target = eval_job(EvalSpec("ev1d", "", "http://mlflow:5000", "tok", {"sft": "sft-2-r1"}, {}, [], []))
+    home = Home(tmp_path / "home")
+    job = slurm_job(launcher, target)
+    lines = job_script(home, target, job, launcher.ranks_per_node(target), {}, "slurm/a1/out").splitlines()
+    assert {"#SBATCH --nodes=1", "#SBATCH --gpus-per-node=1", "#SBATCH --partition=gpu"} <= set(lines)
+    (srun,) = [line for line in lines if line.startswith("srun ")]
+    spec = home.store.uri_of("run_spec", "evaluation", "ev1d")
+    assert "--nproc_per_node=1 " in srun and srun.endswith(f" -m ghostvis_core.verify.eval --spec {spec}")
 
 
 def test_extra_sbatch_options_and_setup_lines_come_in_order_before_srun():

@@ -219,12 +219,13 @@ def test_partition_keys_are_file_stems_for_patterns_and_listings(tmp_path):
 def dagster_run(assets, instance, home, *, run_config=None, tags=None, selection=None):
     from dagster import materialize
 
+    from ghostvis_pipeline.launchers import Launcher
     from ghostvis_pipeline.resources import GhostvisHome
 
     return materialize(
         assets,
         instance=instance,
-        resources={"home": GhostvisHome(root=str(home))},
+        resources={"home": GhostvisHome(root=str(home)), "launcher": Launcher()},  # the tokenizer trains in a job
         run_config=run_config or {},
         tags=tags,
         selection=selection,

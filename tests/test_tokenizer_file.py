@@ -309,6 +309,7 @@ def test_the_tokenizer_asset_brings_a_file_and_the_ledger_rows_carry_its_id(file
     from ghostvis_core.verify.audit.invariants import ledger_matches_token_files
     from ghostvis_core.verify.audit.token_files import TokenFile
     from ghostvis_pipeline.assets.data import tokenizer
+    from ghostvis_pipeline.launchers import Launcher
     from ghostvis_pipeline.resources import GhostvisHome
     from tests.test_bad_inputs import run_manifest
     from tests.test_token_integrity import outcomes, tokenize
@@ -325,7 +326,7 @@ def test_the_tokenizer_asset_brings_a_file_and_the_ledger_rows_carry_its_id(file
         result = materialize(
             [tokenizer],
             instance=instance,
-            resources={"home": GhostvisHome(root=str(home))},
+            resources={"home": GhostvisHome(root=str(home)), "launcher": Launcher()},
             run_config={"ops": {"tokenizer": {"config": {"from_file": path}}}},
         )
         [mat] = result.asset_materializations_for_node("tokenizer")

@@ -26,7 +26,6 @@ from ghostvis_core.data.catalog import (
     remote_manifest,
     save_manifest,
     shard_split_shown,
-    tokenizer_corpus,
 )
 from ghostvis_core.data.dedup import dedup_indexes, removed_rows
 from ghostvis_core.data.identities import ledger_identity, manifest_identity, shard_contents, tokenizer_identity
@@ -35,14 +34,16 @@ from ghostvis_core.data.ledger.summaries import source_split_totals
 from ghostvis_core.data.records import normalize_shard
 from ghostvis_core.data.sources import fetch_shard
 from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards
-from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
+from ghostvis_core.data.tokenizer import save_tokenizer
 from ghostvis_core.data.tokenizer_file import bring_tokenizer
 from ghostvis_core.demo.sources import DEMO_SOURCES, publish_demo_source
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.home import Home
 from ghostvis_core.identity import code_version, digest
 from ghostvis_core.plan import presets, run_modes, selected
 from ghostvis_core.run.cluster.slurm import SlurmJob
 from ghostvis_core.run.cluster.slurm_pipeline import SlurmPipeline
+from ghostvis_core.run.tokenizer_job import TokenizerSpec, tokenizer_job, write_spec
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.leases import run_lease
@@ -59,7 +60,7 @@ RemoteSourceConfig = config_from_dataclass(RemoteSource)
 MANIFEST_CODE = code_version("ghostvis_core.data.catalog")
 RAW_SHARDS_CODE = code_version("ghostvis_core.data.sources", "ghostvis_core.data.catalog")
 TOKENIZER_CODE = code_version(
-    "ghostvis_core.data.tokenizer", "ghostvis_core.data.catalog", "ghostvis_core.data.tokenizer_file"
+    "ghostvis_core.run.tokenizer_job", "ghostvis_core.data.catalog", "ghostvis_core.data.tokenizer_file"
 )
 TOKENIZE_CODE = code_version("ghostvis_core.data.tokenize", "ghostvis_core.data.dedup")
 LEDGER_CODE = code_version("ghostvis_core.data.ledger")
@@ -220,7 +221,9 @@ class TokenizerConfig(Config):
 
 
 @asset(group_name="data", kinds={"python"}, owners=["team:data"], deps=[raw_shards], code_version=TOKENIZER_CODE)
-def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, home: GhostvisHome) -> MaterializeResult:
+def tokenizer(
+    context: AssetExecutionContext, config: TokenizerConfig, home: GhostvisHome, launcher: Launcher
+) -> MaterializeResult:
     """Trains a byte-level BPE on the train shards of the text sources; served as tiktoken. A shard is
     left out when its split (the split rule applied to its content) is validation. Identity: the
     vocabulary, the byte cap and the text shards by recorded content and split; a tokenizer of the same
@@ -251,12 +254,15 @@ def tokenizer(context: AssetExecutionContext, config: TokenizerConfig, home: Gho
     ident = tokenizer_identity(store, vocab, config.max_train_bytes)
     key = digest(ident)
     with run_lease(context, store, "tokenizer", key):  # a second launch waits, then finds this one's tokenizer
-        return _train_or_reuse_tokenizer(context, config, store, ident, key, vocab)
+        return _train_or_reuse_tokenizer(context, config, home.home(), launcher, ident, key, vocab)
 
 
-def _train_or_reuse_tokenizer(context, config, store, ident: dict, key: str, vocab: int) -> MaterializeResult:
+def _train_or_reuse_tokenizer(
+    context, config, h: Home, launcher: Launcher, ident: dict, key: str, vocab: int
+) -> MaterializeResult:
     """Under the identity's lease: the tokenizer of this identity if one was trained (also by the launch this one
-    waited for), else a new one."""
+    waited for), else a new one, trained by a job where the launcher runs jobs (ghostvis_core/run/tokenizer_job.py)."""
+    store = h.store
     record = store.read_json("identity", "tokenizer", key) if store.exists("identity", "tokenizer", key) else None
     if record and not config.force and store.exists("tokenizer", record["metadata"]["tokenizer_id"]):
         why = (
@@ -265,29 +271,10 @@ def _train_or_reuse_tokenizer(context, config, store, ident: dict, key: str, voc
         )
         context.log.info(f"tokenizer: cache hit, {why}")
         return _tokenizer_result(store, record["metadata"], key, {"identity": key, "why": why})
-    corpus = tokenizer_corpus(store, config.max_train_bytes)
-    if not corpus.texts:
-        raise GhostvisError("no downloaded text train shards to train the tokenizer on; materialize raw_shards first")
-    context.log.info(
-        f"tokenizer: {len(corpus.train_shard_ids)} train shards, "
-        f"{len(corpus.validation_shard_ids)} validation shards left out"
-    )
-    t0 = time.time()
-    tok = train_tokenizer(corpus.texts, vocab)
-    save_tokenizer(tok, store)
-    md = {
-        "tokenizer_id": tok.tokenizer_id,
-        "vocab_size": tok.vocab_size,
-        "train_shards": len(corpus.train_shard_ids),
-        "train_shard_ids": corpus.train_shard_ids,
-        "validation_shards_excluded": len(corpus.validation_shard_ids),
-        "validation_shard_ids_excluded": corpus.validation_shard_ids,
-        "train_bytes": corpus.train_bytes,
-        "train_seconds": round(time.time() - t0, 2),
-    }
-    store.write_json(
-        "identity", "tokenizer", key, data={"identity": ident, "code_version": TOKENIZER_CODE, "metadata": md}
-    )
+    spec = TokenizerSpec(key, store.uri, vocab, config.max_train_bytes, ident, TOKENIZER_CODE)
+    write_spec(spec, store)
+    launcher.run(context, tokenizer_job(spec), h)
+    md = store.read_json("identity", "tokenizer", key)["metadata"]
     return _tokenizer_result(store, md, key, None)
 
 

@@ -1,37 +1,26 @@
-"""Eval assets: `evaluation` scores every stage of the lineage on the same held-out data and logs to
-each stage's MLflow run; `report` writes the lineage's report card (HTML + Markdown + PNG), logs it
+"""Eval assets: `evaluation` has every stage of the lineage scored on the same held-out data by a job
+(`python -m ghostvis_core.verify.eval`, launched like training) that logs to each stage's MLflow run, and
+reads its scores from the store; `report` writes the lineage's report card (HTML + Markdown + PNG), logs it
 to MLflow and links it from Dagster."""
-
-import json
-import os
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 
 from dagster import AssetExecutionContext, Config, DataVersion, MaterializeResult, MetadataValue, asset
 
 from ghostvis_core.data.eval_texts import PROMPTS
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.summaries import held_out_text_shards
-from ghostvis_core.data.tokenizer import load_tokenizer
+from ghostvis_core.home import Home
 from ghostvis_core.identity import code_version, digest
 from ghostvis_core.plan.budget import DEFAULT_GPU_PRICES
 from ghostvis_core.plan.selected import lineage as selected_lineage
-from ghostvis_core.run.track.mlflow_records import add_files, add_to_run, metric_histories
+from ghostvis_core.run.track.mlflow_records import add_files, metric_histories
 from ghostvis_core.run.train.runs import run_result
-from ghostvis_core.run.train.trained import load_stage, stage_config
+from ghostvis_core.run.train.trained import stage_config
 from ghostvis_core.store import Store
 from ghostvis_core.verify.eval.gate import tolerances
-from ghostvis_core.verify.eval.harness_tasks import (
-    CLOZE_FILE,
-    CLOZE_TASK,
-    DEFAULT_TASKS,
-    cloze_jsonl,
-    task_files_digest,
-)
+from ghostvis_core.verify.eval.harness_tasks import DEFAULT_TASKS, task_files_digest
+from ghostvis_core.verify.eval.job import MAX_BPB_TOKENS, MC_PER_TASK, EvalSpec, eval_job, results_name
 from ghostvis_core.verify.eval.report import stage_report, write_report
+from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
 
@@ -46,25 +35,15 @@ def lineage_run_keys(context) -> dict[str, str]:
 def eval_shards(store: Store, tokenizer_id: str, lineage: dict[str, str]) -> dict[str, list[dict]]:
     """The held-out plain-text shards every stage is scored on: the validation sources of the
     lineage's first stage (its data.val_sources, in that order) that have text validation shards
-    in the ledger for the tokenizer; each shard's path is this machine's copy of its token file."""
+    in the ledger for the tokenizer (the job fetches its own copies of their token files)."""
     first = next(iter(lineage))
     sources = stage_config(store, run_result(store, first, lineage[first])).data.val_sources
-    held_out = held_out_text_shards(Ledger.in_store(store), tokenizer_id, sources)
-    return {
-        source: [
-            {**ref, "path": str(store.fetch("token_shard", tokenizer_id, ref["shard_id"], ref["content_sha256"]))}
-            for ref in refs
-        ]
-        for source, refs in held_out.items()
-    }
+    return held_out_text_shards(Ledger.in_store(store), tokenizer_id, sources)
 
 
 # The modules that make each eval asset (their code_version, ghostvis_core/identity.py).
-EVALUATION_CODE = code_version(
-    "ghostvis_core.verify.eval.benchmark", "ghostvis_core.run.train.trained", "ghostvis_core.verify.eval.harness"
-)
+EVALUATION_CODE = code_version("ghostvis_core.verify.eval.__main__", "ghostvis_core.verify.eval.scoring")
 REPORT_CODE = code_version("ghostvis_core.verify.eval.report", "ghostvis_core.run.track.mlflow_records")
-MAX_BPB_TOKENS, MC_PER_TASK = 8192, 25
 
 
 class EvaluationConfig(Config):
@@ -104,26 +83,25 @@ def evaluation_identity(
     deps=["tokenizer", "token_ledger", *STAGES],
     code_version=EVALUATION_CODE,
 )
-def evaluation(context: AssetExecutionContext, config: EvaluationConfig, home: GhostvisHome) -> MaterializeResult:
+def evaluation(
+    context: AssetExecutionContext, config: EvaluationConfig, home: GhostvisHome, launcher: Launcher
+) -> MaterializeResult:
     """Validation bits per byte, a multiple-choice benchmark (lowest answer loss wins), sampled
     completions for fixed prompts and lm-evaluation-harness tasks, for every stage's newest
-    checkpoint. A lineage scored before on the same held-out data and tasks is not scored again;
-    data version: the identity of what was scored."""
+    checkpoint, scored by the evaluation job where the launcher runs jobs. A lineage scored before on
+    the same held-out data and tasks is not scored again; data version: the identity of what was scored."""
     h = home.home()
     tolerance = tolerances(dict(config.bpb_tolerance))  # refused before scoring when it names no stage
     lineage = lineage_run_keys(context)
     tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
     val = eval_shards(h.store, tokenizer_id, lineage)
     key = digest(evaluation_identity(h.store, tokenizer_id, lineage, val, config))
-    cached = h.store.exists("report", f"evaluation/{key}.json")
+    cached = h.store.exists("report", results_name(key))
     if cached:
         context.log.info(f"evaluation: cache hit, lineage {', '.join(lineage.values())} was scored before ({key})")
-        results = h.store.read_json("report", f"evaluation/{key}.json")
     else:
-        held_out = held_out_folder(h, key, tokenizer_id, val, config.harness_tasks)
-        harness = HarnessSetup(key, config.harness_tasks, config.harness_include, held_out)
-        results = score_lineage(context, h, lineage, val, harness)
-        h.store.write_text("report", f"evaluation/{key}.json", text=json.dumps(results, indent=2))
+        launch_scoring(context, h, launcher, evaluation_spec(h, key, tokenizer_id, lineage, val, config))
+    results = h.store.read_json("report", results_name(key))
     rows = [
         [
             stage,
@@ -144,7 +122,7 @@ def evaluation(context: AssetExecutionContext, config: EvaluationConfig, home: G
         "mc_chance": 0.25,
         "identity": key,
         "bpb_tolerance": MetadataValue.json(tolerance),
-        "results": MetadataValue.path(h.store.uri_of("report", f"evaluation/{key}.json")),
+        "results": MetadataValue.path(h.store.uri_of("report", results_name(key))),
     }
     if cached:
         md["cached_from"] = MetadataValue.json(
@@ -157,82 +135,28 @@ def evaluation(context: AssetExecutionContext, config: EvaluationConfig, home: G
     return MaterializeResult(metadata=md, data_version=DataVersion(key))
 
 
-@dataclass(frozen=True)
-class HarnessSetup:
-    """The harness run of one evaluation: its identity (where its output goes), tasks, the user's task
-    folders and the folder of the held-out files GhostVis's cloze task reads."""
-
-    key: str
-    tasks: list[str]
-    include: list[str]
-    held_out_dir: Path | None
-
-
-def held_out_folder(h, key: str, tokenizer_id: str, val: dict, tasks: list[str]) -> Path | None:
-    """When the cloze task runs: its passages, cut from the held-out shards' text and saved with this
-    evaluation's output (store: reports/evaluation/<key>/), and the folder holding them."""
-    if CLOZE_TASK not in tasks:
-        return None
-    from ghostvis_core.verify.eval.benchmark import held_out_texts  # torch: only when an evaluation runs
-
-    tok = load_tokenizer(tokenizer_id, h.store)
-    texts = {source: held_out_texts(tok, refs) for source, refs in val.items()}
-    name = f"evaluation/{key}/{CLOZE_FILE}"
-    h.store.write_text("report", name, text=cloze_jsonl(texts))
-    return h.store.fetch("report", name).parent  # a local copy where the store is remote
+def evaluation_spec(
+    h: Home, key: str, tokenizer_id: str, lineage: dict[str, str], val: dict, config: EvaluationConfig
+) -> EvalSpec:
+    """What the job scores, and where it writes and logs."""
+    return EvalSpec(
+        key=key,
+        store=h.store.uri,
+        mlflow_tracking_uri=h.mlflow_tracking_uri,
+        tokenizer_id=tokenizer_id,
+        lineage=lineage,
+        held_out=val,
+        harness_tasks=list(config.harness_tasks),
+        harness_include=list(config.harness_include),
+    )
 
 
-def score_lineage(context, h, lineage: dict[str, str], val: dict, harness: HarnessSetup) -> dict:
-    """Every stage's scores. Stages are scored side by side, one per core, each op on the thread that
-    calls it (benchmark.one_thread): no op waits for a thread that other load took the core from, and
-    an idle host's cores are still all used. The harness and MLflow take one stage at a time (`serial`):
-    lm-eval's task registry is the process's, and MLflow's database takes one writer."""
-    from ghostvis_core.verify.eval.benchmark import one_thread
-
-    serial = threading.Lock()
-    workers = min(len(lineage), os.cpu_count() or 1)
-    with one_thread(), ThreadPoolExecutor(workers, thread_name_prefix="score") as pool:
-        scoring = {
-            stage: pool.submit(score_stage, context, h, stage, run_key, val, harness, serial)
-            for stage, run_key in lineage.items()
-        }
-        return {stage: future.result() for stage, future in scoring.items()}
-
-
-def score_stage(context, h, stage: str, run_key: str, val: dict, harness: HarnessSetup, serial: threading.Lock) -> dict:
-    """One stage's scores, also logged to its MLflow run; the harness's own output is saved in the
-    store (reports/evaluation/<key>/harness/<stage>.json) and its metrics are read from it."""
-    # torch, lm_eval and datasets (2 s) only when an evaluation runs, not in every process that loads the definitions
-    from ghostvis_core.verify.eval.benchmark import bits_per_byte, build_items, multiple_choice, samples
-    from ghostvis_core.verify.eval.harness import GhostvisLM, run_tasks
-
-    t0 = time.time()
-    ts = load_stage(h, stage, run_key)
-    bpb = bits_per_byte(ts, val, max_tokens=MAX_BPB_TOKENS)
-    mc = multiple_choice(ts, build_items(ts, val, per_task=MC_PER_TASK))
-    smp = samples(ts)
-    with serial:
-        t1 = time.time()
-        run = run_tasks(GhostvisLM(ts), harness.tasks, harness.include, harness.held_out_dir)
-        saved = f"evaluation/{harness.key}/harness/{stage}.json"
-        h.store.write_text("report", saved, text=json.dumps(run.results, indent=2))
-        metrics = (
-            {f"eval/bpb/{k}": v for k, v in bpb.items()}
-            | {f"eval/mc/{k}": v for k, v in mc.items()}
-            | {f"harness/{task}/{m}": v for task, ms in run.metrics.items() for m, v in ms.items()}
-        )
-        add_to_run(
-            h.mlflow_tracking_uri,
-            ts.result.mlflow_run_id,
-            metrics,
-            ts.result.steps,
-            texts={"eval/samples.json": json.dumps(smp, indent=2)},
-        )
-        context.log.info(
-            f"{stage}: bpb {bpb}, mc {mc['overall']:.2f}, harness {run.metrics} "
-            f"({time.time() - t0:.1f}s, harness {time.time() - t1:.1f}s)"
-        )
-    return {"run_key": run_key, "bpb": bpb, "mc": mc, "samples": smp, "harness": run.metrics, "harness_results": saved}
+def launch_scoring(context, h: Home, launcher: Launcher, spec: EvalSpec) -> None:
+    """The evaluation job (ghostvis_core/verify/eval/__main__.py) on its spec, written once into the store,
+    launched where the launcher runs jobs; once it returns, the scores are in the store."""
+    job = eval_job(spec)
+    h.store.write_json("run_spec", job.stage, job.run_key, data=spec.to_dict())
+    launcher.run(context, job, h)
 
 
 def harness_table(results: dict) -> str:
@@ -276,7 +200,7 @@ def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisH
     if done.get("digest") == key:
         context.log.info(f"report: cache hit, the card of {name} was written for the same inputs ({key})")
         return _report_result(store, name, done["metadata"], key, cached=True)
-    evaluation_results = store.read_json("report", f"evaluation/{evaluation_key}.json")
+    evaluation_results = store.read_json("report", results_name(evaluation_key))
     stages, smp = [], {}
     ledger = Ledger.in_store(store)
     for stage, run_key in lineage.items():

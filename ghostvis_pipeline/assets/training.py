@@ -5,8 +5,6 @@ the objective) and the model's export and registration in MLflow; this process o
 and checks."""
 
 import os
-import subprocess
-import sys
 from typing import Any
 
 from dagster import (
@@ -29,7 +27,7 @@ from ghostvis_core.home import Home
 from ghostvis_core.identity import code_version
 from ghostvis_core.plan import presets, selected
 from ghostvis_core.plan.stages import Stage
-from ghostvis_core.run.hf.register import model_record, register_run
+from ghostvis_core.run.hf.register import model_record
 from ghostvis_core.run.launch import TRAINING_MODULES, PlannedRun, plan_run, start_run
 from ghostvis_core.run.preflight_record import preflight_record
 from ghostvis_core.run.train.reasons import run_reason, was_preempted
@@ -40,7 +38,7 @@ from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_pipeline.cache import cached_stage_run, changed_since
 from ghostvis_pipeline.launchers import Launcher
-from ghostvis_pipeline.launchers.common import CANCELLED
+from ghostvis_pipeline.launchers.common import CANCELLED, registration_job, training_job
 from ghostvis_pipeline.leases import run_lease
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
@@ -246,7 +244,7 @@ def _train_or_reuse(
     if variant:
         md["variant"] = variant
     else:
-        md |= model_metadata(context, stage, spec, h, registered_by_job=hit is None)
+        md |= model_metadata(context, stage, spec, h, launcher, registered_by_job=hit is None)
     return MaterializeResult(metadata=md, data_version=DataVersion(spec.run_key))
 
 
@@ -262,7 +260,7 @@ def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home) -> None:
     without a retry: the same inputs would be refused again."""
     for launch in range(1, MAX_PREEMPTIONS + 2):
         try:
-            launcher.run(context, spec, h)
+            launcher.run(context, training_job(spec), h)
             return
         except Failure as failure:
             cancelled = getattr(failure.metadata.get(CANCELLED), "value", False)
@@ -279,37 +277,30 @@ def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home) -> None:
             raise Failure(description=failure.description, allow_retries=False) from None
 
 
-def register_in_subprocess(spec: LaunchSpec, h: Home) -> dict:
-    """Register the run's model from a process of its own (`python -m ghostvis_core.run.hf.register`), for a
-    run whose job did not (a cache hit: its alias is pointed back at its version; MLflow was down)."""
-    argv = [
-        sys.executable,
-        "-m",
-        "ghostvis_core.run.hf.register",
-        "--spec",
-        h.store.uri_of("run_spec", spec.stage, spec.run_key),
-        "--tracking-uri",
-        h.mlflow_tracking_uri,
-    ]
-    proc = subprocess.run(argv, capture_output=True, text=True)
-    record = model_record(h.store, spec.stage, spec.run_key) if proc.returncode == 0 else None
-    return record or {
-        "error": f"{' '.join(argv[1:4])} exited {proc.returncode}: {proc.stderr.strip()[-2000:]}",
-        "tracking_uri": h.mlflow_tracking_uri,
-    }
+def register_by_job(context, launcher: Launcher, spec: LaunchSpec, h: Home) -> dict:
+    """Register the run's model by a job of its own (`python -m ghostvis_core.run.hf.register`, launched where
+    the training job ran), for a run whose job did not register it in this home's MLflow (a cache hit: its
+    alias is pointed back at its version; MLflow was down; MLflow moved). A job that fails is said so in
+    the record's place: the run stands."""
+    try:
+        launcher.run(context, registration_job(spec, h.mlflow_tracking_uri), h)
+    except Failure as failed:
+        return {"error": failed.description, "tracking_uri": h.mlflow_tracking_uri}
+    return model_record(h.store, spec.stage, spec.run_key)
 
 
-def model_metadata(context, stage: Stage, spec: LaunchSpec, h: Home, registered_by_job: bool) -> dict:
-    """The run's model in MLflow's registry, as the job registered it (or, when it did not, a subprocess; a
-    cache hit of a run registered in this MLflow only points the stage's alias back at its version, in-process).
-    If MLflow could not take it, the run stands: a warning and an `mlflow_model` entry say so, and the next
-    materialization of the stage (a cache hit) registers it."""
+def model_metadata(
+    context, stage: Stage, spec: LaunchSpec, h: Home, launcher: Launcher, registered_by_job: bool
+) -> dict:
+    """The run's model in MLflow's registry, as its training job registered it or, when that did not
+    register it in this home's MLflow (a cache hit included), a registration job (register_by_job): the
+    Dagster process never loads or registers a model. If MLflow could not take it, the run stands: a
+    warning and an `mlflow_model` entry say so, and the next materialization of the stage (a cache hit)
+    registers it."""
     record = model_record(h.store, spec.stage, spec.run_key)
     registered = record is not None and "error" not in record and record["tracking_uri"] == h.mlflow_tracking_uri
-    if registered and not registered_by_job:  # a cache hit of a registered run: only its alias moves, here
-        record = register_run(spec, h.store, h.mlflow_tracking_uri)
-    elif not registered:
-        record = register_in_subprocess(spec, h)
+    if not (registered and registered_by_job):
+        record = register_by_job(context, launcher, spec, h)
     if "error" in record:
         why = (
             f"{stage.name}: the model of run {spec.run_key} is not registered in MLflow "

@@ -7,8 +7,10 @@ import os
 from dagster import Failure
 
 from ghostvis_core.home import Home
+from ghostvis_core.run.cluster.job import TRAINING_ENTRY, Job
 from ghostvis_core.run.cluster.slurm import is_secret
 from ghostvis_core.run.cluster.torchrun import worker_env
+from ghostvis_core.run.hf.register import MODEL_FILE, REGISTER_ENTRY
 from ghostvis_core.run.train.reasons import clear_reasons, run_reason
 from ghostvis_core.run.train.spec import LaunchSpec
 
@@ -47,26 +49,50 @@ def attempt_name(context) -> str:
     return f"{context.run_id[:8]}-{context.retry_number}" + (f"-p{n}" if n else "")
 
 
-def spec_uri(home: Home, spec: LaunchSpec) -> str:
-    """Where every node reads the run's spec (a path in the shared store)."""
-    return home.store.uri_of("run_spec", spec.stage, spec.run_key)
+def training_job(spec: LaunchSpec) -> Job:
+    """A stage run's training job: its world size of ranks, done when its RunResult is in the store."""
+    return Job(
+        stage=spec.stage,
+        run_key=spec.run_key,
+        module=TRAINING_ENTRY,
+        ranks=spec.config.batch.world_size,
+        mlflow_tracking_uri=spec.mlflow_tracking_uri,
+        done=("run_record", spec.stage, spec.run_key),
+    )
 
 
-def clear_reason(home: Home, spec: LaunchSpec) -> None:
+def registration_job(spec: LaunchSpec, tracking_uri: str) -> Job:
+    """A completed run's registration job (a cache hit's): one rank, on the run's own spec and in its folder,
+    registering in `tracking_uri` (this home's MLflow, which may not be the one the run was trained under)."""
+    return Job(
+        stage=spec.stage,
+        run_key=spec.run_key,
+        module=REGISTER_ENTRY,
+        ranks=1,
+        mlflow_tracking_uri=tracking_uri,
+        done=("run_file", spec.stage, spec.run_key, MODEL_FILE),
+        args=("--tracking-uri", tracking_uri),
+    )
+
+
+def spec_uri(home: Home, target: Job) -> str:
+    """Where every node reads the job's spec (a path in the shared store)."""
+    return home.store.uri_of("run_spec", target.stage, target.run_key)
+
+
+def clear_reason(home: Home, target: Job) -> None:
     """An earlier attempt's failure reasons are not this one's."""
-    clear_reasons(home.store, spec.stage, spec.run_key)
+    clear_reasons(home.store, target.stage, target.run_key)
 
 
-def failure(
-    home: Home, spec: LaunchSpec, fallback: str, allow_retries: bool = True, cancelled: bool = False
-) -> Failure:
+def failure(home: Home, target: Job, fallback: str, allow_retries: bool = True, cancelled: bool = False) -> Failure:
     """The run's own reason (the first failing rank's, then the others', left in the store by the ranks),
     then the launcher's; the launcher's alone when no rank left one. `cancelled`: the scheduler says someone
     cancelled the job (its ranks saw a SIGTERM as a preemption would, but nothing is to be launched again)."""
-    reason = run_reason(home.store, spec.stage, spec.run_key)
+    reason = run_reason(home.store, target.stage, target.run_key)
     told = f"{reason}\n({fallback})" if reason else fallback
     return Failure(
-        f"{spec.stage} run {spec.run_key} failed: {told}",
+        f"{target.stage} run {target.run_key} failed: {told}",
         allow_retries=allow_retries,
         metadata={CANCELLED: cancelled},
     )
@@ -75,7 +101,8 @@ def failure(
 CANCELLED = "cancelled"  # Failure metadata: the job was cancelled on purpose (run_job does not launch it again)
 
 
-def require_result(home: Home, spec: LaunchSpec) -> None:
-    """A launch succeeded only if the run left its record (RUN_COMPLETE) in the store."""
-    if not home.store.exists("run_record", spec.stage, spec.run_key):
-        raise failure(home, spec, "training exited without reporting its results")
+def require_result(home: Home, target: Job) -> None:
+    """A launch succeeded only if the job left its record in the store (a run's RUN_COMPLETE, the
+    evaluation's results)."""
+    if not home.store.exists(*target.done):
+        raise failure(home, target, f"{target.module} exited without reporting its results")

@@ -19,6 +19,7 @@ from dagster import AssetExecutionContext, Failure
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
+from ghostvis_core.run.cluster.job import Job
 from ghostvis_core.run.cluster.kubernetes import (
     CONTAINER,
     INDEX_ANNOTATION,
@@ -30,7 +31,6 @@ from ghostvis_core.run.cluster.kubernetes import (
     render_indexed_job,
     render_pod,
 )
-from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers.common import clear_reason, failure, job_env, require_result, spec_uri
 from ghostvis_pipeline.launchers.pipes import store_pipes_session
@@ -40,19 +40,21 @@ POLL_SECONDS = 10.0
 DELETE_WAIT_SECONDS = 120.0  # a retry must not start while the last attempt's pods still write
 
 
-def plan(launcher, spec: LaunchSpec, home: Home) -> tuple[KubernetesJob, RunTarget]:
+def plan(launcher, target: Job, home: Home) -> tuple[KubernetesJob, RunTarget]:
     """The pods' config and what they run, checked before anything reaches the cluster."""
-    job = KubernetesJob(**launcher.kubernetes.model_dump())
+    job = KubernetesJob(**launcher.sized(launcher.kubernetes, target))
     try:
         check_config(job)
-        nproc = launcher.ranks_per_node(spec)
+        nproc = launcher.ranks_per_node(target)
         run = RunTarget(
-            stage=spec.stage,
-            run_key=spec.run_key,
-            spec_uri=spec_uri(home, spec),
+            stage=target.stage,
+            run_key=target.run_key,
+            spec_uri=spec_uri(home, target),
             store_path=store_folder(home),
             nproc_per_node=nproc,
             env=job_env(launcher.profile, nproc, job.cpu),
+            module=target.module,
+            args=target.args,
         )
         check_job(job, run)
     except GhostvisError as exc:
@@ -64,9 +66,9 @@ def plan(launcher, spec: LaunchSpec, home: Home) -> tuple[KubernetesJob, RunTarg
             "there, or use an S3 store (docs/launch-kubernetes.md)",
             allow_retries=False,
         )
-    if spec.mlflow_tracking_uri.startswith(("sqlite:", "file:", "/", ".")):
+    if target.mlflow_tracking_uri.startswith(("sqlite:", "file:", "/", ".")):
         raise Failure(
-            f"MLflow tracking URI {spec.mlflow_tracking_uri} is a file on the Dagster host that pods "
+            f"MLflow tracking URI {target.mlflow_tracking_uri} is a file on the Dagster host that pods "
             "cannot reach: run a tracking server and set MLFLOW_TRACKING_URI=http(s)://... where "
             "Dagster runs",
             allow_retries=False,
@@ -81,17 +83,17 @@ def store_folder(home: Home) -> str:
     return urllib.parse.unquote(parsed.path) if parsed.scheme == "file" else ""
 
 
-def run_kubernetes(context: AssetExecutionContext, spec: LaunchSpec, home: Home, launcher) -> None:
-    job, run = plan(launcher, spec, home)
-    clear_reason(home, spec)
+def run_kubernetes(context: AssetExecutionContext, target: Job, home: Home, launcher) -> None:
+    job, run = plan(launcher, target, home)
+    clear_reason(home, target)
     if job.nodes == 1:
-        _run_pod(context, spec, home, job, run)
+        _run_pod(context, target, home, job, run)
     else:
-        _run_indexed_job(context, spec, home, job, run)
-    require_result(home, spec)
+        _run_indexed_job(context, target, home, job, run)
+    require_result(home, target)
 
 
-def _run_pod(context: AssetExecutionContext, spec: LaunchSpec, home: Home, job: KubernetesJob, run: RunTarget) -> None:
+def _run_pod(context: AssetExecutionContext, target: Job, home: Home, job: KubernetesJob, run: RunTarget) -> None:
     """One pod through dagster-k8s Pipes; it deletes the pod when the run ends, however it ends."""
     meta, pod = render_pod(job, run)
     context.log.info(f"launching a pod in namespace {job.namespace}: {' '.join(pod['containers'][0]['command'])}")
@@ -104,23 +106,23 @@ def _run_pod(context: AssetExecutionContext, spec: LaunchSpec, home: Home, job: 
         )
     except Exception as exc:
         first_line = (str(exc).splitlines() or [type(exc).__name__])[0]  # dagster-k8s appends the whole pod
-        raise failure(home, spec, f"pod in namespace {job.namespace}: {first_line}") from None
+        raise failure(home, target, f"pod in namespace {job.namespace}: {first_line}") from None
 
 
 def _run_indexed_job(
-    context: AssetExecutionContext, spec: LaunchSpec, home: Home, job: KubernetesJob, run: RunTarget
+    context: AssetExecutionContext, target: Job, home: Home, job: KubernetesJob, run: RunTarget
 ) -> None:
     core, batch = _clients()
     created: list[str] = []
-    with store_pipes_session(context, home, spec, context.run.run_id) as session:
+    with store_pipes_session(context, home, target, context.run.run_id) as session:
         run = dataclasses.replace(run, env={**run.env, **session.get_bootstrap_env_vars()})
         service, manifest = render_indexed_job(job, run)
         name = manifest["metadata"]["name"]
         command = " ".join(manifest["spec"]["template"]["spec"]["containers"][0]["command"])
         uri = home.store.write_json(
             "run_file",
-            spec.stage,
-            spec.run_key,
+            target.stage,
+            target.run_key,
             f"kubernetes/{context.run.run_id}.json",
             data={"apiVersion": "v1", "kind": "List", "items": [service, manifest]},
         )
@@ -135,7 +137,7 @@ def _run_indexed_job(
         finally:
             _delete(context, core, batch, job.namespace, name, created)
     if state != "Complete":
-        raise failure(home, spec, f"Kubernetes Job {job.namespace}/{name} failed: {message}")
+        raise failure(home, target, f"Kubernetes Job {job.namespace}/{name} failed: {message}")
 
 
 def _clients() -> tuple:

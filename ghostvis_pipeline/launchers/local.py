@@ -5,8 +5,8 @@ from __future__ import annotations
 from dagster import AssetExecutionContext
 
 from ghostvis_core.home import Home
+from ghostvis_core.run.cluster.job import Job
 from ghostvis_core.run.cluster.torchrun import torchrun_command
-from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_pipeline.launchers.common import (
     attempt_name,
     clear_reason,
@@ -19,17 +19,17 @@ from ghostvis_pipeline.launchers.pipes import store_pipes_session
 from ghostvis_pipeline.launchers.processes import start, stop, wait
 
 
-def run_local(context: AssetExecutionContext, spec: LaunchSpec, home: Home, launcher) -> None:
-    nproc = launcher.ranks_per_node(spec)
-    cmd = torchrun_command(spec_uri(home, spec), nproc)
+def run_local(context: AssetExecutionContext, target: Job, home: Home, launcher) -> None:
+    nproc = launcher.ranks_per_node(target)
+    cmd = torchrun_command(spec_uri(home, target), nproc, module=target.module, args=target.args)
     context.log.info(f"launching: {' '.join(cmd)}")
-    clear_reason(home, spec)
-    with store_pipes_session(context, home, spec, attempt_name(context)) as session:
+    clear_reason(home, target)
+    with store_pipes_session(context, home, target, attempt_name(context)) as session:
         job = {"torchrun": start(cmd, {**job_env(launcher.profile, nproc), **session.get_bootstrap_env_vars()})}
         try:
             failed = wait(job)
         finally:  # the Dagster run terminated: torchrun and its ranks stop before the interrupt goes on up
             stop(job)
     if failed:
-        raise failure(home, spec, f"torchrun exited with code {failed[1]}")
-    require_result(home, spec)
+        raise failure(home, target, f"torchrun exited with code {failed[1]}")
+    require_result(home, target)

@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from dagster import AssetExecutionContext, PipesBlobStoreMessageReader, PipesEnvContextInjector, open_pipes_session
 
 from ghostvis_core.home import Home
+from ghostvis_core.run.cluster.job import Job
 from ghostvis_core.run.track.pipes import (
     ATTEMPT_PARAM,
     CHUNK_INTERVAL_S,
@@ -19,16 +20,15 @@ from ghostvis_core.run.track.pipes import (
     STORE_PARAM,
     chunk_name,
 )
-from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.store import Store
 
 
 class StoreMessageReader(PipesBlobStoreMessageReader):
     """Reads one launch attempt's message chunks from the store, in order, as they appear."""
 
-    def __init__(self, store: Store, spec: LaunchSpec, attempt: str):
+    def __init__(self, store: Store, target: Job, attempt: str):
         super().__init__(interval=CHUNK_INTERVAL_S)
-        self.store, self.stage, self.run_key, self.attempt = store, spec.stage, spec.run_key, attempt
+        self.store, self.stage, self.run_key, self.attempt = store, target.stage, target.run_key, attempt
 
     @contextmanager
     def get_params(self) -> Iterator[dict]:
@@ -54,9 +54,9 @@ class StoreMessageReader(PipesBlobStoreMessageReader):
 
 
 @contextmanager
-def store_pipes_session(context: AssetExecutionContext, home: Home, spec: LaunchSpec, attempt: str) -> Iterator:
+def store_pipes_session(context: AssetExecutionContext, home: Home, target: Job, attempt: str) -> Iterator:
     """A Pipes session whose messages travel through the store. Pass `session.get_bootstrap_env_vars()`
     to the job's environment; the messages arrive as the session runs and when it closes."""
-    reader = StoreMessageReader(home.store, spec, attempt)
+    reader = StoreMessageReader(home.store, target, attempt)
     with open_pipes_session(context, PipesEnvContextInjector(), reader) as session:
         yield session

@@ -15,9 +15,9 @@ from dagster import AssetExecutionContext, DagsterRunStatus, Failure
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
+from ghostvis_core.run.cluster.job import Job
 from ghostvis_core.run.cluster.ship_output import chunk_name
 from ghostvis_core.run.cluster.slurm import SlurmJob, job_outcome, redact, render_sbatch, ship_command
-from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.store import Store
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers.common import (
@@ -37,8 +37,8 @@ SlurmConfig = config_from_dataclass(SlurmJob)
 class JobOutput:
     """The job's output as the batch node ships it: numbered chunks (`run_file` slurm/<attempt>/out/<seq>.txt)."""
 
-    def __init__(self, store: Store, spec: LaunchSpec, attempt: str):
-        self.store, self.key, self.name = store, (spec.stage, spec.run_key), f"slurm/{attempt}/out"
+    def __init__(self, store: Store, target: Job, attempt: str):
+        self.store, self.key, self.name = store, (target.stage, target.run_key), f"slurm/{attempt}/out"
         self.shipped = 0  # chunks already logged
 
     @property
@@ -54,33 +54,40 @@ class JobOutput:
             self.shipped += 1
 
 
-def run_slurm(context: AssetExecutionContext, spec: LaunchSpec, home: Home, launcher) -> None:
+def run_slurm(context: AssetExecutionContext, target: Job, home: Home, launcher) -> None:
     """Submit the run as one job and wait for it: the Dagster step lasts as long as the training does,
     so that Dagster's retry, termination and log cover the job."""
-    job = SlurmJob(**launcher.slurm.model_dump())
-    nproc = launcher.ranks_per_node(spec)
+    job = slurm_job(launcher, target)
+    nproc = launcher.ranks_per_node(target)
     attempt = attempt_name(context)
-    clear_reason(home, spec)
-    output = JobOutput(home.store, spec, attempt)
-    with store_pipes_session(context, home, spec, attempt) as session:
+    clear_reason(home, target)
+    output = JobOutput(home.store, target, attempt)
+    with store_pipes_session(context, home, target, attempt) as session:
         env = {**job_env(launcher.profile, nproc, job.cpus_per_task), **session.get_bootstrap_env_vars()}
-        script = job_script(home, spec, job, nproc, env, output.name)
-        uri = home.store.write_text("run_file", spec.stage, spec.run_key, f"slurm/{attempt}.sbatch", text=script)
+        script = job_script(home, target, job, nproc, env, output.name)
+        uri = home.store.write_text("run_file", target.stage, target.run_key, f"slurm/{attempt}.sbatch", text=script)
         context.log.info(
             f"sbatch script {uri} (submit it by hand: `ghostvis store cat {uri} | sbatch`):\n{redact(script)}"
         )
         job_id = submit(script, {**host_environment(launcher.send_credentials), **env})  # --export=ALL
-        context.log.info(f"{spec.stage} run {spec.run_key}: Slurm job {job_id}, its output arriving at {output.uri}")
+        context.log.info(
+            f"{target.stage} run {target.run_key}: Slurm job {job_id}, its output arriving at {output.uri}"
+        )
         state = follow_or_cancel(context, job_id, output, job.poll_seconds)
     context.log.info(f"Slurm job {job_id} ended {state}")
-    end(home, spec, job_id, state, output.uri)
+    end(home, target, job_id, state, output.uri)
 
 
-def job_script(home: Home, spec: LaunchSpec, job: SlurmJob, nproc: int, env: dict[str, str], out: str) -> str:
+def slurm_job(launcher, target: Job) -> SlurmJob:
+    """The sbatch options of the job: the launcher's, one node and at most one GPU for a one-rank job."""
+    return SlurmJob(**launcher.sized(launcher.slurm, target))
+
+
+def job_script(home: Home, target: Job, job: SlurmJob, nproc: int, env: dict[str, str], out: str) -> str:
     """The job script, its output shipped to the store (`run_file` <out>/<seq>.txt)."""
-    ship = ship_command(job, home.store.uri, spec.stage, spec.run_key, out)
+    ship = ship_command(job, home.store.uri, target.stage, target.run_key, out)
     try:
-        return render_sbatch(job, spec_uri(home, spec), nproc, env, ship)
+        return render_sbatch(job, spec_uri(home, target), nproc, env, ship, module=target.module, args=target.args)
     except GhostvisError as exc:
         raise Failure(str(exc), allow_retries=False) from None
 
@@ -158,22 +165,22 @@ def follow_or_cancel(context: AssetExecutionContext, job_id: str, output: JobOut
         raise
 
 
-def end(home: Home, spec: LaunchSpec, job_id: str, state: str, output_uri: str) -> None:
+def end(home: Home, target: Job, job_id: str, state: str, output_uri: str) -> None:
     """Map the job's final state: ok needs the run's record; a resumable end asks for a retry; a failed
     one does not (a bug or OOM would recur, a cancel was meant): re-materialize once it is fixed."""
     outcome = job_outcome(state)
     if outcome == "resumable":
         raise Failure(
-            f"{spec.stage} run {spec.run_key}: Slurm job {job_id} ended {state}; a retry or "
+            f"{target.stage} run {target.run_key}: Slurm job {job_id} ended {state}; a retry or "
             "re-materialization with the same config resumes the run from its newest checkpoint",
             allow_retries=True,
         )
     if outcome == "failed":
         raise failure(
             home,
-            spec,
+            target,
             f"Slurm job {job_id} ended {state}; its output is in the store at {output_uri}",
             allow_retries=False,
             cancelled=state.startswith("CANCELLED"),
         )
-    require_result(home, spec)
+    require_result(home, target)

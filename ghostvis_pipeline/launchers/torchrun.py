@@ -14,8 +14,8 @@ from dagster import AssetExecutionContext, Failure
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
+from ghostvis_core.run.cluster.job import Job
 from ghostvis_core.run.cluster.torchrun import MultiNode, node_line, torchrun_command
-from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers.common import (
     attempt_name,
@@ -32,26 +32,26 @@ from ghostvis_pipeline.launchers.processes import start, stop, wait
 MultiNodeConfig = config_from_dataclass(MultiNode)
 
 
-def run_torchrun(context: AssetExecutionContext, spec: LaunchSpec, home: Home, launcher) -> None:
+def run_torchrun(context: AssetExecutionContext, target: Job, home: Home, launcher) -> None:
     multi = MultiNode(**launcher.torchrun.model_dump())
     try:
         multi.check()
     except GhostvisError as exc:
         raise Failure(str(exc), allow_retries=False) from None
-    nproc = launcher.ranks_per_node(spec)
+    nproc = launcher.ranks_per_node(target)
     attempt = attempt_name(context)
-    rdzv = multi.rendezvous(spec.run_key, attempt)
-    cmd = torchrun_command(spec_uri(home, spec), nproc, rdzv)
-    clear_reason(home, spec)
-    with store_pipes_session(context, home, spec, attempt) as session:
+    rdzv = multi.rendezvous(target.run_key, attempt)
+    cmd = torchrun_command(spec_uri(home, target), nproc, rdzv, module=target.module, args=target.args)
+    clear_reason(home, target)
+    with store_pipes_session(context, home, target, attempt) as session:
         env = {**job_env(launcher.profile, nproc, multi.cpus_per_node or None), **session.get_bootstrap_env_vars()}
         line = node_line(cmd, env)
         script_uri = home.store.write_text(
             "run_file",
-            spec.stage,
-            spec.run_key,
+            target.stage,
+            target.run_key,
             "torchrun/nodes.sh",
-            text=(f"#!/bin/sh\n# {spec.run_key}: run on each of the {multi.nnodes - 1} other node(s)\n{line}\n"),
+            text=(f"#!/bin/sh\n# {target.run_key}: run on each of the {multi.nnodes - 1} other node(s)\n{line}\n"),
         )
         context.log.info(
             f"rendezvous {rdzv.endpoint} id {rdzv.rdzv_id}, {multi.nnodes} nodes x {nproc} rank(s); "
@@ -65,8 +65,8 @@ def run_torchrun(context: AssetExecutionContext, spec: LaunchSpec, home: Home, l
         finally:  # a failed node, or the Dagster run terminated (its interrupt goes on up once all are stopped)
             stop(nodes)
     if failed:
-        raise failure(home, spec, f"{failed[0]} exited with code {failed[1]}")
-    require_result(home, spec)
+        raise failure(home, target, f"{failed[0]} exited with code {failed[1]}")
+    require_result(home, target)
 
 
 def _start_others(

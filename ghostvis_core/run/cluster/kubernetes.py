@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.run.cluster.job import TRAINING_ENTRY
 from ghostvis_core.run.cluster.torchrun import Rendezvous, torchrun_command
 
 CONTAINER = "trainer"
@@ -62,7 +63,7 @@ class KubernetesJob:
 
 @dataclass(frozen=True)
 class RunTarget:
-    """What the pods run: one stage run's spec, with the environment every rank gets."""
+    """What the pods run: one job's module on its spec, with the environment every rank gets."""
 
     stage: str
     run_key: str
@@ -70,6 +71,8 @@ class RunTarget:
     store_path: str  # where the store claim is mounted (the store's folder on the Dagster host)
     nproc_per_node: int
     env: dict[str, str] = field(default_factory=dict)
+    module: str = TRAINING_ENTRY  # the job's module and its arguments after --spec (ghostvis_core/run/cluster/job.py)
+    args: tuple[str, ...] = ()
 
 
 def resource_name(stage: str, run_key: str) -> str:
@@ -183,7 +186,7 @@ def render_pod(job: KubernetesJob, run: RunTarget) -> tuple[dict[str, Any], dict
     """(metadata, PodSpec) of a one-node run: what dagster-k8s Pipes takes as base_pod_meta and
     base_pod_spec (it names the pod and adds the Pipes environment)."""
     check_job(job, run)
-    command = torchrun_command(run.spec_uri, run.nproc_per_node, python="python")
+    command = torchrun_command(run.spec_uri, run.nproc_per_node, python="python", module=run.module, args=run.args)
     return meta(job, run, queued=True), pod_spec(job, run, command)
 
 
@@ -224,7 +227,9 @@ def render_job(job: KubernetesJob, run: RunTarget) -> dict[str, Any]:
     """The Indexed Job of a multi-node run: `nodes` pods at once, each a torchrun node."""
     check_job(job, run)
     name = resource_name(run.stage, run.run_key)
-    command = torchrun_command(run.spec_uri, run.nproc_per_node, rendezvous(job, run), python="python")
+    command = torchrun_command(
+        run.spec_uri, run.nproc_per_node, rendezvous(job, run), python="python", module=run.module, args=run.args
+    )
     spec = pod_spec(job, run, command, subdomain=name)
     spec["containers"][0]["ports"] = [{"name": "rdzv", "containerPort": job.rdzv_port}]
     return {

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.run.cluster.job import TRAINING_ENTRY
 from ghostvis_core.run.cluster.torchrun import Rendezvous, torchrun_command
 
 
@@ -156,12 +157,20 @@ def ship_command(job: SlurmJob, store_uri: str, stage: str, run_key: str, name: 
     ]
 
 
-def render_sbatch(job: SlurmJob, spec_uri: str, nproc_per_node: int, env: dict[str, str], ship: list[str]) -> str:
+def render_sbatch(
+    job: SlurmJob,
+    spec_uri: str,
+    nproc_per_node: int,
+    env: dict[str, str],
+    ship: list[str],
+    module: str = TRAINING_ENTRY,
+    args: tuple[str, ...] = (),
+) -> str:
     """The job script: options, exported (non-secret) environment, setup lines, then one
     `srun torchrun` whose rendezvous is on the first node of the allocation, its output piped
     through `ship` (to the store, where the launcher reads it, and on to the `--output` file)."""
     rendezvous = Rendezvous(nnodes="$SLURM_NNODES", endpoint=f"$rdzv_host:{job.rdzv_port}", rdzv_id="$SLURM_JOB_ID")
-    torchrun = torchrun_command(spec_uri, nproc_per_node, rendezvous, python=job.python)
+    torchrun = torchrun_command(spec_uri, nproc_per_node, rendezvous, python=job.python, module=module, args=args)
     exports = [f"export {name}={shlex.quote(value)}" for name, value in sorted(env.items()) if not is_secret(name)]
     return "\n".join(
         [

@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.run.cluster.job import TRAINING_ENTRY
 
 
 @dataclass(frozen=True)
@@ -23,10 +24,15 @@ class Rendezvous:
 
 
 def torchrun_command(
-    spec_uri: str, nproc_per_node: int, rendezvous: Rendezvous | None = None, python: str | None = None
+    spec_uri: str,
+    nproc_per_node: int,
+    rendezvous: Rendezvous | None = None,
+    python: str | None = None,
+    module: str = TRAINING_ENTRY,
+    args: tuple[str, ...] = (),
 ) -> list[str]:
-    """`python -m torch.distributed.run ... -m ghostvis_core.run --spec <spec_uri>`; without a
-    rendezvous: one node, rendezvous on a free local port."""
+    """`python -m torch.distributed.run ... -m <module> --spec <spec_uri> <args>` (the job's module: training's,
+    the evaluation's, registration's); without a rendezvous: one node, rendezvous on a free local port."""
     if rendezvous is None:
         nodes = ["--standalone"]
     else:
@@ -43,9 +49,10 @@ def torchrun_command(
         *nodes,
         f"--nproc_per_node={nproc_per_node}",
         "-m",
-        "ghostvis_core.run",
+        module,
         "--spec",
         spec_uri,
+        *args,
     ]
 
 

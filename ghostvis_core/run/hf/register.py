@@ -1,9 +1,9 @@
 """Register a finished stage run's model in MLflow where the checkpoint is, not where Dagster runs: the
-training job does it on rank 0 once training returned (ghostvis_core/run/__main__.py), and the stage
-asset runs `python -m ghostvis_core.run.hf.register --spec URI --tracking-uri URI` for a run whose job
-did not (a cache hit, which only points the stage's alias back at its version; a job whose registry
-was down). Loading the checkpoint, exporting it and MLflow's model logging (transformers) stay out of
-the Dagster process.
+training job does it on rank 0 once training returned (ghostvis_core/run/__main__.py), and for a run whose
+job did not (a cache hit, which only points the stage's alias back at its version; a job whose registry
+was down) the stage asset launches `python -m ghostvis_core.run.hf.register --spec URI --tracking-uri URI`
+as a job of its own, through the same launcher as training. Loading the checkpoint, exporting it and
+MLflow's model logging (transformers) stay out of the Dagster process.
 
 The outcome, with the process that produced it, is kept beside the run as
 `runs/<stage>/<run_key>/registered_model.json` (model_record): {"pid", "host", "tracking_uri",
@@ -24,11 +24,13 @@ from ghostvis_core.exit import skip_final_collections
 from ghostvis_core.plan.stages import stage_names
 from ghostvis_core.run.cluster.run_files import split_run_uri
 from ghostvis_core.run.track.mlflow_models import StageModel, register_stage_model
+from ghostvis_core.run.track.pipes import PipesReporter
 from ghostvis_core.run.train.runs import run_result
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.store import Store, open_store
 
 MODEL_FILE = "registered_model.json"  # a run_file of the run
+REGISTER_ENTRY = "ghostvis_core.run.hf.register"  # the registration job's module
 
 
 def stage_model(spec: LaunchSpec, store: Store) -> StageModel:
@@ -92,7 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     store_uri, stage, run_key, _ = split_run_uri(args.spec)
     store = open_store(store_uri)
     record = register_run(LaunchSpec.from_dict(store.read_json("run_spec", stage, run_key)), store, args.tracking_uri)
-    print(record.get("error") or f"{record['model_uri']} -> version {record['version']}")
+    told = record.get("error") or f"{record['model_uri']} -> version {record['version']}"
+    print(told, flush=True)
+    pipes = PipesReporter(is_main=True)  # launched by the stage asset: the line reaches its log
+    pipes.log(f"registration job: {told}")
+    pipes.close()
     return 0
 
 

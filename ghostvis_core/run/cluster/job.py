@@ -1,0 +1,25 @@
+"""What a launcher starts: one heavy job, a module run under torchrun on a spec in the store.
+
+Training (`ghostvis_core.run`), the evaluation (`ghostvis_core.verify.eval`), tokenizer training
+(`ghostvis_core.run.tokenizer_job`) and a cache hit's model registration (`ghostvis_core.run.hf.register`)
+are launched alike, by the same launchers (local torchrun, multi-node torchrun, Slurm, Kubernetes, Pipes),
+so none of them runs in the Dagster process. A job's files live in its folder of the store,
+runs/<stage>/<run_key>/: the spec it reads, its Pipes messages, output and reasons.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TRAINING_ENTRY = "ghostvis_core.run"  # the training job's module
+
+
+@dataclass(frozen=True)
+class Job:
+    stage: str  # with run_key: the job's folder in the store (runs/<stage>/<run_key>/)
+    run_key: str
+    module: str  # run as `python -m <module> --spec <store>/runs/<stage>/<run_key>/spec.json`
+    ranks: int  # the world size; a one-rank job runs on one node whatever the launcher's node count
+    mlflow_tracking_uri: str  # where the job logs (a pod cannot reach a file on the Dagster host)
+    done: tuple[str, ...]  # the store kind and key of the record the job leaves once it completed
+    args: tuple[str, ...] = ()  # the module's arguments after --spec (the registration job's --tracking-uri)
