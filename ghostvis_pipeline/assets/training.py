@@ -30,6 +30,7 @@ from ghostvis_core.plan.stages import Stage
 from ghostvis_core.run.hf.register import model_record
 from ghostvis_core.run.launch import TRAINING_MODULES, PlannedRun, plan_run, start_run
 from ghostvis_core.run.preflight_record import preflight_record
+from ghostvis_core.run.track.mlflow_models import alias_version
 from ghostvis_core.run.train.reasons import run_reason, was_preempted
 from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.runs import Upstream, run_result
@@ -293,12 +294,18 @@ def model_metadata(
     context, stage: Stage, spec: LaunchSpec, h: Home, launcher: Launcher, registered_by_job: bool
 ) -> dict:
     """The run's model in MLflow's registry, as its training job registered it or, when that did not
-    register it in this home's MLflow (a cache hit included), a registration job (register_by_job): the
-    Dagster process never loads or registers a model. If MLflow could not take it, the run stands: a
-    warning and an `mlflow_model` entry say so, and the next materialization of the stage (a cache hit)
-    registers it."""
+    register it in this home's MLflow or a cache hit finds the stage's alias on another version, a
+    registration job (register_by_job): the Dagster process never loads or registers a model (it reads
+    where the alias points; a cache hit whose alias is already on the run's version launches nothing).
+    If MLflow could not take it, the run stands: a warning and an `mlflow_model` entry say so, and the
+    next materialization of the stage (a cache hit) registers it."""
     record = model_record(h.store, spec.stage, spec.run_key)
     registered = record is not None and "error" not in record and record["tracking_uri"] == h.mlflow_tracking_uri
+    if registered and not registered_by_job:  # a cache hit: a job only when the alias must move back
+        name = record["model_uri"].removeprefix("models:/").split("@")[0]
+        if alias_version(h.mlflow_tracking_uri, name, spec.stage) == record["version"]:
+            record = {**record, "created": False}
+            registered_by_job = True
     if not (registered and registered_by_job):
         record = register_by_job(context, launcher, spec, h)
     if "error" in record:

@@ -58,6 +58,18 @@ def registered_version(client, model: StageModel):
     return min(found, key=lambda v: int(v.version)) if found else None
 
 
+def alias_version(tracking_uri: str, registered_name: str, alias: str) -> int | None:
+    """The version the stage's alias points at (None: no such alias, or the registry cannot say). A
+    read, for deciding whether a cache hit needs its registration job at all: the MLflow client only,
+    no model is loaded."""
+    from mlflow.tracking import MlflowClient
+
+    try:
+        return int(MlflowClient(tracking_uri).get_model_version_by_alias(registered_name, alias).version)
+    except Exception:  # no alias yet, or MLflow unreachable: the registration job finds out and says so
+        return None
+
+
 def register_stage_model(tracking_uri: str, model: StageModel, export: Callable[[Path], Path]):
     """The run's registered version, with the stage's alias on it: (version, True) when it was logged
     and registered now from `export(folder)` (a Hugging Face folder), (version, False) when the run
