@@ -506,7 +506,7 @@ def test_a_source_file_changed_under_its_name_becomes_a_new_version_and_the_old_
     )
     tokenized_version(store, "web/a", new, replaces=old)
     [ref] = select_shards(ledger, store, "tok", ["web"], "train")["web"]
-    assert (ref["content_sha256"], ref["path"]) == (new, store.uri_of("token_shard", "tok", "web/a", new))
+    assert (ref.content_sha256, ref.path) == (new, store.uri_of("token_shard", "tok", "web/a", new))
     versions = ledger.shards(tokenizer_id="tok", every_version=True)
     assert [(r.content_sha256, r.replaces_sha256) for r in versions] == [(old, ""), (new, old)]
     assert store.exists("token_shard", "tok", "web/a", old)  # the old version's tokens stay
