@@ -21,6 +21,7 @@ from ghostvis_core.plan import presets, run_modes, stages
 from ghostvis_core.plan.budget import Plan, plan
 from ghostvis_core.plan.config import StageConfig, flatten
 from ghostvis_core.run.train.spec import LaunchSpec, StageInputs
+from ghostvis_core.store import open_store
 from tests.ledger_rows import shard_record
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "resolved_configs.json"
@@ -149,7 +150,7 @@ def test_presets_are_resolved_once_per_stage_and_preset(monkeypatch):
     assert presets._preset_config.cache_info().misses == len(stages.STAGES) - 1
 
 
-def test_the_launch_spec_round_trips_its_typed_config_and_plan():
+def test_the_launch_spec_round_trips_its_typed_config_and_plan(tmp_path):
     """Every stage's spec, shards typed, comes back equal from its saved JSON; the plan holds its one BatchPlan and
     is saved flat (the four factors at the top of `plan`, where the audit reads them); nothing can be set on it."""
     web = (
@@ -196,6 +197,14 @@ def test_the_launch_spec_round_trips_its_typed_config_and_plan():
             back.inputs.old_seq_len = 1
         with pytest.raises(dataclasses.FrozenInstanceError):
             back.train_shards["web"][0].path = "/local"
+    older = json.loads(saved)  # as a GhostVis before the pre-flight record saved it
+    older["inputs"]["source_budget"] = {"web": {"tokens": 1200}}
+    store = open_store(str(tmp_path / "store"))
+    store.write_json("run_spec", spec.stage, spec.run_key, data=json.loads(saved))
+    assert LaunchSpec.read(store, spec.stage, spec.run_key) == spec
+    store.write_json("run_spec", spec.stage, spec.run_key, data=older)
+    with pytest.raises(GhostvisError, match=rf"run {spec.run_key}: its launch record .*source_budget.*older version"):
+        LaunchSpec.read(store, spec.stage, spec.run_key)
 
 
 def test_the_preflight_record_round_trips_in_the_two_shapes_of_its_file(tmp_path):

@@ -89,7 +89,7 @@ def read_spec(uri: str) -> LaunchSpec:
     store_uri, stage, run_key, name = split_run_uri(uri)
     if name != "spec.json":
         raise GhostvisError(f"--spec {uri}: expected <store>/runs/<stage>/<run_key>/spec.json")
-    return LaunchSpec.from_dict(open_store(store_uri).read_json("run_spec", stage, run_key))
+    return LaunchSpec.read(open_store(store_uri), stage, run_key)
 
 
 def prepared_spec(args, ctx: dist.DistContext) -> LaunchSpec:

@@ -227,7 +227,7 @@ def _train_or_reuse(
     )
     if hit:
         context.log.info(f"{stage.name}: cache hit, {hit.why}")
-        spec = LaunchSpec.from_dict(h.store.read_json("run_spec", stage.name, hit.run_key))
+        spec = LaunchSpec.read(h.store, stage.name, hit.run_key)
     else:
         changed = changed_since(h.store, stage.name, planned)
         spec = _user_error(start_run, planned, h)

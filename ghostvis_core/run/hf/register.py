@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     store_uri, stage, run_key, _ = split_run_uri(args.spec)
     store = open_store(store_uri)
-    record = register_run(LaunchSpec.from_dict(store.read_json("run_spec", stage, run_key)), store, args.tracking_uri)
+    record = register_run(LaunchSpec.read(store, stage, run_key), store, args.tracking_uri)
     told = record.get("error") or f"{record['model_uri']} -> version {record['version']}"
     print(told, flush=True)
     pipes = PipesReporter(is_main=True)  # launched by the stage asset: the line reaches its log

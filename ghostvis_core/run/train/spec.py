@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ghostvis_core.data.shard_ref import ShardRef
+from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.budget import Plan
 from ghostvis_core.plan.config import StageConfig
+
+if TYPE_CHECKING:
+    from ghostvis_core.store import Store
 
 # source -> its selected shards, in the ledger's order
 Shards = dict[str, tuple[ShardRef, ...]]
@@ -79,6 +83,20 @@ class LaunchSpec:
                 "inputs": StageInputs(**data.get("inputs", {})),
             }
         )
+
+    @classmethod
+    def read(cls, store: Store, stage: str, run_key: str) -> LaunchSpec:
+        """A run's saved launch record. One saved by an older GhostVis (with fields this one no longer
+        has, such as the pre-flight's `inputs.source_budget`, now in preflight.json) is refused by name."""
+        data = store.read_json("run_spec", stage, run_key)
+        try:
+            return cls.from_dict(data)
+        except TypeError as exc:
+            raise GhostvisError(
+                f"run {run_key}: its launch record {store.uri_of('run_spec', stage, run_key)} has another shape "
+                f"than this GhostVis writes ({exc}); it was saved by an older version: re-materialize {stage} "
+                f"(or delete the run folder) to train it again"
+            ) from None
 
 
 def shards_of(saved: dict[str, list[dict[str, Any]]]) -> Shards:

@@ -70,7 +70,7 @@ def load_from_store(store: Store, stage: str, run_key: str | None = None) -> Tra
         )
     path = checkpoint_dir(store, result)
     cfg = stage_config(store, result)
-    spec = LaunchSpec.from_dict(store.read_json("run_spec", stage, result.run_key))
+    spec = LaunchSpec.read(store, stage, result.run_key)
     model = GPT(cfg.model)
     if cfg.vision is not None:
         model.attach_vision(cfg.vision)

@@ -50,7 +50,7 @@ class StageRun:
             raise GhostvisError(
                 f"stage {stage} run {run_key}: its launch spec is not in the store; re-materialize the `{stage}` asset"
             )
-        spec = LaunchSpec.from_dict(store.read_json("run_spec", stage, run_key))
+        spec = LaunchSpec.read(store, stage, run_key)
         chain = ledger.chain(run_key)
         return cls(spec, run_result(store, stage, run_key), chain, ledger.consumption(chain), ledger.parts([run_key]))
 
