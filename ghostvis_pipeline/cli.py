@@ -62,10 +62,12 @@ def cmd_init(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    # the code location's lineage follows the demo's preset: set before the definitions are imported (they
+    # read it once, at import), else `--preset smoke` ran the tiny preset's graph with the smoke lineage's plans
+    os.environ["GHOSTVIS_PRESET"] = args.preset
     from ghostvis_pipeline.demo import format_summary, timed_demo
 
     home = Home.from_env()
-    os.environ["GHOSTVIS_PRESET"] = args.preset  # the code location's lineage follows the demo's preset
     chain = selected.lineage()
     wanted = {chain.require(s) for s in args.stages or chain.stage_names()}
     stages = [s for s in chain.stage_names() if s in wanted]
