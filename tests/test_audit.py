@@ -343,7 +343,7 @@ def test_a_dropped_split_filter_is_refused_before_launch_and_by_the_stage_check(
     selected = {**run.spec.train_shards, "demo_prose": (*run.spec.train_shards["demo_prose"], leaked)}
     run.spec = replace(run.spec, train_shards=selected)
     outcome = inv.no_validation_selected(ledger, run)
-    assert not outcome.passed and outcome.failures == [f"{validation['shard_id']} selected for training is validation"]
+    assert not outcome.passed and outcome.failures == [f"{validation.shard_id} selected for training is validation"]
 
 
 @pytest.mark.parametrize("bug", [None, "last_micro_batch_only", "micro_batch_0_twice"])

@@ -296,7 +296,7 @@ def test_a_planted_mlflow_history_fails_at_its_wrong_steps(smoke_run):
     outcome = inv.mlflow_token_history(chain, TPS, metric_histories(uri, planted, tuple(MLFLOW_METRICS.values())))
     assert not outcome.passed
     assert (
-        f"step 2 (end of part {chain[0]['part_id']}, segment 0): real_tokens mlflow 512 != ledger 1,024"
+        f"step 2 (end of part {chain[0].part_id}, segment 0): real_tokens mlflow 512 != ledger 1,024"
         in outcome.failures
     )
     assert "step 3: real + pad mlflow 512 != step x tokens_per_step 1,536" in outcome.failures

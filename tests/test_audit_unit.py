@@ -86,7 +86,7 @@ def test_the_real_shard_selection_refuses_a_validation_shard(tmp_path, monkeypat
             }
         )
     selected = select_shards(ledger, store, "tok", ["prose"], "train")
-    assert [r["shard_id"] for r in selected["prose"]] == ["prose/train-000"]
+    assert [r.shard_id for r in selected["prose"]] == ["prose/train-000"]
     plant("split_filter_dropped", setter=monkeypatch.setattr)
     with pytest.raises(GhostvisError, match=r"prose/val-000 \(validation\) selected for training are not train"):
         select_shards(ledger, store, "tok", ["prose"], "train")

@@ -376,7 +376,7 @@ def test_the_rl_stage_runs_through_the_cli_on_a_users_problems_and_its_audit_rec
 
     # A completion saved shorter than it was fed (one token dropped): the rollouts no longer add up, the rows
     # rebuilt from them are not what the model received, and the recount from files + rollouts disagrees.
-    tamper_first_completion(ledger.root / "rollouts")
+    tamper_first_completion(ledger.root / "rollouts" / "stage=rl" / f"run={run_key}")
     after = {c["name"]: c for c in audit_stage(h, ledger, "rl", run_key, None)["checks"]}
     assert not after["rollouts_recounted"]["passed"]
     assert any("generated_tokens recorded" in f for f in after["rollouts_recounted"]["failures"])
@@ -386,6 +386,8 @@ def test_the_rl_stage_runs_through_the_cli_on_a_users_problems_and_its_audit_rec
 
 
 def tamper_first_completion(folder: Path) -> None:
+    """Drop the last token of the first completion in the first rollout file of `folder` (one run's: the
+    home copy holds the demo's rl run too, whose files may sort first)."""
     import json
 
     import pyarrow.parquet as pq

@@ -233,7 +233,7 @@ def assert_datasets(client, home: Path, name: str, md: dict) -> None:
         assert source.endswith("/" + fill("raw_shard", (shard_id,))), (source, local)
         assert hashlib.sha256(local.read_bytes()).hexdigest() == sha
         context = {t.key: t.value for t in d.tags}["mlflow.data.context"]
-        assert context == rows[shard_id]["split"] == ("validation" if shard_id in val else "train")
+        assert context == rows[shard_id].split == ("validation" if shard_id in val else "train")
 
 
 def assert_system_metrics(client, run_id: str) -> None:
