@@ -84,7 +84,7 @@ BUGS: dict[str, list[tuple[str, str, str, str]]] = {
     ],
     # the split filter dropped: validation shards selected for training
     "split_filter_dropped": [
-        ("ghostvis_core.run.launch", "select_shards", "        if r.split != split:\n            continue\n", "")
+        ("ghostvis_core.launch.start", "select_shards", "        if r.split != split:\n            continue\n", "")
     ],
     # the source's validation shards merged into its train stream under a `train` label
     "validation_merged_into_train": [
@@ -224,7 +224,7 @@ def run_scenarios(scenarios: list[dict]) -> int:
     import pytest
     import torch.distributed as dist
 
-    import ghostvis_core.run.launch  # noqa: F401  (what the mutations patch must be imported first)
+    import ghostvis_core.launch.start  # noqa: F401  (what the mutations patch must be imported first)
     import ghostvis_core.run.train.loop  # noqa: F401
     from ghostvis_core.run.__main__ import main
 

@@ -464,7 +464,7 @@ def test_a_source_file_changed_under_its_name_becomes_a_new_version_and_the_old_
     from ghostvis_core.data.catalog import load_manifest, raw_content, recorded_sha256
     from ghostvis_core.data.ledger import Ledger
     from ghostvis_core.data.tokenize import job_for_shard
-    from ghostvis_core.run.launch import select_shards
+    from ghostvis_core.launch.start import select_shards
 
     copy, listing = tmp_path / "home", tmp_path / "listing"
     shutil.copytree(home, copy)
