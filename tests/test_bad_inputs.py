@@ -26,7 +26,7 @@ from ghostvis_core.home import Home
 from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.run.train import checkpoint as ckpt
-from ghostvis_core.run.train.checkpointing import CheckpointManager
+from ghostvis_core.run.train.checkpoint_manager import CheckpointManager
 from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.store.files import sha256_file
 from ghostvis_core.store.folder import FolderStore
