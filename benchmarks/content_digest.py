@@ -26,7 +26,7 @@ def measure(home: Path, steps: int) -> dict:
     import torch
 
     from ghostvis_core.home import Home
-    from ghostvis_core.run.launch import prepare_run
+    from ghostvis_core.launch.start import prepare_run
     from ghostvis_core.run.train.dist import DistContext
     from ghostvis_core.run.train.feeds import FedLog
     from ghostvis_core.run.train.setup import setup

@@ -1,6 +1,6 @@
 """Cache hits: a stage whose run identity equals a completed run whose checks passed returns that run.
 
-The identity is in the run key (ghostvis_core/run/launch.py `plan_run`); whether the run's checks
+The identity is in the run key (ghostvis_core/launch/start.py `plan_run`); whether the run's checks
 passed is read from the Dagster instance (the asset check executions of the materializations that
 carried the run key), so a run whose checks failed, or were never run, is not reused.
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from dagster import AssetCheckKey, AssetKey, RunsFilter
 
 from ghostvis_core import identity
-from ghostvis_core.run.launch import TRAINING_MODULES, PlannedRun
+from ghostvis_core.launch.start import TRAINING_MODULES, PlannedRun
 from ghostvis_core.run.train.runs import completed_attempts
 from ghostvis_core.store import Store
 from ghostvis_pipeline.metadata import materializations

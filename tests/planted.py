@@ -35,7 +35,7 @@ BUGS: dict[str, list[tuple[str, str, str, str]]] = {
     # rank 0 only everywhere: also the ledger part takes rank 0's pieces, counts and rows only
     "rank0_everywhere": [
         ("ghostvis_core.run.train.trainer", "Trainer.train_step", REDUCED, "s.counts = s.counts + step_counts"),
-        ("ghostvis_core.run.train.checkpointing", "CheckpointManager.commit", GATHER, GATHER + "[:1]"),
+        ("ghostvis_core.run.train.checkpoint_manager", "CheckpointManager.commit", GATHER, GATHER + "[:1]"),
     ],
     # only the last micro-batch of a step counted (figures and consumption)
     "last_micro_batch_only": [
@@ -76,7 +76,7 @@ BUGS: dict[str, list[tuple[str, str, str, str]]] = {
     # the last ledger part is never published to the store's ledger
     "last_part_unpublished": [
         (
-            "ghostvis_core.run.train.checkpointing",
+            "ghostvis_core.run.train.checkpoint_manager",
             "CheckpointManager._save_and_publish",
             "        self.publish_parts(only=path)\n",
             "        if step < self.spec.plan.steps:\n            self.publish_parts(only=path)\n",
@@ -84,7 +84,7 @@ BUGS: dict[str, list[tuple[str, str, str, str]]] = {
     ],
     # the split filter dropped: validation shards selected for training
     "split_filter_dropped": [
-        ("ghostvis_core.run.launch", "select_shards", "        if r.split != split:\n            continue\n", "")
+        ("ghostvis_core.launch.start", "select_shards", "        if r.split != split:\n            continue\n", "")
     ],
     # the source's validation shards merged into its train stream under a `train` label
     "validation_merged_into_train": [
@@ -224,7 +224,7 @@ def run_scenarios(scenarios: list[dict]) -> int:
     import pytest
     import torch.distributed as dist
 
-    import ghostvis_core.run.launch  # noqa: F401  (what the mutations patch must be imported first)
+    import ghostvis_core.launch.start  # noqa: F401  (what the mutations patch must be imported first)
     import ghostvis_core.run.train.loop  # noqa: F401
     from ghostvis_core.run.__main__ import main
 

@@ -26,8 +26,8 @@ from ghostvis_core.data.shard_ref import ShardRef
 from ghostvis_core.data.token_shard import TokenShard, write_token_shard
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
+from ghostvis_core.launch.start import prepare_run
 from ghostvis_core.plan.stages import stage_names
-from ghostvis_core.run.launch import prepare_run
 from ghostvis_core.run.train.runs import completed_runs
 from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
 from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS
@@ -531,7 +531,7 @@ def test_a_source_file_changed_under_its_name_is_a_new_version_and_the_trained_l
     stages, the old run is audited against what it read before and after the new version is tokenized,
     and training waits for that tokenization."""
     from ghostvis_core.data.catalog import raw_content
-    from ghostvis_core.run.launch import plan_run
+    from ghostvis_core.launch.start import plan_run
     from ghostvis_core.store.files import sha256_file
 
     h = Home(home_copy)

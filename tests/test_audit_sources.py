@@ -18,7 +18,7 @@ from ghostvis_core.data.ledger.summaries import validation_selected
 from ghostvis_core.data.shard_ref import ShardRef
 from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.launch import stream_split_problems
+from ghostvis_core.run.preflight import stream_split_problems
 from ghostvis_core.verify.audit import invariants as inv
 from tests.test_ledger import part, piece, shard_record
 
@@ -305,7 +305,7 @@ def test_a_planted_mlflow_history_fails_at_its_wrong_steps(smoke_run):
 @pytest.mark.e2e
 def test_validation_shards_merged_into_a_train_stream_are_refused_before_launch(smoke_run, monkeypatch):
     from ghostvis_core.home import Home
-    from ghostvis_core.run.launch import prepare_run
+    from ghostvis_core.launch.start import prepare_run
     from ghostvis_core.run.preflight import check_run
     from tests.planted import plant
 

@@ -13,8 +13,8 @@ from ghostvis_core.data.ledger.write import row_ranges
 from ghostvis_core.data.tokenizer import newest_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
+from ghostvis_core.launch.start import select_shards
 from ghostvis_core.plan.stages import stage_names
-from ghostvis_core.run.launch import select_shards
 from ghostvis_core.run.train.runs import completed_runs
 from ghostvis_core.store import FolderStore
 from ghostvis_core.verify.audit import invariants as inv

@@ -26,7 +26,7 @@ from ghostvis_core.home import Home
 from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.run.train import checkpoint as ckpt
-from ghostvis_core.run.train.checkpointing import CheckpointManager
+from ghostvis_core.run.train.checkpoint_manager import CheckpointManager
 from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.store.files import sha256_file
 from ghostvis_core.store.folder import FolderStore
@@ -464,7 +464,7 @@ def test_a_source_file_changed_under_its_name_becomes_a_new_version_and_the_old_
     from ghostvis_core.data.catalog import load_manifest, raw_content, recorded_sha256
     from ghostvis_core.data.ledger import Ledger
     from ghostvis_core.data.tokenize import job_for_shard
-    from ghostvis_core.run.launch import select_shards
+    from ghostvis_core.launch.start import select_shards
 
     copy, listing = tmp_path / "home", tmp_path / "listing"
     shutil.copytree(home, copy)

@@ -428,14 +428,14 @@ def test_cli_plan_text_shows_the_four_factors(capsys):
 
 
 def _preflight_needed(cfg, p, shard_tokens: int) -> dict[str, int]:
-    """The pre-flight's needed tokens per source (`launch.preflight`, the function the job's check_run calls),
+    """The pre-flight's needed tokens per source (`run/preflight.py`, the function the job's check_run calls),
     over LMRows of real SourceStreams whose shards are never opened (only their sizes are read)."""
     from types import SimpleNamespace
 
     from ghostvis_core.data.loader import Batcher, LMRows
     from ghostvis_core.data.shard_ref import ShardRef
     from ghostvis_core.data.stream import SourceStream
-    from ghostvis_core.run.launch import preflight
+    from ghostvis_core.run.preflight import preflight
 
     streams = {
         s.source: SourceStream(

@@ -31,7 +31,8 @@ MAX_PARAMS = 8
 
 # A module may import modules of its own layer or lower ones. "x.*" is the package x and everything in it.
 # The layers are the packages of docs/architecture.md, bottom up: foundation, store, plan, data, demo, run
-# (model/cluster/track, then train, hf, and the launch on top), verify.
+# (model/track and the launcher renderings, then train, hf, and on top the job's entry point and the launch
+# that plans it: launch.start, which the job's --stage mode also calls), verify.
 LAYERS = {
     "ghostvis_core": 0,  # the package root: it is imported before any of its modules
     "ghostvis_core.errors": 0,
@@ -46,12 +47,16 @@ LAYERS = {
     "ghostvis_core.demo.*": 4,
     "ghostvis_core.run": 5,
     "ghostvis_core.run.model.*": 5,
-    "ghostvis_core.run.cluster.*": 5,
+    "ghostvis_core.run.job": 5,
+    "ghostvis_core.run.run_files": 5,
+    "ghostvis_core.run.ship_output": 5,
+    "ghostvis_core.launch": 5,
+    "ghostvis_core.launch.cluster.*": 5,
     "ghostvis_core.run.track.*": 5,
     "ghostvis_core.run.preflight_record": 5,
     "ghostvis_core.run.train.*": 6,
     "ghostvis_core.run.hf.*": 7,
-    "ghostvis_core.run.launch": 8,
+    "ghostvis_core.launch.start": 8,
     "ghostvis_core.run.preflight": 8,
     "ghostvis_core.run.__main__": 8,
     "ghostvis_core.run.tokenizer_job": 8,

@@ -174,7 +174,7 @@ def test_the_audit_rebuilds_exactly_the_rows_the_loader_builds(demo_home, stage)
     """Every row a smoke run of the stage reads (and a stretch beyond, into later epochs for the small
     chat, preference and caption sources): inputs, targets, document ids, images (and their decoded pixels)
     and spans equal."""
-    from ghostvis_core.run.launch import prepare_run
+    from ghostvis_core.launch.start import prepare_run
     from ghostvis_core.run.model.vision import decode_images
     from ghostvis_core.run.train.objectives import build_objective
     from ghostvis_core.verify.audit.rebuild import pixels

@@ -163,7 +163,7 @@ def test_a_stage_whose_upstream_is_missing_says_which_asset_to_materialize_first
     assert "asset `sft` has never been materialized; materialize it first" in proc.stdout + proc.stderr
     assert "torch.distributed.run" not in proc.stdout + proc.stderr  # refused before launching torchrun
     # the same when the upstream's checkpoint files are gone (core path, no Dagster)
-    from ghostvis_core.run.launch import prepare_run
+    from ghostvis_core.launch.start import prepare_run
     from ghostvis_core.run.train.runs import Upstream
 
     with pytest.raises(GhostvisError, match=r"upstream checkpoint .* is missing; materialize the `sft` asset first"):
@@ -176,7 +176,7 @@ def test_a_stage_whose_upstream_is_missing_says_which_asset_to_materialize_first
 
 
 def test_a_config_inconsistent_with_the_upstream_checkpoint_fails_before_torchrun(home_copy):
-    from ghostvis_core.run.launch import prepare_run
+    from ghostvis_core.launch.start import prepare_run
 
     with pytest.raises(GhostvisError, match=r"model.d_model=512 \(upstream context_expansion has 256\)"):
         prepare_run("reasoning_mix", preset="smoke", home=Home(home_copy), overrides={"model.d_model": "512"})

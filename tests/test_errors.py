@@ -95,7 +95,7 @@ def test_a_budget_beyond_the_data_fails_pre_flight_with_the_numbers(home_copy):
     import math
 
     from ghostvis_core.errors import GhostvisError
-    from ghostvis_core.run.launch import prepare_run
+    from ghostvis_core.launch.start import prepare_run
     from ghostvis_core.run.preflight import check_run
     from ghostvis_core.run.preflight_record import preflight_record
     from ghostvis_core.run.train.spec import LaunchSpec

@@ -379,7 +379,7 @@ def _objects(store, step_dir: str) -> list[str]:
 def _write_through_s3(rank, world, env, tmp):
     """fsdp on 2 'nodes': each rank writes its shard into its own cache; `share_shard` uploads it,
     then rank 0 commits and publishes the rest, marker last."""
-    from ghostvis_core.run.train.checkpointing import share_shard
+    from ghostvis_core.run.train.checkpoint_manager import share_shard
 
     store = _s3_node(rank, env, f"{tmp}/node{rank}")
     par, opt = _fresh("fsdp", rank, world)
@@ -438,7 +438,7 @@ def test_fsdp_shards_from_ranks_with_their_own_caches_commit_through_s3(moto_s3,
 
 
 def test_a_rank_drops_only_its_own_leftover_shards_and_the_emptied_staging_folder(tmp_path):
-    from ghostvis_core.run.train.checkpointing import drop_stale_shards
+    from ghostvis_core.run.train.checkpoint_manager import drop_stale_shards
 
     staging = tmp_path / ".dcp-step_000000002"
     staging.mkdir()

@@ -113,7 +113,7 @@ def test_what_travels_is_what_the_trainer_float8_and_the_audit_need_beyond_the_g
 # the model registry, the ledger's queries): with every distribution but the GPU machine's and the
 # carried ones blocked. benchmarks/gpu_check_isolated.py runs the trainer itself in such an environment.
 TRAINER_IMPORTS = """
-import ghostvis_core.run.__main__, ghostvis_core.run.launch, ghostvis_core.run.train.loop
+import ghostvis_core.run.__main__, ghostvis_core.launch.start, ghostvis_core.run.train.loop
 import ghostvis_core.run.hf.register, ghostvis_core.run.track.mlflow_system, ghostvis_core.run.track.mlflow_inputs
 import ghostvis_core.run.track.mlflow_models, ghostvis_core.run.track.pipes, ghostvis_core.verify.audit.report
 import mlflow.tracking, mlflow.transformers, mlflow.store.tracking.sqlalchemy_store, duckdb, torchao.float8

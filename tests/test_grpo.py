@@ -26,10 +26,10 @@ from ghostvis_core.data.token_shard import token_dtype, write_token_shard
 from ghostvis_core.data.tokenize import encode_document, token_columns
 from ghostvis_core.data.tokenizer import train_tokenizer
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.launch.start import reward_rules
 from ghostvis_core.plan import presets
 from ghostvis_core.plan.batch import IGNORE_INDEX
 from ghostvis_core.plan.config import GRPOConfig, ModelConfig, SourceWeight, StageConfig
-from ghostvis_core.run.launch import reward_rules
 from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.run.train.grpo import (
     FORMAT_REWARD,
@@ -317,7 +317,7 @@ def test_the_rl_stage_runs_through_the_cli_on_a_users_problems_and_its_audit_rec
     from ghostvis_core.data.catalog import load_manifest
     from ghostvis_core.data.ledger import Ledger
     from ghostvis_core.home import Home
-    from ghostvis_core.run.launch import plan_run
+    from ghostvis_core.launch.start import plan_run
     from ghostvis_core.run.track.mlflow_records import latest_metrics
     from ghostvis_core.run.train.runs import completed_runs
     from ghostvis_core.verify.audit.report import audit_stage

@@ -425,7 +425,7 @@ def test_import_from_the_hub_through_huggingface_hub(tok, tmp_path, monkeypatch)
 def test_planning_a_stage_refuses_a_broken_import_or_an_unknown_init_from(tok, tmp_path):
     """In the launch planning path (before torchrun), the offending tensor is named."""
     from ghostvis_core.home import Home
-    from ghostvis_core.run.launch import plan_run
+    from ghostvis_core.launch.start import plan_run
 
     folder, _ = hf_reference("qwen2", tmp_path, tok)
     _break(folder, "missing")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ghostvis_core import identity
-from ghostvis_core.run.launch import TRAINING_MODULES
+from ghostvis_core.launch.start import TRAINING_MODULES
 
 
 def test_digest_is_independent_of_key_order_and_changed_inputs_names_the_leaves():
@@ -37,7 +37,7 @@ def test_normalized_source_ignores_docstrings_comments_and_layout_not_code(tmp_p
 
 def test_training_code_version_covers_the_trainer_and_what_it_imports_not_the_pipeline():
     files = {p.relative_to(identity.PACKAGE_ROOT).as_posix() for p in identity._closure(TRAINING_MODULES)}
-    assert {"run/train/loop.py", "run/launch.py", "run/model/gpt.py", "data/loader.py", "plan/config.py"} <= files
+    assert {"run/train/loop.py", "launch/start.py", "run/model/gpt.py", "data/loader.py", "plan/config.py"} <= files
     assert not any(f.startswith("ghostvis_pipeline") for f in files)
     assert identity.code_version(*TRAINING_MODULES) == identity.code_version(*TRAINING_MODULES)
     assert identity.code_version("ghostvis_core.data.ledger") != identity.code_version(*TRAINING_MODULES)

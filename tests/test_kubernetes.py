@@ -1,5 +1,5 @@
 """The `kubernetes` launcher's manifests, rendered from a launcher config the way a run renders them
-(Dagster resource config -> plan -> ghostvis_core.run.cluster.kubernetes) and validated offline against
+(Dagster resource config -> plan -> ghostvis_core.launch.cluster.kubernetes) and validated offline against
 the Kubernetes API schema (kubernetes-validate ships it). No cluster is needed."""
 
 from __future__ import annotations
@@ -17,9 +17,7 @@ from dagster_k8s.pipes import build_pod_body
 from dagster_pipes import decode_env_var
 
 from ghostvis_core.home import Home
-from ghostvis_core.plan.presets import resolve
-from ghostvis_core.run.cluster.job import Job
-from ghostvis_core.run.cluster.kubernetes import (
+from ghostvis_core.launch.cluster.kubernetes import (
     CONTAINER,
     INDEX_ANNOTATION,
     JOB_LABEL,
@@ -29,7 +27,9 @@ from ghostvis_core.run.cluster.kubernetes import (
     render_pod,
     resource_name,
 )
-from ghostvis_core.run.cluster.run_files import read_run_file
+from ghostvis_core.plan.presets import resolve
+from ghostvis_core.run.job import Job
+from ghostvis_core.run.run_files import read_run_file
 from ghostvis_core.run.track.pipes import StoreMessageWriterChannel
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.verify.eval.job import EvalSpec, eval_job

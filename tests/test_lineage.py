@@ -82,7 +82,7 @@ def test_a_text_only_lineage_resolves_sft_on_the_text_model(monkeypatch):
 
 
 def test_the_first_stage_of_a_lineage_needs_a_model_to_start_from(monkeypatch):
-    from ghostvis_core.run.launch import resolve_stage
+    from ghostvis_core.launch.start import resolve_stage
 
     monkeypatch.setenv("GHOSTVIS_LINEAGE", "chat")
     with pytest.raises(GhostvisError, match="stage sft starts the lineage chat .* set init_from to a Hugging Face"):

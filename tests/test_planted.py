@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 
-import ghostvis_core.run.launch  # noqa: F401  (imported before planting, as tests.planted's run_scenarios does)
+import ghostvis_core.launch.start  # noqa: F401  (imported before planting, as tests.planted's run_scenarios does)
 import ghostvis_core.run.train.loop  # noqa: F401
 from tests.planted import BUGS, plant
 

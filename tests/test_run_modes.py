@@ -143,7 +143,7 @@ def test_a_stage_launched_with_a_mode_trains_the_planners_steps(demo_home, monke
     trains. Its vocabulary is the demo tokenizer's 4,096, not the preset's, so fewer FLOPs per token buy
     more steps in the hour (797) than the preset alone plans (700)."""
     from ghostvis_core.home import Home
-    from ghostvis_core.run.launch import plan_run
+    from ghostvis_core.launch.start import plan_run
 
     monkeypatch.setenv("GHOSTVIS_HOME", str(demo_home))
     monkeypatch.delenv("GHOSTVIS_STORE", raising=False)

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from ghostvis_core.home import Home
-from ghostvis_core.run.cluster.ship_output import chunk_name
+from ghostvis_core.run.ship_output import chunk_name
 from ghostvis_core.run.train.reasons import clear_reasons, record_reason, run_reason
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.store import open_store
@@ -95,7 +95,7 @@ def test_the_job_output_is_shipped_in_numbered_chunks_and_passed_on(tmp_path):
         [
             sys.executable,
             "-m",
-            "ghostvis_core.run.cluster.ship_output",
+            "ghostvis_core.run.ship_output",
             "--store",
             str(store_dir),
             "--stage",

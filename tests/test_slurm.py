@@ -25,7 +25,7 @@ import pytest
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.run.cluster.slurm import JOB_OUTCOMES, SlurmJob, job_outcome, redact, render_sbatch, ship_command
+from ghostvis_core.launch.cluster.slurm import JOB_OUTCOMES, SlurmJob, job_outcome, redact, render_sbatch, ship_command
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.runs import run_result
 from ghostvis_core.store import open_store
@@ -90,7 +90,7 @@ def test_sbatch_script_asks_for_the_job_and_starts_torchrun_once_per_node():
         lines.index("{")
         < lines.index(srun[0])
         < lines.index(
-            "} 2>&1 | python -m ghostvis_core.run.cluster.ship_output --store s3://team/store --stage pretrain "
+            "} 2>&1 | python -m ghostvis_core.run.ship_output --store s3://team/store --stage pretrain "
             "--run-key pretrain-abc-r1 --name slurm/a1/out"
         )
     )

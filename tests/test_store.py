@@ -14,7 +14,7 @@ import torch
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.run.train import checkpoint as ckpt
-from ghostvis_core.run.train.checkpointing import CheckpointManager
+from ghostvis_core.run.train.checkpoint_manager import CheckpointManager
 from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.store import LAYOUT, S3Store, open_store
 from ghostvis_core.store.files import atomic_write, sha256_file

@@ -137,7 +137,7 @@ def test_the_file_and_the_mapping_decide_the_id_and_the_store_keeps_both(files, 
 def test_a_stage_from_an_imported_model_keeps_the_assets_mapping_of_its_tokenizer(files, tmp_path):
     """init_from a model whose tokenizer the asset took with special_tokens: the stage uses the asset's (same ids,
     its markers); a tokenizer of other ids is not taken for the model's."""
-    from ghostvis_core.run.launch import model_tokenizer
+    from ghostvis_core.launch.start import model_tokenizer
 
     store = FolderStore(tmp_path / "store")
     model_tok = bring_tokenizer(files["chatml"][0]).tokenizer

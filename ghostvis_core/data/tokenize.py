@@ -459,7 +459,7 @@ def tokenize_shards(
     shard's file (in the store). `filters` maps a source to its document filters (see build_filter);
     `removed(shard_id)` names rows to drop with their reason (cross-shard duplicates: data/dedup.py).
     `run_pipeline(pipeline, tasks, workers, logging_dir)` runs the datatrove pipeline: worker processes
-    here (`run_locally`), or a Slurm job array (ghostvis_core/run/cluster/slurm_pipeline.py)."""
+    here (`run_locally`), or a Slurm job array (ghostvis_core/launch/cluster/slurm_pipeline.py)."""
     for specs in (filters or {}).values():
         for spec in specs:
             build_filter(spec)  # fail on a bad spec before any work

@@ -20,8 +20,8 @@ import sys
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.exit import skip_final_collections
 from ghostvis_core.plan.config import RuntimeConfig, parse_sets
-from ghostvis_core.run.cluster.run_files import split_run_uri
 from ghostvis_core.run.preflight import check_run
+from ghostvis_core.run.run_files import split_run_uri
 from ghostvis_core.run.train import dist
 from ghostvis_core.run.train.dist import print0
 from ghostvis_core.run.train.loop import train
@@ -96,7 +96,7 @@ def prepared_spec(args, ctx: dist.DistContext) -> LaunchSpec:
     """--stage: rank 0 prepares the run; the other ranks wait for its spec, or for the reason there is none."""
     spec = None
     if ctx.is_main:
-        from ghostvis_core.run.launch import prepare_run
+        from ghostvis_core.launch.start import prepare_run
 
         try:
             spec = prepare_run(args.stage, preset=args.preset, overrides=parse_sets(args.sets))

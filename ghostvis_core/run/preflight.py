@@ -9,15 +9,22 @@ is a record of its own beside the run (run/preflight_record.py); the launch spec
 
 from __future__ import annotations
 
+import math
 import os
 import socket
+from typing import TYPE_CHECKING
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.launch import check_stream_splits, preflight
-from ghostvis_core.run.preflight_record import PreflightRecord
+from ghostvis_core.plan.budget import detected_gpu, memory_plan, memory_refusal
+from ghostvis_core.run.preflight_record import PreflightRecord, SourceBudget
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.store import Store
+
+if TYPE_CHECKING:
+    from ghostvis_core.data.stream import SourceStream
+    from ghostvis_core.plan.budget import Plan
+    from ghostvis_core.plan.config import StageConfig
 
 
 def check_run(spec: LaunchSpec, store: Store) -> PreflightRecord:
@@ -37,3 +44,61 @@ def check_run(spec: LaunchSpec, store: Store) -> PreflightRecord:
         raise
     found.save(store, spec.stage, spec.run_key)
     return found
+
+
+def stream_split_problems(splits: dict[str, str], streams: dict[str, dict[str, SourceStream]]) -> list[str]:
+    """For `streams` (split -> source -> the SourceStream an objective will read), every shard whose split
+    in the ledger's shard table (`splits`, `Ledger.shard_splits`) is not the stream's: looked up by shard
+    id there, never in the shard ref's own label, so a validation shard merged into a train stream
+    under a `train` label is named."""
+    out = []
+    for want, by_source in streams.items():
+        for source, stream in sorted(by_source.items()):
+            for ref in stream.refs:
+                have = splits.get(ref.shard_id, "not in the ledger")
+                if have != want:
+                    out.append(f"shard {ref.shard_id} (ledger split: {have}) is in the {want} stream of {source}")
+    return out
+
+
+def check_stream_splits(ledger: Ledger, tokenizer_id: str, objective) -> None:
+    """Before launch: the objective's train streams hold only train shards and its validation streams
+    only validation shards, by the ledger's shard table (what the ranks will read, not what was selected)."""
+    problems = stream_split_problems(
+        ledger.shard_splits(tokenizer_id), {"train": objective.train_streams, "validation": objective.val_streams}
+    )
+    if problems:
+        raise GhostvisError(
+            "stream composition: " + "; ".join(problems) + "; a stream must hold only shards of "
+            "its split: fix the objective's streams (built from the launch spec's train_shards and "
+            "val_shards) or the shard's split pin in its manifest, then re-launch"
+        )
+
+
+def preflight(cfg: StageConfig, p: Plan, objective) -> dict[str, SourceBudget]:
+    """Per source: tokens the budget needs vs tokens available. Refuses to start on a shortfall, and
+    on a CUDA machine a config whose memory plan does not fit its GPU (naming the fixes)."""
+    device = detected_gpu()
+    if device is not None:
+        mp = memory_plan(cfg, gpu=device[0], gpu_memory_gb=device[1])
+        if not mp.fits:
+            raise GhostvisError(memory_refusal(cfg.stage, mp))
+    rows = objective.batcher.rows_per_source(p.steps * p.batch.rows_per_step)
+    report, problems = {}, []
+    for rs in objective.batcher.sources:
+        needed, available = rs.tokens_for_rows(rows[rs.source]), rs.available_tokens
+        shards = len(objective.train_streams[rs.source].refs)
+        epochs = needed / max(1, available)
+        report[rs.source] = SourceBudget(needed, available, shards, round(epochs, 3))
+        if needed > available and not cfg.data.allow_repeat:
+            per_shard = available / shards
+            more = math.ceil((needed - available) / max(1.0, per_shard))
+            problems.append(
+                f"source {rs.source}: the budget needs {needed:,} tokens but {available:,} are available in "
+                f"{shards} tokenized shards ({epochs:.2f} epochs); tokenize about {more} more shards "
+                f"(~{per_shard:,.0f} tokens each) or lower the budget, or set data.allow_repeat=true to repeat "
+                f"the data {epochs:.2f} times"
+            )
+    if problems:
+        raise GhostvisError("pre-flight failed: " + "; ".join(problems))
+    return report

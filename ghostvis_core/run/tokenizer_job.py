@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass
 from ghostvis_core.data.catalog import tokenizer_corpus
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.cluster.job import Job
-from ghostvis_core.run.cluster.run_files import split_run_uri
+from ghostvis_core.run.job import Job
+from ghostvis_core.run.run_files import split_run_uri
 from ghostvis_core.run.track.pipes import PipesReporter
 from ghostvis_core.run.train.reasons import record_reason
 from ghostvis_core.store import Store, open_store

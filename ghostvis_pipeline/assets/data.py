@@ -40,9 +40,9 @@ from ghostvis_core.demo.sources import DEMO_SOURCES, publish_demo_source
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.identity import code_version, digest
+from ghostvis_core.launch.cluster.slurm import SlurmJob
+from ghostvis_core.launch.cluster.slurm_pipeline import SlurmPipeline
 from ghostvis_core.plan import presets, run_modes, selected
-from ghostvis_core.run.cluster.slurm import SlurmJob
-from ghostvis_core.run.cluster.slurm_pipeline import SlurmPipeline
 from ghostvis_core.run.tokenizer_job import TokenizerSpec, tokenizer_job, write_spec
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers import Launcher

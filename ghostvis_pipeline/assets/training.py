@@ -25,10 +25,10 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.identity import code_version
+from ghostvis_core.launch.start import TRAINING_MODULES, PlannedRun, plan_run, start_run
 from ghostvis_core.plan import presets, selected
 from ghostvis_core.plan.stages import Stage
 from ghostvis_core.run.hf.register import model_record
-from ghostvis_core.run.launch import TRAINING_MODULES, PlannedRun, plan_run, start_run
 from ghostvis_core.run.preflight_record import preflight_record
 from ghostvis_core.run.track.mlflow_models import alias_version
 from ghostvis_core.run.train.reasons import run_reason, was_preempted

@@ -7,10 +7,10 @@ import os
 from dagster import Failure
 
 from ghostvis_core.home import Home
-from ghostvis_core.run.cluster.job import TRAINING_ENTRY, Job
-from ghostvis_core.run.cluster.slurm import is_secret
-from ghostvis_core.run.cluster.torchrun import worker_env
+from ghostvis_core.launch.cluster.slurm import is_secret
+from ghostvis_core.launch.cluster.torchrun import worker_env
 from ghostvis_core.run.hf.register import MODEL_FILE, REGISTER_ENTRY
+from ghostvis_core.run.job import TRAINING_ENTRY, Job
 from ghostvis_core.run.train.reasons import clear_reasons, run_reason
 from ghostvis_core.run.train.spec import LaunchSpec
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dagster import AssetExecutionContext
 
 from ghostvis_core.home import Home
-from ghostvis_core.run.cluster.job import Job
-from ghostvis_core.run.cluster.torchrun import torchrun_command
+from ghostvis_core.launch.cluster.torchrun import torchrun_command
+from ghostvis_core.run.job import Job
 from ghostvis_pipeline.launchers.common import (
     attempt_name,
     clear_reason,

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dagster import AssetExecutionContext, PipesBlobStoreMessageReader, PipesEnvContextInjector, open_pipes_session
 
 from ghostvis_core.home import Home
-from ghostvis_core.run.cluster.job import Job
+from ghostvis_core.run.job import Job
 from ghostvis_core.run.track.pipes import (
     ATTEMPT_PARAM,
     CHUNK_INTERVAL_S,

@@ -1,7 +1,7 @@
 """The `slurm` launcher: one sbatch job (`srun torchrun` on N nodes), followed until it ends, its
 output streamed into the Dagster log, cancelled with the Dagster run. Nothing needs a folder that the
 Dagster host shares with the cluster: the script goes to sbatch on its stdin (and into the store, for
-people), the job ships its output to the store as it runs (ghostvis_core/run/cluster/ship_output.py),
+people), the job ships its output to the store as it runs (ghostvis_core/run/ship_output.py),
 rank 0 reports through Pipes messages in the store, and the job's end state decides whether a retry
 resumes the run."""
 
@@ -15,9 +15,9 @@ from dagster import AssetExecutionContext, DagsterRunStatus, Failure
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.run.cluster.job import Job
-from ghostvis_core.run.cluster.ship_output import chunk_name
-from ghostvis_core.run.cluster.slurm import SlurmJob, job_outcome, redact, render_sbatch, ship_command
+from ghostvis_core.launch.cluster.slurm import SlurmJob, job_outcome, redact, render_sbatch, ship_command
+from ghostvis_core.run.job import Job
+from ghostvis_core.run.ship_output import chunk_name
 from ghostvis_core.store import Store
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers.common import (

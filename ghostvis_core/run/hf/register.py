@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ghostvis_core.exit import skip_final_collections
 from ghostvis_core.plan.stages import stage_names
-from ghostvis_core.run.cluster.run_files import split_run_uri
+from ghostvis_core.run.run_files import split_run_uri
 from ghostvis_core.run.track.mlflow_models import StageModel, register_stage_model
 from ghostvis_core.run.track.pipes import PipesReporter
 from ghostvis_core.run.train.runs import run_result

@@ -2,7 +2,7 @@
 newest committed checkpoint, if any), then one optimizer step, its progress line, the held-out evaluation
 and the checkpoint repeat until the budget's last step (or a preemption: train/preemption.py; a hang ends the
 job from the watchdog: train/watchdog.py), and `finish` writes the RunResult. Each step is a
-Trainer method (trainer.py); the checkpoints are its CheckpointManager's (checkpointing.py)."""
+Trainer method (trainer.py); the checkpoints are its CheckpointManager's (checkpoint_manager.py)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from ghostvis_core.run.model.gpt import GPT, attention_kernel
 from ghostvis_core.run.model.vision import frozen_fingerprint
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train import float8
-from ghostvis_core.run.train.checkpointing import CheckpointManager
+from ghostvis_core.run.train.checkpoint_manager import CheckpointManager
 from ghostvis_core.run.train.clock import Clock
 from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.run.train.efficiency import efficiency

@@ -15,7 +15,7 @@ import json
 import sys
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.cluster.run_files import split_run_uri
+from ghostvis_core.run.run_files import split_run_uri
 from ghostvis_core.run.track.pipes import PipesReporter
 from ghostvis_core.run.train.reasons import record_reason
 from ghostvis_core.store import open_store

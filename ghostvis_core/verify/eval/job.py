@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ghostvis_core.run.cluster.job import Job
+from ghostvis_core.run.job import Job
 
 EVAL_FOLDER = "evaluation"  # the jobs' folder in the store, as a stage's runs have theirs (runs/evaluation/<key>/)
 MODULE = "ghostvis_core.verify.eval"

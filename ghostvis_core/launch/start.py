@@ -8,7 +8,6 @@ runs them (a budget larger than the data, streams that mix splits, a GPU too sma
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -19,17 +18,15 @@ from ghostvis_core.data.ledger.records import ShardRecord
 from ghostvis_core.data.ledger.summaries import validation_selected
 from ghostvis_core.data.problems import DEFAULT_RULE
 from ghostvis_core.data.shard_ref import ShardRef
-from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer, newest_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan import presets, selected, stages
-from ghostvis_core.plan.budget import Plan, detected_gpu, memory_plan, memory_refusal
+from ghostvis_core.plan.budget import Plan
 from ghostvis_core.plan.budget import plan as make_plan
 from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.plan.presets import RegisteredSources, TokenizerVocab
 from ghostvis_core.run.hf.sources import is_hf_source
-from ghostvis_core.run.preflight_record import SourceBudget
 from ghostvis_core.run.train.runs import Upstream, checkpoint_key, checkpoint_of, find_upstream, next_run_key
 from ghostvis_core.run.train.spec import LaunchSpec, Shards, StageInputs
 from ghostvis_core.store import Store
@@ -76,64 +73,6 @@ def select_shards(ledger: Ledger, store: Store, tokenizer_id: str, sources: list
             "split) or the shard's split pin in its manifest, then re-launch"
         )
     return selected
-
-
-def stream_split_problems(splits: dict[str, str], streams: dict[str, dict[str, SourceStream]]) -> list[str]:
-    """For `streams` (split -> source -> the SourceStream an objective will read), every shard whose split
-    in the ledger's shard table (`splits`, `Ledger.shard_splits`) is not the stream's: looked up by shard
-    id there, never in the shard ref's own label, so a validation shard merged into a train stream
-    under a `train` label is named."""
-    out = []
-    for want, by_source in streams.items():
-        for source, stream in sorted(by_source.items()):
-            for ref in stream.refs:
-                have = splits.get(ref.shard_id, "not in the ledger")
-                if have != want:
-                    out.append(f"shard {ref.shard_id} (ledger split: {have}) is in the {want} stream of {source}")
-    return out
-
-
-def check_stream_splits(ledger: Ledger, tokenizer_id: str, objective) -> None:
-    """Before launch: the objective's train streams hold only train shards and its validation streams
-    only validation shards, by the ledger's shard table (what the ranks will read, not what was selected)."""
-    problems = stream_split_problems(
-        ledger.shard_splits(tokenizer_id), {"train": objective.train_streams, "validation": objective.val_streams}
-    )
-    if problems:
-        raise GhostvisError(
-            "stream composition: " + "; ".join(problems) + "; a stream must hold only shards of "
-            "its split: fix the objective's streams (built from the launch spec's train_shards and "
-            "val_shards) or the shard's split pin in its manifest, then re-launch"
-        )
-
-
-def preflight(cfg: StageConfig, p: Plan, objective) -> dict[str, SourceBudget]:
-    """Per source: tokens the budget needs vs tokens available. Refuses to start on a shortfall, and
-    on a CUDA machine a config whose memory plan does not fit its GPU (naming the fixes)."""
-    device = detected_gpu()
-    if device is not None:
-        mp = memory_plan(cfg, gpu=device[0], gpu_memory_gb=device[1])
-        if not mp.fits:
-            raise GhostvisError(memory_refusal(cfg.stage, mp))
-    rows = objective.batcher.rows_per_source(p.steps * p.batch.rows_per_step)
-    report, problems = {}, []
-    for rs in objective.batcher.sources:
-        needed, available = rs.tokens_for_rows(rows[rs.source]), rs.available_tokens
-        shards = len(objective.train_streams[rs.source].refs)
-        epochs = needed / max(1, available)
-        report[rs.source] = SourceBudget(needed, available, shards, round(epochs, 3))
-        if needed > available and not cfg.data.allow_repeat:
-            per_shard = available / shards
-            more = math.ceil((needed - available) / max(1.0, per_shard))
-            problems.append(
-                f"source {rs.source}: the budget needs {needed:,} tokens but {available:,} are available in "
-                f"{shards} tokenized shards ({epochs:.2f} epochs); tokenize about {more} more shards "
-                f"(~{per_shard:,.0f} tokens each) or lower the budget, or set data.allow_repeat=true to repeat "
-                f"the data {epochs:.2f} times"
-            )
-    if problems:
-        raise GhostvisError("pre-flight failed: " + "; ".join(problems))
-    return report
 
 
 def lineage_offsets(ledger: Ledger, parent_run_key: str, train_shards: Shards, sources: list[str]) -> dict[str, int]:
@@ -301,7 +240,7 @@ def run_identity(r: Resolved, p: Plan, train: Shards, validation: Shards, inputs
 
 # The modules that make a stage's checkpoint: the torchrun entry point and the launch preparation (and,
 # through identity.code_version, every ghostvis_core module they import). The Dagster code_version.
-TRAINING_MODULES = ("ghostvis_core.run.__main__", "ghostvis_core.run.launch")
+TRAINING_MODULES = ("ghostvis_core.run.__main__", "ghostvis_core.launch.start")
 
 
 @dataclass(frozen=True)
@@ -388,31 +327,12 @@ def start_run(planned: PlannedRun, home: Home) -> LaunchSpec:
     return spec
 
 
-def prepare_run(
-    stage: str,
-    *,
-    preset: str = selected.DEFAULT_PRESET,
-    overrides: dict[str, Any] | None = None,
-    home: Home | None = None,
-    tokenizer_id: str | None = None,
-    upstream: Upstream | None = None,
-    variant: str | None = None,
-) -> LaunchSpec:
-    """Resolve a stage run and save its spec. A `variant` (a named set of overrides) gets run keys of its
-    own, <stage>@<variant>-..., so it never becomes another stage's upstream by accident."""
+def prepare_run(stage: str, *, home: Home | None = None, **planning: Any) -> LaunchSpec:
+    """Resolve a stage run and save its spec: plan_run then start_run, `planning` being plan_run's keywords
+    (preset, overrides, tokenizer_id, upstream, variant). A `variant` (a named set of overrides) gets run
+    keys of its own, <stage>@<variant>-..., so it never becomes another stage's upstream by accident."""
     home = home or Home.from_env()
-    return start_run(
-        plan_run(
-            stage,
-            preset=preset,
-            overrides=overrides,
-            home=home,
-            tokenizer_id=tokenizer_id,
-            upstream=upstream,
-            variant=variant,
-        ),
-        home,
-    )
+    return start_run(plan_run(stage, home=home, **planning), home)
 
 
 def run_tags(

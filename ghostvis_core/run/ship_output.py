@@ -1,4 +1,4 @@
-"""Ship a job's output to the store as it runs: `srun ... 2>&1 | python -m ghostvis_core.run.cluster.ship_output
+"""Ship a job's output to the store as it runs: `srun ... 2>&1 | python -m ghostvis_core.run.ship_output
 --store URI --stage S --run-key K --name slurm/<attempt>/out`.
 
 On a cluster that shares no folder with the Dagster host, the job's output file is on the batch node
@@ -53,7 +53,7 @@ class Shipper:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m ghostvis_core.run.cluster.ship_output",
+        prog="python -m ghostvis_core.run.ship_output",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

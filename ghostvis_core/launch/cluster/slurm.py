@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.cluster.job import TRAINING_ENTRY
-from ghostvis_core.run.cluster.torchrun import Rendezvous, torchrun_command
+from ghostvis_core.launch.cluster.torchrun import Rendezvous, torchrun_command
+from ghostvis_core.run.job import TRAINING_ENTRY
 
 
 @dataclass
@@ -141,11 +141,11 @@ def sbatch_options(job: SlurmJob) -> list[str]:
 
 
 def ship_command(job: SlurmJob, store_uri: str, stage: str, run_key: str, name: str) -> list[str]:
-    """The batch node's pipe that ships the job's output to the store (ghostvis_core/run/cluster/ship_output.py)."""
+    """The batch node's pipe that ships the job's output to the store (ghostvis_core/run/ship_output.py)."""
     return [
         job.python,
         "-m",
-        "ghostvis_core.run.cluster.ship_output",
+        "ghostvis_core.run.ship_output",
         "--store",
         store_uri,
         "--stage",

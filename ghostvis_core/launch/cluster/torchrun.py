@@ -9,7 +9,7 @@ import sys
 from dataclasses import dataclass, field
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.cluster.job import TRAINING_ENTRY
+from ghostvis_core.run.job import TRAINING_ENTRY
 
 
 @dataclass(frozen=True)
