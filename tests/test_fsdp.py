@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  (imported before forking: FSDP and DCP load these lazily, seconds per rank)
 import torch.distributed as dist
-import torch.distributed.checkpoint  # noqa: F401
-import torch.distributed.fsdp  # noqa: F401
-import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
 from ghostvis_core.errors import GhostvisError
@@ -28,52 +23,15 @@ from ghostvis_core.run.model.vision import frozen_fingerprint
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.run.train.parallel import Sharded, SingleProcess, wrap
+from tests.gloo_ranks import CFG, ROWS_PER_STEP, commit, resumed, spawn, train_steps, write_then_continue
 
-CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16)
-ROWS_PER_STEP = 8  # global rows per optimizer step: micro 2 x world 2 x accum 2, or micro 2 x world 1 x accum 4
-MICRO = 2
 # fp32 on both sides; the only difference is the order of the gradient reductions (all-reduce vs
 # reduce-scatter), so losses agree to float rounding, compounded over 20 AdamW steps.
 LOSS_RTOL = 1e-4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rows(step: int) -> torch.Tensor:
-    """The global batch of a step: ROWS_PER_STEP rows of 9 tokens, the same whatever the world size."""
-    g = torch.Generator().manual_seed(1000 + step % 2)  # two batches, seen again and again: it must learn them
-    return torch.randint(0, CFG.vocab_size, (ROWS_PER_STEP, 9), generator=g)
-
-
 def _optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, betas=(0.9, 0.95))
-
-
-def train_steps(par, opt, steps: range, rank: int, world: int) -> list[float]:
-    """The trainer's step: micro-batches interleaved over ranks, loss normalised over the whole step."""
-    losses = []
-    accum = ROWS_PER_STEP // (MICRO * world)
-    for step in steps:
-        rows = _rows(step)
-        total = torch.zeros(())
-        for m in range(accum):
-            start = (m * world + rank) * MICRO
-            x = rows[start : start + MICRO]
-            with par.accumulating(last_micro_step=m == accum - 1):
-                loss = par.forward_module(x[:, :-1], x[:, 1:], reduction="sum")
-                (loss * world / (ROWS_PER_STEP * 8)).backward()
-            total += loss.detach()
-        torch.nn.utils.clip_grad_norm_(par.model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if world > 1:
-            dist.all_reduce(total)
-        losses.append(float(total) / (ROWS_PER_STEP * 8))
-    return losses
 
 
 def _fresh(strategy: str, rank: int, world: int, freeze: bool = False):
@@ -83,34 +41,6 @@ def _fresh(strategy: str, rank: int, world: int, freeze: bool = False):
         model.blocks[0].requires_grad_(False)
     par = wrap(model, DistContext(rank, rank, world, torch.device("cpu")), strategy)
     return par, _optimizer(par.model)
-
-
-def _worker(rank: int, world: int, port: int, fn, queue, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        queue.put((rank, fn(rank, world, *args)))
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(fn, *args, world: int = 2) -> list:
-    """Run fn(rank, world, *args) on `world` gloo ranks; the results by rank."""
-    ctx = mp.get_context("fork")  # no re-import per rank: seconds, not tens of seconds
-    queue = ctx.SimpleQueue()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, _free_port() if r < 0 else port, fn, queue, args))
-        for port in [_free_port()]
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-        assert p.exitcode == 0, f"rank process exited with {p.exitcode}"
-    out = dict(queue.get() for _ in procs)
-    return [out[r] for r in range(world)]
 
 
 def _losses(rank, world, strategy):
@@ -129,29 +59,11 @@ def test_fsdp_and_ddp_give_the_same_losses_for_20_steps():
 
 def _write_then_continue(rank, world, run_dir, strategy="fsdp"):
     par, opt = _fresh(strategy, rank, world)
-    train_steps(par, opt, range(3), rank, world)
-    shards = ckpt.save_shards(Path(run_dir), 3, par.model, opt)
-    if rank == 0:
-        ckpt.save(
-            Path(run_dir),
-            3,
-            model=par.model,
-            optimizer=opt,
-            state={"step": 3, "rows": 3 * ROWS_PER_STEP},
-            config={},
-            extra_dirs=shards,
-        )
-    dist.barrier()
-    return train_steps(par, opt, range(3, 6), rank, world)
+    return write_then_continue(par, opt, rank, world, run_dir, shards=True)
 
 
 def _resume(rank, world, path):
-    torch.manual_seed(1)  # other weights than the run's: everything must come from the checkpoint
-    model = GPT(CFG)
-    ckpt.load_model(Path(path), model)
-    par = wrap(model, DistContext(rank, rank, world, torch.device("cpu")), "fsdp")
-    opt = _optimizer(par.model)
-    ckpt.load_optimizer(Path(path), par.model, opt)
+    par, opt = resumed(path, rank, world, "fsdp", _optimizer)
     state = ckpt.read_state(Path(path))
     return state, train_steps(par, opt, range(state["step"], 6), rank, world)
 
@@ -206,15 +118,7 @@ def _write_async_then_continue(rank, world, run_dir, strategy):
     if rank == 0:
         written = sorted(f.name for f in extra[ckpt.DCP_DIR].iterdir())  # on disk when rank 0's wait returns
         assert ckpt.latest_complete(Path(run_dir)) is None  # no marker before the shards were waited for
-        ckpt.save(
-            Path(run_dir),
-            3,
-            model=par.model,
-            optimizer=opt,
-            state={"step": 3, "rows": 3 * ROWS_PER_STEP},
-            config={},
-            extra_dirs=extra,
-        )
+        commit(Path(run_dir), par, opt, extra)
     dist.barrier()
     return losses, written, not_done_during_training
 
@@ -393,15 +297,7 @@ def _write_through_s3(rank, world, env, tmp):
     if rank == 0:
         assert not (run_dir / ".dcp-step_000000003" / "__1_0.distcp").exists()  # rank 1 wrote in another cache
         before_marker = _objects(store, "step_000000003")
-        ckpt.save(
-            run_dir,
-            3,
-            model=par.model,
-            optimizer=opt,
-            state={"step": 3, "rows": 3 * ROWS_PER_STEP},
-            config={},
-            extra_dirs=shards,
-        )
+        commit(run_dir, par, opt, shards)
         store.publish("checkpoint", "pretrain", "run-r1", "step_000000003")
     dist.barrier()
     return train_steps(par, opt, range(3, 6), rank, world), before_marker

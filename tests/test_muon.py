@@ -1,7 +1,7 @@
 """Muon (ghostvis_core/run/train/muon.py): the Newton-Schulz orthogonalization against an SVD, which
 parameters of the real GPT get Muon and which AdamW, the AdamW half against torch.optim.AdamW, and on
 2 gloo ranks: DDP and FSDP2 train to the same losses, and both resume exactly from their checkpoints
-(safetensors for DDP, DCP shards for FSDP2). The 2-rank helpers are test_fsdp's.
+(safetensors for DDP, DCP shards for FSDP2). The 2-rank helpers are tests/gloo_ranks.py's.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from ghostvis_core.plan.config import ModelConfig, OptimConfig
 from ghostvis_core.run.model.gpt import GPT
@@ -19,7 +18,7 @@ from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.run.train.muon import Muon, make_muon, orthogonalized, zeropower_via_newtonschulz5
 from ghostvis_core.run.train.parallel import wrap
 from tests.conftest import run_cli, torchrun_stage
-from tests.test_fsdp import CFG, ROWS_PER_STEP, spawn, train_steps
+from tests.gloo_ranks import CFG, resumed, spawn, train_steps, write_then_continue
 
 OPTIM = OptimConfig(name="muon", lr=1e-2, muon_lr=0.02)
 
@@ -133,29 +132,11 @@ def test_a_row_sharded_matrix_is_orthogonalized_whole_and_each_rank_keeps_its_ro
 def _write_then_continue(rank, world, run_dir, strategy):
     """3 steps, a checkpoint the way commit.py writes it for the strategy, 3 more steps."""
     par, opt = _fresh(strategy, rank, world)
-    train_steps(par, opt, range(3), rank, world)
-    shards = ckpt.save_shards(Path(run_dir), 3, par.model, opt) if strategy == "fsdp" else {}
-    if rank == 0:
-        ckpt.save(
-            Path(run_dir),
-            3,
-            model=par.model,
-            optimizer=opt,
-            state={"step": 3, "rows": 3 * ROWS_PER_STEP},
-            config={},
-            extra_dirs=shards,
-        )
-    dist.barrier()
-    return train_steps(par, opt, range(3, 6), rank, world)
+    return write_then_continue(par, opt, rank, world, run_dir, shards=strategy == "fsdp")
 
 
 def _resume(rank, world, path, strategy):
-    torch.manual_seed(1)  # other weights than the run's: everything must come from the checkpoint
-    model = GPT(CFG)
-    ckpt.load_model(Path(path), model)
-    par = wrap(model, DistContext(rank, rank, world, torch.device("cpu")), strategy)
-    opt = make_muon(par.model, OPTIM)
-    ckpt.load_optimizer(Path(path), par.model, opt)
+    par, opt = resumed(path, rank, world, strategy, lambda model: make_muon(model, OPTIM))
     from torch.distributed.tensor import DTensor
 
     buffers = [st["momentum_buffer"] for st in opt.state.values() if "momentum_buffer" in st]
@@ -168,10 +149,10 @@ def test_muon_resumes_exactly_from_its_checkpoint(tmp_path, strategy):
     uninterrupted = spawn(_write_then_continue, str(tmp_path), strategy)[0]
     ref = ckpt.latest_complete(tmp_path)
     assert ref.step == 3 and (ref.path / ckpt.DCP_DIR).is_dir() == (strategy == "fsdp")
-    (momentum, resumed), _ = spawn(_resume, str(ref.path), strategy)
+    (momentum, again), _ = spawn(_resume, str(ref.path), strategy)
     hidden = CFG.n_layers * 5
     assert momentum == (hidden, hidden if strategy == "fsdp" else 0)  # every hidden matrix's momentum came back
-    assert resumed == uninterrupted  # bit for bit: weights, momentum, AdamW moments and steps restored
+    assert again == uninterrupted  # bit for bit: weights, momentum, AdamW moments and steps restored
 
 
 @pytest.mark.e2e
