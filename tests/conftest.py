@@ -15,9 +15,11 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -47,6 +49,22 @@ def cli_env(home: Path, **extra: str) -> dict[str, str]:
         **extra,
     )
     return env
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct ports of 127.0.0.1 that nothing listened on when asked (bound together, then released):
+    for a server a test starts, or a connection-refused case."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
 
 
 def run_cli(args: list[str], home: Path, timeout: float = 600, check: bool = True, **extra: str):
@@ -93,6 +111,16 @@ def copy_home(src: Path, dest: Path) -> Path:
 
     shutil.copytree(src, dest, symlinks=True, copy_function=link_or_copy)
     return dest
+
+
+def built_timed(build: Callable[[str, Path], list], sources: list[str], root: Path) -> dict[str, tuple[list, float]]:
+    """Each source built by `build(source, folder)` into root/<source>: its shards and its build time (s)."""
+    result = {}
+    for source in sources:
+        start = time.perf_counter()
+        shards = build(source, root / source)
+        result[source] = (shards, time.perf_counter() - start)
+    return result
 
 
 def shared_dir(tmp_path_factory, name: str) -> Path:
@@ -230,26 +258,19 @@ def home_copy(demo_home, tmp_path) -> Path:
 SHORT_PRETRAIN = {"budget.steps": "12", "checkpoint.every_steps": "4"}
 
 
-def pretrain_config(**launcher) -> str:
-    """`--config-json` for the short pretraining run, launched by the given launcher config."""
-    run = {"ops": {"pretrain": {"config": {"preset": "smoke", "overrides": SHORT_PRETRAIN}}}}
-    if launcher:
-        run["resources"] = {"launcher": {"config": launcher}}
-    return json.dumps(run)
+def materialize(asset: str, *args: str, config: dict | None = None) -> list[str]:
+    """The `dagster asset materialize` command line of `asset` in GhostVis's definitions: `args` (a
+    partition, say) after the selection, `config` given as --config-json."""
+    line = ["dagster", "asset", "materialize", "--select", asset, *args, "-m", "ghostvis_pipeline.definitions"]
+    return [*line, "--config-json", json.dumps(config)] if config is not None else line
 
 
 def materialize_pretrain(**launcher) -> list[str]:
-    return [
-        "dagster",
-        "asset",
-        "materialize",
-        "--select",
-        "pretrain",
-        "-m",
-        "ghostvis_pipeline.definitions",
-        "--config-json",
-        pretrain_config(**launcher),
-    ]
+    """The short pretraining run, launched by the given launcher config."""
+    run = {"ops": {"pretrain": {"config": {"preset": "smoke", "overrides": SHORT_PRETRAIN}}}}
+    if launcher:
+        run["resources"] = {"launcher": {"config": launcher}}
+    return materialize("pretrain", config=run)
 
 
 def new_run_dirs(home: Path, known: set[str]) -> list[Path]:
@@ -286,6 +307,16 @@ def browser():
 
     with chromium() as b:
         yield b
+
+
+@pytest.fixture
+def page(browser, request):
+    """A fresh page of the browser, the size of the test module's VIEWPORT (width, height), saved as
+    FAILED-<test>.png when the test fails (tests/ui_servers.py's captured_page)."""
+    from tests.ui_servers import captured_page
+
+    with captured_page(browser, request, *request.module.VIEWPORT) as pg:
+        yield pg
 
 
 @pytest.fixture(scope="session")

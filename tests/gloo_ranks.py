@@ -9,7 +9,6 @@ seconds per rank.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.run.train.parallel import wrap
+from tests.conftest import free_port
 
 CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, max_seq_len=16)
 ROWS_PER_STEP = 8  # global rows per optimizer step: micro 2 x world 2 x accum 2, or micro 2 x world 1 x accum 4
@@ -32,12 +32,6 @@ MICRO = 2
 SAVED_STEP = 3  # the step of the checkpoint `write_then_continue` writes
 
 Optimizer = Callable[[torch.nn.Module], torch.optim.Optimizer]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rows(step: int) -> torch.Tensor:
@@ -83,7 +77,7 @@ def spawn(fn, *args, world: int = 2) -> list:
     """Run fn(rank, world, *args) on `world` gloo ranks; the results by rank."""
     ctx = mp.get_context("fork")  # no re-import per rank: seconds, not tens of seconds
     queue = ctx.SimpleQueue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world, port, fn, queue, args)) for r in range(world)]
     for p in procs:
         p.start()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.slurm_cluster import free_ports
+from tests.conftest import free_port
 
 SUPERUSER = "ghostvis"
 DATABASE = "dagster"
@@ -149,7 +149,7 @@ def wait_ready(server: PostgresServer, timeout: float = 60) -> None:
 
 def start_server() -> PostgresServer:
     """A running server with the `dagster` database created, owned by the test."""
-    server = PostgresServer(Path(tempfile.mkdtemp(prefix="gv-postgres-")), free_ports(1)[0], secrets.token_hex(12))
+    server = PostgresServer(Path(tempfile.mkdtemp(prefix="gv-postgres-")), free_port(), secrets.token_hex(12))
     try:
         init_cluster(server)
         server.proc = as_server_user(

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import free_ports
+
 NODES = ("gv1", "gv2")
 PARTITION = "gv"
 
@@ -35,16 +37,6 @@ def daemon(name: str) -> str:
     if not found:
         pytest.skip(f"{name} is not installed; `make slurm` installs slurm-wlm and munge")
     return found
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def node_hardware(slurmd: str) -> str:

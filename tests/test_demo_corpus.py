@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -23,6 +22,7 @@ from ghostvis_core.demo.corpus import (
 )
 from ghostvis_core.demo.tasks import TASK_SOURCES, build_task_source
 from ghostvis_core.errors import GhostvisError
+from tests.conftest import built_timed
 
 EXPECTED_SCHEMA = {
     "text": pa.string(),
@@ -39,13 +39,7 @@ EXPECTED_SCHEMA = {
 @pytest.fixture(scope="module")
 def built(module_tmp):
     """Both sources built once, with the build time of each."""
-    root = module_tmp("corpus")
-    result = {}
-    for source in TEXT_SOURCES:
-        start = time.perf_counter()
-        shards = build_text_source(source, root / source)
-        result[source] = (shards, time.perf_counter() - start)
-    return result
+    return built_timed(build_text_source, TEXT_SOURCES, module_tmp("corpus"))
 
 
 def _rows(shards, split=None):

@@ -7,7 +7,6 @@ import io
 import json
 import random
 import re
-import time
 from collections import Counter
 from functools import partial
 
@@ -31,6 +30,7 @@ from ghostvis_core.demo.tasks import (
     render_shape_image,
 )
 from ghostvis_core.errors import GhostvisError
+from tests.conftest import built_timed
 
 MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
 EXPECTED_SCHEMAS = {
@@ -79,13 +79,7 @@ PLACES = {
 @pytest.fixture(scope="module")
 def built(module_tmp):
     """Every source built once, with its build time."""
-    root = module_tmp("tasks")
-    result = {}
-    for source in TASK_SOURCES:
-        start = time.perf_counter()
-        shards = build_task_source(source, root / source)
-        result[source] = (shards, time.perf_counter() - start)
-    return result
+    return built_timed(build_task_source, TASK_SOURCES, module_tmp("tasks"))
 
 
 def _rows(built, source, split=None):

@@ -18,7 +18,7 @@ from ghostvis_core.plan.budget import flops_per_token, plan
 from ghostvis_core.plan.stages import stage_names
 from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
-from tests.conftest import run_cli, torchrun_stage
+from tests.conftest import materialize, run_cli, torchrun_stage
 
 pytestmark = pytest.mark.e2e
 
@@ -116,20 +116,7 @@ def test_rematerializing_one_stage_through_the_dagster_cli(home_copy):
     instance = dagster_instance(home_copy)
     before = latest(instance, "sft")
     vision = latest(instance, "vision_alignment")
-    proc = run_cli(
-        [
-            "dagster",
-            "asset",
-            "materialize",
-            "--select",
-            "sft",
-            "-m",
-            "ghostvis_pipeline.definitions",
-            "--config-json",
-            json.dumps({"ops": {"sft": {"config": {"force": True}}}}),
-        ],
-        home_copy,
-    )
+    proc = run_cli(materialize("sft", config={"ops": {"sft": {"config": {"force": True}}}}), home_copy)
     assert "RUN_SUCCESS" in proc.stdout + proc.stderr
     after = latest(dagster_instance(home_copy), "sft")
     assert after["run_key"] == before["run_key"][: -len("-r1")] + "-r2" and "cached_from" not in after
@@ -246,27 +233,12 @@ def test_measured_mfu_is_one_figure_in_dagster_mlflow_and_the_report(demo_home):
         assert last_point(r["mlflow_run_id"]) == (r["mfu"], r["tokens_per_sec"]), r["stage"]
 
 
-SHORT_VARIANTS = json.dumps({"ops": {"pretrain_variants": {"config": {"overrides": {"budget.steps": "8"}}}}})
+SHORT_VARIANTS = {"ops": {"pretrain_variants": {"config": {"overrides": {"budget.steps": "8"}}}}}
 
 
 def test_variant_backfill_gives_comparable_mlflow_runs_at_equal_tokens(home_copy):
     for variant in presets.VARIANTS["pretrain"]:
-        run_cli(
-            [
-                "dagster",
-                "asset",
-                "materialize",
-                "--select",
-                "pretrain_variants",
-                "--partition",
-                variant,
-                "-m",
-                "ghostvis_pipeline.definitions",
-                "--config-json",
-                SHORT_VARIANTS,
-            ],
-            home_copy,
-        )
+        run_cli(materialize("pretrain_variants", "--partition", variant, config=SHORT_VARIANTS), home_copy)
     client, runs = mlflow_runs(home_copy)
     by_variant = {r.data.tags["ghostvis.variant"]: r for r in runs if "ghostvis.variant" in r.data.tags}
     assert set(by_variant) == set(presets.VARIANTS["pretrain"])

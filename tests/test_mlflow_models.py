@@ -24,9 +24,9 @@ from ghostvis_core.run.preflight_record import preflight_record
 from ghostvis_core.run.train.runs import run_result
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.store.layout import fill
-from tests.conftest import copy_home, run_cli
+from tests.conftest import copy_home, free_port, run_cli
 from tests.test_e2e_demo import dagster_instance, latest
-from tests.test_mlflow_outage import free_port, start_server, stop_server
+from tests.test_mlflow_outage import start_server, stop_server
 
 STAGES = stage_names()
 MODEL = "ghostvis"  # the registered model: named like the MLflow experiment

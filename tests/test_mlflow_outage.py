@@ -4,7 +4,6 @@ once the server is back, and the outage is reported (a real `mlflow server` on 1
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,33 +15,15 @@ import pytest
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.run.train.runs import run_result
-from tests.conftest import BIN, MLFLOW_SERVER_ENV, cli_env, torchrun_stage
+from tests.conftest import MLFLOW_SERVER_ENV, cli_env, free_port, torchrun_stage
+from tests.ui_servers import mlflow_server_command
 
 pytestmark = pytest.mark.e2e
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(port: int, store: Path) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [
-            str(BIN / "mlflow"),
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-            "--backend-store-uri",
-            f"sqlite:///{store / 'mlflow.db'}",
-            "--default-artifact-root",
-            str(store / "art"),
-        ],
+        mlflow_server_command(port, f"sqlite:///{store / 'mlflow.db'}", "--default-artifact-root", str(store / "art")),
         env={**os.environ, **MLFLOW_SERVER_ENV},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -23,18 +23,12 @@ from ghostvis_core.launch.cluster.torchrun import RDZV_PORT, MultiNode, node_lin
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.dist import DistContext, agree
 from ghostvis_core.run.train.runs import run_result
-from tests.conftest import materialize_pretrain, new_run_dirs, run_cli, run_names
+from tests.conftest import free_port, materialize_pretrain, new_run_dirs, run_cli, run_names
 
 pytestmark = pytest.mark.e2e
 
 # a node shell that needs no ssh server: the "other node" is a local shell (with {host} in its environment)
 LOCAL_NODE_SHELL = "env GHOSTVIS_TEST_NODE={host} sh -c"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_each_node_gets_the_same_rendezvous_command_through_node_shell():

@@ -30,10 +30,20 @@ from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.runs import run_result
 from ghostvis_core.store import open_store
 from ghostvis_core.verify.eval.job import EvalSpec, eval_job
-from tests.conftest import BIN, cli_env, materialize_pretrain, new_run_dirs, run_cli, run_names, s3_env
+from tests.conftest import (
+    BIN,
+    cli_env,
+    free_port,
+    materialize,
+    materialize_pretrain,
+    new_run_dirs,
+    run_cli,
+    run_names,
+    s3_env,
+)
 from tests.faults import wait_for
 from tests.hosts import upload
-from tests.slurm_cluster import free_ports, slurm_cluster  # noqa: F401 (a fixture)
+from tests.slurm_cluster import slurm_cluster  # noqa: F401 (a fixture)
 
 SPEC = "s3://team/store/runs/pretrain/pretrain-abc-r1/spec.json"
 SHIP = ship_command(SlurmJob(), "s3://team/store", "pretrain", "pretrain-abc-r1", "slurm/a1/out")
@@ -213,7 +223,7 @@ def slurm_launcher(**extra) -> dict:
         "cpus_per_task": 1,
         "setup": [f"source {BIN / 'activate'}"],
         "output": "/dev/null",
-        "rdzv_port": free_ports(1)[0],
+        "rdzv_port": free_port(),
         "poll_seconds": 1.0,
         **extra,
     }
@@ -477,19 +487,7 @@ def test_tokenization_runs_as_a_slurm_job_array_and_gives_the_same_ledger(slurm_
             f.unlink()
     config = {"resources": {"launcher": {"config": slurm_launcher()}}}
     run_cli(
-        [
-            "dagster",
-            "asset",
-            "materialize",
-            "--select",
-            "tokenized_shards",
-            "--partition-range",
-            "...".join(shards),
-            "-m",
-            "ghostvis_pipeline.definitions",
-            "--config-json",
-            json.dumps(config),
-        ],
+        materialize("tokenized_shards", "--partition-range", "...".join(shards), config=config),
         home_copy,
         timeout=MATERIALIZE_TIMEOUT,
     )

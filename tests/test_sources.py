@@ -11,7 +11,6 @@ import io
 import json
 import os
 import re
-import socket
 import threading
 import time
 import traceback
@@ -35,6 +34,7 @@ from ghostvis_core.data.sources import (
     manifest_from_pattern,
 )
 from ghostvis_core.errors import GhostvisError
+from tests.conftest import free_port
 
 KEY_ID = "testing-key-id-AKIAGHOSTVIS0001"
 SECRET = "testing-secret-Zq8wX2vN5pL0kR7t"
@@ -71,13 +71,6 @@ def count_attempts(monkeypatch):
 
     monkeypatch.setattr(sources, "_open_stream", counted)
     return calls
-
-
-def free_port() -> int:
-    """A port nothing listens on (bound then released), for connection-refused cases."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- a local HTTP server that fails on demand -----------------------------------------------------

@@ -27,7 +27,7 @@ from ghostvis_core.home import Home
 from ghostvis_core.plan.presets import VARIANTS
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
-from tests.conftest import copy_home, new_run_dirs, run_cli, run_names
+from tests.conftest import copy_home, materialize, new_run_dirs, run_cli, run_names
 from tests.ui_servers import (
     UI_TIMEOUT_MS,
     as_int,
@@ -40,6 +40,7 @@ from tests.ui_servers import (
 
 pytestmark = pytest.mark.e2e
 expect.set_options(timeout=UI_TIMEOUT_MS)
+VIEWPORT = (1280, 800)  # the `page` fixture's size (conftest.py)
 
 RUN_TIMEOUT_S = 900  # a training run launched from the UI, on a loaded 2-core machine
 SFT_STEPS = 12  # the smoke preset trains sft for 8: the override changes the run
@@ -97,19 +98,12 @@ def dagster_url(home, mlflow_url):
         yield url
 
 
-@pytest.fixture
-def page(browser, request):
-    with captured_page(browser, request, 1280, 800) as pg:
-        yield pg
-
-
 @pytest.fixture(scope="module")
 def instance(home):
     from dagster import DagsterInstance
 
-    inst = DagsterInstance.from_config(str(home / "dagster"))
-    yield inst
-    inst.dispose()
+    with DagsterInstance.from_config(str(home / "dagster")) as inst:
+        yield inst
 
 
 @pytest.fixture(scope="module")
@@ -222,7 +216,7 @@ def sft_launch(home, dagster_url, browser, instance, mlflow, request):
     MLflow run ids before the launch)."""
     client, exp = mlflow
     before = {r.info.run_id for r in client.search_runs([exp], max_results=1000)}
-    with captured_page(browser, request, 1280, 800, name="sft_launch") as pg:
+    with captured_page(browser, request, *VIEWPORT, name="sft_launch") as pg:
         dialog = open_launchpad(pg, dagster_url, "sft")
         config = type_config(pg, dialog, {"budget.steps": SFT_STEPS})
         step("01-launchpad", pg)
@@ -499,22 +493,7 @@ def variant_runs(home, instance, mlflow) -> dict[str, object]:
     done = instance.get_materialized_partitions(AssetKey("pretrain_variants"))
     run_config = {"ops": {"pretrain_variants": {"config": {"overrides": {"budget.steps": str(VARIANT_STEPS)}}}}}
     for variant in [v for v in COMPARED if v not in done]:
-        run_cli(
-            [
-                "dagster",
-                "asset",
-                "materialize",
-                "--select",
-                "pretrain_variants",
-                "--partition",
-                variant,
-                "-m",
-                "ghostvis_pipeline.definitions",
-                "--config-json",
-                json.dumps(run_config),
-            ],
-            home,
-        )
+        run_cli(materialize("pretrain_variants", "--partition", variant, config=run_config), home)
     client, exp = mlflow
     runs = {}
     for variant in COMPARED:
@@ -606,7 +585,7 @@ def test_mlflow_experiment_opens_on_the_training_runs(
     assert landed.startswith(f"#/experiments/{exp}/runs?workflowType=machine_learning"), landed
     expect(page.get_by_text(no_data)).to_have_count(0)
 
-    with captured_page(browser, request, 1280, 800, name="mlflow_bare_experiment") as bare:
+    with captured_page(browser, request, *VIEWPORT, name="mlflow_bare_experiment") as bare:
         bare.goto(f"{mlflow_url}/#/experiments/{exp}")
         bare.get_by_text(no_data).first.wait_for()
         assert "workflowType=genai" in bare.evaluate("location.hash"), bare.evaluate("location.hash")

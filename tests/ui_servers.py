@@ -8,7 +8,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -16,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ghostvis_core.home import Home
-from tests.conftest import ARTIFACTS, BIN, MLFLOW_SERVER_ENV, cli_env
+from tests.conftest import ARTIFACTS, BIN, MLFLOW_SERVER_ENV, cli_env, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,12 +34,6 @@ CHROMIUM_ARGS = [
 ]
 SERVICE_START_S = 180  # a loaded 2-core CI machine imports dagster/mlflow slowly
 UI_TIMEOUT_MS = 60_000
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str) -> int:
@@ -107,22 +100,27 @@ def mlflow_server(home: Path, log_name: str, cwd: Path):
     """`mlflow server` on `home`'s tracking store, its URL; `cwd` a scratch folder, so the server's
     default ./mlartifacts never lands in the project."""
     port = free_port()
-    env = cli_env(home, **MLFLOW_SERVER_ENV)
-    cmd = [
+    cmd = mlflow_server_command(port, Home(home).mlflow_tracking_uri)
+    url = f"http://127.0.0.1:{port}"
+    with service(log_name, cmd, cli_env(home, **MLFLOW_SERVER_ENV), f"{url}/health", cwd=cwd):
+        yield url
+
+
+def mlflow_server_command(port: int, backend_store_uri: str, *options: str) -> list[str]:
+    """The `mlflow server` command line every test's server runs: 127.0.0.1:`port`, one worker."""
+    return [
         str(BIN / "mlflow"),
         "server",
         "--host",
         "127.0.0.1",
         "--port",
         str(port),
-        "--backend-store-uri",
-        Home(home).mlflow_tracking_uri,
         "--workers",
         "1",
+        "--backend-store-uri",
+        backend_store_uri,
+        *options,
     ]
-    url = f"http://127.0.0.1:{port}"
-    with service(log_name, cmd, env, f"{url}/health", cwd=cwd):
-        yield url
 
 
 @contextmanager
