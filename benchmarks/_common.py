@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -211,24 +212,6 @@ def check_home(home: Path) -> None:
         )
 
 
-def linked_home(src: Path, dst: Path) -> Path:
-    """A private copy of a whole home (store, MLflow, Dagster instance) for a benchmark that adds to it:
-    the store's and MLflow's artifact files are hard-linked (nothing rewrites them in place: new ledger
-    parts and checkpoints are new files), the databases and everything else are copied."""
-
-    def link_or_copy(source: str, target: str) -> None:
-        if Path(source).relative_to(src).parts[0] in ("store", "mlartifacts"):
-            try:
-                os.link(source, target)
-                return
-            except OSError:  # another filesystem
-                pass
-        shutil.copy2(source, target)
-
-    shutil.copytree(src, dst, symlinks=True, copy_function=link_or_copy)
-    return dst
-
-
 def scratch_home(src: Path, dst: Path) -> Path:
     """A fresh home for training runs that reads src's tokenized data: the tokenizers and the
     ledger's shard rows are copied, the shard files symlinked (ledger token paths are relative to
@@ -242,6 +225,22 @@ def scratch_home(src: Path, dst: Path) -> Path:
             shutil.copytree(src / "store" / "ledger" / table, store / "ledger" / table)
     os.symlink((src / "store" / "shards").resolve(), store / "shards")
     return dst
+
+
+# --home's help for the benchmarks that train on a demo home's tokenized data (home_arg_or_build)
+TOKENIZED_HOME_HELP = (
+    "a GhostVis home with tokenized demo data (default: build one with "
+    "`ghostvis demo --preset smoke --stages pretrain` in a temp dir)"
+)
+
+
+def arguments(doc: str, home_help: str = "") -> argparse.ArgumentParser:
+    """A benchmark's command line: its module docstring, as written, for --help, and a --home option
+    with `home_help` when the benchmark takes a home."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if home_help:
+        ap.add_argument("--home", help=home_help)
+    return ap
 
 
 def home_arg_or_build(home_arg: str | None, workdir: Path, *, preset: str = "smoke") -> tuple[Path, str]:

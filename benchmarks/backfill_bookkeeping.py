@@ -18,7 +18,6 @@ Goal: the team set-up (PostgreSQL and the switch) creates the backfill run of th
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import sys
@@ -94,7 +93,7 @@ def measure(sizes: list[int], work: Path, server: PostgresServer) -> list[list]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = C.arguments(__doc__)
     ap.add_argument("--sizes", default="50,400,2000", help="partition counts (default 50,400,2000)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]

@@ -11,7 +11,6 @@ first <= 0.10 (docs/architecture.md, "Identity and caching").
 
 from __future__ import annotations
 
-import argparse
 import sqlite3
 import sys
 from pathlib import Path
@@ -48,7 +47,7 @@ def demo(home: Path, preset: str, log: Path, timeout: float) -> tuple[float, lis
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = C.arguments(__doc__)
     ap.add_argument("--preset", default="smoke")
     ap.add_argument("--keep-home", help="build the home here (must not exist) and keep it")
     ap.add_argument("--timeout", type=float, default=3600.0)

@@ -12,7 +12,6 @@ exits 1.
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 from pathlib import Path
@@ -99,7 +98,7 @@ def print_stages(home: Path) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = C.arguments(__doc__)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument(
         "--keep-home",

@@ -14,7 +14,6 @@ timeout, the restarts. Needs root (namespaces), like the tests that use the host
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import secrets
@@ -82,7 +81,7 @@ def lost_per_preemption(chain: list[PartRow], log: str) -> list[int]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = C.arguments(__doc__)
     ap.add_argument("--home", type=Path, help="a demo home (`ghostvis demo --preset smoke`); built when not given")
     args = ap.parse_args()
     with C.work_folder("fault-soak") as wd:

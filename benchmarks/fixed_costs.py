@@ -22,7 +22,6 @@ Goals: launch -> first optimizer step <= 5 s on 2 cores; a smoke stage's wall <=
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import shutil
@@ -121,12 +120,7 @@ def smoke_stage(src: Path, wd: Path, tag: str) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--home",
-        help="a GhostVis home with tokenized demo data (default: build one with "
-        "`ghostvis demo --preset smoke --stages pretrain` in a temp dir)",
-    )
+    ap = C.arguments(__doc__, C.TOKENIZED_HOME_HELP)
     ap.add_argument("--repeats", type=int, default=1, help="smoke stages to launch (medians reported)")
     ap.add_argument("--keep", action="store_true")
     args = ap.parse_args()

@@ -22,7 +22,6 @@ whatever the number of parts).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
@@ -34,6 +33,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the home copy the suite makes
 
 import _common as C  # noqa: E402
 
@@ -41,6 +41,7 @@ from ghostvis_core.data.ledger import Ledger  # noqa: E402
 from ghostvis_core.data.ledger.records import PART_TABLES  # noqa: E402
 from ghostvis_core.home import Home  # noqa: E402
 from ghostvis_core.run.train.runs import newest_completed_run  # noqa: E402
+from tests.conftest import copy_home  # noqa: E402
 
 GOAL_RATIO = 12.0
 SEGMENTS_PER_RUN = 10
@@ -134,7 +135,7 @@ def ledger_scale(parts: int, home: Path, workdir: Path, stage: str = "pretrain")
     newest = newest_completed_run(Home(home).store, stage)
     if newest is None:
         raise C.BenchError(f"{home} has no completed {stage} run; build it with `ghostvis demo --preset smoke`")
-    copy = C.linked_home(home, workdir / f"home-{parts}")
+    copy = copy_home(home, workdir / f"home-{parts}")
     try:
         ledger = Ledger(copy / "store" / "ledger")
         t0 = time.time()
@@ -163,8 +164,7 @@ def ledger_scale(parts: int, home: Path, workdir: Path, stage: str = "pretrain")
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--home", help="a demo home with a completed run of --stage (default: build a smoke demo home)")
+    ap = C.arguments(__doc__, "a demo home with a completed run of --stage (default: build a smoke demo home)")
     ap.add_argument("--sizes", default="100,1000", help="numbers of ledger parts added (default 100,1000)")
     ap.add_argument("--stage", default="pretrain")
     args = ap.parse_args()

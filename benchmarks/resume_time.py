@@ -16,7 +16,6 @@ late/early ~ 1.0, counted as met at <= 1.10.
 
 from __future__ import annotations
 
-import argparse
 import re
 import shutil
 import statistics
@@ -91,12 +90,7 @@ def resume_once(base: Path, wd: Path, run_key: str, step: int, preset: str, sets
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--home",
-        help="a GhostVis home with tokenized demo data (default: build one with "
-        "`ghostvis demo --preset smoke --stages pretrain` in a temp dir)",
-    )
+    ap = C.arguments(__doc__, C.TOKENIZED_HOME_HELP)
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--every", type=int, default=20, help="checkpoint every N steps (default 20)")

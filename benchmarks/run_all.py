@@ -11,7 +11,6 @@ At the end, every script's final key=value line is repeated.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import subprocess
 import sys
@@ -53,7 +52,7 @@ def run(name: str, extra: list[str]) -> tuple[int, str, float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = C.arguments(__doc__)
     ap.add_argument("--preset", default="tiny", help="preset of the timed demo (default tiny)")
     ap.add_argument("--home", help="use this home and skip demo_time")
     ap.add_argument("--only", nargs="*", choices=ORDER, help="run only these benchmarks")

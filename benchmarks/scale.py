@@ -30,7 +30,6 @@ demo home with a pretrain run (`--ledger-home`, else one is built; `--no-ledger`
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import random
@@ -302,7 +301,7 @@ def ledger_side(home_arg: str | None, wd: Path) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = C.arguments(__doc__)
     ap.add_argument("--sizes", default="100,1000", help="comma-separated shard counts (default 100,1000)")
     ap.add_argument("--docs", type=int, default=DOCS, help="documents per shard")
     ap.add_argument("--timeout", type=float, default=7200.0, help="per command, seconds")

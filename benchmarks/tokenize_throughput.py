@@ -22,7 +22,6 @@ Goals: pipeline 1 worker >= 0.80 x raw tiktoken 1 thread; pipeline 2 workers >= 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import os
@@ -189,10 +188,9 @@ def run_raw_processes(tok, texts: list[str], n: int = 2) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--home",
-        help="a GhostVis home: its demo raw shards and newest tokenizer are used "
+    ap = C.arguments(
+        __doc__,
+        "a GhostVis home: its demo raw shards and newest tokenizer are used "
         "(default: build the demo text and train a 4096 tokenizer here)",
     )
     ap.add_argument("--shards", type=int, default=36)

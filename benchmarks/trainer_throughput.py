@@ -16,7 +16,6 @@ first optimizer step <= 10 s from launching torchrun. Also reported: fp32 for bo
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -70,12 +69,7 @@ def best(runs: list[dict], key: str = "tokens_per_sec") -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument(
-        "--home",
-        help="a GhostVis home with tokenized demo data (default: build one with "
-        "`ghostvis demo --preset smoke --stages pretrain` in a temp dir)",
-    )
+    ap = C.arguments(__doc__, C.TOKENIZED_HOME_HELP)
     ap.add_argument("--preset", default="tiny", help="preset of the pretrain run (default tiny)")
     ap.add_argument("--steps", type=int, default=50, help="optimizer steps per bf16 run (default 50)")
     ap.add_argument("--fp32-steps", type=int, default=30, help="optimizer steps per fp32 run (default 30)")
