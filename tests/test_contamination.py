@@ -23,7 +23,7 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow
 from ghostvis_core.data.ngrams import NGRAM, WINDOW, fingerprints, ngram_hash, ngram_hashes, normalize, winnow
 from ghostvis_core.data.shard_ref import ShardRef
-from ghostvis_core.data.tokenize import TokenizeJob, job_for_shard, run_locally, tokenize_shards
+from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.data.whole_items import MIN_WORDS, WholeItems, whole_phrase
 from ghostvis_core.errors import GhostvisError
@@ -33,6 +33,7 @@ from ghostvis_core.store import FolderStore
 from ghostvis_core.store.files import sha256_file
 from ghostvis_core.verify.audit.contamination import item_text, no_eval_contamination, shard_contamination
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
+from tests.raw_shards import raw_shard_job, tokenize_here
 
 WORDS = "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november".split()
 
@@ -151,23 +152,11 @@ def tokenized(module_tmp) -> SimpleNamespace:
     }
     tok = train_tokenizer([t for docs in texts.values() for t in docs], 512)
     save_tokenizer(tok, store)
-    jobs = []
-    for shard_id, docs in texts.items():
-        path = store.writable("raw_shard", shard_id)
-        pq.write_table(pa.table({"text": docs}), path)
-        store.publish("raw_shard", shard_id)
-        jobs.append(
-            TokenizeJob(
-                shard_id, "corp", "validation" if shard_id.endswith("val") else "train", sha256_file(path), "text"
-            )
-        )
-    tokenize_shards(
-        jobs,
-        store=store,
-        tokenizer_id=tok.tokenizer_id,
-        logging_dir=root / "logs",
-        run_pipeline=lambda p, tasks, _w, logs: run_locally(p, tasks, 1, logs),
-    )
+    jobs = [
+        raw_shard_job(store, shard_id, pa.table({"text": docs}), "validation" if shard_id.endswith("val") else "train")
+        for shard_id, docs in texts.items()
+    ]
+    tokenize_here(jobs, store, tok.tokenizer_id, root / "logs")
     eval_set = root / "my_evals" / "mc.jsonl"
     eval_set.parent.mkdir()
     eval_set.write_text(

@@ -30,7 +30,7 @@ from ghostvis_core.data.dedup import (
 )
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.sources import ShardEntry
-from ghostvis_core.data.tokenize import job_for_shard, run_locally, tokenize_shards
+from ghostvis_core.data.tokenize import job_for_shard
 from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
@@ -41,6 +41,7 @@ from ghostvis_core.verify.audit.token_files import TokenFile
 from ghostvis_pipeline.definitions import defs
 from ghostvis_pipeline.demo import materialize
 from tests.conftest import copy_home
+from tests.raw_shards import tokenize_here
 
 pytestmark = pytest.mark.e2e
 
@@ -212,14 +213,7 @@ def test_a_later_shard_is_deduped_against_the_earlier_ones_which_keep_their_toke
     assert removed == RemovedRows(store.uri, {"web": index.key})  # what each task unpickles: no shard's rows
     assert removed("web/00003") == {0: "minhash_dup"} and removed("web/00000") == {}
     assert removed("web/00002") == {row: "minhash_dup" for s, row in PLANTED if s == "web/00002"}
-    reports = tokenize_shards(
-        jobs,
-        store=store,
-        tokenizer_id=deduped.tok.tokenizer_id,
-        logging_dir=logs,
-        run_pipeline=lambda p, tasks, _w, d: run_locally(p, tasks, 1, d),
-        removed=removed,
-    )
+    reports = tokenize_here(jobs, store, deduped.tok.tokenizer_id, logs, removed=removed)
     assert [r.shard_id for r in reports if not r.skipped] == ["web/00003"]
     assert json.loads(reports[-1].drop_reasons) == {
         "minhash_dup": {"docs": 1, "tokens": recount(deduped.tok, deduped.texts["web/00000"][0])}

@@ -24,7 +24,7 @@ from ghostvis_core.data.problems import completion_answer, is_correct
 from ghostvis_core.data.records import normalize_shard
 from ghostvis_core.data.sources import Manifest, ShardEntry, fetch_shard
 from ghostvis_core.data.token_shard import TokenShard
-from ghostvis_core.data.tokenize import TokenizeJob, run_locally, tokenize_shards
+from ghostvis_core.data.tokenize import TokenizeJob
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import FolderStore
@@ -33,6 +33,7 @@ from ghostvis_core.verify.audit.token_integrity import (
     documents_start_where_ledger_says,
     sampled_documents_decode_to_raw_text,
 )
+from tests.raw_shards import tokenize_here
 
 
 def msg(role: str, content: str) -> dict:
@@ -162,13 +163,7 @@ def kinds(module_tmp) -> SimpleNamespace:
     for sid, (kind, columns, path) in files.items():
         fetched[sid] = download(store, sid, kind, columns, path)
         jobs.append(TokenizeJob(sid, sid.split("/")[0], "train", fetched[sid].sha256, kind))
-    tokenize_shards(
-        jobs,
-        store=store,
-        tokenizer_id=tok.tokenizer_id,
-        logging_dir=root / "logs",
-        run_pipeline=lambda p, tasks, _w, logs: run_locally(p, tasks, 1, logs),
-    )
+    tokenize_here(jobs, store, tok.tokenizer_id, root / "logs")
     ledger = Ledger.in_store(store)
     rows = {r.shard_id: r for r in ledger.shards(tokenizer_id=tok.tokenizer_id)}
     return SimpleNamespace(store=store, tok=tok, files=files, fetched=fetched, ledger=ledger, rows=rows, root=root)

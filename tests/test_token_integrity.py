@@ -15,15 +15,13 @@ from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.token_shard import list_column, write_token_shard
-from ghostvis_core.data.tokenize import TokenizeJob, run_locally, tokenize_shards
+from ghostvis_core.data.tokenize import TokenizeJob
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.store import FolderStore
-from ghostvis_core.store.files import sha256_file
 from ghostvis_core.verify.audit.invariants import ledger_matches_token_files
 from ghostvis_core.verify.audit.token_files import TokenFile
 from ghostvis_core.verify.audit.token_integrity import (
@@ -31,6 +29,7 @@ from ghostvis_core.verify.audit.token_integrity import (
     sampled_documents_decode_to_raw_text,
     token_files_name_their_tokenizer,
 )
+from tests.raw_shards import raw_shard_job, tokenize_here
 
 WORDS = [f"{a}{b}" for a in ("ka", "lo", "mi", "nu", "pe", "ra") for b in ("bar", "cen", "dol", "fim", "gat")]
 CHECKS = (token_files_name_their_tokenizer, documents_start_where_ledger_says, sampled_documents_decode_to_raw_text)
@@ -41,13 +40,7 @@ def text(rng: random.Random, n: int) -> str:
 
 
 def tokenize(store: FolderStore, root: Path, tok, jobs: list[TokenizeJob]) -> None:
-    tokenize_shards(
-        jobs,
-        store=store,
-        tokenizer_id=tok.tokenizer_id,
-        logging_dir=root / "logs" / tok.tokenizer_id,
-        run_pipeline=lambda p, tasks, _w, logs: run_locally(p, tasks, 1, logs),
-    )
+    tokenize_here(jobs, store, tok.tokenizer_id, root / "logs" / tok.tokenizer_id)
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +59,10 @@ def tokenized(module_tmp) -> SimpleNamespace:
     tok, other = train_tokenizer(docs, 400), train_tokenizer(docs[:2], 300)
     for t in (tok, other):
         save_tokenizer(t, store)
-    jobs = []
-    for shard_id, kind, table in (
-        ("corp/00000", "text", pa.table({"text": docs})),
-        ("chat/00000", "chat", pa.table({"messages": chats})),
-    ):
-        path = store.writable("raw_shard", shard_id)
-        pq.write_table(table, path)
-        store.publish("raw_shard", shard_id)
-        jobs.append(TokenizeJob(shard_id, shard_id.split("/")[0], "train", sha256_file(path), kind))
+    jobs = [
+        raw_shard_job(store, "corp/00000", pa.table({"text": docs})),
+        raw_shard_job(store, "chat/00000", pa.table({"messages": chats}), kind="chat"),
+    ]
     tokenize(store, root, tok, jobs)
     tokenize(store, root, other, jobs[:1])
     return SimpleNamespace(root=root, tok=tok, other=other, docs=docs)

@@ -20,7 +20,7 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.tokenize import TokenizeJob, TokenizeReport, tokenize_shards
 from ghostvis_core.data.tokenizer import Tokenizer, save_tokenizer, train_tokenizer
 from ghostvis_core.store import FolderStore
-from ghostvis_core.store.files import sha256_file
+from tests.raw_shards import raw_shard_job
 
 WORDS = "amber basil cedar dune ember fjord grove heath inlet juniper knoll larch marsh nettle".split()
 FILTERS = {"corp": ["regex_exclude=^too short$"]}  # a filtered document, counted in the ledger
@@ -40,13 +40,7 @@ def five_raw_shards(root: Path) -> tuple[Tokenizer, list[TokenizeJob]]:
     source = FolderStore(root / "source")
     tok = train_tokenizer([t for docs in texts.values() for t in docs], 300)
     save_tokenizer(tok, source)
-    jobs = []
-    for shard_id, docs in texts.items():
-        path = source.writable("raw_shard", shard_id)
-        pq.write_table(pa.table({"text": docs}), path)
-        source.publish("raw_shard", shard_id)
-        jobs.append(TokenizeJob(shard_id, "corp", "train", sha256_file(path), "text"))
-    return tok, jobs
+    return tok, [raw_shard_job(source, shard_id, pa.table({"text": docs})) for shard_id, docs in texts.items()]
 
 
 def tokenize_a_copy(root: Path, tok: Tokenizer, jobs: list[TokenizeJob], workers: int):
