@@ -57,6 +57,15 @@ def save(run_dir: Path, step: int, model, opt, **state) -> Path:
     )
 
 
+def saved_steps(tmp_path: Path, *steps: int) -> tuple[Path, GPT, torch.optim.Optimizer]:
+    """A trained model committed at `steps`, in this order, into the run folder tmp_path/run: (run, model, opt)."""
+    run = tmp_path / "run"
+    model, opt = trained()
+    for step in steps:
+        save(run, step, model, opt)
+    return run, model, opt
+
+
 # ---------------------------------------------------------------- round trip
 
 
@@ -111,9 +120,7 @@ def test_round_trip_with_tied_embeddings(tmp_path):
 
 
 def test_leftover_tmp_dir_is_ignored_and_removed_by_the_next_prune(tmp_path):
-    run = tmp_path / "run"
-    model, opt = trained()
-    save(run, 1, model, opt)
+    run, model, opt = saved_steps(tmp_path, 1)
     # a crash while writing step 2: a temp dir with (even) a marker in it, never renamed
     crashed = run / ".tmp-step_000000002-deadbeef"
     crashed.mkdir()
@@ -128,9 +135,7 @@ def test_leftover_tmp_dir_is_ignored_and_removed_by_the_next_prune(tmp_path):
 
 
 def test_crash_during_save_leaves_no_committed_checkpoint(tmp_path, monkeypatch):
-    run = tmp_path / "run"
-    model, opt = trained()
-    save(run, 1, model, opt)
+    run, model, opt = saved_steps(tmp_path, 1)
 
     def boom(*a, **k):
         raise OSError("disk full")
@@ -196,9 +201,7 @@ def test_a_real_full_disk_names_the_bytes_needed_and_free_and_keeps_the_previous
 
 
 def test_step_dir_without_marker_is_ignored(tmp_path):
-    run = tmp_path / "run"
-    model, opt = trained()
-    save(run, 1, model, opt)
+    run, model, opt = saved_steps(tmp_path, 1)
     partial = run / "step_000000009"
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"")
@@ -230,10 +233,7 @@ def test_missing_file_is_a_named_error(tmp_path):
 
 
 def test_prune_keeps_the_newest_two(tmp_path):
-    run = tmp_path / "run"
-    model, opt = trained()
-    for step in (10, 20, 30, 40, 50):
-        save(run, step, model, opt)
+    run = saved_steps(tmp_path, 10, 20, 30, 40, 50)[0]
     assert [c.step for c in ckpt.list_complete(run)] == [10, 20, 30, 40, 50]
     ckpt.prune(run, 2)
     assert [c.step for c in ckpt.list_complete(run)] == [40, 50]
@@ -256,10 +256,7 @@ def test_pruning_after_each_save_keeps_the_newest_and_names_what_it_removed(tmp_
 
 
 def test_prune_orders_by_step_number_not_by_name_or_mtime(tmp_path):
-    run = tmp_path / "run"
-    model, opt = trained()
-    for step in (100, 9, 1000):  # written out of order
-        save(run, step, model, opt)
+    run = saved_steps(tmp_path, 100, 9, 1000)[0]  # written out of order
     ckpt.prune(run, 2)
     assert [c.step for c in ckpt.list_complete(run)] == [100, 1000]
 

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import boto3
@@ -41,7 +42,7 @@ from tests.conftest import (
     run_names,
     s3_env,
 )
-from tests.faults import wait_for
+from tests.faults import T, wait_for
 from tests.hosts import upload
 from tests.slurm_cluster import slurm_cluster  # noqa: F401 (a fixture)
 
@@ -420,20 +421,24 @@ def test_slurm_with_an_s3_store_a_cache_per_node_and_no_credentials_sent(
     assert leaks == [] and FAKE_SECRET not in log + proc.stdout + proc.stderr
 
 
+def while_materializing(what: str, found: Callable[[], T], proc: subprocess.Popen, log: Path) -> T:
+    """found()'s first true value while the materialization `proc` runs (faults.wait_for); the
+    materialization is killed when it never comes, so no job outlives the test."""
+    try:
+        return wait_for(what, found, proc, log, timeout=MATERIALIZE_TIMEOUT)
+    except AssertionError:
+        proc.kill()
+        raise
+
+
 def wait_for_marker(store, known: set, proc: subprocess.Popen, log: Path) -> str:
     """The run key of the first checkpoint committed in the store after `known` (its marker)."""
-    deadline = time.time() + MATERIALIZE_TIMEOUT
-    while time.time() < deadline:
+
+    def new_marker() -> str | None:
         new = set(store.keys("checkpoint_marker", "pretrain")) - known
-        if new:
-            return sorted(new)[0][1]
-        if proc.poll() is not None:
-            raise AssertionError(
-                f"materialization ended (exit {proc.returncode}) before a checkpoint:\n{log.read_text()[-4000:]}"
-            )
-        time.sleep(0.5)
-    proc.kill()
-    raise AssertionError(f"no checkpoint within {MATERIALIZE_TIMEOUT} s")
+        return sorted(new)[0][1] if new else None
+
+    return while_materializing("a checkpoint", new_marker, proc, log)
 
 
 def interrupt_rank(rank: int, store_uri: str) -> None:
@@ -455,18 +460,12 @@ def interrupt_rank(rank: int, store_uri: str) -> None:
 
 def wait_for_checkpoint(home: Path, known: set[str], step: int, proc: subprocess.Popen, log: Path) -> Path:
     """The new run's folder once checkpoint `step` is committed in it."""
-    deadline = time.time() + MATERIALIZE_TIMEOUT
-    while time.time() < deadline:
+
+    def committed() -> Path | None:
         new = new_run_dirs(home, known)
-        if new and any(c.step >= step for c in ckpt.list_complete(new[-1])):
-            return new[-1]
-        if proc.poll() is not None:
-            raise AssertionError(
-                f"materialization ended (exit {proc.returncode}) before checkpoint {step}:\n{log.read_text()[-4000:]}"
-            )
-        time.sleep(0.2)
-    proc.kill()
-    raise AssertionError(f"no checkpoint {step} within {MATERIALIZE_TIMEOUT} s")
+        return new[-1] if new and any(c.step >= step for c in ckpt.list_complete(new[-1])) else None
+
+    return while_materializing(f"checkpoint {step}", committed, proc, log)
 
 
 def array_tasks_by_job(job_dir: Path) -> list[int]:

@@ -185,15 +185,6 @@ def test_http_404_is_permanent_and_names_shard_url_and_fix(http, tmp_path, count
     assert files_in(tmp_path) == []
 
 
-@pytest.mark.parametrize("status", [401, 403])
-def test_http_auth_errors_are_permanent(http, tmp_path, status):
-    url = http.add("/gated.parquet", b"x", status=status)
-    with pytest.raises(GhostvisError, match=rf"refused \(HTTP {status}\).*HF_TOKEN"):
-        fetch_shard(SHARD, entry_for(url), tmp_path / "gated.parquet")
-    assert http.hits["/gated.parquet"] == 1
-    assert files_in(tmp_path) == []
-
-
 def test_http_dropped_connection_is_retried_then_succeeds(http, tmp_path):
     data = blob(200_000)
     url = http.add("/s.parquet", data, drop_after=50_000, times=2)
@@ -226,12 +217,23 @@ def test_http_503_twice_then_success(http, tmp_path):
     assert http.hits["/s.parquet"] == 3
 
 
-@pytest.mark.parametrize("status", [429, 500, 502, 504])
-def test_http_transient_statuses_exhaust_the_retries(http, tmp_path, status):
+@pytest.mark.parametrize(
+    ("status", "error", "attempts"),
+    [
+        *[pytest.param(s, rf"refused \(HTTP {s}\).*HF_TOKEN", 1, id=f"auth-{s}") for s in (401, 403)],
+        *[
+            pytest.param(s, rf"failed after 4 attempts \(last error: HTTP {s}\)", 4, id=f"transient-{s}")
+            for s in (429, 500, 502, 504)
+        ],
+    ],
+)
+def test_http_auth_errors_are_permanent_and_transient_statuses_exhaust_the_retries(
+    http, tmp_path, status, error, attempts
+):
     url = http.add("/s.parquet", b"x", status=status)
-    with pytest.raises(GhostvisError, match=rf"failed after 4 attempts \(last error: HTTP {status}\)"):
+    with pytest.raises(GhostvisError, match=error):
         fetch_shard(SHARD, entry_for(url), tmp_path / "s.parquet")
-    assert http.hits["/s.parquet"] == 4
+    assert http.hits["/s.parquet"] == attempts
     assert files_in(tmp_path) == []
 
 
@@ -378,17 +380,6 @@ def test_file_size_mismatch_is_not_retried(tmp_path, count_attempts):
 # --- s3:// against moto in server mode --------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def moto_endpoint():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
-
-
 @pytest.fixture
 def aws_env(monkeypatch, tmp_path):
     """Fake credentials in the environment, and nothing from the machine's own AWS config."""
@@ -403,10 +394,11 @@ def aws_env(monkeypatch, tmp_path):
 
 
 @pytest.fixture
-def s3(aws_env, moto_endpoint, monkeypatch, request):
-    """(client, bucket): a fresh bucket on the moto server, which GHOSTVIS_S3_ENDPOINT_URL points at."""
-    monkeypatch.setenv(sources.S3_ENDPOINT_ENV, moto_endpoint)
-    client = boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1")
+def s3(aws_env, moto_s3, monkeypatch, request):
+    """(client, bucket): a fresh bucket on the suite's moto server (conftest), which GHOSTVIS_S3_ENDPOINT_URL
+    points at."""
+    monkeypatch.setenv(sources.S3_ENDPOINT_ENV, moto_s3)
+    client = boto3.client("s3", endpoint_url=moto_s3, region_name="us-east-1")
     bucket = f"b-{request.node.name.lower().replace('_', '-')[:40].strip('-')}-{os.getpid()}"
     client.create_bucket(Bucket=bucket)
     return client, bucket

@@ -33,7 +33,7 @@ from ghostvis_core.data.tokenize import job_for_shard
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.store import FolderStore
-from tests.test_sources import aws_env, fast_retries, http, moto_endpoint, s3  # noqa: F401 (fixtures)
+from tests.test_sources import aws_env, fast_retries, http, s3  # noqa: F401 (fixtures)
 
 NAMES = [f"013_{i:05d}" for i in range(4)]
 HELD_OUT = "013_00002"
