@@ -22,6 +22,7 @@ from ghostvis_core.plan.budget import Plan, plan
 from ghostvis_core.plan.config import StageConfig, flatten
 from ghostvis_core.run.train.spec import LaunchSpec, StageInputs
 from ghostvis_core.store import open_store
+from tests.launch_records import launch_record
 from tests.ledger_rows import shard_record
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "resolved_configs.json"
@@ -162,18 +163,13 @@ def test_the_launch_spec_round_trips_its_typed_config_and_plan(tmp_path):
         cfg = presets.resolve(stage, "smoke")
         assert StageConfig.from_dict(json.loads(cfg.to_json())) == cfg
         p = plan(cfg)
-        spec = LaunchSpec(
-            stage=stage,
-            run_key=f"{stage}-0123456789-r1",
-            config=cfg,
-            plan=p,
-            store="/s",
-            tokenizer_id="tok",
+        spec = launch_record(
+            stage,
+            f"{stage}-0123456789-r1",
+            cfg,
+            p,
             train_shards={"web": web},
             val_shards={"web": held_out},
-            mlflow_tracking_uri="sqlite://",
-            mlflow_experiment="ghostvis",
-            mlflow_artifact_location="file:///a",
             inputs=StageInputs(stream_offsets={"web": 512}, reward_rules={"web": "integer"}),
         )
         saved = spec.to_json()

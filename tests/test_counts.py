@@ -12,6 +12,7 @@ from ghostvis_core.plan.presets import resolve
 from ghostvis_core.run.train.result import BeforeAfter, FrozenCheck, MixtureShare, RunResult
 from ghostvis_core.run.train.spec import LaunchSpec, StageInputs
 from ghostvis_core.run.train.state import TrainState
+from tests.launch_records import launch_record
 
 
 def test_arithmetic_and_names():
@@ -70,20 +71,7 @@ def test_launch_spec_and_train_state_round_trip_with_their_typed_parts():
         upstream_rope_scaling=1.0,
     )
     cfg = resolve("pretrain", "smoke")
-    spec = LaunchSpec(
-        stage="pretrain",
-        run_key="k",
-        config=cfg,
-        plan=plan(cfg),
-        store="/s",
-        tokenizer_id="t",
-        train_shards={},
-        val_shards={},
-        mlflow_tracking_uri="sqlite://",
-        mlflow_experiment="e",
-        mlflow_artifact_location="file:///a",
-        inputs=inputs,
-    )
+    spec = launch_record("pretrain", "k", cfg, plan(cfg), inputs=inputs)
     import json
 
     assert LaunchSpec.from_dict(json.loads(spec.to_json())) == spec

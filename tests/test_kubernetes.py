@@ -37,6 +37,7 @@ from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.launchers import kubernetes as k8s_launcher
 from ghostvis_pipeline.launchers.common import registration_job, training_job
 from ghostvis_pipeline.launchers.kubernetes import plan
+from tests.launch_records import launch_record
 
 K8S = "1.33.0"  # the cluster version the manifests are checked against (strict: no unknown fields)
 SECRET_VALUE = "do-not-leak-8b1f"  # a credential in the Dagster host's environment
@@ -68,18 +69,9 @@ def launcher(**kubernetes_config) -> Launcher:
 def pretrain_spec(
     world_size: int, run_key: str = "pretrain-3f9c2a1b7d-r1", mlflow: str = "http://mlflow.ml-training.svc:5000"
 ) -> LaunchSpec:
-    return LaunchSpec(
-        stage="pretrain",
-        run_key=run_key,
-        config=resolve("pretrain", "smoke", {"batch.world_size": world_size}),
-        plan=None,
-        store="",
-        tokenizer_id="tok",
-        train_shards={},
-        val_shards={},
-        mlflow_tracking_uri=mlflow,
-        mlflow_experiment="ghostvis",
-        mlflow_artifact_location="",
+    config = resolve("pretrain", "smoke", {"batch.world_size": world_size})
+    return launch_record(
+        "pretrain", run_key, config, None, store="", mlflow_tracking_uri=mlflow, mlflow_artifact_location=""
     )
 
 

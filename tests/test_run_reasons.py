@@ -10,10 +10,10 @@ import sys
 from ghostvis_core.home import Home
 from ghostvis_core.run.ship_output import chunk_name
 from ghostvis_core.run.train.reasons import clear_reasons, record_reason, run_reason
-from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.store import open_store
 from ghostvis_pipeline.launchers.common import failure, host_environment
 from tests.conftest import BIN
+from tests.launch_records import launch_record
 
 STAGE, RUN = "pretrain", "pretrain-abc-r1"
 
@@ -64,19 +64,7 @@ def test_a_rank_keeps_its_first_reason_and_a_new_attempt_starts_with_none(tmp_pa
 def test_the_launcher_failure_names_the_ranks_reason_and_its_own(tmp_path, monkeypatch):
     monkeypatch.delenv("GHOSTVIS_STORE", raising=False)
     home = Home(tmp_path)
-    spec = LaunchSpec(
-        stage=STAGE,
-        run_key=RUN,
-        config={},
-        plan={},
-        store=home.store.uri,
-        tokenizer_id="t",
-        train_shards={},
-        val_shards={},
-        mlflow_tracking_uri="",
-        mlflow_experiment="",
-        mlflow_artifact_location="",
-    )
+    spec = launch_record(STAGE, RUN, {}, {}, store=home.store.uri)
     assert (
         failure(home, spec, "Slurm job 7 ended FAILED").description
         == f"{STAGE} run {RUN} failed: Slurm job 7 ended FAILED"
