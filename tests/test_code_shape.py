@@ -285,24 +285,24 @@ def check_source(source: str, module: str, where: str, is_package: bool = False)
     return out
 
 
+def sources_in(folders: tuple[str, ...]) -> list[tuple[Path, str, str]]:
+    """Every Python file below `folders`, in order: (its path, its text, its path in the repository)."""
+    paths = [path for folder in folders for path in sorted((ROOT / folder).rglob("*.py"))]
+    return [(path, path.read_text(encoding="utf-8"), str(path.relative_to(ROOT))) for path in paths]
+
+
 def offenders() -> list[str]:
     out = []
-    for package in PACKAGES:
-        for path in sorted((ROOT / package).rglob("*.py")):
-            where = str(path.relative_to(ROOT))
-            out += check_source(path.read_text(encoding="utf-8"), module_name(path), where, path.name == "__init__.py")
+    for path, text, where in sources_in(PACKAGES):
+        out += check_source(text, module_name(path), where, path.name == "__init__.py")
     return out
 
 
 def script_store_offenders() -> list[str]:
     """Tests and benchmarks that reach into a store: one that does tests or times what no user's code runs."""
     out = []
-    for folder in SCRIPTS:
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            where = str(path.relative_to(ROOT))
-            out += store_use_problems(
-                ast.parse(path.read_text(encoding="utf-8"), filename=where), module_name(path), where
-            )
+    for path, text, where in sources_in(SCRIPTS):
+        out += store_use_problems(ast.parse(text, filename=where), module_name(path), where)
     return out
 
 
