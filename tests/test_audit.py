@@ -156,12 +156,18 @@ def failed(checks: dict[str, dict]) -> set[str]:
     return {name for name, c in checks.items() if not c["passed"]}
 
 
+def recounted(checks: dict[str, dict], *more: str) -> tuple[int, ...]:
+    """The recount check's real tokens as the trainer counted them and as the token files hold them,
+    then its figures named in `more`."""
+    figures = checks["tokens_recounted_from_files"]["figures"]
+    return tuple(figures[name] for name in ("real_tokens_trainer", "real_tokens_recount", *more))
+
+
 def test_a_grad_accum_smoke_stage_passes_every_check_and_the_recount_equals_the_trainer(planted):
     home, keys = planted
     checks = checks_of(home, keys["clean"])
     assert not failed(checks), {n: c["failures"] for n, c in checks.items() if not c["passed"]}
-    figures = checks["tokens_recounted_from_files"]["figures"]
-    assert figures["real_tokens_trainer"] == figures["real_tokens_recount"] == STEPS * TOKENS_PER_STEP
+    assert recounted(checks) == (STEPS * TOKENS_PER_STEP, STEPS * TOKENS_PER_STEP)
     assert checks["consumption_matches_plan"]["figures"]["expected_shard_tokens"] == STEPS * TOKENS_PER_STEP
     assert checks["every_rank_read_its_rows"]["figures"]["shares"] == 2 * 2  # 2 parts x 2 ranks
     content = checks["fed_content_matches_files"]["figures"]
@@ -203,29 +209,25 @@ def test_counters_summed_on_rank_0_only_fail_the_recount(planted):
     home, keys = planted
     checks = checks_of(home, keys["rank0_counters"])
     assert {"tokens_recounted_from_files", "ledger_mlflow_metadata_agree"} <= failed(checks)
-    figures = checks["tokens_recounted_from_files"]["figures"]
-    assert (figures["real_tokens_trainer"], figures["real_tokens_recount"]) == (
-        STEPS * TOKENS_PER_STEP // 2,
-        STEPS * TOKENS_PER_STEP,
-    )
+    assert recounted(checks) == (STEPS * TOKENS_PER_STEP // 2, STEPS * TOKENS_PER_STEP)
 
 
-def test_rank_0_only_everywhere_leaves_a_gap_and_a_missing_rank_share(planted):
+@pytest.mark.parametrize(
+    ("scenario", "rank_problems"),
+    [
+        pytest.param("rank0_everywhere", {(1, "no share recorded")}, id="rank_0_only_everywhere"),
+        pytest.param("last_micro_batch_only", {(0, "other rows"), (1, "other rows")}, id="only_the_last_micro_batch"),
+    ],
+)
+def test_rows_counted_on_too_few_ranks_or_micro_batches_leave_a_gap_and_the_ranks_problems(
+    planted, scenario, rank_problems
+):
     home, keys = planted
-    checks = checks_of(home, keys["rank0_everywhere"])
+    checks = checks_of(home, keys[scenario])
     assert {"consumption_matches_plan", "every_rank_read_its_rows"} <= failed(checks)
     assert checks["consumption_matches_plan"]["figures"]["gap_tokens"] == STEPS * TOKENS_PER_STEP // 2
     problems = checks["every_rank_read_its_rows"]["tables"]["problems"]["rows"]
-    assert {(row[1], row[4]) for row in problems} == {(1, "no share recorded")}
-
-
-def test_only_the_last_micro_batch_counted_leaves_a_gap_in_every_rank(planted):
-    home, keys = planted
-    checks = checks_of(home, keys["last_micro_batch_only"])
-    assert {"consumption_matches_plan", "every_rank_read_its_rows"} <= failed(checks)
-    assert checks["consumption_matches_plan"]["figures"]["gap_tokens"] == STEPS * TOKENS_PER_STEP // 2
-    problems = checks["every_rank_read_its_rows"]["tables"]["problems"]["rows"]
-    assert {(row[1], row[4]) for row in problems} == {(0, "other rows"), (1, "other rows")}
+    assert {(row[1], row[4]) for row in problems} == rank_problems
 
 
 def test_targets_equal_to_the_inputs_are_caught_by_the_content_proof_alone(planted, monkeypatch):
@@ -293,13 +295,8 @@ def test_micro_batch_0_trained_twice_fails_the_recount_where_the_old_checks_pass
         "fed_content_matches_files",
     } <= failed(checks)
     assert {"tokens_match_plan", "ledger_mlflow_metadata_agree"}.isdisjoint(failed(checks))  # the old checks miss it
-    figures = checks["tokens_recounted_from_files"]["figures"]
     half = STEPS * TOKENS_PER_STEP // 2
-    assert (figures["real_tokens_trainer"], figures["real_tokens_recount"], figures["overlap_tokens"]) == (
-        2 * half,
-        half,
-        half,
-    )
+    assert recounted(checks, "overlap_tokens") == (2 * half, half, half)
     assert checks["consumption_matches_plan"]["figures"]["gap_tokens"] == half
 
 
@@ -307,11 +304,7 @@ def test_an_unpublished_last_part_fails_the_recount_and_the_expected_consumption
     home, keys = planted
     checks = checks_of(home, keys["last_part_unpublished"])
     assert {"tokens_recounted_from_files", "consumption_matches_plan"} <= failed(checks)
-    figures = checks["tokens_recounted_from_files"]["figures"]
-    assert (figures["real_tokens_trainer"], figures["real_tokens_recount"]) == (
-        STEPS * TOKENS_PER_STEP,
-        STEPS * TOKENS_PER_STEP // 2,
-    )
+    assert recounted(checks) == (STEPS * TOKENS_PER_STEP, STEPS * TOKENS_PER_STEP // 2)
     assert any("the chain ends after step 2" in f for f in checks["consumption_matches_plan"]["failures"])
 
 
