@@ -133,15 +133,21 @@ def source_split_counts(store, manifest) -> list:
 SHARD_BACKFILL = BackfillPolicy.single_run()
 
 
-@asset(
-    group_name="data",
-    kinds={"parquet"},
-    owners=["team:data"],
-    partitions_def=shard_partitions,
-    backfill_policy=SHARD_BACKFILL,
-    deps=[shard_manifest],
-    code_version=RAW_SHARDS_CODE,
-)
+def shard_asset(kind: str, deps: list, code: str):
+    """The decorator of a data asset with one partition per shard (raw_shards, tokenized_shards), backfilled
+    as one run (SHARD_BACKFILL)."""
+    return asset(
+        group_name="data",
+        kinds={kind},
+        owners=["team:data"],
+        partitions_def=shard_partitions,
+        backfill_policy=SHARD_BACKFILL,
+        deps=deps,
+        code_version=code,
+    )
+
+
+@shard_asset("parquet", [shard_manifest], RAW_SHARDS_CODE)
 def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> MaterializeResult:
     """Downloads shards through the one fetch path (temp name, verify size + sha256, check every row of
     the kind and write a user's JSON Lines or renamed columns as the kind's Parquet, rename), and
@@ -325,15 +331,7 @@ def data_runner(launcher: Launcher):
     return None
 
 
-@asset(
-    group_name="data",
-    kinds={"datatrove"},
-    owners=["team:data"],
-    partitions_def=shard_partitions,
-    backfill_policy=SHARD_BACKFILL,
-    deps=[raw_shards, tokenizer],
-    code_version=TOKENIZE_CODE,
-)
+@shard_asset("datatrove", [raw_shards, tokenizer], TOKENIZE_CODE)
 def tokenized_shards(
     context: AssetExecutionContext, config: TokenizeConfig, home: GhostvisHome, launcher: Launcher
 ) -> MaterializeResult:
