@@ -330,7 +330,7 @@ def save_identity(store: Store, planned: PlannedRun, run_key: str) -> None:
     if store.create_json("identity", planned.stage, run_key, data=record):
         return
     saved = store.read_json("identity", planned.stage, run_key)["identity"]
-    changed = identity.changed_inputs(saved, json.loads(json.dumps(planned.identity)))
+    changed = identity.changed_inputs(saved, json.loads(json.dumps(planned.identity, default=str)))
     if changed:
         raise GhostvisError(
             f"run {run_key}: this launch trains another {', '.join(changed)} than the run's identity record "
