@@ -151,31 +151,38 @@ def test_presets_are_resolved_once_per_stage_and_preset(monkeypatch):
     assert presets._preset_config.cache_info().misses == len(stages.STAGES) - 1
 
 
+WEB = (
+    ShardRef("web/00001", "web", "train", "s3://b/tok/web/00001.arrow", 3, 700, "sha-1"),
+    ShardRef("web/00000", "web", "train", "s3://b/tok/web/00000.arrow", 2, 500, "sha-0"),
+)
+HELD_OUT = (ShardRef("web/00002", "web", "validation", "s3://b/tok/web/00002.arrow", 1, 90, "sha-2"),)
+
+
+def launch_spec(cfg: StageConfig) -> LaunchSpec:
+    """A spec of the stage's config over the WEB shards, as start_run builds one."""
+    return launch_record(
+        cfg.stage,
+        f"{cfg.stage}-0123456789-r1",
+        cfg,
+        plan(cfg),
+        train_shards={"web": WEB},
+        val_shards={"web": HELD_OUT},
+        inputs=StageInputs(stream_offsets={"web": 512}, reward_rules={"web": "integer"}),
+    )
+
+
 def test_the_launch_spec_round_trips_its_typed_config_and_plan(tmp_path):
     """Every stage's spec, shards typed, comes back equal from its saved JSON; the plan holds its one BatchPlan and
     is saved flat (the four factors at the top of `plan`, where the audit reads them); nothing can be set on it."""
-    web = (
-        ShardRef("web/00001", "web", "train", "s3://b/tok/web/00001.arrow", 3, 700, "sha-1"),
-        ShardRef("web/00000", "web", "train", "s3://b/tok/web/00000.arrow", 2, 500, "sha-0"),
-    )
-    held_out = (ShardRef("web/00002", "web", "validation", "s3://b/tok/web/00002.arrow", 1, 90, "sha-2"),)
     for stage in stages.stage_names():
         cfg = presets.resolve(stage, "smoke")
         assert StageConfig.from_dict(json.loads(cfg.to_json())) == cfg
-        p = plan(cfg)
-        spec = launch_record(
-            stage,
-            f"{stage}-0123456789-r1",
-            cfg,
-            p,
-            train_shards={"web": web},
-            val_shards={"web": held_out},
-            inputs=StageInputs(stream_offsets={"web": 512}, reward_rules={"web": "integer"}),
-        )
+        spec = launch_spec(cfg)
+        p = spec.plan
         saved = spec.to_json()
         back = LaunchSpec.from_dict(json.loads(saved))
         assert back == spec and isinstance(back.config, StageConfig) and isinstance(back.plan, Plan)
-        assert back.train_shards["web"] == web and back.val_shards["web"][0].tokens == 90
+        assert back.train_shards["web"] == WEB and back.val_shards["web"][0].tokens == 90
         assert back.to_json() == saved  # byte for byte
         assert back.plan.batch == p.batch
         flat = json.loads(saved)["plan"]
@@ -201,6 +208,33 @@ def test_the_launch_spec_round_trips_its_typed_config_and_plan(tmp_path):
     store.write_json("run_spec", spec.stage, spec.run_key, data=older)
     with pytest.raises(GhostvisError, match=rf"run {spec.run_key}: its launch record .*source_budget.*older version"):
         LaunchSpec.read(store, spec.stage, spec.run_key)
+
+
+def test_a_launch_record_is_never_overwritten_and_a_resume_launched_otherwise_saves_its_own(store_nodes):
+    """On both stores: the first launch saves spec.json; a resume launched as saved writes nothing; one on another
+    world size (the same run: the identity leaves the rank split out) saves spec.2.json and leaves spec.json's bytes
+    as they were; the job, given spec.json's URI as every launcher gives it, and every reader read the newest."""
+    from ghostvis_core.run.__main__ import read_spec
+    from ghostvis_core.run.train.spec import launch_records, saved_spec
+
+    store, other_node = store_nodes.writer, store_nodes.reader
+    first = launch_spec(presets.resolve("pretrain", "smoke"))
+    on_one = launch_spec(presets.resolve("pretrain", "smoke", {"batch.world_size": "1", "batch.grad_accum_steps": "2"}))
+    assert (first.plan.batch.world_size, on_one.plan.batch.world_size) == (2, 1)
+    assert first.plan.batch.tokens_per_step == on_one.plan.batch.tokens_per_step
+    key = (first.stage, first.run_key)
+    assert first.save(store) == store.uri_of("run_spec", *key) == store_nodes.located(f"runs/{'/'.join(key)}/spec.json")
+    saved = store.read_text("run_spec", *key)
+    assert first.save(store) is None and launch_records(store, *key) == [("run_spec", *key)]  # as saved: nothing
+    assert on_one.save(store) == store.uri_of("run_spec_resume", *key, "2")
+    assert other_node.read_text("run_spec", *key) == saved  # the first launch's record, byte for byte
+    assert LaunchSpec.from_dict(other_node.read_json("run_spec_resume", *key, "2")) == on_one
+    assert LaunchSpec.read(other_node, *key) == read_spec(store.uri_of("run_spec", *key)) == on_one
+    assert saved_spec(other_node, *key) == on_one.to_dict()
+    assert on_one.save(store) is None  # the newest again: nothing
+    assert first.save(store) == store.uri_of("run_spec_resume", *key, "3")  # back on 2 ranks: a third record
+    assert LaunchSpec.read(other_node, *key) == first and other_node.read_text("run_spec", *key) == saved
+    assert [k[-1] for k in launch_records(other_node, *key)] == [first.run_key, "2", "3"]
 
 
 def test_the_preflight_record_round_trips_in_the_two_shapes_of_its_file(tmp_path):

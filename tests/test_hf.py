@@ -436,6 +436,43 @@ def test_planning_a_stage_refuses_a_broken_import_or_an_unknown_init_from(tok, t
         plan_run("continued_pretrain", preset="smoke", overrides={"init_from": "pretrian"}, home=home)
 
 
+# The tokenizer asset with from_model, materialized in this Python process (as Dagster's in-process executor runs
+# it), then what that process imported and the materialization's metadata
+TOKENIZER_FROM_MODEL_IN_DAGSTER = """
+import json, os, sys
+from dagster import DagsterInstance, materialize
+from ghostvis_pipeline.assets.data import tokenizer
+from ghostvis_pipeline.launchers import Launcher
+from ghostvis_pipeline.resources import GhostvisHome
+with DagsterInstance.ephemeral() as instance:
+    result = materialize(
+        [tokenizer],
+        instance=instance,
+        resources={"home": GhostvisHome(root=os.environ["GHOSTVIS_HOME"]), "launcher": Launcher()},
+        run_config={"ops": {"tokenizer": {"config": {"from_model": sys.argv[1]}}}},
+    )
+    [mat] = result.asset_materializations_for_node("tokenizer")
+md = {k: v.value for k, v in mat.metadata.items()}
+heavy = [m for m in ("torch", "transformers", "safetensors") if m in sys.modules]
+print("DAGSTER_PROCESS " + json.dumps({"heavy_imports": heavy, "metadata": md}))
+"""
+
+
+def test_a_models_tokenizer_is_taken_by_the_tokenizer_job_not_the_dagster_process(tok, tmp_path):
+    """from_model reads the checkpoint with the import code (torch): the tokenizer job does it, where the launcher
+    runs jobs, and the Dagster process that materialized the asset never imported torch; its metadata is the
+    model's tokenizer, as the asset gave it when it imported it in process."""
+    folder, _ = hf_reference("qwen2", tmp_path, tok)
+    home = tmp_path / "home"
+    proc = run_cli(["python", "-c", TOKENIZER_FROM_MODEL_IN_DAGSTER, str(folder)], home)
+    said = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("DAGSTER_PROCESS ")).split(" ", 1)[1])
+    assert said["heavy_imports"] == []
+    md = said["metadata"]
+    assert (md["tokenizer_id"], md["from_model"], md["train_shards"]) == (tok.tokenizer_id, str(folder), 0)
+    assert md["markers"] == dict(tok.markers) and "identity" not in md
+    assert FolderStore(home / "store").exists("tokenizer", tok.tokenizer_id)
+
+
 @pytest.mark.e2e
 def test_a_foreign_models_tokenizer_tokenizes_the_data_a_stage_starts_from_it(tok, home_copy, tmp_path):
     """A Qwen2 with a tokenizer of its own (not the demo's): planning a stage from it names the fix;

@@ -6,6 +6,7 @@ of the same config in a copy of the same state (the `pretrain_reference` fixture
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -17,11 +18,13 @@ import pytest
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import PartRow
+from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan.budget import batch_plan
 from ghostvis_core.plan.presets import resolve
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.runs import run_result
+from ghostvis_core.run.train.spec import launch_records
 from tests.conftest import (
     BIN,
     SHORT_PRETRAIN,
@@ -112,8 +115,13 @@ def test_sigkill_between_checkpoints_then_rematerialize_resumes_exactly(home_cop
     partial.mkdir()
     good = (run_dir / ckpt.step_dir_name(killed_at) / "model.safetensors").read_bytes()
     (partial / "model.safetensors").write_bytes(good[: len(good) // 3])
+    spec_file = Path(Home(home_copy).store.uri_of("run_spec", "pretrain", run_dir.name))
+    launched = (spec_file.read_bytes(), spec_file.stat().st_mtime_ns)
     run_cli(MATERIALIZE, home_copy)  # re-materialize: the unfinished run is found and resumed
     assert not partial.exists()
+    # resumed as it was launched: its launch record is not written again, nor another beside it
+    assert (spec_file.read_bytes(), spec_file.stat().st_mtime_ns) == launched
+    assert launch_records(Home(home_copy).store, "pretrain", run_dir.name) == [("run_spec", "pretrain", run_dir.name)]
 
     assert run_dir.name == ref_dir.name  # same config and data -> same run key
     done = run_result(Home(home_copy).store, "pretrain", run_dir.name)
@@ -143,6 +151,36 @@ def test_sigkill_between_checkpoints_then_rematerialize_resumes_exactly(home_cop
 
     history = MlflowClient(Home(home_copy).mlflow_tracking_uri).get_metric_history(done.mlflow_run_id, "tokens/real")
     assert max(m.value for m in history) == done.counts.real_tokens
+
+
+def test_a_resume_on_another_world_size_saves_its_launch_record_beside_the_first(home_copy):
+    """The short run launched, then launched again before it finished (what a re-materialization after a crash
+    does, here without training): on the same ranks nothing is written (spec.json's and the identity record's
+    bytes and modification times as they were); on one rank (the same run: its identity leaves the rank split
+    out) the resume's record is spec.2.json, the first launch's record and the identity stay as they were, and
+    the job reads the newest."""
+    from ghostvis_core.launch.start import prepare_run
+    from ghostvis_core.run.train.spec import LaunchSpec
+
+    home = Home(home_copy)
+    first = prepare_run("pretrain", preset="smoke", home=home, overrides=SHORT_PRETRAIN)
+    key = ("pretrain", first.run_key)
+    files = [Path(home.store.uri_of("run_spec", *key)), Path(home.store.uri_of("identity", *key))]
+    saved = [(f.read_bytes(), f.stat().st_mtime_ns) for f in files]
+    assert prepare_run("pretrain", preset="smoke", home=home, overrides=SHORT_PRETRAIN) == first
+    assert [(f.read_bytes(), f.stat().st_mtime_ns) for f in files] == saved
+    assert launch_records(home.store, *key) == [("run_spec", *key)]
+    one_rank = SHORT_PRETRAIN | {"batch.world_size": "1", "batch.grad_accum_steps": "2"}
+    resumed = prepare_run("pretrain", preset="smoke", home=home, overrides=one_rank)
+    assert resumed.run_key == first.run_key and (first.plan.batch.world_size, resumed.plan.batch.world_size) == (2, 1)
+    assert [(f.read_bytes(), f.stat().st_mtime_ns) for f in files] == saved
+    assert launch_records(home.store, *key) == [("run_spec", *key), ("run_spec_resume", *key, "2")]
+    assert LaunchSpec.read(home.store, *key) == resumed and LaunchSpec.from_dict(json.loads(saved[0][0])) == first
+    edited = json.loads(saved[1][0])
+    edited["identity"]["tokenizer"] = "another"
+    home.store.write_json("identity", *key, data=edited)
+    with pytest.raises(GhostvisError, match=rf"run {first.run_key}: this launch trains another tokenizer than the run"):
+        prepare_run("pretrain", preset="smoke", home=home, overrides=SHORT_PRETRAIN)
 
 
 def test_resuming_from_an_older_checkpoint_is_flagged_as_reuse_unless_the_newer_one_is_damaged(home_copy, tmp_path):

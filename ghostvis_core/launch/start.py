@@ -312,19 +312,31 @@ def launch_spec(planned: PlannedRun, run_key: str, home: Home) -> LaunchSpec:
 
 
 def start_run(planned: PlannedRun, home: Home) -> LaunchSpec:
-    """The attempt (the newest unfinished one is resumed, else a new one starts); saves its launch spec (the only
-    write of it: the job's pre-flight keeps what it finds in a record of its own, run/preflight_record.py) and,
-    beside it, the identity and the code version that make the run. The pre-flight (`preflight`, which builds the
-    objective) runs in the job, on rank 0 (ghostvis_core/run/preflight.py)."""
+    """The attempt (the newest unfinished one is resumed, else a new one starts) and its launch record, saved
+    without overwriting one (`LaunchSpec.save`: a resume launched as saved writes nothing, one launched otherwise,
+    e.g. on another world size, a record of its own), beside the run's identity and the code version that made
+    it (saved at its first launch; a resume must train the same). The job's pre-flight keeps what it finds in a
+    record of its own (run/preflight_record.py); it runs in the job, on rank 0 (ghostvis_core/run/preflight.py)."""
     spec = launch_spec(planned, next_run_key(home.store, planned.stage, planned.base_key), home)
-    home.store.write_json(
-        "identity",
-        spec.stage,
-        spec.run_key,
-        data={"identity": planned.identity, "code_version": identity.code_version(*TRAINING_MODULES)},
-    )
-    home.store.write_text("run_spec", spec.stage, spec.run_key, text=spec.to_json())
+    save_identity(home.store, planned, spec.run_key)
+    spec.save(home.store)
     return spec
+
+
+def save_identity(store: Store, planned: PlannedRun, run_key: str) -> None:
+    """The run's identity record, created at its first launch; a resume's identity must equal it (the run key
+    hashes it, so only an edited record or a digest collision differs)."""
+    record = {"identity": planned.identity, "code_version": identity.code_version(*TRAINING_MODULES)}
+    if store.create_json("identity", planned.stage, run_key, data=record):
+        return
+    saved = store.read_json("identity", planned.stage, run_key)["identity"]
+    changed = identity.changed_inputs(saved, json.loads(json.dumps(planned.identity, default=str)))
+    if changed:
+        raise GhostvisError(
+            f"run {run_key}: this launch trains another {', '.join(changed)} than the run's identity record "
+            f"{store.uri_of('identity', planned.stage, run_key)} says it was started with; the record was changed "
+            f"since: delete the run's folders (runs/, checkpoints/ and that record) to train it again"
+        )
 
 
 def prepare_run(stage: str, *, home: Home | None = None, **planning: Any) -> LaunchSpec:

@@ -33,7 +33,7 @@ from ghostvis_core.data.ledger.query import RunHead
 from ghostvis_core.data.ngrams import TEXT_COLUMNS, fingerprints, normalize, record_text
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.train.runs import newest_completed_run, run_result
-from ghostvis_core.run.train.spec import saved_shard_versions
+from ghostvis_core.run.train.spec import saved_shard_versions, saved_spec
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.row_index import write_row_index
 from ghostvis_core.verify.audit.token_files import TokenFile
@@ -91,7 +91,7 @@ def run_indexes(store: Store, ledger: Ledger) -> tuple[list[RunHead], list[Path]
     for h in heads:
         index = ledger.row_index_file(h.head)
         if not index.is_file():
-            spec = store.read_json("run_spec", h.stage, h.run_key)
+            spec = saved_spec(store, h.stage, h.run_key)
             index = write_row_index(store, ledger, spec, ledger.chain(h.run_key))
         files.append(index)
     return heads, files
@@ -107,7 +107,7 @@ def trace_document(store: Store, ledger: Ledger, shard_id: str, row: int, tracki
         by_run[(r.stage, r.run_key)].append(r)
     hits, spans = [], {}
     for (stage, key), rows in sorted(by_run.items()):
-        spec = store.read_json("run_spec", stage, key)
+        spec = saved_spec(store, stage, key)
         file_key = (spec["tokenizer_id"], shard_id, saved_shard_versions(spec)[shard_id])
         if file_key not in spans:
             tf = TokenFile(store.fetch("token_shard", *file_key), shard_id)
@@ -167,7 +167,7 @@ def trace_step(store: Store, ledger: Ledger, stage: str, step: int, run_key: str
         if newest is None:
             raise GhostvisError(f"stage {stage} has no completed run to trace; materialize the `{stage}` asset")
         run_key = newest.run_key
-    spec = store.read_json("run_spec", stage, run_key)
+    spec = saved_spec(store, stage, run_key)
     chain = ledger.chain(run_key)
     if not any(p.step_first <= step <= p.step_last for p in chain):
         raise GhostvisError(

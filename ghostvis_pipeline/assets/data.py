@@ -34,8 +34,6 @@ from ghostvis_core.data.ledger.summaries import source_split_totals
 from ghostvis_core.data.records import normalize_shard
 from ghostvis_core.data.sources import fetch_shard
 from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards
-from ghostvis_core.data.tokenizer import save_tokenizer
-from ghostvis_core.data.tokenizer_file import bring_tokenizer
 from ghostvis_core.demo.sources import DEMO_SOURCES, publish_demo_source
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
@@ -43,7 +41,7 @@ from ghostvis_core.identity import code_version, digest
 from ghostvis_core.launch.cluster.slurm import SlurmJob
 from ghostvis_core.launch.cluster.slurm_pipeline import SlurmPipeline
 from ghostvis_core.plan import presets, run_modes, selected
-from ghostvis_core.run.tokenizer_job import TokenizerSpec, tokenizer_job, write_spec
+from ghostvis_core.run.tokenizer_job import TokenizerSpec, brought_spec, tokenizer_job, write_spec
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.leases import run_lease
@@ -133,15 +131,21 @@ def source_split_counts(store, manifest) -> list:
 SHARD_BACKFILL = BackfillPolicy.single_run()
 
 
-@asset(
-    group_name="data",
-    kinds={"parquet"},
-    owners=["team:data"],
-    partitions_def=shard_partitions,
-    backfill_policy=SHARD_BACKFILL,
-    deps=[shard_manifest],
-    code_version=RAW_SHARDS_CODE,
-)
+def shard_asset(kind: str, deps: list, code: str):
+    """The decorator of a data asset with one partition per shard (raw_shards, tokenized_shards), backfilled
+    as one run (SHARD_BACKFILL)."""
+    return asset(
+        group_name="data",
+        kinds={kind},
+        owners=["team:data"],
+        partitions_def=shard_partitions,
+        backfill_policy=SHARD_BACKFILL,
+        deps=deps,
+        code_version=code,
+    )
+
+
+@shard_asset("parquet", [shard_manifest], RAW_SHARDS_CODE)
 def raw_shards(context: AssetExecutionContext, home: GhostvisHome) -> MaterializeResult:
     """Downloads shards through the one fetch path (temp name, verify size + sha256, check every row of
     the kind and write a user's JSON Lines or renamed columns as the kind's Parquet, rename), and
@@ -227,27 +231,16 @@ def tokenizer(
     """Trains a byte-level BPE on the train shards of the text sources; served as tiktoken. A shard is
     left out when its split (the split rule applied to its content) is validation. Identity: the
     vocabulary, the byte cap and the text shards by recorded content and split; a tokenizer of the same
-    identity in the store is returned, not retrained. Data version: the tokenizer id (a content hash),
-    so a retraining that yields the same tokenizer changes nothing downstream."""
+    identity in the store is returned, not retrained (read here: a cache hit launches nothing). Or takes
+    the tokenizer of a model (from_model) or a file (from_file), brought again each time. Training, taking
+    and bringing run in the tokenizer job (ghostvis_core/run/tokenizer_job.py), launched where the launcher
+    runs jobs; this process plans, launches and reads the record the job wrote. Data version: the tokenizer
+    id (a content hash), so a retraining that yields the same tokenizer changes nothing downstream."""
     store = home.home().store
     if config.from_model and config.from_file:
         raise GhostvisError("tokenizer: from_model and from_file are both set; set one of them")
-    if config.from_model:
-        from ghostvis_core.run.hf.imports import import_tokenizer  # torch, only for a model's tokenizer
-
-        tok = import_tokenizer(store, config.from_model, dict(config.special_tokens))
-        context.log.info(f"tokenizer: {tok.tokenizer_id} is the tokenizer of {config.from_model} (not trained)")
-        return _tokenizer_result(store, _brought(tok, from_model=config.from_model), None, None)
-    if config.from_file:
-        brought = bring_tokenizer(config.from_file, dict(config.special_tokens), config.pattern)
-        tok = brought.tokenizer
-        save_tokenizer(tok, store)
-        context.log.info(
-            f"tokenizer: {tok.tokenizer_id} from {config.from_file} (sha256 {brought.sha256}, not trained)"
-        )
-        return _tokenizer_result(
-            store, _brought(tok, from_file=config.from_file, source_sha256=brought.sha256), None, None
-        )
+    if config.from_model or config.from_file:
+        return _bring_tokenizer(context, config, home.home(), launcher)
     vocab = config.vocab_size or presets.tokenizer_vocab(
         run_modes.model_preset(config.preset or selected.default_preset())
     )
@@ -271,22 +264,32 @@ def _train_or_reuse_tokenizer(
         )
         context.log.info(f"tokenizer: cache hit, {why}")
         return _tokenizer_result(store, record["metadata"], key, {"identity": key, "why": why})
-    spec = TokenizerSpec(key, store.uri, vocab, config.max_train_bytes, ident, TOKENIZER_CODE)
-    write_spec(spec, store)
+    spec = TokenizerSpec(
+        key, store.uri, ident, TOKENIZER_CODE, vocab_size=vocab, max_train_bytes=config.max_train_bytes
+    )
+    return _tokenizer_result(store, _run_tokenizer_job(context, spec, h, launcher), key, None)
+
+
+def _bring_tokenizer(context, config, h: Home, launcher: Launcher) -> MaterializeResult:
+    """A tokenizer taken from a model (from_model: the import code imports torch) or brought as a file (from_file:
+    a download and a tiktoken build), by the tokenizer job; brought again at each materialization."""
+    spec = brought_spec(
+        h.store.uri,
+        TOKENIZER_CODE,
+        from_model=config.from_model,
+        from_file=config.from_file,
+        special_tokens=dict(config.special_tokens),
+        pattern=config.pattern,
+    )
+    md = _run_tokenizer_job(context, spec, h, launcher)
+    return _tokenizer_result(h.store, md | {"markers": MetadataValue.json(md["markers"])}, None, None)
+
+
+def _run_tokenizer_job(context, spec: TokenizerSpec, h: Home, launcher: Launcher) -> dict:
+    """The tokenizer job launched on its spec; the figures of the identity record it wrote."""
+    write_spec(spec, h.store)
     launcher.run(context, tokenizer_job(spec), h)
-    md = store.read_json("identity", "tokenizer", key)["metadata"]
-    return _tokenizer_result(store, md, key, None)
-
-
-def _brought(tok, **source) -> dict:
-    """The figures of a tokenizer taken from a model or a file: where from, what stands for each chat marker."""
-    return {
-        "tokenizer_id": tok.tokenizer_id,
-        "vocab_size": tok.vocab_size,
-        **source,
-        "markers": MetadataValue.json(dict(tok.markers)),
-        "train_shards": 0,
-    }
+    return h.store.read_json("identity", "tokenizer", spec.key)["metadata"]
 
 
 # The shards a trained tokenizer read and left out: lists as long as the sources, kept in its identity record
@@ -325,15 +328,7 @@ def data_runner(launcher: Launcher):
     return None
 
 
-@asset(
-    group_name="data",
-    kinds={"datatrove"},
-    owners=["team:data"],
-    partitions_def=shard_partitions,
-    backfill_policy=SHARD_BACKFILL,
-    deps=[raw_shards, tokenizer],
-    code_version=TOKENIZE_CODE,
-)
+@shard_asset("datatrove", [raw_shards, tokenizer], TOKENIZE_CODE)
 def tokenized_shards(
     context: AssetExecutionContext, config: TokenizeConfig, home: GhostvisHome, launcher: Launcher
 ) -> MaterializeResult:

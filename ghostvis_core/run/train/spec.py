@@ -1,8 +1,11 @@
 """LaunchSpec: everything one stage run needs, resolved before torchrun starts.
 
-The spec is a JSON artifact in the store (kind run_spec), built whole and saved once by the launch side
-(launch.start_run); every rank reads it and nothing else (it does not query the ledger or know who
-started it), and nothing writes it again: what the job learns (the pre-flight's budget) is a record of its
+The spec is a JSON artifact in the store (kind run_spec), built whole by the launch side (launch.start_run)
+and saved with the store's create-only write (`save`): nothing overwrites a saved record. A resume that launches
+the run as saved writes nothing; one that launches it otherwise (another world size, node count, store URI) saves
+a record of its own beside the first (kind run_spec_resume, spec.<n>.json), so each launch's record stays
+readable; `LaunchSpec.read`, the one reader, returns the newest. Every rank reads it and nothing else (it does
+not query the ledger or know who started it); what the job learns (the pre-flight's budget) is a record of its
 own (run/preflight_record.py). It is frozen and typed (`from_dict(to_dict(spec)) == spec`): the resolved config, the
 plan with its one BatchPlan, the shards as ShardRefs (their token files by store URI: a stream fetches one
 when it opens it); `StageInputs` holds what the launcher worked out for this stage from its lineage.
@@ -84,19 +87,50 @@ class LaunchSpec:
             }
         )
 
+    def save(self, store: Store) -> str | None:
+        """Save this launch's record unless it equals the run's newest: at its first launch as spec.json, at a
+        resume launched otherwise as the next spec.<n>.json. Each is created, never overwritten (the store's
+        create-only write: a record another launch created first is read, not replaced). Returns its URI, or
+        None when nothing was written."""
+        data = self.to_dict()
+        while True:
+            records = launch_records(store, self.stage, self.run_key)
+            if not store.exists(*records[0]):
+                new = records[0]
+            elif store.read_json(*records[-1]) == data:
+                return None
+            else:
+                n = int(records[-1][-1]) + 1 if len(records) > 1 else 2
+                new = ("run_spec_resume", self.stage, self.run_key, str(n))
+            if store.create_json(*new, data=data):
+                return store.uri_of(*new)
+
     @classmethod
     def read(cls, store: Store, stage: str, run_key: str) -> LaunchSpec:
-        """A run's saved launch record. One saved by an older GhostVis (with fields this one no longer
-        has, such as the pre-flight's `inputs.source_budget`, now in preflight.json) is refused by name."""
-        data = store.read_json("run_spec", stage, run_key)
+        """A run's newest launch record (`saved_spec`). One saved by an older GhostVis (with fields this one no
+        longer has, such as the pre-flight's `inputs.source_budget`, now in preflight.json) is refused by name."""
+        newest = launch_records(store, stage, run_key)[-1]
         try:
-            return cls.from_dict(data)
+            return cls.from_dict(store.read_json(*newest))
         except TypeError as exc:
             raise GhostvisError(
-                f"run {run_key}: its launch record {store.uri_of('run_spec', stage, run_key)} has another shape "
+                f"run {run_key}: its launch record {store.uri_of(*newest)} has another shape "
                 f"than this GhostVis writes ({exc}); it was saved by an older version: re-materialize {stage} "
                 f"(or delete the run folder) to train it again"
             ) from None
+
+
+def launch_records(store: Store, stage: str, run_key: str) -> list[tuple[str, ...]]:
+    """The (kind, key) of a run's launch records, first to newest: spec.json (its first launch), then spec.<n>.json
+    (n = 2, 3, ...: each resume launched otherwise than the newest record before it)."""
+    later = sorted(int(key[-1]) for key in store.keys("run_spec_resume", stage, run_key) if key[-1].isdigit())
+    return [("run_spec", stage, run_key), *(("run_spec_resume", stage, run_key, str(n)) for n in later)]
+
+
+def saved_spec(store: Store, stage: str, run_key: str) -> dict[str, Any]:
+    """A run's newest launch record as its JSON (what its job read last; readers of many runs, as the trace,
+    take it untyped)."""
+    return store.read_json(*launch_records(store, stage, run_key)[-1])
 
 
 def shards_of(saved: dict[str, list[dict[str, Any]]]) -> Shards:
