@@ -492,7 +492,7 @@ def test_an_edited_mlflow_token_metric_is_named(home_copy):
 def test_a_token_shard_replaced_by_other_content_with_the_same_rows_is_named(home_copy):
     h = Home(home_copy)
     run_key = completed_runs(h.store, "pretrain")[-1].run_key
-    shard_id = Ledger.in_store(h.store).consumed_by_shard(run_key)[0]["shard_id"]
+    shard_id = Ledger.in_store(h.store).consumed_by_shard(run_key)[0].shard_id
     tokenizer_id = json.loads(h.store.read_text("run_spec", "pretrain", run_key))["tokenizer_id"]
     content = recorded_sha256(h.store, shard_id)
     path = h.store.fetch("token_shard", tokenizer_id, shard_id, content)  # a folder store's own file, rewritten below
@@ -536,7 +536,7 @@ def test_a_source_file_changed_under_its_name_is_a_new_version_and_the_trained_l
 
     h = Home(home_copy)
     old_run = completed_runs(h.store, "pretrain")[-1].run_key
-    shard_id = Ledger.in_store(h.store).consumed_by_shard(old_run)[0]["shard_id"]
+    shard_id = Ledger.in_store(h.store).consumed_by_shard(old_run)[0].shard_id
     source, name = shard_id.split("/")
     old = recorded_sha256(h.store, shard_id)
     changed = tmp_path / f"{name}.parquet"

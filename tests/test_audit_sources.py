@@ -60,7 +60,7 @@ def test_a_consumed_shard_the_shard_table_does_not_know_fails_too(ledger):
         "(ledger shard table: not in the ledger; the trainer labelled it train)"
     ]
     # the shard table of another tokenizer does not vouch for this run's shards
-    assert [r["shard_id"] for r in ledger.leakage("u", "tok-b")] == ["demo_prose/00000", "demo_web/00000"]
+    assert [r.consumed.shard_id for r in ledger.leakage("u", "tok-b")] == ["demo_prose/00000", "demo_web/00000"]
     ledger.write_shard(shard_record("demo_web/00000", source="web"))
     assert inv.no_validation_leakage(ledger, "u", "tok-a").passed
 

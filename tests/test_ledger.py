@@ -14,9 +14,18 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.files import write_parquet
-from ghostvis_core.data.ledger.records import PART_SCHEMA, PART_TABLES, PartRow
+from ghostvis_core.data.ledger.records import (
+    PART_SCHEMA,
+    PART_TABLES,
+    PartRow,
+    RunTotals,
+    Segment,
+    ShardConsumption,
+    SharedDocument,
+)
 from ghostvis_core.data.ledger.summaries import run_summaries
 from ghostvis_core.data.ledger.write import pieces_to_rows
 from ghostvis_core.data.loader import Batcher, Consumption, LMRows, merge_pieces, micro_batch_rows
@@ -170,7 +179,7 @@ def test_writing_the_same_shard_record_twice_is_harmless(ledger):
 
 def test_empty_ledger(ledger):
     assert ledger.shards() == [] and ledger.parts() == [] and ledger.chain("nope") == []
-    assert ledger.run_totals("nope")["real_tokens"] == 0 and ledger.run_totals("nope")["steps"] == 0
+    assert ledger.run_totals("nope") == RunTotals(TokenCounts(), overlap_tokens=0, steps=0, segments=(), parts=0)
     assert ledger.reuse("nope") == [] and ledger.leakage("nope") == []
 
 
@@ -218,14 +227,22 @@ def test_chain_follows_prev_part_links(resumed_run):
 
 def test_run_totals_sum_the_chain_and_ignore_the_orphan(resumed_run):
     t = resumed_run.run_totals("r")
-    assert (t["real_tokens"], t["pad_tokens"], t["loss_tokens"], t["cropped_tokens"]) == (600, 9, 540, 12)
-    assert t["overlap_tokens"] == 0  # the orphan's 7 are not counted
-    assert t["steps"] == 30 and t["segments"] == [0, 1] and t["parts"] == 3
+    assert t.counts == TokenCounts(real_tokens=600, pad_tokens=9, loss_tokens=540, cropped_tokens=12)
+    assert t.overlap_tokens == 0  # the orphan's 7 are not counted
+    assert t.steps == 30 and t.segments == (0, 1) and t.parts == 3
+
+
+def test_segments_are_the_chains_launches(resumed_run):
+    """Per segment of the chain: its first and last step, world size and real tokens (the orphan p1's not)."""
+    assert resumed_run.segments("r") == [
+        Segment(0, first_step=1, world_size=2, real_tokens=100, last_step=10),
+        Segment(1, first_step=11, world_size=2, real_tokens=500, last_step=30),
+    ]
 
 
 def test_consumed_by_shard_along_the_chain(resumed_run):
     (s0,) = resumed_run.consumed_by_shard("r")  # v0 was only read by the orphan
-    assert (s0["shard_id"], s0["tokens"], s0["row_start"], s0["row_end"], s0["epochs"]) == ("s0", 120, 0, 13, 1)
+    assert s0 == ShardConsumption("prose", "s0", "train", tokens=120, row_start=0, row_end=13, epochs=1)
 
 
 def test_reuse_same_run_same_epoch(resumed_run):
@@ -420,13 +437,8 @@ def test_leakage_lists_validation_shards_trained_on(ledger):
         [piece("v0", (30, 50), (3, 5), split="validation")],
     )
     (leak,) = ledger.leakage("l")
-    assert (leak["shard_id"], leak["split"], leak["tokens"], leak["row_start"], leak["row_end"]) == (
-        "v0",
-        "validation",
-        50,
-        0,
-        5,
-    )
+    assert leak.consumed == ShardConsumption("prose", "v0", "validation", tokens=50, row_start=0, row_end=5, epochs=1)
+    assert (leak.split, leak.label, leak.consumed.rows) == ("validation", "validation", "0..5")
 
 
 def test_no_leakage_when_only_train_shards(ledger):
@@ -503,17 +515,17 @@ def test_ledger_totals_equal_the_files_and_the_loader(tmp_path, ledger):
         )
         prev = pid
     totals = ledger.run_totals("t")
-    assert totals["real_tokens"] == 3 * 64 == 192 and totals["steps"] == 3 and totals["overlap_tokens"] == 0
+    assert totals.counts.real_tokens == 3 * 64 == 192 and totals.steps == 3 and totals.overlap_tokens == 0
     per_shard = ledger.consumed_by_shard("t")
-    assert sum(r["tokens"] for r in per_shard) == 192  # consumption rows add up to real_tokens
+    assert sum(r.tokens for r in per_shard) == 192  # consumption rows add up to real_tokens
     total_available = sum(on_disk.values())
     assert total_available > 192 + 1  # the data holds more than was read: all of it is epoch 0
     assert ledger.reuse("t") == []
-    assert {r["epochs"] for r in per_shard} == {1}
+    assert {r.epochs for r in per_shard} == {1}
     for r in per_shard:
-        assert r["tokens"] <= on_disk[r["shard_id"]]
-        n_docs = next(x.docs for x in records if x.shard_id == r["shard_id"])
-        assert 0 <= r["row_start"] < r["row_end"] <= n_docs
+        assert r.tokens <= on_disk[r.shard_id]
+        n_docs = next(x.docs for x in records if x.shard_id == r.shard_id)
+        assert 0 <= r.row_start < r.row_end <= n_docs
 
 
 # ---------------------------------------------------------------- layout: a folder per run
@@ -552,20 +564,21 @@ def test_a_query_about_one_run_opens_only_that_runs_files(parent_run):
     with pytest.raises(duckdb.Error):  # the garbled files are really unreadable: a query that opened them fails
         parent_run.parts()
     chain = parent_run.chain("cpt")
-    assert [p.part_id for p in chain] == ["cpt.p0"] and parent_run.run_totals("cpt")["real_tokens"] == 50
+    assert [p.part_id for p in chain] == ["cpt.p0"] and parent_run.run_totals("cpt").counts.real_tokens == 50
     assert [(r.shard_id, r.tok_start) for r in parent_run.consumption(chain)] == [("s0", 60)]
     assert [r.row_ranges for r in parent_run.shares(chain)] == [[[6, 12]]]
     assert [r.kind for r in parent_run.reuse("cpt")] == ["undeclared_cross_stage"]  # reads "pre" too, not "other"
     assert [p.run_key for p in parent_run.parts(stage="continued_pretrain")] == ["cpt"]
     garble_run(parent_run, "pretrain", "pre")
-    assert parent_run.consumed_by_shard("cpt")[0]["tokens"] == 60  # the chain's own run only
+    assert parent_run.consumed_by_shard("cpt")[0].tokens == 60  # the chain's own run only
 
 
 def test_run_summaries_equal_each_runs_totals(resumed_run, parent_run):
     summaries = {r["run_key"]: r for r in run_summaries(resumed_run)}
     assert sorted(summaries) == ["pre", "r"]
     for key, s in summaries.items():
-        assert {k: s[k] for k in resumed_run.run_totals(key)} == resumed_run.run_totals(key)
+        totals = resumed_run.run_totals(key).as_dict()
+        assert {k: s[k] for k in totals} == totals
     assert (summaries["r"]["real_tokens"], summaries["r"]["parts"], summaries["r"]["planned_tokens"]) == (600, 3, 960)
 
 
@@ -586,8 +599,8 @@ def test_the_ledger_writes_and_reads_through_the_store(store_nodes):
     written.write_part(part("k.p0", "k", real=30), [piece("web/00001", (0, 30), (0, 3))])
     assert [(r.shard_id, r.tokens) for r in read.shards()] == [("web/00001", 30)]
     assert [p.part_id for p in read.parts(["k"], stage="pretrain")] == ["k.p0"]
-    assert read.run_totals("k")["real_tokens"] == 30
-    assert [r["tokens"] for r in read.consumed_by_shard("k")] == [30]
+    assert read.run_totals("k").counts.real_tokens == 30
+    assert [r.tokens for r in read.consumed_by_shard("k")] == [30]
 
 
 def test_on_a_bucket_a_query_about_one_run_lists_only_that_runs_folder(moto_s3, tmp_path, monkeypatch):
@@ -657,8 +670,15 @@ def test_the_fingerprint_index_holds_every_shard_and_texts_are_found_in_files_wr
     assert pq.read_table(first).column("ngram_hash").to_pylist() == [7, 9, 9, 9]
     ledger.write_ngrams("b/0", "b", "validation", "sha-c", [2, 2], [7, 9])
     assert ledger.ngram_files()[0] == first and len(ledger.ngram_files()) == 2
-    found = [(r["shard_id"], r["row"], r["shared"]) for r in ledger.documents_sharing([7, 9])]
-    assert found == [("a/0", 0, 2), ("b/0", 2, 2), ("a/0", 1, 1), ("a/1", 4, 1)]
+    found = ledger.documents_sharing([7, 9])
+    assert found == [
+        SharedDocument("a/0", "sha-a", "train", row=0, shared=2),
+        SharedDocument("b/0", "sha-c", "validation", row=2, shared=2),
+        SharedDocument("a/0", "sha-a", "train", row=1, shared=1),
+        SharedDocument("a/1", "sha-b", "train", row=4, shared=1),
+    ]
+    assert [(r.shard_id, r.row) for r in ledger.ngrams(["sha-a"])] == [("a/0", 0), ("a/0", 0), ("a/0", 1)]
+    assert {r.ngram_hash for r in ledger.ngrams(["sha-c"])} == {7, 9}
     second = ledger.write_ngram_index()
     assert second != first and ledger.ngram_files() == [second]
-    assert [(r["shard_id"], r["row"], r["shared"]) for r in ledger.documents_sharing([7, 9])] == found
+    assert ledger.documents_sharing([7, 9]) == found

@@ -218,6 +218,107 @@ class NgramRow:
     ngram_hash: int
 
 
+@dataclass(frozen=True)
+class PassedOver:
+    """A damaged checkpoint a resumed segment passed over (an entry of a part's `passed_over`): the steps
+    after `step` were trained again."""
+
+    checkpoint: str
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RunTotals:
+    """Along a run's chain (segments summed): the four token figures, overlap tokens, the last step, the
+    segments and the number of parts (`LedgerQueries.run_totals`)."""
+
+    counts: TokenCounts
+    overlap_tokens: int
+    steps: int
+    segments: tuple[int, ...]
+    parts: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """Flat, the four figures by their TokenCounts names first: how `ghostvis ledger` prints a run."""
+        return {
+            **self.counts.as_dict(),
+            "overlap_tokens": self.overlap_tokens,
+            "steps": self.steps,
+            "segments": list(self.segments),
+            "parts": self.parts,
+        }
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One launch of a run along its chain (`LedgerQueries.segments`): its step range, world size and real
+    tokens (the field order is `ghostvis ledger --run --json`'s)."""
+
+    segment: int
+    first_step: int
+    world_size: int
+    real_tokens: int
+    last_step: int
+
+
+@dataclass(frozen=True)
+class ShardConsumption:
+    """What a run's chain read of one shard (`LedgerQueries.consumed_by_shard`): tokens, the raw row span
+    touched and in how many epochs; `split` is the label the trainer wrote."""
+
+    source: str
+    shard_id: str
+    split: str
+    tokens: int
+    row_start: int
+    row_end: int
+    epochs: int
+
+    @property
+    def rows(self) -> str:
+        """The raw row span touched, "start..end", as the checks and tables show it."""
+        return f"{self.row_start}..{self.row_end}"
+
+
+@dataclass(frozen=True)
+class LeakedShard:
+    """A shard a run's chain read that the shard table does not call train (`LedgerQueries.leakage`):
+    `split` is the table's ("not in the ledger" when it has no record), `label` the trainer's."""
+
+    consumed: ShardConsumption
+    split: str
+
+    @property
+    def label(self) -> str:
+        return self.consumed.split
+
+
+@dataclass(frozen=True)
+class SharedDocument:
+    """A document holding some of the fingerprints looked up (`LedgerQueries.documents_sharing`), with how
+    many distinct ones (`shared`)."""
+
+    shard_id: str
+    content_sha256: str
+    split: str
+    row: int
+    shared: int
+
+
+@dataclass(frozen=True)
+class DocInBothSplits:
+    """A document whose hash is in both a validation and a train shard of a source
+    (`summaries.train_validation_overlap`)."""
+
+    source: str
+    doc_hash: str
+    validation_shard: str
+    validation_row: int
+    train_shard: str
+    train_row: int
+
+
 def schema_of(record: type) -> pa.Schema:
     """The Parquet schema of a ledger table: its record's fields in order, a `json` field as a string."""
     hints = get_type_hints(record)
