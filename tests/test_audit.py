@@ -353,7 +353,7 @@ def test_the_real_training_step_delivers_every_micro_batch_once(planted, monkeyp
     planted bug makes the same comparison fail."""
     import torch
 
-    from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow, ShareRow
+    from ghostvis_core.data.ledger.records import PartRow, ShareRow
     from ghostvis_core.data.ledger.write import pieces_to_rows, row_ranges
     from ghostvis_core.data.loader import merge_pieces
     from ghostvis_core.run.train.dist import DistContext
@@ -385,7 +385,7 @@ def test_the_real_training_step_delivers_every_micro_batch_once(planted, monkeyp
     merged, overlap = merge_pieces(c.pieces)
     counted, _ = recount(
         FileRecount(Home(home).store, spec, {}),
-        [ConsumptionRow("p", "r", "pretrain", 0, **r) for r in pieces_to_rows(merged, trainer.objective.rows_of)],
+        pieces_to_rows(part, merged, trainer.objective.rows_of),
         2 * trainer.plan.tokens_per_step,
     )
     found = (share_problems(part, [share], trainer.plan.rows_per_step), overlap, counted == trainer.state.counts)

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow
+from ghostvis_core.data.ledger.records import ConsumptionRow, NgramRow, PartRow
 from ghostvis_core.data.ngrams import NGRAM, WINDOW, fingerprints, ngram_hash, ngram_hashes, normalize, winnow
 from ghostvis_core.data.shard_ref import ShardRef
 from ghostvis_core.data.tokenize import TokenizeJob, job_for_shard, run_locally, tokenize_shards
@@ -96,7 +96,7 @@ def test_the_documents_of_every_version_of_a_validation_shard_are_evaluation_ite
     ledger = Ledger(tmp_path / "ledger")
     for sha, at, hashes in (("sha-1", 1.0, [1, 2]), ("sha-2", 2.0, [3])):
         ledger.write_shard(shard_record("v/0", split="validation", sha=sha, created_at=at))
-        ledger.write_ngrams("v/0", "prose", "validation", sha, [0] * len(hashes), hashes)
+        ledger.write_ngrams("v/0", sha, [NgramRow("v/0", "prose", "validation", sha, 0, h) for h in hashes])
     assert sorted((i.item, sorted(i.fps)) for i in validation_items(ledger)) == [
         ("v/0 (earlier version sha-1) row 0", [1, 2]),
         ("v/0 row 0", [3]),
@@ -200,7 +200,7 @@ def spec_of(t: SimpleNamespace, **contamination) -> SimpleNamespace:
 
 
 def consumed(shard_id: str, row_start: int, row_end: int) -> ConsumptionRow:
-    return ConsumptionRow("p1", "r", "pretrain", 0, "corp", shard_id, "train", 0, 0, 0, 0, row_start, row_end)
+    return ConsumptionRow("p1", "r", "pretrain", 0, "corp", shard_id, "train", 0, 0, 0, row_start, row_end)
 
 
 def test_tokenization_records_each_documents_winnowed_13_grams(tokenized):

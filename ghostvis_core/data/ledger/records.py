@@ -16,6 +16,7 @@ from typing import Any, get_type_hints
 import pyarrow as pa
 
 from ghostvis_core.counts import TokenCounts
+from ghostvis_core.data.piece import Piece
 from ghostvis_core.plan.batch import BatchPlan
 
 # The tables written per part of a run, each in a folder per run (`LedgerFiles.part_file`).
@@ -32,28 +33,29 @@ def _json() -> Any:
     return field(metadata={"json": True})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ShardRecord:
     """What one tokenized shard holds: docs, tokens, bytes and what was dropped (the `shards` table).
-    Read back, `token_path` is absolute (it is kept relative to the store folder)."""
+    Read back, `token_path` is absolute (it is kept relative to the store folder); written, the
+    writer fills `token_sha256` from the token file (`LedgerWriter.write_shard`)."""
 
     shard_id: str
     source: str
     split: str
     kind: str
     content_sha256: str
-    replaces_sha256: str  # the shard's content before this version ("": its first version)
+    replaces_sha256: str = ""  # the shard's content before this version ("": its first version)
     raw_bytes: int
     tokenizer_id: str
     docs: int
     tokens: int
     text_bytes: int
-    docs_dropped: int
-    tokens_dropped: int
-    drop_reasons: str  # JSON {reason: {"docs": n, "tokens": n}}
+    docs_dropped: int = 0
+    tokens_dropped: int = 0
+    drop_reasons: str = "{}"  # JSON {reason: {"docs": n, "tokens": n}}
     token_path: str
-    token_sha256: str  # of the token file as written: a replaced file shows
-    created_at: float
+    token_sha256: str = ""  # of the token file as written: a replaced file shows
+    created_at: float = field(default_factory=time.time)
 
 
 @dataclass(frozen=True)
@@ -101,22 +103,29 @@ class PartRow:
 
 
 @dataclass(frozen=True)
-class ConsumptionRow:
-    """A (shard, epoch, token range, row range) piece the loader delivered in a part (`consumption`)."""
+class PartKeys:
+    """The part of a run segment a per-part table's row belongs to."""
 
     part_id: str
     run_key: str
     stage: str
     segment: int
-    source: str
-    shard_id: str
-    split: str
-    epoch: int
-    tok_start: int
-    tok_end: int
-    tokens: int
+
+
+@dataclass(frozen=True)
+class ConsumptionRow(Piece, PartKeys):
+    """A piece the loader delivered in a part (`consumption`): the part's keys, then the Piece (shard,
+    epoch, token range, tokens), then the raw rows it spans (the bases' fields come first, in the
+    file's column order)."""
+
     row_start: int
     row_end: int
+
+    @classmethod
+    def of(cls, part: PartRow, piece: Piece, rows: tuple[int, int]) -> ConsumptionRow:
+        """`piece`, read in `part`, spanning raw rows [rows[0], rows[1])."""
+        keys = (part.part_id, part.run_key, part.stage, part.segment)
+        return cls(*keys, piece.source, piece.shard_id, piece.split, piece.epoch, piece.tok_start, piece.tok_end, *rows)
 
 
 @dataclass(frozen=True)
@@ -329,10 +338,24 @@ def schema_of(record: type) -> pa.Schema:
 
 def from_row(record: type, row: dict[str, Any]):
     """A record from a query's row (columns by name; a column an older file lacks reads as None; `json`
-    fields decoded)."""
+    fields decoded; a field the record derives itself, like a Piece's tokens, is not given)."""
     return record(
-        **{f.name: json.loads(row[f.name]) if f.metadata.get("json") else row.get(f.name) for f in fields(record)}
+        **{
+            f.name: json.loads(row[f.name]) if f.metadata.get("json") else row.get(f.name)
+            for f in fields(record)
+            if f.init
+        }
     )
+
+
+def table_of(record: type, rows: list) -> pa.Table:
+    """The Arrow table of a ledger table's rows (`record`s), in its schema (`schema_of`): how every
+    record the ledger writes becomes a file; a `json` field is encoded."""
+    columns = {
+        f.name: [json.dumps(getattr(r, f.name)) if f.metadata.get("json") else getattr(r, f.name) for r in rows]
+        for f in fields(record)
+    }
+    return pa.table(columns, schema=schema_of(record))
 
 
 SHARD_SCHEMA = schema_of(ShardRecord)
