@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from typing import Any, get_type_hints
 
 import pyarrow as pa
@@ -351,10 +352,10 @@ def from_row(record: type, row: dict[str, Any]):
 def table_of(record: type, rows: list) -> pa.Table:
     """The Arrow table of a ledger table's rows (`record`s), in its schema (`schema_of`): how every
     record the ledger writes becomes a file; a `json` field is encoded."""
-    columns = {
-        f.name: [json.dumps(getattr(r, f.name)) if f.metadata.get("json") else getattr(r, f.name) for r in rows]
-        for f in fields(record)
-    }
+    columns = {}
+    for f in fields(record):
+        values = list(map(attrgetter(f.name), rows))
+        columns[f.name] = list(map(json.dumps, values)) if f.metadata.get("json") else values
     return pa.table(columns, schema=schema_of(record))
 
 
