@@ -45,8 +45,9 @@ from tests.conftest import copy_home  # noqa: E402
 
 GOAL_RATIO = 12.0
 SEGMENTS_PER_RUN = 10
-BESIDE_PARTS = [t for t in PART_TABLES if t != "parts"]  # what write_part writes beside the part row
-WRITTEN_BY_WRITE_PART = ("part_id", "run_key", "stage", "segment")  # columns write_part fills in itself
+# what write_part takes as rows but for the part's ids, beside the part row and its consumption rows
+BESIDE_PARTS = [t for t in PART_TABLES if t not in ("parts", "consumption")]
+WRITTEN_BY_WRITE_PART = ("part_id", "run_key")  # columns write_part fills in itself
 
 # The stage's asset checks as Dagster runs them (in process, the definitions' executor), in a child
 # with DAGSTER_HOME set: prints the seconds spent executing, how many checks ran and which failed.
@@ -68,14 +69,15 @@ print(json.dumps({"seconds": seconds, "checks": len(evaluations),
 
 
 def newest_part(ledger: Ledger, run_key: str) -> dict[str, list]:
-    """The run's newest part: its rows in `parts` and in each table beside it, as stored (JSON columns
-    as JSON text, the way write_part takes them)."""
+    """The run's newest part: its rows in `parts` and `consumption` (records), and in each table beside
+    them as stored (JSON columns as JSON text, the way write_part takes them)."""
     chain = ledger.chain(run_key)
     if not chain:
         raise C.BenchError(f"run {run_key} has no part in {ledger.root}; materialize the run's stage first")
     head = chain[-1]
     files = {t: ledger.part_file(t, head) for t in BESIDE_PARTS}
-    return {"parts": [head], **{t: pq.read_table(f).to_pylist() if f.exists() else [] for t, f in files.items()}}
+    beside = {t: pq.read_table(f).to_pylist() if f.exists() else [] for t, f in files.items()}
+    return {"parts": [head], "consumption": ledger.consumption([head]), **beside}
 
 
 def write_copies(ledger: Ledger, part: dict[str, list], n: int, stage: str) -> None:
@@ -98,7 +100,10 @@ def write_copies(ledger: Ledger, part: dict[str, list], n: int, stage: str) -> N
         own = {
             t: [{k: v for k, v in r.items() if k not in WRITTEN_BY_WRITE_PART} for r in part[t]] for t in BESIDE_PARTS
         }
-        ledger.write_part(row, own["consumption"], own["shares"] or None, own["feeds"] or None, own["rollouts"] or None)
+        consumption = [
+            dataclasses.replace(c, part_id=part_id, run_key=run_key, segment=segment) for c in part["consumption"]
+        ]
+        ledger.write_part(row, consumption, own["shares"] or None, own["feeds"] or None, own["rollouts"] or None)
         prev = part_id
 
 

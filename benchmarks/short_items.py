@@ -48,6 +48,7 @@ def shard(store, docs: int, words: int, rng: random.Random) -> str:
 
 def measure(wd: Path, docs: int, words: int) -> dict:
     from ghostvis_core.data.ledger import Ledger
+    from ghostvis_core.data.ledger.records import ShardRecord
     from ghostvis_core.data.shard_ref import ShardRef
     from ghostvis_core.store import FolderStore
     from ghostvis_core.verify.audit.contamination import consumed_texts, known_items, whole_matches
@@ -55,10 +56,10 @@ def measure(wd: Path, docs: int, words: int) -> dict:
     store = FolderStore(wd / "store")
     content = shard(store, docs, words, random.Random(43))
     ledger = Ledger.in_store(store)
-    record = {"shard_id": "bench/00000", "source": "bench", "split": "train", "kind": "text", "docs": docs}
     ledger.write_shard(
-        record | {"content_sha256": content, "raw_bytes": 0, "tokenizer_id": "t", "tokens": 0, "text_bytes": 0}
-    )
+        ShardRecord(shard_id="bench/00000", source="bench", split="train", kind="text", docs=docs,
+                    content_sha256=content, raw_bytes=0, tokenizer_id="t", tokens=0, text_bytes=0, token_path="")
+    )  # fmt: skip
     spec = SimpleNamespace(
         tokenizer_id="t",
         train_shards={"bench": (ShardRef("bench/00000", "bench", "train", "", docs, 0, content),)},

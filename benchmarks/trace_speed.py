@@ -57,6 +57,7 @@ def write_shards(store, n: int, rng: random.Random) -> dict[str, str]:
 
     from ghostvis_core.data.catalog import save_manifest
     from ghostvis_core.data.ledger import Ledger
+    from ghostvis_core.data.ledger.records import NgramRow, ShardRecord
     from ghostvis_core.data.ngrams import fingerprints
     from ghostvis_core.data.sources import Manifest, ShardEntry
     from ghostvis_core.data.token_shard import list_column, write_token_shard
@@ -78,15 +79,12 @@ def write_shards(store, n: int, rng: random.Random) -> dict[str, str]:
         ids = list_column([DOC_TOKENS] * DOCS, flat, np.uint16)
         write_token_shard(tokens, {"tokens": ids, "row": pa.array(range(DOCS), pa.int64())}, "tok")
         store.publish("token_shard", "tok", sid, sha)
-        record = {"shard_id": sid, "source": SOURCE, "split": "train", "kind": "text", "content_sha256": sha}
         ledger.write_shard(
-            record
-            | {"raw_bytes": 0, "tokenizer_id": "tok", "docs": DOCS, "tokens": DOCS * DOC_TOKENS, "text_bytes": 0}
-            | {"token_path": str(tokens)}
-        )
-        rows = [r for r, t in enumerate(texts) for _ in fingerprints(t)]
-        hashes = [h for t in texts for h in fingerprints(t)]
-        ledger.write_ngrams(sid, SOURCE, "train", sha, rows, hashes)
+            ShardRecord(shard_id=sid, source=SOURCE, split="train", kind="text", content_sha256=sha, raw_bytes=0,
+                        tokenizer_id="tok", docs=DOCS, tokens=DOCS * DOC_TOKENS, text_bytes=0, token_path=str(tokens))
+        )  # fmt: skip
+        ngrams = [NgramRow(sid, SOURCE, "train", sha, r, h) for r, t in enumerate(texts) for h in fingerprints(t)]
+        ledger.write_ngrams(sid, sha, ngrams)
     return contents
 
 
@@ -103,7 +101,8 @@ def write_runs(store, n_runs: int, n_shards: int, contents: dict[str, str]) -> l
     from dataclasses import asdict
 
     from ghostvis_core.data.ledger import Ledger
-    from ghostvis_core.data.ledger.records import PartRow
+    from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow, RowIndexRow
+    from ghostvis_core.data.piece import Piece
     from ghostvis_core.data.shard_ref import ShardRef
     from ghostvis_core.plan.batch import BatchPlan
     from ghostvis_core.plan.stages import stage_names
@@ -143,20 +142,23 @@ def write_runs(store, n_runs: int, n_shards: int, contents: dict[str, str]) -> l
             )
             rows = []
             for g in range(rows_first, rows_first + per_part):
-                where = {"part_id": part.part_id, "segment": 0, **place(g - rows_first, plan)}
+                where = place(g - rows_first, plan)
                 where["step"] += step_first - 1
                 for sp in run_rows(first, n_shards, g):
-                    raw = [sp["tok_start"] // DOC_TOKENS, -(-sp["tok_end"] // DOC_TOKENS)]
-                    rows.append(where | sp | {"global_row": g, "row_start": raw[0], "row_end": raw[1]})
-            pieces: dict[str, dict] = {}
+                    raw = {"row_start": sp["tok_start"] // DOC_TOKENS, "row_end": -(-sp["tok_end"] // DOC_TOKENS)}
+                    rows.append(RowIndexRow(part.part_id, key, stage, 0, **where, global_row=g, **sp, **raw))
+            spans: dict[str, list[RowIndexRow]] = {}
             for x in rows:
-                c = pieces.setdefault(
-                    x["shard_id"],
-                    {"source": SOURCE, "shard_id": x["shard_id"], "split": "train", "epoch": 0}
-                    | {"tok_start": x["tok_start"], "row_start": x["row_start"]},
+                spans.setdefault(x.shard_id, []).append(x)
+            pieces = [
+                ConsumptionRow.of(
+                    part,
+                    Piece(SOURCE, sid, "train", 0, xs[0].tok_start, xs[-1].tok_end),
+                    (xs[0].row_start, xs[-1].row_end),
                 )
-                c.update(tok_end=x["tok_end"], row_end=x["row_end"], tokens=x["tok_end"] - c["tok_start"])
-            ledger.write_part(part, list(pieces.values()))
+                for sid, xs in spans.items()
+            ]
+            ledger.write_part(part, pieces)
             chain, index, prev = chain + [part], index + rows, part.part_id
         ledger.write_row_index(chain, index)  # what the run's content proof writes
         runs.append((stage, key))

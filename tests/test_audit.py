@@ -346,7 +346,7 @@ def test_the_real_training_step_delivers_every_micro_batch_once(planted, monkeyp
     planted bug makes the same comparison fail."""
     import torch
 
-    from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow, ShareRow
+    from ghostvis_core.data.ledger.records import PartRow, ShareRow
     from ghostvis_core.data.ledger.write import pieces_to_rows, row_ranges
     from ghostvis_core.data.loader import merge_pieces
     from ghostvis_core.run.train.dist import DistContext
@@ -378,7 +378,7 @@ def test_the_real_training_step_delivers_every_micro_batch_once(planted, monkeyp
     merged, overlap = merge_pieces(c.pieces)
     counted, _ = recount(
         FileRecount(Home(home).store, spec, {}),
-        [ConsumptionRow("p", "r", "pretrain", 0, **r) for r in pieces_to_rows(merged, trainer.objective.rows_of)],
+        pieces_to_rows(part, merged, trainer.objective.rows_of),
         2 * trainer.plan.tokens_per_step,
     )
     found = (share_problems(part, [share], trainer.plan.rows_per_step), overlap, counted == trainer.state.counts)
@@ -485,7 +485,7 @@ def test_an_edited_mlflow_token_metric_is_named(home_copy):
 def test_a_token_shard_replaced_by_other_content_with_the_same_rows_is_named(home_copy):
     h = Home(home_copy)
     run_key = completed_runs(h.store, "pretrain")[-1].run_key
-    shard_id = Ledger.in_store(h.store).consumed_by_shard(run_key)[0]["shard_id"]
+    shard_id = Ledger.in_store(h.store).consumed_by_shard(run_key)[0].shard_id
     tokenizer_id = json.loads(h.store.read_text("run_spec", "pretrain", run_key))["tokenizer_id"]
     content = recorded_sha256(h.store, shard_id)
     path = h.store.fetch("token_shard", tokenizer_id, shard_id, content)  # a folder store's own file, rewritten below
@@ -529,7 +529,7 @@ def test_a_source_file_changed_under_its_name_is_a_new_version_and_the_trained_l
 
     h = Home(home_copy)
     old_run = completed_runs(h.store, "pretrain")[-1].run_key
-    shard_id = Ledger.in_store(h.store).consumed_by_shard(old_run)[0]["shard_id"]
+    shard_id = Ledger.in_store(h.store).consumed_by_shard(old_run)[0].shard_id
     source, name = shard_id.split("/")
     old = recorded_sha256(h.store, shard_id)
     changed = tmp_path / f"{name}.parquet"

@@ -20,7 +20,7 @@ from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.preflight import stream_split_problems
 from ghostvis_core.verify.audit import invariants as inv
-from tests.test_ledger import part, piece, shard_record
+from tests.test_ledger import part, piece, shard_record, write
 
 TPS = 512  # tokens per step of the histories below: 2 x 64 x 2 ranks x 2 micro-batches
 
@@ -37,7 +37,8 @@ def ledger(tmp_path) -> Ledger:
 
 
 def test_a_validation_shard_consumed_under_a_train_label_is_leakage(ledger):
-    ledger.write_part(
+    write(
+        ledger,
         part("l.p0", "l"),
         [piece("demo_prose/00000", (0, 100), (0, 10)), piece("demo_prose/00009", (0, 30), (0, 3), split="train")],
     )
@@ -51,8 +52,10 @@ def test_a_validation_shard_consumed_under_a_train_label_is_leakage(ledger):
 
 
 def test_a_consumed_shard_the_shard_table_does_not_know_fails_too(ledger):
-    ledger.write_part(
-        part("u.p0", "u"), [piece("demo_prose/00000", (0, 100), (0, 10)), piece("demo_web/00000", (0, 40), (0, 4))]
+    write(
+        ledger,
+        part("u.p0", "u"),
+        [piece("demo_prose/00000", (0, 100), (0, 10)), piece("demo_web/00000", (0, 40), (0, 4))],
     )
     outcome = inv.no_validation_leakage(ledger, "u", "tok-a")
     assert outcome.failures == [
@@ -60,7 +63,7 @@ def test_a_consumed_shard_the_shard_table_does_not_know_fails_too(ledger):
         "(ledger shard table: not in the ledger; the trainer labelled it train)"
     ]
     # the shard table of another tokenizer does not vouch for this run's shards
-    assert [r["shard_id"] for r in ledger.leakage("u", "tok-b")] == ["demo_prose/00000", "demo_web/00000"]
+    assert [r.consumed.shard_id for r in ledger.leakage("u", "tok-b")] == ["demo_prose/00000", "demo_web/00000"]
     ledger.write_shard(shard_record("demo_web/00000", source="web"))
     assert inv.no_validation_leakage(ledger, "u", "tok-a").passed
 
@@ -69,7 +72,7 @@ def test_a_consumed_shard_is_judged_by_the_version_the_run_read_not_a_newer_one(
     """demo_prose/00000 changed under its name since the run read it (sha-1, train): its new version (sha-2)
     is pinned as validation. The run is judged by the version it read; a run that read sha-2 leaks."""
     ledger.write_shard(shard_record("demo_prose/00000", sha="sha-2", split="validation", created_at=2.0))
-    ledger.write_part(part("v.p0", "v"), [piece("demo_prose/00000", (0, 100), (0, 10))])
+    write(ledger, part("v.p0", "v"), [piece("demo_prose/00000", (0, 100), (0, 10))])
     assert inv.no_validation_leakage(ledger, "v", "tok-a", {"demo_prose/00000": "sha-1"}).passed
     assert not inv.no_validation_leakage(ledger, "v", "tok-a").passed  # the newest record says validation
     outcome = inv.no_validation_leakage(ledger, "v", "tok-a", {"demo_prose/00000": "sha-2"})
@@ -125,8 +128,8 @@ def test_each_stream_holds_only_shards_of_its_split_by_the_ledger(ledger):
 
 def chain_of_two_parts(ledger: Ledger) -> list[dict]:
     """Run 'h': part h.p0 steps 1..2 and h.p1 steps 3..4, 1,024 real (and loss) tokens each."""
-    ledger.write_part(part("h.p0", "h", steps=(1, 2), real=2 * TPS, loss=2 * TPS, created_at=1.0), [])
-    ledger.write_part(part("h.p1", "h", steps=(3, 4), prev="h.p0", real=2 * TPS, loss=2 * TPS, created_at=2.0), [])
+    write(ledger, part("h.p0", "h", steps=(1, 2), real=2 * TPS, loss=2 * TPS, created_at=1.0), [])
+    write(ledger, part("h.p1", "h", steps=(3, 4), prev="h.p0", real=2 * TPS, loss=2 * TPS, created_at=2.0), [])
     return ledger.chain("h")
 
 
@@ -189,14 +192,18 @@ def test_a_resume_from_a_checkpoint_too_early_names_the_parts_segments_and_steps
     """Segment 0 committed steps 1..2 and 3..4; its step-4 checkpoint was lost, so segment 1 resumed from
     step 2's and read steps 3..4 again: tokens 512..1024 of the shard twice."""
     ledger = Ledger(tmp_path / "ledger")
-    ledger.write_part(
-        part("r.s000.p000000002", "r", steps=(1, 2), created_at=1.0), [piece("demo_prose/00000", (0, 512), (0, 5))]
+    write(
+        ledger,
+        part("r.s000.p000000002", "r", steps=(1, 2), created_at=1.0),
+        [piece("demo_prose/00000", (0, 512), (0, 5))],
     )
-    ledger.write_part(
+    write(
+        ledger,
         part("r.s000.p000000004", "r", steps=(3, 4), prev="r.s000.p000000002", created_at=2.0),
         [piece("demo_prose/00000", (512, 1024), (5, 9))],
     )
-    ledger.write_part(
+    write(
+        ledger,
         part("r.s001.p000000004", "r", segment=1, steps=(3, 4), prev="r.s000.p000000002", created_at=3.0),
         [piece("demo_prose/00000", (512, 1024), (5, 9))],
     )
@@ -222,8 +229,9 @@ def test_a_resume_from_a_checkpoint_too_early_names_the_parts_segments_and_steps
 
 def test_a_cross_stage_reuse_names_the_runs_too(tmp_path):
     ledger = Ledger(tmp_path / "ledger")
-    ledger.write_part(part("pre.p0", "pre", steps=(1, 10), created_at=1.0), [piece("s0", (0, 100), (0, 10))])
-    ledger.write_part(
+    write(ledger, part("pre.p0", "pre", steps=(1, 10), created_at=1.0), [piece("s0", (0, 100), (0, 10))])
+    write(
+        ledger,
         part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", steps=(1, 4), created_at=2.0),
         [piece("s0", (50, 150), (5, 15))],
     )

@@ -8,7 +8,7 @@ import pytest
 
 from ghostvis_core.counts import ROLLOUT_FIGURES, TokenCounts
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.ledger.records import PartRow, ShareRow
+from ghostvis_core.data.ledger.records import PartRow, ShardRecord, ShareRow
 from ghostvis_core.data.ledger.write import row_ranges
 from ghostvis_core.data.tokenizer import newest_tokenizer
 from ghostvis_core.errors import GhostvisError
@@ -71,19 +71,19 @@ def test_the_real_shard_selection_refuses_a_validation_shard(tmp_path, monkeypat
         ref = write_shard(token_file.parent.parent, token_file.parent.name, content, [[1, 2, 3], [4, 5]], split=split)
         store.publish("token_shard", "tok", shard_id, content)
         ledger.write_shard(
-            {
-                "shard_id": shard_id,
-                "source": "prose",
-                "split": split,
-                "kind": "text",
-                "content_sha256": content,
-                "raw_bytes": 1,
-                "tokenizer_id": "tok",
-                "docs": ref.docs,
-                "tokens": ref.tokens,
-                "text_bytes": 1,
-                "token_path": ref.path,
-            }
+            ShardRecord(
+                shard_id=shard_id,
+                source="prose",
+                split=split,
+                kind="text",
+                content_sha256=content,
+                raw_bytes=1,
+                tokenizer_id="tok",
+                docs=ref.docs,
+                tokens=ref.tokens,
+                text_bytes=1,
+                token_path=ref.path,
+            )
         )
     selected = select_shards(ledger, store, "tok", ["prose"], "train")
     assert [r.shard_id for r in selected["prose"]] == ["prose/train-000"]

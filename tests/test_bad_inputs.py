@@ -448,16 +448,16 @@ def test_an_intact_checkpoint_round_trips_through_its_marker(home, tmp_path):
 def tokenized_version(store: FolderStore, shard_id: str, content: str, replaces: str = "") -> None:
     """A token file and its ledger record for one version (raw content) of a shard, as a worker writes them."""
     from ghostvis_core.data.ledger import Ledger
+    from ghostvis_core.data.ledger.records import ShardRecord
     from ghostvis_core.data.token_shard import list_column, write_token_shard
 
     path = store.writable("token_shard", "tok", shard_id, content)
     write_token_shard(path, {"row": pa.array([0], pa.int64()), "tokens": list_column([3], [1, 2, 3], "uint16")})
     store.publish("token_shard", "tok", shard_id, content)
-    record = {"shard_id": shard_id, "source": "web", "split": "train", "kind": "text", "content_sha256": content}
-    Ledger.in_store(store).write_shard(
-        {**record, "replaces_sha256": replaces, "raw_bytes": 1, "tokenizer_id": "tok", "docs": 1, "tokens": 3}
-        | {"text_bytes": 1, "token_path": str(path)}
-    )
+    record = ShardRecord(shard_id=shard_id, source="web", split="train", kind="text", content_sha256=content,
+                         replaces_sha256=replaces, raw_bytes=1, tokenizer_id="tok", docs=1, tokens=3, text_bytes=1,
+                         token_path=str(path))  # fmt: skip
+    Ledger.in_store(store).write_shard(record)
 
 
 def test_a_source_file_changed_under_its_name_becomes_a_new_version_and_the_old_one_stays(home, tmp_path):

@@ -13,6 +13,7 @@ from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow
 from ghostvis_core.data.ledger.summaries import merge_ranges, run_consumption
+from ghostvis_core.data.piece import Piece
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_pipeline.cli import main as cli_main
@@ -29,18 +30,8 @@ def _part(step_first: int, step_last: int, segment: int, prev: str, real: int) -
     )  # fmt: skip
 
 
-def _piece(shard: str, a: int, b: int, rows: tuple[int, int]) -> dict:
-    return {
-        "source": shard.split("/")[0],
-        "shard_id": shard,
-        "split": "train",
-        "epoch": 0,
-        "tok_start": a,
-        "tok_end": b,
-        "tokens": b - a,
-        "row_start": rows[0],
-        "row_end": rows[1],
-    }
+def _piece(part: PartRow, shard: str, a: int, b: int, rows: tuple[int, int]) -> ConsumptionRow:
+    return ConsumptionRow.of(part, Piece(shard.split("/")[0], shard, "train", 0, a, b), rows)
 
 
 @pytest.fixture
@@ -49,8 +40,9 @@ def two_segment_home(tmp_path, monkeypatch) -> Path:
     32 tokens a step, half from each of two shards."""
     ledger = Ledger.in_store(Home(tmp_path).store)
     first = _part(1, 2, 0, "", 64)
-    ledger.write_part(first, [_piece("a/0", 0, 32, (0, 3)), _piece("b/0", 0, 32, (0, 2))])
-    ledger.write_part(_part(3, 4, 1, first.part_id, 64), [_piece("a/0", 32, 64, (2, 5)), _piece("b/0", 32, 64, (1, 4))])
+    ledger.write_part(first, [_piece(first, "a/0", 0, 32, (0, 3)), _piece(first, "b/0", 0, 32, (0, 2))])
+    second = _part(3, 4, 1, first.part_id, 64)
+    ledger.write_part(second, [_piece(second, "a/0", 32, 64, (2, 5)), _piece(second, "b/0", 32, 64, (1, 4))])
     monkeypatch.setenv("GHOSTVIS_HOME", str(tmp_path))
     return tmp_path
 
@@ -68,10 +60,8 @@ def test_run_consumption_joins_touching_parts_and_keeps_segments(two_segment_hom
 
 
 def test_merge_ranges_keeps_an_overlap_visible():
-    rows = [
-        ConsumptionRow("p", RUN, "pretrain", 0, **p)
-        for p in (_piece("a/0", 0, 32, (0, 3)), _piece("a/0", 16, 48, (1, 4)))
-    ]  # 16 tokens read twice
+    part = _part(1, 2, 0, "", 64)
+    rows = [_piece(part, "a/0", 0, 32, (0, 3)), _piece(part, "a/0", 16, 48, (1, 4))]  # 16 tokens read twice
     assert [(r["tok_start"], r["tok_end"]) for r in merge_ranges(rows)] == [(0, 32), (16, 48)]
 
 

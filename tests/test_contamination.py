@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow
+from ghostvis_core.data.ledger.records import ConsumptionRow, NgramRow, PartRow
 from ghostvis_core.data.ngrams import NGRAM, WINDOW, fingerprints, ngram_hash, ngram_hashes, normalize, winnow
 from ghostvis_core.data.shard_ref import ShardRef
 from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards
@@ -97,7 +97,7 @@ def test_the_documents_of_every_version_of_a_validation_shard_are_evaluation_ite
     ledger = Ledger(tmp_path / "ledger")
     for sha, at, hashes in (("sha-1", 1.0, [1, 2]), ("sha-2", 2.0, [3])):
         ledger.write_shard(shard_record("v/0", split="validation", sha=sha, created_at=at))
-        ledger.write_ngrams("v/0", "prose", "validation", sha, [0] * len(hashes), hashes)
+        ledger.write_ngrams("v/0", sha, [NgramRow("v/0", "prose", "validation", sha, 0, h) for h in hashes])
     assert sorted((i.item, sorted(i.fps)) for i in validation_items(ledger)) == [
         ("v/0 (earlier version sha-1) row 0", [1, 2]),
         ("v/0 row 0", [3]),
@@ -189,7 +189,7 @@ def spec_of(t: SimpleNamespace, **contamination) -> SimpleNamespace:
 
 
 def consumed(shard_id: str, row_start: int, row_end: int) -> ConsumptionRow:
-    return ConsumptionRow("p1", "r", "pretrain", 0, "corp", shard_id, "train", 0, 0, 0, 0, row_start, row_end)
+    return ConsumptionRow("p1", "r", "pretrain", 0, "corp", shard_id, "train", 0, 0, 0, row_start, row_end)
 
 
 def test_tokenization_records_each_documents_winnowed_13_grams(tokenized):
@@ -197,8 +197,8 @@ def test_tokenization_records_each_documents_winnowed_13_grams(tokenized):
     rows = t.ledger.ngrams([t.jobs["corp/00000"].content_sha256])
     by_row: dict[int, set[int]] = {}
     for r in rows:
-        by_row.setdefault(r["row"], set()).add(r["ngram_hash"])
-        assert (r["shard_id"], r["split"]) == ("corp/00000", "train")
+        by_row.setdefault(r.row, set()).add(r.ngram_hash)
+        assert (r.shard_id, r.source, r.split) == ("corp/00000", "corp", "train")
     assert by_row == {i: fingerprints(text) for i, text in enumerate(t.texts["corp/00000"])}
     n_grams = len(ngram_hashes(t.texts["corp/00000"][2]))  # 80 words: 68 13-grams, about 2/9 of them kept
     assert n_grams == 68 and 68 // 9 <= len(by_row[2]) <= 68 // 2

@@ -163,12 +163,12 @@ def test_a_wrong_removed_count_fails_the_check_in_dagster(deduped, tmp_path, mon
     reasons = json.loads(record.drop_reasons)
     reasons["minhash_dup"]["tokens"] += 1
     ledger.write_shard(
-        {
-            **dataclasses.asdict(record),
-            "tokens_dropped": record.tokens_dropped + 1,
-            "drop_reasons": json.dumps(reasons),
-            "created_at": record.created_at + 1,
-        }
+        dataclasses.replace(
+            record,
+            tokens_dropped=record.tokens_dropped + 1,
+            drop_reasons=json.dumps(reasons),
+            created_at=record.created_at + 1,
+        )
     )
     outcome = removed_tokens_reconcile(Home(home).store, ledger, record.tokenizer_id)
     tokens = record.tokens_dropped

@@ -68,16 +68,16 @@ def test_ledger_mlflow_and_dagster_agree_to_the_token_for_every_stage(demo_home)
         metrics = client.get_run(md["mlflow_run_id"]).data.metrics
         cfg = presets.resolve(stage, "smoke")
         p = plan(cfg)
-        assert md["steps"] == totals["steps"] == p.steps
+        assert md["steps"] == totals.steps == p.steps
         assert md["real_tokens"] + md["pad_tokens"] == p.steps * p.batch.tokens_per_step == md["planned_tokens"]
         assert md["tokens_per_step"] == (
             md["micro_batch_size"] * md["seq_len"] * md["world_size"] * md["grad_accum_steps"]
         )
         for key, metric in MLFLOW_METRICS.items():
-            assert md[key] == totals[key] == int(metrics[metric]), (stage, key)
+            assert md[key] == getattr(totals.counts, key) == int(metrics[metric]), (stage, key)
         # the pieces read from shards are exactly the tokens trained (+ cropped; DPO reads its prompt once
         # for two rows, an image is n_latents positions for one token)
-        consumed = sum(r["tokens"] for r in ledger.consumed_by_shard(md["run_key"]))
+        consumed = sum(r.tokens for r in ledger.consumed_by_shard(md["run_key"]))
         if cfg.objective == "lm":
             assert consumed == md["real_tokens"]
         elif cfg.objective == "sft":  # each image chat's one <|image|> token filled n_latents positions
@@ -123,7 +123,9 @@ def test_rematerializing_one_stage_through_the_dagster_cli(home_copy):
     assert after["mlflow_run_id"] != before["mlflow_run_id"]
     assert after["parent_run_key"] == vision["run_key"]  # from the stored upstream checkpoint
     assert after["real_tokens"] == before["real_tokens"]  # same config, same data, deterministic packing
-    assert Ledger.in_store(Home(home_copy).store).run_totals(after["run_key"])["real_tokens"] == after["real_tokens"]
+    assert (
+        Ledger.in_store(Home(home_copy).store).run_totals(after["run_key"]).counts.real_tokens == after["real_tokens"]
+    )
 
 
 def test_ghostvis_ledger_json_shows_the_same_totals(demo_home):
@@ -182,9 +184,9 @@ def test_plain_torchrun_runs_a_stage_without_dagster(home_copy):
     runs = [p for p in ledger.parts(stage="pretrain") if p.step_last == 4 and p.world_size == 2]
     assert runs
     totals = ledger.run_totals(runs[-1].run_key)
-    assert totals["real_tokens"] == 4 * 4 * 256 * 2 and totals["overlap_tokens"] == 0  # 4 steps of the smoke batch
+    assert totals.counts.real_tokens == 4 * 4 * 256 * 2 and totals.overlap_tokens == 0  # 4 steps of the smoke batch
     # the consumed token ranges of the two ranks tile exactly the trained tokens
-    assert sum(r["tokens"] for r in ledger.consumed_by_shard(runs[-1].run_key)) == totals["real_tokens"]
+    assert sum(r.tokens for r in ledger.consumed_by_shard(runs[-1].run_key)) == totals.counts.real_tokens
 
 
 def test_report_card_token_figures_equal_the_ledger_and_evidence_is_listed(demo_home):
@@ -197,8 +199,8 @@ def test_report_card_token_figures_equal_the_ledger_and_evidence_is_listed(demo_
     for r in rows:
         totals = ledger.run_totals(r["run_key"])
         for key in TokenCounts.names():
-            assert r["totals"][key] == totals[key]
-        assert f"data-stage='{r['stage']}'" in html and f"{totals['real_tokens']:,}" in html
+            assert r["totals"][key] == getattr(totals.counts, key)
+        assert f"data-stage='{r['stage']}'" in html and f"{totals.counts.real_tokens:,}" in html
     assert (Path(md["report_html"]).parent / "loss_curves.png").stat().st_size > 10_000
     assert "preference_accuracy" in html and "caption_image_gap" in html and "H100" in html
     assert "evidence improve?</h2>" in html  # per stage whether its evidence improved, and why not

@@ -251,7 +251,7 @@ def test_the_trainer_with_async_checkpoints_trains_and_commits_like_the_sync_one
         assert (r.path / "ledger").is_dir() and marker["step"] == r.step
         assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(marker["sha256"])
     assert ledger.run_totals(keys[1]) == ledger.run_totals(keys[0])
-    assert ledger.run_totals(keys[1])["real_tokens"] == 6 * 4 * 256 * 2 and ledger.run_totals(keys[1])["parts"] == 3
+    assert ledger.run_totals(keys[1]).counts.real_tokens == 6 * 4 * 256 * 2 and ledger.run_totals(keys[1]).parts == 3
     config = json.loads((refs[-1].path / "config.json").read_text())
     assert config["checkpoint"]["async_save"] is True and config["parallel"]["strategy"] == "fsdp"
     cfg = ModelConfig(**config["model"])

@@ -14,12 +14,22 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.counts import TokenCounts
+from ghostvis_core.data.ledger import Ledger, records
 from ghostvis_core.data.ledger.files import write_parquet
-from ghostvis_core.data.ledger.records import PART_SCHEMA, PART_TABLES, PartRow
+from ghostvis_core.data.ledger.records import (
+    PART_SCHEMA,
+    PART_TABLES,
+    ConsumptionRow,
+    NgramRow,
+    PartRow,
+    RowIndexRow,
+    ShardRecord,
+)
 from ghostvis_core.data.ledger.summaries import run_summaries
 from ghostvis_core.data.ledger.write import pieces_to_rows
 from ghostvis_core.data.loader import Batcher, Consumption, LMRows, merge_pieces, micro_batch_rows
+from ghostvis_core.data.piece import Piece
 from ghostvis_core.data.shard_ref import ShardRef
 from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.data.token_shard import TokenShard, list_column, write_token_shard
@@ -46,21 +56,21 @@ def shard_record(
     sha="sha-1",
     created_at=1.0,
     token_path="",
-) -> dict:
-    return {
-        "shard_id": shard_id,
-        "source": source,
-        "split": split,
-        "kind": "text",
-        "content_sha256": sha,
-        "raw_bytes": 1000,
-        "tokenizer_id": tokenizer_id,
-        "docs": docs,
-        "tokens": tokens,
-        "text_bytes": 4 * tokens,
-        "token_path": token_path,
-        "created_at": created_at,
-    }
+) -> ShardRecord:
+    return ShardRecord(
+        shard_id=shard_id,
+        source=source,
+        split=split,
+        kind="text",
+        content_sha256=sha,
+        raw_bytes=1000,
+        tokenizer_id=tokenizer_id,
+        docs=docs,
+        tokens=tokens,
+        text_bytes=4 * tokens,
+        token_path=token_path,
+        created_at=created_at,
+    )
 
 
 def part(
@@ -113,18 +123,19 @@ def part(
     )
 
 
-def piece(shard_id, tok, rows, *, source="prose", split="train", epoch=0) -> dict:
-    return {
-        "source": source,
-        "shard_id": shard_id,
-        "split": split,
-        "epoch": epoch,
-        "tok_start": tok[0],
-        "tok_end": tok[1],
-        "tokens": tok[1] - tok[0],
-        "row_start": rows[0],
-        "row_end": rows[1],
-    }
+def piece(shard_id, tok, rows, *, source="prose", split="train", epoch=0) -> tuple[Piece, tuple[int, int]]:
+    """Tokens `tok` of a shard read in `epoch`, spanning raw `rows`: a consumption row once its part is known."""
+    return Piece(source, shard_id, split, epoch, *tok), rows
+
+
+def ngram(shard_id: str, split: str, sha: str, row: int, ngram_hash: int) -> NgramRow:
+    """One fingerprint of a document (raw `row`) of a shard whose source is the shard id's folder."""
+    return NgramRow(shard_id, shard_id.split("/")[0], split, sha, row, ngram_hash)
+
+
+def write(ledger: Ledger, part: PartRow, pieces: list[tuple[Piece, tuple[int, int]]], **beside) -> None:
+    """`Ledger.write_part` of the part and its `piece`s (and the tables `beside` it)."""
+    ledger.write_part(part, [ConsumptionRow.of(part, p, rows) for p, rows in pieces], **beside)
 
 
 # ---------------------------------------------------------------- shards
@@ -170,7 +181,9 @@ def test_writing_the_same_shard_record_twice_is_harmless(ledger):
 
 def test_empty_ledger(ledger):
     assert ledger.shards() == [] and ledger.parts() == [] and ledger.chain("nope") == []
-    assert ledger.run_totals("nope")["real_tokens"] == 0 and ledger.run_totals("nope")["steps"] == 0
+    assert ledger.run_totals("nope") == records.RunTotals(
+        TokenCounts(), overlap_tokens=0, steps=0, segments=(), parts=0
+    )
     assert ledger.reuse("nope") == [] and ledger.leakage("nope") == []
 
 
@@ -181,11 +194,13 @@ def test_empty_ledger(ledger):
 def resumed_run(ledger) -> Ledger:
     """Run 'r': segment 0 wrote p0 (steps 1-10) and p1 (11-20); p1's checkpoint was lost and segment 1
     resumed from p0's, writing p2 (11-20, prev p0) and p3 (21-30, prev p2). p1 is orphaned."""
-    ledger.write_part(
+    write(
+        ledger,
         part("r.p0", "r", steps=(1, 10), real=100, pad=1, loss=90, cropped=2, created_at=1.0),
         [piece("s0", (0, 40), (0, 4))],
     )
-    ledger.write_part(
+    write(
+        ledger,
         part(
             "r.p1",
             "r",
@@ -200,11 +215,13 @@ def resumed_run(ledger) -> Ledger:
         ),
         [piece("s0", (40, 80), (4, 8)), piece("v0", (0, 10), (0, 1), split="validation")],
     )
-    ledger.write_part(
+    write(
+        ledger,
         part("r.p2", "r", segment=1, steps=(11, 20), prev="r.p0", real=200, pad=3, loss=180, cropped=4, created_at=3.0),
         [piece("s0", (50, 90), (5, 9))],
     )
-    ledger.write_part(
+    write(
+        ledger,
         part("r.p3", "r", segment=1, steps=(21, 30), prev="r.p2", real=300, pad=5, loss=270, cropped=6, created_at=4.0),
         [piece("s0", (90, 130), (9, 13))],
     )
@@ -218,14 +235,22 @@ def test_chain_follows_prev_part_links(resumed_run):
 
 def test_run_totals_sum_the_chain_and_ignore_the_orphan(resumed_run):
     t = resumed_run.run_totals("r")
-    assert (t["real_tokens"], t["pad_tokens"], t["loss_tokens"], t["cropped_tokens"]) == (600, 9, 540, 12)
-    assert t["overlap_tokens"] == 0  # the orphan's 7 are not counted
-    assert t["steps"] == 30 and t["segments"] == [0, 1] and t["parts"] == 3
+    assert t.counts == TokenCounts(real_tokens=600, pad_tokens=9, loss_tokens=540, cropped_tokens=12)
+    assert t.overlap_tokens == 0  # the orphan's 7 are not counted
+    assert t.steps == 30 and t.segments == (0, 1) and t.parts == 3
+
+
+def test_segments_are_the_chains_launches(resumed_run):
+    """Per segment of the chain: its first and last step, world size and real tokens (the orphan p1's not)."""
+    assert resumed_run.segments("r") == [
+        records.Segment(0, first_step=1, world_size=2, real_tokens=100, last_step=10),
+        records.Segment(1, first_step=11, world_size=2, real_tokens=500, last_step=30),
+    ]
 
 
 def test_consumed_by_shard_along_the_chain(resumed_run):
     (s0,) = resumed_run.consumed_by_shard("r")  # v0 was only read by the orphan
-    assert (s0["shard_id"], s0["tokens"], s0["row_start"], s0["row_end"], s0["epochs"]) == ("s0", 120, 0, 13, 1)
+    assert s0 == records.ShardConsumption("prose", "s0", "train", tokens=120, row_start=0, row_end=13, epochs=1)
 
 
 def test_reuse_same_run_same_epoch(resumed_run):
@@ -250,13 +275,14 @@ def test_steps_trained_again_after_a_damaged_checkpoint_are_declared_not_reuse(l
     of another checkpoint, or none, leaves it reuse. A part file written before `passed_over` existed reads
     beside the new ones (columns by name)."""
     old_schema = pa.schema([f for f in PART_SCHEMA if f.name != "passed_over"])
-    ledger.write_part(part("r.p0", "r", steps=(1, 10), created_at=1.0), [piece("s0", (0, 40), (0, 4))])
+    write(ledger, part("r.p0", "r", steps=(1, 10), created_at=1.0), [piece("s0", (0, 40), (0, 4))])
     old_file = ledger.part_file("parts", part("r.p0", "r", steps=(1, 10)))
     old_row = {k: v for k, v in dataclasses.asdict(part("r.p0", "r")).items() if k != "passed_over"}
     write_parquet(old_file, [old_row], old_schema)
-    ledger.write_part(part("r.p1", "r", steps=(11, 20), prev="r.p0", created_at=2.0), [piece("s0", (40, 80), (4, 8))])
+    write(ledger, part("r.p1", "r", steps=(11, 20), prev="r.p0", created_at=2.0), [piece("s0", (40, 80), (4, 8))])
     for i, (steps, tok, rows) in enumerate([((11, 20), (40, 80), (4, 8)), ((21, 30), (80, 120), (8, 12))], start=2):
-        ledger.write_part(
+        write(
+            ledger,
             part(
                 f"r.p{i}",
                 "r",
@@ -292,10 +318,13 @@ def test_steps_trained_again_after_a_damaged_checkpoint_are_declared_not_reuse(l
 
 @pytest.mark.parametrize("allow_repeat, kind", [(True, "repeat"), (False, "undeclared_repeat")])
 def test_repeat_in_another_epoch(ledger, allow_repeat, kind):
-    ledger.write_part(
-        part("e.p0", "e", steps=(1, 10), allow_repeat=allow_repeat, created_at=1.0), [piece("s0", (0, 100), (0, 10))]
+    write(
+        ledger,
+        part("e.p0", "e", steps=(1, 10), allow_repeat=allow_repeat, created_at=1.0),
+        [piece("s0", (0, 100), (0, 10))],
     )
-    ledger.write_part(
+    write(
+        ledger,
         part("e.p1", "e", steps=(11, 20), prev="e.p0", allow_repeat=allow_repeat, created_at=2.0),
         [piece("s0", (0, 30), (0, 3), epoch=1)],
     )
@@ -307,7 +336,8 @@ def test_repeat_in_another_epoch(ledger, allow_repeat, kind):
 
 @pytest.mark.parametrize("allow_repeat, kind", [(True, "repeat"), (False, "undeclared_repeat")])
 def test_repeat_within_one_part(ledger, allow_repeat, kind):
-    ledger.write_part(
+    write(
+        ledger,
         part("w.p0", "w", allow_repeat=allow_repeat),
         [piece("s0", (0, 100), (0, 10)), piece("s0", (0, 25), (0, 3), epoch=1)],
     )
@@ -318,7 +348,8 @@ def test_repeat_within_one_part(ledger, allow_repeat, kind):
 
 @pytest.fixture
 def parent_run(ledger) -> Ledger:
-    ledger.write_part(
+    write(
+        ledger,
         part("pre.p0", "pre", created_at=1.0),
         [piece("s0", (0, 100), (0, 10)), piece("c0", (0, 50), (0, 5), source="code")],
     )
@@ -329,7 +360,8 @@ def parent_run(ledger) -> Ledger:
     "replay, kind", [("[]", "undeclared_cross_stage"), ('["code"]', "undeclared_cross_stage"), ('["prose"]', "replay")]
 )
 def test_child_run_overlapping_its_parent(parent_run, replay, kind):
-    parent_run.write_part(
+    write(
+        parent_run,
         part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", replay=replay, created_at=2.0),
         [piece("s0", (60, 120), (6, 12))],
     )
@@ -345,7 +377,8 @@ def test_child_run_overlapping_its_parent(parent_run, replay, kind):
 def test_no_reuse_names_the_setting_that_declares_a_replay(parent_run):
     from ghostvis_core.verify.audit.invariants import no_reuse
 
-    parent_run.write_part(
+    write(
+        parent_run,
         part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", created_at=2.0),
         [piece("s0", (60, 120), (6, 12))],
     )
@@ -362,7 +395,7 @@ def test_no_reuse_names_the_setting_that_declares_a_replay(parent_run):
 def test_no_reuse_names_the_setting_that_declares_a_repeat(ledger):
     from ghostvis_core.verify.audit.invariants import no_reuse
 
-    ledger.write_part(part("w.p0", "w"), [piece("s0", (0, 100), (0, 10)), piece("s0", (0, 25), (0, 3), epoch=1)])
+    write(ledger, part("w.p0", "w"), [piece("s0", (0, 100), (0, 10)), piece("s0", (0, 25), (0, 3), epoch=1)])
     out = no_reuse(ledger, "w")
     assert out.failures[-1] == (
         "source(s) prose were read in a second epoch by this run (the budget is larger than the data): declare it "
@@ -371,11 +404,13 @@ def test_no_reuse_names_the_setting_that_declares_a_repeat(ledger):
 
 
 def test_grandchild_sees_the_grandparent(parent_run):
-    parent_run.write_part(
+    write(
+        parent_run,
         part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", created_at=2.0),
         [piece("s0", (100, 150), (10, 15))],
     )
-    parent_run.write_part(
+    write(
+        parent_run,
         part("ctx.p0", "ctx", parent="cpt", stage="context_expansion", created_at=3.0),
         [piece("c0", (40, 60), (4, 6), source="code")],
     )
@@ -385,7 +420,8 @@ def test_grandchild_sees_the_grandparent(parent_run):
 
 
 def test_disjoint_or_touching_ranges_are_not_reuse(parent_run):
-    parent_run.write_part(
+    write(
+        parent_run,
         part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", created_at=2.0),
         [
             piece("s0", (100, 150), (10, 15)),  # touches the parent's [0,100), no overlap
@@ -393,7 +429,8 @@ def test_disjoint_or_touching_ranges_are_not_reuse(parent_run):
             piece("c0", (50, 80), (5, 8), source="code"),
         ],
     )
-    parent_run.write_part(
+    write(
+        parent_run,
         part("cpt.p1", "cpt", parent="pre", stage="continued_pretrain", steps=(11, 20), prev="cpt.p0", created_at=3.0),
         [piece("s0", (150, 200), (15, 20))],
     )
@@ -401,7 +438,7 @@ def test_disjoint_or_touching_ranges_are_not_reuse(parent_run):
 
 
 def test_unrelated_runs_are_not_compared(parent_run):
-    parent_run.write_part(part("other.p0", "other", created_at=2.0), [piece("s0", (0, 100), (0, 10))])
+    write(parent_run, part("other.p0", "other", created_at=2.0), [piece("s0", (0, 100), (0, 10))])
     assert parent_run.reuse("other") == []
 
 
@@ -411,27 +448,26 @@ def test_unrelated_runs_are_not_compared(parent_run):
 def test_leakage_lists_validation_shards_trained_on(ledger):
     ledger.write_shard(shard_record("s0"))
     ledger.write_shard(shard_record("v0", split="validation"))
-    ledger.write_part(
+    write(
+        ledger,
         part("l.p0", "l", created_at=1.0),
         [piece("s0", (0, 100), (0, 10)), piece("v0", (0, 30), (0, 3), split="validation")],
     )
-    ledger.write_part(
+    write(
+        ledger,
         part("l.p1", "l", steps=(11, 20), prev="l.p0", created_at=2.0),
         [piece("v0", (30, 50), (3, 5), split="validation")],
     )
     (leak,) = ledger.leakage("l")
-    assert (leak["shard_id"], leak["split"], leak["tokens"], leak["row_start"], leak["row_end"]) == (
-        "v0",
-        "validation",
-        50,
-        0,
-        5,
+    assert leak.consumed == records.ShardConsumption(
+        "prose", "v0", "validation", tokens=50, row_start=0, row_end=5, epochs=1
     )
+    assert (leak.split, leak.label, leak.consumed.rows) == ("validation", "validation", "0..5")
 
 
 def test_no_leakage_when_only_train_shards(ledger):
     ledger.write_shard(shard_record("s0"))
-    ledger.write_part(part("ok.p0", "ok"), [piece("s0", (0, 100), (0, 10))])
+    write(ledger, part("ok.p0", "ok"), [piece("s0", (0, 100), (0, 10))])
     assert ledger.leakage("ok") == []
 
 
@@ -486,34 +522,34 @@ def test_ledger_totals_equal_the_files_and_the_loader(tmp_path, ledger):
         merged, overlap = merge_pieces(cons.pieces)
         pid = f"t.p{pi}"
         c = cons.counts
+        row = part(
+            pid,
+            "t",
+            steps=steps,
+            prev=prev,
+            real=c.real_tokens,
+            pad=c.pad_tokens,
+            loss=c.loss_tokens,
+            cropped=c.cropped_tokens,
+            overlap=overlap,
+            created_at=10.0 + pi,
+        )
         ledger.write_part(
-            part(
-                pid,
-                "t",
-                steps=steps,
-                prev=prev,
-                real=c.real_tokens,
-                pad=c.pad_tokens,
-                loss=c.loss_tokens,
-                cropped=c.cropped_tokens,
-                overlap=overlap,
-                created_at=10.0 + pi,
-            ),
-            pieces_to_rows(merged, lambda p: shard_by_id[p.shard_id].rows_of(p.tok_start, p.tok_end)),
+            row, pieces_to_rows(row, merged, lambda p: shard_by_id[p.shard_id].rows_of(p.tok_start, p.tok_end))
         )
         prev = pid
     totals = ledger.run_totals("t")
-    assert totals["real_tokens"] == 3 * 64 == 192 and totals["steps"] == 3 and totals["overlap_tokens"] == 0
+    assert totals.counts.real_tokens == 3 * 64 == 192 and totals.steps == 3 and totals.overlap_tokens == 0
     per_shard = ledger.consumed_by_shard("t")
-    assert sum(r["tokens"] for r in per_shard) == 192  # consumption rows add up to real_tokens
+    assert sum(r.tokens for r in per_shard) == 192  # consumption rows add up to real_tokens
     total_available = sum(on_disk.values())
     assert total_available > 192 + 1  # the data holds more than was read: all of it is epoch 0
     assert ledger.reuse("t") == []
-    assert {r["epochs"] for r in per_shard} == {1}
+    assert {r.epochs for r in per_shard} == {1}
     for r in per_shard:
-        assert r["tokens"] <= on_disk[r["shard_id"]]
-        n_docs = next(x.docs for x in records if x.shard_id == r["shard_id"])
-        assert 0 <= r["row_start"] < r["row_end"] <= n_docs
+        assert r.tokens <= on_disk[r.shard_id]
+        n_docs = next(x.docs for x in records if x.shard_id == r.shard_id)
+        assert 0 <= r.row_start < r.row_end <= n_docs
 
 
 # ---------------------------------------------------------------- layout: a folder per run
@@ -528,7 +564,8 @@ def garble_run(ledger: Ledger, stage: str, run_key: str) -> int:
 
 
 def test_a_query_about_one_run_opens_only_that_runs_files(parent_run):
-    parent_run.write_part(
+    write(
+        parent_run,
         part("cpt.p0", "cpt", parent="pre", stage="continued_pretrain", real=50, created_at=2.0),
         [piece("s0", (60, 120), (6, 12))],
         shares=[
@@ -544,7 +581,7 @@ def test_a_query_about_one_run_opens_only_that_runs_files(parent_run):
             }
         ],
     )
-    parent_run.write_part(part("other.p0", "other", real=7, created_at=3.0), [piece("s9", (0, 10), (0, 1))])
+    write(parent_run, part("other.p0", "other", real=7, created_at=3.0), [piece("s9", (0, 10), (0, 1))])
     assert parent_run.part_file("shares", parent_run.chain("cpt")[0]) == (
         parent_run.root / "shares" / "stage=continued_pretrain" / "run=cpt" / "s000.p000000010.parquet"
     )
@@ -552,26 +589,27 @@ def test_a_query_about_one_run_opens_only_that_runs_files(parent_run):
     with pytest.raises(duckdb.Error):  # the garbled files are really unreadable: a query that opened them fails
         parent_run.parts()
     chain = parent_run.chain("cpt")
-    assert [p.part_id for p in chain] == ["cpt.p0"] and parent_run.run_totals("cpt")["real_tokens"] == 50
+    assert [p.part_id for p in chain] == ["cpt.p0"] and parent_run.run_totals("cpt").counts.real_tokens == 50
     assert [(r.shard_id, r.tok_start) for r in parent_run.consumption(chain)] == [("s0", 60)]
     assert [r.row_ranges for r in parent_run.shares(chain)] == [[[6, 12]]]
     assert [r.kind for r in parent_run.reuse("cpt")] == ["undeclared_cross_stage"]  # reads "pre" too, not "other"
     assert [p.run_key for p in parent_run.parts(stage="continued_pretrain")] == ["cpt"]
     garble_run(parent_run, "pretrain", "pre")
-    assert parent_run.consumed_by_shard("cpt")[0]["tokens"] == 60  # the chain's own run only
+    assert parent_run.consumed_by_shard("cpt")[0].tokens == 60  # the chain's own run only
 
 
 def test_run_summaries_equal_each_runs_totals(resumed_run, parent_run):
     summaries = {r["run_key"]: r for r in run_summaries(resumed_run)}
     assert sorted(summaries) == ["pre", "r"]
     for key, s in summaries.items():
-        assert {k: s[k] for k in resumed_run.run_totals(key)} == resumed_run.run_totals(key)
+        totals = resumed_run.run_totals(key).as_dict()
+        assert {k: s[k] for k in totals} == totals
     assert (summaries["r"]["real_tokens"], summaries["r"]["parts"], summaries["r"]["planned_tokens"]) == (600, 3, 960)
 
 
 def test_a_run_key_that_cannot_name_a_folder_is_refused(ledger):
     with pytest.raises(GhostvisError, match="run_key 'a/b' cannot name a folder"):
-        ledger.write_part(part("x.p0", "a/b"), [])
+        write(ledger, part("x.p0", "a/b"), [])
     assert not (ledger.root / "parts").exists()
 
 
@@ -583,11 +621,11 @@ def test_the_ledger_writes_and_reads_through_the_store(store_nodes):
     per node): the ledger publishes each file it writes and fetches the folders a query reads."""
     written, read = Ledger.in_store(store_nodes.writer), Ledger.in_store(store_nodes.reader)
     written.write_shard(shard_record("web/00001", tokens=30))
-    written.write_part(part("k.p0", "k", real=30), [piece("web/00001", (0, 30), (0, 3))])
+    write(written, part("k.p0", "k", real=30), [piece("web/00001", (0, 30), (0, 3))])
     assert [(r.shard_id, r.tokens) for r in read.shards()] == [("web/00001", 30)]
     assert [p.part_id for p in read.parts(["k"], stage="pretrain")] == ["k.p0"]
-    assert read.run_totals("k")["real_tokens"] == 30
-    assert [r["tokens"] for r in read.consumed_by_shard("k")] == [30]
+    assert read.run_totals("k").counts.real_tokens == 30
+    assert [r.tokens for r in read.consumed_by_shard("k")] == [30]
 
 
 def test_on_a_bucket_a_query_about_one_run_lists_only_that_runs_folder(moto_s3, tmp_path, monkeypatch):
@@ -597,7 +635,7 @@ def test_on_a_bucket_a_query_about_one_run_lists_only_that_runs_folder(moto_s3, 
     new_bucket(moto_s3, bucket)
     writer = Ledger.in_store(S3Store(bucket, "store", tmp_path / "a"))
     for key in ("k1", "k2"):
-        writer.write_part(part(f"{key}.p0", key, real=5), [piece("s0", (0, 5), (0, 1))])
+        write(writer, part(f"{key}.p0", key, real=5), [piece("s0", (0, 5), (0, 1))])
     reader = S3Store(bucket, "store", tmp_path / "b")
     listed = []
     reader.s3.meta.events.register(
@@ -616,7 +654,7 @@ def test_a_runs_row_index_is_named_by_its_chains_head_and_read_where_a_filter_ca
     beside that head's name, so a chain that grew needs a new one; row_index reads the rows that match a
     filter, in row-rule order (step, rank, micro-batch, row); run_links reads only the heads."""
     ledger = resumed_run
-    ledger.write_part(part("q.p0", "q", stage="sft", parent="r"), [piece("s0", (0, 40), (3, 6))])
+    write(ledger, part("q.p0", "q", stage="sft", parent="r"), [piece("s0", (0, 40), (3, 6))])
     heads = ledger.run_heads()
     assert [(h.stage, h.run_key, h.head.name) for h in heads] == [
         ("pretrain", "r", "s001.p000000030.parquet"),
@@ -628,9 +666,22 @@ def test_a_runs_row_index_is_named_by_its_chains_head_and_read_where_a_filter_ca
     index = ledger.row_index_file(heads[0].head)
     assert index == ledger.root / "row_index/stage=pretrain/run=r/s001.p000000030.parquet" and not index.is_file()
     rows = [
-        {"part_id": "r.p2", "segment": 1, "step": 11 + g // 8, "rank": g % 2, "micro_batch": 0, "global_row": 80 + g}
-        | {"shard_id": s, "epoch": 0, "tok_start": 50 + 4 * g, "tok_end": 54 + 4 * g}
-        | {"row_start": 5 + g // 3, "row_end": 6 + g // 3}
+        RowIndexRow(
+            "r.p2",
+            "r",
+            "pretrain",
+            1,
+            step=11 + g // 8,
+            rank=g % 2,
+            micro_batch=0,
+            global_row=80 + g,
+            shard_id=s,
+            epoch=0,
+            tok_start=50 + 4 * g,
+            tok_end=54 + 4 * g,
+            row_start=5 + g // 3,
+            row_end=6 + g // 3,
+        )  # fmt: skip
         for g in range(16)
         for s in ("s0", "s1")
     ]
@@ -643,22 +694,29 @@ def test_a_runs_row_index_is_named_by_its_chains_head_and_read_where_a_filter_ca
     ]
     step_12 = [r.global_row for r in ledger.row_index([index], "step = ?", [12])]
     assert step_12 == [g for rank in (0, 1) for g in range(88 + rank, 96, 2) for _ in ("s0", "s1")]
-    ledger.write_part(part("r.p4", "r", segment=1, steps=(31, 40), prev="r.p3"), [piece("s0", (130, 170), (13, 17))])
+    write(ledger, part("r.p4", "r", segment=1, steps=(31, 40), prev="r.p3"), [piece("s0", (130, 170), (13, 17))])
     assert not ledger.row_index_file(ledger.run_heads()[0].head).is_file()  # the chain grew: a new index
 
 
 def test_the_fingerprint_index_holds_every_shard_and_texts_are_found_in_files_written_since(ledger):
     """write_ngram_index puts every shard's fingerprints into one file sorted by hash; a shard fingerprinted
     after it is read from its own file until the next index, and the newest index is the one read."""
-    ledger.write_ngrams("a/0", "a", "train", "sha-a", [0, 0, 1], [7, 9, 9])
-    ledger.write_ngrams("a/1", "a", "train", "sha-b", [4], [9])
+    ledger.write_ngrams("a/0", "sha-a", [ngram("a/0", "train", "sha-a", r, h) for r, h in ((0, 7), (0, 9), (1, 9))])
+    ledger.write_ngrams("a/1", "sha-b", [ngram("a/1", "train", "sha-b", 4, 9)])
     first = ledger.write_ngram_index()
     assert ledger.ngram_files() == [first] and ledger.write_ngram_index() == first  # written once
     assert pq.read_table(first).column("ngram_hash").to_pylist() == [7, 9, 9, 9]
-    ledger.write_ngrams("b/0", "b", "validation", "sha-c", [2, 2], [7, 9])
+    ledger.write_ngrams("b/0", "sha-c", [ngram("b/0", "validation", "sha-c", 2, h) for h in (7, 9)])
     assert ledger.ngram_files()[0] == first and len(ledger.ngram_files()) == 2
-    found = [(r["shard_id"], r["row"], r["shared"]) for r in ledger.documents_sharing([7, 9])]
-    assert found == [("a/0", 0, 2), ("b/0", 2, 2), ("a/0", 1, 1), ("a/1", 4, 1)]
+    found = ledger.documents_sharing([7, 9])
+    assert found == [
+        records.SharedDocument("a/0", "sha-a", "train", row=0, shared=2),
+        records.SharedDocument("b/0", "sha-c", "validation", row=2, shared=2),
+        records.SharedDocument("a/0", "sha-a", "train", row=1, shared=1),
+        records.SharedDocument("a/1", "sha-b", "train", row=4, shared=1),
+    ]
+    assert [(r.shard_id, r.row) for r in ledger.ngrams(["sha-a"])] == [("a/0", 0), ("a/0", 0), ("a/0", 1)]
+    assert {r.ngram_hash for r in ledger.ngrams(["sha-c"])} == {7, 9}
     second = ledger.write_ngram_index()
     assert second != first and ledger.ngram_files() == [second]
-    assert [(r["shard_id"], r["row"], r["shared"]) for r in ledger.documents_sharing([7, 9])] == found
+    assert ledger.documents_sharing([7, 9]) == found

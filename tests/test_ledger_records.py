@@ -12,6 +12,8 @@ import pytest
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger, records
 from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow, ShareRow, schema_of
+from ghostvis_core.data.ledger.write import pieces_to_rows
+from ghostvis_core.data.piece import Piece
 from ghostvis_core.plan.batch import BatchPlan
 
 FOUR = "real_tokens pad_tokens loss_tokens cropped_tokens"
@@ -76,3 +78,33 @@ def test_a_part_row_written_reads_back_equal_with_its_counts_batch_and_shares(tm
     assert pq.read_schema(ledger.part_file("parts", part)).names == COLUMNS[PartRow].split()
     (s,) = ledger.shares([got])
     assert (s.rank, s.row_ranges, s.counts) == (0, [[0, 2], [4, 6]], part.counts)
+
+
+def test_each_typed_write_makes_its_tables_schema_and_reads_back_equal(tmp_path):
+    """write_shard, write_doc_hashes, write_ngrams, write_part's consumption and write_row_index take the
+    records and write files whose schema equals the table's (pyarrow equals), so old homes and new files
+    read alike; the consumption row is its Piece with the part's keys and raw rows."""
+    ledger = Ledger(tmp_path / "ledger")
+    shard = records.ShardRecord(shard_id="p/0", source="p", split="train", kind="text", content_sha256="sha",
+                                raw_bytes=9, tokenizer_id="tok", docs=2, tokens=7, text_bytes=9, token_path="",
+                                created_at=1.0)  # fmt: skip
+    keys = ("p/0", "p", "train", "sha")
+    part = PartRow("r.p0", "", "r", "", "pretrain", 0, 1, 1, 0, 2, real_tokens=7)
+    piece = Piece("p", "p/0", "train", 0, 0, 7)
+    index = records.RowIndexRow("r.p0", "r", "pretrain", 0, 1, 0, 0, 0, "p/0", 0, 0, 7, 0, 2)
+    written = {
+        records.SHARD_SCHEMA: ledger.write_shard(shard),
+        records.DOC_SCHEMA: ledger.write_doc_hashes("p/0", "sha", [records.DocRow(*keys, 0, "h0")]),
+        records.NGRAM_SCHEMA: ledger.write_ngrams("p/0", "sha", [records.NgramRow(*keys, 1, 42)]),
+        records.ROW_INDEX_SCHEMA: ledger.write_row_index([part], [index]),
+    }
+    ledger.write_part(part, pieces_to_rows(part, [piece], lambda p: (0, 2)))
+    written[records.CONSUMPTION_SCHEMA] = ledger.part_file("consumption", part)
+    for schema, path in written.items():
+        assert pq.read_schema(path).equals(schema), path
+    assert ledger.shards() == [shard]
+    assert [(r.row, r.ngram_hash) for r in ledger.ngrams(["sha"])] == [(1, 42)]
+    assert ledger.row_index([written[records.ROW_INDEX_SCHEMA]]) == [index]
+    (row,) = ledger.consumption([part])
+    assert isinstance(row, Piece) and row == ConsumptionRow.of(part, piece, (0, 2))
+    assert (row.tokens, row.part_id, row.segment, row.row_end) == (7, "r.p0", 0, 2)

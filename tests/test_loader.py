@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from ghostvis_core.data.loader import Batcher, ChatRows, Consumption, LMRows, merge_pieces, micro_batch_rows
+from ghostvis_core.data.piece import Piece
 from ghostvis_core.data.shard_ref import ShardRef
-from ghostvis_core.data.stream import Piece, SourceStream
+from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.data.token_shard import TokenShard, list_column, write_token_shard
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.batch import IGNORE_INDEX, BatchPlan

@@ -219,7 +219,7 @@ def assert_datasets(client, home: Path, name: str, md: dict) -> None:
     ledger = Ledger.in_store(store)
     rows = {r.shard_id: r for r in ledger.shards(tokenizer_id=md["tokenizer_id"])}
     spec = LaunchSpec.from_dict(store.read_json("run_spec", name, md["run_key"]))
-    read = {r["shard_id"] for r in ledger.consumed_by_shard(md["run_key"])}
+    read = {r.shard_id for r in ledger.consumed_by_shard(md["run_key"])}
     val = {r.shard_id for refs in spec.val_shards.values() for r in refs}
     inputs = {d.dataset.name: d for d in client.get_run(md["mlflow_run_id"]).inputs.dataset_inputs}
     assert read and set(inputs) == read | val, name

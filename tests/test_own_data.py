@@ -93,8 +93,8 @@ def test_the_readme_walk_over_s3_and_http_gives_the_same_shards_and_a_checkpoint
     assert Path(run.checkpoint_uri, "model.safetensors").exists()
     ledger = Ledger.in_store(s3_home.store)
     consumed = ledger.consumed_by_shard(run.run_key)
-    assert consumed and "web/00006" not in {r["shard_id"] for r in consumed}
-    assert sum(r["tokens"] for r in consumed) == run.counts.real_tokens
+    assert consumed and "web/00006" not in {r.shard_id for r in consumed}
+    assert sum(r.tokens for r in consumed) == run.counts.real_tokens
     assert not ledger.leakage(run.run_key)
     # the tokenizer never saw the validation shard
     from dagster import AssetKey, DagsterInstance

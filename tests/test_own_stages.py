@@ -118,8 +118,8 @@ def test_the_readme_walk_trains_every_stage_on_the_users_own_data(tmp_path, serv
     reads = {"sft": "my_chats", "dpo": "my_pairs", "rl": "my_problems", "vision_alignment": "my_captions"}
     for stage, run in runs.items():
         consumed = ledger.consumed_by_shard(run.run_key)
-        assert {r["shard_id"].split("/")[0] for r in consumed} == {reads[stage]}, stage
-        assert not {r["shard_id"] for r in consumed} & {f"{reads[stage]}/00003"}, stage  # never the validation shard
+        assert {r.shard_id.split("/")[0] for r in consumed} == {reads[stage]}, stage
+        assert not {r.shard_id for r in consumed} & {f"{reads[stage]}/00003"}, stage  # never the validation shard
         assert run.counts.real_tokens > 0 and sum(p.real_tokens for p in ledger.chain(run.run_key)) == (
             run.counts.real_tokens
         ), stage

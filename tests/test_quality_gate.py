@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ghostvis_core.counts import TokenCounts
+from ghostvis_core.data.ledger.records import RunTotals, Segment
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.stages import BPB_TOLERANCE, stage_names
 from ghostvis_core.verify.eval.gate import lineage_gate, tolerances
@@ -71,7 +72,7 @@ def stage_card(stage: str, **fields) -> StageReport:
             "stage": stage,
             "run_key": f"{stage}-r1",
             "mlflow_run_id": "x",
-            "totals": {"steps": 1, **dict.fromkeys(TokenCounts.names(), 0)},
+            "totals": RunTotals(TokenCounts(), overlap_tokens=0, steps=1, segments=(0,), parts=1),
             "planned_tokens": 0,
             "shards_used": 0,
             "shard_rows": [],
@@ -106,8 +107,8 @@ def test_the_report_card_links_each_segments_step_range_to_ghostvis_trace():
     """Per stage and segment (launch): its steps and the `ghostvis trace` command and trace job config that
     list what a step of them fed, so a loss spike leads to its documents (issue 43)."""
     segments = [
-        {"segment": 0, "first_step": 1, "last_step": 40, "world_size": 2, "real_tokens": 1},
-        {"segment": 1, "first_step": 41, "last_step": 60, "world_size": 4, "real_tokens": 1},
+        Segment(0, first_step=1, world_size=2, real_tokens=1, last_step=40),
+        Segment(1, first_step=41, world_size=4, real_tokens=1, last_step=60),
     ]
     header, rows = tables([stage_card("pretrain", segments=segments)])["Step ranges: the documents a step fed"]
     assert header[:3] == ["stage", "segment", "steps"]
@@ -117,6 +118,19 @@ def test_the_report_card_links_each_segments_step_range_to_ghostvis_trace():
     ]
     config = json.loads(rows[1][4].split("config ", 1)[1])
     assert config == {"stage": "pretrain", "step": 41, "run_key": "pretrain-r1"}
+    # report.json holds the totals flat and the segments as objects, as before they were typed
+    row = json.loads(json.dumps(stage_card("pretrain", segments=segments[:1]).as_json()))
+    assert row["totals"] == {
+        "real_tokens": 0,
+        "pad_tokens": 0,
+        "loss_tokens": 0,
+        "cropped_tokens": 0,
+        "overlap_tokens": 0,
+        "steps": 1,
+        "segments": [0],
+        "parts": 1,
+    }
+    assert row["segments"] == [{"segment": 0, "first_step": 1, "world_size": 2, "real_tokens": 1, "last_step": 40}]
 
 
 @pytest.mark.e2e

@@ -138,7 +138,7 @@ def test_sigkill_between_checkpoints_then_rematerialize_resumes_exactly(home_cop
     assert a and b and not (a & b)  # no token (so no shard row) read twice across the resume
     assert a | b == whole  # and none skipped: the union is exactly the uninterrupted run's
     assert done.counts == ref.counts == ledger.run_counts(run_dir.name)
-    assert done.steps == ref.steps == ledger.run_totals(run_dir.name)["steps"]
+    assert done.steps == ref.steps == ledger.run_totals(run_dir.name).steps
     # CPU training is deterministic here (fixed threads, gloo sum of 2 ranks): the resumed run ends
     # bitwise where the uninterrupted one does
     assert done.train_loss == ref.train_loss and done.val_loss == ref.val_loss

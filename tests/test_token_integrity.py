@@ -88,7 +88,7 @@ def rewrite(store: FolderStore, ledger: Ledger, tokenizer_id: str, shard_id: str
     columns = {"row": pa.array(tf.rows), "tokens": list_column(lengths, list(values), np.uint16)}
     write_token_shard(path, columns, tf.tokenizer_id)
     record = next(r for r in ledger.shards(tokenizer_id=tokenizer_id) if r.shard_id == shard_id)
-    ledger.write_shard(dataclasses.asdict(record) | {"tokens": int(sum(lengths)), "token_path": str(path)})
+    ledger.write_shard(dataclasses.replace(record, tokens=int(sum(lengths)), token_path=str(path)))
 
 
 def outcomes(store: FolderStore, ledger: Ledger, tokenizer_id: str) -> dict:
@@ -115,7 +115,7 @@ def test_a_swapped_tokenizer_fails_by_name(tokenized, tmp_path):
     path = token_path(store, tok.tokenizer_id, "corp/00000")
     shutil.copyfile(swapped, path)
     record = next(r for r in ledger.shards(tokenizer_id=tok.tokenizer_id) if r.shard_id == "corp/00000")
-    ledger.write_shard(dataclasses.asdict(record) | {"tokens": tf.num_tokens, "token_path": str(path)})
+    ledger.write_shard(dataclasses.replace(record, tokens=tf.num_tokens, token_path=str(path)))
     assert ledger_matches_token_files(store, ledger, tok.tokenizer_id).passed  # counts right: the old checks pass
     out = outcomes(store, ledger, tok.tokenizer_id)
     assert not out["token_files_name_their_tokenizer"].passed

@@ -84,7 +84,7 @@ def materializations(instance, asset: str) -> list[dict]:
 
 
 def ledger_totals(demo_home, run_key: str) -> dict:
-    return Ledger.in_store(Home(demo_home).store).run_totals(run_key)
+    return Ledger.in_store(Home(demo_home).store).run_totals(run_key).as_dict()
 
 
 # ---------------------------------------------------------------------------------------- Dagster

@@ -9,11 +9,11 @@ from __future__ import annotations
 import bisect
 import random
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from ghostvis_core.data.piece import Piece
 from ghostvis_core.data.shard_ref import ShardRef
 from ghostvis_core.data.token_shard import TokenShard
 from ghostvis_core.errors import GhostvisError
@@ -22,22 +22,6 @@ from ghostvis_core.errors import GhostvisError
 def local_file(ref: ShardRef) -> Path:
     """A shard whose `path` is a file on this machine already."""
     return Path(ref.path)
-
-
-@dataclass(frozen=True)
-class Piece:
-    """Tokens [tok_start, tok_end) of one shard (shard-local coordinates) read in one epoch."""
-
-    source: str
-    shard_id: str
-    split: str
-    epoch: int
-    tok_start: int
-    tok_end: int
-
-    @property
-    def tokens(self) -> int:
-        return self.tok_end - self.tok_start
 
 
 class SourceStream:

@@ -30,6 +30,7 @@ from datatrove.pipeline.readers import ParquetReader
 from ghostvis_core.data.catalog import raw_content, recorded_sha256, replaced_sha256, shard_split
 from ghostvis_core.data.chat import IMAGE, as_messages, render_chat, render_prompt, render_replies, render_reply
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.records import DocRow, NgramRow, ShardRecord
 from ghostvis_core.data.ngrams import fingerprints, prompt_text, record_text
 from ghostvis_core.data.schema import KIND_COLUMNS, check_shard_schema
 from ghostvis_core.data.sources import Manifest
@@ -248,23 +249,18 @@ class TokenShardWriter(PipelineStep):
         self.stat_update("tokens", value=n_tokens, unit="shard")
         write_documents(ledger := Ledger.in_store(store), job, rows, doc_hashes, doc_ngrams)
         ledger.write_shard(
-            {
-                "shard_id": job.shard_id,
-                "source": job.source,
-                "split": job.split,
-                "kind": job.kind,
-                "content_sha256": job.content_sha256,
-                "replaces_sha256": job.replaces_sha256,
-                "raw_bytes": raw_file(store, job).stat().st_size,
-                "tokenizer_id": tok.tokenizer_id,
-                "docs": len(rows),
-                "tokens": n_tokens,
-                "text_bytes": text_bytes,
-                "docs_dropped": sum(d["docs"] for d in dropped.values()),
-                "tokens_dropped": sum(d["tokens"] for d in dropped.values()),
-                "drop_reasons": json.dumps(dropped, sort_keys=True),
-                "token_path": str(token_file),
-            }
+            ShardRecord(
+                **asdict(job),  # the shard, its split, kind and the contents of this version and the one before
+                raw_bytes=raw_file(store, job).stat().st_size,
+                tokenizer_id=tok.tokenizer_id,
+                docs=len(rows),
+                tokens=n_tokens,
+                text_bytes=text_bytes,
+                docs_dropped=sum(d["docs"] for d in dropped.values()),
+                tokens_dropped=sum(d["tokens"] for d in dropped.values()),
+                drop_reasons=json.dumps(dropped, sort_keys=True),
+                token_path=str(token_file),
+            )
         )
 
 
@@ -296,14 +292,12 @@ def write_documents(
 ) -> None:
     """The shard's per-document ledger tables: doc hashes (exact duplicates, train/validation overlap)
     and 13-gram fingerprints (the decontamination gate), both keyed by the raw row."""
-    ledger.write_doc_hashes(job.shard_id, job.source, job.split, job.content_sha256, rows, hashes)
+    shard = (job.shard_id, job.source, job.split, job.content_sha256)
+    ledger.write_doc_hashes(job.shard_id, job.content_sha256, [DocRow(*shard, r, h) for r, h in zip(rows, hashes)])
     ledger.write_ngrams(
         job.shard_id,
-        job.source,
-        job.split,
         job.content_sha256,
-        [row for row, kept in zip(rows, ngrams) for _ in kept],
-        [h for kept in ngrams for h in kept],
+        [NgramRow(*shard, row, h) for row, kept in zip(rows, ngrams) for h in kept],
     )
 
 

@@ -21,7 +21,7 @@ written the first time the run is traced.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -198,7 +198,7 @@ def find_text(store: Store, ledger: Ledger, text: str, limit: int = 5) -> list[d
             "consecutive words of the document (two texts sharing 20 words share a fingerprint), or --doc <shard>:<row>"
         )
     found = ledger.documents_sharing(sorted(fps))
-    current = {s: recorded_sha256(store, s) for s in {r["shard_id"] for r in found}}
-    found = [r for r in found if current[r["shard_id"]] == r["content_sha256"]]
-    best = found[0]["shared"] if found else 0
-    return [{**r, "of": len(fps)} for r in found if r["shared"] == best][:limit]
+    current = {s: recorded_sha256(store, s) for s in {r.shard_id for r in found}}
+    found = [r for r in found if current[r.shard_id] == r.content_sha256]
+    best = found[0].shared if found else 0
+    return [{**asdict(r), "of": len(fps)} for r in found if r.shared == best][:limit]

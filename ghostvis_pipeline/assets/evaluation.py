@@ -220,7 +220,7 @@ def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisH
     md = {
         "mlflow_run_id": stages[-1].mlflow_run_id,
         "stages": len(stages),
-        "real_tokens_total": sum(s.totals["real_tokens"] for s in stages),
+        "real_tokens_total": sum(s.totals.counts.real_tokens for s in stages),
     }
     store.write_json("identity", "report", name, data={"digest": key, "metadata": md, "code_version": REPORT_CODE})
     return _report_result(store, name, md, key, cached=False)

@@ -147,20 +147,14 @@ def ledger_metadata(ledger: Ledger, run_key: str) -> dict:
         "segments": MetadataValue.md(
             md_table(
                 ["segment", "steps", "world_size", "real_tokens"],
-                [
-                    [g["segment"], f"{g['first_step']}..{g['last_step']}", g["world_size"], g["real_tokens"]]
-                    for g in segs
-                ],
+                [[g.segment, f"{g.first_step}..{g.last_step}", g.world_size, g.real_tokens] for g in segs],
             )
         ),
         "segment_count": len(segs),
         "shards_consumed": MetadataValue.md(
             md_table(
                 ["shard", "split", "tokens", "rows", "epochs"],
-                [
-                    [r["shard_id"], r["split"], r["tokens"], f"{r['row_start']}..{r['row_end']}", r["epochs"]]
-                    for r in consumed
-                ],
+                [[r.shard_id, r.split, r.tokens, r.rows, r.epochs] for r in consumed],
             )
         ),
     }

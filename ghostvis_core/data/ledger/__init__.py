@@ -37,9 +37,10 @@ s<segment>.p<step_last>.parquet`, so a query about some runs opens only their fi
 stage only that stage's: what the audit, the checks and `ghostvis ledger --run` read does not grow
 with the number of other runs. A process queries through one DuckDB connection (`files.connection`).
 
-The package: records.py (each table's row as a frozen dataclass, from which its schema is derived),
-files.py (where the files are; the connection), write.py (`LedgerWriter`), query.py (`LedgerQueries`,
-rows returned as records), summaries.py (run summaries and shard checks built on the queries).
+The package: records.py (each table's row as a frozen dataclass, from which its schema and its written
+table are derived, and the records of the readings), files.py (where the files are; the connection),
+write.py (`LedgerWriter`, taking records), query.py (`LedgerQueries`, returning records), summaries.py
+(run summaries and shard checks built on the queries).
 """
 
 from ghostvis_core.data.ledger.query import LedgerQueries

@@ -8,9 +8,9 @@ not grow with the number of other runs."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow.parquet as pq
 
@@ -20,13 +20,22 @@ from ghostvis_core.data.ledger.records import (
     NGRAM_INDEX_FILES,
     ConsumptionRow,
     FeedRow,
+    LeakedShard,
+    NgramRow,
     PartRow,
+    PassedOver,
     RolloutRow,
     RowIndexRow,
+    RunTotals,
+    Segment,
+    ShardConsumption,
     ShardRecord,
+    SharedDocument,
     ShareRow,
     from_row,
 )
+
+R = TypeVar("R")
 
 # Ledger.reuse's kinds of a range read twice that nothing declared: the `no_reuse` check fails on them.
 UNDECLARED_KINDS = ("reuse", "undeclared_repeat", "undeclared_cross_stage")
@@ -54,7 +63,9 @@ class RunLink:
 class Reuse:
     """A token range of a shard read twice within a run's lineage (`Ledger.reuse`): the two parts that read
     it (part_a/b, run_a/b, their segments and steps "3..4"), the overlap as tokens and raw rows, and its
-    kind; `checkpoint` and `reason` name the damaged checkpoint a retrained range was passed over for."""
+    kind; `checkpoint` and `reason` name the damaged checkpoint a retrained range was passed over for.
+    The query fills what the consumption rows hold (the rest read as None); the kind and the parts'
+    segments and steps are added from the part rows."""
 
     kind: str
     shard_id: str
@@ -86,11 +97,11 @@ def _with_table(table: str, source: str, sql: str) -> str:
 
 class LedgerQueries(LedgerFiles):
     def _query(
-        self, table: str, sql: str, params: list | None = None, files: list[Path] | None = None
-    ) -> list[dict[str, Any]]:
-        """Rows of `sql`, which reads `table` by its name: a per-shard table's every file, or a per-part
-        table's `files` (`run_files`: files or glob patterns); columns by name, so a column added later
-        reads as NULL in older files."""
+        self, record: type[R], table: str, sql: str, params: list | None = None, files: list[Path] | None = None
+    ) -> list[R]:
+        """Rows of `sql` as `record`s (`from_row`: its fields by column name), `sql` reading `table` by its
+        name: a per-shard table's every file, or a per-part table's `files` (`run_files`: files or glob
+        patterns); columns by name, so a column added later reads as NULL in older files."""
         if files is None:
             self._fetched(table)
             folder = self.root / table
@@ -105,7 +116,7 @@ class LedgerQueries(LedgerFiles):
         try:
             result = cur.execute(_with_table(table, source, sql), params or [])
             cols = [d[0] for d in result.description]
-            return [dict(zip(cols, r)) for r in result.fetchall()]
+            return [from_row(record, dict(zip(cols, r))) for r in result.fetchall()]
         finally:
             cur.close()
 
@@ -133,14 +144,15 @@ class LedgerQueries(LedgerFiles):
             for key in dict.fromkeys(run_keys):
                 self._fetched(f"{table}/stage={stage}/run={key}")
 
-    def _of_parts(self, table: str, parts: list[Any], order: str) -> list[dict[str, Any]]:
-        """The rows of `table` that belong to `parts` (records carrying part_id and run_key), read from their
-        runs' folders only."""
+    def _of_parts(self, record: type[R], table: str, parts: list[Any], order: str) -> list[R]:
+        """The rows of `table` that belong to `parts` (records carrying part_id and run_key), as `record`s,
+        read from their runs' folders only."""
         if not parts:
             return []
         ids = sorted({p.part_id for p in parts})
         marks = ",".join("?" * len(ids))
         return self._query(
+            record,
             table,
             f"SELECT * FROM {table} WHERE part_id IN ({marks}) ORDER BY {order}",
             ids,
@@ -161,46 +173,45 @@ class LedgerQueries(LedgerFiles):
             params.extend(sources)
         version = ", content_sha256" if every_version else ""
         rows = self._query(
+            ShardRecord,
             "shards",
             f"""SELECT * EXCLUDE (rn) FROM (
                   SELECT *, row_number() OVER (PARTITION BY shard_id, tokenizer_id{version} ORDER BY created_at DESC) rn
                   FROM shards WHERE {" AND ".join(where)}) WHERE rn = 1 ORDER BY shard_id, created_at""",
             params,
         )
-        for r in rows:
-            r["token_path"] = str(self.store_folder / r["token_path"]) if r["token_path"] else ""
-        return [from_row(ShardRecord, r) for r in rows]
+        return [replace(r, token_path=str(self.store_folder / r.token_path) if r.token_path else "") for r in rows]
 
     def parts(self, run_keys: list[str] | None = None, stage: str | None = None) -> list[PartRow]:
         """Part rows of these runs, or of a stage's runs, or of every run, oldest first."""
-        rows = self._query(
-            "parts", "SELECT * FROM parts ORDER BY created_at", files=self.run_files("parts", run_keys, stage)
+        return self._query(
+            PartRow, "parts", "SELECT * FROM parts ORDER BY created_at", files=self.run_files("parts", run_keys, stage)
         )
-        return [from_row(PartRow, r) for r in rows]
 
     def consumption(self, parts: list[Any]) -> list[ConsumptionRow]:
         """The pieces the loader delivered in `parts` (part rows, or any records naming part_id and run_key)."""
-        return [from_row(ConsumptionRow, r) for r in self._of_parts("consumption", parts, "shard_id, tok_start")]
+        return self._of_parts(ConsumptionRow, "consumption", parts, "shard_id, tok_start")
 
     def shares(self, parts: list[Any]) -> list[ShareRow]:
         """Per part and rank: the rank's rows (`row_ranges`) and its four figures."""
-        return [from_row(ShareRow, r) for r in self._of_parts("shares", parts, "part_id, rank")]
+        return self._of_parts(ShareRow, "shares", parts, "part_id, rank")
 
     def feeds(self, parts: list[Any]) -> list[FeedRow]:
         """Per part, rank and step: the content digests of what the rank fed the model."""
-        return [from_row(FeedRow, r) for r in self._of_parts("feeds", parts, "step, rank")]
+        return self._of_parts(FeedRow, "feeds", parts, "step, rank")
 
     def rollouts(self, parts: list[Any]) -> list[RolloutRow]:
         """Per part, rank and step of an rl run: the rollout figures and completions."""
-        return [from_row(RolloutRow, r) for r in self._of_parts("rollouts", parts, "step, rank")]
+        return self._of_parts(RolloutRow, "rollouts", parts, "step, rank")
 
-    def ngrams(self, content_sha256s: list[str]) -> list[dict[str, Any]]:
-        """The fingerprint rows (shard_id, split, content_sha256, row, ngram_hash) of these shard contents."""
+    def ngrams(self, content_sha256s: list[str]) -> list[NgramRow]:
+        """The fingerprint rows of these shard contents (each once, by shard and row)."""
         if not content_sha256s:
             return []
         return self._query(
+            NgramRow,
             "ngrams",
-            f"SELECT DISTINCT shard_id, split, content_sha256, row, ngram_hash FROM ngrams "
+            f"SELECT DISTINCT * FROM ngrams "
             f"WHERE content_sha256 IN ({','.join('?' * len(content_sha256s))}) "
             "ORDER BY shard_id, row",
             list(content_sha256s),
@@ -219,12 +230,13 @@ class LedgerQueries(LedgerFiles):
                 best, held = f, files
         return ([best] if best else []) + [self.root / "ngrams" / n for n in sorted(names - held)]
 
-    def documents_sharing(self, ngram_hashes: list[int]) -> list[dict[str, Any]]:
-        """The documents (shard_id, content_sha256, split, row) holding any of these fingerprints, with how
-        many they hold (`shared`), most first: a text found by its fingerprints (`ghostvis trace --text`)."""
+    def documents_sharing(self, ngram_hashes: list[int]) -> list[SharedDocument]:
+        """The documents holding any of these fingerprints, with how many they hold (`shared`), most first:
+        a text found by its fingerprints (`ghostvis trace --text`)."""
         if not ngram_hashes:
             return []
         return self._query(
+            SharedDocument,
             "ngrams",
             "SELECT shard_id, content_sha256, split, row, COUNT(DISTINCT ngram_hash) AS shared FROM ngrams "
             f"WHERE ngram_hash IN ({','.join('?' * len(ngram_hashes))}) "
@@ -247,10 +259,9 @@ class LedgerQueries(LedgerFiles):
     def run_links(self, heads: list[RunHead]) -> list[RunLink]:
         """stage, run_key and parent_run_key of these runs (`run_heads`): a run's parent is in every one of
         its part rows, so only its head part's file is read."""
-        rows = self._query(
-            "parts", "SELECT DISTINCT stage, run_key, parent_run_key FROM parts", files=[h.head for h in heads]
+        return self._query(
+            RunLink, "parts", "SELECT DISTINCT stage, run_key, parent_run_key FROM parts", files=[h.head for h in heads]
         )
-        return [RunLink(**r) for r in rows]
 
     def row_index_file(self, head: Path) -> Path:
         """Where the row index of the chain whose head part is the file `head` (`run_heads`) is (or would be)."""
@@ -259,13 +270,13 @@ class LedgerQueries(LedgerFiles):
 
     def row_index(self, files: list[Path], where: str = "1=1", params: list | None = None) -> list[RowIndexRow]:
         """The rows of these row index files that satisfy `where`, in row-rule order."""
-        rows = self._query(
+        return self._query(
+            RowIndexRow,
             "row_index",
             f"SELECT * FROM row_index WHERE {where} ORDER BY step, rank, micro_batch, global_row, epoch, tok_start",
             params,
             files,
         )
-        return [from_row(RowIndexRow, r) for r in rows]
 
     def chain(self, run_key: str) -> list[PartRow]:
         """The parts that lead to the run's newest checkpoint, oldest first."""
@@ -275,27 +286,19 @@ class LedgerQueries(LedgerFiles):
         """The four token figures along the run's chain (segments summed)."""
         return TokenCounts.total(p.counts for p in self.chain(run_key))
 
-    def run_totals(self, run_key: str) -> dict[str, Any]:
-        """The four token figures (TokenCounts names), overlap_tokens, steps, segments and parts along
-        the run's chain (segments summed)."""
+    def run_totals(self, run_key: str) -> RunTotals:
+        """The four token figures, overlap_tokens, steps, segments and parts along the run's chain."""
         return chain_totals(self.chain(run_key))
 
-    def segments(self, run_key: str) -> list[dict[str, Any]]:
-        """Per segment (launch) of the run: its step range, world size and real tokens."""
-        segs: dict[int, dict[str, Any]] = {}
+    def segments(self, run_key: str) -> list[Segment]:
+        """Per segment (launch) of the run, in chain order: its step range, world size and real tokens."""
+        by_segment: dict[int, list[PartRow]] = {}
         for part in self.chain(run_key):
-            seg = segs.setdefault(
-                part.segment,
-                {
-                    "segment": part.segment,
-                    "first_step": part.step_first,
-                    "world_size": part.world_size,
-                    "real_tokens": 0,
-                },
-            )
-            seg["last_step"] = part.step_last
-            seg["real_tokens"] += part.real_tokens
-        return list(segs.values())
+            by_segment.setdefault(part.segment, []).append(part)
+        return [
+            Segment(s, ps[0].step_first, ps[0].world_size, sum(p.real_tokens for p in ps), ps[-1].step_last)
+            for s, ps in by_segment.items()
+        ]
 
     def lineage(self, run_key: str) -> list[str]:
         """The run and its upstream runs (parent_run_key links), nearest first."""
@@ -308,12 +311,13 @@ class LedgerQueries(LedgerFiles):
             cur = parts[-1].parent_run_key if parts else None
         return out
 
-    def consumed_by_shard(self, run_key: str) -> list[dict[str, Any]]:
+    def consumed_by_shard(self, run_key: str) -> list[ShardConsumption]:
         """Per shard: tokens consumed along the run's chain and the row span touched."""
         ids = [p.part_id for p in self.chain(run_key)]
         if not ids:
             return []
         return self._query(
+            ShardConsumption,
             "consumption",
             f"""SELECT source, shard_id, split, sum(tokens) AS tokens, min(row_start) AS row_start,
                        max(row_end) AS row_end, count(DISTINCT epoch) AS epochs
@@ -340,46 +344,46 @@ class LedgerQueries(LedgerFiles):
         if not parts:
             return []
         ids = list(parts)
-        rows = self._query(
+        overlaps = self._query(
+            Reuse,
             "consumption",
-            f"""WITH c AS (SELECT * FROM consumption WHERE part_id IN ({",".join("?" * len(ids))}))
-                SELECT a.part_id AS part_a, b.part_id AS part_b, a.run_key AS run_a, b.run_key AS run_b,
+            f"""WITH c AS (SELECT * FROM consumption WHERE part_id IN ({",".join("?" * len(ids))})),
+                o AS (SELECT a.part_id AS part_a, b.part_id AS part_b, a.run_key AS run_a, b.run_key AS run_b,
                        a.shard_id, a.source, a.epoch AS epoch_a, b.epoch AS epoch_b,
                        greatest(a.tok_start, b.tok_start) AS tok_start, least(a.tok_end, b.tok_end) AS tok_end,
                        greatest(a.row_start, b.row_start) AS row_start, least(a.row_end, b.row_end) AS row_end
                 FROM c a JOIN c b ON a.shard_id = b.shard_id
                   AND (a.part_id < b.part_id OR (a.part_id = b.part_id AND a.epoch < b.epoch))
                   AND a.tok_start < b.tok_end AND b.tok_start < a.tok_end
-                WHERE a.run_key = ? OR b.run_key = ?
-                ORDER BY a.shard_id, tok_start""",
+                WHERE a.run_key = ? OR b.run_key = ?)
+                SELECT *, tok_end - tok_start AS tokens FROM o ORDER BY shard_id, tok_start""",
             ids + [run_key, run_key],
             self.run_files("consumption", runs),
         )
         out = []
-        for r in rows:
-            pa_, pb = parts[r["part_a"]], parts[r["part_b"]]
+        for r in overlaps:
+            pa_, pb = parts[r.part_a], parts[r.part_b]
             later = pa_ if pa_.created_at >= pb.created_at else pb
             fallback = None
-            if r["run_a"] == r["run_b"]:
-                if r["epoch_a"] == r["epoch_b"]:
+            if r.run_a == r.run_b:
+                if r.epoch_a == r.epoch_b:
                     fallback = passed_over(pa_, pb)
                     kind = "retrained_after_fallback" if fallback else "reuse"
                 else:
                     kind = "repeat" if later.allow_repeat else "undeclared_repeat"
             else:
                 declared = json.loads(later.replay_sources or "[]")
-                kind = "replay" if r["source"] in declared else "undeclared_cross_stage"
+                kind = "replay" if r.source in declared else "undeclared_cross_stage"
             out.append(
-                Reuse(
-                    **r,
-                    tokens=r["tok_end"] - r["tok_start"],
+                replace(
+                    r,
                     kind=kind,
                     segment_a=pa_.segment,
                     steps_a=f"{pa_.step_first}..{pa_.step_last}",
                     segment_b=pb.segment,
                     steps_b=f"{pb.step_first}..{pb.step_last}",
-                    checkpoint=fallback["checkpoint"] if fallback else "",
-                    reason=fallback["reason"] if fallback else "",
+                    checkpoint=fallback.checkpoint if fallback else "",
+                    reason=fallback.reason if fallback else "",
                 )
             )
         return out
@@ -391,7 +395,7 @@ class LedgerQueries(LedgerFiles):
 
     def leakage(
         self, run_key: str, tokenizer_id: str | None = None, versions: dict[str, str] | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[LeakedShard]:
         """Shards consumed along the run's chain that the shard table does not call train, or does not
         know (`split` is the table's, `label` what the trainer wrote into the consumption rows): a
         validation shard merged into a train stream under a `train` label is found all the same.
@@ -405,23 +409,20 @@ class LedgerQueries(LedgerFiles):
                 for r in self.shards(tokenizer_id=tokenizer_id, every_version=True)
             }
             splits |= {s: recorded.get((s, sha), "not in the ledger") for s, sha in versions.items()}
-        out = []
-        for r in self.consumed_by_shard(run_key):
-            split = splits.get(r["shard_id"], "not in the ledger")
-            if split != "train":
-                out.append({**r, "split": split, "label": r["split"]})
-        return out
+        consumed = self.consumed_by_shard(run_key)
+        leaked = [LeakedShard(r, splits.get(r.shard_id, "not in the ledger")) for r in consumed]
+        return [r for r in leaked if r.split != "train"]
 
 
-def passed_over(a: PartRow, b: PartRow) -> dict[str, Any] | None:
+def passed_over(a: PartRow, b: PartRow) -> PassedOver | None:
     """Of two parts of one run that read the same range in one epoch: the damaged checkpoint the later
     segment declared it passed over (its `passed_over` entry) when that checkpoint is the one that held
     the earlier segment's part, so the later segment trained those steps again; else None."""
     earlier, later = sorted((a, b), key=lambda p: p.segment)
     if earlier.segment == later.segment:
         return None
-    declared = json.loads(later.passed_over or "[]")
-    return next((d for d in declared if d["step"] == earlier.step_last), None)
+    declared = [PassedOver(**d) for d in json.loads(later.passed_over or "[]")]
+    return next((d for d in declared if d.step == earlier.step_last), None)
 
 
 def chain_of(parts: list[PartRow]) -> list[PartRow]:
@@ -438,11 +439,12 @@ def chain_of(parts: list[PartRow]) -> list[PartRow]:
     return out[::-1]
 
 
-def chain_totals(chain: list[PartRow]) -> dict[str, Any]:
-    """The four token figures (TokenCounts names), overlap_tokens, steps, segments and parts of a chain."""
-    totals: dict[str, Any] = TokenCounts.total(p.counts for p in chain).as_dict()
-    totals["overlap_tokens"] = sum(p.overlap_tokens for p in chain)
-    totals["steps"] = chain[-1].step_last if chain else 0
-    totals["segments"] = sorted({p.segment for p in chain})
-    totals["parts"] = len(chain)
-    return totals
+def chain_totals(chain: list[PartRow]) -> RunTotals:
+    """The four token figures, overlap_tokens, steps, segments and parts of a chain."""
+    return RunTotals(
+        counts=TokenCounts.total(p.counts for p in chain),
+        overlap_tokens=sum(p.overlap_tokens for p in chain),
+        steps=chain[-1].step_last if chain else 0,
+        segments=tuple(sorted({p.segment for p in chain})),
+        parts=len(chain),
+    )

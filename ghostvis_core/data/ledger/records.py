@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from typing import Any, get_type_hints
 
 import pyarrow as pa
 
 from ghostvis_core.counts import TokenCounts
+from ghostvis_core.data.piece import Piece
 from ghostvis_core.plan.batch import BatchPlan
 
 # The tables written per part of a run, each in a folder per run (`LedgerFiles.part_file`).
@@ -32,28 +34,29 @@ def _json() -> Any:
     return field(metadata={"json": True})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ShardRecord:
     """What one tokenized shard holds: docs, tokens, bytes and what was dropped (the `shards` table).
-    Read back, `token_path` is absolute (it is kept relative to the store folder)."""
+    Read back, `token_path` is absolute (it is kept relative to the store folder); written, the
+    writer fills `token_sha256` from the token file (`LedgerWriter.write_shard`)."""
 
     shard_id: str
     source: str
     split: str
     kind: str
     content_sha256: str
-    replaces_sha256: str  # the shard's content before this version ("": its first version)
+    replaces_sha256: str = ""  # the shard's content before this version ("": its first version)
     raw_bytes: int
     tokenizer_id: str
     docs: int
     tokens: int
     text_bytes: int
-    docs_dropped: int
-    tokens_dropped: int
-    drop_reasons: str  # JSON {reason: {"docs": n, "tokens": n}}
+    docs_dropped: int = 0
+    tokens_dropped: int = 0
+    drop_reasons: str = "{}"  # JSON {reason: {"docs": n, "tokens": n}}
     token_path: str
-    token_sha256: str  # of the token file as written: a replaced file shows
-    created_at: float
+    token_sha256: str = ""  # of the token file as written: a replaced file shows
+    created_at: float = field(default_factory=time.time)
 
 
 @dataclass(frozen=True)
@@ -101,22 +104,29 @@ class PartRow:
 
 
 @dataclass(frozen=True)
-class ConsumptionRow:
-    """A (shard, epoch, token range, row range) piece the loader delivered in a part (`consumption`)."""
+class PartKeys:
+    """The part of a run segment a per-part table's row belongs to."""
 
     part_id: str
     run_key: str
     stage: str
     segment: int
-    source: str
-    shard_id: str
-    split: str
-    epoch: int
-    tok_start: int
-    tok_end: int
-    tokens: int
+
+
+@dataclass(frozen=True)
+class ConsumptionRow(Piece, PartKeys):
+    """A piece the loader delivered in a part (`consumption`): the part's keys, then the Piece (shard,
+    epoch, token range, tokens), then the raw rows it spans (the bases' fields come first, in the
+    file's column order)."""
+
     row_start: int
     row_end: int
+
+    @classmethod
+    def of(cls, part: PartRow, piece: Piece, rows: tuple[int, int]) -> ConsumptionRow:
+        """`piece`, read in `part`, spanning raw rows [rows[0], rows[1])."""
+        keys = (part.part_id, part.run_key, part.stage, part.segment)
+        return cls(*keys, piece.source, piece.shard_id, piece.split, piece.epoch, piece.tok_start, piece.tok_end, *rows)
 
 
 @dataclass(frozen=True)
@@ -218,6 +228,107 @@ class NgramRow:
     ngram_hash: int
 
 
+@dataclass(frozen=True)
+class PassedOver:
+    """A damaged checkpoint a resumed segment passed over (an entry of a part's `passed_over`): the steps
+    after `step` were trained again."""
+
+    checkpoint: str
+    step: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class RunTotals:
+    """Along a run's chain (segments summed): the four token figures, overlap tokens, the last step, the
+    segments and the number of parts (`LedgerQueries.run_totals`)."""
+
+    counts: TokenCounts
+    overlap_tokens: int
+    steps: int
+    segments: tuple[int, ...]
+    parts: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """Flat, the four figures by their TokenCounts names first: how `ghostvis ledger` prints a run."""
+        return {
+            **self.counts.as_dict(),
+            "overlap_tokens": self.overlap_tokens,
+            "steps": self.steps,
+            "segments": list(self.segments),
+            "parts": self.parts,
+        }
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One launch of a run along its chain (`LedgerQueries.segments`): its step range, world size and real
+    tokens (the field order is `ghostvis ledger --run --json`'s)."""
+
+    segment: int
+    first_step: int
+    world_size: int
+    real_tokens: int
+    last_step: int
+
+
+@dataclass(frozen=True)
+class ShardConsumption:
+    """What a run's chain read of one shard (`LedgerQueries.consumed_by_shard`): tokens, the raw row span
+    touched and in how many epochs; `split` is the label the trainer wrote."""
+
+    source: str
+    shard_id: str
+    split: str
+    tokens: int
+    row_start: int
+    row_end: int
+    epochs: int
+
+    @property
+    def rows(self) -> str:
+        """The raw row span touched, "start..end", as the checks and tables show it."""
+        return f"{self.row_start}..{self.row_end}"
+
+
+@dataclass(frozen=True)
+class LeakedShard:
+    """A shard a run's chain read that the shard table does not call train (`LedgerQueries.leakage`):
+    `split` is the table's ("not in the ledger" when it has no record), `label` the trainer's."""
+
+    consumed: ShardConsumption
+    split: str
+
+    @property
+    def label(self) -> str:
+        return self.consumed.split
+
+
+@dataclass(frozen=True)
+class SharedDocument:
+    """A document holding some of the fingerprints looked up (`LedgerQueries.documents_sharing`), with how
+    many distinct ones (`shared`)."""
+
+    shard_id: str
+    content_sha256: str
+    split: str
+    row: int
+    shared: int
+
+
+@dataclass(frozen=True)
+class DocInBothSplits:
+    """A document whose hash is in both a validation and a train shard of a source
+    (`summaries.train_validation_overlap`)."""
+
+    source: str
+    doc_hash: str
+    validation_shard: str
+    validation_row: int
+    train_shard: str
+    train_row: int
+
+
 def schema_of(record: type) -> pa.Schema:
     """The Parquet schema of a ledger table: its record's fields in order, a `json` field as a string."""
     hints = get_type_hints(record)
@@ -228,10 +339,24 @@ def schema_of(record: type) -> pa.Schema:
 
 def from_row(record: type, row: dict[str, Any]):
     """A record from a query's row (columns by name; a column an older file lacks reads as None; `json`
-    fields decoded)."""
+    fields decoded; a field the record derives itself, like a Piece's tokens, is not given)."""
     return record(
-        **{f.name: json.loads(row[f.name]) if f.metadata.get("json") else row.get(f.name) for f in fields(record)}
+        **{
+            f.name: json.loads(row[f.name]) if f.metadata.get("json") else row.get(f.name)
+            for f in fields(record)
+            if f.init
+        }
     )
+
+
+def table_of(record: type, rows: list) -> pa.Table:
+    """The Arrow table of a ledger table's rows (`record`s), in its schema (`schema_of`): how every
+    record the ledger writes becomes a file; a `json` field is encoded."""
+    columns = {}
+    for f in fields(record):
+        values = list(map(attrgetter(f.name), rows))
+        columns[f.name] = list(map(json.dumps, values)) if f.metadata.get("json") else values
+    return pa.table(columns, schema=schema_of(record))
 
 
 SHARD_SCHEMA = schema_of(ShardRecord)

@@ -4,10 +4,11 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from ghostvis_core.data.ledger.query import chain_of, chain_totals
-from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow, ShardRecord
+from ghostvis_core.data.ledger.records import ConsumptionRow, DocInBothSplits, PartRow, ShardRecord
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.stages import stage_names
 
@@ -47,7 +48,7 @@ def run_summaries(ledger: Ledger) -> list[dict[str, Any]]:
                 "parent_run_key": first.parent_run_key or None,
                 "planned_tokens": first.planned_tokens,
                 "tokens_per_step": first.tokens_per_step,
-                **chain_totals(chain_of(parts)),
+                **chain_totals(chain_of(parts)).as_dict(),
             }
         )
     return runs
@@ -127,8 +128,8 @@ def run_consumption(ledger: Ledger, run_key: str) -> dict[str, Any]:
         **ledger.run_counts(run_key).as_dict(),
         "overlap_tokens": sum(p.overlap_tokens for p in chain),
         "consumed_tokens": sum(r["tokens"] for r in ranges),
-        "segments": ledger.segments(run_key),
-        "shards": ledger.consumed_by_shard(run_key),
+        "segments": [asdict(s) for s in ledger.segments(run_key)],
+        "shards": [asdict(s) for s in ledger.consumed_by_shard(run_key)],
         "ranges": ranges,
     }
 
@@ -153,7 +154,7 @@ def duplicate_shards(ledger: Ledger, tokenizer_id: str) -> list[dict[str, Any]]:
     return [{"content_sha256": sha, "shards": ids} for sha, ids in by_sha.items() if len(ids) > 1]
 
 
-def train_validation_overlap(ledger: Ledger, shards: list[ShardRecord]) -> list[dict[str, Any]]:
+def train_validation_overlap(ledger: Ledger, shards: list[ShardRecord]) -> list[DocInBothSplits]:
     """Documents whose normalised text is in both a train and a validation shard of a source
     (`shards`: the current ledger records, so older versions of a shard do not count)."""
     if not shards:
@@ -161,6 +162,7 @@ def train_validation_overlap(ledger: Ledger, shards: list[ShardRecord]) -> list[
     shas = sorted({r.content_sha256 for r in shards})
     marks = ",".join("?" * len(shas))
     return ledger._query(
+        DocInBothSplits,
         "docs",
         f"""WITH d AS (SELECT DISTINCT * FROM docs WHERE content_sha256 IN ({marks}))
             SELECT v.source, v.doc_hash, v.shard_id AS validation_shard, v.row AS validation_row,

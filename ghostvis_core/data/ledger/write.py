@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 
@@ -22,24 +22,24 @@ from ghostvis_core.data.ledger.files import (
     write_parquet,
 )
 from ghostvis_core.data.ledger.records import (
-    CONSUMPTION_SCHEMA,
-    DOC_SCHEMA,
     FEED_SCHEMA,
     NGRAM_INDEX_FILES,
     NGRAM_INDEX_ROWS,
     NGRAM_SCHEMA,
-    PART_SCHEMA,
     ROLLOUT_SCHEMA,
-    ROW_INDEX_SCHEMA,
-    SHARD_SCHEMA,
     SHARE_SCHEMA,
+    ConsumptionRow,
+    DocRow,
+    NgramRow,
     PartRow,
+    RowIndexRow,
+    ShardRecord,
+    schema_of,
+    table_of,
 )
+from ghostvis_core.data.piece import Piece
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store.files import sha256_file
-
-if TYPE_CHECKING:  # the ledger stores pieces; it does not read streams (the audit imports it)
-    from ghostvis_core.data.stream import Piece
 
 
 def row_ranges(rows: list[int]) -> list[list[int]]:
@@ -53,25 +53,11 @@ def row_ranges(rows: list[int]) -> list[list[int]]:
     return out
 
 
-def pieces_to_rows(pieces: list[Piece], rows_of) -> list[dict[str, Any]]:
-    """Ledger consumption rows (but for the part's ids) for merged pieces; rows_of(piece) -> (row_start, row_end)."""
-    out = []
-    for p in pieces:
-        r0, r1 = rows_of(p)
-        out.append(
-            {
-                "source": p.source,
-                "shard_id": p.shard_id,
-                "split": p.split,
-                "epoch": p.epoch,
-                "tok_start": p.tok_start,
-                "tok_end": p.tok_end,
-                "tokens": p.tokens,
-                "row_start": r0,
-                "row_end": r1,
-            }
-        )
-    return out
+def pieces_to_rows(
+    part: PartRow, pieces: list[Piece], rows_of: Callable[[Piece], tuple[int, int]]
+) -> list[ConsumptionRow]:
+    """The part's consumption rows for its merged pieces; rows_of(piece) -> (row_start, row_end)."""
+    return [ConsumptionRow.of(part, p, rows_of(p)) for p in pieces]
 
 
 class LedgerWriter(LedgerFiles):
@@ -92,61 +78,30 @@ class LedgerWriter(LedgerFiles):
             self.store.publish("ledger_file", path.relative_to(self.root).as_posix())
         return path
 
-    def write_shard(self, record: dict[str, Any]) -> Path:
+    def _write_records(self, path: Path, record: type, rows: list) -> Path:
+        """Write one file of `record`s (`table_of`: the table's schema) and publish it."""
+        return self._write(path, table_of(record, rows), schema_of(record))
+
+    def write_shard(self, record: ShardRecord) -> Path:
         """Token paths are kept relative to the store, so a GHOSTVIS_HOME can be moved or copied; the
         token file's sha256 is kept, so a file replaced later (same rows, other tokens) is found."""
-        record = {
-            "created_at": time.time(),
-            "replaces_sha256": "",
-            "docs_dropped": 0,
-            "tokens_dropped": 0,
-            "drop_reasons": "{}",
-            **record,
-        }
-        path = Path(record.get("token_path") or "")
+        path = Path(record.token_path)
         if path.is_file():
-            record["token_sha256"] = sha256_file(path)
+            record = dataclasses.replace(record, token_sha256=sha256_file(path))
         if path.is_absolute() and path.is_relative_to(self.store_folder):
-            record["token_path"] = str(path.relative_to(self.store_folder))
-        name = shard_record_name(record["shard_id"], record["tokenizer_id"], record["content_sha256"])
-        return self._write(self.root / name, [record], SHARD_SCHEMA)
+            record = dataclasses.replace(record, token_path=str(path.relative_to(self.store_folder)))
+        name = shard_record_name(record.shard_id, record.tokenizer_id, record.content_sha256)
+        return self._write_records(self.root / name, ShardRecord, [record])
 
-    def write_doc_hashes(
-        self, shard_id: str, source: str, split: str, content_sha256: str, rows: list[int], hashes: list[str]
-    ) -> Path:
-        """Per document, its hash (text, plus image bytes): finds the same document in train and validation."""
-        n = len(rows)
-        table = pa.table(
-            {
-                "shard_id": [shard_id] * n,
-                "source": [source] * n,
-                "split": [split] * n,
-                "content_sha256": [content_sha256] * n,
-                "row": rows,
-                "doc_hash": hashes,
-            },
-            schema=DOC_SCHEMA,
-        )
-        return self._write(self.root / "docs" / f"{file_key(shard_id, content_sha256)}.parquet", table, DOC_SCHEMA)
+    def write_doc_hashes(self, shard_id: str, content_sha256: str, rows: list[DocRow]) -> Path:
+        """Per document of the shard's content, its hash (text, plus image bytes): finds the same
+        document in train and validation."""
+        return self._write_records(self.root / "docs" / f"{file_key(shard_id, content_sha256)}.parquet", DocRow, rows)
 
-    def write_ngrams(
-        self, shard_id: str, source: str, split: str, content_sha256: str, rows: list[int], hashes: list[int]
-    ) -> Path:
-        """Per document (raw row, repeated per fingerprint), its winnowed 13-gram hashes: what the
-        decontamination gate compares with the evaluation sets. Keyed like the doc hashes (text only)."""
-        n = len(rows)
-        table = pa.table(
-            {
-                "shard_id": [shard_id] * n,
-                "source": [source] * n,
-                "split": [split] * n,
-                "content_sha256": [content_sha256] * n,
-                "row": pa.array(rows, pa.int64()),
-                "ngram_hash": pa.array(hashes, pa.int64()),
-            },
-            schema=NGRAM_SCHEMA,
-        )
-        return self._write(self.root / ngram_name(shard_id, content_sha256), table, NGRAM_SCHEMA)
+    def write_ngrams(self, shard_id: str, content_sha256: str, rows: list[NgramRow]) -> Path:
+        """Per document of the shard's content (raw row, repeated per fingerprint), its winnowed 13-gram
+        hashes: what the decontamination gate compares with the evaluation sets. Keyed like the doc hashes."""
+        return self._write_records(self.root / ngram_name(shard_id, content_sha256), NgramRow, rows)
 
     def write_ngram_index(self) -> Path | None:
         """Every ngrams/ file's fingerprints in one file sorted by hash, so a text is looked up in the few
@@ -173,14 +128,15 @@ class LedgerWriter(LedgerFiles):
     def write_part(
         self,
         part: PartRow,
-        pieces: list[dict[str, Any]],
+        consumption: list[ConsumptionRow],
         shares: list[dict[str, Any]] | None = None,
         feeds: list[dict[str, Any]] | None = None,
         rollouts: list[dict[str, Any]] | None = None,
     ) -> None:
         """Consumption, per-rank shares, content digests (when given: the trainer always gives them) and
         an rl run's rollouts first, then the part row: a part row is only visible once what it sums is.
-        `pieces`, `shares`, `feeds` and `rollouts` are their tables' rows but for the part's ids.
+        `consumption` is the part's rows (`pieces_to_rows`); `shares`, `feeds` and `rollouts` are their
+        tables' rows but for the part's ids.
         A fixed number of files in the run's folders, whatever the ledger already holds."""
         for k in ("stage", "run_key"):
             value = getattr(part, k)
@@ -189,9 +145,8 @@ class LedgerWriter(LedgerFiles):
                     f"ledger part {part.part_id}: {k} {value!r} cannot name a folder of the "
                     "ledger (empty, or holds one of / \\ = * ? [); give the run another key"
                 )
+        self._write_records(self.part_file("consumption", part), ConsumptionRow, consumption)
         ids = {"part_id": part.part_id, "run_key": part.run_key}
-        rows = [{**ids, "stage": part.stage, "segment": part.segment, **p} for p in pieces]
-        self._write(self.part_file("consumption", part), rows, CONSUMPTION_SCHEMA)
         for table, given, schema in (
             ("shares", shares, SHARE_SCHEMA),
             ("feeds", feeds, FEED_SCHEMA),
@@ -199,11 +154,10 @@ class LedgerWriter(LedgerFiles):
         ):
             if given is not None:
                 self._write(self.part_file(table, part), [{**ids, **r} for r in given], schema)
-        self._write(self.part_file("parts", part), [dataclasses.asdict(part)], PART_SCHEMA)
+        self._write_records(self.part_file("parts", part), PartRow, [part])
 
-    def write_row_index(self, chain: list[PartRow], rows: list[dict[str, Any]]) -> Path:
-        """The audit's row index of a run's chain (RowIndexRow rows but for run_key and stage, each naming
-        its part and segment): one file, named as the chain's head part, sorted by shard and tokens."""
-        ids = {"run_key": chain[-1].run_key, "stage": chain[-1].stage}
-        rows = sorted(({**ids, **r} for r in rows), key=lambda r: (r["shard_id"], r["tok_start"], r["global_row"]))
-        return self._write(self.part_file("row_index", chain[-1]), rows, ROW_INDEX_SCHEMA)
+    def write_row_index(self, chain: list[PartRow], rows: list[RowIndexRow]) -> Path:
+        """The audit's row index of a run's chain (each row naming its part and segment): one file, named
+        as the chain's head part, sorted by shard and tokens."""
+        rows = sorted(rows, key=lambda r: (r.shard_id, r.tok_start, r.global_row))
+        return self._write_records(self.part_file("row_index", chain[-1]), RowIndexRow, rows)

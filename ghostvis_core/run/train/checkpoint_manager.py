@@ -28,7 +28,7 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import PartRow
 from ghostvis_core.data.ledger.write import pieces_to_rows, row_ranges
 from ghostvis_core.data.loader import Batch, Consumption, merge_pieces
-from ghostvis_core.data.stream import Piece
+from ghostvis_core.data.piece import Piece
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.dist import DistContext, agree, barrier, gather_objects, print0
@@ -306,7 +306,7 @@ def write_part(
     feeds = [f for _, _, _, fs in gathered for f in fs]
     Ledger(folder).write_part(
         dataclasses.replace(record, **counts.as_dict(), overlap_tokens=overlap),
-        pieces_to_rows(merged, rows_of),
+        pieces_to_rows(record, merged, rows_of),
         shares,
         feeds,
         rollouts or None,

@@ -327,7 +327,7 @@ def report(run: Trainer) -> RunResult:
         ledger = Ledger.in_store(run.store)
         result.mixture = mixture_shares(ledger, run.spec.run_key, run.cfg)
         run.tracker.metrics(final_metrics(result), step=result.steps)
-        run.tracker.inputs(shard_inputs(run, {r["shard_id"] for r in ledger.consumed_by_shard(run.spec.run_key)}))
+        run.tracker.inputs(shard_inputs(run, {r.shard_id for r in ledger.consumed_by_shard(run.spec.run_key)}))
         result.mlflow_run_id = run.tracker.run_id()
         result.mlflow_experiment_id = run.tracker.mlflow.experiment_id
         result.mlflow_delivery = run.tracker.finish(
@@ -409,7 +409,7 @@ def mixture_shares(ledger: Ledger, run_key: str, cfg: StageConfig) -> dict[str, 
     """Per recipe source: its fraction of the run's consumed shard tokens (from the ledger) and weight."""
     by_source: dict[str, int] = {}
     for r in ledger.consumed_by_shard(run_key):
-        by_source[r["source"]] = by_source.get(r["source"], 0) + int(r["tokens"])
+        by_source[r.source] = by_source.get(r.source, 0) + r.tokens
     total = sum(by_source.values()) or 1
     return {
         s.source: MixtureShare(by_source.get(s.source, 0) / total, s.weight, by_source.get(s.source, 0))

@@ -193,7 +193,7 @@ def validation_items(ledger: Ledger) -> Iterator[EvalItem]:
     current = {(r.shard_id, r.content_sha256) for r in ledger.shards()}
     docs: dict[tuple[str, str, int], set[int]] = defaultdict(set)
     for r in ledger.ngrams(shas):
-        docs[(r["shard_id"], r["content_sha256"], r["row"])].add(r["ngram_hash"])
+        docs[(r.shard_id, r.content_sha256, r.row)].add(r.ngram_hash)
     for (shard_id, sha, row), fps in sorted(docs.items()):
         version = "" if (shard_id, sha) in current else f" (earlier version {sha[:12]})"
         yield EvalItem("validation", f"{shard_id}{version} row {row}", frozenset(fps))
@@ -292,12 +292,12 @@ def consumed_documents(
     starts = {s: [a for a, _ in v] for s, v in merged.items()}
     docs: dict[tuple[str, int], set[int]] = defaultdict(set)
     for r in ledger.ngrams(sorted(wanted)):
-        shard_id, row = r["shard_id"], r["row"]
-        if wanted.get(r["content_sha256"]) != shard_id:
+        shard_id, row = r.shard_id, r.row
+        if wanted.get(r.content_sha256) != shard_id:
             continue
         i = bisect_right(starts[shard_id], row) - 1  # the merged row range starting at or before the row
         if i >= 0 and row < merged[shard_id][i][1]:
-            docs[(shard_id, row)].add(r["ngram_hash"])
+            docs[(shard_id, row)].add(r.ngram_hash)
     return dict(docs), missing
 
 
@@ -437,8 +437,8 @@ def shard_contamination(
     train = {r.content_sha256: r.shard_id for r in shards if r.split == "train"}
     docs: dict[tuple[str, int], set[int]] = defaultdict(set)
     for r in ledger.ngrams(sorted(train)):
-        if train.get(r["content_sha256"]) == r["shard_id"]:
-            docs[(r["shard_id"], r["row"])].add(r["ngram_hash"])
+        if train.get(r.content_sha256) == r.shard_id:
+            docs[(r.shard_id, r.row)].add(r.ngram_hash)
     eval_fps = set()
     items = known_items(ledger, list(eval_sets))
     for it in items:

@@ -442,19 +442,19 @@ def no_validation_leakage(
     never taken from the label the trainer wrote into its consumption rows, and a shard the table does
     not know fails too."""
     leaked = ledger.leakage(run_key, tokenizer_id, versions)
-    rows = [[r["shard_id"], r["split"], r["label"], r["tokens"], f"{r['row_start']}..{r['row_end']}"] for r in leaked]
+    rows = [[r.consumed.shard_id, r.split, r.label, r.consumed.tokens, r.consumed.rows] for r in leaked]
     return CheckOutcome(
         "no_validation_leakage",
         not leaked,
         figures={
-            "leaked_tokens": sum(r["tokens"] for r in leaked),
-            "leaked_shards": ", ".join(r["shard_id"] for r in leaked) or "none",
+            "leaked_tokens": sum(r.consumed.tokens for r in leaked),
+            "leaked_shards": ", ".join(r.consumed.shard_id for r in leaked) or "none",
         },
         tables={"leaked": (["shard", "ledger split", "trainer's label", "tokens", "rows"], rows)},
         failures=[
-            f"shard {r['shard_id']} consumed in training ({r['tokens']:,} tokens, rows "
-            f"{r['row_start']}..{r['row_end']}) is not train (ledger shard table: {r['split']}; "
-            f"the trainer labelled it {r['label']})"
+            f"shard {r.consumed.shard_id} consumed in training ({r.consumed.tokens:,} tokens, rows "
+            f"{r.consumed.rows}) is not train (ledger shard table: {r.split}; "
+            f"the trainer labelled it {r.label})"
             for r in leaked
         ],
     )
@@ -522,12 +522,12 @@ def no_duplicate_content(ledger: Ledger, tokenizer_id: str) -> CheckOutcome:
             ),
             "leaked_docs": (
                 ["validation shard", "row", "train shard", "row"],
-                [[o["validation_shard"], o["validation_row"], o["train_shard"], o["train_row"]] for o in overlap[:100]],
+                [[o.validation_shard, o.validation_row, o.train_shard, o.train_row] for o in overlap[:100]],
             ),
         },
         failures=[f"same content: {', '.join(d['shards'])}" for d in dups]
         + [
-            f"document in {o['validation_shard']} row {o['validation_row']} and {o['train_shard']} row {o['train_row']}"
+            f"document in {o.validation_shard} row {o.validation_row} and {o.train_shard} row {o.train_row}"
             for o in overlap[:50]
         ],
     )

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.ledger.records import PartRow
+from ghostvis_core.data.ledger.records import PartRow, RowIndexRow
 from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.rebuild import PlannedRows
@@ -33,27 +33,17 @@ def place(g: int, plan: BatchPlan) -> dict[str, int]:
     }
 
 
-def part_index(planned: PlannedRows, part: PartRow) -> list[dict[str, Any]]:
+def part_index(planned: PlannedRows, part: PartRow) -> list[RowIndexRow]:
     """The index rows of one part: each of its global rows' spans, placed by the row rule with the
     part's own batch factors (a relaunch may change the world size)."""
     out, plan = [], part.batch
+    keys = (part.part_id, part.run_key, part.stage, part.segment)
     for g in range(part.rows_first, part.rows_last):
-        where = {"part_id": part.part_id, "segment": part.segment, **place(g - part.rows_first, plan)}
-        where["step"] += part.step_first - 1
+        where = place(g - part.rows_first, plan)
+        at = (where["step"] + part.step_first - 1, where["rank"], where["micro_batch"], g)
         for sp in planned.spans(g):
-            first, last = planned.token_file(sp.shard_id).rows_of(sp.tok_start, sp.tok_end)
-            out.append(
-                {
-                    **where,
-                    "global_row": g,
-                    "shard_id": sp.shard_id,
-                    "epoch": sp.epoch,
-                    "tok_start": sp.tok_start,
-                    "tok_end": sp.tok_end,
-                    "row_start": first,
-                    "row_end": last,
-                }
-            )
+            rows = planned.token_file(sp.shard_id).rows_of(sp.tok_start, sp.tok_end)
+            out.append(RowIndexRow(*keys, *at, sp.shard_id, sp.epoch, sp.tok_start, sp.tok_end, *rows))
     return out
 
 

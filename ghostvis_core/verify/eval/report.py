@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.query import UNDECLARED_KINDS, Reuse
+from ghostvis_core.data.ledger.records import RunTotals, Segment, ShardConsumption
 from ghostvis_core.plan.budget import plan
 from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.plan.presets import evidence_note
@@ -32,10 +32,10 @@ class StageReport:
     stage: str
     run_key: str
     mlflow_run_id: str
-    totals: dict[str, Any]
+    totals: RunTotals
     planned_tokens: int
     shards_used: int
-    shard_rows: list[dict[str, Any]]
+    shard_rows: list[ShardConsumption]
     reuse: str
     leakage: str
     wall_time_s: float
@@ -50,8 +50,17 @@ class StageReport:
     evaluation: dict[str, Any] = field(default_factory=dict)
     mixture: dict[str, dict[str, Any]] = field(default_factory=dict)  # source -> fraction, weight, tokens
     bpb_tolerance: float | None = None  # the quality gate's allowed bpb worsening vs upstream
-    segments: list[dict[str, Any]] = field(default_factory=list)  # Ledger.segments: each launch's step range
+    segments: list[Segment] = field(default_factory=list)  # Ledger.segments: each launch's step range
     evidence_note: str = ""  # why the preset's run cannot improve the stage's evidence, where it cannot
+
+    def as_json(self) -> dict[str, Any]:
+        """The row as report.json holds it: the ledger's records as plain objects, the totals flat."""
+        return {
+            **self.__dict__,
+            "totals": self.totals.as_dict(),
+            "shard_rows": [asdict(r) for r in self.shard_rows],
+            "segments": [asdict(g) for g in self.segments],
+        }
 
 
 def reuse_summary(reuse: list[Reuse]) -> str:
@@ -83,7 +92,7 @@ def stage_report(
     shards = ledger.consumed_by_shard(key)
     reuse_text = reuse_summary(ledger.reuse(key))
     leaked = ledger.leakage(key)
-    leak_text = f"FLAGGED: {', '.join(r['shard_id'] for r in leaked)}" if leaked else "none"
+    leak_text = f"FLAGGED: {', '.join(r.consumed.shard_id for r in leaked)}" if leaked else "none"
     evidence: list[tuple[str, Any, Any]] = [(name, e.before, e.after) for name, e in sorted(result.evidence.items())]
     if result.frozen is not None:
         evidence.append(("frozen_params_unchanged", None, result.frozen.unchanged))
@@ -180,11 +189,11 @@ TOKEN_HEADER = [
 
 
 def _token_row(s: StageReport) -> list[Any]:
-    figures = [s.totals[k] for k in TokenCounts.names()]
+    figures = s.totals.counts.as_list()
     return [
         s.stage,
         s.run_key,
-        s.totals["steps"],
+        s.totals.steps,
         s.planned_tokens,
         *figures,
         s.shards_used,
@@ -234,12 +243,12 @@ def step_range_rows(s: StageReport) -> list[list[Any]]:
     or the Dagster `trace` job with that config), shown for the range's first step."""
     rows = []
     for seg in s.segments:
-        first, last = seg["first_step"], seg["last_step"]
+        first, last = seg.first_step, seg.last_step
         config = json.dumps({"stage": s.stage, "step": first, "run_key": s.run_key})
         rows.append(
             [
                 s.stage,
-                seg["segment"],
+                seg.segment,
                 f"{first}-{last}",
                 f"ghostvis trace --stage {s.stage} --run-key {s.run_key} --step {first}",
                 f"trace job, op trace_ledger config {config}",
@@ -343,7 +352,7 @@ def write_report(
     texts = {
         "html": render_html(title, stages, chart.name, samples),
         "md": render_markdown(title, stages, chart.name, samples),
-        "json": json.dumps([s.__dict__ for s in stages], indent=2, default=str),
+        "json": json.dumps([s.as_json() for s in stages], indent=2, default=str),
     }
     files = {ext: atomic_write(store.writable("report", f"{name}/report.{ext}"), text) for ext, text in texts.items()}
     store.publish("report", name)
