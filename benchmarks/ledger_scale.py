@@ -174,8 +174,7 @@ def main() -> int:
     ap.add_argument("--stage", default="pretrain")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    wd = C.workdir("ledger")
-    try:
+    with C.work_folder("ledger") as wd:
         home, how = C.home_arg_or_build(args.home, wd)
         print(f"home: {how}\n{C.load_snapshot('before')}", flush=True)
         results = {}
@@ -206,8 +205,6 @@ def main() -> int:
             print(C.goal(f"{k[:-2]} time({large}) / time({small})", ratio, GOAL_RATIO, higher_is_better=False))
         print(C.kv_line(kv))
         return 0
-    finally:
-        shutil.rmtree(wd, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ At the end, every script's final key=value line is repeated.
 
 from __future__ import annotations
 
-import shutil
+import contextlib
 import subprocess
 import sys
 import time
@@ -60,14 +60,13 @@ def main() -> int:
     args = ap.parse_args()
 
     names = [n for n in ORDER if not args.only or n in args.only]
-    wd = None
     home = args.home
     results: list[tuple[str, int, str, float]] = []
-    try:
+    with contextlib.ExitStack() as scratch:
         if home:
             names = [n for n in names if n != "demo_time"]
         elif "demo_time" in names:
-            wd = C.workdir("all")
+            wd = scratch.enter_context(C.work_folder("all", keep=args.keep_home, what=" (the home demo_time built)"))
             home = str(wd / "home")
             rc, kv, secs = run("demo_time", ["--preset", args.preset, "--keep-home", home])
             results.append(("demo_time", rc, kv, secs))
@@ -80,11 +79,6 @@ def main() -> int:
         for name in names:
             rc, kv, secs = run(name, OWN_HOMES.get(name, ["--home", home] if home else []))
             results.append((name, rc, kv, secs))
-    finally:
-        if wd is not None and not args.keep_home:
-            shutil.rmtree(wd, ignore_errors=True)
-        elif wd is not None:
-            print(f"home kept at {home}")
 
     print("\n===== summary")
     for name, rc, kv, secs in results:

@@ -65,7 +65,7 @@ def measure(wd: Path, docs: int, words: int) -> dict:
         train_shards={"bench": (ShardRef("bench/00000", "bench", "train", "", docs, 0, content),)},
         val_shards={},
     )
-    consumption = [{"shard_id": "bench/00000", "row_start": 0, "row_end": docs}]
+    consumption = [SimpleNamespace(shard_id="bench/00000", row_start=0, row_end=docs)]  # a ConsumptionRow's span
     items = known_items(ledger, [])
     w0, t0 = time.perf_counter(), time.process_time()
     texts = consumed_texts(store, ledger, spec, consumption)
@@ -92,7 +92,8 @@ def main() -> int:
     ap.add_argument("--words", type=int, default=300)
     args = ap.parse_args()
     print(C.load_snapshot("before"))
-    r = measure(C.workdir("short-items"), args.docs, args.words)
+    with C.work_folder("short-items") as wd:
+        r = measure(wd, args.docs, args.words)
     if r["documents_found"] != r["planted"]:
         raise C.BenchError(f"found {r['documents_found']} documents holding an item, planted {r['planted']}")
     print(

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import subprocess
 import sys
 import time
@@ -232,13 +231,12 @@ def main() -> int:
     ap.add_argument("--home", help="keep the synthetic home here, and reuse it when it is there")
     args = ap.parse_args()
     print(C.load_snapshot("before"))
-    wd = Path(args.home) if args.home else C.workdir("trace-speed")
-    wd.mkdir(parents=True, exist_ok=True)
-    try:
-        r = measure(wd, args.shards, args.runs)
-    finally:
-        if not args.home:
-            shutil.rmtree(wd, ignore_errors=True)
+    if args.home:  # kept, and reused when it is there
+        Path(args.home).mkdir(parents=True, exist_ok=True)
+        r = measure(Path(args.home), args.shards, args.runs)
+    else:
+        with C.work_folder("trace-speed") as wd:
+            r = measure(wd, args.shards, args.runs)
     print(f"built {r['shards']:,} shards and {r['runs']} runs in {r['build_s']:.0f} s")
     print(f"the fingerprint index (token_ledger writes it): {r['ngram_index_s']:.1f} s")
     rows = [
