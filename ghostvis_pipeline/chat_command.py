@@ -9,6 +9,7 @@ from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan import selected
 from ghostvis_core.plan.stages import chat_stage_names
+from ghostvis_pipeline.subcommand import subcommand
 
 
 def cmd_chat(args) -> int:
@@ -64,7 +65,7 @@ def newest_chat_stage(home: Home) -> str:
 
 
 def add_parser(sub) -> None:
-    c = sub.add_parser("chat", help="chat with a trained stage in the terminal (stdin may be piped)")
+    c = subcommand(sub, "chat", help="chat with a trained stage in the terminal (stdin may be piped)", fn=cmd_chat)
     c.add_argument(
         "--stage",
         choices=chat_stage_names(),
@@ -75,4 +76,3 @@ def add_parser(sub) -> None:
     c.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     c.add_argument("--top-k", type=int, default=50)
     c.add_argument("--seed", type=int, default=0)
-    c.set_defaults(fn=cmd_chat)

@@ -47,6 +47,7 @@ from ghostvis_pipeline import (
     trace_command,
     train_command,
 )
+from ghostvis_pipeline.subcommand import subcommand
 
 
 def cmd_init(args) -> int:
@@ -470,25 +471,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
 
-    i = sub.add_parser("init", help="create GHOSTVIS_HOME and the Dagster instance folder; print the exports")
+    i = subcommand(
+        sub, "init", help="create GHOSTVIS_HOME and the Dagster instance folder; print the exports", fn=cmd_init
+    )
     i.add_argument(
         "--dagster-config",
         metavar="YAML",
         help="instance config to install (default: the project's dagster.yaml, SQLite; "
         "a team's PostgreSQL: deploy/dagster-postgres.yaml)",
     )
-    i.set_defaults(fn=cmd_init)
 
-    d = sub.add_parser("demo", help="materialize every asset on the embedded demo data")
+    d = subcommand(sub, "demo", help="materialize every asset on the embedded demo data", fn=cmd_demo)
     d.add_argument("--preset", default=selected.default_preset(), help="tiny (default) or smoke (fewer steps)")
     d.add_argument("--stages", nargs="*", help="train only these stages (default: all)")
-    d.set_defaults(fn=cmd_demo)
 
-    p = sub.add_parser("plan", help="token / step / FLOP / cost / per-GPU memory planner")
+    p = subcommand(sub, "plan", help="token / step / FLOP / cost / per-GPU memory planner", fn=cmd_plan)
     add_plan_arguments(p)
-    p.set_defaults(fn=cmd_plan)
 
-    lg = sub.add_parser("ledger", help="the token ledger: shards and per-stage consumption")
+    lg = subcommand(sub, "ledger", help="the token ledger: shards and per-stage consumption", fn=cmd_ledger, json=True)
     lg.add_argument("--tokenizer", help="only shards tokenized with this tokenizer id")
     lg.add_argument(
         "--run",
@@ -496,17 +496,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="what one run consumed: segments, token figures, per shard and range "
         "(a stage name means its newest completed run)",
     )
-    lg.add_argument("--json", action="store_true")
-    lg.set_defaults(fn=cmd_ledger)
-    au = sub.add_parser(
+    au = subcommand(
+        sub,
         "audit",
         help="re-run every data and stage invariant from the store and MLflow (no Dagster "
         "run needed); exit 1 naming each stage and figure that disagrees",
+        fn=cmd_audit,
+        json=True,
     )
     au.add_argument("--stage", action="append", choices=stage_names(), help="audit only this stage (repeatable)")
-    au.add_argument("--json", action="store_true")
     au.add_argument("--no-dagster", action="store_true", help="do not compare the Dagster instance's metadata")
-    au.set_defaults(fn=cmd_audit)
     chat_command.add_parser(sub)
     data_command.add_parser(sub)
     train_command.add_parser(sub)

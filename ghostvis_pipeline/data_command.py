@@ -7,6 +7,7 @@ import time
 
 from ghostvis_core.home import Home
 from ghostvis_core.plan import selected
+from ghostvis_pipeline.subcommand import subcommand
 
 
 def cmd_data(args) -> int:
@@ -28,7 +29,9 @@ def cmd_data(args) -> int:
 
 
 def add_parser(sub) -> None:
-    d = sub.add_parser("data", help="backfill every registered shard: download, tokenizer, tokenization, ledger")
+    d = subcommand(
+        sub, "data", help="backfill every registered shard: download, tokenizer, tokenization, ledger", fn=cmd_data
+    )
     d.add_argument(
         "--preset", help="the preset whose tokenizer vocabulary to train (default: GHOSTVIS_PRESET, else tiny)"
     )
@@ -45,4 +48,3 @@ def add_parser(sub) -> None:
         help="use this tokenizer file instead of training one (a byte-level BPE tokenizer.json or a tiktoken BPE "
         "file; path, s3://, http(s)://, hf://); the tokenizer asset's run config maps special tokens",
     )
-    d.set_defaults(fn=cmd_data)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ghostvis_core.home import Home
 from ghostvis_core.plan.stages import stage_names
+from ghostvis_pipeline.subcommand import subcommand
 
 
 def cmd_export(args) -> int:
@@ -16,10 +17,12 @@ def cmd_export(args) -> int:
 
 
 def add_parser(sub) -> None:
-    e = sub.add_parser(
-        "export", help="write a trained stage as a Hugging Face checkpoint (LlamaForCausalLM + tokenizer)"
+    e = subcommand(
+        sub,
+        "export",
+        help="write a trained stage as a Hugging Face checkpoint (LlamaForCausalLM + tokenizer)",
+        fn=cmd_export,
     )
     e.add_argument("--stage", required=True, choices=stage_names())
     e.add_argument("--run-key", help="the run to export (default: the stage's newest completed run)")
     e.add_argument("--to", required=True, help="the output folder")
-    e.set_defaults(fn=cmd_export)

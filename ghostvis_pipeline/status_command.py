@@ -13,6 +13,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from ghostvis_core.home import Home
+from ghostvis_pipeline.subcommand import subcommand
 
 DATA_VERSION_TAG = "dagster/data_version"
 SHOWN = 5  # partitions named per reason
@@ -149,11 +150,12 @@ def cmd_status(args) -> int:
 
 
 def add_parser(sub) -> None:
-    s = sub.add_parser(
+    subcommand(
+        sub,
         "status",
         help="per asset: up to date, stale (which input or code changed) or missing",
         description="What the Dagster UI shows as synced / unsynced: an asset is stale when its "
         "code or an input's data version changed since it was materialized.",
+        fn=cmd_status,
+        json=True,
     )
-    s.add_argument("--json", action="store_true")
-    s.set_defaults(fn=cmd_status)

@@ -8,6 +8,7 @@ import json
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan.stages import stage_names
+from ghostvis_pipeline.subcommand import subcommand
 
 
 def cmd_trace(args) -> int:
@@ -73,12 +74,12 @@ def format_step(r: dict) -> list[str]:
 
 
 def add_parser(sub) -> None:
-    t = sub.add_parser("trace", help="where a document went (--doc), or what a step fed (--stage --step)")
+    t = subcommand(
+        sub, "trace", help="where a document went (--doc), or what a step fed (--stage --step)", fn=cmd_trace, json=True
+    )
     t.add_argument("--doc", help="<shard>:<row>: the stages, runs, steps and ranks that trained this raw row")
     t.add_argument("--text", help="20 words or more of a document: found by its fingerprints, then traced as --doc")
     t.add_argument("--stage", choices=stage_names(), help="with --step: the documents that step fed")
     t.add_argument("--step", type=int)
     t.add_argument("--run-key", help="with --stage: the run (default: the stage's newest completed run)")
     t.add_argument("--no-models", action="store_true", help="with --doc or --text: skip the MLflow model registry")
-    t.add_argument("--json", action="store_true")
-    t.set_defaults(fn=cmd_trace)

@@ -10,6 +10,7 @@ from ghostvis_core.plan import selected
 from ghostvis_core.plan.config import parse_sets
 from ghostvis_core.plan.presets import parse_recipe
 from ghostvis_core.plan.stages import stage_names
+from ghostvis_pipeline.subcommand import subcommand
 
 
 def stage_run_config(args) -> dict:
@@ -48,13 +49,15 @@ def cmd_train(args) -> int:
 
 
 def add_parser(sub) -> None:
-    t = sub.add_parser(
+    t = subcommand(
+        sub,
         "train",
         help="materialize one training stage (its asset and checks), e.g. on your own sources",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Runs the stage's Dagster asset in this process, recorded in DAGSTER_HOME like a UI "
         "run. The stage it starts from in the lineage (GHOSTVIS_LINEAGE; none for the first stage) and the "
         "token ledger must be materialized.",
+        fn=cmd_train,
     )
     t.add_argument("stage", choices=stage_names())
     t.add_argument("--preset", help="preset name (default: GHOSTVIS_PRESET, else tiny)")
@@ -86,4 +89,3 @@ def add_parser(sub) -> None:
         help="when another launch is training the same run identity now (it holds the run's lease), fail at once "
         "naming it, instead of waiting for it and returning its run as a cache hit",
     )
-    t.set_defaults(fn=cmd_train)

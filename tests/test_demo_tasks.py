@@ -23,6 +23,8 @@ from ghostvis_core.data.problems import is_correct
 from ghostvis_core.data.whole_items import WholeItems, whole_phrase
 from ghostvis_core.demo.tasks import (
     COLORS,
+    NUMBER_WORDS,
+    POSITION_PHRASES,
     REWARD_RULES,
     SPLIT_SIZES,
     TASK_SOURCES,
@@ -66,14 +68,6 @@ SHARD_NAMES = ["00000.parquet", "00001.parquet", "00002.parquet", "00003.parquet
 STEP = re.compile(r"^Step (\d+): (\d+) ([-+*]) (\d+) = (\d+)\.$")
 ARITH_REPLY = re.compile(r"^(\d+) ([-+*]) (\d+) = (\d+)\.$")
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
-NUMBER_WORDS = {1: "one", 2: "two", 3: "three"}
-PLACES = {
-    "left": "on the left",
-    "right": "on the right",
-    "top": "at the top",
-    "bottom": "at the bottom",
-    "center": "in the center",
-}
 
 
 @pytest.fixture(scope="module")
@@ -385,7 +379,7 @@ def test_image_rows(built):
     for r in _rows(built, "demo_images"):
         px = _pixels(r["image"])
         noun = r["shape"] if r["count"] == 1 else r["shape"] + "s"
-        assert r["caption"] == f"{NUMBER_WORDS[r['count']]} {r['color']} {noun} {PLACES[r['position']]}."
+        assert r["caption"] == f"{NUMBER_WORDS[r['count']]} {r['color']} {noun} {POSITION_PHRASES[r['position']]}."
         colour, share = _dominant_colour(px)
         assert colour == r["color"] and share > 0.9, (r["caption"], colour, share)
         assert np.all(px[_coloured(px)] == COLORS[r["color"]])  # no anti-aliasing: one exact colour

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +39,7 @@ from datatrove.utils.word_tokenizers import WordTokenizer
 from ghostvis_core.data.catalog import recorded_sha256, registered_manifests
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.files import write_parquet
+from ghostvis_core.data.ledger.records import schema_of
 from ghostvis_core.data.sources import Manifest
 from ghostvis_core.data.tokenize import (
     CountedFilters,
@@ -60,16 +61,6 @@ REASON = {"minhash": "minhash_dup"}  # method -> the drop reason its removals ar
 MINHASH = MinhashConfig(
     n_grams=5, num_buckets=14, hashes_per_bucket=8, seed=1, hash_config=HashConfig(precision=64, hash_fc="sha1")
 )
-# One row per removed document, in shard order; the file's metadata holds the index's identity and shards.
-INDEX_SCHEMA = pa.schema(
-    [
-        ("shard_id", pa.string()),
-        ("row", pa.int64()),
-        ("kept_shard", pa.string()),
-        ("kept_row", pa.int64()),
-        ("reason", pa.string()),
-    ]
-)
 
 
 @dataclass(frozen=True)
@@ -80,6 +71,11 @@ class Removal:
     row: int
     kept_shard: str
     kept_row: int
+
+
+# One row per removed document, in shard order (a Removal and the drop reason it is counted under); the file's
+# metadata holds the index's identity and shards.
+INDEX_SCHEMA = pa.schema([*schema_of(Removal), pa.field("reason", pa.string())])
 
 
 @dataclass(frozen=True)
@@ -227,16 +223,8 @@ def write_index(
     schema = INDEX_SCHEMA.with_metadata(
         {"ghostvis.identity": json.dumps(identity, sort_keys=True), "ghostvis.shards": json.dumps(shards)}
     )
-    table = pa.table(
-        {
-            "shard_id": [r.shard_id for r in removals],
-            "row": [r.row for r in removals],
-            "kept_shard": [r.kept_shard for r in removals],
-            "kept_row": [r.kept_row for r in removals],
-            "reason": [reason] * len(removals),
-        },
-        schema=schema,
-    )
+    columns = {f.name: [getattr(r, f.name) for r in removals] for f in fields(Removal)}
+    table = pa.table({**columns, "reason": [reason] * len(removals)}, schema=schema)
     write_parquet(store.writable("ledger_file", index_file(key)), table, schema)
     store.publish("ledger_file", index_file(key))
 

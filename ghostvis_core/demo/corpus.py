@@ -36,6 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ghostvis_core.data.decontaminate import HeldOut, drop_shared, held_out
+from ghostvis_core.demo.columns import demo_schema
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store.files import replacing
 
@@ -61,18 +62,7 @@ _EXCLUDED_PREFIXES = ("_sysconfigdata", "config-")
 # Already the source of the pydoc topics in demo_prose; as code it is one 750 KB string literal.
 _TOPICS_FILE = "pydoc_data/topics.py"
 
-SCHEMA = pa.schema(
-    [
-        ("text", pa.string()),
-        ("id", pa.string()),
-        ("dump", pa.string()),
-        ("url", pa.string()),
-        ("file_path", pa.string()),
-        ("language", pa.string()),
-        ("language_score", pa.float64()),
-        ("token_count", pa.int64()),
-    ]
-)
+SCHEMA = demo_schema("text", "id", "dump", "url", "file_path", "language", "language_score", "token_count")
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ from PIL import Image, ImageDraw
 from ghostvis_core.data.decontaminate import HeldOut, drop_shared, held_out
 from ghostvis_core.data.facts import capitals
 from ghostvis_core.data.ngrams import record_text
+from ghostvis_core.demo.columns import demo_schema
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store.files import replacing
 
@@ -87,33 +88,12 @@ IMAGE_CHAT_FRACTION = 0.2
 IMAGE_SIZE = 32
 IMAGE_PLACEHOLDER = "<|image|>"  # the same literal as ghostvis_core.data.chat.IMAGE
 
-MESSAGE_TYPE = pa.struct([("role", pa.string()), ("content", pa.string())])
 SCHEMAS: dict[str, pa.Schema] = {
-    "demo_reasoning": pa.schema(
-        [
-            ("text", pa.string()),
-            ("question", pa.string()),
-            ("solution", pa.string()),
-            ("answer", pa.string()),
-            ("id", pa.string()),
-        ]
-    ),
-    "demo_problems": pa.schema([("prompt", pa.string()), ("answer", pa.string()), ("id", pa.string())]),
-    "demo_chat": pa.schema([("messages", pa.list_(MESSAGE_TYPE)), ("image", pa.binary()), ("id", pa.string())]),
-    "demo_prefs": pa.schema(
-        [("prompt", pa.string()), ("chosen", pa.string()), ("rejected", pa.string()), ("id", pa.string())]
-    ),
-    "demo_images": pa.schema(
-        [
-            ("image", pa.binary()),
-            ("caption", pa.string()),
-            ("shape", pa.string()),
-            ("color", pa.string()),
-            ("count", pa.int64()),
-            ("position", pa.string()),
-            ("id", pa.string()),
-        ]
-    ),
+    "demo_reasoning": demo_schema("text", "question", "solution", "answer", "id"),
+    "demo_problems": demo_schema("prompt", "answer", "id"),
+    "demo_chat": demo_schema("messages", "image", "id"),
+    "demo_prefs": demo_schema("prompt", "chosen", "rejected", "id"),
+    "demo_images": demo_schema("image", "caption", "shape", "color", "count", "position", "id"),
 }
 
 # --- image vocabulary -------------------------------------------------------------------------
@@ -418,33 +398,52 @@ def _apply(a: int, op: str, b: int) -> int:
     return a + b if op == "+" else a - b if op == "-" else a * b
 
 
-def _r_add(rng):
+# The phrasings of the one-step questions, filled in by _ask. A phrasing's verbs are drawn before the phrasing is
+# picked, every phrasing's, so the draws do not depend on which phrasing is picked.
+_ADD = (
+    "{n} has {a} {objs}. {p} {gain} {b} more. How many {objs} does {n} have now?",
+    "There are {a} {objs} on a table. {n} puts {b} more on it. How many {objs} are on the table?",
+    "{n} had {a} {objs} and then {gain_past} {b} more. How many {objs} does {n} have?",
+)
+_SUB = (
+    "{n} has {a} {objs}. {p} {loss} {b} of them. How many {objs} are left?",
+    "A shop has {a} {objs}. It sells {b}. How many {objs} does the shop have left?",
+    "{n} has {a} {objs} and {other_loss} {b}. How many {objs} does {n} have left?",
+)
+_MUL = (
+    "{n} has {a} {conts}. Each {cont} holds {b} {objs}. How many {objs} does {n} have in total?",
+    "There are {a} {conts} with {b} {objs} in each. How many {objs} are there altogether?",
+)
+_MUL_SUB = (
+    "There are {a} {conts} with {b} {objs} each. {n} takes {c} {objs}. How many {objs} are left?",
+    "{n} fills {a} {conts} with {b} {objs} each and then eats {c} of them. How many {objs} are left?",
+)
+
+
+def _ask(rng: random.Random, phrasings: tuple[str, ...], **words) -> str:
+    """One of the phrasings, with the question's names, objects, verbs and numbers filled in."""
+    return _pick(rng, phrasings).format(**words)
+
+
+def _owner(rng: random.Random) -> tuple[str, str, str]:
+    """A person (name, pronoun) and the objects they have (plural)."""
     (n, p, _), (_, objs) = _people(rng, 1)[0], _pick(rng, _OBJECTS)
+    return n, p, objs
+
+
+def _r_add(rng):
+    n, p, objs = _owner(rng)
     a, b = rng.randint(2, 40), rng.randint(1, 30)
-    q = _pick(
-        rng,
-        (
-            f"{n} has {a} {objs}. {p} {_pick(rng, _GAIN)} {b} more. How many {objs} does {n} have now?",
-            f"There are {a} {objs} on a table. {n} puts {b} more on it. How many {objs} are on the table?",
-            f"{n} had {a} {objs} and then {_pick(rng, _GAIN_PAST)} {b} more. How many {objs} does {n} have?",
-        ),
-    )
-    return q, [(a, "+", b)]
+    verbs = dict(gain=_pick(rng, _GAIN), gain_past=_pick(rng, _GAIN_PAST))
+    return _ask(rng, _ADD, n=n, p=p, objs=objs, a=a, b=b, **verbs), [(a, "+", b)]
 
 
 def _r_sub(rng):
-    (n, p, _), (_, objs) = _people(rng, 1)[0], _pick(rng, _OBJECTS)
+    n, p, objs = _owner(rng)
     a = rng.randint(5, 50)
     b = rng.randint(1, a - 1)
-    q = _pick(
-        rng,
-        (
-            f"{n} has {a} {objs}. {p} {_pick(rng, _LOSS)} {b} of them. How many {objs} are left?",
-            f"A shop has {a} {objs}. It sells {b}. How many {objs} does the shop have left?",
-            f"{n} has {a} {objs} and {_pick(rng, _LOSS)} {b}. How many {objs} does {n} have left?",
-        ),
-    )
-    return q, [(a, "-", b)]
+    verbs = dict(loss=_pick(rng, _LOSS), other_loss=_pick(rng, _LOSS))
+    return _ask(rng, _SUB, n=n, p=p, objs=objs, a=a, b=b, **verbs), [(a, "-", b)]
 
 
 def _r_add_sub(rng):
@@ -476,14 +475,7 @@ def _r_sub_add(rng):
 def _r_mul(rng):
     (n, _, _), (cont, conts), (_, objs) = _people(rng, 1)[0], _pick(rng, _CONTAINERS), _pick(rng, _OBJECTS)
     a, b = rng.randint(2, 9), rng.randint(2, 11)
-    q = _pick(
-        rng,
-        (
-            f"{n} has {a} {conts}. Each {cont} holds {b} {objs}. How many {objs} does {n} have in total?",
-            f"There are {a} {conts} with {b} {objs} in each. How many {objs} are there altogether?",
-        ),
-    )
-    return q, [(a, "*", b)]
+    return _ask(rng, _MUL, n=n, cont=cont, conts=conts, objs=objs, a=a, b=b), [(a, "*", b)]
 
 
 def _r_mul_add(rng):
@@ -500,14 +492,7 @@ def _r_mul_sub(rng):
     (n, _, _), (_, conts), (_, objs) = _people(rng, 1)[0], _pick(rng, _CONTAINERS), _pick(rng, _OBJECTS)
     a, b = rng.randint(2, 9), rng.randint(2, 10)
     c = rng.randint(1, a * b - 1)
-    q = _pick(
-        rng,
-        (
-            f"There are {a} {conts} with {b} {objs} each. {n} takes {c} {objs}. How many {objs} are left?",
-            f"{n} fills {a} {conts} with {b} {objs} each and then eats {c} of them. How many {objs} are left?",
-        ),
-    )
-    return q, [(a, "*", b), (a * b, "-", c)]
+    return _ask(rng, _MUL_SUB, n=n, conts=conts, objs=objs, a=a, b=b, c=c), [(a, "*", b), (a * b, "-", c)]
 
 
 def _r_compare(rng):
@@ -537,7 +522,7 @@ def _r_three(rng):
 
 
 def _r_double(rng):
-    (n, p, _), (_, objs) = _people(rng, 1)[0], _pick(rng, _OBJECTS)
+    n, p, objs = _owner(rng)
     a = rng.randint(2, 25)
     if rng.random() < 0.5:
         return f"{n} has {a} {objs}. {p} doubles them. How many {objs} does {n} have now?", [(a, "*", 2)]

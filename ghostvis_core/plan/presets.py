@@ -43,101 +43,101 @@ TOKENIZER_VOCAB = {"tiny": 4096, "smoke": 4096, "500m": 65536, "1.5b": 65536, "7
 
 _TEXT_VAL = ["demo_prose", "demo_code"]
 
+
+def _batch(micro_batch_size: int, seq_len: int) -> dict[str, int]:
+    """A CPU preset stage's batch (tiny, smoke): rows and length differ; all run on 2 CPU ranks, no accumulation."""
+    return dict(micro_batch_size=micro_batch_size, seq_len=seq_len, world_size=2, grad_accum_steps=1)
+
+
+def _recipe(**weights: float) -> list[dict[str, Any]]:
+    """A data recipe from source=weight, in the order given (the order the config lists them)."""
+    return [{"source": source, "weight": weight} for source, weight in weights.items()]
+
+
+def _text_data(**weights: float) -> dict[str, Any]:
+    """A text stage's data: its recipe of demo prose and code, validated on both (the held-out bpb the gate reads)."""
+    return dict(recipe=_recipe(**weights), val_sources=_TEXT_VAL)
+
+
+def _schedule(steps: int, **optim: Any) -> dict[str, dict[str, Any]]:
+    """A stage's length and learning-rate schedule: its steps, and the LR warmed up and decayed over them."""
+    return dict(budget=dict(steps=steps), optim=optim)
+
+
+def _every(steps: int, **eval_fields: Any) -> dict[str, dict[str, Any]]:
+    """A stage that evaluates and checkpoints on the same step; eval_fields are eval's other deltas."""
+    return dict(eval=dict(every_steps=steps, **eval_fields), checkpoint=dict(every_steps=steps))
+
+
 # Stage defaults per preset: nested dicts merged over the StageConfig tree. A stage's `model`
 # entry lists changes to the upstream checkpoint's model (context_expansion raises the context);
 # every other model field is inherited from upstream and may not change.
 _TINY: dict[str, dict[str, Any]] = {
     "pretrain": dict(
-        batch=dict(micro_batch_size=8, seq_len=256, world_size=2, grad_accum_steps=1),
-        budget=dict(steps=200),
-        optim=dict(lr=2e-3, warmup_steps=15),
-        data=dict(
-            recipe=[{"source": "demo_prose", "weight": 0.5}, {"source": "demo_code", "weight": 0.5}],
-            val_sources=_TEXT_VAL,
-        ),
+        batch=_batch(8, 256),
+        **_schedule(200, lr=2e-3, warmup_steps=15),
+        data=_text_data(demo_prose=0.5, demo_code=0.5),
     ),
     "continued_pretrain": dict(
-        batch=dict(micro_batch_size=8, seq_len=256, world_size=2, grad_accum_steps=1),
-        budget=dict(steps=60),
+        batch=_batch(8, 256),
         # Near pretraining's final LR (2e-4): re-warming to pretraining's peak undoes more than 60
         # steps recover (held-out code loss rose at 1e-3 and 1.5e-3, fell at 3e-4 and 5e-4).
-        optim=dict(lr=3e-4, warmup_steps=5),
-        data=dict(
-            recipe=[{"source": "demo_code", "weight": 0.7}, {"source": "demo_prose", "weight": 0.3}],
-            val_sources=_TEXT_VAL,
-        ),
-        eval=dict(every_steps=30),
-        checkpoint=dict(every_steps=30),
+        **_schedule(60, lr=3e-4, warmup_steps=5),
+        data=_text_data(demo_code=0.7, demo_prose=0.3),
+        **_every(30),
     ),
     "context_expansion": dict(
         # Adjusted base frequency (ABF): a 16x larger RoPE base stretches the slow dimensions over the
         # longer context and leaves the fast (local) ones nearly unchanged; position interpolation
         # (model.rope_scaling=4) is the alternative.
         model=dict(max_seq_len=1024, rope_base=160000.0),
-        batch=dict(micro_batch_size=2, seq_len=1024, world_size=2, grad_accum_steps=1),
+        batch=_batch(2, 1024),
         # What pretraining and continued pretraining leave unread: 25,937 prose and 53,715 code tokens
         # (`ghostvis ledger`). Code files are the corpus's long documents, so they take 70% of the rows;
         # 18 steps (72 rows of 1,024) is the most both sources hold without repeating the lineage's tokens.
-        budget=dict(steps=18),
-        optim=dict(lr=5e-4, warmup_steps=5),
-        data=dict(
-            recipe=[{"source": "demo_code", "weight": 0.7}, {"source": "demo_prose", "weight": 0.3}],
-            val_sources=_TEXT_VAL,
-        ),
-        eval=dict(every_steps=9),
-        checkpoint=dict(every_steps=9),
+        **_schedule(18, lr=5e-4, warmup_steps=5),
+        data=_text_data(demo_code=0.7, demo_prose=0.3),
+        **_every(9),
     ),
     "reasoning_mix": dict(
-        batch=dict(micro_batch_size=4, seq_len=512, world_size=2, grad_accum_steps=1),
-        budget=dict(steps=80),
+        batch=_batch(4, 512),
         # Replays code as well as prose, at a lower LR: with prose alone at 1e-3, held-out code bpb rose
         # 11% (2.73 -> 3.04), beyond the lineage quality gate's 10% (ghostvis_core/verify/eval/gate.py).
-        optim=dict(lr=7e-4, warmup_steps=5),
+        **_schedule(80, lr=7e-4, warmup_steps=5),
         data=dict(
-            recipe=[
-                {"source": "demo_reasoning", "weight": 0.6},
-                {"source": "demo_prose", "weight": 0.2},
-                {"source": "demo_code", "weight": 0.2},
-            ],
+            recipe=_recipe(demo_reasoning=0.6, demo_prose=0.2, demo_code=0.2),
             replay_sources=["demo_prose", "demo_code"],
             val_sources=["demo_reasoning", "demo_prose"],
         ),
-        eval=dict(every_steps=40, samples=24),
-        checkpoint=dict(every_steps=40),
+        **_every(40, samples=24),
     ),
     "vision_alignment": dict(
         vision={},  # the VisionConfig defaults: a tiny ViT, 16 latents
-        batch=dict(micro_batch_size=32, seq_len=40, world_size=2, grad_accum_steps=1),
+        batch=_batch(32, 40),
         # The frozen tiny LM barely reads a soft prefix: the resampler first learns a generic prefix
         # (caption loss falls, true and shuffled image alike) and starts to carry the image only after
         # ~150 steps at a high LR. At 45 steps (one epoch) the true-vs-shuffled gap was 0.001; at 300
         # (6.4 epochs of the 3,000 training images, declared repetition) it is 0.10.
-        budget=dict(steps=300),
-        optim=dict(lr=1e-2, warmup_steps=8, weight_decay=0.0),
-        data=dict(recipe=[{"source": "demo_images", "weight": 1.0}], val_sources=["demo_images"], allow_repeat=True),
-        eval=dict(every_steps=150, val_tokens=8000),
-        checkpoint=dict(every_steps=150),
+        **_schedule(300, lr=1e-2, warmup_steps=8, weight_decay=0.0),
+        data=dict(recipe=_recipe(demo_images=1.0), val_sources=["demo_images"], allow_repeat=True),
+        **_every(150, val_tokens=8000),
     ),
     "sft": dict(
-        batch=dict(micro_batch_size=8, seq_len=256, world_size=2, grad_accum_steps=1),
-        budget=dict(steps=60),
+        batch=_batch(8, 256),
         # Near pretraining's final LR: at 1e-3 held-out prose bpb rose 40% over the upstream (2.67 -> 3.73),
         # far beyond the lineage quality gate's 10%.
-        optim=dict(lr=2e-4, warmup_steps=5),
-        data=dict(recipe=[{"source": "demo_chat", "weight": 1.0}], val_sources=["demo_chat"], allow_repeat=True),
-        eval=dict(every_steps=30, samples=24, sample_max_tokens=40),
-        checkpoint=dict(every_steps=30),
+        **_schedule(60, lr=2e-4, warmup_steps=5),
+        data=dict(recipe=_recipe(demo_chat=1.0), val_sources=["demo_chat"], allow_repeat=True),
+        **_every(30, samples=24, sample_max_tokens=40),
     ),
     "dpo": dict(
         # DPO plus an NLL term on the chosen reply (beta 0.1, alpha 1), at a sixth of the former LR: plain DPO at
         # 3e-4 pushed held-out prose bpb 25% over SFT's (3.73 -> 4.67) and chat answered "8, 8, 8, ...".
         dpo=dict(loss="sft_dpo"),
-        batch=dict(micro_batch_size=16, seq_len=96, world_size=2, grad_accum_steps=1),
-        budget=dict(steps=40),
-        optim=dict(lr=5e-5, warmup_steps=4, weight_decay=0.0),
-        data=dict(recipe=[{"source": "demo_prefs", "weight": 1.0}], val_sources=["demo_prefs"]),
-        eval=dict(every_steps=20, val_tokens=19200),
-        checkpoint=dict(every_steps=20),
+        batch=_batch(16, 96),
+        **_schedule(40, lr=5e-5, warmup_steps=4, weight_decay=0.0),
+        data=dict(recipe=_recipe(demo_prefs=1.0), val_sources=["demo_prefs"]),
+        **_every(20, val_tokens=19200),
     ),
     "rl": dict(
         # 8 completions per prompt (at most 48 new tokens, temperature 1, the defaults): a group has a signal
@@ -147,8 +147,7 @@ _TINY: dict[str, dict[str, Any]] = {
         # an answer line that is the completion's last earns the format reward.
         grpo=dict(group_size=8, prompt="text", stop_at_answer=True),
         # A row is one (prompt, completion): 16 rows = 2 prompts x 8 completions per micro-batch and rank.
-        batch=dict(micro_batch_size=16, seq_len=128, world_size=2, grad_accum_steps=1),
-        budget=dict(steps=30),
+        batch=_batch(16, 128),
         # 3e-4: started from reasoning_mix (a policy that writes the answer format), 1e-4 left held-out reward flat
         # in 30 steps (0.108 -> 0.100) and 3e-4 raised it (0.105 -> 0.131, well-formed answers 73% -> 100%). With the
         # answer-line stop, seeds 1337 (data.seed's default) / 1234 / 1235 / 1236 (64 held-out problems, greedy):
@@ -157,12 +156,12 @@ _TINY: dict[str, dict[str, Any]] = {
         # The demo's dpo model never writes a well-formed `Answer:` line (0 of 320 samples chat-rendered, also after
         # a trial sft on 582 chats solving such problems), so from it every group's advantages are 0: the tiny
         # preset's lineage (selected.PRESET_LINEAGES) starts rl from reasoning_mix.
-        optim=dict(lr=3e-4, warmup_steps=3, weight_decay=0.0),
+        **_schedule(30, lr=3e-4, warmup_steps=3, weight_decay=0.0),
         # The problems reasoning_mix trained on as text (as nanochat's RL reads GSM8K train), as prompt + answer:
         # demo_problems, a source of their own, so no token range of an earlier stage is read again.
-        data=dict(recipe=[{"source": "demo_problems", "weight": 1.0}], val_sources=["demo_problems"]),
-        eval=dict(every_steps=15, samples=64),  # held-out problems for the reward evidence (greedy, split over ranks)
-        checkpoint=dict(every_steps=15),
+        data=dict(recipe=_recipe(demo_problems=1.0), val_sources=["demo_problems"]),
+        # eval's samples: held-out problems for the reward evidence (greedy, split over ranks)
+        **_every(15, samples=64),
     ),
 }
 
@@ -189,7 +188,7 @@ _SMOKE_STEPS = {
 _SMOKE_DELTAS = {
     "rl": dict(
         grpo=dict(group_size=2, max_new_tokens=24),
-        batch=dict(micro_batch_size=4, seq_len=96, world_size=2, grad_accum_steps=1),
+        batch=_batch(4, 96),
     )
 }
 

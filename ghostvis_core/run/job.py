@@ -9,6 +9,7 @@ runs/<stage>/<run_key>/: the spec it reads, its Pipes messages, output and reaso
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 TRAINING_ENTRY = "ghostvis_core.run"  # the training job's module
@@ -23,3 +24,13 @@ class Job:
     mlflow_tracking_uri: str  # where the job logs (a pod cannot reach a file on the Dagster host)
     done: tuple[str, ...]  # the store kind and key of the record the job leaves once it completed
     args: tuple[str, ...] = ()  # the module's arguments after --spec (the registration job's --tracking-uri)
+
+
+def job_parser(module: str, doc: str | None, spec_help: str) -> argparse.ArgumentParser:
+    """The command line every launched job shares, `python -m <module> --spec <URI>` (its docstring as the help);
+    a job adds the arguments of its own (Job.args) to it."""
+    ap = argparse.ArgumentParser(
+        prog=f"python -m {module}", description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--spec", required=True, help=spec_help)
+    return ap

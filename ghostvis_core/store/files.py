@@ -1,15 +1,17 @@
-"""The one atomic write and the one file hash of the code base.
+"""The code base's one atomic write, one file hash and one removal of a stored key's file or folder.
 
 Readers (other ranks, other nodes, a crashed run's successor) must see a file whole or not at all, so
 every file the code base writes for others is written through `atomic_write` (bytes or text in hand),
 or `replacing` (a library or a download writes the file itself); every content hash of a file (shard
-pins, upload checksums, audit recounts) is `sha256_file`, so two hashes of the same bytes agree.
+pins, upload checksums, audit recounts) is `sha256_file`, so two hashes of the same bytes agree; a key's
+file or folder (in a folder store, in an S3 store's local cache) goes with `remove`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,3 +49,11 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def remove(path: Path) -> None:
+    """Delete a key's local copy, a folder (a checkpoint) or a file, whichever it is; a missing one is no error."""
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)

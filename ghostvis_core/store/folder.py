@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.store.files import atomic_write, replacing
+from ghostvis_core.store.files import atomic_write, remove, replacing
 from ghostvis_core.store.layout import fill, key_pattern, listing_prefix
 
 
@@ -55,11 +55,7 @@ class FolderStore:
         return [k for _, k in sorted(found)]
 
     def delete(self, kind: str, *key: str) -> None:
-        path = self.root / fill(kind, key)
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
+        remove(self.root / fill(kind, key))
 
     def read_text(self, kind: str, *key: str) -> str:
         return self.fetch(kind, *key).read_text()

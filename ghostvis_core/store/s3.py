@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import urllib.parse
 from pathlib import Path
 from typing import Any
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.store.files import replacing, sha256_file
+from ghostvis_core.store.files import remove, replacing, sha256_file
 from ghostvis_core.store.folder import missing
 from ghostvis_core.store.layout import fill, key_pattern, listing_prefix
 
@@ -82,11 +81,7 @@ class S3Store:
     def delete(self, kind: str, *key: str) -> None:
         for o in self._objects(kind, *key):
             self.s3.delete_object(Bucket=self.bucket, Key=o["Key"])
-        local = self.cache / fill(kind, key)
-        if local.is_dir():
-            shutil.rmtree(local, ignore_errors=True)
-        else:
-            local.unlink(missing_ok=True)
+        remove(self.cache / fill(kind, key))
 
     def read_text(self, kind: str, *key: str) -> str:
         from botocore.exceptions import ClientError  # loaded with boto3 by __init__

@@ -5,6 +5,8 @@ the objective) and the model's export and registration in MLflow; this process o
 and checks."""
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from dagster import (
@@ -160,22 +162,15 @@ def ledger_metadata(ledger: Ledger, run_key: str) -> dict:
     }
 
 
-def _launch(
-    context,
-    stage: Stage,
-    config: StageRunConfig,
-    home: GhostvisHome,
-    launcher: Launcher,
-    overrides: dict[str, Any],
-    variant: str | None = None,
-) -> MaterializeResult:
-    """_materialize, ended by a terminated Dagster run without a retry. Dagster raises
+@contextmanager
+def _terminated_not_retried(context, stage: Stage) -> Iterator[None]:
+    """Around _materialize: a terminated Dagster run ends the step without a retry. Dagster raises
     DagsterExecutionInterruptedError in the step; the launcher stops the job and lets it go on up,
     and here it becomes a Failure that is not retried: the RetryPolicy would retry the interrupt itself
     (dagster's op_execution_error_boundary turns it into RetryRequested), a new job would resume the
     run under a run that says 'Canceling'. The step fails and Dagster ends the run Canceled."""
     try:
-        return _materialize(context, stage, config, home, launcher, overrides, variant)
+        yield
     except DagsterExecutionInterruptedError:
         raise Failure(
             description=f"{stage.name}: terminated from Dagster (run {context.run_id}): the training "
@@ -372,7 +367,8 @@ def variants_asset(stage: Stage, deps: list):
         context: AssetExecutionContext, config: StageRunConfig, home: GhostvisHome, launcher: Launcher
     ) -> MaterializeResult:
         name = context.partition_key
-        return _launch(context, stage, config, home, launcher, {**variants[name], **config.overrides}, variant=name)
+        with _terminated_not_retried(context, stage):
+            return _materialize(context, stage, config, home, launcher, {**variants[name], **config.overrides}, name)
 
     return _variants
 
@@ -395,13 +391,14 @@ def stage_asset(stage: Stage, deps: list):
         pool=GPU_POOL,
         code_version=code_version(*TRAINING_MODULES),
         # A retry re-materializes through the same path: the unfinished run is found and resumed. For
-        # faults only (a killed rank, a lost node, a hang): a terminated run is not retried (_launch), a
-        # preempted one is launched again by run_job without using a retry.
+        # faults only (a killed rank, a lost node, a hang): a terminated run is not retried
+        # (_terminated_not_retried), a preempted one is launched again by run_job without using a retry.
         retry_policy=RetryPolicy(max_retries=FAULT_RETRIES, delay=2, backoff=Backoff.LINEAR),
     )
     def _stage(
         context: AssetExecutionContext, config: StageRunConfig, home: GhostvisHome, launcher: Launcher
     ) -> MaterializeResult:
-        return _launch(context, stage, config, home, launcher, dict(config.overrides))
+        with _terminated_not_retried(context, stage):
+            return _materialize(context, stage, config, home, launcher, dict(config.overrides), None)
 
     return _stage

@@ -7,15 +7,8 @@ from dagster import AssetExecutionContext
 from ghostvis_core.home import Home
 from ghostvis_core.launch.cluster.torchrun import torchrun_command
 from ghostvis_core.run.job import Job
-from ghostvis_pipeline.launchers.common import (
-    attempt_name,
-    clear_reason,
-    failure,
-    job_env,
-    require_result,
-    spec_uri,
-)
-from ghostvis_pipeline.launchers.pipes import store_pipes_session
+from ghostvis_pipeline.launchers.common import attempt_name, failure, require_result, spec_uri
+from ghostvis_pipeline.launchers.pipes import job_session
 from ghostvis_pipeline.launchers.processes import start, stop, wait
 
 
@@ -23,9 +16,8 @@ def run_local(context: AssetExecutionContext, target: Job, home: Home, launcher)
     nproc = launcher.ranks_per_node(target)
     cmd = torchrun_command(spec_uri(home, target), nproc, module=target.module, args=target.args)
     context.log.info(f"launching: {' '.join(cmd)}")
-    clear_reason(home, target)
-    with store_pipes_session(context, home, target, attempt_name(context)) as session:
-        job = {"torchrun": start(cmd, {**job_env(launcher.profile, nproc), **session.get_bootstrap_env_vars()})}
+    with job_session(context, home, target, attempt_name(context), launcher, nproc) as env:
+        job = {"torchrun": start(cmd, env)}
         try:
             failed = wait(job)
         finally:  # the Dagster run terminated: torchrun and its ranks stop before the interrupt goes on up

@@ -21,6 +21,7 @@ from ghostvis_core.run.track.pipes import (
     chunk_name,
 )
 from ghostvis_core.store import Store
+from ghostvis_pipeline.launchers.common import clear_reason, job_env
 
 
 class StoreMessageReader(PipesBlobStoreMessageReader):
@@ -60,3 +61,15 @@ def store_pipes_session(context: AssetExecutionContext, home: Home, target: Job,
     reader = StoreMessageReader(home.store, target, attempt)
     with open_pipes_session(context, PipesEnvContextInjector(), reader) as session:
         yield session
+
+
+@contextmanager
+def job_session(
+    context: AssetExecutionContext, home: Home, target: Job, attempt: str, launcher, nproc: int, cpus: int | None = None
+) -> Iterator[dict[str, str]]:
+    """What the process launchers (local, torchrun, slurm) start their job inside: the run's last failure reason
+    cleared, a store Pipes session open, and the job's environment (the profile's job variables and the session's
+    bootstrap ones) yielded; the session's last messages arrive when it closes."""
+    clear_reason(home, target)
+    with store_pipes_session(context, home, target, attempt) as session:
+        yield {**job_env(launcher.profile, nproc, cpus), **session.get_bootstrap_env_vars()}

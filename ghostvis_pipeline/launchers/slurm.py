@@ -20,16 +20,8 @@ from ghostvis_core.run.job import Job
 from ghostvis_core.run.ship_output import chunk_name
 from ghostvis_core.store import Store
 from ghostvis_pipeline.config import config_from_dataclass
-from ghostvis_pipeline.launchers.common import (
-    attempt_name,
-    clear_reason,
-    failure,
-    host_environment,
-    job_env,
-    require_result,
-    spec_uri,
-)
-from ghostvis_pipeline.launchers.pipes import store_pipes_session
+from ghostvis_pipeline.launchers.common import attempt_name, failure, host_environment, require_result, spec_uri
+from ghostvis_pipeline.launchers.pipes import job_session
 
 SlurmConfig = config_from_dataclass(SlurmJob)
 
@@ -60,10 +52,8 @@ def run_slurm(context: AssetExecutionContext, target: Job, home: Home, launcher)
     job = slurm_job(launcher, target)
     nproc = launcher.ranks_per_node(target)
     attempt = attempt_name(context)
-    clear_reason(home, target)
     output = JobOutput(home.store, target, attempt)
-    with store_pipes_session(context, home, target, attempt) as session:
-        env = {**job_env(launcher.profile, nproc, job.cpus_per_task), **session.get_bootstrap_env_vars()}
+    with job_session(context, home, target, attempt, launcher, nproc, job.cpus_per_task) as env:
         script = job_script(home, target, job, nproc, env, output.name)
         uri = home.store.write_text("run_file", target.stage, target.run_key, f"slurm/{attempt}.sbatch", text=script)
         context.log.info(

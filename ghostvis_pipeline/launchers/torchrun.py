@@ -17,16 +17,8 @@ from ghostvis_core.home import Home
 from ghostvis_core.launch.cluster.torchrun import MultiNode, node_line, torchrun_command
 from ghostvis_core.run.job import Job
 from ghostvis_pipeline.config import config_from_dataclass
-from ghostvis_pipeline.launchers.common import (
-    attempt_name,
-    clear_reason,
-    failure,
-    host_environment,
-    job_env,
-    require_result,
-    spec_uri,
-)
-from ghostvis_pipeline.launchers.pipes import store_pipes_session
+from ghostvis_pipeline.launchers.common import attempt_name, failure, host_environment, require_result, spec_uri
+from ghostvis_pipeline.launchers.pipes import job_session
 from ghostvis_pipeline.launchers.processes import start, stop, wait
 
 MultiNodeConfig = config_from_dataclass(MultiNode)
@@ -42,9 +34,7 @@ def run_torchrun(context: AssetExecutionContext, target: Job, home: Home, launch
     attempt = attempt_name(context)
     rdzv = multi.rendezvous(target.run_key, attempt)
     cmd = torchrun_command(spec_uri(home, target), nproc, rdzv, module=target.module, args=target.args)
-    clear_reason(home, target)
-    with store_pipes_session(context, home, target, attempt) as session:
-        env = {**job_env(launcher.profile, nproc, multi.cpus_per_node or None), **session.get_bootstrap_env_vars()}
+    with job_session(context, home, target, attempt, launcher, nproc, multi.cpus_per_node or None) as env:
         line = node_line(cmd, env)
         script_uri = home.store.write_text(
             "run_file",

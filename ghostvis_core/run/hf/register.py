@@ -13,7 +13,6 @@ could not take it: the run stands, and the next materialization of the stage reg
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from ghostvis_core.exit import skip_final_collections
 from ghostvis_core.plan.stages import stage_names
+from ghostvis_core.run.job import job_parser
 from ghostvis_core.run.run_files import split_run_uri
 from ghostvis_core.run.track.mlflow_models import StageModel, register_stage_model
 from ghostvis_core.run.track.pipes import PipesReporter
@@ -81,12 +81,7 @@ def model_record(store: Store, stage: str, run_key: str) -> dict | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m ghostvis_core.run.hf.register",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("--spec", required=True, help="the run's launch spec: its URI in the store")
+    ap = job_parser(REGISTER_ENTRY, __doc__, "the run's launch spec: its URI in the store")
     ap.add_argument("--tracking-uri", required=True, help="the MLflow server (or sqlite:///...) to register in")
     args = ap.parse_args(argv)
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # as in the job: an outage fails fast

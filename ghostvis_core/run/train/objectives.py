@@ -80,6 +80,13 @@ class Objective:
     def row_source(self, stream: SourceStream, train: bool):
         raise NotImplementedError
 
+    def image_rows(self, rows: type, stream: SourceStream):
+        """A row source whose rows may hold an image (captions, chats): each image's placeholder token stands for
+        the vision stack's latents (none without a vision stack: a text-only chat stage)."""
+        v = self.cfg.vision
+        pad, image = self.tok.special("<|pad|>"), self.tok.special("<|image|>")
+        return rows(stream, self.seq_len, self.cfg.data.seed, pad, image, v.n_latents if v else None)
+
     def loss_sum(self, model, batch: Batch, device) -> torch.Tensor:
         return model(
             batch.inputs.to(device),
@@ -177,15 +184,7 @@ class LMObjective(Objective):
 
 class VisionAlignObjective(Objective):
     def row_source(self, stream, train):
-        v = self.cfg.vision
-        return CaptionRows(
-            stream,
-            self.seq_len,
-            self.cfg.data.seed,
-            self.tok.special("<|pad|>"),
-            self.tok.special("<|image|>"),
-            v.n_latents,
-        )
+        return self.image_rows(CaptionRows, stream)
 
     def prepare_model(self, model: GPT) -> None:
         for p in model.parameters():
@@ -196,15 +195,7 @@ class VisionAlignObjective(Objective):
 
 class SFTObjective(Objective):
     def row_source(self, stream, train):
-        v = self.cfg.vision
-        return ChatRows(
-            stream,
-            self.seq_len,
-            self.cfg.data.seed,
-            self.tok.special("<|pad|>"),
-            self.tok.special("<|image|>"),
-            v.n_latents if v else None,
-        )
+        return self.image_rows(ChatRows, stream)
 
     def prepare_model(self, model: GPT) -> None:
         if model.vision is not None:  # the aligned vision stack is used, not trained, in SFT

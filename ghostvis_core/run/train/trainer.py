@@ -272,7 +272,7 @@ class Trainer:
 
     def _part_record(self, part_id: str) -> PartRow:
         """The ledger part's row but for the counts (the checkpoint manager sums them over ranks)."""
-        s, p, spec = self.state, self.plan, self.spec
+        s, spec = self.state, self.spec
         return PartRow(
             part_id=part_id,
             prev_part_id=s.head_part_id or "",
@@ -284,11 +284,7 @@ class Trainer:
             step_last=s.step,
             rows_first=self.part.first_rows,
             rows_last=s.loader.rows,
-            micro_batch_size=p.micro_batch_size,
-            seq_len=p.seq_len,
-            world_size=p.world_size,
-            grad_accum_steps=p.grad_accum_steps,
-            tokens_per_step=p.tokens_per_step,
+            **self.plan.to_dict(),  # the four tokens_per_step factors and their product
             planned_tokens=spec.plan.planned_tokens,
             allow_repeat=self.cfg.data.allow_repeat,
             replay_sources=json.dumps(self.cfg.data.replay_sources),

@@ -10,16 +10,16 @@ launcher reads a rank's (ghostvis_core/run/train/reasons.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.run.job import job_parser
 from ghostvis_core.run.run_files import split_run_uri
 from ghostvis_core.run.track.pipes import PipesReporter
 from ghostvis_core.run.train.reasons import record_reason
 from ghostvis_core.store import open_store
-from ghostvis_core.verify.eval.job import EVAL_FOLDER, EvalSpec, results_name
+from ghostvis_core.verify.eval.job import EVAL_FOLDER, MODULE, EvalSpec, results_name
 
 
 def read_spec(uri: str) -> EvalSpec:
@@ -31,12 +31,7 @@ def read_spec(uri: str) -> EvalSpec:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m ghostvis_core.verify.eval",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument("--spec", required=True, help="the evaluation's spec, as the asset wrote it: its URI in the store")
+    ap = job_parser(MODULE, __doc__, "the evaluation's spec, as the asset wrote it: its URI in the store")
     args = ap.parse_args(argv)
     try:
         spec = read_spec(args.spec)
