@@ -12,7 +12,6 @@ launcher reads a rank's.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ from ghostvis_core.data.tokenizer import Tokenizer, save_tokenizer, train_tokeni
 from ghostvis_core.data.tokenizer_file import bring_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.identity import digest
-from ghostvis_core.run.job import Job
+from ghostvis_core.run.job import Job, job_parser
 from ghostvis_core.run.run_files import split_run_uri
 from ghostvis_core.run.track.pipes import PipesReporter
 from ghostvis_core.run.train.reasons import record_reason
@@ -135,8 +134,7 @@ def write_spec(spec: TokenizerSpec, store: Store) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__)
-    ap.add_argument("--spec", required=True, help="the tokenizer's spec, as the asset wrote it: its URI in the store")
+    ap = job_parser(MODULE, __doc__, "the tokenizer's spec, as the asset wrote it: its URI in the store")
     store_uri, folder, key, _ = split_run_uri(ap.parse_args(argv).spec)
     store, pipes = open_store(store_uri), PipesReporter(is_main=True)
 
