@@ -20,7 +20,7 @@ from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.preflight import stream_split_problems
 from ghostvis_core.verify.audit import invariants as inv
-from tests.test_ledger import part, piece, shard_record, write
+from tests.ledger_rows import part, piece, shard_record, write
 
 TPS = 512  # tokens per step of the histories below: 2 x 64 x 2 ranks x 2 micro-batches
 

@@ -11,13 +11,13 @@ import pytest
 
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow
+from ghostvis_core.data.ledger.records import PartRow
 from ghostvis_core.data.ledger.summaries import merge_ranges, run_consumption
-from ghostvis_core.data.piece import Piece
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_pipeline.cli import main as cli_main
 from tests.conftest import run_cli
+from tests.ledger_rows import consumption, piece, write
 
 RUN = "pretrain-abc-r1"
 
@@ -30,19 +30,15 @@ def _part(step_first: int, step_last: int, segment: int, prev: str, real: int) -
     )  # fmt: skip
 
 
-def _piece(part: PartRow, shard: str, a: int, b: int, rows: tuple[int, int]) -> ConsumptionRow:
-    return ConsumptionRow.of(part, Piece(shard.split("/")[0], shard, "train", 0, a, b), rows)
-
-
 @pytest.fixture
 def two_segment_home(tmp_path, monkeypatch) -> Path:
     """A ledger with one run: segment 0 (2 ranks) steps 1..2, resumed as segment 1 (1 rank) steps 3..4;
     32 tokens a step, half from each of two shards."""
     ledger = Ledger.in_store(Home(tmp_path).store)
     first = _part(1, 2, 0, "", 64)
-    ledger.write_part(first, [_piece(first, "a/0", 0, 32, (0, 3)), _piece(first, "b/0", 0, 32, (0, 2))])
+    write(ledger, first, [piece("a/0", (0, 32), (0, 3), source="a"), piece("b/0", (0, 32), (0, 2), source="b")])
     second = _part(3, 4, 1, first.part_id, 64)
-    ledger.write_part(second, [_piece(second, "a/0", 32, 64, (2, 5)), _piece(second, "b/0", 32, 64, (1, 4))])
+    write(ledger, second, [piece("a/0", (32, 64), (2, 5), source="a"), piece("b/0", (32, 64), (1, 4), source="b")])
     monkeypatch.setenv("GHOSTVIS_HOME", str(tmp_path))
     return tmp_path
 
@@ -61,7 +57,7 @@ def test_run_consumption_joins_touching_parts_and_keeps_segments(two_segment_hom
 
 def test_merge_ranges_keeps_an_overlap_visible():
     part = _part(1, 2, 0, "", 64)
-    rows = [_piece(part, "a/0", 0, 32, (0, 3)), _piece(part, "a/0", 16, 48, (1, 4))]  # 16 tokens read twice
+    rows = consumption(part, [piece("a/0", (0, 32), (0, 3)), piece("a/0", (16, 48), (1, 4))])  # 16 tokens read twice
     assert [(r["tok_start"], r["tok_end"]) for r in merge_ranges(rows)] == [(0, 32), (16, 48)]
 
 
