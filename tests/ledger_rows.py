@@ -3,89 +3,46 @@ part row, a piece read in it, and `write`, the part and its pieces through `Ledg
 
 from __future__ import annotations
 
+from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow, ShardRecord
 from ghostvis_core.data.piece import Piece
 
+# a shard record's fields but for its id, content and tokens, unless a test gives them
+SHARD = {"source": "prose", "split": "train", "kind": "text", "tokenizer_id": "tok-a", "docs": 10, "raw_bytes": 1000,
+         "token_path": "", "created_at": 1.0}  # fmt: skip
 
-def shard_record(
-    shard_id,
-    *,
-    source="prose",
-    split="train",
-    kind="text",
-    tokenizer_id="tok-a",
-    tokens=100,
-    docs=10,
-    sha="sha-1",
-    created_at=1.0,
-    token_path="",
-) -> ShardRecord:
-    """A registered shard (what `Ledger.shards` returns, or what `Ledger.write_shard` takes)."""
+
+def shard_record(shard_id, *, tokens=100, sha="sha-1", **given) -> ShardRecord:
+    """A registered shard (what `Ledger.shards` returns, or what `Ledger.write_shard` takes): `given`
+    overrides SHARD's fields; the text is 4 bytes a token."""
     return ShardRecord(
-        shard_id=shard_id,
-        source=source,
-        split=split,
-        kind=kind,
-        content_sha256=sha,
-        raw_bytes=1000,
-        tokenizer_id=tokenizer_id,
-        docs=docs,
-        tokens=tokens,
-        text_bytes=4 * tokens,
-        token_path=token_path,
-        created_at=created_at,
+        shard_id=shard_id, content_sha256=sha, tokens=tokens, text_bytes=4 * tokens, **{**SHARD, **given}
     )
 
 
-def part(
-    part_id,
-    run_key,
-    *,
-    segment=0,
-    steps=(1, 10),
-    rows=(0, 80),
-    prev="",
-    parent="",
-    stage="pretrain",
-    real=0,
-    pad=0,
-    loss=0,
-    cropped=0,
-    overlap=0,
-    created_at=1.0,
-    allow_repeat=False,
-    replay="[]",
-    passed_over="[]",
-) -> PartRow:
-    """A part of run `run_key` (steps, rows, the four figures); the batch is 2 x 4 x 2 ranks x 2 micro-batches."""
+# a part row's fields but for its ids, steps, rows and figures, unless a test gives them: the batch is
+# 2 x 4 x 2 ranks x 2 micro-batches
+PART = {"stage": "pretrain", "segment": 0, "micro_batch_size": 2, "seq_len": 4, "world_size": 2, "grad_accum_steps": 2,
+        "tokens_per_step": 32, "planned_tokens": 960, "created_at": 1.0}  # fmt: skip
+
+
+def part(part_id, run_key, *, steps=(1, 10), rows=(0, 80), prev="", parent="", real=0, pad=0, loss=0, cropped=0,
+         overlap=0, replay="[]", **given) -> PartRow:  # fmt: skip
+    """A part of run `run_key` (its steps, rows and four figures); `given` overrides PART's fields."""
     return PartRow(
         part_id=part_id,
         prev_part_id=prev,
         run_key=run_key,
         parent_run_key=parent,
-        stage=stage,
-        segment=segment,
         step_first=steps[0],
         step_last=steps[1],
         rows_first=rows[0],
         rows_last=rows[1],
-        real_tokens=real,
-        pad_tokens=pad,
-        loss_tokens=loss,
-        cropped_tokens=cropped,
         overlap_tokens=overlap,
-        micro_batch_size=2,
-        seq_len=4,
-        world_size=2,
-        grad_accum_steps=2,
-        tokens_per_step=32,
-        planned_tokens=960,
-        allow_repeat=allow_repeat,
         replay_sources=replay,
-        passed_over=passed_over,
-        mlflow_run_id="",
-        created_at=created_at,
+        **TokenCounts(real, pad, loss, cropped).as_dict(),
+        **{**PART, **given},
     )
 
 

@@ -360,20 +360,20 @@ class RunSummary:
 
 
 @dataclass(frozen=True)
-class ConsumedRange:
+class ConsumedRange(Piece):
     """Consumption rows of a shard, split and epoch joined where they touch (`summaries.merge_ranges`):
-    the token and raw row range, tokens, and how many pieces (`parts`) were joined."""
+    the joined Piece (its tokens the pieces' sum, as they touch), the raw row range, and how many pieces
+    (`parts`) were joined."""
 
-    source: str
-    shard_id: str
-    split: str
-    epoch: int
-    tok_start: int
-    tok_end: int
     row_start: int
     row_end: int
-    tokens: int
     parts: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """As `ghostvis ledger --run --json` prints a range: the row range before the tokens and parts."""
+        out = asdict(self)
+        tokens, parts = out.pop("tokens"), out.pop("parts")
+        return {**out, "tokens": tokens, "parts": parts}
 
 
 @dataclass(frozen=True)
@@ -404,6 +404,8 @@ class RunConsumption:
             value = getattr(self, f.name)
             if f.name == "counts":
                 out.update(value.as_dict())
+            elif f.name == "ranges":
+                out[f.name] = [r.as_dict() for r in value]
             elif isinstance(value, tuple):
                 out[f.name] = [asdict(v) for v in value]
             else:

@@ -99,13 +99,12 @@ def merge_ranges(rows: list[ConsumptionRow]) -> list[ConsumedRange]:
             out[-1] = replace(
                 cur,
                 tok_end=r.tok_end,
-                tokens=cur.tokens + r.tokens,
                 parts=cur.parts + 1,
                 row_start=min(cur.row_start, r.row_start),
                 row_end=max(cur.row_end, r.row_end),
             )
             continue
-        out.append(ConsumedRange(*key, r.tok_start, r.tok_end, r.row_start, r.row_end, r.tokens, parts=1))
+        out.append(ConsumedRange(*key, r.tok_start, r.tok_end, r.row_start, r.row_end, parts=1))
     return out
 
 
