@@ -30,24 +30,18 @@ import sys
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the home copy the suite makes
 
 import _common as C  # noqa: E402
 
 from ghostvis_core.data.ledger import Ledger  # noqa: E402
-from ghostvis_core.data.ledger.records import PART_TABLES  # noqa: E402
 from ghostvis_core.home import Home  # noqa: E402
 from ghostvis_core.run.train.runs import newest_completed_run  # noqa: E402
 from tests.conftest import copy_home  # noqa: E402
 
 GOAL_RATIO = 12.0
 SEGMENTS_PER_RUN = 10
-# what write_part takes as rows but for the part's ids, beside the part row and its consumption rows
-BESIDE_PARTS = [t for t in PART_TABLES if t not in ("parts", "consumption")]
-WRITTEN_BY_WRITE_PART = ("part_id", "run_key")  # columns write_part fills in itself
 
 # The stage's asset checks as Dagster runs them (in process, the definitions' executor), in a child
 # with DAGSTER_HOME set: prints the seconds spent executing, how many checks ran and which failed.
@@ -69,15 +63,19 @@ print(json.dumps({"seconds": seconds, "checks": len(evaluations),
 
 
 def newest_part(ledger: Ledger, run_key: str) -> dict[str, list]:
-    """The run's newest part: its rows in `parts` and `consumption` (records), and in each table beside
-    them as stored (JSON columns as JSON text, the way write_part takes them)."""
+    """The run's newest part: its rows in each per-part table (records.PART_TABLES), as records, the way
+    write_part takes them."""
     chain = ledger.chain(run_key)
     if not chain:
         raise C.BenchError(f"run {run_key} has no part in {ledger.root}; materialize the run's stage first")
     head = chain[-1]
-    files = {t: ledger.part_file(t, head) for t in BESIDE_PARTS}
-    beside = {t: pq.read_table(f).to_pylist() if f.exists() else [] for t, f in files.items()}
-    return {"parts": [head], "consumption": ledger.consumption([head]), **beside}
+    return {
+        "parts": [head],
+        "consumption": ledger.consumption([head]),
+        "shares": ledger.shares([head]),
+        "feeds": ledger.feeds([head]),
+        "rollouts": ledger.rollouts([head]),
+    }
 
 
 def write_copies(ledger: Ledger, part: dict[str, list], n: int, stage: str) -> None:
@@ -97,13 +95,14 @@ def write_copies(ledger: Ledger, part: dict[str, list], n: int, stage: str) -> N
             parent_run_key="",
             created_at=time.time(),
         )
-        own = {
-            t: [{k: v for k, v in r.items() if k not in WRITTEN_BY_WRITE_PART} for r in part[t]] for t in BESIDE_PARTS
-        }
         consumption = [
             dataclasses.replace(c, part_id=part_id, run_key=run_key, segment=segment) for c in part["consumption"]
         ]
-        ledger.write_part(row, consumption, own["shares"] or None, own["feeds"] or None, own["rollouts"] or None)
+        own = {
+            t: [dataclasses.replace(r, part_id=part_id, run_key=run_key) for r in part[t]] or None
+            for t in ("shares", "feeds", "rollouts")
+        }
+        ledger.write_part(row, consumption, **own)
         prev = part_id
 
 

@@ -12,8 +12,8 @@ import os
 import sys
 from typing import Any
 
-from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.records import RunConsumption
 from ghostvis_core.data.ledger.summaries import run_consumption, run_keys, run_summaries
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
@@ -353,36 +353,32 @@ def resolve_run(home: Home, ledger: Ledger, name: str) -> str:
     )
 
 
-def format_run_consumption(c: dict[str, Any]) -> list[str]:
+def format_run_consumption(c: RunConsumption) -> list[str]:
     """`ghostvis ledger --run`: a run's segments, parts, token figures, per-shard and per-range consumption."""
     lines = [
-        f"{c['stage']} {c['run_key']}" + (f"  (from {c['parent_run_key']})" if c["parent_run_key"] else ""),
-        f"  steps {c['steps']:,}, parts {c['parts']}, tokens_per_step {c['tokens_per_step']:,}, "
-        f"planned {c['planned_tokens']:,}",
-        "  " + ", ".join(f"{k} {c[k]:,}" for k in TokenCounts.names()) + f", overlap_tokens {c['overlap_tokens']:,}",
+        f"{c.stage} {c.run_key}" + (f"  (from {c.parent_run_key})" if c.parent_run_key else ""),
+        f"  steps {c.steps:,}, parts {c.parts}, tokens_per_step {c.tokens_per_step:,}, planned {c.planned_tokens:,}",
+        "  "
+        + ", ".join(f"{k} {v:,}" for k, v in c.counts.as_dict().items())
+        + f", overlap_tokens {c.overlap_tokens:,}",
         "",
         f"  {'segment':>7} {'steps':>15} {'world_size':>10} {'real_tokens':>14}",
     ]
     lines += [
-        f"  {s['segment']:>7} {str(s['first_step']) + '..' + str(s['last_step']):>15} {s['world_size']:>10} "
-        f"{s['real_tokens']:>14,}"
-        for s in c["segments"]
+        f"  {s.segment:>7} {str(s.first_step) + '..' + str(s.last_step):>15} {s.world_size:>10} {s.real_tokens:>14,}"
+        for s in c.segments
     ]
     lines += ["", f"  {'shard':<26} {'split':<10} {'epochs':>6} {'rows':>13} {'tokens':>14}"]
-    lines += [
-        f"  {r['shard_id']:<26} {r['split']:<10} {r['epochs']:>6} {str(r['row_start']) + '..' + str(r['row_end']):>13} "
-        f"{r['tokens']:>14,}"
-        for r in c["shards"]
-    ]
-    lines.append(f"  {'consumed (shard tokens)':<58} {c['consumed_tokens']:>14,}")
+    lines += [f"  {r.shard_id:<26} {r.split:<10} {r.epochs:>6} {r.rows:>13} {r.tokens:>14,}" for r in c.shards]
+    lines.append(f"  {'consumed (shard tokens)':<58} {c.consumed_tokens:>14,}")
     lines += [
         "",
         f"  {'shard':<26} {'split':<10} {'epoch':>5} {'token range':>21} {'row range':>13} {'tokens':>12} parts",
     ]
     lines += [
-        f"  {r['shard_id']:<26} {r['split']:<10} {r['epoch']:>5} {str(r['tok_start']) + '..' + str(r['tok_end']):>21} "
-        f"{str(r['row_start']) + '..' + str(r['row_end']):>13} {r['tokens']:>12,} {r['parts']:>5}"
-        for r in c["ranges"]
+        f"  {r.shard_id:<26} {r.split:<10} {r.epoch:>5} {str(r.tok_start) + '..' + str(r.tok_end):>21} "
+        f"{str(r.row_start) + '..' + str(r.row_end):>13} {r.tokens:>12,} {r.parts:>5}"
+        for r in c.ranges
     ]
     lines.append("  (ranges are [start, end): token positions and rows of the shard; touching parts are joined)")
     return lines
@@ -393,12 +389,17 @@ def cmd_ledger(args) -> int:
         home = Home.from_env()
         ledger = Ledger.in_store(home.store)
         consumed = run_consumption(ledger, resolve_run(home, ledger, args.run))
-        print(json.dumps(consumed, indent=2, default=str) if args.json else "\n".join(format_run_consumption(consumed)))
+        print(
+            json.dumps(consumed.as_dict(), indent=2, default=str)
+            if args.json
+            else "\n".join(format_run_consumption(consumed))
+        )
         return 0
     report = ledger_report(Home.from_env(), args.tokenizer)
     if args.json:
         shards = [dataclasses.asdict(r) for r in report["shards"]]
-        print(json.dumps({**report, "shards": shards}, indent=2, default=str))
+        runs = [r.as_dict() for r in report["runs"]]
+        print(json.dumps({**report, "shards": shards, "runs": runs}, indent=2, default=str))
         return 0
     shards, contamination = report["shards"], report["contamination"]
     print(
@@ -430,9 +431,10 @@ def cmd_ledger(args) -> int:
         f"{'cropped':>9} seg"
     )
     for r in report["runs"]:
+        t, c = r.totals, r.totals.counts
         print(
-            f"{r['stage']:<20} {r['run_key']:<28} {r['steps']:>6} {r['planned_tokens']:>11,} {r['real_tokens']:>11,} "
-            f"{r['pad_tokens']:>9,} {r['loss_tokens']:>11,} {r['cropped_tokens']:>9,} {len(r['segments'])}"
+            f"{r.stage:<20} {r.run_key:<28} {t.steps:>6} {r.planned_tokens:>11,} {c.real_tokens:>11,} "
+            f"{c.pad_tokens:>9,} {c.loss_tokens:>11,} {c.cropped_tokens:>9,} {len(t.segments)}"
         )
     return 0
 

@@ -21,7 +21,7 @@ import sys
 import textwrap
 
 REDUCED = "s.counts = s.counts + TokenCounts.from_list(reduced[1:])"
-GATHER = "gathered = gather_objects((c.pieces, c.counts, c.rows, part.fed.records(self.ctx.rank)), self.ctx)"
+GATHER = "gathered = gather_objects((c.pieces, c.counts, c.rows, part.fed.records(*ids)), self.ctx)"
 
 # the token figures divided by the step, except at the last step: the first step's figures, repeated
 STALE = "s.counts if s.step == self.total_steps else TokenCounts.from_list([x // s.step for x in s.counts.as_list()])"

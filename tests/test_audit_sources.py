@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.records import SelectedNotTrain
 from ghostvis_core.data.ledger.summaries import validation_selected
 from ghostvis_core.data.shard_ref import ShardRef
 from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.preflight import stream_split_problems
 from ghostvis_core.verify.audit import invariants as inv
-from tests.test_ledger import part, piece, shard_record, write
+from tests.ledger_rows import part, piece, shard_record, write
 
 TPS = 512  # tokens per step of the histories below: 2 x 64 x 2 ranks x 2 micro-batches
 
@@ -92,7 +93,7 @@ def test_a_selected_shard_labelled_train_in_the_spec_is_judged_by_the_ledger(led
         )
     }
     assert validation_selected(ledger, "tok-a", selected) == [
-        {"source": "prose", "shard_id": "demo_prose/00009", "split": "validation", "spec_split": "train"}
+        SelectedNotTrain(source="prose", shard_id="demo_prose/00009", split="validation", spec_split="train")
     ]
 
 

@@ -11,13 +11,13 @@ import pytest
 
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow
+from ghostvis_core.data.ledger.records import PartRow
 from ghostvis_core.data.ledger.summaries import merge_ranges, run_consumption
-from ghostvis_core.data.piece import Piece
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_pipeline.cli import main as cli_main
 from tests.conftest import run_cli
+from tests.ledger_rows import consumption, piece, write
 
 RUN = "pretrain-abc-r1"
 
@@ -30,39 +30,42 @@ def _part(step_first: int, step_last: int, segment: int, prev: str, real: int) -
     )  # fmt: skip
 
 
-def _piece(part: PartRow, shard: str, a: int, b: int, rows: tuple[int, int]) -> ConsumptionRow:
-    return ConsumptionRow.of(part, Piece(shard.split("/")[0], shard, "train", 0, a, b), rows)
-
-
 @pytest.fixture
 def two_segment_home(tmp_path, monkeypatch) -> Path:
     """A ledger with one run: segment 0 (2 ranks) steps 1..2, resumed as segment 1 (1 rank) steps 3..4;
     32 tokens a step, half from each of two shards."""
     ledger = Ledger.in_store(Home(tmp_path).store)
     first = _part(1, 2, 0, "", 64)
-    ledger.write_part(first, [_piece(first, "a/0", 0, 32, (0, 3)), _piece(first, "b/0", 0, 32, (0, 2))])
+    write(ledger, first, [piece("a/0", (0, 32), (0, 3), source="a"), piece("b/0", (0, 32), (0, 2), source="b")])
     second = _part(3, 4, 1, first.part_id, 64)
-    ledger.write_part(second, [_piece(second, "a/0", 32, 64, (2, 5)), _piece(second, "b/0", 32, 64, (1, 4))])
+    write(ledger, second, [piece("a/0", (32, 64), (2, 5), source="a"), piece("b/0", (32, 64), (1, 4), source="b")])
     monkeypatch.setenv("GHOSTVIS_HOME", str(tmp_path))
     return tmp_path
 
 
 def test_run_consumption_joins_touching_parts_and_keeps_segments(two_segment_home):
     c = run_consumption(Ledger.in_store(Home(two_segment_home).store), RUN)
-    assert (c["stage"], c["steps"], c["parts"], c["real_tokens"], c["consumed_tokens"]) == ("pretrain", 4, 2, 128, 128)
-    assert [
-        (s["segment"], s["first_step"], s["last_step"], s["world_size"], s["real_tokens"]) for s in c["segments"]
-    ] == [(0, 1, 2, 2, 64), (1, 3, 4, 1, 64)]
-    assert [
-        (r["shard_id"], r["tok_start"], r["tok_end"], r["row_start"], r["row_end"], r["parts"]) for r in c["ranges"]
-    ] == [("a/0", 0, 64, 0, 5, 2), ("b/0", 0, 64, 0, 4, 2)]
-    assert [(r["shard_id"], r["tokens"]) for r in c["shards"]] == [("a/0", 64), ("b/0", 64)]
+    assert (c.stage, c.steps, c.parts, c.counts.real_tokens, c.consumed_tokens) == ("pretrain", 4, 2, 128, 128)
+    assert [(s.segment, s.first_step, s.last_step, s.world_size, s.real_tokens) for s in c.segments] == [
+        (0, 1, 2, 2, 64),
+        (1, 3, 4, 1, 64),
+    ]
+    assert [(r.shard_id, r.tok_start, r.tok_end, r.row_start, r.row_end, r.parts) for r in c.ranges] == [
+        ("a/0", 0, 64, 0, 5, 2),
+        ("b/0", 0, 64, 0, 4, 2),
+    ]
+    assert [(r.shard_id, r.tokens) for r in c.shards] == [("a/0", 64), ("b/0", 64)]
+    flat = c.as_dict()  # what --json prints: the four figures flat, the lists as objects
+    assert list(flat)[7:13] == ["real_tokens", "pad_tokens", "loss_tokens", "cropped_tokens", "overlap_tokens",
+                                "consumed_tokens"]  # fmt: skip
+    assert flat["ranges"][0] == {"source": "a", "shard_id": "a/0", "split": "train", "epoch": 0, "tok_start": 0,
+                                 "tok_end": 64, "row_start": 0, "row_end": 5, "tokens": 64, "parts": 2}  # fmt: skip
 
 
 def test_merge_ranges_keeps_an_overlap_visible():
     part = _part(1, 2, 0, "", 64)
-    rows = [_piece(part, "a/0", 0, 32, (0, 3)), _piece(part, "a/0", 16, 48, (1, 4))]  # 16 tokens read twice
-    assert [(r["tok_start"], r["tok_end"]) for r in merge_ranges(rows)] == [(0, 32), (16, 48)]
+    rows = consumption(part, [piece("a/0", (0, 32), (0, 3)), piece("a/0", (16, 48), (1, 4))])  # 16 tokens read twice
+    assert [(r.tok_start, r.tok_end, r.parts) for r in merge_ranges(rows)] == [(0, 32, 1), (16, 48, 1)]
 
 
 def test_ledger_run_json_and_text(two_segment_home, capsys):

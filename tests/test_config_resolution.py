@@ -27,8 +27,8 @@ from tests.ledger_rows import shard_record
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "resolved_configs.json"
 TEXT = (
-    shard_record("web", "text", "train", 300),
-    shard_record("web", "text", "validation", 50),
+    shard_record("web/train", source="web", split="train", kind="text", tokens=300),
+    shard_record("web/validation", source="web", split="validation", kind="text", tokens=50),
 )
 
 

@@ -20,7 +20,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.ledger.records import ConsumptionRow, NgramRow, PartRow
+from ghostvis_core.data.ledger.records import ConsumptionRow, NgramRow, PartRow, RolloutRow
 from ghostvis_core.data.ngrams import NGRAM, WINDOW, fingerprints, ngram_hash, ngram_hashes, normalize, winnow
 from ghostvis_core.data.shard_ref import ShardRef
 from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards
@@ -92,7 +92,7 @@ def test_the_documents_of_every_version_of_a_validation_shard_are_evaluation_ite
     """A validation shard changed under its name: the documents of its earlier version stay evaluation items
     (a run evaluated on them is still checked against them), each version's row its own item."""
     from ghostvis_core.verify.audit.contamination import validation_items
-    from tests.test_ledger import shard_record
+    from tests.ledger_rows import shard_record
 
     ledger = Ledger(tmp_path / "ledger")
     for sha, at, hashes in (("sha-1", 1.0, [1, 2]), ("sha-2", 2.0, [3])):
@@ -338,8 +338,8 @@ def test_an_rl_completion_holding_an_item_fails_the_gate_named_by_step_rank_and_
     shutil.copytree(t.ledger.root, ledger.root)
     part = PartRow("p1", "", "rl-test", "", "rl", 0, 1, 2, 0, 0)
     completions = [t.tok.encode("So the answer is 12."), t.tok.encode(f"Well: {SHORT_ITEM}")]
-    rollout = {"rank": 1, "step": 2, "rows": json.dumps([6, 7]), "completion_ids": json.dumps(completions)}
-    ledger.write_part(part, [], rollouts=[rollout | {"rewards": json.dumps([0.0, 1.0])}])
+    rollout = RolloutRow("p1", "rl-test", 1, 2, 0, 0, 2, 1, rows=[6, 7], completion_ids=completions, rewards=[0.0, 1.0])
+    ledger.write_part(part, [], rollouts=[rollout])
     out = no_eval_contamination(t.store, ledger, spec_of(t), [consumed("corp/00001", 0, 4)], [part])
     assert not out.passed and out.figures["rl_completions_checked"] == 2
     assert out.figures["consumed_documents_fingerprinted"] == 4

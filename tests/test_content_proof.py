@@ -8,7 +8,6 @@ demo, so a difference is a bug in one of them, found here rather than as a faile
 from __future__ import annotations
 
 import hashlib
-import json
 
 import numpy as np
 import pytest
@@ -99,7 +98,7 @@ def expected_digest(batch, image_digests: list[str] = ()) -> str:
 
 def micro_digests(log, step: int) -> list[str]:
     """The micro-batch digests the ledger's feed record of `step` holds."""
-    return next(json.loads(r["micro_digests"]) for r in log.records(rank=0) if r["step"] == step)
+    return next(r.micro_digests for r in log.records("p0", "r", 0) if r.step == step)
 
 
 def test_the_digest_is_of_what_reaches_the_model_and_only_training_feeds_are_recorded():
@@ -111,7 +110,9 @@ def test_the_digest_is_of_what_reaches_the_model_and_only_training_feeds_are_rec
     model(batch.inputs, batch.targets, reduction="sum")
     model(batch.inputs, batch.targets, reduction="sum")  # a second forward of the step is not a second feed
     assert log.steps[7]["micro_rows"] == [[3, 4]] and micro_digests(log, 7) == [expected_digest(batch)]
-    assert log.records(rank=0)[0]["step_digest"] == digest.step_digest([expected_digest(batch)])
+    (fed,) = log.records("p0", "r", 0)
+    assert (fed.part_id, fed.rank, fed.step, fed.micro_rows) == ("p0", 0, 7, [[3, 4]])
+    assert fed.step_digest == digest.step_digest([expected_digest(batch)])
 
 
 def test_a_batch_edited_after_planning_or_never_fed_no_longer_matches_the_plan():

@@ -123,6 +123,9 @@ def test_sampling_stops_where_a_newline_closes_a_well_formed_answer_line(rule, c
 def test_rewarded_tokens_and_correct_completions_count_exact_answers_only():
     log = RolloutLog({3: {"rows": [0, 1, 2], "completion_ids": [[5, 6, 7], [8, 9], [1]], "rewards": [1.1, 0.1, 0.0]}})
     assert log.figures(3) == [6, 3, 3, 1]  # generated, rewarded (the exact completion's 3), completions, exact
+    (row,) = log.records("p0", "rl-r", 1)  # the ledger's rollouts row: the figures in their columns
+    assert (row.rank, row.step, row.generated_tokens, row.rewarded_tokens, row.correct_completions) == (1, 3, 6, 3, 1)
+    assert (row.rows, row.completion_ids, row.rewards) == ([0, 1, 2], [[5, 6, 7], [8, 9], [1]], [1.1, 0.1, 0.0])
 
 
 def test_the_loss_by_hand_with_and_without_the_kl_term():

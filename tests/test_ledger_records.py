@@ -14,6 +14,7 @@ from ghostvis_core.data.ledger import Ledger, records
 from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow, ShareRow, schema_of
 from ghostvis_core.data.ledger.write import pieces_to_rows
 from ghostvis_core.data.piece import Piece
+from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.batch import BatchPlan
 
 FOUR = "real_tokens pad_tokens loss_tokens cropped_tokens"
@@ -71,7 +72,7 @@ def test_a_part_row_written_reads_back_equal_with_its_counts_batch_and_shares(tm
     built = PartRow("r.p0", "", "r", "", "pretrain", 0, 1, 2, 0, 8, micro_batch_size=2, seq_len=4, world_size=2,
                     grad_accum_steps=2, tokens_per_step=32, planned_tokens=64)  # fmt: skip
     part = dataclasses.replace(built, **TokenCounts(60, 4, 58, 1).as_dict())
-    share = {"rank": 0, "world_size": 2, "row_count": 4, "row_ranges": "[[0, 2], [4, 6]]", **part.counts.as_dict()}
+    share = ShareRow("r.p0", "r", 0, 2, 4, [[0, 2], [4, 6]], **part.counts.as_dict())
     ledger.write_part(part, [], shares=[share])
     (got,) = ledger.parts(["r"])
     assert got == part and got.counts == TokenCounts(60, 4, 58, 1) and got.batch == BatchPlan(2, 4, 2, 2)
@@ -81,9 +82,9 @@ def test_a_part_row_written_reads_back_equal_with_its_counts_batch_and_shares(tm
 
 
 def test_each_typed_write_makes_its_tables_schema_and_reads_back_equal(tmp_path):
-    """write_shard, write_doc_hashes, write_ngrams, write_part's consumption and write_row_index take the
-    records and write files whose schema equals the table's (pyarrow equals), so old homes and new files
-    read alike; the consumption row is its Piece with the part's keys and raw rows."""
+    """write_shard, write_doc_hashes, write_ngrams, write_part (consumption, shares, feeds, rollouts) and
+    write_row_index take the records and write files whose schema equals the table's (pyarrow equals), so
+    old homes and new files read alike; the consumption row is its Piece with the part's keys and raw rows."""
     ledger = Ledger(tmp_path / "ledger")
     shard = records.ShardRecord(shard_id="p/0", source="p", split="train", kind="text", content_sha256="sha",
                                 raw_bytes=9, tokenizer_id="tok", docs=2, tokens=7, text_bytes=9, token_path="",
@@ -98,8 +99,13 @@ def test_each_typed_write_makes_its_tables_schema_and_reads_back_equal(tmp_path)
         records.NGRAM_SCHEMA: ledger.write_ngrams("p/0", "sha", [records.NgramRow(*keys, 1, 42)]),
         records.ROW_INDEX_SCHEMA: ledger.write_row_index([part], [index]),
     }
-    ledger.write_part(part, pieces_to_rows(part, [piece], lambda p: (0, 2)))
-    written[records.CONSUMPTION_SCHEMA] = ledger.part_file("consumption", part)
+    share = ShareRow("r.p0", "r", 0, 1, 2, [[0, 2]], real_tokens=7)
+    feed = records.FeedRow("r.p0", "r", 0, 1, "d", ["m"], [[0, 1]], [["r0", "r1"]], [[]])
+    rollout = records.RolloutRow("r.p0", "r", 0, 1, 3, 0, 1, 0, [0], [[5, 6, 7]], [0.5])
+    ledger.write_part(part, pieces_to_rows(part, [piece], lambda p: (0, 2)), [share], [feed], [rollout])
+    beside = {"consumption": records.CONSUMPTION_SCHEMA, "shares": records.SHARE_SCHEMA,
+              "feeds": records.FEED_SCHEMA, "rollouts": records.ROLLOUT_SCHEMA}  # fmt: skip
+    written.update({schema: ledger.part_file(table, part) for table, schema in beside.items()})
     for schema, path in written.items():
         assert pq.read_schema(path).equals(schema), path
     assert ledger.shards() == [shard]
@@ -108,3 +114,17 @@ def test_each_typed_write_makes_its_tables_schema_and_reads_back_equal(tmp_path)
     (row,) = ledger.consumption([part])
     assert isinstance(row, Piece) and row == ConsumptionRow.of(part, piece, (0, 2))
     assert (row.tokens, row.part_id, row.segment, row.row_end) == (7, "r.p0", 0, 2)
+    assert (ledger.shares([part]), ledger.feeds([part]), ledger.rollouts([part])) == ([share], [feed], [rollout])
+
+
+def test_a_row_beside_a_part_that_names_another_part_is_refused(tmp_path):
+    """write_part writes each row as given: one built with another part's ids would sit in this part's
+    file under the other's name, so it is refused, naming both."""
+    ledger = Ledger(tmp_path / "ledger")
+    part = PartRow("r.p0", "", "r", "", "pretrain", 0, 1, 1, 0, 2)
+    stray = ShareRow("r.p9", "r", 0, 1, 2, [[0, 2]])
+    with pytest.raises(
+        GhostvisError, match=r"ledger part r.p0 of run r: its shares rows name another part \('r.p9', 'r'\)"
+    ):
+        ledger.write_part(part, [], shares=[stray])
+    assert not ledger.part_file("parts", part).exists() and not ledger.part_file("shares", part).exists()

@@ -114,10 +114,10 @@ def test_presets_state_only_values_that_differ_from_the_dataclass_defaults(prese
 
 
 SHARDS = (
-    shard_record("web", "text", "train", 300),
-    shard_record("web", "text", "validation", 50),
-    shard_record("books", "text", "train", 100),
-    shard_record("chats", "chat", "train", 900),
+    shard_record("web/train", source="web", split="train", kind="text", tokens=300),
+    shard_record("web/validation", source="web", split="validation", kind="text", tokens=50),
+    shard_record("books/train", source="books", split="train", kind="text", tokens=100),
+    shard_record("chats/train", source="chats", split="train", kind="chat", tokens=900),
 )
 
 

@@ -66,7 +66,7 @@ def select_shards(ledger: Ledger, store: Store, tokenizer_id: str, sources: list
     selected = {s: tuple(refs) for s, refs in out.items()}
     leaked = validation_selected(ledger, tokenizer_id, selected) if split == "train" else []
     if leaked:
-        names = ", ".join(f"{r['shard_id']} ({r['split']})" for r in leaked)
+        names = ", ".join(f"{r.shard_id} ({r.split})" for r in leaked)
         raise GhostvisError(
             f"shard(s) {names} selected for training are not train shards in the ledger; "
             "training must never read them: fix the shard selection (select_shards filters by "

@@ -433,17 +433,17 @@ def token_ledger(context: AssetExecutionContext, home: GhostvisHome) -> Material
         raise GhostvisError(f"the ledger has no shards tokenized with {tokenizer_id}; materialize tokenized_shards")
     ledger.write_ngram_index()  # `ghostvis trace --text` looks a text up in it, not in a file per shard
     by = source_split_totals(rows)
-    table = [[t["source"], t["split"], t["shards"], t["docs"], t["tokens"], t["text_bytes"]] for t in by]
+    table = [[t.source, t.split, t.shards, t.docs, t.tokens, t.text_bytes] for t in by]
     version = digest({"tokenizer": tokenizer_id, "shards": ledger_identity(rows)})
     return MaterializeResult(
         data_version=DataVersion(version),
         metadata={
             "tokenizer_id": tokenizer_id,
             "shards": len(rows),
-            "docs": sum(t["docs"] for t in by),
-            "tokens": sum(t["tokens"] for t in by),
-            "train_tokens": sum(t["tokens"] for t in by if t["split"] == "train"),
-            "validation_tokens": sum(t["tokens"] for t in by if t["split"] == "validation"),
+            "docs": sum(t.docs for t in by),
+            "tokens": sum(t.tokens for t in by),
+            "train_tokens": sum(t.tokens for t in by if t.split == "train"),
+            "validation_tokens": sum(t.tokens for t in by if t.split == "validation"),
             "ledger_dir": MetadataValue.path(store.uri_of("ledger")),
             "by_source": MetadataValue.md(
                 md_table(["source", "split", "shards", "docs", "tokens", "text_bytes"], table)

@@ -7,6 +7,7 @@ from dagster import AssetExecutionContext, Config, DataVersion, MaterializeResul
 
 from ghostvis_core.data.eval_texts import PROMPTS
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.records import ShardRecord
 from ghostvis_core.data.ledger.summaries import held_out_text_shards
 from ghostvis_core.home import Home
 from ghostvis_core.identity import code_version, digest
@@ -18,7 +19,14 @@ from ghostvis_core.run.train.trained import stage_config
 from ghostvis_core.store import Store
 from ghostvis_core.verify.eval.gate import tolerances
 from ghostvis_core.verify.eval.harness_tasks import DEFAULT_TASKS, task_files_digest
-from ghostvis_core.verify.eval.job import MAX_BPB_TOKENS, MC_PER_TASK, EvalSpec, eval_job, results_name
+from ghostvis_core.verify.eval.job import (
+    MAX_BPB_TOKENS,
+    MC_PER_TASK,
+    EvalSpec,
+    eval_job,
+    held_out_refs,
+    results_name,
+)
 from ghostvis_core.verify.eval.report import stage_report, write_report
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.metadata import latest_metadata, md_table
@@ -32,7 +40,7 @@ def lineage_run_keys(context) -> dict[str, str]:
     return {s: latest_metadata(context, s)["run_key"] for s in STAGES}
 
 
-def eval_shards(store: Store, tokenizer_id: str, lineage: dict[str, str]) -> dict[str, list[dict]]:
+def eval_shards(store: Store, tokenizer_id: str, lineage: dict[str, str]) -> dict[str, list[ShardRecord]]:
     """The held-out plain-text shards every stage is scored on: the validation sources of the
     lineage's first stage (its data.val_sources, in that order) that have text validation shards
     in the ledger for the tokenizer (the job fetches its own copies of their token files)."""
@@ -66,7 +74,7 @@ def evaluation_identity(
         "lineage": lineage,
         "tokenizer": tokenizer_id,
         "prompts": list(PROMPTS),
-        "held_out": {s: [[x["shard_id"], content.get(x["shard_id"])] for x in shards] for s, shards in val.items()},
+        "held_out": {s: [[x.shard_id, content.get(x.shard_id)] for x in shards] for s, shards in val.items()},
         "max_bpb_tokens": MAX_BPB_TOKENS,
         "mc_per_task": MC_PER_TASK,
         "harness_tasks": list(config.harness_tasks),
@@ -145,7 +153,7 @@ def evaluation_spec(
         mlflow_tracking_uri=h.mlflow_tracking_uri,
         tokenizer_id=tokenizer_id,
         lineage=lineage,
-        held_out=val,
+        held_out=held_out_refs(val),
         harness_tasks=list(config.harness_tasks),
         harness_include=list(config.harness_include),
     )

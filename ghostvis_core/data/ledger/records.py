@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from operator import attrgetter
 from typing import Any, get_type_hints
 
@@ -327,6 +327,109 @@ class DocInBothSplits:
     validation_row: int
     train_shard: str
     train_row: int
+
+
+@dataclass(frozen=True)
+class SourceSplitTotals:
+    """Per (source, split) of the shard table (`summaries.source_split_totals`): shards, docs, tokens and
+    text bytes, as the tokenized_shards asset shows them."""
+
+    source: str
+    split: str
+    shards: int
+    docs: int
+    tokens: int
+    text_bytes: int
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """A training run in the ledger (`summaries.run_summaries`): its stage, keys, plan and `RunTotals`."""
+
+    stage: str
+    run_key: str
+    parent_run_key: str | None
+    planned_tokens: int
+    tokens_per_step: int
+    totals: RunTotals
+
+    def as_dict(self) -> dict[str, Any]:
+        """Flat, the totals after the run's keys and plan: how `ghostvis ledger --json` prints a run."""
+        keys = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "totals"}
+        return {**keys, **self.totals.as_dict()}
+
+
+@dataclass(frozen=True)
+class ConsumedRange(Piece):
+    """Consumption rows of a shard, split and epoch joined where they touch (`summaries.merge_ranges`):
+    the joined Piece (its tokens the pieces' sum, as they touch), the raw row range, and how many pieces
+    (`parts`) were joined."""
+
+    row_start: int
+    row_end: int
+    parts: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """As `ghostvis ledger --run --json` prints a range: the row range before the tokens and parts."""
+        out = asdict(self)
+        tokens, parts = out.pop("tokens"), out.pop("parts")
+        return {**out, "tokens": tokens, "parts": parts}
+
+
+@dataclass(frozen=True)
+class RunConsumption:
+    """What a run consumed along its chain, from the ledger alone (`summaries.run_consumption`, what
+    `ghostvis ledger --run` prints): its keys, steps, parts, plan, the four token figures, overlap, and
+    its segments, shards and ranges."""
+
+    run_key: str
+    stage: str
+    parent_run_key: str | None
+    steps: int
+    parts: int
+    planned_tokens: int
+    tokens_per_step: int
+    counts: TokenCounts
+    overlap_tokens: int
+    consumed_tokens: int  # the ranges' tokens summed
+    segments: tuple[Segment, ...]
+    shards: tuple[ShardConsumption, ...]
+    ranges: tuple[ConsumedRange, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        """Flat, the four figures by their TokenCounts names in place of `counts`, the lists as objects:
+        `ghostvis ledger --run --json`."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "counts":
+                out.update(value.as_dict())
+            elif f.name == "ranges":
+                out[f.name] = [r.as_dict() for r in value]
+            elif isinstance(value, tuple):
+                out[f.name] = [asdict(v) for v in value]
+            else:
+                out[f.name] = value
+        return out
+
+
+@dataclass(frozen=True)
+class DuplicateContent:
+    """Shards with the same content under different names (`summaries.duplicate_shards`)."""
+
+    content_sha256: str
+    shards: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SelectedNotTrain:
+    """A shard selected for training whose ledger split is not train (`summaries.validation_selected`):
+    `split` is the ledger's ("not in the ledger" when it has no record), `spec_split` the spec's label."""
+
+    source: str
+    shard_id: str
+    split: str
+    spec_split: str
 
 
 def schema_of(record: type) -> pa.Schema:

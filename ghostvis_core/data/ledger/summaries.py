@@ -4,11 +4,22 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from ghostvis_core.data.ledger.query import chain_of, chain_totals
-from ghostvis_core.data.ledger.records import ConsumptionRow, DocInBothSplits, PartRow, ShardRecord
+from ghostvis_core.data.ledger.records import (
+    ConsumedRange,
+    ConsumptionRow,
+    DocInBothSplits,
+    DuplicateContent,
+    PartRow,
+    RunConsumption,
+    RunSummary,
+    SelectedNotTrain,
+    ShardRecord,
+    SourceSplitTotals,
+)
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.stages import stage_names
 
@@ -17,41 +28,41 @@ if TYPE_CHECKING:
     from ghostvis_core.data.shard_ref import ShardRef
 
 
-def source_split_totals(rows: list[ShardRecord]) -> list[dict[str, Any]]:
+def source_split_totals(rows: list[ShardRecord]) -> list[SourceSplitTotals]:
     """Per (source, split) of ledger shard records, sorted: shards, docs, tokens and text_bytes."""
-    by: dict[tuple[str, str], dict[str, Any]] = {}
+    by: dict[tuple[str, str], list[ShardRecord]] = {}
     for r in rows:
-        agg = by.setdefault(
-            (r.source, r.split),
-            {"source": r.source, "split": r.split, "shards": 0, "docs": 0, "tokens": 0, "text_bytes": 0},
+        by.setdefault((r.source, r.split), []).append(r)
+    return [
+        SourceSplitTotals(
+            *key,
+            shards=len(rs),
+            docs=sum(r.docs for r in rs),
+            tokens=sum(r.tokens for r in rs),
+            text_bytes=sum(r.text_bytes for r in rs),
         )
-        agg["shards"] += 1
-        for k in ("docs", "tokens", "text_bytes"):
-            agg[k] += getattr(r, k)
-    return [by[k] for k in sorted(by)]
+        for key, rs in sorted(by.items())
+    ]
 
 
-def run_summaries(ledger: Ledger) -> list[dict[str, Any]]:
+def run_summaries(ledger: Ledger) -> list[RunSummary]:
     """Per training run in the ledger (in order of its first part): stage, run_key, parent_run_key,
     planned_tokens, tokens_per_step and its `run_totals` (the four TokenCounts figures, steps, ...),
     from one query over the part rows."""
     by_run: dict[str, list[PartRow]] = {}
     for part in ledger.parts():
         by_run.setdefault(part.run_key, []).append(part)
-    runs = []
-    for key, parts in by_run.items():
-        first = parts[0]
-        runs.append(
-            {
-                "stage": first.stage,
-                "run_key": key,
-                "parent_run_key": first.parent_run_key or None,
-                "planned_tokens": first.planned_tokens,
-                "tokens_per_step": first.tokens_per_step,
-                **chain_totals(chain_of(parts)).as_dict(),
-            }
+    return [
+        RunSummary(
+            parts[0].stage,
+            key,
+            parts[0].parent_run_key or None,
+            parts[0].planned_tokens,
+            parts[0].tokens_per_step,
+            chain_totals(chain_of(parts)),
         )
-    return runs
+        for key, parts in by_run.items()
+    ]
 
 
 def run_keys(ledger: Ledger, stage: str | None = None) -> list[str]:
@@ -76,38 +87,28 @@ def unknown_run_message(ledger: Ledger, run_key: str, stages: list[str]) -> str:
     )
 
 
-def merge_ranges(rows: list[ConsumptionRow]) -> list[dict[str, Any]]:
+def merge_ranges(rows: list[ConsumptionRow]) -> list[ConsumedRange]:
     """Consumption rows (parts' pieces) as ranges per (source, shard, split, epoch): ranges that touch
     (one ends where the next starts) are joined and `parts` counts the pieces joined; overlapping
     ones are kept apart, so a range read twice stays visible."""
-    out: list[dict[str, Any]] = []
-    key = ("source", "shard_id", "split", "epoch")
+    out: list[ConsumedRange] = []
     for r in sorted(rows, key=lambda r: (r.source, r.shard_id, r.split, r.epoch, r.tok_start, r.tok_end)):
+        key = (r.source, r.shard_id, r.split, r.epoch)
         cur = out[-1] if out else None
-        if cur is not None and all(cur[k] == getattr(r, k) for k in key) and cur["tok_end"] == r.tok_start:
-            cur.update(
+        if cur is not None and (cur.source, cur.shard_id, cur.split, cur.epoch) == key and cur.tok_end == r.tok_start:
+            out[-1] = replace(
+                cur,
                 tok_end=r.tok_end,
-                tokens=cur["tokens"] + r.tokens,
-                parts=cur["parts"] + 1,
-                row_start=min(cur["row_start"], r.row_start),
-                row_end=max(cur["row_end"], r.row_end),
+                parts=cur.parts + 1,
+                row_start=min(cur.row_start, r.row_start),
+                row_end=max(cur.row_end, r.row_end),
             )
             continue
-        out.append(
-            {
-                **{k: getattr(r, k) for k in key},
-                "tok_start": r.tok_start,
-                "tok_end": r.tok_end,
-                "row_start": r.row_start,
-                "row_end": r.row_end,
-                "tokens": r.tokens,
-                "parts": 1,
-            }
-        )
+        out.append(ConsumedRange(*key, r.tok_start, r.tok_end, r.row_start, r.row_end, parts=1))
     return out
 
 
-def run_consumption(ledger: Ledger, run_key: str) -> dict[str, Any]:
+def run_consumption(ledger: Ledger, run_key: str) -> RunConsumption:
     """What a run consumed, from the ledger alone, along its chain: segments (steps, world size, real
     tokens), parts, the four token figures (`Ledger.run_counts`), overlap, per shard (tokens, rows,
     epochs) and per range (shard, split, epoch, token range, row range, tokens).
@@ -117,41 +118,39 @@ def run_consumption(ledger: Ledger, run_key: str) -> dict[str, Any]:
         raise GhostvisError(unknown_run_message(ledger, run_key, stage_names()))
     head = chain[-1]
     ranges = merge_ranges(ledger.consumption(chain))
-    return {
-        "run_key": run_key,
-        "stage": head.stage,
-        "parent_run_key": head.parent_run_key or None,
-        "steps": head.step_last,
-        "parts": len(chain),
-        "planned_tokens": head.planned_tokens,
-        "tokens_per_step": head.tokens_per_step,
-        **ledger.run_counts(run_key).as_dict(),
-        "overlap_tokens": sum(p.overlap_tokens for p in chain),
-        "consumed_tokens": sum(r["tokens"] for r in ranges),
-        "segments": [asdict(s) for s in ledger.segments(run_key)],
-        "shards": [asdict(s) for s in ledger.consumed_by_shard(run_key)],
-        "ranges": ranges,
-    }
+    return RunConsumption(
+        run_key=run_key,
+        stage=head.stage,
+        parent_run_key=head.parent_run_key or None,
+        steps=head.step_last,
+        parts=len(chain),
+        planned_tokens=head.planned_tokens,
+        tokens_per_step=head.tokens_per_step,
+        counts=ledger.run_counts(run_key),
+        overlap_tokens=sum(p.overlap_tokens for p in chain),
+        consumed_tokens=sum(r.tokens for r in ranges),
+        segments=tuple(ledger.segments(run_key)),
+        shards=tuple(ledger.consumed_by_shard(run_key)),
+        ranges=tuple(ranges),
+    )
 
 
-def held_out_text_shards(ledger: Ledger, tokenizer_id: str, sources: list[str]) -> dict[str, list[dict[str, str]]]:
+def held_out_text_shards(ledger: Ledger, tokenizer_id: str, sources: list[str]) -> dict[str, list[ShardRecord]]:
     """Of `sources`, in their order, those with plain-text validation shards tokenized with
-    `tokenizer_id`: source -> [{"shard_id", "content_sha256", "path"}] (by shard_id)."""
-    found: dict[str, list[dict[str, str]]] = {}
+    `tokenizer_id`: source -> its shard records (by shard_id)."""
+    found: dict[str, list[ShardRecord]] = {}
     for r in ledger.shards(tokenizer_id=tokenizer_id, sources=list(sources)):
         if r.split == "validation" and r.kind == "text":
-            found.setdefault(r.source, []).append(
-                {"shard_id": r.shard_id, "content_sha256": r.content_sha256, "path": r.token_path}
-            )
+            found.setdefault(r.source, []).append(r)
     return {s: found[s] for s in sources if s in found}
 
 
-def duplicate_shards(ledger: Ledger, tokenizer_id: str) -> list[dict[str, Any]]:
+def duplicate_shards(ledger: Ledger, tokenizer_id: str) -> list[DuplicateContent]:
     """Shards with the same content hash under different names."""
     by_sha: dict[str, list[str]] = {}
     for r in ledger.shards(tokenizer_id=tokenizer_id):
         by_sha.setdefault(r.content_sha256, []).append(r.shard_id)
-    return [{"content_sha256": sha, "shards": ids} for sha, ids in by_sha.items() if len(ids) > 1]
+    return [DuplicateContent(sha, tuple(ids)) for sha, ids in by_sha.items() if len(ids) > 1]
 
 
 def train_validation_overlap(ledger: Ledger, shards: list[ShardRecord]) -> list[DocInBothSplits]:
@@ -175,7 +174,7 @@ def train_validation_overlap(ledger: Ledger, shards: list[ShardRecord]) -> list[
 
 def validation_selected(
     ledger: Ledger, tokenizer_id: str, train_shards: dict[str, tuple[ShardRef, ...]]
-) -> list[dict[str, Any]]:
+) -> list[SelectedNotTrain]:
     """Shards selected for training (a launch spec's train_shards) whose ledger split is not train, or
     that the ledger does not know: checked before launch and again by the stage checks, because what
     is selected is what the run may read, whatever it happened to consume."""
@@ -187,5 +186,5 @@ def validation_selected(
         for ref in refs:
             split = known.get((ref.shard_id, ref.content_sha256), "not in the ledger")
             if split != "train":  # the ledger's split; the spec's label is shown, never trusted
-                out.append({"source": source, "shard_id": ref.shard_id, "split": split, "spec_split": ref.split})
+                out.append(SelectedNotTrain(source, ref.shard_id, split, ref.split))
     return out

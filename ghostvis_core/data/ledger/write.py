@@ -8,7 +8,6 @@ import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 
@@ -22,18 +21,18 @@ from ghostvis_core.data.ledger.files import (
     write_parquet,
 )
 from ghostvis_core.data.ledger.records import (
-    FEED_SCHEMA,
     NGRAM_INDEX_FILES,
     NGRAM_INDEX_ROWS,
     NGRAM_SCHEMA,
-    ROLLOUT_SCHEMA,
-    SHARE_SCHEMA,
     ConsumptionRow,
     DocRow,
+    FeedRow,
     NgramRow,
     PartRow,
+    RolloutRow,
     RowIndexRow,
     ShardRecord,
+    ShareRow,
     schema_of,
     table_of,
 )
@@ -69,11 +68,9 @@ class LedgerWriter(LedgerFiles):
         """The local file of a shard's n-gram fingerprints, fetched from the store when it is there."""
         return self._fetched_file(ngram_name(shard_id, content_sha256))
 
-    def _write(
-        self, path: Path, rows: list[dict[str, Any]] | pa.Table, schema: pa.Schema, row_group_size: int | None = None
-    ) -> Path:
+    def _write(self, path: Path, table: pa.Table, schema: pa.Schema, row_group_size: int | None = None) -> Path:
         """Write one file of the ledger and publish it to the store, so every node sees it."""
-        write_parquet(path, rows, schema, row_group_size)
+        write_parquet(path, table, schema, row_group_size)
         if self.store is not None:
             self.store.publish("ledger_file", path.relative_to(self.root).as_posix())
         return path
@@ -129,14 +126,13 @@ class LedgerWriter(LedgerFiles):
         self,
         part: PartRow,
         consumption: list[ConsumptionRow],
-        shares: list[dict[str, Any]] | None = None,
-        feeds: list[dict[str, Any]] | None = None,
-        rollouts: list[dict[str, Any]] | None = None,
+        shares: list[ShareRow] | None = None,
+        feeds: list[FeedRow] | None = None,
+        rollouts: list[RolloutRow] | None = None,
     ) -> None:
         """Consumption, per-rank shares, content digests (when given: the trainer always gives them) and
         an rl run's rollouts first, then the part row: a part row is only visible once what it sums is.
-        `consumption` is the part's rows (`pieces_to_rows`); `shares`, `feeds` and `rollouts` are their
-        tables' rows but for the part's ids.
+        `consumption` is the part's rows (`pieces_to_rows`); every row names `part` (its part_id and run_key).
         A fixed number of files in the run's folders, whatever the ledger already holds."""
         for k in ("stage", "run_key"):
             value = getattr(part, k)
@@ -145,15 +141,22 @@ class LedgerWriter(LedgerFiles):
                     f"ledger part {part.part_id}: {k} {value!r} cannot name a folder of the "
                     "ledger (empty, or holds one of / \\ = * ? [); give the run another key"
                 )
-        self._write_records(self.part_file("consumption", part), ConsumptionRow, consumption)
-        ids = {"part_id": part.part_id, "run_key": part.run_key}
-        for table, given, schema in (
-            ("shares", shares, SHARE_SCHEMA),
-            ("feeds", feeds, FEED_SCHEMA),
-            ("rollouts", rollouts, ROLLOUT_SCHEMA),
-        ):
-            if given is not None:
-                self._write(self.part_file(table, part), [{**ids, **r} for r in given], schema)
+        tables = (
+            ("consumption", ConsumptionRow, consumption),
+            ("shares", ShareRow, shares),
+            ("feeds", FeedRow, feeds),
+            ("rollouts", RolloutRow, rollouts),
+        )
+        for table, record, rows in tables:
+            if rows is None:
+                continue
+            other = {(r.part_id, r.run_key) for r in rows} - {(part.part_id, part.run_key)}
+            if other:
+                raise GhostvisError(
+                    f"ledger part {part.part_id} of run {part.run_key}: its {table} rows name another part "
+                    f"{sorted(other)[0]}; build them with the part's part_id and run_key"
+                )
+            self._write_records(self.part_file(table, part), record, rows)
         self._write_records(self.part_file("parts", part), PartRow, [part])
 
     def write_row_index(self, chain: list[PartRow], rows: list[RowIndexRow]) -> Path:

@@ -15,7 +15,6 @@ DCP shards on a store in a bucket: every rank uploads its own shard into the che
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.ledger.records import PartRow
+from ghostvis_core.data.ledger.records import PartRow, RolloutRow, ShareRow
 from ghostvis_core.data.ledger.write import pieces_to_rows, row_ranges
 from ghostvis_core.data.loader import Batch, Consumption, merge_pieces
 from ghostvis_core.data.piece import Piece
@@ -161,8 +160,9 @@ class CheckpointManager:
         `record` is rank 0's part row without the counts (the sums of what is gathered). Called by all ranks."""
         self.settle()
         c = part.consumption
-        gathered = gather_objects((c.pieces, c.counts, c.rows, part.fed.records(self.ctx.rank)), self.ctx)
-        rollouts = [r for rs in gather_objects(part.rollouts.records(self.ctx.rank), self.ctx) for r in rs]
+        ids = (state.head_part_id, self.spec.run_key, self.ctx.rank)  # the part's row keys, this rank's
+        gathered = gather_objects((c.pieces, c.counts, c.rows, part.fed.records(*ids)), self.ctx)
+        rollouts = [r for rs in gather_objects(part.rollouts.records(*ids), self.ctx) for r in rs]
         drop_stale_shards(self.run_dir, self.ctx.rank)  # every earlier checkpoint is committed by now
         step = state.step
         # DCP (fsdp, or any strategy with async_save): every rank writes its shard first; rank 0 commits them
@@ -282,7 +282,7 @@ def write_part(
     folder: Path,
     record: PartRow,
     gathered: list,
-    rollouts: list[dict[str, Any]],
+    rollouts: list[RolloutRow],
     rows_of: Callable[[Piece], tuple[int, int]],
     world_size: int,
 ) -> None:
@@ -294,13 +294,7 @@ def write_part(
     counts = TokenCounts.total(c for _, c, _, _ in gathered)
     merged, overlap = merge_pieces(pieces)
     shares = [
-        {
-            "rank": rank,
-            "world_size": world_size,
-            "row_count": len(rows),
-            "row_ranges": json.dumps(row_ranges(rows)),
-            **c.as_dict(),
-        }
+        ShareRow(record.part_id, record.run_key, rank, world_size, len(rows), row_ranges(rows), **c.as_dict())
         for rank, (_, c, rows, _) in enumerate(gathered)
     ]
     feeds = [f for _, _, _, fs in gathered for f in fs]

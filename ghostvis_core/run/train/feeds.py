@@ -17,14 +17,13 @@ never received leaves no digest, which the audit names as missing. Forward calls
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from ghostvis_core import digest
+from ghostvis_core.data.ledger.records import FeedRow
 from ghostvis_core.data.loader import Batch
 
 
@@ -67,20 +66,12 @@ class FedLog:
     def forward_done(self) -> None:
         self.feeding = None
 
-    def records(self, rank: int) -> list[dict[str, Any]]:
-        """The ledger's `feeds` rows of this rank: one per step."""
+    def records(self, part_id: str, run_key: str, rank: int) -> list[FeedRow]:
+        """The ledger's `feeds` rows of this rank in part `part_id` of run `run_key`: one per step."""
         out = []
         for step, s in sorted(self.steps.items()):
             micro = [digest.micro_digest(r, i) for r, i in zip(s["row_digests"], s["image_hashes"])]
-            out.append(
-                {
-                    "rank": rank,
-                    "step": step,
-                    "step_digest": digest.step_digest(micro),
-                    "micro_digests": json.dumps(micro),
-                    **{k: json.dumps(v) for k, v in s.items()},
-                }
-            )
+            out.append(FeedRow(part_id, run_key, rank, step, digest.step_digest(micro), micro, **s))
         return out
 
 

@@ -29,16 +29,16 @@ the loop.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from ghostvis_core.counts import ROLLOUT_FIGURES, TokenCounts
 from ghostvis_core.data.chat import ROLES
+from ghostvis_core.data.ledger.records import RolloutRow
 from ghostvis_core.data.loader import Batch, DocIndex, Row, rank_share
 from ghostvis_core.data.piece import Piece
 from ghostvis_core.data.problems import closes_answer_line, is_correct, well_formed
@@ -281,15 +281,10 @@ class RolloutLog:
             sum(1 for r in s["rewards"] if is_exact(r)),
         ]
 
-    def records(self, rank: int) -> list[dict[str, Any]]:
+    def records(self, part_id: str, run_key: str, rank: int) -> list[RolloutRow]:
+        """The ledger's `rollouts` rows of this rank in part `part_id` of run `run_key`: one per step."""
         return [
-            {
-                "rank": rank,
-                "step": step,
-                **dict(zip(ROLLOUT_FIGURES, self.figures(step))),
-                **{k: json.dumps(v) for k, v in s.items()},
-            }
-            for step, s in sorted(self.steps.items())
+            RolloutRow(part_id, run_key, rank, step, *self.figures(step), **s) for step, s in sorted(self.steps.items())
         ]
 
 

@@ -183,13 +183,13 @@ def no_validation_selected(ledger: Ledger, run: StageRun) -> CheckOutcome:
     """The run's selected train shards (its spec) are all train in the ledger's shard table; the split
     label the spec carries is shown, never trusted."""
     found = validation_selected(ledger, run.spec.tokenizer_id, run.spec.train_shards)
-    rows = [[r["source"], r["shard_id"], r["split"], r["spec_split"]] for r in found]
+    rows = [[r.source, r.shard_id, r.split, r.spec_split] for r in found]
     return CheckOutcome(
         "no_validation_selected",
         not found,
         figures={"selected_train_shards": sum(len(v) for v in run.spec.train_shards.values()), "not_train": len(found)},
         tables={"offenders": (["source", "shard", "ledger split", "spec split"], rows)},
-        failures=[f"{r['shard_id']} selected for training is {r['split']}" for r in found],
+        failures=[f"{r.shard_id} selected for training is {r.split}" for r in found],
     )
 
 
@@ -518,7 +518,7 @@ def no_duplicate_content(ledger: Ledger, tokenizer_id: str) -> CheckOutcome:
         tables={
             "duplicates": (
                 ["content_sha256", "shards"],
-                [[d["content_sha256"][:16], ", ".join(d["shards"])] for d in dups],
+                [[d.content_sha256[:16], ", ".join(d.shards)] for d in dups],
             ),
             "leaked_docs": (
                 ["validation shard", "row", "train shard", "row"],

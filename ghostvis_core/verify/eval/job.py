@@ -8,8 +8,12 @@ reports/evaluation/<identity>.json, which is also how a later materialization fi
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from ghostvis_core.run.job import Job
+
+if TYPE_CHECKING:
+    from ghostvis_core.data.ledger.records import ShardRecord
 
 EVAL_FOLDER = "evaluation"  # the jobs' folder in the store, as a stage's runs have theirs (runs/evaluation/<key>/)
 MODULE = "ghostvis_core.verify.eval"
@@ -35,6 +39,15 @@ class EvalSpec:
     @classmethod
     def from_dict(cls, d: dict) -> EvalSpec:
         return cls(**{**d, "lineage": dict(d["lineage"]), "held_out": dict(d["held_out"])})
+
+
+def held_out_refs(shards: dict[str, list[ShardRecord]]) -> dict[str, list[dict[str, str]]]:
+    """The spec's held-out shards (`EvalSpec.held_out`) from their ledger records: what the job fetches
+    each by (shard_id, content_sha256), and the token path the ledger holds."""
+    return {
+        source: [{"shard_id": r.shard_id, "content_sha256": r.content_sha256, "path": r.token_path} for r in records]
+        for source, records in shards.items()
+    }
 
 
 def results_name(key: str) -> str:
