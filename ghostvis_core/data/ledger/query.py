@@ -89,6 +89,11 @@ class Reuse:
     reason: str
 
 
+def in_list(values: list) -> str:
+    """The placeholders of an SQL `IN (...)` over `values`: one `?` each, bound in their order."""
+    return ",".join("?" * len(values))
+
+
 def _with_table(table: str, source: str, sql: str) -> str:
     """`sql` with `table` defined as a common table expression over `source`, ahead of its own ones."""
     head = f"WITH {table} AS (SELECT * FROM {source})"
@@ -150,11 +155,10 @@ class LedgerQueries(LedgerFiles):
         if not parts:
             return []
         ids = sorted({p.part_id for p in parts})
-        marks = ",".join("?" * len(ids))
         return self._query(
             record,
             table,
-            f"SELECT * FROM {table} WHERE part_id IN ({marks}) ORDER BY {order}",
+            f"SELECT * FROM {table} WHERE part_id IN ({in_list(ids)}) ORDER BY {order}",
             ids,
             self.run_files(table, [p.run_key for p in parts]),
         )
@@ -321,7 +325,7 @@ class LedgerQueries(LedgerFiles):
             "consumption",
             f"""SELECT source, shard_id, split, sum(tokens) AS tokens, min(row_start) AS row_start,
                        max(row_end) AS row_end, count(DISTINCT epoch) AS epochs
-                FROM consumption WHERE part_id IN ({",".join("?" * len(ids))})
+                FROM consumption WHERE part_id IN ({in_list(ids)})
                 GROUP BY ALL ORDER BY shard_id""",
             ids,
             self.run_files("consumption", [run_key]),
@@ -347,7 +351,7 @@ class LedgerQueries(LedgerFiles):
         overlaps = self._query(
             Reuse,
             "consumption",
-            f"""WITH c AS (SELECT * FROM consumption WHERE part_id IN ({",".join("?" * len(ids))})),
+            f"""WITH c AS (SELECT * FROM consumption WHERE part_id IN ({in_list(ids)})),
                 o AS (SELECT a.part_id AS part_a, b.part_id AS part_b, a.run_key AS run_a, b.run_key AS run_b,
                        a.shard_id, a.source, a.epoch AS epoch_a, b.epoch AS epoch_b,
                        greatest(a.tok_start, b.tok_start) AS tok_start, least(a.tok_end, b.tok_end) AS tok_end,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ghostvis_core.data.ledger.query import chain_of, chain_totals
+from ghostvis_core.data.ledger.query import chain_of, chain_totals, in_list
 from ghostvis_core.data.ledger.records import (
     ConsumedRange,
     ConsumptionRow,
@@ -159,11 +159,10 @@ def train_validation_overlap(ledger: Ledger, shards: list[ShardRecord]) -> list[
     if not shards:
         return []
     shas = sorted({r.content_sha256 for r in shards})
-    marks = ",".join("?" * len(shas))
     return ledger._query(
         DocInBothSplits,
         "docs",
-        f"""WITH d AS (SELECT DISTINCT * FROM docs WHERE content_sha256 IN ({marks}))
+        f"""WITH d AS (SELECT DISTINCT * FROM docs WHERE content_sha256 IN ({in_list(shas)}))
             SELECT v.source, v.doc_hash, v.shard_id AS validation_shard, v.row AS validation_row,
                    t.shard_id AS train_shard, t.row AS train_row
             FROM d v JOIN d t ON v.doc_hash = t.doc_hash AND v.source = t.source
