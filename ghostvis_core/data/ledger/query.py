@@ -32,7 +32,7 @@ from ghostvis_core.data.ledger.records import (
     ShardRecord,
     SharedDocument,
     ShareRow,
-    from_row,
+    from_rows,
 )
 
 R = TypeVar("R")
@@ -104,7 +104,7 @@ class LedgerQueries(LedgerFiles):
     def _query(
         self, record: type[R], table: str, sql: str, params: list | None = None, files: list[Path] | None = None
     ) -> list[R]:
-        """Rows of `sql` as `record`s (`from_row`: its fields by column name), `sql` reading `table` by its
+        """Rows of `sql` as `record`s (`from_rows`: its fields by column name), `sql` reading `table` by its
         name: a per-shard table's every file, or a per-part table's `files` (`run_files`: files or glob
         patterns); columns by name, so a column added later reads as NULL in older files."""
         if files is None:
@@ -120,8 +120,7 @@ class LedgerQueries(LedgerFiles):
         cur = connection().cursor()
         try:
             result = cur.execute(_with_table(table, source, sql), params or [])
-            cols = [d[0] for d in result.description]
-            return [from_row(record, dict(zip(cols, r))) for r in result.fetchall()]
+            return from_rows(record, [d[0] for d in result.description], result.fetchall())
         finally:
             cur.close()
 
