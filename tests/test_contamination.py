@@ -194,11 +194,11 @@ def consumed(shard_id: str, row_start: int, row_end: int) -> ConsumptionRow:
 
 def test_tokenization_records_each_documents_winnowed_13_grams(tokenized):
     t = tokenized
-    rows = t.ledger.ngrams([t.jobs["corp/00000"].content_sha256])
-    by_row: dict[int, set[int]] = {}
-    for r in rows:
-        by_row.setdefault(r.row, set()).add(r.ngram_hash)
-        assert (r.shard_id, r.source, r.split) == ("corp/00000", "corp", "train")
+    sha = t.jobs["corp/00000"].content_sha256
+    written = pq.read_table(t.ledger.ngram_record_path("corp/00000", sha)).select(["shard_id", "source", "split"])
+    assert set(zip(*written.to_pydict().values())) == {("corp/00000", "corp", "train")}
+    docs = t.ledger.document_fingerprints([sha])
+    by_row = {d.row: set(d.ngram_hashes) for d in docs}
     assert by_row == {i: fingerprints(text) for i, text in enumerate(t.texts["corp/00000"])}
     n_grams = len(ngram_hashes(t.texts["corp/00000"][2]))  # 80 words: 68 13-grams, about 2/9 of them kept
     assert n_grams == 68 and 68 // 9 <= len(by_row[2]) <= 68 // 2

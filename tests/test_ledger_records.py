@@ -109,7 +109,7 @@ def test_each_typed_write_makes_its_tables_schema_and_reads_back_equal(tmp_path)
     for schema, path in written.items():
         assert pq.read_schema(path).equals(schema), path
     assert ledger.shards() == [shard]
-    assert [(r.row, r.ngram_hash) for r in ledger.ngrams(["sha"])] == [(1, 42)]
+    assert [(d.row, d.ngram_hashes) for d in ledger.document_fingerprints(["sha"])] == [(1, [42])]
     assert ledger.row_index([written[records.ROW_INDEX_SCHEMA]]) == [index]
     (row,) = ledger.consumption([part])
     assert isinstance(row, Piece) and row == ConsumptionRow.of(part, piece, (0, 2))

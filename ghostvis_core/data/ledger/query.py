@@ -19,9 +19,9 @@ from ghostvis_core.data.ledger.files import LedgerFiles, connection, parquet_lis
 from ghostvis_core.data.ledger.records import (
     NGRAM_INDEX_FILES,
     ConsumptionRow,
+    DocumentFingerprints,
     FeedRow,
     LeakedShard,
-    NgramRow,
     PartRow,
     PassedOver,
     RolloutRow,
@@ -207,16 +207,17 @@ class LedgerQueries(LedgerFiles):
         """Per part, rank and step of an rl run: the rollout figures and completions."""
         return self._of_parts(RolloutRow, "rollouts", parts, "step, rank")
 
-    def ngrams(self, content_sha256s: list[str]) -> list[NgramRow]:
-        """The fingerprint rows of these shard contents (each once, by shard and row)."""
+    def document_fingerprints(self, content_sha256s: list[str]) -> list[DocumentFingerprints]:
+        """Per document of these shard contents, its fingerprints (grouped in DuckDB: a document's set
+        arrives as one list, not one record per fingerprint), by shard and row."""
         if not content_sha256s:
             return []
         return self._query(
-            NgramRow,
+            DocumentFingerprints,
             "ngrams",
-            f"SELECT DISTINCT * FROM ngrams "
-            f"WHERE content_sha256 IN ({','.join('?' * len(content_sha256s))}) "
-            "ORDER BY shard_id, row",
+            "SELECT shard_id, content_sha256, row, list(DISTINCT ngram_hash ORDER BY ngram_hash) AS ngram_hashes "
+            f"FROM ngrams WHERE content_sha256 IN ({in_list(content_sha256s)}) "
+            "GROUP BY shard_id, content_sha256, row ORDER BY shard_id, row, content_sha256",
             list(content_sha256s),
         )
 

@@ -230,6 +230,18 @@ class NgramRow:
 
 
 @dataclass(frozen=True)
+class DocumentFingerprints:
+    """One document (raw row) of one version of a shard, with its distinct fingerprints (`NgramRow`s
+    grouped), sorted: what the decontamination gate compares, read a document at a time because it
+    compares sets (`LedgerQueries.document_fingerprints`)."""
+
+    shard_id: str
+    content_sha256: str
+    row: int
+    ngram_hashes: list[int]
+
+
+@dataclass(frozen=True)
 class PassedOver:
     """A damaged checkpoint a resumed segment passed over (an entry of a part's `passed_over`): the steps
     after `step` were trained again."""

@@ -191,12 +191,9 @@ def validation_items(ledger: Ledger) -> Iterator[EvalItem]:
     been evaluated on an earlier one), from its recorded fingerprints."""
     shas = sorted({r.content_sha256 for r in ledger.shards(every_version=True) if r.split == "validation"})
     current = {(r.shard_id, r.content_sha256) for r in ledger.shards()}
-    docs: dict[tuple[str, str, int], set[int]] = defaultdict(set)
-    for r in ledger.ngrams(shas):
-        docs[(r.shard_id, r.content_sha256, r.row)].add(r.ngram_hash)
-    for (shard_id, sha, row), fps in sorted(docs.items()):
-        version = "" if (shard_id, sha) in current else f" (earlier version {sha[:12]})"
-        yield EvalItem("validation", f"{shard_id}{version} row {row}", frozenset(fps))
+    for d in sorted(ledger.document_fingerprints(shas), key=lambda d: (d.shard_id, d.content_sha256, d.row)):
+        version = "" if (d.shard_id, d.content_sha256) in current else f" (earlier version {d.content_sha256[:12]})"
+        yield EvalItem("validation", f"{d.shard_id}{version} row {d.row}", frozenset(d.ngram_hashes))
 
 
 def known_items(ledger: Ledger, eval_sets: list[str]) -> list[EvalItem]:
@@ -290,15 +287,15 @@ def consumed_documents(
     missing = sorted(s for s in merged if s not in content or not ledger.ngram_record_path(s, content[s]).exists())
     wanted = {content[s]: s for s in merged if s not in missing}
     starts = {s: [a for a, _ in v] for s, v in merged.items()}
-    docs: dict[tuple[str, int], set[int]] = defaultdict(set)
-    for r in ledger.ngrams(sorted(wanted)):
-        shard_id, row = r.shard_id, r.row
-        if wanted.get(r.content_sha256) != shard_id:
+    docs: dict[tuple[str, int], set[int]] = {}
+    for d in ledger.document_fingerprints(sorted(wanted)):
+        shard_id, row = d.shard_id, d.row
+        if wanted.get(d.content_sha256) != shard_id:
             continue
         i = bisect_right(starts[shard_id], row) - 1  # the merged row range starting at or before the row
         if i >= 0 and row < merged[shard_id][i][1]:
-            docs[(shard_id, row)].add(r.ngram_hash)
-    return dict(docs), missing
+            docs[(shard_id, row)] = set(d.ngram_hashes)
+    return docs, missing
 
 
 def shard_contents(ledger: Ledger, spec: Any) -> dict[str, str]:
@@ -435,10 +432,11 @@ def shard_contamination(
     fingerprints only: short items matched whole need the raw text, which the stage check reads."""
     limit = ContaminationConfig().max_overlap if max_overlap is None else max_overlap
     train = {r.content_sha256: r.shard_id for r in shards if r.split == "train"}
-    docs: dict[tuple[str, int], set[int]] = defaultdict(set)
-    for r in ledger.ngrams(sorted(train)):
-        if train.get(r.content_sha256) == r.shard_id:
-            docs[(r.shard_id, r.row)].add(r.ngram_hash)
+    docs = {
+        (d.shard_id, d.row): set(d.ngram_hashes)
+        for d in ledger.document_fingerprints(sorted(train))
+        if train.get(d.content_sha256) == d.shard_id
+    }
     eval_fps = set()
     items = known_items(ledger, list(eval_sets))
     for it in items:
