@@ -24,6 +24,7 @@ from ghostvis_core.plan.budget import (
     LM_NEEDED_RULE,
     MemoryPlan,
     Plan,
+    StepTime,
     budget_for_hours,
     memory_refusal,
     source_plan,
@@ -184,13 +185,10 @@ def cmd_plan(args) -> int:
     mode = plan_mode_args(args)
     overrides = plan_overrides(args)
     cfg = presets.resolve(args.stage, mode.name if mode else args.preset, overrides)
+    step_time = StepTime(args.step_time, args.gpu, args.mfu)
     if args.hours is not None:
-        cfg = budget_for_hours(
-            cfg, args.hours, step_time_s=args.step_time, gpu=args.gpu, mfu=args.mfu, params=args.params
-        )
-    p = make_plan(
-        cfg, step_time_s=args.step_time, price_per_gpu_hour=args.price, gpu=args.gpu, mfu=args.mfu, params=args.params
-    )
+        cfg = budget_for_hours(cfg, args.hours, step_time, params=args.params)
+    p = make_plan(cfg, step_time=step_time, price_per_gpu_hour=args.price, params=args.params)
     sources = recipe_report(args, p)
     notes = plan_notes(args)
     if args.json:
@@ -281,7 +279,7 @@ def plan_mode(name: str, stage_name: str = "pretrain", overrides: dict | None = 
     mode = mode_of(name)
     if mode is None:
         raise GhostvisError(f"'{name}' is a model preset, not a run mode; run modes: {', '.join(MODES)}")
-    return make_plan(presets.resolve(stage_name, name, overrides), gpu=mode.gpu, mfu=mode.mfu)
+    return make_plan(presets.resolve(stage_name, name, overrides), step_time=mode.step_time)
 
 
 def print_modes(stage_name: str, as_json: bool) -> int:

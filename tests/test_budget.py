@@ -17,12 +17,14 @@ from ghostvis_core.plan.budget import (
     GPU_PEAK_FLOPS,
     LM_NEEDED_RULE,
     BatchPlan,
+    StepTime,
     batch_plan,
+    budget_for_hours,
     lm_tokens_for_rows,
     plan,
     source_plan,
 )
-from ghostvis_core.plan.config import BatchConfig, ModelConfig
+from ghostvis_core.plan.config import BatchConfig, BudgetConfig, ModelConfig
 from ghostvis_core.plan.model_shape import count_params
 from ghostvis_core.run.model.gpt import GPT
 from ghostvis_pipeline.cli import main as cli_main
@@ -158,13 +160,13 @@ def test_flops_are_6ND_exactly():
 
 def test_gpu_hours_and_cost_from_step_time():
     cfg = _tiny(**{"budget.steps": 7200})
-    p = plan(cfg, step_time_s=1.5, price_per_gpu_hour=2.5)
+    p = plan(cfg, step_time=StepTime(seconds=1.5), price_per_gpu_hour=2.5)
     # 7200 steps * 1.5 s = 10,800 s = 3 h wall; x 2 GPUs = 6 GPU-hours; x 2.5 = 15.0
     assert p.step_time_s == 1.5
     assert p.gpu_hours == pytest.approx(6.0, rel=1e-12)
     assert p.cost == pytest.approx(15.0, rel=1e-12)
     # no price -> no cost, no time -> neither
-    assert plan(cfg, step_time_s=1.5).cost is None
+    assert plan(cfg, step_time=StepTime(seconds=1.5)).cost is None
     none = plan(cfg)
     assert none.gpu_hours is None and none.cost is None and none.step_time_s is None
 
@@ -185,7 +187,7 @@ def _seven_b_million_token_steps():
 def test_step_time_from_gpu_peak_and_mfu():
     cfg = _seven_b_million_token_steps()
     n = 208_000_000
-    p = plan(cfg, params=n, gpu="A100", mfu=0.5, price_per_gpu_hour=2.25)
+    p = plan(cfg, params=n, step_time=StepTime(gpu="A100", mfu=0.5), price_per_gpu_hour=2.25)
     assert (p.batch.grad_accum_steps, p.batch.tokens_per_step) == (1, 1_000_000)
     # model FLOPs per token: 6 x 208e6 + attention 12 x 32 layers x 4096 x 1000 positions = 2.820864e9;
     # per step x 1e6 tokens = 2.820864e15; cluster rate 8 x 312e12 x 0.5 = 1.248e15 /s -> 2.2603 s
@@ -205,18 +207,32 @@ def test_step_time_from_gpu_peak_and_mfu():
 
 def test_lower_mfu_means_proportionally_longer_steps():
     cfg = _seven_b_million_token_steps()
-    fast = plan(cfg, params=208_000_000, gpu="A100", mfu=0.5)
-    slow = plan(cfg, params=208_000_000, gpu="A100", mfu=0.25)
+    fast = plan(cfg, params=208_000_000, step_time=StepTime(gpu="A100", mfu=0.5))
+    slow = plan(cfg, params=208_000_000, step_time=StepTime(gpu="A100", mfu=0.25))
     assert slow.step_time_s == pytest.approx(2 * fast.step_time_s, rel=1e-12)
     assert slow.gpu_hours == pytest.approx(2 * fast.gpu_hours, rel=1e-12)
 
 
 def test_unknown_gpu_lists_known_ones():
     with pytest.raises(GhostvisError) as exc:
-        plan(_tiny(), gpu="V100")
+        plan(_tiny(), step_time=StepTime(gpu="V100"))
     assert "V100" in str(exc.value)
     for name in GPU_PEAK_FLOPS:
         assert name in str(exc.value)
+
+
+def test_a_measured_step_time_wins_over_the_gpu_estimate():
+    """StepTime(seconds, gpu): the measured seconds price the plan; the GPU is still the memory plan's."""
+    p = plan(_tiny(), step_time=StepTime(seconds=1.5, gpu="L4", mfu=0.1))
+    assert p.step_time_s == 1.5 and p.hours == 200 * 1.5 / 3600
+    assert (p.memory["gpu"], p.memory["gpu_memory_gb"], p.memory["fits"]) == ("L4", 24, True)
+
+
+def test_budget_for_hours_buys_the_steps_that_fit():
+    # 1 h at a measured 1.5 s per step: floor(3600 / 1.5) = 2400 steps
+    assert budget_for_hours(_tiny(), 1, StepTime(seconds=1.5)).budget == BudgetConfig(steps=2400)
+    with pytest.raises(GhostvisError, match="a budget in hours needs a step time: give --step-time"):
+        budget_for_hours(_tiny(), 1, StepTime())
 
 
 def test_7b_plan_chinchilla_default():
@@ -361,7 +377,7 @@ def test_cli_plan_json_matches_plan_tiny(capsys):
             "budget.tokens": 1_000_000,
         },
     )
-    expected = plan(cfg, step_time_s=0.5, price_per_gpu_hour=3.0).to_dict()
+    expected = plan(cfg, step_time=StepTime(seconds=0.5), price_per_gpu_hour=3.0).to_dict()
     assert got == {"stage": "pretrain", "preset": "tiny", **expected}
     # and by hand: 4*128*4*3 = 6144 tokens/step; ceil(1e6 / 6144) = ceil(162.76) = 163 steps
     assert got["tokens_per_step"] == 6144 and got["steps"] == 163
@@ -392,7 +408,10 @@ def test_cli_plan_json_matches_plan_gpu_estimate(capsys):
         "2.25",
     )
     expected = plan(
-        _seven_b_million_token_steps(), params=208_000_000, gpu="A100", mfu=0.5, price_per_gpu_hour=2.25
+        _seven_b_million_token_steps(),
+        params=208_000_000,
+        step_time=StepTime(gpu="A100", mfu=0.5),
+        price_per_gpu_hour=2.25,
     ).to_dict()
     assert got == {"stage": "pretrain", "preset": "7b", **expected}
     assert got["steps"] == 4160 and got["grad_accum_steps"] == 1

@@ -16,7 +16,7 @@ import pytest
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan import presets
 from ghostvis_core.plan.batch import BatchPlan
-from ghostvis_core.plan.budget import GPUS, memory_plan, plan
+from ghostvis_core.plan.budget import GPUS, StepTime, memory_plan, plan
 from ghostvis_core.plan.config import BudgetConfig
 from ghostvis_core.plan.run_modes import MODES, model_preset
 from ghostvis_pipeline.cli import main as cli_main
@@ -152,6 +152,6 @@ def test_a_stage_launched_with_a_mode_trains_the_planners_steps(demo_home, monke
     assert cfg.preset == "500m" and cfg.batch.world_size == 1
     assert cfg.model.vocab_size == 4096 and cfg.budget == BudgetConfig(steps=797)
     assert cfg.checkpoint.every_steps == 50 and planned.preset == "1xh100-1h"  # the MLflow tag's preset
-    hour = plan(cfg, gpu="H100", mfu=0.4)
+    hour = plan(cfg, step_time=StepTime(gpu="H100", mfu=0.4))
     assert planned.plan.steps == hour.steps == 797 and 1 - hour.step_time_s / 3600 < hour.hours <= 1
     assert plan_mode("1xh100-1h").steps == 700

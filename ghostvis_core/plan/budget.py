@@ -44,6 +44,26 @@ DEFAULT_GPU_PRICES = {"H100": 2.5, "A100": 1.5}
 DEFAULT_MFU = 0.4
 
 
+@dataclass(frozen=True)
+class StepTime:
+    """Where a plan's step time comes from: measured (`seconds`), or a GPU's peak bf16 FLOP/s at an
+    assumed MFU. The planner, the hours budget, run modes and the report's cost table each state it this
+    way; the GPU, when named, is also the one the memory plan is checked against."""
+
+    seconds: float | None = None  # measured wall clock of one optimizer step
+    gpu: str | None = None  # a GPUS name
+    mfu: float = DEFAULT_MFU
+
+    def seconds_per_step(self, step_flops: float, world_size: int) -> float | None:
+        """The measured seconds, else a step's model FLOPs over world_size x the GPU's peak x mfu; None
+        with neither."""
+        if self.seconds is not None or self.gpu is None:
+            return self.seconds
+        if self.gpu not in GPUS:
+            raise GhostvisError(f"unknown gpu '{self.gpu}'; known: {', '.join(GPUS)} (or pass a step time)")
+        return step_flops / (world_size * GPU_PEAK_FLOPS[self.gpu] * self.mfu)
+
+
 def batch_plan(batch: BatchConfig, world_size: int | None = None) -> BatchPlan:
     """Resolve grad_accum_steps, deriving it from total_batch_tokens when that is what was given."""
     ws = world_size if world_size is not None else batch.world_size
@@ -102,16 +122,14 @@ def plan(
     cfg: StageConfig,
     *,
     world_size: int | None = None,
-    step_time_s: float | None = None,
+    step_time: StepTime = StepTime(),
     price_per_gpu_hour: float | None = None,
-    gpu: str | None = None,
-    mfu: float = DEFAULT_MFU,
     params: int | None = None,
 ) -> Plan:
-    """Plan a stage. Time comes from step_time_s, or from a GPU's peak FLOP/s at an assumed MFU: the
-    step's model FLOPs (`flops_per_token`, attention included, as the trainer counts them when it
-    measures MFU) over world_size x peak x mfu. `params` overrides N (non-embedding parameters) for a
-    model that is not a preset."""
+    """Plan a stage. Time comes from `step_time`: measured, or a GPU's peak FLOP/s at an assumed MFU
+    over the step's model FLOPs (`flops_per_token`, attention included, as the trainer counts them when
+    it measures MFU); its GPU is the one the memory plan is checked against. `params` overrides N
+    (non-embedding parameters) for a model that is not a preset."""
     bp = batch_plan(cfg.batch, world_size)
     counts = count_params(cfg.model)
     n = params if params is not None else counts["non_embedding"]
@@ -128,14 +146,11 @@ def plan(
     d = steps * tps
     flops = 6.0 * n * d
     per_token = flops_per_token(cfg.model, bp.seq_len, params)
-    if step_time_s is None and gpu is not None:
-        if gpu not in GPUS:
-            raise GhostvisError(f"unknown gpu '{gpu}'; known: {', '.join(GPUS)} (or pass a step time)")
-        step_time_s = per_token * tps / (bp.world_size * GPU_PEAK_FLOPS[gpu] * mfu)
+    step_time_s = step_time.seconds_per_step(per_token * tps, bp.world_size)
     hours = steps * step_time_s / 3600 if step_time_s is not None else None
     gpu_hours = hours * bp.world_size if hours is not None else None
     cost = gpu_hours * price_per_gpu_hour if gpu_hours is not None and price_per_gpu_hour is not None else None
-    memory = memory_plan(cfg, world_size=bp.world_size, gpu=gpu, params=params)
+    memory = memory_plan(cfg, world_size=bp.world_size, gpu=step_time.gpu, params=params)
     return Plan(
         batch=bp,
         steps=steps,
@@ -358,18 +373,10 @@ def gpu_of(device_name: str) -> str | None:
     return None
 
 
-def budget_for_hours(
-    cfg: StageConfig,
-    hours: float,
-    *,
-    step_time_s: float | None = None,
-    gpu: str | None = None,
-    mfu: float = DEFAULT_MFU,
-    params: int | None = None,
-) -> StageConfig:
+def budget_for_hours(cfg: StageConfig, hours: float, step_time: StepTime, params: int | None = None) -> StageConfig:
     """The config with budget.steps = the optimizer steps that fit in `hours` of wall clock, at a
     measured step time or at a GPU's peak x mfu (a run mode: "4 hours on one H100")."""
-    step = plan(cfg, step_time_s=step_time_s, gpu=gpu, mfu=mfu, params=params).step_time_s
+    step = plan(cfg, step_time=step_time, params=params).step_time_s
     if step is None:
         raise GhostvisError("a budget in hours needs a step time: give --step-time (measured) or --gpu (with --mfu)")
     steps = max(1, math.floor(hours * 3600 / step))

@@ -18,7 +18,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.plan.budget import DEFAULT_MFU, GPUS, Plan, budget_for_hours, memory_plan, memory_refusal
+from ghostvis_core.plan.budget import (
+    DEFAULT_MFU,
+    GPUS,
+    Plan,
+    StepTime,
+    budget_for_hours,
+    memory_plan,
+    memory_refusal,
+)
 from ghostvis_core.plan.config import StageConfig
 
 
@@ -35,6 +43,11 @@ class RunMode:
     @property
     def name(self) -> str:
         return f"{self.gpus}x{self.gpu.lower()}-{self.hours:g}h"
+
+    @property
+    def step_time(self) -> StepTime:
+        """The step time the mode's hours are priced at: its GPU's peak at its MFU (nothing measured)."""
+        return StepTime(gpu=self.gpu, mfu=self.mfu)
 
 
 _MODES = [
@@ -78,7 +91,7 @@ def priced(mode: RunMode, cfg: StageConfig) -> StageConfig:
     mp = memory_plan(cfg, gpu=mode.gpu)
     if not mp.fits:
         raise GhostvisError(f"run mode {mode.name}: {memory_refusal(cfg.stage, mp)}")
-    return budget_for_hours(cfg, mode.hours, gpu=mode.gpu, mfu=mode.mfu)
+    return budget_for_hours(cfg, mode.hours, mode.step_time)
 
 
 def describe(mode: RunMode) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.query import UNDECLARED_KINDS, Reuse
 from ghostvis_core.data.ledger.records import RunTotals, Segment, ShardConsumption
-from ghostvis_core.plan.budget import plan
+from ghostvis_core.plan.budget import StepTime, plan
 from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.plan.presets import evidence_note
 from ghostvis_core.run.train.result import RunResult
@@ -99,7 +99,7 @@ def stage_report(
     evidence += [(name, None, n) for name, n in result.generated.items()]  # rl: generated/rewarded tokens
     costs = []
     for gpu, price in gpu_prices.items():
-        p = plan(config, gpu=gpu, price_per_gpu_hour=price)
+        p = plan(config, step_time=StepTime(gpu=gpu), price_per_gpu_hour=price)
         costs.append({"gpu": gpu, "gpus": p.batch.world_size, "gpu_hours": p.gpu_hours, "cost": p.cost, "price": price})
     return StageReport(
         stage=result.stage,
