@@ -209,7 +209,7 @@ def cmd_plan(args) -> int:
     if mode:
         print(f"run mode {mode.name}: {describe(mode)}")
     print_plan(args, p, sources)
-    print_memory(p.memory)
+    print_memory(MemoryPlan.from_dict(p.memory))
     for note in notes:
         print(f"  note: {note}")
     return refuse_unfit(args.stage, p)
@@ -217,27 +217,29 @@ def cmd_plan(args) -> int:
 
 def refuse_unfit(stage_name: str, p) -> int:
     """Exit 2 with the numbers and the fixes when the memory plan does not fit the --gpu."""
-    if p.memory["fits"] is False:
-        print(f"ghostvis: error: {memory_refusal(stage_name, MemoryPlan(**p.memory))}", file=sys.stderr)
+    mp = MemoryPlan.from_dict(p.memory)
+    if mp.fit is not None and not mp.fit.fits:
+        print(f"ghostvis: error: {memory_refusal(stage_name, mp)}", file=sys.stderr)
         return 2
     return 0
 
 
-def print_memory(m: dict) -> None:
+def print_memory(mp: MemoryPlan) -> None:
     print(
-        f"  memory per GPU  = {m['total_gb']:.2f} GB ({m['strategy']}, {'bf16' if m['bf16'] else 'fp32'}, "
-        f"activation checkpointing {'on' if m['grad_checkpointing'] else 'off'}, micro batch "
-        f"{m['micro_batch_size']} x {m['seq_len']}, {m['world_size']} GPUs)"
+        f"  memory per GPU  = {mp.total_gb:.2f} GB ({mp.strategy}, {'bf16' if mp.bf16 else 'fp32'}, "
+        f"activation checkpointing {'on' if mp.grad_checkpointing else 'off'}, micro batch "
+        f"{mp.micro_batch_size} x {mp.seq_len}, {mp.world_size} GPUs)"
     )
     print(
-        f"                  = {m['weights_gb']:.2f} weights + {m['grads_gb']:.2f} grads + {m['optimizer_gb']:.2f} "
-        f"optimizer + {m['buffers_gb']:.2f} buffers + {m['activations_gb']:.2f} activations + "
-        f"{m['logits_gb']:.2f} logits"
+        f"                  = {mp.weights_gb:.2f} weights + {mp.grads_gb:.2f} grads + {mp.optimizer_gb:.2f} "
+        f"optimizer + {mp.buffers_gb:.2f} buffers + {mp.activations_gb:.2f} activations + "
+        f"{mp.logits_gb:.2f} logits"
     )
-    if m["fits"] is not None:
+    fit = mp.fit
+    if fit is not None:
         print(
-            f"  fits {m['gpu'] or 'GPU'}        = {'yes' if m['fits'] else 'NO'} ({m['usable_gb']:.1f} of "
-            f"{m['gpu_memory_gb']:.0f} GB usable)"
+            f"  fits {fit.gpu or 'GPU'}        = {'yes' if fit.fits else 'NO'} ({fit.usable_gb:.1f} of "
+            f"{fit.memory_gb:.0f} GB usable)"
         )
 
 
@@ -302,7 +304,7 @@ def print_modes(stage_name: str, as_json: bool) -> int:
                 "tokens_per_param": round(p.tokens_per_param, 2),
                 "hours": round(p.hours, 3),
                 "memory_gb": p.memory["total_gb"],
-                "fits": p.memory["fits"],
+                "fits": p.memory["fit"]["fits"],
                 "compute_optimal_params": int(compute_optimal_params(p)),
             }
         )

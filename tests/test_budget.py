@@ -225,7 +225,8 @@ def test_a_measured_step_time_wins_over_the_gpu_estimate():
     """StepTime(seconds, gpu): the measured seconds price the plan; the GPU is still the memory plan's."""
     p = plan(_tiny(), step_time=StepTime(seconds=1.5, gpu="L4", mfu=0.1))
     assert p.step_time_s == 1.5 and p.hours == 200 * 1.5 / 3600
-    assert (p.memory["gpu"], p.memory["gpu_memory_gb"], p.memory["fits"]) == ("L4", 24, True)
+    fit = p.memory["fit"]
+    assert (fit["gpu"], fit["memory_gb"], fit["fits"]) == ("L4", 24, True)
 
 
 def test_budget_for_hours_buys_the_steps_that_fit():

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
+from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan import presets
-from ghostvis_core.plan.budget import GB, GPUS, flops_per_token, gpu_of, memory_plan
+from ghostvis_core.plan.budget import GB, GPUS, GpuFit, flops_per_token, gpu_of, memory_plan, plan
 from ghostvis_pipeline.cli import build_parser
 from ghostvis_pipeline.cli import main as cli_main
 
@@ -30,7 +31,7 @@ def test_500m_ddp_on_an_h100_by_hand():
     assert m.logits_gb == round(1_024 * 65_536 * 10 / GB, 3) == 0.671
     total = (4 + 4 + 8 + 6) * n + 24_064 * 16_384 * 2 * 24 + 1_024 * 65_536 * 10
     assert m.total_gb == round(total / GB, 3) == pytest.approx(32.89, abs=1e-3)
-    assert m.fits and m.usable_gb == 72.0 and m.fixes == []
+    assert m.fit.fits and m.fit.usable_gb == 72.0 and m.fit.fixes == []
 
 
 def test_7b_fsdp_with_activation_checkpointing_by_hand():
@@ -47,13 +48,13 @@ def test_7b_fsdp_with_activation_checkpointing_by_hand():
     acts = 32 * 4_096 * 16_384 * 2 + 88_064 * 16_384 * 2
     assert m.activations_gb == round(acts / GB, 3) == 7.181
     assert m.total_gb == round((16 * n / 8 + (2 * block + root) * 2 + 4 * block + acts + 671_088_640) / GB, 3)
-    assert m.fits
+    assert m.fit.fits
 
 
 def test_7b_under_ddp_does_not_fit_and_fsdp_is_named_with_its_total():
     m = memory_plan(presets.resolve("pretrain", "7b", {"parallel.strategy": "ddp"}), gpu="H100")
-    assert not m.fits and m.total_gb > 150
-    assert m.fixes == [
+    assert not m.fit.fits and m.total_gb > 150
+    assert m.fit.fixes == [
         f"parallel.strategy=fsdp: {memory_plan(presets.resolve('pretrain', '7b'), gpu='H100').total_gb:.1f} GB"
     ]
 
@@ -61,19 +62,34 @@ def test_7b_under_ddp_does_not_fit_and_fsdp_is_named_with_its_total():
 def test_without_activation_checkpointing_7b_names_each_fix_that_fits_alone():
     cfg = presets.resolve("pretrain", "7b", {"runtime.grad_checkpointing": False})
     m = memory_plan(cfg, gpu="H100")
-    assert not m.fits and m.total_gb == pytest.approx(110.86, abs=0.01)
+    assert not m.fit.fits and m.total_gb == pytest.approx(110.86, abs=0.01)
     # micro batch 4: 32 blocks x 88,064 elements x 8,192 tokens x 2 bytes = 46.2 GB of activations
-    assert m.fixes == [
+    assert m.fit.fixes == [
         "runtime.grad_checkpointing=true: 25.7 GB",
         "batch.micro_batch_size=4 with batch.grad_accum_steps=8 (same tokens_per_step): 64.7 GB",
     ]
-    assert memory_plan(cfg, gpu="A100-40GB").fixes == ["runtime.grad_checkpointing=true: 25.7 GB"]
+    assert memory_plan(cfg, gpu="A100-40GB").fit.fixes == ["runtime.grad_checkpointing=true: 25.7 GB"]
 
 
 def test_on_a_24gb_gpu_7b_needs_more_gpus():
     m = memory_plan(presets.resolve("pretrain", "7b"), gpu="RTX4090")
-    assert not m.fits
-    assert m.fixes == ["shard over 16 GPUs (batch.world_size=16, grad_accum halved): 18.2 GB"]
+    assert not m.fit.fits
+    assert m.fit.fixes == ["shard over 16 GPUs (batch.world_size=16, grad_accum halved): 18.2 GB"]
+
+
+def test_the_preflight_refuses_a_detected_gpu_the_table_does_not_know_by_its_memory(monkeypatch):
+    """On a CUDA machine the pre-flight checks the detected device: an unknown name (None) still has its
+    memory, and the refusal names 'the GPU' with it. The memory check comes before the data check."""
+    from ghostvis_core.run import preflight as preflight_module
+
+    cfg = presets.resolve("pretrain", "7b")
+    monkeypatch.setattr(preflight_module, "detected_gpu", lambda: (None, 24.0))
+    with pytest.raises(GhostvisError) as exc:
+        preflight_module.preflight(cfg, plan(cfg), objective=None)
+    assert memory_plan(cfg, gpu_memory_gb=24.0).fit == GpuFit(
+        None, 24.0, 21.6, False, ["shard over 16 GPUs (batch.world_size=16, grad_accum halved): 18.2 GB"]
+    )
+    assert "does not fit the GPU (21.6 of 24 GB usable) on 8 GPUs; fix: shard over 16 GPUs" in str(exc.value)
 
 
 def test_flops_per_token_counts_attention():
@@ -100,7 +116,7 @@ def test_cli_7b_on_h100_is_fsdp_and_fits_on_8_gpus(capsys):
     rc, out, _ = _plan_cli(capsys, "--preset", "7b", "--gpu", "H100", "--json")
     m = json.loads(out)["memory"]
     assert rc == 0
-    assert (m["strategy"], m["world_size"], m["gpu"], m["fits"]) == ("fsdp", 8, "H100", True)
+    assert (m["strategy"], m["world_size"], m["fit"]["gpu"], m["fit"]["fits"]) == ("fsdp", 8, "H100", True)
     assert m["total_gb"] == memory_plan(presets.resolve("pretrain", "7b"), gpu="H100").total_gb
 
 
@@ -108,7 +124,7 @@ def test_cli_7b_on_h100_is_fsdp_and_fits_on_8_gpus(capsys):
 def test_cli_7b_under_ddp_is_refused_with_the_numbers_and_the_fix(capsys, flag):
     rc, out, err = _plan_cli(capsys, "--preset", "7b", "--gpu", "H100", "--json", *flag)
     assert rc == 2
-    assert json.loads(out)["memory"]["fits"] is False  # --json carries the same
+    assert json.loads(out)["memory"]["fit"]["fits"] is False  # --json carries the same
     assert err.startswith(
         "ghostvis: error: stage pretrain: 177.5 GB per GPU (30.1 weights + 30.1 grads + 60.1 optimizer"
     )

@@ -26,7 +26,7 @@ from ghostvis_pipeline.cli import plan_mode
 @pytest.mark.parametrize("name", list(MODES))
 def test_a_modes_steps_spend_its_stated_hours_at_its_mfu(name):
     mode, p = MODES[name], plan_mode(name)
-    assert (p.batch.world_size, p.memory["gpu"]) == (mode.gpus, mode.gpu)
+    assert (p.batch.world_size, p.memory["fit"]["gpu"]) == (mode.gpus, mode.gpu)
     seconds = p.steps * p.batch.tokens_per_step * p.flops_per_token / (mode.gpus * GPUS[mode.gpu].bf16_flops * mode.mfu)
     step_s = seconds / p.steps
     # the whole steps that fit: within one step of the target, never beyond it
@@ -39,7 +39,7 @@ def test_a_modes_steps_spend_its_stated_hours_at_its_mfu(name):
 def test_each_modes_model_fits_its_gpu(name):
     mode = MODES[name]
     mp = memory_plan(presets.resolve("pretrain", name), gpu=mode.gpu)
-    assert mp.fits and mp.world_size == mode.gpus and mp.total_gb <= GPUS[mode.gpu].memory_gb * 0.9
+    assert mp.fit.fits and mp.world_size == mode.gpus and mp.total_gb <= GPUS[mode.gpu].memory_gb * 0.9
 
 
 def test_one_h100_for_4_hours_by_hand():
@@ -110,7 +110,7 @@ def test_cli_plan_mode_json_is_the_planners_plan(capsys):
     got = json.loads(capsys.readouterr().out)
     expected = plan_mode("8xh100-12h").to_dict()
     assert got == {"stage": "pretrain", "preset": "1.5b", "run_mode": "8xh100-12h", **expected}
-    assert got["memory"]["strategy"] == "fsdp" and got["memory"]["fits"] is True
+    assert got["memory"]["strategy"] == "fsdp" and got["memory"]["fit"]["fits"] is True
     assert cli_main(["plan", "--preset", "8xh100-12h", "--json"]) == 0  # a mode's name works as a preset
     assert json.loads(capsys.readouterr().out) == got
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.batch import BatchPlan
@@ -192,11 +192,23 @@ def activation_elements(d: int, kv: int, ffn: int) -> int:
 
 
 @dataclass(frozen=True)
+class GpuFit:
+    """Whether a memory plan fits one GPU: its memory, the share training may use (`USABLE_MEMORY`) and,
+    when it does not fit, the fixes that would. Exists only with a GPU (named, or detected by its memory)."""
+
+    gpu: str | None  # a GPUS name; None for a detected device the table does not know
+    memory_gb: float  # the GPU's device memory
+    usable_gb: float  # memory_gb x USABLE_MEMORY
+    fits: bool
+    fixes: list[str]  # each change that alone would fit, with its total; empty when it fits
+
+
+@dataclass(frozen=True)
 class MemoryPlan:
     """What one GPU holds, in GB: fp32 master weights, fp32 grads, AdamW's two fp32 moments (all
     divided by world_size under fsdp), the buffers of the strategy (ddp: a bf16 weight copy for
     autocast and the gradient buckets; fsdp: the gathered blocks in flight and the root), the
-    activations of one micro batch, and the loss's logits chunk."""
+    activations of one micro batch, and the loss's logits chunk; with a GPU, whether it fits (`fit`)."""
 
     strategy: str
     bf16: bool
@@ -211,14 +223,17 @@ class MemoryPlan:
     activations_gb: float
     logits_gb: float
     total_gb: float
-    gpu: str | None = None
-    gpu_memory_gb: float | None = None
-    usable_gb: float | None = None
-    fits: bool | None = None
-    fixes: list[str] = field(default_factory=list)
+    fit: GpuFit | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> MemoryPlan:
+        """A Plan's `memory` (saved by `to_dict`) as a MemoryPlan again, its fit a GpuFit: how `ghostvis
+        plan` reads the plan it made to print it and to refuse it."""
+        fit = data["fit"]
+        return cls(**{**data, "fit": GpuFit(**fit) if fit is not None else None})
 
 
 def memory_plan(
@@ -229,8 +244,8 @@ def memory_plan(
     gpu_memory_gb: float | None = None,
     params: int | None = None,
 ) -> MemoryPlan:
-    """The per-GPU memory of a stage config (see MemoryPlan); with a GPU, whether it fits and, if
-    not, the fixes that would make it fit."""
+    """The per-GPU memory of a stage config (see MemoryPlan); with a GPU (a GPUS name, or a detected
+    device's memory), its `fit`: whether it fits and, if not, the fixes that would make it fit."""
     ws = world_size if world_size is not None else cfg.batch.world_size
     base = _memory(cfg, ws, params)
     if gpu is None and gpu_memory_gb is None:
@@ -241,16 +256,7 @@ def memory_plan(
     usable = mem * USABLE_MEMORY
     fits = base.total_gb <= usable
     fixes = [] if fits else memory_fixes(cfg, ws, params, usable)
-    return MemoryPlan(
-        **{
-            **base.to_dict(),
-            "gpu": gpu,
-            "gpu_memory_gb": mem,
-            "usable_gb": round(usable, 2),
-            "fits": fits,
-            "fixes": fixes,
-        }
-    )
+    return dataclasses.replace(base, fit=GpuFit(gpu, mem, round(usable, 2), fits, fixes))
 
 
 def _memory(cfg: StageConfig, ws: int, params: int | None) -> MemoryPlan:
@@ -344,13 +350,14 @@ def _changed(cfg: StageConfig, changes: dict[str, object]) -> StageConfig:
 
 
 def memory_refusal(stage: str, mp: MemoryPlan) -> str:
-    """Why a memory plan does not fit, with its numbers and the fixes."""
+    """Why a memory plan does not fit its GPU (`mp.fit`), with its numbers and the fixes."""
+    fit = mp.fit
     return (
         f"stage {stage}: {mp.total_gb:.1f} GB per GPU ({mp.weights_gb:.1f} weights + {mp.grads_gb:.1f} grads + "
         f"{mp.optimizer_gb:.1f} optimizer + {mp.buffers_gb:.1f} {mp.strategy} buffers + {mp.activations_gb:.1f} "
         f"activations at micro batch {mp.micro_batch_size} x {mp.seq_len} + {mp.logits_gb:.1f} logits) does not fit "
-        f"{mp.gpu or 'the GPU'} ({mp.usable_gb:.1f} of {mp.gpu_memory_gb:.0f} GB usable) on {mp.world_size} GPUs; "
-        f"fix: {'; or '.join(mp.fixes)}"
+        f"{fit.gpu or 'the GPU'} ({fit.usable_gb:.1f} of {fit.memory_gb:.0f} GB usable) on {mp.world_size} GPUs; "
+        f"fix: {'; or '.join(fit.fixes)}"
     )
 
 

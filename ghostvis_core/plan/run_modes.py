@@ -89,7 +89,7 @@ def mode_base(mode: RunMode, overrides: dict[str, Any]) -> dict[str, Any]:
 def priced(mode: RunMode, cfg: StageConfig) -> StageConfig:
     """`cfg` with the budget.steps the mode's hours buy, once the planner has checked that it fits the mode's GPU."""
     mp = memory_plan(cfg, gpu=mode.gpu)
-    if not mp.fits:
+    if not mp.fit.fits:
         raise GhostvisError(f"run mode {mode.name}: {memory_refusal(cfg.stage, mp)}")
     return budget_for_hours(cfg, mode.hours, mode.step_time)
 

@@ -81,7 +81,7 @@ def preflight(cfg: StageConfig, p: Plan, objective) -> dict[str, SourceBudget]:
     device = detected_gpu()
     if device is not None:
         mp = memory_plan(cfg, gpu=device[0], gpu_memory_gb=device[1])
-        if not mp.fits:
+        if not mp.fit.fits:
             raise GhostvisError(memory_refusal(cfg.stage, mp))
     rows = objective.batcher.rows_per_source(p.steps * p.batch.rows_per_step)
     report, problems = {}, []
