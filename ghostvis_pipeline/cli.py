@@ -191,6 +191,7 @@ def cmd_plan(args) -> int:
     p = make_plan(cfg, step_time=step_time, price_per_gpu_hour=args.price, params=args.params)
     sources = recipe_report(args, p)
     notes = plan_notes(args)
+    memory = MemoryPlan.from_dict(p.memory)
     if args.json:
         print(
             json.dumps(
@@ -205,19 +206,18 @@ def cmd_plan(args) -> int:
                 indent=2,
             )
         )
-        return refuse_unfit(args.stage, p)
+        return refuse_unfit(args.stage, memory)
     if mode:
         print(f"run mode {mode.name}: {describe(mode)}")
     print_plan(args, p, sources)
-    print_memory(MemoryPlan.from_dict(p.memory))
+    print_memory(memory)
     for note in notes:
         print(f"  note: {note}")
-    return refuse_unfit(args.stage, p)
+    return refuse_unfit(args.stage, memory)
 
 
-def refuse_unfit(stage_name: str, p) -> int:
+def refuse_unfit(stage_name: str, mp: MemoryPlan) -> int:
     """Exit 2 with the numbers and the fixes when the memory plan does not fit the --gpu."""
-    mp = MemoryPlan.from_dict(p.memory)
     if mp.fit is not None and not mp.fit.fits:
         print(f"ghostvis: error: {memory_refusal(stage_name, mp)}", file=sys.stderr)
         return 2
