@@ -1,6 +1,7 @@
 """The Dagster side of leases (ghostvis_core/store/lease.py): a materialization that writes shared state holds
 the lease on what it writes while it runs, names the launch it waits for in the run log, and fails without a
-retry when told not to wait (waiting again would find the same holder)."""
+retry when told not to wait (waiting again would find the same holder) or when it lost the lease while it ran
+(another launch took it over: that one's records are the run's now, and nothing of this one's is checked)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,18 @@ from contextlib import contextmanager
 
 from dagster import Failure
 
+from ghostvis_core.plan.config import RuntimeConfig
 from ghostvis_core.store import Store
-from ghostvis_core.store.lease import LeaseHeld, acquire
+from ghostvis_core.store.lease import Lease, LeaseHeld, acquire
 
 # how long a launch that waited for a lease waits, after it, for the holder's Dagster run to record its checks
 HOLDER_RUN_WAIT_S = 1800.0
 
 
 @contextmanager
-def run_lease(context, store: Store, scope: str, name: str, wait: bool = True) -> Iterator[None]:
+def run_lease(
+    context, store: Store, scope: str, name: str, wait: bool = True, expiry_s: float = RuntimeConfig.lease_expiry_s
+) -> Iterator[Lease]:
     """Hold the lease on `scope/name` (a stage and its run identity, or a data artifact) for the block. A lease
     taken after another Dagster run's is given back until that run ended: its asset checks are recorded after
     its asset released the lease (and its retry takes the lease again), and the cache only reuses a run whose
@@ -26,7 +30,7 @@ def run_lease(context, store: Store, scope: str, name: str, wait: bool = True) -
     holder = {"dagster_run_id": context.run_id, "asset": context.asset_key.to_user_string()}
     while True:
         try:
-            lease = acquire(store, scope, name, holder=holder, wait=wait, log=context.log.info)
+            lease = acquire(store, scope, name, holder=holder, expiry_s=expiry_s, wait=wait, log=context.log.info)
         except LeaseHeld as exc:
             raise Failure(description=str(exc), allow_retries=False) from None
         other = (lease.predecessor or {}).get("dagster_run_id")
@@ -36,9 +40,12 @@ def run_lease(context, store: Store, scope: str, name: str, wait: bool = True) -
         wait_for_run_end(context, other)
     lease.keep_alive()
     try:
-        yield
+        yield lease
+        lost = lease.loss()
     finally:
         lease.release()
+    if lost:
+        raise Failure(description=f"{scope} {name}: {lost}", allow_retries=False)
 
 
 def run_finished(context, run_id: str) -> bool:

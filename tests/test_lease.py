@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import lease
 
 
@@ -34,15 +33,17 @@ def test_create_json_lets_exactly_one_of_many_racing_writers_create_a_record(sto
 
 
 def test_a_second_taker_waits_for_the_release_or_is_refused_naming_the_holder(store_nodes):
-    first = lease.acquire(store_nodes.writer, "pretrain", "pretrain-abc", holder={"dagster_run_id": "1a2b3c4d5e"})
+    first = lease.acquire(
+        store_nodes.writer, "pretrain", "pretrain-abc", holder={"dagster_run_id": "1a2b3c4d5e"}, expiry_s=60
+    )
     with pytest.raises(lease.LeaseHeld, match=r"pretrain pretrain-abc: held by Dagster run 1a2b3c4d \(pid \d+ on "):
-        lease.acquire(store_nodes.reader, "pretrain", "pretrain-abc", wait=False)
+        lease.acquire(store_nodes.reader, "pretrain", "pretrain-abc", expiry_s=60, wait=False)
 
     said: list[str] = []
     got: list[lease.Lease] = []
     waiter = threading.Thread(
         target=lambda: got.append(
-            lease.acquire(store_nodes.reader, "pretrain", "pretrain-abc", poll_s=0.05, log=said.append)
+            lease.acquire(store_nodes.reader, "pretrain", "pretrain-abc", expiry_s=60, poll_s=0.05, log=said.append)
         )
     )
     waiter.start()
@@ -65,7 +66,7 @@ def test_a_holder_that_stopped_beating_is_taken_over_and_learns_it_lost_the_leas
     assert time.monotonic() - started >= 0.2  # it waited until the heartbeat was older than the expiry
     assert taker.number == 2 and any("took over the lease from a launch" in s for s in said)
     assert taker.predecessor is None  # a holder that died did nothing more: nothing to wait for
-    with pytest.raises(GhostvisError, match="tokenizer/tok-1: taken over by a launch"):
+    with pytest.raises(lease.LeaseLost, match="tokenizer/tok-1: taken over by a launch"):
         stale.beat()
 
 
@@ -75,7 +76,7 @@ def test_a_kept_alive_lease_outlives_its_expiry_and_join_finds_it(store_nodes):
     try:
         time.sleep(1.0)  # 2.5 expiries: only the heartbeat keeps it
         with pytest.raises(lease.LeaseHeld):
-            lease.acquire(store_nodes.reader, "sft", "sft-xyz", wait=False)
+            lease.acquire(store_nodes.reader, "sft", "sft-xyz", expiry_s=0.4, wait=False)
         joined = lease.join(store_nodes.reader, "sft", "sft-xyz")
         assert joined is not None and joined.number == held.number and not joined.owned
     finally:

@@ -187,6 +187,10 @@ class RuntimeConfig:
     # and the collective it waits in, and which rank stopped beating (train/watchdog.py); it is also the
     # process group's collective timeout. 0: no watchdog and torch's default timeout.
     hang_timeout_s: float = 600.0
+    # A launch's lease on its run identity (ghostvis_core/store/lease.py) is taken over by another launch once its
+    # heartbeat is older than this; its holder stops when its own renewal is half that old, and every commit it
+    # makes is fenced by the lease's generation (ghostvis_core/store/fence.py).
+    lease_expiry_s: float = 60.0
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,11 @@ from ghostvis_core.run.train import dist
 from ghostvis_core.run.train.dist import print0
 from ghostvis_core.run.train.loop import train
 from ghostvis_core.run.train.preemption import PREEMPTED_EXIT, Preempted
-from ghostvis_core.run.train.reasons import record_reason
-from ghostvis_core.run.train.runs import identity_of
+from ghostvis_core.run.train.reasons import LEASE_LOST, LEASE_LOST_EXIT, record_reason
+from ghostvis_core.run.train.runs import completed, identity_of
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.store import lease, open_store
+from ghostvis_core.store.fence import LeaseLost
 
 
 def _leave_reason(spec, rank: int, reason: str) -> None:
@@ -55,31 +56,42 @@ def check_spec(spec: LaunchSpec, ctx: dist.DistContext) -> None:
 def hold_lease(spec: LaunchSpec, ctx: dist.DistContext) -> tuple[bool, lease.Lease | None]:
     """Rank 0 keeps the run identity's lease alive while the job trains: the lease its launcher took (joined,
     beaten here too, so a job that outlives its launcher keeps it), or, launched by hand, one it takes itself,
-    waiting for another launch of the same identity to finish. (done, lease): done on every rank when that
-    launch completed the run meanwhile (nothing is left to train); the lease on rank 0."""
+    waiting for another launch of the same identity to finish. Every commit of the run is fenced by it
+    (store/fence.py). (done, lease): done on every rank when that launch completed the run meanwhile (nothing
+    is left to train); the lease on rank 0."""
     held = None
     if ctx.is_main:
         store = open_store(spec.store)
         name = identity_of(spec.run_key)
         held = lease.join(store, spec.stage, name)
         if held is None:
-            held = lease.acquire(store, spec.stage, name, holder={"run_key": spec.run_key}, log=print)
-            if store.exists("run_record", spec.stage, spec.run_key):
+            held = lease.acquire(
+                store,
+                spec.stage,
+                name,
+                holder={"run_key": spec.run_key},
+                expiry_s=spec.config.runtime.lease_expiry_s,
+                log=print,
+            )
+            if completed(store, spec.stage, spec.run_key):
                 print(f"run {spec.run_key} was completed by another launch while this one waited", flush=True)
                 held.release()
                 held = None
         if held is not None:
-            held.keep_alive(on_lost=lambda why: print(f"error: {why}", file=sys.stderr, flush=True))
+            held.keep_alive()
     return dist.broadcast_object(ctx.is_main and held is None, ctx), held
 
 
-def register_model(spec: LaunchSpec) -> None:
-    """The run's model in MLflow's registry, from rank 0 (not for a variant: it is compared, not promoted)."""
+def register_model(spec: LaunchSpec, held: lease.Lease) -> None:
+    """The run's model in MLflow's registry, from rank 0 (not for a variant: it is compared, not promoted); the
+    registration is granted through the run's fence first, so a launch that lost the lease registers nothing."""
     if "ghostvis.variant" in spec.tags:
         return
     from ghostvis_core.run.hf.register import register_run  # after training: its imports are not paid before step 1
 
-    record = register_run(spec, open_store(spec.store), spec.mlflow_tracking_uri)
+    store = open_store(spec.store)
+    held.commit("run_record", spec.stage, spec.run_key, text=store.read_text("run_record", spec.stage, spec.run_key))
+    record = register_run(spec, store, spec.mlflow_tracking_uri)
     told = record.get("error") or f"{record['model_uri']} -> version {record['version']}"
     print(f"model of run {spec.run_key} (pid {record['pid']} on {record['host']}): {told}", flush=True)
 
@@ -131,21 +143,24 @@ def main(argv: list[str] | None = None) -> int:
     # collectives time out at twice the hang timeout: the watchdog (train/watchdog.py) names the hang first
     hang_s = (spec.config.runtime if spec else RuntimeConfig()).hang_timeout_s
     ctx = dist.setup(timeout_s=2 * hang_s)
+    held = None
     try:
         spec = spec or prepared_spec(args, ctx)
         done, held = hold_lease(spec, ctx)
         if done:
             return 0
-        try:
-            check_spec(spec, ctx)
-            train(spec, ctx)
-        finally:
-            if held is not None:
-                held.release() if held.owned else held.stop()
+        check_spec(spec, ctx)
+        train(spec, ctx, held)
+        if ctx.is_main:
+            register_model(spec, held)
     except Preempted as exc:  # every rank: the checkpoint is committed, the launcher launches again
         print0(f"[{spec.stage}] {exc}", ctx=ctx)
         _leave_reason(spec, ctx.rank, str(exc))
         return PREEMPTED_EXIT
+    except LeaseLost as exc:  # every rank: nothing was committed after the loss; the new holder goes on
+        print0(f"[{spec.stage}] error: {LEASE_LOST}: {exc}", ctx=ctx, file=sys.stderr, flush=True)
+        _leave_reason(spec, ctx.rank, f"{LEASE_LOST}: {exc}")
+        return LEASE_LOST_EXIT
     except GhostvisError as exc:
         if ctx.is_main:
             print(f"error: {exc}", file=sys.stderr, flush=True)
@@ -155,9 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         _leave_reason(spec, ctx.rank, f"{type(exc).__name__}: {exc}")
         raise
     finally:
+        if held is not None:
+            held.release() if held.owned else held.stop()
         dist.teardown()
-    if ctx.is_main:
-        register_model(spec)
     return 0
 
 

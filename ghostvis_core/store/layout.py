@@ -34,6 +34,9 @@ LAYOUT: dict[str, str] = {
     "identity": "identities/{}/{path}.json",  # asset, key: what an artifact is made of (ghostvis_core/identity.py)
     # scope, name, generation, file: who holds the one right to write a shared thing (ghostvis_core/store/lease.py)
     "lease": "leases/{}/{}/{}/{}.json",
+    # scope, name, sequence number: the lease's fence log, one entry per takeover and per fenced commit
+    # (ghostvis_core/store/fence.py); never pruned with the generations
+    "fence_log": "leases/{}/{}/log/{}.json",
 }
 
 

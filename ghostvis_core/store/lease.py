@@ -16,6 +16,12 @@ A lease is a sequence of generations under `leases/<scope>/<name>/<generation>/`
 The newest generation is free when it is released or its heartbeat is older than its expiry (its holder died:
 the next taker logs the takeover, naming the old holder and the heartbeat's age). Times are the hosts' clocks
 (UTC seconds): hosts of one cluster are expected to keep them within a few seconds of each other.
+
+A holder stops before anyone may take over: it treats its lease as valid only while its last successful renewal
+is younger than `SAFE_SHARE` of the expiry on its own clock (`Lease.loss`), so a holder cut off from the store, or
+paused, knows it lost the lease by the time a taker may see it expired. The one thing that clock cannot see (a
+pause between the check and a write) is what the fence catches: every commit made under the lease is granted by
+its fence log (store/fence.py), where a newer generation's fence refuses it.
 """
 
 from __future__ import annotations
@@ -29,10 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.store.fence import Fence, LeaseLost, describe_holder
 from ghostvis_core.store.protocol import Store
 
-DEFAULT_EXPIRY_S = 60.0
 HOLDER, RELEASED = "holder", "released"
+# the share of the expiry a holder's last renewal may be old before it takes its lease for lost: a taker waits a
+# whole expiry on its own clock, so hosts' clocks may differ by up to half an expiry without two holders at once
+SAFE_SHARE = 0.5
 
 
 class LeaseHeld(GhostvisError):
@@ -43,13 +52,15 @@ def _me() -> str:
     return f"{socket.gethostname()}-{os.getpid()}"
 
 
-def describe(holder: dict[str, Any], age_s: float | None = None) -> str:
-    """'Dagster run 1a2b3c4d (pid 812 on node-3, heartbeat 4 s ago)'."""
-    who = f"Dagster run {holder['dagster_run_id'][:8]}" if holder.get("dagster_run_id") else "a launch"
-    parts = [f"pid {holder.get('pid')} on {holder.get('host')}"]
-    if age_s is not None:
-        parts.append(f"heartbeat {age_s:.0f} s ago")
-    return f"{who} ({', '.join(parts)})"
+def describe(holder: dict[str, Any], age_s: float) -> str:
+    """'Dagster run 1a2b3c4d (pid 812 on node-3), heartbeat 4 s ago'."""
+    return f"{describe_holder(holder)}, heartbeat {age_s:.0f} s ago"
+
+
+def clock() -> float:
+    """This host's clock for a holder's own renewals: CLOCK_BOOTTIME where there is one (it goes on while the
+    machine is suspended, as the other hosts' clocks do), else the monotonic clock."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME) if hasattr(time, "CLOCK_BOOTTIME") else time.monotonic()
 
 
 @dataclass
@@ -65,7 +76,7 @@ class Generation:
         return max(0.0, now - self.heartbeat)
 
     def live(self, now: float) -> bool:
-        return not self.released and self.age_s(now) <= float(self.holder.get("expiry_s", DEFAULT_EXPIRY_S))
+        return not self.released and self.age_s(now) <= float(self.holder["expiry_s"])
 
 
 def newest_generation(store: Store, scope: str, name: str) -> Generation | None:
@@ -90,7 +101,8 @@ def newest_generation(store: Store, scope: str, name: str) -> Generation | None:
 
 @dataclass
 class Lease:
-    """A generation this process holds (or joined, as a job of the launch that holds it)."""
+    """A generation this process holds (or joined, as a job of the launch that holds it), and its right to
+    commit (`commit`, through the generation's fence)."""
 
     store: Store
     scope: str
@@ -101,40 +113,77 @@ class Lease:
     # the holder this one waited for until it released the lease: what it did meanwhile may be this one's to
     # reuse (not one taken over: a holder that died did nothing more)
     predecessor: dict[str, Any] | None = None
+    renewed_at: float = field(default_factory=clock)  # the last successful renewal, on this host's `clock`
+    lost: str | None = None  # why this process no longer holds it, once it knows
+    fence: Fence = field(init=False, repr=False)
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.fence = Fence(self.store, self.scope, self.name, self.number, self.holder)
 
     @property
     def generation(self) -> str:
         return f"{self.number:08d}"
 
+    @property
+    def expiry_s(self) -> float:
+        return float(self.holder["expiry_s"])
+
     def beat(self) -> None:
-        """Renew the heartbeat; a takeover by another holder (this one looked dead) is an error naming it."""
+        """Renew the heartbeat; a takeover by another holder (this one looked dead) is `LeaseLost` naming it."""
+        started = clock()
         newest = newest_generation(self.store, self.scope, self.name)
         if newest is not None and newest.number != self.number:
-            raise GhostvisError(
-                f"lease {self.scope}/{self.name}: taken over by {describe(newest.holder)} while this process held "
-                f"it (its heartbeat was older than {self.holder['expiry_s']:.0f} s: was this host paused?); stop "
-                "this launch: the new holder resumes the run from its newest checkpoint"
+            self.lost = (
+                f"lease {self.scope}/{self.name}: taken over by {describe_holder(newest.holder)} while this process "
+                f"held it (its heartbeat was older than {self.expiry_s:.0f} s: was this host paused, or the store "
+                "unreachable?); this launch stops: the new holder resumes the run from its newest checkpoint"
             )
+            raise LeaseLost(self.lost)
         self.store.write_json(
             "lease", self.scope, self.name, self.generation, f"beat-{_me()}", data={"time": time.time()}
         )
+        self.renewed_at = started
 
-    def keep_alive(self, on_lost: Callable[[str], None] | None = None) -> None:
-        """Beat every expiry/4 on a daemon thread until `release` (or `stop`)."""
-        interval = float(self.holder["expiry_s"]) / 4
+    def loss(self) -> str | None:
+        """Why this process may no longer act as the holder: a takeover it saw, or no renewal for `SAFE_SHARE`
+        of the expiry on its own clock (the store unreachable, or this process paused); None while it holds."""
+        if self.lost is None:
+            age = clock() - self.renewed_at
+            if age > SAFE_SHARE * self.expiry_s:
+                self.lost = (
+                    f"lease {self.scope}/{self.name}: not renewed for {age:.0f} s (over {SAFE_SHARE:.0%} of its "
+                    f"{self.expiry_s:.0f} s expiry: the store unreachable, or this process paused), so another "
+                    "launch may take it over; this launch stops, the next one resumes from the newest checkpoint"
+                )
+        return self.lost
+
+    def commit(self, kind: str, *key: str, text: str) -> None:
+        """Grant the record (kind, key) just written with bytes `text`, through the fence; `LeaseLost` (nothing
+        granted) when this process knows it lost the lease or a newer generation fenced it out."""
+        why = self.loss()
+        if why:
+            raise LeaseLost(why)
+        try:
+            self.fence.commit(kind, *key, text=text)
+        except LeaseLost as exc:
+            self.lost = str(exc)
+            raise
+
+    def keep_alive(self) -> None:
+        """Beat every expiry/4 on a daemon thread until `release` (or `stop`); a takeover, or a store unreachable
+        for longer than the lease may go unrenewed, ends it with `lost` set."""
 
         def run() -> None:
-            while not self._stop.wait(interval):
+            while not self._stop.wait(self.expiry_s / 4):
                 try:
                     self.beat()
-                except GhostvisError as exc:
-                    if on_lost:
-                        on_lost(str(exc))
+                except LeaseLost:
                     return
                 except Exception:  # the store is down for a moment: the next beat tries again
-                    continue
+                    if self.loss():
+                        return
 
         self._thread = threading.Thread(target=run, name=f"lease-{self.scope}", daemon=True)
         self._thread.start()
@@ -145,10 +194,12 @@ class Lease:
             self._thread.join(timeout=5)
 
     def release(self) -> None:
+        """Stop beating and, unless this process lost it, say the lease is free."""
         self.stop()
-        self.store.write_json(
-            "lease", self.scope, self.name, self.generation, RELEASED, data={"time": time.time(), "by": _me()}
-        )
+        if self.lost is None:
+            self.store.write_json(
+                "lease", self.scope, self.name, self.generation, RELEASED, data={"time": time.time(), "by": _me()}
+            )
 
 
 def acquire(
@@ -157,8 +208,8 @@ def acquire(
     name: str,
     *,
     holder: dict[str, Any] | None = None,
+    expiry_s: float,
     wait: bool = True,
-    expiry_s: float = DEFAULT_EXPIRY_S,
     poll_s: float = 1.0,
     log: Callable[[str], None] = print,
 ) -> Lease:
@@ -184,14 +235,21 @@ def acquire(
         number = newest.number + 1 if newest else 1
         mine = {**record, "time": time.time()}
         if store.create_json("lease", scope, name, f"{number:08d}", HOLDER, data=mine):
+            taken = Lease(store, scope, name, number, mine, owned=True)
+            try:
+                taken.fence.take()  # before anything is written under it
+            except LeaseLost:  # a newer generation was taken meanwhile: look again
+                continue
             if newest is not None and not newest.released:
                 log(
                     f"{scope} {name}: took over the lease from {describe(newest.holder, newest.age_s(now))}: "
-                    f"no heartbeat for longer than its expiry ({newest.holder.get('expiry_s', DEFAULT_EXPIRY_S):.0f} s)"
+                    f"no heartbeat for longer than its expiry ({float(newest.holder['expiry_s']):.0f} s); its "
+                    "commits from now on are refused"
                 )
             _prune(store, scope, name, keep_from=number - 1)
-            released = newest is not None and newest.released
-            return Lease(store, scope, name, number, mine, owned=True, predecessor=waited_for if released else None)
+            if newest is not None and newest.released:
+                taken.predecessor = waited_for
+            return taken
         # another launch created that generation first: look again
 
 

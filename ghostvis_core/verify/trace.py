@@ -32,7 +32,7 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.query import RunHead
 from ghostvis_core.data.ngrams import TEXT_COLUMNS, fingerprints, normalize, record_text
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.train.runs import newest_completed_run, run_result
+from ghostvis_core.run.train.runs import completed, newest_completed_run, run_result
 from ghostvis_core.run.train.spec import saved_shard_versions, saved_spec
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.row_index import write_row_index
@@ -152,7 +152,7 @@ def registered_models(store: Store, runs: list[tuple[str, str]], tracking_uri: s
 
     client, out = MlflowClient(tracking_uri), []
     for stage, key in runs:
-        if not store.exists("run_record", stage, key):
+        if not completed(store, stage, key):
             continue
         run_id = run_result(store, stage, key).mlflow_run_id
         for v in client.search_model_versions(f"run_id = '{run_id}'"):

@@ -33,7 +33,7 @@ from ghostvis_core.plan.stages import Stage
 from ghostvis_core.run.hf.register import model_record
 from ghostvis_core.run.preflight_record import preflight_record
 from ghostvis_core.run.track.mlflow_models import alias_version
-from ghostvis_core.run.train.reasons import run_reason, was_preempted
+from ghostvis_core.run.train.reasons import lost_lease, run_reason, was_preempted
 from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.runs import Upstream, run_result
 from ghostvis_core.run.train.spec import LaunchSpec
@@ -193,7 +193,8 @@ def _materialize(
     hit: same checkpoint, same MLflow run, metadata `cached_from`). The data version is the run key."""
     h = home.home()
     planned = _user_error(_prepare, context, stage, config, overrides, h, variant)
-    with run_lease(context, h.store, stage.name, planned.base_key, wait=config.wait):
+    expiry_s = planned.resolved.cfg.runtime.lease_expiry_s
+    with run_lease(context, h.store, stage.name, planned.base_key, wait=config.wait, expiry_s=expiry_s):
         return _train_or_reuse(context, stage, config, h, launcher, planned, variant)
 
 
@@ -260,6 +261,9 @@ def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home) -> None:
                     f"{spec.stage}: launch {launch} of run {spec.run_key} was {reason}; launching again"
                 )
                 continue
+            lost = lost_lease(h.store, spec.stage, spec.run_key)
+            if lost:  # another launch holds the run now: its records are the run's, and nothing here is retried
+                raise Failure(description=f"{spec.stage} run {spec.run_key}: {lost}", allow_retries=False) from None
             found = preflight_record(h.store, spec.stage, spec.run_key)
             refused = found.refused if found else None
             if not refused or not failure.allow_retries:

@@ -10,7 +10,12 @@ lost to a crash between the marker and its copy.
 
 DCP shards on a store in a bucket: every rank uploads its own shard into the checkpoint's place
 (`share_shard`) before rank 0 publishes the rest with the COMPLETE marker last, so ranks on other nodes
-(each with its own cache) need no filesystem shared with rank 0."""
+(each with its own cache) need no filesystem shared with rank 0.
+
+Fencing: rank 0 grants each checkpoint through the run's lease once its COMPLETE marker is in the store
+(store/fence.py), before its ledger part is copied into the store's ledger; a refused grant removes the
+checkpoint and stops every rank (`LeaseLost`). A resume passes over a checkpoint whose marker no granted commit
+names: a launch that lost the lease wrote it."""
 
 from __future__ import annotations
 
@@ -30,12 +35,15 @@ from ghostvis_core.data.loader import Batch, Consumption, merge_pieces
 from ghostvis_core.data.piece import Piece
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.train import checkpoint as ckpt
-from ghostvis_core.run.train.dist import DistContext, agree, barrier, gather_objects, print0
+from ghostvis_core.run.train.dist import DistContext, agree, barrier, broadcast_object, gather_objects, print0
 from ghostvis_core.run.train.feeds import FedLog
 from ghostvis_core.run.train.grpo import RolloutLog
+from ghostvis_core.run.train.runs import identity_of
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.run.train.state import TrainState
 from ghostvis_core.store import Store
+from ghostvis_core.store.fence import Grants, LeaseLost, grants
+from ghostvis_core.store.lease import Lease
 
 
 @dataclass
@@ -85,10 +93,20 @@ class CheckpointManager:
     all of its data and before the next checkpoint or the end of the run."""
 
     def __init__(
-        self, store: Store, spec: LaunchSpec, ctx: DistContext, *, keep_last: int, async_save: bool, sharded: bool
+        self,
+        store: Store,
+        spec: LaunchSpec,
+        ctx: DistContext,
+        *,
+        keep_last: int,
+        async_save: bool,
+        sharded: bool,
+        lease: Lease | None = None,
     ):
         self.store, self.spec, self.ctx = store, spec, ctx
         self.keep_last, self.async_save, self.sharded = keep_last, async_save, sharded
+        self.lease = lease  # rank 0's: grants each checkpoint (None: nothing to fence with)
+        self.ungranted: set[str] = set()  # checkpoints a launch that lost the lease left: never resumed from
         self.run_dir = store.writable("checkpoints", spec.stage, spec.run_key)
         self._pending: Pending | None = None
         # the damaged checkpoints `newest` passed over, newest first: {checkpoint, step, reason} each, declared
@@ -104,6 +122,9 @@ class CheckpointManager:
         keys = self.store.keys("checkpoint_marker", self.spec.stage, self.spec.run_key)
         in_store = {k[2] for k in keys if ckpt.is_step_dir(k[2])}
         local = {r.path.name for r in ckpt.list_complete(self.run_dir)}
+        fenced = grants(self.store, self.spec.stage, identity_of(self.spec.run_key))
+        self.ungranted = self.not_granted(in_store | local, fenced)
+        in_store, local = in_store - self.ungranted, local - self.ungranted
         ref = None
         for name in sorted(in_store | local, reverse=True):
             step = int(name.removeprefix("step_"))
@@ -125,6 +146,31 @@ class CheckpointManager:
             )
         agree(ref.step if ref else None, self.ctx, f"the checkpoint step to resume from in {self.run_dir}")
         return ref
+
+    def not_granted(self, names: set[str], found: Grants | None) -> set[str]:
+        """The checkpoints among `names` whose COMPLETE marker no granted commit of the run's fence log names (a
+        launch that lost the lease wrote them after the takeover); rank 0 removes them, so the steps they hold
+        are trained again by the holder. Nothing when the run was never fenced."""
+        if found is None:
+            return set()
+        key = (self.spec.stage, self.spec.run_key)
+        out = set()
+        for name in sorted(names):
+            marker = self.run_dir / name / ckpt.MARKER
+            try:
+                text = marker.read_text() if marker.exists() else self.store.read_text("checkpoint_marker", *key, name)
+            except (GhostvisError, FileNotFoundError):  # removed meanwhile
+                continue
+            if not found.covers("checkpoint_marker", *key, name, text=text):
+                out.add(name)
+                print0(
+                    f"[{self.spec.stage}] not resuming from {name}: no granted commit under the run's lease "
+                    "names it (a launch that lost the lease wrote it); removed",
+                    ctx=self.ctx,
+                )
+                if self.ctx.is_main:
+                    self.store.delete("checkpoint", *key, name)
+        return out
 
     def load_model(self, ref: ckpt.CheckpointRef, model: torch.nn.Module) -> TrainState:
         """The weights and the TrainState of a checkpoint to resume from; the committed checkpoints' ledger
@@ -179,9 +225,9 @@ class CheckpointManager:
             self._pending = Pending(in_flight, staging, saved)
             if final:
                 self.settle()
-        elif self.ctx.is_main:
-            self._save_and_publish(step, saved, {"ledger": staging, **shards}, model, optimizer)
-        barrier(self.ctx)
+            barrier(self.ctx)
+        else:
+            self._on_main(lambda: self._save_and_publish(step, saved, {"ledger": staging, **shards}, model, optimizer))
 
     def settle(self) -> None:
         """Commit the async checkpoint in flight, if any: every rank waits for its shard; rank 0 then writes
@@ -191,8 +237,20 @@ class CheckpointManager:
             return
         shards = pending.shards.wait()
         self.share_shard(pending.shards.step, shards[ckpt.DCP_DIR])
+        extra = {"ledger": pending.ledger, **shards}
+        self._on_main(lambda: self._save_and_publish(pending.shards.step, pending.state, extra))
+
+    def _on_main(self, commit: Callable[[], None]) -> None:
+        """Rank 0 commits while every rank waits; a lease lost there stops every rank (`LeaseLost` on each)."""
+        lost = None
         if self.ctx.is_main:
-            self._save_and_publish(pending.shards.step, pending.state, {"ledger": pending.ledger, **shards})
+            try:
+                commit()
+            except LeaseLost as exc:
+                lost = str(exc)
+        lost = broadcast_object(lost, self.ctx)
+        if lost:
+            raise LeaseLost(lost)
 
     def share_shard(self, step: int, staging: Path) -> None:
         share_shard(self.store, self.ctx, self.spec.stage, self.spec.run_key, step, staging)
@@ -217,8 +275,21 @@ class CheckpointManager:
             extra_dirs=extra_dirs,
         )
         self.publish(path)
+        self.grant(path)
         self.prune()
         self.publish_parts(only=path)
+
+    def grant(self, path: Path) -> None:
+        """Rank 0: the checkpoint's commit granted through the run's lease, now that its marker is in the store;
+        refused (`LeaseLost`: another launch holds the run now), the checkpoint is removed again."""
+        if self.lease is None:
+            return
+        key = (self.spec.stage, self.spec.run_key, path.name)
+        try:
+            self.lease.commit("checkpoint_marker", *key, text=self.store.read_text("checkpoint_marker", *key))
+        except LeaseLost:
+            self.store.delete("checkpoint", *key)
+            raise
 
     def publish(self, path: Path) -> None:
         """The committed folder into the store, its marker last; a refused or failed upload is an error naming
@@ -247,7 +318,7 @@ class CheckpointManager:
     def publish_parts(self, only: Path | None = None) -> None:
         """Copy committed checkpoints' ledger parts into the store's ledger (idempotent: same names); not a
         damaged one's, whose copy could be damaged too (the store's ledger keeps what it published)."""
-        damaged = {p["checkpoint"] for p in self.passed_over}
+        damaged = {p["checkpoint"] for p in self.passed_over} | self.ungranted
         refs = [only] if only else [r.path for r in ckpt.list_complete(self.run_dir) if r.path.name not in damaged]
         for path in refs:
             for f in (path / "ledger").rglob("*.parquet"):

@@ -10,11 +10,13 @@ from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.setup import setup
 from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.store.lease import Lease
 
 
-def train(spec: LaunchSpec, ctx: DistContext) -> RunResult:
-    """Train a stage to its last step (resuming where its newest checkpoint left off)."""
-    trainer = setup(spec, ctx)
+def train(spec: LaunchSpec, ctx: DistContext, lease: Lease | None = None) -> RunResult:
+    """Train a stage to its last step (resuming where its newest checkpoint left off); `lease`: rank 0's hold on
+    the run identity, which fences its commits (setup.setup)."""
+    trainer = setup(spec, ctx, lease)
     try:
         trainer.begin()
         while trainer.state.step < trainer.total_steps:

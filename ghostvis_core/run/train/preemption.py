@@ -17,9 +17,13 @@ import signal
 import threading
 
 from ghostvis_core.run.train.reasons import PREEMPTED
+from ghostvis_core.store.lease import Lease
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: try again later
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# What a rank's flag says at a step boundary (all-reduced with max, so every rank learns the strongest): told to
+# stop by a signal (commit, then stop), or rank 0 lost the run's lease (stop, committing nothing more).
+STOP_SIGNALLED, STOP_LEASE_LOST = 1, 2
 
 
 class Preempted(Exception):
@@ -34,11 +38,13 @@ class Preempted(Exception):
 
 
 class PreemptionFlag:
-    """This rank's signal handlers and the flag they set. Installed from the main thread (Python runs signal
-    handlers there); the handler only records, the loop acts at the next step boundary."""
+    """This rank's signal handlers and the flag they set, and rank 0's lease: the reasons to stop that the ranks
+    agree on. Installed from the main thread (Python runs signal handlers there); the handler only records, the
+    loop acts at the next micro-batch or step boundary."""
 
-    def __init__(self) -> None:
+    def __init__(self, lease: Lease | None = None) -> None:
         self.signal_name: str | None = None
+        self.lease = lease  # rank 0's hold on the run identity (None on other ranks, and with no launch lease)
         if threading.current_thread() is threading.main_thread():
             for sig in PREEMPTION_SIGNALS:
                 signal.signal(sig, self._record)
@@ -48,8 +54,11 @@ class PreemptionFlag:
 
     @property
     def raised(self) -> int:
-        """1 once this rank was signalled: the flag the ranks all-reduce at a step boundary (Trainer.checkpoint)."""
-        return int(self.signal_name is not None)
+        """The flag the ranks all-reduce at a boundary (Trainer.checkpoint): STOP_LEASE_LOST once this rank's lease
+        is lost (a clock read, no store access), STOP_SIGNALLED once it was signalled, else 0."""
+        if self.lease is not None and self.lease.loss():
+            return STOP_LEASE_LOST
+        return STOP_SIGNALLED if self.signal_name is not None else 0
 
     def restore(self) -> None:
         """Default handlers again (after the loop: the final save and registration are not preemptible)."""

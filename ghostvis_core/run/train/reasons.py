@@ -14,6 +14,10 @@ from ghostvis_core.store import Store
 # resumed by the launcher without using up a retry), or ended by its progress watchdog (train/watchdog.py).
 PREEMPTED = "preempted"
 HUNG = "hung"
+# ... or because another launch took its lease over (store/fence.py): it committed nothing after the loss, and is
+# never retried as a fault (the launch that holds the lease now goes on with the run).
+LEASE_LOST = "lease lost"
+LEASE_LOST_EXIT = 77  # EX_NOPERM: this launch no longer has the right to write the run
 
 
 def record_reason(store: Store, stage: str, run_key: str, rank: int, reason: str) -> None:
@@ -56,6 +60,12 @@ def clear_reasons(store: Store, stage: str, run_key: str) -> None:
     """An earlier attempt's reasons are not this one's."""
     for key in store.keys("run_error", stage, run_key):
         store.delete("run_error", *key)
+
+
+def lost_lease(store: Store, stage: str, run_key: str) -> str | None:
+    """The reason of a job that stopped because another launch took its lease over, or None."""
+    records = rank_reasons(store, stage, run_key)
+    return next((r["reason"] for r in records if r["reason"].startswith(LEASE_LOST)), None)
 
 
 def was_preempted(store: Store, stage: str, run_key: str) -> bool:

@@ -9,6 +9,7 @@ from pathlib import Path
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.store import Store
+from ghostvis_core.store.fence import is_committed
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,8 @@ def checkpoint_of(store: Store, uri: str) -> Path:
 
 def completed_runs(store: Store, stage: str) -> list[RunResult]:
     """Finished runs of a stage (not of its variants), oldest first."""
-    return [run_result(store, stage, key) for _, key in store.keys("run_record", stage) if "@" not in key]
+    keys = [key for _, key in store.keys("run_record", stage) if "@" not in key]
+    return [run_result(store, stage, key) for key in keys if completed(store, stage, key)]
 
 
 def newest_completed_run(store: Store, stage: str) -> RunResult | None:
@@ -45,8 +47,14 @@ def newest_completed_run(store: Store, stage: str) -> RunResult | None:
     return runs[-1] if runs else None
 
 
+def completed(store: Store, stage: str, run_key: str) -> bool:
+    """The run's record is in the store and was committed under the run's lease (a record left by a launch that
+    lost the lease is not the run's: store/fence.py)."""
+    return is_committed(store, stage, identity_of(run_key), "run_record", stage, run_key)
+
+
 def run_result(store: Store, stage: str, run_key: str) -> RunResult:
-    if not store.exists("run_record", stage, run_key):
+    if not completed(store, stage, run_key):
         raise GhostvisError(f"stage {stage} run {run_key} has not completed; materialize the `{stage}` asset")
     return RunResult.from_dict(store.read_json("run_record", stage, run_key))
 
@@ -70,7 +78,7 @@ def attempts(store: Store, stage: str, base: str) -> list[tuple[int, str]]:
 
 def completed_attempts(store: Store, stage: str, base: str) -> list[str]:
     """Run keys of the finished attempts of one run identity, newest first: what a cache hit may reuse."""
-    return [key for _, key in reversed(attempts(store, stage, base)) if store.exists("run_record", stage, key)]
+    return [key for _, key in reversed(attempts(store, stage, base)) if completed(store, stage, key)]
 
 
 def identity_of(run_key: str) -> str:
@@ -84,4 +92,4 @@ def next_run_key(store: Store, stage: str, base: str) -> str:
     if not found:
         return f"{base}-r1"
     n, key = max(found)
-    return f"{base}-r{n}" if not store.exists("run_record", stage, key) else f"{base}-r{n + 1}"
+    return f"{base}-r{n}" if not completed(store, stage, key) else f"{base}-r{n + 1}"

@@ -31,16 +31,19 @@ from ghostvis_core.run.train.tracking import Tracker
 from ghostvis_core.run.train.trainer import Trainer
 from ghostvis_core.run.train.watchdog import Watchdog
 from ghostvis_core.store import open_store
+from ghostvis_core.store.lease import Lease
 
 
-def setup(spec: LaunchSpec, ctx: DistContext) -> Trainer:
+def setup(spec: LaunchSpec, ctx: DistContext, lease: Lease | None = None) -> Trainer:
+    """The Trainer of `spec` on this rank; `lease`: rank 0's hold on the run identity, which fences every commit
+    and stops the ranks once it is lost (None on the other ranks, and where no launch took one)."""
     clock = Clock()
     cfg = spec.config
     plan = run_batch_plan(spec, ctx)
     store = open_store(spec.store)
     torch.manual_seed(cfg.data.seed)
     model = build_model(cfg, ctx)
-    checkpoints = checkpoint_manager(spec, ctx, store)
+    checkpoints = checkpoint_manager(spec, ctx, store, lease)
     resume = checkpoints.newest()
     state = _starting_state(spec, plan, checkpoints, resume, model)
     objective = build_objective(spec, cfg)
@@ -68,7 +71,7 @@ def setup(spec: LaunchSpec, ctx: DistContext) -> Trainer:
         segment=state.segment,
     )
     trainer = Trainer(
-        preemption=PreemptionFlag(),
+        preemption=PreemptionFlag(lease),
         watchdog=watchdog(spec, ctx, store, tracker),
         spec=spec,
         cfg=cfg,
@@ -91,12 +94,13 @@ def setup(spec: LaunchSpec, ctx: DistContext) -> Trainer:
     return trainer
 
 
-def checkpoint_manager(spec: LaunchSpec, ctx: DistContext, store) -> CheckpointManager:
+def checkpoint_manager(spec: LaunchSpec, ctx: DistContext, store, lease: Lease | None = None) -> CheckpointManager:
     c = spec.config
     return CheckpointManager(
         store,
         spec,
         ctx,
+        lease=lease,
         keep_last=c.checkpoint.keep_last,
         async_save=c.checkpoint.async_save,
         sharded=c.parallel.strategy == "fsdp",

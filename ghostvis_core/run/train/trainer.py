@@ -31,13 +31,14 @@ from ghostvis_core.run.train.efficiency import Efficiency
 from ghostvis_core.run.train.grpo import count_step
 from ghostvis_core.run.train.objectives import Objective
 from ghostvis_core.run.train.parallel import SingleProcess
-from ghostvis_core.run.train.preemption import Preempted, PreemptionFlag
+from ghostvis_core.run.train.preemption import STOP_LEASE_LOST, Preempted, PreemptionFlag
 from ghostvis_core.run.train.result import BeforeAfter, FrozenCheck, MixtureShare, RunResult
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.run.train.state import TrainState
 from ghostvis_core.run.train.tracking import Tracker
 from ghostvis_core.run.train.watchdog import Watchdog
 from ghostvis_core.store import Store
+from ghostvis_core.store.fence import LeaseLost
 
 
 @dataclass(eq=False)
@@ -69,6 +70,7 @@ class Trainer:
     saved_at: float = field(init=False, default_factory=time.time)  # rank 0: when the last checkpoint was committed
     committed_step: int = field(init=False)  # the newest committed step: resumed from, or committed here
     given_up: str = field(init=False, default="")  # the step a preemption cut short, for its reason
+    stop_code: int = field(init=False, default=0)  # the newest agreed stop flag (preemption.STOP_*)
 
     def __post_init__(self) -> None:
         self.part = self._new_part()
@@ -153,7 +155,8 @@ class Trainer:
     def stop_agreed(self, where: str) -> bool:
         """Whether any rank was told to stop (one all-reduce of the flag, between micro-batches)."""
         with self.watchdog.waiting_in(f"the all-reduce of the stop flag in {where}"):
-            return bool(all_reduce_max([self.preemption.raised], self.ctx)[0])
+            self.stop_code = int(all_reduce_max([self.preemption.raised], self.ctx)[0])
+        return bool(self.stop_code)
 
     def give_up(self, rng: dict[str, torch.Tensor], consumed: tuple[TokenCounts, int, int]) -> None:
         """Undo the partial step: its gradients, what it fed (not trained, so not in the ledger) and the random
@@ -164,8 +167,10 @@ class Trainer:
 
     def stop_preempted(self) -> None:
         """Commit the last whole step (unless it is committed: the resumed checkpoint's step, or 0), then stop
-        (`Preempted`)."""
+        (`Preempted`); with the lease lost, stop at once (`LeaseLost`): nothing more is the run's."""
         s = self.state
+        if self.stop_code == STOP_LEASE_LOST:
+            raise self.lease_lost()
         if s.step != self.committed_step:
             self.commit()
         self.tracker.suspend()  # every point reaches MLflow before the job exits
@@ -230,6 +235,8 @@ class Trainer:
         collective (`due_now`), so they all commit at the same step; a preempted run then stops (`Preempted`)."""
         s = self.state
         preempted, minutes_due = self.due_now()
+        if self.stop_code == STOP_LEASE_LOST:
+            raise self.lease_lost()
         if not (
             s.step % self.cfg.checkpoint.every_steps == 0 or s.step == self.total_steps or minutes_due or preempted
         ):
@@ -260,8 +267,17 @@ class Trainer:
         minutes = self.cfg.checkpoint.every_minutes
         due = self.ctx.is_main and minutes > 0 and time.time() - self.saved_at >= minutes * 60
         with self.watchdog.waiting_in(f"the all-reduce of the stop flags after step {self.state.step}"):
-            signalled, timed = all_reduce_max([self.preemption.raised, int(due)], self.ctx)
-        return bool(signalled), bool(timed)
+            code, timed = all_reduce_max([self.preemption.raised, int(due)], self.ctx)
+        self.stop_code = int(code)
+        return bool(code), bool(timed)
+
+    def lease_lost(self) -> LeaseLost:
+        """The stop of a job whose rank 0 lost the run's lease: why (rank 0's reason), and the last step trained,
+        which is not committed by this launch."""
+        lease = self.preemption.lease
+        why = (lease.lost if lease else None) or "rank 0 lost the run's lease"
+        given_up = f"; {self.given_up}" if self.given_up else ""
+        return LeaseLost(f"stopped after step {self.state.step}, nothing committed after it{given_up}: {why}")
 
     def finish(self) -> RunResult:
         """The RunResult, the last MLflow metrics and the run record (`finish.report`)."""
@@ -329,7 +345,15 @@ def report(run: Trainer) -> RunResult:
         result.mlflow_delivery = run.tracker.finish(
             {"ghostvis.checkpoint_uri": result.checkpoint_uri}, run.spec.run_key
         )
-        run.store.write_json("run_record", run.spec.stage, run.spec.run_key, data=result.to_dict())
+        key = (run.spec.stage, run.spec.run_key)
+        text = json.dumps(result.to_dict(), indent=2, sort_keys=True)
+        run.store.write_text("run_record", *key, text=text)
+        if run.preemption.lease is not None:
+            try:
+                run.preemption.lease.commit("run_record", *key, text=text)
+            except LeaseLost:
+                run.store.delete("run_record", *key)
+                raise
     return result
 
 
