@@ -153,8 +153,8 @@ class Lease:
             age = clock() - self.renewed_at
             if age > SAFE_SHARE * self.expiry_s:
                 self.lost = (
-                    f"lease {self.scope}/{self.name}: not renewed for {age:.0f} s (over {SAFE_SHARE:.0%} of its "
-                    f"{self.expiry_s:.0f} s expiry: the store unreachable, or this process paused), so another "
+                    f"lease {self.scope}/{self.name}: not renewed for {age:.1f} s (over {SAFE_SHARE:.0%} of its "
+                    f"{self.expiry_s:g} s expiry: the store unreachable, or this process paused), so another "
                     "launch may take it over; this launch stops, the next one resumes from the newest checkpoint"
                 )
         return self.lost
