@@ -41,7 +41,7 @@ def run_lease(
     lease.keep_alive()
     try:
         yield lease
-        lost = lease.loss()
+        lost = lease.lost
     finally:
         lease.release()
     if lost:

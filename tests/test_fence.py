@@ -87,20 +87,43 @@ def test_a_record_left_by_a_holder_that_lost_the_lease_is_not_committed(store_no
     assert fence.is_committed(w, "dpo", "never-fenced", "run_record", "dpo", "never-fenced-r1")
 
 
-def test_a_holder_that_was_not_renewed_stops_before_a_taker_may_take_over(store_nodes):
-    """Renewal stops (a paused process, an unreachable store): past half the expiry on the holder's own clock it
-    takes its lease for lost and commits nothing, while a taker still has to wait for the whole expiry."""
+def test_a_holder_renews_a_stale_lease_before_it_acts_and_stops_once_it_was_taken_over(store_nodes):
+    """A holder not renewed for half its expiry (a pause) renews before it commits: granted while nobody took
+    over. Paused past the expiry and taken over, it learns so before anything is granted."""
     held = lease.acquire(store_nodes.writer, "pretrain", "pretrain-p", expiry_s=1.0)
-    held.commit("run_record", "pretrain", "pretrain-p-r1", text="a")  # renewed just now: granted
     time.sleep(0.6)
-    assert "s (over 50% of its 1 s expiry: the store unreachable, or this process paused)" in held.loss()
-    with pytest.raises(lease.LeaseLost, match="not renewed"):
+    renewed = held.renewed_at
+    assert held.hold() is None and held.renewed_at > renewed
+    held.commit("run_record", "pretrain", "pretrain-p-r1", text="a")
+    time.sleep(1.1)
+    lease.acquire(store_nodes.reader, "pretrain", "pretrain-p", expiry_s=1.0, poll_s=0.05, log=lambda _: None)
+    assert "taken over by a launch" in held.hold()
+    with pytest.raises(lease.LeaseLost, match="taken over"):
         held.commit("run_record", "pretrain", "pretrain-p-r1", text="b")
-    with pytest.raises(lease.LeaseHeld):  # nobody may take it over yet: the holder stopped first
-        lease.acquire(store_nodes.reader, "pretrain", "pretrain-p", expiry_s=1.0, wait=False)
     granted = fence.grants(store_nodes.reader, "pretrain", "pretrain-p")
     assert granted.covers("run_record", "pretrain", "pretrain-p-r1", text="a")
     assert not granted.covers("run_record", "pretrain", "pretrain-p-r1", text="b")
+
+
+def test_a_holder_whose_store_does_not_answer_gives_the_lease_up_and_commits_nothing(tmp_path, monkeypatch):
+    """The store stops answering (an S3 endpoint that refuses connections): the holder keeps trying for two
+    expiries, then gives the lease up, naming the store's error; nothing is granted."""
+    from ghostvis_core.store import FolderStore, S3Store
+
+    held = lease.acquire(FolderStore(tmp_path / "store"), "sft", "sft-u", expiry_s=1.0)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    held.store = S3Store("unreachable", "store", tmp_path / "cache")
+    time.sleep(0.6)
+    started = time.monotonic()
+    why = held.hold()
+    assert time.monotonic() - started >= 1.0  # it waited for the store first
+    assert "not renewed for 2 s, the store unreachable (EndpointConnectionError" in why, why
+    with pytest.raises(lease.LeaseLost, match="the store unreachable"):
+        held.commit("run_record", "sft", "sft-u-r1", text="{}")
+    assert fence.grants(FolderStore(tmp_path / "store"), "sft", "sft-u").granted == {}
 
 
 def test_keep_alive_records_a_takeover_and_release_leaves_the_new_generation_alone(store_nodes):

@@ -18,8 +18,9 @@ the next taker logs the takeover, naming the old holder and the heartbeat's age)
 (UTC seconds): hosts of one cluster are expected to keep them within a few seconds of each other.
 
 A holder stops before anyone may take over: it treats its lease as valid only while its last successful renewal
-is younger than `SAFE_SHARE` of the expiry on its own clock (`Lease.loss`), so a holder cut off from the store, or
-paused, knows it lost the lease by the time a taker may see it expired. The one thing that clock cannot see (a
+is younger than `SAFE_SHARE` of the expiry on its own clock (`Lease.hold`), so a holder cut off from the store, or
+paused, stops training and committing by the time a taker may see it expired, until a renewal says whether it
+still holds the lease (a short outage costs a wait) or lost it (a takeover: it stops for good). The one thing that clock cannot see (a
 pause between the check and a write) is what the fence catches: every commit made under the lease is granted by
 its fence log (store/fence.py), where a newer generation's fence refuses it.
 """
@@ -42,6 +43,9 @@ HOLDER, RELEASED = "holder", "released"
 # the share of the expiry a holder's last renewal may be old before it takes its lease for lost: a taker waits a
 # whole expiry on its own clock, so hosts' clocks may differ by up to half an expiry without two holders at once
 SAFE_SHARE = 0.5
+UNREACHABLE_EXPIRIES = 2  # how long a holder waits for a store that does not answer before it gives its lease up
+RETRY_S = 1.0  # how often a holder tries a store that does not answer
+TAKER_GAP_S = 1.0  # after a renewal older than the expiry, how long a taker's read-then-create may still land
 
 
 class LeaseHeld(GhostvisError):
@@ -146,23 +150,35 @@ class Lease:
         )
         self.renewed_at = started
 
-    def loss(self) -> str | None:
-        """Why this process may no longer act as the holder: a takeover it saw, or no renewal for `SAFE_SHARE`
-        of the expiry on its own clock (the store unreachable, or this process paused); None while it holds."""
-        if self.lost is None:
-            age = clock() - self.renewed_at
-            if age > SAFE_SHARE * self.expiry_s:
-                self.lost = (
-                    f"lease {self.scope}/{self.name}: not renewed for {age:.1f} s (over {SAFE_SHARE:.0%} of its "
-                    f"{self.expiry_s:g} s expiry: the store unreachable, or this process paused), so another "
-                    "launch may take it over; this launch stops, the next one resumes from the newest checkpoint"
-                )
+    def hold(self) -> str | None:
+        """None once this process may act as the holder, else why not. Its lease counts only while the last renewal
+        is younger than `SAFE_SHARE` of the expiry on its own clock; an older one (the store unreachable, or this
+        process paused) is renewed here first, blocking, so nothing trains or commits meanwhile: a renewal that
+        finds another generation is a takeover (`lost`), and a store unreachable for `UNREACHABLE_EXPIRIES`
+        expiries gives the lease up (another launch may hold it by the time the store answers)."""
+        while self.lost is None and (age := clock() - self.renewed_at) > SAFE_SHARE * self.expiry_s:
+            try:
+                self.beat()
+                if age > self.expiry_s:  # a taker may have read the old heartbeat just before this beat
+                    time.sleep(TAKER_GAP_S)
+                    self.beat()
+            except LeaseLost:
+                break
+            except Exception as exc:  # the store does not answer
+                if age > UNREACHABLE_EXPIRIES * self.expiry_s:
+                    self.lost = (
+                        f"lease {self.scope}/{self.name}: not renewed for {age:.0f} s, the store unreachable "
+                        f"({type(exc).__name__}: {exc}); another launch may take it over once the store answers, "
+                        "so this launch stops; materialize the stage again to resume from the newest checkpoint"
+                    )
+                    break
+                time.sleep(RETRY_S)
         return self.lost
 
     def commit(self, kind: str, *key: str, text: str) -> None:
         """Grant the record (kind, key) just written with bytes `text`, through the fence; `LeaseLost` (nothing
-        granted) when this process knows it lost the lease or a newer generation fenced it out."""
-        why = self.loss()
+        granted) when this process lost the lease or a newer generation fenced it out."""
+        why = self.hold()
         if why:
             raise LeaseLost(why)
         try:
@@ -172,18 +188,19 @@ class Lease:
             raise
 
     def keep_alive(self) -> None:
-        """Beat every expiry/4 on a daemon thread until `release` (or `stop`); a takeover, or a store unreachable
-        for longer than the lease may go unrenewed, ends it with `lost` set."""
+        """Beat every expiry/4 on a daemon thread until `release` (or `stop`), every `RETRY_S` while the store does
+        not answer; a takeover ends it with `lost` set."""
 
         def run() -> None:
-            while not self._stop.wait(self.expiry_s / 4):
+            wait = self.expiry_s / 4
+            while not self._stop.wait(wait):
                 try:
                     self.beat()
+                    wait = self.expiry_s / 4
                 except LeaseLost:
                     return
-                except Exception:  # the store is down for a moment: the next beat tries again
-                    if self.loss():
-                        return
+                except Exception:  # the store is down for a moment: try again soon
+                    wait = min(RETRY_S, self.expiry_s / 4)
 
         self._thread = threading.Thread(target=run, name=f"lease-{self.scope}", daemon=True)
         self._thread.start()

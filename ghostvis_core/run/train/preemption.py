@@ -55,8 +55,9 @@ class PreemptionFlag:
     @property
     def raised(self) -> int:
         """The flag the ranks all-reduce at a boundary (Trainer.checkpoint): STOP_LEASE_LOST once this rank's lease
-        is lost (a clock read, no store access), STOP_SIGNALLED once it was signalled, else 0."""
-        if self.lease is not None and self.lease.loss():
+        is lost (a clock read while it was renewed in time; otherwise rank 0 renews it first, and the other ranks
+        wait in the all-reduce), STOP_SIGNALLED once it was signalled, else 0."""
+        if self.lease is not None and self.lease.hold():
             return STOP_LEASE_LOST
         return STOP_SIGNALLED if self.signal_name is not None else 0
 
