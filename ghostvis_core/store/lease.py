@@ -20,9 +20,9 @@ the next taker logs the takeover, naming the old holder and the heartbeat's age)
 A holder stops before anyone may take over: it treats its lease as valid only while its last successful renewal
 is younger than `SAFE_SHARE` of the expiry on its own clock (`Lease.hold`), so a holder cut off from the store, or
 paused, stops training and committing by the time a taker may see it expired, until a renewal says whether it
-still holds the lease (a short outage costs a wait) or lost it (a takeover: it stops for good). The one thing that clock cannot see (a
-pause between the check and a write) is what the fence catches: every commit made under the lease is granted by
-its fence log (store/fence.py), where a newer generation's fence refuses it.
+still holds the lease (a short outage costs a wait) or lost it (a takeover: it stops for good). The one thing
+that clock cannot see (a pause between the check and a write) is what the fence catches: every commit made under
+the lease is granted by its fence log (store/fence.py), where a newer generation's fence refuses it.
 """
 
 from __future__ import annotations
