@@ -12,6 +12,7 @@ launcher reads a rank's.
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from collections.abc import Callable
@@ -27,7 +28,8 @@ from ghostvis_core.run.job import Job, job_parser
 from ghostvis_core.run.run_files import split_run_uri
 from ghostvis_core.run.track.pipes import PipesReporter
 from ghostvis_core.run.train.reasons import record_reason
-from ghostvis_core.store import Store, open_store
+from ghostvis_core.store import Store, lease, open_store
+from ghostvis_core.store.fence import LeaseLost
 
 FOLDER = "tokenizer"  # the jobs' folder in the store: runs/tokenizer/<identity>/
 MODULE = "ghostvis_core.run.tokenizer_job"
@@ -71,8 +73,23 @@ def make(spec: TokenizerSpec, store: Store, log: Callable[[str], None]) -> dict:
     else:
         md = train(spec, store, log)
     record = {"identity": spec.identity, "code_version": spec.code_version, "metadata": md}
-    store.write_json("identity", FOLDER, spec.key, data=record)
+    commit_record(store, spec.key, json.dumps(record, indent=2, sort_keys=True))
     return md
+
+
+def commit_record(store: Store, key: str, text: str) -> None:
+    """The identity record, granted through the lease the tokenizer asset holds on the identity (store/fence.py):
+    a job whose launch lost that lease (it was paused, another launch took over) removes its record and fails.
+    A brought tokenizer is not leased: its record is written as it is."""
+    store.write_text("identity", FOLDER, key, text=text)
+    held = lease.join(store, FOLDER, key)
+    if held is None:
+        return
+    try:
+        held.commit("identity", FOLDER, key, text=text)
+    except LeaseLost:
+        store.delete("identity", FOLDER, key)
+        raise
 
 
 def train(spec: TokenizerSpec, store: Store, log: Callable[[str], None]) -> dict:

@@ -42,6 +42,7 @@ from ghostvis_core.launch.cluster.slurm import SlurmJob
 from ghostvis_core.launch.cluster.slurm_pipeline import SlurmPipeline
 from ghostvis_core.plan import presets, run_modes, selected
 from ghostvis_core.run.tokenizer_job import TokenizerSpec, brought_spec, tokenizer_job, write_spec
+from ghostvis_core.store.fence import is_committed
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.leases import run_lease
@@ -256,7 +257,8 @@ def _train_or_reuse_tokenizer(
     """Under the identity's lease: the tokenizer of this identity if one was trained (also by the launch this one
     waited for), else a new one, trained by a job where the launcher runs jobs (ghostvis_core/run/tokenizer_job.py)."""
     store = h.store
-    record = store.read_json("identity", "tokenizer", key) if store.exists("identity", "tokenizer", key) else None
+    committed = is_committed(store, "tokenizer", key, "identity", "tokenizer", key)  # not a lost launch's
+    record = store.read_json("identity", "tokenizer", key) if committed else None
     if record and not config.force and store.exists("tokenizer", record["metadata"]["tokenizer_id"]):
         why = (
             f"identity {key} (vocab {vocab}, max_train_bytes {config.max_train_bytes}, the text shards by content "
