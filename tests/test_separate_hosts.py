@@ -214,3 +214,75 @@ def test_the_secret_is_in_no_file_of_the_home_the_bucket_mlflow_or_the_job_outpu
     # servers' logs, Slurm's state and spool; then every object of the bucket
     assert files_holding(hosts.secret, hosts.root, slurm_on_hosts.root, skip=credentials) == []
     assert hosts.keys_holding(hosts.secret) == []
+
+
+def test_one_writer_on_s3_through_a_paused_launch_and_a_store_outage(hosts, demo_home, tmp_path):
+    """The S3 store, two nodes, `runtime.lease_expiry_s=8`: launch A's every process (the Dagster host's and gv1's)
+    is paused past the expiry; launch B takes over and resumes; A wakes and stops `lease lost`, committing nothing.
+    Then, while B trains, launch C waits for the lease and the S3 server stops answering for longer than the
+    expiry: one of B and C goes on, the other stops or is a cache hit. The parts tile steps 1..16 once, in one
+    MLflow run, and the audit passes."""
+    import signal
+
+    import psutil
+
+    from ghostvis_core.run.train.runs import identity_of
+    from tests.faults import outage, wait_for
+
+    home, store = another_home(hosts, demo_home, "fence")
+    prefix = store.split("/", 3)[3]
+    argv = materialize_pretrain(**torchrun_on_gv1(hosts))
+    config = json.loads(argv[-1])
+    config["ops"]["pretrain"]["config"]["overrides"].update(
+        {"budget.steps": "16", "runtime.lease_expiry_s": "8", "runtime.hang_timeout_s": str(SOAK_HANG_S)}
+    )
+    argv = [*argv[:-1], json.dumps(config)]
+    logs = [tmp_path / f"{name}.log" for name in "abc"]
+    known = {k.split("/")[-3] for k in hosts.keys(f"{prefix}/checkpoints/pretrain/") if k.endswith("/COMPLETE")}
+    a = hosts.start(argv, logs[0], home, GHOSTVIS_STORE=store)
+    launches = [a]
+    try:
+        step4 = wait_for(
+            "step 4's checkpoint",
+            lambda: [
+                k
+                for k in hosts.keys(f"{prefix}/checkpoints/pretrain/")
+                if k.endswith("/step_000000004/COMPLETE") and k.split("/")[-3] not in known
+            ],
+            a,
+            logs[0],
+        )
+        run_key = step4[0].split("/")[-3]
+        leases = f"{prefix}/leases/pretrain/{identity_of(run_key)}/"
+        tree = [psutil.Process(a.pid), *psutil.Process(a.pid).children(recursive=True)]
+        for p in tree:
+            p.send_signal(signal.SIGSTOP)
+        before = {k for k in hosts.keys(leases) if k.endswith("holder.json")}
+        time.sleep(10)
+        b = hosts.start(argv, logs[1], home, GHOSTVIS_STORE=store)
+        launches.append(b)
+        wait_for(
+            "B's takeover", lambda: {k for k in hosts.keys(leases) if k.endswith("holder.json")} - before, b, logs[1]
+        )
+        for p in tree:
+            p.send_signal(signal.SIGCONT)
+        assert a.wait(timeout=600) != 0
+        a_out = logs[0].read_text()
+        assert "lease lost" in a_out and "taken over by Dagster run" in a_out, a_out[-4000:]
+        c = hosts.start(argv, logs[2], home, GHOSTVIS_STORE=store)
+        launches.append(c)
+        wait_for("C waiting", lambda: "waiting for Dagster run" in logs[2].read_text(), c, logs[2])
+        outage(hosts.services[0].pid, 12)  # past the 8 s expiry while C waits
+        ends = [b.wait(timeout=900), c.wait(timeout=900)]
+    finally:
+        for proc in launches:
+            if proc.poll() is None:
+                proc.kill()
+    outs = [log.read_text() for log in logs[1:]]
+    assert 0 in ends and all(e == 0 or "lease lost" in o for e, o in zip(ends, outs, strict=True)), outs
+    store_dir = hosts.download(store, tmp_path / "bucket", "checkpoints/pretrain", "runs/pretrain", "ledger")
+    done = run_result(open_store(str(store_dir)), "pretrain", run_key)
+    chain = Ledger.in_store(open_store(str(store_dir))).chain(run_key)
+    assert [p.step_first for p in chain] == [1] + [p.step_last + 1 for p in chain[:-1]], chain
+    assert chain[-1].step_last == done.steps == 16 and {p.mlflow_run_id for p in chain} == {done.mlflow_run_id}
+    assert_audit_passes(hosts, home, store)
