@@ -83,15 +83,13 @@ def hold_lease(spec: LaunchSpec, ctx: dist.DistContext) -> tuple[bool, lease.Lea
 
 
 def register_model(spec: LaunchSpec, held: lease.Lease) -> None:
-    """The run's model in MLflow's registry, from rank 0 (not for a variant: it is compared, not promoted); the
-    registration is granted through the run's fence first, so a launch that lost the lease registers nothing."""
+    """The run's model in MLflow's registry, from rank 0 (not for a variant: it is compared, not promoted), granted
+    through the run's lease first: a launch that lost the lease registers nothing."""
     if "ghostvis.variant" in spec.tags:
         return
     from ghostvis_core.run.hf.register import register_run  # after training: its imports are not paid before step 1
 
-    store = open_store(spec.store)
-    held.commit("run_record", spec.stage, spec.run_key, text=store.read_text("run_record", spec.stage, spec.run_key))
-    record = register_run(spec, store, spec.mlflow_tracking_uri)
+    record = register_run(spec, open_store(spec.store), spec.mlflow_tracking_uri, held)
     told = record.get("error") or f"{record['model_uri']} -> version {record['version']}"
     print(f"model of run {spec.run_key} (pid {record['pid']} on {record['host']}): {told}", flush=True)
 

@@ -25,9 +25,10 @@ from ghostvis_core.run.job import job_parser
 from ghostvis_core.run.run_files import split_run_uri
 from ghostvis_core.run.track.mlflow_models import StageModel, register_stage_model
 from ghostvis_core.run.track.pipes import PipesReporter
-from ghostvis_core.run.train.runs import run_result
+from ghostvis_core.run.train.runs import identity_of, run_result
 from ghostvis_core.run.train.spec import LaunchSpec
-from ghostvis_core.store import Store, open_store
+from ghostvis_core.store import Store, lease, open_store
+from ghostvis_core.store.lease import Lease
 
 MODEL_FILE = "registered_model.json"  # a run_file of the run
 REGISTER_ENTRY = "ghostvis_core.run.hf.register"  # the registration job's module
@@ -53,10 +54,15 @@ def export(spec: LaunchSpec, store: Store, out: Path) -> Path:
     return export_run(store, spec.stage, spec.run_key, out)
 
 
-def register_run(spec: LaunchSpec, store: Store, tracking_uri: str) -> dict:
+def register_run(spec: LaunchSpec, store: Store, tracking_uri: str, held: Lease | None) -> dict:
     """Register the run's model (once per MLflow run) and point the stage's alias at it; the outcome,
-    also saved as the run's model_record. An MLflow failure is recorded, not raised: the run is complete."""
+    also saved as the run's model_record. An MLflow failure is recorded, not raised: the run is complete.
+    `held`: the lease on the run identity this process holds or joined; the registration is granted through
+    its fence first (store/fence.py), so a launch that lost the lease registers nothing (`LeaseLost`)."""
     started, where = time.time(), {"pid": os.getpid(), "host": socket.gethostname(), "tracking_uri": tracking_uri}
+    if held is not None:
+        record_text = store.read_text("run_record", spec.stage, spec.run_key)
+        held.commit("model_version", spec.stage, spec.run_key, text=record_text)
     try:
         model = stage_model(spec, store)
         version, created = register_stage_model(tracking_uri, model, lambda out: export(spec, store, out))
@@ -88,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
     store_uri, stage, run_key, _ = split_run_uri(args.spec)
     store = open_store(store_uri)
-    record = register_run(LaunchSpec.read(store, stage, run_key), store, args.tracking_uri)
+    held = lease.join(store, stage, identity_of(run_key))  # the stage asset's, while it registers a cache hit
+    record = register_run(LaunchSpec.read(store, stage, run_key), store, args.tracking_uri, held)
     told = record.get("error") or f"{record['model_uri']} -> version {record['version']}"
     print(told, flush=True)
     pipes = PipesReporter(is_main=True)  # launched by the stage asset: the line reaches its log
