@@ -70,6 +70,10 @@ def test_a_paused_launch_wakes_after_a_takeover_and_commits_nothing(home_copy):
     assert second.returncode == 0, outs[1][-4000:]
     assert first.returncode != 0, outs[0][-4000:]
     assert "lease lost" in outs[0] and "taken over by Dagster run" in outs[0], outs[0][-4000:]
+    assert "ASSET_CHECK_EVALUATION" not in outs[0], "the loser's checks judged the winner's records"
+    took = re.search(r"took over the lease from Dagster run \w+ \(pid \d+ on \S+\), heartbeat (\d+) s ago", outs[1])
+    assert took and int(took.group(1)) >= 8, outs[1][-4000:]
+    assert re.search(r"resume from step (10|20|30)\b", outs[1]), outs[1][-4000:]
     key = re.search(rf"^{STAGE}: run (\S+),", outs[1], re.M).group(1)
     chain = Ledger.in_store(store).chain(key)
     steps = [(p.step_first, p.step_last) for p in chain]
