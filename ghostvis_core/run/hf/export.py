@@ -1,6 +1,7 @@
 """Export a trained stage as a Hugging Face checkpoint: config.json, safetensors (sharded when large,
 with model.safetensors.index.json), generation_config.json, tokenizer.json + tokenizer_config.json
-(chat template) and, for a vision stage, vision/ beside it.
+(chat template), for a vision stage vision/ beside it, and what the model was trained on: the training
+manifest (ghostvis_manifest.json, from the ledger) and the model card (README.md) rendered from it.
 
 `python -m ghostvis_core.run.hf.export --store URI --stage sft --to DIR` does it in a process of its own:
 what Dagster starts (the `export_model` job), so the Dagster process never loads a checkpoint.
@@ -19,6 +20,7 @@ from huggingface_hub import save_torch_state_dict
 from ghostvis_core.data.tokenizer import Tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import ModelConfig
+from ghostvis_core.run.hf.manifest import build_manifest
 from ghostvis_core.run.hf.names import hf_config, to_hf
 from ghostvis_core.run.hf.tokenizer_json import save_hf_tokenizer
 from ghostvis_core.run.hf.vision import save_vision
@@ -56,11 +58,19 @@ def _save_generation_config(out_dir: Path, *, bos: int, eos: int, pad: int | Non
     ).save_pretrained(str(out_dir))
 
 
-def export_run(store: Store, stage: str, run_key: str | None, out_dir: str | Path) -> Path:
-    """Export a completed run of `stage` in `store` (run_key None: the newest completed run) to `out_dir`."""
+def export_run(
+    store: Store, stage: str, run_key: str | None, out_dir: str | Path, licence: dict[str, str] | None = None
+) -> Path:
+    """Export a completed run of `stage` in `store` (run_key None: the newest completed run) to `out_dir`,
+    with its training manifest and model card (`licence`: the card's declared licence fields)."""
+    from ghostvis_core.data.ledger import Ledger
+    from ghostvis_core.run.hf.model_files import write_model_files
+
     trained = load_from_store(store, stage, run_key)
     with torch.no_grad():
-        return export_model(trained.model, trained.tok, Path(out_dir))
+        out = export_model(trained.model, trained.tok, Path(out_dir))
+    write_model_files(out, build_manifest(store, Ledger.in_store(store), stage, trained.run_key), licence)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

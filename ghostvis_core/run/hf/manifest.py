@@ -4,8 +4,9 @@ records of the versions the run read), never from a recipe.
 
 Per stage, oldest first: the run key and MLflow run, steps, segments, parts, the four token figures,
 the declared replay and repeat, the evaluation figures the run measured, per source the kind, domains
-and every shard read (content sha256, token file sha256, raw rows, tokens, epochs), what tokenization
-dropped per reason, the sets decontamination compared against, and `merkle`: the root of a Merkle tree
+and every shard read (content sha256, token file sha256, the raw row span touched and the distinct raw
+rows read, tokens, epochs), what tokenization dropped per reason, the sets decontamination compared
+against, and `merkle`: the root of a Merkle tree
 (ghostvis_core/run/hf/merkle.py) over the chain's feed rows, one leaf per (step, rank) in that order,
 each leaf `part_id\\nstep\\nrank\\nstep_digest` (the content digest the rank fed, ghostvis_core/digest.py).
 
@@ -21,10 +22,9 @@ from typing import Any
 from urllib.parse import urlparse
 
 from ghostvis_core.counts import TokenCounts
-from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.catalog import load_manifest
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.ledger.records import FeedRow, PartRow, ShardConsumption, ShardRecord
+from ghostvis_core.data.ledger.records import ConsumptionRow, FeedRow, PartRow, ShardConsumption, ShardRecord
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.hf.merkle import leaf_hash, merkle_root
 from ghostvis_core.run.train.runs import run_result
@@ -61,7 +61,23 @@ def _domain(url: str) -> str:
     return parsed.netloc or f"{parsed.scheme or 'file'}://"
 
 
-def shard_entry(read: ShardConsumption, record: ShardRecord | None, url: str) -> dict[str, Any]:
+def rows_read(pieces: list[ConsumptionRow]) -> dict[str, int]:
+    """shard_id -> how many distinct raw rows (documents) the pieces touched, over every epoch."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for p in pieces:
+        spans.setdefault(p.shard_id, []).append((p.row_start, p.row_end))
+    out = {}
+    for shard_id, ranges in spans.items():
+        n, end = 0, None
+        for start, stop in sorted(ranges):
+            start = start if end is None else max(start, end)
+            n += max(0, stop - start)
+            end = stop if end is None else max(end, stop)
+        out[shard_id] = n
+    return out
+
+
+def shard_entry(read: ShardConsumption, record: ShardRecord | None, url: str, rows: int) -> dict[str, Any]:
     """One shard a stage read: the version's digests, where it came from and what was read of it."""
     if record is None:
         raise GhostvisError(
@@ -74,15 +90,18 @@ def shard_entry(read: ShardConsumption, record: ShardRecord | None, url: str) ->
         "token_sha256": record.token_sha256,
         "url": url,
         "split": record.split,
-        "rows": [read.row_start, read.row_end],
+        "row_span": [read.row_start, read.row_end],
+        "rows_read": rows,
         "tokens": read.tokens,
         "epochs": read.epochs,
     }
 
 
-def sources_of(store: Store, ledger: Ledger, spec: dict[str, Any], consumed: list[ShardConsumption]) -> list[dict]:
-    """Per source a stage read (sorted): kind, domains, tokens, raw rows, the shards, and what
+def sources_of(store: Store, ledger: Ledger, spec: dict[str, Any], chain: list[PartRow]) -> list[dict]:
+    """Per source a stage read (sorted): kind, domains, tokens, raw rows read, the shards, and what
     tokenization dropped from those shards per reason."""
+    consumed = ledger.consumed_by_shard(chain[-1].run_key)
+    read = rows_read(ledger.consumption(chain))
     versions = saved_shard_versions(spec)
     records = {
         (r.shard_id, r.content_sha256): r for r in ledger.shards(tokenizer_id=spec["tokenizer_id"], every_version=True)
@@ -95,7 +114,7 @@ def sources_of(store: Store, ledger: Ledger, spec: dict[str, Any], consumed: lis
         catalog = load_manifest(store, source)
         urls = {catalog.shard_id(e): e.url for e in catalog.shards}
         recs = [records.get((c.shard_id, versions.get(c.shard_id, ""))) for c in reads]
-        shards = [shard_entry(c, r, urls.get(c.shard_id, "")) for c, r in zip(reads, recs)]
+        shards = [shard_entry(c, r, urls.get(c.shard_id, ""), read[c.shard_id]) for c, r in zip(reads, recs)]
         dropped: dict[str, dict[str, int]] = {}
         for r in recs:
             for reason, n in json.loads(r.drop_reasons or "{}").items():
@@ -107,7 +126,7 @@ def sources_of(store: Store, ledger: Ledger, spec: dict[str, Any], consumed: lis
                 "kind": catalog.kind,
                 "domains": sorted({_domain(s["url"]) for s in shards if s["url"]}),
                 "tokens": sum(s["tokens"] for s in shards),
-                "rows": sum(s["rows"][1] - s["rows"][0] for s in shards),
+                "rows_read": sum(s["rows_read"] for s in shards),
                 "shards": shards,
                 "dropped": dict(sorted(dropped.items())),
             }
@@ -146,7 +165,7 @@ def stage_entry(store: Store, ledger: Ledger, chain: list[PartRow]) -> dict[str,
         "tokens": TokenCounts.total(p.counts for p in chain).as_dict(),
         "replay_sources": sorted({s for p in chain for s in json.loads(p.replay_sources or "[]")}),
         "allow_repeat": any(p.allow_repeat for p in chain),
-        "sources": sources_of(store, ledger, spec, ledger.consumed_by_shard(head.run_key)),
+        "sources": sources_of(store, ledger, spec, chain),
         "decontamination": {
             "eval_sets": list(config["contamination"]["eval_sets"]),
             "validation_sources": list(config["data"].get("val_sources") or []),
