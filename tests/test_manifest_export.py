@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 import duckdb
@@ -249,3 +250,21 @@ def test_the_summary_of_rl_equals_the_ledger(demo_home, tmp_path):
         "## 2. Sources",
         "## 3. Processing",
     ]
+
+
+def test_the_card_states_the_users_licence_and_the_same_manifest(exported, demo_home, tmp_path):
+    """The export job's path (`python -m ghostvis_core.run.hf.export --summary`): the licence fields are the
+    user's, in the card only, so the manifest (and its sha256, the MLflow tag's) is the CLI export's."""
+    summary = tmp_path / "summary.yaml"
+    summary.write_text("license: apache-2.0\nlicense_link: https://example.org/LICENSE\nprovider: Example Labs\n")
+    out = tmp_path / "sft"
+    args = ["--store", str(demo_home / "store"), "--stage", "sft", "--to", str(out), "--summary", str(summary)]
+    run_cli([sys.executable, "-m", "ghostvis_core.run.hf.export", *args], demo_home)
+    card = (out / "README.md").read_text()
+    assert "\nlicense: apache-2.0\n" in card and "\nlicense_link: https://example.org/LICENSE\n" in card
+    assert "License: apache-2.0 (declared by the model's provider)." in card
+    assert (out / "ghostvis_manifest.json").read_bytes() == (exported["sft"] / "ghostvis_manifest.json").read_bytes()
+    assert verify(out, demo_home).returncode == 0
+    (out / "README.md").write_text(card.replace("- demo_chat\n", "- demo_web\n"))
+    proc = verify(out, demo_home)
+    assert proc.returncode == 1 and "'- demo_web'; the manifest renders '- demo_chat'" in proc.stdout

@@ -21,7 +21,7 @@ LICENSE_FIELDS = ("license", "license_name", "license_link")  # the Hub's metada
 DIGEST_KEY = "ghostvis_manifest_sha256"
 
 
-def _metadata(manifest: dict[str, Any], digest: str, licence: dict[str, str]) -> str:
+def _metadata(manifest: dict[str, Any], digest: str, licence: dict[str, Any]) -> str:
     meta: dict[str, Any] = {k: licence[k] for k in LICENSE_FIELDS if licence.get(k)}
     meta.setdefault("license", "other")
     meta |= {
@@ -72,7 +72,7 @@ def _evaluation(manifest: dict[str, Any]) -> list[str]:
     return out
 
 
-def render_card(manifest: dict[str, Any], digest: str, licence: dict[str, str] | None = None) -> str:
+def render_card(manifest: dict[str, Any], digest: str, licence: dict[str, Any] | None = None) -> str:
     """The card's text for this manifest (whose sha256 is `digest`) and the declared licence fields."""
     model = manifest["model"]
     return "\n".join(

@@ -13,6 +13,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from huggingface_hub import save_torch_state_dict
@@ -22,6 +23,7 @@ from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.run.hf.manifest import build_manifest
 from ghostvis_core.run.hf.names import hf_config, to_hf
+from ghostvis_core.run.hf.summary_input import read_declared
 from ghostvis_core.run.hf.tokenizer_json import save_hf_tokenizer
 from ghostvis_core.run.hf.vision import save_vision
 from ghostvis_core.run.model.gpt import GPT
@@ -59,10 +61,11 @@ def _save_generation_config(out_dir: Path, *, bos: int, eos: int, pad: int | Non
 
 
 def export_run(
-    store: Store, stage: str, run_key: str | None, out_dir: str | Path, licence: dict[str, str] | None = None
+    store: Store, stage: str, run_key: str | None, out_dir: str | Path, licence: dict[str, Any] | None = None
 ) -> Path:
     """Export a completed run of `stage` in `store` (run_key None: the newest completed run) to `out_dir`,
-    with its training manifest and model card (`licence`: the card's declared licence fields)."""
+    with its training manifest and model card (`licence`: summary.yaml's declarations, whose licence
+    fields the card states)."""
     from ghostvis_core.data.ledger import Ledger
     from ghostvis_core.run.hf.model_files import write_model_files
 
@@ -80,9 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage", required=True)
     ap.add_argument("--run-key", help="the run to export (default: the stage's newest completed run)")
     ap.add_argument("--to", required=True, help="the destination folder")
+    ap.add_argument("--summary", help="the provider's summary.yaml: the model card's licence fields")
     args = ap.parse_args(argv)
     try:
-        out = export_run(open_store(args.store), args.stage, args.run_key, args.to)
+        licence = read_declared(Path(args.summary)) if args.summary else None
+        out = export_run(open_store(args.store), args.stage, args.run_key, args.to, licence)
     except GhostvisError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

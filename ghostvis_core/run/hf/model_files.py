@@ -11,7 +11,7 @@ from ghostvis_core.run.hf.manifest import MANIFEST_FILE, manifest_bytes, manifes
 from ghostvis_core.store.files import atomic_write
 
 
-def write_model_files(out_dir: Path, manifest: dict[str, Any], licence: dict[str, str] | None = None) -> str:
+def write_model_files(out_dir: Path, manifest: dict[str, Any], licence: dict[str, Any] | None = None) -> str:
     """Write ghostvis_manifest.json and README.md into `out_dir`; the manifest's sha256."""
     digest = manifest_sha256(manifest)
     atomic_write(out_dir / MANIFEST_FILE, manifest_bytes(manifest))
