@@ -3,7 +3,7 @@ EU AI Office's template for general-purpose models asks for, every figure from t
 manifest (so from the ledger, over every stage of its lineage):
 
 - general: the model, and per modality what it was trained on (text: tokens and documents; image:
-  images and their caption tokens);
+  images and their caption tokens), a document read by two stages counted in each;
 - sources: every source by the category the provider declared, its domains, tokens and its share of
   all trained tokens;
 - processing: what tokenization removed per reason (exact duplicates, near duplicates, empty text, ...)
