@@ -8,7 +8,9 @@ import hashlib
 
 import pytest
 
+from ghostvis_core.data.ledger.records import ConsumptionRow
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.run.hf.manifest import rows_read
 from ghostvis_core.run.hf.merkle import audit_path, leaf_hash, merkle_root, root_from_path
 from ghostvis_core.run.hf.summary_input import read_declared
 from ghostvis_core.run.hf.verify_model import first_difference
@@ -74,3 +76,17 @@ def test_summary_yaml_is_validated_naming_the_field(tmp_path):
         path.write_text(text)
         with pytest.raises(GhostvisError, match=told.replace("[", r"\[")):
             read_declared(path)
+
+
+def test_rows_read_counts_each_raw_row_once_over_overlapping_pieces_and_epochs():
+    pieces = [
+        ConsumptionRow("p1", "r", "sft", 0, "s", shard, "train", epoch, 0, 10, start, end)
+        for shard, epoch, start, end in [
+            ("s/0", 0, 0, 3),
+            ("s/0", 0, 2, 5),
+            ("s/0", 1, 1, 2),
+            ("s/0", 0, 7, 8),
+            ("s/1", 0, 4, 6),
+        ]
+    ]
+    assert rows_read(pieces) == {"s/0": 6, "s/1": 2}  # rows 0-4 and 7; rows 4-5

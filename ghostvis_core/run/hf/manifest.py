@@ -68,13 +68,19 @@ def rows_read(pieces: list[ConsumptionRow]) -> dict[str, int]:
         spans.setdefault(p.shard_id, []).append((p.row_start, p.row_end))
     out = {}
     for shard_id, ranges in spans.items():
-        n, end = 0, None
-        for start, stop in sorted(ranges):
-            start = start if end is None else max(start, end)
-            n += max(0, stop - start)
-            end = stop if end is None else max(end, stop)
+        n, end = 0, 0
+        for start, stop in sorted(ranges):  # only the part past the rows counted so far is new
+            n += max(0, stop - max(start, end))
+            end = max(end, stop)
         out[shard_id] = n
     return out
+
+
+def add_dropped(total: dict[str, dict[str, int]], dropped: dict[str, dict[str, int]]) -> None:
+    """Add `dropped` ({reason: {"docs", "tokens"}}, a shard's drop_reasons) into `total`."""
+    for reason, n in dropped.items():
+        t = total.setdefault(reason, {"docs": 0, "tokens": 0})
+        t["docs"], t["tokens"] = t["docs"] + n["docs"], t["tokens"] + n["tokens"]
 
 
 def shard_entry(read: ShardConsumption, record: ShardRecord | None, url: str, rows: int) -> dict[str, Any]:
@@ -117,9 +123,7 @@ def sources_of(store: Store, ledger: Ledger, spec: dict[str, Any], chain: list[P
         shards = [shard_entry(c, r, urls.get(c.shard_id, ""), read[c.shard_id]) for c, r in zip(reads, recs)]
         dropped: dict[str, dict[str, int]] = {}
         for r in recs:
-            for reason, n in json.loads(r.drop_reasons or "{}").items():
-                d = dropped.setdefault(reason, {"docs": 0, "tokens": 0})
-                d["docs"], d["tokens"] = d["docs"] + n["docs"], d["tokens"] + n["tokens"]
+            add_dropped(dropped, json.loads(r.drop_reasons or "{}"))
         out.append(
             {
                 "source": source,

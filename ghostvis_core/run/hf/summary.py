@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ghostvis_core.run.hf.manifest import add_dropped
+
 IMAGE_KINDS = ("image_caption",)  # source kinds whose documents are images (with a caption)
 
 
@@ -73,9 +75,7 @@ def processing(manifest: dict[str, Any], declared: dict[str, Any]) -> dict[str, 
     removed: dict[str, dict[str, int]] = {}
     for stage in manifest["stages"]:
         for src in stage["sources"]:
-            for reason, n in src["dropped"].items():
-                r = removed.setdefault(reason, {"docs": 0, "tokens": 0})
-                r["docs"], r["tokens"] = r["docs"] + n["docs"], r["tokens"] + n["tokens"]
+            add_dropped(removed, src["dropped"])
     return {
         "removed": dict(sorted(removed.items())),
         "decontamination": [{"stage": s["stage"], **s["decontamination"]} for s in manifest["stages"]],
