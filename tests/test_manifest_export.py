@@ -24,13 +24,20 @@ from ghostvis_core.run.train.spec import LaunchSpec
 from tests.conftest import run_cli
 from tests.test_trace import replayed_document
 
+LICENCE = "license: apache-2.0\nlicense_link: https://example.org/LICENSE\nprovider: Example Labs\n"
+
 
 @pytest.fixture(scope="module")
 def exported(demo_home, tmp_path_factory) -> dict[str, Path]:
-    """The demo's sft and rl models, exported once by `ghostvis export`."""
+    """The demo's rl model exported by `ghostvis export`, and its sft model the way the export job does
+    (`python -m ghostvis_core.run.hf.export --summary`), with a summary.yaml declaring a licence."""
     out = tmp_path_factory.mktemp("exports")
-    for stage in ("sft", "rl"):
-        run_cli(["ghostvis", "export", "--stage", stage, "--to", str(out / stage)], demo_home)
+    run_cli(["ghostvis", "export", "--stage", "rl", "--to", str(out / "rl")], demo_home)
+    (out / "summary.yaml").write_text(LICENCE)
+    args = ["--store", str(demo_home / "store"), "--stage", "sft", "--to", str(out / "sft")]
+    run_cli(
+        [sys.executable, "-m", "ghostvis_core.run.hf.export", *args, "--summary", str(out / "summary.yaml")], demo_home
+    )
     return {stage: out / stage for stage in ("sft", "rl")}
 
 
@@ -252,19 +259,23 @@ def test_the_summary_of_rl_equals_the_ledger(demo_home, tmp_path):
     ]
 
 
-def test_the_card_states_the_users_licence_and_the_same_manifest(exported, demo_home, tmp_path):
-    """The export job's path (`python -m ghostvis_core.run.hf.export --summary`): the licence fields are the
-    user's, in the card only, so the manifest (and its sha256, the MLflow tag's) is the CLI export's."""
-    summary = tmp_path / "summary.yaml"
-    summary.write_text("license: apache-2.0\nlicense_link: https://example.org/LICENSE\nprovider: Example Labs\n")
-    out = tmp_path / "sft"
-    args = ["--store", str(demo_home / "store"), "--stage", "sft", "--to", str(out), "--summary", str(summary)]
-    run_cli([sys.executable, "-m", "ghostvis_core.run.hf.export", *args], demo_home)
-    card = (out / "README.md").read_text()
+def test_the_card_states_the_users_licence_and_nothing_else_of_its_own(exported, demo_home, tmp_path):
+    """The licence fields are the user's, in the card only: the manifest (whose sha256 the MLflow tag
+    carries, checked above) is the ledger's whatever summary.yaml says."""
+    card = (exported["sft"] / "README.md").read_text()
     assert "\nlicense: apache-2.0\n" in card and "\nlicense_link: https://example.org/LICENSE\n" in card
     assert "License: apache-2.0 (declared by the model's provider)." in card
-    assert (out / "ghostvis_manifest.json").read_bytes() == (exported["sft"] / "ghostvis_manifest.json").read_bytes()
-    assert verify(out, demo_home).returncode == 0
+    assert "Example Labs" not in (exported["sft"] / "ghostvis_manifest.json").read_text()
+    out = copy_export(exported["sft"], tmp_path / "sft")
+    (out / "README.md").write_text(card.replace("license: apache-2.0\n", "license: mit\n"))
+    proc = verify(out, demo_home)  # the metadata's licence and the body's licence line must agree
+    assert (
+        proc.returncode == 1
+        and "License: apache-2.0 (declared" in proc.stdout
+        and 'renders "License: mit (' in proc.stdout
+    )
+    (out / "README.md").write_text(card.replace("apache-2.0", "mit"))
+    assert verify(out, demo_home).returncode == 0  # the user's field: re-rendered as the card states it
     (out / "README.md").write_text(card.replace("- demo_chat\n", "- demo_web\n"))
     proc = verify(out, demo_home)
     assert proc.returncode == 1 and "'- demo_web'; the manifest renders '- demo_chat'" in proc.stdout
