@@ -48,7 +48,7 @@ def cmd_summary(args) -> int:
         if newest is None:
             raise GhostvisError(f"stage {args.stage} has no completed run; materialize the `{args.stage}` asset")
         run_key = newest.run_key
-    declared = read_declared(summary_path(args))
+    declared = read_declared(summary_path(args), required=args.summary is not None)
     summary = build_summary(build_manifest(store, Ledger.in_store(store), args.stage, run_key), declared)
     print(
         json.dumps(summary, indent=2) if args.format == "json" else render_markdown(summary),

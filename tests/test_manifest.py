@@ -61,6 +61,8 @@ def test_the_first_difference_is_named_by_its_path_with_both_values():
 def test_summary_yaml_is_validated_naming_the_field(tmp_path):
     path = tmp_path / "summary.yaml"
     assert read_declared(path) == {}
+    with pytest.raises(GhostvisError, match="summary.yaml: no such file; give the path of your summary.yaml"):
+        read_declared(path, required=True)
     path.write_text("provider: Example Labs\nlicense: apache-2.0\nsources:\n  demo_prose: {category: web_crawl}\n")
     assert read_declared(path) == {
         "provider": "Example Labs",

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summary", help="the provider's summary.yaml: the model card's licence fields")
     args = ap.parse_args(argv)
     try:
-        licence = read_declared(Path(args.summary)) if args.summary else None
+        licence = read_declared(Path(args.summary), required=True) if args.summary else None
         out = export_run(open_store(args.store), args.stage, args.run_key, args.to, licence)
     except GhostvisError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -51,10 +51,13 @@ def _check_source(path: Path, name: str, entry: Any) -> dict[str, str]:
     return dict(entry)
 
 
-def read_declared(path: Path) -> dict[str, Any]:
-    """The validated declarations of summary.yaml at `path` ({} when there is no such file)."""
+def read_declared(path: Path, required: bool = False) -> dict[str, Any]:
+    """The validated declarations of summary.yaml at `path` ({} when there is none and it is not `required`:
+    a path the user named is)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
+        if required:
+            raise GhostvisError(f"{path}: no such file; give the path of your summary.yaml")
         return {}
     data = yaml.safe_load(path.read_text()) or {}
     if not isinstance(data, dict):
