@@ -1,5 +1,7 @@
 """`ghostvis trace`: where a document went (every stage, run, step and rank that trained it, the runs
-and registered models downstream) and what one step fed (ghostvis_core/verify/trace.py)."""
+and registered models downstream) and what one step fed (ghostvis_core/verify/trace.py); with
+`--model DIR`, whether a document is in an exported model, per stage of its training manifest, with
+inclusion proofs checked against the manifest alone (ghostvis_core/verify/model_trace.py)."""
 
 from __future__ import annotations
 
