@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.run.hf.manifest import feed_leaves
+from ghostvis_core.run.hf.manifest import fed_row, feed_leaves
 from ghostvis_core.run.hf.merkle import audit_path
 from ghostvis_core.store import Store
 from ghostvis_core.verify.trace import trace_document
@@ -21,9 +21,9 @@ from ghostvis_core.verify.trace import trace_document
 
 def stage_proof(ledger: Ledger, stage: dict[str, Any], hit: dict[str, Any]) -> dict[str, Any]:
     """The inclusion proof of one trace hit (step, rank, micro-batch, global row) in a manifest stage."""
-    feeds, leaves = feed_leaves(ledger.feeds(ledger.chain(stage["run_key"])))
+    feeds, leaves = feed_leaves(ledger, ledger.chain(stage["run_key"]))
     index = next(i for i, f in enumerate(feeds) if (f.step, f.rank) == (hit["step"], hit["rank"]))
-    feed = feeds[index]
+    feed = fed_row(ledger, feeds[index])
     return {
         "stage": stage["stage"],
         "run_key": stage["run_key"],

@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.catalog import load_manifest
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.query import in_list
 from ghostvis_core.data.ledger.records import ConsumptionRow, FeedRow, PartRow, ShardConsumption, ShardRecord
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.hf.merkle import leaf_hash, merkle_root
@@ -41,10 +43,41 @@ def leaf_bytes(part_id: str, step: int, rank: int, step_digest: str) -> bytes:
     return f"{part_id}\n{step}\n{rank}\n{step_digest}".encode()
 
 
-def feed_leaves(feeds: list[FeedRow]) -> tuple[list[FeedRow], list[bytes]]:
-    """The feed rows in leaf order (step, rank) and their leaf hashes."""
-    rows = sorted(feeds, key=lambda f: (f.step, f.rank))
+@dataclass(frozen=True)
+class FeedLeaf:
+    """What a Merkle leaf commits to of a `feeds` row: its part, step, rank and step digest (the row's
+    per-micro-batch lists are not read: a long run has a row per step and rank)."""
+
+    part_id: str
+    run_key: str
+    step: int
+    rank: int
+    step_digest: str
+
+
+def feed_leaves(ledger: Ledger, chain: list[PartRow]) -> tuple[list[FeedLeaf], list[bytes]]:
+    """The chain's feed rows in leaf order (step, rank) and their leaf hashes."""
+    ids = sorted({p.part_id for p in chain})
+    rows = ledger._query(
+        FeedLeaf,
+        "feeds",
+        f"SELECT part_id, run_key, step, rank, step_digest FROM feeds WHERE part_id IN ({in_list(ids)}) "
+        "ORDER BY step, rank",
+        ids,
+        ledger.run_files("feeds", [p.run_key for p in chain]),
+    )
     return rows, [leaf_hash(leaf_bytes(f.part_id, f.step, f.rank, f.step_digest)) for f in rows]
+
+
+def fed_row(ledger: Ledger, leaf: FeedLeaf) -> FeedRow:
+    """The whole `feeds` row of a leaf: every micro-batch's global rows, row digests and image hashes."""
+    return ledger._query(
+        FeedRow,
+        "feeds",
+        "SELECT * FROM feeds WHERE part_id = ? AND step = ? AND rank = ?",
+        [leaf.part_id, leaf.step, leaf.rank],
+        ledger.run_files("feeds", [leaf.run_key]),
+    )[0]
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> bytes:
@@ -155,7 +188,7 @@ def stage_entry(store: Store, ledger: Ledger, chain: list[PartRow]) -> dict[str,
     """One stage of the lineage, from its run's chain of parts."""
     head = chain[-1]
     spec = saved_spec(store, head.stage, head.run_key)
-    feeds, leaves = feed_leaves(ledger.feeds(chain))
+    _, leaves = feed_leaves(ledger, chain)
     config = spec["config"]
     return {
         "stage": head.stage,
