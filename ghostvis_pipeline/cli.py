@@ -43,6 +43,7 @@ from ghostvis_pipeline import (
     chat_command,
     data_command,
     export_command,
+    model_command,
     status_command,
     store_command,
     trace_command,
@@ -512,6 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     data_command.add_parser(sub)
     train_command.add_parser(sub)
     export_command.add_parser(sub)
+    model_command.add_parser(sub)
     status_command.add_parser(sub)
     store_command.add_parser(sub)
     trace_command.add_parser(sub)

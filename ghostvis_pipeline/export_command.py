@@ -1,5 +1,6 @@
 """`ghostvis export --stage sft --to DIR`: a trained stage as a Hugging Face checkpoint (transformers,
-vLLM, lm-eval), with its tokenizer, chat template and, for a vision stage, vision/ beside it."""
+vLLM, lm-eval), with its tokenizer, chat template, for a vision stage vision/ beside it, its training
+manifest and its model card (licence fields from $GHOSTVIS_HOME/summary.yaml when there is one)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from ghostvis_pipeline.subcommand import subcommand
 
 def cmd_export(args) -> int:
     from ghostvis_core.run.hf.export import export_run
+    from ghostvis_core.run.hf.summary_input import SUMMARY_FILE, read_declared
 
-    out = export_run(Home.from_env().store, args.stage, args.run_key, args.to)
+    home = Home.from_env()
+    out = export_run(home.store, args.stage, args.run_key, args.to, read_declared(home.root / SUMMARY_FILE))
     print(f"{args.stage}: exported to {out} (load with transformers.AutoModelForCausalLM.from_pretrained('{out}'))")
     return 0
 

@@ -18,8 +18,9 @@ class ExportConfig(Config):
     run_key: str | None = None  # None: the stage's newest completed run
 
 
-def export_in_subprocess(store_uri: str, config: ExportConfig) -> Path:
-    """The exported folder, written by `python -m ghostvis_core.run.hf.export` (its refusal as a Failure)."""
+def export_in_subprocess(store_uri: str, config: ExportConfig, summary: Path | None = None) -> Path:
+    """The exported folder, written by `python -m ghostvis_core.run.hf.export` (its refusal as a Failure);
+    `summary`: the home's summary.yaml, for the model card's licence fields."""
     argv = [
         sys.executable,
         "-m",
@@ -31,6 +32,7 @@ def export_in_subprocess(store_uri: str, config: ExportConfig) -> Path:
         "--to",
         config.to,
         *(["--run-key", config.run_key] if config.run_key else []),
+        *(["--summary", str(summary)] if summary and summary.is_file() else []),
     ]
     proc = subprocess.run(argv, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -41,7 +43,10 @@ def export_in_subprocess(store_uri: str, config: ExportConfig) -> Path:
 
 @op
 def export_stage(context: OpExecutionContext, config: ExportConfig, home: GhostvisHome) -> str:
-    out = export_in_subprocess(home.home().store.uri, config)
+    from ghostvis_core.run.hf.summary_input import SUMMARY_FILE
+
+    ghostvis_home = home.home()
+    out = export_in_subprocess(ghostvis_home.store.uri, config, ghostvis_home.root / SUMMARY_FILE)
     context.add_output_metadata(
         {"path": MetadataValue.path(str(out)), "files": MetadataValue.json(sorted(p.name for p in out.iterdir()))}
     )

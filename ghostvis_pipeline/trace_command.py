@@ -1,5 +1,7 @@
 """`ghostvis trace`: where a document went (every stage, run, step and rank that trained it, the runs
-and registered models downstream) and what one step fed (ghostvis_core/verify/trace.py)."""
+and registered models downstream) and what one step fed (ghostvis_core/verify/trace.py); with
+`--model DIR`, whether a document is in an exported model, per stage of its training manifest, with
+inclusion proofs checked against the manifest alone (ghostvis_core/verify/model_trace.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,12 @@ def cmd_trace(args) -> int:
     home = Home.from_env()
     ledger = Ledger.in_store(home.store)
     uri = None if args.no_models else home.mlflow_tracking_uri
+    if args.model:
+        if not args.doc:
+            raise GhostvisError("ghostvis trace --model DIR: give the document too, --doc <shard>:<row>")
+        report = model_trace(home.store, ledger, args.doc, args.model)
+        print(json.dumps(report, indent=2) if args.json else "\n".join(format_model_trace(report)))
+        return 0
     if args.doc:
         report = trace_document(home.store, ledger, *shard_row(args.doc), uri)
         print(json.dumps(report, indent=2) if args.json else "\n".join(format_document(report)))
@@ -38,6 +46,42 @@ def cmd_trace(args) -> int:
     report = trace_step(home.store, ledger, args.stage, args.step, args.run_key)
     print(json.dumps(report, indent=2) if args.json else "\n".join(format_step(report)))
     return 0
+
+
+def model_trace(store, ledger, doc: str, model_dir: str) -> dict:
+    """Whether the document is in the exported model at `model_dir`, per stage of its manifest, each proof
+    checked against the manifest alone (`check`: None when it holds)."""
+    from pathlib import Path
+
+    from ghostvis_core.run.hf.inclusion import check_proof
+    from ghostvis_core.run.hf.verify_model import read_manifest
+    from ghostvis_core.verify.model_trace import document_proofs
+    from ghostvis_core.verify.trace import shard_row
+
+    manifest, digest = read_manifest(Path(model_dir))
+    report = document_proofs(store, ledger, manifest, *shard_row(doc))
+    for s in report["stages"]:
+        s["check"] = check_proof(manifest, s["proof"]) if s["proof"] else None
+    return {**report, "manifest_sha256": digest}
+
+
+def format_model_trace(r: dict) -> list[str]:
+    d = r["document"]
+    out = [
+        f"{d['shard_id']} row {d['row']}: {d['text']!r}",
+        f"model {r['model']['stage']} ({r['model']['run_key']}), manifest sha256 {r['manifest_sha256']}",
+    ]
+    for s in r["stages"]:
+        if not s["trained"]:
+            out.append(f"{s['stage']:<20} no")
+            continue
+        p = s["proof"]
+        told = "proof checks against the manifest" if s["check"] is None else f"proof FAILS: {s['check']}"
+        out.append(
+            f"{s['stage']:<20} yes: {s['fed_rows']} fed row(s); step {p['step']} rank {p['rank']} micro-batch "
+            f"{p['micro_batch']} row {p['global_row']}, leaf {p['leaf_index']} of {p['tree_size']}: {told}"
+        )
+    return out
 
 
 def format_document(r: dict) -> list[str]:
@@ -82,4 +126,5 @@ def add_parser(sub) -> None:
     t.add_argument("--stage", choices=stage_names(), help="with --step: the documents that step fed")
     t.add_argument("--step", type=int)
     t.add_argument("--run-key", help="with --stage: the run (default: the stage's newest completed run)")
+    t.add_argument("--model", help="with --doc: an exported model's folder: is the document in it, with proofs")
     t.add_argument("--no-models", action="store_true", help="with --doc or --text: skip the MLflow model registry")

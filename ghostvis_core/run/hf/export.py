@@ -1,6 +1,7 @@
 """Export a trained stage as a Hugging Face checkpoint: config.json, safetensors (sharded when large,
 with model.safetensors.index.json), generation_config.json, tokenizer.json + tokenizer_config.json
-(chat template) and, for a vision stage, vision/ beside it.
+(chat template), for a vision stage vision/ beside it, and what the model was trained on: the training
+manifest (ghostvis_manifest.json, from the ledger) and the model card (README.md) rendered from it.
 
 `python -m ghostvis_core.run.hf.export --store URI --stage sft --to DIR` does it in a process of its own:
 what Dagster starts (the `export_model` job), so the Dagster process never loads a checkpoint.
@@ -12,6 +13,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from huggingface_hub import save_torch_state_dict
@@ -19,7 +21,9 @@ from huggingface_hub import save_torch_state_dict
 from ghostvis_core.data.tokenizer import Tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import ModelConfig
+from ghostvis_core.run.hf.manifest import build_manifest
 from ghostvis_core.run.hf.names import hf_config, to_hf
+from ghostvis_core.run.hf.summary_input import read_declared
 from ghostvis_core.run.hf.tokenizer_json import save_hf_tokenizer
 from ghostvis_core.run.hf.vision import save_vision
 from ghostvis_core.run.model.gpt import GPT
@@ -56,11 +60,20 @@ def _save_generation_config(out_dir: Path, *, bos: int, eos: int, pad: int | Non
     ).save_pretrained(str(out_dir))
 
 
-def export_run(store: Store, stage: str, run_key: str | None, out_dir: str | Path) -> Path:
-    """Export a completed run of `stage` in `store` (run_key None: the newest completed run) to `out_dir`."""
+def export_run(
+    store: Store, stage: str, run_key: str | None, out_dir: str | Path, licence: dict[str, Any] | None = None
+) -> Path:
+    """Export a completed run of `stage` in `store` (run_key None: the newest completed run) to `out_dir`,
+    with its training manifest and model card (`licence`: summary.yaml's declarations, whose licence
+    fields the card states)."""
+    from ghostvis_core.data.ledger import Ledger
+    from ghostvis_core.run.hf.model_files import write_model_files
+
     trained = load_from_store(store, stage, run_key)
     with torch.no_grad():
-        return export_model(trained.model, trained.tok, Path(out_dir))
+        out = export_model(trained.model, trained.tok, Path(out_dir))
+    write_model_files(out, build_manifest(store, Ledger.in_store(store), stage, trained.run_key), licence)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,9 +83,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stage", required=True)
     ap.add_argument("--run-key", help="the run to export (default: the stage's newest completed run)")
     ap.add_argument("--to", required=True, help="the destination folder")
+    ap.add_argument("--summary", help="the provider's summary.yaml: the model card's licence fields")
     args = ap.parse_args(argv)
     try:
-        out = export_run(open_store(args.store), args.stage, args.run_key, args.to)
+        licence = read_declared(Path(args.summary), required=True) if args.summary else None
+        out = export_run(open_store(args.store), args.stage, args.run_key, args.to, licence)
     except GhostvisError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

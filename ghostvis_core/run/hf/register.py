@@ -19,8 +19,10 @@ import sys
 import time
 from pathlib import Path
 
+from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.exit import skip_final_collections
 from ghostvis_core.plan.stages import stage_names
+from ghostvis_core.run.hf.manifest import build_manifest, manifest_sha256
 from ghostvis_core.run.job import job_parser
 from ghostvis_core.run.run_files import split_run_uri
 from ghostvis_core.run.track.mlflow_models import StageModel, register_stage_model
@@ -32,12 +34,19 @@ from ghostvis_core.store.lease import Lease
 
 MODEL_FILE = "registered_model.json"  # a run_file of the run
 REGISTER_ENTRY = "ghostvis_core.run.hf.register"  # the registration job's module
+MANIFEST_TAG = "ghostvis.manifest_sha256"
 
 
 def stage_model(spec: LaunchSpec, store: Store) -> StageModel:
-    """The run's model as the registry sees it: the stage's alias, the lineage as version tags."""
+    """The run's model as the registry sees it: the stage's alias, the lineage and the sha256 of the training
+    manifest its export carries as version tags."""
     result = run_result(store, spec.stage, spec.run_key)
-    tags = {**spec.tags, "ghostvis.checkpoint_uri": result.checkpoint_uri}
+    manifest = build_manifest(store, Ledger.in_store(store), spec.stage, spec.run_key)
+    tags = {
+        **spec.tags,
+        "ghostvis.checkpoint_uri": result.checkpoint_uri,
+        MANIFEST_TAG: manifest_sha256(manifest),  # the sha256 of the exported ghostvis_manifest.json
+    }
     upstream = spec.tags.get("ghostvis.upstream_stage")
     if spec.parent_run_key and upstream in stage_names():  # a stage's run, not an HF import
         tags["ghostvis.parent_mlflow_run_id"] = run_result(store, upstream, spec.parent_run_key).mlflow_run_id
