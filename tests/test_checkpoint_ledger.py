@@ -60,7 +60,8 @@ def test_the_store_ledger_holds_each_checkpoint_files_digests_as_its_marker_does
         recorded = ledger.checkpoint_files("r1", step)
         assert sorted(recorded) == ["config.json", "model.safetensors", "optimizer.safetensors", "train_state.json"]
         assert recorded == {f: d for f, d in marker.items() if f in recorded}
-    assert ledger.checkpoint_files("r1", 1)["model.safetensors"] != ledger.checkpoint_files("r1", 2)["model.safetensors"]
+    weights = [ledger.checkpoint_files("r1", step)["model.safetensors"] for step in (1, 2)]
+    assert weights[0] != weights[1]
 
 
 def test_weights_rewritten_with_their_marker_pass_the_marker_but_the_ledger_refuses_them(store, capsys):
@@ -73,9 +74,8 @@ def test_weights_rewritten_with_their_marker_pass_the_marker_but_the_ledger_refu
     [passed] = resumed.passed_over
     assert (passed["checkpoint"], passed["step"]) == ("step_000000002", 2)
     assert passed["reason"].startswith("model.safetensors has sha256 ")
-    assert passed["reason"].endswith(
-        f"..., the ledger recorded {Ledger.in_store(FolderStore(store)).checkpoint_files('r1', 2)['model.safetensors'][:12]}..."
-    )
+    recorded = Ledger.in_store(FolderStore(store)).checkpoint_files("r1", 2)["model.safetensors"]
+    assert passed["reason"].endswith(f"..., the ledger recorded {recorded[:12]}...")
     said = capsys.readouterr().out
     assert f"checkpoint {folder}: model.safetensors has sha256 " in said
     assert "its files and its COMPLETE marker were rewritten together since it was committed" in said
