@@ -12,10 +12,14 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.data.token_blocks import BLOCK_TOKENS, TokenBlocks
 from ghostvis_core.data.token_shard import TokenShard, list_column
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.home import Home
+from ghostvis_core.run.train.runs import completed_runs
+from tests.conftest import run_cli, torchrun_stage
 from tests.test_loader import write_shard
 
 DOC = 1000  # tokens per document: three blocks hold 2 full blocks and a partial third
@@ -34,11 +38,15 @@ def shard(tmp_path):
     return write_shard(tmp_path, "web", "web/00003", docs)
 
 
-def rot(path, token: int) -> None:
-    """Move token `token`'s id by one in the file's bytes, in place: same name, size, rows and lengths."""
+def rot(path: Path, token: int) -> None:
+    """Move the id of shard-local token `token` by one in the file's bytes, in place: same name, size, rows
+    and lengths. Its place is found from the file's own layout (the tokens buffer inside the IPC file)."""
     data = bytearray(path.read_bytes())
-    at = data.find(np.asarray(ids(TOKENS)[token : token + 8], np.uint16).tobytes())
-    assert at > 0 and data.find(np.asarray(ids(TOKENS)[token : token + 8], np.uint16).tobytes(), at + 1) == -1
+    whole = pa.py_buffer(bytes(data))
+    tokens = pa.ipc.open_file(whole).get_batch(0).column("tokens")
+    values = tokens.values.buffers()[1]
+    width = tokens.values.type.bit_width // 8
+    at = values.address - whole.address + (tokens.values.offset + tokens.offsets[0].as_py() + token) * width
     data[at] ^= 1
     path.write_bytes(bytes(data))
 
@@ -87,3 +95,32 @@ def test_a_token_file_written_without_block_digests_is_refused_when_read(tmp_pat
     shard = TokenShard.open(path, "web/00001")
     with pytest.raises(GhostvisError, match=r"token shard web/00001: file .*old\.arrow has no block digests"):
         shard.slice(0, 2)
+
+
+@pytest.mark.e2e
+def test_a_token_file_block_rewritten_in_place_stops_the_next_stage_before_its_first_step(home_copy):
+    """The demo's first pretrain shard, one id of its block 0 moved by one on disk (bit rot): a new pretrain
+    run under plain torchrun refuses before step 1, naming the shard, the file and the block, and commits
+    nothing. `ghostvis data` first: a demo home built before token files carried block digests gets them."""
+    run_cli(["ghostvis", "data"], home_copy)
+    h = Home(home_copy)
+    ledger = Ledger.in_store(h.store)
+    first = ledger.consumption(ledger.chain(completed_runs(h.store, "pretrain")[-1].run_key)[:1])[0]
+    assert (first.shard_id, first.tok_start) == ("demo_code/00000", 0)  # what step 1 of a pretrain run reads
+    [record] = [r for r in ledger.shards() if r.shard_id == first.shard_id]
+    path = Path(record.token_path)
+    before = TokenShard.open(path, first.shard_id).slice(0, 3001).copy()
+    rot(path, 3000)
+    after = np.asarray(pa.ipc.open_file(str(path)).get_batch(0).column("tokens").values)[:3001]
+    assert after.tolist() == [*before[:3000].tolist(), int(before[3000]) ^ 1]  # the one id moved, nothing else
+    parts_before = ledger.parts(stage="pretrain")
+    proc = run_cli(torchrun_stage("pretrain", "budget.steps=4"), home_copy, check=False, OMP_NUM_THREADS="1")
+    said = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert (
+        f"token shard demo_code/00000: block 0 (tokens 0-{min(BLOCK_TOKENS, record.tokens):,}) of file {path} does "
+        "not match the digest written at tokenization (expected "
+    ) in said
+    assert "delete it and re-materialize tokenized_shards partition demo_code/00000" in said
+    assert "step 1/4" not in said
+    assert Ledger.in_store(h.store).parts(stage="pretrain") == parts_before  # no part, so no checkpoint, committed
