@@ -4,9 +4,12 @@ not on a user's refresh."""
 
 from __future__ import annotations
 
+from ghostvis_core.data.catalog import registered_manifests
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.home import Home
 from ghostvis_core.verify.audit import invariants as inv
 from tests.ledger_rows import shard_record
+from tests.test_bad_inputs import TEXTS, run_manifest, write_parquet
 
 
 def test_two_shards_with_the_same_content_fail_no_duplicate_content_naming_both(tmp_path):
@@ -20,3 +23,24 @@ def test_two_shards_with_the_same_content_fail_no_duplicate_content_naming_both(
     assert outcome.figures == {"duplicate_shards": 1, "docs_in_train_and_validation": 0}
     assert outcome.failures == ["same content: demo_prose/00000, demo_prose/00001"]
     assert outcome.tables["duplicates"][1] == [["a" * 16, "demo_prose/00000, demo_prose/00001"]]
+
+
+def test_a_manifest_shard_left_untokenized_fails_all_manifest_shards_tokenized_naming_it(tmp_path):
+    """A source of two shards registered by the real shard_manifest asset, only one of them in the ledger."""
+    home = tmp_path / "home"
+    for name, texts in TEXTS.items():
+        write_parquet(tmp_path / "listing" / f"{name}.parquet", {"text": texts})
+    assert run_manifest(home, [{"name": "web", "listing": (tmp_path / "listing").as_uri()}]).success
+    store = Home(home).store
+    [manifest] = registered_manifests(store).values()
+    ids = sorted(manifest.shard_id(e) for e in manifest.shards)
+    assert len(ids) == 2
+    ledger = Ledger.in_store(store)
+    ledger.write_shard(shard_record(ids[0], source="web"))
+    outcome = inv.all_manifest_shards_tokenized(store, ledger, "tok-a")
+    assert not outcome.passed
+    assert outcome.figures == {"manifest_shards": 2, "tokenized_shards": 1, "missing": ids[1]}
+    assert outcome.failures == [f"shard {ids[1]} not tokenized"]
+    assert inv.all_manifest_shards_tokenized(store, ledger, "tok-b").failures == [
+        f"shard {i} not tokenized" for i in ids
+    ]  # another tokenizer's shards do not count
