@@ -4,10 +4,16 @@ not on a user's refresh."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from ghostvis_core.data.catalog import registered_manifests
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
+from ghostvis_core.run.train.runs import completed_runs
 from ghostvis_core.verify.audit import invariants as inv
+from tests.conftest import run_cli
 from tests.ledger_rows import shard_record
 from tests.test_bad_inputs import TEXTS, run_manifest, write_parquet
 
@@ -44,3 +50,23 @@ def test_a_manifest_shard_left_untokenized_fails_all_manifest_shards_tokenized_n
     assert inv.all_manifest_shards_tokenized(store, ledger, "tok-b").failures == [
         f"shard {i} not tokenized" for i in ids
     ]  # another tokenizer's shards do not count
+
+
+@pytest.mark.e2e
+def test_a_run_record_planning_more_tokens_than_its_steps_trained_fails_tokens_match_plan(home_copy):
+    """The demo pretrain's run record edited to plan ten steps more than it trained (a run recorded complete
+    that stopped early): `ghostvis audit --no-dagster`, which reads the figures from the run record rather than
+    the materialization's metadata, fails tokens_match_plan with both figures."""
+    h = Home(home_copy)
+    run_key = completed_runs(h.store, "pretrain")[-1].run_key
+    path = home_copy / "store" / "checkpoints" / "pretrain" / run_key / "RUN_COMPLETE.json"
+    record = json.loads(path.read_text())
+    trained = record["steps"] * record["batch"]["tokens_per_step"]
+    record["planned_tokens"] = trained + 10 * record["batch"]["tokens_per_step"]
+    path.write_text(json.dumps(record))
+    proc = run_cli(["ghostvis", "audit", "--stage", "pretrain", "--no-dagster"], home_copy, check=False)
+    assert proc.returncode == 1
+    assert (
+        f"pretrain: tokens_match_plan: steps x tokens_per_step {trained:,} not within one step of planned "
+        f"{record['planned_tokens']:,}"
+    ) in proc.stdout
