@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from ghostvis_core.data.catalog import registered_manifests
@@ -69,4 +71,26 @@ def test_a_run_record_planning_more_tokens_than_its_steps_trained_fails_tokens_m
     assert (
         f"pretrain: tokens_match_plan: steps x tokens_per_step {trained:,} not within one step of planned "
         f"{record['planned_tokens']:,}"
+    ) in proc.stdout
+
+
+@pytest.mark.e2e
+def test_a_rollout_record_counting_one_token_more_than_its_completions_fails_rollouts_recounted(home_copy):
+    """The demo rl run's first rollout record (one rank's step) edited to record one generated token more than
+    its saved completions hold: `ghostvis audit` names the step, the rank and both figures."""
+    h = Home(home_copy)
+    run_key = completed_runs(h.store, "rl")[-1].run_key
+    path = sorted((home_copy / "store" / "ledger" / "rollouts" / "stage=rl" / f"run={run_key}").glob("*.parquet"))[0]
+    table = pq.read_table(path)
+    rows = table.to_pylist()
+    first = rows[0]
+    generated = sum(len(ids) for ids in json.loads(first["completion_ids"]))
+    assert first["generated_tokens"] == generated > 0
+    first["generated_tokens"] = generated + 1
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), path)
+    proc = run_cli(["ghostvis", "audit", "--stage", "rl", "--no-dagster"], home_copy, check=False)
+    assert proc.returncode == 1
+    assert (
+        f"rl: rollouts_recounted: rl step {first['step']} rank {first['rank']}: generated_tokens recorded "
+        f"{generated + 1:,}, recounted from the completions {generated:,}"
     ) in proc.stdout
