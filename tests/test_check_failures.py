@@ -5,19 +5,36 @@ not on a user's refresh."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ghostvis_core.data.catalog import registered_manifests
+from ghostvis_core.data.catalog import recorded_sha256, registered_manifests
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.run.train.runs import completed_runs
+from ghostvis_core.store.files import sha256_file
 from ghostvis_core.verify.audit import invariants as inv
 from tests.conftest import run_cli
 from tests.ledger_rows import shard_record
 from tests.test_bad_inputs import TEXTS, run_manifest, write_parquet
+from tests.test_errors import MATERIALIZE
+
+
+def newest_check_evaluation(home: Path, check: str):
+    """The evaluation of asset check `check` in the newest Dagster run of the home's instance."""
+    from dagster import DagsterEventType, DagsterInstance
+
+    with DagsterInstance.from_config(str(home / "dagster")) as instance:
+        [run] = instance.get_runs(limit=1)
+        entries = instance.all_logs(run.run_id, of_type=DagsterEventType.ASSET_CHECK_EVALUATION)
+    [evaluation] = [
+        e.dagster_event.event_specific_data for e in entries if e.dagster_event.event_specific_data.check_name == check
+    ]
+    return evaluation
 
 
 def test_two_shards_with_the_same_content_fail_no_duplicate_content_naming_both(tmp_path):
@@ -94,3 +111,34 @@ def test_a_rollout_record_counting_one_token_more_than_its_completions_fails_rol
         f"rl: rollouts_recounted: rl step {first['step']} rank {first['rank']}: generated_tokens recorded "
         f"{generated + 1:,}, recounted from the completions {generated:,}"
     ) in proc.stdout
+
+
+@pytest.mark.e2e
+def test_an_upstream_revision_equal_to_another_shard_fails_no_duplicate_content_in_dagster_and_the_audit(
+    home_copy, tmp_path
+):
+    """demo_prose/00001 revised upstream (its manifest entry pins the new file's sha256) to the content of
+    demo_prose/00000, then raw_shards, tokenized_shards and token_ledger for it, as a user refreshing data
+    would: token_ledger's blocking check and `ghostvis audit` fail no_duplicate_content naming both shards
+    (both crashed with TypeError on the typed DuplicateContent before)."""
+    h = Home(home_copy)
+    revised = tmp_path / "00001.parquet"
+    shutil.copyfile(h.store.fetch("raw_shard", "demo_prose/00000"), revised)
+    manifest = h.store.read_json("manifest", "demo_prose")
+    [entry] = [e for e in manifest["shards"] if e["name"] == "00001"]
+    entry.update(url=revised.as_uri(), bytes=revised.stat().st_size, sha256=sha256_file(revised))
+    h.store.write_json("manifest", "demo_prose", data=manifest)
+    for asset in ("raw_shards", "tokenized_shards"):
+        run_cli([*MATERIALIZE, "--select", asset, "--partition", "demo_prose/00001"], home_copy)
+    assert recorded_sha256(h.store, "demo_prose/00001") == recorded_sha256(h.store, "demo_prose/00000")
+    ledger = run_cli([*MATERIALIZE, "--select", "token_ledger"], home_copy, check=False)
+    said = ledger.stdout + ledger.stderr
+    assert ledger.returncode != 0 and "Asset check 'no_duplicate_content' on 'token_ledger' did not pass" in said
+    assert "TypeError" not in said
+    evaluation = newest_check_evaluation(home_copy, "no_duplicate_content")
+    assert not evaluation.passed
+    assert evaluation.metadata["duplicate_shards"].value == 1
+    assert evaluation.metadata["failures"].value == "- same content: demo_prose/00000, demo_prose/00001"
+    proc = run_cli(["ghostvis", "audit", "--no-dagster"], home_copy, check=False)
+    assert proc.returncode == 1
+    assert "data: no_duplicate_content: same content: demo_prose/00000, demo_prose/00001" in proc.stdout
