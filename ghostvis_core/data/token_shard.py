@@ -9,7 +9,8 @@ Every kind of source has a `row` column (the document's row in the raw Parquet s
 - image_caption: <|bos|><|image|> + caption + <|eot|>, plus `image` (encoded bytes)
 Written as a single record batch, so `tokens` gives the flat token array and the document offsets
 without copying; consumption is recorded in these shard-local token coordinates. The schema metadata
-names the tokenizer that wrote the file (TOKENIZER_KEY).
+names the tokenizer that wrote the file (TOKENIZER_KEY) and holds the digest of each block of its tokens
+(token_blocks.py), which every read through `slice` checks the first time it touches a block.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from ghostvis_core.data.token_blocks import BLOCKS_KEY, BlockCheck, TokenBlocks
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store.files import replacing
 
@@ -49,10 +51,15 @@ def numpy_view(array: pa.Array) -> np.ndarray:
 def write_token_shard(path: Path, columns: dict[str, pa.Array], tokenizer_id: str | None = None) -> None:
     """Write atomically: a reader never sees a half-written shard under the final name. The tokenizer
     that made the tokens is named in the file's schema metadata (TOKENIZER_KEY), so the audit can prove
-    a file was made by the tokenizer its path and ledger record claim (token_integrity.py)."""
+    a file was made by the tokenizer its path and ledger record claim (token_integrity.py). The digests of
+    its token blocks go there too, for the readers to check (token_blocks.py)."""
     table = pa.table(columns)
+    tokens = table.column("tokens").combine_chunks()
+    offsets = numpy_view(tokens.offsets)
+    metadata = {BLOCKS_KEY: TokenBlocks.of(numpy_view(tokens.values)[offsets[0] : offsets[-1]]).to_metadata()}
     if tokenizer_id is not None:
-        table = table.replace_schema_metadata({TOKENIZER_KEY: tokenizer_id})
+        metadata[TOKENIZER_KEY] = tokenizer_id
+    table = table.replace_schema_metadata(metadata)
     with replacing(path) as tmp, pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
         writer.write_table(table, max_chunksize=max(1, table.num_rows))
 
@@ -60,12 +67,14 @@ def write_token_shard(path: Path, columns: dict[str, pa.Array], tokenizer_id: st
 @dataclass
 class TokenShard:
     """A memory-mapped token shard: flat `values`, per-document `offsets` (docs+1), raw `rows`,
-    and the kind-specific columns (`extra`), all zero-copy where Arrow allows."""
+    and the kind-specific columns (`extra`), all zero-copy where Arrow allows. `blocks` checks the
+    file's token blocks against their digests as `slice` first reads them."""
 
     path: Path
     values: np.ndarray
     offsets: np.ndarray
     rows: np.ndarray
+    blocks: BlockCheck
     extra: dict[str, pa.Array] = field(default_factory=dict)
 
     @classmethod
@@ -83,12 +92,13 @@ class TokenShard:
             values = numpy_view(arr.values)
             rows = numpy_view(table.column("row").chunk(0))
             extra = {n: table.column(n).chunk(0) for n in table.column_names if n not in ("row", "tokens")}
-        except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, KeyError, IndexError) as exc:
+            blocks = BlockCheck(name, path, TokenBlocks.from_metadata(table.schema.metadata))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OSError, KeyError, IndexError, ValueError) as exc:
             raise GhostvisError(
                 f"token shard {name}: cannot read {path} ({exc}); delete it and re-materialize "
                 f"tokenized_shards partition {shard_id or '<shard>'}"
             ) from None
-        return cls(path, values, offsets, rows, extra)
+        return cls(path, values, offsets, rows, blocks, extra)
 
     @property
     def num_docs(self) -> int:
@@ -99,8 +109,9 @@ class TokenShard:
         return int(self.offsets[-1] - self.offsets[0])
 
     def slice(self, start: int, end: int) -> np.ndarray:
-        """Tokens [start, end) in shard-local token coordinates."""
+        """Tokens [start, end) in shard-local token coordinates, their blocks checked against their digests."""
         base = self.offsets[0]
+        self.blocks.cover(self.values[base : self.offsets[-1]], start, end)
         return self.values[base + start : base + end]
 
     def doc_span(self, i: int) -> tuple[int, int]:

@@ -362,7 +362,8 @@ def error_file(errors_dir: Path, shard_id: str) -> Path:
 
 
 def is_done(job: TokenizeJob, ledger: Ledger, store: Store, tokenizer_id: str) -> bool:
-    """Same content and tokenizer already tokenized, with the token file intact: nothing to redo."""
+    """Same content and tokenizer already tokenized, with the token file intact and its block digests
+    written: nothing to redo."""
     rec = ledger.shard_record_path(job.shard_id, tokenizer_id, job.content_sha256)
     if not rec.exists() or not store.exists("token_shard", tokenizer_id, job.shard_id, job.content_sha256):
         return False
@@ -371,7 +372,8 @@ def is_done(job: TokenizeJob, ledger: Ledger, store: Store, tokenizer_id: str) -
     rows = pq.read_table(rec).to_pylist()
     try:
         token_file = store.fetch("token_shard", tokenizer_id, job.shard_id, job.content_sha256)
-        return TokenShard.open(token_file, job.shard_id).num_tokens == rows[0]["tokens"]
+        shard = TokenShard.open(token_file, job.shard_id)
+        return shard.blocks.digests is not None and shard.num_tokens == rows[0]["tokens"]
     except GhostvisError:
         return False
 

@@ -16,6 +16,8 @@ Tables in the artifact store's "ledger" artifact (`Ledger.in_store(store)`):
 - rollouts/     per part, rank and step of an rl run: the generated and rewarded tokens, and every
                 completion the rank sampled (its global row, token ids, reward), from which the audit
                 recounts the generated tokens and rebuilds the rows it fed.
+- checkpoint_files/ per part that committed a checkpoint: the sha256 of each of the checkpoint's files, the copy
+                of its COMPLETE marker's digests outside the checkpoint that a resume checks it against.
 - ngram_index/  every shard's fingerprints in one file sorted by hash (row groups of NGRAM_INDEX_ROWS), named
                 by the ngrams/ files it holds (listed in its metadata): written by the token_ledger asset,
                 read by `ghostvis trace --text` with the ngrams/ files written since.
@@ -31,7 +33,7 @@ rewrites a file. A file name is derived from its content key, so writing twice i
 ledger reads and writes through the artifact store (artifact kind "ledger_file"): `root` is this
 node's copy, each written file is published at once, and a query fetches only the folders it reads.
 
-The per-shard tables (shards, docs, ngrams) are flat folders. The per-part tables (parts and the four
+The per-shard tables (shards, docs, ngrams) are flat folders. The per-part tables (parts and the tables
 beside it, PART_TABLES, and row_index) keep a folder per run, hive-style: `<table>/stage=<stage>/run=<run_key>/
 s<segment>.p<step_last>.parquet`, so a query about some runs opens only their files, and one about a
 stage only that stage's: what the audit, the checks and `ghostvis ledger --run` read does not grow

@@ -18,6 +18,7 @@ from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger.files import LedgerFiles, connection, parquet_list
 from ghostvis_core.data.ledger.records import (
     NGRAM_INDEX_FILES,
+    CheckpointFileRow,
     ConsumptionRow,
     DocumentFingerprints,
     FeedRow,
@@ -190,6 +191,18 @@ class LedgerQueries(LedgerFiles):
         return self._query(
             PartRow, "parts", "SELECT * FROM parts ORDER BY created_at", files=self.run_files("parts", run_keys, stage)
         )
+
+    def checkpoint_files(self, run_key: str, step: int) -> dict[str, str]:
+        """The sha256 of each file of the run's checkpoint of `step`, as the ledger part that committed it
+        recorded them; {} when no part did (not published yet, or committed before parts recorded them)."""
+        rows = self._query(
+            CheckpointFileRow,
+            "checkpoint_files",
+            "SELECT * FROM checkpoint_files WHERE run_key = ? AND step = ? ORDER BY file",
+            [run_key, step],
+            files=self.run_files("checkpoint_files", [run_key]),
+        )
+        return {r.file: r.sha256 for r in rows}
 
     def consumption(self, parts: list[Any]) -> list[ConsumptionRow]:
         """The pieces the loader delivered in `parts` (part rows, or any records naming part_id and run_key)."""

@@ -22,7 +22,7 @@ from ghostvis_core.data.piece import Piece
 from ghostvis_core.plan.batch import BatchPlan
 
 # The tables written per part of a run, each in a folder per run (`LedgerFiles.part_file`).
-PART_TABLES = ("parts", "consumption", "shares", "feeds", "rollouts")
+PART_TABLES = ("parts", "consumption", "shares", "feeds", "rollouts", "checkpoint_files")
 
 NGRAM_INDEX_ROWS = 65_536  # rows per row group of the fingerprint index: a lookup reads the groups its hashes fall in
 NGRAM_INDEX_FILES = b"ghostvis.ngram_files"  # the index file's metadata: the ngrams/ file names it holds (JSON)
@@ -148,6 +148,19 @@ class ShareRow:
     @property
     def counts(self) -> TokenCounts:
         return TokenCounts.from_mapping(self.__dict__)
+
+
+@dataclass(frozen=True)
+class CheckpointFileRow:
+    """Per part that committed a checkpoint, one row per file of that checkpoint (but the part's own ledger
+    files and the COMPLETE marker): its sha256. Kept in the store's ledger, outside the checkpoint, so a copy
+    that rewrote a checkpoint's files together with its marker is still found when it is loaded."""
+
+    part_id: str
+    run_key: str
+    step: int
+    file: str
+    sha256: str
 
 
 @dataclass(frozen=True)

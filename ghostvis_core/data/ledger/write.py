@@ -24,6 +24,7 @@ from ghostvis_core.data.ledger.records import (
     NGRAM_INDEX_FILES,
     NGRAM_INDEX_ROWS,
     NGRAM_SCHEMA,
+    CheckpointFileRow,
     ConsumptionRow,
     DocRow,
     FeedRow,
@@ -158,6 +159,12 @@ class LedgerWriter(LedgerFiles):
                 )
             self._write_records(self.part_file(table, part), record, rows)
         self._write_records(self.part_file("parts", part), PartRow, [part])
+
+    def write_checkpoint_files(self, part: PartRow, step: int, digests: dict[str, str]) -> Path:
+        """The sha256 of each file of the checkpoint of `step` that `part` commits, in the part's run folder:
+        published with the part, so the store's ledger holds them outside the checkpoint."""
+        rows = [CheckpointFileRow(part.part_id, part.run_key, step, f, sha) for f, sha in sorted(digests.items())]
+        return self._write_records(self.part_file("checkpoint_files", part), CheckpointFileRow, rows)
 
     def write_row_index(self, chain: list[PartRow], rows: list[RowIndexRow]) -> Path:
         """The audit's row index of a run's chain (each row naming its part and segment): one file, named

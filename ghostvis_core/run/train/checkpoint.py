@@ -27,6 +27,7 @@ import pickle  # only to check DCP metadata before DCP unpickles it (_MetadataCh
 import re
 import shutil
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,11 +98,14 @@ def save(
     state: dict[str, Any],
     config: dict[str, Any],
     extra_dirs: dict[str, Path] | None = None,
+    record_files: Callable[[Path, dict[str, str]], None] | None = None,
 ) -> Path:
     """Write a checkpoint atomically (pruning the older ones is the CheckpointManager's decision).
 
     With a `dcp` entry in `extra_dirs` (from `save_shards`) the weights and optimizer state are
     already written, by every rank; they are committed with the rest instead of safetensors.
+    `record_files(folder, digests)`, called with the sha256 of every file before the marker is written,
+    may add files (the ledger's copy of the digests); the marker hashes only those again.
 
     A failure while writing (full disk, I/O error) removes the partial folder and raises; the
     previous checkpoints are untouched.
@@ -119,10 +123,13 @@ def save(
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
         for name, src in (extra_dirs or {}).items():  # committed together with the weights
             os.replace(src, tmp / name)
+        digests = file_digests(tmp)
+        if record_files is not None:
+            record_files(tmp, digests)
         for f in tmp.rglob("*"):
             if f.is_file():
                 _fsync(f)
-        write_marker(tmp, step)
+        write_marker(tmp, step, digests)
     except (OSError, SafetensorError) as exc:  # safetensors reports a full disk as its own error
         shutil.rmtree(tmp, ignore_errors=True)
         previous = latest_complete(run_dir)
@@ -159,14 +166,21 @@ def _bytes_needed(model: torch.nn.Module, optimizer, extra_dirs: dict[str, Path]
     return total
 
 
-def write_marker(folder: Path, step: int) -> None:
+def file_digests(folder: Path, known: dict[str, str] | None = None) -> dict[str, str]:
+    """The sha256 of every file of a checkpoint folder but its marker, by path in the folder; the
+    `known` ones (hashed already, unchanged since) are not read again."""
+    known = known or {}
+    return {
+        name: known.get(name) or sha256_file(f)
+        for f in sorted(folder.rglob("*"))
+        if f.is_file() and f.name != MARKER and (name := f.relative_to(folder).as_posix())
+    }
+
+
+def write_marker(folder: Path, step: int, known: dict[str, str] | None = None) -> None:
     """The COMPLETE marker, written last: the step and the sha256 of every file the checkpoint holds, so
     a reader can tell the checkpoint that was committed from one changed, cut or half-uploaded since."""
-    files = {
-        f.relative_to(folder).as_posix(): sha256_file(f)
-        for f in sorted(folder.rglob("*"))
-        if f.is_file() and f.name != MARKER
-    }
+    files = file_digests(folder, known)
     (folder / MARKER).write_text(json.dumps({"step": step, "sha256": files}, indent=2, sort_keys=True))
     _fsync(folder / MARKER)
 
@@ -208,6 +222,28 @@ def verify(path: Path) -> None:
             f"checkpoint {path}: {reason}: its files changed since it was committed (a cut copy, a bad disk or an "
             f"edit); delete {path} and re-materialize the stage that wrote it (a resume falls back to the previous "
             "checkpoint)",
+            reason,
+        )
+
+
+def verify_recorded(path: Path, recorded: dict[str, str]) -> None:
+    """After `verify`: the files are also the ones `recorded` (the digests the checkpoint's ledger part keeps
+    in the store's ledger, outside the checkpoint), so a copy that rewrote files and marker together is
+    refused as damaged. Compares the marker's digests, which `verify` proved equal to the files."""
+    marker = json.loads((path / MARKER).read_text())["sha256"]
+    bad = [
+        f"{name} has sha256 {marker[name][:12]}..., the ledger recorded {digest[:12]}..."
+        if name in marker
+        else f"{name} is missing, the ledger recorded it"
+        for name, digest in sorted(recorded.items())
+        if marker.get(name) != digest
+    ]
+    if bad:
+        reason = f"{'; '.join(bad[:3])}{f' (and {len(bad) - 3} more)' if len(bad) > 3 else ''}"
+        raise DamagedCheckpoint(
+            f"checkpoint {path}: {reason}: its files and its {MARKER} marker were rewritten together since it was "
+            f"committed (a bad copy or an edit); delete {path} and re-materialize the stage that wrote it (a resume "
+            "falls back to the previous checkpoint)",
             reason,
         )
 

@@ -20,6 +20,7 @@ names: a launch that lost the lease wrote it."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,7 +116,9 @@ class CheckpointManager:
 
     def newest(self) -> ckpt.CheckpointRef | None:
         """The run's newest committed checkpoint whose files verify against its marker (`ckpt.verify`),
-        fetched to this node from the store, the same on every rank. A damaged one is named and passed
+        fetched to this node from the store, the same on every rank, and whose files are also the ones its
+        ledger part recorded in the store's ledger (`ckpt.verify_recorded`; a checkpoint whose part is not
+        published yet has only its marker to go by). A damaged one is named and passed
         over for the one before it: the steps after that one are trained again, and `passed_over` says which
         checkpoint and why (the ledger's reuse accounting declares those steps retrained after a fallback);
         when none verifies the run stops rather than start over on a run that has trained."""
@@ -132,6 +135,9 @@ class CheckpointManager:
                 self.store.fetch("checkpoint", self.spec.stage, self.spec.run_key, name)
             try:
                 ckpt.verify(self.run_dir / name)
+                ckpt.verify_recorded(
+                    self.run_dir / name, Ledger.in_store(self.store).checkpoint_files(self.spec.run_key, step)
+                )
             except ckpt.DamagedCheckpoint as exc:
                 print0(f"[{self.spec.stage}] not resuming from it: {exc}", ctx=self.ctx)
                 self.passed_over.append({"checkpoint": name, "step": step, "reason": exc.reason})
@@ -273,6 +279,7 @@ class CheckpointManager:
             state=state,
             config=self.spec.config.to_dict(),
             extra_dirs=extra_dirs,
+            record_files=functools.partial(record_in_ledger, step=step),
         )
         self.publish(path)
         self.grant(path)
@@ -323,6 +330,14 @@ class CheckpointManager:
         for path in refs:
             for f in (path / "ledger").rglob("*.parquet"):
                 self.store.put_file("ledger_file", f.relative_to(path / "ledger").as_posix(), src=f)
+
+
+def record_in_ledger(folder: Path, digests: dict[str, str], step: int) -> None:
+    """The sha256 of the checkpoint's files (but its ledger part's own) into the ledger part it commits
+    (`folder`/ledger), which is published to the store's ledger: the copy a load checks outside the checkpoint."""
+    ledger = Ledger(folder / "ledger")
+    (part,) = ledger.parts()
+    ledger.write_checkpoint_files(part, step, {f: d for f, d in digests.items() if not f.startswith("ledger/")})
 
 
 def share_shard(store: Store, ctx: DistContext, stage: str, run_key: str, step: int, staging: Path) -> None:

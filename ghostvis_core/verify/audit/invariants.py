@@ -525,7 +525,7 @@ def no_duplicate_content(ledger: Ledger, tokenizer_id: str) -> CheckOutcome:
                 [[o.validation_shard, o.validation_row, o.train_shard, o.train_row] for o in overlap[:100]],
             ),
         },
-        failures=[f"same content: {', '.join(d['shards'])}" for d in dups]
+        failures=[f"same content: {', '.join(d.shards)}" for d in dups]
         + [
             f"document in {o.validation_shard} row {o.validation_row} and {o.train_shard} row {o.train_row}"
             for o in overlap[:50]

@@ -61,7 +61,8 @@ def bits_per_byte(ts: TrainedStage, val_shards: dict[str, list[dict]], max_token
     for source, refs in sorted(val_shards.items()):
         nats = n_bytes = 0.0
         for ref in refs:
-            ids = TokenShard.open(Path(ref["path"]), ref["shard_id"]).values[:max_tokens].astype(np.int64)
+            shard = TokenShard.open(Path(ref["path"]), ref["shard_id"])
+            ids = shard.slice(0, min(max_tokens, shard.num_tokens)).astype(np.int64)  # its blocks checked
             for a in range(0, len(ids) - 1, L):
                 chunk = torch.from_numpy(ids[a : a + L + 1])
                 x, y = chunk[None, :-1], chunk[None, 1:].clone()
