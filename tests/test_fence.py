@@ -9,6 +9,7 @@ serialises them), not the atomicity of a real bucket's conditional PUT, which S3
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -120,7 +121,7 @@ def test_a_holder_whose_store_does_not_answer_gives_the_lease_up_and_commits_not
     started = time.monotonic()
     why = held.hold()
     assert time.monotonic() - started >= 1.0  # it waited for the store first
-    assert "not renewed for 2 s, the store unreachable (EndpointConnectionError" in why, why
+    assert re.search(r"not renewed for [23] s, the store unreachable \(EndpointConnectionError", why), why
     with pytest.raises(lease.LeaseLost, match="the store unreachable"):
         held.commit("run_record", "sft", "sft-u-r1", text="{}")
     assert fence.grants(FolderStore(tmp_path / "store"), "sft", "sft-u").granted == {}
