@@ -1,6 +1,8 @@
 """The `ghostvis` command: init, demo, plan, ledger, audit (chat, train, ... in their *_command modules).
 
-Bad input ends with one line naming the problem and the fix (exit code 2), not a traceback.
+Bad input ends with GhostVis's message naming the problem, the figures and the fix (exit code 2), a failed
+blocking check with its failure lines as `ghostvis audit` prints them; any other failure with its type and
+message (exit code 1). A traceback only with `--debug`.
 """
 
 from __future__ import annotations
@@ -620,9 +622,16 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except Exception as exc:
-        message = user_error(exc)
-        if message is None:
+        if getattr(args, "debug", False):  # `ghostvis store` has no --debug
             raise
+        message = user_error(exc)
+        if message is None:  # not bad input: name it, and how to see where it came from
+            print(
+                f"ghostvis: error: {args.cmd} failed: {type(exc).__name__}: {exc}\n"
+                f"(not a known bad input: rerun with --debug for the traceback, and report it with the command)",
+                file=sys.stderr,
+            )
+            return 1
         print(f"ghostvis: error: {message}", file=sys.stderr)
         return 2
 
