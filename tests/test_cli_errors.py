@@ -21,7 +21,9 @@ def ledger_like() -> int:
 
 @asset_check(asset="ledger_like", blocking=True)
 def no_duplicates() -> AssetCheckResult:
-    return AssetCheckResult(passed=False, metadata={"failures": MetadataValue.md("\n".join(f"- {f}" for f in FAILURES))})
+    return AssetCheckResult(
+        passed=False, metadata={"failures": MetadataValue.md("\n".join(f"- {f}" for f in FAILURES))}
+    )
 
 
 @asset_check(asset="ledger_like", blocking=False)

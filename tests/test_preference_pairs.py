@@ -12,6 +12,7 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.summaries import train_validation_overlap
 from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.store import FolderStore
+from ghostvis_pipeline.data_command import dropped_lines
 from tests.raw_shards import raw_shard_job, tokenize_here
 
 PROMPTS = ["Name a warm colour.", "Name a sea creature.", "Name a tall tree."]
@@ -45,6 +46,12 @@ def test_several_pairs_per_prompt_are_kept_a_duplicate_pair_dropped_and_a_valida
     assert set(json.loads(shards["prefs/00000"].drop_reasons)) == {"exact_duplicate"}
     assert json.loads(shards["prefs/00000"].drop_reasons)["exact_duplicate"]["docs"] == 1
     assert shards["prefs/00001"].docs == 1
+    dropped_tokens = json.loads(shards["prefs/00000"].drop_reasons)["exact_duplicate"]["tokens"]
+    assert dropped_tokens > 0
+    assert dropped_lines(store, tok.tokenizer_id) == [  # what `ghostvis data` prints after its runs
+        "dropped at tokenization: 1 of 9 documents:",
+        f"  {'prefs/00000':<26} kept 7 of 8 documents; dropped: exact_duplicate 1 ({dropped_tokens:,} tokens)",
+    ]
     overlap = train_validation_overlap(ledger, list(shards.values()))
     assert sorted((o.validation_shard, o.validation_row, o.train_shard, o.train_row) for o in overlap) == [
         ("prefs/00001", 0, "prefs/00000", row) for row in range(3)
