@@ -336,7 +336,25 @@ def ledger_report(home: Home, tokenizer_id: str | None) -> dict[str, Any]:
 
     ledger = Ledger.in_store(home.store)
     shards = ledger.shards(tokenizer_id=tokenizer_id)
-    return {"shards": shards, "runs": run_summaries(ledger), "contamination": shard_contamination(ledger, shards)}
+    runs = run_summaries(ledger)
+    return {
+        "shards": shards,
+        "runs": runs,
+        "checks": check_verdicts(home, sorted({r.stage for r in runs})),
+        "contamination": shard_contamination(ledger, shards),
+    }
+
+
+def check_verdicts(home: Home, stages: list[str]) -> dict[str, str]:
+    """Per run key, whether its blocking checks passed, from the home's Dagster instance (none: no verdicts)."""
+    if not (home.dagster_home / "storage").exists():
+        return {}
+    from dagster import DagsterInstance
+
+    from ghostvis_pipeline.check_failures import run_verdicts
+
+    with DagsterInstance.from_config(str(home.dagster_home)) as instance:
+        return run_verdicts(instance, stages)
 
 
 def resolve_run(home: Home, ledger: Ledger, name: str) -> str:
@@ -400,8 +418,9 @@ def cmd_ledger(args) -> int:
     report = ledger_report(Home.from_env(), args.tokenizer)
     if args.json:
         shards = [dataclasses.asdict(r) for r in report["shards"]]
-        runs = [r.as_dict() for r in report["runs"]]
-        print(json.dumps({**report, "shards": shards, "runs": runs}, indent=2, default=str))
+        runs = [{**r.as_dict(), "checks": report["checks"].get(r.run_key, "-")} for r in report["runs"]]
+        contamination = report["contamination"]
+        print(json.dumps({"shards": shards, "runs": runs, "contamination": contamination}, indent=2, default=str))
         return 0
     shards, contamination = report["shards"], report["contamination"]
     print(
@@ -430,14 +449,16 @@ def cmd_ledger(args) -> int:
     print()
     print(
         f"{'stage':<20} {'run_key':<28} {'steps':>6} {'planned':>11} {'real':>11} {'pad':>9} {'loss':>11} "
-        f"{'cropped':>9} seg"
+        f"{'cropped':>9} seg checks"
     )
     for r in report["runs"]:
         t, c = r.totals, r.totals.counts
         print(
             f"{r.stage:<20} {r.run_key:<28} {t.steps:>6} {r.planned_tokens:>11,} {c.real_tokens:>11,} "
-            f"{c.pad_tokens:>9,} {c.loss_tokens:>11,} {c.cropped_tokens:>9,} {len(t.segments)}"
+            f"{c.pad_tokens:>9,} {c.loss_tokens:>11,} {c.cropped_tokens:>9,} {len(t.segments):>3} "
+            f"{report['checks'].get(r.run_key, '-')}"
         )
+    print("(checks: the run's blocking checks in Dagster; FAILED names them, `ghostvis audit` says what disagrees)")
     return 0
 
 
