@@ -29,10 +29,12 @@ from ghostvis_core.plan.budget import (
     StepTime,
     budget_for_hours,
     memory_refusal,
+    shortfall,
     source_plan,
 )
 from ghostvis_core.plan.budget import plan as make_plan
 from ghostvis_core.plan.config import parse_sets
+from ghostvis_core.plan.presets import TokenizerVocab, vocabulary_note
 from ghostvis_core.plan.run_modes import (
     MODES,
     RunMode,
@@ -186,13 +188,17 @@ def cmd_plan(args) -> int:
         return print_modes(args.stage, args.json)
     mode = plan_mode_args(args)
     overrides = plan_overrides(args)
-    cfg = presets.resolve(args.stage, mode.name if mode else args.preset, overrides)
+    vocab = data_vocab(args, overrides)
+    cfg = presets.resolve(args.stage, mode.name if mode else args.preset, overrides, vocab=vocab)
     step_time = StepTime(args.step_time, args.gpu, args.mfu)
     if args.hours is not None:
         cfg = budget_for_hours(cfg, args.hours, step_time, params=args.params)
     p = make_plan(cfg, step_time=step_time, price_per_gpu_hour=args.price, params=args.params)
     sources = recipe_report(args, p)
-    notes = plan_notes(args)
+    notes = plan_notes(args) + (
+        [n] if vocab and (n := vocabulary_note(vocab.tokenizer_id, vocab.size, args.preset)) else []
+    )
+    refusals = preflight_refusals(args.stage, cfg, sources)
     memory = MemoryPlan.from_dict(p.memory)
     if args.json:
         print(
@@ -204,18 +210,56 @@ def cmd_plan(args) -> int:
                     **p.to_dict(),
                     **({"sources": sources, "needed_tokens_rule": needed_rule(args.stage)} if sources else {}),
                     **({"notes": notes} if notes else {}),
+                    **({"refused_at_launch": refusals} if refusals else {}),
                 },
                 indent=2,
             )
         )
-        return refuse_unfit(args.stage, memory)
+        return refuse_unfit(args.stage, memory) or refuse_short(refusals)
     if mode:
         print(f"run mode {mode.name}: {describe(mode)}")
     print_plan(args, p, sources)
     print_memory(memory)
     for note in notes:
         print(f"  note: {note}")
-    return refuse_unfit(args.stage, memory)
+    return refuse_unfit(args.stage, memory) or refuse_short(refusals)
+
+
+def data_vocab(args, overrides: dict[str, Any]) -> TokenizerVocab | None:
+    """With --recipe the plan is of the data in the home: a fresh model's vocabulary is its tokenizer's (the
+    newest, or --tokenizer), as at launch; None without a tokenizer, or with --vocab-size."""
+    from ghostvis_core.data.tokenizer import load_tokenizer, newest_tokenizer
+
+    if not args.recipe or "model.vocab_size" in overrides:
+        return None
+    store = Home.from_env().store
+    if not args.tokenizer and not store.keys("tokenizer"):
+        return None
+    tok = load_tokenizer(args.tokenizer or newest_tokenizer(store), store)
+    return TokenizerVocab(tok.tokenizer_id, tok.vocab_size)
+
+
+def preflight_refusals(stage_name: str, cfg, sources: list[dict]) -> list[str]:
+    """What the LM pre-flight will refuse in this plan: a source read more than once without data.allow_repeat
+    (the same figures and message, budget.shortfall)."""
+    if stage(stage_name).objective != "lm" or cfg.data.allow_repeat:
+        return []
+    return [
+        shortfall(sp["source"], sp["needed_tokens"], sp["available_tokens"], sp["shards_available"])
+        for sp in sources
+        if sp["available_tokens"] is not None and sp["needed_tokens"] > sp["available_tokens"]
+    ]
+
+
+def refuse_short(refusals: list[str]) -> int:
+    """Exit 2 with the pre-flight's message when the run would be refused at launch."""
+    if refusals:
+        print(
+            f"ghostvis: error: this run would be refused at launch: pre-flight failed: {'; '.join(refusals)}",
+            file=sys.stderr,
+        )
+        return 2
+    return 0
 
 
 def refuse_unfit(stage_name: str, mp: MemoryPlan) -> int:

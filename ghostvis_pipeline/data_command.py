@@ -1,6 +1,6 @@
 """`ghostvis data`: the backfill of every registered shard, in one Dagster run per asset (download,
 tokenizer, tokenization, ledger), recorded in DAGSTER_HOME like a backfill started from the UI; then the
-documents tokenization dropped, per shard and reason."""
+documents tokenization dropped, per shard and reason, and a trained tokenizer smaller than the preset plans."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 
 from ghostvis_core.home import Home
 from ghostvis_core.plan import selected
+from ghostvis_core.plan.presets import vocabulary_note
 from ghostvis_pipeline.subcommand import subcommand
 
 
@@ -21,17 +22,14 @@ def cmd_data(args) -> int:
     prepare_environment(Home.from_env())
     t0 = time.time()
     brought = {"from_model": args.tokenizer_of} if args.tokenizer_of else {"from_file": args.tokenizer_file}
-    runs = materialize_data(
-        DagsterInstance.get(),
-        args.preset or selected.default_preset(),
-        brought if args.tokenizer_of or args.tokenizer_file else None,
-    )
+    trained = not (args.tokenizer_of or args.tokenizer_file)
+    preset = args.preset or selected.default_preset()
+    runs = materialize_data(DagsterInstance.get(), preset, None if trained else brought)
     print(format_summary(runs, time.time() - t0))
-    print(
-        "\n".join(
-            dropped_lines(Home.from_env().store, newest_metadata(DagsterInstance.get(), "tokenizer")["tokenizer_id"])
-        )
-    )
+    tokenizer = newest_metadata(DagsterInstance.get(), "tokenizer")
+    print("\n".join(dropped_lines(Home.from_env().store, tokenizer["tokenizer_id"])))
+    if trained and (note := vocabulary_note(tokenizer["tokenizer_id"], tokenizer["vocab_size"], preset)):
+        print(f"note: {note}")
     return 0 if all(passed for r in runs for *_, passed in r.checks) else 1
 
 
