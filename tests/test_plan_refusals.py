@@ -67,3 +67,19 @@ def test_a_budget_the_preflight_refuses_is_refused_by_the_plan_with_its_fix(smal
     assert "set data.allow_repeat=true" in refusal
     rc, plan, err = plan_json(capsys, "--steps", "12", "--set", "data.allow_repeat=true")  # the fix
     assert (rc, err, "refused_at_launch" in plan) == (0, "", False)
+
+
+def test_the_plan_refuses_what_the_preflight_refuses_with_the_same_message(home_copy, monkeypatch, capsys):
+    """On the demo home: 5,000 smoke pretrain steps over demo_prose and demo_code need more than is tokenized;
+    the plan's refusal is the job's pre-flight refusal, to the token and the word."""
+    from ghostvis_core.errors import GhostvisError
+    from ghostvis_core.launch.start import prepare_run
+    from ghostvis_core.run.preflight import check_run
+
+    home = Home(home_copy)
+    monkeypatch.setenv("GHOSTVIS_HOME", str(home_copy))
+    with pytest.raises(GhostvisError) as refused:
+        check_run(prepare_run("pretrain", preset="smoke", home=home, overrides={"budget.steps": "5000"}), home.store)
+    argv = ["plan", "--preset", "smoke", "--recipe", "demo_prose=0.5,demo_code=0.5", "--steps", "5000"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"ghostvis: error: this run would be refused at launch: {refused.value}\n"
