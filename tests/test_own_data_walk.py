@@ -17,7 +17,7 @@ import pytest
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
-from tests.conftest import BIN, cli_env, run_cli
+from tests.conftest import BIN, cli_env
 
 pytestmark = pytest.mark.e2e
 
@@ -94,16 +94,25 @@ def sources_yaml(root: Path) -> str:
     return json.dumps({"ops": {"shard_manifest": {"config": {"sources": [], "remote": remote}}}})
 
 
-def ghostvis(home: Path, *args: str, check: bool = True):
-    return run_cli(
-        ["ghostvis", *args], home, timeout=900, check=check, GHOSTVIS_PRESET="tiny", GHOSTVIS_LINEAGE=LINEAGE
-    )
+def run(home: Path, *argv: str, check: bool = True, stdin: str | None = None) -> subprocess.CompletedProcess:
+    """A console script of this venv against `home`, as the user runs it: the tiny preset, the walk's lineage."""
+    env = {**cli_env(home, GHOSTVIS_LINEAGE=LINEAGE), "GHOSTVIS_PRESET": "tiny"}
+    proc = subprocess.run([str(BIN / argv[0]), *argv[1:]], env=env, input=stdin, capture_output=True, text=True,
+                          timeout=900, cwd=home.parent)  # fmt: skip
+    if check:
+        assert proc.returncode == 0, (
+            f"{' '.join(argv)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+        )
+    return proc
+
+
+def ghostvis(home: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return run(home, "ghostvis", *args, check=check)
 
 
 def list_sources(home: Path, root: Path) -> None:
-    select = ["--select", "shard_manifest", "-c", str(root / "sources.yaml")]
-    run_cli(["dagster", "asset", "materialize", "-m", "ghostvis_pipeline.definitions", *select], home,
-            GHOSTVIS_PRESET="tiny", GHOSTVIS_LINEAGE=LINEAGE)  # fmt: skip
+    run(home, "dagster", "asset", "materialize", "-m", "ghostvis_pipeline.definitions", "--select", "shard_manifest",
+        "-c", str(root / "sources.yaml"))  # fmt: skip
 
 
 def refused(proc, *parts: str) -> str:
@@ -151,8 +160,5 @@ def test_own_data_from_an_empty_folder_through_pretrain_sft_dpo_rl(tmp_path):
         (line,) = [row for row in ledger_out.splitlines() if row.startswith(f"{stage} ")]
         assert line.endswith(" passed"), line
     ghostvis(home, "audit")
-    env = cli_env(home, GHOSTVIS_PRESET="tiny", GHOSTVIS_LINEAGE=LINEAGE)
-    chat = subprocess.run([str(BIN / "ghostvis"), "chat", "--stage", "sft", "--max-tokens", "16"], env=env,
-                          input="amber basil?\nwillow yew?\n", capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert chat.returncode == 0, chat.stderr[-3000:]
+    chat = run(home, "ghostvis", "chat", "--stage", "sft", "--max-tokens", "16", stdin="amber basil?\nwillow yew?\n")
     assert len(chat.stdout.splitlines()) == 2 and "<|" not in chat.stdout
