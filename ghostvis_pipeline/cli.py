@@ -34,6 +34,7 @@ from ghostvis_core.plan.budget import (
 )
 from ghostvis_core.plan.budget import plan as make_plan
 from ghostvis_core.plan.config import parse_sets
+from ghostvis_core.plan.origins import setting_origins
 from ghostvis_core.plan.presets import TokenizerVocab, vocabulary_note
 from ghostvis_core.plan.run_modes import (
     MODES,
@@ -190,6 +191,8 @@ def cmd_plan(args) -> int:
     overrides = plan_overrides(args)
     vocab = data_vocab(args, overrides)
     cfg = presets.resolve(args.stage, mode.name if mode else args.preset, overrides, vocab=vocab)
+    if args.settings:
+        return print_settings(cfg, overrides, args.json)
     step_time = StepTime(args.step_time, args.gpu, args.mfu)
     if args.hours is not None:
         cfg = budget_for_hours(cfg, args.hours, step_time, params=args.params)
@@ -223,6 +226,18 @@ def cmd_plan(args) -> int:
     for note in notes:
         print(f"  note: {note}")
     return refuse_unfit(args.stage, memory) or refuse_short(refusals)
+
+
+def print_settings(cfg, overrides: dict[str, Any], as_json: bool) -> int:
+    """`ghostvis plan --settings`: every resolved setting of the stage and where it comes from."""
+    rows = setting_origins(cfg, overrides)
+    if as_json:
+        print(json.dumps([{"key": k, "value": v, "from": o} for k, v, o in rows], indent=2, default=str))
+        return 0
+    print(f"{cfg.stage} ({cfg.preset}): {len(rows)} settings")
+    for key, value, origin in rows:
+        print(f"  {key:<32} {json.dumps(value, default=str):<28} {origin}")
+    return 0
 
 
 def data_vocab(args, overrides: dict[str, Any]) -> TokenizerVocab | None:
@@ -604,6 +619,15 @@ PLAN_INT_FLAGS = {
 }
 
 
+PLAN_SWITCHES = {
+    "modes": "list the run modes with the steps, tokens and hours the planner derives for each, and whether each "
+    "fits its GPU",
+    "settings": "print every resolved setting of the stage and where it comes from: --set, the preset, the model, "
+    "the stage table and lineage, or the default",
+    "json": "print the plan (and memory plan) as JSON",
+}
+
+
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage", default="pretrain", choices=stage_names(), help="the stage to plan (default pretrain)")
     p.add_argument(
@@ -617,12 +641,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         help="a run mode: model preset, GPU, GPUs, hours and MFU; the "
         "planner derives steps and tokens and checks the memory (see --modes)",
     )
-    p.add_argument(
-        "--modes",
-        action="store_true",
-        help="list the run modes with the steps, tokens and hours the "
-        "planner derives for each, and whether each fits its GPU",
-    )
+    for flag, text in PLAN_SWITCHES.items():
+        p.add_argument(f"--{flag}", action="store_true", help=text)
     for flag, text in PLAN_INT_FLAGS.items():
         p.add_argument(f"--{flag}", type=int, help=text)
     p.add_argument("--tokens-per-param", type=float, help="budget: tokens per parameter (20 = Chinchilla)")
@@ -661,7 +681,6 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--price", type=float, help="price per GPU-hour")
     p.add_argument("--recipe", help="mixture source=weight,...: per source tokens, epochs and shards from the ledger")
     p.add_argument("--tokenizer", help="count ledger shards of this tokenizer only")
-    p.add_argument("--json", action="store_true", help="print the plan (and memory plan) as JSON")
 
 
 def user_error(exc: BaseException) -> str | None:
