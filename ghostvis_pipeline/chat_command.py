@@ -1,5 +1,6 @@
 """`ghostvis chat`: talk to any stage with a chat model (sft, dpo, rl) in the terminal, by default the
-lineage's newest one; stdin may be piped (one reply per line on stdout)."""
+lineage's newest one; stdin may be piped (one reply per line on stdout). A reply ends at the end-of-turn
+token, or any other special token (end of text, the next turn's marker), and no special token is printed."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from ghostvis_pipeline.subcommand import subcommand
 
 
 def cmd_chat(args) -> int:
-    """Talk to a chat stage's checkpoint: the chat template, KV-cached sampling, stop at <|eot|>."""
+    """Talk to a chat stage's checkpoint: the chat template, KV-cached sampling, stop at the turn's end."""
     import torch
 
     from ghostvis_core.data.chat import render_prompt
@@ -22,6 +23,7 @@ def cmd_chat(args) -> int:
     home = Home.from_env()
     ts = load_stage(home, args.stage or newest_chat_stage(home), args.run)
     tok, interactive = ts.tok, sys.stdin.isatty()
+    turn_ends = special_ids(tok)
     gen = torch.Generator().manual_seed(args.seed)
     messages: list[dict] = []
     # which model answers: on stdout for a person, on stderr when piped (stdout holds only the replies)
@@ -39,13 +41,27 @@ def cmd_chat(args) -> int:
                 args.max_tokens,
                 temperature=args.temperature,
                 top_k=args.top_k,
-                stop_tokens=(tok.eot,),
+                stop_tokens=turn_ends,
                 generator=gen,
+                vocab=tok.vocab_size,
             )
-        reply = tok.decode([t for t in out if t != tok.eot])
+        reply = reply_text(tok, out)
         messages.append({"role": "assistant", "content": reply})
         # piped: one line per reply, so a script can pair prompts and answers
         print(f"assistant> {reply}" if interactive else " ".join(reply.splitlines()), flush=True)
+
+
+def special_ids(tok) -> tuple[int, ...]:
+    """Every special token's id: where a reply ends. A reply is content only, so <|eot|> (end of turn), an
+    end of text (<|bos|>, <|endoftext|>) or a role marker starting the next turn each close it."""
+    return tuple(sorted(tok.enc.encode_single_token(t) for t in tok.enc.special_tokens_set))
+
+
+def reply_text(tok, out: list[int]) -> str:
+    """The reply's text: the generated ids before the first special token (which is never printed)."""
+    ends = set(special_ids(tok))
+    cut = next((i for i, t in enumerate(out) if t in ends), len(out))
+    return tok.decode(out[:cut])
 
 
 def newest_chat_stage(home: Home) -> str:

@@ -1,6 +1,8 @@
 """The `ghostvis` command: init, demo, plan, ledger, audit (chat, train, ... in their *_command modules).
 
-Bad input ends with one line naming the problem and the fix (exit code 2), not a traceback.
+Bad input ends with GhostVis's message naming the problem, the figures and the fix (exit code 2), a failed
+blocking check with its failure lines as `ghostvis audit` prints them; any other failure with its type and
+message (exit code 1). A traceback only with `--debug`.
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ from ghostvis_core.plan.budget import (
     StepTime,
     budget_for_hours,
     memory_refusal,
+    shortfall,
     source_plan,
 )
 from ghostvis_core.plan.budget import plan as make_plan
 from ghostvis_core.plan.config import parse_sets
+from ghostvis_core.plan.origins import setting_origins
+from ghostvis_core.plan.presets import TokenizerVocab, vocabulary_note
 from ghostvis_core.plan.run_modes import (
     MODES,
     RunMode,
@@ -185,13 +190,19 @@ def cmd_plan(args) -> int:
         return print_modes(args.stage, args.json)
     mode = plan_mode_args(args)
     overrides = plan_overrides(args)
-    cfg = presets.resolve(args.stage, mode.name if mode else args.preset, overrides)
+    vocab = data_vocab(args, overrides)
+    cfg = presets.resolve(args.stage, mode.name if mode else args.preset, overrides, vocab=vocab)
+    if args.settings:
+        return print_settings(cfg, overrides, args.json)
     step_time = StepTime(args.step_time, args.gpu, args.mfu)
     if args.hours is not None:
         cfg = budget_for_hours(cfg, args.hours, step_time, params=args.params)
     p = make_plan(cfg, step_time=step_time, price_per_gpu_hour=args.price, params=args.params)
     sources = recipe_report(args, p)
-    notes = plan_notes(args)
+    notes = plan_notes(args) + (
+        [n] if vocab and (n := vocabulary_note(vocab.tokenizer_id, vocab.size, args.preset)) else []
+    )
+    refusals = preflight_refusals(args.stage, cfg, sources)
     memory = MemoryPlan.from_dict(p.memory)
     if args.json:
         print(
@@ -203,18 +214,68 @@ def cmd_plan(args) -> int:
                     **p.to_dict(),
                     **({"sources": sources, "needed_tokens_rule": needed_rule(args.stage)} if sources else {}),
                     **({"notes": notes} if notes else {}),
+                    **({"refused_at_launch": refusals} if refusals else {}),
                 },
                 indent=2,
             )
         )
-        return refuse_unfit(args.stage, memory)
+        return refuse_unfit(args.stage, memory) or refuse_short(refusals)
     if mode:
         print(f"run mode {mode.name}: {describe(mode)}")
     print_plan(args, p, sources)
     print_memory(memory)
     for note in notes:
         print(f"  note: {note}")
-    return refuse_unfit(args.stage, memory)
+    return refuse_unfit(args.stage, memory) or refuse_short(refusals)
+
+
+def print_settings(cfg, overrides: dict[str, Any], as_json: bool) -> int:
+    """`ghostvis plan --settings`: every resolved setting of the stage and where it comes from."""
+    rows = setting_origins(cfg, overrides)
+    if as_json:
+        print(json.dumps([{"key": k, "value": v, "from": o} for k, v, o in rows], indent=2, default=str))
+        return 0
+    print(f"{cfg.stage} ({cfg.preset}): {len(rows)} settings")
+    for key, value, origin in rows:
+        print(f"  {key:<32} {json.dumps(value, default=str):<28} {origin}")
+    return 0
+
+
+def data_vocab(args, overrides: dict[str, Any]) -> TokenizerVocab | None:
+    """With --recipe the plan is of the data in the home: a fresh model's vocabulary is its tokenizer's (the
+    newest, or --tokenizer), as at launch; None without a tokenizer, or with --vocab-size."""
+    from ghostvis_core.data.tokenizer import load_tokenizer, newest_tokenizer
+
+    if not args.recipe or "model.vocab_size" in overrides:
+        return None
+    store = Home.from_env().store
+    if not args.tokenizer and not store.keys("tokenizer"):
+        return None
+    tok = load_tokenizer(args.tokenizer or newest_tokenizer(store), store)
+    return TokenizerVocab(tok.tokenizer_id, tok.vocab_size)
+
+
+def preflight_refusals(stage_name: str, cfg, sources: list[dict]) -> list[str]:
+    """What the LM pre-flight will refuse in this plan: a source read more than once without data.allow_repeat
+    (the same figures and message, budget.shortfall)."""
+    if stage(stage_name).objective != "lm" or cfg.data.allow_repeat:
+        return []
+    return [
+        shortfall(sp["source"], sp["needed_tokens"], sp["available_tokens"], sp["shards_available"])
+        for sp in sources
+        if sp["available_tokens"] is not None and sp["needed_tokens"] > sp["available_tokens"]
+    ]
+
+
+def refuse_short(refusals: list[str]) -> int:
+    """Exit 2 with the pre-flight's message when the run would be refused at launch."""
+    if refusals:
+        print(
+            f"ghostvis: error: this run would be refused at launch: pre-flight failed: {'; '.join(refusals)}",
+            file=sys.stderr,
+        )
+        return 2
+    return 0
 
 
 def refuse_unfit(stage_name: str, mp: MemoryPlan) -> int:
@@ -335,7 +396,25 @@ def ledger_report(home: Home, tokenizer_id: str | None) -> dict[str, Any]:
 
     ledger = Ledger.in_store(home.store)
     shards = ledger.shards(tokenizer_id=tokenizer_id)
-    return {"shards": shards, "runs": run_summaries(ledger), "contamination": shard_contamination(ledger, shards)}
+    runs = run_summaries(ledger)
+    return {
+        "shards": shards,
+        "runs": runs,
+        "checks": check_verdicts(home, sorted({r.stage for r in runs})),
+        "contamination": shard_contamination(ledger, shards),
+    }
+
+
+def check_verdicts(home: Home, stages: list[str]) -> dict[str, str]:
+    """Per run key, whether its blocking checks passed, from the home's Dagster instance (none: no verdicts)."""
+    if not (home.dagster_home / "storage").exists():
+        return {}
+    from dagster import DagsterInstance
+
+    from ghostvis_pipeline.check_failures import run_verdicts
+
+    with DagsterInstance.from_config(str(home.dagster_home)) as instance:
+        return run_verdicts(instance, stages)
 
 
 def resolve_run(home: Home, ledger: Ledger, name: str) -> str:
@@ -399,8 +478,9 @@ def cmd_ledger(args) -> int:
     report = ledger_report(Home.from_env(), args.tokenizer)
     if args.json:
         shards = [dataclasses.asdict(r) for r in report["shards"]]
-        runs = [r.as_dict() for r in report["runs"]]
-        print(json.dumps({**report, "shards": shards, "runs": runs}, indent=2, default=str))
+        runs = [{**r.as_dict(), "checks": report["checks"].get(r.run_key, "-")} for r in report["runs"]]
+        contamination = report["contamination"]
+        print(json.dumps({"shards": shards, "runs": runs, "contamination": contamination}, indent=2, default=str))
         return 0
     shards, contamination = report["shards"], report["contamination"]
     print(
@@ -429,14 +509,16 @@ def cmd_ledger(args) -> int:
     print()
     print(
         f"{'stage':<20} {'run_key':<28} {'steps':>6} {'planned':>11} {'real':>11} {'pad':>9} {'loss':>11} "
-        f"{'cropped':>9} seg"
+        f"{'cropped':>9} seg checks"
     )
     for r in report["runs"]:
         t, c = r.totals, r.totals.counts
         print(
             f"{r.stage:<20} {r.run_key:<28} {t.steps:>6} {r.planned_tokens:>11,} {c.real_tokens:>11,} "
-            f"{c.pad_tokens:>9,} {c.loss_tokens:>11,} {c.cropped_tokens:>9,} {len(t.segments)}"
+            f"{c.pad_tokens:>9,} {c.loss_tokens:>11,} {c.cropped_tokens:>9,} {len(t.segments):>3} "
+            f"{report['checks'].get(r.run_key, '-')}"
         )
+    print("(checks: the run's blocking checks in Dagster; FAILED names them, `ghostvis audit` says what disagrees)")
     return 0
 
 
@@ -539,6 +621,15 @@ PLAN_INT_FLAGS = {
 }
 
 
+PLAN_SWITCHES = {
+    "modes": "list the run modes with the steps, tokens and hours the planner derives for each, and whether each "
+    "fits its GPU",
+    "settings": "print every resolved setting of the stage and where it comes from: --set, the preset, the model, "
+    "the stage table and lineage, or the default",
+    "json": "print the plan (and memory plan) as JSON",
+}
+
+
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage", default="pretrain", choices=stage_names(), help="the stage to plan (default pretrain)")
     p.add_argument(
@@ -552,12 +643,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
         help="a run mode: model preset, GPU, GPUs, hours and MFU; the "
         "planner derives steps and tokens and checks the memory (see --modes)",
     )
-    p.add_argument(
-        "--modes",
-        action="store_true",
-        help="list the run modes with the steps, tokens and hours the "
-        "planner derives for each, and whether each fits its GPU",
-    )
+    for flag, text in PLAN_SWITCHES.items():
+        p.add_argument(f"--{flag}", action="store_true", help=text)
     for flag, text in PLAN_INT_FLAGS.items():
         p.add_argument(f"--{flag}", type=int, help=text)
     p.add_argument("--tokens-per-param", type=float, help="budget: tokens per parameter (20 = Chinchilla)")
@@ -596,7 +683,6 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--price", type=float, help="price per GPU-hour")
     p.add_argument("--recipe", help="mixture source=weight,...: per source tokens, epochs and shards from the ledger")
     p.add_argument("--tokenizer", help="count ledger shards of this tokenizer only")
-    p.add_argument("--json", action="store_true", help="print the plan (and memory plan) as JSON")
 
 
 def user_error(exc: BaseException) -> str | None:
@@ -622,9 +708,16 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except Exception as exc:
-        message = user_error(exc)
-        if message is None:
+        if getattr(args, "debug", False):  # `ghostvis store` has no --debug
             raise
+        message = user_error(exc)
+        if message is None:  # not bad input: name it, and how to see where it came from
+            print(
+                f"ghostvis: error: {args.cmd} failed: {type(exc).__name__}: {exc}\n"
+                f"(not a known bad input: rerun with --debug for the traceback, and report it with the command)",
+                file=sys.stderr,
+            )
+            return 1
         print(f"ghostvis: error: {message}", file=sys.stderr)
         return 2
 

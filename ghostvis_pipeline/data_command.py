@@ -1,5 +1,6 @@
 """`ghostvis data`: the backfill of every registered shard, in one Dagster run per asset (download,
-tokenizer, tokenization, ledger), recorded in DAGSTER_HOME like a backfill started from the UI."""
+tokenizer, tokenization, ledger), recorded in DAGSTER_HOME like a backfill started from the UI; then the
+documents tokenization dropped, per shard and reason, and a trained tokenizer smaller than the preset plans."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import time
 
 from ghostvis_core.home import Home
 from ghostvis_core.plan import selected
+from ghostvis_core.plan.presets import vocabulary_note
 from ghostvis_pipeline.subcommand import subcommand
 
 
@@ -15,17 +17,42 @@ def cmd_data(args) -> int:
 
     from ghostvis_pipeline.demo import format_summary, materialize_data
     from ghostvis_pipeline.environment import prepare_environment
+    from ghostvis_pipeline.metadata import newest_metadata
 
     prepare_environment(Home.from_env())
     t0 = time.time()
     brought = {"from_model": args.tokenizer_of} if args.tokenizer_of else {"from_file": args.tokenizer_file}
-    runs = materialize_data(
-        DagsterInstance.get(),
-        args.preset or selected.default_preset(),
-        brought if args.tokenizer_of or args.tokenizer_file else None,
-    )
+    trained = not (args.tokenizer_of or args.tokenizer_file)
+    preset = args.preset or selected.default_preset()
+    runs = materialize_data(DagsterInstance.get(), preset, None if trained else brought)
     print(format_summary(runs, time.time() - t0))
+    tokenizer = newest_metadata(DagsterInstance.get(), "tokenizer")
+    print("\n".join(dropped_lines(Home.from_env().store, tokenizer["tokenizer_id"])))
+    if trained and (note := vocabulary_note(tokenizer["tokenizer_id"], tokenizer["vocab_size"], preset)):
+        print(f"note: {note}")
     return 0 if all(passed for r in runs for *_, passed in r.checks) else 1
+
+
+def dropped_lines(store, tokenizer_id: str) -> list[str]:
+    """Per shard, the documents tokenization dropped and why (exact duplicates, filters, empty texts), so
+    no drop is silent; the ledger keeps the same figures (`ghostvis ledger --json`: drop_reasons)."""
+    import json
+
+    from ghostvis_core.data.ledger import Ledger
+
+    shards = Ledger.in_store(store).shards(tokenizer_id=tokenizer_id)
+    lines = []
+    for r in shards:
+        if r.docs_dropped:
+            reasons = ", ".join(
+                f"{reason} {d['docs']:,} ({d['tokens']:,} tokens)" for reason, d in json.loads(r.drop_reasons).items()
+            )
+            lines.append(
+                f"  {r.shard_id:<26} kept {r.docs:,} of {r.docs + r.docs_dropped:,} documents; dropped: {reasons}"
+            )
+    dropped = sum(r.docs_dropped for r in shards)
+    head = f"dropped at tokenization: {dropped:,} of {sum(r.docs for r in shards) + dropped:,} documents"
+    return [head + (":" if lines else ""), *lines]
 
 
 def add_parser(sub) -> None:

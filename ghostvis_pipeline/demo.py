@@ -4,6 +4,7 @@ instance (DAGSTER_HOME) and the MLflow store, then print a per-asset breakdown."
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ from dagster import DagsterInstance
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan import selected
+from ghostvis_pipeline.check_failures import check_failure_error, failed_check_lines
 from ghostvis_pipeline.definitions import defs
 from ghostvis_pipeline.environment import prepare_environment
 from ghostvis_pipeline.partitions import shard_partitions
@@ -41,16 +43,28 @@ def materialize(
 ) -> RunSummary:
     """One Dagster run of the implicit asset job for `assets` (and their checks), like
     `dagster asset materialize --select ...`, recorded in the instance."""
-    from dagster import AssetKey
+    from dagster import AssetKey, DagsterError
 
     keys = [AssetKey(a) for a in assets]
     job = defs.resolve_implicit_job_def_def_for_assets(keys)
     tags = {"ghostvis/demo": "true"}
     if partition_range:
         tags |= {PARTITION_RANGE_START_TAG: partition_range[0], PARTITION_RANGE_END_TAG: partition_range[1]}
-    result = job.execute_in_process(
-        instance=instance, asset_selection=keys, tags=tags, run_config=run_config or {}, raise_on_error=True
-    )
+    run_id = str(uuid.uuid4())  # a Dagster run id, known before the run: its events name a failed check
+    try:
+        result = job.execute_in_process(
+            instance=instance,
+            asset_selection=keys,
+            tags=tags,
+            run_config=run_config or {},
+            raise_on_error=True,
+            run_id=run_id,
+        )
+    except DagsterError:  # a blocking check's failure (Dagster's error names only the checks): what they found
+        failed = failed_check_lines(instance, run_id)
+        if not failed:
+            raise
+        raise check_failure_error(failed, run_id) from None
     summary = RunSummary(result.run_id)
     starts: dict[str, float] = {}
     for entry in instance.all_logs(result.run_id):

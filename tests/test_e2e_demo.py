@@ -278,3 +278,4 @@ def test_chat_answers_piped_prompts_and_exits_cleanly(demo_home):
     )
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.splitlines()) == 2  # one reply line per prompt, then EOF ends the session
+    assert "<|" not in proc.stdout  # a special token ends a reply and is never printed

@@ -280,13 +280,12 @@ def _fetch_once(
             size, digest = _download_to(tmp, entry, what)
             if entry.bytes is not None and size != entry.bytes:
                 raise GhostvisError(
-                    f"{what}: size mismatch (expected {entry.bytes} bytes, got {size}); "
-                    f"the source changed or the transfer was cut; re-materialize raw_shards partition {shard_id}"
+                    f"{what}: size mismatch (expected {entry.bytes} bytes, got {size}); {_changed_fix(shard_id)}"
                 )
             if entry.sha256 and digest != entry.sha256:
                 raise GhostvisError(
                     f"{what}: checksum mismatch (expected sha256 {entry.sha256}, got {digest}); "
-                    f"fix the manifest's sha256 or the source file, then re-materialize raw_shards partition {shard_id}"
+                    f"{_changed_fix(shard_id)}"
                 )
             if check is not None and check(tmp):
                 size, digest = tmp.stat().st_size, sha256_file(tmp)
@@ -297,6 +296,18 @@ def _fetch_once(
         raise GhostvisError(
             f"{what}: {e.strerror or e} ({e.filename or dest}); check free space and permissions under {dest.parent}"
         ) from None
+
+
+def _changed_fix(shard_id: str) -> str:
+    """The fix for a file whose size or sha256 is not the manifest's: the manifest's figures are what the
+    file was when shard_manifest listed it (or what its shard list declares), so a file changed since is
+    re-listed, not re-downloaded; a cut transfer is downloaded again."""
+    return (
+        f"if the file changed since it was listed, re-materialize shard_manifest (it lists the file's new size "
+        f"and sha256; the shard is then a new version) or fix the size and sha256 in the source's shard list, "
+        f"then raw_shards partition {shard_id}; if the transfer was cut, re-materialize raw_shards partition "
+        f"{shard_id}"
+    )
 
 
 def _download_to(tmp: Path, entry: ShardEntry, what: str) -> tuple[int, str]:

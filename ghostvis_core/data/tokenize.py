@@ -215,21 +215,22 @@ class TokenShardWriter(PipelineStep):
         scalars: dict[str, list] = {}
         dropped: dict[str, dict[str, int]] = {}
         rows, doc_hashes, doc_ngrams = [], [], []  # per kept document: its row, doc_hash, winnowed 13-gram hashes
-        text_bytes, seen = 0, set()  # the kept documents' UTF-8 bytes; their doc_hashes
+        text_bytes, seen = 0, set()  # the kept documents' UTF-8 bytes; their duplicate keys
         for doc in data:
             reason = doc.metadata.get("dropped")
             raw = doc.text.encode("utf-8")
             digest = doc_hash(job.kind, raw, doc)
+            key = duplicate_key(job.kind, digest, doc)
             if reason is None and not raw:
                 reason = "empty_text"
-            elif reason is None and digest in seen:
+            elif reason is None and key in seen:
                 reason = "exact_duplicate"
             if reason is not None:  # counted with its tokens, so the ledger explains raw vs trained
                 tokens = len(encode_document(tok, job.kind, doc)["tokens"]) if raw else 0
                 d = dropped.setdefault(reason, {"docs": 0, "tokens": 0})
                 d["docs"], d["tokens"] = d["docs"] + 1, d["tokens"] + tokens
                 continue
-            seen.add(digest)
+            seen.add(key)
             for col, value in encode_document(tok, job.kind, doc).items():
                 if isinstance(value, (list, np.ndarray)):
                     lengths, chunks = lists.setdefault(col, ([], []))
@@ -284,6 +285,20 @@ def doc_hash(kind: str, text_utf8: bytes, doc: Document) -> str:
     h = hashlib.sha1(text_utf8)
     if kind != "text" and (image := doc.metadata["record"].get("image")):
         h.update(image)
+    return h.hexdigest()
+
+
+def duplicate_key(kind: str, digest: str, doc: Document) -> str:
+    """What makes a document an exact duplicate inside a shard: its doc_hash, and for a preference pair
+    also its chosen and rejected replies. Several pairs for one prompt are distinct records (as preference
+    data usually comes) and all kept; only the same prompt, chosen and rejected is dropped. The ledger keeps
+    the pair's doc_hash, its prompt's: the train/validation overlap check then finds a validation prompt
+    with a pair in a train shard, so a validation prompt never trains."""
+    if kind != "preference":
+        return digest
+    h = hashlib.sha1(digest.encode("ascii"))
+    for reply in ("chosen", "rejected"):
+        h.update(b"\0" + prompt_text(doc.metadata["record"][reply]).encode("utf-8"))
     return h.hexdigest()
 
 

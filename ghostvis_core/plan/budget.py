@@ -424,6 +424,20 @@ def mixture_rows(weights: dict[str, float], n_rows: int) -> dict[str, int]:
     return dict(zip(weights, MixtureSchedule(list(weights.values())).rows_before(n_rows)))
 
 
+def shortfall(source: str, needed: int, available: int, shards: int) -> str:
+    """The pre-flight's refusal of a source the budget reads more than once without data.allow_repeat, with its
+    fixes; `ghostvis plan --recipe` says the same before a run is launched."""
+    epochs = needed / max(1, available)
+    per_shard = available / max(1, shards)
+    more = math.ceil((needed - available) / max(1.0, per_shard))
+    return (
+        f"source {source}: the budget needs {needed:,} tokens but {available:,} are available in "
+        f"{shards} tokenized shards ({epochs:.2f} epochs); tokenize about {more} more shards "
+        f"(~{per_shard:,.0f} tokens each) or lower the budget, or set data.allow_repeat=true to repeat "
+        f"the data {epochs:.2f} times"
+    )
+
+
 def source_plan(
     weights: dict[str, float], planned_tokens: int, shards: dict[str, list[tuple[str, int]]], seq_len: int | None = None
 ) -> list[SourcePlan]:

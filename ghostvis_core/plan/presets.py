@@ -407,11 +407,29 @@ def follow_registered_sources(cfg: StageConfig, sources: RegisteredSources, pres
     return dataclasses.replace(cfg, data=data)
 
 
+def padded_vocab(tokens: int) -> int:
+    """The vocab_size a model is built with for a tokenizer of `tokens` tokens: padded to a multiple of 64."""
+    return 64 * math.ceil(tokens / 64)
+
+
+def vocabulary_note(tokenizer_id: str, tokens: int, preset: str) -> str | None:
+    """Said where a tokenizer is made and where a model is sized: a trained tokenizer smaller than its preset
+    plans (too little distinct text to learn that many merges), and the vocab_size a fresh model gets."""
+    planned = tokenizer_vocab(run_modes.model_preset(preset))
+    if tokens >= planned:
+        return None
+    return (
+        f"tokenizer {tokenizer_id} has {tokens:,} tokens, fewer than the {planned:,} the {preset} preset plans (the "
+        f"text holds too few distinct pairs to merge that often): a new model is built and priced with vocab_size "
+        f"{padded_vocab(tokens):,} ({tokens:,} padded to 64); more text or the tokenizer asset's vocab_size changes it"
+    )
+
+
 def fit_vocab(
     cfg: StageConfig, vocab: TokenizerVocab, overrides: dict[str, Any], upstream: dict[str, Any] | None
 ) -> StageConfig:
     """A fresh model takes the tokenizer's vocabulary (padded to 64); a continued one must match it."""
-    padded = 64 * math.ceil(vocab.size / 64)
+    padded = padded_vocab(vocab.size)
     if upstream is None:
         if "model.vocab_size" in overrides and cfg.model.vocab_size != padded:
             raise GhostvisError(

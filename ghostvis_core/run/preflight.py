@@ -9,14 +9,13 @@ is a record of its own beside the run (run/preflight_record.py); the launch spec
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 from typing import TYPE_CHECKING
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.plan.budget import detected_gpu, memory_plan, memory_refusal
+from ghostvis_core.plan.budget import detected_gpu, memory_plan, memory_refusal, shortfall
 from ghostvis_core.run.preflight_record import PreflightRecord, SourceBudget
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.store import Store
@@ -91,14 +90,7 @@ def preflight(cfg: StageConfig, p: Plan, objective) -> dict[str, SourceBudget]:
         epochs = needed / max(1, available)
         report[rs.source] = SourceBudget(needed, available, shards, round(epochs, 3))
         if needed > available and not cfg.data.allow_repeat:
-            per_shard = available / shards
-            more = math.ceil((needed - available) / max(1.0, per_shard))
-            problems.append(
-                f"source {rs.source}: the budget needs {needed:,} tokens but {available:,} are available in "
-                f"{shards} tokenized shards ({epochs:.2f} epochs); tokenize about {more} more shards "
-                f"(~{per_shard:,.0f} tokens each) or lower the budget, or set data.allow_repeat=true to repeat "
-                f"the data {epochs:.2f} times"
-            )
+            problems.append(shortfall(rs.source, needed, available, shards))
     if problems:
         raise GhostvisError("pre-flight failed: " + "; ".join(problems))
     return report
