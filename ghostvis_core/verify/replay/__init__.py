@@ -7,5 +7,6 @@ ledger says were fed (built by the audit's own reader), and compared with the ch
 - steps.py: the optimizer steps of an interval, the ranks' gradient all-reduce repeated in one process;
 - compare.py: weights and optimizer state against a checkpoint, tensor by tensor, bit for bit;
 - worker.py: one interval in its own process (`python -m ghostvis_core.verify.replay.worker`);
+- settings.py: K and the seed;
 - check.py: the `replay_matches` check: K intervals, each in a worker, one verdict.
 """
