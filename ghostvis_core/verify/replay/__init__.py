@@ -8,5 +8,6 @@ ledger says were fed (built by the audit's own reader), and compared with the ch
 - compare.py: weights and optimizer state against a checkpoint, tensor by tensor, bit for bit;
 - worker.py: one interval in its own process (`python -m ghostvis_core.verify.replay.worker`);
 - settings.py: K and the seed;
+- record.py: where the verdict is kept, and its few words for the report card;
 - check.py: the `replay_matches` check: K intervals, each in a worker, one verdict.
 """

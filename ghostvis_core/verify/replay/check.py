@@ -1,6 +1,6 @@
 """The `replay_matches` check: K of a run's checkpoint intervals (seeded, the last always among them), each
 replayed in a process of its own (worker.py), each compared bit for bit with the checkpoint after it. The
-verdict is kept in the store (report `replay/<stage>/<run_key>.json`), where the report card reads it."""
+verdict is kept in the store (record.py), where the report card reads it."""
 
 from __future__ import annotations
 
@@ -14,15 +14,12 @@ from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.invariants import StageRun
 from ghostvis_core.verify.audit.outcome import CheckOutcome
 from ghostvis_core.verify.replay.intervals import Interval, choose, intervals, kept_steps
+from ghostvis_core.verify.replay.record import write_record
 from ghostvis_core.verify.replay.refusal import refusal
 from ghostvis_core.verify.replay.settings import ReplaySettings
 
 NAME = "replay_matches"
 HEADER = ["interval", "from", "result", "first differing tensor", "differing / compared", "largest difference", "s"]
-
-
-def record_path(stage: str, run_key: str) -> str:
-    return f"replay/{stage}/{run_key}.json"
 
 
 def run_worker(store: Store, stage: str, run_key: str, interval: Interval) -> dict[str, Any]:
@@ -77,7 +74,8 @@ def figures(run: StageRun, available: int, results: list[dict[str, Any]], seed: 
     steps = sum(r["last"] - r["first"] + 1 for r in done)
     batch = run.record.batch
     train_s = batch.tokens_per_step / run.record.tokens_per_sec if run.record.tokens_per_sec else None
-    summary = f"{len(results)} interval{'s' * (len(results) != 1)} replayed, "
+    spans = ", ".join(f"{r['first']}..{r['last']}" for r in results)
+    summary = f"{len(results)} interval{'s' * (len(results) != 1)} replayed (steps {spans}), "
     summary += "bitwise equal" if results and equal == len(results) else f"{equal} bitwise equal"
     return {
         "summary": summary,
@@ -117,15 +115,8 @@ def replay_matches(store: Store, run: StageRun, settings: ReplaySettings) -> Che
             tables={"intervals": (HEADER, [row(r) for r in results])},
             failures=failures,
         )
-    store.write_json("report", record_path(stage, key), data=outcome.to_dict())
+    write_record(store, stage, key, outcome.to_dict())
     return outcome
-
-
-def replay_summary(store: Store, stage: str, run_key: str) -> str:
-    """The run's replay verdict in a few words, for the report card."""
-    if not store.exists("report", record_path(stage, run_key)):
-        return f"not replayed (ghostvis audit --stage {stage} --replay K)"
-    return store.read_json("report", record_path(stage, run_key))["figures"]["summary"]
 
 
 def add_replays(store: Store, report: dict[str, Any], settings: ReplaySettings) -> None:
