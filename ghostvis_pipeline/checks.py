@@ -6,9 +6,9 @@ matches a recount of the token files, every manifest shard is in it, and tokens 
 tokenization = tokens kept + tokens removed. Training stages: the four
 figures recounted from the token files, the consumption the plan expected, the selection, every
 rank's share, consumed vs planned tokens, ledger == MLflow == run record == metadata, no range read
-twice, no validation shard consumed; and, non-blocking, `replay_matches`: sampled checkpoint intervals replayed
-on the ledger's rows and compared bit for bit with the checkpoint after them. Evaluation: no stage beyond its held-out bpb tolerance against
-its upstream (non-blocking: a judgement on the model, not on the accounting).
+twice, no validation shard consumed; and, non-blocking, `replay_matches`: sampled checkpoint intervals
+replayed on the ledger's rows and compared bit for bit with the checkpoint after them. Evaluation: no stage
+beyond its held-out bpb tolerance against its upstream (non-blocking: a judgement on the model, not on the accounting).
 """
 
 from dagster import AssetCheckResult, MetadataValue, asset_check
@@ -168,6 +168,7 @@ def _stage_check(stage: str, name: str, description: str, run_check):
 def replay_check(stage: str):
     """The non-blocking `replay_matches` check of a stage whose runs can be replayed (ghostvis_core/verify/replay):
     K intervals (config `intervals`, drawn with `seed`) of the materialization's run, each compared bit for bit."""
+
     @asset_check(
         asset=stage,
         name=NAME,

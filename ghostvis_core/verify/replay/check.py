@@ -60,9 +60,10 @@ def failure(stage: str, run_key: str, r: dict[str, Any]) -> str | None:
     if r["bitwise_equal"]:
         return None
     name, diff = r["largest_difference"]
+    start = "the starting weights" if r["first"] == 1 else f"checkpoint step {r['first'] - 1}"
     return (
-        f"{where}: the replay from {'the starting weights' if r['first'] == 1 else 'checkpoint step ' + str(r['first'] - 1)}"
-        f" differs from checkpoint step {r['last']}: first differing tensor {r['first_differing']}, "
+        f"{where}: the replay from {start} differs from checkpoint step {r['last']}: "
+        f"first differing tensor {r['first_differing']}, "
         f"{r['differing']} of {r['tensors_compared']} tensors differ, largest difference {diff:.3g} in {name}"
     )
 
@@ -107,7 +108,7 @@ def replay_matches(store: Store, run: StageRun, settings: ReplaySettings) -> Che
         results = [run_worker(store, stage, key, i) for i in choose(candidates, settings.intervals, settings.seed)]
         failures = [f for f in (failure(stage, key, r) for r in results) if f]
         if not results:
-            failures = [f"{stage} run {key}: no committed checkpoint to replay up to; re-materialize the `{stage}` asset"]
+            failures = [f"{stage} run {key}: no committed checkpoint to replay up to; re-materialize `{stage}`"]
         outcome = CheckOutcome(
             NAME,
             not failures,
