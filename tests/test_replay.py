@@ -79,6 +79,10 @@ def test_runs_a_replay_cannot_repeat_bit_for_bit_are_refused_by_name(home_copy):
     for words, changed in cases.items():
         assert words in refusal(changed), (words, refusal(changed))
     assert replay_summary(Home(home_copy).store, "pretrain", run.spec.run_key).startswith("not replayed")
+    none = replay_matches(Home(home_copy).store, run, ReplaySettings(0, 0))
+    assert not none.passed and none.failures == [
+        f"pretrain run {run.spec.run_key}: 0 intervals asked for; replay at least 1 (of 2)"
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -68,6 +68,12 @@ def failure(stage: str, run_key: str, r: dict[str, Any]) -> str | None:
     )
 
 
+def no_interval(stage: str, run_key: str, available: int, k: int) -> str:
+    if available:
+        return f"{stage} run {run_key}: {k} intervals asked for; replay at least 1 (of {available})"
+    return f"{stage} run {run_key}: no committed checkpoint to replay up to; re-materialize `{stage}`"
+
+
 def figures(run: StageRun, available: int, results: list[dict[str, Any]], seed: int) -> dict[str, Any]:
     """The verdict's figures: intervals, bitwise-equal ones, and the cost per replayed step vs per training step."""
     done = [r for r in results if "error" not in r]
@@ -108,7 +114,7 @@ def replay_matches(store: Store, run: StageRun, settings: ReplaySettings) -> Che
         results = [run_worker(store, stage, key, i) for i in choose(candidates, settings.intervals, settings.seed)]
         failures = [f for f in (failure(stage, key, r) for r in results) if f]
         if not results:
-            failures = [f"{stage} run {key}: no committed checkpoint to replay up to; re-materialize `{stage}`"]
+            failures = [no_interval(stage, key, len(candidates), settings.intervals)]
         outcome = CheckOutcome(
             NAME,
             not failures,

@@ -1,5 +1,6 @@
 """Weights and optimizer state against a checkpoint's files, tensor by tensor, bit for bit: the first tensor
-(in the checkpoint's order) whose bytes differ, how many differ, and the largest absolute difference."""
+(weights first, in the checkpoint's order) whose bytes differ, how many differ, and the largest absolute
+difference (among the weights when a weight differs: an optimizer step counter's difference of 1 says less)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,12 @@ class Comparison:
     differing: list[str] = field(default_factory=list)
     largest: tuple[str, float] | None = None  # (tensor, its largest absolute difference) of the differing ones
 
-    @property
-    def equal(self) -> bool:
-        return self.tensors > 0 and not self.differing
-
-    def add(self, name: str, mine: torch.Tensor | None, theirs: torch.Tensor) -> None:
+    def add(self, name: str, mine: torch.Tensor | None, theirs: torch.Tensor | None) -> None:
+        """One tensor; absent on either side, or of another shape or dtype, it differs without bound."""
         self.tensors += 1
-        if mine is None or mine.shape != theirs.shape or mine.dtype != theirs.dtype:
+        if mine is None or theirs is None or mine.shape != theirs.shape or mine.dtype != theirs.dtype:
             self.differing.append(name)
-            self.largest = self.largest or (name, float("inf"))
+            self.largest = (name, float("inf"))
             return
         if torch.equal(_bytes(mine), _bytes(theirs)):
             return
@@ -35,32 +33,36 @@ class Comparison:
         if self.largest is None or diff > self.largest[1]:
             self.largest = (name, diff)
 
-    def to_dict(self) -> dict:
-        return {
-            "tensors_compared": self.tensors,
-            "bitwise_equal": self.equal,
-            "first_differing": self.differing[0] if self.differing else None,
-            "differing": len(self.differing),
-            "largest_difference": list(self.largest) if self.largest else None,
-        }
+    def add_all(self, mine: dict[str, torch.Tensor], saved: dict[str, torch.Tensor]) -> None:
+        for name, theirs in saved.items():
+            self.add(name, mine.get(name), theirs)
+        for name in sorted(set(mine) - set(saved)):
+            self.add(name, mine[name], None)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
-def compare_with(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Comparison:
+def verdict(weights: Comparison, optimizer: Comparison) -> dict:
+    differing = weights.differing + optimizer.differing
+    return {
+        "tensors_compared": weights.tensors + optimizer.tensors,
+        "bitwise_equal": weights.tensors > 0 and not differing,
+        "first_differing": differing[0] if differing else None,
+        "differing": len(differing),
+        "largest_difference": list(weights.largest or optimizer.largest or []) or None,
+    }
+
+
+def compare_with(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """The model's weights (model.safetensors) and optimizer state (optimizer.safetensors, keyed
     `<parameter>::<field>`) against the checkpoint at `path`, verified against its marker first."""
     ckpt.verify(path)
-    out = Comparison()
-    weights = model.state_dict()
-    for name, saved in load_file(str(path / "model.safetensors")).items():
-        out.add(name, weights.get(name), saved)
-    state = ckpt.optimizer_tensors(model, optimizer)
-    for name, saved in load_file(str(path / "optimizer.safetensors")).items():
-        out.add(name, state.get(name), saved)
-    return out
+    weights, state = Comparison(), Comparison()
+    weights.add_all(model.state_dict(), load_file(str(path / "model.safetensors")))
+    state.add_all(ckpt.optimizer_tensors(model, optimizer), load_file(str(path / "optimizer.safetensors")))
+    return verdict(weights, state)
 
 
 def trained_parameters(path: Path) -> set[str]:

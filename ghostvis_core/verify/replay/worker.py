@@ -91,7 +91,7 @@ def replay_interval(store: Store, stage: str, run_key: str, interval: Interval) 
         "bf16": bf16,
         "batch_build_s": round(build_s, 3),
         "steps_s": round(step_s, 3),
-        **comparison.to_dict(),
+        **comparison,
     }
 
 
