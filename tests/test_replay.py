@@ -19,7 +19,7 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.run.train.runs import newest_completed_run
 from ghostvis_core.verify.audit.invariants import StageRun
-from ghostvis_core.verify.replay.check import replay_matches
+from ghostvis_core.verify.replay.check import NAME, replay_matches
 from ghostvis_core.verify.replay.intervals import Interval, choose, intervals
 from ghostvis_core.verify.replay.record import replay_summary
 from ghostvis_core.verify.replay.refusal import refusal
@@ -165,3 +165,35 @@ def test_the_demo_pretrain_and_sft_replay_bit_for_bit(home_copy):
         "ok   replay_matches: 2 intervals replayed (steps 1..12, 13..24), bitwise equal",
         "ok   replay_matches: 2 intervals replayed (steps 1..4, 5..8), bitwise equal",
     ]
+
+
+@pytest.mark.e2e
+def test_the_dagster_check_replays_the_intervals_its_config_asks_for_and_the_report_card_shows_it(home_copy):
+    from dagster import AssetCheckKey, AssetKey, AssetSelection, DagsterInstance, Definitions, define_asset_job
+
+    from ghostvis_core.verify.eval.report import render_markdown, tables
+    from ghostvis_pipeline.definitions import defs
+    from tests.test_quality_gate import stage_card
+
+    job = define_asset_job("replay", selection=AssetSelection.checks(AssetCheckKey(AssetKey("pretrain"), NAME)))
+    with_job = Definitions(
+        assets=defs.assets, asset_checks=defs.asset_checks, jobs=[job], resources=defs.resources, executor=defs.executor
+    )
+    config = {"ops": {f"pretrain_{NAME}": {"config": {"intervals": 1, "seed": 0}}}}
+    env = {"GHOSTVIS_HOME": str(home_copy), "DAGSTER_HOME": str(home_copy / "dagster"), "GHOSTVIS_PRESET": "smoke"}
+    with pytest.MonkeyPatch.context() as patches:
+        for k, v in env.items():
+            patches.setenv(k, v)
+        with DagsterInstance.get() as instance:
+            result = with_job.resolve_job_def("replay").execute_in_process(instance=instance, run_config=config)
+    (evaluation,) = result.get_asset_check_evaluations()
+    figures = {k: getattr(v, "value", v) for k, v in evaluation.metadata.items()}
+    assert evaluation.passed and figures["summary"] == "1 interval replayed (steps 13..24), bitwise equal"
+    assert (figures["intervals_available"], figures["steps_replayed"], figures["seed"]) == (2, 12, 0)
+    key = stage_run(home_copy, "pretrain").spec.run_key
+    summary = replay_summary(Home(home_copy).store, "pretrain", key)
+    assert summary == figures["summary"]
+    card = [stage_card("pretrain", run_key=key, replay=summary), stage_card("dpo")]
+    header, rows = tables(card)["Replay (sampled checkpoint intervals re-executed, compared bit for bit)"]
+    assert rows == [["pretrain", key, summary], ["dpo", "dpo-r1", "-"]]
+    assert f"| pretrain | {key} | {summary} |" in render_markdown("t", card, "c.png", {})
