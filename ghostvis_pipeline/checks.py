@@ -6,8 +6,9 @@ matches a recount of the token files, every manifest shard is in it, and tokens 
 tokenization = tokens kept + tokens removed. Training stages: the four
 figures recounted from the token files, the consumption the plan expected, the selection, every
 rank's share, consumed vs planned tokens, ledger == MLflow == run record == metadata, no range read
-twice, no validation shard consumed. Evaluation: no stage beyond its held-out bpb tolerance against
-its upstream (non-blocking: a judgement on the model, not on the accounting).
+twice, no validation shard consumed; and, non-blocking, `replay_matches`: sampled checkpoint intervals
+replayed on the ledger's rows and compared bit for bit with the checkpoint after them. Evaluation: no stage
+beyond its held-out bpb tolerance against its upstream (non-blocking: a judgement on the model, not on the accounting).
 """
 
 from dagster import AssetCheckResult, MetadataValue, asset_check
@@ -20,8 +21,13 @@ from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
 from ghostvis_core.verify.audit.outcome import CheckOutcome
 from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS, CheckInputs
 from ghostvis_core.verify.eval.gate import lineage_gate
+from ghostvis_core.verify.replay.check import NAME, replay_matches
+from ghostvis_core.verify.replay.settings import ReplaySettings
+from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
+
+ReplayConfig = config_from_dataclass(ReplaySettings)
 
 # A check's table shows its first rows only, so its event stays bounded at any number of shards.
 TABLE_ROWS = 20
@@ -155,5 +161,24 @@ def _stage_check(stage: str, name: str, description: str, run_check):
         ledger = Ledger.in_store(h.store)
         run = inv.StageRun.load(h.store, ledger, stage, md["run_key"])
         return to_result(run_check(CheckInputs(h, ledger, run, md)))
+
+    return check
+
+
+def replay_check(stage: str):
+    """The non-blocking `replay_matches` check of a stage whose runs can be replayed (ghostvis_core/verify/replay):
+    K intervals (config `intervals`, drawn with `seed`) of the materialization's run, each compared bit for bit."""
+
+    @asset_check(
+        asset=stage,
+        name=NAME,
+        blocking=False,
+        description="Sampled checkpoint intervals of the run replayed from the checkpoint before them on the rows "
+        "the ledger recorded (built by the audit's reader) equal the checkpoint after them, bit for bit.",
+    )
+    def check(context, config: ReplayConfig, home: GhostvisHome) -> AssetCheckResult:
+        h = home.home()
+        run = inv.StageRun.load(h.store, Ledger.in_store(h.store), stage, latest_metadata(context, stage)["run_key"])
+        return to_result(replay_matches(h.store, run, ReplaySettings(config.intervals, config.seed)))
 
     return check

@@ -44,6 +44,7 @@ from ghostvis_core.plan.run_modes import (
     mode_of,
 )
 from ghostvis_core.plan.stages import stage, stage_names
+from ghostvis_core.verify.replay.settings import ReplaySettings
 from ghostvis_pipeline import (
     chat_command,
     data_command,
@@ -546,6 +547,10 @@ def cmd_audit(args) -> int:
     home = Home.from_env()
     stages = [s for s in stage_names() if s in args.stage] if args.stage else selected.lineage().stage_names()
     report = audit(home, stages, {} if args.no_dagster else dagster_metadata(home, stages), required=bool(args.stage))
+    if args.replay:
+        from ghostvis_core.verify.replay.check import add_replays
+
+        add_replays(home.store, report, ReplaySettings(args.replay, args.replay_seed))
     print(json.dumps(report, indent=2, default=str) if args.json else "\n".join(format_report(report)))
     return 1 if report["failures"] else 0
 
@@ -591,6 +596,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     au.add_argument("--stage", action="append", choices=stage_names(), help="audit only this stage (repeatable)")
     au.add_argument("--no-dagster", action="store_true", help="do not compare the Dagster instance's metadata")
+    au.add_argument(
+        "--replay",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also replay K checkpoint intervals of each stage's run (the last among them) from the checkpoint "
+        "before, on the ledger's rows, and compare the weights bit for bit with the checkpoint after",
+    )
+    au.add_argument(
+        "--replay-seed", type=int, default=ReplaySettings.seed, help="the seed that draws the replayed intervals"
+    )
     chat_command.add_parser(sub)
     data_command.add_parser(sub)
     train_command.add_parser(sub)

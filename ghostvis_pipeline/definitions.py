@@ -12,12 +12,14 @@ for _category in (BetaWarning, PreviewWarning, SupersessionWarning):
 from ghostvis_core.plan import selected
 from ghostvis_core.plan.presets import VARIANTS
 from ghostvis_core.plan.stages import stage
+from ghostvis_core.verify.replay.refusal import REPLAYABLE_OBJECTIVES
 from ghostvis_pipeline.assets.data import raw_shards, shard_manifest, token_ledger, tokenized_shards, tokenizer
 from ghostvis_pipeline.assets.evaluation import evaluation, report
 from ghostvis_pipeline.assets.training import stage_asset, variants_asset
 from ghostvis_pipeline.checks import (
     data_checks,
     lineage_quality_gate,
+    replay_check,
     stage_checks,
     tokenizer_trained_on_train_shards_only,
 )
@@ -44,6 +46,7 @@ defs = Definitions(
         tokenizer_trained_on_train_shards_only,
         *data_checks(),
         *[c for name in chain.stage_names() for c in stage_checks(name)],
+        *[replay_check(name) for name in chain.stage_names() if stage(name).objective in REPLAYABLE_OBJECTIVES],
         lineage_quality_gate,
     ],
     jobs=[shard_data_job, training_job(chain), checks_job, export_model, trace],

@@ -27,10 +27,11 @@ from ghostvis_core.data.token_shard import TokenShard, write_token_shard
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.launch.start import prepare_run
-from ghostvis_core.plan.stages import stage_names
+from ghostvis_core.plan.stages import stage, stage_names
 from ghostvis_core.run.train.runs import completed_runs
 from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
 from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS
+from ghostvis_core.verify.replay.refusal import REPLAYABLE_OBJECTIVES
 from tests.conftest import copy_home, run_cli, run_names
 from tests.planted import plant
 from tests.test_errors import MATERIALIZE
@@ -434,8 +435,10 @@ def test_the_checks_only_job_re_executes_every_check_without_retraining(home_cop
     assert run.job_name == "checks_only"
     assert results[("sft", "tokens_recounted_from_files")] and all(results.values()), results
     # the tokenizer's check, the ledger's data checks, the lineage quality gate on `evaluation`, then every
-    # stage check of every stage
-    assert len(results) == 1 + len(DATA_CHECKS) + 1 + len(STAGE_CHECKS) * len(stage_names())
+    # stage check of every stage and the replay_matches of every stage whose runs replay
+    replayed = [s for s in stage_names() if stage(s).objective in REPLAYABLE_OBJECTIVES]
+    assert results[("pretrain", "replay_matches")]
+    assert len(results) == 1 + len(DATA_CHECKS) + 1 + len(STAGE_CHECKS) * len(stage_names()) + len(replayed)
 
 
 def last_part_files(home: Path, stage: str) -> list[Path]:

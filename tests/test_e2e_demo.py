@@ -13,16 +13,18 @@ from ghostvis_core.counts import MLFLOW_METRICS, TokenCounts
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.plan import presets
+from ghostvis_core.plan import presets, stages
 from ghostvis_core.plan.budget import flops_per_token, plan
 from ghostvis_core.plan.stages import stage_names
 from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
+from ghostvis_core.verify.replay.refusal import REPLAYABLE_OBJECTIVES
 from tests.conftest import materialize, run_cli, torchrun_stage
 
 pytestmark = pytest.mark.e2e
 
 STAGES = stage_names()
+REPLAYED = [s for s in STAGES if stages.stage(s).objective in REPLAYABLE_OBJECTIVES]  # each has a replay_matches check
 
 
 def dagster_instance(home):
@@ -54,8 +56,9 @@ def test_demo_materializes_every_asset_and_all_checks_pass(demo_home):
     line = next(line for line in out.splitlines() if line.startswith("checks:"))
     passed, total = map(int, line.split()[1].split("/"))
     # 5 data checks (4 ledger, 1 tokenizer), the stages' checks and the evaluation's lineage quality gate
-    # the tokenizer's check, the ledger's data checks, every stage's checks, the lineage quality gate
-    assert passed == total == 1 + len(DATA_CHECKS) + len(stage_check_names()) * len(STAGES) + 1, line
+    # the tokenizer's check, the ledger's data checks, every stage's checks, the replayable stages' replay_matches,
+    # the lineage quality gate
+    assert passed == total == 1 + len(DATA_CHECKS) + len(stage_check_names()) * len(STAGES) + len(REPLAYED) + 1, line
 
 
 def test_ledger_mlflow_and_dagster_agree_to_the_token_for_every_stage(demo_home):

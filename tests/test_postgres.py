@@ -26,6 +26,7 @@ from dagster import DagsterEventType
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
+from ghostvis_core.verify.replay.check import NAME as REPLAY_CHECK
 from ghostvis_pipeline.environment import env_vars_read, init_report, prepare_environment
 from tests.conftest import copy_home, run_cli
 from tests.postgres_server import PostgresServer, postgres_server  # noqa: F401 (a fixture)
@@ -190,7 +191,7 @@ def test_stage_checks_passed_in_postgres(team_runs):
         pretrain_run,
         json.dumps(["pretrain"]),
     )
-    assert sorted(checks) == sorted((name, "SUCCEEDED") for name in stage_check_names())
+    assert sorted(checks) == sorted((name, "SUCCEEDED") for name in [*stage_check_names(), REPLAY_CHECK])
     md = sql(
         team_runs.server,
         "SELECT event FROM event_logs WHERE run_id = %s AND dagster_event_type = 'ASSET_MATERIALIZATION'",

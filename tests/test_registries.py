@@ -21,6 +21,8 @@ from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.runs import completed_runs, find_upstream, newest_completed_run
 from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
 from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS
+from ghostvis_core.verify.replay.check import NAME as REPLAY_CHECK
+from ghostvis_core.verify.replay.refusal import REPLAYABLE_OBJECTIVES
 from tests.test_loader import write_shard
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +49,9 @@ def test_dagster_checks_and_the_checks_only_job_are_the_one_check_tables():
     assert ledger_checks == {name: description for name, description, _ in DATA_CHECKS}
     for stage in STAGES:
         stage_checks = {k.name: graph.get_check_spec(k).description for k in by_asset[stage.name]}
+        # besides the table: the non-blocking replay, on the stages whose runs replay
+        replay = stage_checks.pop(REPLAY_CHECK, None)
+        assert (replay is not None) == (stage.objective in REPLAYABLE_OBJECTIVES), stage.name
         assert stage_checks == {name: description for name, description, _ in STAGE_CHECKS}, stage.name
     assert checks_job.selection.resolve_checks(graph) == set(graph.asset_check_keys)
     # the data checks are built from the table, not written out by name a second time

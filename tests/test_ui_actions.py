@@ -26,6 +26,7 @@ from ghostvis_core.home import Home
 from ghostvis_core.plan.presets import VARIANTS
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
+from ghostvis_core.verify.replay.check import NAME as REPLAY_CHECK
 from tests.conftest import copy_home, materialize, new_run_dirs, run_cli, run_names
 from tests.ui_servers import (
     UI_TIMEOUT_MS,
@@ -237,7 +238,7 @@ def test_launchpad_override_typed_as_yaml_trains_sft_and_its_figures_show(
 
     entries = instance.all_logs(run_id)
     evaluations = [e.dagster_event.event_specific_data for e in events_of(entries, "ASSET_CHECK_EVALUATION")]
-    assert sorted(ev.check_name for ev in evaluations) == sorted(stage_check_names())
+    assert sorted(ev.check_name for ev in evaluations) == sorted([*stage_check_names(), REPLAY_CHECK])
     assert all(ev.passed for ev in evaluations), [ev.check_name for ev in evaluations if not ev.passed]
     (materialized,) = events_of(entries, "ASSET_MATERIALIZATION")
     md = {k: getattr(v, "value", v) for k, v in materialized.asset_materialization.metadata.items()}
@@ -366,8 +367,8 @@ def test_sft_checks_show_both_sides_of_every_comparison(page, dagster_url, insta
 
     run_id, _, _ = sft_launch
     page.goto(f"{dagster_url}/assets/sft?view=checks")
-    page.get_by_text(f"Checks ({len(stage_check_names())})", exact=True).wait_for()
-    for check in stage_check_names():
+    page.get_by_text(f"Checks ({len(stage_check_names()) + 1})", exact=True).wait_for()  # and replay_matches
+    for check in [*stage_check_names(), REPLAY_CHECK]:
         expect(page.locator(f"[title='{check}']").first.locator("xpath=..")).to_contain_text("Succeeded")
     step("06-sft-checks", page)
 

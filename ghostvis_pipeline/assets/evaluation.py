@@ -28,6 +28,7 @@ from ghostvis_core.verify.eval.job import (
     results_name,
 )
 from ghostvis_core.verify.eval.report import stage_report, write_report
+from ghostvis_core.verify.replay.record import replay_summary
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
@@ -201,6 +202,7 @@ def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisH
             "evaluation": evaluation_key,
             "gpu_prices": dict(config.gpu_prices),
             "bpb_tolerance": tolerance,
+            "replay": {stage: replay_summary(store, stage, run_key) for stage, run_key in lineage.items()},
         }
     )
     name = list(lineage.values())[-1]
@@ -217,7 +219,14 @@ def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisH
         ev = evaluation_results.get(stage, {})
         stages.append(
             stage_report(
-                ledger, result, stage_config(store, result), curves, ev, dict(config.gpu_prices), tolerance[stage]
+                ledger,
+                result,
+                stage_config(store, result),
+                curves,
+                ev,
+                dict(config.gpu_prices),
+                tolerance[stage],
+                replay_summary(store, stage, run_key),
             )
         )
         smp[stage] = ev.get("samples", [])

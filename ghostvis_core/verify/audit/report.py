@@ -143,7 +143,11 @@ def format_report(report: dict[str, Any]) -> list[str]:
             f"  {r[0]:<16} " + " ".join(f"{v:>12,}" if isinstance(v, int) else f"{v:>12}" for v in r[1:6]) + f"  {r[6]}"
             for r in s["figures"]
         ]
-        lines += [f"  {'ok  ' if c['passed'] else 'FAIL'} {c['name']}" for c in s["checks"]]
+        lines += [
+            f"  {'ok  ' if c['passed'] else 'FAIL'} {c['name']}"
+            + (f": {c['figures']['summary']}" if "summary" in c["figures"] else "")
+            for c in s["checks"]
+        ]
     if report["skipped"]:
         lines += ["", f"no completed run: {', '.join(report['skipped'])}"]
     lines += ["", f"{len(report['failures'])} disagreement(s)" if report["failures"] else "every figure agrees"]

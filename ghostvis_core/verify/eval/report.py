@@ -1,5 +1,6 @@
 """The report card of a lineage: one HTML page (and its Markdown twin) with each stage's planned vs
 consumed tokens, shards used, reuse and leakage status, loss curves, evidence, mixture vs recipe, evaluation, the
+replay verdict (K checkpoint intervals re-executed and compared bit for bit, verify/replay), the
 lineage quality gate (held-out bpb vs the upstream stage, ghostvis_core/verify/eval/gate.py), wall time and
 throughput, what the same plan would cost on GPUs, and each stage's step ranges with the `ghostvis trace`
 command (and the Dagster `trace` job's config) that lists the documents a step fed, so a loss spike
@@ -52,6 +53,7 @@ class StageReport:
     bpb_tolerance: float | None = None  # the quality gate's allowed bpb worsening vs upstream
     segments: list[Segment] = field(default_factory=list)  # Ledger.segments: each launch's step range
     evidence_note: str = ""  # why the preset's run cannot improve the stage's evidence, where it cannot
+    replay: str = ""  # the replay verdict (verify/replay/record.py): "2 intervals replayed, bitwise equal"
 
     def as_json(self) -> dict[str, Any]:
         """The row as report.json holds it: the ledger's records as plain objects, the totals flat."""
@@ -84,9 +86,10 @@ def stage_report(
     evaluation: dict[str, Any],
     gpu_prices: dict[str, float],
     bpb_tolerance: float,
+    replay: str = "",
 ) -> StageReport:
     """One stage's row of the report, from its run record, config, the ledger and its evaluation
-    (judged by the quality gate with `bpb_tolerance`)."""
+    (judged by the quality gate with `bpb_tolerance`), and its replay verdict."""
     key = result.run_key
     totals = ledger.run_totals(key)
     shards = ledger.consumed_by_shard(key)
@@ -125,6 +128,7 @@ def stage_report(
         bpb_tolerance=bpb_tolerance,
         segments=ledger.segments(key),
         evidence_note=evidence_note(result.stage, config.preset),
+        replay=replay,
     )
 
 
@@ -290,6 +294,10 @@ def tables(stages: list[StageReport]) -> dict[str, tuple[list[str], list[list[An
         "Step ranges: the documents a step fed": (
             ["stage", "segment", "steps", "ghostvis trace (give any step of the range)", "in Dagster"],
             [r for s in stages for r in step_range_rows(s)],
+        ),
+        "Replay (sampled checkpoint intervals re-executed, compared bit for bit)": (
+            ["stage", "run", "replay"],
+            [[s.stage, s.run_key, s.replay or "-"] for s in stages],
         ),
         "The same plan on GPUs (40% MFU)": (
             ["stage", "gpu", "gpus", "GPU-hours", "price/h", "cost"],
