@@ -555,6 +555,31 @@ def cmd_audit(args) -> int:
     return 1 if report["failures"] else 0
 
 
+def add_audit_parser(sub) -> None:
+    """`ghostvis audit`: its stage selection, the Dagster comparison and the replay."""
+    au = subcommand(
+        sub,
+        "audit",
+        help="re-run every data and stage invariant from the store and MLflow (no Dagster "
+        "run needed); exit 1 naming each stage and figure that disagrees",
+        fn=cmd_audit,
+        json=True,
+    )
+    au.add_argument("--stage", action="append", choices=stage_names(), help="audit only this stage (repeatable)")
+    au.add_argument("--no-dagster", action="store_true", help="do not compare the Dagster instance's metadata")
+    au.add_argument(
+        "--replay",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also replay K checkpoint intervals of each stage's run (the last among them) from the checkpoint "
+        "before, on the ledger's rows, and compare the weights bit for bit with the checkpoint after",
+    )
+    au.add_argument(
+        "--replay-seed", type=int, default=ReplaySettings.seed, help="the seed that draws the replayed intervals"
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="ghostvis", description="GhostVis: a training pipeline whose token numbers are checked."
@@ -586,27 +611,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="what one run consumed: segments, token figures, per shard and range "
         "(a stage name means its newest completed run)",
     )
-    au = subcommand(
-        sub,
-        "audit",
-        help="re-run every data and stage invariant from the store and MLflow (no Dagster "
-        "run needed); exit 1 naming each stage and figure that disagrees",
-        fn=cmd_audit,
-        json=True,
-    )
-    au.add_argument("--stage", action="append", choices=stage_names(), help="audit only this stage (repeatable)")
-    au.add_argument("--no-dagster", action="store_true", help="do not compare the Dagster instance's metadata")
-    au.add_argument(
-        "--replay",
-        type=int,
-        default=0,
-        metavar="K",
-        help="also replay K checkpoint intervals of each stage's run (the last among them) from the checkpoint "
-        "before, on the ledger's rows, and compare the weights bit for bit with the checkpoint after",
-    )
-    au.add_argument(
-        "--replay-seed", type=int, default=ReplaySettings.seed, help="the seed that draws the replayed intervals"
-    )
+    add_audit_parser(sub)
     chat_command.add_parser(sub)
     data_command.add_parser(sub)
     train_command.add_parser(sub)
