@@ -222,7 +222,8 @@ def run_identity(r: Resolved, p: Plan, train: Shards, validation: Shards, inputs
     ident_cfg["batch"]["tokens_per_step"] = p.batch.tokens_per_step
     for how in ("async_save", "every_minutes"):  # how and when shards are written, not what is trained
         ident_cfg["checkpoint"].pop(how)
-    ident_cfg["runtime"].pop("hang_timeout_s")
+    for how in ("hang_timeout_s", "preempt_grace_s"):  # how a run is watched and stopped, not what it trains
+        ident_cfg["runtime"].pop(how)
     ident_cfg.pop("contamination")  # what the run is checked against, not what it trains
 
     def contents(shards: Shards) -> dict[str, list[str]]:

@@ -77,7 +77,16 @@ def job_script(home: Home, target: Job, job: SlurmJob, nproc: int, env: dict[str
     """The job script, its output shipped to the store (`run_file` <out>/<seq>.txt)."""
     ship = ship_command(job, home.store.uri, target.stage, target.run_key, out)
     try:
-        return render_sbatch(job, spec_uri(home, target), nproc, env, ship, module=target.module, args=target.args)
+        return render_sbatch(
+            job,
+            spec_uri(home, target),
+            nproc,
+            env,
+            ship,
+            module=target.module,
+            args=target.args,
+            grace_s=target.runtime.preempt_grace_s,
+        )
     except GhostvisError as exc:
         raise Failure(str(exc), allow_retries=False) from None
 

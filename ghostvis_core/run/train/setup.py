@@ -68,7 +68,7 @@ def setup(spec: LaunchSpec, ctx: DistContext) -> Trainer:
         segment=state.segment,
     )
     trainer = Trainer(
-        preemption=PreemptionFlag(),
+        preemption=PreemptionFlag(cfg.runtime.preempt_grace_s),
         watchdog=watchdog(spec, ctx, store, tracker),
         spec=spec,
         cfg=cfg,
