@@ -190,9 +190,9 @@ def test_the_launching_side_names_a_frozen_node_and_passes_over_a_finished_one(t
     assert 1.6 <= waited <= 1.6 + 2.0, waited  # the timeout, plus up to a beat's interval and a read's
     assert re.fullmatch(
         r"hung: no heartbeat of run pretrain-f-r1 moved for \d s \(runtime.hang_timeout_s=1.6\): "
-        rf"node {re.escape(earlier.host)} \(ranks 0, 1, last step 15, in between steps\) froze with torchrun and "
-        r"every rank stopped \(a paused VM, a stalled kernel\), where no rank can report; the launcher ended the "
-        r"job; the stage's retry resumes from the newest checkpoint",
+        rf"node {re.escape(earlier.host)} \(ranks 0, 1, last step reported 15, in between steps\) froze with "
+        r"torchrun and every rank stopped \(a paused VM, a stalled kernel\), where no rank can report; the launcher "
+        r"ended the job; the stage's retry resumes from the newest checkpoint",
         reason,
     ), reason
     finished = FrozenJobWatch(store, "pretrain", "pretrain-f-r1", 2, timeout_s=1.6)

@@ -17,6 +17,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -202,3 +203,61 @@ def test_every_stop_signal_to_torchrun_commits_the_step_and_the_run_resumes_exac
     assert run_result(store, "pretrain", run_key).segment == len(SIGNALS)
     audit = run_cli(["ghostvis", "audit", "--stage", "pretrain"], home, check=False)
     assert audit.returncode == 0, audit.stdout[-4000:]
+
+
+def alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+HANG_S = 30  # the frozen run's runtime.hang_timeout_s: a heartbeat every 3.75 s
+
+
+def test_a_frozen_node_is_ended_by_the_launching_side_and_the_stage_retry_resumes(demo_home, tmp_path):
+    """torchrun and every rank paused (SIGSTOP: a frozen VM) after step 12, the launching process left running: no
+    rank can report, so the launcher's watch of the heartbeats ends the job within the hang timeout plus a beat
+    and a read, naming the node and the last step; the stage's retry resumes from the checkpoint of step 10."""
+    home = copy_home(demo_home, tmp_path / "home")
+    args = ["train", "pretrain", "--set", "budget.steps=20", "--set", "checkpoint.every_steps=5"]
+    args += ["--set", "runtime.log_every_steps=1", "--set", f"runtime.hang_timeout_s={HANG_S}"]
+    log = tmp_path / "train.log"
+    with log.open("w") as out:
+        launch = subprocess.Popen(
+            [str(BIN / "ghostvis"), *args],
+            env=cli_env(home),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=Path(__file__).resolve().parent.parent,
+        )
+    try:
+        wait_for("step 12", lambda: last_step(log.read_text(), 0) >= 12, launch, log)
+        torchrun = torchruns(launch)[0]
+        frozen = [torchrun, *torchrun.children(recursive=True)]
+        for proc in frozen:
+            proc.suspend()
+        stopped = time.time()
+        wait_for("the frozen job ended", lambda: not [p for p in frozen if alive(p)], launch, log)
+        waited = time.time() - stopped
+        print(f"the frozen job ended {waited:.1f} s after its SIGSTOP (runtime.hang_timeout_s={HANG_S})")
+        assert launch.wait(timeout=600) == 0, log.read_text()[-6000:]
+    finally:
+        if launch.poll() is None:
+            launch.kill()
+    text = log.read_text()
+    assert HANG_S <= waited <= HANG_S + 2 * HANG_S / 8 + 5, waited  # the timeout, a beat, a read, the poll
+    said = re.search(
+        r"hung: no heartbeat of run (\S+) moved for \d+ s \(runtime.hang_timeout_s=30\): node (\S+) "
+        r"\(ranks 0, 1, last step reported (\d+), in ",
+        text,
+    )
+    assert said and said[2] == socket.gethostname() and 0 < int(said[3]) <= 13, text[
+        -6000:
+    ]  # a beat's step: at most 3.75 s old
+    resumed = SEGMENT.findall(text)
+    assert resumed[0] == "" and int(resumed[1]) in (10, 15), resumed  # the retry resumes from the newest checkpoint
+    store = Home(home).store
+    chain = Ledger.in_store(store).chain(said[1])
+    assert [p.step_first for p in chain] == [1] + [p.step_last + 1 for p in chain[:-1]] and chain[-1].step_last == 20
+    assert run_result(store, "pretrain", said[1]).segment == 1

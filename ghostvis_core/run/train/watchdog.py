@@ -224,8 +224,8 @@ class FrozenJobWatch:
         for beat in self.beats.values():
             hosts.setdefault(beat["host"], []).append(beat)
         nodes = "; ".join(
-            f"node {host} (ranks {', '.join(str(b['rank']) for b in bs)}, last step {max(b['step'] for b in bs)}, "
-            f"in {bs[0]['phase']})"
+            f"node {host} (ranks {', '.join(str(b['rank']) for b in bs)}, last step reported "
+            f"{max(b['step'] for b in bs)}, in {bs[0]['phase']})"
             for host, bs in sorted(hosts.items())
         )
         return (
