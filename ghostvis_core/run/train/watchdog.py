@@ -188,8 +188,8 @@ class FrozenJobWatch:
     """The launching side's watch over a job's heartbeats (`run_file <stage> <run_key> heartbeats/rank<r>.json`),
     for what no rank can report: a node whose torchrun and ranks are all stopped. Armed once a heartbeat moved
     during this launch (an earlier launch's are passed over, and a job still starting writes none); `frozen`
-    returns the reason once no heartbeat moved for `timeout_s` on this host's clock, None otherwise (also once
-    every rank stopped watching: the run is finishing)."""
+    returns the reason once the store answers and no heartbeat moved for `timeout_s` on this host's clock, None
+    otherwise (also once every rank stopped watching: the run is finishing)."""
 
     def __init__(self, store: Store, stage: str, run_key: str, world_size: int, timeout_s: float):
         self.store, self.stage, self.run_key = store, stage, run_key
@@ -211,7 +211,10 @@ class FrozenJobWatch:
         if self.timeout_s <= 0 or now - self.read_at < self.timeout_s / 8:
             return None
         self.read_at = now
-        beats = self._read()
+        try:
+            beats = self._read()
+        except Exception:  # the store does not answer: nothing is known to have stopped (the ranks' beats fail too)
+            return None
         if beats != self.beats:
             self.beats, self.moved = beats, now
         finishing = all(b["phase"] == STOPPED for b in beats.values())
