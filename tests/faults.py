@@ -37,6 +37,13 @@ def rank_pid(launch: subprocess.Popen, rank: int, not_pids: tuple[int, ...] = ()
     return None
 
 
+def torchrun_of(rank_pid: int):
+    """The torchrun (a psutil.Process) that started the rank `rank_pid`: where a cluster's stop signal goes."""
+    import psutil
+
+    return psutil.Process(rank_pid).parent()
+
+
 def wait_for(what: str, predicate: Callable[[], T], launch: subprocess.Popen, log: Path, timeout: float = 600) -> T:
     """predicate()'s first true value, polled while `launch` runs; an error naming `what` and the log's tail when
     the launch ends first or `timeout` passes."""
@@ -72,9 +79,9 @@ OUTAGE_S = 30
 def run_soak(hosts, argv: list[str], home: Path, store: str, run_key: str, logs: tuple[Path, Path]) -> float:
     """Six faults of different kinds in one materialization (`argv`: the torchrun launcher on the Dagster host and
     gv1, rank 0 on gv1) of `run_key` in `store`: a second launch of the same identity, a 30 s outage of the S3
-    server, rank 1 SIGKILLed, rank 1 preempted (SIGTERM), rank 1 stopped (SIGSTOP: a hang) and rank 0's node
-    killed, each once the launch before it resumed training. Both launches must end 0; returns the first one's
-    wall seconds."""
+    server, rank 1 SIGKILLed, rank 1's torchrun preempted (SIGTERM), rank 1 stopped (SIGSTOP: a hang) and rank
+    0's node killed, each once the launch before it resumed training. Both launches must end 0; returns the first
+    one's wall seconds."""
     prefix = store.split("/", 3)[3]  # s3://bucket/<prefix>
     first = hosts.start(argv, logs[0], home, GHOSTVIS_STORE=store)
     second = None
@@ -97,13 +104,14 @@ def run_soak(hosts, argv: list[str], home: Path, store: str, run_key: str, logs:
         for launch in (1, 2, 3):  # the n-th launch after the first says "resume from step" (rank 0's start line)
             until(f"resumed launch {launch}", lambda n=launch: text().count(": resume from step") >= n)
             seen.append(until("its rank 1", lambda: rank_pid(first, 1, not_pids=tuple(seen))))
-            if launch == 1:  # 4. SIGTERM: every rank commits the step it is at; the launcher launches again
-                os.kill(seen[-1], signal.SIGTERM)
+            if launch == 1:  # 4. SIGTERM to rank 1's torchrun (where a cluster sends it), which passes it on:
+                # every rank commits the step it is at; the launcher launches again
+                torchrun_of(seen[-1]).send_signal(signal.SIGTERM)
                 until("the preemption", lambda: "preempted at step" in text())
             elif launch == 2:  # 5. SIGSTOP: rank 0's watchdog ends the job naming rank 1; retried
                 os.kill(seen[-1], signal.SIGSTOP)
                 until("the hang's reason", lambda: "hung: rank 0 on gv1" in text())
-                os.kill(seen[-1], signal.SIGCONT)  # torchrun's SIGTERM reaches it now, not after its 30 s wait
+                os.kill(seen[-1], signal.SIGCONT)  # torchrun's SIGTERM reaches it now, not after its grace period
             else:  # 6. rank 0's node crashes: torchrun, its worker, the node shell; retried
                 assert hosts.kill_node("gv1")
         assert first.wait(timeout=900) == 0, text()[-6000:]

@@ -113,6 +113,8 @@ def test_one_node_is_one_pod_with_all_its_gpus(home):
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=8",
+        "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1,SIGUSR2",
+        "--shutdown-timeout=120",
         "-m",
         "ghostvis_core.run",
         "--spec",
@@ -128,6 +130,7 @@ def test_one_node_is_one_pod_with_all_its_gpus(home):
     env = env_of(c)
     assert env["NCCL_IB_DISABLE"] == "1" and env["NCCL_DEBUG"] == "WARN" and env["OMP_NUM_THREADS"] == "8"
     assert spec["restartPolicy"] == "Never" and spec["serviceAccountName"] == "ghostvis-trainer"
+    assert spec["terminationGracePeriodSeconds"] == 130  # runtime.preempt_grace_s (120) and torchrun's exit (10)
     assert SECRET_VALUE not in json.dumps([meta, spec])
 
 
@@ -171,6 +174,7 @@ def test_the_evaluation_and_registration_jobs_are_one_pod_of_one_rank_on_a_four_
     validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "evaluation-0", **meta}, "spec": spec})
     assert container(spec)["command"] == [
         *["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"],
+        *["--signals-to-handle=SIGTERM,SIGINT,SIGUSR1,SIGUSR2", "--shutdown-timeout=120"],
         *["-m", "ghostvis_core.verify.eval", "--spec", home.store.uri_of("run_spec", "evaluation", "ev1d")],
     ]
     assert env_of(container(spec))["OMP_NUM_THREADS"] == "64"  # the pod's cores, for the stages scored side by side
@@ -211,6 +215,17 @@ def test_four_nodes_are_an_indexed_job_behind_a_headless_service(home):
     assert [r["action"] for r in spec["podFailurePolicy"]["rules"]] == ["Ignore", "FailJob"]
     assert c["envFrom"] == [{"secretRef": {"name": "ghostvis-s3"}}, {"secretRef": {"name": "mlflow-auth"}}]
     assert SECRET_VALUE not in json.dumps([service, manifest])
+
+
+def test_the_stage_grace_period_is_the_pods_and_torchruns(home):
+    """runtime.preempt_grace_s of the stage sets both torchrun's wait for its ranks and the pods' grace (that wait
+    plus torchrun's exit), on every pod of a multi-node Job."""
+    config = resolve("pretrain", "smoke", {"batch.world_size": 32, "runtime.preempt_grace_s": 300})
+    spec = launch_record("pretrain", "pretrain-g-r1", config, None, store="", mlflow_tracking_uri="http://m:5000")
+    job, run = plan(launcher(**{**CLUSTER, "nodes": 4}), training_job(spec), home)
+    pod = render_indexed_job(job, run)[1]["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == 310
+    assert "--shutdown-timeout=300" in container(pod)["command"]
 
 
 def test_with_an_s3_store_the_pods_need_no_claim(home, tmp_path, monkeypatch):

@@ -58,6 +58,8 @@ def test_each_node_gets_the_same_rendezvous_command_through_node_shell():
             "--rdzv-endpoint=10.0.0.1:29500",
             "--rdzv-id=pretrain-3f2a-r2-1a2b3c4d-0",
             "--nproc_per_node=4",
+            "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1,SIGUSR2",
+            "--shutdown-timeout=120",
             "-m",
             "ghostvis_core.run",
             "--spec",

@@ -80,7 +80,7 @@ def test_sbatch_script_asks_for_the_job_and_starts_torchrun_once_per_node():
         "#SBATCH --output=/tmp/ghostvis-slurm-%j.out",
         "#SBATCH --export=ALL",
         "#SBATCH --no-requeue",
-        "#SBATCH --signal=TERM@120",
+        "#SBATCH --signal=TERM@130",  # runtime.preempt_grace_s (120) and torchrun's own exit (10)
         "#SBATCH --cpus-per-task=64",
         "#SBATCH --gpus-per-node=8",
         "#SBATCH --mem=480G",
@@ -93,7 +93,8 @@ def test_sbatch_script_asks_for_the_job_and_starts_torchrun_once_per_node():
     assert srun == [
         'srun --kill-on-bad-exit=1 /opt/venv/bin/python -m torch.distributed.run --nnodes="$SLURM_NNODES" '
         '--rdzv-backend=c10d --rdzv-endpoint="$rdzv_host":29555 --rdzv-id="$SLURM_JOB_ID" '
-        f"--nproc_per_node=8 -m ghostvis_core.run --spec {SPEC}"
+        "--nproc_per_node=8 --signals-to-handle=SIGTERM,SIGINT,SIGUSR1,SIGUSR2 --shutdown-timeout=120 "
+        f"-m ghostvis_core.run --spec {SPEC}"
     ]
     assert 'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)' in lines
     assert lines.index("export OMP_NUM_THREADS=4") < lines.index(srun[0])
@@ -106,6 +107,17 @@ def test_sbatch_script_asks_for_the_job_and_starts_torchrun_once_per_node():
             "--run-key pretrain-abc-r1 --name slurm/a1/out"
         )
     )
+
+
+def test_one_grace_setting_gives_torchrun_its_wait_and_slurm_its_early_signal():
+    """runtime.preempt_grace_s is the one setting: torchrun waits that long for its ranks after passing a stop
+    signal on, and Slurm signals the step that long plus torchrun's exit before the time limit; no limit, no
+    early signal."""
+    lines = render_sbatch(SlurmJob(time="1:00:00"), SPEC, 2, {}, SHIP, grace_s=45.5).splitlines()
+    assert "#SBATCH --signal=TERM@56" in lines
+    (srun,) = [line for line in lines if line.startswith("srun ")]
+    assert " --signals-to-handle=SIGTERM,SIGINT,SIGUSR1,SIGUSR2 --shutdown-timeout=46 -m ghostvis_core.run " in srun
+    assert not [line for line in script_lines(SlurmJob()) if "--signal" in line and "SBATCH" in line]
 
 
 def test_defaults_leave_the_cluster_defaults_and_ask_for_one_cpu_node():

@@ -222,7 +222,7 @@ def run_identity(r: Resolved, p: Plan, train: Shards, validation: Shards, inputs
     ident_cfg["batch"]["tokens_per_step"] = p.batch.tokens_per_step
     for how in ("async_save", "every_minutes"):  # how and when shards are written, not what is trained
         ident_cfg["checkpoint"].pop(how)
-    for how in ("hang_timeout_s", "lease_expiry_s"):  # how a launch watches itself, not what is trained
+    for how in ("hang_timeout_s", "lease_expiry_s", "preempt_grace_s"):  # how a run is watched and stopped
         ident_cfg["runtime"].pop(how)
     ident_cfg.pop("contamination")  # what the run is checked against, not what it trains
 

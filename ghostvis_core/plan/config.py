@@ -170,6 +170,12 @@ class CheckpointConfig:
     every_minutes: float = 0.0
 
 
+# The stop signals of runtime.preempt_grace_s: torchrun passes them on to its ranks (launch/cluster/torchrun.py),
+# which take each as a preemption (run/train/preemption.py). torchrun's own default list lacks SIGUSR1 and SIGUSR2
+# (they killed it: exit -10) and holds SIGHUP and SIGQUIT, which stay a plain stop (a lost terminal, a core dump).
+STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     # auto: bf16 autocast on CUDA and on CPUs with bf16 matrix instructions (AMX / AVX512-BF16).
@@ -191,6 +197,11 @@ class RuntimeConfig:
     # heartbeat is older than this; its holder stops when its own renewal is half that old, and every commit it
     # makes is fenced by the lease's generation (ghostvis_core/store/fence.py).
     lease_expiry_s: float = 60.0
+    # Seconds between a stop signal (SIGTERM, SIGINT, SIGUSR1, SIGUSR2: preemption, eviction, a time limit,
+    # Ctrl-C) and the kill. torchrun waits this long for its ranks (--shutdown-timeout), Slurm signals this long
+    # before the time limit (--signal) and a pod gets this long to stop (terminationGracePeriodSeconds): the
+    # step in flight, the checkpoint commit and what follows it must fit (train/preemption.py).
+    preempt_grace_s: float = 120.0
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from ghostvis_core.plan.config import RuntimeConfig
+
 TRAINING_ENTRY = "ghostvis_core.run"  # the training job's module
 
 
@@ -24,6 +26,9 @@ class Job:
     mlflow_tracking_uri: str  # where the job logs (a pod cannot reach a file on the Dagster host)
     done: tuple[str, ...]  # the store kind and key of the record the job leaves once it completed
     args: tuple[str, ...] = ()  # the module's arguments after --spec (the registration job's --tracking-uri)
+    # how the job is watched and stopped (runtime.preempt_grace_s, runtime.hang_timeout_s): a training job's
+    # stage config; the defaults for the other jobs
+    runtime: RuntimeConfig = RuntimeConfig()
 
 
 def job_parser(module: str, doc: str | None, spec_help: str) -> argparse.ArgumentParser:

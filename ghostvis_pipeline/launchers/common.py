@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 from dagster import Failure
 
@@ -13,6 +14,7 @@ from ghostvis_core.run.hf.register import MODEL_FILE, REGISTER_ENTRY
 from ghostvis_core.run.job import TRAINING_ENTRY, Job
 from ghostvis_core.run.train.reasons import clear_reasons, run_reason
 from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.run.train.watchdog import FrozenJobWatch
 
 # Named launcher profiles: environment settings known to be needed on some clusters, chosen by
 # name instead of edited into code (e.g. NCCL hangs on nodes without NVLink / InfiniBand).
@@ -58,6 +60,7 @@ def training_job(spec: LaunchSpec) -> Job:
         ranks=spec.config.batch.world_size,
         mlflow_tracking_uri=spec.mlflow_tracking_uri,
         done=("run_record", spec.stage, spec.run_key),
+        runtime=spec.config.runtime,
     )
 
 
@@ -78,6 +81,11 @@ def registration_job(spec: LaunchSpec, tracking_uri: str) -> Job:
 def spec_uri(home: Home, target: Job) -> str:
     """Where every node reads the job's spec (a path in the shared store)."""
     return home.store.uri_of("run_spec", target.stage, target.run_key)
+
+
+def frozen_watch(home: Home, target: Job) -> Callable[[], str | None]:
+    """The launching side's check for a frozen job (none moves its heartbeat for runtime.hang_timeout_s)."""
+    return FrozenJobWatch(home.store, target.stage, target.run_key, target.ranks, target.runtime.hang_timeout_s).frozen
 
 
 def clear_reason(home: Home, target: Job) -> None:

@@ -55,6 +55,7 @@ def plan(launcher, target: Job, home: Home) -> tuple[KubernetesJob, RunTarget]:
             env=job_env(launcher.profile, nproc, job.cpu),
             module=target.module,
             args=target.args,
+            grace_s=target.runtime.preempt_grace_s,
         )
         check_job(job, run)
     except GhostvisError as exc:

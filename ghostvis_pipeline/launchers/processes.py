@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import psutil
 
-STOP_GRACE_S = 30  # torchrun stops its ranks on SIGTERM (waiting up to 30 s for them); then SIGKILL
+STOP_GRACE_S = 30  # a process that is no torchrun of a stage (a node shell) gets this long after SIGTERM
 POLL_S = 0.5
 
 
@@ -23,8 +23,13 @@ def start(cmd: list[str], env: dict[str, str], inherit: Mapping[str, str] | None
     return subprocess.Popen(cmd, env={**(os.environ if inherit is None else inherit), **env})
 
 
-def wait(nodes: dict[str, subprocess.Popen]) -> tuple[str, int] | None:
-    """Wait until every process has exited; the first that fails ends the wait: (name, exit code)."""
+class Frozen(Exception):
+    """The job's heartbeats stopped moving while its processes still exist (train/watchdog.py FrozenJobWatch)."""
+
+
+def wait(nodes: dict[str, subprocess.Popen], frozen: Callable[[], str | None] = lambda: None) -> tuple[str, int] | None:
+    """Wait until every process has exited; the first that fails ends the wait: (name, exit code). `frozen`
+    (polled too) returns a reason once the job is frozen: raised as `Frozen`."""
     while True:
         codes = {name: proc.poll() for name, proc in nodes.items()}
         bad = [(name, code) for name, code in codes.items() if code not in (None, 0)]
@@ -32,6 +37,9 @@ def wait(nodes: dict[str, subprocess.Popen]) -> tuple[str, int] | None:
             return bad[0]
         if all(code == 0 for code in codes.values()):
             return None
+        reason = frozen()
+        if reason:
+            raise Frozen(reason)
         time.sleep(POLL_S)
 
 

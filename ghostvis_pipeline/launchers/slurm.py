@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import subprocess
 import time
+from collections.abc import Callable
 
 from dagster import AssetExecutionContext, DagsterRunStatus, Failure
 
@@ -20,8 +21,16 @@ from ghostvis_core.run.job import Job
 from ghostvis_core.run.ship_output import chunk_name
 from ghostvis_core.store import Store
 from ghostvis_pipeline.config import config_from_dataclass
-from ghostvis_pipeline.launchers.common import attempt_name, failure, host_environment, require_result, spec_uri
+from ghostvis_pipeline.launchers.common import (
+    attempt_name,
+    failure,
+    frozen_watch,
+    host_environment,
+    require_result,
+    spec_uri,
+)
 from ghostvis_pipeline.launchers.pipes import job_session
+from ghostvis_pipeline.launchers.processes import Frozen
 
 SlurmConfig = config_from_dataclass(SlurmJob)
 
@@ -63,7 +72,10 @@ def run_slurm(context: AssetExecutionContext, target: Job, home: Home, launcher)
         context.log.info(
             f"{target.stage} run {target.run_key}: Slurm job {job_id}, its output arriving at {output.uri}"
         )
-        state = follow_or_cancel(context, job_id, output, job.poll_seconds)
+        try:
+            state = follow_or_cancel(context, job_id, output, job.poll_seconds, frozen_watch(home, target))
+        except Frozen as exc:  # cancelled by follow_or_cancel; the stage's retry resumes
+            raise failure(home, target, f"{exc}; Slurm job {job_id} cancelled") from None
     context.log.info(f"Slurm job {job_id} ended {state}")
     end(home, target, job_id, state, output.uri)
 
@@ -77,7 +89,16 @@ def job_script(home: Home, target: Job, job: SlurmJob, nproc: int, env: dict[str
     """The job script, its output shipped to the store (`run_file` <out>/<seq>.txt)."""
     ship = ship_command(job, home.store.uri, target.stage, target.run_key, out)
     try:
-        return render_sbatch(job, spec_uri(home, target), nproc, env, ship, module=target.module, args=target.args)
+        return render_sbatch(
+            job,
+            spec_uri(home, target),
+            nproc,
+            env,
+            ship,
+            module=target.module,
+            args=target.args,
+            grace_s=target.runtime.preempt_grace_s,
+        )
     except GhostvisError as exc:
         raise Failure(str(exc), allow_retries=False) from None
 
@@ -126,14 +147,24 @@ def job_state(job_id: str) -> str:
     )
 
 
-def follow(context: AssetExecutionContext, job_id: str, output: JobOutput, poll_seconds: float) -> str:
-    """Wait for the job's final state, streaming its output; stop when the Dagster run is terminated."""
+def follow(
+    context: AssetExecutionContext,
+    job_id: str,
+    output: JobOutput,
+    poll_seconds: float,
+    frozen: Callable[[], str | None],
+) -> str:
+    """Wait for the job's final state, streaming its output; stop when the Dagster run is terminated, or with
+    `Frozen` when the job's heartbeats stopped (`frozen`: the launching side's watch)."""
     while True:
         state = job_state(job_id)
         output.stream(context)
         if job_outcome(state) is not None:
             output.stream(context)  # the batch step ships its last chunk before it ends
             return state
+        reason = frozen()
+        if reason:
+            raise Frozen(reason)
         run = context.instance.get_run_by_id(context.run_id)
         if run is not None and run.status in (DagsterRunStatus.CANCELING, DagsterRunStatus.CANCELED):
             raise Failure(
@@ -144,11 +175,17 @@ def follow(context: AssetExecutionContext, job_id: str, output: JobOutput, poll_
         time.sleep(poll_seconds)
 
 
-def follow_or_cancel(context: AssetExecutionContext, job_id: str, output: JobOutput, poll_seconds: float) -> str:
-    """Follow the job; if following stops for any reason (interrupt, termination, error), the job
+def follow_or_cancel(
+    context: AssetExecutionContext,
+    job_id: str,
+    output: JobOutput,
+    poll_seconds: float,
+    frozen: Callable[[], str | None],
+) -> str:
+    """Follow the job; if following stops for any reason (interrupt, termination, error, a frozen job), the job
     must not run on unwatched, holding nodes and writing to the run."""
     try:
-        return follow(context, job_id, output, poll_seconds)
+        return follow(context, job_id, output, poll_seconds, frozen)
     except BaseException:
         proc = slurm_cli(["scancel", job_id])
         context.log.warning(f"scancel {job_id}: " + ("done" if proc.returncode == 0 else proc.stderr.strip()))

@@ -14,12 +14,19 @@ from dagster import AssetExecutionContext, Failure
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.launch.cluster.torchrun import MultiNode, node_line, torchrun_command
+from ghostvis_core.launch.cluster.torchrun import MultiNode, node_grace_s, node_line, torchrun_command
 from ghostvis_core.run.job import Job
 from ghostvis_pipeline.config import config_from_dataclass
-from ghostvis_pipeline.launchers.common import attempt_name, failure, host_environment, require_result, spec_uri
+from ghostvis_pipeline.launchers.common import (
+    attempt_name,
+    failure,
+    frozen_watch,
+    host_environment,
+    require_result,
+    spec_uri,
+)
 from ghostvis_pipeline.launchers.pipes import job_session
-from ghostvis_pipeline.launchers.processes import start, stop, wait
+from ghostvis_pipeline.launchers.processes import Frozen, start, stop, wait
 
 MultiNodeConfig = config_from_dataclass(MultiNode)
 
@@ -33,7 +40,14 @@ def run_torchrun(context: AssetExecutionContext, target: Job, home: Home, launch
     nproc = launcher.ranks_per_node(target)
     attempt = attempt_name(context)
     rdzv = multi.rendezvous(target.run_key, attempt)
-    cmd = torchrun_command(spec_uri(home, target), nproc, rdzv, module=target.module, args=target.args)
+    cmd = torchrun_command(
+        spec_uri(home, target),
+        nproc,
+        rdzv,
+        module=target.module,
+        args=target.args,
+        grace_s=target.runtime.preempt_grace_s,
+    )
     with job_session(context, home, target, attempt, launcher, nproc, multi.cpus_per_node or None) as env:
         line = node_line(cmd, env)
         script_uri = home.store.write_text(
@@ -51,9 +65,12 @@ def run_torchrun(context: AssetExecutionContext, target: Job, home: Home, launch
         nodes = {"this node": start(cmd, env)}
         try:
             _start_others(context, multi, line, script_uri, nodes, host_environment(launcher.send_credentials))
-            failed = wait(nodes)
+            failed = wait(nodes, frozen_watch(home, target))
+        except Frozen as exc:  # nothing of the job can stop itself: killed now, retried by the stage
+            stop(nodes, grace_s=0)
+            raise failure(home, target, str(exc)) from None
         finally:  # a failed node, or the Dagster run terminated (its interrupt goes on up once all are stopped)
-            stop(nodes)
+            stop(nodes, grace_s=node_grace_s(target.runtime.preempt_grace_s))
     if failed:
         raise failure(home, target, f"{failed[0]} exited with code {failed[1]}")
     require_result(home, target)

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.launch.cluster.torchrun import Rendezvous, torchrun_command
+from ghostvis_core.launch.cluster.torchrun import Rendezvous, node_grace_s, torchrun_command
+from ghostvis_core.plan.config import RuntimeConfig
 from ghostvis_core.run.job import TRAINING_ENTRY
 
 CONTAINER = "trainer"
@@ -56,9 +57,8 @@ class KubernetesJob:
     image_pull_policy: str = "IfNotPresent"
     image_pull_secrets: list[str] = field(default_factory=list)
     rdzv_port: int = 29400  # pod 0's c10d rendezvous port
-    # seconds between an eviction's SIGTERM (torchrun passes it to the ranks, which commit a checkpoint and exit
-    # `preempted`) and the kill: one step and one save must fit
-    grace_period_s: int = 120
+    # No grace setting here: a pod's terminationGracePeriodSeconds (between an eviction's SIGTERM, which torchrun
+    # passes to the ranks, and the kill) is the stage's runtime.preempt_grace_s plus torchrun's own exit.
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ class RunTarget:
     env: dict[str, str] = field(default_factory=dict)
     module: str = TRAINING_ENTRY  # the job's module and its arguments after --spec (ghostvis_core/run/job.py)
     args: tuple[str, ...] = ()
+    grace_s: float = RuntimeConfig.preempt_grace_s  # the stage's runtime.preempt_grace_s
 
 
 def resource_name(stage: str, run_key: str) -> str:
@@ -167,7 +168,7 @@ def pod_spec(job: KubernetesJob, run: RunTarget, command: list[str], subdomain: 
     volumes, mounts = _volumes(job, run)
     spec: dict[str, Any] = {
         "restartPolicy": "Never",
-        "terminationGracePeriodSeconds": job.grace_period_s,
+        "terminationGracePeriodSeconds": node_grace_s(run.grace_s),
         "volumes": volumes,
         "containers": [_container(job, run, command, mounts)],
     }
@@ -186,7 +187,9 @@ def render_pod(job: KubernetesJob, run: RunTarget) -> tuple[dict[str, Any], dict
     """(metadata, PodSpec) of a one-node run: what dagster-k8s Pipes takes as base_pod_meta and
     base_pod_spec (it names the pod and adds the Pipes environment)."""
     check_job(job, run)
-    command = torchrun_command(run.spec_uri, run.nproc_per_node, python="python", module=run.module, args=run.args)
+    command = torchrun_command(
+        run.spec_uri, run.nproc_per_node, python="python", module=run.module, args=run.args, grace_s=run.grace_s
+    )
     return meta(job, run, queued=True), pod_spec(job, run, command)
 
 
@@ -228,7 +231,13 @@ def render_job(job: KubernetesJob, run: RunTarget) -> dict[str, Any]:
     check_job(job, run)
     name = resource_name(run.stage, run.run_key)
     command = torchrun_command(
-        run.spec_uri, run.nproc_per_node, rendezvous(job, run), python="python", module=run.module, args=run.args
+        run.spec_uri,
+        run.nproc_per_node,
+        rendezvous(job, run),
+        python="python",
+        module=run.module,
+        args=run.args,
+        grace_s=run.grace_s,
     )
     spec = pod_spec(job, run, command, subdomain=name)
     spec["containers"][0]["ports"] = [{"name": "rdzv", "containerPort": job.rdzv_port}]

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.launch.cluster.torchrun import Rendezvous, torchrun_command
+from ghostvis_core.launch.cluster.torchrun import Rendezvous, node_grace_s, torchrun_command
+from ghostvis_core.plan.config import RuntimeConfig
 from ghostvis_core.run.job import TRAINING_ENTRY
 
 
@@ -37,10 +38,9 @@ class SlurmJob:
     output: str = "/tmp/ghostvis-slurm-%j.out"
     rdzv_port: int = 29400  # the c10d rendezvous port on the job's first node
     poll_seconds: float = 5.0  # how often the launcher reads the job's state and output
-    # SIGTERM to every rank this long before the time limit (`--signal=TERM@s`): the ranks agree to stop, commit
-    # a checkpoint and exit `preempted` (ghostvis_core/run/train/preemption.py); the launcher resumes the run. It
-    # must cover one step and one save. 0: no early signal (Slurm's own SIGTERM comes KillWait before the kill).
-    preempt_signal_s: int = 120
+    # No signal setting here: with a time limit, Slurm sends SIGTERM to each node's torchrun (the job step) the
+    # stage's grace period (runtime.preempt_grace_s) plus torchrun's exit before the limit (`--signal=TERM@s`);
+    # torchrun passes it to the ranks, which commit a checkpoint and exit `preempted`; the launcher resumes.
 
 
 # Job states that end a job, and what they mean for the run. Slurm's other states (PENDING, RUNNING,
@@ -106,8 +106,9 @@ def shell_word(arg: str) -> str:
     )
 
 
-def sbatch_options(job: SlurmJob) -> list[str]:
-    """The `#SBATCH` lines: one srun task per node, which runs torchrun for that node's ranks."""
+def sbatch_options(job: SlurmJob, grace_s: float) -> list[str]:
+    """The `#SBATCH` lines: one srun task per node, which runs torchrun for that node's ranks; with a time limit,
+    the stop signal early enough for a grace period of `grace_s`."""
     if job.nodes < 1:
         raise GhostvisError(f"slurm nodes={job.nodes}: a job needs at least 1 node; set launcher slurm.nodes")
     opts = [
@@ -118,8 +119,8 @@ def sbatch_options(job: SlurmJob) -> list[str]:
         "--export=ALL",
         "--no-requeue",
     ]  # the launcher follows one job to its end; it launches a preempted run again, a Dagster retry a failed one
-    if job.preempt_signal_s and job.time:
-        opts.append(f"--signal=TERM@{job.preempt_signal_s}")
+    if job.time:
+        opts.append(f"--signal=TERM@{node_grace_s(grace_s)}")
     named = {
         "--cpus-per-task": job.cpus_per_task,
         "--gpus-per-node": job.gpus_per_node,
@@ -165,17 +166,21 @@ def render_sbatch(
     ship: list[str],
     module: str = TRAINING_ENTRY,
     args: tuple[str, ...] = (),
+    grace_s: float = RuntimeConfig.preempt_grace_s,
 ) -> str:
     """The job script: options, exported (non-secret) environment, setup lines, then one
     `srun torchrun` whose rendezvous is on the first node of the allocation, its output piped
-    through `ship` (to the store, where the launcher reads it, and on to the `--output` file)."""
+    through `ship` (to the store, where the launcher reads it, and on to the `--output` file);
+    `grace_s`: the stage's runtime.preempt_grace_s."""
     rendezvous = Rendezvous(nnodes="$SLURM_NNODES", endpoint=f"$rdzv_host:{job.rdzv_port}", rdzv_id="$SLURM_JOB_ID")
-    torchrun = torchrun_command(spec_uri, nproc_per_node, rendezvous, python=job.python, module=module, args=args)
+    torchrun = torchrun_command(
+        spec_uri, nproc_per_node, rendezvous, python=job.python, module=module, args=args, grace_s=grace_s
+    )
     exports = [f"export {name}={shlex.quote(value)}" for name, value in sorted(env.items()) if not is_secret(name)]
     return "\n".join(
         [
             "#!/bin/bash",
-            *sbatch_options(job),
+            *sbatch_options(job, grace_s),
             "set -eo pipefail",
             *exports,
             *job.setup,

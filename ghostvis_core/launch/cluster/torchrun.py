@@ -1,7 +1,13 @@
-"""The torchrun command line that starts a run's ranks: one node (--standalone) or several (c10d rendezvous)."""
+"""The torchrun command line that starts a run's ranks: one node (--standalone) or several (c10d rendezvous).
+
+torchrun forwards every stop signal a cluster or a user sends (STOP_SIGNALS: Kubernetes' and Slurm's SIGTERM,
+Slurm's `--signal=USR1@...`, Ctrl-C's SIGINT) to its ranks, which take each as a preemption (a checkpoint of
+the step they are at), and waits the stage's grace period (`runtime.preempt_grace_s`) for them before SIGKILL.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import socket
@@ -9,7 +15,22 @@ import sys
 from dataclasses import dataclass, field
 
 from ghostvis_core.errors import GhostvisError
+from ghostvis_core.plan.config import STOP_SIGNALS, RuntimeConfig
 from ghostvis_core.run.job import TRAINING_ENTRY
+
+# What a node (a pod, a Slurm step) is given beyond torchrun's wait for its ranks: torchrun's own exit after theirs
+SHUTDOWN_MARGIN_S = 10
+
+
+def shutdown_timeout(grace_s: float) -> int:
+    """torchrun's --shutdown-timeout for a grace period: whole seconds (torchrun takes an int), at least 1."""
+    return max(1, math.ceil(grace_s))
+
+
+def node_grace_s(grace_s: float) -> int:
+    """Seconds a node gets between its stop signal and the kill (Kubernetes' terminationGracePeriodSeconds, how
+    long before its time limit Slurm signals): torchrun's wait for its ranks, then torchrun's own exit."""
+    return shutdown_timeout(grace_s) + SHUTDOWN_MARGIN_S
 
 
 @dataclass(frozen=True)
@@ -30,9 +51,11 @@ def torchrun_command(
     python: str | None = None,
     module: str = TRAINING_ENTRY,
     args: tuple[str, ...] = (),
+    grace_s: float = RuntimeConfig.preempt_grace_s,
 ) -> list[str]:
     """`python -m torch.distributed.run ... -m <module> --spec <spec_uri> <args>` (the job's module: training's,
-    the evaluation's, registration's); without a rendezvous: one node, rendezvous on a free local port."""
+    the evaluation's, registration's); without a rendezvous: one node, rendezvous on a free local port. The
+    STOP_SIGNALS reach the ranks, and torchrun waits `grace_s` (the stage's runtime.preempt_grace_s) for them."""
     if rendezvous is None:
         nodes = ["--standalone"]
     else:
@@ -48,6 +71,8 @@ def torchrun_command(
         "torch.distributed.run",
         *nodes,
         f"--nproc_per_node={nproc_per_node}",
+        f"--signals-to-handle={','.join(STOP_SIGNALS)}",
+        f"--shutdown-timeout={shutdown_timeout(grace_s)}",
         "-m",
         module,
         "--spec",

@@ -258,6 +258,20 @@ class CheckpointManager:
         if lost:
             raise LeaseLost(lost)
 
+    def settle_all(self) -> int | None:
+        """Called by all ranks when the run stops before its end (a preemption): the async checkpoint in flight
+        is committed, then every rank reads the newest committed step from the store."""
+        self.settle()
+        barrier(self.ctx)
+        return self.committed_step()
+
+    def committed_step(self) -> int | None:
+        """The step of the run's newest checkpoint whose COMPLETE marker is in the store (None: none yet), read
+        from the store, so what a preemption reports is what a resume will find."""
+        keys = self.store.keys("checkpoint_marker", self.spec.stage, self.spec.run_key)
+        steps = [int(k[2].removeprefix("step_")) for k in keys if ckpt.is_step_dir(k[2])]
+        return max(steps, default=None)
+
     def share_shard(self, step: int, staging: Path) -> None:
         share_shard(self.store, self.ctx, self.spec.stage, self.spec.run_key, step, staging)
 

@@ -71,7 +71,7 @@ def setup(spec: LaunchSpec, ctx: DistContext, lease: Lease | None = None) -> Tra
         segment=state.segment,
     )
     trainer = Trainer(
-        preemption=PreemptionFlag(lease),
+        preemption=PreemptionFlag(cfg.runtime.preempt_grace_s, lease),
         watchdog=watchdog(spec, ctx, store, tracker),
         spec=spec,
         cfg=cfg,

@@ -69,11 +69,12 @@ class Tracker:
         """The MLflow run id (rank 0 waits for the run to exist; other ranks have none)."""
         return self.start_mlflow().wait_run_id() if self.ctx.is_main else None
 
-    def suspend(self) -> None:
-        """Rank 0 before a preempted job exits: deliver every buffered point and mark the MLflow run KILLED (the
-        resumed segment sets it RUNNING again)."""
+    def suspend(self, timeout_s: float) -> None:
+        """Rank 0 before a preempted job exits, after its checkpoint is committed: deliver every buffered point
+        and mark the MLflow run KILLED (the resumed segment sets it RUNNING again), for at most about `timeout_s`
+        (MLflow down: the points are logged again from the ledger by the resumed segment)."""
         if self.ctx.is_main:
-            self.start_mlflow().finish("KILLED")
+            self.start_mlflow().finish("KILLED", timeout=timeout_s)
 
     def finish(self, tags: dict[str, str], run_key: str) -> dict[str, float]:
         """End the MLflow run (flushing what is buffered) and tell Dagster the run's key."""

@@ -166,15 +166,19 @@ class Trainer:
         set_rng_state(rng)
 
     def stop_preempted(self) -> None:
-        """Commit the last whole step (unless it is committed: the resumed checkpoint's step, or 0), then stop
-        (`Preempted`); with the lease lost, stop at once (`LeaseLost`): nothing more is the run's."""
+        """Commit the last whole step (unless it is committed: the resumed checkpoint's step, or 0) and an async
+        save still in flight, then, bounded by what is left of the grace period, MLflow's last points; stop
+        (`Preempted`), naming the newest step the store holds. With the lease lost, stop at once (`LeaseLost`):
+        nothing more is the run's."""
         s = self.state
         if self.stop_code == STOP_LEASE_LOST:
             raise self.lease_lost()
         if s.step != self.committed_step:
             self.commit()
-        self.tracker.suspend()  # every point reaches MLflow before the job exits
-        raise Preempted(s.step, self.preemption.signal_name or "a signal to another rank", self.given_up)
+        with self.watchdog.in_phase(f"the checkpoint save in flight at step {s.step}"):
+            committed = self.checkpoints.settle_all()
+        self.tracker.suspend(timeout_s=self.preemption.grace_left() / 2)  # the other half: the lease, the exit
+        raise Preempted(s.step, self.preemption.signal_name or "a signal to another rank", committed, self.given_up)
 
     def progress(self) -> dict[str, float]:
         """Every log_every_steps (and at the first and last step): a progress line and its metrics. At every
@@ -215,7 +219,7 @@ class Trainer:
         s = self.state
         if not (s.step % self.cfg.eval.every_steps == 0 or s.step == self.total_steps):
             return {}
-        with self.parallel.evaluating():
+        with self.parallel.evaluating(), self.watchdog.in_phase(f"the evaluation after step {s.step}"):
             self.last_val = self.objective.evaluate(
                 self.model, self.ctx, self.autocast, evidence=s.step == self.total_steps
             )
@@ -257,7 +261,7 @@ class Trainer:
         if self.ctx.is_main:
             s.mlflow_run_id = self.tracker.run_id()
             s.capture_rng()
-        with self.watchdog.waiting_in(f"the checkpoint commit of step {s.step}"):
+        with self.watchdog.in_phase(f"the checkpoint save of step {s.step}"):
             self.checkpoints.commit(s, self.part, record, self.model, self.optimizer, final=s.step == self.total_steps)
         self.part = self._new_part()
         self.saved_at, self.committed_step = time.time(), s.step

@@ -9,8 +9,16 @@ name it from the store: the ranks whose heartbeat is older than three beats stop
 beats, all are alive and waiting in the named collective (a stuck collective). The process group's own
 timeout (twice this, dist.setup) is the backstop when the watchdog thread itself cannot run.
 
+Work that is no step (the held-out evaluation, a checkpoint save) is a phase with its own budget of the same
+timeout, counted from the phase's start, and its end counts as progress: a slow evaluation followed by a step is
+slow, not hung, and a phase past its budget is named in the reason ("in the evaluation after step 40 for 612 s").
+
 While a step takes longer than half the timeout, rank 0 says so on its output (the Dagster run log) and logs
-`time/since_step_s` to MLflow, so a hang is visible while it is in progress."""
+`time/since_step_s` to MLflow, so a hang is visible while it is in progress.
+
+A frozen node (torchrun and every rank stopped: a paused VM, a stalled kernel) writes no heartbeat and no rank can
+report it: the launching side watches the heartbeats too (`FrozenJobWatch`), and when none moves for the timeout
+it ends the job, naming the node and the last step; the stage's retry resumes from the newest checkpoint."""
 
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ from contextlib import contextmanager
 from ghostvis_core.run.train.reasons import HUNG, record_reason
 from ghostvis_core.store import Store
 
+STOPPED = "stopped"  # a heartbeat's phase once its rank stopped watching (the loop ended)
 HUNG_EXIT = 70  # EX_SOFTWARE: the run cannot go on as it is; the stage's retry resumes from its checkpoint
 
 
@@ -50,6 +59,7 @@ class Watchdog:
         self.phase = "starting"
         self.progressed = time.time()
         self.fired: str | None = None
+        self.phase_started: float | None = None  # inside a `phase`: when it began
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -66,6 +76,17 @@ class Watchdog:
         self.step, self.progressed, self.phase = step, time.time(), "between steps"
 
     @contextmanager
+    def in_phase(self, name: str) -> Iterator[None]:
+        """Work that is no step (an evaluation, a checkpoint save): its own budget of the timeout from its start;
+        its end counts as progress."""
+        before, self.phase_started = self.phase, time.time()
+        self.phase, self.progressed = name, self.phase_started
+        try:
+            yield
+        finally:
+            self.phase, self.progressed, self.phase_started = before, time.time(), None
+
+    @contextmanager
     def waiting_in(self, phase: str) -> Iterator[None]:
         """Name what this rank is doing (a collective, a save) for a hang's reason."""
         before, self.phase = self.phase, phase
@@ -75,9 +96,15 @@ class Watchdog:
             self.phase = before
 
     def stop(self) -> None:
+        """No more watching: a last heartbeat says so, for the launching side's `FrozenJobWatch`."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+            self.phase = STOPPED
+            try:
+                self.beat()
+            except Exception:  # the store is down: the launcher's watch ends with the job
+                pass
 
     def beat(self) -> None:
         self.store.write_json(
@@ -121,10 +148,14 @@ class Watchdog:
             if stopped
             else "every rank still beats: a collective is stuck"
         )
+        where = (
+            f"was in {self.phase} for {now - self.phase_started:.0f} s, past its budget"
+            if self.phase_started is not None
+            else f"made no progress for {now - self.progressed:.0f} s after step {self.step}"
+        )
         return (
-            f"{HUNG}: rank {self.rank} on {self.host} made no progress for {now - self.progressed:.0f} s after "
-            f"step {self.step} (runtime.hang_timeout_s={self.timeout_s:g}), waiting in {self.phase}; {who}; "
-            "the stage's retry resumes from the newest checkpoint"
+            f"{HUNG}: rank {self.rank} on {self.host} {where} (runtime.hang_timeout_s={self.timeout_s:g}), waiting in "
+            f"{self.phase}; {who}; the stage's retry resumes from the newest checkpoint"
         )
 
     def _run(self) -> None:
@@ -151,3 +182,58 @@ class Watchdog:
                 finally:
                     self.exit_fn(HUNG_EXIT)
                 return
+
+
+class FrozenJobWatch:
+    """The launching side's watch over a job's heartbeats (`run_file <stage> <run_key> heartbeats/rank<r>.json`),
+    for what no rank can report: a node whose torchrun and ranks are all stopped. Armed once a heartbeat moved
+    during this launch (an earlier launch's are passed over, and a job still starting writes none); `frozen`
+    returns the reason once the store answers and no heartbeat moved for `timeout_s` on this host's clock, None
+    otherwise (also once every rank stopped watching: the run is finishing)."""
+
+    def __init__(self, store: Store, stage: str, run_key: str, world_size: int, timeout_s: float):
+        self.store, self.stage, self.run_key = store, stage, run_key
+        self.world_size, self.timeout_s = world_size, timeout_s
+        self.beats = self._read()  # what an earlier launch left
+        self.moved: float | None = None  # this host's clock when a heartbeat last moved; None: not armed
+        self.read_at = time.monotonic()
+
+    def _read(self) -> dict[int, dict]:
+        out = {}
+        for r in range(self.world_size):
+            name = f"heartbeats/rank{r}.json"
+            if self.store.exists("run_file", self.stage, self.run_key, name):
+                out[r] = self.store.read_json("run_file", self.stage, self.run_key, name)
+        return out
+
+    def frozen(self) -> str | None:
+        now = time.monotonic()
+        if self.timeout_s <= 0 or now - self.read_at < self.timeout_s / 8:
+            return None
+        self.read_at = now
+        try:
+            beats = self._read()
+        except Exception:  # the store does not answer: nothing is known to have stopped (the ranks' beats fail too)
+            return None
+        if beats != self.beats:
+            self.beats, self.moved = beats, now
+        finishing = all(b["phase"] == STOPPED for b in beats.values())
+        if self.moved is None or finishing or now - self.moved <= self.timeout_s:
+            return None
+        return self.reason(now - self.moved)
+
+    def reason(self, still_s: float) -> str:
+        hosts: dict[str, list[dict]] = {}
+        for beat in self.beats.values():
+            hosts.setdefault(beat["host"], []).append(beat)
+        nodes = "; ".join(
+            f"node {host} (ranks {', '.join(str(b['rank']) for b in bs)}, last step reported "
+            f"{max(b['step'] for b in bs)}, in {bs[0]['phase']})"
+            for host, bs in sorted(hosts.items())
+        )
+        return (
+            f"{HUNG}: no heartbeat of run {self.run_key} moved for {still_s:.0f} s (runtime.hang_timeout_s="
+            f"{self.timeout_s:g}): {nodes} froze with torchrun and every rank stopped (a paused VM, a stalled "
+            "kernel), where no rank can report; the launcher ended the job; the stage's retry resumes from the "
+            "newest checkpoint"
+        )
