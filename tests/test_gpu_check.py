@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import json
+import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -90,13 +92,17 @@ def test_the_carried_folder_must_hold_a_wheel_per_pin_and_the_home_under_the_car
 
 
 @pytest.mark.skipif(gpu_check.torch.cuda.is_available(), reason="measures on a GPU; the CPU path is what is tested")
-def test_without_cuda_it_says_so_and_exits_0_once_the_carried_folder_is_complete(tmp_path, monkeypatch, capsys):
+def test_a_fresh_clone_is_told_what_to_run_first_and_without_cuda_it_exits_non_zero(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(gpu_check, "ROOT", tmp_path.parent)
     monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--wheels", str(tmp_path)])
     assert gpu_check.main() == 1  # no carried.json: a GPU call would run neither float8 nor the trainer
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "first run: make gpu-check (or: .venv/bin/python benchmarks/gpu_check.py --prepare), " + (
+        "where PyPI is reachable"
+    )
     carried_folder(tmp_path, ["torchao==0.18.0"])
-    assert gpu_check.main() == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith("no CUDA device")
+    assert gpu_check.main() == gpu_check.NO_CUDA_EXIT == 2  # prepared, but nothing measured: not a pass
+    assert capsys.readouterr().out.splitlines()[-1].startswith("no CUDA device: nothing measured (exit 2)")
 
 
 def test_what_travels_is_what_the_trainer_float8_and_the_audit_need_beyond_the_gpu_machine():
@@ -170,3 +176,48 @@ def test_the_fsdp2_resume_part_resumes_a_committed_checkpoint_to_the_same_losses
     r = gpu_check.fsdp_resume(torch.device("cpu"), d_model=64, seq_len=64)  # the GPU's shape, small
     assert r["ok"] and r["max_rel_diff"] <= gpu_check.RESUME_TOLERANCE, r
     assert len(r["resumed"]) == 2 and r["resumed"][0] < 9.0  # a 4,096-token vocabulary starts near ln 4096 = 8.3
+
+
+def fsdp_figures(monkeypatch) -> dict:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+    return gpu_check.fsdp_resume(torch.device("cpu"), d_model=64, seq_len=64)
+
+
+def test_a_part_that_misses_its_goal_or_fails_makes_the_check_exit_1_naming_it(tmp_path, monkeypatch, capsys):
+    """The FSDP2 resume part measured here on CPU, with the trainer-versus-bare figures of a run: every goal
+    met exits 0; the resume's tolerance set out of reach (the same figures), or a part that errored, exits 1
+    and the last table and line name the part."""
+    out = tmp_path / "gpu_check.json"
+    vs_bare = {"trainer_tokens_per_sec": 97_000.0, "bare_tokens_per_sec": 100_000.0, "ratio": 0.97, "steps": 30}
+    results = {"fsdp_resume": fsdp_figures(monkeypatch), "trainer_vs_bare": vs_bare}
+    assert gpu_check.report(out, results) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "gpu check: every goal met"
+    assert lines[-3].split()[0] == "fsdp_resume" and lines[-3].endswith("pass")
+    assert "0.970 (97,000 / 100,000 tok/s)" in lines[-2] and lines[-2].endswith("pass")
+
+    monkeypatch.setattr(gpu_check, "RESUME_TOLERANCE", -1.0)  # out of reach: below any difference
+    assert gpu_check.report(out, results) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "gpu check: FAILED: fsdp_resume" and lines[-3].endswith("FAIL")
+    assert json.loads(out.read_text())["fsdp_resume"]["max_rel_diff"] == results["fsdp_resume"]["max_rel_diff"]
+
+    monkeypatch.setattr(gpu_check, "GOAL_TRAINER_RATIO", 0.98)
+    results["trainer"] = {"error": "trainer exited 2: error: no shard"}
+    assert gpu_check.report(out, results) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "gpu check: FAILED: fsdp_resume, trainer, trainer_vs_bare"
+    assert "trainer exited 2: error: no shard" in lines[-3] and lines[-3].endswith("ERROR")
+
+
+def test_the_versions_part_fails_on_a_torch_other_than_the_pin(monkeypatch):
+    pin = gpu_check.torch_pin()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", pin)  # read from scripts/install-torch
+    ran = {"torch": pin + "+cu130", "torch_pin": pin, "cuda": "13.0", "driver": "580.65.06"}
+    assert gpu_check.verdicts({"versions": ran})[0][2:] == (f"torch {pin}+cu130, CUDA 13.0, driver 580.65.06", "pass")
+    assert gpu_check.verdicts({"versions": ran | {"torch": "2.9.1+cu128"}})[0][3] == "FAIL"
+    assert gpu_check.report(Path(os.devnull), {}) == 1  # nothing measured is not a pass

@@ -65,7 +65,7 @@ class FedLog:
     """Per step since the last checkpoint: each micro-batch's global rows, row digests and image
     digests; its digest and the step's fold of them are computed when the records are made."""
 
-    steps: dict[int, dict[str, list]] = field(default_factory=dict)
+    by_step: dict[int, dict[str, list]] = field(default_factory=dict)  # read through `steps`: digested
     expected: tuple[int, Batch] | None = None  # the micro-batch announced and not yet at the model
     feeding: Received | None = None  # the micro-batch inside the model's forward now
     unsettled: list[Received] = field(default_factory=list)  # received, not digested yet
@@ -81,7 +81,7 @@ class FedLog:
             return
         (step, batch), self.expected = self.expected, None
         got = Received((_host(inputs), _host(targets), _host(doc_ids)))
-        s = self.steps.setdefault(step, {"micro_rows": [], "row_digests": [], "image_hashes": []})
+        s = self.by_step.setdefault(step, {"micro_rows": [], "row_digests": [], "image_hashes": []})
         s["micro_rows"].append(list(batch.rows))
         s["row_digests"].append(got.row_digests)
         s["image_hashes"].append(got.image_hashes)
@@ -102,6 +102,12 @@ class FedLog:
         for got in self.unsettled:
             got.settle()
         self.unsettled.clear()
+
+    @property
+    def steps(self) -> dict[int, dict[str, list]]:
+        """Per step: micro_rows, row_digests, image_hashes, every micro-batch digested (`settle`)."""
+        self.settle()
+        return self.by_step
 
     def records(self, part_id: str, run_key: str, rank: int) -> list[FeedRow]:
         """The ledger's `feeds` rows of this rank in part `part_id` of run `run_key`: one per step."""
