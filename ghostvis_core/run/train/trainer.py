@@ -88,8 +88,11 @@ class Trainer:
     def begin(self) -> None:
         """The run's first line; at step 0 the evaluation before training, on a resume the token points of
         every committed step again, from the ledger (an interrupted segment's last points may have died in
-        its MLflow buffer; `mlflow_token_history` reads them, and a point logged twice is one value)."""
+        its MLflow buffer; `mlflow_token_history` reads them, and a point logged twice is one value). The MLflow
+        run is started first (`Tracker.start_mlflow`): its Python runs beside the evaluation, before the first
+        step, not inside the steps whose throughput is measured."""
         s, p = self.state, self.plan
+        self.tracker.start_mlflow()
         self.tracker.say(
             f"[{self.spec.stage}] run {self.spec.run_key} segment {s.segment}: "
             f"{'resume from step ' + str(s.step) if self.resumed else 'start'}; tokens_per_step={p.tokens_per_step} "
@@ -220,8 +223,7 @@ class Trainer:
         return self.last_val
 
     def log(self, metrics: dict[str, float]) -> None:
-        """The step's metrics to MLflow; the first call starts the MLflow run (after the first step: `Tracker`)."""
-        self.tracker.start_mlflow()
+        """The step's metrics to MLflow (the run started in `begin`)."""
         self.tracker.metrics(metrics, step=self.state.step)
 
     def checkpoint(self) -> None:
