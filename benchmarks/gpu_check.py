@@ -4,13 +4,13 @@ GPU time comes in short slices on a machine that reaches no package registry and
 PyTorch (CUDA), Triton, numpy, pandas, pyarrow, tiktoken, safetensors and transformers, but not
 MLflow, Dagster, datatrove, duckdb or torchao. So the check's own process imports only the pieces of
 `ghostvis_core` that need nothing more (tests/test_gpu_check.py keeps it so), and what else it needs
-travels in the git-ignored `benchmarks/gpu_wheels/` (under 64 MiB in all), filled here by `--prepare`:
-the wheels of torchao (float8) and of what the real trainer and the audit import beyond the GPU
-machine's packages (gpu_trainer.carried: the MLflow client, SQLAlchemy, duckdb, ...), downloaded from
-PyPI at this venv's versions for the GPU machine's Python, listed in `carried.json`; and `home/`, a
-data-only demo home (benchmarks/gpu_trainer.py). On the GPU machine the wheels are installed into a
-temporary folder (`pip install --no-index --target`) put on sys.path and PYTHONPATH: nothing is
-installed there.
+travels in the git-ignored `benchmarks/gpu_wheels/` (at most 48 of the 64 MiB a call carries), filled
+here by `--prepare`: the wheels of torchao (float8) and of what the real trainer and the audit import
+beyond the GPU machine's packages (gpu_trainer.carried: the MLflow client, SQLAlchemy, duckdb, ...),
+downloaded from PyPI at this venv's versions for the GPU machine's Python, listed in `carried.json`,
+and a data-only demo home (benchmarks/gpu_trainer.py), packed into one xz archive, `carried.tar.xz`
+(`pack`). On the GPU machine the archive is unpacked and the wheels installed into a temporary folder
+(`pip install --no-index --target`) put on sys.path and PYTHONPATH: nothing is installed there.
 
 Parts, each on the working tree's code (figures in the JSON of --out, a short table last):
   - peak: bf16 FLOP/s of one large matmul (MFU is measured against it, not a datasheet);
@@ -47,8 +47,10 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import zipfile
@@ -62,10 +64,11 @@ BARE_LOOP = Path(__file__).resolve().parent / "_bare_loop.py"
 PREPARE_FIRST = "make gpu-check (or: .venv/bin/python benchmarks/gpu_check.py --prepare), where PyPI is reachable"
 WHEELS = Path(__file__).resolve().parent / "gpu_wheels"
 CARRIED_ROOTS = ("torchao", *gpu_trainer.TRAINER_NEEDS)  # what the check needs beyond the GPU machine
-CARRIED_LIST = "carried.json"  # the pins --prepare downloaded, for the Python it downloaded them for
 GPU_PYTHON = "3.12"  # the GPU machine's Python: compiled wheels (duckdb, psutil, ...) must match it
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-CARRY_LIMIT_BYTES = 64 * 2**20  # what one device call may carry with the working tree
+CARRIED_LIST = "carried.json"  # the pins --prepare downloaded, for the Python it downloaded them for
+ARCHIVE = "carried.tar.xz"  # the wheels (uncompressed inside) and the data-only home, xz-compressed
+CARRY_LIMIT_BYTES = 48 * 2**20  # of the 64 MiB a device call carries: room for the tree and a new dependency
 PEAK_MATMUL = 8192  # square bf16 matmul: large enough to keep every SM busy
 GOAL_MFU = 0.45
 GOAL_PLAN_ERROR = 0.15
@@ -78,7 +81,8 @@ NO_CUDA_EXIT = 2  # nothing measured: not a pass
 
 def prepare(python_version: str) -> int:
     """Download the carried wheels (binary only, each pinned, no dependencies resolved by pip) for the
-    GPU machine's Python, record them in carried.json, and build the data-only demo home."""
+    GPU machine's Python, record them in carried.json, build the data-only demo home, and pack both into
+    the carried archive (`pack`)."""
     WHEELS.mkdir(exist_ok=True)
     pins = [f"{name}=={version}" for name, version in sorted(gpu_trainer.carried(CARRIED_ROOTS).items())]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(WHEELS)]
@@ -88,7 +92,27 @@ def prepare(python_version: str) -> int:
     (WHEELS / CARRIED_LIST).write_text(json.dumps({"python": python_version, "pins": pins}, indent=2))
     print(f"building the data-only demo home in {WHEELS / 'home'} ...", flush=True)
     gpu_trainer.prepare_home(WHEELS / "home")
-    return 0 if not check_wheels() else 1
+    pack(WHEELS)
+    with tempfile.TemporaryDirectory() as tmp:
+        return 0 if not carried_problems(Path(tmp)) else 1
+
+
+def pack(folder: Path) -> None:
+    """`folder`'s wheels and home/ into one xz archive (ARCHIVE), which replaces them. Each wheel goes in
+    rewritten uncompressed (still a wheel: its RECORD hashes the files, not their compression), so xz
+    compresses the shared libraries inside, which a wheel's deflate leaves twice as large."""
+    wheels = sorted(folder.glob("*.whl"))
+    with tempfile.TemporaryDirectory() as tmp, tarfile.open(folder / ARCHIVE, "w:xz", preset=9) as tar:
+        for wheel in wheels:
+            stored = Path(tmp) / wheel.name
+            with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(stored, "w", zipfile.ZIP_STORED) as dst:
+                for info in src.infolist():
+                    dst.writestr(info, src.read(info), compress_type=zipfile.ZIP_STORED)
+            tar.add(stored, arcname=wheel.name)
+        tar.add(folder / "home", arcname="home")
+    for wheel in wheels:
+        wheel.unlink()
+    shutil.rmtree(folder / "home")
 
 
 def wheel_name(wheel: Path) -> str:
@@ -96,35 +120,39 @@ def wheel_name(wheel: Path) -> str:
     return re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower()
 
 
-def check_wheels() -> list[str]:
-    """What is wrong with the carried folder (empty when nothing); prints its size and what it holds."""
+def carried_problems(unpacked: Path) -> list[str]:
+    """What is wrong with the carried folder (empty when nothing), its archive unpacked into `unpacked`:
+    carried.json and the archive there, under CARRY_LIMIT_BYTES, a wheel per pin, the data-only home.
+    Prints its size and what it holds."""
     fix = f"fix: run {PREPARE_FIRST}"
-    wheels = sorted(WHEELS.glob("*.whl"))
     total = sum(f.stat().st_size for f in WHEELS.rglob("*") if f.is_file())
-    print(f"carried folder: {os.path.relpath(WHEELS, ROOT)}, {len(wheels)} wheels, {total / 2**20:.1f} MiB in all")
-    for w in wheels:
-        print(f"  {w.name} ({w.stat().st_size / 2**20:.1f} MiB)")
-    listed = WHEELS / CARRIED_LIST
+    print(f"carried folder: {os.path.relpath(WHEELS, ROOT)}, {total / 2**20:.1f} MiB in all")
+    listed, archive = WHEELS / CARRIED_LIST, WHEELS / ARCHIVE
     pins = json.loads(listed.read_text())["pins"] if listed.exists() else []
     problems = [] if pins else [f"no {listed}; {fix}"]
-    names = {wheel_name(w) for w in wheels}
-    problems += [f"no wheel of {pin} in {WHEELS}; {fix}" for pin in pins if pin.split("==")[0] not in names]
-    if not (WHEELS / "home" / "store").is_dir():
-        problems.append(f"no data-only demo home in {WHEELS / 'home'}; {fix}")
     if total > CARRY_LIMIT_BYTES:
         problems.append(
-            f"{WHEELS} holds {total / 2**20:.1f} MiB, above the {CARRY_LIMIT_BYTES / 2**20:.0f} MiB a call carries"
+            f"{WHEELS} holds {total / 2**20:.1f} MiB, above the {CARRY_LIMIT_BYTES / 2**20:.0f} MiB allowed"
         )
+    if not archive.exists():
+        return [*problems, f"no {archive}; {fix}"]
+    with tarfile.open(archive) as tar:
+        tar.extractall(unpacked, filter="data")
+    wheels = sorted(unpacked.glob("*.whl"))
     for w in wheels:
-        if not zipfile.is_zipfile(w):
-            problems.append(f"{w} is not a wheel (zip); fix: delete it and run --prepare again")
+        print(f"  {w.name} ({w.stat().st_size / 2**20:.1f} MiB unpacked)")
+    names = {wheel_name(w) for w in wheels}
+    problems += [f"no wheel of {pin} in {archive}; {fix}" for pin in pins if pin.split("==")[0] not in names]
+    if not (unpacked / "home" / "store").is_dir():
+        problems.append(f"no data-only demo home in {archive}; {fix}")
+    problems += [f"{w.name} in {archive} is not a wheel (zip); {fix}" for w in wheels if not zipfile.is_zipfile(w)]
     return problems
 
 
-def install_wheels(dest: Path) -> None:
-    """The carried wheels installed into `dest` (pip, no index, no dependency resolution), importable here
-    and in the workers and the trainer (PYTHONPATH)."""
-    wheels = [str(w) for w in sorted(WHEELS.glob("*.whl"))]
+def install_wheels(unpacked: Path, dest: Path) -> None:
+    """The carried wheels (unpacked) installed into `dest` (pip, no index, no dependency resolution),
+    importable here and in the workers and the trainer (PYTHONPATH)."""
+    wheels = [str(w) for w in sorted(unpacked.glob("*.whl"))]
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target"]
     subprocess.run([*cmd, str(dest), *wheels], check=True)
     sys.path.insert(0, str(dest))
@@ -477,7 +505,9 @@ def main() -> int:
     WHEELS = args.wheels.resolve()
     if args.prepare:
         return prepare(args.python_version)
-    problems = check_wheels()
+    tmp = tempfile.TemporaryDirectory()
+    unpacked, installed = Path(tmp.name) / "carried", Path(tmp.name) / "installed"
+    problems = carried_problems(unpacked)
     for p in problems:
         print(f"carried folder: {p}")
     if problems:
@@ -487,10 +517,9 @@ def main() -> int:
         print(f"no CUDA device: nothing measured (exit {NO_CUDA_EXIT}); run the check on a GPU machine")
         return NO_CUDA_EXIT
     sys.path.insert(0, str(ROOT))
-    tmp = tempfile.TemporaryDirectory()
-    install_wheels(Path(tmp.name))
+    install_wheels(unpacked, installed)
     log = args.out.with_name("trainer.log")
-    trainer = (gpu_trainer.run_trainer, WHEELS / "home", log, args.trainer_preset, args.trainer_steps)
+    trainer = (gpu_trainer.run_trainer, unpacked / "home", log, args.trainer_preset, args.trainer_steps)
     if args.trainer_on_cpu:
         return report(args.out, {"trainer": guarded(*trainer)})
     return report(args.out, measure(args, trainer))

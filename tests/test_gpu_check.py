@@ -64,31 +64,42 @@ def test_everything_the_check_imports_exists_without_the_packages_the_gpu_machin
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def carried_folder(folder: Path, pins: list[str]) -> None:
-    """A carried folder as --prepare leaves it: carried.json, a wheel per pin, the data-only home."""
+def carried_folder(folder: Path, pins: list[str], wheels: list[str] | None = None) -> None:
+    """A carried folder as --prepare leaves it: carried.json and the archive `pack` makes of a wheel per
+    name of `wheels` (default: per pin) and the data-only home."""
     (folder / "carried.json").write_text(json.dumps({"python": "3.12", "pins": pins}))
-    for pin in pins:
+    for pin in pins if wheels is None else wheels:
         name, version = pin.split("==")
         with zipfile.ZipFile(folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl", "w") as z:
-            z.writestr(f"{name.replace('-', '_')}/__init__.py", "")
+            z.writestr(f"{name.replace('-', '_')}/__init__.py", "x = 1\n" * 1000, compress_type=zipfile.ZIP_DEFLATED)
     (folder / "home" / "store").mkdir(parents=True)
+    gpu_check.pack(folder)
 
 
-def test_the_carried_folder_must_hold_a_wheel_per_pin_and_the_home_under_the_carry_limit(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(gpu_check, "WHEELS", tmp_path)
-    monkeypatch.setattr(gpu_check, "ROOT", tmp_path.parent)
-    problems = gpu_check.check_wheels()
-    assert len(problems) == 2 and "no " + str(tmp_path / "carried.json") in problems[0] and "--prepare" in problems[0]
-    assert "no data-only demo home" in problems[1]
-    carried_folder(tmp_path, ["torchao==0.18.0", "mlflow-skinny==3.17.2"])
-    assert gpu_check.check_wheels() == []
-    assert f"{tmp_path.name}, 2 wheels, 0.0 MiB in all" in capsys.readouterr().out
-    (tmp_path / "mlflow_skinny-3.17.2-py3-none-any.whl").unlink()
-    (tmp_path / "broken-1.0-py3-none-any.whl").write_text("not a zip")
+def test_the_carried_archive_must_hold_a_wheel_per_pin_and_the_home_under_the_carry_limit(
+    tmp_path, monkeypatch, capsys
+):
+    carried, unpacked = tmp_path / "carried", tmp_path / "unpacked"
+    carried.mkdir()
+    monkeypatch.setattr(gpu_check, "WHEELS", carried)
+    monkeypatch.setattr(gpu_check, "ROOT", tmp_path)
+    problems = gpu_check.carried_problems(unpacked)
+    assert len(problems) == 2 and "no " + str(carried / "carried.json") in problems[0] and "--prepare" in problems[0]
+    assert "no " + str(carried / "carried.tar.xz") in problems[1]
+    carried_folder(carried, ["torchao==0.18.0", "mlflow-skinny==3.17.2"])
+    assert sorted(p.name for p in carried.iterdir()) == ["carried.json", "carried.tar.xz"]  # packed: nothing loose
+    assert gpu_check.carried_problems(unpacked / "1") == []
+    out = capsys.readouterr().out
+    assert "carried folder: carried, 0.0 MiB in all" in out and "mlflow_skinny-3.17.2-py3-none-any.whl" in out
+    with zipfile.ZipFile(unpacked / "1" / "torchao-0.18.0-py3-none-any.whl") as z:  # a wheel still, stored
+        assert [i.compress_type for i in z.infolist()] == [zipfile.ZIP_STORED]
+        assert z.read("torchao/__init__.py") == b"x = 1\n" * 1000
+    (carried / "carried.tar.xz").unlink()
+    carried_folder(carried, ["torchao==0.18.0", "mlflow-skinny==3.17.2"], wheels=["torchao==0.18.0"])
     monkeypatch.setattr(gpu_check, "CARRY_LIMIT_BYTES", 10)
-    problems = gpu_check.check_wheels()
-    assert len(problems) == 3 and "no wheel of mlflow-skinny==3.17.2" in problems[0]
-    assert "MiB a call carries" in problems[1] and "is not a wheel" in problems[2]
+    problems = gpu_check.carried_problems(unpacked / "2")
+    assert len(problems) == 2 and "MiB allowed" in problems[0]
+    assert "no wheel of mlflow-skinny==3.17.2 in " + str(carried / "carried.tar.xz") in problems[1]
 
 
 @pytest.mark.skipif(gpu_check.torch.cuda.is_available(), reason="measures on a GPU; the CPU path is what is tested")
