@@ -52,6 +52,7 @@ class Received:
     pixels: list[torch.Tensor | None] = field(default_factory=list)
 
     def settle(self) -> None:
+        """Digest the held tensors (`ghostvis_core/digest.py`) and let them go."""
         ids, tgt, docs = (None if t is None else t.numpy() for t in self.tensors)
         self.row_digests.extend(
             digest.row_digest(ids[i], tgt[i], None if docs is None else docs[i]) for i in range(ids.shape[0])
