@@ -56,5 +56,5 @@ bench: setup
 # (needs PyPI), then the check, which exits 0 only when every part meets its goal (2 without a CUDA device).
 # On the GPU machine, with the folder carried: make gpu-check PY=python3
 gpu-check:
-	@test -f benchmarks/gpu_wheels/carried.json || $(PY) benchmarks/gpu_check.py --prepare
+	@test -f benchmarks/gpu_wheels/carried.tar.xz || $(PY) benchmarks/gpu_check.py --prepare
 	$(PY) benchmarks/gpu_check.py --out gpu_check.json
