@@ -84,6 +84,8 @@ def prepare(python_version: str) -> int:
     GPU machine's Python, record them in carried.json, build the data-only demo home, and pack both into
     the carried archive (`pack`)."""
     WHEELS.mkdir(exist_ok=True)
+    for stale in WHEELS.glob("*.whl"):  # an earlier layout's loose wheels, maybe of other pins: not packed
+        stale.unlink()
     pins = [f"{name}=={version}" for name, version in sorted(gpu_trainer.carried(CARRIED_ROOTS).items())]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(WHEELS)]
     cmd += ["--python-version", python_version, "--implementation", "cp"]
