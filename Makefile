@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup browser slurm postgres hosts demo test bench
+.PHONY: setup browser slurm postgres hosts demo test bench gpu-check
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml scripts/install-torch
@@ -51,3 +51,10 @@ test: setup browser slurm postgres hosts
 
 bench: setup
 	$(PY) benchmarks/run_all.py
+
+# The GPU check (benchmarks/gpu_check.py): its carried folder benchmarks/gpu_wheels filled first when missing
+# (needs PyPI), then the check, which exits 0 only when every part meets its goal (2 without a CUDA device).
+# On the GPU machine, with the folder carried: make gpu-check PY=python3
+gpu-check:
+	@test -f benchmarks/gpu_wheels/carried.tar.xz || $(PY) benchmarks/gpu_check.py --prepare
+	$(PY) benchmarks/gpu_check.py --out gpu_check.json

@@ -4,7 +4,8 @@ Same model (ghostvis_core.run.model.gpt.GPT built from the resolved stage config
 AdamW with the trainer's hyperparameters and parameter groups (decay on >= 2-D parameters), the
 same micro-batch shape and grad accumulation, random token batches generated before the loop,
 bf16 autocast (or fp32), grad-norm clipping. Nothing else: no data loader, no token accounting, no
-logging, no extra collectives.
+logging, no extra collectives. On CUDA (NCCL, the batches on the GPU before the loop) each step ends
+with one synchronize, as the trainer's ends with its one host read.
 
 Timing is the trainer's: tokens/s counts from the end of step 1 to the end of the last step (rank 0).
 
@@ -38,15 +39,19 @@ def main() -> None:
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if cuda:
+        torch.cuda.set_device(dev)
     if world > 1:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if cuda else "gloo")
 
     cfg = json.loads(open(args.spec).read())["config"]
     b, o = cfg["batch"], cfg["optim"]
     mbs, seq, accum = b["micro_batch_size"], b["seq_len"], b.get("grad_accum_steps") or 1
     torch.manual_seed(cfg["data"]["seed"])
-    model = GPT(ModelConfig(**cfg["model"]))
+    model = GPT(ModelConfig(**cfg["model"])).to(dev)
     ddp = DDP(model) if world > 1 else model
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
@@ -62,7 +67,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1000 + rank)
     data = torch.randint(0, model.cfg.vocab_size, (args.steps, accum, mbs, seq + 1), generator=gen)
     batches = [
-        [(data[s, m, :, :-1].contiguous(), data[s, m, :, 1:].contiguous()) for m in range(accum)]
+        [(data[s, m, :, :-1].contiguous().to(dev), data[s, m, :, 1:].contiguous().to(dev)) for m in range(accum)]
         for s in range(args.steps)
     ]
     del data
@@ -75,13 +80,15 @@ def main() -> None:
             last = m == accum - 1
             ctx = ddp.no_sync() if (world > 1 and not last) else _null()
             with ctx:
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
                     loss = ddp(x, y) / accum
                 loss.backward()
         if o["grad_clip"] > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), o["grad_clip"])
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
         ends.append(time.time())
         if s == 0 and rank == 0:
             print("BARE_STEP1", flush=True)  # the launcher time-stamps this line (launch -> first step)

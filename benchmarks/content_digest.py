@@ -1,8 +1,9 @@
 """The content proof's cost: the share of a training step spent digesting what the model is fed.
 
 The real training step (`ghostvis_core.run.train.trainer.Trainer.train_step`, world size 1, the demo's `tiny` pretrain
-shape, the precision `auto` picks) runs --steps times after a warm-up step; every call of the digest
-(`FedLog.received`, called by the model's forward pre-hook once per micro-batch) is timed inside the step.
+shape, the precision `auto` picks) runs --steps times after a warm-up step; every call of the digest is timed
+inside the step: `FedLog.received` (the model's forward pre-hook, once per micro-batch: the input tensors held on
+the host) and `FedLog.settle` (once per step, after its one host read: the digests).
 Goal: digest time / step time < 2%.
 
     .venv/bin/python benchmarks/content_digest.py [--home PATH] [--steps 20]
@@ -39,14 +40,18 @@ def measure(home: Path, steps: int) -> dict:
     )
     trainer = setup(spec, DistContext(0, 0, 1, torch.device("cpu")))
     spent = [0.0]
-    received = FedLog.received
+    originals = {name: getattr(FedLog, name) for name in ("received", "settle")}
 
-    def timed_received(self, inputs, targets, doc_ids):
-        t0 = time.perf_counter()
-        received(self, inputs, targets, doc_ids)
-        spent[0] += time.perf_counter() - t0
+    def timed(original):
+        def call(*args):
+            t0 = time.perf_counter()
+            original(*args)
+            spent[0] += time.perf_counter() - t0
 
-    FedLog.received = timed_received
+        return call
+
+    for name, original in originals.items():
+        setattr(FedLog, name, timed(original))
     try:
         trainer.train_step()  # warm-up: allocator and threads
         spent[0], t0 = 0.0, time.perf_counter()
@@ -54,7 +59,8 @@ def measure(home: Path, steps: int) -> dict:
             trainer.train_step()
         wall = time.perf_counter() - t0
     finally:
-        FedLog.received = received  # nothing was logged, so the trainer made no MLflow run (run/train/tracking.py)
+        for name, original in originals.items():  # nothing was logged: the trainer made no MLflow run (tracking.py)
+            setattr(FedLog, name, original)
     p = trainer.plan
     return {
         "steps": steps,

@@ -4,13 +4,13 @@ GPU time comes in short slices on a machine that reaches no package registry and
 PyTorch (CUDA), Triton, numpy, pandas, pyarrow, tiktoken, safetensors and transformers, but not
 MLflow, Dagster, datatrove, duckdb or torchao. So the check's own process imports only the pieces of
 `ghostvis_core` that need nothing more (tests/test_gpu_check.py keeps it so), and what else it needs
-travels in the git-ignored `benchmarks/gpu_wheels/` (under 64 MiB in all), filled here by `--prepare`:
-the wheels of torchao (float8) and of what the real trainer and the audit import beyond the GPU
-machine's packages (gpu_trainer.carried: the MLflow client, SQLAlchemy, duckdb, ...), downloaded from
-PyPI at this venv's versions for the GPU machine's Python, listed in `carried.json`; and `home/`, a
-data-only demo home (benchmarks/gpu_trainer.py). On the GPU machine the wheels are installed into a
-temporary folder (`pip install --no-index --target`) put on sys.path and PYTHONPATH: nothing is
-installed there.
+travels in the git-ignored `benchmarks/gpu_wheels/` (at most 48 of the 64 MiB a call carries), filled
+here by `--prepare`: the wheels of torchao (float8) and of what the real trainer and the audit import
+beyond the GPU machine's packages (gpu_trainer.carried: the MLflow client, SQLAlchemy, duckdb, ...),
+downloaded from PyPI at this venv's versions for the GPU machine's Python, listed in `carried.json`,
+and a data-only demo home (benchmarks/gpu_trainer.py), packed into one xz archive, `carried.tar.xz`
+(`pack`). On the GPU machine the archive is unpacked and the wheels installed into a temporary folder
+(`pip install --no-index --target`) put on sys.path and PYTHONPATH: nothing is installed there.
 
 Parts, each on the working tree's code (figures in the JSON of --out, a short table last):
   - peak: bf16 FLOP/s of one large matmul (MFU is measured against it, not a datasheet);
@@ -24,12 +24,19 @@ Parts, each on the working tree's code (figures in the JSON of --out, a short ta
   - fsdp_resume: FSDP2 on one GPU, a DCP save and a resume give the same loss on the next step;
   - trainer: 30 steps of the real trainer (`python -m ghostvis_core.run`, tiny preset) on the demo
     corpus, then the audit: the held-out loss falls, the ledger's figures equal the trainer's, every
-    check passes (benchmarks/gpu_trainer.py).
+    check passes (benchmarks/gpu_trainer.py);
+  - trainer_vs_bare: the trainer part's tokens/s against benchmarks/_bare_loop.py on the same model,
+    batch shape, precision and steps (goal >= 0.95, as on CPU: benchmarks/trainer_throughput.py).
+It records the torch, CUDA and driver versions it ran on, against the torch scripts/install-torch pins.
 
-Without a CUDA device it checks its carried folder, says "no CUDA device" and exits 0.
+The last table gives every part's goal, figure and verdict; the check exits 1 when a part errors or
+misses its goal, 0 only when every goal is met. On a fresh clone (no carried folder) it names the
+command to run first and exits 1; without a CUDA device it says "no CUDA device" and exits 2: it
+measured nothing. `make gpu-check` prepares the carried folder when it is missing, then runs the check.
 (--trainer-on-cpu runs the trainer part alone without CUDA: benchmarks/gpu_check_isolated.py runs it
 in an environment holding only the GPU machine's packages and the carried wheels.)
 
+    make gpu-check                                            # here, with PyPI: prepare, then check
     .venv/bin/python benchmarks/gpu_check.py --prepare        # here, with PyPI: fill benchmarks/gpu_wheels
     python benchmarks/gpu_check.py --out gpu_check.json       # on the GPU machine, from the repository root
 """
@@ -40,8 +47,10 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import zipfile
@@ -51,24 +60,32 @@ import gpu_trainer
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+BARE_LOOP = Path(__file__).resolve().parent / "_bare_loop.py"
+PREPARE_FIRST = "make gpu-check (or: .venv/bin/python benchmarks/gpu_check.py --prepare), where PyPI is reachable"
 WHEELS = Path(__file__).resolve().parent / "gpu_wheels"
 CARRIED_ROOTS = ("torchao", *gpu_trainer.TRAINER_NEEDS)  # what the check needs beyond the GPU machine
-CARRIED_LIST = "carried.json"  # the pins --prepare downloaded, for the Python it downloaded them for
 GPU_PYTHON = "3.12"  # the GPU machine's Python: compiled wheels (duckdb, psutil, ...) must match it
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
-CARRY_LIMIT_BYTES = 64 * 2**20  # what one device call may carry with the working tree
+CARRIED_LIST = "carried.json"  # the pins --prepare downloaded, for the Python it downloaded them for
+ARCHIVE = "carried.tar.xz"  # the wheels (uncompressed inside) and the data-only home, xz-compressed
+CARRY_LIMIT_BYTES = 48 * 2**20  # of the 64 MiB a device call carries: room for the tree and a new dependency
 PEAK_MATMUL = 8192  # square bf16 matmul: large enough to keep every SM busy
 GOAL_MFU = 0.45
 GOAL_PLAN_ERROR = 0.15
 GOAL_FLOAT8_SPEEDUP = 1.15
 BF16_REL_ERROR = 1e-2
 RESUME_TOLERANCE = 1e-4
+GOAL_TRAINER_RATIO = 0.95
+NO_CUDA_EXIT = 2  # nothing measured: not a pass
 
 
 def prepare(python_version: str) -> int:
     """Download the carried wheels (binary only, each pinned, no dependencies resolved by pip) for the
-    GPU machine's Python, record them in carried.json, and build the data-only demo home."""
+    GPU machine's Python, record them in carried.json, build the data-only demo home, and pack both into
+    the carried archive (`pack`)."""
     WHEELS.mkdir(exist_ok=True)
+    for stale in WHEELS.glob("*.whl"):  # an earlier layout's loose wheels, maybe of other pins: not packed
+        stale.unlink()
     pins = [f"{name}=={version}" for name, version in sorted(gpu_trainer.carried(CARRIED_ROOTS).items())]
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d", str(WHEELS)]
     cmd += ["--python-version", python_version, "--implementation", "cp"]
@@ -77,7 +94,27 @@ def prepare(python_version: str) -> int:
     (WHEELS / CARRIED_LIST).write_text(json.dumps({"python": python_version, "pins": pins}, indent=2))
     print(f"building the data-only demo home in {WHEELS / 'home'} ...", flush=True)
     gpu_trainer.prepare_home(WHEELS / "home")
-    return 0 if not check_wheels() else 1
+    pack(WHEELS)
+    with tempfile.TemporaryDirectory() as tmp:
+        return 0 if not carried_problems(Path(tmp)) else 1
+
+
+def pack(folder: Path) -> None:
+    """`folder`'s wheels and home/ into one xz archive (ARCHIVE), which replaces them. Each wheel goes in
+    rewritten uncompressed (still a wheel: its RECORD hashes the files, not their compression), so xz
+    compresses the shared libraries inside, which a wheel's deflate leaves twice as large."""
+    wheels = sorted(folder.glob("*.whl"))
+    with tempfile.TemporaryDirectory() as tmp, tarfile.open(folder / ARCHIVE, "w:xz", preset=9) as tar:
+        for wheel in wheels:
+            stored = Path(tmp) / wheel.name
+            with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(stored, "w", zipfile.ZIP_STORED) as dst:
+                for info in src.infolist():
+                    dst.writestr(info, src.read(info), compress_type=zipfile.ZIP_STORED)
+            tar.add(stored, arcname=wheel.name)
+        tar.add(folder / "home", arcname="home")
+    for wheel in wheels:
+        wheel.unlink()
+    shutil.rmtree(folder / "home")
 
 
 def wheel_name(wheel: Path) -> str:
@@ -85,35 +122,39 @@ def wheel_name(wheel: Path) -> str:
     return re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower()
 
 
-def check_wheels() -> list[str]:
-    """What is wrong with the carried folder (empty when nothing); prints its size and what it holds."""
-    fix = "fix: run benchmarks/gpu_check.py --prepare where PyPI is reachable"
-    wheels = sorted(WHEELS.glob("*.whl"))
+def carried_problems(unpacked: Path) -> list[str]:
+    """What is wrong with the carried folder (empty when nothing), its archive unpacked into `unpacked`:
+    carried.json and the archive there, under CARRY_LIMIT_BYTES, a wheel per pin, the data-only home.
+    Prints its size and what it holds."""
+    fix = f"fix: run {PREPARE_FIRST}"
     total = sum(f.stat().st_size for f in WHEELS.rglob("*") if f.is_file())
-    print(f"carried folder: {os.path.relpath(WHEELS, ROOT)}, {len(wheels)} wheels, {total / 2**20:.1f} MiB in all")
-    for w in wheels:
-        print(f"  {w.name} ({w.stat().st_size / 2**20:.1f} MiB)")
-    listed = WHEELS / CARRIED_LIST
+    print(f"carried folder: {os.path.relpath(WHEELS, ROOT)}, {total / 2**20:.1f} MiB in all")
+    listed, archive = WHEELS / CARRIED_LIST, WHEELS / ARCHIVE
     pins = json.loads(listed.read_text())["pins"] if listed.exists() else []
     problems = [] if pins else [f"no {listed}; {fix}"]
-    names = {wheel_name(w) for w in wheels}
-    problems += [f"no wheel of {pin} in {WHEELS}; {fix}" for pin in pins if pin.split("==")[0] not in names]
-    if not (WHEELS / "home" / "store").is_dir():
-        problems.append(f"no data-only demo home in {WHEELS / 'home'}; {fix}")
     if total > CARRY_LIMIT_BYTES:
         problems.append(
-            f"{WHEELS} holds {total / 2**20:.1f} MiB, above the {CARRY_LIMIT_BYTES / 2**20:.0f} MiB a call carries"
+            f"{WHEELS} holds {total / 2**20:.1f} MiB, above the {CARRY_LIMIT_BYTES / 2**20:.0f} MiB allowed"
         )
+    if not archive.exists():
+        return [*problems, f"no {archive}; {fix}"]
+    with tarfile.open(archive) as tar:
+        tar.extractall(unpacked, filter="data")
+    wheels = sorted(unpacked.glob("*.whl"))
     for w in wheels:
-        if not zipfile.is_zipfile(w):
-            problems.append(f"{w} is not a wheel (zip); fix: delete it and run --prepare again")
+        print(f"  {w.name} ({w.stat().st_size / 2**20:.1f} MiB unpacked)")
+    names = {wheel_name(w) for w in wheels}
+    problems += [f"no wheel of {pin} in {archive}; {fix}" for pin in pins if pin.split("==")[0] not in names]
+    if not (unpacked / "home" / "store").is_dir():
+        problems.append(f"no data-only demo home in {archive}; {fix}")
+    problems += [f"{w.name} in {archive} is not a wheel (zip); {fix}" for w in wheels if not zipfile.is_zipfile(w)]
     return problems
 
 
-def install_wheels(dest: Path) -> None:
-    """The carried wheels installed into `dest` (pip, no index, no dependency resolution), importable here
-    and in the workers and the trainer (PYTHONPATH)."""
-    wheels = [str(w) for w in sorted(WHEELS.glob("*.whl"))]
+def install_wheels(unpacked: Path, dest: Path) -> None:
+    """The carried wheels (unpacked) installed into `dest` (pip, no index, no dependency resolution),
+    importable here and in the workers and the trainer (PYTHONPATH)."""
+    wheels = [str(w) for w in sorted(unpacked.glob("*.whl"))]
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target"]
     subprocess.run([*cmd, str(dest), *wheels], check=True)
     sys.path.insert(0, str(dest))
@@ -390,11 +431,61 @@ def table(results: dict) -> list[str]:
 
 
 def guarded(fn, *args) -> dict:
-    """A part's figures, or its error: one failing part must not hide the others' figures."""
+    """A part's figures, or its error: one failing part must not hide the others' figures (its verdict
+    is ERROR in the last table, and the check exits 1)."""
     try:
         return fn(*args)
     except Exception as exc:  # reported in the table and the JSON
         return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+
+
+def torch_pin() -> str:
+    """The torch version the project installs (scripts/install-torch's default)."""
+    found = re.search(r"GHOSTVIS_TORCH_VERSION:-([0-9.]+)", (ROOT / "scripts" / "install-torch").read_text())
+    return found.group(1) if found else "unknown (no pin in scripts/install-torch)"
+
+
+def driver_version() -> str:
+    """The NVIDIA driver's version (nvidia-smi), or why it is unknown."""
+    try:
+        proc = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+        )
+    except OSError as exc:
+        return f"unknown ({exc.strerror}: nvidia-smi)"
+    return proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else "unknown"
+
+
+def versions() -> dict:
+    """What the check ran on: torch (and the version the project pins), its CUDA, the driver."""
+    return {
+        "torch": torch.__version__,
+        "torch_pin": torch_pin(),
+        "cuda": torch.version.cuda,
+        "driver": driver_version(),
+    }
+
+
+def trainer_vs_bare(trainer: dict, steps: int) -> dict:
+    """The trainer part's tokens/s against benchmarks/_bare_loop.py on this GPU with the trainer run's own
+    config (model, micro-batch shape, grad accumulation, AdamW, clipping, seed), one rank, as many steps,
+    bf16: both timed from the end of step 1 to the end of the last step."""
+    if not trainer or "error" in trainer:
+        raise RuntimeError(f"no trainer figure to compare: {trainer.get('error') if trainer else 'trainer not run'}")
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = Path(tmp) / "spec.json"
+        spec.write_text(json.dumps({"config": trainer["config"]}))
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(BARE_LOOP)]
+        proc = subprocess.run(
+            [*cmd, "--spec", str(spec), "--steps", str(steps), "--precision", "bf16"], capture_output=True, text=True
+        )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("BARE_RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"bare loop exited {proc.returncode}: {gpu_trainer.last_error(proc.stdout + proc.stderr)}")
+    bare = json.loads(lines[-1].split(" ", 1)[1])
+    ratio = trainer["tokens_per_sec"] / bare["tokens_per_sec"]
+    return {"trainer_tokens_per_sec": trainer["tokens_per_sec"], "bare_tokens_per_sec": bare["tokens_per_sec"],
+            "ratio": ratio, "steps": steps}  # fmt: skip
 
 
 def main() -> int:
@@ -416,27 +507,35 @@ def main() -> int:
     WHEELS = args.wheels.resolve()
     if args.prepare:
         return prepare(args.python_version)
-    problems = check_wheels()
+    tmp = tempfile.TemporaryDirectory()
+    unpacked, installed = Path(tmp.name) / "carried", Path(tmp.name) / "installed"
+    problems = carried_problems(unpacked)
     for p in problems:
         print(f"carried folder: {p}")
-    if not torch.cuda.is_available() and not args.trainer_on_cpu:
-        print("no CUDA device: the GPU figures are to be measured on a GPU machine")
-        return 1 if problems else 0
     if problems:
+        print(f"first run: {PREPARE_FIRST}")
         return 1
+    if not torch.cuda.is_available() and not args.trainer_on_cpu:
+        print(f"no CUDA device: nothing measured (exit {NO_CUDA_EXIT}); run the check on a GPU machine")
+        return NO_CUDA_EXIT
     sys.path.insert(0, str(ROOT))
-    tmp = tempfile.TemporaryDirectory()
-    install_wheels(Path(tmp.name))
+    install_wheels(unpacked, installed)
     log = args.out.with_name("trainer.log")
-    trainer = (gpu_trainer.run_trainer, WHEELS / "home", log, args.trainer_preset, args.trainer_steps)
+    trainer = (gpu_trainer.run_trainer, unpacked / "home", log, args.trainer_preset, args.trainer_steps)
     if args.trainer_on_cpu:
         return report(args.out, {"trainer": guarded(*trainer)})
+    return report(args.out, measure(args, trainer))
+
+
+def measure(args, trainer: tuple) -> dict:
+    """Every part (or those of --parts) on CUDA device 0, in order; the JSON rewritten after each, so a
+    call cut short still returns the parts done."""
     from ghostvis_core.run.train.efficiency import measured_matmul_flops
 
     dev = torch.device("cuda", 0)
     peak = measured_matmul_flops(dev, torch.bfloat16, n=PEAK_MATMUL, repeats=10)
-    results: dict = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "peak_tflops": peak / 1e12}
-    print(f"{results['gpu']}, torch {torch.__version__}, bf16 peak {peak / 1e12:.0f} TFLOP/s", flush=True)
+    results: dict = {"gpu": torch.cuda.get_device_name(dev), "versions": versions(), "peak_tflops": peak / 1e12}
+    print(f"{results['gpu']}, {results['versions']}, bf16 peak {peak / 1e12:.0f} TFLOP/s", flush=True)
     import gpu_throughput
 
     no_float8 = gpu_throughput.float8_unavailable()
@@ -448,6 +547,7 @@ def main() -> int:
         "float8_500m": (pretrain, peak, True, args.steps, args.warmup),
         "float8_linears": (float8_linears,),
         "trainer": trainer,
+        "trainer_vs_bare": (lambda: trainer_vs_bare(results.get("trainer", {}), args.trainer_steps),),
     }
     for name, (fn, *fn_args) in parts.items():
         if args.parts and name not in args.parts:
@@ -460,17 +560,87 @@ def main() -> int:
         start = time.perf_counter()
         results[name] = guarded(fn, *fn_args)
         results[name]["part_wall_s"] = time.perf_counter() - start
-        args.out.write_text(json.dumps(results, indent=2))  # a slice cut short still returns the parts done
+        args.out.write_text(json.dumps(results, indent=2))
         print(f"{name} done in {results[name]['part_wall_s']:.0f} s", flush=True)
-    return report(args.out, results)
+    return results
+
+
+def _figure(name: str, r: dict, results: dict) -> tuple[str, str, bool | None]:
+    """A measured part's (goal, figure, goal met); None: a figure without a goal."""
+    if name == "versions":
+        base = r["torch"].split("+")[0]
+        return (
+            f"torch {r['torch_pin']} (the pin)",
+            f"torch {r['torch']}, CUDA {r['cuda']}, driver {r['driver']}",
+            (base == r["torch_pin"]),
+        )
+    if name.startswith("pretrain_500m"):
+        figure = f"MFU {r['mfu_measured_peak']:.1%}, memory plan {r['plan_error']:+.0%} of measured"
+        goal = f"MFU >= {GOAL_MFU:.0%}, plan within {GOAL_PLAN_ERROR:.0%}"
+        return goal, figure, r["mfu_measured_peak"] >= GOAL_MFU and abs(r["plan_error"]) <= GOAL_PLAN_ERROR
+    if name == "float8_500m":
+        bf16 = results.get("pretrain_500m", {}).get("tokens_per_sec")
+        speedup = r["tokens_per_sec"] / bf16 if bf16 else float("nan")
+        return f">= {GOAL_FLOAT8_SPEEDUP}x bf16", f"{speedup:.2f}x bf16", speedup >= GOAL_FLOAT8_SPEEDUP
+    if name == "float8_linears":
+        return (
+            "(the ceiling of float8's step speed-up)",
+            f"500m {r['500m']['speedup']:.2f}x, 7b {r['7b']['speedup']:.2f}x",
+            None,
+        )
+    if name == "attention":
+        worst = max(r["output_rel_error"], r["grad_q_rel_error"])
+        return f"rel error <= {BF16_REL_ERROR:.0e}, same block masks", f"rel error {worst:.1e}", r["ok"]
+    if name == "fsdp_resume":
+        met = r["max_rel_diff"] <= RESUME_TOLERANCE
+        return f"rel diff <= {RESUME_TOLERANCE:.0e}", f"rel diff {r['max_rel_diff']:.1e}", met
+    if name == "trainer":
+        agree = "figures agree" if r["ledger_equals_trainer"] else "figures DISAGREE"
+        audit = "audit passed" if not r["audit_failures"] else f"audit FAILED ({len(r['audit_failures'])})"
+        loss = f"loss {r['val_loss_start']:.3f} -> {r['val_loss']:.3f}"
+        return "loss falls, ledger = trainer, audit passes", f"{loss}, {agree}, {audit}", r["ok"]
+    figure = f"{r['ratio']:.3f} ({r['trainer_tokens_per_sec']:,.0f} / {r['bare_tokens_per_sec']:,.0f} tok/s)"
+    return f"trainer/bare tokens/s >= {GOAL_TRAINER_RATIO}", figure, r["ratio"] >= GOAL_TRAINER_RATIO
+
+
+VERDICT_PARTS = ("versions", "attention", "fsdp_resume", "pretrain_500m", "pretrain_500m_packed", "float8_500m",
+                 "float8_linears", "trainer", "trainer_vs_bare")  # fmt: skip
+
+
+def verdicts(results: dict) -> list[tuple[str, str, str, str]]:
+    """Each part run: (part, goal, figure, verdict), the verdict pass, FAIL (goal missed), ERROR (the part
+    failed), skipped (float8 on a GPU without it) or info (a figure without a goal)."""
+    rows = []
+    for name in VERDICT_PARTS:
+        r = results.get(name)
+        if r is None:
+            continue
+        if "error" in r or "skipped" in r:
+            rows.append((name, "-", r.get("error") or r["skipped"], "ERROR" if "error" in r else "skipped"))
+            continue
+        try:
+            goal, figure, met = _figure(name, r, results)
+        except (KeyError, TypeError, ZeroDivisionError) as exc:
+            rows.append((name, "-", f"incomplete figures ({type(exc).__name__}: {exc})", "ERROR"))
+            continue
+        rows.append((name, goal, figure, "info" if met is None else "pass" if met else "FAIL"))
+    return rows
 
 
 def report(out: Path, results: dict) -> int:
-    """The full figures as JSON, the short table last; 0: the check ran (a missed goal is a figure)."""
+    """The full figures as JSON, the part lines, then the verdict table last. 0 only when no part errored
+    or missed its goal; 1 otherwise, naming them."""
     out.write_text(json.dumps(results, indent=2))
     print(f"figures: {out}")
     print("\n".join(table(results)))
-    return 0
+    rows = verdicts(results)
+    widths = [max(len(row[i]) for row in [("part", "goal", "figure", "verdict"), *rows]) for i in range(4)]
+    print()
+    for row in [("part", "goal", "figure", "verdict"), *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    failed = [row[0] for row in rows if row[3] in ("FAIL", "ERROR")] or ([] if rows else ["no part measured"])
+    print(f"gpu check: {'FAILED: ' + ', '.join(failed) if failed else 'every goal met'}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

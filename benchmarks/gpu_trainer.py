@@ -15,6 +15,7 @@ beyond that is TRAINER_NEEDS and its requirements, carried as wheels (`carried`)
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import re
 import shutil
@@ -129,7 +130,13 @@ def run_trainer(home_src: Path, log: Path, preset: str = PRESET, steps: int = ST
         shutil.copytree(home_src, home)
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DAGSTER_", "MLFLOW_", "GHOSTVIS_"))}
         env |= {"GHOSTVIS_HOME": str(home), "PYTHONUNBUFFERED": "1"}
-        sets = [f"budget.steps={steps}", "batch.world_size=1"]
+        # evaluation and checkpoints at the end only: its tokens/s is the steps' own (the trainer_vs_bare part)
+        sets = [
+            f"budget.steps={steps}",
+            "batch.world_size=1",
+            "eval.every_steps=1000000",
+            "checkpoint.every_steps=1000000",
+        ]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
         cmd += ["-m", "ghostvis_core.run", "--stage", STAGE, "--preset", preset]
         cmd += [a for s in sets for a in ("--set", s)]
@@ -163,6 +170,7 @@ def audited(home: Path) -> dict:
     ledger_equals_trainer = bool(rows) and all(r[-1] == "ok" for r in rows)
     return {
         "run_key": record.run_key,
+        "config": json.loads(Path(Home(home).store.fetch("run_spec", STAGE, record.run_key)).read_text())["config"],
         "steps": record.steps,
         "tokens_per_sec": record.tokens_per_sec,
         "first_step_s": record.first_step_s,

@@ -107,9 +107,8 @@ def test_a_run_is_preempted_only_when_every_failing_rank_says_so(tmp_path):
 
 
 def test_a_preemption_names_the_step_committed_or_that_none_is():
-    assert str(Preempted(12, "SIGUSR1", 10, "step 13 given up before its micro-batch 2 of 4")).startswith(
-        "preempted at step 12 (SIGUSR1; step 13 given up before its micro-batch 2 of 4): checkpoint of step 10 "
-        "committed; "
+    assert str(Preempted(12, "SIGUSR1", 10)).startswith(
+        "preempted at step 12 (SIGUSR1): checkpoint of step 10 committed; "
     )
     assert "no checkpoint committed yet" in str(Preempted(3, "SIGTERM", None))
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import ast
 import importlib.metadata
 import json
+import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -62,41 +64,56 @@ def test_everything_the_check_imports_exists_without_the_packages_the_gpu_machin
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def carried_folder(folder: Path, pins: list[str]) -> None:
-    """A carried folder as --prepare leaves it: carried.json, a wheel per pin, the data-only home."""
+def carried_folder(folder: Path, pins: list[str], wheels: list[str] | None = None) -> None:
+    """A carried folder as --prepare leaves it: carried.json and the archive `pack` makes of a wheel per
+    name of `wheels` (default: per pin) and the data-only home."""
     (folder / "carried.json").write_text(json.dumps({"python": "3.12", "pins": pins}))
-    for pin in pins:
+    for pin in pins if wheels is None else wheels:
         name, version = pin.split("==")
         with zipfile.ZipFile(folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl", "w") as z:
-            z.writestr(f"{name.replace('-', '_')}/__init__.py", "")
+            z.writestr(f"{name.replace('-', '_')}/__init__.py", "x = 1\n" * 1000, compress_type=zipfile.ZIP_DEFLATED)
     (folder / "home" / "store").mkdir(parents=True)
+    gpu_check.pack(folder)
 
 
-def test_the_carried_folder_must_hold_a_wheel_per_pin_and_the_home_under_the_carry_limit(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(gpu_check, "WHEELS", tmp_path)
-    monkeypatch.setattr(gpu_check, "ROOT", tmp_path.parent)
-    problems = gpu_check.check_wheels()
-    assert len(problems) == 2 and "no " + str(tmp_path / "carried.json") in problems[0] and "--prepare" in problems[0]
-    assert "no data-only demo home" in problems[1]
-    carried_folder(tmp_path, ["torchao==0.18.0", "mlflow-skinny==3.17.2"])
-    assert gpu_check.check_wheels() == []
-    assert f"{tmp_path.name}, 2 wheels, 0.0 MiB in all" in capsys.readouterr().out
-    (tmp_path / "mlflow_skinny-3.17.2-py3-none-any.whl").unlink()
-    (tmp_path / "broken-1.0-py3-none-any.whl").write_text("not a zip")
+def test_the_carried_archive_must_hold_a_wheel_per_pin_and_the_home_under_the_carry_limit(
+    tmp_path, monkeypatch, capsys
+):
+    carried, unpacked = tmp_path / "carried", tmp_path / "unpacked"
+    carried.mkdir()
+    monkeypatch.setattr(gpu_check, "WHEELS", carried)
+    monkeypatch.setattr(gpu_check, "ROOT", tmp_path)
+    problems = gpu_check.carried_problems(unpacked)
+    assert len(problems) == 2 and "no " + str(carried / "carried.json") in problems[0] and "--prepare" in problems[0]
+    assert "no " + str(carried / "carried.tar.xz") in problems[1]
+    carried_folder(carried, ["torchao==0.18.0", "mlflow-skinny==3.17.2"])
+    assert sorted(p.name for p in carried.iterdir()) == ["carried.json", "carried.tar.xz"]  # packed: nothing loose
+    assert gpu_check.carried_problems(unpacked / "1") == []
+    out = capsys.readouterr().out
+    assert "carried folder: carried, 0.0 MiB in all" in out and "mlflow_skinny-3.17.2-py3-none-any.whl" in out
+    with zipfile.ZipFile(unpacked / "1" / "torchao-0.18.0-py3-none-any.whl") as z:  # a wheel still, stored
+        assert [i.compress_type for i in z.infolist()] == [zipfile.ZIP_STORED]
+        assert z.read("torchao/__init__.py") == b"x = 1\n" * 1000
+    (carried / "carried.tar.xz").unlink()
+    carried_folder(carried, ["torchao==0.18.0", "mlflow-skinny==3.17.2"], wheels=["torchao==0.18.0"])
     monkeypatch.setattr(gpu_check, "CARRY_LIMIT_BYTES", 10)
-    problems = gpu_check.check_wheels()
-    assert len(problems) == 3 and "no wheel of mlflow-skinny==3.17.2" in problems[0]
-    assert "MiB a call carries" in problems[1] and "is not a wheel" in problems[2]
+    problems = gpu_check.carried_problems(unpacked / "2")
+    assert len(problems) == 2 and "MiB allowed" in problems[0]
+    assert "no wheel of mlflow-skinny==3.17.2 in " + str(carried / "carried.tar.xz") in problems[1]
 
 
 @pytest.mark.skipif(gpu_check.torch.cuda.is_available(), reason="measures on a GPU; the CPU path is what is tested")
-def test_without_cuda_it_says_so_and_exits_0_once_the_carried_folder_is_complete(tmp_path, monkeypatch, capsys):
+def test_a_fresh_clone_is_told_what_to_run_first_and_without_cuda_it_exits_non_zero(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(gpu_check, "ROOT", tmp_path.parent)
     monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--wheels", str(tmp_path)])
     assert gpu_check.main() == 1  # no carried.json: a GPU call would run neither float8 nor the trainer
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == "first run: make gpu-check (or: .venv/bin/python benchmarks/gpu_check.py --prepare), " + (
+        "where PyPI is reachable"
+    )
     carried_folder(tmp_path, ["torchao==0.18.0"])
-    assert gpu_check.main() == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith("no CUDA device")
+    assert gpu_check.main() == gpu_check.NO_CUDA_EXIT == 2  # prepared, but nothing measured: not a pass
+    assert capsys.readouterr().out.splitlines()[-1].startswith("no CUDA device: nothing measured (exit 2)")
 
 
 def test_what_travels_is_what_the_trainer_float8_and_the_audit_need_beyond_the_gpu_machine():
@@ -170,3 +187,48 @@ def test_the_fsdp2_resume_part_resumes_a_committed_checkpoint_to_the_same_losses
     r = gpu_check.fsdp_resume(torch.device("cpu"), d_model=64, seq_len=64)  # the GPU's shape, small
     assert r["ok"] and r["max_rel_diff"] <= gpu_check.RESUME_TOLERANCE, r
     assert len(r["resumed"]) == 2 and r["resumed"][0] < 9.0  # a 4,096-token vocabulary starts near ln 4096 = 8.3
+
+
+def fsdp_figures(monkeypatch) -> dict:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(s.getsockname()[1]))
+    return gpu_check.fsdp_resume(torch.device("cpu"), d_model=64, seq_len=64)
+
+
+def test_a_part_that_misses_its_goal_or_fails_makes_the_check_exit_1_naming_it(tmp_path, monkeypatch, capsys):
+    """The FSDP2 resume part measured here on CPU, with the trainer-versus-bare figures of a run: every goal
+    met exits 0; the resume's tolerance set out of reach (the same figures), or a part that errored, exits 1
+    and the last table and line name the part."""
+    out = tmp_path / "gpu_check.json"
+    vs_bare = {"trainer_tokens_per_sec": 97_000.0, "bare_tokens_per_sec": 100_000.0, "ratio": 0.97, "steps": 30}
+    results = {"fsdp_resume": fsdp_figures(monkeypatch), "trainer_vs_bare": vs_bare}
+    assert gpu_check.report(out, results) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "gpu check: every goal met"
+    assert lines[-3].split()[0] == "fsdp_resume" and lines[-3].endswith("pass")
+    assert "0.970 (97,000 / 100,000 tok/s)" in lines[-2] and lines[-2].endswith("pass")
+
+    monkeypatch.setattr(gpu_check, "RESUME_TOLERANCE", -1.0)  # out of reach: below any difference
+    assert gpu_check.report(out, results) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "gpu check: FAILED: fsdp_resume" and lines[-3].endswith("FAIL")
+    assert json.loads(out.read_text())["fsdp_resume"]["max_rel_diff"] == results["fsdp_resume"]["max_rel_diff"]
+
+    monkeypatch.setattr(gpu_check, "GOAL_TRAINER_RATIO", 0.98)
+    results["trainer"] = {"error": "trainer exited 2: error: no shard"}
+    assert gpu_check.report(out, results) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "gpu check: FAILED: fsdp_resume, trainer, trainer_vs_bare"
+    assert "trainer exited 2: error: no shard" in lines[-3] and lines[-3].endswith("ERROR")
+
+
+def test_the_versions_part_fails_on_a_torch_other_than_the_pin(monkeypatch):
+    pin = gpu_check.torch_pin()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", pin)  # read from scripts/install-torch
+    ran = {"torch": pin + "+cu130", "torch_pin": pin, "cuda": "13.0", "driver": "580.65.06"}
+    assert gpu_check.verdicts({"versions": ran})[0][2:] == (f"torch {pin}+cu130, CUDA 13.0, driver 580.65.06", "pass")
+    assert gpu_check.verdicts({"versions": ran | {"torch": "2.9.1+cu128"}})[0][3] == "FAIL"
+    assert gpu_check.report(Path(os.devnull), {}) == 1  # nothing measured is not a pass

@@ -64,20 +64,6 @@ class PartLog:
         self.fed.expect(step, batch)
         self.rollouts.add(step, batch)
 
-    def forget(self, step: int, consumed: tuple[TokenCounts, int, int]) -> None:
-        """Step `step` was given up part-way (a preemption between its micro-batches): what it fed is not
-        trained, so nothing of it goes into the ledger part. `consumed`: the consumption's counts and list
-        lengths before the step."""
-        c = self.consumption
-        c.counts, c.pieces[consumed[1] :], c.rows[consumed[2] :] = consumed[0], [], []
-        self.fed.steps.pop(step, None)
-        self.fed.expected = None
-        self.rollouts.steps.pop(step, None)
-
-    def consumed(self) -> tuple[TokenCounts, int, int]:
-        c = self.consumption
-        return c.counts, len(c.pieces), len(c.rows)
-
 
 @dataclass
 class Pending:

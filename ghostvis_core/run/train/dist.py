@@ -74,18 +74,23 @@ def teardown() -> None:
 
 def all_reduce_sum(values: list[float | int], ctx: DistContext, dtype=torch.float64) -> list:
     """Sum a short list of numbers over ranks (exact for token counts below 2^53)."""
-    t = torch.tensor(values, dtype=dtype, device=ctx.device)
+    return summed_on_device(on_device(values, ctx, dtype), ctx).tolist()
+
+
+def on_device(values: list[float | int], ctx: DistContext, dtype=torch.float64) -> torch.Tensor:
+    """Host numbers as a tensor on the run's device without a host wait: on CUDA through pinned memory and a
+    non-blocking copy (a copy from pageable memory waits for the device to finish its queued work)."""
+    t = torch.tensor(values, dtype=dtype)
+    if ctx.device.type != "cuda":
+        return t
+    return t.pin_memory().to(ctx.device, non_blocking=True)
+
+
+def summed_on_device(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """`t` summed over ranks in place, left on the device: nothing is read back, so the host does not wait."""
     if ctx.world_size > 1:
         dist.all_reduce(t)
-    return t.tolist()
-
-
-def all_reduce_max(values: list[int], ctx: DistContext) -> list[int]:
-    """The largest of each integer over ranks (flags any rank raised), in one collective."""
-    t = torch.tensor(values, dtype=torch.int64, device=ctx.device)
-    if ctx.world_size > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    return t
 
 
 def gather_objects(obj, ctx: DistContext) -> list:

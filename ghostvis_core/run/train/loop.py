@@ -20,8 +20,7 @@ def train(spec: LaunchSpec, ctx: DistContext, lease: Lease | None = None) -> Run
     try:
         trainer.begin()
         while trainer.state.step < trainer.total_steps:
-            if not trainer.train_step():  # a preemption agreed between micro-batches: the step was given up
-                trainer.stop_preempted()
+            trainer.train_step()
             metrics = trainer.progress()
             metrics.update(trainer.evaluate())
             trainer.log(metrics)

@@ -27,18 +27,15 @@ from ghostvis_core.store.lease import Lease
 
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: try again later
 PREEMPTION_SIGNALS = tuple(signal.Signals[name] for name in STOP_SIGNALS)
-# What a rank's flag says at a step boundary (all-reduced with max, so every rank learns the strongest): told to
-# stop by a signal (commit, then stop), or rank 0 lost the run's lease (stop, committing nothing more).
-STOP_SIGNALLED, STOP_LEASE_LOST = 1, 2
 
 
 class Preempted(Exception):
     """Raised by the loop once the preemption checkpoint is committed; the entry point exits PREEMPTED_EXIT."""
 
-    def __init__(self, step: int, signal_name: str, committed: int | None, given_up: str = ""):
+    def __init__(self, step: int, signal_name: str, committed: int | None):
         saved = f"checkpoint of step {committed} committed" if committed is not None else "no checkpoint committed yet"
         super().__init__(
-            f"{PREEMPTED} at step {step} ({signal_name}{'; ' + given_up if given_up else ''}): {saved}; launch the "
+            f"{PREEMPTED} at step {step} ({signal_name}): {saved}; launch the "
             "stage again to resume from it (the launcher does)"
         )
         self.step, self.committed = step, committed
@@ -47,7 +44,7 @@ class Preempted(Exception):
 class PreemptionFlag:
     """This rank's signal handlers and the flag they set, and rank 0's lease: the reasons to stop that the ranks
     agree on. Installed from the main thread (Python runs signal handlers there); the handler only records, the
-    loop acts at the next micro-batch or step boundary."""
+    loop acts at the step's end."""
 
     def __init__(self, grace_s: float, lease: Lease | None = None) -> None:
         self.grace_s = grace_s  # runtime.preempt_grace_s
@@ -70,12 +67,14 @@ class PreemptionFlag:
 
     @property
     def raised(self) -> int:
-        """The flag the ranks all-reduce at a boundary (Trainer.checkpoint): STOP_LEASE_LOST once this rank's lease
-        is lost (a clock read while it was renewed in time; otherwise rank 0 renews it first, and the other ranks
-        wait in the all-reduce), STOP_SIGNALLED once it was signalled, else 0."""
-        if self.lease is not None and self.lease.hold():
-            return STOP_LEASE_LOST
-        return STOP_SIGNALLED if self.signal_name is not None else 0
+        """1 once this rank was signalled: a flag the ranks all-reduce at a step's end (Trainer.step_figures)."""
+        return int(self.signal_name is not None)
+
+    @property
+    def lease_lost(self) -> int:
+        """1 once rank 0's lease is lost (a clock read while it was renewed in time; otherwise rank 0 renews it
+        first, and the other ranks wait in the step's all-reduce): the ranks then stop committing nothing."""
+        return int(self.lease is not None and self.lease.hold() is not None)
 
     def restore(self) -> None:
         """The handlers from before again (after the loop: the final save and registration are not preemptible)."""

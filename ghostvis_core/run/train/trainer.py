@@ -26,12 +26,12 @@ from ghostvis_core.run.track.shard_input import ShardInput
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.checkpoint_manager import CheckpointManager, PartLog
 from ghostvis_core.run.train.clock import Clock
-from ghostvis_core.run.train.dist import DistContext, all_reduce_max, all_reduce_sum
+from ghostvis_core.run.train.dist import DistContext, on_device, summed_on_device
 from ghostvis_core.run.train.efficiency import Efficiency
 from ghostvis_core.run.train.grpo import count_step
 from ghostvis_core.run.train.objectives import Objective
 from ghostvis_core.run.train.parallel import SingleProcess
-from ghostvis_core.run.train.preemption import STOP_LEASE_LOST, Preempted, PreemptionFlag
+from ghostvis_core.run.train.preemption import Preempted, PreemptionFlag
 from ghostvis_core.run.train.result import BeforeAfter, FrozenCheck, MixtureShare, RunResult
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.run.train.state import TrainState
@@ -69,8 +69,7 @@ class Trainer:
     last_val: dict[str, float] = field(init=False, default_factory=dict)  # the newest held-out evaluation
     saved_at: float = field(init=False, default_factory=time.time)  # rank 0: when the last checkpoint was committed
     committed_step: int = field(init=False)  # the newest committed step: resumed from, or committed here
-    given_up: str = field(init=False, default="")  # the step a preemption cut short, for its reason
-    stop_code: int = field(init=False, default=0)  # the newest agreed stop flag (preemption.STOP_*)
+    stop_flags: tuple[bool, bool, bool] = field(init=False, default=(False, False, False))  # agreed at the step's end
 
     def __post_init__(self) -> None:
         self.part = self._new_part()
@@ -90,8 +89,11 @@ class Trainer:
     def begin(self) -> None:
         """The run's first line; at step 0 the evaluation before training, on a resume the token points of
         every committed step again, from the ledger (an interrupted segment's last points may have died in
-        its MLflow buffer; `mlflow_token_history` reads them, and a point logged twice is one value)."""
+        its MLflow buffer; `mlflow_token_history` reads them, and a point logged twice is one value). The MLflow
+        run is started first (`Tracker.start_mlflow`): its Python runs beside the evaluation, before the first
+        step, not inside the steps whose throughput is measured."""
         s, p = self.state, self.plan
+        self.tracker.start_mlflow()
         self.tracker.say(
             f"[{self.spec.stage}] run {self.spec.run_key} segment {s.segment}: "
             f"{'resume from step ' + str(s.step) if self.resumed else 'start'}; tokens_per_step={p.tokens_per_step} "
@@ -109,23 +111,22 @@ class Trainer:
         self.last_val = dict(s.val_last or s.val_start)
         self.watchdog.start(s.step)
 
-    def train_step(self) -> bool:
-        """One optimizer step over the step's micro-batches; the counts are summed over ranks. False when a
-        preemption was agreed between two of its micro-batches: the step is given up (`give_up`)."""
+    def train_step(self) -> None:
+        """One optimizer step over the step's micro-batches, without a host wait before its end: the loss
+        units' all-reduce stays on the device (it scales every micro-batch's loss), the loss sums add up
+        there, and the step's figures reach the host in one all-reduce and one read (`step_figures`), with
+        the stop flags, which the ranks so agree on at every step boundary (train/preemption.py)."""
         s, ctx = self.state, self.ctx
-        started, rng, consumed = time.time(), rng_state(), self.part.consumed()
+        started = time.time()
         lr = lr_at(s.step, self.total_steps, self.cfg)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)  # Muon's group: muon_lr on the same schedule
         batches = self.objective.step_batches(s.loader.rows, self.plan, ctx.rank)
         with self.watchdog.waiting_in(f"the all-reduce of step {s.step + 1}'s loss units"):
-            (n_units,) = all_reduce_sum([sum(b.units for b in batches)], ctx, dtype=torch.int64)
-        loss_total = 0.0
+            n_units = summed_on_device(on_device([sum(b.units for b in batches)], ctx, torch.int64), ctx)
+        scale = ctx.world_size / n_units.clamp_min(1).double()
+        loss_total = torch.zeros((), dtype=torch.float64, device=ctx.device)
         for m, b in enumerate(batches):
-            if m and self.stop_agreed(f"step {s.step + 1} before micro-batch {m + 1}"):
-                self.give_up(rng, consumed)
-                self.given_up = f"step {s.step + 1} given up before its micro-batch {m + 1} of {len(batches)}"
-                return False
             self.part.feed(s.step + 1, b)
             with self.parallel.accumulating(last_micro_step=m == len(batches) - 1):
                 with self.autocast():
@@ -133,8 +134,8 @@ class Trainer:
                 with self.watchdog.waiting_in(
                     f"step {s.step + 1} micro-batch {m + 1}'s backward (gradient all-reduce)"
                 ):
-                    (loss_sum * (ctx.world_size / max(1, n_units))).backward()
-            loss_total += float(loss_sum.detach())
+                    (loss_sum * scale.to(loss_sum.dtype)).backward()
+            loss_total += loss_sum.detach()
             self.part.consumption.add(b)
         if self.cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
@@ -142,43 +143,42 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         step_counts = TokenCounts.total(b.counts for b in batches)
         with self.watchdog.waiting_in(f"the all-reduce of step {s.step + 1}'s token counts"):
-            reduced = all_reduce_sum([loss_total, *step_counts.as_list()], ctx)
-        self.train_loss = reduced[0] / max(1, n_units)
+            reduced, units, self.stop_flags = self.step_figures(loss_total, step_counts, n_units)
+        self.train_loss = reduced[0] / max(1, units)
         s.counts = s.counts + TokenCounts.from_list(reduced[1:])
+        self.part.fed.settle()
         s.generated, self.step_reward = count_step(self.part.rollouts, s.step + 1, s.generated, ctx)
         s.step += 1
         s.loader.advance(self.plan.rows_per_step)
         self.clock.tick(started)
         self.watchdog.progress(s.step)
-        return True
 
-    def stop_agreed(self, where: str) -> bool:
-        """Whether any rank was told to stop (one all-reduce of the flag, between micro-batches)."""
-        with self.watchdog.waiting_in(f"the all-reduce of the stop flag in {where}"):
-            self.stop_code = int(all_reduce_max([self.preemption.raised], self.ctx)[0])
-        return bool(self.stop_code)
-
-    def give_up(self, rng: dict[str, torch.Tensor], consumed: tuple[TokenCounts, int, int]) -> None:
-        """Undo the partial step: its gradients, what it fed (not trained, so not in the ledger) and the random
-        draws it made (the resumed run draws them again, as the undisturbed run did)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self.part.forget(self.state.step + 1, consumed)
-        set_rng_state(rng)
+    def step_figures(
+        self, loss_total: torch.Tensor, counts: TokenCounts, n_units: torch.Tensor
+    ) -> tuple[list[float], int, tuple[bool, bool, bool]]:
+        """The step's one host read: its loss sum and token counts summed over ranks, with this rank's stop
+        flags (told to stop; on rank 0 checkpoint.every_minutes passed, and its lease lost) in the same
+        all-reduce, and the loss units reduced at the step's start. Returns ([loss, *counts], units, (a rank was
+        signalled, minutes due, rank 0's lease lost)), the same on every rank."""
+        minutes = self.cfg.checkpoint.every_minutes
+        due = self.ctx.is_main and minutes > 0 and time.time() - self.saved_at >= minutes * 60
+        flags = [self.preemption.raised, int(due), self.preemption.lease_lost]
+        host = on_device([*counts.as_list(), *flags], self.ctx)
+        summed = summed_on_device(torch.cat([loss_total.reshape(1), host]), self.ctx)
+        *reduced, signalled, timed, lost, units = torch.cat([summed, n_units.double().reshape(1)]).tolist()
+        return reduced, int(units), (signalled > 0, timed > 0, lost > 0)
 
     def stop_preempted(self) -> None:
         """Commit the last whole step (unless it is committed: the resumed checkpoint's step, or 0) and an async
         save still in flight, then, bounded by what is left of the grace period, MLflow's last points; stop
-        (`Preempted`), naming the newest step the store holds. With the lease lost, stop at once (`LeaseLost`):
-        nothing more is the run's."""
+        (`Preempted`), naming the newest step the store holds."""
         s = self.state
-        if self.stop_code == STOP_LEASE_LOST:
-            raise self.lease_lost()
         if s.step != self.committed_step:
             self.commit()
         with self.watchdog.in_phase(f"the checkpoint save in flight at step {s.step}"):
             committed = self.checkpoints.settle_all()
         self.tracker.suspend(timeout_s=self.preemption.grace_left() / 2)  # the other half: the lease, the exit
-        raise Preempted(s.step, self.preemption.signal_name or "a signal to another rank", committed, self.given_up)
+        raise Preempted(s.step, self.preemption.signal_name or "a signal to another rank", committed)
 
     def progress(self) -> dict[str, float]:
         """Every log_every_steps (and at the first and last step): a progress line and its metrics. At every
@@ -228,18 +228,18 @@ class Trainer:
         return self.last_val
 
     def log(self, metrics: dict[str, float]) -> None:
-        """The step's metrics to MLflow; the first call starts the MLflow run (after the first step: `Tracker`)."""
-        self.tracker.start_mlflow()
+        """The step's metrics to MLflow (the run started in `begin`)."""
         self.tracker.metrics(metrics, step=self.state.step)
 
     def checkpoint(self) -> None:
         """Every checkpoint.every_steps, every checkpoint.every_minutes, at the end, and when any rank was told
         to stop (preemption): the checkpoint and its ledger part, committed together (`CheckpointManager.commit`);
-        the next part starts here. Whether the clock or a signal asks for one is agreed by all ranks in one
-        collective (`due_now`), so they all commit at the same step; a preempted run then stops (`Preempted`)."""
+        the next part starts here. Whether the clock or a signal asks for one was agreed by all ranks in the
+        step's own all-reduce (`step_figures`), so they all commit at the same step; a preempted run then stops
+        (`Preempted`)."""
         s = self.state
-        preempted, minutes_due = self.due_now()
-        if self.stop_code == STOP_LEASE_LOST:
+        preempted, minutes_due, lease_lost = self.stop_flags
+        if lease_lost:
             raise self.lease_lost()
         if not (
             s.step % self.cfg.checkpoint.every_steps == 0 or s.step == self.total_steps or minutes_due or preempted
@@ -266,22 +266,12 @@ class Trainer:
         self.part = self._new_part()
         self.saved_at, self.committed_step = time.time(), s.step
 
-    def due_now(self) -> tuple[bool, bool]:
-        """(a rank was signalled, checkpoint.every_minutes passed on rank 0's clock), the same on every rank."""
-        minutes = self.cfg.checkpoint.every_minutes
-        due = self.ctx.is_main and minutes > 0 and time.time() - self.saved_at >= minutes * 60
-        with self.watchdog.waiting_in(f"the all-reduce of the stop flags after step {self.state.step}"):
-            code, timed = all_reduce_max([self.preemption.raised, int(due)], self.ctx)
-        self.stop_code = int(code)
-        return bool(code), bool(timed)
-
     def lease_lost(self) -> LeaseLost:
         """The stop of a job whose rank 0 lost the run's lease: why (rank 0's reason), and the last step trained,
-        which is not committed by this launch."""
+        which this launch does not commit."""
         lease = self.preemption.lease
         why = (lease.lost if lease else None) or "rank 0 lost the run's lease"
-        given_up = f"; {self.given_up}" if self.given_up else ""
-        return LeaseLost(f"stopped after step {self.state.step}, nothing committed after it{given_up}: {why}")
+        return LeaseLost(f"stopped after step {self.state.step}, nothing committed after it: {why}")
 
     def finish(self) -> RunResult:
         """The RunResult, the last MLflow metrics and the run record (`finish.report`)."""
@@ -311,16 +301,6 @@ class Trainer:
             passed_over=json.dumps(self.checkpoints.passed_over),
             mlflow_run_id=self.tracker.run_id(),
         )
-
-
-def rng_state() -> dict[str, torch.Tensor]:
-    return {"cpu": torch.get_rng_state(), **({"cuda": torch.cuda.get_rng_state()} if torch.cuda.is_available() else {})}
-
-
-def set_rng_state(rng: dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(rng["cpu"])
-    if "cuda" in rng:
-        torch.cuda.set_rng_state(rng["cuda"])
 
 
 def lr_at(step: int, total: int, cfg: StageConfig) -> float:
