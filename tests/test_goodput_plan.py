@@ -47,16 +47,21 @@ def test_the_last_segment_holds_the_rest_and_ends_with_the_final_save():
     assert segments(100, 300, 10) == [110]
 
 
-def test_the_expected_goodput_is_the_simulated_mean_of_a_seeded_case():
-    interval = daly_interval_s(CASE)
-    sim = simulate(WORK_S, interval, CASE, TRIALS, SEED)
-    formula = expected_goodput(WORK_S, interval, CASE)
+# A restart half as long as the MTBF: one restart in three is itself struck by a failure.
+SLOW_RESTART = FailureModel(save_s=300, restart_s=3600, job_mtbf_s=2 * 3600)
+
+
+@pytest.mark.parametrize("fm, low, high", [(CASE, 0.75, 0.9), (SLOW_RESTART, 0.3, 0.5)])
+def test_the_expected_goodput_is_the_simulated_mean_of_a_seeded_case(fm, low, high):
+    interval = daly_interval_s(fm)
+    sim = simulate(WORK_S, interval, fm, TRIALS, SEED)
+    formula = expected_goodput(WORK_S, interval, fm)
     # within half a point, and within 3 standard errors of the simulated mean
     assert abs(sim.goodput_mean - formula) < 0.005
     assert abs(sim.goodput_mean - formula) < 3 * sim.goodput_stderr
-    assert 0.75 < formula < 0.9  # a case where failures cost something: ~100 expected per run
-    assert sim.failures_mean == pytest.approx(WORK_S / formula / CASE.job_mtbf_s, rel=0.05)
-    assert simulate(WORK_S, interval, CASE, TRIALS, SEED) == sim  # seeded: the same draws
+    assert low < formula < high  # a case where failures cost something: hundreds expected per run
+    assert sim.failures_mean == pytest.approx(WORK_S / formula / fm.job_mtbf_s, rel=0.05)
+    assert simulate(WORK_S, interval, fm, TRIALS, SEED) == sim  # seeded: the same draws
 
 
 def test_the_recommended_interval_is_the_simulated_optimum_among_its_neighbours():
