@@ -65,16 +65,21 @@ def goodput_figures(args) -> FailureFigures:
             f"from; pass --restart-seconds S (failure to the first step after the checkpoint is loaded)"
         )
     per_node = args.gpus_per_node or ASSUMED_GPUS_PER_NODE
-    positive = {"--mtbf-hours": args.mtbf_hours, "--gpus-per-node": per_node}
-    for flag, value in {**positive, "--save-seconds": args.save_seconds, "--restart-seconds": restart[0]}.items():
-        if value < 0 or (value == 0 and flag in positive):
-            raise GhostvisError(f"{flag} {value:g}: the goodput plan needs {'above' if flag in positive else 'at least'} 0")
+    for flag, value, positive in [
+        ("--mtbf-hours", args.mtbf_hours, True),
+        ("--gpus-per-node", per_node, True),
+        ("--save-seconds", args.save_seconds, False),
+        ("--restart-seconds", restart[0], False),
+    ]:
+        if value < 0 or (positive and value == 0):
+            raise GhostvisError(f"{flag} {value:g}: the goodput plan needs {'above' if positive else 'at least'} 0")
+    assumed = f"assumed: {ASSUMED_GPUS_PER_NODE} per node"
     return FailureFigures(
         node_mtbf_hours=args.mtbf_hours,
         gpus_per_node=per_node,
         save_s=args.save_seconds,
         restart_s=restart[0],
-        gpus_per_node_from="given: --gpus-per-node" if args.gpus_per_node else f"assumed: {ASSUMED_GPUS_PER_NODE} per node",
+        gpus_per_node_from="given: --gpus-per-node" if args.gpus_per_node else assumed,
         save_from="given: --save-seconds",
         restart_from=restart[1],
     )
@@ -87,4 +92,6 @@ def goodput_plan(args, cfg: StageConfig, p: Plan) -> GoodputPlan | None:
     if p.step_time_s is None:
         raise GhostvisError("--mtbf-hours needs a step time: pass --step-time S (measured) or --gpu (and --mfu)")
     ck = cfg.checkpoint
-    return plan_goodput(goodput_figures(args), p.batch.world_size, p.steps, p.step_time_s, ck.every_steps, ck.every_minutes)
+    return plan_goodput(
+        goodput_figures(args), p.batch.world_size, p.steps, p.step_time_s, ck.every_steps, ck.every_minutes
+    )

@@ -80,13 +80,12 @@ def plan(capsys, *args: str) -> tuple[int, str, str]:
     return rc, out.out, out.err
 
 
-LLAMA3 = ["--world-size", "16384", "--gpus-per-node", "8", "--step-time", "6", "--hours", "1296"]
+LLAMA3 = "--world-size 16384 --gpus-per-node 8 --step-time 6 --hours 1296".split()
+LLAMA3_FAILURES = "--mtbf-hours 5695.7 --save-seconds 30 --restart-seconds 300".split()
 
 
 def test_plan_recommends_every_steps_and_minutes_from_the_job_mtbf(capsys):
-    rc, out, _ = plan(
-        capsys, *LLAMA3, "--mtbf-hours", "5695.7", "--save-seconds", "30", "--restart-seconds", "300", "--json"
-    )
+    rc, out, _ = plan(capsys, *LLAMA3, *LLAMA3_FAILURES, "--json")
     g = json.loads(out)["goodput"]
     assert rc == 0
     assert g["nodes"] == 2048 and g["job_mtbf_hours"] == pytest.approx(5695.7 / 2048)
@@ -99,8 +98,7 @@ def test_plan_recommends_every_steps_and_minutes_from_the_job_mtbf(capsys):
     assert g["figures"]["save_from"] == "given: --save-seconds"
     assert g["figures"]["gpus_per_node_from"] == "given: --gpus-per-node"
 
-    rc, out, _ = plan(capsys, *LLAMA3, "--mtbf-hours", "5695.7", "--save-seconds", "30", "--restart-seconds", "300",
-                      "--set", "checkpoint.every_steps=126")
+    rc, out, _ = plan(capsys, *LLAMA3, *LLAMA3_FAILURES, "--set", "checkpoint.every_steps=126")
     assert rc == 0
     assert "goodput now     = 89.73%  (a checkpoint every 756 s: checkpoint.every_steps=126)" in out
     assert "recommended     = --set checkpoint.every_steps=126 (or checkpoint.every_minutes=12.6)" in out
@@ -108,8 +106,8 @@ def test_plan_recommends_every_steps_and_minutes_from_the_job_mtbf(capsys):
 
 
 def test_an_unstated_gpus_per_node_is_said_to_be_assumed(capsys):
-    rc, out, _ = plan(capsys, "--world-size", "12", "--step-time", "2", "--steps", "1000", "--mtbf-hours", "100",
-                      "--save-seconds", "5", "--restart-seconds", "60")
+    args = "--world-size 12 --step-time 2 --steps 1000 --mtbf-hours 100 --save-seconds 5 --restart-seconds 60"
+    rc, out, _ = plan(capsys, *args.split())
     assert rc == 0
     assert "100 h per node / 2 nodes (ceil(12 GPUs / 8 per node, assumed: 8 per node)) = 50.000 h" in out
 
@@ -117,14 +115,22 @@ def test_an_unstated_gpus_per_node_is_said_to_be_assumed(capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--steps", "10", "--mtbf-hours", "10", "--save-seconds", "5", "--restart-seconds", "5"],
-         "--mtbf-hours needs a step time: pass --step-time S (measured) or --gpu"),
-        (["--step-time", "1", "--steps", "10", "--mtbf-hours", "10", "--restart-seconds", "5"],
-         "run records do not measure it; pass --save-seconds S"),
-        (["--step-time", "1", "--steps", "10", "--mtbf-hours", "10", "--save-seconds", "5"],
-         "has no completed pretrain run to measure it from; pass --restart-seconds S"),
-        (["--step-time", "1", "--steps", "10", "--mtbf-hours", "0", "--save-seconds", "5", "--restart-seconds", "5"],
-         "--mtbf-hours 0: the goodput plan needs above 0"),
+        (
+            ["--steps", "10", "--mtbf-hours", "10", "--save-seconds", "5", "--restart-seconds", "5"],
+            "--mtbf-hours needs a step time: pass --step-time S (measured) or --gpu",
+        ),
+        (
+            ["--step-time", "1", "--steps", "10", "--mtbf-hours", "10", "--restart-seconds", "5"],
+            "run records do not measure it; pass --save-seconds S",
+        ),
+        (
+            ["--step-time", "1", "--steps", "10", "--mtbf-hours", "10", "--save-seconds", "5"],
+            "has no completed pretrain run to measure it from; pass --restart-seconds S",
+        ),
+        (
+            ["--step-time", "1", "--steps", "10", "--mtbf-hours", "0", "--save-seconds", "5", "--restart-seconds", "5"],
+            "--mtbf-hours 0: the goodput plan needs above 0",
+        ),
     ],
 )
 def test_missing_figures_are_refused_naming_the_flag(capsys, tmp_path, monkeypatch, args, message):
@@ -141,8 +147,7 @@ def test_the_restart_time_is_measured_from_the_newest_completed_run(demo_home, m
     record = newest_completed_run(store, "pretrain")
     first_step_s = store.read_json("run_record", "pretrain", record.run_key)["first_step_s"]  # the record as written
     assert first_step_s > 0
-    rc, out, _ = plan(capsys, "--step-time", "1", "--steps", "1000", "--mtbf-hours", "10", "--save-seconds", "2",
-                      "--json")
+    rc, out, _ = plan(capsys, *"--step-time 1 --steps 1000 --mtbf-hours 10 --save-seconds 2 --json".split())
     g = json.loads(out)["goodput"]
     assert rc == 0
     assert g["figures"]["restart_s"] == first_step_s

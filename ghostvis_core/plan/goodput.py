@@ -180,6 +180,11 @@ def plan_goodput(
     )
 
 
+def _seconds(s: float) -> str:
+    """Seconds as the text prints them: whole above 10, else 3 significant digits (a tiny model's step)."""
+    return f"{s:,.0f}" if s >= 10 else f"{s:.3g}"
+
+
 def goodput_lines(g: GoodputPlan) -> list[str]:
     """`ghostvis plan --mtbf-hours`'s text: the failure figures, where each comes from, and the intervals."""
     f = g.figures
@@ -188,10 +193,10 @@ def goodput_lines(g: GoodputPlan) -> list[str]:
         f"(ceil({g.gpus:,} GPUs / {f.gpus_per_node} per node, {f.gpus_per_node_from})) = {g.job_mtbf_hours:.3f} h",
         f"  save            = {f.save_s:g} s  ({f.save_from})",
         f"  restart         = {f.restart_s:g} s  ({f.restart_from})",
-        f"  goodput now     = {g.configured_goodput:.2%}  (a checkpoint every {g.configured_interval_s:,.0f} s: "
+        f"  goodput now     = {g.configured_goodput:.2%}  (a checkpoint every {_seconds(g.configured_interval_s)} s: "
         f"checkpoint.every_steps={g.configured_every_steps})",
-        f"  interval        = {g.daly_interval_s:,.0f} s (Daly; Young sqrt(2 x save x MTBF) = "
-        f"{g.young_interval_s:,.0f} s)",
+        f"  interval        = {_seconds(g.daly_interval_s)} s (Daly; Young sqrt(2 x save x MTBF) = "
+        f"{_seconds(g.young_interval_s)} s)",
         f"  recommended     = --set checkpoint.every_steps={g.every_steps} "
         f"(or checkpoint.every_minutes={g.every_minutes:g})",
         f"  goodput then    = {g.goodput:.2%}  ({g.work_hours:,.2f} h of steps in {g.expected_hours:,.2f} h expected, "
