@@ -42,9 +42,9 @@ def test_the_recommended_interval_is_dalys_worked_by_hand():
 
 
 def test_the_last_segment_holds_the_rest_and_ends_with_the_final_save():
-    assert segments(1000, 300, 10) == [310, 310, 310, 110]
-    assert segments(900, 300, 10) == [310, 310, 310]
-    assert segments(100, 300, 10) == [110]
+    assert segments(1000, 300, 10).lengths() == [310, 310, 310, 110]
+    assert segments(900, 300, 10).lengths() == [310, 310, 310]
+    assert segments(100, 300, 10).lengths() == [110]
 
 
 # A restart half as long as the MTBF: one restart in three is itself struck by a failure.
@@ -131,9 +131,26 @@ def test_an_unstated_gpus_per_node_is_said_to_be_assumed(capsys):
             ["--step-time", "1", "--steps", "10", "--mtbf-hours", "0", "--save-seconds", "5", "--restart-seconds", "5"],
             "--mtbf-hours 0: the goodput plan needs above 0",
         ),
+        (
+            [
+                "--step-time",
+                "1",
+                "--steps",
+                "10",
+                "--mtbf-hours",
+                "0.001",
+                "--save-seconds",
+                "2",
+                "--restart-seconds",
+                "1000",
+                "--world-size",
+                "80",
+            ],
+            "a job MTBF of 0.36 s against a 1000 s restart and a 2 s save: failures come so much sooner",
+        ),
     ],
 )
-def test_missing_figures_are_refused_naming_the_flag(capsys, tmp_path, monkeypatch, args, message):
+def test_missing_or_hopeless_figures_are_refused_naming_the_flag(capsys, tmp_path, monkeypatch, args, message):
     monkeypatch.setenv("GHOSTVIS_HOME", str(tmp_path / "empty"))
     rc, _, err = plan(capsys, *args)
     assert rc == 2 and message in err

@@ -19,6 +19,8 @@ import math
 import random
 from dataclasses import asdict, dataclass
 
+from ghostvis_core.errors import GhostvisError
+
 
 @dataclass(frozen=True)
 class FailureModel:
@@ -49,18 +51,33 @@ def job_mtbf_hours(node_mtbf_hours: float, gpus: int, gpus_per_node: int) -> tup
     return nodes, node_mtbf_hours / nodes
 
 
-def segments(work_s: float, interval_s: float, save_s: float) -> list[float]:
-    """Each segment's length: `interval_s` of steps then a save; the last holds what is left of `work_s`."""
+@dataclass(frozen=True)
+class Segments:
+    """A run cut at its checkpoints: `full` segments of `interval_s` of steps and a save, then the last one: what
+    is left of the work, and the final save."""
+
+    full: int
+    length_s: float
+    last_s: float
+
+    def lengths(self) -> list[float]:
+        return [self.length_s] * self.full + [self.last_s]
+
+
+def segments(work_s: float, interval_s: float, save_s: float) -> Segments:
     n = max(1, math.ceil(work_s / interval_s - 1e-9))
-    last = work_s - (n - 1) * interval_s
-    return [interval_s + save_s] * (n - 1) + [last + save_s]
+    return Segments(n - 1, interval_s + save_s, work_s - (n - 1) * interval_s + save_s)
 
 
 def expected_wall_s(work_s: float, interval_s: float, fm: FailureModel) -> float:
     """The expected wall time of `work_s` seconds of steps checkpointed every `interval_s` (Daly's exact
     expectation, summed over the segments)."""
     m, r = fm.job_mtbf_s, fm.restart_s
-    return sum(m * math.exp(r / m) * math.expm1(seg / m) for seg in segments(work_s, interval_s, fm.save_s))
+    seg = segments(work_s, interval_s, fm.save_s)
+    try:
+        return m * math.exp(r / m) * (seg.full * math.expm1(seg.length_s / m) + math.expm1(seg.last_s / m))
+    except OverflowError:
+        return math.inf  # failures come so much faster than a segment or a restart ends that the run never ends
 
 
 def expected_goodput(work_s: float, interval_s: float, fm: FailureModel) -> float:
@@ -109,7 +126,7 @@ class Simulated:
 def simulate(work_s: float, interval_s: float, fm: FailureModel, trials: int, seed: int) -> Simulated:
     """Draw `trials` runs of `work_s` seconds of steps checkpointed every `interval_s` under `fm`'s failures."""
     rng = random.Random(seed)
-    lengths = segments(work_s, interval_s, fm.save_s)
+    lengths = segments(work_s, interval_s, fm.save_s).lengths()
     goodputs, failures = [], 0
     for _ in range(trials):
         runs = [_segment_wall_s(seg, fm, rng) for seg in lengths]
@@ -160,6 +177,12 @@ def plan_goodput(
     daly = daly_interval_s(fm)
     rec_steps = max(1, round(daly / step_time_s))
     wall = expected_wall_s(work_s, rec_steps * step_time_s, fm)
+    if math.isinf(wall):
+        raise GhostvisError(
+            f"a job MTBF of {fm.job_mtbf_s:.3g} s against a {fm.restart_s:g} s restart and a {fm.save_s:g} s save: "
+            f"failures come so much sooner than a restart or a checkpoint ends that the run is not expected to "
+            f"finish; plan fewer GPUs, or check --mtbf-hours (per node) and --restart-seconds"
+        )
     return GoodputPlan(
         figures=figures,
         gpus=gpus,
