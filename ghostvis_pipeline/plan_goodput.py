@@ -10,6 +10,7 @@ from ghostvis_core.home import Home
 from ghostvis_core.plan.budget import Plan
 from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.plan.goodput import FailureFigures, GoodputPlan, plan_goodput
+from ghostvis_core.run.train.runs import newest_completed_run
 
 # GPUs per node when --gpus-per-node is not given: an 8-GPU server (HGX/DGX H100), printed as an assumption.
 ASSUMED_GPUS_PER_NODE = 8
@@ -39,8 +40,6 @@ def add_goodput_arguments(p: argparse.ArgumentParser) -> None:
 def measured_restart(stage: str) -> tuple[float, str] | None:
     """(seconds, where from): the stage's newest completed run's launch-to-first-step time (start-up, the
     checkpoint load on a resumed segment, the first step), from its run record; None without one."""
-    from ghostvis_core.run.train.runs import newest_completed_run
-
     home = Home.from_env()
     if not home.root.exists():
         return None

@@ -1,6 +1,6 @@
 """The goodput a planned run can expect under failures, and the checkpoint interval that maximizes it.
 
-The model (docs/goodput.md): a run computes `work_s` seconds of steps in segments of `interval_s` (the
+The model (docs/goodput-plan.md): a run computes `work_s` seconds of steps in segments of `interval_s` (the
 checkpoint interval), each followed by a save that stops training for `save_s`; its last segment ends with the
 final checkpoint. Failures strike the job as a Poisson process of mean `job_mtbf_s` at any moment (a step, a
 save or a restart); each loses the work since the last committed checkpoint and costs a restart of
