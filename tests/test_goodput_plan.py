@@ -47,7 +47,7 @@ def test_the_last_segment_holds_the_rest_and_ends_with_the_final_save():
     assert segments(100, 300, 10).lengths() == [110]
 
 
-# A restart half as long as the MTBF: one restart in three is itself struck by a failure.
+# A restart half as long as the MTBF: 1 - e^-0.5 = 39% of restarts are themselves struck by a failure.
 SLOW_RESTART = FailureModel(save_s=300, restart_s=3600, job_mtbf_s=2 * 3600)
 
 
