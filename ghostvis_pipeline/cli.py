@@ -34,6 +34,7 @@ from ghostvis_core.plan.budget import (
 )
 from ghostvis_core.plan.budget import plan as make_plan
 from ghostvis_core.plan.config import parse_sets
+from ghostvis_core.plan.goodput import goodput_lines
 from ghostvis_core.plan.origins import setting_origins
 from ghostvis_core.plan.presets import TokenizerVocab, vocabulary_note
 from ghostvis_core.plan.run_modes import (
@@ -50,6 +51,7 @@ from ghostvis_pipeline import (
     data_command,
     export_command,
     model_command,
+    plan_goodput,
     status_command,
     store_command,
     trace_command,
@@ -205,6 +207,7 @@ def cmd_plan(args) -> int:
     )
     refusals = preflight_refusals(args.stage, cfg, sources)
     memory = MemoryPlan.from_dict(p.memory)
+    goodput = plan_goodput.goodput_plan(args, cfg, p)
     if args.json:
         print(
             json.dumps(
@@ -216,6 +219,7 @@ def cmd_plan(args) -> int:
                     **({"sources": sources, "needed_tokens_rule": needed_rule(args.stage)} if sources else {}),
                     **({"notes": notes} if notes else {}),
                     **({"refused_at_launch": refusals} if refusals else {}),
+                    **({"goodput": goodput.to_dict()} if goodput else {}),
                 },
                 indent=2,
             )
@@ -225,6 +229,8 @@ def cmd_plan(args) -> int:
         print(f"run mode {mode.name}: {describe(mode)}")
     print_plan(args, p, sources)
     print_memory(memory)
+    if goodput:
+        print("\n".join(goodput_lines(goodput)))
     for note in notes:
         print(f"  note: {note}")
     return refuse_unfit(args.stage, memory) or refuse_short(refusals)
@@ -704,6 +710,7 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--price", type=float, help="price per GPU-hour")
     p.add_argument("--recipe", help="mixture source=weight,...: per source tokens, epochs and shards from the ledger")
     p.add_argument("--tokenizer", help="count ledger shards of this tokenizer only")
+    plan_goodput.add_goodput_arguments(p)
 
 
 def user_error(exc: BaseException) -> str | None:
