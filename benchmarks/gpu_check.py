@@ -32,7 +32,8 @@ It records the torch, CUDA and driver versions it ran on, against the torch scri
 The last table gives every part's goal, figure and verdict; the check exits 1 when a part errors or
 misses its goal, 0 only when every goal is met. On a fresh clone (no carried folder) it names the
 command to run first and exits 1; prepared but without a CUDA device it says "no CUDA device" and exits
-0: there is nothing to check on this machine, and its table would be empty. `make gpu-check` prepares the carried folder when it is missing, then runs the check.
+0: there is nothing to check on this machine, and its table would be empty. `make gpu-check` prepares
+the carried folder when it is missing, then runs the check.
 (--trainer-on-cpu runs the trainer part alone without CUDA: benchmarks/gpu_check_isolated.py runs it
 in an environment holding only the GPU machine's packages and the carried wheels.)
 
