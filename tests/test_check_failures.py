@@ -15,8 +15,10 @@ import pytest
 from ghostvis_core.data.catalog import recorded_sha256, registered_manifests
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
-from ghostvis_core.run.train.runs import completed_runs
+from ghostvis_core.run.train.runs import completed_runs, identity_of
+from ghostvis_core.store.fence import Fence
 from ghostvis_core.store.files import sha256_file
+from ghostvis_core.store.lease import newest_generation
 from ghostvis_core.verify.audit import invariants as inv
 from tests.conftest import run_cli
 from tests.ledger_rows import shard_record
@@ -83,6 +85,12 @@ def test_a_run_record_planning_more_tokens_than_its_steps_trained_fails_tokens_m
     trained = record["steps"] * record["batch"]["tokens_per_step"]
     record["planned_tokens"] = trained + 10 * record["batch"]["tokens_per_step"]
     path.write_text(json.dumps(record))
+    # the trainer that wrote it commits it under the run's lease (store/fence.py), as a real one would
+    identity = identity_of(run_key)
+    held = newest_generation(h.store, "pretrain", identity)
+    Fence(h.store, "pretrain", identity, held.number, held.holder).commit(
+        "run_record", "pretrain", run_key, text=path.read_text()
+    )
     proc = run_cli(["ghostvis", "audit", "--stage", "pretrain", "--no-dagster"], home_copy, check=False)
     assert proc.returncode == 1
     assert (

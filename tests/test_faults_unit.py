@@ -76,7 +76,7 @@ def test_every_rank_still_beating_is_a_stuck_collective(tmp_path):
 def test_every_signal_torchrun_forwards_raises_the_flag_the_ranks_all_reduce(tmp_path):
     """SIGTERM, SIGINT (Ctrl-C: no KeyboardInterrupt while the loop runs), SIGUSR1 and SIGUSR2 (Slurm's
     `--signal=USR1@...`) each set the flag, and the grace period counts from the first signal."""
-    sigint_before = signal.getsignal(signal.SIGINT)
+    sigint_before, sigterm_before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
     assert [s.name for s in PREEMPTION_SIGNALS] == list(STOP_SIGNALS) == ["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"]
     for sig in PREEMPTION_SIGNALS:
         flag = PreemptionFlag(grace_s=30.0)
@@ -91,7 +91,7 @@ def test_every_signal_torchrun_forwards_raises_the_flag_the_ranks_all_reduce(tmp
             assert flag.signal_name == sig.name and 29.0 < flag.grace_left() < left < 30.0
         finally:
             flag.restore()
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL and signal.getsignal(signal.SIGINT) is sigint_before
+    assert signal.getsignal(signal.SIGTERM) is sigterm_before and signal.getsignal(signal.SIGINT) is sigint_before
 
 
 def test_a_run_is_preempted_only_when_every_failing_rank_says_so(tmp_path):

@@ -146,7 +146,7 @@ def test_the_stop_flag_is_agreed_in_the_steps_one_read(trainer, monkeypatch):
     trainer.train_step()
     reads.counting = False
     assert batches_fed == [1] * ACCUM and trainer.state.step == 1
-    assert len(reads.step) == 1 and trainer.stop_flags == (True, False)
+    assert len(reads.step) == 1 and trainer.stop_flags == (True, False, False)
     with pytest.raises(Preempted, match=r"preempted at step 1 \(SIGTERM\)"):
         trainer.checkpoint()
     assert trainer.committed_step == 1

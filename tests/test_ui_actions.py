@@ -153,7 +153,8 @@ def type_config(pg, dialog, overrides: dict[str, int], force: bool = False) -> d
         pg.keyboard.press("Enter")
         pg.keyboard.type(f"{'  ' if i == 0 else ''}{key}: {value}")
     dialog.get_by_text("No errors").wait_for()
-    (config,) = [op["config"] for op in yaml.safe_load(editor_text(dialog))["ops"].values()]
+    ops = yaml.safe_load(editor_text(dialog))["ops"].values()
+    (config,) = [op["config"] for op in ops if "overrides" in op["config"]]  # the asset's, not a check's
     return config
 
 

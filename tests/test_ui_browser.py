@@ -18,6 +18,7 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.plan.stages import stage_names
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
+from ghostvis_core.verify.replay.check import NAME as REPLAY_CHECK
 from tests.ui_servers import (
     UI_TIMEOUT_MS,
     as_int,
@@ -152,8 +153,8 @@ def test_dagster_sft_page_shows_ledger_token_metadata_and_passed_checks(page, da
     descriptions = {spec.name: spec.description for c in stage_checks("sft") for spec in c.check_specs}
     assert sorted(descriptions) == sorted(STAGE_CHECKS)
     page.goto(f"{dagster_url}/assets/sft?view=checks")
-    page.get_by_text(f"Checks ({len(STAGE_CHECKS)})", exact=True).wait_for()
-    for check in STAGE_CHECKS:  # the list: name, then its status
+    page.get_by_text(f"Checks ({len(STAGE_CHECKS) + 1})", exact=True).wait_for()  # and replay_matches
+    for check in [*STAGE_CHECKS, REPLAY_CHECK]:  # the list: name, then its status
         entry = page.locator(f"[title='{check}']").first.locator("xpath=..")
         expect(entry).to_contain_text("Succeeded")
     shot(page, "dagster-sft-checks")
