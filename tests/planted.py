@@ -172,8 +172,8 @@ BUGS: dict[str, list[tuple[str, str, str, str]]] = {
         (
             "ghostvis_core.run.train.feeds",
             "FedLog.received",
-            "ids, tgt, docs = _numpy(inputs), _numpy(targets), _numpy(doc_ids)",
-            "ids, tgt, docs = _numpy(batch.inputs), _numpy(batch.targets), _numpy(batch.doc_ids)",
+            "got = Received((_host(inputs), _host(targets), _host(doc_ids)))",
+            "got = Received((_host(batch.inputs), _host(batch.targets), _host(batch.doc_ids)))",
         ),
     ],
     # step 3's optimizer step skipped (its gradients computed and dropped); every count and record unchanged
@@ -190,9 +190,8 @@ BUGS: dict[str, list[tuple[str, str, str, str]]] = {
         (
             "ghostvis_core.run.train.trainer",
             "Trainer.train_step",
-            "(loss_sum * (ctx.world_size / max(1, n_units))).backward()",
-            "(loss_sum * (ctx.world_size / max(1, n_units)) * (1.5 if (s.step, m, ctx.rank) == (0, 1, 0) else 1.0))"
-            ".backward()",
+            "(loss_sum * scale.to(loss_sum.dtype)).backward()",
+            "(loss_sum * scale.to(loss_sum.dtype) * (1.5 if (s.step, m, ctx.rank) == (0, 1, 0) else 1.0)).backward()",
         )
     ],
     # not a bug: the run stops (every rank) right after its first checkpoint, to be resumed
