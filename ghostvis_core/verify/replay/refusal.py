@@ -10,7 +10,10 @@ gradients were combined by DDP over one or two ranks. It refuses
   the replay does not repeat (with two, a + b is the same either way);
 - a run whose world size changed between resumes: each interval would need its own emulation;
 - objectives whose step draws from the model itself or a second model (dpo's reference, rl's sampled
-  rollouts), and float8 or compiled blocks, which the replay's model does not rebuild.
+  rollouts), and float8 or compiled blocks, which the replay's model does not rebuild;
+- asynchronous saves (checkpoint.async_save): DCP shards, where the replay compares safetensors checkpoints.
+The Dagster check passes a refused run with its reason (nothing replayed is no fault of the run);
+`ghostvis audit --replay K`, asked for a replay, exits 1 naming it.
 """
 
 from __future__ import annotations
@@ -41,6 +44,11 @@ def refusal(run: StageRun) -> str | None:
         )
     if cfg.parallel.strategy == "fsdp" and worlds and worlds[-1] > 1:
         reasons.append("parallel.strategy=fsdp: its sharded gradients and optimizer are not repeated; replay a ddp run")
+    if cfg.checkpoint.async_save:
+        reasons.append(
+            "checkpoint.async_save: its checkpoints are DCP shards, the replay compares safetensors checkpoints; "
+            "replay a run saved synchronously"
+        )
     if cfg.runtime.float8 or cfg.runtime.compile == "on":
         reasons.append("float8 or compiled blocks (runtime.float8, runtime.compile=on) are not rebuilt by the replay")
     return "; ".join(reasons) or None
