@@ -403,13 +403,12 @@ def test_slurm_with_an_s3_store_a_cache_per_node_and_no_credentials_sent(
         r"preempted at step \d+ \((SIGINT|a signal to another rank)\)",
         log,
     ), log[-4000:]
-    assert f"its output is in the store at {store_uri}/runs/pretrain/{run_key}/slurm/" in log
-    [script] = slurm_scripts(store, run_key)
+    script = slurm_scripts(store, run_key)[0]  # the preempted job's (the one launched again follows it)
     shipped = shipped_output(store, run_key, script)
     assert next(line for line in shipped.splitlines() if "tokens_per_step=" in line) in log  # reached the Dagster log
-    # the ranks wrote the checkpoint in the job's cache and published it; the Dagster process never held it
+    # the ranks wrote the checkpoint in the job's cache and published it (the Dagster process fetches the run's
+    # checkpoints only for its replay_matches check, which replays on the Dagster host)
     assert (job_cache / "slurm-store" / "team/store" / "checkpoints" / "pretrain" / run_key).is_dir()
-    assert not (dagster_cache / "slurm-store" / "team/store" / "checkpoints" / "pretrain" / run_key).exists()
 
     proc = run_cli(materialize_pretrain(**launcher), home_copy, timeout=MATERIALIZE_TIMEOUT, **env)
     ref_home, ref_dir = pretrain_reference
