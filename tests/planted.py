@@ -30,26 +30,27 @@ STALE = "s.counts if s.step == self.total_steps else TokenCounts.from_list([x //
 BUGS: dict[str, list[tuple[str, str, str, str]]] = {
     # the trainer's figures (MLflow, run record, metadata) summed on rank 0 only; the ledger right
     "rank0_counters": [
-        ("ghostvis_core.run.train.trainer", "Trainer.train_step", REDUCED, "s.counts = s.counts + step_counts")
+        ("ghostvis_core.run.train.trainer", "Trainer.account_step", REDUCED, "s.counts = s.counts + step_counts")
     ],
     # rank 0 only everywhere: also the ledger part takes rank 0's pieces, counts and rows only
     "rank0_everywhere": [
-        ("ghostvis_core.run.train.trainer", "Trainer.train_step", REDUCED, "s.counts = s.counts + step_counts"),
+        ("ghostvis_core.run.train.trainer", "Trainer.account_step", REDUCED, "s.counts = s.counts + step_counts"),
         ("ghostvis_core.run.train.checkpoint_manager", "CheckpointManager.commit", GATHER, GATHER + "[:1]"),
     ],
     # only the last micro-batch of a step counted (figures and consumption)
     "last_micro_batch_only": [
         (
             "ghostvis_core.run.train.trainer",
-            "Trainer.train_step",
+            "Trainer.account_step",
             "step_counts = TokenCounts.total(b.counts for b in batches)",
             "step_counts = batches[-1].counts",
         ),
-        (
+        (  # the micro-batch is still fed (digests, rollouts) but only the last one's consumption is recorded
             "ghostvis_core.run.train.trainer",
             "Trainer.train_step",
-            "            self.part.consumption.add(b)\n",
-            "            self.part.consumption.add(b) if m == len(batches) - 1 else None\n",
+            "            self.part.feed(s.step + 1, b)\n",
+            "            self.part.feed(s.step + 1, b) if m == len(batches) - 1 else "
+            "(self.part.fed.expect(s.step + 1, b), self.part.rollouts.add(s.step + 1, b))\n",
         ),
     ],
     # micro-batch 0 trained and counted twice (in place of micro-batch 1)

@@ -60,9 +60,12 @@ class PartLog:
     rollouts: RolloutLog = field(default_factory=RolloutLog)
 
     def feed(self, step: int, batch: Batch) -> None:
-        """A micro-batch about to go to the model: its content digests (taken at the model's input) and rollouts."""
+        """A micro-batch about to go to the model, all its accounting in one call: its content digests (taken at
+        the model's input), its rollouts and its consumption (pieces, counts and rows). Nothing of a step is
+        committed before the step ends, so what is recorded before its forward is what the step trained."""
         self.fed.expect(step, batch)
         self.rollouts.add(step, batch)
+        self.consumption.add(batch)
 
 
 @dataclass

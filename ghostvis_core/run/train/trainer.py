@@ -18,6 +18,7 @@ import torch
 from ghostvis_core.counts import ROLLOUT_METRICS, TokenCounts
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import PartRow
+from ghostvis_core.data.loader import Batch
 from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.run.model.gpt import attention_kernel
@@ -112,10 +113,10 @@ class Trainer:
         self.watchdog.start(s.step)
 
     def train_step(self) -> None:
-        """One optimizer step over the step's micro-batches, without a host wait before its end: the loss
-        units' all-reduce stays on the device (it scales every micro-batch's loss), the loss sums add up
-        there, and the step's figures reach the host in one all-reduce and one read (`step_figures`), with
-        the stop flags, which the ranks so agree on at every step boundary (train/preemption.py)."""
+        """One optimizer step over the step's micro-batches: forward, backward, clip, step, as in a plain
+        PyTorch loop. The accounting is one call per micro-batch (`PartLog.feed`: what the model is fed) and one
+        per step (`account_step`). The host waits for the device once, at the step's end: the loss units'
+        all-reduce stays on the device (it scales every micro-batch's loss) and the loss sums add up there."""
         s, ctx = self.state, self.ctx
         started = time.time()
         lr = lr_at(s.step, self.total_steps, self.cfg)
@@ -136,11 +137,20 @@ class Trainer:
                 ):
                     (loss_sum * scale.to(loss_sum.dtype)).backward()
             loss_total += loss_sum.detach()
-            self.part.consumption.add(b)
         if self.cfg.optim.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.account_step(batches, loss_total, n_units, started)
+
+    def account_step(
+        self, batches: list[Batch], loss_total: torch.Tensor, n_units: torch.Tensor, started: float
+    ) -> None:
+        """The step's accounting once its optimizer step is queued: its figures summed over ranks in the step's
+        one host read (`step_figures`, with the stop flags, which the ranks so agree on at every step boundary:
+        train/preemption.py), the run's token counts, the content digests (`FedLog.settle`, after that read), an
+        rl step's rollout figures, the state's step and loader position, the clock and the watchdog."""
+        s, ctx = self.state, self.ctx
         step_counts = TokenCounts.total(b.counts for b in batches)
         with self.watchdog.waiting_in(f"the all-reduce of step {s.step + 1}'s token counts"):
             reduced, units, self.stop_flags = self.step_figures(loss_total, step_counts, n_units)
@@ -274,7 +284,7 @@ class Trainer:
         return LeaseLost(f"stopped after step {self.state.step}, nothing committed after it: {why}")
 
     def finish(self) -> RunResult:
-        """The RunResult, the last MLflow metrics and the run record (`finish.report`)."""
+        """The RunResult, the last MLflow metrics and the run record (`report`, below)."""
         return report(self)
 
     def _new_part(self) -> PartLog:
