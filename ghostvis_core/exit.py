@@ -1,9 +1,9 @@
 """A process's exit without the interpreter's last garbage collections.
 
 When the interpreter finalizes, it collects every object still alive. In a process that imported torch,
-Dagster, MLflow or transformers that walk costs about a second after the process's last line: a rank after
-registering its model stayed 1.9 s, and `dagster asset materialize` of one cached asset 1.0 s, between its
-run's end and its exit. Frozen objects are skipped; exit handlers still run, and what a process wrote is
+Dagster, MLflow or transformers that walk keeps the process alive after its last line: a rank after registering
+its model, and `dagster asset materialize`, between its run's end and its exit (docs/architecture.md, "Fixed
+costs", has the figures). Frozen objects are skipped; exit handlers still run, and what a process wrote is
 closed and flushed by then.
 """
 

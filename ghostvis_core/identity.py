@@ -48,7 +48,7 @@ def changed_inputs(old: Any, new: Any, prefix: str = "") -> list[str]:
 def code_version(*entry_modules: str) -> str:
     """Hash of the normalized source of `entry_modules` and every ghostvis_core module they import.
 
-    Parsing the package takes about 0.35 s, paid by every Dagster process and every `--stage` launch, so the
+    Parsing the package is paid by every Dagster process and every `--stage` launch, so the
     result is kept in CODE_VERSIONS (beside Python's own bytecode cache) with the size and modification time of
     each file it read, and reused while none of them changed: the same test Python uses for a .pyc. A new
     import reaches a new file only by changing a file already listed."""

@@ -52,7 +52,7 @@ defs = Definitions(
     jobs=[shard_data_job, training_job(chain), checks_job, export_model, trace],
     resources={"home": GhostvisHome(), "launcher": Launcher()},
     # Every step in the run's own process: the heavy work already runs elsewhere (torchrun, datatrove
-    # workers, a cluster), and a process per step re-imports the code location (~5 s) for each of a
-    # stage's nine checks, which doubled a smoke stage's materialization time.
+    # workers, a cluster), and a process per step re-imports the code location for each of a
+    # stage's checks, which would cost more than a smoke stage's training.
     executor=in_process_executor,
 )

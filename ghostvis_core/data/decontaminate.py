@@ -13,8 +13,8 @@ losing either costs nothing but a regeneration. Held-out text is the validation 
 source the builder makes, whatever their kind (the gate compares across kinds), plus the evaluation
 items GhostVis ships (ghostvis_core/data/eval_texts.py); through the winnowing guarantee, no demo
 training document then repeats 20 consecutive words of any of them. The two builders (stdlib text,
-generated tasks) are not checked against each other, which would cost the task build a ~5 s read of
-the stdlib: their texts share no 13-word run at all, and tests/test_demo_corpus.py holds them to that.
+generated tasks) are not checked against each other, which would cost the task build a read of the
+stdlib: their texts share no 13-word run at all, and tests/test_demo_corpus.py holds them to that.
 """
 
 from __future__ import annotations

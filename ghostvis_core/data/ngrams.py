@@ -1,4 +1,4 @@
-"""Word n-gram fingerprints of a text, the unit of the decontamination gate (issue 24).
+"""Word n-gram fingerprints of a text, the unit of the decontamination gate.
 
 As in the GPT-3 and Marin decontamination: a text is normalized to words (lowercased; every run of
 characters that are neither letters nor digits separates words, so punctuation, markup and

@@ -228,8 +228,8 @@ IMAGE_FETCH_WORKERS = 16
 
 def fetch_many(urls: list[str]) -> dict[str, bytes | GhostvisError]:
     """Small files read whole (the images a shard names by paths beside it), over the shard's transports with a
-    shard's retries, IMAGE_FETCH_WORKERS at a time over one S3 client (a client and a request at a time cost
-    about 1 s an image on a loaded machine: minutes for a shard of a few hundred). A file that cannot be read
+    shard's retries, IMAGE_FETCH_WORKERS at a time over one S3 client (a client and a request at a time make
+    a shard of a few hundred images take minutes). A file that cannot be read
     maps to its error, for the row that names it to report."""
     client = _s3_client() if any(urllib.parse.urlsplit(u).scheme == "s3" for u in urls) else None
 

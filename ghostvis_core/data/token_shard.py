@@ -40,8 +40,8 @@ def list_column(lengths: list[int], flat: list[int], dtype) -> pa.Array:
 
 def numpy_view(array: pa.Array) -> np.ndarray:
     """A read-only numpy view of an integer Arrow array without nulls (every numeric column of a token
-    shard). Not `to_numpy`: pyarrow imports pandas on its first conversion, ~1.5 s on every rank
-    before its first optimizer step."""
+    shard). Not `to_numpy`: pyarrow imports pandas on its first conversion, on every rank before
+    its first optimizer step."""
     dtype, data = np.dtype(str(array.type)), array.buffers()[1]
     if data is None:  # an empty array has no data buffer
         return np.empty(0, dtype)

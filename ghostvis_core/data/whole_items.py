@@ -1,4 +1,4 @@
-"""Short evaluation items matched whole (issue 43): an item of fewer than NGRAM words has no 13-gram,
+"""Short evaluation items matched whole: an item of fewer than NGRAM words has no 13-gram,
 hence no fingerprint (ghostvis_core/data/ngrams.py), so the fingerprint comparison cannot see it. As
 in the GPT-3 and Llama 2 contamination studies, such an item is matched as a whole instead: a training
 text contains it when the item's normalized words (ngrams.normalize: lowercased, punctuation and

@@ -5,7 +5,7 @@ treats them exactly like downloaded data:
 
 - `demo_prose`: English prose. The docstrings of every stdlib module (read with `ast`, never by
   importing the module), one document per module, plus the `pydoc` help topics (one per topic).
-- `demo_code`: Python source files of the stdlib, one file per document, about 3 MB in all.
+- `demo_code`: Python source files of the stdlib, one file per document.
 
 Each source holds out 8% of its documents as validation, independently, yet the two overlap: a
 module's docstrings are both a prose document and part of its code. So after the split, a training
@@ -98,7 +98,7 @@ def build_text_source(source: str, out_dir: Path) -> list[tuple[Path, str]]:
 @cache
 def _split(source: str) -> tuple[tuple[_Doc, ...], tuple[_Doc, ...]]:
     """(train, validation) documents of a source before decontamination. Cached per process: each
-    source's build needs the other's validation documents, and reading the stdlib prose costs ~5 s."""
+    source's build needs the other's validation documents, and reading the stdlib prose is slow."""
     docs = _dedupe(_prose_docs() if source == "demo_prose" else _code_docs())
     random.Random(SEED).shuffle(docs)
     n_val = max(MIN_VAL_DOCS, round(VAL_FRACTION * len(docs)))

@@ -279,7 +279,7 @@ def _memory(cfg: StageConfig, ws: int, params: int | None) -> MemoryPlan:
     per_block = activation_elements(m.d_model, kv, m.ffn_hidden) * tokens * cb
     if rt.grad_checkpointing:  # each block's input kept, one block's activations recomputed at a time
         # the block inputs are the residual stream: bf16 under FSDP2 (it gathers bf16 weights), fp32 under
-        # DDP's autocast (fp32 weights; tests/test_memory_measured.py measured 7b at 11.8 GB, not 7.2)
+        # DDP's autocast (fp32 weights; tests/test_memory_measured.py holds the plan to a measured step)
         residual = cb if fsdp else 4
         activations = m.n_layers * m.d_model * tokens * residual + per_block
     else:

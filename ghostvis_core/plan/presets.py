@@ -116,8 +116,8 @@ _TINY: dict[str, dict[str, Any]] = {
         batch=_batch(32, 40),
         # The frozen tiny LM barely reads a soft prefix: the resampler first learns a generic prefix
         # (caption loss falls, true and shuffled image alike) and starts to carry the image only after
-        # ~150 steps at a high LR. At 45 steps (one epoch) the true-vs-shuffled gap was 0.001; at 300
-        # (6.4 epochs of the 3,000 training images, declared repetition) it is 0.10.
+        # many steps at a high LR, so the stage trains for several epochs of its images (declared
+        # repetition); docs/architecture.md, "Fixed costs", has the measured gaps.
         **_schedule(300, lr=1e-2, warmup_steps=8, weight_decay=0.0),
         data=dict(recipe=_recipe(demo_images=1.0), val_sources=["demo_images"], allow_repeat=True),
         **_every(150, val_tokens=8000),

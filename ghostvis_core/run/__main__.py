@@ -175,5 +175,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    skip_final_collections()  # rank 0 stayed 1.9 s after registering its model, before torchrun could exit
+    skip_final_collections()  # rank 0 would stay alive after registering its model, holding up torchrun's exit
     sys.exit(main())

@@ -36,7 +36,7 @@ class S3Store:
     """The store's objects live in `bucket` under `prefix`; `cache` is this node's local copy of those it opened."""
 
     def __init__(self, bucket: str, prefix: str, cache: Path):
-        import boto3  # here, not at module level: ~0.5 s every process paid, S3 store or not (the training entry point)
+        import boto3  # here, not at module level: an import every process would pay, S3 store or not
 
         self.bucket, self.prefix, self.cache = bucket, prefix.strip("/"), cache
         self.s3 = boto3.client("s3")

@@ -1,4 +1,4 @@
-"""`ghostvis trace` (issue 43): which stages, runs, steps and ranks trained a document, and which
+"""`ghostvis trace`: which stages, runs, steps and ranks trained a document, and which
 documents a step fed.
 
 Answered from the ledger alone: the audit's row index of each run (ghostvis_core/verify/audit/row_index.py:

@@ -98,7 +98,7 @@ def _run_pod(context: AssetExecutionContext, target: Job, home: Home, job: Kuber
     """One pod through dagster-k8s Pipes; it deletes the pod when the run ends, however it ends."""
     meta, pod = render_pod(job, run)
     context.log.info(f"launching a pod in namespace {job.namespace}: {' '.join(pod['containers'][0]['command'])}")
-    from dagster_k8s import PipesK8sClient  # imported on use: the client libraries take ~1.5 s to import
+    from dagster_k8s import PipesK8sClient  # imported on use: the client libraries are slow to import
 
     try:
         # pod_wait_timeout=0: no limit on a training run's length (dagster-k8s would stop at 24 hours)

@@ -103,7 +103,7 @@ class LedgerWriter(LedgerFiles):
 
     def write_ngram_index(self) -> Path | None:
         """Every ngrams/ file's fingerprints in one file sorted by hash, so a text is looked up in the few
-        row groups its hashes fall in, not in a file per shard (at 10,000 shards opening each costs 20 s).
+        row groups its hashes fall in, not in a file per shard (opening one file per shard grows with the shards).
         Named by the files it holds; written again only when a shard's fingerprints were added."""
         self._fetched("ngrams")
         names = sorted(f.name for f in (self.root / "ngrams").glob("*.parquet"))

@@ -41,7 +41,7 @@ def attention_kernel(device: torch.device, half: bool) -> str:
     precision inputs when flash-attn is installed (it has no wheel for every CUDA and PyTorch pair),
     else FlexAttention on CUDA, and one SDPA call per document on CPU (PyTorch 2.13 has no CPU
     backward for FlexAttention, its CPU eager form materializes the T x T scores, and compiling it for
-    the CPU takes ~25 s per shape)."""
+    the CPU is slow for every new shape)."""
     if device.type != "cuda":
         return SDPA
     return FLASH_ATTN if half and flash_attn_varlen_func is not None else FLEX
@@ -85,9 +85,8 @@ class DocSpans:
 
 def _document_block_mask(runs: torch.Tensor, compiled: bool) -> BlockMask:
     """Causal within each document, `runs` (B, T) numbering each row's documents: the same id twice
-    in a row, apart, is two documents, as for the varlen kernels. Built once per micro-batch: on an
-    H200 the eager build of the 500m preset's (8 x 2048) mask took 5.6 to 9.6 ms, the compiled one 1.8
-    ms, the same mask (benchmarks/gpu_check.py), hence `compiled` on CUDA."""
+    in a row, apart, is two documents, as for the varlen kernels. Built once per micro-batch, compiled on
+    CUDA: the compiled build is several times faster than the eager one (benchmarks/gpu_check.py)."""
     b, t = runs.shape
 
     def same_document_causal(bi, h, q, kv):

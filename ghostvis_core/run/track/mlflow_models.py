@@ -93,7 +93,7 @@ def fluent_scope(tracking_uri: str, experiment_id: str) -> Iterator[None]:
     process globals it also writes to `MLFLOW_TRACKING_URI` / `MLFLOW_EXPERIMENT_ID`; set them for one
     call and put the caller's environment back, so a process that goes on (a test's, a training job's) does
     not keep talking to this server afterwards. For that call MLflow also skips its requirements check (a
-    `pip install --dry-run` of the requirements, ~2 s): they are pinned to what is installed here
+    `pip install --dry-run` of the requirements): they are pinned to what is installed here
     (`pinned_requirements`), so pip could only agree."""
     import mlflow
 

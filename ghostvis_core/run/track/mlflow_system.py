@@ -15,7 +15,7 @@ from collections.abc import Callable
 import psutil
 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-# Seconds between samples: a demo stage lasts ~30 s. MLflow's MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
+# Seconds between samples: a demo stage lasts well under a minute. MLflow's MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
 # (and MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING, to average several samples per point) override it.
 SAMPLE_EVERY_S = 2.0
 

@@ -3,7 +3,7 @@ the ledger part keeps them per rank and step, and the audit rebuilds every micro
 files with its own reader and compares. A row recorded as consumed but never trained, or trained in
 place of another, shows there even when every count and range is right.
 
-The digest is taken from the tensors at the model's input (issue 43), not from the batch the plan
+The digest is taken from the tensors at the model's input, not from the batch the plan
 made: `watch_model_inputs` puts a forward pre-hook on the model at setup, and each micro-batch the
 trainer announces (`FedLog.expect`, with its rows) is digested from the input ids, targets and document
 ids of the first forward call after it. Its images are digested at the image encoder's input (a

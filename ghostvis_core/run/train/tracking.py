@@ -3,10 +3,10 @@ metrics (rank 0, off the training thread) and Dagster Pipes logs. Other ranks ge
 and it stays silent.
 
 The MLflow run is created when the loop begins (`start_mlflow`, from `Trainer.begin`), not when the tracker is
-made: importing mlflow and creating the run take about 1.5 s of Python on rank 0's logging thread, which holds
+made: importing mlflow and creating the run take a while of Python on rank 0's logging thread, which holds
 the GIL against what runs beside it, and every rank waits for rank 0 at the next collective. Started at setup it
-delayed setup itself; started after the first step it slowed the steps whose throughput is measured; started
-beside the evaluation before training, it costs the first step at most. What is logged before then waits here
+would delay setup itself; started after the first step it would slow the steps whose throughput is measured;
+started beside the evaluation before training, it costs the first step at most. What is logged before then waits here
 and goes first."""
 
 from __future__ import annotations

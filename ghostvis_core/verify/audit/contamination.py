@@ -1,4 +1,4 @@
-"""The decontamination gate (issue 24): the training documents a stage consumed, compared with every
+"""The decontamination gate: the training documents a stage consumed, compared with every
 evaluation set the project knows, by their 13-gram fingerprints (ghostvis_core/data/ngrams.py).
 
 Training side: the fingerprints tokenization recorded per document in the ledger's `ngrams` table, for
@@ -14,8 +14,8 @@ The cloze task and the benchmark's next-line items are cut from validation shard
 covers them. A pair (training document, evaluation item) is contaminated when the fingerprints they
 share exceed `contamination.max_overlap` of the smaller one's fingerprints.
 
-An item of fewer than 13 words has no fingerprint; it is matched whole (issue 43,
-ghostvis_core/data/whole_items.py) against the text of the consumed rows, read from the raw shards:
+An item of fewer than 13 words has no fingerprint; it is matched whole
+(ghostvis_core/data/whole_items.py) against the text of the consumed rows, read from the raw shards:
 a consumed document that holds it is contaminated. An evaluation set none of whose items can be
 checked (each shorter than whole_items.MIN_WORDS words) fails the check by name instead of passing
 on nothing. An rl run trains on the completions it generates as well as on its prompts (consumed rows

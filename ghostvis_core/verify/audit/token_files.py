@@ -15,7 +15,7 @@ from ghostvis_core.errors import GhostvisError
 
 def _ints(array: pa.Array) -> np.ndarray:
     """An integer Arrow array without nulls as int64, from its data buffer: pyarrow's own conversion
-    imports pandas on first use (~1 s, most of a `ghostvis trace` answer)."""
+    imports pandas on first use, which would be most of a `ghostvis trace` answer."""
     data = array.buffers()[1]
     if data is None:  # an empty array has no data buffer
         return np.empty(0, np.int64)

@@ -1,4 +1,4 @@
-"""Silent corruption of tokenization (issue 43): token files that count right but hold the wrong tokens.
+"""Silent corruption of tokenization: token files that count right but hold the wrong tokens.
 
 `ledger_matches_token_files` proves a file has the documents and tokens its ledger record says, and is
 the file that was recorded; a tokenizer bug that writes consistent but wrong files passes it. Three
@@ -69,7 +69,7 @@ def token_files_name_their_tokenizer(store: Store, ledger: Ledger, tokenizer_id:
             made_by = (
                 f"tokenizer {tf.tokenizer_id}"
                 if tf.tokenizer_id
-                else "an unrecorded tokenizer (written before issue 43)"
+                else "an unrecorded tokenizer (written before tokenizer ids were recorded)"
             )
             problems.append(
                 [

@@ -29,8 +29,7 @@ def one_thread() -> Iterator[None]:
     """Score on one torch thread, restored after: the caller runs stages side by side instead. Scoring
     shares its host with the process that runs it (Dagster) and often with a training job's ranks: with
     a thread per core, every op of a small model waits at OpenMP's barrier for a thread the other load
-    took the core from. The smoke demo's evaluation on 2 fp32 cores with one core kept busy: 150 s
-    (177 s CPU) one stage at a time on two threads, 74 s (83 s CPU) two stages side by side on one."""
+    took the core from (docs/architecture.md, "Fixed costs", has the measured walls)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -233,7 +233,7 @@ def run_tasks(
 
 
 def task_manager(tasks: Sequence[str], include: Sequence[str], metadata: dict | None) -> TaskManager:
-    """GhostVis's tasks and the user's folders; the harness's own ~15,000 tasks are indexed (about 15 s)
+    """GhostVis's tasks and the user's folders; the harness's own thousands of tasks are indexed (slow)
     only when a task is named that neither holds."""
     paths = [str(TASKS_DIR), *(str(Path(p).expanduser().resolve()) for p in include)]
     manager = TaskManager(include_path=paths, include_defaults=False, metadata=metadata)

@@ -1,6 +1,6 @@
 """The lm-evaluation-harness tasks GhostVis runs, and the files they read: which tasks run by default, the
 digest of the task folders (part of the evaluation's identity) and the held-out cloze data. Kept apart from
-`harness.py`, which imports lm_eval, datasets and torch (0.8 s): the Dagster process reads these names when
+`harness.py`, which imports lm_eval, datasets and torch: the Dagster process reads these names when
 it loads the definitions, and imports the harness only when an evaluation runs.
 """
 
