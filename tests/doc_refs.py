@@ -22,6 +22,7 @@ from __future__ import annotations
 import ast
 import functools
 import importlib.util
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,20 +62,18 @@ class Broken:
 
 @functools.cache
 def tree_files(root: Path = ROOT) -> tuple[str, ...]:
-    """Every file of the tree as a path relative to the root, '/'-separated."""
+    """Every file of the tree as a path relative to the root, '/'-separated (no .git, virtualenv or caches)."""
     found = []
-    for path in root.rglob("*"):
-        rel = path.relative_to(root)
-        if path.is_file() and not SKIPPED_DIRS.intersection(rel.parts) and not rel.parts[0].endswith(".egg-info"):
-            found.append(rel.as_posix())
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in SKIPPED_DIRS and not d.endswith(".egg-info")]
+        found.extend(Path(folder, f).relative_to(root).as_posix() for f in files)
     return tuple(sorted(found))
 
 
 @functools.cache
 def tree_dirs(root: Path = ROOT) -> frozenset[str]:
-    return frozenset(f.rsplit("/", 1)[0] for f in tree_files(root) if "/" in f) | {
-        "/".join(f.split("/")[:n]) for f in tree_files(root) for n in range(1, f.count("/") + 1)
-    }
+    """Every folder of the tree that holds a file, as a path relative to the root."""
+    return frozenset("/".join(f.split("/")[:n]) for f in tree_files(root) for n in range(1, f.count("/") + 1))
 
 
 def find_file(ref: str, root: Path = ROOT) -> list[str]:
@@ -112,12 +111,16 @@ def defined_names(file: Path) -> frozenset[str]:
 
 
 def _bound(node: ast.stmt) -> list[str]:
+    """The names one statement binds: a function's or class's name, an assignment's targets."""
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
         return [node.name]
-    targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
-    if isinstance(node, (ast.Assign, ast.AnnAssign)):
-        return [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
-    return []
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, ast.AnnAssign):
+        targets = [node.target]
+    else:
+        return []
+    return [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
 
 
 @functools.cache
@@ -125,7 +128,9 @@ def class_bases(file: Path) -> dict[str, tuple[str, ...]]:
     """Class name -> the names of its bases, for the classes a Python file defines at top level."""
     tree = ast.parse(file.read_text())
     return {
-        n.name: tuple(ast.unparse(b).rsplit(".", 1)[-1] for b in n.bases) for n in tree.body if isinstance(n, ast.ClassDef)
+        n.name: tuple(ast.unparse(b).rsplit(".", 1)[-1] for b in n.bases)
+        for n in tree.body
+        if isinstance(n, ast.ClassDef)
     }
 
 
@@ -191,7 +196,8 @@ def check_path(ref: str, root: Path = ROOT) -> str | None:
     if found:
         return None
     head = ref.split("/")[0]
-    spec = importlib.util.find_spec(head) if head.isidentifier() and "/" in ref else None
+    ours = (root / head).exists()
+    spec = importlib.util.find_spec(head) if head.isidentifier() and "/" in ref and not ours else None
     if spec is not None and spec.submodule_search_locations:
         base = Path(next(iter(spec.submodule_search_locations))).parent
         return None if (base / ref).exists() else f"no {ref} in the installed {head}"
@@ -264,7 +270,11 @@ def as_reference(span: str, root: Path = ROOT) -> tuple[str, str] | None:
     if "/" in ref and "." in last and last.split(".", 1)[1] not in FILE_SUFFIXES | {"py", "md"}:
         stem, _, name = last.partition(".")
         return "name", "/".join([*parts[:-1], stem + ".py"]) + ":" + name
-    if "/" in ref and (ref.endswith("/") or "." in last or (root / parts[0]).exists()) or ref.endswith(CHECKED_SUFFIXES):
+    if (
+        "/" in ref
+        and (ref.endswith("/") or "." in last or (root / parts[0]).exists())
+        or ref.endswith(CHECKED_SUFFIXES)
+    ):
         return "path", ref
     if DOTTED.fullmatch(ref) and ref.rsplit(".", 1)[-1] not in FILE_SUFFIXES:
         return "dotted", ref
@@ -312,7 +322,9 @@ def broken_refs(docs: list[Path], root: Path = ROOT) -> list[Broken]:
         for line, ref in doc_spans(doc.read_text()):
             why = check_ref(ref, root)
             if why:
-                broken.append(Broken(doc.relative_to(root).as_posix() if doc.is_relative_to(root) else str(doc), line, ref, why))
+                broken.append(
+                    Broken(doc.relative_to(root).as_posix() if doc.is_relative_to(root) else str(doc), line, ref, why)
+                )
     return broken
 
 

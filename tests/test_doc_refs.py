@@ -4,6 +4,7 @@ doc behind fails here. The checker itself is shown to fail on a doc with broken 
 
 from __future__ import annotations
 
+import ast
 import re
 from collections import Counter
 
@@ -43,18 +44,20 @@ def test_a_doc_with_broken_references_of_every_shape_fails_naming_each(tmp_path)
     assert whys["trainer.py:train_steps"] == "train_steps is not defined in ghostvis_core/run/train/trainer.py"
     assert whys["checkpoint.every_hours"].startswith("every_hours is not defined in ghostvis_core/run/train/checkpoint")
     assert "and its bases define no oldest" in whys["CheckpointManager.oldest"]
-    assert str(broken[0]) == (
-        f"{doc}:3 `ghostvis_core/run/train/missing.py`: no file or folder ghostvis_core/run/train/missing.py in the tree"
-    )
+    missing = "ghostvis_core/run/train/missing.py"
+    assert str(broken[0]) == f"{doc}:3 `{missing}`: no file or folder {missing} in the tree"
 
 
 def test_the_newcomers_path_to_the_optimizer_step_is_at_most_eight_checked_places():
     text = (ROOT / "docs/architecture.md").read_text()
-    section = text.split("## From `ghostvis train sft` to the optimizer step", 1)[1].split("\n## ", 1)[0]
-    places = re.findall(r"^\d+\. (.+)$", section, flags=re.M)
+    section = text.split("### From `ghostvis train sft` to the optimizer step\n", 1)[1].split("\n#", 1)[0]
+    places = [" ".join(p.split()) for p in re.findall(r"^\d+\. (.+?)(?=^\d+\. |\Z)", section, flags=re.M | re.S)]
     assert 1 < len(places) <= 8, places
     for place in places:
         refs = [ref for ref in re.findall(r"`([^`]+)`", place) if ":" in ref and not ref.startswith("ghostvis ")]
         assert refs, f"this place names no `path:name`: {place}"
         assert all(check_ref(ref) is None for ref in refs), place
-    assert "optimizer.step" in places[-1]
+    assert "Optimizer.step" in places[-1]
+    trainer = ast.parse((ROOT / "ghostvis_core/run/train/trainer.py").read_text())
+    step = next(n for n in ast.walk(trainer) if isinstance(n, ast.FunctionDef) and n.name == "train_step")
+    assert "self.optimizer.step()" in ast.unparse(step)
