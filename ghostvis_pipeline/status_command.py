@@ -4,7 +4,8 @@ The same answer the Dagster UI gives as synced / unsynced, from the same records
 materialization carries its data version (the asset's identity), its code version and the data
 versions of its inputs when it ran (its provenance). An asset is stale when its code version
 changed since, or an input's data version is not the one it was made from; a partitioned input
-(shards) is compared partition by partition, like Dagster does.
+(shards) is compared partition by partition, like Dagster does. A stale tokenizer or stage also names the
+shards revised upstream since it was made, with the sha256 it was made of and the one recorded now.
 """
 
 from __future__ import annotations
