@@ -1,6 +1,7 @@
 """`ghostvis data`: the backfill of every registered shard, in one Dagster run per asset (download,
 tokenizer, tokenization, ledger), recorded in DAGSTER_HOME like a backfill started from the UI; then the
-documents tokenization dropped, per shard and reason, and a trained tokenizer smaller than the preset plans."""
+documents tokenization dropped, per shard and reason, a trained tokenizer smaller than the preset plans, and a
+tokenizer kept while its training data changed (the shards revised upstream: tokenized with it, not retrained)."""
 
 from __future__ import annotations
 
@@ -15,21 +16,28 @@ from ghostvis_pipeline.subcommand import subcommand
 def cmd_data(args) -> int:
     from dagster import DagsterInstance
 
+    from ghostvis_core.data.shard_changes import tokenizer_data_changes
+    from ghostvis_pipeline.assets.data import kept_tokenizer_note, made_of
     from ghostvis_pipeline.demo import format_summary, materialize_data
     from ghostvis_pipeline.environment import prepare_environment
     from ghostvis_pipeline.metadata import newest_metadata
 
-    prepare_environment(Home.from_env())
+    home = Home.from_env()
+    prepare_environment(home)
+    store = home.store
     t0 = time.time()
     brought = {"from_model": args.tokenizer_of} if args.tokenizer_of else {"from_file": args.tokenizer_file}
     trained = not (args.tokenizer_of or args.tokenizer_file)
     preset = args.preset or selected.default_preset()
-    runs = materialize_data(DagsterInstance.get(), preset, None if trained else brought)
+    runs = materialize_data(DagsterInstance.get(), store, preset, None if trained else brought, args.retrain_tokenizer)
     print(format_summary(runs, time.time() - t0))
     tokenizer = newest_metadata(DagsterInstance.get(), "tokenizer")
-    print("\n".join(dropped_lines(Home.from_env().store, tokenizer["tokenizer_id"])))
+    print("\n".join(dropped_lines(store, tokenizer["tokenizer_id"])))
     if trained and (note := vocabulary_note(tokenizer["tokenizer_id"], tokenizer["vocab_size"], preset)):
         print(f"note: {note}")
+    made = made_of(store, tokenizer)
+    if made and (changes := tokenizer_data_changes(store, made)):
+        print(f"tokenizer: {kept_tokenizer_note(tokenizer['tokenizer_id'], changes)}")
     return 0 if all(passed for r in runs for *_, passed in r.checks) else 1
 
 
@@ -74,4 +82,11 @@ def add_parser(sub) -> None:
         metavar="FILE",
         help="use this tokenizer file instead of training one (a byte-level BPE tokenizer.json or a tiktoken BPE "
         "file; path, s3://, http(s)://, hf://); the tokenizer asset's run config maps special tokens",
+    )
+    brought.add_argument(
+        "--retrain-tokenizer",
+        action="store_true",
+        help="train a new tokenizer on the current text shards (the tokenizer asset) even though one exists: by "
+        "default a trained tokenizer is kept when shards change, and only the changed shards are tokenized with "
+        "it; a new tokenizer tokenizes every shard again and makes every trained stage stale",
     )

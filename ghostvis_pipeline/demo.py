@@ -13,6 +13,8 @@ from dagster import DagsterInstance
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan import selected
+from ghostvis_core.store import Store
+from ghostvis_pipeline.assets.data import tokenizer_kept
 from ghostvis_pipeline.check_failures import check_failure_error, failed_check_lines
 from ghostvis_pipeline.definitions import defs
 from ghostvis_pipeline.environment import prepare_environment
@@ -83,22 +85,23 @@ def materialize(
     return summary
 
 
-def materialize_data(instance, preset: str, tokenizer: dict | None = None) -> list[RunSummary]:
+def materialize_data(
+    instance, store: Store, preset: str, tokenizer: dict | None = None, retrain: bool = False
+) -> list[RunSummary]:
     """raw_shards and tokenized_shards over every registered shard partition (one run each, here),
     the tokenizer in between (trained for the preset, or `tokenizer`: its run config, e.g. from_model) and
-    the token ledger after; unchanged shards are skipped."""
+    the token ledger after; unchanged shards are skipped. A trained tokenizer whose training data alone changed
+    is kept (`tokenizer_kept`): only the changed shards are tokenized, with it; `retrain` trains a new one."""
     keys = instance.get_dynamic_partitions(shard_partitions.name)
     if not keys:
         raise GhostvisError("no shard partitions are registered; materialize shard_manifest with your sources first")
     span = (keys[0], keys[-1])
+    runs = [materialize(defs, instance, ["raw_shards"], partition_range=span)]
+    if tokenizer or retrain or not tokenizer_kept(instance, store, preset):
+        config = tokenizer or {"preset": preset}
+        runs.append(materialize(defs, instance, ["tokenizer"], run_config={"ops": {"tokenizer": {"config": config}}}))
     return [
-        materialize(defs, instance, ["raw_shards"], partition_range=span),
-        materialize(
-            defs,
-            instance,
-            ["tokenizer"],
-            run_config={"ops": {"tokenizer": {"config": tokenizer or {"preset": preset}}}},
-        ),
+        *runs,
         materialize(defs, instance, ["tokenized_shards"], partition_range=span),
         materialize(defs, instance, ["token_ledger"]),
     ]
@@ -107,7 +110,7 @@ def materialize_data(instance, preset: str, tokenizer: dict | None = None) -> li
 def run_demo(home: Home, preset: str, stages: list[str]) -> list[RunSummary]:
     prepare_environment(home)
     instance = DagsterInstance.get()
-    runs = [materialize(defs, instance, ["shard_manifest"]), *materialize_data(instance, preset)]
+    runs = [materialize(defs, instance, ["shard_manifest"]), *materialize_data(instance, home.store, preset)]
     stage_config = {"ops": {s: {"config": {"preset": preset}} for s in stages}}
     runs.append(materialize(defs, instance, stages, run_config=stage_config))
     if list(stages) == selected.lineage().stage_names():  # the whole lineage: score it, write its report card

@@ -4,7 +4,8 @@ The same answer the Dagster UI gives as synced / unsynced, from the same records
 materialization carries its data version (the asset's identity), its code version and the data
 versions of its inputs when it ran (its provenance). An asset is stale when its code version
 changed since, or an input's data version is not the one it was made from; a partitioned input
-(shards) is compared partition by partition, like Dagster does.
+(shards) is compared partition by partition, like Dagster does. A stale tokenizer or stage also names the
+shards revised upstream since it was made, with the sha256 it was made of and the one recorded now.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field
 
 from ghostvis_core.home import Home
+from ghostvis_core.store import Store
 from ghostvis_pipeline.subcommand import subcommand
 
 DATA_VERSION_TAG = "dagster/data_version"
@@ -98,13 +100,37 @@ def stale_reasons(records: Records, node, partition: str | None, record) -> list
     return out
 
 
-def asset_status(instance, records: Records, node) -> AssetStatus:
+def shard_reasons(store: Store, asset: str, record, reasons: list[str]) -> list[str]:
+    """A stale materialization's reasons with the shards revised since it was made, each with the sha256 it was
+    made of and the one recorded now: for a trained tokenizer, its training data (in place of raw_shards' reason,
+    which names every partition a backfill re-recorded); for a stage, the shards its run trained and validated on."""
+    from ghostvis_core.data.shard_changes import describe_changes, run_data_changes, tokenizer_data_changes
+    from ghostvis_core.run.train.spec import saved_shard_versions, saved_spec
+    from ghostvis_pipeline.assets.data import kept_tokenizer_note, made_of
+
+    md = {k: getattr(v, "value", v) for k, v in record.event_log_entry.asset_materialization.metadata.items()}
+    made = made_of(store, md) if asset == "tokenizer" else None
+    if made and (changes := tokenizer_data_changes(store, made)):
+        return [r for r in reasons if not r.startswith("input raw_shards ")] + [
+            kept_tokenizer_note(md["tokenizer_id"], changes, SHOWN)
+        ]
+    run_key = md.get("run_key")
+    if run_key and store.exists("run_spec", asset, run_key):
+        if changes := run_data_changes(store, saved_shard_versions(saved_spec(store, asset, run_key))):
+            return [*reasons, f"run {run_key} trained on shards revised since: {describe_changes(changes, SHOWN)}"]
+    return reasons
+
+
+def asset_status(instance, records: Records, node, store: Store | None = None) -> AssetStatus:
+    """One asset's status; with the store, a stale one also names the shards revised since (`shard_reasons`)."""
     name = node.key.to_user_string()
     if node.partitions_def is None:
         record = records.latest(node.key)
         if record is None:
             return AssetStatus(name, "missing", ["never materialized"])
         reasons = stale_reasons(records, node, None, record)
+        if reasons and store is not None:
+            reasons = shard_reasons(store, name, record, reasons)
         return AssetStatus(name, "stale" if reasons else "up to date", reasons)
     keys = node.partitions_def.get_partition_keys(dynamic_partitions_store=instance)
     missing, stale = [], {}
@@ -122,10 +148,10 @@ def asset_status(instance, records: Records, node) -> AssetStatus:
     return AssetStatus(name, state, reasons, f"{fresh}/{len(keys)} up to date")
 
 
-def statuses(defs, instance) -> list[AssetStatus]:
-    """Every asset of the code location, upstream first."""
+def statuses(defs, instance, store: Store | None = None) -> list[AssetStatus]:
+    """Every asset of the code location, upstream first (with the store: the revised shards named)."""
     records = Records(instance)
-    return [asset_status(instance, records, node) for node in defs.assets]
+    return [asset_status(instance, records, node, store) for node in defs.assets]
 
 
 def format_statuses(rows: list[AssetStatus]) -> str:
@@ -143,8 +169,9 @@ def cmd_status(args) -> int:
     from ghostvis_pipeline.definitions import defs
     from ghostvis_pipeline.environment import prepare_environment
 
-    prepare_environment(Home.from_env())
-    rows = statuses(defs, DagsterInstance.get())
+    home = Home.from_env()
+    prepare_environment(home)
+    rows = statuses(defs, DagsterInstance.get(), home.store)
     print(json.dumps([asdict(r) for r in rows], indent=2) if args.json else format_statuses(rows))
     return 0
 

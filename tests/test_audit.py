@@ -560,7 +560,10 @@ def test_a_source_file_changed_under_its_name_is_a_new_version_and_the_trained_l
     run_cli([*MATERIALIZE, "--select", "token_ledger"], home_copy)
     stale = stale_inputs(run_cli(["ghostvis", "status", "--json"], home_copy).stdout)
     assert "tokenized_shards" not in stale and "token_ledger" not in stale
-    assert all(stale[s] == [stale["pretrain"][0]] for s in stage_names())  # every stage reads the ledger
+    assert all(stale[s][0] == stale["pretrain"][0] for s in stage_names())  # every stage reads the ledger
+    assert stale["pretrain"][1:] == [
+        f"run {old_run} trained on shards revised since: {shard_id} (sha256 {old} -> {new})"
+    ]
     assert stale["pretrain"][0].startswith("input token_ledger changed (data version ")
     versions = [r for r in Ledger.in_store(h.store).shards(every_version=True) if r.shard_id == shard_id]
     assert [(r.content_sha256, r.replaces_sha256) for r in versions] == [(old, ""), (new, old)]

@@ -32,6 +32,7 @@ from ghostvis_core.data.identities import ledger_identity, manifest_identity, sh
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.summaries import source_split_totals
 from ghostvis_core.data.records import normalize_shard
+from ghostvis_core.data.shard_changes import ShardChange, describe_changes, training_data_changes
 from ghostvis_core.data.sources import fetch_shard
 from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards
 from ghostvis_core.demo.sources import DEMO_SOURCES, publish_demo_source
@@ -46,7 +47,7 @@ from ghostvis_core.store.fence import is_committed
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.leases import run_lease
-from ghostvis_pipeline.metadata import latest_metadata, md_table
+from ghostvis_pipeline.metadata import latest_metadata, md_table, newest_metadata_or_none
 from ghostvis_pipeline.partitions import shard_partitions
 from ghostvis_pipeline.resources import GhostvisHome
 
@@ -236,19 +237,60 @@ def tokenizer(
     the tokenizer of a model (from_model) or a file (from_file), brought again each time. Training, taking
     and bringing run in the tokenizer job (ghostvis_core/run/tokenizer_job.py), launched where the launcher
     runs jobs; this process plans, launches and reads the record the job wrote. Data version: the tokenizer
-    id (a content hash), so a retraining that yields the same tokenizer changes nothing downstream."""
+    id (a content hash), so a retraining that yields the same tokenizer changes nothing downstream.
+    `ghostvis data` keeps an existing tokenizer whose training data alone changed (`tokenizer_kept`): it does
+    not materialize this asset then, which stays stale naming the changed shards until materialized by choice."""
     store = home.home().store
     if config.from_model and config.from_file:
         raise GhostvisError("tokenizer: from_model and from_file are both set; set one of them")
     if config.from_model or config.from_file:
         return _bring_tokenizer(context, config, home.home(), launcher)
+    ident = trained_identity(store, config)
+    key = digest(ident)
+    with run_lease(context, store, "tokenizer", key):  # a second launch waits, then finds this one's tokenizer
+        return _train_or_reuse_tokenizer(context, config, home.home(), launcher, ident, key, ident["vocab_size"])
+
+
+def trained_identity(store, config: TokenizerConfig) -> dict:
+    """What the tokenizer this config trains is made of (`tokenizer_identity`): its vocabulary (the preset's
+    unless given), its byte cap, and the text shards by content and split as raw_shards recorded them."""
     vocab = config.vocab_size or presets.tokenizer_vocab(
         run_modes.model_preset(config.preset or selected.default_preset())
     )
-    ident = tokenizer_identity(store, vocab, config.max_train_bytes)
-    key = digest(ident)
-    with run_lease(context, store, "tokenizer", key):  # a second launch waits, then finds this one's tokenizer
-        return _train_or_reuse_tokenizer(context, config, home.home(), launcher, ident, key, vocab)
+    return tokenizer_identity(store, vocab, config.max_train_bytes)
+
+
+def made_of(store, md: dict) -> dict | None:
+    """The identity a trained tokenizer's materialization (its metadata `md`) was trained on, from its identity
+    record; None for a tokenizer taken from a model or a file, or one whose record is not in the store."""
+    key = md.get("identity")
+    if not key or md.get("from_model") or md.get("from_file") or not store.exists("identity", "tokenizer", key):
+        return None
+    return store.read_json("identity", "tokenizer", key)["identity"]
+
+
+def tokenizer_kept(instance, store, preset: str) -> bool:
+    """Whether `ghostvis data` keeps the newest tokenizer instead of materializing the asset: it was trained by
+    this asset for the preset's vocabulary and the default byte cap, and only its training data changed since (a
+    text shard revised, added or removed upstream). A new tokenizer would re-tokenize every shard and make every
+    trained stage stale, so it is trained only by choice: by materializing the asset (`ghostvis data
+    --retrain-tokenizer`). False: materialize it (no tokenizer yet, another vocabulary or byte cap, or the same
+    identity: a cache hit)."""
+    md = newest_metadata_or_none(instance, "tokenizer")
+    made = made_of(store, md) if md else None
+    if made is None:
+        return False
+    return bool(training_data_changes(made, trained_identity(store, TokenizerConfig(preset=preset))))
+
+
+def kept_tokenizer_note(tokenizer_id: str, changes: list[ShardChange], shown: int = 5) -> str:
+    """What `ghostvis status` and `ghostvis data` say of a tokenizer kept while its training data changed."""
+    return (
+        f"its training data changed since {tokenizer_id} was trained: {describe_changes(changes, shown)}. It is "
+        "kept (tokenized_shards tokenize the new versions with it); to train a new one on the current shards, "
+        "materialize tokenizer (`ghostvis data --retrain-tokenizer`): every shard is then tokenized again and every "
+        "stage is stale"
+    )
 
 
 def _train_or_reuse_tokenizer(
