@@ -31,6 +31,7 @@ from ghostvis_core.plan import presets
 from ghostvis_core.plan.batch import IGNORE_INDEX
 from ghostvis_core.plan.config import GRPOConfig, ModelConfig, SourceWeight, StageConfig
 from ghostvis_core.run.model.gpt import GPT
+from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.run.train.grpo import (
     FORMAT_REWARD,
     AnswerStop,
@@ -39,7 +40,9 @@ from ghostvis_core.run.train.grpo import (
     complete,
     group_advantages,
     grpo_loss_sum,
+    held_out_reward,
     reward,
+    rollout_batch,
 )
 from ghostvis_core.store import FolderStore
 from ghostvis_core.verify.audit.rebuild import PromptGroupRows, SourceFiles, rl_prompt
@@ -255,6 +258,45 @@ def test_a_completion_stopped_at_its_answer_line_is_the_unstopped_one_cut_there(
     assert cut >= 2
 
 
+def grpo_trained(shard, steps: int, sign: float = 1.0) -> tuple[dict[str, float], dict[str, float]]:
+    """The held-out figures (greedy, `held_out_reward`) of a tiny policy before and after `steps` GRPO steps on the
+    shard's three problems under the `integer` rule, one generated token per completion, 8 per problem: the
+    trainer's own rollouts, rewards, group advantages (times `sign`) and loss, with AdamW on its gradient."""
+    tok, _, ref = shard
+    torch.manual_seed(0)
+    cfg = ModelConfig(tok.vocab_size, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=32, max_seq_len=64)
+    policy = GPT(cfg)
+    rows = GroupRows(
+        SourceStream("problems", [ref], seed=7), 48, 7, tok, GRPOConfig(group_size=8, max_new_tokens=1), "integer"
+    )
+    ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    before = held_out_reward(rows, policy, len(PROBLEMS), ctx)
+    opt = torch.optim.AdamW(policy.parameters(), lr=3e-2)
+    per_step = 8 * len(PROBLEMS)
+    for step in range(steps):
+        batch = rollout_batch(rows, list(range(step * per_step, (step + 1) * per_step)), policy, seed=7)
+        mask = batch.targets != IGNORE_INDEX
+        logps = policy(batch.inputs, batch.targets, reduction="logprobs")
+        loss = grpo_loss_sum(logps, None, sign * batch.advantages, mask, 0.0) / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return before, held_out_reward(rows, policy, len(PROBLEMS), ctx)
+
+
+def test_grpo_steps_raise_the_held_out_reward_and_format_rate_of_a_tiny_policy(shard):
+    """The rl stage's learning signal end to end in one process: a random policy rarely answers with an integer
+    line; the groups where one of the 8 samples does reward it, and after GRPO's steps greedy decoding answers every
+    held-out problem with an integer (reward and format rate rise). With the advantages' sign flipped (the policy
+    pushed away from its rewarded samples) the same steps teach nothing."""
+    before, after = grpo_trained(shard, 20)
+    assert (before["val/reward"], before["val/format_rate"]) == (0.0, 0.0)
+    assert after["val/format_rate"] == 1.0 and after["val/reward"] >= FORMAT_REWARD
+    assert after["val/reward"] == pytest.approx(after["val/exact_accuracy"] + FORMAT_REWARD * after["val/format_rate"])
+    _, away = grpo_trained(shard, 20, sign=-1.0)
+    assert away["val/format_rate"] == 0.0
+
+
 def test_the_launch_carries_each_sources_reward_rule_and_refuses_a_source_that_is_not_of_problems(tmp_path):
     store = FolderStore(tmp_path)
     save_manifest(store, Manifest("probs", "problem", [], reward="string"))
@@ -372,9 +414,14 @@ def test_the_rl_stage_runs_through_the_cli_on_a_users_problems_and_its_audit_rec
     assert mlflow[ROLLOUT_METRICS["generated_tokens"]] == ledger_generated
     assert mlflow[ROLLOUT_METRICS["rewarded_tokens"]] == record.generated["rewarded_tokens"]
     assert checks["fed_content_matches_files"]["figures"]["rank_steps_checked"] == 8
-    reward_ = record.evidence["reward"]
-    assert reward_.before is not None and 0.0 <= reward_.before <= 1.1 and 0.0 <= reward_.after <= 1.1
-    assert {"exact_accuracy", "format_rate"} <= set(record.evidence)
+    # the evidence the report card shows: the reward is its two parts (1 per exact answer, FORMAT_REWARD per
+    # well-formed last line) before and after, and the run's MLflow evidence metrics are its after figures
+    evidence = record.evidence
+    assert set(evidence) == {"reward", "exact_accuracy", "format_rate"}
+    for when in ("before", "after"):
+        parts = getattr(evidence["exact_accuracy"], when) + FORMAT_REWARD * getattr(evidence["format_rate"], when)
+        assert getattr(evidence["reward"], when) == pytest.approx(parts)
+    assert {n: mlflow[f"evidence/{n}"] for n in evidence} == {n: e.after for n, e in evidence.items()}
     assert record.counts.loss_tokens == ledger_generated  # loss is carried by the generated tokens only
 
     # A completion saved shorter than it was fed (one token dropped): the rollouts no longer add up, the rows

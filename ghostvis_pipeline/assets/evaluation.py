@@ -28,6 +28,7 @@ from ghostvis_core.verify.eval.job import (
     results_name,
 )
 from ghostvis_core.verify.eval.report import stage_report, write_report
+from ghostvis_core.verify.eval.seeds import read_seed_moves
 from ghostvis_core.verify.replay.record import replay_summary
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.metadata import latest_metadata, md_table
@@ -196,6 +197,7 @@ def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisH
     lineage = lineage_run_keys(context)
     evaluated = latest_metadata(context, "evaluation")
     evaluation_key, tolerance = evaluated["identity"], dict(evaluated["bpb_tolerance"])
+    seeds = read_seed_moves(store, stage_config(store, run_result(store, *next(iter(lineage.items())))).preset)
     key = digest(
         {
             "lineage": lineage,
@@ -203,6 +205,7 @@ def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisH
             "gpu_prices": dict(config.gpu_prices),
             "bpb_tolerance": tolerance,
             "replay": {stage: replay_summary(store, stage, run_key) for stage, run_key in lineage.items()},
+            **({"seeds": seeds} if seeds else {}),  # a seed benchmark kept since: the card says what it found
         }
     )
     name = list(lineage.values())[-1]
@@ -227,6 +230,7 @@ def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisH
                 dict(config.gpu_prices),
                 tolerance[stage],
                 replay_summary(store, stage, run_key),
+                seeds.get(stage),
             )
         )
         smp[stage] = ev.get("samples", [])

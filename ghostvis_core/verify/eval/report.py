@@ -25,6 +25,7 @@ from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.store import Store
 from ghostvis_core.store.files import atomic_write
 from ghostvis_core.verify.eval.gate import GATE_HEADER, gate_rows
+from ghostvis_core.verify.eval.seeds import seed_note
 from ghostvis_core.verify.eval.verdict import improved
 
 
@@ -54,6 +55,8 @@ class StageReport:
     segments: list[Segment] = field(default_factory=list)  # Ledger.segments: each launch's step range
     evidence_note: str = ""  # why the preset's run cannot improve the stage's evidence, where it cannot
     replay: str = ""  # the replay verdict (verify/replay/record.py): "2 intervals replayed, bitwise equal"
+    # the seed benchmark's figure -> [seeds it moved its way on, seeds] for this stage (verify/eval/seeds.py)
+    seed_moves: dict[str, list[int]] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         """The row as report.json holds it: the ledger's records as plain objects, the totals flat."""
@@ -87,9 +90,10 @@ def stage_report(
     gpu_prices: dict[str, float],
     bpb_tolerance: float,
     replay: str = "",
+    seed_moves: dict[str, list[int]] | None = None,
 ) -> StageReport:
     """One stage's row of the report, from its run record, config, the ledger and its evaluation
-    (judged by the quality gate with `bpb_tolerance`), and its replay verdict."""
+    (judged by the quality gate with `bpb_tolerance`), its replay verdict and the seed benchmark's figures."""
     key = result.run_key
     totals = ledger.run_totals(key)
     shards = ledger.consumed_by_shard(key)
@@ -129,6 +133,7 @@ def stage_report(
         segments=ledger.segments(key),
         evidence_note=evidence_note(result.stage, config.preset),
         replay=replay,
+        seed_moves=seed_moves or {},
     )
 
 
@@ -224,7 +229,14 @@ def evidence_verdict(s: StageReport) -> list[Any]:
     judged = {name: v for name, v in judged.items() if v is not None}
     flat = sorted(name for name, v in judged.items() if not v)
     verdict = "-" if not judged else "NO" if flat else "yes"
-    return [s.stage, verdict, ", ".join(flat) or "-", (s.evidence_note or "not known") if flat else "-"]
+    return [s.stage, verdict, ", ".join(flat) or "-", why_not(s, flat) if flat else "-"]
+
+
+def why_not(s: StageReport, flat: list[str]) -> str:
+    """Why the stage's flat figures did not move: the preset's note, then per figure what the seed benchmark
+    found across seeds (seed noise or the recipe's); 'not known' with neither."""
+    notes = [n for n in (s.evidence_note, seed_note(s.seed_moves, flat)) if n]
+    return "; ".join(notes) or "not known"
 
 
 def _evaluation_row(s: StageReport) -> list[Any]:
