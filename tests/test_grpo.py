@@ -38,6 +38,7 @@ from ghostvis_core.run.train.grpo import (
     GroupRows,
     RolloutLog,
     complete,
+    count_step,
     group_advantages,
     grpo_loss_sum,
     held_out_reward,
@@ -129,6 +130,27 @@ def test_rewarded_tokens_and_correct_completions_count_exact_answers_only():
     (row,) = log.records("p0", "rl-r", 1)  # the ledger's rollouts row: the figures in their columns
     assert (row.rank, row.step, row.generated_tokens, row.rewarded_tokens, row.correct_completions) == (1, 3, 6, 3, 1)
     assert (row.rows, row.completion_ids, row.rewards) == ([0, 1, 2], [[5, 6, 7], [8, 9], [1]], [1.1, 0.1, 0.0])
+
+
+def test_a_steps_reward_figures_are_trls_by_hand():
+    """Per step (TRL's GRPO figures): the rewards' mean, the mean of the groups' (unbiased) standard deviations,
+    the share of groups whose rewards are all equal (no gradient), and the share of exact answers."""
+    log = RolloutLog(
+        {2: {"rows": [0, 1, 2, 3], "completion_ids": [[5], [6, 7], [8], [9]], "rewards": [1.1, 0.1, 0.0, 0.0]}}
+    )
+    assert log.reward_sums(2, 2) == pytest.approx([1.2, math.sqrt(0.5), 2, 1])  # group 1: std of (1.1, 0.1)
+    ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    total, figures = count_step(log, 2, {"generated_tokens": 10}, GRPOConfig(group_size=2), ctx)
+    assert total["generated_tokens"] == 15 and total["completions"] == 4 and total["correct_completions"] == 1
+    assert figures == pytest.approx(
+        {
+            "rl/reward_mean": 0.3,
+            "rl/reward_std": math.sqrt(0.5) / 2,
+            "rl/frac_reward_zero_std": 0.5,
+            "rl/exact_rate": 0.25,
+        }
+    )
+    assert count_step(log, 3, total, GRPOConfig(group_size=2), ctx) == (total, {})  # a step that sampled nothing
 
 
 def test_the_loss_by_hand_with_and_without_the_kl_term():
