@@ -300,9 +300,9 @@ def count_step(
     log: RolloutLog, step: int, generated: dict[str, int], cfg: GRPOConfig | None, ctx: DistContext
 ) -> tuple[dict[str, int], dict[str, float]]:
     """The run's cumulative rollout figures after `step` (summed over ranks) and the step's sampled-reward figures
-    (TRL's GRPO names: the rewards' mean, the mean of the groups' reward standard deviations, the share of groups with no reward
-    variance, and the share of exact answers). Called on every rank; a stage that samples nothing has no figures
-    and no collective."""
+    (TRL's GRPO names: the rewards' mean, the mean of the groups' reward standard deviations, the share of groups
+    with no reward variance, and the share of exact answers). Called on every rank; a stage that samples nothing
+    has no figures and no collective."""
     if step not in log.steps or cfg is None:
         return generated, {}
     figs = log.figures(step)
