@@ -3,6 +3,8 @@
 reads its scores from the store; `report` writes the lineage's report card (HTML + Markdown + PNG), logs it
 to MLflow and links it from Dagster."""
 
+import dataclasses
+
 from dagster import AssetExecutionContext, Config, DataVersion, MaterializeResult, MetadataValue, asset
 
 from ghostvis_core.data.eval_texts import PROMPTS
@@ -220,19 +222,17 @@ def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisH
         result = run_result(store, stage, run_key)
         curves = metric_histories(tracking_uri, result.mlflow_run_id, ("train/loss", "val/loss"))
         ev = evaluation_results.get(stage, {})
-        stages.append(
-            stage_report(
-                ledger,
-                result,
-                stage_config(store, result),
-                curves,
-                ev,
-                dict(config.gpu_prices),
-                tolerance[stage],
-                replay_summary(store, stage, run_key),
-                seeds.get(stage),
-            )
+        row = stage_report(
+            ledger,
+            result,
+            stage_config(store, result),
+            curves,
+            ev,
+            dict(config.gpu_prices),
+            tolerance[stage],
+            replay_summary(store, stage, run_key),
         )
+        stages.append(dataclasses.replace(row, seed_moves=seeds.get(stage, {})))
         smp[stage] = ev.get("samples", [])
     chain = selected_lineage()
     title = f"GhostVis report card, lineage {chain.name}: {' -> '.join(s.stage for s in stages)}"

@@ -90,10 +90,9 @@ def stage_report(
     gpu_prices: dict[str, float],
     bpb_tolerance: float,
     replay: str = "",
-    seed_moves: dict[str, list[int]] | None = None,
 ) -> StageReport:
     """One stage's row of the report, from its run record, config, the ledger and its evaluation
-    (judged by the quality gate with `bpb_tolerance`), its replay verdict and the seed benchmark's figures."""
+    (judged by the quality gate with `bpb_tolerance`), and its replay verdict."""
     key = result.run_key
     totals = ledger.run_totals(key)
     shards = ledger.consumed_by_shard(key)
@@ -133,7 +132,6 @@ def stage_report(
         segments=ledger.segments(key),
         evidence_note=evidence_note(result.stage, config.preset),
         replay=replay,
-        seed_moves=seed_moves or {},
     )
 
 
