@@ -96,3 +96,19 @@ def test_the_report_says_whether_the_seed_benchmark_shows_a_flat_figure_as_seed_
         ["rl", "NO", "reward", "few steps; reward moved its way on 4/5 seeds (seed noise)"],
         ["sft", "NO", "eot_rate", "not known"],
     ]
+
+
+def test_the_report_tables_each_rl_steps_sampled_reward_figures():
+    """TRL's GRPO figures per logged step, from the run's MLflow history (the stage's curves); none for a stage
+    that samples nothing."""
+    curves = {
+        "train/loss": [(1, 0.3), (2, 0.2)],
+        "rl/reward_mean": [(1, 0.0125), (2, 0.1)],
+        "rl/reward_std": [(1, 0.025), (2, 0.0)],
+        "rl/frac_reward_zero_std": [(1, 0.75), (2, 1.0)],
+        "rl/exact_rate": [(1, 0.0), (2, 0.0)],
+    }
+    stages = [stage_card("sft", curves={"train/loss": [(1, 2.0)]}), stage_card("rl", curves=curves)]
+    head, rows = tables(stages)["GRPO steps (sampled rewards, TRL's figures)"]
+    assert head == ["stage", "step", "rl/reward_mean", "rl/reward_std", "rl/frac_reward_zero_std", "rl/exact_rate"]
+    assert rows == [["rl", 1, 0.0125, 0.025, 0.75, 0.0], ["rl", 2, 0.1, 0.0, 1.0, 0.0]]

@@ -7,6 +7,7 @@ import dataclasses
 
 from dagster import AssetExecutionContext, Config, DataVersion, MaterializeResult, MetadataValue, asset
 
+from ghostvis_core.counts import GRPO_STEP_METRICS
 from ghostvis_core.data.eval_texts import PROMPTS
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import ShardRecord
@@ -220,7 +221,7 @@ def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisH
     ledger = Ledger.in_store(store)
     for stage, run_key in lineage.items():
         result = run_result(store, stage, run_key)
-        curves = metric_histories(tracking_uri, result.mlflow_run_id, ("train/loss", "val/loss"))
+        curves = metric_histories(tracking_uri, result.mlflow_run_id, ("train/loss", "val/loss", *GRPO_STEP_METRICS))
         ev = evaluation_results.get(stage, {})
         row = stage_report(
             ledger,

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ghostvis_core.counts import ROLLOUT_FIGURES, TokenCounts
+from ghostvis_core.counts import GRPO_STEP_METRICS, ROLLOUT_FIGURES, TokenCounts
 from ghostvis_core.data.chat import ROLES
 from ghostvis_core.data.ledger.records import RolloutRow
 from ghostvis_core.data.loader import Batch, DocIndex, Row, rank_share
@@ -309,12 +309,8 @@ def count_step(
     summed = all_reduce_sum([*figs, *log.reward_sums(step, cfg.group_size)], ctx)
     total = {k: generated.get(k, 0) + int(v) for k, v in zip(ROLLOUT_FIGURES, summed)}
     completions, (r_sum, std_sum, groups, zero_std) = max(1.0, summed[2]), summed[4:]
-    return total, {
-        "rl/reward_mean": r_sum / completions,
-        "rl/reward_std": std_sum / max(1.0, groups),  # TRL's reward_std: the mean of the groups' std
-        "rl/frac_reward_zero_std": zero_std / max(1.0, groups),
-        "rl/exact_rate": summed[3] / completions,
-    }
+    figures = (r_sum / completions, std_sum / max(1.0, groups), zero_std / max(1.0, groups), summed[3] / completions)
+    return total, dict(zip(GRPO_STEP_METRICS, figures))
 
 
 @torch.no_grad()

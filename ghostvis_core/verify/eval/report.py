@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ghostvis_core.counts import GRPO_STEP_METRICS
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.query import UNDECLARED_KINDS, Reuse
 from ghostvis_core.data.ledger.records import RunTotals, Segment, ShardConsumption
@@ -237,6 +238,14 @@ def why_not(s: StageReport, flat: list[str]) -> str:
     return "; ".join(notes) or "not known"
 
 
+def grpo_step_rows(s: StageReport) -> list[list[Any]]:
+    """Per logged step of a stage that samples (rl): its sampled-reward figures under TRL's GRPO names, from the
+    run's MLflow history (the report asset reads GRPO_STEP_METRICS into the stage's curves)."""
+    values = {name: dict(s.curves.get(name, [])) for name in GRPO_STEP_METRICS}
+    steps = sorted({step for by_step in values.values() for step in by_step})
+    return [[s.stage, step, *(values[name].get(step) for name in GRPO_STEP_METRICS)] for step in steps]
+
+
 def _evaluation_row(s: StageReport) -> list[Any]:
     bpb = ", ".join(f"{k} {v:.3f}" for k, v in s.evaluation.get("bpb", {}).items())
     return [s.stage, bpb, ", ".join(f"{k} {v:.2f}" for k, v in s.evaluation.get("mc", {}).items())]
@@ -287,6 +296,10 @@ def tables(stages: list[StageReport]) -> dict[str, tuple[list[str], list[list[An
         "Did each stage's evidence improve?": (
             ["stage", "improved", "not improved", "why not"],
             [evidence_verdict(s) for s in stages],
+        ),
+        "GRPO steps (sampled rewards, TRL's figures)": (
+            ["stage", "step", *GRPO_STEP_METRICS],
+            [r for s in stages for r in grpo_step_rows(s)],
         ),
         "Mixture (ledger vs recipe)": (
             ["stage", "source", "recipe weight", "fraction consumed", "tokens"],
