@@ -451,6 +451,15 @@ def test_the_rl_stage_runs_through_the_cli_on_a_users_problems_and_its_audit_rec
         parts = getattr(evidence["exact_accuracy"], when) + FORMAT_REWARD * getattr(evidence["format_rate"], when)
         assert getattr(evidence["reward"], when) == pytest.approx(parts)
     assert {n: mlflow[f"evidence/{n}"] for n in evidence} == {n: e.after for n, e in evidence.items()}
+    # the last step's TRL figures in MLflow, recounted from the rewards its rollouts saved (groups of 2)
+    last = max(r.step for r in rollouts)
+    groups = [g for r in rollouts if r.step == last for g in zip(r.rewards[::2], r.rewards[1::2])]
+    assert len(groups) == 4  # 2 ranks x 4 rows, 2 completions per prompt
+    rewards = [x for g in groups for x in g]
+    assert mlflow["rl/reward_mean"] == pytest.approx(sum(rewards) / 8)
+    assert mlflow["rl/reward_std"] == pytest.approx(sum(abs(a - b) / math.sqrt(2) for a, b in groups) / 4)
+    assert mlflow["rl/frac_reward_zero_std"] == sum(a == b for a, b in groups) / 4
+    assert mlflow["rl/exact_rate"] == sum(x >= 1.0 for x in rewards) / 8
     assert record.counts.loss_tokens == ledger_generated  # loss is carried by the generated tokens only
 
     # A completion saved shorter than it was fed (one token dropped): the rollouts no longer add up, the rows
