@@ -1,8 +1,10 @@
-"""The rl stage (GRPO): advantages, each reward rule through the trainer's reward and the audit's recount, and
-the loss by hand; the trainer's rows and the audit's rebuilt rows agree on a problem token file written by the
-tokenization's own encoder; the launch carries each source's reward rule; and an end-to-end smoke run of the
-`rl` asset through the real CLI whose checks pass and whose generated tokens the audit recounts from the saved
-rollouts."""
+"""The rl stage (GRPO): advantages, each reward rule through the trainer's reward and the audit's recount, the
+loss and each step's TRL figures by hand; the trainer's rows and the audit's rebuilt rows agree on a problem token
+file written by the tokenization's own encoder; the trainer's rollouts, rewards, advantages and loss raise a tiny
+policy's held-out reward and format rate (and do not with the advantages' sign flipped); the launch carries each
+source's reward rule; and an end-to-end smoke run of the `rl` asset through the real CLI whose checks pass, whose
+generated tokens the audit recounts from the saved rollouts and whose MLflow step figures are recounted from
+their rewards."""
 
 from __future__ import annotations
 
