@@ -27,6 +27,10 @@ ROLLOUT_METRICS = {
     "completions": "rl/completions",
     "correct_completions": "rl/correct_completions",
 }
+# Each rl step's sampled-reward figures (grpo.count_step) under TRL's GRPO names, charted in MLflow and tabled in
+# the report card: the rewards' mean, the mean of the groups' reward standard deviations, the share of groups whose
+# rewards are all equal (no advantage, no gradient) and the share of exact answers.
+GRPO_STEP_METRICS = ("rl/reward_mean", "rl/reward_std", "rl/frac_reward_zero_std", "rl/exact_rate")
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,10 @@
-"""The rl stage (GRPO): advantages, each reward rule through the trainer's reward and the audit's recount, and
-the loss by hand; the trainer's rows and the audit's rebuilt rows agree on a problem token file written by the
-tokenization's own encoder; the launch carries each source's reward rule; and an end-to-end smoke run of the
-`rl` asset through the real CLI whose checks pass and whose generated tokens the audit recounts from the saved
-rollouts."""
+"""The rl stage (GRPO): advantages, each reward rule through the trainer's reward and the audit's recount, the
+loss and each step's TRL figures by hand; the trainer's rows and the audit's rebuilt rows agree on a problem token
+file written by the tokenization's own encoder; the trainer's rollouts, rewards, advantages and loss raise a tiny
+policy's held-out reward and format rate (and do not with the advantages' sign flipped); the launch carries each
+source's reward rule; and an end-to-end smoke run of the `rl` asset through the real CLI whose checks pass, whose
+generated tokens the audit recounts from the saved rollouts and whose MLflow step figures are recounted from
+their rewards."""
 
 from __future__ import annotations
 
@@ -31,15 +33,19 @@ from ghostvis_core.plan import presets
 from ghostvis_core.plan.batch import IGNORE_INDEX
 from ghostvis_core.plan.config import GRPOConfig, ModelConfig, SourceWeight, StageConfig
 from ghostvis_core.run.model.gpt import GPT
+from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.run.train.grpo import (
     FORMAT_REWARD,
     AnswerStop,
     GroupRows,
     RolloutLog,
     complete,
+    count_step,
     group_advantages,
     grpo_loss_sum,
+    held_out_reward,
     reward,
+    rollout_batch,
 )
 from ghostvis_core.store import FolderStore
 from ghostvis_core.verify.audit.rebuild import PromptGroupRows, SourceFiles, rl_prompt
@@ -126,6 +132,27 @@ def test_rewarded_tokens_and_correct_completions_count_exact_answers_only():
     (row,) = log.records("p0", "rl-r", 1)  # the ledger's rollouts row: the figures in their columns
     assert (row.rank, row.step, row.generated_tokens, row.rewarded_tokens, row.correct_completions) == (1, 3, 6, 3, 1)
     assert (row.rows, row.completion_ids, row.rewards) == ([0, 1, 2], [[5, 6, 7], [8, 9], [1]], [1.1, 0.1, 0.0])
+
+
+def test_a_steps_reward_figures_are_trls_by_hand():
+    """Per step (TRL's GRPO figures): the rewards' mean, the mean of the groups' (unbiased) standard deviations,
+    the share of groups whose rewards are all equal (no gradient), and the share of exact answers."""
+    log = RolloutLog(
+        {2: {"rows": [0, 1, 2, 3], "completion_ids": [[5], [6, 7], [8], [9]], "rewards": [1.1, 0.1, 0.0, 0.0]}}
+    )
+    assert log.reward_sums(2, 2) == pytest.approx([1.2, math.sqrt(0.5), 2, 1])  # group 1: std of (1.1, 0.1)
+    ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    total, figures = count_step(log, 2, {"generated_tokens": 10}, GRPOConfig(group_size=2), ctx)
+    assert total["generated_tokens"] == 15 and total["completions"] == 4 and total["correct_completions"] == 1
+    assert figures == pytest.approx(
+        {
+            "rl/reward_mean": 0.3,
+            "rl/reward_std": math.sqrt(0.5) / 2,
+            "rl/frac_reward_zero_std": 0.5,
+            "rl/exact_rate": 0.25,
+        }
+    )
+    assert count_step(log, 3, total, GRPOConfig(group_size=2), ctx) == (total, {})  # a step that sampled nothing
 
 
 def test_the_loss_by_hand_with_and_without_the_kl_term():
@@ -255,6 +282,52 @@ def test_a_completion_stopped_at_its_answer_line_is_the_unstopped_one_cut_there(
     assert cut >= 2
 
 
+def grpo_trained(shard, steps: int, sign: float = 1.0) -> tuple[dict[str, float], dict[str, float]]:
+    """The held-out figures (greedy, `held_out_reward`) of a tiny policy before and after `steps` GRPO steps on the
+    shard's three problems under the `integer` rule, one generated token per completion, 8 per problem: the
+    trainer's own rollouts, rewards, group advantages (times `sign`) and loss, with AdamW on its gradient. One
+    thread, as a rank runs (a 16-wide model's matmuls on threads that wait for a busy machine's cores take 50x
+    longer)."""
+    tok, _, ref = shard
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        shape = dict(d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=32, max_seq_len=64)
+        policy = GPT(ModelConfig(tok.vocab_size, **shape))
+        cfg = GRPOConfig(group_size=8, max_new_tokens=1)
+        rows = GroupRows(SourceStream("problems", [ref], seed=7), 48, 7, tok, cfg, "integer")
+        ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+        before = held_out_reward(rows, policy, len(PROBLEMS), ctx)
+        opt = torch.optim.AdamW(policy.parameters(), lr=3e-2)
+        per_step = cfg.group_size * len(PROBLEMS)
+        for step in range(steps):
+            batch = rollout_batch(rows, list(range(step * per_step, (step + 1) * per_step)), policy, seed=7)
+            mask = batch.targets != IGNORE_INDEX
+            logps = policy(batch.inputs, batch.targets, reduction="logprobs")
+            loss = grpo_loss_sum(logps, None, sign * batch.advantages, mask, 0.0) / mask.sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return before, held_out_reward(rows, policy, len(PROBLEMS), ctx)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_grpo_steps_raise_the_held_out_reward_and_format_rate_of_a_tiny_policy(shard):
+    """The rl stage's learning signal end to end in one process: a random policy rarely answers with an integer
+    line; the groups where one of the 8 samples does reward it, and after GRPO's steps greedy decoding answers every
+    held-out problem with an integer (reward and format rate rise). With the advantages' sign flipped (the policy
+    pushed away from its rewarded samples) the same steps teach nothing."""
+    before, after = grpo_trained(shard, 10)
+    assert (before["val/reward"], before["val/format_rate"], before["val/reward_problems"]) == (0.0, 0.0, 3)
+    # every held-out answer an integer line (the format reward), none the right integer: 0.1 each
+    assert (after["val/format_rate"], after["val/exact_accuracy"]) == (1.0, 0.0)
+    assert after["val/reward"] == pytest.approx(FORMAT_REWARD)
+    _, away = grpo_trained(shard, 10, sign=-1.0)
+    assert (away["val/reward"], away["val/format_rate"]) == (0.0, 0.0)
+
+
 def test_the_launch_carries_each_sources_reward_rule_and_refuses_a_source_that_is_not_of_problems(tmp_path):
     store = FolderStore(tmp_path)
     save_manifest(store, Manifest("probs", "problem", [], reward="string"))
@@ -372,9 +445,23 @@ def test_the_rl_stage_runs_through_the_cli_on_a_users_problems_and_its_audit_rec
     assert mlflow[ROLLOUT_METRICS["generated_tokens"]] == ledger_generated
     assert mlflow[ROLLOUT_METRICS["rewarded_tokens"]] == record.generated["rewarded_tokens"]
     assert checks["fed_content_matches_files"]["figures"]["rank_steps_checked"] == 8
-    reward_ = record.evidence["reward"]
-    assert reward_.before is not None and 0.0 <= reward_.before <= 1.1 and 0.0 <= reward_.after <= 1.1
-    assert {"exact_accuracy", "format_rate"} <= set(record.evidence)
+    # the evidence the report card shows: the reward is its two parts (1 per exact answer, FORMAT_REWARD per
+    # well-formed last line) before and after, and the run's MLflow evidence metrics are its after figures
+    evidence = record.evidence
+    assert set(evidence) == {"reward", "exact_accuracy", "format_rate"}
+    for when in ("before", "after"):
+        parts = getattr(evidence["exact_accuracy"], when) + FORMAT_REWARD * getattr(evidence["format_rate"], when)
+        assert getattr(evidence["reward"], when) == pytest.approx(parts)
+    assert {n: mlflow[f"evidence/{n}"] for n in evidence} == {n: e.after for n, e in evidence.items()}
+    # the last step's TRL figures in MLflow, recounted from the rewards its rollouts saved (groups of 2)
+    last = max(r.step for r in rollouts)
+    groups = [g for r in rollouts if r.step == last for g in zip(r.rewards[::2], r.rewards[1::2])]
+    assert len(groups) == 4  # 2 ranks x 4 rows, 2 completions per prompt
+    rewards = [x for g in groups for x in g]
+    assert mlflow["rl/reward_mean"] == pytest.approx(sum(rewards) / 8)
+    assert mlflow["rl/reward_std"] == pytest.approx(sum(abs(a - b) / math.sqrt(2) for a, b in groups) / 4)
+    assert mlflow["rl/frac_reward_zero_std"] == sum(a == b for a, b in groups) / 4
+    assert mlflow["rl/exact_rate"] == sum(x >= 1.0 for x in rewards) / 8
     assert record.counts.loss_tokens == ledger_generated  # loss is carried by the generated tokens only
 
     # A completion saved shorter than it was fed (one token dropped): the rollouts no longer add up, the rows

@@ -1,6 +1,7 @@
-"""`ghostvis trace` (issue 43, item 3) on the session's demo home: a document trained in pretrain and
-replayed in reasoning_mix shows both, a validation document shows none, and a step's documents are the
-rows the ledger says it fed. No run is launched: the demo's runs are read."""
+"""`ghostvis trace` on the session's demo home: a document trained in pretrain and replayed in reasoning_mix
+shows exactly the steps, ranks and rows that fed it (written here from the smoke preset's plan), a validation
+document shows none while its training twin shows them, and a step's documents are exactly its rows. No run is
+launched: the demo's runs are read."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan.batch import BatchPlan
+from ghostvis_core.run.train.runs import completed_runs
 from ghostvis_core.verify.audit.row_index import place
 from ghostvis_core.verify.trace import find_text, shard_row, trace_document, trace_step
 from tests.conftest import run_cli
@@ -37,34 +39,71 @@ def replayed_document(ledger: Ledger) -> tuple[str, int]:
     raise AssertionError("no document of pretrain is replayed in reasoning_mix")
 
 
-def test_a_document_trained_in_pretrain_and_replayed_in_reasoning_mix_shows_both(demo_home):
+# The demo's lineage, each stage's one run in the session's demo home (the smoke preset).
+LINEAGE = {
+    "pretrain",
+    "continued_pretrain",
+    "context_expansion",
+    "reasoning_mix",
+    "vision_alignment",
+    "sft",
+    "dpo",
+    "rl",
+}
+# The first document of the demo's first prose shard, where the smoke preset's runs fed it: (stage, step, rank,
+# micro-batch, global row). pretrain's first row is the first document of its first prose shard; reasoning_mix
+# replays it (its replay share reads pretrain's documents again) in its second row.
+FIRST_PROSE_DOC = ("demo_prose/00000", 0)
+FIRST_PROSE_DOC_HITS = {("pretrain", 1, 0, 0, 0), ("reasoning_mix", 1, 0, 0, 1)}
+# Step 3 of the smoke pretrain: 8 rows a step (2 ranks x 4 rows x 1 micro-batch), so global rows 16-23, rank 0
+# the first four (the row rule).
+PRETRAIN_STEP_3 = {(0, 16), (0, 17), (0, 18), (0, 19), (1, 20), (1, 21), (1, 22), (1, 23)}
+
+
+def stage_runs(home: Home, stages: set[str]) -> set[tuple[str, str]]:
+    """(stage, run key) of each stage's one completed run in the demo home."""
+    runs = {(s, r.run_key) for s in stages for r in completed_runs(home.store, s)}
+    assert {s for s, _ in runs} == stages and len(runs) == len(stages), runs
+    return runs
+
+
+def hits(report: dict) -> set[tuple]:
+    return {(h["stage"], h["step"], h["rank"], h["micro_batch"], h["global_row"]) for h in report["trained_by"]}
+
+
+def test_a_document_trained_in_pretrain_and_replayed_in_reasoning_mix_shows_exactly_where(demo_home):
     home = Home(demo_home)
     ledger = Ledger.in_store(home.store)
-    shard_id, row = replayed_document(ledger)
-    report = trace_document(home.store, ledger, shard_id, row)
-    stages = {h["stage"] for h in report["trained_by"]}
-    assert {"pretrain", "reasoning_mix"} <= stages
+    report = trace_document(home.store, ledger, *FIRST_PROSE_DOC)
+    assert hits(report) == FIRST_PROSE_DOC_HITS
+    assert {(h["stage"], h["run_key"]) for h in report["trained_by"]} == stage_runs(home, {"pretrain", "reasoning_mix"})
     for h in report["trained_by"]:  # each hit is a row of that step on that rank, by the ledger's feeds
         fed = [f for f in ledger.feeds(ledger.chain(h["run_key"])) if (f.step, f.rank) == (h["step"], h["rank"])]
         assert h["global_row"] in fed[0].micro_rows[h["micro_batch"]]
-    downstream = {r["stage"] for r in report["downstream_runs"]}
-    assert {"pretrain", "reasoning_mix", "sft", "rl"} <= downstream and report["registered_models"] is None
+    downstream = {(r["stage"], r["run_key"]) for r in report["downstream_runs"]}
+    assert downstream == stage_runs(home, LINEAGE) and report["registered_models"] is None
     assert report["document"]["text"]
 
 
-def test_a_validation_document_was_trained_by_nothing(demo_home):
+def test_a_validation_document_was_trained_by_nothing_and_its_training_twin_was(demo_home):
+    """The first document of the prose validation shard and of the first prose training shard: the same question
+    of the same ledger, answered empty for the one and with every hit for the other."""
     home = Home(demo_home)
-    report = trace_document(home.store, Ledger.in_store(home.store), "demo_prose/val_00000", 0)
-    assert report["trained_by"] == [] and report["downstream_runs"] == []
+    ledger = Ledger.in_store(home.store)
+    report = trace_document(home.store, ledger, "demo_prose/val_00000", 0)
+    assert report["trained_by"] == [] and report["downstream_runs"] == [] and report["document"]["text"]
+    twin = trace_document(home.store, ledger, *FIRST_PROSE_DOC)
+    assert hits(twin) == FIRST_PROSE_DOC_HITS and len(twin["downstream_runs"]) == len(LINEAGE)
 
 
 def test_a_step_lists_the_rows_each_rank_fed_with_their_documents(demo_home):
     home = Home(demo_home)
     ledger = Ledger.in_store(home.store)
     report = trace_step(home.store, ledger, "pretrain", 3)
+    assert {("pretrain", report["run_key"])} == stage_runs(home, {"pretrain"})
+    assert {(x["rank"], x["global_row"]) for x in report["fed"]} == PRETRAIN_STEP_3
     feeds = [f for f in ledger.feeds(ledger.chain(report["run_key"])) if f.step == 3]
-    want = {(f.rank, g) for f in feeds for rows in f.micro_rows for g in rows}
-    assert {(x["rank"], x["global_row"]) for x in report["fed"]} == want
+    assert {(f.rank, g) for f in feeds for rows in f.micro_rows for g in rows} == PRETRAIN_STEP_3
     assert all(x["text"] and x["raw_rows"][0] < x["raw_rows"][1] for x in report["fed"])
     with pytest.raises(GhostvisError, match="recorded no step 100000"):
         trace_step(home.store, ledger, "pretrain", 100000)
@@ -73,7 +112,7 @@ def test_a_step_lists_the_rows_each_rank_fed_with_their_documents(demo_home):
 def test_ghostvis_trace_prints_both_answers_and_json(demo_home):
     shard_id, row = replayed_document(Ledger.in_store(Home(demo_home).store))
     doc = json.loads(run_cli(["ghostvis", "trace", "--doc", f"{shard_id}:{row}", "--json"], demo_home).stdout)
-    assert {"pretrain", "reasoning_mix"} <= {h["stage"] for h in doc["trained_by"]}
+    assert {h["stage"] for h in doc["trained_by"]} == {"pretrain", "reasoning_mix"}
     assert any(m["stage"] == "sft" for m in doc["registered_models"])  # the demo registers every stage's model
     step = run_cli(["ghostvis", "trace", "--stage", "pretrain", "--step", "2"], demo_home).stdout
     assert step.splitlines()[0].startswith("pretrain run pretrain-") and "demo_" in step

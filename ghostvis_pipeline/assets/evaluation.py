@@ -3,8 +3,11 @@
 reads its scores from the store; `report` writes the lineage's report card (HTML + Markdown + PNG), logs it
 to MLflow and links it from Dagster."""
 
+import dataclasses
+
 from dagster import AssetExecutionContext, Config, DataVersion, MaterializeResult, MetadataValue, asset
 
+from ghostvis_core.counts import GRPO_STEP_METRICS
 from ghostvis_core.data.eval_texts import PROMPTS
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import ShardRecord
@@ -28,6 +31,7 @@ from ghostvis_core.verify.eval.job import (
     results_name,
 )
 from ghostvis_core.verify.eval.report import stage_report, write_report
+from ghostvis_core.verify.eval.seeds import read_seed_moves
 from ghostvis_core.verify.replay.record import replay_summary
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.metadata import latest_metadata, md_table
@@ -196,6 +200,7 @@ def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisH
     lineage = lineage_run_keys(context)
     evaluated = latest_metadata(context, "evaluation")
     evaluation_key, tolerance = evaluated["identity"], dict(evaluated["bpb_tolerance"])
+    seeds = read_seed_moves(store, stage_config(store, run_result(store, *next(iter(lineage.items())))).preset)
     key = digest(
         {
             "lineage": lineage,
@@ -203,6 +208,7 @@ def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisH
             "gpu_prices": dict(config.gpu_prices),
             "bpb_tolerance": tolerance,
             "replay": {stage: replay_summary(store, stage, run_key) for stage, run_key in lineage.items()},
+            **({"seeds": seeds} if seeds else {}),  # a seed benchmark kept since: the card says what it found
         }
     )
     name = list(lineage.values())[-1]
@@ -215,20 +221,19 @@ def report(context: AssetExecutionContext, config: ReportConfig, home: GhostvisH
     ledger = Ledger.in_store(store)
     for stage, run_key in lineage.items():
         result = run_result(store, stage, run_key)
-        curves = metric_histories(tracking_uri, result.mlflow_run_id, ("train/loss", "val/loss"))
+        curves = metric_histories(tracking_uri, result.mlflow_run_id, ("train/loss", "val/loss", *GRPO_STEP_METRICS))
         ev = evaluation_results.get(stage, {})
-        stages.append(
-            stage_report(
-                ledger,
-                result,
-                stage_config(store, result),
-                curves,
-                ev,
-                dict(config.gpu_prices),
-                tolerance[stage],
-                replay_summary(store, stage, run_key),
-            )
+        row = stage_report(
+            ledger,
+            result,
+            stage_config(store, result),
+            curves,
+            ev,
+            dict(config.gpu_prices),
+            tolerance[stage],
+            replay_summary(store, stage, run_key),
         )
+        stages.append(dataclasses.replace(row, seed_moves=seeds.get(stage, {})))
         smp[stage] = ev.get("samples", [])
     chain = selected_lineage()
     title = f"GhostVis report card, lineage {chain.name}: {' -> '.join(s.stage for s in stages)}"

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from ghostvis_core.counts import ROLLOUT_FIGURES, TokenCounts
+from ghostvis_core.counts import GRPO_STEP_METRICS, ROLLOUT_FIGURES, TokenCounts
 from ghostvis_core.data.chat import ROLES
 from ghostvis_core.data.ledger.records import RolloutRow
 from ghostvis_core.data.loader import Batch, DocIndex, Row, rank_share
@@ -281,6 +281,14 @@ class RolloutLog:
             sum(1 for r in s["rewards"] if is_exact(r)),
         ]
 
+    def reward_sums(self, step: int, group_size: int) -> list[float]:
+        """The step's sum of rewards, of its groups' (unbiased) reward standard deviations, its groups and the
+        groups whose rewards are all equal (no advantage, no gradient); this rank's rows hold whole groups."""
+        r = torch.tensor(self.steps.get(step, {}).get("rewards", []), dtype=torch.float64).view(-1, group_size)
+        if not len(r):
+            return [0.0, 0.0, 0, 0]
+        return [r.sum().item(), r.std(dim=1).sum().item(), len(r), int((r == r[:, :1]).all(dim=1).sum())]
+
     def records(self, part_id: str, run_key: str, rank: int) -> list[RolloutRow]:
         """The ledger's `rollouts` rows of this rank in part `part_id` of run `run_key`: one per step."""
         return [
@@ -288,14 +296,21 @@ class RolloutLog:
         ]
 
 
-def count_step(log: RolloutLog, step: int, generated: dict[str, int], ctx: DistContext) -> tuple[dict[str, int], float]:
-    """The run's cumulative rollout figures after `step` (summed over ranks) and the step's mean reward.
-    Called on every rank; a stage that samples nothing has no figures and no collective."""
-    if step not in log.steps:
-        return generated, float("nan")
-    step_figs = all_reduce_sum(log.figures(step), ctx, dtype=torch.int64)
-    total = {k: generated.get(k, 0) + int(v) for k, v in zip(ROLLOUT_FIGURES, step_figs)}
-    return total, step_figs[3] / max(1, step_figs[2])
+def count_step(
+    log: RolloutLog, step: int, generated: dict[str, int], cfg: GRPOConfig | None, ctx: DistContext
+) -> tuple[dict[str, int], dict[str, float]]:
+    """The run's cumulative rollout figures after `step` (summed over ranks) and the step's sampled-reward figures
+    (TRL's GRPO names: the rewards' mean, the mean of the groups' reward standard deviations, the share of groups
+    with no reward variance, and the share of exact answers). Called on every rank; a stage that samples nothing
+    has no figures and no collective."""
+    if step not in log.steps or cfg is None:
+        return generated, {}
+    figs = log.figures(step)
+    summed = all_reduce_sum([*figs, *log.reward_sums(step, cfg.group_size)], ctx)
+    total = {k: generated.get(k, 0) + int(v) for k, v in zip(ROLLOUT_FIGURES, summed)}
+    completions, (r_sum, std_sum, groups, zero_std) = max(1.0, summed[2]), summed[4:]
+    figures = (r_sum / completions, std_sum / max(1.0, groups), zero_std / max(1.0, groups), summed[3] / completions)
+    return total, dict(zip(GRPO_STEP_METRICS, figures))
 
 
 @torch.no_grad()

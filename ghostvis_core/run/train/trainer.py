@@ -66,7 +66,7 @@ class Trainer:
     watchdog: Watchdog
     part: PartLog = field(init=False)  # what this rank delivered since the last checkpoint
     train_loss: float = field(init=False, default=float("nan"))
-    step_reward: float = field(init=False, default=float("nan"))  # rl: the last step's mean reward, all ranks
+    step_rewards: dict[str, float] = field(init=False, default_factory=dict)  # rl: the last step's, all ranks
     last_val: dict[str, float] = field(init=False, default_factory=dict)  # the newest held-out evaluation
     saved_at: float = field(init=False, default_factory=time.time)  # rank 0: when the last checkpoint was committed
     committed_step: int = field(init=False)  # the newest committed step: resumed from, or committed here
@@ -157,7 +157,7 @@ class Trainer:
         self.train_loss = reduced[0] / max(1, units)
         s.counts = s.counts + TokenCounts.from_list(reduced[1:])
         self.part.fed.settle()
-        s.generated, self.step_reward = count_step(self.part.rollouts, s.step + 1, s.generated, ctx)
+        s.generated, self.step_rewards = count_step(self.part.rollouts, s.step + 1, s.generated, self.cfg.grpo, ctx)
         s.step += 1
         s.loader.advance(self.plan.rows_per_step)
         self.clock.tick(started)
@@ -217,12 +217,10 @@ class Trainer:
 
     def token_metrics(self) -> dict[str, float]:
         """The token figures' running totals; for a stage that samples (rl) also the rollout figures and the
-        step's mean reward (none yet right after a resume)."""
+        step's sampled-reward figures (grpo.count_step; none yet right after a resume)."""
         s = self.state
         out: dict[str, float] = {**s.counts.as_metrics(), **{ROLLOUT_METRICS[k]: v for k, v in s.generated.items()}}
-        if s.generated and not math.isnan(self.step_reward):
-            out["rl/reward_mean"] = self.step_reward
-        return out
+        return out | (self.step_rewards if s.generated else {})
 
     def evaluate(self) -> dict[str, float]:
         """Held-out evaluation every eval.every_steps and at the end (with the stage's evidence)."""

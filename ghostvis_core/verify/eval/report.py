@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ghostvis_core.counts import GRPO_STEP_METRICS
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.query import UNDECLARED_KINDS, Reuse
 from ghostvis_core.data.ledger.records import RunTotals, Segment, ShardConsumption
@@ -25,6 +26,7 @@ from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.store import Store
 from ghostvis_core.store.files import atomic_write
 from ghostvis_core.verify.eval.gate import GATE_HEADER, gate_rows
+from ghostvis_core.verify.eval.seeds import seed_note
 from ghostvis_core.verify.eval.verdict import improved
 
 
@@ -54,6 +56,8 @@ class StageReport:
     segments: list[Segment] = field(default_factory=list)  # Ledger.segments: each launch's step range
     evidence_note: str = ""  # why the preset's run cannot improve the stage's evidence, where it cannot
     replay: str = ""  # the replay verdict (verify/replay/record.py): "2 intervals replayed, bitwise equal"
+    # the seed benchmark's figure -> [seeds it moved its way on, seeds] for this stage (verify/eval/seeds.py)
+    seed_moves: dict[str, list[int]] = field(default_factory=dict)
 
     def as_json(self) -> dict[str, Any]:
         """The row as report.json holds it: the ledger's records as plain objects, the totals flat."""
@@ -224,7 +228,22 @@ def evidence_verdict(s: StageReport) -> list[Any]:
     judged = {name: v for name, v in judged.items() if v is not None}
     flat = sorted(name for name, v in judged.items() if not v)
     verdict = "-" if not judged else "NO" if flat else "yes"
-    return [s.stage, verdict, ", ".join(flat) or "-", (s.evidence_note or "not known") if flat else "-"]
+    return [s.stage, verdict, ", ".join(flat) or "-", why_not(s, flat) if flat else "-"]
+
+
+def why_not(s: StageReport, flat: list[str]) -> str:
+    """Why the stage's flat figures did not move: the preset's note, then per figure what the seed benchmark
+    found across seeds (seed noise or the recipe's); 'not known' with neither."""
+    notes = [n for n in (s.evidence_note, seed_note(s.seed_moves, flat)) if n]
+    return "; ".join(notes) or "not known"
+
+
+def grpo_step_rows(s: StageReport) -> list[list[Any]]:
+    """Per logged step of a stage that samples (rl): its sampled-reward figures under TRL's GRPO names, from the
+    run's MLflow history (the report asset reads GRPO_STEP_METRICS into the stage's curves)."""
+    values = {name: dict(s.curves.get(name, [])) for name in GRPO_STEP_METRICS}
+    steps = sorted({step for by_step in values.values() for step in by_step})
+    return [[s.stage, step, *(values[name].get(step) for name in GRPO_STEP_METRICS)] for step in steps]
 
 
 def _evaluation_row(s: StageReport) -> list[Any]:
@@ -277,6 +296,10 @@ def tables(stages: list[StageReport]) -> dict[str, tuple[list[str], list[list[An
         "Did each stage's evidence improve?": (
             ["stage", "improved", "not improved", "why not"],
             [evidence_verdict(s) for s in stages],
+        ),
+        "GRPO steps (sampled rewards, TRL's figures)": (
+            ["stage", "step", *GRPO_STEP_METRICS],
+            [r for s in stages for r in grpo_step_rows(s)],
         ),
         "Mixture (ledger vs recipe)": (
             ["stage", "source", "recipe weight", "fraction consumed", "tokens"],
