@@ -30,7 +30,7 @@ def settle_check(context, h: Home, stage: str, md: dict, check: str, outcome: Ch
     its model version in MLflow."""
     run_key = md["run_key"]
     before, verdict = record_check(
-        h.store, stage, run_key, check, outcome.passed, outcome.failures[:100], stage_check_names(), context.run_id
+        h.store, stage, run_key, check, outcome.passed, outcome.failures[:100], stage_check_names(), context.run.run_id
     )
     if verdict.state == before.state:
         return verdict
