@@ -84,7 +84,7 @@ def test_the_registry_gives_the_alias_only_to_a_version_whose_checks_passed(regi
 
 def run_checks(home, stage: str, names: list[str]):
     """`names` of the stage's blocking checks, run by Dagster in this process against the home (as the
-    checks_only job does, for one stage): their evaluations."""
+    checks_only job does, for one stage): their evaluations, and the messages the run logged."""
     from dagster import AssetCheckKey, AssetKey, AssetSelection, DagsterInstance, Definitions, define_asset_job
 
     from ghostvis_pipeline.definitions import defs
@@ -101,7 +101,8 @@ def run_checks(home, stage: str, names: list[str]):
         patches.delenv("MLFLOW_TRACKING_URI", raising=False)
         with DagsterInstance.get() as instance:
             result = with_job.resolve_job_def("recheck").execute_in_process(instance=instance, raise_on_error=False)
-    return {e.check_name: e for e in result.get_asset_check_evaluations()}
+            logged = [entry.user_message for entry in instance.all_logs(result.run_id)]
+    return {e.check_name: e for e in result.get_asset_check_evaluations()}, logged
 
 
 def commit_record(home, stage: str, run_key: str, text: str) -> None:
@@ -146,14 +147,17 @@ def test_a_stage_check_failing_in_dagster_tags_the_version_failed_and_a_passing_
     record["counts"]["real_tokens"] += 1
     commit_record(home_copy, "dpo", run_key, json.dumps(record))
 
-    assert not run_checks(home_copy, "dpo", [check])[check].passed
-    saved = h.store.read_json("run_file", "dpo", run_key, f"checks/{check}.json")
-    assert saved["failures"] == [f"real_tokens: ledger {real}, mlflow {real}, run_record {real + 1}, metadata {real}"]
+    evaluations, logged = run_checks(home_copy, "dpo", [check])
+    assert not evaluations[check].passed
+    failure = f"real_tokens: ledger {real}, mlflow {real}, run_record {real + 1}, metadata {real}"
+    assert h.store.read_json("run_file", "dpo", run_key, f"checks/{check}.json")["failures"] == [failure]
+    # the check's failure line as `ghostvis audit` prints it, in the run's log (Dagster's names only the check)
+    assert f"dpo: {check}: {failure}\n(every figure and table: `ghostvis audit --stage dpo`)" in logged
     assert run_verdict(h.store, "dpo", run_key).state == FAILED
     assert marked_as(client, version, run_id, "dpo") == (FAILED, FAILED, "FAILED", None)
 
     commit_record(home_copy, "dpo", run_key, original)  # the fix
-    assert run_checks(home_copy, "dpo", [check])[check].passed
+    assert run_checks(home_copy, "dpo", [check])[0][check].passed
     assert run_verdict(h.store, "dpo", run_key).state == PENDING
     assert marked_as(client, version, run_id, "dpo") == (PENDING, PENDING, "FINISHED", None)
 
