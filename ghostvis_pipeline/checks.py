@@ -26,6 +26,7 @@ from ghostvis_core.verify.eval.gate import lineage_gate
 from ghostvis_core.verify.replay.check import NAME, replay_matches
 from ghostvis_core.verify.replay.refusal import refusal
 from ghostvis_core.verify.replay.settings import ReplaySettings
+from ghostvis_pipeline.check_verdict import settle_check
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
@@ -45,6 +46,17 @@ def to_result(outcome: CheckOutcome) -> AssetCheckResult:
     return AssetCheckResult(passed=outcome.passed, metadata=metadata)
 
 
+def said(context, asset: str, outcome: CheckOutcome, audit: str) -> CheckOutcome:
+    """The outcome, its failures first logged as `ghostvis audit` prints them (`asset: check: what disagrees`):
+    Dagster's own line for a failed check names only the check. `audit`: the command with every figure."""
+    if not outcome.passed:
+        lines = [f"{asset}: {outcome.name}: {f}" for f in outcome.failures[:TABLE_ROWS]] or [f"{asset}: {outcome.name}"]
+        more = len(outcome.failures) - len(lines)
+        lines += [f"... and {more:,} more"] if more > 0 else []
+        context.log.error("\n".join([*lines, f"(every figure and table: `{audit}`)"]))
+    return outcome
+
+
 def capped_table(header: list[str], rows: list[list]) -> MetadataValue:
     """The first TABLE_ROWS rows as Markdown and how many more there are (`ghostvis audit --json` has every row)."""
     more = len(rows) - TABLE_ROWS
@@ -62,7 +74,8 @@ def _data_check(name: str, description: str, run_check):
     def check(context, home: GhostvisHome) -> AssetCheckResult:
         h = home.home()
         tokenizer_id = latest_metadata(context, "tokenizer")["tokenizer_id"]
-        return to_result(run_check(h.store, Ledger.in_store(h.store), tokenizer_id))
+        outcome = run_check(h.store, Ledger.in_store(h.store), tokenizer_id)
+        return to_result(said(context, "token_ledger", outcome, "ghostvis audit"))
 
     return check
 
@@ -152,7 +165,8 @@ def _split_or_none(store, manifest: Manifest, shard_id: str) -> str | None:
 
 def stage_checks(stage: str) -> list:
     """The blocking checks of a training stage's materialization (STAGE_CHECKS), each reading the newest
-    materialization's run from the store: they re-run without retraining (the checks-only job)."""
+    materialization's run from the store: they re-run without retraining (the checks-only job). Each keeps
+    its outcome beside the run, and the run's verdict reaches MLflow (check_verdict.py)."""
     return [_stage_check(stage, name, description, run_check) for name, description, run_check in STAGE_CHECKS]
 
 
@@ -163,7 +177,9 @@ def _stage_check(stage: str, name: str, description: str, run_check):
         md = latest_metadata(context, stage)
         ledger = Ledger.in_store(h.store)
         run = inv.StageRun.load(h.store, ledger, stage, md["run_key"])
-        return to_result(run_check(CheckInputs(h, ledger, run, md)))
+        outcome = said(context, stage, run_check(CheckInputs(h, ledger, run, md)), f"ghostvis audit --stage {stage}")
+        settle_check(context, h, stage, md, name, outcome)
+        return to_result(outcome)
 
     return check
 

@@ -45,6 +45,8 @@ def cmd_train(args) -> int:
     print(f"{args.stage}: run {md['run_key']}, checkpoint {md['checkpoint_uri']}")
     if "cached_from" in md:
         print(f"cached: {md['cached_from']['why']} (--force trains anyway)")
+    if "reward_signal" in md:  # rl: no completion was rewarded, so the run learned nothing
+        print(f"warning: {md['reward_signal']}")
     return 0 if all(passed for *_, passed in summary.checks) else 1
 
 

@@ -43,11 +43,17 @@ def test_missing_tokenized_shard_stops_the_stage_before_torchrun(home_copy):
     path.unlink()
     proc = run_cli([*MATERIALIZE, "--select", "pretrain"], home_copy, check=False)
     assert proc.returncode != 0
-    assert (
+    message = (
         f"tokenized shard demo_code/00001 ({path}) is in the ledger but missing on disk; "
         "re-materialize tokenized_shards partition demo_code/00001"
-    ) in proc.stdout + proc.stderr
+    )
+    assert message in proc.stdout + proc.stderr
     assert "torch.distributed.run" not in proc.stdout + proc.stderr
+    # after Dagster's trace of the failed step, GhostVis's message again, alone on its log line (failure hook)
+    said = proc.stderr
+    (line,) = [line for line in said.splitlines() if " - pretrain - pretrain failed: " in line]
+    assert line.endswith(f"pretrain failed: {message}")
+    assert said.index("Stack Trace:") < said.index(line)
 
 
 @pytest.mark.e2e

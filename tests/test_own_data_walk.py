@@ -153,8 +153,11 @@ def test_own_data_from_an_empty_folder_through_pretrain_sft_dpo_rl(tmp_path):
     refused(beyond, "would be refused at launch: pre-flight failed: source my_texts", "data.allow_repeat=true")
     ghostvis(home, "plan", "--recipe", "my_texts=1.0", "--steps", "400", "--set", "data.allow_repeat=true")
 
+    trained = {}
     for stage, source in (("pretrain", "my_texts"), ("sft", "my_chats"), ("dpo", "my_pairs"), ("rl", "my_problems")):
-        ghostvis(home, "train", stage, "--recipe", f"{source}=1.0", "--set", "budget.steps=2")
+        trained[stage] = ghostvis(home, "train", stage, "--recipe", f"{source}=1.0", "--set", "budget.steps=2").stdout
+    assert_checked_and_aliased(home)
+    assert_reward_signal_said(home, trained["rl"])
     ledger_out = ghostvis(home, "ledger").stdout
     for stage in LINEAGE.split(","):
         (line,) = [row for row in ledger_out.splitlines() if row.startswith(f"{stage} ")]
@@ -162,3 +165,35 @@ def test_own_data_from_an_empty_folder_through_pretrain_sft_dpo_rl(tmp_path):
     ghostvis(home, "audit")
     chat = run(home, "ghostvis", "chat", "--stage", "sft", "--max-tokens", "16", stdin="amber basil?\nwillow yew?\n")
     assert len(chat.stdout.splitlines()) == 2 and "<|" not in chat.stdout
+
+
+def assert_checked_and_aliased(home: Path) -> None:
+    """Every stage's alias is on the version of its newest run, tagged passed with its MLflow run: the checks
+    decided it after the job registered the version pending."""
+    from mlflow.tracking import MlflowClient
+
+    from ghostvis_core.run.train.runs import newest_completed_run
+
+    client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+    for stage in LINEAGE.split(","):
+        version = client.get_model_version_by_alias("ghostvis", stage)
+        assert version.tags["ghostvis.run_key"] == newest_completed_run(Home(home).store, stage).run_key
+        run_tags = client.get_run(version.run_id).data.tags
+        assert version.tags["ghostvis.checks"] == "passed" == run_tags["ghostvis.checks"]
+
+
+def assert_reward_signal_said(home: Path, said: str) -> None:
+    """rl after dpo on the walk's problems: `ghostvis train rl` warns, with an example completion, exactly when
+    none of the completions the ledger saved earned a reward."""
+    from ghostvis_core.run.train.runs import newest_completed_run
+
+    store = Home(home).store
+    ledger = Ledger.in_store(store)
+    records = ledger.rollouts(ledger.chain(newest_completed_run(store, "rl").run_key))
+    completions = sum(len(r.rewards) for r in records)
+    assert completions > 0
+    if any(reward > 0 for r in records for reward in r.rewards):
+        assert "warning:" not in said
+    else:
+        assert f"none of its {completions:,} sampled completions earned a reward" in said, said
+        assert "an integer and nothing else" in said and " wrote " in said

@@ -38,6 +38,8 @@ from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.runs import Upstream, run_result
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.store import Store
+from ghostvis_core.verify.audit.invariants import StageRun
+from ghostvis_core.verify.audit.reward_signal import unrewarded_note
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_pipeline.cache import cached_stage_run, changed_since
 from ghostvis_pipeline.launchers import Launcher
@@ -228,6 +230,8 @@ def _train_or_reuse(
         **lineage_metadata(result, spec, h.store),
         **ledger_metadata(Ledger.in_store(h.store), spec.run_key),
     }
+    if result.generated:  # rl: a run that sampled no rewarded completion learned nothing, and says why
+        md |= reward_signal(context, h, spec)
     if hit:
         md["cached_from"] = MetadataValue.json({"run_key": hit.run_key, "why": hit.why})
     elif changed:
@@ -269,6 +273,17 @@ def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home) -> None:
             if not refused or not failure.allow_retries:
                 raise
             raise Failure(description=failure.description, allow_retries=False) from None
+
+
+def reward_signal(context, h: Home, spec: LaunchSpec) -> dict:
+    """rl: when none of the run's completions earned a reward, the warning that says so (the reward rule's form,
+    an example completion, the fix) as metadata `reward_signal` and in the log; else nothing."""
+    ledger = Ledger.in_store(h.store)
+    note = unrewarded_note(h.store, ledger, StageRun.load(h.store, ledger, spec.stage, spec.run_key))
+    if note is None:
+        return {}
+    context.log.warning(note)
+    return {"reward_signal": note}
 
 
 def register_by_job(context, launcher: Launcher, spec: LaunchSpec, h: Home) -> dict:

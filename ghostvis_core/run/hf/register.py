@@ -7,8 +7,11 @@ MLflow's model logging (transformers) stay out of the Dagster process.
 
 The outcome, with the process that produced it, is kept beside the run as
 `runs/<stage>/<run_key>/registered_model.json` (model_record): {"pid", "host", "tracking_uri",
-"model_uri", "version", "created", "seconds"}, or {"pid", "host", "tracking_uri", "error"} when MLflow
-could not take it: the run stands, and the next materialization of the stage registers it.
+"model_uri", "version", "created", "checks", "seconds"}, or {"pid", "host", "tracking_uri", "error"} when
+MLflow could not take it: the run stands, and the next materialization of the stage registers it.
+"checks" is the verdict of the run's blocking checks the version was marked with (run/track/check_verdict.py):
+`pending` when the training job registers it, as Dagster checks the run only after the job; the checks then
+mark the version passed (the stage's alias moves to it) or failed (no alias).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from ghostvis_core.plan.stages import stage_names
 from ghostvis_core.run.hf.manifest import build_manifest, manifest_sha256
 from ghostvis_core.run.job import job_parser
 from ghostvis_core.run.run_files import split_run_uri
+from ghostvis_core.run.track.check_verdict import run_verdict
 from ghostvis_core.run.track.mlflow_models import StageModel, register_stage_model
 from ghostvis_core.run.track.pipes import PipesReporter
 from ghostvis_core.run.train.runs import identity_of, run_result
@@ -64,7 +68,8 @@ def export(spec: LaunchSpec, store: Store, out: Path) -> Path:
 
 
 def register_run(spec: LaunchSpec, store: Store, tracking_uri: str, held: Lease | None) -> dict:
-    """Register the run's model (once per MLflow run) and point the stage's alias at it; the outcome,
+    """Register the run's model (once per MLflow run), marked with its checks' verdict so far (the stage's
+    alias on it only when they passed: a cache hit's registration job points it back); the outcome,
     also saved as the run's model_record. An MLflow failure is recorded, not raised: the run is complete.
     `held`: the lease on the run identity this process holds or joined; the registration is granted through
     its fence first (store/fence.py), so a launch that lost the lease registers nothing (`LeaseLost`)."""
@@ -74,12 +79,14 @@ def register_run(spec: LaunchSpec, store: Store, tracking_uri: str, held: Lease 
         held.commit("model_version", spec.stage, spec.run_key, text=record_text)
     try:
         model = stage_model(spec, store)
-        version, created = register_stage_model(tracking_uri, model, lambda out: export(spec, store, out))
+        verdict = run_verdict(store, spec.stage, spec.run_key)
+        version, created = register_stage_model(tracking_uri, model, lambda out: export(spec, store, out), verdict)
         record = {
             **where,
             "model_uri": f"models:/{model.registered_name}@{spec.stage}",
             "version": int(version.version),
             "created": created,
+            "checks": verdict.state,
             "seconds": round(time.time() - started, 1),
         }
     except Exception as exc:  # the registry is an add-on to a completed run: never lose the run for it

@@ -1,15 +1,17 @@
 """A stage run's final model in the MLflow Model Registry: logged with the transformers flavor (from
 the Hugging Face export) into the stage's own MLflow run, registered as a version of the project's
-registered model, the stage's alias moved to it, the lineage in the version's tags.
+registered model, the lineage in the version's tags; the stage's alias moves to it once its blocking
+checks passed (check_verdict.py: until then the version is tagged `ghostvis.checks=pending`).
 
 One registered model per project (named like the MLflow experiment, `ghostvis`) and one alias per
 stage: the stages are successive checkpoints of one model, each starting from the one before, and
 an alias is MLflow's name for the role a version plays (`models:/ghostvis@sft` is the sft run
-Dagster materialized last, whatever its version number; the version's tags say which run that is).
+Dagster materialized last whose checks passed, whatever its version number; the version's tags say which run
+that is).
 
 Registering is idempotent per MLflow run: a run that already has a version (a cache hit returns the
-same run) gets no new one, only the alias pointed back at it; a run left unregistered (MLflow was
-down) is registered by the next materialization.
+same run) gets no new one, only its checks' verdict shown again (the alias pointed back at it when they
+passed); a run left unregistered (MLflow was down) is registered by the next materialization.
 
 Two things in MLflow 3.17 decide how the model is passed: its transformers flavor cannot log a local
 checkpoint folder with transformers 5 (`build_flavor_config_from_local_checkpoint` takes
@@ -29,6 +31,8 @@ from importlib.metadata import version as installed
 from pathlib import Path
 
 from packaging.version import Version
+
+from ghostvis_core.run.track.check_verdict import Verdict, mark_in_registry
 
 # What loading the logged model needs (besides mlflow, which MLflow adds itself).
 REQUIREMENTS = ("transformers", "torch", "safetensors")
@@ -52,9 +56,9 @@ def pinned_requirements() -> list[str]:
     return [f"{p}=={Version(installed(p)).public}" for p in REQUIREMENTS]
 
 
-def registered_version(client, model: StageModel):
-    """The version registered from the model's run, or None."""
-    found = client.search_model_versions(f"name = '{model.registered_name}' and run_id = '{model.run_id}'")
+def registered_version(client, registered_name: str, run_id: str):
+    """The version of the registered model registered from the MLflow run, or None."""
+    found = client.search_model_versions(f"name = '{registered_name}' and run_id = '{run_id}'")
     return min(found, key=lambda v: int(v.version)) if found else None
 
 
@@ -70,20 +74,20 @@ def alias_version(tracking_uri: str, registered_name: str, alias: str) -> int | 
         return None
 
 
-def register_stage_model(tracking_uri: str, model: StageModel, export: Callable[[Path], Path]):
-    """The run's registered version, with the stage's alias on it: (version, True) when it was logged
-    and registered now from `export(folder)` (a Hugging Face folder), (version, False) when the run
-    already had one."""
+def register_stage_model(tracking_uri: str, model: StageModel, export: Callable[[Path], Path], verdict: Verdict):
+    """The run's registered version, marked with its checks' verdict (the stage's alias on it only when they
+    passed): (version, True) when it was logged and registered now from `export(folder)` (a Hugging Face
+    folder), (version, False) when the run already had one."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri)
-    found = registered_version(client, model)
+    found = registered_version(client, model.registered_name, model.run_id)
     created = found is None
     if created:
         with tempfile.TemporaryDirectory() as tmp:
             number = log_and_register(tracking_uri, model, export(Path(tmp) / "hf"))
         found = client.get_model_version(model.registered_name, number)
-    client.set_registered_model_alias(model.registered_name, model.stage, found.version)
+    mark_in_registry(client, model.registered_name, model.stage, int(found.version), model.run_id, verdict)
     return found, created
 
 
