@@ -33,7 +33,7 @@ from ghostvis_core.plan.stages import Stage
 from ghostvis_core.run.hf.register import model_record
 from ghostvis_core.run.preflight_record import preflight_record
 from ghostvis_core.run.track.mlflow_models import alias_version
-from ghostvis_core.run.train.reasons import lost_lease, run_reason, was_preempted
+from ghostvis_core.run.train.reasons import input_problem, lost_lease, run_reason, was_preempted
 from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.runs import Upstream, run_result
 from ghostvis_core.run.train.spec import LaunchSpec
@@ -247,8 +247,9 @@ FAULT_RETRIES = 3
 
 
 def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home) -> None:
-    """Launch the job, again after each preemption; a pre-flight refusal (the job's rank 0 left it) fails the step
-    without a retry: the same inputs would be refused again."""
+    """Launch the job, again after each preemption; a problem of the run's inputs or settings that a rank named
+    (a pre-flight refusal, a token block that does not match its digest, a checkpoint that fails verification)
+    fails the step without a retry: the same inputs would stop it again."""
     for launch in range(1, MAX_PREEMPTIONS + 2):
         try:
             launcher.run(context, training_job(spec), h)
@@ -264,11 +265,13 @@ def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home) -> None:
             lost = lost_lease(h.store, spec.stage, spec.run_key)
             if lost:  # another launch holds the run now: its records are the run's, and nothing here is retried
                 raise Failure(description=f"{spec.stage} run {spec.run_key}: {lost}", allow_retries=False) from None
-            found = preflight_record(h.store, spec.stage, spec.run_key)
-            refused = found.refused if found else None
-            if not refused or not failure.allow_retries:
+            if input_problem(h.store, spec.stage, spec.run_key) is None or not failure.allow_retries:
                 raise
-            raise Failure(description=failure.description, allow_retries=False) from None
+            raise Failure(
+                description=f"{failure.description}\nnot retried: a problem of the run's inputs or settings, which "
+                f"every retry would meet again; fix it as said, then materialize {spec.stage} again",
+                allow_retries=False,
+            ) from None
 
 
 def register_by_job(context, launcher: Launcher, spec: LaunchSpec, h: Home) -> dict:
