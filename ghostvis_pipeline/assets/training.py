@@ -38,10 +38,11 @@ from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.runs import Upstream, run_result
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.store import Store
+from ghostvis_core.store.lease import Lease
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_pipeline.cache import cached_stage_run, changed_since
 from ghostvis_pipeline.launchers import Launcher
-from ghostvis_pipeline.launchers.common import CANCELLED, registration_job, training_job
+from ghostvis_pipeline.launchers.common import CANCELLED, frozen_watch, registration_job, training_job
 from ghostvis_pipeline.leases import run_lease
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
@@ -194,8 +195,8 @@ def _materialize(
     h = home.home()
     planned = _user_error(_prepare, context, stage, config, overrides, h, variant)
     expiry_s = planned.resolved.cfg.runtime.lease_expiry_s
-    with run_lease(context, h.store, stage.name, planned.base_key, wait=config.wait, expiry_s=expiry_s):
-        return _train_or_reuse(context, stage, config, h, launcher, planned, variant)
+    with run_lease(context, h.store, stage.name, planned.base_key, wait=config.wait, expiry_s=expiry_s) as lease:
+        return _train_or_reuse(context, stage, config, h, launcher, planned, variant, lease)
 
 
 def _train_or_reuse(
@@ -206,6 +207,7 @@ def _train_or_reuse(
     launcher: Launcher,
     planned: PlannedRun,
     variant: str | None,
+    lease: Lease,
 ) -> MaterializeResult:
     """Under the identity's lease: the cache is looked up only once no other launch is training it, so a second
     launch finds the first one's run instead of training it again into the same run key."""
@@ -221,7 +223,7 @@ def _train_or_reuse(
     else:
         changed = changed_since(h.store, stage.name, planned)
         spec = _user_error(start_run, planned, h)
-        run_job(context, launcher, spec, h)
+        run_job(context, launcher, spec, h, lease)
     result = run_result(h.store, spec.stage, spec.run_key)
     md = {
         **result_metadata(result),
@@ -246,13 +248,16 @@ MAX_PREEMPTIONS = 20
 FAULT_RETRIES = 3
 
 
-def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home) -> None:
-    """Launch the job, again after each preemption; a problem of the run's inputs or settings that a rank named
-    (a pre-flight refusal, a token block that does not match its digest, a checkpoint that fails verification)
-    fails the step without a retry: the same inputs would stop it again."""
+def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home, lease: Lease) -> None:
+    """Launch the job, again after each preemption, renewing `lease` only while the job's ranks move their
+    heartbeats; a problem of the run's inputs or settings that a rank named (a pre-flight refusal, a token block
+    that does not match its digest, a checkpoint that fails verification) fails the step without a retry: the
+    same inputs would stop it again."""
     for launch in range(1, MAX_PREEMPTIONS + 2):
         try:
-            launcher.run(context, training_job(spec), h)
+            job = training_job(spec)
+            with lease.renewed_while(frozen_watch(h, job)):
+                launcher.run(context, job, h)
             return
         except Failure as failure:
             cancelled = getattr(failure.metadata.get(CANCELLED), "value", False)
