@@ -132,7 +132,7 @@ def test_a_slow_phase_within_its_budget_is_no_hang_and_one_past_it_is_named(tmp_
     dog.stop()
     assert exits == [HUNG_EXIT]
     assert re.search(
-        rf"^hung: rank 0 on {re.escape(dog.host)} was in the checkpoint save of step 4 for 1 s, past its budget "
+        rf"^hung: rank 0 on {re.escape(dog.host)} was in the checkpoint save of step 4 for 1 s, past its budget of 1 s "
         r"\(runtime.hang_timeout_s=1\), waiting in the checkpoint save of step 4; ",
         dog.fired,
     ), dog.fired

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from io import StringIO
 from types import SimpleNamespace
 
@@ -32,6 +34,7 @@ from ghostvis_core.run.job import Job
 from ghostvis_core.run.run_files import read_run_file
 from ghostvis_core.run.track.pipes import StoreMessageWriterChannel
 from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.run.train.watchdog import Watchdog
 from ghostvis_core.verify.eval.job import EvalSpec, eval_job
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.launchers import kubernetes as k8s_launcher
@@ -67,9 +70,12 @@ def launcher(**kubernetes_config) -> Launcher:
 
 
 def pretrain_spec(
-    world_size: int, run_key: str = "pretrain-3f9c2a1b7d-r1", mlflow: str = "http://mlflow.ml-training.svc:5000"
+    world_size: int,
+    run_key: str = "pretrain-3f9c2a1b7d-r1",
+    mlflow: str = "http://mlflow.ml-training.svc:5000",
+    hang_timeout_s: float = 600.0,
 ) -> LaunchSpec:
-    config = resolve("pretrain", "smoke", {"batch.world_size": world_size})
+    config = resolve("pretrain", "smoke", {"batch.world_size": world_size, "runtime.hang_timeout_s": hang_timeout_s})
     return launch_record(
         "pretrain", run_key, config, None, store="", mlflow_tracking_uri=mlflow, mlflow_artifact_location=""
     )
@@ -291,8 +297,12 @@ class FakeCluster:
     polls (pod 0 prints two lines, rank 0 sends a Pipes log message through the store), then ends
     with `outcome`."""
 
-    def __init__(self, home: Home, spec: Job, outcome: str = "Complete"):
+    def __init__(self, home: Home, spec: Job, outcome: str = "Complete", freeze_after: int = 0):
         self.home, self.spec, self.outcome = home, spec, outcome
+        # > 0: the job's two ranks beat during that many polls, then their node freezes (the Job never ends)
+        self.freeze_after = freeze_after
+        self.dogs = [Watchdog(home.store, spec.stage, spec.run_key, r, 2, spec.runtime.hang_timeout_s) for r in (0, 1)]
+        self.last_beat = self.deleted_at = None  # time.monotonic() of the ranks' last heartbeat, of the Job's deletion
         self.objects: dict[tuple[str, str], dict] = {}
         self.created: list[str] = []
         self.polls = 0
@@ -330,8 +340,15 @@ class FakeCluster:
         if ("Job", name) not in self.objects:
             raise kubernetes.client.ApiException(status=404, reason="NotFound")
         self.polls += 1
-        done = [SimpleNamespace(type=self.outcome, status="True", message="pod 2 exited 1", reason="")]
-        status = SimpleNamespace(conditions=done if self.polls > 2 else [], active=4, ready=4, succeeded=0, failed=0)
+        if self.polls <= self.freeze_after:
+            for dog in self.dogs:
+                dog.progress(self.polls)
+                dog.beat()
+            self.last_beat = time.monotonic()
+        message = "pod 2 exited 1" if not self.freeze_after else "nothing ended the frozen job in 2000 polls"
+        done = [SimpleNamespace(type=self.outcome, status="True", message=message, reason="")]
+        ends = self.polls > (2000 if self.freeze_after else 2)
+        status = SimpleNamespace(conditions=done if ends else [], active=4, ready=4, succeeded=0, failed=0)
         return SimpleNamespace(spec=SimpleNamespace(suspend=self.polls == 1, completions=4), status=status)
 
     def list_namespaced_pod(self, namespace, label_selector):
@@ -351,6 +368,7 @@ class FakeCluster:
 
     def delete_namespaced_job(self, name, namespace, body):
         del self.objects[("Job", name)]
+        self.deleted_at = time.monotonic()
 
     def delete_namespaced_service(self, name, namespace, body):
         del self.objects[("Service", name)]
@@ -392,6 +410,77 @@ def test_a_failed_job_fails_the_run_and_is_cleaned_up(home, monkeypatch):
     result, logs = launch_on(cluster, home, spec, monkeypatch)
     assert not result.success and cluster.objects == {}
     assert any("failed: pod 2 exited 1" in m for m in logs)
+
+
+FROZEN = (
+    r"hung: no heartbeat of run pretrain-3f9c2a1b7d-r1 moved for \d s \(runtime.hang_timeout_s=0.8\): node "
+    r"{host} \(ranks 0, 1, last step reported {step}, in between steps\) froze with torchrun and every rank "
+    r"stopped \(a paused VM, a stalled kernel\), where no rank can report; the launcher ended the job; the stage's "
+    r"retry resumes from the newest checkpoint"
+)
+
+
+def test_a_frozen_multi_node_job_is_deleted_and_its_run_fails_for_a_retry_naming_the_node(home, monkeypatch):
+    """The pods' ranks beat during 5 polls, then their node freezes (the Job stays active): the launching side's
+    watch ends the launch within the hang timeout, naming the node and the last step, deletes the Job and its
+    Service, and leaves the run to the stage's retry."""
+    spec = launch_spec(world_size=32, hang_timeout_s=0.8)
+    cluster = FakeCluster(home, spec, outcome="Failed", freeze_after=5)
+    result, logs = launch_on(cluster, home, spec, monkeypatch)
+    assert not result.success and cluster.objects == {}
+    assert 0.8 <= cluster.deleted_at - cluster.last_beat <= 0.8 + 3.0  # the timeout, a read's interval, a poll
+    (failed,) = result.get_step_failure_events()
+    told = failed.step_failure_data.error.message
+    frozen = FROZEN.format(host=re.escape(cluster.dogs[0].host), step=5)
+    assert re.search(frozen + rf"; Kubernetes Job ml-training/{resource_name(spec.stage, spec.run_key)} deleted", told)
+    assert failed.step_failure_data.user_failure_data.metadata.get("cancelled").value is False  # a fault: retried
+
+
+def test_a_frozen_one_node_pod_is_deleted_and_its_run_fails_for_a_retry_naming_the_node(home, monkeypatch):
+    """One pod through dagster-k8s Pipes, whose wait the launcher cannot poll from: its ranks beat three times, then
+    the node freezes; the launcher's watch thread deletes the pod by its launch label (dagster-k8s's wait then
+    ends, as it does for a pod deleted under it) and the launch fails naming the node and the last step."""
+    spec = launch_spec(world_size=8, hang_timeout_s=0.8)
+    dogs = [Watchdog(home.store, spec.stage, spec.run_key, r, 2, 0.8) for r in (0, 1)]
+    deleted = threading.Event()
+    label = f"{JOB_LABEL}={resource_name(spec.stage, spec.run_key)}"
+
+    class Core:  # the pod API calls of the watch's deletion
+        def list_namespaced_pod(self, namespace, label_selector):
+            assert (namespace, label_selector) == ("ml-training", label)
+            return SimpleNamespace(items=[SimpleNamespace(metadata=SimpleNamespace(name="dagster-1a2b-pretrain-7"))])
+
+        def delete_namespaced_pod(self, name, namespace, grace_period_seconds):
+            assert (name, namespace, grace_period_seconds) == ("dagster-1a2b-pretrain-7", "ml-training", 0)
+            deleted.set()
+
+    class FrozenPipesK8sClient:  # the pod's ranks beat, freeze, and the wait ends once the pod is deleted
+        def run(self, **kwargs):
+            for step in (1, 2, 3):
+                for dog in dogs:
+                    dog.progress(step)
+                    dog.beat()
+                time.sleep(0.1)
+            assert deleted.wait(timeout=30)
+            raise RuntimeError("Pod dagster-1a2b-pretrain-7 was deleted\n<the pod's manifest>")
+
+    import dagster_k8s
+
+    monkeypatch.setattr(dagster_k8s, "PipesK8sClient", FrozenPipesK8sClient)
+    monkeypatch.setattr(k8s_launcher, "_clients", lambda: (Core(), None))
+    monkeypatch.setattr(k8s_launcher, "POLL_SECONDS", 0.01)
+    resource = launcher(**CLUSTER)
+
+    @asset
+    def pretrain(context):
+        k8s_launcher.run_kubernetes(context, spec, home, resource)
+        return MaterializeResult()
+
+    result = materialize([pretrain], raise_on_error=False)
+    (failed,) = result.get_step_failure_events()
+    assert deleted.is_set()
+    frozen = FROZEN.format(host=re.escape(dogs[0].host), step=3)
+    assert re.search(frozen + "; its pod was deleted", failed.step_failure_data.error.message)
 
 
 def test_a_left_over_job_is_named_and_left_alone(home, monkeypatch):

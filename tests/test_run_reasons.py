@@ -9,7 +9,7 @@ import sys
 
 from ghostvis_core.home import Home
 from ghostvis_core.run.ship_output import chunk_name
-from ghostvis_core.run.train.reasons import clear_reasons, record_reason, run_reason
+from ghostvis_core.run.train.reasons import clear_reasons, input_problem, rank_reasons, record_reason, run_reason
 from ghostvis_core.store import open_store
 from ghostvis_pipeline.launchers.common import failure, host_environment
 from tests.conftest import BIN
@@ -124,3 +124,19 @@ def test_without_credentials_no_secret_is_passed_on_to_sbatch_or_a_node_shell(mo
     assert not {"AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "MLFLOW_TRACKING_TOKEN"} & set(kept)
     assert kept["AWS_ENDPOINT_URL_S3"] == "http://127.0.0.1:9000"
     assert host_environment(True)["AWS_SECRET_ACCESS_KEY"] == "fake-secret"
+
+
+def test_a_problem_of_the_inputs_is_told_apart_from_the_faults_that_followed_it(tmp_path):
+    """Rank 1 met a token block that does not match its digest (recorded as no fault); rank 0 was stopped by
+    torchrun afterwards (a fault of its own kind). The run's input problem is rank 1's, whatever came first in
+    time; a run whose ranks recorded only faults has none (its stage's retry resumes it)."""
+    store = open_store(str(tmp_path / "store"))
+    record_reason(store, STAGE, RUN, 0, "RuntimeError: Connection closed by peer")
+    assert input_problem(store, STAGE, RUN) is None
+    said = "token shard web/00003: block 1 of file web.arrow does not match the digest written at tokenization"
+    record_reason(store, STAGE, RUN, 1, said, fault=False)
+    host = store.read_json("run_error", STAGE, RUN, "1")["host"]
+    assert input_problem(store, STAGE, RUN) == f"rank 1 on {host}: {said}"
+    assert [r["fault"] for r in rank_reasons(store, STAGE, RUN)] == [True, False]
+    clear_reasons(store, STAGE, RUN)
+    assert input_problem(store, STAGE, RUN) is None

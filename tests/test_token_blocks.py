@@ -19,7 +19,7 @@ from ghostvis_core.data.token_shard import TokenShard, list_column
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.run.train.runs import completed_runs
-from tests.conftest import run_cli, torchrun_stage
+from tests.conftest import run_cli
 from tests.test_loader import write_shard
 
 DOC = 1000  # tokens per document: three blocks hold 2 full blocks and a partial third
@@ -100,8 +100,9 @@ def test_a_token_file_written_without_block_digests_is_refused_when_read(tmp_pat
 @pytest.mark.e2e
 def test_a_token_file_block_rewritten_in_place_stops_the_next_stage_before_its_first_step(home_copy):
     """The demo's first pretrain shard, one id of its block 0 moved by one on disk (bit rot): a new pretrain
-    run under plain torchrun refuses before step 1, naming the shard, the file and the block, and commits
-    nothing. `ghostvis data` first: a demo home built before token files carried block digests gets them."""
+    run (`ghostvis train`, its job under torchrun) refuses before step 1, naming the shard, the file and the
+    block, commits nothing, and is launched once: a problem of its inputs is no fault for the stage's retry.
+    `ghostvis data` first: a demo home built before token files carried block digests gets them."""
     run_cli(["ghostvis", "data"], home_copy)
     h = Home(home_copy)
     ledger = Ledger.in_store(h.store)
@@ -114,9 +115,11 @@ def test_a_token_file_block_rewritten_in_place_stops_the_next_stage_before_its_f
     after = np.asarray(pa.ipc.open_file(str(path)).get_batch(0).column("tokens").values)[:3001]
     assert after.tolist() == [*before[:3000].tolist(), int(before[3000]) ^ 1]  # the one id moved, nothing else
     parts_before = ledger.parts(stage="pretrain")
-    proc = run_cli(torchrun_stage("pretrain", "budget.steps=4"), home_copy, check=False, OMP_NUM_THREADS="1")
+    proc = run_cli(["ghostvis", "train", "pretrain", "--set", "budget.steps=4"], home_copy, check=False)
     said = proc.stdout + proc.stderr
     assert proc.returncode != 0
+    assert said.count("launching: ") == 1 and "STEP_UP_FOR_RETRY" not in said, said[-4000:]
+    assert "not retried: a problem of the run's inputs or settings, which every retry would meet again" in said
     assert (
         f"token shard demo_code/00000: block 0 (tokens 0-{min(BLOCK_TOKENS, record.tokens):,}) of file {path} does "
         "not match the digest written at tokenization (expected "

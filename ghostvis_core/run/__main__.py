@@ -33,10 +33,11 @@ from ghostvis_core.store import lease, open_store
 from ghostvis_core.store.fence import LeaseLost
 
 
-def _leave_reason(spec, rank: int, reason: str) -> None:
-    """This rank's reason, for the launcher (artifact run_error of this run and rank)."""
+def _leave_reason(spec, rank: int, reason: str, fault: bool = True) -> None:
+    """This rank's reason, for the launcher (artifact run_error of this run and rank); `fault=False`: a problem
+    of the run's inputs or settings, which the launcher does not retry."""
     if isinstance(spec, LaunchSpec):
-        record_reason(open_store(spec.store), spec.stage, spec.run_key, rank, reason)
+        record_reason(open_store(spec.store), spec.stage, spec.run_key, rank, reason, fault=fault)
 
 
 def check_spec(spec: LaunchSpec, ctx: dist.DistContext) -> None:
@@ -159,10 +160,10 @@ def main(argv: list[str] | None = None) -> int:
         print0(f"[{spec.stage}] error: {LEASE_LOST}: {exc}", ctx=ctx, file=sys.stderr, flush=True)
         _leave_reason(spec, ctx.rank, f"{LEASE_LOST}: {exc}")
         return LEASE_LOST_EXIT
-    except GhostvisError as exc:
+    except GhostvisError as exc:  # every rank that met it (a token block may be read by one rank only)
         if ctx.is_main:
             print(f"error: {exc}", file=sys.stderr, flush=True)
-            _leave_reason(spec, ctx.rank, str(exc))
+        _leave_reason(spec, ctx.rank, str(exc), fault=False)
         return 2
     except BaseException as exc:
         _leave_reason(spec, ctx.rank, f"{type(exc).__name__}: {exc}")

@@ -23,6 +23,14 @@ paused, stops training and committing by the time a taker may see it expired, un
 still holds the lease (a short outage costs a wait) or lost it (a takeover: it stops for good). The one thing
 that clock cannot see (a pause between the check and a write) is what the fence catches: every commit made under
 the lease is granted by its fence log (store/fence.py), where a newer generation's fence refuses it.
+
+A holder renews only while what it holds the lease for makes progress: the launching process, while its job runs,
+renews only while the job's ranks move their heartbeats (`renewed_while`, with the launcher's frozen-job watch), so a
+job frozen with its node (no rank can report, nothing can stop it) holds the run identity for at most the hang
+timeout and one expiry; then another launch may take it over, and the fence refuses the frozen job's commits should
+it ever wake. And a job's wait for its own renewal (`hold` blocking, the store unreachable) is a phase of its
+progress watchdog (`waiting`) with its own budget, `HOLD_BUDGET_EXPIRIES` expiries: past it, the watchdog ends the
+job naming the wait.
 """
 
 from __future__ import annotations
@@ -31,7 +39,8 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +55,7 @@ SAFE_SHARE = 0.5
 UNREACHABLE_EXPIRIES = 2  # how long a holder waits for a store that does not answer before it gives its lease up
 RETRY_S = 1.0  # how often a holder tries a store that does not answer
 TAKER_GAP_S = 1.0  # after a renewal older than the expiry, how long a taker's read-then-create may still land
+HOLD_BUDGET_EXPIRIES = UNREACHABLE_EXPIRIES + 1  # a blocked `hold` gives up by itself within this, store calls aside
 
 
 class LeaseHeld(GhostvisError):
@@ -119,6 +129,12 @@ class Lease:
     predecessor: dict[str, Any] | None = None
     renewed_at: float = field(default_factory=clock)  # the last successful renewal, on this host's `clock`
     lost: str | None = None  # why this process no longer holds it, once it knows
+    # while set: why what this lease is held for stopped making progress (None while it makes some); the keep-alive
+    # does not renew meanwhile (`renewed_while`)
+    stalled: Callable[[], str | None] | None = field(default=None, repr=False)
+    # a phase of the job's progress watchdog (name, budget in seconds) around a `hold` that must renew first
+    waiting: Callable[[str, float], AbstractContextManager] | None = field(default=None, repr=False)
+    withheld: str | None = None  # why the keep-alive's last turn did not renew, None when it renewed
     fence: Fence = field(init=False, repr=False)
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
@@ -155,7 +171,16 @@ class Lease:
         is younger than `SAFE_SHARE` of the expiry on its own clock; an older one (the store unreachable, or this
         process paused) is renewed here first, blocking, so nothing trains or commits meanwhile: a renewal that
         finds another generation is a takeover (`lost`), and a store unreachable for `UNREACHABLE_EXPIRIES`
-        expiries gives the lease up (another launch may hold it by the time the store answers)."""
+        expiries gives the lease up (another launch may hold it by the time the store answers). That wait is the
+        `waiting` phase, named, with a budget of `HOLD_BUDGET_EXPIRIES` expiries."""
+        if self.lost is None and clock() - self.renewed_at > SAFE_SHARE * self.expiry_s:
+            phase = f"the wait for a renewal of lease {self.scope}/{self.name}"
+            with nullcontext() if self.waiting is None else self.waiting(phase, HOLD_BUDGET_EXPIRIES * self.expiry_s):
+                self._renew()
+        return self.lost
+
+    def _renew(self) -> None:
+        """`hold`'s renewal: until it lands, the lease is lost, or the store stayed unreachable too long."""
         while self.lost is None and (age := clock() - self.renewed_at) > SAFE_SHARE * self.expiry_s:
             try:
                 self.beat()
@@ -173,7 +198,6 @@ class Lease:
                     )
                     break
                 time.sleep(RETRY_S)
-        return self.lost
 
     def commit(self, kind: str, *key: str, text: str) -> None:
         """Grant the record (kind, key) just written with bytes `text`, through the fence; `LeaseLost` (nothing
@@ -187,14 +211,28 @@ class Lease:
             self.lost = str(exc)
             raise
 
+    @contextmanager
+    def renewed_while(self, stalled: Callable[[], str | None]) -> Iterator[None]:
+        """Within the block the keep-alive renews only while `stalled()` says None (what the lease is held for
+        makes progress); a renewal it withheld is said in `withheld`."""
+        self.stalled = stalled
+        try:
+            yield
+        finally:
+            self.stalled, self.withheld = None, None
+
     def keep_alive(self) -> None:
         """Beat every expiry/4 on a daemon thread until `release` (or `stop`), every `RETRY_S` while the store does
-        not answer; a takeover ends it with `lost` set."""
+        not answer, none while `stalled` says why (`renewed_while`); a takeover ends it with `lost` set."""
 
         def run() -> None:
             wait = self.expiry_s / 4
             while not self._stop.wait(wait):
+                stalled = self.stalled
                 try:
+                    self.withheld = stalled() if stalled is not None else None
+                    if self.withheld:
+                        continue
                     self.beat()
                     wait = self.expiry_s / 4
                 except LeaseLost:

@@ -33,17 +33,18 @@ from ghostvis_core.plan.stages import Stage
 from ghostvis_core.run.hf.register import model_record
 from ghostvis_core.run.preflight_record import preflight_record
 from ghostvis_core.run.track.mlflow_models import alias_version
-from ghostvis_core.run.train.reasons import lost_lease, run_reason, was_preempted
+from ghostvis_core.run.train.reasons import input_problem, lost_lease, run_reason, was_preempted
 from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.runs import Upstream, run_result
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.store import Store
+from ghostvis_core.store.lease import Lease
 from ghostvis_core.verify.audit.invariants import StageRun
 from ghostvis_core.verify.audit.reward_signal import unrewarded_note
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_pipeline.cache import cached_stage_run, changed_since
 from ghostvis_pipeline.launchers import Launcher
-from ghostvis_pipeline.launchers.common import CANCELLED, registration_job, training_job
+from ghostvis_pipeline.launchers.common import CANCELLED, frozen_watch, registration_job, training_job
 from ghostvis_pipeline.leases import run_lease
 from ghostvis_pipeline.metadata import latest_metadata, md_table
 from ghostvis_pipeline.resources import GhostvisHome
@@ -196,8 +197,8 @@ def _materialize(
     h = home.home()
     planned = _user_error(_prepare, context, stage, config, overrides, h, variant)
     expiry_s = planned.resolved.cfg.runtime.lease_expiry_s
-    with run_lease(context, h.store, stage.name, planned.base_key, wait=config.wait, expiry_s=expiry_s):
-        return _train_or_reuse(context, stage, config, h, launcher, planned, variant)
+    with run_lease(context, h.store, stage.name, planned.base_key, wait=config.wait, expiry_s=expiry_s) as lease:
+        return _train_or_reuse(context, stage, config, h, launcher, planned, variant, lease)
 
 
 def _train_or_reuse(
@@ -208,6 +209,7 @@ def _train_or_reuse(
     launcher: Launcher,
     planned: PlannedRun,
     variant: str | None,
+    lease: Lease,
 ) -> MaterializeResult:
     """Under the identity's lease: the cache is looked up only once no other launch is training it, so a second
     launch finds the first one's run instead of training it again into the same run key."""
@@ -223,7 +225,7 @@ def _train_or_reuse(
     else:
         changed = changed_since(h.store, stage.name, planned)
         spec = _user_error(start_run, planned, h)
-        run_job(context, launcher, spec, h)
+        run_job(context, launcher, spec, h, lease)
     result = run_result(h.store, spec.stage, spec.run_key)
     md = {
         **result_metadata(result),
@@ -250,12 +252,16 @@ MAX_PREEMPTIONS = 20
 FAULT_RETRIES = 3
 
 
-def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home) -> None:
-    """Launch the job, again after each preemption; a pre-flight refusal (the job's rank 0 left it) fails the step
-    without a retry: the same inputs would be refused again."""
+def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home, lease: Lease) -> None:
+    """Launch the job, again after each preemption, renewing `lease` only while the job's ranks move their
+    heartbeats; a problem of the run's inputs or settings that a rank named (a pre-flight refusal, a token block
+    that does not match its digest, a checkpoint that fails verification) fails the step without a retry: the
+    same inputs would stop it again."""
     for launch in range(1, MAX_PREEMPTIONS + 2):
         try:
-            launcher.run(context, training_job(spec), h)
+            job = training_job(spec)
+            with lease.renewed_while(frozen_watch(h, job)):
+                launcher.run(context, job, h)
             return
         except Failure as failure:
             cancelled = getattr(failure.metadata.get(CANCELLED), "value", False)
@@ -268,11 +274,13 @@ def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home) -> None:
             lost = lost_lease(h.store, spec.stage, spec.run_key)
             if lost:  # another launch holds the run now: its records are the run's, and nothing here is retried
                 raise Failure(description=f"{spec.stage} run {spec.run_key}: {lost}", allow_retries=False) from None
-            found = preflight_record(h.store, spec.stage, spec.run_key)
-            refused = found.refused if found else None
-            if not refused or not failure.allow_retries:
+            if input_problem(h.store, spec.stage, spec.run_key) is None or not failure.allow_retries:
                 raise
-            raise Failure(description=failure.description, allow_retries=False) from None
+            raise Failure(
+                description=f"{failure.description}\nnot retried: a problem of the run's inputs or settings, which "
+                f"every retry would meet again; fix it as said, then materialize {spec.stage} again",
+                allow_retries=False,
+            ) from None
 
 
 def reward_signal(context, h: Home, spec: LaunchSpec) -> dict:

@@ -4,6 +4,10 @@ One node: one pod submitted by dagster-k8s (`PipesK8sClient`), whose messages co
 logs. Several nodes: a headless Service and an Indexed Job created here; rank 0's messages travel
 through the shared store (any rank may be rank 0), pod 0's logs are streamed into the run's log,
 and the Job and Service are deleted however the run ends. Manifests: ghostvis_core/launch/cluster/kubernetes.py.
+
+Either way the launching side watches the ranks' heartbeats (launchers/common.py frozen_watch): when none moves for
+runtime.hang_timeout_s (a frozen node, where no rank can report), the run's pods are deleted and the launch fails
+naming the node and the last step, for the stage's retry to resume from the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import os
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 
 from dagster import AssetExecutionContext, Failure
 
@@ -32,8 +37,9 @@ from ghostvis_core.launch.cluster.kubernetes import (
 )
 from ghostvis_core.run.job import Job
 from ghostvis_pipeline.config import config_from_dataclass
-from ghostvis_pipeline.launchers.common import clear_reason, failure, job_env, require_result, spec_uri
+from ghostvis_pipeline.launchers.common import clear_reason, failure, frozen_watch, job_env, require_result, spec_uri
 from ghostvis_pipeline.launchers.pipes import store_pipes_session
+from ghostvis_pipeline.launchers.processes import Frozen
 
 KubernetesConfig = config_from_dataclass(KubernetesJob)
 POLL_SECONDS = 10.0
@@ -87,27 +93,82 @@ def store_folder(home: Home) -> str:
 def run_kubernetes(context: AssetExecutionContext, target: Job, home: Home, launcher) -> None:
     job, run = plan(launcher, target, home)
     clear_reason(home, target)
-    if job.nodes == 1:
-        _run_pod(context, target, home, job, run)
-    else:
-        _run_indexed_job(context, target, home, job, run)
+    try:
+        if job.nodes == 1:
+            _run_pod(context, target, home, job, run)
+        else:
+            _run_indexed_job(context, target, home, job, run)
+    except Frozen as exc:  # its pods are deleted: the stage's retry resumes from the newest checkpoint
+        raise failure(home, target, str(exc)) from None
     require_result(home, target)
 
 
 def _run_pod(context: AssetExecutionContext, target: Job, home: Home, job: KubernetesJob, run: RunTarget) -> None:
-    """One pod through dagster-k8s Pipes; it deletes the pod when the run ends, however it ends."""
+    """One pod through dagster-k8s Pipes; it deletes the pod when the run ends, however it ends. Meanwhile a thread
+    watches the heartbeats: a frozen job's pod is deleted (dagster-k8s's wait then ends), raised as `Frozen`."""
     meta, pod = render_pod(job, run)
     context.log.info(f"launching a pod in namespace {job.namespace}: {' '.join(pod['containers'][0]['command'])}")
     from dagster_k8s import PipesK8sClient  # imported on use: the client libraries are slow to import
 
+    name = meta["labels"][JOB_LABEL]
+    watch = FrozenPods(frozen_watch(home, target), lambda: _delete_pods(context, job.namespace, name))
     try:
         # pod_wait_timeout=0: no limit on a training run's length (dagster-k8s would stop at 24 hours)
         PipesK8sClient().run(
             context=context, namespace=job.namespace, base_pod_meta=meta, base_pod_spec=pod, pod_wait_timeout=0
         )
     except Exception as exc:
+        watch.stop()  # a deletion in progress ends first
+        watch.raise_if_frozen()
         first_line = (str(exc).splitlines() or [type(exc).__name__])[0]  # dagster-k8s appends the whole pod
         raise failure(home, target, f"pod in namespace {job.namespace}: {first_line}") from None
+    finally:
+        watch.stop()
+    watch.raise_if_frozen()
+
+
+class FrozenPods:
+    """A thread polling `frozen` (the launching side's heartbeat watch) every POLL_SECONDS while a launch waits in a
+    call it cannot poll from (dagster-k8s's wait for its pod); once frozen, it calls `end` (deleting the pods: it
+    returns what it did) once and keeps the reason and that for `raise_if_frozen`."""
+
+    def __init__(self, frozen: Callable[[], str | None], end: Callable[[], str]):
+        self.frozen, self.end, self.reason = frozen, end, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ghostvis-frozen-pods", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(POLL_SECONDS):
+            reason = self.frozen()
+            if reason:
+                self.reason = f"{reason}; {self.end()}"
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def raise_if_frozen(self) -> None:
+        if self.reason:
+            raise Frozen(self.reason)
+
+
+def _delete_pods(context: AssetExecutionContext, namespace: str, name: str) -> str:
+    """Delete the pods of launch `name` (label JOB_LABEL) at once (a frozen node would not stop within a grace):
+    what was done, for the launch's failure."""
+    try:
+        core, _ = _clients()
+        pods = core.list_namespaced_pod(namespace, label_selector=f"{JOB_LABEL}={name}").items
+        for pod in pods:
+            context.log.warning(f"deleting pod {namespace}/{pod.metadata.name}: its job froze")
+            core.delete_namespaced_pod(pod.metadata.name, namespace, grace_period_seconds=0)
+    except Exception as exc:
+        return (
+            f"its pod could not be deleted ({type(exc).__name__}: {exc}): delete it with `kubectl -n {namespace} "
+            f"delete pod -l {JOB_LABEL}={name}`"
+        )
+    return "its pod was deleted"
 
 
 def _run_indexed_job(
@@ -134,7 +195,9 @@ def _run_indexed_job(
         try:
             _create(core.create_namespaced_service, job.namespace, service, created)
             _create(batch.create_namespaced_job, job.namespace, manifest, created)
-            state, message = _follow(context, core, batch, job.namespace, name)
+            state, message = _follow(context, core, batch, job.namespace, name, frozen_watch(home, target))
+        except Frozen as exc:  # deleted in `finally`, before the stage's retry launches again
+            raise Frozen(f"{exc}; Kubernetes Job {job.namespace}/{name} deleted") from None
         finally:
             _delete(context, core, batch, job.namespace, name, created)
     if state != "Complete":
@@ -187,9 +250,11 @@ def _api_message(exc) -> str:
         return str(exc.reason)
 
 
-def _follow(context: AssetExecutionContext, core, batch, namespace: str, name: str) -> tuple[str, str]:
+def _follow(
+    context: AssetExecutionContext, core, batch, namespace: str, name: str, frozen: Callable[[], str | None]
+) -> tuple[str, str]:
     """Wait for the Job to complete or fail: (condition, message). Progress changes and pod 0's logs
-    go to the run's log."""
+    go to the run's log; `Frozen` once `frozen` (the heartbeat watch) says why."""
     streams: dict[str, threading.Thread] = {}
     said = ""
     while True:
@@ -210,6 +275,9 @@ def _follow(context: AssetExecutionContext, core, batch, namespace: str, name: s
             context.log.info(f"Kubernetes Job {namespace}/{name}: {now}")
             said = now
         _stream_pod0(context, core, namespace, name, streams)
+        reason = frozen()
+        if reason:
+            raise Frozen(reason)
         time.sleep(POLL_SECONDS)
 
 

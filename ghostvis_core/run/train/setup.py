@@ -72,7 +72,7 @@ def setup(spec: LaunchSpec, ctx: DistContext, lease: Lease | None = None) -> Tra
     )
     trainer = Trainer(
         preemption=PreemptionFlag(cfg.runtime.preempt_grace_s, lease),
-        watchdog=watchdog(spec, ctx, store, tracker),
+        watchdog=watchdog(spec, ctx, store, tracker, lease),
         spec=spec,
         cfg=cfg,
         ctx=ctx,
@@ -107,17 +107,21 @@ def checkpoint_manager(spec: LaunchSpec, ctx: DistContext, store, lease: Lease |
     )
 
 
-def watchdog(spec: LaunchSpec, ctx: DistContext, store, tracker: Tracker) -> Watchdog:
-    """Every rank's progress watchdog (runtime.hang_timeout_s; 0: never fires); rank 0 reports slow steps."""
+def watchdog(spec: LaunchSpec, ctx: DistContext, store, tracker: Tracker, lease: Lease | None = None) -> Watchdog:
+    """Every rank's progress watchdog (runtime.hang_timeout_s; 0: never fires); rank 0 reports slow steps, and its
+    waits for `lease`'s renewal are a phase of their own."""
 
     def report(message: str, idle_s: float, step: int) -> None:
         tracker.say(f"[{spec.stage}] {message}", pipes=True)
         tracker.metrics({"time/since_step_s": idle_s}, step=step)
 
     timeout = spec.config.runtime.hang_timeout_s
-    return Watchdog(
+    dog = Watchdog(
         store, spec.stage, spec.run_key, ctx.rank, ctx.world_size, timeout, report=report if ctx.is_main else None
     )
+    if lease is not None:
+        lease.waiting = dog.in_phase
+    return dog
 
 
 def _starting_state(spec: LaunchSpec, plan: BatchPlan, checkpoints: CheckpointManager, resume, model) -> TrainState:

@@ -9,9 +9,11 @@ name it from the store: the ranks whose heartbeat is older than three beats stop
 beats, all are alive and waiting in the named collective (a stuck collective). The process group's own
 timeout (twice this, dist.setup) is the backstop when the watchdog thread itself cannot run.
 
-Work that is no step (the held-out evaluation, a checkpoint save) is a phase with its own budget of the same
-timeout, counted from the phase's start, and its end counts as progress: a slow evaluation followed by a step is
-slow, not hung, and a phase past its budget is named in the reason ("in the evaluation after step 40 for 612 s").
+Work that is no step (the held-out evaluation, a checkpoint save, rank 0's wait for its lease's renewal) is a
+phase with its own budget, counted from the phase's start (the same timeout, unless the phase brings its own: a
+lease renewal waits at most what store/lease.py allows it), and its end counts as progress: a slow evaluation
+followed by a step is slow, not hung, and a phase past its budget is named in the reason ("was in the evaluation
+after step 40 for 612 s, past its budget of 600 s").
 
 While a step takes longer than half the timeout, rank 0 says so on its output (the Dagster run log) and logs
 `time/since_step_s` to MLflow, so a hang is visible while it is in progress.
@@ -60,6 +62,7 @@ class Watchdog:
         self.progressed = time.time()
         self.fired: str | None = None
         self.phase_started: float | None = None  # inside a `phase`: when it began
+        self.phase_budget_s = timeout_s  # inside a `phase`: how long it may last
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -76,15 +79,20 @@ class Watchdog:
         self.step, self.progressed, self.phase = step, time.time(), "between steps"
 
     @contextmanager
-    def in_phase(self, name: str) -> Iterator[None]:
-        """Work that is no step (an evaluation, a checkpoint save): its own budget of the timeout from its start;
-        its end counts as progress."""
-        before, self.phase_started = self.phase, time.time()
-        self.phase, self.progressed = name, self.phase_started
+    def in_phase(self, name: str, budget_s: float | None = None) -> Iterator[None]:
+        """Work that is no step (an evaluation, a checkpoint save, a lease renewal): its own budget from its start
+        (`budget_s`, else the timeout); its end counts as progress. A phase within a phase (a lease renewal in a
+        save) hands the outer one back with its budget counted again from there."""
+        before = (self.phase, self.phase_started, self.phase_budget_s)
+        self.phase, self.phase_started = name, time.time()
+        self.progressed = self.phase_started
+        self.phase_budget_s = self.timeout_s if budget_s is None else budget_s
         try:
             yield
         finally:
-            self.phase, self.progressed, self.phase_started = before, time.time(), None
+            now = time.time()
+            self.phase, self.progressed, self.phase_budget_s = before[0], now, before[2]
+            self.phase_started = None if before[1] is None else now
 
     @contextmanager
     def waiting_in(self, phase: str) -> Iterator[None]:
@@ -149,7 +157,7 @@ class Watchdog:
             else "every rank still beats: a collective is stuck"
         )
         where = (
-            f"was in {self.phase} for {now - self.phase_started:.0f} s, past its budget"
+            f"was in {self.phase} for {now - self.phase_started:.0f} s, past its budget of {self.phase_budget_s:g} s"
             if self.phase_started is not None
             else f"made no progress for {now - self.progressed:.0f} s after step {self.step}"
         )
@@ -171,7 +179,7 @@ class Watchdog:
             if self.report is not None and idle > self.timeout_s / 2 and warned != self.step:
                 warned = self.step
                 self.report(f"no step finished for {idle:.0f} s since step {self.step} ({self.phase})", idle, self.step)
-            if idle > self.timeout_s:
+            if idle > (self.timeout_s if self.phase_started is None else self.phase_budget_s):
                 try:
                     self.fired = self.reason(now)
                 except Exception as exc:  # the store cannot say who stopped: say what this rank knows
@@ -207,17 +215,19 @@ class FrozenJobWatch:
         return out
 
     def frozen(self) -> str | None:
+        """The store is read at most every timeout/8; between reads the answer stands on the last one."""
         now = time.monotonic()
-        if self.timeout_s <= 0 or now - self.read_at < self.timeout_s / 8:
+        if self.timeout_s <= 0:
             return None
-        self.read_at = now
-        try:
-            beats = self._read()
-        except Exception:  # the store does not answer: nothing is known to have stopped (the ranks' beats fail too)
-            return None
-        if beats != self.beats:
-            self.beats, self.moved = beats, now
-        finishing = all(b["phase"] == STOPPED for b in beats.values())
+        if now - self.read_at >= self.timeout_s / 8:
+            self.read_at = now
+            try:
+                beats = self._read()
+            except Exception:  # the store does not answer: nothing is known to have stopped (nor beats: the ranks')
+                return None
+            if beats != self.beats:
+                self.beats, self.moved = beats, now
+        finishing = all(b["phase"] == STOPPED for b in self.beats.values())
         if self.moved is None or finishing or now - self.moved <= self.timeout_s:
             return None
         return self.reason(now - self.moved)
