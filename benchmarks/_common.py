@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ghostvis_core.home import Home
-from ghostvis_core.run.train.result import RunResult
-from ghostvis_core.run.train.runs import run_result
+from ghostvis_core.runs.lookup import run_result
+from ghostvis_core.runs.run_result import RunResult
 
 ROOT = Path(__file__).resolve().parent.parent
 _VENV_PY = ROOT / ".venv" / "bin" / "python"

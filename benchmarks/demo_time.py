@@ -22,8 +22,8 @@ import _common as C  # noqa: E402
 
 from ghostvis_core.home import Home  # noqa: E402
 from ghostvis_core.plan.stages import stage_names  # noqa: E402
-from ghostvis_core.run.train.result import RunResult  # noqa: E402
-from ghostvis_core.run.train.runs import newest_completed_run  # noqa: E402
+from ghostvis_core.runs.lookup import newest_completed_run  # noqa: E402
+from ghostvis_core.runs.run_result import RunResult  # noqa: E402
 
 GOAL_S = 600.0
 STAGES = stage_names()

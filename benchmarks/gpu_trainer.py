@@ -159,7 +159,7 @@ def last_error(log: str) -> str:
 def audited(home: Path) -> dict:
     """`ghostvis audit --stage pretrain` on the trained home, and the run record's loss and speed."""
     from ghostvis_core.home import Home
-    from ghostvis_core.run.train.runs import newest_completed_run
+    from ghostvis_core.runs.lookup import newest_completed_run
     from ghostvis_core.verify.audit.report import audit
 
     os.environ.pop("MLFLOW_TRACKING_URI", None)  # the home's own SQLite file, as the trainer used

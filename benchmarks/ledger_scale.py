@@ -37,7 +37,7 @@ import _common as C  # noqa: E402
 
 from ghostvis_core.data.ledger import Ledger  # noqa: E402
 from ghostvis_core.home import Home  # noqa: E402
-from ghostvis_core.run.train.runs import newest_completed_run  # noqa: E402
+from ghostvis_core.runs.lookup import newest_completed_run  # noqa: E402
 from tests.conftest import copy_home  # noqa: E402
 
 GOAL_RATIO = 12.0

@@ -29,10 +29,10 @@ import _common as C  # noqa: E402
 from ghostvis_core.home import Home  # noqa: E402
 from ghostvis_core.plan import presets, selected  # noqa: E402
 from ghostvis_core.plan.lineage import parse  # noqa: E402
-from ghostvis_core.run.train.runs import newest_completed_run  # noqa: E402
-from ghostvis_core.verify.eval.gate import gate_rows  # noqa: E402
+from ghostvis_core.runs.lookup import newest_completed_run  # noqa: E402
+from ghostvis_core.verify.eval.figure_direction import improved  # noqa: E402
+from ghostvis_core.verify.eval.quality_gate import gate_rows  # noqa: E402
 from ghostvis_core.verify.eval.seeds import MOVES_ON_SHARE, figure_moves, seed_result, seeds_name  # noqa: E402
-from ghostvis_core.verify.eval.verdict import improved  # noqa: E402
 from tests.conftest import cli_env, copy_home, materialize  # noqa: E402
 
 

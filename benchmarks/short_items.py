@@ -2,7 +2,7 @@
 
 The decontamination gate reads the text of every consumed row from its raw shard (`consumed_texts`:
 sha256 of the file, the kind's text columns, `record_text`) and looks for every evaluation item shorter
-than 13 words in it (`whole_matches`, ghostvis_core/data/whole_items.py), against every item GhostVis
+than 13 words in it (`whole_matches`, ghostvis_core/data/short_items.py), against every item GhostVis
 ships (154 of them are short). Here both run on one synthetic raw text shard of --docs documents of
 --words words (random words of a 2,000-word vocabulary plus the words of the shipped items, so
 candidates are found and ruled out as in real text; one document in 1,000 holds a capitals item), with

@@ -101,7 +101,7 @@ def write_runs(store, n_runs: int, n_shards: int, contents: dict[str, str]) -> l
 
     from ghostvis_core.data.ledger import Ledger
     from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow, RowIndexRow
-    from ghostvis_core.data.piece import Piece
+    from ghostvis_core.data.shard_piece import Piece
     from ghostvis_core.data.shard_ref import ShardRef
     from ghostvis_core.plan.batch import BatchPlan
     from ghostvis_core.plan.stages import stage_names

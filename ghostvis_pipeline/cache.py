@@ -13,7 +13,7 @@ from dagster import AssetCheckKey, AssetKey, RunsFilter
 
 from ghostvis_core import identity
 from ghostvis_core.launch.start import TRAINING_MODULES, PlannedRun
-from ghostvis_core.run.train.runs import completed_attempts
+from ghostvis_core.runs.lookup import completed_attempts
 from ghostvis_core.store import Store
 from ghostvis_pipeline.metadata import materializations
 

@@ -18,7 +18,7 @@ def cmd_chat(args) -> int:
     import torch
 
     from ghostvis_core.data.chat import render_prompt
-    from ghostvis_core.run.train.trained import load_stage
+    from ghostvis_core.run.trained_model import load_stage
 
     home = Home.from_env()
     ts = load_stage(home, args.stage or newest_chat_stage(home), args.run)
@@ -67,7 +67,7 @@ def reply_text(tok, out: list[int]) -> str:
 def newest_chat_stage(home: Home) -> str:
     """The lineage's last stage with a chat model (Lineage.chat_stages) that has a completed run: rl, else dpo,
     else sft."""
-    from ghostvis_core.run.train.runs import newest_completed_run
+    from ghostvis_core.runs.lookup import newest_completed_run
 
     chain = selected.lineage()
     chat = chain.chat_stages()

@@ -19,8 +19,8 @@ from ghostvis_core.run.track.check_verdict import (
     record_check,
 )
 from ghostvis_core.run.track.mlflow_models import registered_version
-from ghostvis_core.run.train.spec import LaunchSpec
-from ghostvis_core.verify.audit.outcome import CheckOutcome
+from ghostvis_core.runs.launch_spec import LaunchSpec
+from ghostvis_core.verify.audit.check_outcome import CheckOutcome
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
 
 

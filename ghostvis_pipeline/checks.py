@@ -19,10 +19,10 @@ from ghostvis_core.data.catalog import recorded_sha256, registered_manifests, sh
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.sources import Manifest
 from ghostvis_core.verify.audit import invariants as inv
+from ghostvis_core.verify.audit.check_outcome import CheckOutcome
 from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
-from ghostvis_core.verify.audit.outcome import CheckOutcome
 from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS, CheckInputs
-from ghostvis_core.verify.eval.gate import lineage_gate
+from ghostvis_core.verify.eval.quality_gate import lineage_gate
 from ghostvis_core.verify.replay.check import NAME, replay_matches
 from ghostvis_core.verify.replay.refusal import refusal
 from ghostvis_core.verify.replay.settings import ReplaySettings

@@ -426,7 +426,7 @@ def check_verdicts(home: Home, stages: list[str]) -> dict[str, str]:
 
 def resolve_run(home: Home, ledger: Ledger, name: str) -> str:
     """A stage name means its newest completed run; anything else is taken as a run key."""
-    from ghostvis_core.run.train.runs import newest_completed_run
+    from ghostvis_core.runs.lookup import newest_completed_run
 
     if name not in stage_names():
         return name

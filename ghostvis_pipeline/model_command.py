@@ -39,7 +39,7 @@ def cmd_summary(args) -> int:
     from ghostvis_core.run.hf.manifest import build_manifest
     from ghostvis_core.run.hf.summary import build_summary, render_markdown
     from ghostvis_core.run.hf.summary_input import read_declared
-    from ghostvis_core.run.train.runs import newest_completed_run
+    from ghostvis_core.runs.lookup import newest_completed_run
 
     store = Home.from_env().store
     run_key = args.run_key

@@ -10,7 +10,7 @@ from ghostvis_core.home import Home
 from ghostvis_core.plan.budget import Plan
 from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.plan.goodput import FailureFigures, GoodputPlan, plan_goodput
-from ghostvis_core.run.train.runs import newest_completed_run
+from ghostvis_core.runs.lookup import newest_completed_run
 
 # GPUs per node when --gpus-per-node is not given: an 8-GPU server (HGX/DGX H100), printed as an assumption.
 ASSUMED_GPUS_PER_NODE = 8

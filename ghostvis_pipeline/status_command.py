@@ -105,7 +105,7 @@ def shard_reasons(store: Store, asset: str, record, reasons: list[str]) -> list[
     made of and the one recorded now: for a trained tokenizer, its training data (in place of raw_shards' reason,
     which names every partition a backfill re-recorded); for a stage, the shards its run trained and validated on."""
     from ghostvis_core.data.shard_changes import describe_changes, run_data_changes, tokenizer_data_changes
-    from ghostvis_core.run.train.spec import saved_shard_versions, saved_spec
+    from ghostvis_core.runs.launch_spec import saved_shard_versions, saved_spec
     from ghostvis_pipeline.assets.data import kept_tokenizer_note, made_of
 
     md = {k: getattr(v, "value", v) for k, v in record.event_log_entry.asset_materialization.metadata.items()}

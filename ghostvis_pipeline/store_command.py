@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 
-from ghostvis_core.run.run_files import read_run_file
+from ghostvis_core.runs.file_uri import read_run_file
 
 
 def cmd_store_cat(args) -> int:

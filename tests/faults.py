@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from ghostvis_core.run.train.runs import identity_of
+from ghostvis_core.runs.lookup import identity_of
 
 T = TypeVar("T")
 

@@ -1,11 +1,11 @@
-"""A launch record (spec.json, ghostvis_core/run/train/spec.py) for the tests that need one without
+"""A launch record (spec.json, ghostvis_core/runs/launch_spec.py) for the tests that need one without
 planning a run: the fields a test does not name hold placeholders that round-trip through the JSON."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.runs.launch_spec import LaunchSpec
 
 
 def launch_record(stage: str, run_key: str, config: Any, plan: Any, **fields: Any) -> LaunchSpec:

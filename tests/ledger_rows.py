@@ -6,7 +6,7 @@ from __future__ import annotations
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow, ShardRecord
-from ghostvis_core.data.piece import Piece
+from ghostvis_core.data.shard_piece import Piece
 
 # a shard record's fields but for its id, content and tokens, unless a test gives them
 SHARD = {"source": "prose", "split": "train", "kind": "text", "tokenizer_id": "tok-a", "docs": 10, "raw_bytes": 1000,

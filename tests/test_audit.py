@@ -28,7 +28,7 @@ from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.launch.start import prepare_run
 from ghostvis_core.plan.stages import stage, stage_names
-from ghostvis_core.run.train.runs import completed_runs
+from ghostvis_core.runs.lookup import completed_runs
 from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
 from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS
 from ghostvis_core.verify.replay.refusal import REPLAYABLE_OBJECTIVES
@@ -371,7 +371,7 @@ def test_the_real_training_step_delivers_every_micro_batch_once(planted, monkeyp
     trainer = setup(spec, DistContext(0, 0, 1, torch.device("cpu")))
     trainer.train_step()  # looked up now: a planted bug replaces it
     trainer.train_step()
-    assert trainer.tracker.mlflow is None  # nothing was logged, so no MLflow run was made (run/train/tracking.py)
+    assert trainer.tracker.mlflow is None  # nothing was logged, so no MLflow run was made (run/train/live_metrics.py)
     c = trainer.part.consumption
     part = PartRow("p", "", "r", "", "pretrain", 0, 1, 2, 0, 0, **c.counts.as_dict(), micro_batch_size=2, seq_len=64,
                    world_size=1, grad_accum_steps=2)  # fmt: skip

@@ -15,11 +15,11 @@ from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.launch.start import select_shards
 from ghostvis_core.plan.stages import stage_names
-from ghostvis_core.run.train.runs import completed_runs
+from ghostvis_core.runs.lookup import completed_runs
 from ghostvis_core.store import FolderStore
 from ghostvis_core.verify.audit import invariants as inv
+from ghostvis_core.verify.audit.check_outcome import covered_twice, subtract, union
 from ghostvis_core.verify.audit.expected import rank_rows, share_problems
-from ghostvis_core.verify.audit.outcome import covered_twice, subtract, union
 from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS, CheckInputs
 from tests.planted import plant
 from tests.test_loader import write_shard

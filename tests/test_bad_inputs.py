@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from ghostvis_core.data.records import normalize_shard
+from ghostvis_core.data.normalize_shard import normalize_shard
 from ghostvis_core.data.sources import ShardEntry, fetch_shard
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home

@@ -121,7 +121,7 @@ def test_two_launches_of_one_run_identity_train_once_and_the_second_is_a_cache_h
     import time
 
     from ghostvis_core.data.ledger import Ledger
-    from ghostvis_core.run.train.runs import run_result
+    from ghostvis_core.runs.lookup import run_result
     from tests.conftest import BIN, cli_env
 
     runs = mlflow_run_ids(home_copy)

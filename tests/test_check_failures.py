@@ -15,7 +15,7 @@ import pytest
 from ghostvis_core.data.catalog import recorded_sha256, registered_manifests
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
-from ghostvis_core.run.train.runs import completed_runs, identity_of
+from ghostvis_core.runs.lookup import completed_runs, identity_of
 from ghostvis_core.store.fence import Fence
 from ghostvis_core.store.files import sha256_file
 from ghostvis_core.store.lease import newest_generation

@@ -108,7 +108,7 @@ def run_checks(home, stage: str, names: list[str]):
 def commit_record(home, stage: str, run_key: str, text: str) -> None:
     """The run record rewritten under the run's lease (store/fence.py), as its trainer commits it."""
     from ghostvis_core.home import Home
-    from ghostvis_core.run.train.runs import identity_of
+    from ghostvis_core.runs.lookup import identity_of
     from ghostvis_core.store.fence import Fence
     from ghostvis_core.store.lease import newest_generation
 

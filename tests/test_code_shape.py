@@ -47,19 +47,19 @@ LAYERS = {
     "ghostvis_core.demo.*": 4,
     "ghostvis_core.run": 5,
     "ghostvis_core.run.model.*": 5,
-    "ghostvis_core.run.job": 5,
-    "ghostvis_core.run.run_files": 5,
+    "ghostvis_core.runs.job": 5,
+    "ghostvis_core.runs.file_uri": 5,
     "ghostvis_core.run.ship_output": 5,
     "ghostvis_core.launch": 5,
     "ghostvis_core.launch.cluster.*": 5,
     "ghostvis_core.run.track.*": 5,
-    "ghostvis_core.run.preflight_record": 5,
+    "ghostvis_core.runs.preflight_findings": 5,
     "ghostvis_core.run.train.*": 6,
     "ghostvis_core.run.hf.*": 7,
     "ghostvis_core.launch.start": 8,
     "ghostvis_core.run.preflight": 8,
     "ghostvis_core.run.__main__": 8,
-    "ghostvis_core.run.tokenizer_job": 8,
+    "ghostvis_core.run.tokenizer_training": 8,
     "ghostvis_core.verify.*": 9,
 }
 # (importing module, imported top-level package) pairs allowed despite the no-Dagster rule
@@ -316,7 +316,7 @@ AUDIT_MAY_NOT_REACH = (
     "ghostvis_core.data.token_shard",
     "ghostvis_core.run.model",
 )
-AUDIT_RECORDS = {"ghostvis_core.run.train.spec", "ghostvis_core.run.train.result", "ghostvis_core.run.train.runs"}
+AUDIT_RECORDS = {"ghostvis_core.runs.launch_spec", "ghostvis_core.runs.run_result", "ghostvis_core.runs.lookup"}
 
 
 @functools.cache

@@ -20,7 +20,7 @@ from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan import presets, run_modes, stages
 from ghostvis_core.plan.budget import Plan, plan
 from ghostvis_core.plan.config import StageConfig, flatten
-from ghostvis_core.run.train.spec import LaunchSpec, StageInputs
+from ghostvis_core.runs.launch_spec import LaunchSpec, StageInputs
 from ghostvis_core.store import open_store
 from tests.launch_records import launch_record
 from tests.ledger_rows import shard_record
@@ -215,7 +215,7 @@ def test_a_launch_record_is_never_overwritten_and_a_resume_launched_otherwise_sa
     world size (the same run: the identity leaves the rank split out) saves spec.2.json and leaves spec.json's bytes
     as they were; the job, given spec.json's URI as every launcher gives it, and every reader read the newest."""
     from ghostvis_core.run.__main__ import read_spec
-    from ghostvis_core.run.train.spec import launch_records, saved_spec
+    from ghostvis_core.runs.launch_spec import launch_records, saved_spec
 
     store, other_node = store_nodes.writer, store_nodes.reader
     first = launch_spec(presets.resolve("pretrain", "smoke"))
@@ -240,7 +240,7 @@ def test_a_launch_record_is_never_overwritten_and_a_resume_launched_otherwise_sa
 def test_the_preflight_record_round_trips_in_the_two_shapes_of_its_file(tmp_path):
     """What the job's pre-flight found is a record of its own (preflight.json): the budget per source when it
     passed, the refusal when it did not; read back typed, as the materialization reads it."""
-    from ghostvis_core.run.preflight_record import PreflightRecord, SourceBudget, preflight_record
+    from ghostvis_core.runs.preflight_findings import PreflightRecord, SourceBudget, preflight_record
     from ghostvis_core.store import FolderStore
 
     store = FolderStore(tmp_path / "store")

@@ -9,9 +9,9 @@ from ghostvis_core.data.loader import LoaderPosition
 from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.plan.budget import plan
 from ghostvis_core.plan.presets import resolve
-from ghostvis_core.run.train.result import BeforeAfter, FrozenCheck, MixtureShare, RunResult
-from ghostvis_core.run.train.spec import LaunchSpec, StageInputs
 from ghostvis_core.run.train.state import TrainState
+from ghostvis_core.runs.launch_spec import LaunchSpec, StageInputs
+from ghostvis_core.runs.run_result import BeforeAfter, FrozenCheck, MixtureShare, RunResult
 from tests.launch_records import launch_record
 
 

@@ -20,7 +20,7 @@ from ghostvis_core.data.decontaminate import drop_shared, held_out
 from ghostvis_core.data.eval_texts import shipped_texts
 from ghostvis_core.data.ngrams import fingerprints, record_text
 from ghostvis_core.data.problems import is_correct
-from ghostvis_core.data.whole_items import WholeItems, whole_phrase
+from ghostvis_core.data.short_items import WholeItems, whole_phrase
 from ghostvis_core.demo.tasks import (
     COLORS,
     NUMBER_WORDS,

@@ -156,7 +156,7 @@ def test_a_stage_whose_upstream_is_missing_says_which_asset_to_materialize_first
     assert "torch.distributed.run" not in proc.stdout + proc.stderr  # refused before launching torchrun
     # the same when the upstream's checkpoint files are gone (core path, no Dagster)
     from ghostvis_core.launch.start import prepare_run
-    from ghostvis_core.run.train.runs import Upstream
+    from ghostvis_core.runs.lookup import Upstream
 
     with pytest.raises(GhostvisError, match=r"upstream checkpoint .* is missing; materialize the `sft` asset first"):
         prepare_run(
@@ -261,7 +261,7 @@ def test_variant_backfill_gives_comparable_mlflow_runs_at_equal_tokens(home_copy
     assert len({r.data.metrics["tokens/real"] for r in by_variant.values()}) == 1
     assert len({r.data.metrics["val/loss"] for r in by_variant.values()}) == len(by_variant)
     # a variant never becomes the upstream of the main chain
-    from ghostvis_core.run.train.runs import find_upstream
+    from ghostvis_core.runs.lookup import find_upstream
 
     assert "@" not in find_upstream(Home(home_copy).store, "pretrain").run_key
 

@@ -103,8 +103,8 @@ def test_a_budget_beyond_the_data_fails_pre_flight_with_the_numbers(home_copy):
     from ghostvis_core.errors import GhostvisError
     from ghostvis_core.launch.start import prepare_run
     from ghostvis_core.run.preflight import check_run
-    from ghostvis_core.run.preflight_record import preflight_record
-    from ghostvis_core.run.train.spec import LaunchSpec
+    from ghostvis_core.runs.launch_spec import LaunchSpec
+    from ghostvis_core.runs.preflight_findings import preflight_record
 
     home = Home(home_copy)
     train = [r for r in Ledger.in_store(home.store).shards() if r.source == "demo_prose" and r.split == "train"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ghostvis_core.store import open_store
 from ghostvis_core.verify.eval.__main__ import read_spec
-from ghostvis_core.verify.eval.job import EvalSpec, eval_job
+from ghostvis_core.verify.eval.eval_spec import EvalSpec, eval_job
 
 
 def test_the_spec_keeps_the_lineage_and_sources_in_order_through_the_store(tmp_path):

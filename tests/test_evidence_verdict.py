@@ -4,8 +4,8 @@ should move, and a stage whose figures stayed flat shown as not improved, with t
 from __future__ import annotations
 
 from ghostvis_core.plan.presets import evidence_note
-from ghostvis_core.verify.eval.report import StageReport, render_markdown, tables
-from ghostvis_core.verify.eval.verdict import improved
+from ghostvis_core.verify.eval.figure_direction import improved
+from ghostvis_core.verify.eval.report_card import StageReport, render_markdown, tables
 from tests.test_quality_gate import stage_card
 
 

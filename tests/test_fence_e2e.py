@@ -17,7 +17,7 @@ import pytest
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
-from ghostvis_core.run.train.runs import run_result
+from ghostvis_core.runs.lookup import run_result
 from tests.conftest import BIN, cli_env, run_cli
 
 pytestmark = pytest.mark.e2e

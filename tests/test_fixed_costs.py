@@ -13,7 +13,7 @@ import pyarrow as pa
 from ghostvis_core.data.token_shard import list_column, numpy_view, write_token_shard
 from ghostvis_core.home import Home
 from ghostvis_core.plan.stages import stage_names
-from ghostvis_core.run.train.runs import completed_runs
+from ghostvis_core.runs.lookup import completed_runs
 
 # Needed only after training (the HF export and model registration), only on the MLflow logging thread,
 # only with an S3 store, only by pyarrow's pandas conversion, or only at the ledger's first query (rank 0
@@ -84,7 +84,7 @@ def test_numpy_view_matches_pyarrow_for_slices_and_empty_arrays():
 
 
 def test_the_evaluation_before_the_first_step_reaches_mlflow_at_step_0(demo_home):
-    """The MLflow run is created after the first optimizer step (run/train/tracking.py); the held-out
+    """The MLflow run is created after the first optimizer step (run/train/live_metrics.py); the held-out
     evaluation logged before it waits in the tracker and reaches the run first, at step 0, in every stage
     that has a held-out loss (rl's held-out figures are its rewards)."""
     from mlflow.tracking import MlflowClient

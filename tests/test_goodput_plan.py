@@ -17,7 +17,7 @@ from ghostvis_core.plan.goodput import (
     simulate,
     young_interval_s,
 )
-from ghostvis_core.run.train.runs import newest_completed_run
+from ghostvis_core.runs.lookup import newest_completed_run
 from ghostvis_core.store import open_store
 from ghostvis_pipeline.cli import main
 

@@ -395,7 +395,7 @@ def test_the_rl_stage_runs_through_the_cli_on_a_users_problems_and_its_audit_rec
     from ghostvis_core.home import Home
     from ghostvis_core.launch.start import plan_run
     from ghostvis_core.run.track.mlflow_records import latest_metrics
-    from ghostvis_core.run.train.runs import completed_runs
+    from ghostvis_core.runs.lookup import completed_runs
     from ghostvis_core.verify.audit.report import audit_stage
 
     (config := tmp_path / "sources.yaml").write_text(user_problems(tmp_path / "problems"))

@@ -20,7 +20,7 @@ from ghostvis_core.run.hf.export import export_model
 from ghostvis_core.run.hf.imports import IMPORT_STAGE, import_checkpoint, load_hf_model
 from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.run.train import checkpoint as ckpt
-from ghostvis_core.run.train.runs import checkpoint_of
+from ghostvis_core.runs.lookup import checkpoint_of
 from ghostvis_core.store import FolderStore
 from tests.conftest import new_bucket, run_cli, s3_env
 
@@ -245,7 +245,7 @@ def test_export_command_on_the_demo_sft(home_copy, tmp_path):
     out = tmp_path / "sft-hf"
     run_cli(["ghostvis", "export", "--stage", "sft", "--to", str(out)], home_copy)
     from ghostvis_core.home import Home
-    from ghostvis_core.run.train.trained import load_stage
+    from ghostvis_core.run.trained_model import load_stage
 
     trained = load_stage(Home(home_copy), "sft")
     hf = hf_load(out)
@@ -276,8 +276,8 @@ def test_a_stage_trains_from_an_imported_hf_folder(home_copy, tmp_path):
     from ghostvis_core.home import Home
     from ghostvis_core.run.hf.export import export_run
     from ghostvis_core.run.train.objectives import build_objective
-    from ghostvis_core.run.train.result import RunResult
-    from ghostvis_core.run.train.spec import LaunchSpec
+    from ghostvis_core.runs.launch_spec import LaunchSpec
+    from ghostvis_core.runs.run_result import RunResult
 
     home = Home(home_copy)
     folder = export_run(home.store, "pretrain", None, tmp_path / "pretrain-hf")
@@ -480,7 +480,7 @@ def test_a_foreign_models_tokenizer_tokenizes_the_data_a_stage_starts_from_it(to
     sources with it, and pretraining starts from the model on those tokens."""
     from ghostvis_core.data.ledger import Ledger
     from ghostvis_core.home import Home
-    from ghostvis_core.run.train.result import RunResult
+    from ghostvis_core.runs.run_result import RunResult
     from tests.test_e2e_demo import dagster_instance, latest
 
     folder, _ = hf_reference("qwen2", tmp_path, tok)

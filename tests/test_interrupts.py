@@ -28,8 +28,8 @@ import pytest
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.run.train import checkpoint as ckpt
-from ghostvis_core.run.train.reasons import run_reason
-from ghostvis_core.run.train.runs import run_result
+from ghostvis_core.runs.lookup import run_result
+from ghostvis_core.runs.reasons import run_reason
 from tests.conftest import BIN, cli_env, copy_home, run_cli
 from tests.faults import wait_for
 

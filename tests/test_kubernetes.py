@@ -1,5 +1,5 @@
 """The `kubernetes` launcher's manifests, rendered from a launcher config the way a run renders them
-(Dagster resource config -> plan -> ghostvis_core.launch.cluster.kubernetes) and validated offline against
+(Dagster resource config -> plan -> ghostvis_core.launch.cluster.kubernetes_manifests) and validated offline against
 the Kubernetes API schema (kubernetes-validate ships it). No cluster is needed."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dagster_k8s.pipes import build_pod_body
 from dagster_pipes import decode_env_var
 
 from ghostvis_core.home import Home
-from ghostvis_core.launch.cluster.kubernetes import (
+from ghostvis_core.launch.cluster.kubernetes_manifests import (
     CONTAINER,
     INDEX_ANNOTATION,
     JOB_LABEL,
@@ -30,12 +30,12 @@ from ghostvis_core.launch.cluster.kubernetes import (
     resource_name,
 )
 from ghostvis_core.plan.presets import resolve
-from ghostvis_core.run.job import Job
-from ghostvis_core.run.run_files import read_run_file
 from ghostvis_core.run.track.pipes import StoreMessageWriterChannel
-from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.run.train.watchdog import Watchdog
-from ghostvis_core.verify.eval.job import EvalSpec, eval_job
+from ghostvis_core.runs.file_uri import read_run_file
+from ghostvis_core.runs.job import Job
+from ghostvis_core.runs.launch_spec import LaunchSpec
+from ghostvis_core.verify.eval.eval_spec import EvalSpec, eval_job
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.launchers import kubernetes as k8s_launcher
 from ghostvis_pipeline.launchers.common import registration_job, training_job

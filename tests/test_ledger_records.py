@@ -13,7 +13,7 @@ from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger import Ledger, records
 from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow, ShareRow, schema_of
 from ghostvis_core.data.ledger.write import pieces_to_rows
-from ghostvis_core.data.piece import Piece
+from ghostvis_core.data.shard_piece import Piece
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.batch import BatchPlan
 

@@ -14,7 +14,7 @@ import pytest
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan import lineage, presets, selected
 from ghostvis_core.plan.stages import stage_names
-from ghostvis_core.verify.eval.gate import gate_rows
+from ghostvis_core.verify.eval.quality_gate import gate_rows
 
 
 def test_named_lineages():
@@ -137,9 +137,9 @@ def test_a_text_only_lineage_fine_tunes_without_vision_and_chat_opens_any_chat_s
     reasoning_mix's run, audited clean; the skipped stage cannot be launched; `ghostvis chat` opens rl by
     default (the lineage's newest chat stage) and the new sft run by key."""
     from ghostvis_core.home import Home
-    from ghostvis_core.run.train.runs import newest_completed_run, run_result
-    from ghostvis_core.run.train.spec import LaunchSpec
-    from ghostvis_core.run.train.trained import stage_config
+    from ghostvis_core.run.trained_model import stage_config
+    from ghostvis_core.runs.launch_spec import LaunchSpec
+    from ghostvis_core.runs.lookup import newest_completed_run, run_result
     from tests.conftest import BIN, cli_env, run_cli
 
     store = Home(home_copy).store

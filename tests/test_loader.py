@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ghostvis_core.data.loader import Batcher, ChatRows, Consumption, LMRows, merge_pieces, micro_batch_rows
-from ghostvis_core.data.piece import Piece
+from ghostvis_core.data.shard_piece import Piece
 from ghostvis_core.data.shard_ref import ShardRef
 from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.data.token_shard import TokenShard, list_column, write_token_shard

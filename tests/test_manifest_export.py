@@ -19,8 +19,8 @@ from ghostvis_core.home import Home
 from ghostvis_core.run.hf.inclusion import check_proof
 from ghostvis_core.run.hf.model_files import write_model_files
 from ghostvis_core.run.hf.register import MANIFEST_TAG, stage_model
-from ghostvis_core.run.train.runs import newest_completed_run
-from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.runs.launch_spec import LaunchSpec
+from ghostvis_core.runs.lookup import newest_completed_run
 from tests.conftest import run_cli
 from tests.test_trace import replayed_document
 

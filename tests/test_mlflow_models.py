@@ -20,9 +20,9 @@ import torch
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.plan.stages import stage, stage_names
-from ghostvis_core.run.preflight_record import preflight_record
-from ghostvis_core.run.train.runs import run_result
-from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.runs.launch_spec import LaunchSpec
+from ghostvis_core.runs.lookup import run_result
+from ghostvis_core.runs.preflight_findings import preflight_record
 from ghostvis_core.store.layout import fill
 from tests.conftest import copy_home, free_port, run_cli
 from tests.test_e2e_demo import dagster_instance, latest
@@ -253,7 +253,7 @@ def test_the_registered_dpo_model_loads_and_gives_ghostvis_logits_and_tokens(reg
     import mlflow.pyfunc
     import mlflow.transformers
 
-    from ghostvis_core.run.train.trained import load_stage
+    from ghostvis_core.run.trained_model import load_stage
 
     home, uri = registry
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # as a user would point MLflow at the server

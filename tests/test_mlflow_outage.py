@@ -14,7 +14,7 @@ import pytest
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
-from ghostvis_core.run.train.runs import run_result
+from ghostvis_core.runs.lookup import run_result
 from tests.conftest import MLFLOW_SERVER_ENV, cli_env, free_port, torchrun_stage
 from tests.ui_servers import mlflow_server_command
 

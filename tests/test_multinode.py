@@ -19,10 +19,10 @@ import torch.multiprocessing as mp
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.launch.cluster.torchrun import RDZV_PORT, MultiNode, node_line, torchrun_command
+from ghostvis_core.launch.cluster.torchrun_command import RDZV_PORT, MultiNode, node_line, torchrun_command
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.dist import DistContext, agree
-from ghostvis_core.run.train.runs import run_result
+from ghostvis_core.runs.lookup import run_result
 from tests.conftest import free_port, materialize_pretrain, new_run_dirs, run_cli, run_names
 
 pytestmark = pytest.mark.e2e

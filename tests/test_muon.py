@@ -162,7 +162,7 @@ def test_the_trainer_runs_muon_under_fsdp_through_torchrun(home_copy):
     from mlflow.tracking import MlflowClient
 
     from ghostvis_core.home import Home
-    from ghostvis_core.run.train.runs import run_result
+    from ghostvis_core.runs.lookup import run_result
 
     sets = ["optim.name=muon", "budget.steps=8", "parallel.strategy=fsdp", "checkpoint.every_steps=4"]
     run_cli(

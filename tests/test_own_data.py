@@ -17,7 +17,7 @@ from ghostvis_core.data.ledger.records import ShardRecord
 from ghostvis_core.data.token_shard import TokenShard
 from ghostvis_core.demo.corpus import build_text_source
 from ghostvis_core.home import Home
-from ghostvis_core.run.train.runs import completed_runs
+from ghostvis_core.runs.lookup import completed_runs
 from tests import readme_walks
 from tests.readme_walks import readme_blocks, served_folder, upload_folder
 
@@ -115,7 +115,7 @@ def test_every_kind_downloads_to_the_same_shard_over_s3_http_and_file(
     import boto3
 
     from ghostvis_core.data.catalog import RemoteSource, remote_manifest
-    from ghostvis_core.data.records import normalize_shard
+    from ghostvis_core.data.normalize_shard import normalize_shard
     from ghostvis_core.data.sources import fetch_shard
     from ghostvis_core.store.files import sha256_file
     from tests.test_own_kinds import CAPTIONS, CHATS, write_jsonl

@@ -172,7 +172,7 @@ def assert_checked_and_aliased(home: Path) -> None:
     decided it after the job registered the version pending."""
     from mlflow.tracking import MlflowClient
 
-    from ghostvis_core.run.train.runs import newest_completed_run
+    from ghostvis_core.runs.lookup import newest_completed_run
 
     client = MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
     for stage in LINEAGE.split(","):
@@ -185,7 +185,7 @@ def assert_checked_and_aliased(home: Path) -> None:
 def assert_reward_signal_said(home: Path, said: str) -> None:
     """rl after dpo on the walk's problems: `ghostvis train rl` warns, with an example completion, exactly when
     none of the completions the ledger saved earned a reward."""
-    from ghostvis_core.run.train.runs import newest_completed_run
+    from ghostvis_core.runs.lookup import newest_completed_run
 
     store = Home(home).store
     ledger = Ledger.in_store(store)

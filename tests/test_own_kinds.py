@@ -20,8 +20,8 @@ import pytest
 from ghostvis_core.data.catalog import RemoteSource, remote_manifest
 from ghostvis_core.data.chat import render_chat, render_prompt, render_reply
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.normalize_shard import normalize_shard
 from ghostvis_core.data.problems import completion_answer, is_correct
-from ghostvis_core.data.records import normalize_shard
 from ghostvis_core.data.sources import Manifest, ShardEntry, fetch_shard
 from ghostvis_core.data.token_shard import TokenShard
 from ghostvis_core.data.tokenize import TokenizeJob
@@ -407,8 +407,8 @@ def test_the_readmes_source_of_each_kind_is_a_valid_declaration():
     import yaml
 
     from ghostvis_core.data.catalog import check_declarations
+    from ghostvis_core.data.normalize_shard import check_columns_mapping
     from ghostvis_core.data.problems import check_reward_rule
-    from ghostvis_core.data.records import check_columns_mapping
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     blocks = [b for b in re.findall(r"```yaml\n(.*?)```", readme, re.S) if "my_chats" in b]

@@ -18,8 +18,8 @@ import pytest
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.demo.tasks import build_task_source
 from ghostvis_core.home import Home
-from ghostvis_core.run.train.runs import completed_runs
-from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.runs.launch_spec import LaunchSpec
+from ghostvis_core.runs.lookup import completed_runs
 from tests.conftest import run_cli
 from tests.readme_walks import readme_blocks, served_folder, upload_folder, walk
 

@@ -1,4 +1,4 @@
-"""The lineage quality gate (ghostvis_core/verify/eval/gate.py): each stage's held-out bits per byte against
+"""The lineage quality gate (ghostvis_core/verify/eval/quality_gate.py): each stage's held-out bits per byte against
 its upstream's, judged on hand-built figures, in the report card, and on the smoke demo's evaluation."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger.records import RunTotals, Segment
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.stages import BPB_TOLERANCE, stage_names
-from ghostvis_core.verify.eval.gate import lineage_gate, tolerances
-from ghostvis_core.verify.eval.report import StageReport, tables
+from ghostvis_core.verify.eval.quality_gate import lineage_gate, tolerances
+from ghostvis_core.verify.eval.report_card import StageReport, tables
 
 # pretrain -> continued_pretrain: prose 12% worse (flagged), code 9% worse (within 10%)
 BPB = {"pretrain": {"demo_prose": 2.5, "demo_code": 3.0}, "continued_pretrain": {"demo_prose": 2.8, "demo_code": 3.27}}

@@ -15,8 +15,8 @@ from ghostvis_core.data.catalog import recorded_sha256
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.plan.stages import stage_names
-from ghostvis_core.run.train.runs import completed_runs
-from ghostvis_core.run.train.spec import saved_shard_versions, saved_spec
+from ghostvis_core.runs.launch_spec import saved_shard_versions, saved_spec
+from ghostvis_core.runs.lookup import completed_runs
 from ghostvis_core.store.files import sha256_file
 from tests.conftest import run_cli
 

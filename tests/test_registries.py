@@ -17,8 +17,8 @@ from ghostvis_core.plan.batch import IGNORE_INDEX, BatchPlan
 from ghostvis_core.plan.budget import batch_plan
 from ghostvis_core.plan.config import BatchConfig
 from ghostvis_core.plan.stages import STAGES
-from ghostvis_core.run.train.result import RunResult
-from ghostvis_core.run.train.runs import completed_runs, find_upstream, newest_completed_run
+from ghostvis_core.runs.lookup import completed_runs, find_upstream, newest_completed_run
+from ghostvis_core.runs.run_result import RunResult
 from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
 from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS
 from ghostvis_core.verify.replay.check import NAME as REPLAY_CHECK
@@ -86,7 +86,7 @@ def test_every_reader_of_a_stage_means_its_newest_completed_run(demo_home):
         assert newest_run_key(home, stage.name, None) == newest.run_key
         assert resolve_run(home, ledger, stage.name) == newest.run_key
     assert newest_completed_run(home.store, "no_such_stage") is None
-    # `runs[-1]` of completed_runs is written once, in train/runs.py
+    # `runs[-1]` of completed_runs is written once, in runs/lookup.py
     assert files_matching(r"completed_runs\([^)]*\)\[-1\]|runs\[-1\]\.") == []
 
 

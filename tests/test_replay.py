@@ -17,7 +17,7 @@ import pytest
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
-from ghostvis_core.run.train.runs import newest_completed_run
+from ghostvis_core.runs.lookup import newest_completed_run
 from ghostvis_core.verify.audit.invariants import StageRun
 from ghostvis_core.verify.replay.check import NAME, replay_matches
 from ghostvis_core.verify.replay.intervals import Interval, choose, intervals
@@ -173,7 +173,7 @@ def test_the_demo_pretrain_and_sft_replay_bit_for_bit(home_copy):
 def test_the_dagster_check_replays_the_intervals_its_config_asks_for_and_the_report_card_shows_it(home_copy):
     from dagster import AssetCheckKey, AssetKey, AssetSelection, DagsterInstance, Definitions, define_asset_job
 
-    from ghostvis_core.verify.eval.report import render_markdown, tables
+    from ghostvis_core.verify.eval.report_card import render_markdown, tables
     from ghostvis_pipeline.definitions import defs
     from tests.test_quality_gate import stage_card
 

@@ -23,8 +23,8 @@ from ghostvis_core.home import Home
 from ghostvis_core.plan.budget import batch_plan
 from ghostvis_core.plan.presets import resolve
 from ghostvis_core.run.train import checkpoint as ckpt
-from ghostvis_core.run.train.runs import run_result
-from ghostvis_core.run.train.spec import launch_records
+from ghostvis_core.runs.launch_spec import launch_records
+from ghostvis_core.runs.lookup import run_result
 from tests.conftest import (
     BIN,
     SHORT_PRETRAIN,
@@ -160,7 +160,7 @@ def test_a_resume_on_another_world_size_saves_its_launch_record_beside_the_first
     out) the resume's record is spec.2.json, the first launch's record and the identity stay as they were, and
     the job reads the newest."""
     from ghostvis_core.launch.start import prepare_run
-    from ghostvis_core.run.train.spec import LaunchSpec
+    from ghostvis_core.runs.launch_spec import LaunchSpec
 
     home = Home(home_copy)
     first = prepare_run("pretrain", preset="smoke", home=home, overrides=SHORT_PRETRAIN)

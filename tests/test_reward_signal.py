@@ -9,7 +9,7 @@ import pytest
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.home import Home
-from ghostvis_core.run.train.runs import newest_completed_run
+from ghostvis_core.runs.lookup import newest_completed_run
 from ghostvis_core.verify.audit.invariants import StageRun
 from ghostvis_core.verify.audit.reward_signal import answer_form, unrewarded_note
 

@@ -9,7 +9,7 @@ import sys
 
 from ghostvis_core.home import Home
 from ghostvis_core.run.ship_output import chunk_name
-from ghostvis_core.run.train.reasons import clear_reasons, input_problem, rank_reasons, record_reason, run_reason
+from ghostvis_core.runs.reasons import clear_reasons, input_problem, rank_reasons, record_reason, run_reason
 from ghostvis_core.store import open_store
 from ghostvis_pipeline.launchers.common import failure, host_environment
 from tests.conftest import BIN

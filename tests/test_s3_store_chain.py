@@ -20,7 +20,7 @@ from ghostvis_core.home import Home
 from ghostvis_core.plan import stages
 from ghostvis_core.plan.presets import resolve
 from ghostvis_core.plan.stages import stage_names
-from ghostvis_core.run.train.runs import completed_runs
+from ghostvis_core.runs.lookup import completed_runs
 from ghostvis_core.store import open_store
 from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
 from ghostvis_core.verify.audit.stage_checks import stage_check_names

@@ -267,7 +267,7 @@ def test_status_names_the_one_partition_whose_input_changed(backfills):
 
 
 def test_a_checks_table_shows_its_first_rows_and_counts_the_rest():
-    from ghostvis_core.verify.audit.outcome import CheckOutcome
+    from ghostvis_core.verify.audit.check_outcome import CheckOutcome
     from ghostvis_pipeline.checks import TABLE_ROWS, to_result
 
     rows = [[f"web/{i:05d}", i] for i in range(TABLE_ROWS + 5)]

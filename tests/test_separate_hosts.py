@@ -17,7 +17,7 @@ import pytest
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.run.train import checkpoint as ckpt
-from ghostvis_core.run.train.runs import run_result
+from ghostvis_core.runs.lookup import run_result
 from ghostvis_core.store import open_store
 from tests.conftest import BIN, copy_home, materialize_pretrain
 from tests.faults import SOAK_HANG_S, run_soak
@@ -226,7 +226,7 @@ def test_one_writer_on_s3_through_a_paused_launch_and_a_store_outage(hosts, demo
 
     import psutil
 
-    from ghostvis_core.run.train.runs import identity_of
+    from ghostvis_core.runs.lookup import identity_of
     from tests.faults import outage, wait_for
 
     home, store = another_home(hosts, demo_home, "fence")

@@ -6,7 +6,7 @@ compared with the versions its launch spec selected."""
 from __future__ import annotations
 
 from ghostvis_core.data.catalog import record_raw_shard, save_manifest
-from ghostvis_core.data.identities import tokenizer_identity
+from ghostvis_core.data.data_identities import tokenizer_identity
 from ghostvis_core.data.shard_changes import (
     ShardChange,
     describe_changes,

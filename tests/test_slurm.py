@@ -27,11 +27,18 @@ import pytest
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.launch.cluster.slurm import JOB_OUTCOMES, SlurmJob, job_outcome, redact, render_sbatch, ship_command
+from ghostvis_core.launch.cluster.slurm_script import (
+    JOB_OUTCOMES,
+    SlurmJob,
+    job_outcome,
+    redact,
+    render_sbatch,
+    ship_command,
+)
 from ghostvis_core.run.train import checkpoint as ckpt
-from ghostvis_core.run.train.runs import run_result
+from ghostvis_core.runs.lookup import run_result
 from ghostvis_core.store import open_store
-from ghostvis_core.verify.eval.job import EvalSpec, eval_job
+from ghostvis_core.verify.eval.eval_spec import EvalSpec, eval_job
 from tests.conftest import (
     BIN,
     cli_env,

@@ -18,7 +18,7 @@ from ghostvis_core.data.token_blocks import BLOCK_TOKENS, TokenBlocks
 from ghostvis_core.data.token_shard import TokenShard, list_column
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.run.train.runs import completed_runs
+from ghostvis_core.runs.lookup import completed_runs
 from tests.conftest import run_cli
 from tests.test_loader import write_shard
 

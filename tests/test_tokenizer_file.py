@@ -1,4 +1,4 @@
-"""Bring a tokenizer (ghostvis_core.data.tokenizer_file): byte-level BPE tokenizer.json files made here with the
+"""Bring a tokenizer (ghostvis_core.data.brought_tokenizer): byte-level BPE tokenizer.json files made here with the
 `tokenizers` library (ChatML, Llama 3 and GPT-2 styles) and a tiktoken BPE file encode as their own library does,
 their special tokens stand for GhostVis's chat markers, the file and the mapping decide the tokenizer's id, a GhostVis
 export comes back as the same tokenizer, what cannot be served exactly is refused naming the file and the fix, and
@@ -15,9 +15,9 @@ import tiktoken
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
+from ghostvis_core.data.brought_tokenizer import CL100K_PATTERN, bring_tokenizer
 from ghostvis_core.data.chat import render_chat, render_prompt
 from ghostvis_core.data.tokenizer import SPLIT_PATTERN, load_tokenizer, save_tokenizer, train_tokenizer
-from ghostvis_core.data.tokenizer_file import CL100K_PATTERN, bring_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import FolderStore
 

@@ -13,7 +13,7 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan.batch import BatchPlan
-from ghostvis_core.run.train.runs import completed_runs
+from ghostvis_core.runs.lookup import completed_runs
 from ghostvis_core.verify.audit.row_index import place
 from ghostvis_core.verify.trace import find_text, shard_row, trace_document, trace_step
 from tests.conftest import run_cli

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from ghostvis_core.data.normalize_shard import check_columns_mapping
 from ghostvis_core.data.problems import check_reward_rule
-from ghostvis_core.data.records import check_columns_mapping
 from ghostvis_core.data.schema import check_kind
 from ghostvis_core.data.sources import (
     SHARD_SUFFIXES,

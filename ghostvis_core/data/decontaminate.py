@@ -6,7 +6,7 @@ training document sharing more than `contamination.max_overlap` of its 13-gram f
 evaluation item, or holding a short evaluation item whole. The demo builders use a stricter rule, as
 real pipelines do when they decontaminate: after the train/validation split, a training document that
 shares *any* fingerprint (ghostvis_core/data/ngrams.py) with held-out text, or holds a shipped
-evaluation item of fewer than 13 words whole (ghostvis_core/data/whole_items.py: the gate's rule), is
+evaluation item of fewer than 13 words whole (ghostvis_core/data/short_items.py: the gate's rule), is
 dropped. For generated data that is right: a templated row sharing one 13-word run with a held-out row
 is a near copy of it, a row saying "The capital of France is Paris." is the capitals item itself, and
 losing either costs nothing but a regeneration. Held-out text is the validation documents of every
@@ -26,7 +26,7 @@ from typing import TypeVar
 
 from ghostvis_core.data.eval_texts import shipped_texts
 from ghostvis_core.data.ngrams import fingerprints
-from ghostvis_core.data.whole_items import WholeItems, whole_phrase
+from ghostvis_core.data.short_items import WholeItems, whole_phrase
 
 T = TypeVar("T")
 

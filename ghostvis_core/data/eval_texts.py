@@ -12,7 +12,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from ghostvis_core.data.facts import capitals
+from ghostvis_core.data.fact_tables import capitals
 
 PROMPTS = (
     "The tallest mountain in the world is",

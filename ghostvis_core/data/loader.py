@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ghostvis_core.counts import TokenCounts
-from ghostvis_core.data.piece import Piece
+from ghostvis_core.data.shard_piece import Piece
 from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.plan.batch import IGNORE_INDEX, BatchPlan
 from ghostvis_core.plan.mixture import MixtureSchedule

@@ -12,7 +12,7 @@ sides of a comparison are sampled by the same rule, and it comes with a guarante
 lacks: two texts that share a run of at least NGRAM + WINDOW - 1 (= 20) words share a fingerprint.
 About 2 / (WINDOW + 1) of the n-grams are kept (2 bytes per word stored, before compression). A text
 shorter than NGRAM words has no n-gram, hence no fingerprint: a short evaluation item is matched whole
-instead (ghostvis_core/data/whole_items.py).
+instead (ghostvis_core/data/short_items.py).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 One owner for what a source kind is: `KIND_COLUMNS` names the columns the tokenizer reads (the first is
 the text a document filter looks at), `SOURCE_KINDS` the kinds a source may declare. `check_shard_schema`
-runs on every raw shard, before it takes its place in the store (after ghostvis_core/data/records.py put a
+runs on every raw shard, before it takes its place in the store (after ghostvis_core/data/normalize_shard.py put a
 user's file in its kind's shape) and before it is tokenized, so a shard whose columns are missing, of
 another type, or not valid UTF-8 is refused naming the shard, column and row, rather than failing inside
 tokenization with a Python exception.

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ghostvis_core.data.catalog import recorded_sha256
-from ghostvis_core.data.identities import tokenizer_identity
+from ghostvis_core.data.data_identities import tokenizer_identity
 from ghostvis_core.store import Store
 
 # What a trained tokenizer's identity holds besides its training data: the part that makes it another tokenizer.

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ghostvis_core.data.piece import Piece
+from ghostvis_core.data.shard_piece import Piece
 from ghostvis_core.data.shard_ref import ShardRef
 from ghostvis_core.data.token_shard import TokenShard
 from ghostvis_core.errors import GhostvisError

@@ -4,7 +4,7 @@ HF `tokenizers` trains fast; tiktoken encodes fast and is what the rest of the p
 trained tokenizer is stored as `ranks.tiktoken` (tiktoken's own format) plus `tokenizer.json`, in the
 artifact store under kind "tokenizer" and its `tokenizer_id`, a hash of its content: two tokenizers
 with the same id encode identically, so the id can name the tokenized shards built with it. A tokenizer
-brought as a file (ghostvis_core.data.tokenizer_file) is stored and named the same way.
+brought as a file (ghostvis_core.data.brought_tokenizer) is stored and named the same way.
 """
 
 from __future__ import annotations
@@ -255,7 +255,7 @@ def build_tokenizer(
     markers: Mapping[str, str] | None = None,
 ) -> Tokenizer:
     """A Tokenizer named by a hash of its content; the specials default to SPECIAL_TOKENS after the
-    ranks (a tokenizer brought as a file brings its own and `markers`, ghostvis_core.data.tokenizer_file)."""
+    ranks (a tokenizer brought as a file brings its own and `markers`, ghostvis_core.data.brought_tokenizer)."""
     specials = specials or {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
     digest = hashlib.sha256(_ranks_file_bytes(ranks))
     digest.update(pattern.encode())

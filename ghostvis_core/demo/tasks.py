@@ -56,7 +56,7 @@ import pyarrow.parquet as pq
 from PIL import Image, ImageDraw
 
 from ghostvis_core.data.decontaminate import HeldOut, drop_shared, held_out
-from ghostvis_core.data.facts import capitals
+from ghostvis_core.data.fact_tables import capitals
 from ghostvis_core.data.ngrams import record_text
 from ghostvis_core.demo.columns import demo_schema
 from ghostvis_core.errors import GhostvisError

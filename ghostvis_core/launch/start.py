@@ -26,9 +26,9 @@ from ghostvis_core.plan.budget import Plan
 from ghostvis_core.plan.budget import plan as make_plan
 from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.plan.presets import RegisteredSources, TokenizerVocab
-from ghostvis_core.run.hf.sources import is_hf_source
-from ghostvis_core.run.train.runs import Upstream, checkpoint_key, checkpoint_of, find_upstream, next_run_key
-from ghostvis_core.run.train.spec import LaunchSpec, Shards, StageInputs
+from ghostvis_core.run.hf.checkpoint_sources import is_hf_source
+from ghostvis_core.runs.launch_spec import LaunchSpec, Shards, StageInputs
+from ghostvis_core.runs.lookup import Upstream, checkpoint_key, checkpoint_of, find_upstream, next_run_key
 from ghostvis_core.store import Store
 
 MLFLOW_EXPERIMENT = "ghostvis"
@@ -317,7 +317,7 @@ def start_run(planned: PlannedRun, home: Home) -> LaunchSpec:
     without overwriting one (`LaunchSpec.save`: a resume launched as saved writes nothing, one launched otherwise,
     e.g. on another world size, a record of its own), beside the run's identity and the code version that made
     it (saved at its first launch; a resume must train the same). The job's pre-flight keeps what it finds in a
-    record of its own (run/preflight_record.py); it runs in the job, on rank 0 (ghostvis_core/run/preflight.py)."""
+    record of its own (runs/preflight_findings.py); it runs in the job, on rank 0 (ghostvis_core/run/preflight.py)."""
     spec = launch_spec(planned, next_run_key(home.store, planned.stage, planned.base_key), home)
     save_identity(home.store, planned, spec.run_key)
     spec.save(home.store)

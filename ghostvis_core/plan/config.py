@@ -170,7 +170,7 @@ class CheckpointConfig:
     every_minutes: float = 0.0
 
 
-# The stop signals of runtime.preempt_grace_s: torchrun passes them on to its ranks (launch/cluster/torchrun.py),
+# The stop signals of runtime.preempt_grace_s: torchrun passes them on to its ranks (launch/cluster/torchrun_command.py),
 # which take each as a preemption (run/train/preemption.py). torchrun's own default list lacks SIGUSR1 and SIGUSR2
 # (they killed it: exit -10) and holds SIGHUP and SIGQUIT, which stay a plain stop (a lost terminal, a core dump).
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
@@ -222,7 +222,7 @@ class ContaminationConfig:
     # Evaluation sets checked besides the known ones (validation shards, the shipped lm-eval tasks, the
     # benchmark and demo prompts): JSON Lines or Parquet files or folders of them (e.g. a harness_include
     # folder); one item per line or row: its string fields, plus choices[answer] for a multiple-choice
-    # item. An item shorter than 13 words is matched whole (ghostvis_core/data/whole_items.py).
+    # item. An item shorter than 13 words is matched whole (ghostvis_core/data/short_items.py).
     eval_sets: tuple[str, ...] = ()
 
 
@@ -246,7 +246,7 @@ class StageConfig:
     grpo: GRPOConfig | None = None
     # What initialises this stage: an upstream stage's name (its final checkpoint), or a Hugging Face
     # Llama / Qwen2 checkpoint with its tokenizer: a local folder, s3://bucket/prefix or
-    # hf://org/name[@revision] (ghostvis_core.run.hf.sources); None: random init.
+    # hf://org/name[@revision] (ghostvis_core.run.hf.checkpoint_sources); None: random init.
     init_from: str | None = None
 
     def to_dict(self) -> dict[str, Any]:

@@ -102,7 +102,7 @@ _TINY: dict[str, dict[str, Any]] = {
     "reasoning_mix": dict(
         batch=_batch(4, 512),
         # Replays code as well as prose, at a lower LR: with prose alone at 1e-3, held-out code bpb rose
-        # 11% (2.73 -> 3.04), beyond the lineage quality gate's 10% (ghostvis_core/verify/eval/gate.py).
+        # 11% (2.73 -> 3.04), beyond the lineage quality gate's 10% (ghostvis_core/verify/eval/quality_gate.py).
         **_schedule(80, lr=7e-4, warmup_steps=5),
         data=dict(
             recipe=_recipe(demo_reasoning=0.6, demo_prose=0.2, demo_code=0.2),
@@ -193,7 +193,7 @@ _SMOKE_DELTAS = {
 }
 
 # Why a stage's evidence cannot improve in a preset's run, per preset and stage: the report card prints it next
-# to the figures that did not move (ghostvis_core/verify/eval/report.py), instead of a flat line passing as success.
+# to the figures that did not move (ghostvis_core/verify/eval/report_card.py), instead of a flat line passing as success.
 EVIDENCE_NOTES: dict[str, dict[str, str]] = {
     "tiny": {
         # measured: held-out loss beyond 256 positions 5.853 -> 5.875, within 5.841 -> 5.853 (2 cores, 18 steps)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import Objective
 
-# The lineage quality gate's default (ghostvis_core/verify/eval/gate.py): a stage may score at most 10% more
+# The lineage quality gate's default (ghostvis_core/verify/eval/quality_gate.py): a stage may score at most 10% more
 # bits per byte than the stage it starts from on any held-out text source.
 BPB_TOLERANCE = 0.10
 

@@ -21,14 +21,14 @@ from ghostvis_core.errors import GhostvisError
 from ghostvis_core.exit import skip_final_collections
 from ghostvis_core.plan.config import RuntimeConfig, parse_sets
 from ghostvis_core.run.preflight import check_run
-from ghostvis_core.run.run_files import split_run_uri
 from ghostvis_core.run.train import dist
 from ghostvis_core.run.train.dist import print0
 from ghostvis_core.run.train.loop import train
 from ghostvis_core.run.train.preemption import PREEMPTED_EXIT, Preempted
-from ghostvis_core.run.train.reasons import LEASE_LOST, LEASE_LOST_EXIT, record_reason
-from ghostvis_core.run.train.runs import completed, identity_of
-from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.runs.file_uri import split_run_uri
+from ghostvis_core.runs.launch_spec import LaunchSpec
+from ghostvis_core.runs.lookup import completed, identity_of
+from ghostvis_core.runs.reasons import LEASE_LOST, LEASE_LOST_EXIT, record_reason
 from ghostvis_core.store import lease, open_store
 from ghostvis_core.store.fence import LeaseLost
 

@@ -2,9 +2,9 @@
 whose streams read the token shards, so it runs where the shards are read anyway and not on the host
 that plans and launches the run (Dagster's, which only writes the launch spec).
 
-A refusal is a GhostvisError: the job records it as its reason (train/reasons.py) and every launcher
+A refusal is a GhostvisError: the job records it as its reason (runs/reasons.py) and every launcher
 fails the materialization with it. What the pre-flight found (the per-source budget, or the refusal)
-is a record of its own beside the run (run/preflight_record.py); the launch spec is never written again.
+is a record of its own beside the run (runs/preflight_findings.py); the launch spec is never written again.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.budget import detected_gpu, memory_plan, memory_refusal, shortfall
-from ghostvis_core.run.preflight_record import PreflightRecord, SourceBudget
-from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.runs.launch_spec import LaunchSpec
+from ghostvis_core.runs.preflight_findings import PreflightRecord, SourceBudget
 from ghostvis_core.store import Store
 
 if TYPE_CHECKING:

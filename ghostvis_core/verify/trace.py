@@ -32,8 +32,8 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.query import RunHead
 from ghostvis_core.data.ngrams import TEXT_COLUMNS, fingerprints, normalize, record_text
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.train.runs import completed, newest_completed_run, run_result
-from ghostvis_core.run.train.spec import saved_shard_versions, saved_spec
+from ghostvis_core.runs.launch_spec import saved_shard_versions, saved_spec
+from ghostvis_core.runs.lookup import completed, newest_completed_run, run_result
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.row_index import write_row_index
 from ghostvis_core.verify.audit.token_files import TokenFile

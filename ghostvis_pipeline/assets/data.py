@@ -27,22 +27,22 @@ from ghostvis_core.data.catalog import (
     save_manifest,
     shard_split_shown,
 )
+from ghostvis_core.data.data_identities import ledger_identity, manifest_identity, shard_contents, tokenizer_identity
 from ghostvis_core.data.dedup import dedup_indexes, removed_rows
-from ghostvis_core.data.identities import ledger_identity, manifest_identity, shard_contents, tokenizer_identity
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.summaries import source_split_totals
-from ghostvis_core.data.records import normalize_shard
+from ghostvis_core.data.normalize_shard import normalize_shard
 from ghostvis_core.data.shard_changes import ShardChange, describe_changes, training_data_changes
 from ghostvis_core.data.sources import fetch_shard
 from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards
-from ghostvis_core.demo.sources import DEMO_SOURCES, publish_demo_source
+from ghostvis_core.demo.publish_sources import DEMO_SOURCES, publish_demo_source
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.identity import code_version, digest
-from ghostvis_core.launch.cluster.slurm import SlurmJob
 from ghostvis_core.launch.cluster.slurm_pipeline import SlurmPipeline
+from ghostvis_core.launch.cluster.slurm_script import SlurmJob
 from ghostvis_core.plan import presets, run_modes, selected
-from ghostvis_core.run.tokenizer_job import TokenizerSpec, brought_spec, tokenizer_job, write_spec
+from ghostvis_core.run.tokenizer_training import TokenizerSpec, brought_spec, tokenizer_job, write_spec
 from ghostvis_core.store.fence import is_committed
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers import Launcher
@@ -60,7 +60,7 @@ RemoteSourceConfig = config_from_dataclass(RemoteSource)
 MANIFEST_CODE = code_version("ghostvis_core.data.catalog")
 RAW_SHARDS_CODE = code_version("ghostvis_core.data.sources", "ghostvis_core.data.catalog")
 TOKENIZER_CODE = code_version(
-    "ghostvis_core.run.tokenizer_job", "ghostvis_core.data.catalog", "ghostvis_core.data.tokenizer_file"
+    "ghostvis_core.run.tokenizer_training", "ghostvis_core.data.catalog", "ghostvis_core.data.brought_tokenizer"
 )
 TOKENIZE_CODE = code_version("ghostvis_core.data.tokenize", "ghostvis_core.data.dedup")
 LEDGER_CODE = code_version("ghostvis_core.data.ledger")
@@ -218,7 +218,7 @@ class TokenizerConfig(Config):
     # training one: the data is then tokenized as that model was trained, for stages that init_from it
     from_model: str = ""
     # a tokenizer file to use instead of training one: a byte-level BPE tokenizer.json or a tiktoken BPE file
-    # (path, s3://, http(s)://, hf://org/name@rev for its tokenizer.json): ghostvis_core.data.tokenizer_file
+    # (path, s3://, http(s)://, hf://org/name@rev for its tokenizer.json): ghostvis_core.data.brought_tokenizer
     from_file: str = ""
     # with from_file or from_model: GhostVis's bos, eot, system, user, assistant, image, pad -> the file's text
     # for each ({"user": "<|im_start|>user\n"}); ChatML and Llama 3 files need none
@@ -235,7 +235,7 @@ def tokenizer(
     vocabulary, the byte cap and the text shards by recorded content and split; a tokenizer of the same
     identity in the store is returned, not retrained (read here: a cache hit launches nothing). Or takes
     the tokenizer of a model (from_model) or a file (from_file), brought again each time. Training, taking
-    and bringing run in the tokenizer job (ghostvis_core/run/tokenizer_job.py), launched where the launcher
+    and bringing run in the tokenizer job (ghostvis_core/run/tokenizer_training.py), launched where the launcher
     runs jobs; this process plans, launches and reads the record the job wrote. Data version: the tokenizer
     id (a content hash), so a retraining that yields the same tokenizer changes nothing downstream.
     `ghostvis data` keeps an existing tokenizer whose training data alone changed (`tokenizer_kept`): it does
@@ -297,7 +297,7 @@ def _train_or_reuse_tokenizer(
     context, config, h: Home, launcher: Launcher, ident: dict, key: str, vocab: int
 ) -> MaterializeResult:
     """Under the identity's lease: the tokenizer of this identity if one was trained (also by the launch this one
-    waited for), else a new one, trained by a job where the launcher runs jobs (ghostvis_core/run/tokenizer_job.py)."""
+    waited for), else a new one, trained by a job where the launcher runs jobs (ghostvis_core/run/tokenizer_training.py)."""
     store = h.store
     committed = is_committed(store, "tokenizer", key, "identity", "tokenizer", key)  # not a lost launch's
     record = store.read_json("identity", "tokenizer", key) if committed else None

@@ -17,12 +17,10 @@ from ghostvis_core.identity import code_version, digest
 from ghostvis_core.plan.budget import DEFAULT_GPU_PRICES
 from ghostvis_core.plan.selected import lineage as selected_lineage
 from ghostvis_core.run.track.mlflow_records import add_files, metric_histories
-from ghostvis_core.run.train.runs import run_result
-from ghostvis_core.run.train.trained import stage_config
+from ghostvis_core.run.trained_model import stage_config
+from ghostvis_core.runs.lookup import run_result
 from ghostvis_core.store import Store
-from ghostvis_core.verify.eval.gate import tolerances
-from ghostvis_core.verify.eval.harness_tasks import DEFAULT_TASKS, task_files_digest
-from ghostvis_core.verify.eval.job import (
+from ghostvis_core.verify.eval.eval_spec import (
     MAX_BPB_TOKENS,
     MC_PER_TASK,
     EvalSpec,
@@ -30,7 +28,9 @@ from ghostvis_core.verify.eval.job import (
     held_out_refs,
     results_name,
 )
-from ghostvis_core.verify.eval.report import stage_report, write_report
+from ghostvis_core.verify.eval.harness_tasks import DEFAULT_TASKS, task_files_digest
+from ghostvis_core.verify.eval.quality_gate import tolerances
+from ghostvis_core.verify.eval.report_card import stage_report, write_report
 from ghostvis_core.verify.eval.seeds import read_seed_moves
 from ghostvis_core.verify.replay.record import replay_summary
 from ghostvis_pipeline.launchers import Launcher
@@ -56,7 +56,7 @@ def eval_shards(store: Store, tokenizer_id: str, lineage: dict[str, str]) -> dic
 
 # The modules that make each eval asset (their code_version, ghostvis_core/identity.py).
 EVALUATION_CODE = code_version("ghostvis_core.verify.eval.__main__", "ghostvis_core.verify.eval.scoring")
-REPORT_CODE = code_version("ghostvis_core.verify.eval.report", "ghostvis_core.run.track.mlflow_records")
+REPORT_CODE = code_version("ghostvis_core.verify.eval.report_card", "ghostvis_core.run.track.mlflow_records")
 
 
 class EvaluationConfig(Config):

@@ -31,12 +31,12 @@ from ghostvis_core.launch.start import TRAINING_MODULES, PlannedRun, plan_run, s
 from ghostvis_core.plan import presets, selected
 from ghostvis_core.plan.stages import Stage
 from ghostvis_core.run.hf.register import model_record
-from ghostvis_core.run.preflight_record import preflight_record
 from ghostvis_core.run.track.mlflow_models import alias_version
-from ghostvis_core.run.train.reasons import input_problem, lost_lease, run_reason, was_preempted
-from ghostvis_core.run.train.result import RunResult
-from ghostvis_core.run.train.runs import Upstream, run_result
-from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.runs.launch_spec import LaunchSpec
+from ghostvis_core.runs.lookup import Upstream, run_result
+from ghostvis_core.runs.preflight_findings import preflight_record
+from ghostvis_core.runs.reasons import input_problem, lost_lease, run_reason, was_preempted
+from ghostvis_core.runs.run_result import RunResult
 from ghostvis_core.store import Store
 from ghostvis_core.store.lease import Lease
 from ghostvis_core.verify.audit.invariants import StageRun

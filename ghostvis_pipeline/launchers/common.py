@@ -8,13 +8,13 @@ from collections.abc import Callable
 from dagster import Failure
 
 from ghostvis_core.home import Home
-from ghostvis_core.launch.cluster.slurm import is_secret
-from ghostvis_core.launch.cluster.torchrun import worker_env
+from ghostvis_core.launch.cluster.slurm_script import is_secret
+from ghostvis_core.launch.cluster.torchrun_command import worker_env
 from ghostvis_core.run.hf.register import MODEL_FILE, REGISTER_ENTRY
-from ghostvis_core.run.job import TRAINING_ENTRY, Job
-from ghostvis_core.run.train.reasons import clear_reasons, run_reason
-from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.run.train.watchdog import FrozenJobWatch
+from ghostvis_core.runs.job import TRAINING_ENTRY, Job
+from ghostvis_core.runs.launch_spec import LaunchSpec
+from ghostvis_core.runs.reasons import clear_reasons, run_reason
 
 # Named launcher profiles: environment settings known to be needed on some clusters, chosen by
 # name instead of edited into code (e.g. NCCL hangs on nodes without NVLink / InfiniBand).

@@ -3,7 +3,7 @@
 One node: one pod submitted by dagster-k8s (`PipesK8sClient`), whose messages come back in the pod's
 logs. Several nodes: a headless Service and an Indexed Job created here; rank 0's messages travel
 through the shared store (any rank may be rank 0), pod 0's logs are streamed into the run's log,
-and the Job and Service are deleted however the run ends. Manifests: ghostvis_core/launch/cluster/kubernetes.py.
+and the Job and Service are deleted however the run ends. Manifests: ghostvis_core/launch/cluster/kubernetes_manifests.py.
 
 Either way the launching side watches the ranks' heartbeats (launchers/common.py frozen_watch): when none moves for
 runtime.hang_timeout_s (a frozen node, where no rank can report), the run's pods are deleted and the launch fails
@@ -24,7 +24,7 @@ from dagster import AssetExecutionContext, Failure
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.launch.cluster.kubernetes import (
+from ghostvis_core.launch.cluster.kubernetes_manifests import (
     CONTAINER,
     INDEX_ANNOTATION,
     JOB_LABEL,
@@ -35,7 +35,7 @@ from ghostvis_core.launch.cluster.kubernetes import (
     render_indexed_job,
     render_pod,
 )
-from ghostvis_core.run.job import Job
+from ghostvis_core.runs.job import Job
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers.common import clear_reason, failure, frozen_watch, job_env, require_result, spec_uri
 from ghostvis_pipeline.launchers.pipes import store_pipes_session

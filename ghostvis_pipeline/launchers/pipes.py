@@ -11,7 +11,6 @@ from contextlib import contextmanager
 from dagster import AssetExecutionContext, PipesBlobStoreMessageReader, PipesEnvContextInjector, open_pipes_session
 
 from ghostvis_core.home import Home
-from ghostvis_core.run.job import Job
 from ghostvis_core.run.track.pipes import (
     ATTEMPT_PARAM,
     CHUNK_INTERVAL_S,
@@ -20,6 +19,7 @@ from ghostvis_core.run.track.pipes import (
     STORE_PARAM,
     chunk_name,
 )
+from ghostvis_core.runs.job import Job
 from ghostvis_core.store import Store
 from ghostvis_pipeline.launchers.common import clear_reason, job_env
 

@@ -18,7 +18,7 @@ from typing import Any, get_type_hints
 import pyarrow as pa
 
 from ghostvis_core.counts import TokenCounts
-from ghostvis_core.data.piece import Piece
+from ghostvis_core.data.shard_piece import Piece
 from ghostvis_core.plan.batch import BatchPlan
 
 # The tables written per part of a run, each in a folder per run (`LedgerFiles.part_file`).

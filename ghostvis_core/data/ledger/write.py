@@ -37,7 +37,7 @@ from ghostvis_core.data.ledger.records import (
     schema_of,
     table_of,
 )
-from ghostvis_core.data.piece import Piece
+from ghostvis_core.data.shard_piece import Piece
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store.files import sha256_file
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from datatrove.executor import SlurmPipelineExecutor
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.launch.cluster.slurm import SlurmJob
+from ghostvis_core.launch.cluster.slurm_script import SlurmJob
 
 
 @dataclass

@@ -27,7 +27,7 @@ from ghostvis_core.run.hf.summary_input import read_declared
 from ghostvis_core.run.hf.tokenizer_json import save_hf_tokenizer
 from ghostvis_core.run.hf.vision import save_vision
 from ghostvis_core.run.model.gpt import GPT
-from ghostvis_core.run.train.trained import load_from_store
+from ghostvis_core.run.trained_model import load_from_store
 from ghostvis_core.store import Store, open_store
 
 MAX_SHARD_SIZE = "5GB"  # the Hub's convention; safetensors shards of at most this size

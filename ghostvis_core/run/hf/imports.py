@@ -21,15 +21,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ghostvis_core.data.brought_tokenizer import read_tokenizer_file
 from ghostvis_core.data.tokenizer import Tokenizer, save_tokenizer
-from ghostvis_core.data.tokenizer_file import read_tokenizer_file
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import ModelConfig
+from ghostvis_core.run.hf.checkpoint_sources import local_copy
 from ghostvis_core.run.hf.names import expected_shapes, from_hf, model_config
-from ghostvis_core.run.hf.sources import local_copy
 from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.run.train import checkpoint as ckpt
-from ghostvis_core.run.train.runs import Upstream
+from ghostvis_core.runs.lookup import Upstream
 from ghostvis_core.store import Store
 
 IMPORT_STAGE = "hf_import"  # the "stage" of imported checkpoints in the store
@@ -145,7 +145,7 @@ def import_checkpoint(store: Store, uri: str) -> Imported:
 def import_tokenizer(store: Store, uri: str, special_tokens: dict[str, str] | None = None) -> Tokenizer:
     """The tokenizer of the HF checkpoint at `uri`, saved in the store, so the data can be tokenized
     as that model was trained before a stage starts from it (the `tokenizer` asset's `from_model`;
-    `special_tokens` maps GhostVis's chat roles onto its tokens, ghostvis_core.data.tokenizer_file)."""
+    `special_tokens` maps GhostVis's chat roles onto its tokens, ghostvis_core.data.brought_tokenizer)."""
     with local_copy(uri) as folder:
         return _save_tokenizer_of(store, inspect_checkpoint(folder, f"tokenizer from_model {uri}"), special_tokens)
 

@@ -29,8 +29,8 @@ from ghostvis_core.data.ledger.query import in_list
 from ghostvis_core.data.ledger.records import ConsumptionRow, FeedRow, PartRow, ShardConsumption, ShardRecord
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.hf.merkle import leaf_hash, merkle_root
-from ghostvis_core.run.train.runs import run_result
-from ghostvis_core.run.train.spec import saved_shard_versions, saved_spec
+from ghostvis_core.runs.launch_spec import saved_shard_versions, saved_spec
+from ghostvis_core.runs.lookup import run_result
 from ghostvis_core.store import Store
 
 MANIFEST_FILE = "ghostvis_manifest.json"

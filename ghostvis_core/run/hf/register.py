@@ -26,13 +26,13 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.exit import skip_final_collections
 from ghostvis_core.plan.stages import stage_names
 from ghostvis_core.run.hf.manifest import build_manifest, manifest_sha256
-from ghostvis_core.run.job import job_parser
-from ghostvis_core.run.run_files import split_run_uri
 from ghostvis_core.run.track.check_verdict import run_verdict
 from ghostvis_core.run.track.mlflow_models import StageModel, register_stage_model
 from ghostvis_core.run.track.pipes import PipesReporter
-from ghostvis_core.run.train.runs import identity_of, run_result
-from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.runs.file_uri import split_run_uri
+from ghostvis_core.runs.job import job_parser
+from ghostvis_core.runs.launch_spec import LaunchSpec
+from ghostvis_core.runs.lookup import identity_of, run_result
 from ghostvis_core.store import Store, lease, open_store
 from ghostvis_core.store.lease import Lease
 

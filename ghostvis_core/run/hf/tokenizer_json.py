@@ -1,5 +1,5 @@
 """GhostVis's tiktoken tokenizer as a Hugging Face `tokenizer.json` (byte-level BPE, same ids); the other
-way, a tokenizer.json brought to GhostVis, is ghostvis_core.data.tokenizer_file.
+way, a tokenizer.json brought to GhostVis, is ghostvis_core.data.brought_tokenizer.
 
 tiktoken merges the adjacent pair whose concatenation has the lowest rank; an HF BPE whose merges
 are every split of each token into two ranked tokens, ordered by the token's rank (the conversion

@@ -1,7 +1,7 @@
 """MLflow logging from rank 0, off the training thread.
 
 mlflow is imported and the run created in a background thread, which the tracker starts after the
-first optimizer step (ghostvis_core/run/train/tracking.py says why). Metrics are buffered and sent in
+first optimizer step (ghostvis_core/run/train/live_metrics.py says why). Metrics are buffered and sent in
 batches; if the tracking server is unreachable the buffer is kept and retried, training goes on, and
 the outage is reported as a gap.
 For that, mlflow's HTTP client must fail fast, or one flush blocks for minutes of retries: the

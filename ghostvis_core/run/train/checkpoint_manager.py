@@ -33,15 +33,15 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import PartRow, RolloutRow, ShareRow
 from ghostvis_core.data.ledger.write import pieces_to_rows, row_ranges
 from ghostvis_core.data.loader import Batch, Consumption, merge_pieces
-from ghostvis_core.data.piece import Piece
+from ghostvis_core.data.shard_piece import Piece
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.dist import DistContext, agree, barrier, broadcast_object, gather_objects, print0
 from ghostvis_core.run.train.feeds import FedLog
 from ghostvis_core.run.train.grpo import RolloutLog
-from ghostvis_core.run.train.runs import identity_of
-from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.run.train.state import TrainState
+from ghostvis_core.runs.launch_spec import LaunchSpec
+from ghostvis_core.runs.lookup import identity_of
 from ghostvis_core.store import Store
 from ghostvis_core.store.fence import Grants, LeaseLost, grants
 from ghostvis_core.store.lease import Lease

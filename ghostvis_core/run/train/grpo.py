@@ -40,8 +40,8 @@ from ghostvis_core.counts import GRPO_STEP_METRICS, ROLLOUT_FIGURES, TokenCounts
 from ghostvis_core.data.chat import ROLES
 from ghostvis_core.data.ledger.records import RolloutRow
 from ghostvis_core.data.loader import Batch, DocIndex, Row, rank_share
-from ghostvis_core.data.piece import Piece
 from ghostvis_core.data.problems import closes_answer_line, is_correct, well_formed
+from ghostvis_core.data.shard_piece import Piece
 from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.data.tokenizer import Tokenizer
 from ghostvis_core.plan.batch import IGNORE_INDEX

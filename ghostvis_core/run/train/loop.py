@@ -7,9 +7,9 @@ Trainer method (trainer.py); the checkpoints are its CheckpointManager's (checkp
 from __future__ import annotations
 
 from ghostvis_core.run.train.dist import DistContext
-from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.setup import setup
-from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.runs.launch_spec import LaunchSpec
+from ghostvis_core.runs.run_result import RunResult
 from ghostvis_core.store.lease import Lease
 
 

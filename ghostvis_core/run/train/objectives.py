@@ -43,8 +43,8 @@ from ghostvis_core.run.model.vision import decode_images
 from ghostvis_core.run.train import evidence as ev
 from ghostvis_core.run.train.dist import DistContext, all_reduce_sum
 from ghostvis_core.run.train.grpo import GroupRows, grpo_loss_sum, held_out_reward, rollout_batch
-from ghostvis_core.run.train.runs import checkpoint_of
-from ghostvis_core.run.train.spec import LaunchSpec, Shards
+from ghostvis_core.runs.launch_spec import LaunchSpec, Shards
+from ghostvis_core.runs.lookup import checkpoint_of
 from ghostvis_core.store import open_store
 
 

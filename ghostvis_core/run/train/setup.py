@@ -19,17 +19,17 @@ from ghostvis_core.run.train.clock import Clock
 from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.run.train.efficiency import efficiency
 from ghostvis_core.run.train.feeds import watch_model_inputs
+from ghostvis_core.run.train.live_metrics import Tracker
 from ghostvis_core.run.train.muon import make_muon
 from ghostvis_core.run.train.objectives import build_objective
 from ghostvis_core.run.train.parallel import wrap
 from ghostvis_core.run.train.precision import use_bf16, use_compile
 from ghostvis_core.run.train.preemption import PreemptionFlag
-from ghostvis_core.run.train.runs import checkpoint_of
-from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.run.train.state import TrainState
-from ghostvis_core.run.train.tracking import Tracker
 from ghostvis_core.run.train.trainer import Trainer
 from ghostvis_core.run.train.watchdog import Watchdog
+from ghostvis_core.runs.launch_spec import LaunchSpec
+from ghostvis_core.runs.lookup import checkpoint_of
 from ghostvis_core.store import open_store
 from ghostvis_core.store.lease import Lease
 

@@ -30,14 +30,14 @@ from ghostvis_core.run.train.clock import Clock
 from ghostvis_core.run.train.dist import DistContext, on_device, summed_on_device
 from ghostvis_core.run.train.efficiency import Efficiency
 from ghostvis_core.run.train.grpo import count_step
+from ghostvis_core.run.train.live_metrics import Tracker
 from ghostvis_core.run.train.objectives import Objective
 from ghostvis_core.run.train.parallel import SingleProcess
 from ghostvis_core.run.train.preemption import Preempted, PreemptionFlag
-from ghostvis_core.run.train.result import BeforeAfter, FrozenCheck, MixtureShare, RunResult
-from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.run.train.state import TrainState
-from ghostvis_core.run.train.tracking import Tracker
 from ghostvis_core.run.train.watchdog import Watchdog
+from ghostvis_core.runs.launch_spec import LaunchSpec
+from ghostvis_core.runs.run_result import BeforeAfter, FrozenCheck, MixtureShare, RunResult
 from ghostvis_core.store import Store
 from ghostvis_core.store.fence import LeaseLost
 

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from ghostvis_core.run.train.reasons import HUNG, record_reason
+from ghostvis_core.runs.reasons import HUNG, record_reason
 from ghostvis_core.store import Store
 
 STOPPED = "stopped"  # a heartbeat's phase once its rank stopped watching (the loop ended)

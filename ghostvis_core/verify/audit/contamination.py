@@ -15,7 +15,7 @@ covers them. A pair (training document, evaluation item) is contaminated when th
 share exceed `contamination.max_overlap` of the smaller one's fingerprints.
 
 An item of fewer than 13 words has no fingerprint; it is matched whole
-(ghostvis_core/data/whole_items.py) against the text of the consumed rows, read from the raw shards:
+(ghostvis_core/data/short_items.py) against the text of the consumed rows, read from the raw shards:
 a consumed document that holds it is contaminated. An evaluation set none of whose items can be
 checked (each shorter than whole_items.MIN_WORDS words) fails the check by name instead of passing
 on nothing. An rl run trains on the completions it generates as well as on its prompts (consumed rows
@@ -50,13 +50,13 @@ from ghostvis_core.data.eval_texts import (
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow, ShardRecord
 from ghostvis_core.data.ngrams import TEXT_COLUMNS, fingerprints, record_text
+from ghostvis_core.data.short_items import MIN_WORDS, WholeItems, whole_phrase
 from ghostvis_core.data.tokenizer import load_tokenizer
-from ghostvis_core.data.whole_items import MIN_WORDS, WholeItems, whole_phrase
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import ContaminationConfig
-from ghostvis_core.run.train.spec import shard_versions
+from ghostvis_core.runs.launch_spec import shard_versions
 from ghostvis_core.store import Store
-from ghostvis_core.verify.audit.outcome import CheckOutcome, union
+from ghostvis_core.verify.audit.check_outcome import CheckOutcome, union
 
 NAMED = 20  # contaminated pairs named one by one in a check's failures and tables
 COMPLETION = "rl completion"  # the "shard" of a generated completion: "rl completion, step S rank R"

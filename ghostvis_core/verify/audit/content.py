@@ -20,7 +20,7 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import FeedRow, PartRow
 from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.store import Store
-from ghostvis_core.verify.audit.outcome import CheckOutcome
+from ghostvis_core.verify.audit.check_outcome import CheckOutcome
 from ghostvis_core.verify.audit.rebuild import PlannedRows, micro_rows
 from ghostvis_core.verify.audit.row_index import write_row_index
 

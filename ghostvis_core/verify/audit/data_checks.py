@@ -13,7 +13,7 @@ from collections.abc import Callable
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit import invariants as inv
-from ghostvis_core.verify.audit.outcome import CheckOutcome
+from ghostvis_core.verify.audit.check_outcome import CheckOutcome
 from ghostvis_core.verify.audit.removed import removed_tokens_reconcile
 from ghostvis_core.verify.audit.token_integrity import (
     documents_start_where_ledger_says,

@@ -15,9 +15,9 @@ from typing import Any
 from ghostvis_core.counts import TokenCounts
 from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow, ShareRow
 from ghostvis_core.data.ledger.write import row_ranges
-from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.runs.launch_spec import LaunchSpec
 from ghostvis_core.store import Store
-from ghostvis_core.verify.audit.outcome import covered_twice, length, subtract, union
+from ghostvis_core.verify.audit.check_outcome import covered_twice, length, subtract, union
 from ghostvis_core.verify.audit.rebuild import PlannedRows, Span, micro_rows
 
 

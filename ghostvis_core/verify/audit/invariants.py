@@ -16,11 +16,12 @@ from ghostvis_core.data.ledger.query import UNDECLARED_KINDS, Reuse
 from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow
 from ghostvis_core.data.ledger.summaries import duplicate_shards, train_validation_overlap, validation_selected
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.train.result import RunResult
-from ghostvis_core.run.train.runs import run_result
-from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.runs.launch_spec import LaunchSpec
+from ghostvis_core.runs.lookup import run_result
+from ghostvis_core.runs.run_result import RunResult
 from ghostvis_core.store import Store
 from ghostvis_core.store.files import sha256_file
+from ghostvis_core.verify.audit.check_outcome import CheckOutcome
 from ghostvis_core.verify.audit.expected import (
     compare_ranges,
     expected_pieces,
@@ -29,7 +30,6 @@ from ghostvis_core.verify.audit.expected import (
     rows_per_step,
     share_problems,
 )
-from ghostvis_core.verify.audit.outcome import CheckOutcome
 from ghostvis_core.verify.audit.recount import FileRecount, recount
 from ghostvis_core.verify.audit.token_files import TokenFile
 

@@ -27,10 +27,10 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import ConsumptionRow
 from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.runs.launch_spec import LaunchSpec
 from ghostvis_core.store import Store
 from ghostvis_core.store.files import sha256_file
-from ghostvis_core.verify.audit.outcome import covered_twice, union
+from ghostvis_core.verify.audit.check_outcome import covered_twice, union
 from ghostvis_core.verify.audit.rebuild import rl_prompt
 from ghostvis_core.verify.audit.token_files import TokenFile
 

@@ -18,10 +18,10 @@ from ghostvis_core.data.tokenizer import newest_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.run.track.mlflow_records import latest_metrics
-from ghostvis_core.run.train.runs import newest_completed_run
+from ghostvis_core.runs.lookup import newest_completed_run
 from ghostvis_core.verify.audit import invariants as inv
+from ghostvis_core.verify.audit.check_outcome import CheckOutcome
 from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
-from ghostvis_core.verify.audit.outcome import CheckOutcome
 from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS, CheckInputs
 
 

@@ -24,7 +24,7 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import PartRow, RolloutRow
 from ghostvis_core.plan.batch import BatchPlan
 from ghostvis_core.store import Store
-from ghostvis_core.verify.audit.outcome import CheckOutcome
+from ghostvis_core.verify.audit.check_outcome import CheckOutcome
 from ghostvis_core.verify.audit.rebuild import PlannedRows, micro_rows
 
 NAME = "rollouts_recounted"

@@ -17,9 +17,9 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.run.track.mlflow_records import latest_metrics, metric_histories
 from ghostvis_core.verify.audit import invariants as inv
+from ghostvis_core.verify.audit.check_outcome import CheckOutcome
 from ghostvis_core.verify.audit.contamination import no_eval_contamination
 from ghostvis_core.verify.audit.content import fed_content_matches_files
-from ghostvis_core.verify.audit.outcome import CheckOutcome
 from ghostvis_core.verify.audit.rollouts import rollouts_recounted
 
 

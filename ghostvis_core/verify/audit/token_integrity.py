@@ -30,7 +30,7 @@ from ghostvis_core.data.ngrams import TEXT_COLUMNS, normalize, record_text
 from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import Store
-from ghostvis_core.verify.audit.outcome import CheckOutcome
+from ghostvis_core.verify.audit.check_outcome import CheckOutcome
 from ghostvis_core.verify.audit.token_files import TokenFile
 
 NAMED = 20  # problems named one by one in a check's failures

@@ -5,7 +5,7 @@ torchrun, Slurm, Kubernetes; Pipes carries its log lines to Dagster):
 
 It scores every stage of the spec's lineage (ghostvis_core/verify/eval/scoring.py) and writes the scores to
 reports/evaluation/<identity>.json, which the asset reads and checks; a failure leaves its reason where the
-launcher reads a rank's (ghostvis_core/run/train/reasons.py).
+launcher reads a rank's (ghostvis_core/runs/reasons.py).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import json
 import sys
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.job import job_parser
-from ghostvis_core.run.run_files import split_run_uri
 from ghostvis_core.run.track.pipes import PipesReporter
-from ghostvis_core.run.train.reasons import record_reason
+from ghostvis_core.runs.file_uri import split_run_uri
+from ghostvis_core.runs.job import job_parser
+from ghostvis_core.runs.reasons import record_reason
 from ghostvis_core.store import open_store
-from ghostvis_core.verify.eval.job import EVAL_FOLDER, MODULE, EvalSpec, results_name
+from ghostvis_core.verify.eval.eval_spec import EVAL_FOLDER, MODULE, EvalSpec, results_name
 
 
 def read_spec(uri: str) -> EvalSpec:

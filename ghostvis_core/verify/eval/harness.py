@@ -31,7 +31,7 @@ from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, ma
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
-from ghostvis_core.run.train.trained import TrainedStage, load_stage
+from ghostvis_core.run.trained_model import TrainedStage, load_stage
 from ghostvis_core.verify.eval.harness_tasks import CLOZE_TASK, DEFAULT_TASKS, TASKS_DIR
 
 BATCH_ROWS, MAX_GEN_TOKS, GEN_CHUNK = 32, 256, 32

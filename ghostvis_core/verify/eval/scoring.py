@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.run.track.mlflow_records import add_to_run
-from ghostvis_core.run.train.trained import load_from_store
+from ghostvis_core.run.trained_model import load_from_store
 from ghostvis_core.store import Store
 from ghostvis_core.verify.eval.benchmark import (
     bits_per_byte,
@@ -26,9 +26,9 @@ from ghostvis_core.verify.eval.benchmark import (
     one_thread,
     samples,
 )
+from ghostvis_core.verify.eval.eval_spec import EVAL_FOLDER, MAX_BPB_TOKENS, MC_PER_TASK, EvalSpec
 from ghostvis_core.verify.eval.harness import GhostvisLM, run_tasks
 from ghostvis_core.verify.eval.harness_tasks import CLOZE_FILE, CLOZE_TASK, cloze_jsonl
-from ghostvis_core.verify.eval.job import EVAL_FOLDER, MAX_BPB_TOKENS, MC_PER_TASK, EvalSpec
 
 
 @dataclass(frozen=True)

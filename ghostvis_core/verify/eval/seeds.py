@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ghostvis_core.store import Store
-from ghostvis_core.verify.eval.verdict import improved
+from ghostvis_core.verify.eval.figure_direction import improved
 
 # The share of seeds on which a stage's evidence must move the right way: 4 of 5 (the seed benchmark's goal).
 MOVES_ON_SHARE = 0.8

@@ -11,8 +11,8 @@ import time
 from typing import Any
 
 from ghostvis_core.store import Store
+from ghostvis_core.verify.audit.check_outcome import CheckOutcome
 from ghostvis_core.verify.audit.invariants import StageRun
-from ghostvis_core.verify.audit.outcome import CheckOutcome
 from ghostvis_core.verify.replay.intervals import Interval, choose, intervals, kept_steps
 from ghostvis_core.verify.replay.record import write_record
 from ghostvis_core.verify.replay.refusal import refusal

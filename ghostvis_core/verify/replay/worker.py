@@ -21,10 +21,10 @@ from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.run.train.precision import use_bf16
-from ghostvis_core.run.train.runs import checkpoint_of
 from ghostvis_core.run.train.setup import build_model, make_optimizer
-from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.run.train.state import TrainState
+from ghostvis_core.runs.launch_spec import LaunchSpec
+from ghostvis_core.runs.lookup import checkpoint_of
 from ghostvis_core.store import Store, open_store
 from ghostvis_core.verify.replay.batches import ReplayRows
 from ghostvis_core.verify.replay.compare import compare_with, trained_parameters

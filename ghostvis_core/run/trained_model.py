@@ -11,9 +11,9 @@ from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan.config import StageConfig
-from ghostvis_core.run.train.result import RunResult
-from ghostvis_core.run.train.runs import completed_runs, newest_completed_run
-from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.runs.launch_spec import LaunchSpec
+from ghostvis_core.runs.lookup import completed_runs, newest_completed_run
+from ghostvis_core.runs.run_result import RunResult
 from ghostvis_core.store import Store
 
 if TYPE_CHECKING:  # torch is imported when a model is loaded: reading a run's config needs none

@@ -6,7 +6,7 @@ the run as saved writes nothing; one that launches it otherwise (another world s
 a record of its own beside the first (kind run_spec_resume, spec.<n>.json), so each launch's record stays
 readable; `LaunchSpec.read`, the one reader, returns the newest. Every rank reads it and nothing else (it does
 not query the ledger or know who started it); what the job learns (the pre-flight's budget) is a record of its
-own (run/preflight_record.py). It is frozen and typed (`from_dict(to_dict(spec)) == spec`): the resolved config, the
+own (runs/preflight_findings.py). It is frozen and typed (`from_dict(to_dict(spec)) == spec`): the resolved config, the
 plan with its one BatchPlan, the shards as ShardRefs (their token files by store URI: a stream fetches one
 when it opens it); `StageInputs` holds what the launcher worked out for this stage from its lineage.
 """

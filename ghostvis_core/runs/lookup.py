@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ghostvis_core.errors import GhostvisError
-from ghostvis_core.run.train.result import RunResult
+from ghostvis_core.runs.run_result import RunResult
 from ghostvis_core.store import Store
 from ghostvis_core.store.fence import is_committed
 

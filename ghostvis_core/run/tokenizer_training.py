@@ -1,6 +1,6 @@
 """The tokenizer as a job, launched by the `tokenizer` asset through the same launcher as training:
 
-    python -m ghostvis_core.run.tokenizer_job --spec <store>/runs/tokenizer/<identity>/spec.json
+    python -m ghostvis_core.run.tokenizer_training --spec <store>/runs/tokenizer/<identity>/spec.json
 
 Its spec says where the tokenizer comes from: trained (a byte-level BPE on the text sources' train shards, up
 to the byte cap), taken from a Hugging Face model (`from_model`: the checkpoint's tokenizer.json, read by the
@@ -19,20 +19,20 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ghostvis_core.data.brought_tokenizer import bring_tokenizer
 from ghostvis_core.data.catalog import tokenizer_corpus
 from ghostvis_core.data.tokenizer import Tokenizer, save_tokenizer, train_tokenizer
-from ghostvis_core.data.tokenizer_file import bring_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.identity import digest
-from ghostvis_core.run.job import Job, job_parser
-from ghostvis_core.run.run_files import split_run_uri
 from ghostvis_core.run.track.pipes import PipesReporter
-from ghostvis_core.run.train.reasons import record_reason
+from ghostvis_core.runs.file_uri import split_run_uri
+from ghostvis_core.runs.job import Job, job_parser
+from ghostvis_core.runs.reasons import record_reason
 from ghostvis_core.store import Store, lease, open_store
 from ghostvis_core.store.fence import LeaseLost
 
 FOLDER = "tokenizer"  # the jobs' folder in the store: runs/tokenizer/<identity>/
-MODULE = "ghostvis_core.run.tokenizer_job"
+MODULE = "ghostvis_core.run.tokenizer_training"
 
 
 @dataclass(frozen=True)

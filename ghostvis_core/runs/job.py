@@ -1,7 +1,7 @@
 """What a launcher starts: one heavy job, a module run under torchrun on a spec in the store.
 
 Training (`ghostvis_core.run`), the evaluation (`ghostvis_core.verify.eval`), tokenizer training
-(`ghostvis_core.run.tokenizer_job`) and a cache hit's model registration (`ghostvis_core.run.hf.register`)
+(`ghostvis_core.run.tokenizer_training`) and a cache hit's model registration (`ghostvis_core.run.hf.register`)
 are launched alike, by the same launchers (local torchrun, multi-node torchrun, Slurm, Kubernetes, Pipes),
 so none of them runs in the Dagster process. A job's files live in its folder of the store,
 runs/<stage>/<run_key>/: the spec it reads, its Pipes messages, output and reasons.

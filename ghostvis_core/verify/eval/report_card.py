@@ -1,7 +1,7 @@
 """The report card of a lineage: one HTML page (and its Markdown twin) with each stage's planned vs
 consumed tokens, shards used, reuse and leakage status, loss curves, evidence, mixture vs recipe, evaluation, the
 replay verdict (K checkpoint intervals re-executed and compared bit for bit, verify/replay), the
-lineage quality gate (held-out bpb vs the upstream stage, ghostvis_core/verify/eval/gate.py), wall time and
+lineage quality gate (held-out bpb vs the upstream stage, ghostvis_core/verify/eval/quality_gate.py), wall time and
 throughput, what the same plan would cost on GPUs, and each stage's step ranges with the `ghostvis trace`
 command (and the Dagster `trace` job's config) that lists the documents a step fed, so a loss spike
 leads to its documents. Token figures and step ranges come from the ledger.
@@ -22,12 +22,12 @@ from ghostvis_core.data.ledger.records import RunTotals, Segment, ShardConsumpti
 from ghostvis_core.plan.budget import StepTime, plan
 from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.plan.presets import evidence_note
-from ghostvis_core.run.train.result import RunResult
+from ghostvis_core.runs.run_result import RunResult
 from ghostvis_core.store import Store
 from ghostvis_core.store.files import atomic_write
-from ghostvis_core.verify.eval.gate import GATE_HEADER, gate_rows
+from ghostvis_core.verify.eval.figure_direction import improved
+from ghostvis_core.verify.eval.quality_gate import GATE_HEADER, gate_rows
 from ghostvis_core.verify.eval.seeds import seed_note
-from ghostvis_core.verify.eval.verdict import improved
 
 
 @dataclass

@@ -17,7 +17,7 @@ from ghostvis_core.run.track.mlflow_run import MlflowRun, MlflowTarget
 from ghostvis_core.run.track.pipes import PipesReporter
 from ghostvis_core.run.track.shard_input import ShardInput
 from ghostvis_core.run.train.dist import DistContext, print0
-from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.runs.launch_spec import LaunchSpec
 
 
 class Tracker:
