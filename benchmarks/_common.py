@@ -6,7 +6,7 @@
 - demo homes: build one with `ghostvis demo`, or derive a scratch training home from an existing one
   (tokenizer and ledger shard rows copied, token shards symlinked) so benchmarks never write into a
   home they were given;
-- running a stage with the real entry point (`torchrun ... -m ghostvis_core.run --stage ...`),
+- running a stage with the real entry point (`ghostvis prepare`, then its `torchrun ... -m ghostvis_core.run --spec`),
   time-stamping every output line as it is read;
 - goal lines ("goal met" / "goal missed") and the final key=value line.
 """
@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -282,23 +283,16 @@ class StageRun:
         return next(((t, line) for t, line in self.lines if pred(line)), None)
 
 
-def torchrun_cmd(stage: str, preset: str, sets: list[str], nproc: int = 2) -> list[str]:
-    cmd = [
-        PY,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "ghostvis_core.run",
-        "--stage",
-        stage,
-        "--preset",
-        preset,
-    ]
-    for s in sets:
-        cmd += ["--set", s]
-    return cmd
+def torchrun_cmd(home: Path, stage: str, preset: str, sets: list[str], env: dict[str, str]) -> list[str]:
+    """Plan the stage run in `home` on this host (`ghostvis prepare`, untimed: the job only runs specs) and
+    return the torchrun line it printed, as `python -m torch.distributed.run` (what the torchrun script runs)."""
+    cmd = [PY, "-m", "ghostvis_pipeline.cli", "prepare", stage, "--preset", preset]
+    cmd += [a for s in sets for a in ("--set", s)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise BenchError(f"`ghostvis prepare {stage}` exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
+    line = shlex.split(proc.stdout.strip().splitlines()[-1])
+    return [PY, "-m", "torch.distributed.run", *line[1:]]
 
 
 @dataclass
@@ -377,18 +371,17 @@ def run_stage(
     sets: list[str],
     *,
     log: Path,
-    nproc: int = 2,
     threads_per_rank: int = 1,
     timeout: float = 900.0,
     stop_when: Callable[[str, StageRun], bool] | None = None,
 ) -> StageRun:
-    """Launch `torchrun --standalone --nproc_per_node=N -m ghostvis_core.run --stage ...` (as
-    `python -m torch.distributed.run`, which is what the torchrun script runs) and read its output
-    line by line, time-stamping each line when it is read (PYTHONUNBUFFERED=1). With stop_when, the
-    run is ended (SIGTERM to its process group) once it returns True."""
-    cmd = torchrun_cmd(stage, preset, sets, nproc)
+    """Plan the run (`ghostvis prepare`, before the clock starts), launch the torchrun line it printed (as
+    `python -m torch.distributed.run`, which is what the torchrun script runs) and read its output line by
+    line, time-stamping each line when it is read (PYTHONUNBUFFERED=1): times count from torchrun's start.
+    With stop_when, the run is ended (SIGTERM to its process group) once it returns True."""
     env = clean_env(home)
     env["OMP_NUM_THREADS"] = str(threads_per_rank)
+    cmd = torchrun_cmd(home, stage, preset, sets, env)
     run = StageRun(cmd, -1, 0.0, [], log, home, 0.0)
 
     def on_line(t: float, line: str) -> bool:

@@ -3,8 +3,9 @@
 Measured, through the real entry point:
 - the entry point's imports: `python -X importtime -m ghostvis_core.run --help` (the sum of its
   top-level imports) and the wall time of `python -m ghostvis_core.run --help`;
-- one smoke stage: `torchrun --standalone --nproc_per_node=2 -m ghostvis_core.run --stage pretrain
-  --preset smoke` (gloo, 1 thread per rank) in a scratch home (its MLflow store created beforehand,
+- one smoke stage: `ghostvis prepare pretrain --preset smoke` (untimed), then the line it prints,
+  `torchrun --standalone --nproc_per_node=2 -m ghostvis_core.run --spec URI` (gloo, 1 thread per rank), in a
+  scratch home (its MLflow store created beforehand,
   as a home's is before its first stage), every output line time-stamped: launch -> the run's start
   line, launch -> the first optimizer step (the `[pretrain] step 1/` line), the training loop (step 1
   to the last step, inside the loop's own evaluations and checkpoints; from the step lines:
@@ -138,8 +139,8 @@ def main() -> int:
         runs = []
         for i in range(args.repeats):
             print(
-                f"smoke stage {i + 1}/{args.repeats}: torchrun --nproc_per_node=2 -m ghostvis_core.run --stage "
-                "pretrain --preset smoke ...",
+                f"smoke stage {i + 1}/{args.repeats}: ghostvis prepare pretrain --preset smoke, then its "
+                "torchrun --nproc_per_node=2 -m ghostvis_core.run --spec ...",
                 flush=True,
             )
             runs.append(smoke_stage(src, wd, str(i)))

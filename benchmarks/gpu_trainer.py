@@ -1,7 +1,7 @@
 """The GPU check's trainer part: the real trainer on the demo corpus, then the audit of what it trained.
 
-`python -m ghostvis_core.run --stage pretrain` under torchrun (one rank) for 30 steps of the tiny preset
-in a scratch copy of a data-only demo home (raw shards, tokenizer, token files, ledger: built here by
+`ghostvis prepare pretrain`, then its `-m ghostvis_core.run --spec` line under torchrun (one rank), for 30 steps of
+the tiny preset in a scratch copy of a data-only demo home (raw shards, tokenizer, token files, ledger: built here by
 `--prepare` with the demo's own assets, since tokenizing needs datatrove and Dagster), MLflow in the
 home's SQLite file (the default: MLflow 3.17 refuses its filesystem backend unless
 MLFLOW_ALLOW_FILE_STORE is set), then `ghostvis audit --stage pretrain`'s function on that home:
@@ -18,6 +18,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -137,9 +138,14 @@ def run_trainer(home_src: Path, log: Path, preset: str = PRESET, steps: int = ST
             "eval.every_steps=1000000",
             "checkpoint.every_steps=1000000",
         ]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
-        cmd += ["-m", "ghostvis_core.run", "--stage", STAGE, "--preset", preset]
-        cmd += [a for s in sets for a in ("--set", s)]
+        prepare = [sys.executable, "-m", "ghostvis_pipeline.cli", "prepare", STAGE, "--preset", preset]
+        planned = subprocess.run(
+            [*prepare, *(a for s in sets for a in ("--set", s))], env=env, capture_output=True, text=True
+        )
+        if planned.returncode != 0:
+            return {"error": f"ghostvis prepare exited {planned.returncode}: {last_error(planned.stderr)}"}
+        torchrun_line = shlex.split(planned.stdout.strip().splitlines()[-1])
+        cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_line[1:]]
         start = time.perf_counter()
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         wall = time.perf_counter() - start

@@ -1,7 +1,8 @@
 """Trainer vs a bare PyTorch loop on the same model, batch shape, world size and precision.
 
-- trainer: the real entry point, `torchrun --standalone --nproc_per_node=2 -m ghostvis_core.run
-  --stage pretrain --preset tiny --set budget.steps=N` (eval and checkpoints only at the end), gloo,
+- trainer: the real entry point, the line `ghostvis prepare pretrain --preset tiny --set budget.steps=N`
+  prints (planned before the clock starts): `torchrun --standalone --nproc_per_node=2 -m ghostvis_core.run
+  --spec URI` (eval and checkpoints only at the end), gloo,
   1 thread per rank; tokens/s is the trainer's own figure (RUN_COMPLETE.json `tokens_per_sec`:
   end of step 1 to end of step N, before the final eval/checkpoint).
 - bare: benchmarks/_bare_loop.py under the same torchrun: GPT from the run's resolved config, DDP,

@@ -52,6 +52,7 @@ from ghostvis_pipeline import (
     export_command,
     model_command,
     plan_goodput,
+    prepare_command,
     status_command,
     store_command,
     trace_command,
@@ -621,6 +622,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat_command.add_parser(sub)
     data_command.add_parser(sub)
     train_command.add_parser(sub)
+    prepare_command.add_parser(sub)
     export_command.add_parser(sub)
     model_command.add_parser(sub)
     status_command.add_parser(sub)

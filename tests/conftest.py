@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -83,11 +84,24 @@ def run_cli(args: list[str], home: Path, timeout: float = 600, check: bool = Tru
     return proc
 
 
-def torchrun_stage(stage: str, *sets: str, preset: str = "smoke", nproc: int = 2) -> list[str]:
-    """`torchrun --standalone --nproc_per_node=N -m ghostvis_core.run --stage S --preset P --set k=v ...`:
-    a stage under plain torchrun, as a user runs it (the torchrun of this environment)."""
-    cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "-m", "ghostvis_core.run"]
-    return [*cmd, "--stage", stage, "--preset", preset, *(a for s in sets for a in ("--set", s))]
+def prepare_argv(stage: str, *sets: str, preset: str = "smoke") -> list[str]:
+    """`ghostvis prepare S --preset P --set k=v ...`: plan a stage run by hand, as a user does before torchrun."""
+    return ["ghostvis", "prepare", stage, "--preset", preset, *(a for s in sets for a in ("--set", s))]
+
+
+def prepare_stage(home: Path, stage: str, *sets: str, preset: str = "smoke", **env: str) -> list[str]:
+    """`ghostvis prepare` plans the run in `home` (with `env` added, as the job will see it): the torchrun line it
+    printed, split; its last argument is the run's launch spec."""
+    printed = run_cli(prepare_argv(stage, *sets, preset=preset), home, **env).stdout
+    cmd = shlex.split(printed.strip().splitlines()[-1])
+    assert cmd[0] == "torchrun" and cmd[-2] == "--spec", f"ghostvis prepare printed {printed!r}"
+    return cmd
+
+
+def torchrun_stage(home: Path, stage: str, *sets: str, preset: str = "smoke", **env: str) -> list[str]:
+    """A stage under plain torchrun, as a user runs it: the line `ghostvis prepare` printed, with this
+    environment's torchrun."""
+    return [str(BIN / "torchrun"), *prepare_stage(home, stage, *sets, preset=preset, **env)[1:]]
 
 
 def copy_home(src: Path, dest: Path) -> Path:

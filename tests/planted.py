@@ -4,8 +4,9 @@ exist for. Run in the rank processes as
 
     torchrun --standalone --nproc_per_node=2 -m tests.planted <scenarios.json>
 
-where the file lists scenarios, [{"name", "bugs": "<bug>[,<bug>]" or null, "args": [<ghostvis_core.run
-args>]}], run one after another by the same rank processes (`run_scenarios`), or in-process with
+where the file lists scenarios, [{"name", "bugs": "<bug>[,<bug>]" or null, "args": [<`ghostvis prepare`
+args: stage, --preset, --set>]}], each planned as `ghostvis prepare` plans it and run on its spec one after
+another by the same rank processes (`run_scenarios`), or in-process with
 `plant(bug, setter)` (e.g. pytest's monkeypatch.setattr). A mutation whose anchor text is no longer in
 the function fails loudly: update the anchor, not the check.
 """
@@ -13,6 +14,7 @@ the function fails loudly: update the anchor, not the check.
 from __future__ import annotations
 import __future__
 
+import argparse
 import importlib
 import inspect
 import json
@@ -248,11 +250,38 @@ def plant(bugs: str, setter=setattr) -> None:
         mutate(module, qualname, edits, setter=setter)
 
 
+def scenario_spec(args: list[str], key: str, store, rank: int) -> list[str]:
+    """The scenario's `ghostvis prepare` arguments planned on rank 0, as `ghostvis prepare` plans them (this harness
+    is the run's launcher as well as its ranks), into the job's `--spec URI`, which the other ranks read from
+    torchrun's store under `key`; a refusal ends the scenario on every rank."""
+    if rank == 0:
+        from ghostvis_core.errors import GhostvisError
+        from ghostvis_core.launch.start import prepare_run
+        from ghostvis_core.plan.config import parse_sets
+        from ghostvis_core.store import open_store
+
+        prepare = argparse.ArgumentParser(prog="ghostvis prepare")
+        prepare.add_argument("stage")
+        prepare.add_argument("--preset", required=True)
+        prepare.add_argument("--set", dest="sets", action="append", default=[])
+        asked = prepare.parse_args(args)
+        try:
+            spec = prepare_run(asked.stage, preset=asked.preset, overrides=parse_sets(asked.sets))
+            told = open_store(spec.store).uri_of("run_spec", spec.stage, spec.run_key)
+        except GhostvisError as exc:
+            told = f"error: {exc}"
+        store.set(key, told)
+    told = store.get(key).decode()
+    if told.startswith("error: "):
+        raise SystemExit(f"scenario not planned: {told}")
+    return ["--spec", told]
+
+
 def run_scenarios(scenarios: list[dict]) -> int:
     """Each scenario's training run in turn, in this rank process, with its bugs planted for that run only
     (undone before the next): one launch pays torch's, MLflow's and transformers' imports once for all of
-    them. Rank 0 prints `scenario <name>` before each run, so its output names which run is whose. The
-    first run that fails ends the launch with its exit code.
+    them. Rank 0 plans each run (`scenario_spec`) and prints `scenario <name>` before it, so its output names
+    which run is whose. The first run that fails ends the launch with its exit code.
 
     Each run gets a process group of its own, its keys under their own prefix of torchrun's store: the ranks
     leave a run at different times (rank 0 goes on to register the model), and a group made again on the
@@ -267,13 +296,14 @@ def run_scenarios(scenarios: list[dict]) -> int:
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     for i, scenario in enumerate(scenarios):
+        args = scenario_spec(scenario["args"], f"scenario-{i}-spec", store, rank)
         dist.init_process_group("gloo", store=dist.PrefixStore(f"scenario-{i}", store), rank=rank, world_size=world)
         if rank == 0:
             print(f"scenario {scenario['name']}", flush=True)
         with pytest.MonkeyPatch.context() as patches:
             if scenario["bugs"]:
                 plant(scenario["bugs"], setter=patches.setattr)
-            code = main(scenario["args"])
+            code = main(args)
         if code:
             return code
     return 0

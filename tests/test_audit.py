@@ -40,7 +40,6 @@ pytestmark = pytest.mark.e2e
 
 STEPS, TOKENS_PER_STEP = 4, 2 * 64 * 2 * 2
 SMOKE_ACCUM = [
-    "--stage",
     "pretrain",
     "--preset",
     "smoke",
@@ -70,7 +69,6 @@ TORCHRUN_BUGS = [
 ]
 # sft: 4 steps of the smoke recipe (8 packed chats of 256 positions per rank and step, image chats among them)
 SMOKE_SFT = [
-    "--stage",
     "sft",
     "--preset",
     "smoke",
@@ -84,7 +82,7 @@ SMOKE_SFT = [
 SFT_BUGS = ["chat_mask_ignored", "chat_doc_ids_dropped", "images_rotated"]
 
 
-Scenario = tuple[str, str | None, int, list[str]]  # (name, bugs, data.seed, ghostvis_core.run args)
+Scenario = tuple[str, str | None, int, list[str]]  # (name, bugs, data.seed, `ghostvis prepare` args)
 
 
 def launch(home: Path, scenarios: list[Scenario], check: bool = True) -> dict[str, str]:

@@ -178,7 +178,7 @@ def test_a_config_inconsistent_with_the_upstream_checkpoint_fails_before_torchru
 
 def test_plain_torchrun_runs_a_stage_without_dagster(home_copy):
     proc = run_cli(
-        torchrun_stage("pretrain", "budget.steps=4"),
+        torchrun_stage(home_copy, "pretrain", "budget.steps=4", OMP_NUM_THREADS="1"),
         home_copy,
         OMP_NUM_THREADS="1",
     )

@@ -230,7 +230,7 @@ def test_the_trainer_with_async_checkpoints_trains_and_commits_like_the_sync_one
 
     for extra in ([], ["checkpoint.async_save=true"]):
         run_cli(
-            torchrun_stage("pretrain", *ASYNC_RUN, *extra),
+            torchrun_stage(home_copy, "pretrain", *ASYNC_RUN, *extra, OMP_NUM_THREADS="1"),
             home_copy,
             OMP_NUM_THREADS="1",
         )

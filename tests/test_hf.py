@@ -22,7 +22,7 @@ from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.runs.lookup import checkpoint_of
 from ghostvis_core.store import FolderStore
-from tests.conftest import new_bucket, run_cli, s3_env
+from tests.conftest import new_bucket, prepare_argv, prepare_stage, run_cli, s3_env
 
 transformers = pytest.importorskip("transformers")
 
@@ -291,19 +291,8 @@ def test_a_stage_trains_from_an_imported_hf_folder(home_copy, tmp_path):
         "eval.evidence=[]",
         "eval.val_tokens=512",
     ]
-    run_cli(
-        [
-            "python",
-            "-m",
-            "ghostvis_core.run",
-            "--stage",
-            "continued_pretrain",
-            "--preset",
-            "smoke",
-            *[a for s in sets for a in ("--set", s)],
-        ],
-        home_copy,
-    )
+    spec_uri = prepare_stage(home_copy, "continued_pretrain", *sets)[-1]
+    run_cli(["python", "-m", "ghostvis_core.run", "--spec", spec_uri], home_copy)  # one rank: no torchrun needed
     store = home.store
     (key,) = [
         k
@@ -494,17 +483,7 @@ def test_a_foreign_models_tokenizer_tokenizes_the_data_a_stage_starts_from_it(to
         "eval.val_tokens=128",
         "runtime.precision=fp32",
     ]
-    train = [
-        "python",
-        "-m",
-        "ghostvis_core.run",
-        "--stage",
-        "pretrain",
-        "--preset",
-        "smoke",
-        *[a for s in sets for a in ("--set", s)],
-    ]
-    refused = run_cli(train, home_copy, check=False)
+    refused = run_cli(prepare_argv("pretrain", *sets), home_copy, check=False)
     assert refused.returncode != 0
     assert f"materialize tokenizer with from_model: {folder}, then tokenized_shards" in refused.stdout + refused.stderr
 
@@ -528,7 +507,8 @@ def test_a_foreign_models_tokenizer_tokenizes_the_data_a_stage_starts_from_it(to
     rows = Ledger.in_store(store).shards(tokenizer_id=tok.tokenizer_id)
     assert {r.source for r in rows} >= {"demo_prose", "demo_code"} and all(r.tokens > 0 for r in rows)
 
-    out = run_cli(train, home_copy).stdout
+    spec_uri = prepare_stage(home_copy, "pretrain", *sets)[-1]
+    out = run_cli(["python", "-m", "ghostvis_core.run", "--spec", spec_uri], home_copy).stdout  # one rank
     run_key = re.search(r"run (\S+) segment", out).group(1)
     spec = store.read_json("run_spec", "pretrain", run_key)
     result = RunResult.from_dict(store.read_json("run_record", "pretrain", run_key))

@@ -57,7 +57,15 @@ def test_training_survives_an_mlflow_outage_and_the_metrics_arrive_complete(home
     server = start_server(port, store)
     steps = 20
     train = subprocess.Popen(
-        torchrun_stage("pretrain", f"budget.steps={steps}", "runtime.log_every_steps=1", "checkpoint.every_steps=10"),
+        torchrun_stage(
+            home_copy,
+            "pretrain",
+            f"budget.steps={steps}",
+            "runtime.log_every_steps=1",
+            "checkpoint.every_steps=10",
+            MLFLOW_TRACKING_URI=uri,
+            OMP_NUM_THREADS="1",
+        ),
         env=cli_env(home_copy, MLFLOW_TRACKING_URI=uri, OMP_NUM_THREADS="1"),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

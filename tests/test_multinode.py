@@ -75,6 +75,21 @@ def test_each_node_gets_the_same_rendezvous_command_through_node_shell():
     )
 
 
+def test_ghostvis_prepare_prints_the_local_launchers_one_node_line():
+    """The line `ghostvis prepare` prints is the local launcher's torchrun command, as a user types it."""
+    from ghostvis_pipeline.prepare_command import torchrun_line
+
+    spec = "/shared/store/runs/pretrain/pretrain-3f2a-r1/spec.json"
+    assert torchrun_line(spec, 2, 45.0) == [
+        "torchrun",
+        *torchrun_command(spec, 2, grace_s=45.0)[3:],
+    ]
+    assert shlex.join(torchrun_line(spec, 2, 45.0)) == (
+        "torchrun --standalone --nproc_per_node=2 --signals-to-handle=SIGTERM,SIGINT,SIGUSR1,SIGUSR2 "
+        f"--shutdown-timeout=45 -m ghostvis_core.run --spec {spec}"
+    )
+
+
 def test_the_node_line_survives_the_node_shell_with_its_environment():
     value = "a b'c\"$HOME;"
     line = node_line(

@@ -166,7 +166,7 @@ def test_the_trainer_runs_muon_under_fsdp_through_torchrun(home_copy):
 
     sets = ["optim.name=muon", "budget.steps=8", "parallel.strategy=fsdp", "checkpoint.every_steps=4"]
     run_cli(
-        torchrun_stage("pretrain", *sets),
+        torchrun_stage(home_copy, "pretrain", *sets),
         home_copy,
     )
     client = MlflowClient(Home(home_copy).mlflow_tracking_uri)

@@ -170,9 +170,10 @@ class CheckpointConfig:
     every_minutes: float = 0.0
 
 
-# The stop signals of runtime.preempt_grace_s: torchrun passes them on to its ranks (launch/cluster/torchrun_command.py),
-# which take each as a preemption (run/train/preemption.py). torchrun's own default list lacks SIGUSR1 and SIGUSR2
-# (they killed it: exit -10) and holds SIGHUP and SIGQUIT, which stay a plain stop (a lost terminal, a core dump).
+# The stop signals of runtime.preempt_grace_s: torchrun passes them on to its ranks
+# (launch/cluster/torchrun_command.py), which take each as a preemption (run/train/preemption.py). torchrun's own
+# default list lacks SIGUSR1 and SIGUSR2 (they killed it: exit -10) and holds SIGHUP and SIGQUIT, which stay a
+# plain stop (a lost terminal, a core dump).
 STOP_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
 
 

@@ -193,7 +193,8 @@ _SMOKE_DELTAS = {
 }
 
 # Why a stage's evidence cannot improve in a preset's run, per preset and stage: the report card prints it next
-# to the figures that did not move (ghostvis_core/verify/eval/report_card.py), instead of a flat line passing as success.
+# to the figures that did not move (ghostvis_core/verify/eval/report_card.py), instead of a flat line passing as
+# success.
 EVIDENCE_NOTES: dict[str, dict[str, str]] = {
     "tiny": {
         # measured: held-out loss beyond 256 positions 5.853 -> 5.875, within 5.841 -> 5.853 (2 cores, 18 steps)

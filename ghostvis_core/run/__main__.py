@@ -1,8 +1,9 @@
 """Training entry point, the same under plain torchrun and under Dagster Pipes:
 
     torchrun --standalone --nproc_per_node=2 -m ghostvis_core.run --spec <store>/runs/<stage>/<run_key>/spec.json
-    torchrun --standalone --nproc_per_node=2 -m ghostvis_core.run --stage pretrain --preset tiny \
-        --set budget.steps=50
+
+The job only runs specs: a spec is planned and saved on the launching side (the pipeline's launchers, or
+`ghostvis prepare <stage>`, which prints this line for it).
 
 Rank 0 runs the pre-flight before the first step (ghostvis_core/run/preflight.py) and, once training
 returned, registers the stage's model in MLflow (ghostvis_core/run/hf/register.py): the heavy parts of
@@ -19,7 +20,6 @@ import sys
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.exit import skip_final_collections
-from ghostvis_core.plan.config import RuntimeConfig, parse_sets
 from ghostvis_core.run.preflight import check_run
 from ghostvis_core.run.train import dist
 from ghostvis_core.run.train.dist import print0
@@ -103,48 +103,29 @@ def read_spec(uri: str) -> LaunchSpec:
     return LaunchSpec.read(open_store(store_uri), stage, run_key)
 
 
-def prepared_spec(args, ctx: dist.DistContext) -> LaunchSpec:
-    """--stage: rank 0 prepares the run; the other ranks wait for its spec, or for the reason there is none."""
-    spec = None
-    if ctx.is_main:
-        from ghostvis_core.launch.start import prepare_run
-
-        try:
-            spec = prepare_run(args.stage, preset=args.preset, overrides=parse_sets(args.sets))
-        except GhostvisError as exc:
-            spec = exc
-    spec = dist.broadcast_object(spec, ctx)
-    if isinstance(spec, GhostvisError):
-        raise spec
-    return spec
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m ghostvis_core.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--spec", help="launch spec written by the pipeline or `ghostvis`: its path or URI in the store")
-    ap.add_argument("--stage", help="prepare the run here instead (rank 0 resolves, all ranks train)")
-    ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument(
+        "--spec",
+        required=True,
+        help="launch spec written by the pipeline or `ghostvis prepare`: its path or URI in the store",
+    )
     args = ap.parse_args(argv)
     # MLflow's HTTP client fails fast in this process, however it was launched: the tracker keeps its
     # own buffer and retries, so an outage costs a gap in delivery, not minutes of blocked retries.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
-    if not (args.spec or args.stage):
-        ap.error("give --spec or --stage")
     try:
-        spec = read_spec(args.spec) if args.spec else None
+        spec = read_spec(args.spec)
     except GhostvisError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2
     # collectives time out at twice the hang timeout: the watchdog (train/watchdog.py) names the hang first
-    hang_s = (spec.config.runtime if spec else RuntimeConfig()).hang_timeout_s
-    ctx = dist.setup(timeout_s=2 * hang_s)
+    ctx = dist.setup(timeout_s=2 * spec.config.runtime.hang_timeout_s)
     held = None
     try:
-        spec = spec or prepared_spec(args, ctx)
         done, held = hold_lease(spec, ctx)
         if done:
             return 0

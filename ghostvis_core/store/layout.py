@@ -25,7 +25,8 @@ LAYOUT: dict[str, str] = {
     "checkpoint_marker": "checkpoints/{}/{}/{}/COMPLETE",  # stage, run_key, step_*: written last, when committed
     "run_record": "checkpoints/{}/{}/RUN_COMPLETE.json",  # stage, run_key: the finished run's RunResult
     "run_spec": "runs/{}/{}/spec.json",  # stage, run_key: the LaunchSpec of the run's first launch
-    # stage, run_key, n (2, 3, ...): a resume's LaunchSpec where it differs from the newest before it (runs/launch_spec.py)
+    # stage, run_key, n (2, 3, ...): a resume's LaunchSpec where it differs from the newest before it
+    # (runs/launch_spec.py)
     "run_spec_resume": "runs/{}/{}/spec.{}.json",
     # stage, run_key, rank: one failing rank's reason, time and host (never overwritten)
     "run_error": "runs/{}/{}/errors/{}.json",

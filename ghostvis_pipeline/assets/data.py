@@ -297,7 +297,8 @@ def _train_or_reuse_tokenizer(
     context, config, h: Home, launcher: Launcher, ident: dict, key: str, vocab: int
 ) -> MaterializeResult:
     """Under the identity's lease: the tokenizer of this identity if one was trained (also by the launch this one
-    waited for), else a new one, trained by a job where the launcher runs jobs (ghostvis_core/run/tokenizer_training.py)."""
+    waited for), else a new one, trained by a job where the launcher runs jobs
+    (ghostvis_core/run/tokenizer_training.py)."""
     store = h.store
     committed = is_committed(store, "tokenizer", key, "identity", "tokenizer", key)  # not a lost launch's
     record = store.read_json("identity", "tokenizer", key) if committed else None

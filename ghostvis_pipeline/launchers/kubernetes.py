@@ -3,7 +3,8 @@
 One node: one pod submitted by dagster-k8s (`PipesK8sClient`), whose messages come back in the pod's
 logs. Several nodes: a headless Service and an Indexed Job created here; rank 0's messages travel
 through the shared store (any rank may be rank 0), pod 0's logs are streamed into the run's log,
-and the Job and Service are deleted however the run ends. Manifests: ghostvis_core/launch/cluster/kubernetes_manifests.py.
+and the Job and Service are deleted however the run ends. Manifests:
+ghostvis_core/launch/cluster/kubernetes_manifests.py.
 
 Either way the launching side watches the ranks' heartbeats (launchers/common.py frozen_watch): when none moves for
 runtime.hang_timeout_s (a frozen node, where no rank can report), the run's pods are deleted and the launch fails

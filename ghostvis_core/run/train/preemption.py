@@ -1,7 +1,7 @@
 """Preemption that saves: any stop signal a cluster or a user sends (STOP_SIGNALS: SIGTERM from Kubernetes, Slurm
 or torchrun's own stop, SIGUSR1/SIGUSR2 from Slurm's `--signal=USR1@...` or a requeue script, SIGINT from Ctrl-C)
-reaches torchrun, which passes it on to every rank (launch/cluster/torchrun_command.py). A rank's handler only sets a flag;
-the ranks agree on it with one collective at every step boundary, so all of them stop at the same step and none
+reaches torchrun, which passes it on to every rank (launch/cluster/torchrun_command.py). A rank's handler only sets a
+flag; the ranks agree on it with one collective at every step boundary, so all of them stop at the same step and none
 waits alone in a collective the others left. They then commit a checkpoint of that step through the
 CheckpointManager (an async save in flight is finished and committed first), and the job exits with
 `PREEMPTED_EXIT` and the reason `preempted` (artifact run_error) naming the step the store holds, which the
