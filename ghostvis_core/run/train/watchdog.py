@@ -13,7 +13,7 @@ Work that is no step (the held-out evaluation, a checkpoint save, rank 0's wait 
 phase with its own budget, counted from the phase's start (the same timeout, unless the phase brings its own: a
 lease renewal waits at most what store/lease.py allows it), and its end counts as progress: a slow evaluation
 followed by a step is slow, not hung, and a phase past its budget is named in the reason ("was in the evaluation
-after step 40 for 612 s, past its budget of 600 s").
+after step 40 for longer than its budget").
 
 While a step takes longer than half the timeout, rank 0 says so on its output (the Dagster run log) and logs
 `time/since_step_s` to MLflow, so a hang is visible while it is in progress.
