@@ -6,3 +6,8 @@ CLIs print these without a traceback; Dagster shows them as the failure reason.
 
 class GhostvisError(Exception):
     """Bad input or state the user can fix; the message says how."""
+
+
+class TransferError(GhostvisError):
+    """A transfer that came back damaged (a download whose checksum disagrees): the next attempt may not meet it,
+    so a job that raises it ends as a fault, which the stage's retry launches again."""

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ghostvis_core.errors import GhostvisError
+from ghostvis_core.errors import GhostvisError, TransferError
 from ghostvis_core.home import Home
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.checkpoint_manager import CheckpointManager
@@ -237,8 +237,8 @@ def test_a_corrupted_download_is_refused_by_name(s3, tmp_path):
     name = a.object_key("raw_shard", "web/00001")
     sha = a.s3.head_object(Bucket=s3, Key=name)["Metadata"]["sha256"]
     a.s3.put_object(Bucket=s3, Key=name, Body=b"bad bytes!", Metadata={"sha256": sha})
-    with pytest.raises(
-        GhostvisError, match=f"shards/raw/web/00001.parquet: checksum mismatch after download \\(expected {sha}"
+    with pytest.raises(  # a transfer error: a job that meets it ends as a fault, retried, not as the user's to fix
+        TransferError, match=f"shards/raw/web/00001.parquet: checksum mismatch after download \\(expected {sha}"
     ):
         b.fetch("raw_shard", "web/00001")
     assert [p for p in (tmp_path / "b").rglob("*") if p.is_file()] == []  # neither the file nor its temporary

@@ -18,7 +18,7 @@ import os
 import socket
 import sys
 
-from ghostvis_core.errors import GhostvisError
+from ghostvis_core.errors import GhostvisError, TransferError
 from ghostvis_core.exit import skip_final_collections
 from ghostvis_core.run.preflight import check_run
 from ghostvis_core.run.train import dist
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     except GhostvisError as exc:  # every rank that met it (a token block may be read by one rank only)
         if ctx.is_main:
             print(f"error: {exc}", file=sys.stderr, flush=True)
-        _leave_reason(spec, ctx.rank, str(exc), fault=False)
+        _leave_reason(spec, ctx.rank, str(exc), fault=isinstance(exc, TransferError))
         return 2
     except BaseException as exc:
         _leave_reason(spec, ctx.rank, f"{type(exc).__name__}: {exc}")

@@ -16,7 +16,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from ghostvis_core.errors import GhostvisError
+from ghostvis_core.errors import GhostvisError, TransferError
 from ghostvis_core.store.files import remove, replacing, sha256_file
 from ghostvis_core.store.folder import missing
 from ghostvis_core.store.layout import fill, key_pattern, listing_prefix
@@ -181,7 +181,7 @@ class S3Store:
             expected = self.s3.head_object(Bucket=self.bucket, Key=name).get("Metadata", {}).get("sha256")
             got = sha256_file(tmp)
             if expected and got != expected:
-                raise GhostvisError(
+                raise TransferError(
                     f"s3://{self.bucket}/{name}: checksum mismatch after download (expected "
                     f"{expected}, got {got}); the object changed or the transfer was corrupted: "
                     "fetch it again, or re-materialize the asset that writes it"
