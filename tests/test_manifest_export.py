@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -305,13 +306,14 @@ def test_the_readme_walk_exports_verifies_traces_and_summarizes_the_rl_model(rea
     assert f"{consistent}\n" in out  # the folder alone
     assert f"{consistent}; every figure, Merkle root and token file matches the store {workdir}/my-home/store\n" in out
 
-    # the document is a yes exactly for the stages whose consumption holds its row, by the ledger's files
+    # the README's document is a yes exactly for the stages whose consumption holds its row, by the ledger's files
+    shard_id, row = re.search(r"--doc (\S+):(\d+) --model", readme_blocks("trained-on")[1][0]).groups()
     runs = [s["run_key"] for s in manifest["stages"]]
     trained = ledger_sql(
         demo_home,
-        "SELECT DISTINCT stage FROM consumption WHERE shard_id = 'demo_prose/00000' AND row_start <= 3 "
-        f"AND row_end > 3 AND run_key IN ({','.join('?' * len(runs))})",
-        runs,
+        "SELECT DISTINCT stage FROM consumption WHERE shard_id = ? AND row_start <= ? AND row_end > ? "
+        f"AND run_key IN ({','.join('?' * len(runs))})",
+        [shard_id, int(row), int(row), *runs],
     )
     assert {s for (s,) in trained} == {"pretrain", "reasoning_mix"}  # as the README says
     stages = [s["stage"] for s in manifest["stages"]]
