@@ -186,11 +186,14 @@ FIRST_FILE = "test_audit.py"
 LONG_FILES = [
     "test_s3_store_chain.py",
     "test_own_data.py",
+    "test_own_data_walk.py",
     "test_ui_actions.py",
     "test_slurm.py",
     "test_separate_hosts.py",
+    "test_interrupts.py",
     "test_e2e_demo.py",
     "test_cache.py",
+    "test_own_stages.py",
     "test_ui_browser.py",
     "test_postgres.py",
     "test_resume.py",
@@ -246,6 +249,10 @@ def pytest_collection_modifyitems(config, items) -> None:
             item.add_marker(pytest.mark.timeout(float(per_test) + DEMO_BUILD_TIMEOUT))
 
 
+# The command that builds the session's demo home (a README walk that starts with it starts from a copy instead).
+DEMO_COMMAND = ["ghostvis", "demo", "--preset", "smoke"]
+
+
 @pytest.fixture(scope="session")
 def demo_home(tmp_path_factory) -> Path:
     """A GHOSTVIS_HOME after `ghostvis demo --preset smoke` (every asset, every stage), built once per session."""
@@ -256,7 +263,7 @@ def demo_home(tmp_path_factory) -> Path:
         prebuilt = os.environ.get("GHOSTVIS_TEST_DEMO_HOME")  # a developer's shortcut: a home built by this command
         if prebuilt:
             return copy_home(Path(prebuilt), home)
-        proc = run_cli(["ghostvis", "demo", "--preset", "smoke"], home, timeout=DEMO_BUILD_TIMEOUT)
+        proc = run_cli(DEMO_COMMAND, home, timeout=DEMO_BUILD_TIMEOUT)
         (home / "demo_stdout.txt").write_text(proc.stdout)
     return home
 

@@ -50,22 +50,27 @@ def upload_folder(endpoint: str, bucket: str, folder: Path) -> None:
 
 
 def walk(
-    workdir: Path, files: dict[str, str], commands: str, endpoint: str, stop_before: str | None = None, **env: str
+    workdir: Path,
+    files: dict[str, str],
+    commands: str,
+    endpoint: str | None = None,
+    stop_before: str | None = None,
+    **env: str,
 ) -> tuple[Home, str]:
     """The commands in `workdir` holding `files` (name -> text), with bash (`set -ex`: the log names the failing
-    line), the S3 server's AWS variables and `env`; no GHOSTVIS_PRESET unless `env` gives one. The walk's
-    home is workdir/my-home."""
+    line), the S3 server's AWS variables when there is an `endpoint`, and `env`; no GHOSTVIS_PRESET unless `env`
+    gives one. The walk's home is workdir/my-home."""
     workdir.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
         (workdir / name).write_text(text)
-    environ = cli_env(
-        workdir / "unused",
-        AWS_ENDPOINT_URL_S3=endpoint,
-        AWS_ACCESS_KEY_ID="test",
-        AWS_SECRET_ACCESS_KEY="test",
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_EC2_METADATA_DISABLED="true",
-    )
+    aws = {
+        "AWS_ENDPOINT_URL_S3": endpoint,
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    environ = cli_env(workdir / "unused", **(aws if endpoint else {}))
     for var in ("GHOSTVIS_HOME", "DAGSTER_HOME", "GHOSTVIS_PRESET"):
         environ.pop(var)
     environ.update(env, PATH=f"{BIN}:{environ['PATH']}")
