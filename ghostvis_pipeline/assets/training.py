@@ -37,6 +37,7 @@ from ghostvis_core.run.train.reasons import lost_lease, run_reason, was_preempte
 from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.runs import Upstream, run_result
 from ghostvis_core.run.train.spec import LaunchSpec
+from ghostvis_core.run.train.timeline import recorded_launch
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_pipeline.cache import cached_stage_run, changed_since
@@ -251,7 +252,8 @@ def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home) -> None:
     without a retry: the same inputs would be refused again."""
     for launch in range(1, MAX_PREEMPTIONS + 2):
         try:
-            launcher.run(context, training_job(spec), h)
+            with recorded_launch(h.store, spec.stage, spec.run_key):
+                launcher.run(context, training_job(spec), h)
             return
         except Failure as failure:
             cancelled = getattr(failure.metadata.get(CANCELLED), "value", False)

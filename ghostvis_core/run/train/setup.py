@@ -24,9 +24,11 @@ from ghostvis_core.run.train.objectives import build_objective
 from ghostvis_core.run.train.parallel import wrap
 from ghostvis_core.run.train.precision import use_bf16, use_compile
 from ghostvis_core.run.train.preemption import PreemptionFlag
+from ghostvis_core.run.train.reasons import HUNG
 from ghostvis_core.run.train.runs import checkpoint_of
 from ghostvis_core.run.train.spec import LaunchSpec
 from ghostvis_core.run.train.state import TrainState
+from ghostvis_core.run.train.timeline import Timeline
 from ghostvis_core.run.train.tracking import Tracker
 from ghostvis_core.run.train.trainer import Trainer
 from ghostvis_core.run.train.watchdog import Watchdog
@@ -38,14 +40,17 @@ def setup(spec: LaunchSpec, ctx: DistContext, lease: Lease | None = None) -> Tra
     """The Trainer of `spec` on this rank; `lease`: rank 0's hold on the run identity, which fences every commit
     and stops the ranks once it is lost (None on the other ranks, and where no launch took one)."""
     clock = Clock()
+    timeline = Timeline(spec.run_key, spec.stage, enabled=ctx.is_main)
     cfg = spec.config
     plan = run_batch_plan(spec, ctx)
     store = open_store(spec.store)
     torch.manual_seed(cfg.data.seed)
     model = build_model(cfg, ctx)
     checkpoints = checkpoint_manager(spec, ctx, store, lease)
-    resume = checkpoints.newest()
-    state = _starting_state(spec, plan, checkpoints, resume, model)
+    checkpoints.timeline = timeline
+    with timeline.phase("load"):
+        resume = checkpoints.newest()
+        state = _starting_state(spec, plan, checkpoints, resume, model)
     objective = build_objective(spec, cfg)
     objective.prepare_model(model)
     frozen_before = frozen_fingerprint(model) if any(not p.requires_grad for p in model.parameters()) else None
@@ -53,11 +58,13 @@ def setup(spec: LaunchSpec, ctx: DistContext, lease: Lease | None = None) -> Tra
     parallel = wrap(model, ctx, cfg.parallel.strategy, bf16)  # before the optimizer: FSDP replaces the params
     optimizer = make_optimizer(parallel.model, cfg, ctx.device)
     if resume is not None:
-        checkpoints.load_optimizer(resume, parallel.model, optimizer)
+        with timeline.phase("load"):
+            checkpoints.load_optimizer(resume, parallel.model, optimizer)
         state.restore_rng()
     _check_resumable(spec, state, plan.tokens_per_step)
     state.segment += 1
     state.world_size = plan.world_size
+    timeline.ready(state.segment, state.step)
     tracker = Tracker(
         spec,
         ctx,
@@ -72,7 +79,8 @@ def setup(spec: LaunchSpec, ctx: DistContext, lease: Lease | None = None) -> Tra
     )
     trainer = Trainer(
         preemption=PreemptionFlag(cfg.runtime.preempt_grace_s, lease),
-        watchdog=watchdog(spec, ctx, store, tracker),
+        watchdog=watchdog(spec, ctx, store, tracker, timeline),
+        timeline=timeline,
         spec=spec,
         cfg=cfg,
         ctx=ctx,
@@ -107,8 +115,9 @@ def checkpoint_manager(spec: LaunchSpec, ctx: DistContext, store, lease: Lease |
     )
 
 
-def watchdog(spec: LaunchSpec, ctx: DistContext, store, tracker: Tracker) -> Watchdog:
-    """Every rank's progress watchdog (runtime.hang_timeout_s; 0: never fires); rank 0 reports slow steps."""
+def watchdog(spec: LaunchSpec, ctx: DistContext, store, tracker: Tracker, timeline: Timeline) -> Watchdog:
+    """Every rank's progress watchdog (runtime.hang_timeout_s; 0: never fires); rank 0 reports slow steps, and
+    ends its timeline when it fires (the hang's detection, the steps since the last commit)."""
 
     def report(message: str, idle_s: float, step: int) -> None:
         tracker.say(f"[{spec.stage}] {message}", pipes=True)
@@ -116,7 +125,14 @@ def watchdog(spec: LaunchSpec, ctx: DistContext, store, tracker: Tracker) -> Wat
 
     timeout = spec.config.runtime.hang_timeout_s
     return Watchdog(
-        store, spec.stage, spec.run_key, ctx.rank, ctx.world_size, timeout, report=report if ctx.is_main else None
+        store,
+        spec.stage,
+        spec.run_key,
+        ctx.rank,
+        ctx.world_size,
+        timeout,
+        report=report if ctx.is_main else None,
+        on_hung=lambda idle_s, step: timeline.end_safely(store, HUNG, step, detection_s=idle_s),
     )
 
 
