@@ -41,6 +41,7 @@ from ghostvis_core.run.train.timeline import recorded_launch
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_pipeline.cache import cached_stage_run, changed_since
+from ghostvis_pipeline.goodput_metadata import goodput_metadata
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.launchers.common import CANCELLED, registration_job, training_job
 from ghostvis_pipeline.leases import run_lease
@@ -229,6 +230,7 @@ def _train_or_reuse(
         **lineage_metadata(result, spec, h.store),
         **ledger_metadata(Ledger.in_store(h.store), spec.run_key),
     }
+    md |= goodput_metadata(context, Ledger.in_store(h.store), result, spec.mlflow_tracking_uri, trained=hit is None)
     if hit:
         md["cached_from"] = MetadataValue.json({"run_key": hit.run_key, "why": hit.why})
     elif changed:
