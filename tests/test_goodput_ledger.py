@@ -27,7 +27,7 @@ def three_launches() -> list[TimelineRow]:
     """A launch killed by a fault after committing steps 1-4 (steps 5-6 computed, not kept), a preempted one
     that commits 5-8, and the one that completes 9-10; the launching side's rows around each."""
     return [
-        row("L1", "launch", 0, 50, side="launcher", origin=1000, why="failed"),
+        row("L1", "launch", 10, 50, side="launcher", origin=990, why="failed"),  # 10 s of planning before it
         row("J1", "startup", 0, 5, origin=1002),
         row("J1", "eval", 5, 2, origin=1002),
         row("J1", "steps", 7, 18, origin=1002, steps=(1, 4), why="committed"),
@@ -58,11 +58,11 @@ CHAIN = [
 
 def test_the_categories_of_three_launches_add_up_to_the_launching_sides_wall():
     g = run_goodput(RUN, "pretrain", three_launches(), CHAIN)
-    assert g.wall_s == 50 + 30 + 20 + 5 + 2
+    assert g.wall_s == 10 + 50 + 30 + 20 + 5 + 2
     assert g.seconds == {
         "productive": 18 + 14 + 10,
         "redone": 8,
-        "startup": (5 + 4 + 3) + (50 - 38) + (30 - 22) + (20 - 16),  # rank 0's start-up, the launches around it
+        "startup": 10 + (5 + 4 + 3) + (50 - 38) + (30 - 22) + (20 - 16),  # planning, rank 0's, the launches'
         "checkpoint_load": 2 + 1,
         "checkpoint_save": 2 + 1 + 1,
         "evaluation": 2,
@@ -74,7 +74,7 @@ def test_the_categories_of_three_launches_add_up_to_the_launching_sides_wall():
     assert sum(g.seconds.values()) == pytest.approx(g.wall_s)
     assert (g.productive_steps, g.redone_steps, g.launches) == (10, 2, 3)
     assert (g.tokens_once, g.tokens_thrown_away) == (10 * 32, 2 * 32)
-    assert g.goodput == pytest.approx(42 / 107)
+    assert g.goodput == pytest.approx(42 / 117)
     assert set(g.metrics()) >= {f"goodput/{k}_s" for k in CATEGORIES}
 
 
@@ -87,7 +87,7 @@ def test_a_committed_part_off_the_chain_is_redone_and_a_launch_killed_outright_i
     assert (g.productive_steps, g.redone_steps) == (6, 4)
     assert g.seconds["redone"] == 18
     assert g.seconds["unrecorded"] == 50 - 27  # L1's time after J1's last row (the save ending at 27)
-    assert sum(g.seconds.values()) == pytest.approx(g.wall_s) and g.wall_s == 107
+    assert sum(g.seconds.values()) == pytest.approx(g.wall_s) and g.wall_s == 117
 
 
 def test_launches_on_clocks_that_cannot_be_compared_add_durations_and_leave_the_gap_unmeasured():
@@ -145,7 +145,7 @@ def test_the_report_card_shows_each_stages_goodput_as_a_row_and_a_stacked_bar(tm
     cards = [stage_card("pretrain", goodput=g), stage_card("sft")]  # sft: a run with no timeline
     header, rows = tables(cards)["Goodput (the run's wall seconds by category, from the ledger's timeline)"]
     assert header[:4] == ["stage", "run", "goodput", "wall s"] and header[4:] == list(CATEGORIES)
-    assert rows == [["pretrain", "pretrain-r1", round(42 / 107, 5), 107, 42, 8, 36, 3, 4, 2, 2, 5, 0, 5]]
+    assert rows == [["pretrain", "pretrain-r1", round(42 / 117, 5), 117, 42, 8, 46, 3, 4, 2, 2, 5, 0, 5]]
     assert "![goodput per stage](goodput.png)" in render_markdown("t", cards, "loss.png", {})
     png = goodput_chart({"pretrain": g}, tmp_path / "goodput.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5_000

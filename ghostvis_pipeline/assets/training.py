@@ -37,7 +37,7 @@ from ghostvis_core.run.train.reasons import lost_lease, run_reason, was_preempte
 from ghostvis_core.run.train.result import RunResult
 from ghostvis_core.run.train.runs import Upstream, run_result
 from ghostvis_core.run.train.spec import LaunchSpec
-from ghostvis_core.run.train.timeline import recorded_launch
+from ghostvis_core.run.train.timeline import now_s, recorded_launch
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_pipeline.cache import cached_stage_run, changed_since
@@ -193,11 +193,12 @@ def _materialize(
 ) -> MaterializeResult:
     """Train the stage, or return the completed run of the same identity whose checks passed (a cache
     hit: same checkpoint, same MLflow run, metadata `cached_from`). The data version is the run key."""
+    began = now_s()  # the launching side's timeline counts from here: planning and the lease come before a launch
     h = home.home()
     planned = _user_error(_prepare, context, stage, config, overrides, h, variant)
     expiry_s = planned.resolved.cfg.runtime.lease_expiry_s
     with run_lease(context, h.store, stage.name, planned.base_key, wait=config.wait, expiry_s=expiry_s):
-        return _train_or_reuse(context, stage, config, h, launcher, planned, variant)
+        return _train_or_reuse(context, stage, config, h, launcher, planned, variant, began)
 
 
 def _train_or_reuse(
@@ -208,6 +209,7 @@ def _train_or_reuse(
     launcher: Launcher,
     planned: PlannedRun,
     variant: str | None,
+    began: float,
 ) -> MaterializeResult:
     """Under the identity's lease: the cache is looked up only once no other launch is training it, so a second
     launch finds the first one's run instead of training it again into the same run key."""
@@ -223,7 +225,7 @@ def _train_or_reuse(
     else:
         changed = changed_since(h.store, stage.name, planned)
         spec = _user_error(start_run, planned, h)
-        run_job(context, launcher, spec, h)
+        run_job(context, launcher, spec, h, began)
     result = run_result(h.store, spec.stage, spec.run_key)
     md = {
         **result_metadata(result),
@@ -249,12 +251,13 @@ MAX_PREEMPTIONS = 20
 FAULT_RETRIES = 3
 
 
-def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home) -> None:
-    """Launch the job, again after each preemption; a pre-flight refusal (the job's rank 0 left it) fails the step
-    without a retry: the same inputs would be refused again."""
+def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home, began: float) -> None:
+    """Launch the job, again after each preemption, each launch recorded in the run's timeline (from `began`, the
+    step's start on this host's clock); a pre-flight refusal (the job's rank 0 left it) fails the step without a
+    retry: the same inputs would be refused again."""
     for launch in range(1, MAX_PREEMPTIONS + 2):
         try:
-            with recorded_launch(h.store, spec.stage, spec.run_key):
+            with recorded_launch(h.store, spec.stage, spec.run_key, began):
                 launcher.run(context, training_job(spec), h)
             return
         except Failure as failure:

@@ -7,8 +7,9 @@ load, checkpoint save, evaluation, waiting (a lease; between launches after a pr
 (a hang's timeout; between launches after a fault: the retry back-off), unrecorded (a launch killed outright: its
 time after its last commit, which it could not write) and other (a launch's time in none of these).
 
-The wall is the launching side's: from the first launch's start to the last one's end, on its host's monotonic
-clock. Two clocks are compared only when their host's boot id is the same; otherwise only durations are added."""
+The wall is the launching side's: from the start of the step that made the first launch (its planning and lease
+are start-up) to the last launch's end, on its host's monotonic clock. Two clocks are compared only when their
+host's boot id is the same; otherwise only durations are added."""
 
 from __future__ import annotations
 
@@ -129,14 +130,16 @@ def run_goodput(run_key: str, stage: str, rows: list[TimelineRow], chain: list[P
     jobs = launches_of([r for r in rows if r.side == "job"])
     for job in jobs:
         add_job(out, job, kept)
-    launcher = sorted((r for r in rows if r.side == "launcher"), key=lambda r: (r.boot_id, r.origin_s))
+    launcher = sorted((r for r in rows if r.side == "launcher"), key=lambda r: (r.boot_id, r.origin_s + r.start_s))
     matched = match_jobs(launcher, jobs)
     for launch in launcher:
         inside = matched.get(launch.launch_id, [])
         left = launch.duration_s - sum(j.wall_s for j in inside)
         killed = any(j.end is None for j in inside) or (not inside and launch.reason != "completed")
         out.seconds["unrecorded" if killed else "startup"] += left
-    out.wall_s = sum(r.duration_s for r in launcher) + add_gaps(out, launcher)
+    ahead = launcher[0].start_s if launcher else 0.0  # the first launching step's planning and lease
+    out.seconds["startup"] += ahead
+    out.wall_s = ahead + sum(r.duration_s for r in launcher) + add_gaps(out, launcher)
     outside = [j for j in jobs if not any(j in js for js in matched.values())]
     out.wall_s += sum(j.wall_s for j in outside) + add_gaps(out, [job_span(j) for j in outside])
     out.launches = len(launcher) or len(jobs)
@@ -184,7 +187,8 @@ def match_jobs(launcher: list[TimelineRow], jobs: list[JobLaunch]) -> dict[str, 
     for job in jobs:
         for launch in launcher:
             if launch.boot_id == job.first.boot_id:
-                inside = launch.origin_s <= job.first.origin_s <= launch.origin_s + launch.duration_s
+                start = launch.origin_s + launch.start_s
+                inside = start <= job.first.origin_s <= start + launch.duration_s
             else:
                 inside = launch.created_at - launch.duration_s <= job.first.created_at <= launch.created_at
             if inside:
@@ -210,7 +214,7 @@ def add_gaps(out: Goodput, spans: list[TimelineRow]) -> float:
         if before.boot_id != after.boot_id:
             out.unmeasured_gaps += 1
             continue
-        gap = max(0.0, after.origin_s - (before.origin_s + before.duration_s))
+        gap = max(0.0, after.origin_s + after.start_s - (before.origin_s + before.start_s + before.duration_s))
         out.seconds[_GAP.get(before.reason, "detection")] += gap
         total += gap
     return total

@@ -171,11 +171,13 @@ class Timeline:
 
 
 @contextmanager
-def recorded_launch(store: Store, stage: str, run_key: str) -> Iterator[None]:
+def recorded_launch(store: Store, stage: str, run_key: str, began: float) -> Iterator[None]:
     """The launching side's row of one launch of a run's job (kind launch, side launcher), from the job's start
-    to its end on the launching host's clock, with its outcome (completed, preempted, failed): what covers the
-    processes' start and teardown around rank 0's own timeline, and the waits between launches."""
-    launch = Timeline(run_key, stage, side="launcher", origin_s=now_s())
+    to its end on the launching host's clock, after `began` (the launching step's start: what came before the launch
+    is its planning and lease), with its outcome (completed, preempted, failed): what covers the processes' start
+    and teardown around rank 0's own timeline, and the waits between launches."""
+    launch = Timeline(run_key, stage, side="launcher", origin_s=began)
+    start = launch.elapsed()
     outcome = FAILED
     try:
         yield
@@ -184,7 +186,7 @@ def recorded_launch(store: Store, stage: str, run_key: str) -> Iterator[None]:
         outcome = PREEMPTED if was_preempted(store, stage, run_key) else FAILED
         raise
     finally:
-        launch.add("launch", 0.0, launch.elapsed(), why=outcome)
+        launch.add("launch", start, launch.elapsed() - start, why=outcome)
         try:
             Ledger.in_store(store).write_timeline(launch.rows, "launch")
         except Exception as exc:
