@@ -66,6 +66,10 @@ def goodput_lines(g: Goodput) -> list[str]:
         share = g.seconds[k] / g.wall_s if g.wall_s > 0 else 0.0
         note = f"  ({notes[k]})" if k in notes else ""
         lines.append(f"  {k:<16} {g.seconds[k]:>10,.1f} s {share:>7.1%}{note}")
+    for f in g.faults:
+        lines.append(
+            f"  launch {f.launch} ({f.reason}) cost {f.seconds:,.1f} s and {f.steps} steps ({f.tokens:,} token slots)"
+        )
     if g.unmeasured_gaps:
         lines.append(f"  ({g.unmeasured_gaps} gap(s) between launches on different hosts' clocks: not measured)")
     return lines

@@ -78,6 +78,18 @@ def test_the_categories_of_three_launches_add_up_to_the_launching_sides_wall():
     assert set(g.metrics()) >= {f"goodput/{k}_s" for k in CATEGORIES}
 
 
+def test_each_launch_that_did_not_complete_costs_its_time_after_its_kept_work_the_wait_and_the_next_restart():
+    g = run_goodput(RUN, "pretrain", three_launches(), CHAIN)
+    # L1: 50 s less its start-up, steps kept, save and evaluation (27) = 23 (8 redone, 3 other, 12 teardown); 5 s of
+    # back-off; L2's restart: 1 s to rank 0's start, 4 s start-up, 2 s load
+    # L2: 30 s less 21 kept = 9; 2 s to L3; L3's restart: 1 + 3 + 1
+    assert [(f.launch, f.reason, f.seconds, f.steps, f.tokens) for f in g.faults] == [
+        (1, "failed", 23 + 5 + 7, 2, 64),
+        (2, "preempted", 9 + 2 + 5, 0, 0),
+    ]
+    assert g.as_dict()["faults"][0] == {"launch": 1, "reason": "failed", "seconds": 35, "steps": 2, "tokens": 64}
+
+
 def test_a_committed_part_off_the_chain_is_redone_and_a_launch_killed_outright_is_unrecorded():
     rows = three_launches()
     # J1's end never written (its node died): its time after its last row is the launch's, unrecorded

@@ -134,10 +134,10 @@ def test_a_fault_soak_ends_bitwise_where_the_undisturbed_run_does_with_every_tok
     launch of the same identity, a 30 s S3 outage, a rank SIGKILLed, a preemption (SIGTERM), a hang (SIGSTOP) and
     rank 0's node killed. The run ends bitwise where the undisturbed run does, the ledger's parts tile its 12 steps
     once, one MLflow run, the audit passes; the second launch is a cache hit naming the run; the preemption used
-    no retry and the three faults the three retries."""
+    no retry and the three faults the three retries; `ghostvis goodput` accounts for the wall the test measured."""
     home, store = another_home(hosts, demo_home, "soak")
     run_key, logs = pretrain_reference[1].name, (tmp_path / "first.log", tmp_path / "second.log")
-    run_soak(hosts, soak_config(hosts), home, store, run_key, logs)
+    wall_s = run_soak(hosts, soak_config(hosts), home, store, run_key, logs)
     out = logs[0].read_text()
     assert out.count("STEP_UP_FOR_RETRY") == 3 and out.count("launching again") == 1, out[-4000:]
     assert re.search(
@@ -153,6 +153,36 @@ def test_a_fault_soak_ends_bitwise_where_the_undisturbed_run_does_with_every_tok
     assert [p.step_first for p in chain] == [1] + [p.step_last + 1 for p in chain[:-1]]
     assert chain[-1].step_last == 12 and {p.mlflow_run_id for p in chain} == {done.mlflow_run_id}
     assert_audit_passes(hosts, home, store)
+    assert_goodput_adds_up(hosts, home, store, store_dir / "ledger", run_key, wall_s)
+
+
+def assert_goodput_adds_up(hosts, home: Path, store: str, ledger: Path, run_key: str, wall_s: float) -> None:
+    """`ghostvis goodput --run` on the bucket's ledger: its categories add up to the wall the test measured around
+    the materialization within 2%, every part of the chain has its committed steps in the timeline, and its redone
+    steps are the ledger's, counted here in DuckDB: per step, the launches that computed it less the one that kept
+    it."""
+    import duckdb
+
+    out = hosts.run(["ghostvis", "goodput", "--run", run_key, "--json"], home, GHOSTVIS_STORE=store)
+    (g,) = json.loads(out.stdout)
+    print(json.dumps(g), f"measured wall {wall_s:.1f} s")
+    assert abs(sum(g["seconds"].values()) - wall_s) <= 0.02 * wall_s, (g, wall_s)
+    assert g["launches"] == 5 and g["productive_steps"] == 12, g
+    assert g["goodput"] == pytest.approx(g["seconds"]["productive"] / g["wall_s"], abs=1e-4)
+    folder = f"stage=pretrain/run={run_key}/*.parquet"
+    steps = f"(SELECT * FROM read_parquet('{ledger}/timeline/{folder}') WHERE kind = 'steps')"
+    parts = f"read_parquet('{ledger}/parts/{folder}')"
+    con = duckdb.connect()
+    unmatched = con.sql(
+        f"SELECT count(*) FROM {parts} p ANTI JOIN (SELECT * FROM {steps} WHERE reason = 'committed') s "
+        "ON p.segment = s.segment AND p.step_first = s.step_first AND p.step_last = s.step_last"
+    ).fetchone()[0]
+    computed, distinct = con.sql(
+        f"SELECT count(*), count(DISTINCT r.step) FROM range(1, 13) r(step) JOIN {steps} s "
+        "ON r.step BETWEEN s.step_first AND s.step_last"
+    ).fetchone()
+    assert unmatched == 0 and distinct == 12
+    assert g["redone_steps"] == computed - distinct, (g, computed)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ host's boot id is the same; otherwise only durations are added."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from ghostvis_core.data.ledger.records import PartRow, TimelineRow
@@ -79,6 +79,7 @@ class Goodput:
     tokens_per_step: int = 0
     launches: int = 0
     unmeasured_gaps: int = 0  # gaps between launches on clocks that cannot be compared: not in the wall
+    faults: list[FaultCost] = field(default_factory=list)  # per launch that ended without completing
 
     @property
     def goodput(self) -> float:
@@ -108,6 +109,7 @@ class Goodput:
             "tokens_thrown_away": self.tokens_thrown_away,
             "launches": self.launches,
             "unmeasured_gaps": self.unmeasured_gaps,
+            "faults": [asdict(f) | {"seconds": round(f.seconds, 3)} for f in self.faults],
         }
 
     def metrics(self) -> dict[str, float]:
@@ -143,6 +145,7 @@ def run_goodput(run_key: str, stage: str, rows: list[TimelineRow], chain: list[P
     outside = [j for j in jobs if not any(j in js for js in matched.values())]
     out.wall_s += sum(j.wall_s for j in outside) + add_gaps(out, [job_span(j) for j in outside])
     out.launches = len(launcher) or len(jobs)
+    out.faults = fault_costs(rows, chain)
     return out
 
 
@@ -218,3 +221,50 @@ def add_gaps(out: Goodput, spans: list[TimelineRow]) -> float:
         out.seconds[_GAP.get(before.reason, "detection")] += gap
         total += gap
     return total
+
+
+@dataclass(frozen=True)
+class FaultCost:
+    """What one launch that did not complete cost the run: its time after its last kept work (steps not kept, the
+    detection, what its job could not record, its teardown), the wait to the next launch, and that launch's restart
+    (its processes' start, rank 0's start-up and checkpoint load); the steps and token slots computed and not kept."""
+
+    launch: int  # 1 for the run's first launch
+    reason: str
+    seconds: float
+    steps: int
+    tokens: int
+
+
+def fault_costs(rows: list[TimelineRow], chain: list[PartRow]) -> list[FaultCost]:
+    """Per launch the launching side saw end without completing, its `FaultCost`."""
+    tokens_per_step = chain[-1].tokens_per_step if chain else 0
+    kept = {(p.segment, p.step_first, p.step_last) for p in chain}
+    launcher = sorted((r for r in rows if r.side == "launcher"), key=lambda r: (r.boot_id, r.origin_s + r.start_s))
+    matched = match_jobs(launcher, launches_of([r for r in rows if r.side == "job"]))
+    own = []
+    for launch in launcher:
+        g = Goodput(launch.run_key, launch.stage)
+        for job in matched.get(launch.launch_id, []):
+            add_job(g, job, kept)
+        own.append(g)
+    out = []
+    for k, launch in enumerate(launcher[:-1]):
+        if launch.reason == "completed":
+            continue
+        kept_s = sum(own[k].seconds[c] for c in ("productive", "startup", "checkpoint_load", "checkpoint_save"))
+        after = launcher[k + 1]
+        gap = after.origin_s + after.start_s - (launch.origin_s + launch.start_s + launch.duration_s)
+        restart = restart_s(after, matched.get(after.launch_id, []), own[k + 1])
+        lost = launch.duration_s - kept_s - own[k].seconds["evaluation"] + max(0.0, gap) + restart
+        out.append(FaultCost(k + 1, launch.reason, lost, own[k].redone_steps, own[k].redone_steps * tokens_per_step))
+    return out
+
+
+def restart_s(launch: TimelineRow, jobs: list[JobLaunch], g: Goodput) -> float:
+    """A launch's time to its first step: its processes' start (on the launching side's clock, when rank 0's is the
+    same one), rank 0's start-up and checkpoint load."""
+    spawn = 0.0
+    if jobs and jobs[0].first.boot_id == launch.boot_id:
+        spawn = jobs[0].first.origin_s - (launch.origin_s + launch.start_s)
+    return max(0.0, spawn) + g.seconds["startup"] + g.seconds["checkpoint_load"]
