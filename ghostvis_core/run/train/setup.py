@@ -65,18 +65,7 @@ def setup(spec: LaunchSpec, ctx: DistContext, lease: Lease | None = None) -> Tra
     state.segment += 1
     state.world_size = plan.world_size
     timeline.ready(state.segment, state.step)
-    tracker = Tracker(
-        spec,
-        ctx,
-        {
-            **cfg.to_dict(),
-            "plan": spec.plan.to_dict(),
-            "run_key": spec.run_key,
-            "attention_kernel": attention_kernel(ctx.device, bf16),  # for packed documents
-        },
-        run_id=state.mlflow_run_id,
-        segment=state.segment,
-    )
+    tracker = run_tracker(spec, ctx, state, bf16)
     trainer = Trainer(
         preemption=PreemptionFlag(cfg.runtime.preempt_grace_s, lease),
         watchdog=watchdog(spec, ctx, store, tracker, timeline),
@@ -100,6 +89,22 @@ def setup(spec: LaunchSpec, ctx: DistContext, lease: Lease | None = None) -> Tra
     )
     watch_model_inputs(model, lambda: trainer.part.fed)  # the content proof digests what the model receives
     return trainer
+
+
+def run_tracker(spec: LaunchSpec, ctx: DistContext, state: TrainState, bf16: bool) -> Tracker:
+    """The segment's tracker: its MLflow run (the resumed one's) with the config, plan and attention kernel."""
+    return Tracker(
+        spec,
+        ctx,
+        {
+            **spec.config.to_dict(),
+            "plan": spec.plan.to_dict(),
+            "run_key": spec.run_key,
+            "attention_kernel": attention_kernel(ctx.device, bf16),  # for packed documents
+        },
+        run_id=state.mlflow_run_id,
+        segment=state.segment,
+    )
 
 
 def checkpoint_manager(spec: LaunchSpec, ctx: DistContext, store, lease: Lease | None = None) -> CheckpointManager:
