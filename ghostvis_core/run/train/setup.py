@@ -129,7 +129,7 @@ def watchdog(spec: LaunchSpec, ctx: DistContext, store, tracker: Tracker, timeli
         tracker.metrics({"time/since_step_s": idle_s}, step=step)
 
     timeout = spec.config.runtime.hang_timeout_s
-    return Watchdog(
+    dog = Watchdog(
         store,
         spec.stage,
         spec.run_key,
@@ -137,8 +137,9 @@ def watchdog(spec: LaunchSpec, ctx: DistContext, store, tracker: Tracker, timeli
         ctx.world_size,
         timeout,
         report=report if ctx.is_main else None,
-        on_hung=lambda idle_s, step: timeline.end_safely(store, HUNG, step, detection_s=idle_s),
     )
+    dog.on_hung = lambda idle_s, step: timeline.end_safely(store, HUNG, step, detection_s=idle_s)
+    return dog
 
 
 def _starting_state(spec: LaunchSpec, plan: BatchPlan, checkpoints: CheckpointManager, resume, model) -> TrainState:

@@ -49,13 +49,13 @@ class Watchdog:
         *,
         report: Callable[[str, float, int], None] | None = None,
         exit_fn: Callable[[int], None] = os._exit,
-        on_hung: Callable[[float, int], None] | None = None,
     ):
         self.store, self.stage, self.run_key = store, stage, run_key
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.report = report  # rank 0: (message, seconds since the last step, that step) while a step is slow
         self.exit_fn = exit_fn
-        self.on_hung = on_hung  # (seconds without progress, the last step) before the exit: rank 0's timeline end
+        # (seconds without progress, the last step), called before the exit: rank 0's timeline end (setup.watchdog)
+        self.on_hung: Callable[[float, int], None] | None = None
         self.host = socket.gethostname()
         self.step = 0
         self.phase = "starting"
