@@ -11,15 +11,23 @@ from dagster import MetadataValue
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.goodput import Goodput, ledger_goodput
 from ghostvis_core.run.train.result import RunResult
+from ghostvis_core.run.train.timeline import record_finish
+from ghostvis_core.store import Store
 
 
-def goodput_metadata(context, ledger: Ledger, result: RunResult, tracking_uri: str, trained: bool) -> dict:
-    """`goodput` and each category's seconds (`goodput_<category>_s`), the redone steps and the token slots; with
-    `trained`, the same figures as the run's MLflow metrics (`goodput/...`). Nothing for a run with no timeline."""
-    g = ledger_goodput(ledger, result.run_key)
+def goodput_metadata(context, store: Store, result: RunResult, tracking_uri: str, began: float | None) -> dict:
+    """`goodput` and each category's seconds (`goodput_<category>_s`), the redone steps and the token slots; for a
+    run this step trained (`began`: the step's start), its end marked first, and the same figures as the run's MLflow
+    metrics (`goodput/...`). Nothing for a run with no timeline."""
+    if began is not None:
+        try:
+            record_finish(store, result.stage, result.run_key, began)
+        except Exception as exc:  # the run stands; its goodput then ends at its last launch
+            context.log.warning(f"run {result.run_key}: the end of its launching step not recorded ({exc})")
+    g = ledger_goodput(Ledger.in_store(store), result.run_key)
     if g is None:
         return {}
-    if trained:
+    if began is not None:
         log_to_mlflow(context, g, tracking_uri, result.mlflow_run_id)
     md = {k.replace("/", "_").replace("goodput_ratio", "goodput"): v for k, v in g.metrics().items()}
     return {**md, "goodput_breakdown": MetadataValue.json(g.as_dict())}

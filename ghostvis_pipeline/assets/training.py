@@ -232,7 +232,6 @@ def _train_or_reuse(
         **lineage_metadata(result, spec, h.store),
         **ledger_metadata(Ledger.in_store(h.store), spec.run_key),
     }
-    md |= goodput_metadata(context, Ledger.in_store(h.store), result, spec.mlflow_tracking_uri, trained=hit is None)
     if hit:
         md["cached_from"] = MetadataValue.json({"run_key": hit.run_key, "why": hit.why})
     elif changed:
@@ -241,6 +240,7 @@ def _train_or_reuse(
         md["variant"] = variant
     else:
         md |= model_metadata(context, stage, spec, h, launcher, registered_by_job=hit is None)
+    md |= goodput_metadata(context, h.store, result, spec.mlflow_tracking_uri, None if hit else began)
     return MaterializeResult(metadata=md, data_version=DataVersion(spec.run_key))
 
 

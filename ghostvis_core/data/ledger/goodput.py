@@ -132,7 +132,7 @@ def run_goodput(run_key: str, stage: str, rows: list[TimelineRow], chain: list[P
     jobs = launches_of([r for r in rows if r.side == "job"])
     for job in jobs:
         add_job(out, job, kept)
-    launcher = sorted((r for r in rows if r.side == "launcher"), key=lambda r: (r.boot_id, r.origin_s + r.start_s))
+    launcher = launch_rows(rows)
     matched = match_jobs(launcher, jobs)
     for launch in launcher:
         inside = matched.get(launch.launch_id, [])
@@ -141,7 +141,7 @@ def run_goodput(run_key: str, stage: str, rows: list[TimelineRow], chain: list[P
         out.seconds["unrecorded" if killed else "startup"] += left
     ahead = launcher[0].start_s if launcher else 0.0  # the first launching step's planning and lease
     out.seconds["startup"] += ahead
-    out.wall_s = ahead + sum(r.duration_s for r in launcher) + add_gaps(out, launcher)
+    out.wall_s = ahead + sum(r.duration_s for r in launcher) + add_gaps(out, launcher) + add_finish(out, rows, launcher)
     outside = [j for j in jobs if not any(j in js for js in matched.values())]
     out.wall_s += sum(j.wall_s for j in outside) + add_gaps(out, [job_span(j) for j in outside])
     out.launches = len(launcher) or len(jobs)
@@ -155,6 +155,23 @@ def ledger_goodput(ledger: Ledger, run_key: str) -> Goodput | None:
     if not rows:
         return None
     return run_goodput(run_key, rows[0].stage, rows, ledger.chain(run_key))
+
+
+def launch_rows(rows: list[TimelineRow]) -> list[TimelineRow]:
+    """The launching side's `launch` rows, in the order they started (on one clock: by boot id, then time)."""
+    launches = [r for r in rows if r.side == "launcher" and r.kind == "launch"]
+    return sorted(launches, key=lambda r: (r.boot_id, r.origin_s + r.start_s))
+
+
+def add_finish(out: Goodput, rows: list[TimelineRow], launcher: list[TimelineRow]) -> float:
+    """The launching step's work after the last launch (its `finish` mark, on the same clock) as `other`."""
+    marks = [r for r in rows if r.kind == "finish" and launcher and r.boot_id == launcher[-1].boot_id]
+    if not marks:
+        return 0.0
+    last = launcher[-1]
+    tail = max(0.0, max(r.origin_s + r.start_s for r in marks) - (last.origin_s + last.start_s + last.duration_s))
+    out.seconds["other"] += tail
+    return tail
 
 
 def launches_of(rows: list[TimelineRow]) -> list[JobLaunch]:
@@ -240,7 +257,7 @@ def fault_costs(rows: list[TimelineRow], chain: list[PartRow]) -> list[FaultCost
     """Per launch the launching side saw end without completing, its `FaultCost`."""
     tokens_per_step = chain[-1].tokens_per_step if chain else 0
     kept = {(p.segment, p.step_first, p.step_last) for p in chain}
-    launcher = sorted((r for r in rows if r.side == "launcher"), key=lambda r: (r.boot_id, r.origin_s + r.start_s))
+    launcher = launch_rows(rows)
     matched = match_jobs(launcher, launches_of([r for r in rows if r.side == "job"]))
     own = []
     for launch in launcher:

@@ -82,10 +82,10 @@ class Timeline:
     open_since: float | None = None  # when the evaluation or save in progress began
     host: str = field(default_factory=socket.gethostname)
     boot: str = field(default_factory=boot_id)
+    launch_id: str = ""  # host, pid and origin; the launching side adds the launch's start (one step, many launches)
 
-    @property
-    def launch_id(self) -> str:
-        return f"{self.host}-{os.getpid()}-{self.origin_s:.3f}"
+    def __post_init__(self) -> None:
+        self.launch_id = self.launch_id or f"{self.host}-{os.getpid()}-{self.origin_s:.3f}"
 
     def elapsed(self) -> float:
         return now_s() - self.origin_s
@@ -170,6 +170,15 @@ class Timeline:
         self.add("detection", at - detection_s, detection_s)
 
 
+def record_finish(store: Store, stage: str, run_key: str, began: float) -> None:
+    """The launching step's mark that its work after the run's last launch (its metadata, the model's record) ended
+    here: a `finish` row of no duration, on the clock of `began` (the step's start)."""
+    mark = Timeline(run_key, stage, side="launcher", origin_s=began)
+    mark.launch_id += "+finish"
+    mark.add("finish", mark.elapsed(), 0.0)
+    Ledger.in_store(store).write_timeline(mark.rows, "finish")
+
+
 @contextmanager
 def recorded_launch(store: Store, stage: str, run_key: str, began: float) -> Iterator[None]:
     """The launching side's row of one launch of a run's job (kind launch, side launcher), from the job's start
@@ -178,6 +187,7 @@ def recorded_launch(store: Store, stage: str, run_key: str, began: float) -> Ite
     and teardown around rank 0's own timeline, and the waits between launches."""
     launch = Timeline(run_key, stage, side="launcher", origin_s=began)
     start = launch.elapsed()
+    launch.launch_id += f"+{start:.3f}"
     outcome = FAILED
     try:
         yield
