@@ -11,10 +11,12 @@ import pytest
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.goodput import CATEGORIES, ledger_goodput, run_goodput
 from ghostvis_core.data.ledger.records import TimelineRow
-from ghostvis_core.run.train.timeline import Timeline
+from ghostvis_core.run.train.timeline import Timeline, now_s, record_finish, recorded_launch
+from ghostvis_core.store.folder import FolderStore
 from tests.ledger_rows import part
 
 RUN = "pretrain-g-r1"
+T = 0.2  # seconds a phase of the real timeline below lasts: well above a loaded machine's sleep overshoot
 
 
 def row(launch: str, kind: str, start: float, dur: float, *, side="job", origin=0.0, segment=0, steps=(0, 0),
@@ -117,20 +119,20 @@ def test_a_timeline_written_to_the_ledger_reads_back_as_the_time_it_measured(tmp
     ledger = Ledger(tmp_path / "ledger")
     t = Timeline(RUN, "pretrain")
     with t.phase("load"):
-        time.sleep(0.05)
+        time.sleep(T)
     t.ready(segment=0, step=0)
     t.training()
-    time.sleep(0.05)
+    time.sleep(T)
     with t.phase("eval"):
-        time.sleep(0.05)
+        time.sleep(T)
     with t.phase("save"):  # the part's rows are taken inside the save (after the ranks' parts are gathered)
-        time.sleep(0.05)
+        time.sleep(T)
         ledger.write_timeline(t.part_rows(4), "p000000004")
-        time.sleep(0.05)
-    time.sleep(0.05)
+        time.sleep(T)
+    time.sleep(T)
     ledger.write_timeline(t.part_rows(8), "p000000008")
-    time.sleep(0.1)
-    t.end(ledger, "hung", 10, detection_s=0.06)
+    time.sleep(2 * T)
+    t.end(ledger, "hung", 10, detection_s=1.2 * T)
     rows = ledger.timeline([RUN])
     kinds = [r.kind for r in rows]
     assert kinds.count("steps") == 3 and kinds[-1] == "end" and "detection" in kinds
@@ -138,10 +140,10 @@ def test_a_timeline_written_to_the_ledger_reads_back_as_the_time_it_measured(tmp
     g = ledger_goodput_of(rows, chain)
     assert (g.productive_steps, g.redone_steps) == (8, 2)
     assert sum(g.seconds.values()) == pytest.approx(g.wall_s)
-    assert g.seconds["productive"] == pytest.approx(0.05 + 0.05, abs=0.03)  # the save's 0.05 s is not a step
-    assert g.seconds["redone"] == pytest.approx(0.1 - 0.06, abs=0.03)
-    assert g.seconds["checkpoint_save"] >= 0.1  # and the part's ledger file it wrote
-    assert g.seconds["detection"] == 0.06 and g.seconds["other"] == pytest.approx(0, abs=0.02)
+    assert g.seconds["productive"] == pytest.approx(2 * T, abs=T / 2)  # the save's time is not a step's
+    assert g.seconds["redone"] == pytest.approx(0.8 * T, abs=T / 2)
+    assert g.seconds["checkpoint_save"] >= 2 * T  # and the part's ledger file it wrote
+    assert g.seconds["detection"] == pytest.approx(1.2 * T) and g.seconds["other"] == pytest.approx(0, abs=T / 2)
     assert ledger_goodput(ledger, "another-run") is None
 
 
@@ -162,3 +164,22 @@ def test_the_report_card_shows_each_stages_goodput_as_a_row_and_a_stacked_bar(tm
     assert "![goodput per stage](goodput.png)" in render_markdown("t", cards, "loss.png", {})
     png = goodput_chart({"pretrain": g}, tmp_path / "goodput.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5_000
+
+
+def test_two_launches_of_one_step_are_two_rows_and_its_finish_mark_ends_the_wall(tmp_path):
+    """A step that launches again (after a preemption) writes a row per launch, and its finish mark (after its
+    metadata) ends the wall: the time after the last launch is `other`."""
+    store = FolderStore(tmp_path / "store")
+    began = now_s()
+    with recorded_launch(store, "pretrain", RUN, began):
+        time.sleep(0.05)
+    with pytest.raises(RuntimeError), recorded_launch(store, "pretrain", RUN, began):
+        raise RuntimeError("the job failed")
+    time.sleep(0.05)
+    record_finish(store, "pretrain", RUN, began)
+    rows = Ledger.in_store(store).timeline([RUN])
+    assert [(r.kind, r.reason) for r in rows] == [("launch", "completed"), ("launch", "failed"), ("finish", "")]
+    assert len({r.launch_id for r in rows}) == 3
+    g = run_goodput(RUN, "pretrain", rows, CHAIN)
+    assert g.launches == 2 and g.wall_s == pytest.approx(rows[2].start_s, abs=1e-3)
+    assert g.seconds["other"] >= 0.05 and sum(g.seconds.values()) == pytest.approx(g.wall_s)
