@@ -187,11 +187,11 @@ def assert_goodput_adds_up(hosts, home: Path, store: str, ledger: Path, run_key:
     steps = f"(SELECT * FROM read_parquet('{ledger}/timeline/{folder}') WHERE kind = 'steps')"
     parts = f"read_parquet('{ledger}/parts/{folder}')"
     con = duckdb.connect()
-    unmatched = con.sql(
+    unmatched = con.execute(
         f"SELECT count(*) FROM {parts} p ANTI JOIN (SELECT * FROM {steps} WHERE reason = 'committed') s "
         "ON p.segment = s.segment AND p.step_first = s.step_first AND p.step_last = s.step_last"
     ).fetchone()[0]
-    computed, distinct = con.sql(
+    computed, distinct = con.execute(
         f"SELECT count(*), count(DISTINCT r.step) FROM range(1, 13) r(step) JOIN {steps} s "
         "ON r.step BETWEEN s.step_first AND s.step_last"
     ).fetchone()
