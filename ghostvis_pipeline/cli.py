@@ -50,6 +50,7 @@ from ghostvis_pipeline import (
     chat_command,
     data_command,
     export_command,
+    goodput_command,
     model_command,
     plan_goodput,
     prepare_command,
@@ -628,6 +629,7 @@ def build_parser() -> argparse.ArgumentParser:
     status_command.add_parser(sub)
     store_command.add_parser(sub)
     trace_command.add_parser(sub)
+    goodput_command.add_parser(sub)
     return ap
 
 

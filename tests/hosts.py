@@ -328,8 +328,11 @@ def write_profile(hosts: Hosts, node: str) -> None:
         "GHOSTVIS_STORE_CACHE": str(hosts.cache(node)),
         "MLFLOW_TRACKING_URI": hosts.mlflow_uri,
         "PYTHONUNBUFFERED": "1",
-        "LOGLEVEL": "INFO",
-    }  # torchrun's: it logs the rendezvous (which host is the master)
+        "LOGLEVEL": "INFO",  # torchrun's: it logs the rendezvous (which host is the master)
+        # the code under test, where the test's is not the venv's own checkout (a git worktree), as a cluster's
+        # nodes run the code the Dagster host does
+        **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}),
+    }
     hosts.profile(node).write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items()))
 
 

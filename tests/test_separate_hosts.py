@@ -11,6 +11,7 @@ import json
 import re
 import secrets
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -134,10 +135,10 @@ def test_a_fault_soak_ends_bitwise_where_the_undisturbed_run_does_with_every_tok
     launch of the same identity, a 30 s S3 outage, a rank SIGKILLed, a preemption (SIGTERM), a hang (SIGSTOP) and
     rank 0's node killed. The run ends bitwise where the undisturbed run does, the ledger's parts tile its 12 steps
     once, one MLflow run, the audit passes; the second launch is a cache hit naming the run; the preemption used
-    no retry and the three faults the three retries."""
+    no retry and the three faults the three retries; `ghostvis goodput` accounts for the wall the test measured."""
     home, store = another_home(hosts, demo_home, "soak")
     run_key, logs = pretrain_reference[1].name, (tmp_path / "first.log", tmp_path / "second.log")
-    run_soak(hosts, soak_config(hosts), home, store, run_key, logs)
+    wall_s = run_soak(hosts, soak_config(hosts), home, store, run_key, logs)
     out = logs[0].read_text()
     assert out.count("STEP_UP_FOR_RETRY") == 3 and out.count("launching again") == 1, out[-4000:]
     assert re.search(
@@ -153,6 +154,49 @@ def test_a_fault_soak_ends_bitwise_where_the_undisturbed_run_does_with_every_tok
     assert [p.step_first for p in chain] == [1] + [p.step_last + 1 for p in chain[:-1]]
     assert chain[-1].step_last == 12 and {p.mlflow_run_id for p in chain} == {done.mlflow_run_id}
     assert_audit_passes(hosts, home, store)
+    assert_goodput_adds_up(hosts, home, store, store_dir / "ledger", run_key, (out, wall_s))
+
+
+def step_wall_s(dagster_log: str) -> float:
+    """The pretrain step's wall as Dagster logged it (to the second): its first attempt's start to its
+    materialization."""
+    stamps = re.findall(
+        r"^(\S+ \S+) \+0000 - dagster - .* - pretrain - (STEP_START|ASSET_MATERIALIZATION) ", dagster_log, re.M
+    )
+    start = next(t for t, what in stamps if what == "STEP_START")
+    end = next(t for t, what in stamps if what == "ASSET_MATERIALIZATION")
+    return (datetime.fromisoformat(end) - datetime.fromisoformat(start)).total_seconds()
+
+
+def assert_goodput_adds_up(hosts, home: Path, store: str, ledger: Path, run_key: str, measured: tuple) -> None:
+    """`ghostvis goodput --run` on the bucket's ledger: its categories add up to the step's wall as Dagster logged it
+    within 2% (and the second of the log's resolution), every part of the chain has its committed steps in the
+    timeline, and its redone steps are the ledger's, counted here in DuckDB: per step, the launches that computed it
+    less the one that kept it. (`measured`: the Dagster output and the wall the test measured around the command,
+    which also holds Dagster's own start and the stage's checks.)"""
+    import duckdb
+
+    out = hosts.run(["ghostvis", "goodput", "--run", run_key, "--json"], home, GHOSTVIS_STORE=store)
+    (g,) = json.loads(out.stdout)
+    wall_s = step_wall_s(measured[0])
+    print(json.dumps(g), f"step wall {wall_s:.0f} s, command wall {measured[1]:.1f} s")
+    assert abs(sum(g["seconds"].values()) - wall_s) <= 0.02 * wall_s + 1, (g, wall_s)
+    assert g["launches"] == 5 and g["productive_steps"] == 12, g
+    assert g["goodput"] == pytest.approx(g["seconds"]["productive"] / g["wall_s"], abs=1e-4)
+    folder = f"stage=pretrain/run={run_key}/*.parquet"
+    steps = f"(SELECT * FROM read_parquet('{ledger}/timeline/{folder}') WHERE kind = 'steps')"
+    parts = f"read_parquet('{ledger}/parts/{folder}')"
+    con = duckdb.connect()
+    unmatched = con.execute(
+        f"SELECT count(*) FROM {parts} p ANTI JOIN (SELECT * FROM {steps} WHERE reason = 'committed') s "
+        "ON p.segment = s.segment AND p.step_first = s.step_first AND p.step_last = s.step_last"
+    ).fetchone()[0]
+    computed, distinct = con.execute(
+        f"SELECT count(*), count(DISTINCT r.step) FROM range(1, 13) r(step) JOIN {steps} s "
+        "ON r.step BETWEEN s.step_first AND s.step_last"
+    ).fetchone()
+    assert unmatched == 0 and distinct == 12
+    assert g["redone_steps"] == computed - distinct, (g, computed)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ and checks."""
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from dagster import (
     AssetExecutionContext,
@@ -32,6 +32,7 @@ from ghostvis_core.plan import presets, selected
 from ghostvis_core.plan.stages import Stage
 from ghostvis_core.run.hf.register import model_record
 from ghostvis_core.run.track.mlflow_models import alias_version
+from ghostvis_core.run.train.timeline import now_s, recorded_launch
 from ghostvis_core.runs.launch_spec import LaunchSpec
 from ghostvis_core.runs.lookup import Upstream, run_result
 from ghostvis_core.runs.preflight_findings import preflight_record
@@ -43,6 +44,7 @@ from ghostvis_core.verify.audit.invariants import StageRun
 from ghostvis_core.verify.audit.reward_signal import unrewarded_note
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
 from ghostvis_pipeline.cache import cached_stage_run, changed_since
+from ghostvis_pipeline.goodput_metadata import goodput_metadata
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.launchers.common import CANCELLED, frozen_watch, registration_job, training_job
 from ghostvis_pipeline.leases import run_lease
@@ -194,11 +196,20 @@ def _materialize(
 ) -> MaterializeResult:
     """Train the stage, or return the completed run of the same identity whose checks passed (a cache
     hit: same checkpoint, same MLflow run, metadata `cached_from`). The data version is the run key."""
+    began = now_s()  # the launching side's timeline counts from here: planning and the lease come before a launch
     h = home.home()
     planned = _user_error(_prepare, context, stage, config, overrides, h, variant)
     expiry_s = planned.resolved.cfg.runtime.lease_expiry_s
     with run_lease(context, h.store, stage.name, planned.base_key, wait=config.wait, expiry_s=expiry_s) as lease:
-        return _train_or_reuse(context, stage, config, h, launcher, planned, variant, lease)
+        return _train_or_reuse(context, stage, config, h, launcher, planned, variant, Held(lease, began))
+
+
+class Held(NamedTuple):
+    """What the launching side holds while it trains a run: the identity's lease, and when the step began on this
+    host's clock (the run's timeline counts its launches from there)."""
+
+    lease: Lease
+    began: float
 
 
 def _train_or_reuse(
@@ -209,7 +220,7 @@ def _train_or_reuse(
     launcher: Launcher,
     planned: PlannedRun,
     variant: str | None,
-    lease: Lease,
+    held: Held,
 ) -> MaterializeResult:
     """Under the identity's lease: the cache is looked up only once no other launch is training it, so a second
     launch finds the first one's run instead of training it again into the same run key."""
@@ -225,7 +236,7 @@ def _train_or_reuse(
     else:
         changed = changed_since(h.store, stage.name, planned)
         spec = _user_error(start_run, planned, h)
-        run_job(context, launcher, spec, h, lease)
+        run_job(context, launcher, spec, h, held)
     result = run_result(h.store, spec.stage, spec.run_key)
     md = {
         **result_metadata(result),
@@ -242,6 +253,7 @@ def _train_or_reuse(
         md["variant"] = variant
     else:
         md |= model_metadata(context, stage, spec, h, launcher, registered_by_job=hit is None)
+    md |= goodput_metadata(context, h.store, result, spec.mlflow_tracking_uri, None if hit else held.began)
     return MaterializeResult(metadata=md, data_version=DataVersion(spec.run_key))
 
 
@@ -252,15 +264,18 @@ MAX_PREEMPTIONS = 20
 FAULT_RETRIES = 3
 
 
-def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home, lease: Lease) -> None:
-    """Launch the job, again after each preemption, renewing `lease` only while the job's ranks move their
-    heartbeats; a problem of the run's inputs or settings that a rank named (a pre-flight refusal, a token block
-    that does not match its digest, a checkpoint that fails verification) fails the step without a retry: the
-    same inputs would stop it again."""
+def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home, held: Held) -> None:
+    """Launch the job, again after each preemption, renewing the lease only while the job's ranks move their
+    heartbeats, each launch recorded in the run's timeline; a problem of the run's inputs or settings that a rank
+    named (a pre-flight refusal, a token block that does not match its digest, a checkpoint that fails
+    verification) fails the step without a retry: the same inputs would stop it again."""
     for launch in range(1, MAX_PREEMPTIONS + 2):
         try:
             job = training_job(spec)
-            with lease.renewed_while(frozen_watch(h, job)):
+            with (
+                held.lease.renewed_while(frozen_watch(h, job)),
+                recorded_launch(h.store, spec.stage, spec.run_key, held.began),
+            ):
                 launcher.run(context, job, h)
             return
         except Failure as failure:

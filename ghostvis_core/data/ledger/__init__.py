@@ -21,6 +21,9 @@ Tables in the artifact store's "ledger" artifact (`Ledger.in_store(store)`):
 - ngram_index/  every shard's fingerprints in one file sorted by hash (row groups of NGRAM_INDEX_ROWS), named
                 by the ngrams/ files it holds (listed in its metadata): written by the token_ledger asset,
                 read by `ghostvis trace --text` with the ngrams/ files written since.
+- timeline/     per run, one file per write of a launch's timeline (ghostvis_core/run/train/timeline.py): what rank 0
+                of each training job and the launching side spent their time on (start-up, load, steps, evaluation,
+                saves, the end and its reason), on each host's monotonic clock; read by `ghostvis goodput`.
 - row_index/    per run, one file named as the head part of the chain it indexes: every planned global row
                 of the chain, its part, segment, step, rank, micro-batch and the shard spans it read (tokens
                 and raw rows), rebuilt by the audit (ghostvis_core/verify/audit/row_index.py) and sorted by

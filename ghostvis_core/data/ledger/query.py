@@ -33,6 +33,7 @@ from ghostvis_core.data.ledger.records import (
     ShardRecord,
     SharedDocument,
     ShareRow,
+    TimelineRow,
     from_rows,
 )
 
@@ -293,6 +294,15 @@ class LedgerQueries(LedgerFiles):
             f"SELECT * FROM row_index WHERE {where} ORDER BY step, rank, micro_batch, global_row, epoch, tok_start",
             params,
             files,
+        )
+
+    def timeline(self, run_keys: list[str], stage: str | None = None) -> list[TimelineRow]:
+        """The timeline rows of these runs' launches (both sides), by launch and time."""
+        return self._query(
+            TimelineRow,
+            "timeline",
+            "SELECT * FROM timeline ORDER BY created_at, launch_id, start_s",
+            files=self.run_files("timeline", run_keys, stage),
         )
 
     def chain(self, run_key: str) -> list[PartRow]:

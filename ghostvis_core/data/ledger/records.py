@@ -197,6 +197,33 @@ class RolloutRow:
 
 
 @dataclass(frozen=True)
+class TimelineRow:
+    """One interval of a launch's timeline (`timeline`; ghostvis_core/run/train/timeline.py): what rank 0 of a
+    training job (side "job") or the launching side (side "launcher") spent time on. Times are seconds on the
+    launch's host's monotonic clock after `origin_s` (the process start, or the launch's start on the launching
+    side); two launches' clocks are compared only when their `boot_id` is the same (one kernel, one clock),
+    otherwise only durations are. Kinds: startup, load, eval, save, lease_wait, steps (`step_first`..`step_last`,
+    `reason` committed or uncommitted), detection, launch, end (`reason`: completed, preempted, hung, failed,
+    lease lost)."""
+
+    run_key: str
+    stage: str
+    launch_id: str  # the process's: host, pid and its start
+    side: str
+    segment: int
+    host: str
+    boot_id: str
+    origin_s: float  # the host's monotonic clock at the launch's origin
+    kind: str
+    start_s: float  # after the origin
+    duration_s: float
+    step_first: int = 0
+    step_last: int = 0
+    reason: str = ""
+    created_at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
 class RowIndexRow:
     """Per planned global row of a run's chain (ghostvis_core/verify/audit/row_index.py): its part, where
     the row rule puts it and one span of a shard it read, as tokens and raw rows."""
@@ -501,5 +528,6 @@ SHARE_SCHEMA = schema_of(ShareRow)
 FEED_SCHEMA = schema_of(FeedRow)
 ROLLOUT_SCHEMA = schema_of(RolloutRow)
 ROW_INDEX_SCHEMA = schema_of(RowIndexRow)
+TIMELINE_SCHEMA = schema_of(TimelineRow)
 DOC_SCHEMA = schema_of(DocRow)
 NGRAM_SCHEMA = schema_of(NgramRow)

@@ -34,6 +34,7 @@ from ghostvis_core.data.ledger.records import (
     RowIndexRow,
     ShardRecord,
     ShareRow,
+    TimelineRow,
     schema_of,
     table_of,
 )
@@ -171,3 +172,12 @@ class LedgerWriter(LedgerFiles):
         as the chain's head part, sorted by shard and tokens."""
         rows = sorted(rows, key=lambda r: (r.shard_id, r.tok_start, r.global_row))
         return self._write_records(self.part_file("row_index", chain[-1]), RowIndexRow, rows)
+
+    def write_timeline(self, rows: list[TimelineRow], name: str) -> Path | None:
+        """A launch's timeline rows since its last write, in its run's folder (`name`: the launch and the point
+        it wrote at, so every write is a file of its own); nothing when there are none."""
+        if not rows:
+            return None
+        first = rows[0]
+        folder = self.root / "timeline" / f"stage={first.stage}" / f"run={first.run_key}"
+        return self._write_records(folder / f"{first.launch_id}.{name}.parquet", TimelineRow, rows)

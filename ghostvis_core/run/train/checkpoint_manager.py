@@ -40,6 +40,7 @@ from ghostvis_core.run.train.dist import DistContext, agree, barrier, broadcast_
 from ghostvis_core.run.train.feeds import FedLog
 from ghostvis_core.run.train.grpo import RolloutLog
 from ghostvis_core.run.train.state import TrainState
+from ghostvis_core.run.train.timeline import Timeline
 from ghostvis_core.runs.launch_spec import LaunchSpec
 from ghostvis_core.runs.lookup import identity_of
 from ghostvis_core.store import Store
@@ -102,6 +103,7 @@ class CheckpointManager:
         # the damaged checkpoints `newest` passed over, newest first: {checkpoint, step, reason} each, declared
         # in every ledger part of this segment, so the steps trained again are accounted, not taken for reuse
         self.passed_over: list[dict[str, Any]] = []
+        self.timeline: Timeline | None = None  # rank 0's: its rows since the last commit go into each part
 
     def newest(self) -> ckpt.CheckpointRef | None:
         """The run's newest committed checkpoint whose files verify against its marker (`ckpt.verify`),
@@ -215,6 +217,8 @@ class CheckpointManager:
         if self.ctx.is_main:
             staging = self.run_dir / f".ledger-{record.part_id}"
             write_part(staging, record, gathered, rollouts, part.rows_of, self.ctx.world_size)
+            if self.timeline is not None:
+                Ledger(staging).write_timeline(self.timeline.part_rows(step), f"p{step:09d}")
             saved = state.to_dict()
         if in_flight is not None:
             self._pending = Pending(in_flight, staging, saved)

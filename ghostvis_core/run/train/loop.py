@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.run.train.setup import setup
+from ghostvis_core.run.train.timeline import COMPLETED, end_reason
 from ghostvis_core.runs.launch_spec import LaunchSpec
 from ghostvis_core.runs.run_result import RunResult
 from ghostvis_core.store.lease import Lease
@@ -19,13 +20,19 @@ def train(spec: LaunchSpec, ctx: DistContext, lease: Lease | None = None) -> Run
     trainer = setup(spec, ctx, lease)
     try:
         trainer.begin()
+        trainer.timeline.training()
         while trainer.state.step < trainer.total_steps:
             trainer.train_step()
             metrics = trainer.progress()
             metrics.update(trainer.evaluate())
             trainer.log(metrics)
             trainer.checkpoint()  # also raises Preempted, once its checkpoint is committed
+    except BaseException as exc:
+        trainer.timeline.end_safely(trainer.store, end_reason(exc), trainer.state.step)
+        raise
     finally:
         trainer.watchdog.stop()
         trainer.preemption.restore()
-    return trainer.finish()
+    result = trainer.finish()
+    trainer.timeline.end_safely(trainer.store, COMPLETED, trainer.state.step)
+    return result

@@ -26,10 +26,12 @@ from ghostvis_core.run.train.parallel import wrap
 from ghostvis_core.run.train.precision import use_bf16, use_compile
 from ghostvis_core.run.train.preemption import PreemptionFlag
 from ghostvis_core.run.train.state import TrainState
+from ghostvis_core.run.train.timeline import Timeline
 from ghostvis_core.run.train.trainer import Trainer
 from ghostvis_core.run.train.watchdog import Watchdog
 from ghostvis_core.runs.launch_spec import LaunchSpec
 from ghostvis_core.runs.lookup import checkpoint_of
+from ghostvis_core.runs.reasons import HUNG
 from ghostvis_core.store import open_store
 from ghostvis_core.store.lease import Lease
 
@@ -38,14 +40,17 @@ def setup(spec: LaunchSpec, ctx: DistContext, lease: Lease | None = None) -> Tra
     """The Trainer of `spec` on this rank; `lease`: rank 0's hold on the run identity, which fences every commit
     and stops the ranks once it is lost (None on the other ranks, and where no launch took one)."""
     clock = Clock()
+    timeline = Timeline(spec.run_key, spec.stage, enabled=ctx.is_main)
     cfg = spec.config
     plan = run_batch_plan(spec, ctx)
     store = open_store(spec.store)
     torch.manual_seed(cfg.data.seed)
     model = build_model(cfg, ctx)
     checkpoints = checkpoint_manager(spec, ctx, store, lease)
-    resume = checkpoints.newest()
-    state = _starting_state(spec, plan, checkpoints, resume, model)
+    checkpoints.timeline = timeline
+    with timeline.phase("load"):
+        resume = checkpoints.newest()
+        state = _starting_state(spec, plan, checkpoints, resume, model)
     objective = build_objective(spec, cfg)
     objective.prepare_model(model)
     frozen_before = frozen_fingerprint(model) if any(not p.requires_grad for p in model.parameters()) else None
@@ -53,26 +58,18 @@ def setup(spec: LaunchSpec, ctx: DistContext, lease: Lease | None = None) -> Tra
     parallel = wrap(model, ctx, cfg.parallel.strategy, bf16)  # before the optimizer: FSDP replaces the params
     optimizer = make_optimizer(parallel.model, cfg, ctx.device)
     if resume is not None:
-        checkpoints.load_optimizer(resume, parallel.model, optimizer)
+        with timeline.phase("load"):
+            checkpoints.load_optimizer(resume, parallel.model, optimizer)
         state.restore_rng()
     _check_resumable(spec, state, plan.tokens_per_step)
     state.segment += 1
     state.world_size = plan.world_size
-    tracker = Tracker(
-        spec,
-        ctx,
-        {
-            **cfg.to_dict(),
-            "plan": spec.plan.to_dict(),
-            "run_key": spec.run_key,
-            "attention_kernel": attention_kernel(ctx.device, bf16),  # for packed documents
-        },
-        run_id=state.mlflow_run_id,
-        segment=state.segment,
-    )
+    timeline.ready(state.segment, state.step)
+    tracker = run_tracker(spec, ctx, state, bf16)
     trainer = Trainer(
         preemption=PreemptionFlag(cfg.runtime.preempt_grace_s, lease),
-        watchdog=watchdog(spec, ctx, store, tracker, lease),
+        watchdog=watchdog(spec, ctx, store, tracker, timeline, lease),
+        timeline=timeline,
         spec=spec,
         cfg=cfg,
         ctx=ctx,
@@ -94,6 +91,22 @@ def setup(spec: LaunchSpec, ctx: DistContext, lease: Lease | None = None) -> Tra
     return trainer
 
 
+def run_tracker(spec: LaunchSpec, ctx: DistContext, state: TrainState, bf16: bool) -> Tracker:
+    """The segment's tracker: its MLflow run (the resumed one's) with the config, plan and attention kernel."""
+    return Tracker(
+        spec,
+        ctx,
+        {
+            **spec.config.to_dict(),
+            "plan": spec.plan.to_dict(),
+            "run_key": spec.run_key,
+            "attention_kernel": attention_kernel(ctx.device, bf16),  # for packed documents
+        },
+        run_id=state.mlflow_run_id,
+        segment=state.segment,
+    )
+
+
 def checkpoint_manager(spec: LaunchSpec, ctx: DistContext, store, lease: Lease | None = None) -> CheckpointManager:
     c = spec.config
     return CheckpointManager(
@@ -107,9 +120,12 @@ def checkpoint_manager(spec: LaunchSpec, ctx: DistContext, store, lease: Lease |
     )
 
 
-def watchdog(spec: LaunchSpec, ctx: DistContext, store, tracker: Tracker, lease: Lease | None = None) -> Watchdog:
-    """Every rank's progress watchdog (runtime.hang_timeout_s; 0: never fires); rank 0 reports slow steps, and its
-    waits for `lease`'s renewal are a phase of their own."""
+def watchdog(
+    spec: LaunchSpec, ctx: DistContext, store, tracker: Tracker, timeline: Timeline, lease: Lease | None = None
+) -> Watchdog:
+    """Every rank's progress watchdog (runtime.hang_timeout_s; 0: never fires); rank 0 reports slow steps, its
+    waits for `lease`'s renewal are a phase of their own, and it ends its timeline when it fires (the hang's
+    detection, the steps since the last commit)."""
 
     def report(message: str, idle_s: float, step: int) -> None:
         tracker.say(f"[{spec.stage}] {message}", pipes=True)
@@ -121,6 +137,7 @@ def watchdog(spec: LaunchSpec, ctx: DistContext, store, tracker: Tracker, lease:
     )
     if lease is not None:
         lease.waiting = dog.in_phase
+    dog.on_hung = lambda idle_s, step: timeline.end_safely(store, HUNG, step, detection_s=idle_s)
     return dog
 
 

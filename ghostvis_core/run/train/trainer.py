@@ -35,6 +35,7 @@ from ghostvis_core.run.train.objectives import Objective
 from ghostvis_core.run.train.parallel import SingleProcess
 from ghostvis_core.run.train.preemption import Preempted, PreemptionFlag
 from ghostvis_core.run.train.state import TrainState
+from ghostvis_core.run.train.timeline import Timeline
 from ghostvis_core.run.train.watchdog import Watchdog
 from ghostvis_core.runs.launch_spec import LaunchSpec
 from ghostvis_core.runs.run_result import BeforeAfter, FrozenCheck, MixtureShare, RunResult
@@ -64,6 +65,7 @@ class Trainer:
     efficiency: Efficiency
     preemption: PreemptionFlag
     watchdog: Watchdog
+    timeline: Timeline  # rank 0's record of where this launch's time went (train/timeline.py)
     part: PartLog = field(init=False)  # what this rank delivered since the last checkpoint
     train_loss: float = field(init=False, default=float("nan"))
     step_rewards: dict[str, float] = field(init=False, default_factory=dict)  # rl: the last step's, all ranks
@@ -102,7 +104,7 @@ class Trainer:
             f"{self.total_steps} steps, bf16={self.bf16}"
         )
         if s.step == 0:
-            with self.parallel.evaluating():
+            with self.parallel.evaluating(), self.timeline.phase("eval"):
                 s.val_start = self.objective.evaluate(self.model, self.ctx, self.autocast, evidence=True)
             self.tracker.metrics(s.val_start, step=0)
         else:
@@ -227,7 +229,11 @@ class Trainer:
         s = self.state
         if not (s.step % self.cfg.eval.every_steps == 0 or s.step == self.total_steps):
             return {}
-        with self.parallel.evaluating(), self.watchdog.in_phase(f"the evaluation after step {s.step}"):
+        with (
+            self.parallel.evaluating(),
+            self.watchdog.in_phase(f"the evaluation after step {s.step}"),
+            self.timeline.phase("eval"),
+        ):
             self.last_val = self.objective.evaluate(
                 self.model, self.ctx, self.autocast, evidence=s.step == self.total_steps
             )
@@ -269,7 +275,7 @@ class Trainer:
         if self.ctx.is_main:
             s.mlflow_run_id = self.tracker.run_id()
             s.capture_rng()
-        with self.watchdog.in_phase(f"the checkpoint save of step {s.step}"):
+        with self.watchdog.in_phase(f"the checkpoint save of step {s.step}"), self.timeline.phase("save"):
             self.checkpoints.commit(s, self.part, record, self.model, self.optimizer, final=s.step == self.total_steps)
         self.part = self._new_part()
         self.saved_at, self.committed_step = time.time(), s.step

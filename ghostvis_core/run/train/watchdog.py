@@ -56,6 +56,8 @@ class Watchdog:
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
         self.report = report  # rank 0: (message, seconds since the last step, that step) while a step is slow
         self.exit_fn = exit_fn
+        # (seconds without progress, the last step), called before the exit: rank 0's timeline end (setup.watchdog)
+        self.on_hung: Callable[[float, int], None] | None = None
         self.host = socket.gethostname()
         self.step = 0
         self.phase = "starting"
@@ -188,6 +190,8 @@ class Watchdog:
                 try:
                     record_reason(self.store, self.stage, self.run_key, self.rank, self.fired)
                 finally:
+                    if self.on_hung is not None:
+                        self.on_hung(idle, self.step)
                     self.exit_fn(HUNG_EXIT)
                 return
 

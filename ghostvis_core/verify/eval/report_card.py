@@ -17,6 +17,7 @@ from typing import Any
 
 from ghostvis_core.counts import GRPO_STEP_METRICS
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.goodput import CATEGORIES, ledger_goodput
 from ghostvis_core.data.ledger.query import UNDECLARED_KINDS, Reuse
 from ghostvis_core.data.ledger.records import RunTotals, Segment, ShardConsumption
 from ghostvis_core.plan.budget import StepTime, plan
@@ -26,6 +27,7 @@ from ghostvis_core.runs.run_result import RunResult
 from ghostvis_core.store import Store
 from ghostvis_core.store.files import atomic_write
 from ghostvis_core.verify.eval.figure_direction import improved
+from ghostvis_core.verify.eval.goodput_chart import GOODPUT_CHART, goodput_chart
 from ghostvis_core.verify.eval.quality_gate import GATE_HEADER, gate_rows
 from ghostvis_core.verify.eval.seeds import seed_note
 
@@ -58,6 +60,7 @@ class StageReport:
     replay: str = ""  # the replay verdict (verify/replay/record.py): "2 intervals replayed, bitwise equal"
     # the seed benchmark's figure -> [seeds it moved its way on, seeds] for this stage (verify/eval/seeds.py)
     seed_moves: dict[str, list[int]] = field(default_factory=dict)
+    goodput: dict[str, Any] = field(default_factory=dict)  # Goodput.as_dict() of the run ({}: no timeline)
 
     def as_json(self) -> dict[str, Any]:
         """The row as report.json holds it: the ledger's records as plain objects, the totals flat."""
@@ -133,6 +136,7 @@ def stage_report(
         segments=ledger.segments(key),
         evidence_note=evidence_note(result.stage, config.preset),
         replay=replay,
+        goodput=g.as_dict() if (g := ledger_goodput(ledger, key)) else {},
     )
 
 
@@ -318,6 +322,14 @@ def tables(stages: list[StageReport]) -> dict[str, tuple[list[str], list[list[An
             ["stage", "segment", "steps", "ghostvis trace (give any step of the range)", "in Dagster"],
             [r for s in stages for r in step_range_rows(s)],
         ),
+        "Goodput (the run's wall seconds by category, from the ledger's timeline)": (
+            ["stage", "run", "goodput", "wall s", *CATEGORIES],
+            [
+                [s.stage, s.run_key, s.goodput["goodput"], s.goodput["wall_s"], *s.goodput["seconds"].values()]
+                for s in stages
+                if s.goodput
+            ],
+        ),
         "Replay (sampled checkpoint intervals re-executed, compared bit for bit)": (
             ["stage", "run", "replay"],
             [[s.stage, s.run_key, s.replay or "-"] for s in stages],
@@ -331,6 +343,7 @@ def tables(stages: list[StageReport]) -> dict[str, tuple[list[str], list[list[An
 
 def render_markdown(title: str, stages: list[StageReport], chart: str, samples: dict[str, list]) -> str:
     out = [f"# {title}", "", f"![loss curves]({chart})", ""]
+    out += [f"![goodput per stage]({GOODPUT_CHART})", ""] if any(s.goodput for s in stages) else []
     for name, (head, rows) in tables(stages).items():
         out += [f"## {name}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         out += ["| " + " | ".join(_fmt(v) for v in r) + " |" for r in rows]
@@ -351,6 +364,8 @@ def render_html(title: str, stages: list[StageReport], chart: str, samples: dict
         f"<h1>{e(title)}</h1>",
         f"<img id='loss-curves' src='{e(chart)}' alt='loss curves'>",
     ]
+    if any(s.goodput for s in stages):
+        parts.append(f"<img id='goodput' src='{GOODPUT_CHART}' alt='goodput per stage, stacked by category'>")
     for name, (head, rows) in tables(stages).items():
         parts.append(f"<h2>{e(name)}</h2><table><tr>" + "".join(f"<th>{e(h)}</th>" for h in head) + "</tr>")
         for r in rows:
@@ -386,5 +401,8 @@ def write_report(
         "json": json.dumps([s.as_json() for s in stages], indent=2, default=str),
     }
     files = {ext: atomic_write(store.writable("report", f"{name}/report.{ext}"), text) for ext, text in texts.items()}
+    breakdowns = {s.stage: s.goodput for s in stages if s.goodput}
+    if breakdowns:
+        files["goodput_png"] = goodput_chart(breakdowns, store.writable("report", f"{name}/{GOODPUT_CHART}"))
     store.publish("report", name)
     return {**files, "png": chart}
