@@ -119,15 +119,15 @@ def commit_record(home, stage: str, run_key: str, text: str) -> None:
 
 
 @pytest.mark.e2e
-def test_a_stage_check_failing_in_dagster_tags_the_version_failed_and_a_passing_recheck_alone_gives_no_alias(
+def test_a_stage_check_failing_in_dagster_tags_the_version_failed_and_a_passing_recheck_gives_the_alias_back(
     home_copy,
 ):
     """The demo dpo's run record edited to count one real token more than its ledger, MLflow and metadata (a
     record its trainer committed wrong): dpo's ledger_mlflow_metadata_agree, run by Dagster, fails, and the
     check's failure line is in the store, the version is tagged failed, the alias is taken off it and its MLflow
-    run is FAILED. The record put back, the check passes again: the run is pending (its other checks have no
-    outcome in this home), tagged so, FINISHED, and still without the alias, which only a run whose every
-    check passed gets."""
+    run is FAILED. The record put back, the check passes again: with every other check's outcome the demo's own
+    materialization recorded (passed), the run is passed again, tagged so, FINISHED, and the alias is back on its
+    version."""
     import json
 
     from mlflow.tracking import MlflowClient
@@ -141,6 +141,7 @@ def test_a_stage_check_failing_in_dagster_tags_the_version_failed_and_a_passing_
     h = Home(home_copy)
     client = MlflowClient(f"sqlite:///{home_copy / 'mlflow.db'}")
     assert client.get_registered_model(MODEL).aliases["dpo"] == version  # the demo registered it
+    assert run_verdict(h.store, "dpo", run_key).state == PASSED  # the demo's checks recorded their outcomes
     original = h.store.read_text("run_record", "dpo", run_key)
     record = json.loads(original)
     real = record["counts"]["real_tokens"]
@@ -158,8 +159,8 @@ def test_a_stage_check_failing_in_dagster_tags_the_version_failed_and_a_passing_
 
     commit_record(home_copy, "dpo", run_key, original)  # the fix
     assert run_checks(home_copy, "dpo", [check])[0][check].passed
-    assert run_verdict(h.store, "dpo", run_key).state == PENDING
-    assert marked_as(client, version, run_id, "dpo") == (PENDING, PENDING, "FINISHED", None)
+    assert run_verdict(h.store, "dpo", run_key).state == PASSED
+    assert marked_as(client, version, run_id, "dpo") == (PASSED, PASSED, "FINISHED", version)
 
 
 def marked_as(client, version: int, run_id: str, stage: str) -> tuple[str, str, str, int | None]:
