@@ -166,7 +166,7 @@ def audited(home: Path) -> dict:
     """`ghostvis audit --stage pretrain` on the trained home, and the run record's loss and speed."""
     from ghostvis_core.home import Home
     from ghostvis_core.runs.lookup import newest_completed_run
-    from ghostvis_core.verify.audit.report import audit
+    from ghostvis_core.verify.audit.audit_report import audit
 
     os.environ.pop("MLFLOW_TRACKING_URI", None)  # the home's own SQLite file, as the trainer used
     report = audit(Home(home), [STAGE], {}, required=True)

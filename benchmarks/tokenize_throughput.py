@@ -5,7 +5,7 @@ Workload: 36 FineWeb-like Parquet shards (text, id, dump, url, ... as the demo c
 per copy (so no two documents are the same): a minute or more for one worker, so the 2-worker ratio
 is not decided by the workers' start-up. Bytes = UTF-8 bytes of `text`.
 
-- pipeline: ghostvis_core.data.tokenize.tokenize_shards(jobs, workers=1 / 2) into fresh ledger
+- pipeline: ghostvis_core.data.tokenize_shards.tokenize_shards(jobs, workers=1 / 2) into fresh ledger
   and output dirs: read Parquet, encode, write the token shards, write the ledger rows (the whole
   call is timed, as the asset runs it);
 - raw: tiktoken `encode_ordinary_batch(texts, num_threads=1)` on the same texts with the same
@@ -102,7 +102,7 @@ def write_workload(docs: list[tuple[str, str]], out: Path, n_shards: int, shard_
 
 
 def get_tokenizer(home: Path | None, docs: list[tuple[str, str]], wd: Path):
-    from ghostvis_core.data.tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
+    from ghostvis_core.data.bpe_tokenizer import load_tokenizer, save_tokenizer, train_tokenizer
 
     if home is not None:
         found = Home(home).store.keys("tokenizer")
@@ -117,8 +117,8 @@ def get_tokenizer(home: Path | None, docs: list[tuple[str, str]], wd: Path):
 
 
 def run_pipeline(paths: list[Path], tok_dir: Path, wd: Path, workers: int, tag: str):
-    from ghostvis_core.data.sources import sha256_file
-    from ghostvis_core.data.tokenize import TokenizeJob, tokenize_shards
+    from ghostvis_core.data.shard_manifest import sha256_file
+    from ghostvis_core.data.tokenize_shards import TokenizeJob, tokenize_shards
 
     out = wd / f"run-{tag}"
     if out.exists():

@@ -58,7 +58,7 @@ def write_shards(store, n: int, rng: random.Random) -> dict[str, str]:
     from ghostvis_core.data.ledger import Ledger
     from ghostvis_core.data.ledger.records import NgramRow, ShardRecord
     from ghostvis_core.data.ngrams import fingerprints
-    from ghostvis_core.data.sources import Manifest, ShardEntry
+    from ghostvis_core.data.shard_manifest import Manifest, ShardEntry
     from ghostvis_core.data.token_shard import list_column, write_token_shard
     from ghostvis_core.store.files import sha256_file
 

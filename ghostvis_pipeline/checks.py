@@ -17,7 +17,7 @@ from dagster import AssetCheckResult, MetadataValue, asset_check
 
 from ghostvis_core.data.catalog import recorded_sha256, registered_manifests, shard_split
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.sources import Manifest
+from ghostvis_core.data.shard_manifest import Manifest
 from ghostvis_core.verify.audit import invariants as inv
 from ghostvis_core.verify.audit.check_outcome import CheckOutcome
 from ghostvis_core.verify.audit.data_checks import DATA_CHECKS

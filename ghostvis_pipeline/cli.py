@@ -253,7 +253,7 @@ def print_settings(cfg, overrides: dict[str, Any], as_json: bool) -> int:
 def data_vocab(args, overrides: dict[str, Any]) -> TokenizerVocab | None:
     """With --recipe the plan is of the data in the home: a fresh model's vocabulary is its tokenizer's (the
     newest, or --tokenizer), as at launch; None without a tokenizer, or with --vocab-size."""
-    from ghostvis_core.data.tokenizer import load_tokenizer, newest_tokenizer
+    from ghostvis_core.data.bpe_tokenizer import load_tokenizer, newest_tokenizer
 
     if not args.recipe or "model.vocab_size" in overrides:
         return None
@@ -547,7 +547,7 @@ def dagster_metadata(home: Home, stages: list[str]) -> dict[str, dict[str, Any]]
 
 def cmd_audit(args) -> int:
     """Every data and stage invariant from the store and MLflow; exit 1 naming each disagreement."""
-    from ghostvis_core.verify.audit.report import audit, format_report
+    from ghostvis_core.verify.audit.audit_report import audit, format_report
 
     unknown = sorted(set(args.stage or []) - set(stage_names()))
     if unknown:

@@ -23,12 +23,12 @@ from ghostvis_pipeline.checks import (
     stage_checks,
     tokenizer_trained_on_train_shards_only,
 )
-from ghostvis_pipeline.export_job import export_model
 from ghostvis_pipeline.failure_message import say_failure
-from ghostvis_pipeline.jobs import checks_job, shard_data_job, training_job
 from ghostvis_pipeline.launchers import Launcher
+from ghostvis_pipeline.launchpad.asset_jobs import checks_job, shard_data_job, training_job
+from ghostvis_pipeline.launchpad.export import export_model
+from ghostvis_pipeline.launchpad.trace import trace
 from ghostvis_pipeline.resources import GhostvisHome
-from ghostvis_pipeline.trace_job import trace
 
 # The stages of the selected lineage (GHOSTVIS_LINEAGE, ghostvis_core/plan/lineage.py), each starting from its
 # lineage upstream's checkpoint and reading the token ledger and the tokenizer: a new tokenizer (a new data

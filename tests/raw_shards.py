@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ghostvis_core.data.tokenize import TokenizeJob, TokenizeReport, run_locally, tokenize_shards
+from ghostvis_core.data.tokenize_shards import TokenizeJob, TokenizeReport, run_locally, tokenize_shards
 from ghostvis_core.store import FolderStore
 from ghostvis_core.store.files import sha256_file
 

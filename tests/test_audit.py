@@ -142,7 +142,7 @@ def checks_of(
     """Every stage check of the run, by name, as `ghostvis audit` runs them (no Dagster metadata). With
     `bug`, the same bug is planted in this (the auditing) process too: the audit must not run the code
     it checks, so a bug in shared code must still be caught."""
-    from ghostvis_core.verify.audit.report import audit_stage
+    from ghostvis_core.verify.audit.audit_report import audit_stage
 
     if bug:
         plant(bug, setter=monkeypatch.setattr)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from ghostvis_core.counts import ROLLOUT_FIGURES, TokenCounts
+from ghostvis_core.data.bpe_tokenizer import newest_tokenizer
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import PartRow, ShardRecord, ShareRow
 from ghostvis_core.data.ledger.write import row_ranges
-from ghostvis_core.data.tokenizer import newest_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.launch.start import select_shards

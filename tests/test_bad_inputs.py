@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from ghostvis_core.data.normalize_shard import normalize_shard
-from ghostvis_core.data.sources import ShardEntry, fetch_shard
+from ghostvis_core.data.shard_manifest import ShardEntry, fetch_shard
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan.config import ModelConfig
@@ -308,7 +308,7 @@ def test_a_file_that_is_neither_parquet_nor_json_lines_is_refused_at_download(un
 
 
 def test_a_shard_stored_before_the_check_is_refused_by_the_tokenizer_naming_row_and_column(tmp_path):
-    from ghostvis_core.data.tokenize import RawShardReader, TokenizeJob
+    from ghostvis_core.data.tokenize_shards import RawShardReader, TokenizeJob
 
     store = FolderStore(tmp_path / "store")
     text = pa.array([b"fine", b"also fine", b"\xff\xfe"], pa.binary()).view(pa.string())
@@ -463,7 +463,7 @@ def tokenized_version(store: FolderStore, shard_id: str, content: str, replaces:
 def test_a_source_file_changed_under_its_name_becomes_a_new_version_and_the_old_one_stays(home, tmp_path):
     from ghostvis_core.data.catalog import load_manifest, raw_content, recorded_sha256
     from ghostvis_core.data.ledger import Ledger
-    from ghostvis_core.data.tokenize import job_for_shard
+    from ghostvis_core.data.tokenize_shards import job_for_shard
     from ghostvis_core.launch.start import select_shards
 
     copy, listing = tmp_path / "home", tmp_path / "listing"

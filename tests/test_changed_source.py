@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ghostvis_core.data.catalog import RemoteSource, remote_manifest
-from ghostvis_core.data.sources import fetch_shard
+from ghostvis_core.data.shard_manifest import fetch_shard
 from ghostvis_core.errors import GhostvisError
 
 

@@ -3,7 +3,7 @@ never prints a special token."""
 
 from __future__ import annotations
 
-from ghostvis_core.data.tokenizer import SPECIAL_TOKENS, train_tokenizer
+from ghostvis_core.data.bpe_tokenizer import SPECIAL_TOKENS, train_tokenizer
 from ghostvis_pipeline.chat_command import reply_text, special_ids
 
 TEXTS = ["Hello Ada, two and three make five.", "The answer is five.", "Say hello to the tall larch."] * 4

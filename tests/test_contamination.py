@@ -19,13 +19,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from ghostvis_core.data.bpe_tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import ConsumptionRow, NgramRow, PartRow, RolloutRow
 from ghostvis_core.data.ngrams import NGRAM, WINDOW, fingerprints, ngram_hash, ngram_hashes, normalize, winnow
 from ghostvis_core.data.shard_ref import ShardRef
 from ghostvis_core.data.short_items import MIN_WORDS, WholeItems, whole_phrase
-from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards
-from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
+from ghostvis_core.data.tokenize_shards import job_for_shard, tokenize_shards
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import ContaminationConfig
 from ghostvis_core.plan.presets import resolve

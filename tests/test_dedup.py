@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 from dagster import DagsterInstance
 
+from ghostvis_core.data.bpe_tokenizer import load_tokenizer
 from ghostvis_core.data.catalog import load_manifest, record_raw_shard, save_manifest
 from ghostvis_core.data.dedup import (
     Removal,
@@ -29,9 +30,8 @@ from ghostvis_core.data.dedup import (
     survivors_first,
 )
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.sources import ShardEntry
-from ghostvis_core.data.tokenize import job_for_shard
-from ghostvis_core.data.tokenizer import load_tokenizer
+from ghostvis_core.data.shard_manifest import ShardEntry
+from ghostvis_core.data.tokenize_shards import job_for_shard
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.store import FolderStore

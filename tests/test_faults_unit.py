@@ -13,7 +13,8 @@ from pathlib import Path
 
 from ghostvis_core.plan.config import STOP_SIGNALS
 from ghostvis_core.run.train.preemption import PREEMPTED_EXIT, PREEMPTION_SIGNALS, Preempted, PreemptionFlag
-from ghostvis_core.run.train.watchdog import HUNG_EXIT, FrozenJobWatch, Watchdog
+from ghostvis_core.run.train.watchdog import HUNG_EXIT, Watchdog
+from ghostvis_core.runs.heartbeats import FrozenJobWatch
 from ghostvis_core.runs.reasons import record_reason, run_reason, was_preempted
 from ghostvis_core.store import FolderStore
 

@@ -132,7 +132,7 @@ def test_what_travels_is_what_the_trainer_float8_and_the_audit_need_beyond_the_g
 TRAINER_IMPORTS = """
 import ghostvis_core.run.__main__, ghostvis_core.launch.start, ghostvis_core.run.train.loop
 import ghostvis_core.run.hf.register, ghostvis_core.run.track.mlflow_system, ghostvis_core.run.track.mlflow_inputs
-import ghostvis_core.run.track.mlflow_models, ghostvis_core.run.track.pipes, ghostvis_core.verify.audit.report
+import ghostvis_core.run.track.mlflow_models, ghostvis_core.run.track.pipes, ghostvis_core.verify.audit.audit_report
 import mlflow.tracking, mlflow.transformers, mlflow.store.tracking.sqlalchemy_store, duckdb, torchao.float8
 """
 

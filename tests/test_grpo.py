@@ -18,15 +18,15 @@ import pytest
 import torch
 from datatrove.data import Document
 
+from ghostvis_core.data.bpe_tokenizer import train_tokenizer
 from ghostvis_core.data.catalog import save_manifest
 from ghostvis_core.data.chat import render_prompt
 from ghostvis_core.data.problems import closes_answer_line
+from ghostvis_core.data.shard_manifest import Manifest
 from ghostvis_core.data.shard_ref import ShardRef
-from ghostvis_core.data.sources import Manifest
 from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.data.token_shard import token_dtype, write_token_shard
-from ghostvis_core.data.tokenize import encode_document, token_columns
-from ghostvis_core.data.tokenizer import train_tokenizer
+from ghostvis_core.data.tokenize_shards import encode_document, token_columns
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.launch.start import reward_rules
 from ghostvis_core.plan import presets
@@ -396,7 +396,7 @@ def test_the_rl_stage_runs_through_the_cli_on_a_users_problems_and_its_audit_rec
     from ghostvis_core.launch.start import plan_run
     from ghostvis_core.run.track.mlflow_records import latest_metrics
     from ghostvis_core.runs.lookup import completed_runs
-    from ghostvis_core.verify.audit.report import audit_stage
+    from ghostvis_core.verify.audit.audit_report import audit_stage
 
     (config := tmp_path / "sources.yaml").write_text(user_problems(tmp_path / "problems"))
     select = ["-m", "ghostvis_pipeline.definitions", "--select", "shard_manifest", "-c", str(config)]

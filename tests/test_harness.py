@@ -18,7 +18,7 @@ from lm_eval import simple_evaluate
 from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
 
-from ghostvis_core.data.tokenizer import train_tokenizer
+from ghostvis_core.data.bpe_tokenizer import train_tokenizer
 from ghostvis_core.home import Home
 from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.run.model.gpt import GPT

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ghostvis_core.data.bpe_tokenizer import train_tokenizer
 from ghostvis_core.data.chat import render_chat, render_prompt
-from ghostvis_core.data.tokenizer import train_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.run.hf.export import export_model

@@ -33,7 +33,7 @@ from ghostvis_core.plan.presets import resolve
 from ghostvis_core.run.track.pipes import StoreMessageWriterChannel
 from ghostvis_core.run.train.watchdog import Watchdog
 from ghostvis_core.runs.file_uri import read_run_file
-from ghostvis_core.runs.job import Job
+from ghostvis_core.runs.job_command import Job
 from ghostvis_core.runs.launch_spec import LaunchSpec
 from ghostvis_core.verify.eval.eval_spec import EvalSpec, eval_job
 from ghostvis_pipeline.launchers import Launcher

@@ -1,6 +1,6 @@
 """A lease is renewed only while what it is held for makes progress (store/lease.py `renewed_while`, `waiting`):
 the launching side renews a job's run identity only while the job's ranks move their heartbeats (the launcher's
-frozen-job watch, train/watchdog.py FrozenJobWatch), so a frozen job gives it up; and a job's own wait for its
+frozen-job watch, runs/heartbeats.py FrozenJobWatch), so a frozen job gives it up; and a job's own wait for its
 lease's renewal is a phase of its progress watchdog with its own budget. Real rank processes (stopped with
 SIGSTOP, a frozen node), a real folder store, a store read that never returns (a FIFO: a hung file server)."""
 
@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from ghostvis_core.run.train.watchdog import HUNG_EXIT, FrozenJobWatch, Watchdog
+from ghostvis_core.run.train.watchdog import HUNG_EXIT, Watchdog
+from ghostvis_core.runs.heartbeats import FrozenJobWatch
 from ghostvis_core.store import FolderStore, lease
 
 RUN = "pretrain-f-r1"

@@ -12,12 +12,12 @@ import pyarrow as pa
 import pytest
 import torch
 
+from ghostvis_core.data.bpe_tokenizer import train_tokenizer
 from ghostvis_core.data.chat import render_chat
 from ghostvis_core.data.loader import Batch, Batcher, ChatRows, PreferenceRows
 from ghostvis_core.data.shard_ref import ShardRef
 from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.data.token_shard import list_column, write_token_shard
-from ghostvis_core.data.tokenizer import train_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.batch import IGNORE_INDEX
 from ghostvis_core.plan.config import DPOConfig, ModelConfig, VisionConfig

@@ -116,7 +116,7 @@ def test_every_kind_downloads_to_the_same_shard_over_s3_http_and_file(
 
     from ghostvis_core.data.catalog import RemoteSource, remote_manifest
     from ghostvis_core.data.normalize_shard import normalize_shard
-    from ghostvis_core.data.sources import fetch_shard
+    from ghostvis_core.data.shard_manifest import fetch_shard
     from ghostvis_core.store.files import sha256_file
     from tests.test_own_kinds import CAPTIONS, CHATS, write_jsonl
 

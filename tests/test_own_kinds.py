@@ -17,15 +17,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from ghostvis_core.data.bpe_tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.data.catalog import RemoteSource, remote_manifest
 from ghostvis_core.data.chat import render_chat, render_prompt, render_reply
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.normalize_shard import normalize_shard
 from ghostvis_core.data.problems import completion_answer, is_correct
-from ghostvis_core.data.sources import Manifest, ShardEntry, fetch_shard
+from ghostvis_core.data.shard_manifest import Manifest, ShardEntry, fetch_shard
 from ghostvis_core.data.token_shard import TokenShard
-from ghostvis_core.data.tokenize import TokenizeJob
-from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
+from ghostvis_core.data.tokenize_shards import TokenizeJob
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import FolderStore
 from ghostvis_core.store.files import sha256_file

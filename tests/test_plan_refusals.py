@@ -10,7 +10,7 @@ import random
 import pyarrow as pa
 import pytest
 
-from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
+from ghostvis_core.data.bpe_tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.home import Home
 from ghostvis_core.plan.budget import shortfall
 from ghostvis_core.plan.presets import padded_vocab, tokenizer_vocab

@@ -8,9 +8,9 @@ import json
 
 import pyarrow as pa
 
+from ghostvis_core.data.bpe_tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.summaries import train_validation_overlap
-from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.store import FolderStore
 from ghostvis_pipeline.data_command import dropped_lines
 from tests.raw_shards import raw_shard_job, tokenize_here

@@ -39,7 +39,7 @@ def files_matching(pattern: str) -> list[str]:
 
 def test_dagster_checks_and_the_checks_only_job_are_the_one_check_tables():
     from ghostvis_pipeline.definitions import defs
-    from ghostvis_pipeline.jobs import checks_job
+    from ghostvis_pipeline.launchpad.asset_jobs import checks_job
 
     graph = defs.resolve_asset_graph()
     by_asset: dict[str, list] = {}
@@ -60,7 +60,7 @@ def test_dagster_checks_and_the_checks_only_job_are_the_one_check_tables():
 
 def test_the_audit_runs_the_data_check_table_in_order(demo_home):
     from ghostvis_core.data.ledger import Ledger
-    from ghostvis_core.verify.audit.report import data_checks
+    from ghostvis_core.verify.audit.audit_report import data_checks
 
     home = Home(demo_home)
     outcomes = data_checks(home, Ledger.in_store(home.store))
@@ -73,7 +73,7 @@ def test_the_audit_runs_the_data_check_table_in_order(demo_home):
 
 def test_every_reader_of_a_stage_means_its_newest_completed_run(demo_home):
     from ghostvis_core.data.ledger import Ledger
-    from ghostvis_core.verify.audit.report import newest_run_key
+    from ghostvis_core.verify.audit.audit_report import newest_run_key
     from ghostvis_pipeline.cli import resolve_run
 
     home = Home(demo_home)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from ghostvis_core.data.bpe_tokenizer import load_tokenizer
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.home import Home
 from ghostvis_core.runs.lookup import newest_completed_run
 from ghostvis_core.verify.audit.invariants import StageRun

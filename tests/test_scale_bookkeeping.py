@@ -25,7 +25,7 @@ import pytest
 
 from ghostvis_core.data.catalog import manifests_of_shards
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.tokenize import job_for_shard, run_locally, tokenize_shards
+from ghostvis_core.data.tokenize_shards import job_for_shard, run_locally, tokenize_shards
 from ghostvis_core.home import Home
 from tests.test_splits import error_of, latest, observed
 

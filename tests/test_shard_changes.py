@@ -14,7 +14,7 @@ from ghostvis_core.data.shard_changes import (
     tokenizer_data_changes,
     training_data_changes,
 )
-from ghostvis_core.data.sources import Manifest, ShardEntry
+from ghostvis_core.data.shard_manifest import Manifest, ShardEntry
 from ghostvis_core.store import FolderStore
 
 OLD, NEW, OTHER = "a" * 64, "b" * 64, "c" * 64

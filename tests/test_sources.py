@@ -23,8 +23,8 @@ import pytest
 from botocore.response import StreamingBody
 from botocore.stub import Stubber
 
-from ghostvis_core.data import sources
-from ghostvis_core.data.sources import (
+from ghostvis_core.data import shard_manifest
+from ghostvis_core.data.shard_manifest import (
     FetchResult,
     Manifest,
     ShardEntry,
@@ -55,7 +55,7 @@ def files_in(folder: Path) -> list[str]:
 
 @pytest.fixture(autouse=True)
 def fast_retries(monkeypatch):
-    monkeypatch.setattr(sources, "RETRY_BASE_DELAY_S", 0.01)
+    monkeypatch.setattr(shard_manifest, "RETRY_BASE_DELAY_S", 0.01)
     monkeypatch.delenv("HF_TOKEN", raising=False)
 
 
@@ -63,13 +63,13 @@ def fast_retries(monkeypatch):
 def count_attempts(monkeypatch):
     """How many times a download (or listing) was started: one per attempt."""
     calls: list[str] = []
-    real = sources._open_stream
+    real = shard_manifest._open_stream
 
     def counted(what, url):
         calls.append(url)
         return real(what, url)
 
-    monkeypatch.setattr(sources, "_open_stream", counted)
+    monkeypatch.setattr(shard_manifest, "_open_stream", counted)
     return calls
 
 
@@ -205,7 +205,7 @@ def test_http_always_dropping_fails_cleanly_after_the_retries(http, tmp_path):
     got = re.search(r"connection lost \(ChunkedEncodingError\) after ([\d,]+) of 200,000 bytes\)", msg)
     assert got and 0 < int(got[1].replace(",", "")) <= 150_000  # bytes kept before the drop
     assert f"check the network or the server and re-materialize raw_shards partition {SHARD}" in msg
-    assert http.hits["/s.parquet"] == sources.RETRY_ATTEMPTS == 4
+    assert http.hits["/s.parquet"] == shard_manifest.RETRY_ATTEMPTS == 4
     assert files_in(tmp_path) == []
 
 
@@ -246,7 +246,7 @@ def test_cut_transfer_without_content_length_is_retried_when_the_size_is_known(h
 
 
 def test_stalled_server_times_out_and_is_retried(http, tmp_path, monkeypatch):
-    monkeypatch.setattr(sources, "HTTP_TIMEOUT_S", (2.0, 0.2))
+    monkeypatch.setattr(shard_manifest, "HTTP_TIMEOUT_S", (2.0, 0.2))
     data = blob(10_000)
     url = http.add("/s.parquet", data, stall=1.0, times=1)
     r = fetch_shard(SHARD, entry_for(url, data), tmp_path / "s.parquet")
@@ -255,8 +255,8 @@ def test_stalled_server_times_out_and_is_retried(http, tmp_path, monkeypatch):
 
 
 def test_stalled_server_error_says_timed_out(http, tmp_path, monkeypatch):
-    monkeypatch.setattr(sources, "HTTP_TIMEOUT_S", (2.0, 0.1))
-    monkeypatch.setattr(sources, "RETRY_ATTEMPTS", 2)
+    monkeypatch.setattr(shard_manifest, "HTTP_TIMEOUT_S", (2.0, 0.1))
+    monkeypatch.setattr(shard_manifest, "RETRY_ATTEMPTS", 2)
     url = http.add("/s.parquet", blob(1_000), stall=0.5)
     with pytest.raises(GhostvisError, match=r"failed after 2 attempts \(last error: timed out"):
         fetch_shard(SHARD, entry_for(url), tmp_path / "s.parquet")
@@ -308,7 +308,7 @@ def test_a_local_disk_error_is_reported_not_retried(http, tmp_path, monkeypatch,
     def disk_full(fd):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(sources.os, "fsync", disk_full)
+    monkeypatch.setattr(shard_manifest.os, "fsync", disk_full)
     url = http.add("/s.parquet", blob(1_000))
     with pytest.raises(GhostvisError, match=rf"^shard {SHARD}: {url}: No space left on device .*check free space"):
         fetch_shard(SHARD, entry_for(url), tmp_path / "s.parquet")
@@ -319,15 +319,15 @@ def test_a_local_disk_error_is_reported_not_retried(http, tmp_path, monkeypatch,
 def test_hf_token_goes_only_to_huggingface_over_https(http, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TOKEN", "hf_secret_token")
     hub = "https://huggingface.co/datasets/org/ds/resolve/main/data/00001.parquet"
-    assert sources._http_headers(hub)["Authorization"] == "Bearer hf_secret_token"
-    assert "Authorization" not in sources._http_headers("https://huggingface.co.evil.example/x.parquet")
-    assert "Authorization" not in sources._http_headers("http://huggingface.co/x.parquet")
-    assert "Authorization" not in sources._http_headers("https://example.com/x.parquet")
+    assert shard_manifest._http_headers(hub)["Authorization"] == "Bearer hf_secret_token"
+    assert "Authorization" not in shard_manifest._http_headers("https://huggingface.co.evil.example/x.parquet")
+    assert "Authorization" not in shard_manifest._http_headers("http://huggingface.co/x.parquet")
+    assert "Authorization" not in shard_manifest._http_headers("https://example.com/x.parquet")
 
     fetch_shard(SHARD, entry_for(http.add("/s.parquet", b"abc")), tmp_path / "s.parquet")
     assert http.auth == [None]
     monkeypatch.delenv("HF_TOKEN")
-    assert "Authorization" not in sources._http_headers(hub)
+    assert "Authorization" not in shard_manifest._http_headers(hub)
 
 
 def test_credentials_in_a_url_stay_out_of_messages(http, tmp_path):
@@ -383,7 +383,13 @@ def test_file_size_mismatch_is_not_retried(tmp_path, count_attempts):
 @pytest.fixture
 def aws_env(monkeypatch, tmp_path):
     """Fake credentials in the environment, and nothing from the machine's own AWS config."""
-    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", sources.S3_ENDPOINT_ENV):
+    for var in (
+        "AWS_PROFILE",
+        "AWS_SESSION_TOKEN",
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+        shard_manifest.S3_ENDPOINT_ENV,
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", KEY_ID)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
@@ -397,7 +403,7 @@ def aws_env(monkeypatch, tmp_path):
 def s3(aws_env, moto_s3, monkeypatch, request):
     """(client, bucket): a fresh bucket on the suite's moto server (conftest), which GHOSTVIS_S3_ENDPOINT_URL
     points at."""
-    monkeypatch.setenv(sources.S3_ENDPOINT_ENV, moto_s3)
+    monkeypatch.setenv(shard_manifest.S3_ENDPOINT_ENV, moto_s3)
     client = boto3.client("s3", endpoint_url=moto_s3, region_name="us-east-1")
     bucket = f"b-{request.node.name.lower().replace('_', '-')[:40].strip('-')}-{os.getpid()}"
     client.create_bucket(Bucket=bucket)
@@ -434,7 +440,7 @@ def test_s3_checksum_mismatch(s3, tmp_path):
 
 def test_s3_missing_object_or_bucket_is_not_retried(s3, tmp_path, monkeypatch, count_attempts):
     _, bucket = s3
-    monkeypatch.setattr(sources, "RETRY_BASE_DELAY_S", 5.0)  # a retry would show in the elapsed time
+    monkeypatch.setattr(shard_manifest, "RETRY_BASE_DELAY_S", 30.0)  # a retry would show in the elapsed time
     for url, code in [
         (f"s3://{bucket}/raw/00099.parquet", "NoSuchKey"),
         (f"s3://no-such-bucket-{os.getpid()}/x.parquet", "NoSuchBucket"),
@@ -443,7 +449,7 @@ def test_s3_missing_object_or_bucket_is_not_retried(s3, tmp_path, monkeypatch, c
         t0 = time.monotonic()
         with pytest.raises(GhostvisError) as exc:
             fetch_shard(SHARD, entry_for(url), tmp_path / "x.parquet")
-        assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < 20  # far below one back-off, with room for a loaded machine
         assert len(count_attempts) == 1
         assert str(exc.value).startswith(f"shard {SHARD}: {url} not found (S3 {code}); check the bucket, the key")
         assert_no_credentials(exc.value)
@@ -451,8 +457,8 @@ def test_s3_missing_object_or_bucket_is_not_retried(s3, tmp_path, monkeypatch, c
 
 
 def test_s3_unreachable_endpoint_is_retried_and_hides_credentials(aws_env, tmp_path, monkeypatch, count_attempts):
-    monkeypatch.setattr(sources, "HTTP_TIMEOUT_S", (1.0, 1.0))
-    monkeypatch.setenv(sources.S3_ENDPOINT_ENV, f"http://127.0.0.1:{free_port()}")
+    monkeypatch.setattr(shard_manifest, "HTTP_TIMEOUT_S", (1.0, 1.0))
+    monkeypatch.setenv(shard_manifest.S3_ENDPOINT_ENV, f"http://127.0.0.1:{free_port()}")
     with pytest.raises(GhostvisError) as exc:
         fetch_shard(SHARD, entry_for("s3://bucket/raw/00001.parquet"), tmp_path / "x.parquet")
     assert (
@@ -472,14 +478,14 @@ def test_s3_listing_paginates(s3, monkeypatch):
     client.put_object(Bucket=bucket, Key="other/00000.parquet", Body=b"other")
 
     pages = []
-    real = sources._s3_client
+    real = shard_manifest._s3_client
 
     def counting_client():
         c = real()
         c.meta.events.register("before-call.s3.ListObjectsV2", lambda **kw: pages.append(1))
         return c
 
-    monkeypatch.setattr(sources, "_s3_client", counting_client)
+    monkeypatch.setattr(shard_manifest, "_s3_client", counting_client)
     listed = list_remote(f"s3://{bucket}/fineweb/", page_size=2)
     assert listed == [(f"s3://{bucket}/fineweb/{i:05d}.parquet", i + 1) for i in range(5)]
     assert len(pages) == 3  # 6 keys under the prefix, 2 a page
@@ -492,11 +498,11 @@ def test_s3_listing_paginates(s3, monkeypatch):
 
 @pytest.fixture
 def stubbed_s3(aws_env, monkeypatch):
-    """A botocore Stubber behind sources._s3_client, for S3 answers moto does not give on demand."""
+    """A botocore Stubber behind shard_manifest._s3_client, for S3 answers moto does not give on demand."""
     client = boto3.client("s3", region_name="us-east-1")
     stub = Stubber(client)
     stub.activate()
-    monkeypatch.setattr(sources, "_s3_client", lambda: client)
+    monkeypatch.setattr(shard_manifest, "_s3_client", lambda: client)
     yield stub
     stub.deactivate()
 

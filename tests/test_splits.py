@@ -28,8 +28,8 @@ from ghostvis_core.data.catalog import (
     shard_split_shown,
     tokenizer_corpus,
 )
-from ghostvis_core.data.sources import Manifest, fetch_shard
-from ghostvis_core.data.tokenize import job_for_shard
+from ghostvis_core.data.shard_manifest import Manifest, fetch_shard
+from ghostvis_core.data.tokenize_shards import job_for_shard
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.store import FolderStore
@@ -193,7 +193,7 @@ def test_sha256_pins_are_checked_at_shard_manifest_when_the_contents_are_known(r
 
 
 def test_partition_keys_are_file_stems_for_patterns_and_listings(tmp_path):
-    from ghostvis_core.data.sources import manifest_from_pattern
+    from ghostvis_core.data.shard_manifest import manifest_from_pattern
 
     m = manifest_from_pattern("hub", "https://host/x/013_{shard:05d}.parquet", range(3), validation=["013_00001"])
     assert [m.shard_id(e) for e in m.shards] == ["hub/013_00000", "hub/013_00001", "hub/013_00002"]
@@ -395,7 +395,7 @@ def test_dagster_shard_manifest_fails_on_an_unmatched_name_pin(request, tmp_path
 
 
 def test_the_same_tokenizer_whether_the_shard_is_pinned_by_name_or_by_sha256(request, tmp_path):
-    from ghostvis_core.data.tokenizer import train_tokenizer
+    from ghostvis_core.data.bpe_tokenizer import train_tokenizer
 
     served = serve("file_listing", request, tmp_path)
     ids, corpora = [], []

@@ -17,10 +17,10 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from ghostvis_core.data.bpe_tokenizer import save_tokenizer, train_tokenizer
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.token_shard import list_column, write_token_shard
-from ghostvis_core.data.tokenize import TokenizeJob
-from ghostvis_core.data.tokenizer import save_tokenizer, train_tokenizer
+from ghostvis_core.data.tokenize_shards import TokenizeJob
 from ghostvis_core.store import FolderStore
 from ghostvis_core.verify.audit.invariants import ledger_matches_token_files
 from ghostvis_core.verify.audit.token_files import TokenFile

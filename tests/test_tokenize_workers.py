@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from ghostvis_core.data.bpe_tokenizer import Tokenizer, save_tokenizer, train_tokenizer
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.tokenize import TokenizeJob, TokenizeReport, tokenize_shards
-from ghostvis_core.data.tokenizer import Tokenizer, save_tokenizer, train_tokenizer
+from ghostvis_core.data.tokenize_shards import TokenizeJob, TokenizeReport, tokenize_shards
 from ghostvis_core.store import FolderStore
 from tests.raw_shards import raw_shard_job
 

@@ -12,7 +12,7 @@ import pytest
 import tiktoken
 import tiktoken.load
 
-from ghostvis_core.data.tokenizer import (
+from ghostvis_core.data.bpe_tokenizer import (
     SPECIAL_TOKENS,
     load_tokenizer,
     save_tokenizer,

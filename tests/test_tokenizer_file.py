@@ -15,9 +15,9 @@ import tiktoken
 from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
+from ghostvis_core.data.bpe_tokenizer import SPLIT_PATTERN, load_tokenizer, save_tokenizer, train_tokenizer
 from ghostvis_core.data.brought_tokenizer import CL100K_PATTERN, bring_tokenizer
 from ghostvis_core.data.chat import render_chat, render_prompt
-from ghostvis_core.data.tokenizer import SPLIT_PATTERN, load_tokenizer, save_tokenizer, train_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import FolderStore
 
@@ -304,7 +304,7 @@ def test_the_tokenizer_asset_brings_a_file_and_the_ledger_rows_carry_its_id(file
 
     from ghostvis_core.data.catalog import load_manifest
     from ghostvis_core.data.ledger import Ledger
-    from ghostvis_core.data.tokenize import TokenizeJob, job_for_shard
+    from ghostvis_core.data.tokenize_shards import TokenizeJob, job_for_shard
     from ghostvis_core.store.files import sha256_file
     from ghostvis_core.verify.audit.invariants import ledger_matches_token_files
     from ghostvis_core.verify.audit.token_files import TokenFile

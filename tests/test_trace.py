@@ -135,8 +135,8 @@ def test_a_passage_is_found_through_the_ledgers_fingerprints(demo_home):
 
 
 def test_the_trace_job_gives_the_same_answer_in_dagster(demo_home):
+    from ghostvis_pipeline.launchpad.trace import trace
     from ghostvis_pipeline.resources import GhostvisHome
-    from ghostvis_pipeline.trace_job import trace
 
     home = Home(demo_home)
     resources = {"home": GhostvisHome(root=str(demo_home))}

@@ -30,9 +30,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
+from ghostvis_core.data.bpe_tokenizer import SPECIAL_TOKENS, Tokenizer, build_tokenizer, bytes_to_unicode, parse_ranks
 from ghostvis_core.data.chat import ROLES
-from ghostvis_core.data.sources import fetch_file
-from ghostvis_core.data.tokenizer import SPECIAL_TOKENS, Tokenizer, build_tokenizer, bytes_to_unicode, parse_ranks
+from ghostvis_core.data.shard_manifest import fetch_file
 from ghostvis_core.errors import GhostvisError
 
 # GPT-2's split, what a ByteLevel pre-tokenizer with use_regex=true applies.

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from ghostvis_core.data.normalize_shard import check_columns_mapping
 from ghostvis_core.data.problems import check_reward_rule
 from ghostvis_core.data.schema import check_kind
-from ghostvis_core.data.sources import (
+from ghostvis_core.data.shard_manifest import (
     SHARD_SUFFIXES,
     Manifest,
     ShardEntry,

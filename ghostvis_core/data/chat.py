@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ghostvis_core.data.tokenizer import Tokenizer
+from ghostvis_core.data.bpe_tokenizer import Tokenizer
 from ghostvis_core.errors import GhostvisError
 
 ROLES = ("system", "user", "assistant")

@@ -10,7 +10,7 @@ from typing import Any
 
 from ghostvis_core.data.catalog import recorded_sha256, registered_manifests, shard_split
 from ghostvis_core.data.ledger.records import ShardRecord
-from ghostvis_core.data.sources import Manifest
+from ghostvis_core.data.shard_manifest import Manifest
 from ghostvis_core.store import Store
 
 

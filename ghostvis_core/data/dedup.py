@@ -40,8 +40,8 @@ from ghostvis_core.data.catalog import recorded_sha256, registered_manifests
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.files import write_parquet
 from ghostvis_core.data.ledger.records import schema_of
-from ghostvis_core.data.sources import Manifest
-from ghostvis_core.data.tokenize import (
+from ghostvis_core.data.shard_manifest import Manifest
+from ghostvis_core.data.tokenize_shards import (
     CountedFilters,
     JobsFile,
     RawShardReader,

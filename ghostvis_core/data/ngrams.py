@@ -65,7 +65,7 @@ def record_text(kind: str, record: dict) -> str:
     """The words a training record of a source kind is fingerprinted from: the text it is tokenized
     from (a text, a chat's messages, a caption), a preference pair's prompt, chosen and rejected
     replies, or a problem's prompt and answer (each a string or a message list). One rule for
-    tokenization (ghostvis_core/data/tokenize.py records these) and the demo
+    tokenization (ghostvis_core/data/tokenize_shards.py records these) and the demo
     builders (which drop by them), so what a builder cleared is what the gate sees."""
     if kind == "chat":
         return "\n".join(m["content"] for m in record["messages"] or [])

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from ghostvis_core.data.chat import ROLES
 from ghostvis_core.data.schema import KIND_COLUMNS, OPTIONAL_COLUMNS, check_shard_schema, schema_mismatch
-from ghostvis_core.data.sources import fetch_many
+from ghostvis_core.data.shard_manifest import fetch_many
 from ghostvis_core.errors import GhostvisError
 
 MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))

@@ -3,7 +3,7 @@ URLs, so the pipeline downloads, verifies and tokenizes them exactly as it does 
 
 from __future__ import annotations
 
-from ghostvis_core.data.sources import Manifest, manifest_for_files
+from ghostvis_core.data.shard_manifest import Manifest, manifest_for_files
 from ghostvis_core.demo.corpus import TEXT_SOURCES, build_text_source
 from ghostvis_core.demo.tasks import REWARD_RULES, TASK_SOURCES, build_task_source
 from ghostvis_core.errors import GhostvisError

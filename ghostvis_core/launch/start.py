@@ -12,13 +12,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ghostvis_core import identity
+from ghostvis_core.data.bpe_tokenizer import Tokenizer, load_tokenizer, newest_tokenizer
 from ghostvis_core.data.catalog import load_manifest, recorded_sha256
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import ShardRecord
 from ghostvis_core.data.ledger.summaries import validation_selected
 from ghostvis_core.data.problems import DEFAULT_RULE
 from ghostvis_core.data.shard_ref import ShardRef
-from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer, newest_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan import presets, selected, stages

@@ -19,14 +19,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ghostvis_core.data.bpe_tokenizer import Tokenizer, save_tokenizer, train_tokenizer
 from ghostvis_core.data.brought_tokenizer import bring_tokenizer
 from ghostvis_core.data.catalog import tokenizer_corpus
-from ghostvis_core.data.tokenizer import Tokenizer, save_tokenizer, train_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.identity import digest
 from ghostvis_core.run.track.pipes import PipesReporter
 from ghostvis_core.runs.file_uri import split_run_uri
-from ghostvis_core.runs.job import Job, job_parser
+from ghostvis_core.runs.job_command import Job, job_parser
 from ghostvis_core.runs.reasons import record_reason
 from ghostvis_core.store import Store, lease, open_store
 from ghostvis_core.store.fence import LeaseLost

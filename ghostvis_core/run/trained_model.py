@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
+from ghostvis_core.data.bpe_tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.plan.config import StageConfig

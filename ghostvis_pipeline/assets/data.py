@@ -33,8 +33,8 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.summaries import source_split_totals
 from ghostvis_core.data.normalize_shard import normalize_shard
 from ghostvis_core.data.shard_changes import ShardChange, describe_changes, training_data_changes
-from ghostvis_core.data.sources import fetch_shard
-from ghostvis_core.data.tokenize import job_for_shard, tokenize_shards
+from ghostvis_core.data.shard_manifest import fetch_shard
+from ghostvis_core.data.tokenize_shards import job_for_shard, tokenize_shards
 from ghostvis_core.demo.publish_sources import DEMO_SOURCES, publish_demo_source
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
@@ -58,11 +58,11 @@ RemoteSourceConfig = config_from_dataclass(RemoteSource)
 # The modules that make each data asset: its code_version hashes them and what they import
 # (ghostvis_core/identity.py). Each asset's data version is its identity: see the assets' docstrings.
 MANIFEST_CODE = code_version("ghostvis_core.data.catalog")
-RAW_SHARDS_CODE = code_version("ghostvis_core.data.sources", "ghostvis_core.data.catalog")
+RAW_SHARDS_CODE = code_version("ghostvis_core.data.shard_manifest", "ghostvis_core.data.catalog")
 TOKENIZER_CODE = code_version(
     "ghostvis_core.run.tokenizer_training", "ghostvis_core.data.catalog", "ghostvis_core.data.brought_tokenizer"
 )
-TOKENIZE_CODE = code_version("ghostvis_core.data.tokenize", "ghostvis_core.data.dedup")
+TOKENIZE_CODE = code_version("ghostvis_core.data.tokenize_shards", "ghostvis_core.data.dedup")
 LEDGER_CODE = code_version("ghostvis_core.data.ledger")
 
 

@@ -1,5 +1,5 @@
 """The `launcher` resource: where a heavy job runs (a stage's training, the evaluation, tokenizer training, a
-cache hit's registration: ghostvis_core/runs/job.py), chosen by config, never by the asset's code.
+cache hit's registration: ghostvis_core/runs/job_command.py), chosen by config, never by the asset's code.
 
     kind: local       torchrun on the Dagster host (the default)
     kind: torchrun    multi-node torchrun with a c10d rendezvous (nodes started by hand or another scheduler)
@@ -16,7 +16,7 @@ from dagster import AssetExecutionContext, Config, ConfigurableResource, Failure
 from pydantic import Field
 
 from ghostvis_core.home import Home
-from ghostvis_core.runs.job import Job
+from ghostvis_core.runs.job_command import Job
 from ghostvis_pipeline.launchers.kubernetes import KubernetesConfig, run_kubernetes
 from ghostvis_pipeline.launchers.local import run_local
 from ghostvis_pipeline.launchers.slurm import SlurmConfig, run_slurm

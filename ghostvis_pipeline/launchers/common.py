@@ -11,8 +11,8 @@ from ghostvis_core.home import Home
 from ghostvis_core.launch.cluster.slurm_script import is_secret
 from ghostvis_core.launch.cluster.torchrun_command import worker_env
 from ghostvis_core.run.hf.register import MODEL_FILE, REGISTER_ENTRY
-from ghostvis_core.run.train.watchdog import FrozenJobWatch
-from ghostvis_core.runs.job import TRAINING_ENTRY, Job
+from ghostvis_core.runs.heartbeats import FrozenJobWatch
+from ghostvis_core.runs.job_command import TRAINING_ENTRY, Job
 from ghostvis_core.runs.launch_spec import LaunchSpec
 from ghostvis_core.runs.reasons import clear_reasons, run_reason
 

@@ -36,7 +36,7 @@ from ghostvis_core.launch.cluster.kubernetes_manifests import (
     render_indexed_job,
     render_pod,
 )
-from ghostvis_core.runs.job import Job
+from ghostvis_core.runs.job_command import Job
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers.common import clear_reason, failure, frozen_watch, job_env, require_result, spec_uri
 from ghostvis_pipeline.launchers.pipes import store_pipes_session

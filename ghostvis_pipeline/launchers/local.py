@@ -6,7 +6,7 @@ from dagster import AssetExecutionContext
 
 from ghostvis_core.home import Home
 from ghostvis_core.launch.cluster.torchrun_command import node_grace_s, torchrun_command
-from ghostvis_core.runs.job import Job
+from ghostvis_core.runs.job_command import Job
 from ghostvis_pipeline.launchers.common import attempt_name, failure, frozen_watch, require_result, spec_uri
 from ghostvis_pipeline.launchers.pipes import job_session
 from ghostvis_pipeline.launchers.processes import Frozen, start, stop, wait

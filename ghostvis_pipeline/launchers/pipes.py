@@ -19,7 +19,7 @@ from ghostvis_core.run.track.pipes import (
     STORE_PARAM,
     chunk_name,
 )
-from ghostvis_core.runs.job import Job
+from ghostvis_core.runs.job_command import Job
 from ghostvis_core.store import Store
 from ghostvis_pipeline.launchers.common import clear_reason, job_env
 

@@ -24,7 +24,7 @@ def start(cmd: list[str], env: dict[str, str], inherit: Mapping[str, str] | None
 
 
 class Frozen(Exception):
-    """The job's heartbeats stopped moving while its processes still exist (train/watchdog.py FrozenJobWatch)."""
+    """The job's heartbeats stopped moving while its processes still exist (runs/heartbeats.py FrozenJobWatch)."""
 
 
 def wait(nodes: dict[str, subprocess.Popen], frozen: Callable[[], str | None] = lambda: None) -> tuple[str, int] | None:

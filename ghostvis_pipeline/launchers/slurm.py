@@ -18,7 +18,7 @@ from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.launch.cluster.slurm_script import SlurmJob, job_outcome, redact, render_sbatch, ship_command
 from ghostvis_core.run.ship_output import chunk_name
-from ghostvis_core.runs.job import Job
+from ghostvis_core.runs.job_command import Job
 from ghostvis_core.store import Store
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers.common import (

@@ -15,7 +15,7 @@ from dagster import AssetExecutionContext, Failure
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.launch.cluster.torchrun_command import MultiNode, node_grace_s, node_line, torchrun_command
-from ghostvis_core.runs.job import Job
+from ghostvis_core.runs.job_command import Job
 from ghostvis_pipeline.config import config_from_dataclass
 from ghostvis_pipeline.launchers.common import (
     attempt_name,

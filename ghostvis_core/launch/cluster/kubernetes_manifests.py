@@ -19,7 +19,7 @@ from typing import Any
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.launch.cluster.torchrun_command import Rendezvous, node_grace_s, torchrun_command
 from ghostvis_core.plan.config import RuntimeConfig
-from ghostvis_core.runs.job import TRAINING_ENTRY
+from ghostvis_core.runs.job_command import TRAINING_ENTRY
 
 CONTAINER = "trainer"
 JOB_LABEL = "ghostvis.io/job"  # on every pod of one launch: the headless Service selects by it
@@ -71,7 +71,7 @@ class RunTarget:
     store_path: str  # where the store claim is mounted (the store's folder on the Dagster host)
     nproc_per_node: int
     env: dict[str, str] = field(default_factory=dict)
-    module: str = TRAINING_ENTRY  # the job's module and its arguments after --spec (ghostvis_core/runs/job.py)
+    module: str = TRAINING_ENTRY  # the job's module and its arguments after --spec (ghostvis_core/runs/job_command.py)
     args: tuple[str, ...] = ()
     grace_s: float = RuntimeConfig.preempt_grace_s  # the stage's runtime.preempt_grace_s
 

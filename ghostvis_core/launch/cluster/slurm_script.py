@@ -15,7 +15,7 @@ from typing import Literal
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.launch.cluster.torchrun_command import Rendezvous, node_grace_s, torchrun_command
 from ghostvis_core.plan.config import RuntimeConfig
-from ghostvis_core.runs.job import TRAINING_ENTRY
+from ghostvis_core.runs.job_command import TRAINING_ENTRY
 
 
 @dataclass

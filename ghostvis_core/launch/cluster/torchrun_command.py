@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import STOP_SIGNALS, RuntimeConfig
-from ghostvis_core.runs.job import TRAINING_ENTRY
+from ghostvis_core.runs.job_command import TRAINING_ENTRY
 
 # What a node (a pod, a Slurm step) is given beyond torchrun's wait for its ranks: torchrun's own exit after theirs
 SHUTDOWN_MARGIN_S = 10

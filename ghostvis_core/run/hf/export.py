@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from huggingface_hub import save_torch_state_dict
 
-from ghostvis_core.data.tokenizer import Tokenizer
+from ghostvis_core.data.bpe_tokenizer import Tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.run.hf.manifest import build_manifest

@@ -21,8 +21,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ghostvis_core.data.bpe_tokenizer import Tokenizer, save_tokenizer
 from ghostvis_core.data.brought_tokenizer import read_tokenizer_file
-from ghostvis_core.data.tokenizer import Tokenizer, save_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import ModelConfig
 from ghostvis_core.run.hf.checkpoint_sources import local_copy

@@ -30,7 +30,7 @@ from ghostvis_core.run.track.check_verdict import run_verdict
 from ghostvis_core.run.track.mlflow_models import StageModel, register_stage_model
 from ghostvis_core.run.track.pipes import PipesReporter
 from ghostvis_core.runs.file_uri import split_run_uri
-from ghostvis_core.runs.job import job_parser
+from ghostvis_core.runs.job_command import job_parser
 from ghostvis_core.runs.launch_spec import LaunchSpec
 from ghostvis_core.runs.lookup import identity_of, run_result
 from ghostvis_core.store import Store, lease, open_store

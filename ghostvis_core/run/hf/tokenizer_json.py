@@ -15,8 +15,8 @@ from pathlib import Path
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from ghostvis_core.data.bpe_tokenizer import Tokenizer, bytes_to_unicode
 from ghostvis_core.data.chat import ROLES
-from ghostvis_core.data.tokenizer import Tokenizer, bytes_to_unicode
 from ghostvis_core.errors import GhostvisError
 
 

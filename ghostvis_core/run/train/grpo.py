@@ -5,7 +5,7 @@ rollouts, rewards, advantages and loss. The objective class that uses them is GR
 Rows (docs/glossary.md "rl row"): prompt p of the source's problems (seeded order per epoch, as dpo) is
 global rows p x G .. p x G + G - 1, one per sampled completion, so the row rule, the shares and the
 content digests work as for any stage. A problem's token file document is its chat prompt (ending at the
-assistant marker, `prompt_len` tokens) then its answer as the reply (data/tokenize.py). The prompt is read
+assistant marker, `prompt_len` tokens) then its answer as the reply (data/tokenize_shards.py). The prompt is read
 as grpo.prompt says (`chat`: the rendered prompt as is; `text`: <|bos|> + the prompt's turns without the first
 role marker and the closing <|eot|> + assistant marker, then a newline, for a base model), cut to
 seq_len - max_new_tokens. A row is prompt + completion, padded: real = prompt + generated tokens, loss =
@@ -37,13 +37,13 @@ import numpy as np
 import torch
 
 from ghostvis_core.counts import GRPO_STEP_METRICS, ROLLOUT_FIGURES, TokenCounts
+from ghostvis_core.data.bpe_tokenizer import Tokenizer
 from ghostvis_core.data.chat import ROLES
 from ghostvis_core.data.ledger.records import RolloutRow
 from ghostvis_core.data.loader import Batch, DocIndex, Row, rank_share
 from ghostvis_core.data.problems import closes_answer_line, is_correct, well_formed
 from ghostvis_core.data.shard_piece import Piece
 from ghostvis_core.data.stream import SourceStream
-from ghostvis_core.data.tokenizer import Tokenizer
 from ghostvis_core.plan.batch import IGNORE_INDEX
 from ghostvis_core.plan.config import GRPOConfig
 from ghostvis_core.run.train.dist import DistContext, all_reduce_sum

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ghostvis_core.data.bpe_tokenizer import load_tokenizer
 from ghostvis_core.data.loader import (
     Batch,
     Batcher,
@@ -34,7 +35,6 @@ from ghostvis_core.data.loader import (
 )
 from ghostvis_core.data.shard_ref import ShardRef
 from ghostvis_core.data.stream import SourceStream
-from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.batch import IGNORE_INDEX, BatchPlan
 from ghostvis_core.plan.config import StageConfig

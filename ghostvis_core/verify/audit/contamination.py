@@ -38,6 +38,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from ghostvis_core.data.bpe_tokenizer import load_tokenizer
 from ghostvis_core.data.catalog import raw_content
 from ghostvis_core.data.eval_texts import (
     BENCHMARK_PER_TASK,
@@ -51,7 +52,6 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import ConsumptionRow, PartRow, ShardRecord
 from ghostvis_core.data.ngrams import TEXT_COLUMNS, fingerprints, record_text
 from ghostvis_core.data.short_items import MIN_WORDS, WholeItems, whole_phrase
-from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import ContaminationConfig
 from ghostvis_core.runs.launch_spec import shard_versions

@@ -33,8 +33,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ghostvis_core import digest
+from ghostvis_core.data.bpe_tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.token_files import TokenFile

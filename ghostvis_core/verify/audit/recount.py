@@ -23,9 +23,9 @@ from __future__ import annotations
 import numpy as np
 
 from ghostvis_core.counts import TokenCounts
+from ghostvis_core.data.bpe_tokenizer import load_tokenizer
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import ConsumptionRow
-from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.runs.launch_spec import LaunchSpec
 from ghostvis_core.store import Store

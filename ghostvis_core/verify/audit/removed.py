@@ -19,10 +19,10 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from ghostvis_core.data.bpe_tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.data.catalog import raw_content
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import ShardRecord
-from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.check_outcome import CheckOutcome

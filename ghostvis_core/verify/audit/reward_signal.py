@@ -6,8 +6,8 @@ and the settings that give a small policy a signal (README "rl on your own probl
 
 from __future__ import annotations
 
+from ghostvis_core.data.bpe_tokenizer import load_tokenizer
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.store import Store
 
 EXAMPLE_CHARS = 160

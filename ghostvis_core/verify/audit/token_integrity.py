@@ -7,7 +7,7 @@ blocking checks of the token ledger look inside:
   record (and the path the stages read it from) says made it: a shard tokenized by another tokenizer
   (a swap) is named, and so is a file written before tokenizers were recorded;
 - `documents_start_where_ledger_says`: <|bos|> stands exactly at each document's start in the file
-  (every kind begins with it: ghostvis_core/data/tokenize.py encode_document) and nowhere else, and
+  (every kind begins with it: ghostvis_core/data/tokenize_shards.py encode_document) and nowhere else, and
   chats, preference pairs and captions end with <|eot|>: a dropped BOS or a shifted document boundary
   is named by document and raw row;
 - `sampled_documents_decode_to_raw_text`: the first, middle and last document of every shard,
@@ -22,12 +22,12 @@ from typing import Any
 import numpy as np
 import pyarrow.parquet as pq
 
+from ghostvis_core.data.bpe_tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.data.catalog import raw_content
 from ghostvis_core.data.chat import ROLES, marker_starts
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import ShardRecord
 from ghostvis_core.data.ngrams import TEXT_COLUMNS, normalize, record_text
-from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.check_outcome import CheckOutcome

@@ -16,7 +16,7 @@ import sys
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.track.pipes import PipesReporter
 from ghostvis_core.runs.file_uri import split_run_uri
-from ghostvis_core.runs.job import job_parser
+from ghostvis_core.runs.job_command import job_parser
 from ghostvis_core.runs.reasons import record_reason
 from ghostvis_core.store import open_store
 from ghostvis_core.verify.eval.eval_spec import EVAL_FOLDER, MODULE, EvalSpec, results_name

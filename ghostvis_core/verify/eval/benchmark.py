@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ghostvis_core.data.bpe_tokenizer import Tokenizer
 from ghostvis_core.data.eval_texts import BENCHMARK_PER_TASK, BENCHMARK_SEED, PROMPTS, template_choices
 from ghostvis_core.data.token_shard import TokenShard
-from ghostvis_core.data.tokenizer import Tokenizer
 from ghostvis_core.run.trained_model import TrainedStage
 
 

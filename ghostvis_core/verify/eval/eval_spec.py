@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-from ghostvis_core.runs.job import Job
+from ghostvis_core.runs.job_command import Job
 
 if TYPE_CHECKING:
     from ghostvis_core.data.ledger.records import ShardRecord

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from ghostvis_core.data.tokenizer import load_tokenizer
+from ghostvis_core.data.bpe_tokenizer import load_tokenizer
 from ghostvis_core.run.track.mlflow_records import add_to_run
 from ghostvis_core.run.trained_model import load_from_store
 from ghostvis_core.store import Store

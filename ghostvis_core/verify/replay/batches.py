@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from ghostvis_core.data.bpe_tokenizer import load_tokenizer
 from ghostvis_core.data.ledger.records import FeedRow
-from ghostvis_core.data.tokenizer import load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.rebuild import IGNORE, PlannedRows, pixels

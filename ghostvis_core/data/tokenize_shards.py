@@ -27,15 +27,15 @@ from datatrove.pipeline.filters import FineWebQualityFilter, LambdaFilter, Regex
 from datatrove.pipeline.filters.base_filter import BaseFilter, get_filter_result
 from datatrove.pipeline.readers import ParquetReader
 
+from ghostvis_core.data.bpe_tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.data.catalog import raw_content, recorded_sha256, replaced_sha256, shard_split
 from ghostvis_core.data.chat import IMAGE, as_messages, render_chat, render_prompt, render_replies, render_reply
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.records import DocRow, NgramRow, ShardRecord
 from ghostvis_core.data.ngrams import fingerprints, prompt_text, record_text
 from ghostvis_core.data.schema import KIND_COLUMNS, check_shard_schema
-from ghostvis_core.data.sources import Manifest
+from ghostvis_core.data.shard_manifest import Manifest
 from ghostvis_core.data.token_shard import TokenShard, list_column, token_dtype, write_token_shard
-from ghostvis_core.data.tokenizer import Tokenizer, load_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.store import Store, open_store
 from ghostvis_core.store.files import atomic_write, sha256_file

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ghostvis_core.counts import MLFLOW_METRICS, TokenCounts
+from ghostvis_core.data.bpe_tokenizer import newest_tokenizer
 from ghostvis_core.data.ledger import Ledger
-from ghostvis_core.data.tokenizer import newest_tokenizer
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_core.run.track.mlflow_records import latest_metrics
