@@ -24,8 +24,12 @@ from dagster import (
 from ghostvis_core.errors import GhostvisError
 from ghostvis_pipeline.environment import PROJECT_DAGSTER_YAML
 
-REFUSED = "pre-flight failed: source web: the budget needs 49,153 tokens but 20,424 are available; set data.allow_repeat=true"
-BAD_INPUT = "shard web/00012: checksum mismatch (expected 1a2b, got 3c4d); re-materialize raw_shards partition web/00012"
+REFUSED = (
+    "pre-flight failed: source web: the budget needs 49,153 tokens but 20,424 are available; set data.allow_repeat=true"
+)
+BAD_INPUT = (
+    "shard web/00012: checksum mismatch (expected 1a2b, got 3c4d); re-materialize raw_shards partition web/00012"
+)
 CHECK_LINE = "ledger 39 docs, file 38; re-materialize tokenized_shards partition web/00001"
 
 
@@ -84,7 +88,9 @@ def stored_error(instance, run_id: str):
 
 
 @pytest.mark.parametrize(("name", "message"), [("refused", REFUSED), ("bad_input", BAD_INPUT)])
-def test_a_ghostvis_failure_is_its_message_on_the_console_and_its_trace_in_the_event_log(instance, capfd, name, message):
+def test_a_ghostvis_failure_is_its_message_on_the_console_and_its_trace_in_the_event_log(
+    instance, capfd, name, message
+):  # noqa: E501
     run_id, console = failed_run(instance, name, capfd)
     assert "Stack Trace" not in console and "Traceback" not in console and 'File "' not in console
     assert f'STEP_FAILURE - Execution of step "{name}" failed.\n\n{message}\n' in console
