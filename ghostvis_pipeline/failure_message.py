@@ -9,7 +9,9 @@ FailureMessages as a Python log handler of the instance (`python_logs: dagster_h
 each record of a run to the instance's handlers (the event log's first, so it stores the record untouched,
 stack traces included) before its console logger prints the same record: this handler rewrites that text.
 - A failed step shows its message in place of the trace.
-- The failed run ends with every failed step's message and every failed blocking check's lines.
+- The failed run ends with every failed step's message and every failed blocking check's lines. The run's own
+  lines are printed after the steps' captured output, which Dagster mirrors to the console with `tail -F` and
+  can cut short under load (dagster-io/dagster#23336): the end is where the message is sure to be seen.
 GHOSTVIS_DEBUG=1 keeps Dagster's traces on the console (the run's summary still comes last). A failure that is
 none of these (a bug) keeps its trace: then the trace is the message."""
 

@@ -54,12 +54,10 @@ def test_missing_tokenized_shard_stops_the_stage_before_torchrun(home_copy):
     )
     assert message in proc.stdout + proc.stderr
     assert "torch.distributed.run" not in proc.stdout + proc.stderr
-    # Dagster's console (the project's dagster.yaml, ghostvis_pipeline/failure_message.py): the failed step and the
-    # failed run show GhostVis's message and no stack trace; the last line of ours is the message with its fix,
-    # before the line Dagster's command ends with
+    # Dagster's console (the project's dagster.yaml, ghostvis_pipeline/failure_message.py): no stack trace, and
+    # the failed run's last line of ours is the message with its fix, before the line Dagster's command ends with
     said = proc.stdout + proc.stderr
     assert "Traceback" not in said and "Stack Trace" not in said and 'File "' not in said
-    assert f'STEP_FAILURE - Execution of step "pretrain" failed.\n\n{message}\n' in proc.stderr
     assert proc.stderr.rstrip("\n").splitlines()[-3:] == [
         "",
         f"pretrain failed: {message}",
