@@ -23,7 +23,6 @@ from ghostvis_pipeline.checks import (
     stage_checks,
     tokenizer_trained_on_train_shards_only,
 )
-from ghostvis_pipeline.failure_message import say_failure
 from ghostvis_pipeline.launchers import Launcher
 from ghostvis_pipeline.launchpad.asset_jobs import checks_job, shard_data_job, training_job
 from ghostvis_pipeline.launchpad.export import export_model
@@ -43,8 +42,7 @@ for name, start in chain.starts:
 
 all_assets = [shard_manifest, raw_shards, tokenizer, tokenized_shards, token_ledger, *stage_assets, evaluation, report]
 defs = Definitions(
-    # a failed step ends with GhostVis's message after Dagster's trace (failure_message.py)
-    assets=[a.with_hooks({say_failure}) for a in all_assets],
+    assets=all_assets,
     asset_checks=[
         tokenizer_trained_on_train_shards_only,
         *data_checks(),

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
+from dagster import DagsterEventType, DagsterInstance
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.plan.budget import batch_plan
 from ghostvis_core.plan.presets import resolve
+from ghostvis_pipeline.environment import PROJECT_DAGSTER_YAML
 from tests.conftest import run_cli
 
 MATERIALIZE = ["dagster", "asset", "materialize", "-m", "ghostvis_pipeline.definitions"]
@@ -38,6 +41,8 @@ def test_total_batch_that_does_not_divide(tmp_path):
 
 @pytest.mark.e2e
 def test_missing_tokenized_shard_stops_the_stage_before_torchrun(home_copy):
+    # this version's instance config (a home made before it keeps its own dagster.yaml: README)
+    shutil.copy(PROJECT_DAGSTER_YAML, home_copy / "dagster" / "dagster.yaml")
     ledger = Ledger.in_store(Home(home_copy).store)
     path = Path(next(r.token_path for r in ledger.shards() if r.shard_id == "demo_code/00001"))
     path.unlink()
@@ -49,11 +54,22 @@ def test_missing_tokenized_shard_stops_the_stage_before_torchrun(home_copy):
     )
     assert message in proc.stdout + proc.stderr
     assert "torch.distributed.run" not in proc.stdout + proc.stderr
-    # after Dagster's trace of the failed step, GhostVis's message again, alone on its log line (failure hook)
-    said = proc.stderr
-    (line,) = [line for line in said.splitlines() if " - pretrain - pretrain failed: " in line]
-    assert line.endswith(f"pretrain failed: {message}")
-    assert said.index("Stack Trace:") < said.index(line)
+    # Dagster's console (the project's dagster.yaml, ghostvis_pipeline/failure_message.py): no stack trace, and
+    # the failed run's last line of ours is the message with its fix, before the line Dagster's command ends with
+    said = proc.stdout + proc.stderr
+    assert "Traceback" not in said and "Stack Trace" not in said and 'File "' not in said
+    assert proc.stderr.rstrip("\n").splitlines()[-3:] == [
+        "",
+        f"pretrain failed: {message}",
+        "Error: Materialization failed.",
+    ]
+    # the run's event log keeps Dagster's whole error, stack trace included (the UI shows it)
+    instance_dir = home_copy / "dagster"
+    with DagsterInstance.from_config(str(instance_dir)) as instance:
+        (run,) = instance.get_runs(limit=1)
+        (failed,) = instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_FAILURE)
+    error = failed.dagster_event.event_specific_data.error
+    assert error.cls_name == "Failure" and message in error.message and "_user_error" in "".join(error.stack)
 
 
 @pytest.mark.e2e

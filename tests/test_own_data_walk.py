@@ -115,14 +115,32 @@ def list_sources(home: Path, root: Path) -> None:
         "-c", str(root / "sources.yaml"))  # fmt: skip
 
 
+def no_trace(proc) -> None:
+    """Nothing the command printed is a Python traceback or a Dagster stack trace."""
+    said = proc.stdout + proc.stderr
+    assert "Traceback" not in said and "Stack Trace" not in said and 'File "' not in said, said[-5000:]
+
+
 def refused(proc, *parts: str) -> str:
-    """A refusal: exit 2, its message the stderr's end, no traceback."""
+    """A refusal: exit 2, its message the stderr's end, with every part (what failed, the fix), no traceback."""
     assert proc.returncode == 2, proc.stderr[-3000:]
+    no_trace(proc)
     message = proc.stderr[proc.stderr.rindex("ghostvis: error: ") :]
-    assert "Traceback" not in message
     for part in parts:
         assert part in message, message
     return message
+
+
+def dagster_refused(proc, step: str, *parts: str) -> str:
+    """A refusal of the README's `dagster asset materialize`: exit 1, no traceback, and the run's last line of
+    GhostVis's is `<step> failed: <message>` with every part, before Dagster's own last line."""
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    no_trace(proc)
+    *_, ours, dagsters = proc.stderr.rstrip("\n").splitlines()
+    assert dagsters == "Error: Materialization failed." and ours.startswith(f"{step} failed: "), proc.stderr[-3000:]
+    for part in parts:
+        assert part in ours, ours
+    return ours
 
 
 def test_own_data_from_an_empty_folder_through_pretrain_sft_dpo_rl(tmp_path):
@@ -140,6 +158,9 @@ def test_own_data_from_an_empty_folder_through_pretrain_sft_dpo_rl(tmp_path):
         + "\n"
     )
     refused(ghostvis(home, "data", check=False), "my_chats/00000", "size mismatch", "re-materialize shard_manifest")
+    one_shard = ("dagster", "asset", "materialize", "-m", "ghostvis_pipeline.definitions", "--select", "raw_shards")
+    said = run(home, *one_shard, "--partition", "my_chats/00000", check=False)
+    dagster_refused(said, "raw_shards", "my_chats/00000", "size mismatch", "re-materialize shard_manifest")
     list_sources(home, root)
     out = ghostvis(home, "data").stdout
     assert "my_pairs/00000" in out and "dropped: exact_duplicate 1" in out  # the duplicate pair, counted
@@ -194,6 +215,20 @@ def assert_reward_signal_said(home: Path, said: str) -> None:
     assert completions > 0
     if any(reward > 0 for r in records for reward in r.rewards):
         assert "warning:" not in said
-    else:
-        assert f"none of its {completions:,} sampled completions earned a reward" in said, said
-        assert "an integer and nothing else" in said and " wrote " in said
+        return
+    # what the policy wrote first, as the warning quotes it
+    from ghostvis_core.data.tokenizer import load_tokenizer
+    from ghostvis_core.verify.audit.reward_signal import EXAMPLE_CHARS
+
+    run_key = newest_completed_run(store, "rl").run_key
+    (tokenizer_id,) = {r.tokenizer_id for r in ledger.shards() if r.source == "my_problems"}
+    text = load_tokenizer(tokenizer_id, store).decode(records[0].completion_ids[0])
+    example = text if len(text) <= EXAMPLE_CHARS else text[:EXAMPLE_CHARS] + "..."
+    (warning,) = [line for line in said.splitlines() if line.startswith("warning: ")]
+    assert warning.startswith(
+        f"warning: rl run {run_key}: none of its {completions:,} sampled completions earned a reward, so every "
+        "advantage was 0 and no step changed the weights. The reward rule (my_problems: integer) gives 1 for the "
+        "problem's answer and 0.1 when a completion's last non-empty line is an integer and nothing else (e.g. `42`); "
+        f"step {records[0].step}, row {records[0].rows[0]} wrote {example!r}."
+    ), warning
+    assert "set grpo.stop_at_answer=true" in warning and "(README: rl on your own problems)" in warning
