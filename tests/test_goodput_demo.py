@@ -89,7 +89,9 @@ def test_each_stages_goodput_adds_up_to_its_step_and_is_the_same_in_the_report_m
         assert card["run_key"] == run_key and card["goodput"] == g
         shown = [f"{v:.4g}" for v in (g["goodput"], g["wall_s"], *g["seconds"].values())]
         assert goodput_row(md, stage) == [stage, run_key, *shown]
-        logged = {k: v for k, v in client.get_run(card["mlflow_run_id"]).data.metrics.items() if k.startswith("goodput/")}
+        logged = {
+            k: v for k, v in client.get_run(card["mlflow_run_id"]).data.metrics.items() if k.startswith("goodput/")
+        }
         assert logged == as_metrics(g), stage
         dagster = {k: getattr(v, "value", v) for k, v in ev.asset_materialization.metadata.items()}
         assert dagster["goodput_breakdown"] == g

@@ -91,7 +91,12 @@ def test_each_launch_that_did_not_complete_costs_its_time_after_its_kept_work_th
         (2, "preempted", 9 + 2 + 5, 0, 0),
     ]
     assert g.as_dict()["faults"][0] == {
-        "launch": 1, "reason": "failed", "seconds": 35, "steps": 2, "tokens": 64, "unrecorded_s": 0
+        "launch": 1,
+        "reason": "failed",
+        "seconds": 35,
+        "steps": 2,
+        "tokens": 64,
+        "unrecorded_s": 0,
     }
 
 

@@ -113,7 +113,8 @@ class Goodput:
             "launches": self.launches,
             "unmeasured_gaps": self.unmeasured_gaps,
             "faults": [
-                asdict(f) | {"seconds": round(f.seconds, 3), "unrecorded_s": round(f.unrecorded_s, 3)} for f in self.faults
+                asdict(f) | {"seconds": round(f.seconds, 3), "unrecorded_s": round(f.unrecorded_s, 3)}
+                for f in self.faults
             ],
         }
 
