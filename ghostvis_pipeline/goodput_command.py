@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from ghostvis_core.data.ledger.goodput import CATEGORIES, Goodput
+from ghostvis_core.data.ledger.goodput import CATEGORIES, KILLED, Goodput
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
 from ghostvis_pipeline.subcommand import subcommand
@@ -67,9 +67,14 @@ def goodput_lines(g: Goodput) -> list[str]:
         note = f"  ({notes[k]})" if k in notes else ""
         lines.append(f"  {k:<16} {g.seconds[k]:>10,.1f} s {share:>7.1%}{note}")
     for f in g.faults:
-        lines.append(
+        told = (
             f"  launch {f.launch} ({f.reason}) cost {f.seconds:,.1f} s and {f.steps} steps ({f.tokens:,} token slots)"
         )
+        if f.reason == KILLED:
+            told += (
+                f"; {f.unrecorded_s:,.1f} s of it unrecorded (the steps it computed after its last commit are unknown)"
+            )
+        lines.append(told)
     if g.unmeasured_gaps:
         lines.append(f"  ({g.unmeasured_gaps} gap(s) between launches on different hosts' clocks: not measured)")
     return lines

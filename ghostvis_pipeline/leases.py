@@ -13,7 +13,7 @@ from dagster import Failure
 
 from ghostvis_core.plan.config import RuntimeConfig
 from ghostvis_core.store import Store
-from ghostvis_core.store.lease import Lease, LeaseHeld, acquire
+from ghostvis_core.store.lease import Lease, LeaseHeld, acquire, clock
 
 # how long a launch that waited for a lease waits, after it, for the holder's Dagster run to record its checks
 HOLDER_RUN_WAIT_S = 1800.0
@@ -28,6 +28,7 @@ def run_lease(
     its asset released the lease (and its retry takes the lease again), and the cache only reuses a run whose
     checks passed."""
     holder = {"dagster_run_id": context.run_id, "asset": context.asset_key.to_user_string()}
+    began = clock()
     while True:
         try:
             lease = acquire(store, scope, name, holder=holder, expiry_s=expiry_s, wait=wait, log=context.log.info)
@@ -38,6 +39,7 @@ def run_lease(
             break
         lease.release()
         wait_for_run_end(context, other)
+    lease.waited = (began, clock())  # the waits for the holder's Dagster run too
     lease.keep_alive()
     try:
         yield lease

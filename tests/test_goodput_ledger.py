@@ -12,6 +12,7 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.data.ledger.goodput import CATEGORIES, ledger_goodput, run_goodput
 from ghostvis_core.data.ledger.records import TimelineRow
 from ghostvis_core.run.train.timeline import Timeline, now_s, record_finish, recorded_launch
+from ghostvis_core.runs.reasons import record_reason
 from ghostvis_core.store.folder import FolderStore
 from tests.ledger_rows import part
 
@@ -89,7 +90,14 @@ def test_each_launch_that_did_not_complete_costs_its_time_after_its_kept_work_th
         (1, "failed", 23 + 5 + 7, 2, 64),
         (2, "preempted", 9 + 2 + 5, 0, 0),
     ]
-    assert g.as_dict()["faults"][0] == {"launch": 1, "reason": "failed", "seconds": 35, "steps": 2, "tokens": 64}
+    assert g.as_dict()["faults"][0] == {
+        "launch": 1,
+        "reason": "failed",
+        "seconds": 35,
+        "steps": 2,
+        "tokens": 64,
+        "unrecorded_s": 0,
+    }
 
 
 def test_a_committed_part_off_the_chain_is_redone_and_a_launch_killed_outright_is_unrecorded():
@@ -174,6 +182,7 @@ def test_two_launches_of_one_step_are_two_rows_and_its_finish_mark_ends_the_wall
     with recorded_launch(store, "pretrain", RUN, began):
         time.sleep(0.05)
     with pytest.raises(RuntimeError), recorded_launch(store, "pretrain", RUN, began):
+        record_reason(store, "pretrain", RUN, 0, "RuntimeError: the job failed")  # rank 0 said why
         raise RuntimeError("the job failed")
     time.sleep(0.05)
     record_finish(store, "pretrain", RUN, began)

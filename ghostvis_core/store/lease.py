@@ -128,6 +128,8 @@ class Lease:
     # reuse (not one taken over: a holder that died did nothing more)
     predecessor: dict[str, Any] | None = None
     renewed_at: float = field(default_factory=clock)  # the last successful renewal, on this host's `clock`
+    # the taker's wait for it: when it began to look and when it took it, on this host's `clock` (None: joined)
+    waited: tuple[float, float] | None = None
     lost: str | None = None  # why this process no longer holds it, once it knows
     # while set: why what this lease is held for stopped making progress (None while it makes some); the keep-alive
     # does not renew meanwhile (`renewed_while`)
@@ -269,9 +271,10 @@ def acquire(
     log: Callable[[str], None] = print,
 ) -> Lease:
     """Take the lease on `scope/name`: at once when it is free, after its holder releases it or stops beating
-    when `wait`, else `LeaseHeld` naming the holder. What the holder writes is logged once while waiting."""
+    when `wait`, else `LeaseHeld` naming the holder. What the holder writes is logged once while waiting; the
+    lease's `waited` is the span from this call to the take (a launch's time waiting, not starting up)."""
     record = {**(holder or {}), "host": socket.gethostname(), "pid": os.getpid(), "expiry_s": expiry_s}
-    told, waited_for = None, None
+    told, waited_for, began = None, None, clock()
     while True:
         now = time.time()
         newest = newest_generation(store, scope, name)
@@ -304,6 +307,7 @@ def acquire(
             _prune(store, scope, name, keep_from=number - 1)
             if newest is not None and newest.released:
                 taken.predecessor = waited_for
+            taken.waited = (began, clock())
             return taken
         # another launch created that generation first: look again
 

@@ -32,7 +32,7 @@ from ghostvis_core.plan import presets, selected
 from ghostvis_core.plan.stages import Stage
 from ghostvis_core.run.hf.register import model_record
 from ghostvis_core.run.track.mlflow_models import alias_version
-from ghostvis_core.run.train.timeline import now_s, recorded_launch
+from ghostvis_core.run.train.timeline import now_s, record_lease_wait, recorded_launch
 from ghostvis_core.runs.launch_spec import LaunchSpec
 from ghostvis_core.runs.lookup import Upstream, run_result
 from ghostvis_core.runs.preflight_findings import preflight_record
@@ -266,9 +266,10 @@ FAULT_RETRIES = 3
 
 def run_job(context, launcher: Launcher, spec: LaunchSpec, h: Home, held: Held) -> None:
     """Launch the job, again after each preemption, renewing the lease only while the job's ranks move their
-    heartbeats, each launch recorded in the run's timeline; a problem of the run's inputs or settings that a rank
-    named (a pre-flight refusal, a token block that does not match its digest, a checkpoint that fails
-    verification) fails the step without a retry: the same inputs would stop it again."""
+    heartbeats, each launch and the step's wait for the lease recorded in the run's timeline; a problem of the
+    run's inputs or settings that a rank named (a pre-flight refusal, a token block that does not match its digest,
+    a checkpoint that fails verification) fails the step without a retry: the same inputs would stop it again."""
+    record_lease_wait(h.store, spec.stage, spec.run_key, held.began, held.lease.waited)
     for launch in range(1, MAX_PREEMPTIONS + 2):
         try:
             job = training_job(spec)

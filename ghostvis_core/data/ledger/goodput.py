@@ -3,9 +3,10 @@
 
 Categories (docs/goodput.md): productive (the steps of the parts on the run's chain), redone (steps computed and
 not kept: those of a part off the chain, and those a launch computed after its last commit), start-up, checkpoint
-load, checkpoint save, evaluation, waiting (a lease; between launches after a preemption: the requeue), detection
-(a hang's timeout; between launches after a fault: the retry back-off), unrecorded (a launch killed outright: its
-time after its last commit, which it could not write) and other (a launch's time in none of these).
+load, checkpoint save, evaluation, waiting (for the run identity's lease, on either side; between launches after a
+preemption: the requeue), detection (a hang's timeout; between launches after a fault: the retry back-off),
+unrecorded (a launch killed outright: its time after its last commit, which it could not write) and other (a
+launch's time in none of these).
 
 The wall is the launching side's: from the start of the step that made the first launch (its planning and lease
 are start-up) to the last launch's end, on its host's monotonic clock. Two clocks are compared only when their
@@ -44,6 +45,8 @@ _KIND = {
 }
 # a gap between two launches, by how the first one ended
 _GAP = {"preempted": "waiting", "completed": "waiting"}
+# a launch whose rank 0 ended without a word (a signal, a lost node): the launching side's outcome of it
+KILLED = "killed"
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,10 @@ class Goodput:
             "tokens_thrown_away": self.tokens_thrown_away,
             "launches": self.launches,
             "unmeasured_gaps": self.unmeasured_gaps,
-            "faults": [asdict(f) | {"seconds": round(f.seconds, 3)} for f in self.faults],
+            "faults": [
+                asdict(f) | {"seconds": round(f.seconds, 3), "unrecorded_s": round(f.unrecorded_s, 3)}
+                for f in self.faults
+            ],
         }
 
     def metrics(self) -> dict[str, float]:
@@ -136,12 +142,11 @@ def run_goodput(run_key: str, stage: str, rows: list[TimelineRow], chain: list[P
     matched = match_jobs(launcher, jobs)
     for launch in launcher:
         inside = matched.get(launch.launch_id, [])
-        left = launch.duration_s - sum(j.wall_s for j in inside)
-        killed = any(j.end is None for j in inside) or (not inside and launch.reason != "completed")
-        out.seconds["unrecorded" if killed else "startup"] += left
-    ahead = launcher[0].start_s if launcher else 0.0  # the first launching step's planning and lease
-    out.seconds["startup"] += ahead
-    out.wall_s = ahead + sum(r.duration_s for r in launcher) + add_gaps(out, launcher) + add_finish(out, rows, launcher)
+        out.seconds["unrecorded" if was_killed(launch, inside) else "startup"] += outside_jobs_s(launch, inside)
+    waits = [r for r in rows if r.side == "launcher" and r.kind == "lease_wait"]
+    ahead = add_ahead(out, launcher, waits)
+    out.wall_s = ahead + sum(r.duration_s for r in launcher) + add_gaps(out, launcher, waits)
+    out.wall_s += add_finish(out, rows, launcher)
     outside = [j for j in jobs if not any(j in js for js in matched.values())]
     out.wall_s += sum(j.wall_s for j in outside) + add_gaps(out, [job_span(j) for j in outside])
     out.launches = len(launcher) or len(jobs)
@@ -161,6 +166,35 @@ def launch_rows(rows: list[TimelineRow]) -> list[TimelineRow]:
     """The launching side's `launch` rows, in the order they started (on one clock: by boot id, then time)."""
     launches = [r for r in rows if r.side == "launcher" and r.kind == "launch"]
     return sorted(launches, key=lambda r: (r.boot_id, r.origin_s + r.start_s))
+
+
+def was_killed(launch: TimelineRow, inside: list[JobLaunch]) -> bool:
+    """The launch was killed outright: the launching side says so, or a job in it wrote no end row."""
+    return launch.reason == KILLED or any(j.end is None for j in inside)
+
+
+def outside_jobs_s(launch: TimelineRow, inside: list[JobLaunch]) -> float:
+    """A launch's time outside its jobs' rows: their processes' start and teardown, or, killed, also what the job
+    did after its last row."""
+    return launch.duration_s - sum(j.wall_s for j in inside)
+
+
+def lease_waited(waits: list[TimelineRow], boot: str, lo: float, hi: float) -> float:
+    """The seconds of the launching side's lease waits (`lease_wait` rows on the clock of `boot`) within [lo, hi]."""
+    spans = [(w.origin_s + w.start_s, w.origin_s + w.start_s + w.duration_s) for w in waits if w.boot_id == boot]
+    return sum(max(0.0, min(hi, end) - max(lo, start)) for start, end in spans)
+
+
+def add_ahead(out: Goodput, launcher: list[TimelineRow], waits: list[TimelineRow]) -> float:
+    """The first launching step's time before its first launch: its wait for the lease as waiting, the rest (its
+    planning) as start-up."""
+    if not launcher:
+        return 0.0
+    first = launcher[0]
+    waited = lease_waited(waits, first.boot_id, first.origin_s, first.origin_s + first.start_s)
+    out.seconds["waiting"] += waited
+    out.seconds["startup"] += first.start_s - waited
+    return first.start_s
 
 
 def add_finish(out: Goodput, rows: list[TimelineRow], launcher: list[TimelineRow]) -> float:
@@ -225,17 +259,21 @@ def job_span(job: JobLaunch) -> TimelineRow:
     return TimelineRow(*where, "launch", 0.0, job.wall_s, reason=end.reason if end else "failed", created_at=ended)
 
 
-def add_gaps(out: Goodput, spans: list[TimelineRow]) -> float:
+def add_gaps(out: Goodput, spans: list[TimelineRow], waits: list[TimelineRow] | None = None) -> float:
     """The time between consecutive launches on one clock (same boot id), as waiting after a preemption and as
-    detection after a fault; a gap across clocks cannot be measured and is counted in `unmeasured_gaps`."""
+    detection after a fault, but a retry's wait for the lease in it (`waits`), which is waiting; a gap across clocks
+    cannot be measured and is counted in `unmeasured_gaps`."""
     total = 0.0
     ordered = sorted(spans, key=lambda r: r.created_at - r.duration_s)
     for before, after in zip(ordered, ordered[1:]):
         if before.boot_id != after.boot_id:
             out.unmeasured_gaps += 1
             continue
-        gap = max(0.0, after.origin_s + after.start_s - (before.origin_s + before.start_s + before.duration_s))
-        out.seconds[_GAP.get(before.reason, "detection")] += gap
+        ended, started = before.origin_s + before.start_s + before.duration_s, after.origin_s + after.start_s
+        gap = max(0.0, started - ended)
+        waited = min(gap, lease_waited(waits or [], before.boot_id, ended, started))
+        out.seconds["waiting"] += waited
+        out.seconds[_GAP.get(before.reason, "detection")] += gap - waited
         total += gap
     return total
 
@@ -244,13 +282,16 @@ def add_gaps(out: Goodput, spans: list[TimelineRow]) -> float:
 class FaultCost:
     """What one launch that did not complete cost the run: its time after its last kept work (steps not kept, the
     detection, what its job could not record, its teardown), the wait to the next launch, and that launch's restart
-    (its processes' start, rank 0's start-up and checkpoint load); the steps and token slots computed and not kept."""
+    (its processes' start, rank 0's start-up and checkpoint load); the steps and token slots computed and not kept.
+    A launch killed outright (reason `killed`) could not say what it did after its last commit: that time is its
+    `unrecorded_s` (in the cost), and the steps it computed in it are not known (not in `steps`)."""
 
     launch: int  # 1 for the run's first launch
     reason: str
     seconds: float
     steps: int
     tokens: int
+    unrecorded_s: float = 0.0
 
 
 def fault_costs(rows: list[TimelineRow], chain: list[PartRow]) -> list[FaultCost]:
@@ -274,7 +315,12 @@ def fault_costs(rows: list[TimelineRow], chain: list[PartRow]) -> list[FaultCost
         gap = after.origin_s + after.start_s - (launch.origin_s + launch.start_s + launch.duration_s)
         restart = restart_s(after, matched.get(after.launch_id, []), own[k + 1])
         lost = launch.duration_s - kept_s - own[k].seconds["evaluation"] + max(0.0, gap) + restart
-        out.append(FaultCost(k + 1, launch.reason, lost, own[k].redone_steps, own[k].redone_steps * tokens_per_step))
+        steps = own[k].redone_steps
+        inside = matched.get(launch.launch_id, [])
+        killed = was_killed(launch, inside)
+        unrecorded = outside_jobs_s(launch, inside) if killed else 0.0
+        reason = KILLED if killed else launch.reason
+        out.append(FaultCost(k + 1, reason, lost, steps, steps * tokens_per_step, unrecorded_s=unrecorded))
     return out
 
 

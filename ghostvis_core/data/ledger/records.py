@@ -203,8 +203,8 @@ class TimelineRow:
     launch's host's monotonic clock after `origin_s` (the process start, or the launch's start on the launching
     side); two launches' clocks are compared only when their `boot_id` is the same (one kernel, one clock),
     otherwise only durations are. Kinds: startup, load, eval, save, lease_wait, steps (`step_first`..`step_last`,
-    `reason` committed or uncommitted), detection, launch, end (`reason`: completed, preempted, hung, failed,
-    lease lost)."""
+    `reason` committed or uncommitted), detection, launch (the launching side's: `reason` completed, preempted,
+    failed, killed), finish, end (`reason`: completed, preempted, hung, failed, lease lost)."""
 
     run_key: str
     stage: str

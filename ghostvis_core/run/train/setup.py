@@ -41,6 +41,7 @@ def setup(spec: LaunchSpec, ctx: DistContext, lease: Lease | None = None) -> Tra
     and stops the ranks once it is lost (None on the other ranks, and where no launch took one)."""
     clock = Clock()
     timeline = Timeline(spec.run_key, spec.stage, enabled=ctx.is_main)
+    timeline.waited(lease.waited if lease is not None else None)  # a job launched by hand waited for the lease
     cfg = spec.config
     plan = run_batch_plan(spec, ctx)
     store = open_store(spec.store)

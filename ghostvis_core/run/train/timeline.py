@@ -4,13 +4,15 @@
 Every time is a duration on this host's monotonic clock (CLOCK_BOOTTIME where there is one, which the kernel's
 process start time is counted on too), after the origin: the process start. Recorded: start-up (process start to
 model and data ready), checkpoint load, evaluation, checkpoint saves, the steps of each committed part (the time
-between two commits but the evaluation and saves in it), and at the end the steps computed since the last commit
+between two commits but the evaluation and saves in it), the wait for the run identity's lease of a job launched by
+hand (before the timeline began: `waited`), and at the end the steps computed since the last commit
 (uncommitted: trained again by the next launch), the hang detection, and the end with its reason.
 
 The rows of a part are written with the part, inside its checkpoint's ledger folder (`part_rows`), so they are
 committed with it; the rows after the last commit are written at the end (`end`), straight to the store's ledger.
 A launch killed outright (SIGKILL, a lost node) writes no end: its time after its last commit is what the launching
-side measured around it (ghostvis_core/launch/launch_timeline.py)."""
+side measured around it (`recorded_launch`, whose row then says `killed`). The launching side also records its own
+wait for the lease (`record_lease_wait`)."""
 
 from __future__ import annotations
 
@@ -23,10 +25,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ghostvis_core.data.ledger import Ledger
+from ghostvis_core.data.ledger.goodput import KILLED
 from ghostvis_core.data.ledger.records import TimelineRow
 from ghostvis_core.data.ledger.write import LedgerWriter
 from ghostvis_core.run.train.preemption import Preempted
-from ghostvis_core.runs.reasons import LEASE_LOST, PREEMPTED, was_preempted
+from ghostvis_core.runs.reasons import LEASE_LOST, PREEMPTED, rank_reasons, was_preempted
 from ghostvis_core.store import Store
 from ghostvis_core.store.fence import LeaseLost
 
@@ -110,12 +113,19 @@ class Timeline:
                 self.open_since = None
             self.add(kind, start, self.elapsed() - start)
 
+    def waited(self, span: tuple[float, float] | None) -> None:
+        """A wait for the run identity's lease (`span`: its start and end on `now_s`'s clock, as `Lease.waited`
+        holds them; None: no wait, the lease joined), recorded as `lease_wait`: waiting, not start-up."""
+        if span is not None:
+            self.add("lease_wait", span[0] - self.origin_s, span[1] - span[0])
+
     def ready(self, segment: int, step: int) -> None:
-        """Model and data ready (the checkpoint loaded, if any): start-up ends here; `step` is the resumed one."""
+        """Model and data ready (the checkpoint loaded, if any): start-up ends here, less the checkpoint loads and
+        the lease wait in it; `step` is the resumed one."""
         self.segment, self.step_committed = segment, step
         at = self.elapsed()
-        loaded = sum(r.duration_s for r in self.rows if r.kind == "load")
-        self.add("startup", 0.0, at - loaded)
+        apart = sum(r.duration_s for r in self.rows if r.kind in ("load", "lease_wait"))
+        self.add("startup", 0.0, at - apart)
         self.boundary_s = at
 
     def training(self) -> None:
@@ -179,12 +189,39 @@ def record_finish(store: Store, stage: str, run_key: str, began: float) -> None:
     Ledger.in_store(store).write_timeline(mark.rows, "finish")
 
 
+def record_lease_wait(store: Store, stage: str, run_key: str, began: float, span: tuple[float, float] | None) -> None:
+    """The launching step's wait for the run identity's lease (`span`, on the clock of `began`, the step's start): a
+    `lease_wait` row of the launching side, which goodput counts as waiting, not as the step's start-up."""
+    wait = Timeline(run_key, stage, side="launcher", origin_s=began)
+    wait.launch_id += "+lease"
+    wait.waited(span)
+    _write_safely(store, wait, "lease_wait", "its wait for the lease")
+
+
+def launch_outcome(store: Store, stage: str, run_key: str) -> str:
+    """How a launch that did not complete ended, from the reasons its ranks left: preempted (every rank says so),
+    failed (rank 0 said why), else killed: rank 0 ended without a word (a signal, its node lost), so its timeline
+    stops at its last commit and what it did after is not known."""
+    if was_preempted(store, stage, run_key):
+        return PREEMPTED
+    return FAILED if any(r["rank"] == 0 for r in rank_reasons(store, stage, run_key)) else KILLED
+
+
+def _write_safely(store: Store, timeline: Timeline, name: str, what: str) -> None:
+    """The launching side's rows into the store's ledger; a store that cannot take them is said, not raised (the
+    run stands, and its goodput misses them)."""
+    try:
+        Ledger.in_store(store).write_timeline(timeline.rows, name)
+    except Exception as exc:
+        print(f"[{timeline.stage}] timeline of run {timeline.run_key}: {what} not written ({exc})", flush=True)
+
+
 @contextmanager
 def recorded_launch(store: Store, stage: str, run_key: str, began: float) -> Iterator[None]:
     """The launching side's row of one launch of a run's job (kind launch, side launcher), from the job's start
     to its end on the launching host's clock, after `began` (the launching step's start: what came before the launch
-    is its planning and lease), with its outcome (completed, preempted, failed): what covers the processes' start
-    and teardown around rank 0's own timeline, and the waits between launches."""
+    is its planning and lease), with its outcome (completed, or `launch_outcome`: preempted, failed, killed): what
+    covers the processes' start and teardown around rank 0's own timeline, and the waits between launches."""
     launch = Timeline(run_key, stage, side="launcher", origin_s=began)
     start = launch.elapsed()
     launch.launch_id += f"+{start:.3f}"
@@ -193,11 +230,8 @@ def recorded_launch(store: Store, stage: str, run_key: str, began: float) -> Ite
         yield
         outcome = COMPLETED
     except BaseException:
-        outcome = PREEMPTED if was_preempted(store, stage, run_key) else FAILED
+        outcome = launch_outcome(store, stage, run_key)
         raise
     finally:
         launch.add("launch", start, launch.elapsed() - start, why=outcome)
-        try:
-            Ledger.in_store(store).write_timeline(launch.rows, "launch")
-        except Exception as exc:
-            print(f"[{stage}] timeline of run {run_key}: its launch row not written ({exc})", flush=True)
+        _write_safely(store, launch, "launch", "its launch row")
