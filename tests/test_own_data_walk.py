@@ -217,7 +217,7 @@ def assert_reward_signal_said(home: Path, said: str) -> None:
         assert "warning:" not in said
         return
     # what the policy wrote first, as the warning quotes it
-    from ghostvis_core.data.tokenizer import load_tokenizer
+    from ghostvis_core.data.bpe_tokenizer import load_tokenizer
     from ghostvis_core.verify.audit.reward_signal import EXAMPLE_CHARS
 
     run_key = newest_completed_run(store, "rl").run_key
