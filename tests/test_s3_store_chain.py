@@ -2,7 +2,11 @@
 sources -> shards -> tokenizer -> token shards -> ledger -> every stage -> evaluation -> report, through the
 real `ghostvis demo` CLI, then `ghostvis export` and `ghostvis audit`. One run of the chain, shared by the
 tests below: every check passes, nothing is written to the home's own store folder, the bucket holds the
-records and checkpoints, and the ledger in the bucket agrees with MLflow to the token."""
+records and checkpoints, and the ledger in the bucket agrees with MLflow to the token.
+
+The chain is a lineage with one stage of each objective (LINEAGE): the store path a stage takes depends on its
+objective (pretraining, vision alignment, sft, dpo, GRPO's rollouts), not on its name, and the session's demo home
+trains the whole table on a folder store."""
 
 from __future__ import annotations
 
@@ -18,8 +22,7 @@ from ghostvis_core.counts import MLFLOW_METRICS
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.plan import stages
-from ghostvis_core.plan.presets import resolve
-from ghostvis_core.plan.stages import stage_names
+from ghostvis_core.plan.lineage import parse
 from ghostvis_core.runs.lookup import completed_runs
 from ghostvis_core.store import open_store
 from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
@@ -30,7 +33,8 @@ from tests.conftest import new_bucket, run_cli, s3_env
 # the first test waits for the whole chain (its module fixture), longer than the suite's 900 s per test
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 
-STAGES = stage_names()
+LINEAGE = "pretrain,vision_alignment,sft,dpo,rl"
+STAGES = parse(LINEAGE).stage_names()
 BUCKET, PREFIX = "chain", "team/store"
 STORE_URI = f"s3://{BUCKET}/{PREFIX}"
 
@@ -50,6 +54,7 @@ def chain(moto_s3, module_tmp) -> Chain:
     stage and `ghostvis audit`, all with the store in the bucket and this node's cache outside the home."""
     tmp = module_tmp("s3-chain")
     env = {**s3_env(moto_s3, tmp), "GHOSTVIS_STORE": STORE_URI, "GHOSTVIS_STORE_CACHE": str(tmp / "node-cache")}
+    env["GHOSTVIS_LINEAGE"] = LINEAGE
     new_bucket(moto_s3, BUCKET)
     home = tmp / "home"
     demo = run_cli(["ghostvis", "demo", "--preset", "smoke"], home, timeout=2400, **env)
@@ -120,7 +125,7 @@ def test_the_bucket_holds_every_stages_run_record_checkpoint_and_lineage(chain, 
         assert f"{PREFIX}/checkpoints/{stage}/{run.run_key}/{step}/COMPLETE" in objects
         assert f"{PREFIX}/checkpoints/{stage}/{run.run_key}/RUN_COMPLETE.json" in objects
         assert f"{PREFIX}/runs/{stage}/{run.run_key}/spec.json" in objects
-        parent = resolve(stage, "smoke").init_from
+        parent = parse(LINEAGE).upstream(stage)
         if parent:
             assert run.parent_run_key == completed_runs(store, parent)[0].run_key, stage
     report_files = {
