@@ -22,7 +22,7 @@ import os
 
 from dagster import DagsterEventType, DagsterInstance
 
-from ghostvis_core.errors import GhostvisError
+from ghostvis_core.errors import DEBUG_ENV, GhostvisError
 from ghostvis_pipeline.check_failures import check_failure_error, failed_check_lines
 
 # Dagster's error when a blocking check fails; its message names the checks, their evaluations say what they found.
@@ -62,7 +62,7 @@ class FailureMessages(logging.Handler):
 
     def __init__(self) -> None:
         super().__init__()
-        self.debug = os.environ.get("GHOSTVIS_DEBUG", "") not in ("", "0")
+        self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
     def emit(self, record: logging.LogRecord) -> None:
         try:

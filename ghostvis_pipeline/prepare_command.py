@@ -21,7 +21,7 @@ from ghostvis_pipeline.subcommand import subcommand
 
 def torchrun_line(spec_uri: str, ranks: int, grace_s: float) -> list[str]:
     """The launchers' one-node torchrun command for a training spec, as a user types it (`torchrun ...`)."""
-    python_m_torchrun = 3  # `<python> -m torch.distributed.run`, which the torchrun script runs
+    python_m_torchrun = 3  # `<python> -m <AGENT_MODULE>`: torchrun, which the torchrun script runs
     return ["torchrun", *torchrun_command(spec_uri, ranks, grace_s=grace_s)[python_m_torchrun:]]
 
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from ghostvis_core.launch.cluster.torchrun_command import AGENT_MODULE
 from ghostvis_core.runs.lookup import identity_of
 
 T = TypeVar("T")
@@ -19,7 +20,7 @@ T = TypeVar("T")
 
 def rank_pid(launch: subprocess.Popen, rank: int, not_pids: tuple[int, ...] = ()) -> int | None:
     """The pid of training rank `rank` under `launch` (on any host: the nodes' torchruns are its descendants too),
-    not one of `not_pids`: the child of torchrun (`python -m torch.distributed.run`) whose RANK is `rank`."""
+    not one of `not_pids`: the child of torchrun (`python -m ghostvis_core.run.elastic_agent`) whose RANK is `rank`."""
     import psutil
 
     for child in psutil.Process(launch.pid).children(recursive=True):
@@ -29,7 +30,7 @@ def rank_pid(launch: subprocess.Popen, rank: int, not_pids: tuple[int, ...] = ()
                 child.pid not in not_pids
                 and child.environ().get("RANK") == str(rank)
                 and parent is not None
-                and "torch.distributed.run" in parent.cmdline()
+                and AGENT_MODULE in parent.cmdline()
             ):
                 return child.pid
         except psutil.Error:

@@ -13,6 +13,7 @@ from ghostvis_core.counts import MLFLOW_METRICS, TokenCounts
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.home import Home
+from ghostvis_core.launch.cluster.torchrun_command import AGENT_MODULE
 from ghostvis_core.plan import presets, stages
 from ghostvis_core.plan.budget import flops_per_token, plan
 from ghostvis_core.plan.stages import stage_names
@@ -153,7 +154,7 @@ def test_a_stage_whose_upstream_is_missing_says_which_asset_to_materialize_first
     )
     assert proc.returncode != 0
     assert "asset `sft` has never been materialized; materialize it first" in proc.stdout + proc.stderr
-    assert "torch.distributed.run" not in proc.stdout + proc.stderr  # refused before launching torchrun
+    assert AGENT_MODULE not in proc.stdout + proc.stderr  # refused before launching torchrun
     # the same when the upstream's checkpoint files are gone (core path, no Dagster)
     from ghostvis_core.launch.start import prepare_run
     from ghostvis_core.runs.lookup import Upstream

@@ -11,6 +11,7 @@ from dagster import DagsterEventType, DagsterInstance
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
+from ghostvis_core.launch.cluster.torchrun_command import AGENT_MODULE
 from ghostvis_core.plan.budget import batch_plan
 from ghostvis_core.plan.presets import resolve
 from ghostvis_pipeline.environment import PROJECT_DAGSTER_YAML
@@ -53,7 +54,7 @@ def test_missing_tokenized_shard_stops_the_stage_before_torchrun(home_copy):
         "re-materialize tokenized_shards partition demo_code/00001"
     )
     assert message in proc.stdout + proc.stderr
-    assert "torch.distributed.run" not in proc.stdout + proc.stderr
+    assert AGENT_MODULE not in proc.stdout + proc.stderr
     # Dagster's console (the project's dagster.yaml, ghostvis_pipeline/failure_message.py): no stack trace, and
     # the failed run's last line of ours is the message with its fix, before the line Dagster's command ends with
     said = proc.stdout + proc.stderr

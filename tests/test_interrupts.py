@@ -27,6 +27,7 @@ import pytest
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
+from ghostvis_core.launch.cluster.torchrun_command import AGENT_MODULE
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.runs.lookup import run_result
 from ghostvis_core.runs.reasons import run_reason
@@ -113,7 +114,7 @@ def torchruns(launch: subprocess.Popen) -> list[psutil.Process]:
     found = []
     for child in psutil.Process(launch.pid).children(recursive=True):
         try:
-            if "torch.distributed.run" in child.cmdline():
+            if AGENT_MODULE in child.cmdline():
                 found.append(child)
         except psutil.Error:
             continue

@@ -116,7 +116,7 @@ def test_one_node_is_one_pod_with_all_its_gpus(home):
     assert c["command"] == [
         "python",
         "-m",
-        "torch.distributed.run",
+        "ghostvis_core.run.elastic_agent",
         "--standalone",
         "--nproc_per_node=8",
         "--signals-to-handle=SIGTERM,SIGINT,SIGUSR1,SIGUSR2",
@@ -179,7 +179,7 @@ def test_the_evaluation_and_registration_jobs_are_one_pod_of_one_rank_on_a_four_
     meta, spec = render_pod(job, run)
     validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "evaluation-0", **meta}, "spec": spec})
     assert container(spec)["command"] == [
-        *["python", "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"],
+        *["python", "-m", "ghostvis_core.run.elastic_agent", "--standalone", "--nproc_per_node=1"],
         *["--signals-to-handle=SIGTERM,SIGINT,SIGUSR1,SIGUSR2", "--shutdown-timeout=120"],
         *["-m", "ghostvis_core.verify.eval", "--spec", home.store.uri_of("run_spec", "evaluation", "ev1d")],
     ]

@@ -52,7 +52,7 @@ def test_each_node_gets_the_same_rendezvous_command_through_node_shell():
             "OMP_NUM_THREADS=8",
             "/opt/venv/bin/python",
             "-m",
-            "torch.distributed.run",
+            "ghostvis_core.run.elastic_agent",
             "--nnodes=3",
             "--rdzv-backend=c10d",
             "--rdzv-endpoint=10.0.0.1:29500",

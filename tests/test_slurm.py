@@ -98,7 +98,7 @@ def test_sbatch_script_asks_for_the_job_and_starts_torchrun_once_per_node():
     ]
     srun = [line for line in lines if line.startswith("srun ")]
     assert srun == [
-        'srun --kill-on-bad-exit=1 /opt/venv/bin/python -m torch.distributed.run --nnodes="$SLURM_NNODES" '
+        'srun --kill-on-bad-exit=1 /opt/venv/bin/python -m ghostvis_core.run.elastic_agent --nnodes="$SLURM_NNODES" '
         '--rdzv-backend=c10d --rdzv-endpoint="$rdzv_host":29555 --rdzv-id="$SLURM_JOB_ID" '
         "--nproc_per_node=8 --signals-to-handle=SIGTERM,SIGINT,SIGUSR1,SIGUSR2 --shutdown-timeout=120 "
         f"-m ghostvis_core.run --spec {SPEC}"

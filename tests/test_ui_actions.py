@@ -23,6 +23,7 @@ import yaml
 from playwright.sync_api import expect
 
 from ghostvis_core.home import Home
+from ghostvis_core.launch.cluster.torchrun_command import AGENT_MODULE
 from ghostvis_core.plan.presets import VARIANTS
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.verify.audit.stage_checks import stage_check_names
@@ -399,7 +400,7 @@ def torchrun_of(home: Path):
     """The torchrun process training a stage of `home` (its spec is in the home's store), or None."""
     for proc in psutil.process_iter(["cmdline"]):
         cmd = proc.info["cmdline"] or []
-        if "torch.distributed.run" in cmd and any(str(home) in part for part in cmd):
+        if AGENT_MODULE in cmd and any(str(home) in part for part in cmd):
             return proc
     return None
 

@@ -18,6 +18,9 @@ from ghostvis_core.errors import GhostvisError
 from ghostvis_core.plan.config import STOP_SIGNALS, RuntimeConfig
 from ghostvis_core.runs.job_command import TRAINING_ENTRY
 
+# The node agent every launcher runs: torchrun itself, ending a failed rank's report in one line (run/elastic_agent.py)
+AGENT_MODULE = "ghostvis_core.run.elastic_agent"
+
 # What a node (a pod, a Slurm step) is given beyond torchrun's wait for its ranks: torchrun's own exit after theirs
 SHUTDOWN_MARGIN_S = 10
 
@@ -53,8 +56,9 @@ def torchrun_command(
     args: tuple[str, ...] = (),
     grace_s: float = RuntimeConfig.preempt_grace_s,
 ) -> list[str]:
-    """`python -m torch.distributed.run ... -m <module> --spec <spec_uri> <args>` (the job's module: training's,
-    the evaluation's, registration's); without a rendezvous: one node, rendezvous on a free local port. The
+    """`python -m ghostvis_core.run.elastic_agent ... -m <module> --spec <spec_uri> <args>` (torchrun as
+    AGENT_MODULE; the job's module: training's, the evaluation's, registration's); without a rendezvous: one node,
+    rendezvous on a free local port. The
     STOP_SIGNALS reach the ranks, and torchrun waits `grace_s` (the stage's runtime.preempt_grace_s) for them."""
     if rendezvous is None:
         nodes = ["--standalone"]
@@ -68,7 +72,7 @@ def torchrun_command(
     return [
         python or sys.executable,
         "-m",
-        "torch.distributed.run",
+        AGENT_MODULE,
         *nodes,
         f"--nproc_per_node={nproc_per_node}",
         f"--signals-to-handle={','.join(STOP_SIGNALS)}",
