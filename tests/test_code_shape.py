@@ -58,6 +58,7 @@ LAYERS = {
     "ghostvis_core.run.trained_model": 8,
     "ghostvis_core.run.preflight": 9,
     "ghostvis_core.run.__main__": 9,
+    "ghostvis_core.run.elastic_agent": 9,
     "ghostvis_core.run.tokenizer_training": 9,
     "ghostvis_core.launch.start": 10,
     "ghostvis_core.verify.*": 10,
