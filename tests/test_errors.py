@@ -182,3 +182,6 @@ def test_the_jobs_pre_flight_refusal_fails_the_materialization_once_with_its_mes
     host = next(r["host"] for r in records if "refused" in r)
     assert f"rank 0 on {host}" in out and refused in out
     assert "STEP_UP_FOR_RETRY" not in out
+    # torchrun's end is one line naming the rank (run/elastic_agent.py), and no trace reaches the console
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-4000:]
+    assert "torchrun: ghostvis_core.run: rank 0 (local rank 0, pid " in out, out[-4000:]
