@@ -186,6 +186,11 @@ _SMOKE_STEPS = {
 # training steps are most of a smoke run's work on a CPU); rl samples 2 short completions per prompt (2 prompts
 # per row batch), asked as chat turns (grpo.prompt's default: smoke keeps the vlm lineage, rl on dpo's chat model).
 _SMOKE_DELTAS = {
+    # context_expansion warms up in 1 step: with the tiny recipe's 5 warm-up steps, 6 steps end at the peak LR, never
+    # decayed, and held-out loss beyond the old context rose at every peak tried (3e-4 / 5e-4 / 1e-3: 6.915 -> 7.111 /
+    # 6.979 / 6.971); warmed up in 1 and decayed over 5, the same 5e-4 and steps lower it (6.915 -> 6.861, within the
+    # old context 7.011 -> 6.979; README "The smoke demo's context_expansion").
+    "context_expansion": dict(optim={**_TINY["context_expansion"]["optim"], "warmup_steps": 1}),
     "rl": dict(
         grpo=dict(group_size=2, max_new_tokens=24),
         batch=_batch(4, 96),
