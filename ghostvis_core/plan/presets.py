@@ -189,7 +189,8 @@ _SMOKE_DELTAS = {
     # context_expansion warms up in 1 step: with the tiny recipe's 5 warm-up steps, 6 steps end at the peak LR, never
     # decayed, and held-out loss beyond the old context rose at every peak tried (3e-4 / 5e-4 / 1e-3: 6.915 -> 7.111 /
     # 6.979 / 6.971); warmed up in 1 and decayed over 5, the same 5e-4 and steps lower it (6.915 -> 6.861, within the
-    # old context 7.011 -> 6.979; README "The smoke demo's context_expansion").
+    # old context 7.011 -> 6.979), so does 3e-4 (6.871), 1e-3 does not (7.010; README "The smoke demo's
+    # context_expansion").
     "context_expansion": dict(optim={**_TINY["context_expansion"]["optim"], "warmup_steps": 1}),
     "rl": dict(
         grpo=dict(group_size=2, max_new_tokens=24),
