@@ -195,7 +195,7 @@ _SMOKE_DELTAS = {
     "rl": dict(
         grpo=dict(group_size=2, max_new_tokens=24),
         batch=_batch(4, 96),
-    )
+    ),
 }
 
 # Why a stage's evidence cannot improve in a preset's run, per preset and stage: the report card prints it next
@@ -213,12 +213,14 @@ EVIDENCE_NOTES: dict[str, dict[str, str]] = {
         "samples are correct)",
     },
     "smoke": {
-        **{s: "smoke runs a few steps to test the plumbing; its evidence is not expected to move" for s in _SMOKE_STEPS},
+        **dict.fromkeys(
+            _SMOKE_STEPS, "smoke runs a few steps to test the plumbing; its evidence is not expected to move"
+        ),
         # measured: 0 of 32 completions rewarded as the preset runs, 0 of 128 with the tiny preset's grpo settings
         # from smoke's reasoning_mix (README "The smoke demo's context_expansion")
         "rl": "a policy trained a few steps (held-out loss ~6 nats/token) never writes the `Answer:` line the reward "
-        "reads, not even with the tiny demo's rl settings (0 of 128 samples rewarded): every group's rewards are equal, "
-        "so no step changes the weights",
+        "reads, not even with the tiny demo's rl settings (0 of 128 samples rewarded): every group's rewards are "
+        "equal, so no step changes the weights",
     },
 }
 
