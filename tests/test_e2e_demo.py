@@ -113,6 +113,14 @@ def test_pretraining_lowers_validation_loss_and_mixture_follows_the_recipe(demo_
     assert replay and {r.source for r in replay} == {"demo_prose", "demo_code"}
 
 
+def test_context_expansion_lowers_the_held_out_loss_beyond_and_within_the_old_context(demo_home):
+    """The stage's evidence moves its way in the smoke demo: held-out loss at positions beyond the upstream's 256
+    falls, and so does the loss within them (smoke warms up in 1 step, presets.py `_SMOKE_DELTAS`)."""
+    ce = latest(dagster_instance(demo_home), "context_expansion")
+    assert ce["loss_beyond_context_after"] < ce["loss_beyond_context_before"], ce
+    assert ce["loss_within_context_after"] < ce["loss_within_context_before"], ce
+
+
 def test_rematerializing_one_stage_through_the_dagster_cli(home_copy):
     """With force: true (the same inputs are otherwise a cache hit, test_cache.py): a new attempt of the
     same run identity, with its own MLflow run, that packs exactly the same tokens. On a copy: the stages
