@@ -29,8 +29,9 @@ ROLLOUT_METRICS = {
 }
 # Each rl step's sampled-reward figures (grpo.count_step) under TRL's GRPO names, charted in MLflow and tabled in
 # the report card: the rewards' mean, the mean of the groups' reward standard deviations, the share of groups whose
-# rewards are all equal (no advantage, no gradient) and the share of exact answers.
-GRPO_STEP_METRICS = ("rl/reward_mean", "rl/reward_std", "rl/frac_reward_zero_std", "rl/exact_rate")
+# rewards are all equal (no advantage, no gradient), the share of exact answers and, only with a reference model
+# (grpo.kl_beta > 0, as TRL logs `kl`), the mean k3 KL to it per generated token.
+GRPO_STEP_METRICS = ("rl/reward_mean", "rl/reward_std", "rl/frac_reward_zero_std", "rl/exact_rate", "rl/kl")
 
 
 @dataclass(frozen=True)

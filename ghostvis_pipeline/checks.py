@@ -23,7 +23,7 @@ from ghostvis_core.verify.audit.check_outcome import CheckOutcome
 from ghostvis_core.verify.audit.data_checks import DATA_CHECKS
 from ghostvis_core.verify.audit.stage_checks import STAGE_CHECKS, CheckInputs
 from ghostvis_core.verify.eval.quality_gate import lineage_gate
-from ghostvis_core.verify.replay.check import NAME, replay_matches
+from ghostvis_core.verify.replay.check import NAME, kept_verdict, replay_matches
 from ghostvis_core.verify.replay.refusal import refusal
 from ghostvis_core.verify.replay.settings import ReplaySettings
 from ghostvis_pipeline.check_verdict import settle_check
@@ -196,9 +196,11 @@ def replay_check(stage: str):
         "the ledger recorded (built by the audit's reader) equal the checkpoint after them, bit for bit.",
     )
     def check(context, config: ReplayConfig, home: GhostvisHome) -> AssetCheckResult:
-        h = home.home()
-        run = inv.StageRun.load(h.store, Ledger.in_store(h.store), stage, latest_metadata(context, stage)["run_key"])
-        outcome = replay_matches(h.store, run, ReplaySettings(config.intervals, config.seed))
+        h, md = home.home(), latest_metadata(context, stage)
+        run = inv.StageRun.load(h.store, Ledger.in_store(h.store), stage, md["run_key"])
+        settings = ReplaySettings(config.intervals, config.seed)
+        kept = kept_verdict(h.store, run, settings) if "cached_from" in md else None  # a cache hit replays nothing
+        outcome = kept or replay_matches(h.store, run, settings)
         if refusal(run) is not None:  # a GPU, fsdp or async-save run: nothing replayed is no fault of the run
             outcome = dataclasses.replace(outcome, passed=True)
         return to_result(outcome)

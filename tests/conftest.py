@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import json
 import os
 import re
@@ -66,6 +67,20 @@ def free_ports(n: int) -> list[int]:
 
 def free_port() -> int:
     return free_ports(1)[0]
+
+
+# Worker w's reserved ports: 30000 + 1000 w, 30001 + 1000 w, ... (below the kernel's ephemeral range, 32768-60999).
+_RESERVED_PORTS = itertools.count(30000 + 1000 * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")))
+
+
+def reserved_port() -> int:
+    """A port of 127.0.0.1 for a listener that binds it well after the test chose it, or binds it again: a
+    multi-node job's c10d rendezvous (a Slurm relaunch after a preemption binds it minutes later), a server started
+    again after an outage. A `free_port()` is in the kernel's ephemeral range, where any process may be given it
+    meanwhile: a relaunched job's own srun once listened on it for its tasks' messages, its torchrun agents
+    connected to srun instead of hosting the rendezvous, and the job failed. These ports are below that range, and
+    none is given twice in a session."""
+    return next(_RESERVED_PORTS)
 
 
 def run_cli(args: list[str], home: Path, timeout: float = 600, check: bool = True, **extra: str):

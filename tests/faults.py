@@ -73,13 +73,13 @@ def outage(pid: int, seconds: float) -> None:
 
 # The soak's hang timeout: above the S3 outage (a checkpoint commit waits it out, which is no hang) and above a
 # step on a loaded 2-core machine
-SOAK_HANG_S = 45
-OUTAGE_S = 30
+SOAK_HANG_S = 30
+OUTAGE_S = 15
 
 
 def run_soak(hosts, argv: list[str], home: Path, store: str, run_key: str, logs: tuple[Path, Path]) -> float:
     """Six faults of different kinds in one materialization (`argv`: the torchrun launcher on the Dagster host and
-    gv1, rank 0 on gv1) of `run_key` in `store`: a second launch of the same identity, a 30 s outage of the S3
+    gv1, rank 0 on gv1) of `run_key` in `store`: a second launch of the same identity, an OUTAGE_S outage of the S3
     server, rank 1 SIGKILLed, rank 1's torchrun preempted (SIGTERM), rank 1 stopped (SIGSTOP: a hang) and rank
     0's node killed, each once the launch before it resumed training. Both launches must end 0; returns the first
     one's wall seconds."""

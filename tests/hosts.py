@@ -400,10 +400,20 @@ def start_servers(hosts: Hosts) -> None:
     )
 
 
+def keep_pretrain_checkpoints_only(store: Path) -> None:
+    """Delete every stage's checkpoints but pretrain's from a copy of the demo store bound for a bucket: the tests
+    on S3 train and audit pretrain only, and the other seven stages' checkpoints (85% of the store's bytes) would
+    only be uploaded, copied inside the S3 server and searched. Their records, ledger parts and models stay."""
+    for stage in (store / "checkpoints").iterdir():
+        if stage.name != "pretrain":
+            shutil.rmtree(stage)
+
+
 def move_store_to_bucket(hosts: Hosts) -> None:
     """The first home's store folder goes to the bucket (same keys under DEMO_PREFIX, copied to
     PREFIX for the first home), and is deleted: nothing can come from the folder any more."""
     store = hosts.home / "store"
+    keep_pretrain_checkpoints_only(store)
     hosts.s3("upload", DEMO_PREFIX, str(store))
     shutil.rmtree(store)
     hosts.s3("copy", DEMO_PREFIX, PREFIX)

@@ -21,6 +21,7 @@ from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.checkpoint_manager import CheckpointManager, write_part
 from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.store.folder import FolderStore
+from ghostvis_core.store.layout import step_dir_name
 from tests.ledger_rows import part
 from tests.test_bad_inputs import TINY, flip_byte
 
@@ -50,7 +51,7 @@ def store(tmp_path) -> Path:
 
 
 def step_dir(root: Path, step: int) -> Path:
-    return root / "checkpoints" / "pretrain" / "r1" / ckpt.step_dir_name(step)
+    return root / "checkpoints" / "pretrain" / "r1" / step_dir_name(step)
 
 
 def test_the_store_ledger_holds_each_checkpoint_files_digests_as_its_marker_does(store):

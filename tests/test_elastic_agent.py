@@ -41,6 +41,7 @@ def test_debug_keeps_torchruns_report_and_success_is_torchruns_exit_0(tmp_path):
     proc = agent(tmp_path, RANK, ("GHOSTVIS_DEBUG", "1"))
     assert proc.returncode == 1
     assert "Traceback" in proc.stderr and "ChildFailedError" in proc.stderr and "exitcode  : 3" in proc.stderr
-    ok = agent(tmp_path, 'import os; print("rank", os.environ["RANK"], "done")\n')
+    # each rank's line in one write: the two ranks share the node's stdout, and print's pieces interleaved once
+    ok = agent(tmp_path, "import os; os.write(1, f\"rank {os.environ['RANK']} done\\n\".encode())\n")
     assert ok.returncode == 0, ok.stderr[-3000:]
     assert sorted(line for line in ok.stdout.splitlines() if line.startswith("rank")) == ["rank 0 done", "rank 1 done"]

@@ -110,5 +110,13 @@ def test_the_report_tables_each_rl_steps_sampled_reward_figures():
     }
     stages = [stage_card("sft", curves={"train/loss": [(1, 2.0)]}), stage_card("rl", curves=curves)]
     head, rows = tables(stages)["GRPO steps (sampled rewards, TRL's figures)"]
-    assert head == ["stage", "step", "rl/reward_mean", "rl/reward_std", "rl/frac_reward_zero_std", "rl/exact_rate"]
-    assert rows == [["rl", 1, 0.0125, 0.025, 0.75, 0.0], ["rl", 2, 0.1, 0.0, 1.0, 0.0]]
+    assert head == [
+        "stage",
+        "step",
+        "rl/reward_mean",
+        "rl/reward_std",
+        "rl/frac_reward_zero_std",
+        "rl/exact_rate",
+        "rl/kl",
+    ]
+    assert rows == [["rl", 1, 0.0125, 0.025, 0.75, 0.0, None], ["rl", 2, 0.1, 0.0, 1.0, 0.0, None]]  # no reference

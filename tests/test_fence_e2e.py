@@ -25,7 +25,7 @@ pytestmark = pytest.mark.e2e
 STAGE = "continued_pretrain"
 ARGV = [
     str(BIN / "ghostvis"), "train", STAGE,
-    "--set", "budget.steps=40", "--set", "checkpoint.every_steps=10", "--set", "runtime.lease_expiry_s=8",
+    "--set", "budget.steps=20", "--set", "checkpoint.every_steps=10", "--set", "runtime.lease_expiry_s=8",
 ]  # fmt: skip
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,16 +73,16 @@ def test_a_paused_launch_wakes_after_a_takeover_and_commits_nothing(home_copy):
     assert "ASSET_CHECK_EVALUATION" not in outs[0], "the loser's checks judged the winner's records"
     took = re.search(r"took over the lease from Dagster run \w+ \(pid \d+ on \S+\), heartbeat (\d+) s ago", outs[1])
     assert took and int(took.group(1)) >= 8, outs[1][-4000:]
-    assert re.search(r"resume from step (10|20|30)\b", outs[1]), outs[1][-4000:]
+    assert re.search(r"resume from step 10\b", outs[1]), outs[1][-4000:]
     key = re.search(rf"^{STAGE}: run (\S+),", outs[1], re.M).group(1)
     chain = Ledger.in_store(store).chain(key)
     steps = [(p.step_first, p.step_last) for p in chain]
-    assert steps[0][0] == 1 and steps[-1][1] == 40, steps
+    assert steps[0][0] == 1 and steps[-1][1] == 20, steps
     assert all(a[1] + 1 == b[0] for a, b in zip(steps, steps[1:], strict=False)), f"steps not tiled once: {steps}"
     result = run_result(store, STAGE, key)
     assert sum(p.real_tokens for p in chain) == result.counts.real_tokens
     with sqlite3.connect(home_copy / "mlflow.db") as db:
         versions = db.execute("select version from model_versions where run_id = ?", (result.mlflow_run_id,)).fetchall()
     assert len(versions) == 1, versions
-    audit = run_cli(["ghostvis", "audit"], home_copy, check=False)
+    audit = run_cli(["ghostvis", "audit", "--stage", STAGE], home_copy, check=False)
     assert audit.returncode == 0, audit.stdout[-4000:] + audit.stderr[-2000:]

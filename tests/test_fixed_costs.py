@@ -66,6 +66,31 @@ def test_loading_the_dagster_definitions_imports_no_trainer_model_or_harness():
     assert out == "", f"imported by every process that loads the Dagster definitions: {out}"
 
 
+KEPT_STEPS = """
+import sys
+from types import SimpleNamespace
+from ghostvis_core.store import open_store
+from ghostvis_core.verify.replay.intervals import kept_steps
+chain = [SimpleNamespace(step_last=s) for s in (4, 8, 12)]
+print(kept_steps(open_store(sys.argv[1]), "pretrain", "r1", chain))
+print(" ".join(n for n in sys.argv[2:] if n in sys.modules))
+"""
+
+
+def test_the_replay_checks_kept_checkpoints_are_found_without_torch(tmp_path):
+    """The replay check (in the Dagster process) finds the run's committed checkpoints by their folder names
+    alone: steps 4 and 8 committed, 12 pruned."""
+    for step in (4, 8):
+        marker = tmp_path / "store" / "checkpoints" / "pretrain" / "r1" / f"step_{step:09d}" / "COMPLETE"
+        marker.parent.mkdir(parents=True)
+        marker.write_text("{}")
+    (tmp_path / "store" / "checkpoints" / "pretrain" / "r1" / "step_000000012").mkdir()  # no marker: not committed
+    argv = [sys.executable, "-c", KEPT_STEPS, str(tmp_path / "store"), *NOT_IN_DAGSTER]
+    kept, loaded = subprocess.run(argv, capture_output=True, text=True, check=True).stdout.split("\n")[:2]
+    assert kept == "[4, 8]"
+    assert "torch" not in loaded.split(), f"the replay check's checkpoint lookup imported: {loaded}"
+
+
 # What the `ghostvis` command loads only in the subcommands that use it (Dagster in status, train, demo and data;
 # MLflow in audit): `ghostvis ledger`, `plan` or `--help` pay none of it (dagster alone is ~1.2 s of imports).
 NOT_IN_THE_CLI = ("dagster", "torch", "mlflow", "transformers", "lm_eval")

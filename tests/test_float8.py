@@ -17,6 +17,7 @@ from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train import float8
 from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.run.train.setup import build_model
+from ghostvis_core.store.layout import step_dir_name
 
 # head_dim 16; ffn_hidden 72: w13 is 64 -> 144 (both divide by 16), w2 is 72 -> 64 (72 does not);
 # vocab 96 divides by 16 too, but the head is skipped by name
@@ -72,7 +73,7 @@ def test_a_converted_checkpoint_loads_into_an_unconverted_model_and_back(tmp_pat
     float8.convert(again)
     ckpt.load_model(path, again)
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), gpt(seed=3).state_dict().values()))
-    ckpt.load_optimizer(tmp_path / "run" / ckpt.step_dir_name(5), again, torch.optim.AdamW(again.parameters()))
+    ckpt.load_optimizer(tmp_path / "run" / step_dir_name(5), again, torch.optim.AdamW(again.parameters()))
 
 
 def test_float8_is_refused_without_an_sm89_gpu_naming_the_fix():

@@ -38,12 +38,14 @@ from ghostvis_core.run.train.grpo import (
     FORMAT_REWARD,
     AnswerStop,
     GroupRows,
+    GRPOBatch,
     RolloutLog,
     complete,
     count_step,
     group_advantages,
     grpo_loss_sum,
     held_out_reward,
+    kl_k3,
     reward,
     rollout_batch,
 )
@@ -142,7 +144,7 @@ def test_a_steps_reward_figures_are_trls_by_hand():
     )
     assert log.reward_sums(2, 2) == pytest.approx([1.2, math.sqrt(0.5), 2, 1])  # group 1: std of (1.1, 0.1)
     ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-    total, figures = count_step(log, 2, {"generated_tokens": 10}, GRPOConfig(group_size=2), ctx)
+    total, figures = count_step(log, 2, {"generated_tokens": 10}, GRPOConfig(group_size=2), ctx, [])
     assert total["generated_tokens"] == 15 and total["completions"] == 4 and total["correct_completions"] == 1
     assert figures == pytest.approx(
         {
@@ -152,7 +154,23 @@ def test_a_steps_reward_figures_are_trls_by_hand():
             "rl/exact_rate": 0.25,
         }
     )
-    assert count_step(log, 3, total, GRPOConfig(group_size=2), ctx) == (total, {})  # a step that sampled nothing
+    assert count_step(log, 3, total, GRPOConfig(group_size=2), ctx, []) == (total, {})  # a step that sampled nothing
+
+
+def test_a_steps_kl_is_its_micro_batches_kl_sums_over_its_generated_tokens_and_only_with_a_reference():
+    """TRL's `kl` (logged only with a reference): the k3 sums the loss left on its micro-batches, over the step's
+    generated tokens (5 here: completions of 1, 2, 1 and 1 tokens)."""
+    log = RolloutLog(
+        {2: {"rows": [0, 1, 2, 3], "completion_ids": [[5], [6, 7], [8], [9]], "rewards": [1.1, 0.1, 0.0, 0.0]}}
+    )
+    ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
+    batches = [GRPOBatch(None, None, [], None, kl_sum=torch.tensor(0.25)), GRPOBatch(None, None, [], None)]
+    batches[1].kl_sum = torch.tensor(0.5, dtype=torch.bfloat16)  # as the loss sets it, in the model's dtype
+    _, figures = count_step(log, 2, {}, GRPOConfig(group_size=2), ctx, batches)
+    assert figures["rl/kl"] == pytest.approx(0.75 / 5)
+    assert figures["rl/reward_mean"] == pytest.approx(0.3)  # the other figures as without a reference
+    _, without = count_step(log, 2, {}, GRPOConfig(group_size=2), ctx, [GRPOBatch(None, None, [], None)])
+    assert "rl/kl" not in without and set(without) == set(figures) - {"rl/kl"}
 
 
 def test_the_loss_by_hand_with_and_without_the_kl_term():
@@ -170,6 +188,8 @@ def test_the_loss_by_hand_with_and_without_the_kl_term():
     with_kl = grpo_loss_sum(logps.detach(), ref, adv, mask, 0.1)
     assert with_kl.item() == pytest.approx(-4.0 + 3.0 + 0.1 * kl)
     assert kl == pytest.approx((math.exp(-0.5) + 0.5 - 1) + (math.exp(0.5) - 0.5 - 1))
+    assert (kl_k3(logps.detach(), ref) * mask).sum().item() == pytest.approx(kl)  # the step's `rl/kl` numerator
+    assert kl_k3(logps.detach(), logps.detach()).abs().max().item() == 0.0  # the policy is its reference: no KL
 
 
 # ---------------------------------------------------------------- trainer rows == audit rows
@@ -387,8 +407,11 @@ def test_the_rl_stage_runs_through_the_cli_on_a_users_problems_and_its_audit_rec
 ):
     """The README's rl on your own problems, on a copy of the demo home: a JSON Lines problem source declared
     with a columns mapping and `reward: integer`, downloaded and tokenized by `ghostvis data`, then
-    `ghostvis train rl --recipe my_problems=1.0` (the smoke preset); every check passes and the audit
-    recounts every prompt and generated token and recomputes each reward under the source's rule."""
+    `ghostvis train rl --recipe my_problems=1.0 --set grpo.kl_beta=0.05` (the smoke preset); every check passes,
+    the audit recounts every prompt and generated token and recomputes each reward under the source's rule, and
+    each logged step's KL to the reference is in MLflow."""
+    from mlflow.tracking import MlflowClient
+
     from ghostvis_core.counts import ROLLOUT_METRICS
     from ghostvis_core.data.catalog import load_manifest
     from ghostvis_core.data.ledger import Ledger
@@ -402,7 +425,8 @@ def test_the_rl_stage_runs_through_the_cli_on_a_users_problems_and_its_audit_rec
     select = ["-m", "ghostvis_pipeline.definitions", "--select", "shard_manifest", "-c", str(config)]
     run_cli(["dagster", "asset", "materialize", *select], home_copy)
     run_cli(["ghostvis", "data"], home_copy, timeout=900)
-    proc = run_cli(["ghostvis", "train", "rl", "--recipe", "my_problems=1.0"], home_copy, timeout=900, check=False)
+    train = ["ghostvis", "train", "rl", "--recipe", "my_problems=1.0", "--set", "grpo.kl_beta=0.05"]
+    proc = run_cli(train, home_copy, timeout=900, check=False)
     h = Home(home_copy)
     ledger = Ledger.in_store(h.store)
     runs = completed_runs(h.store, "rl")
@@ -413,7 +437,7 @@ def test_the_rl_stage_runs_through_the_cli_on_a_users_problems_and_its_audit_rec
     assert spec["inputs"]["reward_rules"] == {"my_problems": "integer"}
     assert [s["shard_id"] for s in spec["train_shards"]["my_problems"]] == ["my_problems/a", "my_problems/b"]
     # the rule is in the run's identity: the same source under another rule is another run (this one is stale)
-    overrides = presets.data_overrides({"my_problems": 1.0}, [])
+    overrides = {**presets.data_overrides({"my_problems": 1.0}, []), "grpo.kl_beta": 0.05}
     assert plan_run("rl", preset="smoke", overrides=overrides, home=h).base_key == run_key.rsplit("-r", 1)[0]
     manifest = load_manifest(h.store, "my_problems")
     manifest.reward = "string"
@@ -462,6 +486,11 @@ def test_the_rl_stage_runs_through_the_cli_on_a_users_problems_and_its_audit_rec
     assert mlflow["rl/reward_std"] == pytest.approx(sum(abs(a - b) / math.sqrt(2) for a, b in groups) / 4)
     assert mlflow["rl/frac_reward_zero_std"] == sum(a == b for a, b in groups) / 4
     assert mlflow["rl/exact_rate"] == sum(x >= 1.0 for x in rewards) / 8
+    # the KL to the reference (grpo.kl_beta > 0), TRL's `kl`: at step 1 the policy is the reference (none)
+    client = MlflowClient(h.mlflow_tracking_uri)
+    kl = {m.step: m.value for m in client.get_metric_history(record.mlflow_run_id, "rl/kl")}
+    print(f"rl/kl per logged step: {kl}")
+    assert {1, last} <= set(kl) and kl[1] == pytest.approx(0.0, abs=1e-6) and min(kl.values()) >= 0.0
     assert record.counts.loss_tokens == ledger_generated  # loss is carried by the generated tokens only
 
     # A completion saved shorter than it was fed (one token dropped): the rollouts no longer add up, the rows

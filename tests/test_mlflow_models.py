@@ -20,6 +20,7 @@ import torch
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.plan.stages import stage, stage_names
+from ghostvis_core.run.hf.register import MODEL_FILE
 from ghostvis_core.runs.launch_spec import LaunchSpec
 from ghostvis_core.runs.lookup import run_result
 from ghostvis_core.runs.preflight_findings import preflight_record
@@ -53,8 +54,9 @@ sys.exit(rc)
 """
 
 
-# Then, in one Dagster process: dpo again (a cache hit: its registration is a job of its own) and the evaluation
-# on one harness task (an identity not scored before: the evaluation job runs), and what that process imported
+# Then, in one Dagster process: dpo again (a cache hit: the alias is on its version, so nothing registers) and
+# the evaluation on one harness task (an identity not scored before: the evaluation job runs), and what that
+# process imported
 HIT_AND_EVALUATION_IN_DAGSTER = """
 import json, os, sys
 from dagster import DagsterInstance
@@ -157,8 +159,9 @@ def test_the_dagster_process_plans_and_the_job_does_the_heavy_work(registry):
 @pytest.mark.e2e
 def test_a_cache_hit_and_the_evaluation_import_no_torch_in_the_dagster_process(registry):
     """dpo's cache hit and an evaluation that scored (a new identity) ran in one Dagster process that never
-    imported torch, transformers or lm_eval: the hit's registration was a job of its own (another pid, the
-    alias pointed back at the same version), the scores the evaluation job's, in the store and in MLflow."""
+    imported torch, transformers or lm_eval: the hit's version is the one its training job registered (another
+    pid; the alias already on it, nothing was launched), the scores the evaluation job's, in the store and in
+    MLflow."""
     from dagster import AssetKey
     from mlflow.tracking import MlflowClient
 
@@ -299,6 +302,48 @@ def test_an_unreachable_registry_leaves_the_run_and_says_so(home_copy, monkeypat
     assert list(md) == ["mlflow_model"]
     assert md["mlflow_model"].startswith(f"sft: the model of run {run_key} is not registered in MLflow")
     assert md["mlflow_model"].endswith("materialize sft again (a cache hit) to register it")
+
+
+@pytest.mark.e2e
+def test_a_cache_hit_launches_a_registration_job_only_when_the_alias_is_on_another_version(home_copy, monkeypatch):
+    """A copy of the demo home (its MLflow database came along): the alias on the run's version, a cache hit's
+    model metadata launches nothing (the run's registration record is not rewritten); the alias moved to another
+    run's version, the registration job runs and points it back, registering no new version."""
+    from dagster import MaterializeResult, asset, materialize
+    from mlflow.tracking import MlflowClient
+
+    from ghostvis_pipeline.assets.training import model_metadata
+    from ghostvis_pipeline.launchers import Launcher
+
+    for var, value in (("GHOSTVIS_HOME", home_copy), ("DAGSTER_HOME", home_copy / "dagster")):
+        monkeypatch.setenv(var, str(value))
+    home = Home(home_copy)
+    run_key = latest(dagster_instance(home_copy), "dpo")["run_key"]
+    spec = LaunchSpec.from_dict(home.store.read_json("run_spec", "dpo", run_key))
+    record = Path(home.store.uri_of("run_file", "dpo", run_key, MODEL_FILE))
+    client = MlflowClient(home.mlflow_tracking_uri)
+    own = int(client.get_model_version_by_alias(MODEL, "dpo").version)
+    versions = len(client.search_model_versions(f"name = '{MODEL}'"))
+
+    def hit() -> dict:
+        md = {}
+
+        @asset
+        def dpo(context):  # a Dagster step, as the stage asset's
+            md.update(model_metadata(context, stage("dpo"), spec, home, Launcher(), registered_by_job=False))
+            return MaterializeResult()
+
+        assert materialize([dpo]).success
+        return md
+
+    written = record.stat().st_mtime_ns
+    assert hit()["mlflow_model_version"].value == own and record.stat().st_mtime_ns == written  # nothing launched
+    other = int(client.get_model_version_by_alias(MODEL, "sft").version)
+    client.set_registered_model_alias(MODEL, "dpo", str(other))
+    md = hit()
+    assert md["mlflow_model_version"].value == own and record.stat().st_mtime_ns > written  # the job's record
+    assert int(client.get_model_version_by_alias(MODEL, "dpo").version) == own
+    assert len(client.search_model_versions(f"name = '{MODEL}'")) == versions
 
 
 def sampled(monkeypatch, interval: str, run_for: float) -> list[tuple[dict[str, float], int]]:

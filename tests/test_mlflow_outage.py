@@ -15,7 +15,7 @@ import pytest
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.runs.lookup import run_result
-from tests.conftest import MLFLOW_SERVER_ENV, cli_env, free_port, torchrun_stage
+from tests.conftest import MLFLOW_SERVER_ENV, cli_env, reserved_port, torchrun_stage
 from tests.ui_servers import mlflow_server_command
 
 pytestmark = pytest.mark.e2e
@@ -52,7 +52,7 @@ def stop_server(proc: subprocess.Popen) -> None:
 def test_training_survives_an_mlflow_outage_and_the_metrics_arrive_complete(home_copy, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    port, store = free_port(), tmp_path / "mlflow"
+    port, store = reserved_port(), tmp_path / "mlflow"  # started again on it after the outage
     uri = f"http://127.0.0.1:{port}"
     server = start_server(port, store)
     steps = 20

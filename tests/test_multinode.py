@@ -23,7 +23,7 @@ from ghostvis_core.launch.cluster.torchrun_command import RDZV_PORT, MultiNode, 
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.dist import DistContext, agree
 from ghostvis_core.runs.lookup import run_result
-from tests.conftest import free_port, materialize_pretrain, new_run_dirs, run_cli, run_names
+from tests.conftest import materialize_pretrain, new_run_dirs, reserved_port, run_cli, run_names
 
 pytestmark = pytest.mark.e2e
 
@@ -142,7 +142,7 @@ def test_ranks_that_see_different_checkpoints_stop_naming_both(tmp_path):
 
 def test_pretraining_on_two_nodes_ends_where_one_node_with_two_ranks_does(home_copy, pretrain_reference, monkeypatch):
     ref_home, ref_dir = pretrain_reference
-    port = free_port()
+    port = reserved_port()
     known = run_names(home_copy)
     run_cli(
         materialize_pretrain(

@@ -109,9 +109,10 @@ def test_the_readme_walk_over_s3_and_http_gives_the_same_shards_and_a_checkpoint
 def test_every_kind_downloads_to_the_same_shard_over_s3_http_and_file(
     tmp_path, corpus, s3_endpoint, http_server, monkeypatch
 ):
-    """Issue 45: chats in JSON Lines under their own column name, and a folder of images with a captions
-    file, on the S3 server (listed) and the HTTP server (numbered): raw_shards' download and check
-    (records.normalize_shard) make the same Parquet shard over S3, HTTP and file://, images included."""
+    """Every kind a user brings: chats in JSON Lines under their own column name, a folder of images with a
+    captions file, preference pairs (two for one prompt) and problems under their own prompt column, on the S3
+    server (listed) and the HTTP server (numbered): raw_shards' download and check (records.normalize_shard) make
+    the same Parquet shard over S3, HTTP and file://, images included."""
     import boto3
 
     from ghostvis_core.data.catalog import RemoteSource, remote_manifest
@@ -126,6 +127,9 @@ def test_every_kind_downloads_to_the_same_shard_over_s3_http_and_file(
     write_jsonl(
         kinds / "pics" / "00000.jsonl", [{"image": f"img/{i}.png", "caption": c} for i, (c, _) in enumerate(CAPTIONS)]
     )
+    pair = {"prompt": "What is 2 plus 2?", "chosen": "4", "rejected": "5"}
+    write_jsonl(kinds / "pairs" / "00000.jsonl", [pair, {**pair, "chosen": "Four."}])  # two pairs for one prompt
+    write_jsonl(kinds / "problems" / "00000.jsonl", [{"question": "What is 17 * 3?", "answer": 51}])
     for i, (_, image) in enumerate(CAPTIONS):
         (kinds / "pics" / "img").mkdir(parents=True, exist_ok=True)
         (kinds / "pics" / "img" / f"{i}.png").write_bytes(image)
@@ -151,9 +155,12 @@ def test_every_kind_downloads_to_the_same_shard_over_s3_http_and_file(
             out[sid] = fetch_shard(sid, e, tmp_path / where / f"{sid}.parquet", check=check).sha256
         return out
 
+    shards = {}
     for name, kind, columns, n in (
         ("chats", "chat", {"messages": "conversations"}, 2),
         ("pics", "image_caption", {}, 1),
+        ("pairs", "preference", {}, 1),
+        ("problems", "problem", {"prompt": "question"}, 1),
     ):
         over = {
             "s3": downloaded(RemoteSource(name, kind, listing=f"s3://my-bucket/kinds/{name}/", columns=columns), "s3"),
@@ -170,6 +177,7 @@ def test_every_kind_downloads_to_the_same_shard_over_s3_http_and_file(
             "file": downloaded(RemoteSource(name, kind, listing=(kinds / name).as_uri(), columns=columns), "file"),
         }
         assert len(over["s3"]) == n and over["s3"] == over["http"] == over["file"], over
+        shards |= over["s3"]
     stored = pq.read_table(tmp_path / "s3" / "pics" / "00000.parquet")
     assert stored.column("image").to_pylist() == [b for _, b in CAPTIONS]
-    assert sha256_file(tmp_path / "s3" / "pics" / "00000.parquet") == over["s3"]["pics/00000"]
+    assert sha256_file(tmp_path / "s3" / "pics" / "00000.parquet") == shards["pics/00000"]

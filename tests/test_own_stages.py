@@ -3,12 +3,12 @@ preference pairs, problems and image-caption pairs (JSON Lines under their own c
 conversational pairs, a folder of images with a captions file) served from a local S3 server, `./my-model` a
 Hugging Face export of the demo's reasoning_mix. sft, dpo and rl of the `chat` lineage and vision_alignment
 each start where the README says, train on the user's rows only, and the ledger, the checks and the audit
-hold as for text; the same files over HTTP give the same shards."""
+hold as for text. That the same files over HTTP give the same shards, for every kind, is
+tests/test_own_data.py's (test_every_kind_downloads_to_the_same_shard_over_s3_http_and_file)."""
 
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from pathlib import Path
 
@@ -17,11 +17,10 @@ import pytest
 
 from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.demo.tasks import build_task_source
-from ghostvis_core.home import Home
 from ghostvis_core.runs.launch_spec import LaunchSpec
 from ghostvis_core.runs.lookup import completed_runs
 from tests.conftest import run_cli
-from tests.readme_walks import readme_blocks, served_folder, upload_folder, walk
+from tests.readme_walks import readme_blocks, upload_folder, walk
 
 pytestmark = pytest.mark.e2e
 
@@ -79,11 +78,10 @@ def corpus(module_tmp) -> Path:
 
 
 @pytest.fixture(scope="module")
-def servers(corpus, moto_s3):
-    """The S3 server holding the corpus as my-bucket, and an HTTP server of the same folder."""
+def bucket(corpus, moto_s3) -> str:
+    """The S3 server holding the corpus as my-bucket: its endpoint."""
     upload_folder(moto_s3, "my-bucket", corpus)
-    with served_folder(corpus) as host:
-        yield moto_s3, f"http://{host}"
+    return moto_s3
 
 
 @pytest.fixture(scope="module")
@@ -94,12 +92,11 @@ def my_model(demo_home, module_tmp) -> Path:
     return out
 
 
-def test_the_readme_walk_trains_every_stage_on_the_users_own_data(tmp_path, servers, my_model):
-    endpoint, http = servers
+def test_the_readme_walk_trains_every_stage_on_the_users_own_data(tmp_path, bucket, my_model):
     sources_yaml, commands = readme_walk()
     shutil.copytree(my_model, tmp_path / "walk" / "my-model")
     # GHOSTVIS_PRESET=smoke: the smoke preset's batch sizes and steps for each stage
-    home, out = walk(tmp_path / "walk", {"sources.yaml": sources_yaml}, commands, endpoint, GHOSTVIS_PRESET="smoke")
+    home, out = walk(tmp_path / "walk", {"sources.yaml": sources_yaml}, commands, bucket, GHOSTVIS_PRESET="smoke")
     store, ledger = home.store, Ledger.in_store(home.store)
 
     shards = {r.shard_id: r for r in ledger.shards()}
@@ -124,26 +121,3 @@ def test_the_readme_walk_trains_every_stage_on_the_users_own_data(tmp_path, serv
             run.counts.real_tokens
         ), stage
     assert "every figure agrees" in out or "0 failures" in out, out[-3000:]
-
-    # the same files over HTTP: the same shards by content (the download and the row checks only)
-    numbered = rf'url_pattern: "{http}/\1/{{shard:05d}}.jsonl"\n{" " * 10}num_shards: {TRAIN_SHARDS + 1}'
-    http_yaml = re.sub(r'listing: "s3://my-bucket/(\w+)/"', numbered, sources_yaml)
-    assert http_yaml.count(http) == 4
-    http_home = tmp_path / "http"
-    http_home.mkdir()
-    (http_home / "sources.yaml").write_text(http_yaml)
-    run_cli(["ghostvis", "init"], http_home / "my-home")
-    select = ["--select", "shard_manifest", "-c", str(http_home / "sources.yaml")]
-    run_cli(["dagster", "asset", "materialize", "-m", "ghostvis_pipeline.definitions", *select], http_home / "my-home")
-    from dagster import DagsterInstance
-
-    keys = DagsterInstance.from_config(str(http_home / "my-home" / "dagster")).get_dynamic_partitions("shards")
-    assert sorted(keys) == sorted(shards)
-    run_cli(
-        ["dagster", "asset", "materialize", "-m", "ghostvis_pipeline.definitions", "--select", "raw_shards"]
-        + ["--partition-range", f"{keys[0]}...{keys[-1]}"],
-        http_home / "my-home",
-    )
-    over_http = Home(http_home / "my-home").store
-    for key, row in shards.items():
-        assert over_http.read_json("raw_shard_meta", key)["sha256"] == row.content_sha256, key

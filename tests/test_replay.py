@@ -19,9 +19,9 @@ from ghostvis_core.data.ledger import Ledger
 from ghostvis_core.home import Home
 from ghostvis_core.runs.lookup import newest_completed_run
 from ghostvis_core.verify.audit.invariants import StageRun
-from ghostvis_core.verify.replay.check import NAME, replay_matches
+from ghostvis_core.verify.replay.check import NAME, kept_verdict, replay_matches
 from ghostvis_core.verify.replay.intervals import Interval, choose, intervals
-from ghostvis_core.verify.replay.record import record_path, replay_summary
+from ghostvis_core.verify.replay.record import record_path, replay_summary, write_record
 from ghostvis_core.verify.replay.refusal import refusal
 from ghostvis_core.verify.replay.settings import ReplaySettings
 from tests.conftest import copy_home, run_cli
@@ -199,3 +199,26 @@ def test_the_dagster_check_replays_the_intervals_its_config_asks_for_and_the_rep
     header, rows = tables(card)["Replay (sampled checkpoint intervals re-executed, compared bit for bit)"]
     assert rows == [["pretrain", key, summary], ["dpo", "dpo-r1", "-"]]
     assert f"| pretrain | {key} | {summary} |" in render_markdown("t", card, "c.png", {})
+
+
+@pytest.mark.e2e
+def test_a_cache_hit_keeps_the_runs_replay_verdict_only_for_the_same_seed_and_intervals(home_copy):
+    """The demo's check replayed pretrain's last interval (1 interval, seed 0): a cache hit of that run keeps
+    that verdict, passed or failed, and any other setting replays again."""
+    store, run = Home(home_copy).store, stage_run(home_copy, "pretrain")
+    key = run.spec.run_key
+    kept = kept_verdict(store, run, ReplaySettings(1, 0))
+    assert kept.passed and kept.figures["summary"] == (
+        "1 interval replayed (steps 13..24), bitwise equal (kept from the run's first replay: a cache hit)"
+    )
+    assert kept.tables["intervals"][1][0][:3] == ["steps 13..24", "step 12", "bitwise equal"]
+    assert kept_verdict(store, run, ReplaySettings(2, 0)) is None  # two intervals asked, one replayed
+    assert kept_verdict(store, run, ReplaySettings(1, 1)) is None  # another seed draws other intervals
+    failed_once = dataclasses.replace(kept, passed=False, failures=[f"pretrain run {key} interval steps 13..24: x"])
+    write_record(store, "pretrain", key, failed_once.to_dict())
+    again = kept_verdict(store, run, ReplaySettings(1, 0))
+    assert not again.passed and again.failures == failed_once.failures
+    header, rows = kept.tables["intervals"]
+    crashed = dataclasses.replace(kept, passed=False, tables={"intervals": (header, [[*rows[0][:2], "not replayed"]])})
+    write_record(store, "pretrain", key, crashed.to_dict())
+    assert kept_verdict(store, run, ReplaySettings(1, 0)) is None  # its replay process failed: replayed again

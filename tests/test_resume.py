@@ -25,6 +25,7 @@ from ghostvis_core.plan.presets import resolve
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.runs.launch_spec import launch_records
 from ghostvis_core.runs.lookup import run_result
+from ghostvis_core.store.layout import step_dir_name
 from tests.conftest import (
     BIN,
     SHORT_PRETRAIN,
@@ -103,17 +104,80 @@ def covered(ranges) -> set[tuple[str, int, int]]:
     return {(s, e, t) for s, e, a, b in ranges for t in range(a, b)}
 
 
-def test_sigkill_between_checkpoints_then_rematerialize_resumes_exactly(home_copy, pretrain_reference):
+@pytest.fixture(scope="module")
+def killed(demo_home, module_tmp) -> tuple[Path, Path]:
+    """(home, run folder): a copy of the demo home whose short pretraining run was SIGKILLed once checkpoint 8
+    was committed. The older-checkpoint test resumes copies of it; the sigkill test, after it in this file,
+    resumes it in place (a resume from another folder writes a resume launch record, which it checks is not
+    written)."""
+    home = copy_home(demo_home, module_tmp("killed") / "home")
+    return home, start_and_kill_after(home, 8)
+
+
+def killed_copy(killed: tuple[Path, Path], dest: Path) -> tuple[Path, Path]:
+    home, run_dir = killed
+    copy = copy_home(home, dest)
+    return copy, copy / run_dir.relative_to(home)
+
+
+def test_resuming_from_an_older_checkpoint_is_flagged_as_reuse_unless_the_newer_one_is_damaged(killed, tmp_path):
+    """Killed after checkpoint 8, the run is resumed from checkpoint 4 in two copies of that state. Checkpoint 8
+    deleted: steps 5..8 are read twice and nothing says why, so no_reuse fails. Checkpoint 8 damaged (a byte
+    of its weights flipped): the resume passes over it, naming it, and its parts declare steps 5..8
+    retrained_after_fallback with the checkpoint and the reason; every check passes."""
+    home_copy, run_dir = killed_copy(killed, tmp_path / "home")
+    assert [c.step for c in ckpt.list_complete(run_dir)][-2:] == [4, 8]
+    damaged_home = copy_home(home_copy, tmp_path / "damaged")  # one launch for both cases
+    shutil.rmtree(run_dir / step_dir_name(8))  # its ledger part stays: steps 5..8 were trained
+    proc = run_cli(MATERIALIZE, home_copy, check=False)
+    assert proc.returncode != 0  # the blocking no_reuse check fails the run
+    reuse = [r for r in Ledger.in_store(Home(home_copy).store).reuse(run_dir.name) if r.kind == "reuse"]
+    assert reuse and all(r.run_a == r.run_b == run_dir.name for r in reuse)
+    # the twice-read range is exactly what segment 0 read in steps 5..8
+    assert sum(r.tokens for r in reuse) == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP
+    evaluation = latest_check(home_copy, "pretrain", "no_reuse")
+    assert evaluation.passed is False
+    md = {k: v.value for k, v in evaluation.metadata.items()}
+    assert md["reused_tokens"] == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP
+    first = reuse[0]
+    assert f"{first.tok_start}..{first.tok_end}" in md["ranges"] and first.shard_id in md["ranges"]
+
+    weights = damaged_home / run_dir.relative_to(home_copy) / step_dir_name(8) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF
+    weights.unlink()  # a new file: the copies share the committed step's files (hard links)
+    weights.write_bytes(bytes(data))
+    proc = run_cli(MATERIALIZE, damaged_home)  # every blocking check passes
+    assert f"[pretrain] not resuming from it: checkpoint {weights.parent}: model.safetensors has sha256 " in (
+        proc.stdout + proc.stderr
+    )
+    ledger = Ledger.in_store(Home(damaged_home).store)
+    found = ledger.reuse(run_dir.name)
+    assert {r.kind for r in found} == {"retrained_after_fallback"}
+    assert sum(r.tokens for r in found) == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP  # steps 5..8, trained again
+    assert {r.checkpoint for r in found} == {step_dir_name(8)}
+    assert all(r.reason.startswith("model.safetensors has sha256 ") for r in found)
+    assert {(r.steps_a, r.steps_b) for r in found} == {("5..8", "5..8")}
+    chain = ledger.chain(run_dir.name)
+    assert [(p.segment, p.step_last) for p in chain] == [(0, 4), (1, 8), (1, 12)]
+    md = {k: v.value for k, v in latest_check(damaged_home, "pretrain", "no_reuse").metadata.items()}
+    assert md["reused_tokens"] == 0 and md["retrained_after_fallback_tokens"] == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP
+    assert md["passed_over_checkpoints"] == step_dir_name(8)
+    done = run_result(Home(damaged_home).store, "pretrain", run_dir.name)
+    assert done.counts == ledger.run_counts(run_dir.name) and done.steps == 12
+
+
+def test_sigkill_between_checkpoints_then_rematerialize_resumes_exactly(killed, pretrain_reference):
     """Killed after a checkpoint, with the half-written next checkpoint a kill during save leaves: the
     re-materialization ignores the cut save and resumes from the last committed one, exactly."""
     ref_home, ref_dir = pretrain_reference
-    run_dir = start_and_kill_after(home_copy, 4)
+    home_copy, run_dir = killed
     assert not (run_dir / "RUN_COMPLETE.json").exists()  # the run_record artifact
     killed_at = ckpt.latest_complete(run_dir).step
-    assert 4 <= killed_at < 12
-    partial = run_dir / f".tmp-{ckpt.step_dir_name(killed_at + 4)}-killed"
+    assert 8 <= killed_at < 12
+    partial = run_dir / f".tmp-{step_dir_name(killed_at + 4)}-killed"
     partial.mkdir()
-    good = (run_dir / ckpt.step_dir_name(killed_at) / "model.safetensors").read_bytes()
+    good = (run_dir / step_dir_name(killed_at) / "model.safetensors").read_bytes()
     (partial / "model.safetensors").write_bytes(good[: len(good) // 3])
     spec_file = Path(Home(home_copy).store.uri_of("run_spec", "pretrain", run_dir.name))
     launched = (spec_file.read_bytes(), spec_file.stat().st_mtime_ns)
@@ -145,7 +209,7 @@ def test_sigkill_between_checkpoints_then_rematerialize_resumes_exactly(home_cop
     final = ckpt.latest_complete(run_dir).path / "model.safetensors"
     assert final.read_bytes() == (ckpt.latest_complete(ref_dir).path / "model.safetensors").read_bytes()
     # the MLflow run continued instead of starting a second one
-    first = ckpt.read_state(run_dir / ckpt.step_dir_name(12))
+    first = ckpt.read_state(run_dir / step_dir_name(12))
     assert done.mlflow_run_id == first["mlflow_run_id"]
     from mlflow.tracking import MlflowClient
 
@@ -181,50 +245,3 @@ def test_a_resume_on_another_world_size_saves_its_launch_record_beside_the_first
     home.store.write_json("identity", *key, data=edited)
     with pytest.raises(GhostvisError, match=rf"run {first.run_key}: this launch trains another tokenizer than the run"):
         prepare_run("pretrain", preset="smoke", home=home, overrides=SHORT_PRETRAIN)
-
-
-def test_resuming_from_an_older_checkpoint_is_flagged_as_reuse_unless_the_newer_one_is_damaged(home_copy, tmp_path):
-    """Killed after checkpoint 8, the run is resumed from checkpoint 4 in two copies of that state. Checkpoint 8
-    deleted: steps 5..8 are read twice and nothing says why, so no_reuse fails. Checkpoint 8 damaged (a byte
-    of its weights flipped): the resume passes over it, naming it, and its parts declare steps 5..8
-    retrained_after_fallback with the checkpoint and the reason; every check passes."""
-    run_dir = start_and_kill_after(home_copy, 8)
-    assert [c.step for c in ckpt.list_complete(run_dir)][-2:] == [4, 8]
-    damaged_home = copy_home(home_copy, tmp_path / "damaged")  # one launch for both cases
-    shutil.rmtree(run_dir / ckpt.step_dir_name(8))  # its ledger part stays: steps 5..8 were trained
-    proc = run_cli(MATERIALIZE, home_copy, check=False)
-    assert proc.returncode != 0  # the blocking no_reuse check fails the run
-    reuse = [r for r in Ledger.in_store(Home(home_copy).store).reuse(run_dir.name) if r.kind == "reuse"]
-    assert reuse and all(r.run_a == r.run_b == run_dir.name for r in reuse)
-    # the twice-read range is exactly what segment 0 read in steps 5..8
-    assert sum(r.tokens for r in reuse) == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP
-    evaluation = latest_check(home_copy, "pretrain", "no_reuse")
-    assert evaluation.passed is False
-    md = {k: v.value for k, v in evaluation.metadata.items()}
-    assert md["reused_tokens"] == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP
-    first = reuse[0]
-    assert f"{first.tok_start}..{first.tok_end}" in md["ranges"] and first.shard_id in md["ranges"]
-
-    weights = damaged_home / run_dir.relative_to(home_copy) / ckpt.step_dir_name(8) / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-5] ^= 0xFF
-    weights.unlink()  # a new file: the copies share the committed step's files (hard links)
-    weights.write_bytes(bytes(data))
-    proc = run_cli(MATERIALIZE, damaged_home)  # every blocking check passes
-    assert f"[pretrain] not resuming from it: checkpoint {weights.parent}: model.safetensors has sha256 " in (
-        proc.stdout + proc.stderr
-    )
-    ledger = Ledger.in_store(Home(damaged_home).store)
-    found = ledger.reuse(run_dir.name)
-    assert {r.kind for r in found} == {"retrained_after_fallback"}
-    assert sum(r.tokens for r in found) == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP  # steps 5..8, trained again
-    assert {r.checkpoint for r in found} == {ckpt.step_dir_name(8)}
-    assert all(r.reason.startswith("model.safetensors has sha256 ") for r in found)
-    assert {(r.steps_a, r.steps_b) for r in found} == {("5..8", "5..8")}
-    chain = ledger.chain(run_dir.name)
-    assert [(p.segment, p.step_last) for p in chain] == [(0, 4), (1, 8), (1, 12)]
-    md = {k: v.value for k, v in latest_check(damaged_home, "pretrain", "no_reuse").metadata.items()}
-    assert md["reused_tokens"] == 0 and md["retrained_after_fallback_tokens"] == 4 * SHORT_PRETRAIN_TOKENS_PER_STEP
-    assert md["passed_over_checkpoints"] == ckpt.step_dir_name(8)
-    done = run_result(Home(damaged_home).store, "pretrain", run_dir.name)
-    assert done.counts == ledger.run_counts(run_dir.name) and done.steps == 12

@@ -264,8 +264,8 @@ def test_one_writer_on_s3_through_a_paused_launch_and_a_store_outage(hosts, demo
     """The S3 store, two nodes, `runtime.lease_expiry_s=8`: launch A's every process (the Dagster host's and gv1's)
     is paused past the expiry; launch B takes over and resumes; A wakes and stops `lease lost`, committing nothing.
     Then, while B trains, launch C waits for the lease and the S3 server stops answering for longer than the
-    expiry: one of B and C goes on, the other stops or is a cache hit. The parts tile steps 1..16 once, in one
-    MLflow run, and the audit passes."""
+    expiry: one launch goes on, the others stop `lease lost` or are cache hits. The parts tile steps 1..16 once, in
+    one MLflow run, and the audit passes."""
     import signal
 
     import psutil
@@ -310,19 +310,22 @@ def test_one_writer_on_s3_through_a_paused_launch_and_a_store_outage(hosts, demo
         )
         for p in tree:
             p.send_signal(signal.SIGCONT)
-        assert a.wait(timeout=600) != 0
-        a_out = logs[0].read_text()
-        assert "lease lost" in a_out and "taken over by Dagster run" in a_out, a_out[-4000:]
-        c = hosts.start(argv, logs[2], home, GHOSTVIS_STORE=store)
+        c = hosts.start(argv, logs[2], home, GHOSTVIS_STORE=store)  # while B trains: C waits for the lease
         launches.append(c)
         wait_for("C waiting", lambda: "waiting for Dagster run" in logs[2].read_text(), c, logs[2])
         outage(hosts.services[0].pid, 12)  # past the 8 s expiry while C waits
-        ends = [b.wait(timeout=900), c.wait(timeout=900)]
+        ends = [proc.wait(timeout=900) for proc in (a, b, c)]
     finally:
         for proc in launches:
             if proc.poll() is None:
                 proc.kill()
-    outs = [log.read_text() for log in logs[1:]]
+    outs = [log.read_text() for log in logs]
+    assert "taken over by Dagster run" in outs[0], outs[0][-4000:]  # A's rank stopped at its fence
+    # A ends `lease lost`; or, when its node's exit reached the launcher before rank 0's reason reached the store,
+    # the stage's retry waits for the lease like C. A waiting launch (A's retry or C) takes the lease when the
+    # outage leaves B's heartbeat older than the expiry, and B stops `lease lost`; a launch that waits to the end
+    # is a cache hit. Seen: B going on, C going on, and A's retry going on. Whatever the order, every launch ends 0
+    # or `lease lost`, and nothing but one writer commits (the parts' tiling below).
     assert 0 in ends and all(e == 0 or "lease lost" in o for e, o in zip(ends, outs, strict=True)), outs
     store_dir = hosts.download(store, tmp_path / "bucket", "checkpoints/pretrain", "runs/pretrain", "ledger")
     done = run_result(open_store(str(store_dir)), "pretrain", run_key)

@@ -42,16 +42,16 @@ from ghostvis_core.verify.eval.eval_spec import EvalSpec, eval_job
 from tests.conftest import (
     BIN,
     cli_env,
-    free_port,
     materialize,
     materialize_pretrain,
     new_run_dirs,
+    reserved_port,
     run_cli,
     run_names,
     s3_env,
 )
 from tests.faults import T, wait_for
-from tests.hosts import upload
+from tests.hosts import keep_pretrain_checkpoints_only, upload
 from tests.slurm_cluster import slurm_cluster  # noqa: F401 (a fixture)
 
 SPEC = "s3://team/store/runs/pretrain/pretrain-abc-r1/spec.json"
@@ -244,7 +244,7 @@ def slurm_launcher(**extra) -> dict:
         "cpus_per_task": 1,
         "setup": [f"source {BIN / 'activate'}"],
         "output": "/dev/null",
-        "rdzv_port": free_port(),
+        "rdzv_port": reserved_port(),
         "poll_seconds": 1.0,
         **extra,
     }
@@ -368,6 +368,7 @@ def test_slurm_with_an_s3_store_a_cache_per_node_and_no_credentials_sent(
     for var, value in s3_env(moto_s3, tmp_path).items():
         monkeypatch.setenv(var, value)
     monkeypatch.setenv("GHOSTVIS_STORE_CACHE", str(tmp_path / "test-cache"))
+    keep_pretrain_checkpoints_only(home_copy / "store")
     upload(moto_s3, "slurm-store", "team/store", home_copy / "store")
     shutil.rmtree(home_copy / "store")  # nothing can come from a folder any more
     creds = tmp_path / "node-credentials"

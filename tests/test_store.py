@@ -18,7 +18,7 @@ from ghostvis_core.run.train.checkpoint_manager import CheckpointManager
 from ghostvis_core.run.train.dist import DistContext
 from ghostvis_core.store import LAYOUT, S3Store, open_store
 from ghostvis_core.store.files import atomic_write, sha256_file
-from ghostvis_core.store.layout import fill, listing_prefix
+from ghostvis_core.store.layout import fill, listing_prefix, step_dir_name
 from tests.conftest import new_bucket, s3_env
 
 # --- both implementations -----------------------------------------------------------------------------
@@ -205,7 +205,7 @@ def test_a_refused_upload_names_the_checkpoint_and_leaves_the_previous_one_newes
     bucket = S3Store(s3, "store", tmp_path / "w")
     writer = CheckpointManager(bucket, spec, cpu, keep_last=2, async_save=False, sharded=False)
     for step in (4, 8):
-        folder = writer.run_dir / ckpt.step_dir_name(step)
+        folder = writer.run_dir / step_dir_name(step)
         folder.mkdir(parents=True)
         (folder / "model.safetensors").write_bytes(b"w" * 100 * step)
         ckpt.write_marker(folder, step)

@@ -41,6 +41,18 @@ LAYOUT: dict[str, str] = {
 }
 
 
+# A checkpoint's folder under its run ("checkpoint" key part 3): step_ and the optimizer step, nine digits.
+_STEP_DIR = re.compile(r"^step_(\d{9})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def is_step_dir(name: str) -> bool:
+    return bool(_STEP_DIR.match(name))
+
+
 def known_kind(kind: str) -> str:
     if kind not in LAYOUT:
         raise GhostvisError(f"unknown artifact kind '{kind}'; kinds: {', '.join(LAYOUT)}")

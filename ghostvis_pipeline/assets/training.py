@@ -31,7 +31,7 @@ from ghostvis_core.launch.start import TRAINING_MODULES, PlannedRun, plan_run, s
 from ghostvis_core.plan import presets, selected
 from ghostvis_core.plan.stages import Stage
 from ghostvis_core.run.hf.register import model_record
-from ghostvis_core.run.track.mlflow_models import alias_version
+from ghostvis_core.run.track.mlflow_models import alias_on_run
 from ghostvis_core.run.train.timeline import now_s, record_lease_wait, recorded_launch
 from ghostvis_core.runs.launch_spec import LaunchSpec
 from ghostvis_core.runs.lookup import Upstream, run_result
@@ -332,13 +332,16 @@ def model_metadata(
     If MLflow could not take it, the run stands: a warning and an `mlflow_model` entry say so, and the
     next materialization of the stage (a cache hit) registers it."""
     record = model_record(h.store, spec.stage, spec.run_key)
-    registered = record is not None and "error" not in record and record["tracking_uri"] == h.mlflow_tracking_uri
-    if registered and not registered_by_job:  # a cache hit: a job only when the alias must move back
+    registered = record is not None and "error" not in record
+    if registered and registered_by_job:  # the training job registered it: in this home's MLflow?
+        registered = record["tracking_uri"] == h.mlflow_tracking_uri
+    elif registered:  # a cache hit: a job only when this home's registry lacks the alias on the run's version
         name = record["model_uri"].removeprefix("models:/").split("@")[0]
-        if alias_version(h.mlflow_tracking_uri, name, spec.stage) == record["version"]:
-            record = {**record, "created": False}
-            registered_by_job = True
-    if not (registered and registered_by_job):
+        run_id = run_result(h.store, spec.stage, spec.run_key).mlflow_run_id
+        version = alias_on_run(h.mlflow_tracking_uri, name, spec.stage, run_id)
+        registered = version is not None
+        record = {**record, "version": version, "created": False}
+    if not registered:
         record = register_by_job(context, launcher, spec, h)
     if "error" in record:
         why = (

@@ -31,6 +31,7 @@ from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.runs.lookup import Upstream
 from ghostvis_core.store import Store
+from ghostvis_core.store.layout import step_dir_name
 
 IMPORT_STAGE = "hf_import"  # the "stage" of imported checkpoints in the store
 INDEX_FILE = "model.safetensors.index.json"
@@ -136,7 +137,7 @@ def import_checkpoint(store: Store, uri: str) -> Imported:
         hc = inspect_checkpoint(folder, where)
         tok = _save_tokenizer_of(store, hc)
         key = f"hf-{_content_digest(hc)}"
-        step = ckpt.step_dir_name(0)
+        step = step_dir_name(0)
         if not store.exists("checkpoint_marker", IMPORT_STAGE, key, step):
             _write_checkpoint(store, hc, key, step, uri)
     return Imported(Upstream(IMPORT_STAGE, key, store.uri_of("checkpoint", IMPORT_STAGE, key, step)), tok)

@@ -62,16 +62,18 @@ def registered_version(client, registered_name: str, run_id: str):
     return min(found, key=lambda v: int(v.version)) if found else None
 
 
-def alias_version(tracking_uri: str, registered_name: str, alias: str) -> int | None:
-    """The version the stage's alias points at (None: no such alias, or the registry cannot say). A
-    read, for deciding whether a cache hit needs its registration job at all: the MLflow client only,
-    no model is loaded."""
+def alias_on_run(tracking_uri: str, registered_name: str, alias: str, run_id: str) -> int | None:
+    """The version the stage's alias points at when it was registered from the MLflow run `run_id` (None: no
+    such alias, another run's version, or the registry cannot say). A read, for deciding whether a cache hit
+    needs its registration job at all: the MLflow client only, no model is loaded. The registry is asked, not
+    the run's model record: a home copied or moved elsewhere takes its MLflow database along."""
     from mlflow.tracking import MlflowClient
 
     try:
-        return int(MlflowClient(tracking_uri).get_model_version_by_alias(registered_name, alias).version)
+        found = MlflowClient(tracking_uri).get_model_version_by_alias(registered_name, alias)
     except Exception:  # no alias yet, or MLflow unreachable: the registration job finds out and says so
         return None
+    return int(found.version) if found.run_id == run_id else None
 
 
 def register_stage_model(tracking_uri: str, model: StageModel, export: Callable[[Path], Path], verdict: Verdict):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import pickle  # only to check DCP metadata before DCP unpickles it (_MetadataCheck)
-import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -40,8 +39,8 @@ from safetensors.torch import load_file, save_file
 from ghostvis_core.errors import GhostvisError
 from ghostvis_core.run.train.state import STATE_FILE
 from ghostvis_core.store.files import sha256_file
+from ghostvis_core.store.layout import is_step_dir, step_dir_name
 
-_STEP_DIR = re.compile(r"^step_(\d{9})$")
 MARKER = "COMPLETE"
 DCP_DIR = "dcp"
 
@@ -52,23 +51,14 @@ class CheckpointRef:
     step: int
 
 
-def step_dir_name(step: int) -> str:
-    return f"step_{step:09d}"
-
-
-def is_step_dir(name: str) -> bool:
-    return bool(_STEP_DIR.match(name))
-
-
 def list_complete(run_dir: Path) -> list[CheckpointRef]:
     """Committed checkpoints of a run, oldest first."""
     if not run_dir.exists():
         return []
     out = []
     for p in run_dir.iterdir():
-        m = _STEP_DIR.match(p.name)
-        if m and (p / MARKER).exists():
-            out.append(CheckpointRef(p, int(m.group(1))))
+        if is_step_dir(p.name) and (p / MARKER).exists():
+            out.append(CheckpointRef(p, int(p.name.removeprefix("step_"))))
     return sorted(out, key=lambda c: c.step)
 
 

@@ -45,6 +45,7 @@ from ghostvis_core.runs.launch_spec import LaunchSpec
 from ghostvis_core.runs.lookup import identity_of
 from ghostvis_core.store import Store
 from ghostvis_core.store.fence import Grants, LeaseLost, grants
+from ghostvis_core.store.layout import is_step_dir, step_dir_name
 from ghostvis_core.store.lease import Lease
 
 
@@ -114,7 +115,7 @@ class CheckpointManager:
         checkpoint and why (the ledger's reuse accounting declares those steps retrained after a fallback);
         when none verifies the run stops rather than start over on a run that has trained."""
         keys = self.store.keys("checkpoint_marker", self.spec.stage, self.spec.run_key)
-        in_store = {k[2] for k in keys if ckpt.is_step_dir(k[2])}
+        in_store = {k[2] for k in keys if is_step_dir(k[2])}
         local = {r.path.name for r in ckpt.list_complete(self.run_dir)}
         fenced = grants(self.store, self.spec.stage, identity_of(self.spec.run_key))
         self.ungranted = self.not_granted(in_store | local, fenced)
@@ -262,7 +263,7 @@ class CheckpointManager:
         """The step of the run's newest checkpoint whose COMPLETE marker is in the store (None: none yet), read
         from the store, so what a preemption reports is what a resume will find."""
         keys = self.store.keys("checkpoint_marker", self.spec.stage, self.spec.run_key)
-        steps = [int(k[2].removeprefix("step_")) for k in keys if ckpt.is_step_dir(k[2])]
+        steps = [int(k[2].removeprefix("step_")) for k in keys if is_step_dir(k[2])]
         return max(steps, default=None)
 
     def share_shard(self, step: int, staging: Path) -> None:
@@ -355,7 +356,7 @@ def share_shard(store: Store, ctx: DistContext, stage: str, run_key: str, step: 
     if not store.shared_folder:
         own = [*staging.glob(f"__{ctx.rank}_*.distcp"), *([staging / ".metadata"] if ctx.is_main else [])]
         for f in sorted(own):
-            store.put_file("checkpoint", stage, run_key, f"{ckpt.step_dir_name(step)}/{ckpt.DCP_DIR}/{f.name}", src=f)
+            store.put_file("checkpoint", stage, run_key, f"{step_dir_name(step)}/{ckpt.DCP_DIR}/{f.name}", src=f)
     barrier(ctx)
 
 

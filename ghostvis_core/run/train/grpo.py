@@ -46,7 +46,7 @@ from ghostvis_core.data.shard_piece import Piece
 from ghostvis_core.data.stream import SourceStream
 from ghostvis_core.plan.batch import IGNORE_INDEX
 from ghostvis_core.plan.config import GRPOConfig
-from ghostvis_core.run.train.dist import DistContext, all_reduce_sum
+from ghostvis_core.run.train.dist import DistContext, all_reduce_sum, on_device, summed_on_device
 
 FORMAT_REWARD = 0.1
 ADV_EPS = 1e-4
@@ -68,16 +68,21 @@ def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return (rewards - mean) / (std + ADV_EPS)
 
 
+def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """Per token, the k3 estimate of KL(policy || reference): exp(ref - logp) - (ref - logp) - 1 (never negative;
+    0 where the policy is the reference), the estimate TRL's GRPO uses."""
+    d = ref_logps - logps
+    return torch.exp(d) - d - 1
+
+
 def grpo_loss_sum(
     logps: torch.Tensor, ref_logps: torch.Tensor | None, advantages: torch.Tensor, mask: torch.Tensor, kl_beta: float
 ) -> torch.Tensor:
-    """Summed over generated tokens (mask):
-    -A x exp(logp - sg(logp)) + kl_beta x (exp(ref - logp) - (ref - logp) - 1)."""
+    """Summed over generated tokens (mask): -A x exp(logp - sg(logp)) + kl_beta x kl_k3(logp, ref)."""
     ratio = torch.exp(logps - logps.detach())
     per_token = -advantages[:, None] * ratio
     if ref_logps is not None and kl_beta:
-        d = ref_logps - logps
-        per_token = per_token + kl_beta * (torch.exp(d) - d - 1)
+        per_token = per_token + kl_beta * kl_k3(logps, ref_logps)
     return (per_token * mask).sum()
 
 
@@ -164,6 +169,9 @@ class GRPOBatch(Batch):
     completions: list[list[int]] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     advantages: torch.Tensor | None = None
+    # kl_k3 summed over the generated tokens, on the device: set by the loss when a reference is loaded
+    # (grpo.kl_beta > 0), read with the step's rollout figures (count_step)
+    kl_sum: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -297,19 +305,30 @@ class RolloutLog:
 
 
 def count_step(
-    log: RolloutLog, step: int, generated: dict[str, int], cfg: GRPOConfig | None, ctx: DistContext
+    log: RolloutLog,
+    step: int,
+    generated: dict[str, int],
+    cfg: GRPOConfig | None,
+    ctx: DistContext,
+    batches: Sequence[Batch],
 ) -> tuple[dict[str, int], dict[str, float]]:
     """The run's cumulative rollout figures after `step` (summed over ranks) and the step's sampled-reward figures
     (TRL's GRPO names: the rewards' mean, the mean of the groups' reward standard deviations, the share of groups
-    with no reward variance, and the share of exact answers). Called on every rank; a stage that samples nothing
-    has no figures and no collective."""
+    with no reward variance, the share of exact answers and, with a reference, the mean KL per generated token).
+    Called on every rank with the step's micro-batches; one host read, the KL sums joining the all-reduce from the
+    device. A stage that samples nothing has no figures and no collective."""
     if step not in log.steps or cfg is None:
         return generated, {}
     figs = log.figures(step)
-    summed = all_reduce_sum([*figs, *log.reward_sums(step, cfg.group_size)], ctx)
+    kl = [b.kl_sum for b in batches if isinstance(b, GRPOBatch) and b.kl_sum is not None]
+    host = on_device([*figs, *log.reward_sums(step, cfg.group_size)], ctx)
+    values = torch.cat([host, torch.stack(kl).sum().double().reshape(1)]) if kl else host
+    summed = summed_on_device(values, ctx).tolist()
     total = {k: generated.get(k, 0) + int(v) for k, v in zip(ROLLOUT_FIGURES, summed)}
-    completions, (r_sum, std_sum, groups, zero_std) = max(1.0, summed[2]), summed[4:]
-    figures = (r_sum / completions, std_sum / max(1.0, groups), zero_std / max(1.0, groups), summed[3] / completions)
+    completions, (r_sum, std_sum, groups, zero_std) = max(1.0, summed[2]), summed[4:8]
+    figures = [r_sum / completions, std_sum / max(1.0, groups), zero_std / max(1.0, groups), summed[3] / completions]
+    if kl:  # the last name, logged only with a reference
+        figures.append(summed[8] / max(1.0, summed[0]))
     return total, dict(zip(GRPO_STEP_METRICS, figures))
 
 

@@ -42,7 +42,7 @@ from ghostvis_core.run.model.gpt import GPT
 from ghostvis_core.run.model.vision import decode_images
 from ghostvis_core.run.train import evidence as ev
 from ghostvis_core.run.train.dist import DistContext, all_reduce_sum
-from ghostvis_core.run.train.grpo import GroupRows, grpo_loss_sum, held_out_reward, rollout_batch
+from ghostvis_core.run.train.grpo import GroupRows, grpo_loss_sum, held_out_reward, kl_k3, rollout_batch
 from ghostvis_core.runs.launch_spec import LaunchSpec, Shards
 from ghostvis_core.runs.lookup import checkpoint_of
 from ghostvis_core.store import open_store
@@ -343,13 +343,16 @@ class GRPOObjective(Objective):
         ]
 
     def loss_sum(self, model, batch, device):
+        """The GRPO loss summed over the batch's generated tokens; with a reference, the batch also keeps its KL
+        sum (`kl_sum`, on the device) for the step's `rl/kl`."""
         inputs, targets = batch.inputs.to(device), batch.targets.to(device)
         logps = model(inputs, targets, reduction="logprobs")
-        ref = None
+        mask, ref = targets != IGNORE_INDEX, None
         if self.ref is not None:
             with torch.no_grad():
                 ref = self.ref(inputs, targets, reduction="logprobs")
-        return grpo_loss_sum(logps, ref, batch.advantages.to(device), targets != IGNORE_INDEX, self.cfg.grpo.kl_beta)
+                batch.kl_sum = (kl_k3(logps.detach(), ref) * mask).sum()
+        return grpo_loss_sum(logps, ref, batch.advantages.to(device), mask, self.cfg.grpo.kl_beta)
 
     @torch.no_grad()
     def evaluate(self, model, ctx, autocast, evidence):

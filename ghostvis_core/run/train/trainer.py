@@ -24,7 +24,6 @@ from ghostvis_core.plan.config import StageConfig
 from ghostvis_core.run.model.gpt import attention_kernel
 from ghostvis_core.run.model.vision import frozen_fingerprint
 from ghostvis_core.run.track.shard_input import ShardInput
-from ghostvis_core.run.train import checkpoint as ckpt
 from ghostvis_core.run.train.checkpoint_manager import CheckpointManager, PartLog
 from ghostvis_core.run.train.clock import Clock
 from ghostvis_core.run.train.dist import DistContext, on_device, summed_on_device
@@ -41,6 +40,7 @@ from ghostvis_core.runs.launch_spec import LaunchSpec
 from ghostvis_core.runs.run_result import BeforeAfter, FrozenCheck, MixtureShare, RunResult
 from ghostvis_core.store import Store
 from ghostvis_core.store.fence import LeaseLost
+from ghostvis_core.store.layout import step_dir_name
 
 
 @dataclass(eq=False)
@@ -159,7 +159,9 @@ class Trainer:
         self.train_loss = reduced[0] / max(1, units)
         s.counts = s.counts + TokenCounts.from_list(reduced[1:])
         self.part.fed.settle()
-        s.generated, self.step_rewards = count_step(self.part.rollouts, s.step + 1, s.generated, self.cfg.grpo, ctx)
+        s.generated, self.step_rewards = count_step(
+            self.part.rollouts, s.step + 1, s.generated, self.cfg.grpo, ctx, batches
+        )
         s.step += 1
         s.loader.advance(self.plan.rows_per_step)
         self.clock.tick(started)
@@ -389,7 +391,7 @@ def run_result(run: Trainer) -> RunResult:
         tokens_per_sec=round(run.clock.tokens_per_sec(p.tokens_per_step), 1),
         first_step_s=round(run.clock.first_step_s or 0.0, 2),
         wall_time_s=round(time.time() - run.clock.launched, 1),
-        checkpoint_uri=run.store.uri_of("checkpoint", spec.stage, spec.run_key, ckpt.step_dir_name(s.step)),
+        checkpoint_uri=run.store.uri_of("checkpoint", spec.stage, spec.run_key, step_dir_name(s.step)),
         parent_run_key=spec.parent_run_key,
         mlflow_run_id="",
         mlflow_experiment_id="",

@@ -14,12 +14,13 @@ from ghostvis_core.store import Store
 from ghostvis_core.verify.audit.check_outcome import CheckOutcome
 from ghostvis_core.verify.audit.invariants import StageRun
 from ghostvis_core.verify.replay.intervals import Interval, choose, intervals, kept_steps
-from ghostvis_core.verify.replay.record import write_record
+from ghostvis_core.verify.replay.record import read_record, write_record
 from ghostvis_core.verify.replay.refusal import refusal
 from ghostvis_core.verify.replay.settings import ReplaySettings
 
 NAME = "replay_matches"
 HEADER = ["interval", "from", "result", "first differing tensor", "differing / compared", "largest difference", "s"]
+NOT_REPLAYED = "not replayed"  # the result of an interval whose replay process failed
 
 
 def run_worker(store: Store, stage: str, run_key: str, interval: Interval) -> dict[str, Any]:
@@ -41,7 +42,7 @@ def row(r: dict[str, Any]) -> list[Any]:
     start = "starting weights" if r["first"] == 1 else f"step {r['first'] - 1}"
     where = [f"steps {r['first']}..{r['last']}", start]
     if "error" in r:
-        return [*where, "not replayed", "-", "-", "-", "-"]
+        return [*where, NOT_REPLAYED, "-", "-", "-", "-"]
     largest = r["largest_difference"]
     return [
         *where,
@@ -124,6 +125,24 @@ def replay_matches(store: Store, run: StageRun, settings: ReplaySettings) -> Che
         )
     write_record(store, stage, key, outcome.to_dict())
     return outcome
+
+
+def kept_verdict(store: Store, run: StageRun, settings: ReplaySettings) -> CheckOutcome | None:
+    """The verdict an earlier replay of this very run left in the store with these settings (the same seed, as
+    many intervals), for a cache hit: the run, its checkpoints and its rows are those already replayed, so
+    replaying them again would only repeat the work. None when there is none to keep, or when an interval's
+    replay process failed (that interval was never compared: it is replayed again)."""
+    kept = read_record(store, run.spec.stage, run.spec.run_key)
+    if kept is None or kept["figures"].get("seed") != settings.seed:
+        return None
+    figures = kept["figures"]
+    if figures["intervals_replayed"] != min(settings.intervals, figures["intervals_available"]):
+        return None
+    if figures["intervals_replayed"] != len([r for r in kept["tables"]["intervals"]["rows"] if r[2] != NOT_REPLAYED]):
+        return None
+    tables = {name: (t["header"], t["rows"]) for name, t in kept["tables"].items()}
+    figures = {**figures, "summary": f"{figures['summary']} (kept from the run's first replay: a cache hit)"}
+    return CheckOutcome(NAME, kept["passed"], figures=figures, tables=tables, failures=kept["failures"])
 
 
 def add_replays(store: Store, report: dict[str, Any], settings: ReplaySettings) -> None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from ghostvis_core.data.ledger.records import PartRow
 from ghostvis_core.store import Store
+from ghostvis_core.store.layout import step_dir_name
 
 
 @dataclass(frozen=True)
@@ -27,9 +28,6 @@ class Interval:
 
 def kept_steps(store: Store, stage: str, run_key: str, chain: list[PartRow]) -> list[int]:
     """The steps of the run's chain whose checkpoint is still committed in the store, in order."""
-    from ghostvis_core.run.train.checkpoint import step_dir_name  # here: the checkpoint format imports torch, and
-    # the Dagster process, which loads this module with the replay check, never does
-
     ends = sorted({p.step_last for p in chain})
     return [s for s in ends if store.exists("checkpoint_marker", stage, run_key, step_dir_name(s))]
 

@@ -16,8 +16,14 @@ def write_record(store: Store, stage: str, run_key: str, verdict: dict[str, Any]
     store.write_json("report", record_path(stage, run_key), data=verdict)
 
 
+def read_record(store: Store, stage: str, run_key: str) -> dict[str, Any] | None:
+    """The run's kept replay verdict (CheckOutcome.to_dict), or None when it was never replayed."""
+    if not store.exists("report", record_path(stage, run_key)):
+        return None
+    return store.read_json("report", record_path(stage, run_key))
+
+
 def replay_summary(store: Store, stage: str, run_key: str) -> str:
     """The run's replay verdict in a few words ("2 intervals replayed, bitwise equal"), or how to get one."""
-    if not store.exists("report", record_path(stage, run_key)):
-        return f"not replayed (ghostvis audit --stage {stage} --replay K)"
-    return store.read_json("report", record_path(stage, run_key))["figures"]["summary"]
+    kept = read_record(store, stage, run_key)
+    return kept["figures"]["summary"] if kept else f"not replayed (ghostvis audit --stage {stage} --replay K)"

@@ -26,6 +26,7 @@ from ghostvis_core.run.train.state import TrainState
 from ghostvis_core.runs.launch_spec import LaunchSpec
 from ghostvis_core.runs.lookup import checkpoint_of
 from ghostvis_core.store import Store, open_store
+from ghostvis_core.store.layout import step_dir_name
 from ghostvis_core.verify.replay.batches import ReplayRows
 from ghostvis_core.verify.replay.compare import compare_with, trained_parameters
 from ghostvis_core.verify.replay.intervals import Interval
@@ -35,7 +36,7 @@ CPU = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu")
 
 
 def checkpoint_at(store: Store, spec: LaunchSpec, step: int) -> Path:
-    return store.fetch("checkpoint", spec.stage, spec.run_key, ckpt.step_dir_name(step))
+    return store.fetch("checkpoint", spec.stage, spec.run_key, step_dir_name(step))
 
 
 def starting_point(store: Store, spec: LaunchSpec, interval: Interval, trained: set[str]):
