@@ -123,7 +123,13 @@ def copy_home(src: Path, dest: Path) -> Path:
     """Copy a GHOSTVIS_HOME, hard-linking its write-once files (committed checkpoint steps, MLflow
     artifacts) instead of copying them: the suite copies the demo home dozens of times, which would
     otherwise write tens of GB. Nothing rewrites a committed step in place (a test that breaks a
-    checkpoint writes a new file), so the copies stay independent."""
+    checkpoint writes a new file), so the copies stay independent.
+
+    The shared demo home is read by commands on other workers while it is copied: each opens the
+    Dagster and MLflow SQLite databases in WAL mode, which makes a `-shm` and a `-wal` file beside
+    each and removes them at its close. The `-shm` index belongs to the open connections (SQLite
+    rebuilds it from the `-wal`), so the copy leaves it out; a `-wal` is copied when it is there (a
+    killed process leaves its writes in one) and skipped when a reader's close removed it meanwhile."""
 
     def link_or_copy(source: str, target: str) -> None:
         parts = Path(source).relative_to(src).parts
@@ -136,9 +142,13 @@ def copy_home(src: Path, dest: Path) -> Path:
                 return
             except OSError:  # another filesystem
                 pass
-        shutil.copy2(source, target)
+        try:
+            shutil.copy2(source, target)
+        except FileNotFoundError:
+            if not source.endswith("-wal"):
+                raise
 
-    shutil.copytree(src, dest, symlinks=True, copy_function=link_or_copy)
+    shutil.copytree(src, dest, symlinks=True, copy_function=link_or_copy, ignore=shutil.ignore_patterns("*-shm"))
     return dest
 
 
