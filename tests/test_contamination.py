@@ -331,23 +331,50 @@ def test_user_sets_in_parquet_are_checked_and_a_set_of_only_too_short_items_fail
     assert not any("user:qa.parquet" in f and "none can be checked" in f for f in out.failures)
 
 
-def test_an_rl_completion_holding_an_item_fails_the_gate_named_by_step_rank_and_row(tokenized, tmp_path):
-    """An rl run trains on what it generates: its saved completions are decoded and checked too."""
+def test_an_rl_completion_reproducing_a_long_item_fails_the_gate_and_one_writing_a_short_item_is_listed(
+    tokenized, tmp_path
+):
+    """An rl run trains on what it generates: its saved completions are decoded and checked too. A completion
+    that reproduces a 50-word validation document fails, named by step, rank and global row; one that writes
+    a 6-word item whole (a right answer) is counted and listed, not failed."""
     t = tokenized
     ledger = Ledger(tmp_path / "ledger")
     shutil.copytree(t.ledger.root, ledger.root)
     part = PartRow("p1", "", "rl-test", "", "rl", 0, 1, 2, 0, 0)
-    completions = [t.tok.encode("So the answer is 12."), t.tok.encode(f"Well: {SHORT_ITEM}")]
-    rollout = RolloutRow("p1", "rl-test", 1, 2, 0, 0, 2, 1, rows=[6, 7], completion_ids=completions, rewards=[0.0, 1.0])
+    texts = ["So the answer is 12.", f"Well: {SHORT_ITEM}", t.texts["corp/val"][0]]
+    rollout = RolloutRow(
+        "p1",
+        "rl-test",
+        1,
+        2,
+        0,
+        0,
+        3,
+        1,
+        rows=[6, 7, 8],
+        completion_ids=[t.tok.encode(x) for x in texts],
+        rewards=[0.0, 1.0, 0.0],
+    )
     ledger.write_part(part, [], rollouts=[rollout])
     out = no_eval_contamination(t.store, ledger, spec_of(t), [consumed("corp/00001", 0, 4)], [part])
-    assert not out.passed and out.figures["rl_completions_checked"] == 2
-    assert out.figures["consumed_documents_fingerprinted"] == 4
-    assert (
-        'rl completion, step 2 rank 1, global row 7 holds lm_eval:capitals.jsonl line 1 whole ("the capital of '
-        'france is paris", 6 words, too short for 13-gram fingerprints, matched as a whole)'
-    ) in out.failures
-    assert {m[0] for m in out.tables["shared_ngrams"][1]} == {"rl completion, step 2 rank 1"}
+    assert out.figures["rl_completions_checked"] == 3 and out.figures["rl_completions_writing_short_items"] == 1
+    assert out.figures["consumed_documents_fingerprinted"] == 4 and out.figures["contaminated_documents"] == 1
+    assert not out.passed and out.failures == [
+        "rl completion, step 2 rank 1, global row 8 shares 6 13-gram fingerprints with validation corp/val row 0 "
+        "(document 6, item 6): overlap 1.00 > contamination.max_overlap 0.5"
+    ]
+    verdicts = {(r[0], r[1], r[2], r[3], r[-1]) for r in out.tables["shared_ngrams"][1]}
+    assert verdicts == {
+        ("rl completion, step 2 rank 1", 8, "validation", "corp/val row 0", "contaminated"),
+        *(
+            ("rl completion, step 2 rank 1", 7, s, item, "written by the policy (an answer, not eval text)")
+            for s, item in [
+                ("lm_eval:capitals.jsonl", "line 1"),
+                ("benchmark:capitals", "item 51"),
+                ("prompts", "The capital of France is"),
+            ]
+        ),
+    }
 
 
 def test_a_short_item_is_matched_whole_on_word_boundaries_punctuation_aside():

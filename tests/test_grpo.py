@@ -9,6 +9,7 @@ their rewards."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from pathlib import Path
 
@@ -40,7 +41,6 @@ from ghostvis_core.run.train.grpo import (
     GroupRows,
     GRPOBatch,
     RolloutLog,
-    complete,
     count_step,
     group_advantages,
     grpo_loss_sum,
@@ -48,6 +48,7 @@ from ghostvis_core.run.train.grpo import (
     kl_k3,
     reward,
     rollout_batch,
+    sample_group,
 )
 from ghostvis_core.store import FolderStore
 from ghostvis_core.verify.audit.rebuild import PromptGroupRows, SourceFiles, rl_prompt
@@ -273,37 +274,65 @@ def test_the_answer_stop_holds_at_the_newline_after_the_answer_line_and_only_wit
     until = AnswerStop.of(GroupRows(stream, 48, 7, tok, GRPOConfig(group_size=2, stop_at_answer=True), DEMO_RULE))
     assert AnswerStop.of(GroupRows(stream, 48, 7, tok, GRPOConfig(group_size=2), DEMO_RULE)) is None
     ids = tok.encode("Step 1: so.\nAnswer: 12\nStep")
-    stops = [k for k in range(1, len(ids) + 1) if until.closes(ids[:k])]
+    stops = [k for k in range(1, len(ids) + 1) if until(ids[:k])]
     assert len(stops) == 1 and tok.decode(ids[: stops[0]]) == "Step 1: so.\nAnswer: 12\n"  # not at `Answer: 1`
     assert ids[stops[0] - 1] in until.newlines and tok.encode("\n")[0] in until.newlines
 
 
 def test_a_completion_stopped_at_its_answer_line_is_the_unstopped_one_cut_there(shard):
-    """Sampling pauses at every newline and goes on with the same generator: where the answer line closes it is
-    the uninterrupted completion's first tokens, elsewhere all of it (a tiny random policy, rule `string`: any
-    non-empty line is an answer line)."""
+    """With the answer stop as generate's `ends`, a completion is the uninterrupted one (same generator) up to the
+    token that closes its answer line, elsewhere all of it (a tiny random policy, rule `string`: any non-empty
+    line is an answer line)."""
     tok, docs, ref = shard
     rows = GroupRows(SourceStream("problems", [ref], seed=7), 48, 7, tok, GRPOConfig(stop_at_answer=True), "string")
     until = AnswerStop.of(rows)
-    torch.manual_seed(0)
-    cfg = ModelConfig(tok.vocab_size, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=32, max_seq_len=64)
-    policy = GPT(cfg)
-    prompt, stops, cut = docs[0][:10], (tok.bos, tok.eot), 0
+    policy, prompt, stops, cut = tiny_random_policy(tok), docs[0][:10], (tok.bos, tok.eot), 0
     for g in range(8):  # drawing ids below 32 only (the byte tokens, "\n" among them), so lines end often
         full, stopped = (
-            complete(
-                policy, prompt, 16, stops, u, temperature=1.0, generator=torch.Generator().manual_seed(g), vocab=32
+            policy.generate(
+                prompt,
+                16,
+                stop_tokens=stops,
+                ends=u,
+                temperature=1.0,
+                generator=torch.Generator().manual_seed(g),
+                vocab=32,
             )
             for u in (None, until)
         )
-        ends = [k for k in range(1, len(full) + 1) if until.closes(full[:k])]
+        ends = [k for k in range(1, len(full) + 1) if until(full[:k])]
         assert stopped == (full[: ends[0]] if ends else full)
         cut += len(stopped) < len(full)
     assert cut >= 2
 
 
+def test_a_group_sampled_together_is_each_row_sampled_alone_with_its_generator(shard):
+    """rl samples a group's completions as one batch (rollout_batch): row g, seeded by (seed, g), draws what it
+    draws on its own, whichever rows it shares the batch with, rows ending at different lengths (a resumed run
+    samples what it would have sampled)."""
+    tok, docs, ref = shard
+    rows = GroupRows(SourceStream("problems", [ref], seed=7), 48, 7, tok, GRPOConfig(stop_at_answer=True), "string")
+    cfg = GRPOConfig(group_size=8, max_new_tokens=16, temperature=1.0)
+    policy, prompt, stops = tiny_random_policy(tok), np.asarray(docs[0][:10]), (tok.bos, tok.eot)
+    together = sample_group(policy, prompt, cfg, stops, 3, range(40, 48), 32, AnswerStop.of(rows))
+    alone = [sample_group(policy, prompt, cfg, stops, 3, [g], 32, AnswerStop.of(rows))[0] for g in range(40, 48)]
+    halves = [
+        c
+        for part in (range(40, 44), range(44, 48))
+        for c in sample_group(policy, prompt, cfg, stops, 3, part, 32, AnswerStop.of(rows))
+    ]
+    assert together == alone == halves
+    assert len({len(c) for c in together}) >= 3 and len({tuple(c) for c in together}) == 8
+
+
+def tiny_random_policy(tok) -> GPT:
+    torch.manual_seed(0)
+    cfg = ModelConfig(tok.vocab_size, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden=32, max_seq_len=64)
+    return GPT(cfg)
+
+
 def grpo_trained(shard, steps: int, sign: float = 1.0) -> tuple[dict[str, float], dict[str, float]]:
-    """The held-out figures (greedy, `held_out_reward`) of a tiny policy before and after `steps` GRPO steps on the
+    """The held-out figures (greedy and sampled, `held_out_reward`) of a tiny policy before and after `steps` GRPO steps on the
     shard's three problems under the `integer` rule, one generated token per completion, 8 per problem: the
     trainer's own rollouts, rewards, group advantages (times `sign`) and loss, with AdamW on its gradient. One
     thread, as a rank runs (a 16-wide model's matmuls on threads that wait for a busy machine's cores take 50x
@@ -318,7 +347,7 @@ def grpo_trained(shard, steps: int, sign: float = 1.0) -> tuple[dict[str, float]
         cfg = GRPOConfig(group_size=8, max_new_tokens=1)
         rows = GroupRows(SourceStream("problems", [ref], seed=7), 48, 7, tok, cfg, "integer")
         ctx = DistContext(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))
-        before = held_out_reward(rows, policy, len(PROBLEMS), ctx)
+        before = held_out_reward(rows, policy, len(PROBLEMS), ctx, 7)
         opt = torch.optim.AdamW(policy.parameters(), lr=3e-2)
         per_step = cfg.group_size * len(PROBLEMS)
         for step in range(steps):
@@ -329,7 +358,7 @@ def grpo_trained(shard, steps: int, sign: float = 1.0) -> tuple[dict[str, float]
             opt.zero_grad()
             loss.backward()
             opt.step()
-        return before, held_out_reward(rows, policy, len(PROBLEMS), ctx)
+        return before, held_out_reward(rows, policy, len(PROBLEMS), ctx, 7)
     finally:
         torch.set_num_threads(threads)
 
@@ -346,6 +375,11 @@ def test_grpo_steps_raise_the_held_out_reward_and_format_rate_of_a_tiny_policy(s
     assert after["val/reward"] == pytest.approx(FORMAT_REWARD)
     _, away = grpo_trained(shard, 10, sign=-1.0)
     assert (away["val/reward"], away["val/format_rate"]) == (0.0, 0.0)
+    # sampled as rl samples (8 per problem, temperature 1, the same generators each time): integer lines among the
+    # 24 samples 2 before, 3 after, 1 pushed away
+    sampled = [r["val/sampled_format_rate"] * 24 for r in (before, after, away)]
+    assert sampled == pytest.approx([2, 3, 1])
+    assert after["val/sampled_reward"] == pytest.approx(FORMAT_REWARD * 3 / 24)
 
 
 def test_the_launch_carries_each_sources_reward_rule_and_refuses_a_source_that_is_not_of_problems(tmp_path):
@@ -472,10 +506,13 @@ def test_the_rl_stage_runs_through_the_cli_on_a_users_problems_and_its_audit_rec
     # the evidence the report card shows: the reward is its two parts (1 per exact answer, FORMAT_REWARD per
     # well-formed last line) before and after, and the run's MLflow evidence metrics are its after figures
     evidence = record.evidence
-    assert set(evidence) == {"reward", "exact_accuracy", "format_rate"}
-    for when in ("before", "after"):
-        parts = getattr(evidence["exact_accuracy"], when) + FORMAT_REWARD * getattr(evidence["format_rate"], when)
-        assert getattr(evidence["reward"], when) == pytest.approx(parts)
+    # (sampled as rl samples, and the greedy completion's as context)
+    assert set(evidence) == {f"{g}{n}" for g in ("", "greedy_") for n in ("reward", "exact_accuracy", "format_rate")}
+    for g, when in itertools.product(("", "greedy_"), ("before", "after")):
+        parts = getattr(evidence[f"{g}exact_accuracy"], when) + FORMAT_REWARD * getattr(
+            evidence[f"{g}format_rate"], when
+        )
+        assert getattr(evidence[f"{g}reward"], when) == pytest.approx(parts)
     assert {n: mlflow[f"evidence/{n}"] for n in evidence} == {n: e.after for n, e in evidence.items()}
     # the last step's TRL figures in MLflow, recounted from the rewards its rollouts saved (groups of 2)
     last = max(r.step for r in rollouts)

@@ -58,7 +58,7 @@ def test_the_rl_sampler_never_draws_a_padding_id_of_the_models_vocabulary():
     logits the largest, unmasked sampling draws them (KeyError decoding them, in the rl stage); the rl sampler
     draws only ids the tokenizer has."""
     from ghostvis_core.plan.config import GRPOConfig
-    from ghostvis_core.run.train.grpo import sample
+    from ghostvis_core.run.train.grpo import sample_group
 
     model = tiny_model()
     with torch.no_grad():
@@ -66,7 +66,7 @@ def test_the_rl_sampler_never_draws_a_padding_id_of_the_models_vocabulary():
     cfg = GRPOConfig(group_size=2, max_new_tokens=6, temperature=1.0)
     unmasked = [t for g in range(8) for t in model.generate(PROMPT, 6, temperature=1.0, generator=gen(g))]
     assert max(unmasked) >= 20  # the bug: padding ids are drawn
-    drawn = [t for g in range(8) for t in sample(model, torch.tensor(PROMPT).numpy(), cfg, (), 0, g, 20)]
+    drawn = [t for c in sample_group(model, torch.tensor(PROMPT).numpy(), cfg, (), 0, range(8), 20) for t in c]
     assert len(drawn) == 48 and max(drawn) < 20
     assert max(model.generate(PROMPT, 6, vocab=20)) < 20  # greedy too
 

@@ -147,6 +147,10 @@ class GRPOConfig:
     max_new_tokens: int = 48  # a completion's length bound (each generated token is accounted)
     temperature: float = 1.0
     kl_beta: float = 0.0  # weight of the KL term to the frozen upstream model (0: no reference loaded)
+    # Advantages as TRL's scale_rewards: `group` divides reward minus group mean by the group's standard deviation
+    # (GRPO); `none` keeps reward minus group mean (Dr. GRPO): a group that differs only by the small format reward
+    # then moves the weights a tenth as much as one that differs by an exact answer, not as much.
+    scale_rewards: Literal["group", "none"] = "group"
     # How the policy reads a problem's question line: `chat` as a user turn of the chat template, answered after
     # the assistant marker (a policy tuned on chats, as the lineage's dpo model); `text` as the document's own
     # tokens (a base model trained on such documents).

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -329,8 +330,40 @@ class GPT(nn.Module):
         generator=None,
         images: tuple[torch.Tensor, int] | None = None,
         vocab: int | None = None,
+        ends: Callable[[list[int]], bool] | None = None,
     ) -> list[int]:
-        """KV-cached sampling; greedy at temperature 0. Stops after any stop token.
+        """KV-cached sampling of one continuation of `prompt`; greedy at temperature 0 (generate_rows)."""
+        return self.generate_rows(
+            prompt,
+            [generator],
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            stop_tokens=stop_tokens,
+            images=images,
+            vocab=vocab,
+            ends=ends,
+        )[0]
+
+    @torch.no_grad()
+    def generate_rows(
+        self,
+        prompt: list[int],
+        generators: list[torch.Generator | None],
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        stop_tokens: tuple[int, ...] = (),
+        images: tuple[torch.Tensor, int] | None = None,
+        vocab: int | None = None,
+        ends: Callable[[list[int]], bool] | None = None,
+    ) -> list[list[int]]:
+        """KV-cached sampling of one continuation of `prompt` per generator, as one batch (the rows share the
+        prompt's cache and are decoded together: a group of rl completions costs about one completion's steps).
+        Row i draws from generators[i] alone, so it samples what it would on its own. A row ends after a
+        stop token, or after a token for which `ends(row so far)` holds (an rl completion's closed answer line);
+        all end at max_new_tokens or the model's context. Greedy at temperature 0.
         `images`: (pixels, the placeholder id), filling the prompt's (already expanded) placeholder positions.
         `vocab`: the tokenizer's size; ids from it up are the padding rows of a vocabulary padded past the
         tokenizer's (531 -> 576) and are never drawn (a drawn one cannot be decoded). Runs in eval mode, then
@@ -340,8 +373,9 @@ class GPT(nn.Module):
         try:
             device = self.embed.weight.device
             caches = [KVCache() for _ in self.blocks]
-            x = torch.tensor([prompt], device=device)
-            out: list[int] = []
+            x = torch.tensor([prompt] * len(generators), device=device)
+            rows: list[list[int]] = [[] for _ in generators]
+            live = set(range(len(generators)))
             pos = 0
             for _ in range(max_new_tokens):
                 first = images is not None and pos == 0
@@ -349,12 +383,15 @@ class GPT(nn.Module):
                 embeds = self.embed_inputs(x, images[0] if first else None, mask)
                 h = self.hidden(embeds=embeds, kv_caches=caches, start_pos=pos)
                 pos += x.shape[1]
-                nxt = _pick(self.lm_head(h[:, -1]).float()[..., :vocab], temperature, top_k, generator)
-                out.append(nxt)
-                if nxt in stop_tokens or pos >= self.cfg.max_seq_len:
+                logits = self.lm_head(h[:, -1]).float()[..., :vocab]
+                for i in sorted(live):
+                    rows[i].append(_pick(logits[i : i + 1], temperature, top_k, generators[i]))
+                    if rows[i][-1] in stop_tokens or (ends is not None and ends(rows[i])):
+                        live.discard(i)
+                if not live or pos >= self.cfg.max_seq_len:
                     break
-                x = torch.tensor([[nxt]], device=device)
-            return out
+                x = torch.tensor([[row[-1]] for row in rows], device=device)  # an ended row's input is ignored
+            return rows
         finally:
             self.train(was_training)
 

@@ -17,6 +17,11 @@ from ghostvis_core.plan.batch import IGNORE_INDEX
 from ghostvis_core.run.train.dist import all_reduce_sum
 
 ANSWER = re.compile(r"Answer:\s*(-?\d+)")
+# Completions sampled (temperature 1) per held-out problem for `reasoning`'s answer accuracy, as rl samples a group
+ANSWER_SAMPLES = 8
+# Their generators: seeded data.seed x 1_000_003 + ANSWER_SEED + problem x ANSWER_SAMPLES + j, the same before and
+# after training (the difference is the model's, not the draw's)
+ANSWER_SEED = 2**41
 
 
 def domain_loss(obj, model, ctx, autocast, metrics) -> dict[str, float]:
@@ -26,12 +31,16 @@ def domain_loss(obj, model, ctx, autocast, metrics) -> dict[str, float]:
 
 
 def reward(obj, model, ctx, autocast, metrics) -> dict[str, float]:
-    """rl: mean reward of greedy completions to held-out problems, and its two parts (exact-answer accuracy,
-    well-formed answer rate), from the objective's held-out figures."""
+    """rl: the mean reward of completions to held-out problems sampled as rl samples them, and its two parts
+    (exact-answer accuracy, well-formed answer rate): the policy's expected reward, what the stage raises; the
+    greedy completion's three figures beside them, as context (grpo.py `held_out_reward`)."""
     names = {
-        "val/reward": "evidence/reward",
-        "val/exact_accuracy": "evidence/exact_accuracy",
-        "val/format_rate": "evidence/format_rate",
+        "val/sampled_reward": "evidence/reward",
+        "val/sampled_exact_accuracy": "evidence/exact_accuracy",
+        "val/sampled_format_rate": "evidence/format_rate",
+        "val/reward": "evidence/greedy_reward",
+        "val/exact_accuracy": "evidence/greedy_exact_accuracy",
+        "val/format_rate": "evidence/greedy_format_rate",
     }
     return {e: metrics[v] for v, e in names.items() if v in metrics}
 
@@ -81,12 +90,14 @@ def _val_docs(obj, source: str, limit: int):
 
 
 def reasoning(obj, model, ctx, autocast, metrics) -> dict[str, float]:
-    """Answer-token loss given the question and worked solution, and answer accuracy when the
-    model writes its own solution from the question alone (greedy)."""
+    """Answer-token loss given the question and worked solution, and answer accuracy when the model writes its
+    own solution from the question alone: over ANSWER_SAMPLES completions sampled per problem (pass@1 over k
+    samples, as DeepSeek-R1 reports it; a small model's right answers are among its samples long before greedy
+    decoding writes them), and of the greedy completion (context)."""
     tok = obj.tok
     source = obj.spec.inputs.reasoning_source
     docs = _val_docs(obj, source, 4 * obj.cfg.eval.samples)
-    sums = [0.0, 0.0, 0.0, 0.0]  # answer loss, answer tokens, correct, sampled
+    sums = [0.0, 0.0, 0.0, 0.0, 0.0]  # answer loss, answer tokens, greedy correct, problems, sampled correct
     for k in rank_share(len(docs), ctx.rank, ctx.world_size):
         shard, d = docs[k]
         text = tok.decode(shard.doc_tokens(d)[1:].tolist())
@@ -102,15 +113,31 @@ def reasoning(obj, model, ctx, autocast, metrics) -> dict[str, float]:
             sums[0] += float(model(ids, targets, reduction="sum"))
         sums[1] += len(ans)
         if k < obj.cfg.eval.samples:
-            question = text.split("\n", 1)[0] + "\n"
-            out = model.generate(
-                [tok.bos, *tok.encode(question)], obj.cfg.eval.sample_max_tokens, stop_tokens=(tok.bos, tok.eot)
+            prompt, limit, stops = (
+                [tok.bos, *tok.encode(text.split("\n", 1)[0] + "\n")],
+                obj.cfg.eval.sample_max_tokens,
+                (tok.bos, tok.eot),
             )
-            m = ANSWER.search(tok.decode([t for t in out if t < tok.bos]))
-            sums[2] += float(m is not None and m.group(1) == answer.strip())
-            sums[3] += 1
+            seed = obj.cfg.data.seed * 1_000_003 + ANSWER_SEED + k * ANSWER_SAMPLES
+            gens = [torch.Generator(device=ctx.device).manual_seed(seed + j) for j in range(ANSWER_SAMPLES)]
+            sampled = model.generate_rows(prompt, gens, limit, temperature=1.0, stop_tokens=stops, vocab=tok.vocab_size)
+            right = [
+                _answers(tok, out, answer.strip())
+                for out in [model.generate(prompt, limit, stop_tokens=stops), *sampled]
+            ]
+            sums[2:5] = [sums[2] + right[0], sums[3] + 1, sums[4] + sum(right[1:]) / ANSWER_SAMPLES]
     s = all_reduce_sum(sums, ctx)
-    return {"evidence/answer_loss": s[0] / max(1, s[1]), "evidence/answer_accuracy": s[2] / max(1, s[3])}
+    return {
+        "evidence/answer_loss": s[0] / max(1, s[1]),
+        "evidence/answer_accuracy": s[4] / max(1, s[3]),
+        "evidence/greedy_answer_accuracy": s[2] / max(1, s[3]),
+    }
+
+
+def _answers(tok, out: list[int], answer: str) -> bool:
+    """Whether a completion's first `Answer: n` line gives the problem's answer."""
+    m = ANSWER.search(tok.decode([t for t in out if t < tok.bos]))
+    return m is not None and m.group(1) == answer
 
 
 def caption_image_gap(obj, model, ctx, autocast, metrics) -> dict[str, float]:

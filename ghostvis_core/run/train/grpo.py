@@ -21,7 +21,8 @@ Reward (`reward`): 1 when the completion's answer is the problem's under its sou
 when its last line alone gives an answer under the rule (DeepSeek-R1's and TRL's accuracy + format rewards):
 a small policy rarely hits an exact answer, so without the format term every group's rewards are equal and
 no step changes the weights. Advantage: the reward minus
-its group's mean, over the group's (unbiased) standard deviation + 1e-4 (0 for a group of equal rewards).
+its group's mean, over the group's (unbiased) standard deviation + 1e-4 (0 for a group of equal rewards);
+with grpo.scale_rewards=none, not divided (Dr. GRPO).
 Loss: per generated token, -A x ratio (ratio = p / p_sampled, 1 on-policy, with the gradient of log p),
 plus kl_beta x the k3 estimate of KL(policy || reference); summed, and averaged over generated tokens by
 the loop.
@@ -50,6 +51,8 @@ from ghostvis_core.run.train.dist import DistContext, all_reduce_sum, on_device,
 
 FORMAT_REWARD = 0.1
 ADV_EPS = 1e-4
+# Held-out samples draw as rows HELD_OUT_ROW + problem x G + j would: apart from every training row's generator
+HELD_OUT_ROW = 2**40
 
 
 def reward(rule: str, text: str, answer: str) -> float:
@@ -62,10 +65,11 @@ def is_exact(r: float) -> bool:
     return r >= 1.0
 
 
-def group_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """(groups, G) rewards -> advantages: (r - group mean) / (group std + 1e-4), std unbiased (as TRL)."""
-    mean, std = rewards.mean(dim=1, keepdim=True), rewards.std(dim=1, keepdim=True)
-    return (rewards - mean) / (std + ADV_EPS)
+def group_advantages(rewards: torch.Tensor, scale: str = "group") -> torch.Tensor:
+    """(groups, G) rewards -> advantages: r - group mean, divided (scale `group`) by the group's std + 1e-4, std
+    unbiased (as TRL's scale_rewards)."""
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    return centred / (rewards.std(dim=1, keepdim=True) + ADV_EPS) if scale == "group" else centred
 
 
 def kl_k3(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
@@ -176,77 +180,65 @@ class GRPOBatch(Batch):
 
 @dataclass(frozen=True)
 class AnswerStop:
-    """grpo.stop_at_answer: where a completion closes its answer line (data/problems.py `closes_answer_line`)."""
+    """grpo.stop_at_answer: whether a completion just closed its answer line (data/problems.py
+    `closes_answer_line`), the `ends` test GPT.generate_rows applies after each token."""
 
     rule: str
     tok: Tokenizer
-    newlines: tuple[int, ...]  # the ids whose text ends a line: the only places an answer line can close
+    newlines: frozenset[int]  # the ids whose text ends a line: the only places an answer line can close
 
     @classmethod
     def of(cls, src: GroupRows) -> AnswerStop | None:
         if not src.cfg.stop_at_answer:
             return None
         ids = range(src.tok.vocab_size)
-        return cls(src.rule, src.tok, tuple(i for i in ids if src.tok.decode([i]).endswith("\n")))
+        return cls(src.rule, src.tok, frozenset(i for i in ids if src.tok.decode([i]).endswith("\n")))
 
-    def closes(self, completion: list[int]) -> bool:
-        return closes_answer_line(self.rule, self.tok.decode(completion))
-
-
-def complete(
-    policy, prompt: list[int], max_new: int, stops: tuple[int, ...], until: AnswerStop | None, **sampling
-) -> list[int]:
-    """policy.generate to a stop token or max_new tokens; with `until`, also at the newline closing an answer
-    line: sampling pauses at each newline and, unless that newline closed the answer line, goes on from prompt +
-    completion with the same generator (so it draws what one uninterrupted run would, the cache rebuilt)."""
-    if until is None:
-        return policy.generate(prompt, max_new, stop_tokens=stops, **sampling)
-    out: list[int] = []
-    while len(out) < max_new:
-        out += policy.generate(prompt + out, max_new - len(out), stop_tokens=stops + until.newlines, **sampling)
-        if out[-1] not in until.newlines or until.closes(out):
-            break
-    return out
+    def __call__(self, completion: list[int]) -> bool:
+        return completion[-1] in self.newlines and closes_answer_line(self.rule, self.tok.decode(completion))
 
 
-def sample(
+def sample_group(
     policy,
     prompt: np.ndarray,
     cfg: GRPOConfig,
     stops: tuple[int, ...],
     seed: int,
-    g: int,
+    rows: Sequence[int],
     vocab: int,
     until: AnswerStop | None = None,
-) -> list[int]:
-    """Completion of global row g: temperature sampling over the tokenizer's ids (never a padding id of the
-    model's vocabulary), at most max_new_tokens, ending at a stop token or (`until`) the answer line's end."""
+) -> list[list[int]]:
+    """The completions of global rows `rows` (one group: they share the prompt), sampled together: row g at the
+    temperature with a generator seeded by (seed, g), over the tokenizer's ids (never a padding id of the model's
+    vocabulary), at most max_new_tokens, ending at a stop token or (`until`) the answer line's end."""
     device = policy.embed.weight.device
-    gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + g)
-    with torch.no_grad():
-        return complete(
-            policy,
-            prompt.tolist(),
-            cfg.max_new_tokens,
-            stops,
-            until,
-            temperature=cfg.temperature,
-            generator=gen,
-            vocab=vocab,
-        )
+    gens = [torch.Generator(device=device).manual_seed(seed * 1_000_003 + g) for g in rows]
+    return policy.generate_rows(
+        prompt.tolist(),
+        gens,
+        cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        stop_tokens=stops,
+        vocab=vocab,
+        ends=until,
+    )
 
 
 def rollout_batch(src: GroupRows, rows: list[int], policy, seed: int) -> GRPOBatch:
-    """Sample each row's completion, reward it, and build the micro-batch (rows hold whole groups)."""
+    """Sample each row's completion, a group at a time, reward it, and build the micro-batch (rows hold whole
+    groups)."""
     stops, until = (src.tok.bos, src.tok.eot), AnswerStop.of(src)
-    built, completions, rewards = [], [], []
-    for g in rows:
-        pr = src.problem_of_row(g)
-        c = sample(policy, pr.prompt, src.cfg, stops, seed, g, src.tok.vocab_size, until)
-        completions.append(c)
-        rewards.append(reward(src.rule, src.tok.decode([t for t in c if t not in stops]), pr.answer))
-        built.append(src.row(g, c))
-    adv = group_advantages(torch.tensor(rewards).view(-1, src.group_size)).view(-1)
+    completions = []
+    for first in range(0, len(rows), src.group_size):
+        group = rows[first : first + src.group_size]
+        prompt = src.problem_of_row(group[0]).prompt
+        completions += sample_group(policy, prompt, src.cfg, stops, seed, group, src.tok.vocab_size, until)
+    rewards = [
+        reward(src.rule, src.tok.decode([t for t in c if t not in stops]), src.problem_of_row(g).answer)
+        for g, c in zip(rows, completions)
+    ]
+    built = [src.row(g, c) for g, c in zip(rows, completions)]
+    adv = group_advantages(torch.tensor(rewards).view(-1, src.group_size), src.cfg.scale_rewards).view(-1)
     return GRPOBatch(
         inputs=torch.from_numpy(np.stack([r.inputs for r in built])),
         targets=torch.from_numpy(np.stack([r.targets for r in built])),
@@ -333,23 +325,40 @@ def count_step(
 
 
 @torch.no_grad()
-def held_out_reward(src: GroupRows, policy, n_problems: int, ctx: DistContext) -> dict[str, float]:
-    """Mean reward, exact-answer accuracy and well-formed answer rate of greedy completions to the first n
-    held-out problems (split over ranks): the reward alone cannot tell format from accuracy."""
-    stops, until = (src.tok.bos, src.tok.eot), AnswerStop.of(src)
+def held_out_reward(src: GroupRows, policy, n_problems: int, ctx: DistContext, seed: int) -> dict[str, float]:
+    """On the first n held-out problems (split over ranks), the mean reward, exact-answer accuracy and well-formed
+    answer rate (the reward alone cannot tell format from accuracy) of the greedy completion (`val/reward`, ...)
+    and of group_size completions sampled as rl samples them (`val/sampled_reward`, ...): pass@1 over k samples,
+    as DeepSeek-R1 reports it. The sampled figures are the policy's expected reward, what GRPO raises; greedy
+    decoding can stay put while it rises. Each sample's generator is fixed by (seed, problem, sample), apart from
+    the training rows' (HELD_OUT_ROW), so an evaluation before and after training draws the same random numbers."""
+    stops, until, g = (src.tok.bos, src.tok.eot), AnswerStop.of(src), src.group_size
     n = min(n_problems, len(src.index.docs))
-    sums = [0.0, 0.0, 0.0, 0.0]
+    sums = [0.0] * 7  # greedy reward, exact, format; sampled reward, exact, format; problems
     for k in rank_share(n, ctx.rank, ctx.world_size):
         pr = src.problem(k)
-        out = complete(policy, pr.prompt.tolist(), src.cfg.max_new_tokens, stops, until, vocab=src.tok.vocab_size)
-        text = src.tok.decode([t for t in out if t not in stops])
-        r = reward(src.rule, text, pr.answer)
-        sums = [sums[0] + r, sums[1] + is_exact(r), sums[2] + well_formed(src.rule, text), sums[3] + 1]
+        greedy = policy.generate(
+            pr.prompt.tolist(), src.cfg.max_new_tokens, stop_tokens=stops, vocab=src.tok.vocab_size, ends=until
+        )
+        rows = range(HELD_OUT_ROW + k * g, HELD_OUT_ROW + (k + 1) * g)
+        sampled = sample_group(policy, pr.prompt, src.cfg, stops, seed, rows, src.tok.vocab_size, until)
+        for i, out in enumerate([greedy, *sampled]):
+            text = src.tok.decode([t for t in out if t not in stops])
+            r, at, w = reward(src.rule, text, pr.answer), (0 if i == 0 else 3), (1.0 if i == 0 else 1.0 / g)
+            sums[at : at + 3] = [
+                sums[at] + w * r,
+                sums[at + 1] + w * is_exact(r),
+                sums[at + 2] + w * well_formed(src.rule, text),
+            ]
+        sums[6] += 1
     s = all_reduce_sum(sums, ctx)
-    per = max(1.0, s[3])
+    per = max(1.0, s[6])
     return {
         "val/reward": s[0] / per,
         "val/exact_accuracy": s[1] / per,
         "val/format_rate": s[2] / per,
-        "val/reward_problems": s[3],
+        "val/sampled_reward": s[3] / per,
+        "val/sampled_exact_accuracy": s[4] / per,
+        "val/sampled_format_rate": s[5] / per,
+        "val/reward_problems": s[6],
     }

@@ -356,10 +356,10 @@ class GRPOObjective(Objective):
 
     @torch.no_grad()
     def evaluate(self, model, ctx, autocast, evidence):
-        """Held-out reward, exact-answer accuracy and format rate (greedy), the stage's evidence before and
-        after training."""
+        """Held-out reward, exact-answer accuracy and format rate (greedy and sampled), the stage's evidence
+        before and after training."""
         src = self.row_source(self.val_streams[sorted(self.val_streams)[0]], train=False)
-        out = held_out_reward(src, model, self.cfg.eval.samples, ctx)
+        out = held_out_reward(src, model, self.cfg.eval.samples, ctx, self.cfg.data.seed)
         if evidence:
             out.update(ev.compute(self, model, ctx, autocast, out))
         return out

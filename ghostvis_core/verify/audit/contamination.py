@@ -20,8 +20,12 @@ a consumed document that holds it is contaminated. An evaluation set none of who
 checked (each shorter than whole_items.MIN_WORDS words) fails the check by name instead of passing
 on nothing. An rl run trains on the completions it generates as well as on its prompts (consumed rows
 like any other): every completion its ledger's rollouts saved is decoded with the run's tokenizer and
-compared the same two ways, named by step, rank and global row. Short validation documents are not
-matched whole: the ledger keeps their fingerprints, not their text.
+compared by fingerprints, named by step, rank and global row; one that reproduces a long item (13 words or
+more) can only have it from memory, and fails the gate. A completion that writes a short item whole is listed,
+not failed: such an item is a single right answer ("Step 1: 10 + 2 = 12."), which any policy that can do the
+task writes from the problem it was given (its prompt and answer are consumed rows, checked above), so no
+evaluation text entered training through it. Short validation documents are not matched whole: the ledger
+keeps their fingerprints, not their text.
 """
 
 from __future__ import annotations
@@ -374,15 +378,17 @@ def no_eval_contamination(
     store: Store, ledger: Ledger, spec: Any, consumption: list[ConsumptionRow], chain: list[PartRow]
 ) -> CheckOutcome:
     """The stage check: no consumed training document (nor rl completion on the run's `chain`) shares
-    more than `max_overlap` of the smaller side's 13-gram fingerprints with an evaluation item, nor
-    holds a short item whole; each offending pair is named, and so is each evaluation set that cannot
-    be checked at all."""
+    more than `max_overlap` of the smaller side's 13-gram fingerprints with an evaluation item, nor does a
+    consumed document hold a short item whole; each offending pair is named, and so is each evaluation set
+    that cannot be checked at all. Completions that write a short item whole are counted and listed (the
+    module docstring says why they pass)."""
     cfg = gate_config(spec)
     docs, missing = consumed_documents(ledger, spec, consumption)
     completions = completion_texts(store, ledger, spec, chain)
     docs |= {key: fingerprints(text) for key, text in completions.items()}
     items = known_items(ledger, cfg.eval_sets)
-    whole = whole_matches(consumed_texts(store, ledger, spec, consumption) | completions, items)
+    whole = whole_matches(consumed_texts(store, ledger, spec, consumption), items)
+    answered = whole_matches(completions, items)
     found = by_overlap(whole + matches(docs, items))
     bad = [m for m in found if m.overlap > cfg.max_overlap or m.whole]
     failures = [m.failure(cfg.max_overlap) for m in bad[:NAMED]]
@@ -410,6 +416,7 @@ def no_eval_contamination(
         "max_overlap": cfg.max_overlap,
         "shards_without_ngrams": len(missing),
         "rl_completions_checked": len(completions),
+        "rl_completions_writing_short_items": len({(m.shard_id, m.row) for m in answered}),
     }
     tables = {
         "shared_ngrams": (
@@ -417,7 +424,8 @@ def no_eval_contamination(
             [
                 [*m.row_of(), "contaminated" if m.whole or m.overlap > cfg.max_overlap else "below threshold"]
                 for m in found[:NAMED]
-            ],
+            ]
+            + [[*m.row_of(), "written by the policy (an answer, not eval text)"] for m in by_overlap(answered)[:NAMED]],
         ),
         "eval_sets": (["eval set", "items", "checkable", "matched whole", "fingerprints"], set_table(items)),
     }

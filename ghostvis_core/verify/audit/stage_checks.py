@@ -135,8 +135,8 @@ STAGE_CHECKS: list[StageCheck] = [
         "no_eval_contamination",
         "No consumed training document shares more than contamination.max_overlap of its or an evaluation item's "
         "13-gram fingerprints with that item, or holds an item shorter than 13 words whole (validation shards, "
-        "lm-eval tasks, benchmark, prompts, registered sets); rl completions too; every evaluation set has an item "
-        "that can be checked.",
+        "lm-eval tasks, benchmark, prompts, registered sets); rl completions by fingerprints (one writing a short "
+        "item whole is listed: a right answer, not eval text); every evaluation set has an item that can be checked.",
         lambda c: no_eval_contamination(c.home.store, c.ledger, c.run.spec, c.run.consumption, c.run.chain),
     ),
 ]
