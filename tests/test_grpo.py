@@ -332,8 +332,8 @@ def tiny_random_policy(tok) -> GPT:
 
 
 def grpo_trained(shard, steps: int, sign: float = 1.0) -> tuple[dict[str, float], dict[str, float]]:
-    """The held-out figures (greedy and sampled, `held_out_reward`) of a tiny policy before and after `steps` GRPO steps on the
-    shard's three problems under the `integer` rule, one generated token per completion, 8 per problem: the
+    """The held-out figures (greedy and sampled, `held_out_reward`) of a tiny policy before and after `steps` GRPO
+    steps on the shard's three problems under the `integer` rule, one generated token per completion, 8 per problem: the
     trainer's own rollouts, rewards, group advantages (times `sign`) and loss, with AdamW on its gradient. One
     thread, as a rank runs (a 16-wide model's matmuls on threads that wait for a busy machine's cores take 50x
     longer)."""
