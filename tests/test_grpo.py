@@ -48,6 +48,7 @@ from ghostvis_core.run.train.grpo import (
     kl_k3,
     reward,
     rollout_batch,
+    row_ends,
     sample_group,
 )
 from ghostvis_core.store import FolderStore
@@ -280,7 +281,7 @@ def test_the_answer_stop_holds_at_the_newline_after_the_answer_line_and_only_wit
 
 
 def test_a_completion_stopped_at_its_answer_line_is_the_unstopped_one_cut_there(shard):
-    """With the answer stop as generate's `ends`, a completion is the uninterrupted one (same generator) up to the
+    """With the answer stop in generate_rows's `ends`, a completion is the uninterrupted one (same generator) up to the
     token that closes its answer line, elsewhere all of it (a tiny random policy, rule `string`: any non-empty
     line is an answer line)."""
     tok, docs, ref = shard
@@ -289,15 +290,9 @@ def test_a_completion_stopped_at_its_answer_line_is_the_unstopped_one_cut_there(
     policy, prompt, stops, cut = tiny_random_policy(tok), docs[0][:10], (tok.bos, tok.eot), 0
     for g in range(8):  # drawing ids below 32 only (the byte tokens, "\n" among them), so lines end often
         full, stopped = (
-            policy.generate(
-                prompt,
-                16,
-                stop_tokens=stops,
-                ends=u,
-                temperature=1.0,
-                generator=torch.Generator().manual_seed(g),
-                vocab=32,
-            )
+            policy.generate_rows(
+                prompt, [torch.Generator().manual_seed(g)], 16, temperature=1.0, vocab=32, ends=row_ends(stops, u)
+            )[0]
             for u in (None, until)
         )
         ends = [k for k in range(1, len(full) + 1) if until(full[:k])]

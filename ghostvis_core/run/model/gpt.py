@@ -330,19 +330,18 @@ class GPT(nn.Module):
         generator=None,
         images: tuple[torch.Tensor, int] | None = None,
         vocab: int | None = None,
-        ends: Callable[[list[int]], bool] | None = None,
     ) -> list[int]:
-        """KV-cached sampling of one continuation of `prompt`; greedy at temperature 0 (generate_rows)."""
+        """KV-cached sampling of one continuation of `prompt`, ending after any stop token; greedy at temperature 0
+        (generate_rows)."""
         return self.generate_rows(
             prompt,
             [generator],
             max_new_tokens,
             temperature=temperature,
             top_k=top_k,
-            stop_tokens=stop_tokens,
             images=images,
             vocab=vocab,
-            ends=ends,
+            ends=lambda row: row[-1] in stop_tokens,
         )[0]
 
     @torch.no_grad()
@@ -354,16 +353,15 @@ class GPT(nn.Module):
         *,
         temperature: float = 0.0,
         top_k: int | None = None,
-        stop_tokens: tuple[int, ...] = (),
         images: tuple[torch.Tensor, int] | None = None,
         vocab: int | None = None,
-        ends: Callable[[list[int]], bool] | None = None,
+        ends: Callable[[list[int]], bool] = lambda row: False,
     ) -> list[list[int]]:
         """KV-cached sampling of one continuation of `prompt` per generator, as one batch (the rows share the
         prompt's cache and are decoded together: a group of rl completions costs about one completion's steps).
-        Row i draws from generators[i] alone, so it samples what it would on its own. A row ends after a
-        stop token, or after a token for which `ends(row so far)` holds (an rl completion's closed answer line);
-        all end at max_new_tokens or the model's context. Greedy at temperature 0.
+        Row i draws from generators[i] alone, so it samples what it would on its own. A row ends after a token
+        for which `ends(row so far)` holds (a stop token; an rl completion's closed answer line); all end at
+        max_new_tokens or the model's context. Greedy at temperature 0.
         `images`: (pixels, the placeholder id), filling the prompt's (already expanded) placeholder positions.
         `vocab`: the tokenizer's size; ids from it up are the padding rows of a vocabulary padded past the
         tokenizer's (531 -> 576) and are never drawn (a drawn one cannot be decoded). Runs in eval mode, then
@@ -386,7 +384,7 @@ class GPT(nn.Module):
                 logits = self.lm_head(h[:, -1]).float()[..., :vocab]
                 for i in sorted(live):
                     rows[i].append(_pick(logits[i : i + 1], temperature, top_k, generators[i]))
-                    if rows[i][-1] in stop_tokens or (ends is not None and ends(rows[i])):
+                    if ends(rows[i]):
                         live.discard(i)
                 if not live or pos >= self.cfg.max_seq_len:
                     break

@@ -113,19 +113,10 @@ def reasoning(obj, model, ctx, autocast, metrics) -> dict[str, float]:
             sums[0] += float(model(ids, targets, reduction="sum"))
         sums[1] += len(ans)
         if k < obj.cfg.eval.samples:
-            prompt, limit, stops = (
-                [tok.bos, *tok.encode(text.split("\n", 1)[0] + "\n")],
-                obj.cfg.eval.sample_max_tokens,
-                (tok.bos, tok.eot),
-            )
+            question = [tok.bos, *tok.encode(text.split("\n", 1)[0] + "\n")]
             seed = obj.cfg.data.seed * 1_000_003 + ANSWER_SEED + k * ANSWER_SAMPLES
-            gens = [torch.Generator(device=ctx.device).manual_seed(seed + j) for j in range(ANSWER_SAMPLES)]
-            sampled = model.generate_rows(prompt, gens, limit, temperature=1.0, stop_tokens=stops, vocab=tok.vocab_size)
-            right = [
-                _answers(tok, out, answer.strip())
-                for out in [model.generate(prompt, limit, stop_tokens=stops), *sampled]
-            ]
-            sums[2:5] = [sums[2] + right[0], sums[3] + 1, sums[4] + sum(right[1:]) / ANSWER_SAMPLES]
+            greedy, sampled = _right_answers(model, tok, question, answer.strip(), obj.cfg.eval.sample_max_tokens, seed)
+            sums[2:5] = [sums[2] + greedy, sums[3] + 1, sums[4] + sampled]
     s = all_reduce_sum(sums, ctx)
     return {
         "evidence/answer_loss": s[0] / max(1, s[1]),
@@ -134,10 +125,19 @@ def reasoning(obj, model, ctx, autocast, metrics) -> dict[str, float]:
     }
 
 
-def _answers(tok, out: list[int], answer: str) -> bool:
-    """Whether a completion's first `Answer: n` line gives the problem's answer."""
-    m = ANSWER.search(tok.decode([t for t in out if t < tok.bos]))
-    return m is not None and m.group(1) == answer
+def _right_answers(model, tok, question: list[int], answer: str, limit: int, seed: int) -> tuple[bool, float]:
+    """Whether the greedy completion's first `Answer: n` line gives the problem's answer, and the share of
+    ANSWER_SAMPLES completions sampled at temperature 1 (generators seeded seed, seed + 1, ...) whose does."""
+    stops = (tok.bos, tok.eot)
+    gens = [torch.Generator(device=model.embed.weight.device).manual_seed(seed + j) for j in range(ANSWER_SAMPLES)]
+    sampled = model.generate_rows(
+        question, gens, limit, temperature=1.0, vocab=tok.vocab_size, ends=lambda row: row[-1] in stops
+    )
+    right = [
+        (m := ANSWER.search(tok.decode([t for t in out if t < tok.bos]))) is not None and m.group(1) == answer
+        for out in [model.generate(question, limit, stop_tokens=stops), *sampled]
+    ]
+    return right[0], sum(right[1:]) / ANSWER_SAMPLES
 
 
 def caption_image_gap(obj, model, ctx, autocast, metrics) -> dict[str, float]:

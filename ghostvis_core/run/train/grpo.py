@@ -30,7 +30,7 @@ the loop.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -198,6 +198,11 @@ class AnswerStop:
         return completion[-1] in self.newlines and closes_answer_line(self.rule, self.tok.decode(completion))
 
 
+def row_ends(stops: tuple[int, ...], until: AnswerStop | None) -> Callable[[list[int]], bool]:
+    """GPT.generate_rows's `ends`: a completion ends after a stop token or, with `until`, its closed answer line."""
+    return lambda row: row[-1] in stops or (until is not None and until(row))
+
+
 def sample_group(
     policy,
     prompt: np.ndarray,
@@ -218,9 +223,8 @@ def sample_group(
         gens,
         cfg.max_new_tokens,
         temperature=cfg.temperature,
-        stop_tokens=stops,
         vocab=vocab,
-        ends=until,
+        ends=row_ends(stops, until),
     )
 
 
@@ -337,9 +341,9 @@ def held_out_reward(src: GroupRows, policy, n_problems: int, ctx: DistContext, s
     sums = [0.0] * 7  # greedy reward, exact, format; sampled reward, exact, format; problems
     for k in rank_share(n, ctx.rank, ctx.world_size):
         pr = src.problem(k)
-        greedy = policy.generate(
-            pr.prompt.tolist(), src.cfg.max_new_tokens, stop_tokens=stops, vocab=src.tok.vocab_size, ends=until
-        )
+        greedy = policy.generate_rows(
+            pr.prompt.tolist(), [None], src.cfg.max_new_tokens, vocab=src.tok.vocab_size, ends=row_ends(stops, until)
+        )[0]
         rows = range(HELD_OUT_ROW + k * g, HELD_OUT_ROW + (k + 1) * g)
         sampled = sample_group(policy, pr.prompt, src.cfg, stops, seed, rows, src.tok.vocab_size, until)
         for i, out in enumerate([greedy, *sampled]):
