@@ -81,6 +81,16 @@ def test_advantages_are_the_reward_minus_the_group_mean_over_the_unbiased_group_
     assert adv[2, 1].item() == pytest.approx(-0.25 / (std3 + 1e-4))
 
 
+def test_unscaled_advantages_keep_the_format_rewards_tenth_of_the_exact_answers_weight():
+    """grpo.scale_rewards=none (Dr. GRPO): reward minus the group mean, not divided, so a group that differs only
+    by the format reward (0.1 vs 0) moves the weights a tenth as much as one that differs by an exact answer (1.1
+    vs 0.1); divided by the group's std both weigh the same."""
+    rewards = torch.tensor([[0.1, 0.0, 0.0, 0.0], [1.1, 0.1, 0.1, 0.1]])
+    unscaled, scaled = group_advantages(rewards, "none"), group_advantages(rewards)
+    assert unscaled.flatten().tolist() == pytest.approx([0.075, -0.025, -0.025, -0.025, 0.75, -0.25, -0.25, -0.25])
+    assert scaled[0].tolist() == pytest.approx(scaled[1].tolist(), rel=1e-2)
+
+
 @pytest.mark.parametrize(
     "rule, completion, answer, expected",
     [
