@@ -328,6 +328,13 @@ def count_step(
     return total, dict(zip(GRPO_STEP_METRICS, figures))
 
 
+def scored_completion(src: GroupRows, out: list[int], answer: str, stops: tuple[int, ...]) -> list[float]:
+    """A completion's reward, whether it is an exact answer, and whether its last line is a well-formed answer."""
+    text = src.tok.decode([t for t in out if t not in stops])
+    r = reward(src.rule, text, answer)
+    return [r, float(is_exact(r)), float(well_formed(src.rule, text))]
+
+
 @torch.no_grad()
 def held_out_reward(src: GroupRows, policy, n_problems: int, ctx: DistContext, seed: int) -> dict[str, float]:
     """On the first n held-out problems (split over ranks), the mean reward, exact-answer accuracy and well-formed
@@ -346,15 +353,9 @@ def held_out_reward(src: GroupRows, policy, n_problems: int, ctx: DistContext, s
         )[0]
         rows = range(HELD_OUT_ROW + k * g, HELD_OUT_ROW + (k + 1) * g)
         sampled = sample_group(policy, pr.prompt, src.cfg, stops, seed, rows, src.tok.vocab_size, until)
-        for i, out in enumerate([greedy, *sampled]):
-            text = src.tok.decode([t for t in out if t not in stops])
-            r, at, w = reward(src.rule, text, pr.answer), (0 if i == 0 else 3), (1.0 if i == 0 else 1.0 / g)
-            sums[at : at + 3] = [
-                sums[at] + w * r,
-                sums[at + 1] + w * is_exact(r),
-                sums[at + 2] + w * well_formed(src.rule, text),
-            ]
-        sums[6] += 1
+        scored = [scored_completion(src, out, pr.answer, stops) for out in sampled]
+        figures = [*scored_completion(src, greedy, pr.answer, stops), *np.mean(scored, axis=0).tolist(), 1.0]
+        sums = [a + b for a, b in zip(sums, figures)]
     s = all_reduce_sum(sums, ctx)
     per = max(1.0, s[6])
     return {
