@@ -21,7 +21,7 @@ from typing import Any
 from ghostvis_core.plan.config import flatten
 
 # The experiment tag MLflow's tools read for the kind of experiment: model training (runs, metrics,
-# models), not GenAI (traces, prompts). MLflow 3.17's UI does not read it; its view comes from the URL's
+# models), not GenAI (traces, prompts). MLflow's UI (3.17, 3.18) does not read it; its view comes from the URL's
 # `workflowType`, which is why GhostVis's MLflow links carry `workflowType=machine_learning`.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 MODEL_TRAINING_KIND = "custom_model_development"
